@@ -1,0 +1,33 @@
+"""megatron_ep: expert-parallel dispatch/combine kernels for MoE, with a pure-PyTorch reference
+backend of the same API and Megatron-core flex-dispatcher integration."""
+
+from .autograd import combine, dispatch
+from .buffer import Buffer, cuda_backend_available
+from .fp8 import per_token_cast_back, per_token_cast_to_fp8
+from .types import (
+    CombineOutput,
+    DispatchHandle,
+    DispatchLayout,
+    DispatchOutput,
+    EventOverlap,
+    LowLatencyDispatchOutput,
+    LowLatencyHandle,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Buffer",
+    "CombineOutput",
+    "DispatchHandle",
+    "DispatchLayout",
+    "DispatchOutput",
+    "EventOverlap",
+    "LowLatencyDispatchOutput",
+    "LowLatencyHandle",
+    "combine",
+    "cuda_backend_available",
+    "dispatch",
+    "per_token_cast_back",
+    "per_token_cast_to_fp8",
+]

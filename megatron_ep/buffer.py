@@ -1,0 +1,227 @@
+"""`Buffer`: the one entry point of the API. It checks every argument, then hands the call to
+a backend (`torch` reference or `cuda` kernels) that implements exactly the same contract."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from . import checks as C
+from .reference import TorchBackend, async_result
+from .types import (
+    Activation,
+    CombineOutput,
+    DispatchHandle,
+    DispatchLayout,
+    DispatchOutput,
+    EventOverlap,
+    LowLatencyDispatchOutput,
+    LowLatencyHandle,
+)
+
+BACKENDS = ("torch", "cuda", "auto")
+_ids = itertools.count(1)
+
+
+def cuda_backend_available() -> bool:
+    """True when the extension is built, importable, and a GPU is visible."""
+    if not torch.cuda.is_available():
+        return False
+    from . import _ext
+
+    return _ext.available()
+
+
+class Buffer:
+    """Expert-parallel dispatch/combine over `group`.
+
+    Args:
+        group: the EP process group (None: the default group). gloo and NCCL both work for
+            the torch backend; the cuda backend uses the group only to exchange IPC handles.
+        backend: "torch", "cuda", or "auto" (cuda when the extension is built and a GPU is
+            visible, else torch).
+        max_tokens_per_rank: largest T any call may pass (required by "cuda", which sizes its
+            buffers from it; optional for "torch", where it is only enforced).
+        hidden, num_experts, max_topk, dtype_bytes: sizing hints for the cuda backend.
+        num_sms: SMs for the cuda kernels (None: an analytic default).
+        check_inputs: also check expert-id ranges and duplicates (one device->host sync on
+            GPU; skipped automatically under CUDA graph capture).
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, backend: str = "auto", *,
+                 max_tokens_per_rank: Optional[int] = None, hidden: Optional[int] = None,
+                 num_experts: Optional[int] = None, max_topk: Optional[int] = None,
+                 num_sms: Optional[int] = None, check_inputs: bool = True, **backend_options):
+        C.fail(backend in BACKENDS, f"backend must be one of {BACKENDS}, got {backend!r}")
+        if group is None:
+            C.fail(dist.is_initialized(), "Buffer needs an initialized torch.distributed process group (or pass group=)", RuntimeError)
+            group = dist.group.WORLD
+        self.group = group
+        self.num_ranks = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        if max_tokens_per_rank is not None:
+            C.check_int("max_tokens_per_rank", max_tokens_per_rank, 0)
+        self.max_tokens_per_rank = max_tokens_per_rank
+        self.check_inputs = check_inputs
+        self.id = next(_ids)
+        if backend == "auto":
+            backend = "cuda" if cuda_backend_available() else "torch"
+        self.backend = backend
+        if backend == "torch":
+            C.fail(not backend_options, f"unknown Buffer options for the torch backend: {sorted(backend_options)}", TypeError)
+            self._impl = TorchBackend(group, self.num_ranks, self.rank)
+        else:
+            from .intranode import CudaBackend
+
+            self._impl = CudaBackend(self, max_tokens_per_rank=max_tokens_per_rank, hidden=hidden,
+                                     num_experts=num_experts, max_topk=max_topk, num_sms=num_sms,
+                                     **backend_options)
+
+    # ----------------------------------------------------------------------------- lifetime
+    def destroy(self) -> None:
+        """Release communication memory now (collective for the cuda backend)."""
+        impl, self._impl = getattr(self, "_impl", None), None
+        if impl is not None and hasattr(impl, "destroy"):
+            impl.destroy()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.destroy()
+
+    def _backend(self):
+        C.fail(self._impl is not None, "this Buffer was destroyed", RuntimeError)
+        return self._impl
+
+    # ------------------------------------------------------------------------------ layout
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> DispatchLayout:
+        C.check_num_experts(num_experts, self.num_ranks)
+        C.fail(isinstance(topk_idx, torch.Tensor), "topk_idx must be a tensor", TypeError)
+        C.check_topk_idx(topk_idx, topk_idx.shape[0] if topk_idx.dim() else -1, topk_idx.device)
+        C.check_token_limit(topk_idx.shape[0], self.max_tokens_per_rank)
+        if self.check_inputs:
+            C.check_topk_values(topk_idx, num_experts)
+        return self._backend().layout(topk_idx, num_experts)
+
+    # ---------------------------------------------------------------------------- dispatch
+    def dispatch(self, x: Activation, topk_idx: Optional[torch.Tensor] = None,
+                 topk_weights: Optional[torch.Tensor] = None, num_experts: Optional[int] = None,
+                 permute: Optional[bool] = None, expert_alignment: Optional[int] = None,
+                 handle: Optional[DispatchHandle] = None, *, host_counts: bool = False,
+                 num_worst_tokens: int = 0, async_op: bool = False,
+                 previous_event: Optional[EventOverlap] = None) -> DispatchOutput:
+        """Send each token to the ranks owning its experts (DESIGN §2).
+
+        permute=False (default): rank-major rows; permute=True: expert-major rows, each
+        expert's segment padded to `expert_alignment` (default 1). With `handle`, the routing
+        of an earlier dispatch is reused (cached dispatch): topk_idx must be None, and
+        topk_weights, if given, are moved along that routing.
+        num_worst_tokens > 0 (cuda): size outputs for that many rows with no host sync
+        (CUDA-graph capturable); the valid prefix is followed by padding.
+        """
+        impl = self._backend()
+        T, H, is_fp8 = C.check_activation("x", x)
+        device = C.act_device(x)
+        C.check_token_limit(T, self.max_tokens_per_rank)
+        C.check_int("num_worst_tokens", num_worst_tokens, 0)
+        if handle is not None:
+            self._check_handle(handle, DispatchHandle)
+            C.fail(topk_idx is None, "cached dispatch (handle given) takes its routing from the handle: pass topk_idx=None")
+            C.fail(T == handle.num_tokens, f"x has {T} tokens but the handle was built for {handle.num_tokens}")
+            C.fail(num_experts in (None, handle.num_experts), f"num_experts={num_experts} differs from the handle's {handle.num_experts}")
+            C.fail(permute in (None, handle.permute), f"permute={permute} differs from the handle's {handle.permute}")
+            C.fail(expert_alignment in (None, handle.expert_alignment), f"expert_alignment={expert_alignment} differs from the handle's {handle.expert_alignment}")
+            C.fail(num_worst_tokens in (0, handle.num_worst_tokens), f"num_worst_tokens={num_worst_tokens} differs from the handle's {handle.num_worst_tokens}")
+            num_experts, permute, expert_alignment, K = handle.num_experts, handle.permute, handle.expert_alignment, handle.topk
+            num_worst_tokens = handle.num_worst_tokens
+        else:
+            C.fail(topk_idx is not None, "dispatch needs topk_idx (or a handle for a cached dispatch)", TypeError)
+            C.fail(num_experts is not None, "dispatch needs num_experts", TypeError)
+            C.check_num_experts(num_experts, self.num_ranks)
+            permute = bool(permute) if permute is not None else False
+            expert_alignment = 1 if expert_alignment is None else expert_alignment
+            C.check_int("expert_alignment", expert_alignment, 1)
+            K = C.check_topk_idx(topk_idx, T, device)
+            if self.check_inputs:
+                C.check_topk_values(topk_idx, num_experts)
+        if topk_weights is not None:
+            C.check_topk_weights(topk_weights, T, K, device)
+        out = impl.dispatch(x, topk_idx, topk_weights, num_experts, permute, expert_alignment,
+                            handle, host_counts, num_worst_tokens, **self._async_kwargs(async_op, previous_event))
+        out.handle.buffer_id = self.id
+        return async_result(out, async_op) if self.backend == "torch" else out
+
+    # ----------------------------------------------------------------------------- combine
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, weights: Optional[torch.Tensor] = None, *,
+                async_op: bool = False, previous_event: Optional[EventOverlap] = None) -> CombineOutput:
+        """y[t] = sum of the rows that came from token t (fp32 accumulation, x's dtype out).
+
+        weights (rank-major [N, K], expert-major [M]) are scattered back to [T, K]."""
+        impl = self._backend()
+        self._check_handle(handle, DispatchHandle)
+        C.check_activation("x", x)
+        C.fail(not C.is_fp8_tuple(x), "combine takes bf16/fp32 rows, not FP8", TypeError)
+        C.fail(x.shape[0] == handle.num_recv_rows, f"x has {x.shape[0]} rows but the dispatch delivered {handle.num_recv_rows}")
+        if weights is not None:
+            C.fail(isinstance(weights, torch.Tensor), "weights must be a tensor", TypeError)
+            C.fail(weights.dtype in C.WEIGHT_DTYPES, f"weights must have dtype in {[str(d) for d in C.WEIGHT_DTYPES]}, got {weights.dtype}", TypeError)
+            shape = (handle.num_recv_rows,) if handle.permute else (handle.num_recv_rows, handle.topk)
+            C.fail(tuple(weights.shape) == shape, f"weights must have shape {shape}, got {tuple(weights.shape)}")
+            C.fail(weights.is_contiguous(), "weights must be contiguous")
+            C.fail(weights.device == x.device, f"weights is on {weights.device} but x is on {x.device}")
+        out = impl.combine(x, handle, weights, **self._async_kwargs(async_op, previous_event))
+        return async_result(out, async_op) if self.backend == "torch" else out
+
+    # ------------------------------------------------------------------------- low latency
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int,
+                             max_tokens_per_rank: int = 128, use_fp8: bool = True,
+                             round_scale: bool = False, **kwargs) -> LowLatencyDispatchOutput:
+        """Every (token, expert) copy to its expert's fixed receive area (DESIGN §2)."""
+        impl = self._backend()
+        T, H, is_fp8 = C.check_activation("x", x, allowed=(torch.bfloat16, torch.float32))
+        C.fail(not is_fp8, "low_latency_dispatch takes bf16/fp32 x and casts to FP8 itself (use_fp8=True)", TypeError)
+        C.check_num_experts(num_experts, self.num_ranks)
+        C.check_int("max_tokens_per_rank", max_tokens_per_rank, 1)
+        C.check_token_limit(T, max_tokens_per_rank)
+        if use_fp8:
+            C.fail(H % C.FP8_BLOCK == 0, f"x: hidden size {H} must be a multiple of {C.FP8_BLOCK} for FP8")
+        C.check_topk_idx(topk_idx, T, x.device)
+        if self.check_inputs:
+            C.check_topk_values(topk_idx, num_experts)
+        out = impl.low_latency_dispatch(x, topk_idx, num_experts, max_tokens_per_rank, use_fp8, round_scale, **kwargs)
+        out.handle.buffer_id = self.id
+        return out
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                            handle: LowLatencyHandle, **kwargs) -> torch.Tensor:
+        """y[t] = sum_k w[t, k] * x[e_k][row(t, e_k)] over valid slots (fp32 accumulation)."""
+        impl = self._backend()
+        self._check_handle(handle, LowLatencyHandle)
+        C.fail(isinstance(x, torch.Tensor), "x must be a tensor", TypeError)
+        C.fail(x.dtype in (torch.bfloat16, torch.float32), f"x must be bf16 or fp32, got {x.dtype}", TypeError)
+        shape = (handle.num_local_experts, handle.num_ranks * handle.max_tokens_per_rank, handle.hidden)
+        C.fail(tuple(x.shape) == shape, f"x must have shape {shape}, got {tuple(x.shape)}")
+        C.fail(x.is_contiguous(), "x must be contiguous")
+        K = C.check_topk_idx(topk_idx, handle.num_tokens, x.device)
+        C.fail(K == handle.topk, f"topk_idx has K={K} but the dispatch used K={handle.topk}")
+        C.check_topk_weights(topk_weights, handle.num_tokens, K, x.device)
+        return impl.low_latency_combine(x, topk_idx, topk_weights, handle, **kwargs)
+
+    # ----------------------------------------------------------------------------- helpers
+    def _check_handle(self, handle, cls) -> None:
+        C.fail(isinstance(handle, cls), f"handle must be a {cls.__name__}, got {type(handle).__name__}", TypeError)
+        C.fail(handle.buffer_id == self.id, "handle was produced by a different Buffer")
+
+    def _async_kwargs(self, async_op: bool, previous_event: Optional[EventOverlap]) -> dict:
+        if self.backend == "torch":
+            if previous_event is not None:
+                previous_event.current_stream_wait()
+            return {}
+        return {"async_op": async_op, "previous_event": previous_event}
+
+    def __repr__(self) -> str:
+        return f"Buffer(backend={self.backend!r}, rank={self.rank}/{self.num_ranks})"

@@ -1,0 +1,108 @@
+"""Argument checks, in the spirit of TORCH_CHECK: every public call validates its inputs here
+and raises TypeError (wrong kind or dtype) or ValueError (wrong shape or value) naming the
+argument, before any communication or kernel runs."""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from .types import Activation
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_BLOCK = 128  # channels per scale
+ACT_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
+WEIGHT_DTYPES = (torch.float32, torch.float64)
+
+
+def fail(cond: bool, msg: str, exc=ValueError) -> None:
+    if not cond:
+        raise exc(msg)
+
+
+def check_int(name: str, value, minimum: int = 0) -> int:
+    fail(isinstance(value, int) and not isinstance(value, bool), f"{name} must be an int, got {type(value).__name__}", TypeError)
+    fail(value >= minimum, f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def is_fp8_tuple(x) -> bool:
+    return isinstance(x, (tuple, list))
+
+
+def check_activation(name: str, x: Activation, allowed=ACT_DTYPES) -> Tuple[int, int, bool]:
+    """Validate x (tensor or fp8 tuple); returns (T, H, is_fp8)."""
+    if is_fp8_tuple(x):
+        fail(len(x) == 2, f"{name}: an FP8 input is a tuple (x_fp8 [T, H], scales [T, H/128]), got {len(x)} items", TypeError)
+        data, scales = x
+        fail(isinstance(data, torch.Tensor) and isinstance(scales, torch.Tensor), f"{name}: FP8 tuple items must be tensors", TypeError)
+        fail(data.dtype == FP8_DTYPE, f"{name}[0] must be {FP8_DTYPE}, got {data.dtype}", TypeError)
+        fail(scales.dtype == torch.float32, f"{name}[1] (scales) must be torch.float32, got {scales.dtype}", TypeError)
+        fail(data.dim() == 2, f"{name}[0] must be 2-D [T, H], got shape {tuple(data.shape)}")
+        T, H = data.shape
+        fail(H % FP8_BLOCK == 0, f"{name}: hidden size {H} must be a multiple of {FP8_BLOCK} for FP8")
+        fail(tuple(scales.shape) == (T, H // FP8_BLOCK), f"{name}[1] (scales) must have shape {(T, H // FP8_BLOCK)}, got {tuple(scales.shape)}")
+        fail(data.is_contiguous() and scales.is_contiguous(), f"{name}: FP8 data and scales must be contiguous")
+        fail(data.device == scales.device, f"{name}: FP8 data and scales are on different devices")
+        return T, H, True
+    fail(isinstance(x, torch.Tensor), f"{name} must be a tensor or an FP8 tuple, got {type(x).__name__}", TypeError)
+    fail(x.dtype in allowed, f"{name} must have dtype in {[str(d) for d in allowed]}, got {x.dtype}", TypeError)
+    fail(x.dim() == 2, f"{name} must be 2-D [T, H], got shape {tuple(x.shape)}")
+    fail(x.is_contiguous(), f"{name} must be contiguous")
+    return x.shape[0], x.shape[1], False
+
+
+def act_device(x: Activation) -> torch.device:
+    return x[0].device if is_fp8_tuple(x) else x.device
+
+
+def check_topk_idx(topk_idx, num_tokens: int, device: torch.device) -> int:
+    fail(isinstance(topk_idx, torch.Tensor), f"topk_idx must be a tensor, got {type(topk_idx).__name__}", TypeError)
+    fail(topk_idx.dtype == torch.int64, f"topk_idx must be torch.int64, got {topk_idx.dtype}", TypeError)
+    fail(topk_idx.dim() == 2, f"topk_idx must be 2-D [T, K], got shape {tuple(topk_idx.shape)}")
+    fail(topk_idx.shape[0] == num_tokens, f"topk_idx has {topk_idx.shape[0]} rows but x has {num_tokens} tokens")
+    fail(topk_idx.shape[1] >= 1, "topk_idx must have at least one column (K >= 1)")
+    fail(topk_idx.is_contiguous(), "topk_idx must be contiguous")
+    fail(topk_idx.device == device, f"topk_idx is on {topk_idx.device} but x is on {device}")
+    return topk_idx.shape[1]
+
+
+def check_topk_weights(topk_weights, num_tokens: int, topk: int, device: torch.device, allowed=WEIGHT_DTYPES) -> None:
+    fail(isinstance(topk_weights, torch.Tensor), f"topk_weights must be a tensor, got {type(topk_weights).__name__}", TypeError)
+    fail(topk_weights.dtype in allowed, f"topk_weights must have dtype in {[str(d) for d in allowed]}, got {topk_weights.dtype}", TypeError)
+    fail(topk_weights.dim() == 2, f"topk_weights must be 2-D [T, K], got shape {tuple(topk_weights.shape)}")
+    fail(topk_weights.shape[0] == num_tokens, f"topk_weights has {topk_weights.shape[0]} rows but x has {num_tokens} tokens")
+    fail(topk_weights.shape[1] == topk, f"K mismatch: topk_idx has K={topk} but topk_weights has {topk_weights.shape[1]} columns")
+    fail(topk_weights.is_contiguous(), "topk_weights must be contiguous")
+    fail(topk_weights.device == device, f"topk_weights is on {topk_weights.device} but x is on {device}")
+
+
+def check_num_experts(num_experts, num_ranks: int) -> int:
+    check_int("num_experts", num_experts, 1)
+    fail(num_experts % num_ranks == 0, f"num_experts={num_experts} is not divisible by the group size {num_ranks}")
+    return num_experts
+
+
+def capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def check_topk_values(topk_idx: torch.Tensor, num_experts: int) -> None:
+    """Range and duplicate checks; costs one device->host sync on GPU, skipped under graph capture."""
+    if topk_idx.numel() == 0 or capturing():
+        return
+    lo, hi = int(topk_idx.min()), int(topk_idx.max())
+    fail(lo >= -1, f"topk_idx contains {lo}; expert ids must be >= -1 (-1 marks an unused slot)")
+    fail(hi < num_experts, f"topk_idx contains expert id {hi} >= num_experts={num_experts}")
+    if topk_idx.shape[1] > 1:
+        s = topk_idx.sort(dim=1).values
+        dup = (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)
+        if bool(dup.any()):
+            row = int(dup.any(dim=1).nonzero()[0, 0])
+            raise ValueError(f"topk_idx row {row} names the same expert twice: {topk_idx[row].tolist()}")
+
+
+def check_token_limit(num_tokens: int, limit: Optional[int], what: str = "max_tokens_per_rank") -> None:
+    if limit is not None:
+        fail(num_tokens <= limit, f"x has {num_tokens} tokens, more than the buffer was sized for ({what}={limit})")

@@ -1,0 +1,50 @@
+"""Per-token, per-128-channel FP8 (e4m3) cast and cast-back.
+
+The arithmetic is fixed so that our CUDA kernels reproduce it bit for bit:
+    amax  = max(|x|) over each 128-channel block, in fp32, floored at 1e-4
+    scale = amax / 448                      (IEEE fp32 division)
+    scale = 2 ** ceil(log2(scale))           only with round_scale=True (exact, via frexp)
+    q     = e4m3(x / scale)                  (IEEE fp32 division, round to nearest even)
+so that x ~= q * scale.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+from .checks import FP8_BLOCK, FP8_DTYPE, check_activation, fail
+
+FP8_MAX = 448.0
+AMAX_FLOOR = 1e-4
+
+
+def round_scale_pow2(scale: torch.Tensor) -> torch.Tensor:
+    """Smallest power of two >= scale (scale > 0), exact."""
+    mantissa, exponent = torch.frexp(scale)  # scale = mantissa * 2**exponent, mantissa in [0.5, 1)
+    return torch.where(mantissa == 0.5, scale, torch.ldexp(torch.ones_like(scale), exponent))
+
+
+def per_token_cast_to_fp8(x: torch.Tensor, round_scale: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] (H % 128 == 0) -> (x_fp8 [T, H] float8_e4m3fn, scales [T, H/128] float32)."""
+    T, H, is_fp8 = check_activation("x", x)
+    fail(not is_fp8, "x is already FP8", TypeError)
+    fail(H % FP8_BLOCK == 0, f"x: hidden size {H} must be a multiple of {FP8_BLOCK} for FP8")
+    blocks = x.float().view(T, H // FP8_BLOCK, FP8_BLOCK)
+    amax = blocks.abs().amax(dim=-1).clamp(min=AMAX_FLOOR)
+    scale = amax / FP8_MAX
+    if round_scale:
+        scale = round_scale_pow2(scale)
+    q = (blocks / scale.unsqueeze(-1)).to(FP8_DTYPE)
+    return q.view(T, H), scale.contiguous()
+
+
+def per_token_cast_back(x_fp8: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """(x_fp8 [..., H], scales [..., H/128]) -> x [..., H] in dtype."""
+    fail(x_fp8.dtype == FP8_DTYPE, f"x_fp8 must be {FP8_DTYPE}, got {x_fp8.dtype}", TypeError)
+    H = x_fp8.shape[-1]
+    fail(H % FP8_BLOCK == 0, f"x_fp8: hidden size {H} must be a multiple of {FP8_BLOCK}")
+    fail(tuple(scales.shape) == tuple(x_fp8.shape[:-1]) + (H // FP8_BLOCK,), f"scales must have shape {tuple(x_fp8.shape[:-1]) + (H // FP8_BLOCK,)}, got {tuple(scales.shape)}")
+    blocks = x_fp8.float().view(*x_fp8.shape[:-1], H // FP8_BLOCK, FP8_BLOCK)
+    return (blocks * scales.float().unsqueeze(-1)).view(x_fp8.shape).to(dtype)

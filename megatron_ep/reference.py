@@ -1,0 +1,349 @@
+"""The `torch` backend: the whole API in plain PyTorch + torch.distributed.
+
+It is the oracle for every kernel test and the default wherever no GPU is present, so it is
+written for clarity: each step is one vectorised tensor operation, rows travel as packed bytes
+through `all_to_all_single` (so dispatch is bit-exact for every dtype, gloo or NCCL), and the
+row orders are exactly DESIGN §2:
+
+* rank-major: rows grouped by source rank, then source token index;
+* expert-major: rows grouped by local expert, then source rank, then source token index, each
+  expert's segment padded with zero rows to `expert_alignment`;
+* low-latency: per local expert, rows grouped by source rank, then source token index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .checks import is_fp8_tuple
+from .fp8 import per_token_cast_to_fp8
+from .types import (
+    CombineOutput,
+    DispatchHandle,
+    DispatchLayout,
+    DispatchOutput,
+    EventOverlap,
+    LowLatencyDispatchOutput,
+    LowLatencyHandle,
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Packing rows of several tensors into one byte matrix, so one collective moves them all.
+# --------------------------------------------------------------------------------------------
+def _per_row(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _row_bytes(t: torch.Tensor) -> torch.Tensor:
+    width = _per_row(t.shape[1:]) * t.element_size()
+    return t.contiguous().view(-1).view(torch.uint8).view(t.shape[0], width)
+
+
+def pack_rows(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([_row_bytes(p) for p in parts], dim=1)
+
+
+def unpack_rows(rows: torch.Tensor, like: Sequence[Tuple[torch.dtype, Tuple[int, ...]]]) -> List[torch.Tensor]:
+    """Inverse of pack_rows: `like` gives (dtype, per-row shape) of each part."""
+    out, col, n = [], 0, rows.shape[0]
+    for dtype, shape in like:
+        width = _per_row(shape) * torch.empty((), dtype=dtype).element_size()
+        chunk = rows[:, col:col + width].clone(memory_format=torch.contiguous_format)  # aligned for any dtype
+        out.append(chunk.view(dtype).reshape((n,) + tuple(shape)))
+        col += width
+    return out
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@dataclass
+class _NormalState:
+    send_tok: torch.Tensor  # [S] source token of each sent row, rows grouped by destination rank
+    send_slot_local: torch.Tensor  # [S, K] bool: slot k of sent row i is an expert on its destination
+    send_counts: List[int]  # [R] rows sent to each rank
+    recv_counts: List[int]  # [R] rows received from each rank
+    recv_topk_idx: torch.Tensor  # [N, K] local expert ids, -1 elsewhere
+    # expert-major only: the (received row, slot) pair behind each valid output row
+    perm_rows: Optional[torch.Tensor] = None
+    perm_slots: Optional[torch.Tensor] = None
+    perm_pos: Optional[torch.Tensor] = None
+    row_expert: Optional[torch.Tensor] = None  # [M] int32
+
+
+@dataclass
+class _LowLatencyState:
+    send_tok: torch.Tensor  # [P] token of each sent copy, ordered by global expert then token
+    send_slot: torch.Tensor  # [P] its topk slot
+    send_counts: List[int]
+    recv_counts: List[int]
+    recv_expert: torch.Tensor  # [Q] local expert of each received copy, in arrival order
+    recv_pos: torch.Tensor  # [Q] its row inside that expert's receive area
+
+
+class TorchBackend:
+    name = "torch"
+
+    def __init__(self, group, num_ranks: int, rank: int):
+        self.group, self.num_ranks, self.rank = group, num_ranks, rank
+
+    # ---------------------------------------------------------------------------- collectives
+    def _exchange_counts(self, send_counts: torch.Tensor) -> List[int]:
+        if self.num_ranks == 1:
+            return send_counts.tolist()
+        recv = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv, send_counts.contiguous(), group=self.group)
+        return recv.tolist()
+
+    def _exchange_rows(self, rows: torch.Tensor, send_counts: List[int], recv_counts: List[int]) -> torch.Tensor:
+        if self.num_ranks == 1:
+            return rows
+        out = rows.new_empty((sum(recv_counts), rows.shape[1]))
+        dist.all_to_all_single(out, rows, recv_counts, send_counts, group=self.group)
+        return out
+
+    # --------------------------------------------------------------------------------- layout
+    def layout(self, topk_idx: torch.Tensor, num_experts: int) -> DispatchLayout:
+        R, L = self.num_ranks, num_experts // self.num_ranks
+        valid = topk_idx >= 0
+        dst = torch.where(valid, topk_idx.div(L, rounding_mode="floor"), -1)
+        token_in_rank = (dst.unsqueeze(-1) == torch.arange(R, device=topk_idx.device)).any(dim=1)
+        return DispatchLayout(
+            tokens_per_rank=token_in_rank.sum(dim=0),
+            tokens_per_expert=torch.bincount(topk_idx[valid], minlength=num_experts),
+            token_in_rank=token_in_rank,
+        )
+
+    # ------------------------------------------------------------------------------- dispatch
+    def dispatch(self, x, topk_idx, topk_weights, num_experts: int, permute: bool, alignment: int,
+                 handle: Optional[DispatchHandle], host_counts: bool, num_worst_tokens: int = 0) -> DispatchOutput:
+        R, L = self.num_ranks, num_experts // self.num_ranks
+        is_fp8 = is_fp8_tuple(x)
+        data, scales = (x[0], x[1]) if is_fp8 else (x, None)
+        device = data.device
+
+        if handle is None:
+            K = topk_idx.shape[1]
+            lay = self.layout(topk_idx, num_experts)
+            valid = topk_idx >= 0
+            dst = torch.where(valid, topk_idx.div(L, rounding_mode="floor"), -1)
+            send_rank, send_tok = lay.token_in_rank.t().nonzero(as_tuple=True)  # by (rank, token)
+            send_slot_local = dst[send_tok] == send_rank.unsqueeze(1)
+            send_counts = lay.tokens_per_rank.tolist()
+            recv_counts = self._exchange_counts(lay.tokens_per_rank)
+            local_idx = torch.where(send_slot_local, topk_idx[send_tok] - send_rank.unsqueeze(1) * L, -1)
+            meta = [local_idx.to(torch.int32)]
+        else:
+            st: _NormalState = handle.state
+            K = handle.topk
+            send_tok, send_slot_local = st.send_tok, st.send_slot_local
+            send_counts, recv_counts = st.send_counts, st.recv_counts
+            meta = []
+
+        parts = [data[send_tok]] + ([scales[send_tok]] if is_fp8 else []) + meta
+        if topk_weights is not None:
+            parts.append(torch.where(send_slot_local, topk_weights[send_tok], 0))
+        like = [(data.dtype, tuple(data.shape[1:]))] + ([(torch.float32, tuple(scales.shape[1:]))] if is_fp8 else [])
+        like += [(torch.int32, (K,))] * len(meta)
+        like += [(topk_weights.dtype, (K,))] if topk_weights is not None else []
+        recv = unpack_rows(self._exchange_rows(pack_rows(parts), send_counts, recv_counts), like)
+        recv_x = recv.pop(0)
+        recv_scales = recv.pop(0) if is_fp8 else None
+        if handle is None:
+            recv_topk_idx = recv.pop(0).to(torch.int64)
+        else:
+            recv_topk_idx = handle.state.recv_topk_idx
+        recv_w = recv.pop(0) if topk_weights is not None else None
+
+        if handle is None:
+            state = _NormalState(send_tok, send_slot_local, send_counts, recv_counts, recv_topk_idx)
+            if permute:
+                self._plan_permute(state, L, alignment, device)
+        else:
+            state = handle.state
+
+        if not permute:
+            tpe = torch.bincount(recv_topk_idx[recv_topk_idx >= 0], minlength=L) if handle is None else handle.tokens_per_expert
+            out_x = (recv_x, recv_scales) if is_fp8 else recv_x
+            out = DispatchOutput(out_x, recv_topk_idx, recv_w, None, tpe, None)
+            num_rows = recv_x.shape[0]
+        else:
+            M = state.row_expert.shape[0]
+            pos, rows = state.perm_pos, state.perm_rows
+            perm_x = recv_x.new_zeros((M,) + tuple(recv_x.shape[1:]))
+            perm_x[pos] = recv_x[rows]
+            if is_fp8:
+                perm_s = recv_scales.new_zeros((M,) + tuple(recv_scales.shape[1:]))
+                perm_s[pos] = recv_scales[rows]
+                perm_x = (perm_x, perm_s)
+            perm_w = None
+            if recv_w is not None:
+                perm_w = recv_w.new_zeros(M)
+                perm_w[pos] = recv_w[rows, state.perm_slots]
+            if handle is None:
+                counts = torch.bincount(recv_topk_idx[recv_topk_idx >= 0], minlength=L)
+                tpe = (counts + alignment - 1) // alignment * alignment
+            else:
+                tpe = handle.tokens_per_expert
+            out = DispatchOutput(perm_x, None, perm_w, state.row_expert, tpe, None)
+            num_rows = M
+
+        if num_worst_tokens:
+            num_rows = self._pad_to_worst(out, num_rows, num_worst_tokens, is_fp8, permute)
+        if handle is None:
+            handle = DispatchHandle(
+                backend=self.name, num_ranks=R, rank=self.rank, num_experts=num_experts,
+                num_tokens=data.shape[0], topk=K, permute=permute, expert_alignment=alignment,
+                num_recv_rows=num_rows, tokens_per_expert=out.tokens_per_expert, topk_idx=topk_idx,
+                num_worst_tokens=num_worst_tokens, state=state,
+            )
+        out.handle = handle
+        if host_counts:
+            out.tokens_per_expert_host = out.tokens_per_expert.tolist()
+        return out
+
+    @staticmethod
+    def _pad_to_worst(out: DispatchOutput, num_rows: int, worst: int, is_fp8: bool, permute: bool) -> int:
+        """Worst-case sized outputs (as the graph-capturable cuda path returns them): the valid
+        rows first, then zero rows (-1 ids, 0 weights) up to `worst`."""
+        if num_rows > worst:
+            raise RuntimeError(f"dispatch received {num_rows} rows, more than num_worst_tokens={worst}")
+
+        def pad(t, value=0):
+            if t is None:
+                return None
+            extra = t.new_full((worst - num_rows,) + tuple(t.shape[1:]), value)
+            return torch.cat([t, extra])
+
+        out.x = (pad(out.x[0]), pad(out.x[1])) if is_fp8 else pad(out.x)
+        out.topk_weights = pad(out.topk_weights)
+        if permute:
+            out.row_expert = pad(out.row_expert, -1)
+        else:
+            out.topk_idx = pad(out.topk_idx, -1)
+        return worst
+
+    @staticmethod
+    def _plan_permute(state: _NormalState, L: int, alignment: int, device) -> None:
+        """Expert-major placement: (expert, source rank, source token) order, padded segments."""
+        rows, slots = (state.recv_topk_idx >= 0).nonzero(as_tuple=True)  # by (row, slot)
+        experts = state.recv_topk_idx[rows, slots]
+        order = torch.argsort(experts, stable=True)  # rows stay in (source rank, token) order
+        rows, slots, experts = rows[order], slots[order], experts[order]
+        counts = torch.bincount(experts, minlength=L)
+        padded = (counts + alignment - 1) // alignment * alignment
+        seg_start = torch.cumsum(padded, 0) - padded
+        first = torch.cumsum(counts, 0) - counts
+        pos = seg_start[experts] + torch.arange(experts.numel(), device=device) - first[experts]
+        row_expert = torch.full((int(padded.sum()),), -1, dtype=torch.int32, device=device)
+        row_expert[pos] = experts.to(torch.int32)
+        state.perm_rows, state.perm_slots, state.perm_pos, state.row_expert = rows, slots, pos, row_expert
+
+    # -------------------------------------------------------------------------------- combine
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, weights: Optional[torch.Tensor]) -> CombineOutput:
+        st: _NormalState = handle.state
+        acc = _acc_dtype(x.dtype)
+        K = handle.topk
+        if handle.permute:
+            # unpermute: sum each received row's expert outputs (fp32), scatter weights to slots
+            N = st.recv_topk_idx.shape[0]
+            rows_x = x.new_zeros((N,) + tuple(x.shape[1:]), dtype=acc).index_add_(0, st.perm_rows, x[st.perm_pos].to(acc))
+            rows_w = None
+            if weights is not None:
+                rows_w = weights.new_zeros((N, K))
+                rows_w[st.perm_rows, st.perm_slots] = weights[st.perm_pos]
+        else:
+            N = st.recv_topk_idx.shape[0]  # rows past N are worst-case padding
+            rows_x, rows_w = x[:N], (weights[:N] if weights is not None else None)
+        parts = [rows_x] + ([rows_w] if rows_w is not None else [])
+        like = [(rows_x.dtype, tuple(rows_x.shape[1:]))] + ([(rows_w.dtype, (K,))] if rows_w is not None else [])
+        back = unpack_rows(self._exchange_rows(pack_rows(parts), st.recv_counts, st.send_counts), like)
+        T = handle.num_tokens
+        y = back[0].new_zeros((T,) + tuple(x.shape[1:]), dtype=acc).index_add_(0, st.send_tok, back[0].to(acc))
+        w_out = None
+        if weights is not None:
+            w_out = back[1].new_zeros((T, K))
+            i, k = st.send_slot_local.nonzero(as_tuple=True)
+            w_out[st.send_tok[i], k] = back[1][i, k]
+        return CombineOutput(y.to(x.dtype), w_out, None)
+
+    # ---------------------------------------------------------------------------- low latency
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int,
+                             max_tokens_per_rank: int, use_fp8: bool, round_scale: bool) -> LowLatencyDispatchOutput:
+        R, L = self.num_ranks, num_experts // self.num_ranks
+        T, K = topk_idx.shape
+        H = x.shape[1]
+        device = x.device
+        tok, slot = (topk_idx >= 0).nonzero(as_tuple=True)
+        expert = topk_idx[tok, slot]
+        order = torch.argsort(expert * max(T, 1) + tok)  # by (global expert, token): unique keys
+        tok, slot, expert = tok[order], slot[order], expert[order]
+        dst = expert.div(L, rounding_mode="floor")
+        send_counts_t = torch.bincount(dst, minlength=R)
+        send_counts = send_counts_t.tolist()
+        recv_counts = self._exchange_counts(send_counts_t)
+
+        if use_fp8:
+            q, s = per_token_cast_to_fp8(x, round_scale)
+            payload = [q[tok], s[tok]]
+            like = [(q.dtype, (H,)), (torch.float32, (H // 128,))]
+        else:
+            payload, like = [x[tok]], [(x.dtype, (H,))]
+        payload += [(expert - dst * L).to(torch.int32), tok.to(torch.int32)]
+        like += [(torch.int32, ()), (torch.int32, ())]
+        recv = unpack_rows(self._exchange_rows(pack_rows(payload), send_counts, recv_counts), like)
+        le, src_tok = recv[-2].to(torch.int64), recv[-1]
+        src_rank = torch.repeat_interleave(torch.arange(R, device=device), torch.tensor(recv_counts, device=device))
+
+        # arrival order is (source, expert, token); stable sort by expert gives (expert, source, token)
+        order2 = torch.argsort(le, stable=True)
+        le_s = le[order2]
+        per = torch.bincount(le * R + src_rank, minlength=L * R).view(L, R)
+        count = per.sum(dim=1)
+        begin = torch.cumsum(per, dim=1) - per
+        pos_s = torch.arange(le_s.numel(), device=device) - (torch.cumsum(count, 0) - count)[le_s]
+        pos = torch.empty_like(pos_s)
+        pos[order2] = pos_s
+
+        cap = R * max_tokens_per_rank
+        outs = []
+        for part in recv[:-2]:
+            buf = part.new_zeros((L, cap) + tuple(part.shape[1:]))
+            buf[le, pos] = part
+            outs.append(buf)
+        src_token = torch.full((L, cap), -1, dtype=torch.int32, device=device)
+        src_token[le, pos] = src_tok
+        handle = LowLatencyHandle(
+            backend=self.name, num_ranks=R, rank=self.rank, num_experts=num_experts, num_tokens=T,
+            topk=K, max_tokens_per_rank=max_tokens_per_rank, hidden=H,
+            layout_range=torch.stack([begin, per], dim=-1).to(torch.int32), src_token=src_token,
+            state=_LowLatencyState(tok, slot, send_counts, recv_counts, le, pos),
+        )
+        out_x = (outs[0], outs[1]) if use_fp8 else outs[0]
+        return LowLatencyDispatchOutput(out_x, count.to(torch.int32), handle, None, None)
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                            handle: LowLatencyHandle) -> torch.Tensor:
+        st: _LowLatencyState = handle.state
+        rows = x[st.recv_expert, st.recv_pos]  # back in arrival order, i.e. each source's send order
+        back = unpack_rows(self._exchange_rows(pack_rows([rows]), st.recv_counts, st.send_counts), [(x.dtype, (x.shape[-1],))])[0]
+        w = topk_weights[st.send_tok, st.send_slot].float().unsqueeze(1)
+        y = torch.zeros((handle.num_tokens, x.shape[-1]), dtype=torch.float32, device=x.device)
+        y.index_add_(0, st.send_tok, back.float() * w)
+        return y.to(x.dtype)
+
+
+def async_result(out, async_op: bool):
+    """The torch backend is synchronous: an async caller gets an already-complete event."""
+    if async_op:
+        out.event = EventOverlap(None)
+    return out

@@ -1,0 +1,119 @@
+"""Result and handle types shared by every backend.
+
+Field names are part of the public API (DESIGN §2): other teams' tests read them directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Tuple, Union
+
+import torch
+
+# bf16/fp32 tensor, or (fp8 [T, H], scales [T, H/128] fp32)
+Activation = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
+
+
+class EventOverlap:
+    """A recorded CUDA event (or nothing on CPU) that a caller can make its stream wait on.
+
+    Returned by async operations so callers overlap their own compute with communication.
+    """
+
+    def __init__(self, event: Optional["torch.cuda.Event"] = None):
+        self.event = event
+
+    def current_stream_wait(self) -> None:
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+    def synchronize(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+    def __repr__(self) -> str:
+        return f"EventOverlap({'cuda' if self.event is not None else 'none'})"
+
+
+@dataclass
+class DispatchLayout:
+    """Routing summary of one rank's tokens; counts take each token once per rank."""
+
+    tokens_per_rank: torch.Tensor  # [R] int64
+    tokens_per_expert: torch.Tensor  # [E] int64, (token, expert) pairs
+    token_in_rank: torch.Tensor  # [T, R] bool
+
+
+@dataclass
+class DispatchHandle:
+    """Everything combine and cached dispatch need to replay one routing.
+
+    Public fields describe the routing; `state` holds the backend's private data.
+    """
+
+    backend: str
+    num_ranks: int
+    rank: int
+    num_experts: int
+    num_tokens: int  # T on this rank (source side)
+    topk: int
+    permute: bool
+    expert_alignment: int
+    num_recv_rows: int  # rows of the dispatch output: N (rank-major) or M (expert-major)
+    tokens_per_expert: torch.Tensor  # [E_local] int64 on the device, as returned by dispatch
+    topk_idx: torch.Tensor  # [T, K] the source-side routing this handle was built from
+    num_worst_tokens: int = 0  # >0: outputs were worst-case sized (valid prefix + padding)
+    state: Any = field(default=None, repr=False)
+    buffer_id: int = 0
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.num_ranks
+
+
+@dataclass
+class DispatchOutput:
+    x: Activation  # rows received on this rank; same kind (tensor or fp8 tuple) as the input
+    topk_idx: Optional[torch.Tensor]  # rank-major: [N, K] local ids / -1; expert-major: None
+    topk_weights: Optional[torch.Tensor]  # rank-major: [N, K]; expert-major: [M] (0 on pad rows)
+    row_expert: Optional[torch.Tensor]  # expert-major: [M] int32 local id, -1 on pad; else None
+    tokens_per_expert: torch.Tensor  # [E_local] int64 on x's device
+    handle: DispatchHandle
+    tokens_per_expert_host: Optional[List[int]] = None  # only when asked (host_counts=True)
+    event: Optional[EventOverlap] = None
+
+
+@dataclass
+class CombineOutput:
+    x: torch.Tensor  # [T, H] sum of the rows that came from each token
+    weights: Optional[torch.Tensor] = None  # [T, K] per-row weights scattered back, or None
+    event: Optional[EventOverlap] = None
+
+
+@dataclass
+class LowLatencyHandle:
+    backend: str
+    num_ranks: int
+    rank: int
+    num_experts: int
+    num_tokens: int
+    topk: int
+    max_tokens_per_rank: int
+    hidden: int
+    layout_range: torch.Tensor  # [E_local, R, 2] int32: (begin, count) of each source's rows
+    src_token: torch.Tensor  # [E_local, R * max_tokens_per_rank] int32 source token, -1 unused
+    state: Any = field(default=None, repr=False)
+    buffer_id: int = 0
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.num_ranks
+
+
+@dataclass
+class LowLatencyDispatchOutput:
+    x: Activation  # [E_local, R * max_tokens_per_rank, H] (fp8 tuple or bf16); rows past count unspecified
+    count: torch.Tensor  # [E_local] int32
+    handle: LowLatencyHandle
+    event: Optional[EventOverlap] = None
+    hook: Optional[Any] = None  # receive half, when the send half returned early (recv hook)

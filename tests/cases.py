@@ -1,0 +1,436 @@
+"""Case bodies that run on every rank of a DistPool (module-level so workers can import them).
+
+Each function checks one rank's outputs against the dense oracle and returns a list of
+failure messages (empty when all is well); all collectives run before any check, so a failing
+rank never leaves its peers waiting. The same bodies drive the torch backend on CPU and the
+cuda backend on the GPU (backend= and device=).
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import torch
+import torch.distributed as dist
+
+import megatron_ep as mep
+from oracle import (
+    bits,
+    expected_combine,
+    expected_expert_major,
+    expected_rank_major,
+    make_inputs,
+    num_destinations,
+    split_x,
+)
+
+_buffers = {}
+
+
+def get_buffer(backend: str, **sizing) -> mep.Buffer:
+    key = (backend, tuple(sorted(sizing.items())))
+    if key not in _buffers:
+        _buffers[key] = mep.Buffer(dist.group.WORLD, backend=backend, **sizing)
+    return _buffers[key]
+
+
+def to_dev(x, device):
+    if isinstance(x, tuple):
+        return tuple(t.to(device) for t in x)
+    return x.to(device)
+
+
+def poison_(t):
+    """Fill with a value no correct output holds (the cuda backend's outputs are poisoned too)."""
+    if t.dtype == torch.float8_e4m3fn:
+        t.view(torch.uint8).fill_(0x7F)
+    elif t.is_floating_point():
+        t.fill_(float("nan"))
+    else:
+        t.fill_(-12345)
+    return t
+
+
+class Checker:
+    def __init__(self, tag):
+        self.tag, self.errors = tag, []
+
+    def equal(self, what, got, want):
+        got = got.cpu() if got is not None else None
+        if got is None or want is None:
+            if (got is None) != (want is None):
+                self.errors.append(f"{self.tag} {what}: got {'None' if got is None else 'a tensor'}, want {'None' if want is None else 'a tensor'}")
+            return
+        if tuple(got.shape) != tuple(want.shape):
+            self.errors.append(f"{self.tag} {what}: shape {tuple(got.shape)} != {tuple(want.shape)}")
+        elif got.dtype != want.dtype:
+            self.errors.append(f"{self.tag} {what}: dtype {got.dtype} != {want.dtype}")
+        elif not torch.equal(bits(got), bits(want)):
+            bad = (bits(got) != bits(want)).reshape(got.shape[0], -1).any(dim=1).nonzero().flatten()[:5].tolist() if got.dim() else []
+            self.errors.append(f"{self.tag} {what}: not bit-exact (first bad rows {bad})")
+
+    def close(self, what, got, want, rel):
+        got = got.cpu().double()
+        if tuple(got.shape) != tuple(want.shape):
+            self.errors.append(f"{self.tag} {what}: shape {tuple(got.shape)} != {tuple(want.shape)}")
+            return
+        if want.numel() == 0:
+            return
+        if not torch.isfinite(got).all():
+            self.errors.append(f"{self.tag} {what}: non-finite values")
+            return
+        scale = want.abs().max().item() + 1e-6
+        err = (got - want).abs().max().item()
+        if err > rel * scale:
+            self.errors.append(f"{self.tag} {what}: max error {err:.3g} > {rel} * {scale:.3g}")
+
+
+def _expert_transform(R, E, permute, seed):
+    """Per-destination (rank-major) or per-expert (expert-major) affine map v*scale + bias."""
+    g = torch.Generator().manual_seed(seed + 99)
+    n = E if permute else R
+    scale = torch.tensor([2.0 ** int(torch.randint(-2, 3, (1,), generator=g)) for _ in range(n)], dtype=torch.float64)
+    return scale, torch.randn((n,), generator=g).to(torch.bfloat16).double()
+
+
+def _ref_dtype(x):
+    data, _ = split_x(x)
+    return data.dtype
+
+
+def run_normal_case(cfg: dict, backend: str = "torch", device: str = "cpu") -> list:
+    """Rank-major and expert-major dispatch, cached dispatch, combine (+weights), round trip."""
+    R, rank = dist.get_world_size(), dist.get_rank()
+    E, K, H, align = cfg["E"], cfg["K"], cfg["H"], cfg["align"]
+    inputs = make_inputs(cfg["seed"], R, E, K, H, cfg["Ts"], cfg["dtype"], cfg["pattern"], cfg.get("p_drop", 0.2))
+    me = inputs[rank]
+    buf = get_buffer(backend, **cfg.get("sizing", {}))
+    chk = Checker(f"[R={R} rank={rank} {cfg}]")
+    worst = cfg.get("worst", 0)
+    x, idx, w = to_dev(me["x"], device), me["idx"].to(device), me["w"].to(device)
+    L = E // R
+
+    # ---- layout
+    lay = buf.get_dispatch_layout(idx, E)
+    tir = torch.zeros((idx.shape[0], R), dtype=torch.bool)
+    for t, row in enumerate(me["idx"].tolist()):
+        for e in row:
+            if e >= 0:
+                tir[t, e // L] = True
+    tpe_global = torch.zeros(E, dtype=torch.int64)
+    for e in me["idx"].flatten().tolist():
+        if e >= 0:
+            tpe_global[e] += 1
+    chk.equal("layout.token_in_rank", lay.token_in_rank, tir)
+    chk.equal("layout.tokens_per_rank", lay.tokens_per_rank, tir.sum(0))
+    chk.equal("layout.tokens_per_expert", lay.tokens_per_expert, tpe_global)
+
+    # ---- rank-major dispatch
+    out = buf.dispatch(x, idx, w, num_experts=E, num_worst_tokens=worst)
+    exp = expected_rank_major(inputs, rank, R, E)
+    n = exp["x"].shape[0]
+    got_x, got_s = split_x(out.x)
+    if worst:
+        chk.equal("worst rows", torch.tensor(got_x.shape[0]), torch.tensor(worst))
+        chk.equal("worst topk_idx padding", out.topk_idx[n:].cpu(), torch.full((worst - n, K), -1, dtype=torch.int64))
+    chk.equal("rank-major x", got_x[:n], exp["x"])
+    if got_s is not None:
+        chk.equal("rank-major scales", got_s[:n], exp["scales"])
+    chk.equal("rank-major topk_idx", out.topk_idx[:n], exp["idx"])
+    chk.equal("rank-major topk_weights", out.topk_weights[:n], exp["w"])
+    chk.equal("rank-major tokens_per_expert", out.tokens_per_expert, exp["tokens_per_expert"])
+    if out.row_expert is not None:
+        chk.errors.append("rank-major row_expert should be None")
+
+    # ---- cached dispatch of new values along the same routing
+    def new_values(inp):
+        data, scales = split_x(inp["x"])
+        if scales is not None:
+            return (data.view(torch.uint8).flip(1).contiguous().view(data.dtype), (scales.flip(1) * 3).contiguous())
+        return (data.double() * -3 + 1).to(data.dtype)
+
+    inputs2 = [dict(i, x=new_values(i), w=i["w"] * 3) for i in inputs]
+    out2 = buf.dispatch(to_dev(inputs2[rank]["x"], device), topk_weights=inputs2[rank]["w"].to(device), handle=out.handle)
+    exp2 = expected_rank_major(inputs2, rank, R, E)
+    chk.equal("cached x", split_x(out2.x)[0][:n], exp2["x"])
+    if exp2["scales"] is not None:
+        chk.equal("cached scales", split_x(out2.x)[1][:n], exp2["scales"])
+    chk.equal("cached topk_weights", out2.topk_weights[:n], exp2["w"])
+    chk.equal("cached topk_idx", out2.topk_idx[:n], exp["idx"])
+
+    # ---- expert-major dispatch
+    outp = buf.dispatch(x, idx, w, num_experts=E, permute=True, expert_alignment=align, num_worst_tokens=worst)
+    expp = expected_expert_major(inputs, rank, R, E, align)
+    m = expp["x"].shape[0]
+    px, ps = split_x(outp.x)
+    chk.equal("expert-major x", px[:m], expp["x"])
+    if ps is not None:
+        chk.equal("expert-major scales", ps[:m], expp["scales"])
+    chk.equal("expert-major weights", outp.topk_weights[:m], expp["w"])
+    chk.equal("expert-major row_expert", outp.row_expert[:m], expp["row_expert"])
+    chk.equal("expert-major tokens_per_expert", outp.tokens_per_expert, expp["tokens_per_expert"])
+    if worst:
+        chk.equal("worst row_expert padding", outp.row_expert[m:].cpu(), torch.full((worst - m,), -1, dtype=torch.int32))
+    if outp.topk_idx is not None:
+        chk.errors.append("expert-major topk_idx should be None")
+    host = buf.dispatch(x, idx, None, num_experts=E, permute=True, expert_alignment=align, host_counts=True, num_worst_tokens=worst)
+    if host.tokens_per_expert_host != expp["tokens_per_expert"].tolist():
+        chk.errors.append(f"{chk.tag} host counts {host.tokens_per_expert_host} != {expp['tokens_per_expert'].tolist()}")
+    if host.topk_weights is not None:
+        chk.errors.append("dispatch without weights returned weights")
+    outp2 = buf.dispatch(to_dev(inputs2[rank]["x"], device), handle=outp.handle)
+    expp2 = expected_expert_major(inputs2, rank, R, E, align)
+    chk.equal("cached expert-major x", split_x(outp2.x)[0][:m], expp2["x"])
+
+    if cfg["dtype"] != "fp8":
+        _check_combine(cfg, buf, inputs, rank, R, out, exp, outp, expp, chk, device)
+    return chk.errors
+
+
+def _check_combine(cfg, buf, inputs, rank, R, out, exp, outp, expp, chk, device):
+    E, K = cfg["E"], cfg["K"]
+    L = E // R
+    me = inputs[rank]
+    dtype = _ref_dtype(me["x"])
+    rel = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    n, m = exp["x"].shape[0], expp["x"].shape[0]
+
+    # rank-major: this rank maps its received rows v -> v * scale[rank] + bias[rank]
+    scale, bias = _expert_transform(R, E, False, cfg["seed"])
+    rows = split_x(out.x)[0].double()
+    rows = (rows * scale[rank] + bias[rank]).to(dtype)
+    rows[n:] = 7.0  # worst-case padding rows must be ignored
+    wrows = torch.where(out.topk_idx >= 0, out.topk_weights * 2 + out.topk_idx.clamp(min=0).float(), torch.zeros_like(out.topk_weights))
+    res = buf.combine(rows.contiguous(), out.handle, weights=wrows.contiguous())
+    # ---- expert-major: rows of global expert e -> v * scale[e] + bias[e]; pad rows set to garbage
+    scale_e, bias_e = _expert_transform(R, E, True, cfg["seed"])
+    re = outp.row_expert.long()
+    g_e = (re + rank * L).clamp(min=0).cpu()
+    prow = split_x(outp.x)[0].double()
+    prow = (prow * scale_e[g_e].unsqueeze(1).to(prow.device) + bias_e[g_e].unsqueeze(1).to(prow.device)).to(dtype)
+    prow[re < 0] = 1000.0
+    pw = torch.where(re >= 0, outp.topk_weights * 2 + re.clamp(min=0).float(), torch.full_like(outp.topk_weights, 555.0))
+    resp = buf.combine(prow.contiguous(), outp.handle, weights=pw.contiguous())
+    # ---- round trip of all-ones
+    ones = buf.combine(torch.ones_like(split_x(out.x)[0]), out.handle)
+    onesp = buf.combine(torch.ones_like(split_x(outp.x)[0]), outp.handle)
+
+    y_ref = expected_combine(me, rank, R, E, False, scale, bias)
+    chk.close("rank-major combine", res.x, y_ref, rel)
+    if res.x.dtype != dtype:
+        chk.errors.append(f"combine returned {res.x.dtype}, want {dtype}")
+    idx = me["idx"]
+    w_ref = torch.where(idx >= 0, me["w"] * 2 + (idx - (idx // L) * L).clamp(min=0).float(), torch.zeros_like(me["w"]))
+    chk.close("rank-major combine weights", res.weights, w_ref.double(), 1e-6)
+    yp_ref = expected_combine(me, rank, R, E, True, scale_e, bias_e)
+    chk.close("expert-major combine", resp.x, yp_ref, rel)
+    chk.close("expert-major combine weights", resp.weights, w_ref.double(), 1e-6)
+    H = split_x(me["x"])[0].shape[1]
+    chk.close("round trip rank-major", ones.x, num_destinations(me, R, E, False).unsqueeze(1).expand(-1, H), 1e-6)
+    chk.close("round trip expert-major", onesp.x, num_destinations(me, R, E, True).unsqueeze(1).expand(-1, H), 1e-6)
+
+
+def run_normal_cases(cfgs: list, backend: str = "torch", device: str = "cpu") -> list:
+    errors = []
+    for cfg in cfgs:
+        try:
+            errors += run_normal_case(cfg, backend, device)
+        except Exception:  # keep the ranks in step: report and go on to the next case
+            errors.append(f"[{cfg}] raised:\n{traceback.format_exc()}")
+    return errors
+
+
+# ------------------------------------------------------------------------------ low latency
+def run_low_latency_case(cfg: dict, backend: str = "torch", device: str = "cpu") -> list:
+    from oracle import expected_low_latency
+
+    R, rank = dist.get_world_size(), dist.get_rank()
+    E, K, H, mt, use_fp8 = cfg["E"], cfg["K"], cfg["H"], cfg["max_tokens"], cfg["fp8"]
+    L = E // R
+    inputs = make_inputs(cfg["seed"], R, E, K, H, cfg["Ts"], "bf16", cfg["pattern"], cfg.get("p_drop", 0.2))
+    me = inputs[rank]
+    buf = get_buffer(backend, **cfg.get("sizing", {}))
+    chk = Checker(f"[LL R={R} rank={rank} {cfg}]")
+    out = buf.low_latency_dispatch(me["x"].to(device), me["idx"].to(device), num_experts=E, max_tokens_per_rank=mt, use_fp8=use_fp8)
+    exp = expected_low_latency(inputs, rank, R, E, mt, use_fp8)
+    got_x, got_s = split_x(out.x)
+    chk.equal("count", out.count, exp["count"])
+    chk.equal("layout_range", out.handle.layout_range, exp["layout_range"])
+    for e in range(L):
+        n = int(exp["count"][e])
+        chk.equal(f"x[{e}]", got_x[e, :n], exp["x"][e, :n])
+        if use_fp8:
+            chk.equal(f"scales[{e}]", got_s[e, :n], exp["scales"][e, :n])
+        chk.equal(f"src_token[{e}]", out.handle.src_token[e, :n], exp["src_token"][e, :n])
+
+    # combine: expert e maps its rows v -> v * scale[e] + bias[e]; unused rows hold garbage
+    scale, bias = _expert_transform(R, E, True, cfg["seed"])
+    rows = got_x.float() if not use_fp8 else (got_x.float().view(L, -1, H // 128, 128) * got_s.unsqueeze(-1)).view(L, -1, H)
+    ge = torch.arange(L) + rank * L
+    rows = (rows.double().cpu() * scale[ge].view(L, 1, 1) + bias[ge].view(L, 1, 1)).to(torch.bfloat16)
+    for e in range(L):
+        rows[e, int(exp["count"][e]):] = 3000.0
+    y = buf.low_latency_combine(rows.to(device), me["idx"].to(device), me["w"].to(device), out.handle)
+
+    # oracle: the value each (token, expert) row held on its expert's rank, weighted and summed
+    from oracle import fp8_cast
+
+    x = me["x"]
+    if use_fp8:
+        q, s = fp8_cast(x)
+        x = (q.float().view(-1, H // 128, 128) * s.unsqueeze(-1)).view(-1, H)
+    y_ref = torch.zeros((x.shape[0], H), dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for k in range(K):
+            e = int(me["idx"][t, k])
+            if e >= 0:
+                row = (x[t].double() * scale[e] + bias[e]).to(torch.bfloat16).double()
+                y_ref[t] += float(me["w"][t, k]) * row
+    chk.close("low-latency combine", y, y_ref, 2e-2)
+    if y.dtype != torch.bfloat16:
+        chk.errors.append(f"low-latency combine returned {y.dtype}")
+    return chk.errors
+
+
+def run_low_latency_cases(cfgs: list, backend: str = "torch", device: str = "cpu") -> list:
+    errors = []
+    for cfg in cfgs:
+        try:
+            errors += run_low_latency_case(cfg, backend, device)
+        except Exception:
+            errors.append(f"[{cfg}] raised:\n{traceback.format_exc()}")
+    return errors
+
+
+# --------------------------------------------------------------------------------- autograd
+class _GatherSame(torch.autograd.Function):
+    """all_gather whose backward keeps this rank's slice of a gradient that every rank holds
+    identically: it turns the distributed dispatch->f->combine into one global function that
+    every rank evaluates in lock step, which is what gradcheck needs."""
+
+    @staticmethod
+    def forward(ctx, t):
+        R, rank = dist.get_world_size(), dist.get_rank()
+        ctx.rank, ctx.n = rank, t.shape[0]
+        parts = [torch.empty_like(t) for _ in range(R)]
+        dist.all_gather(parts, t.contiguous())
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g[ctx.rank * ctx.n:(ctx.rank + 1) * ctx.n]
+
+
+class _SliceSame(torch.autograd.Function):
+    """This rank's slice of a global tensor that every rank holds identically; the backward
+    all-gathers the slices' gradients, so each rank sees the gradient of the whole input."""
+
+    @staticmethod
+    def forward(ctx, t, n):
+        rank = dist.get_rank()
+        return t[rank * n:(rank + 1) * n].contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        parts = [torch.empty_like(g) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, g.contiguous())
+        return torch.cat(parts), None
+
+
+def run_gradcheck(cfg: dict, backend: str = "torch") -> list:
+    from oracle import _routing
+
+    R, rank = dist.get_world_size(), dist.get_rank()
+    E, K, H, T, permute, align = cfg["E"], cfg["K"], cfg["H"], cfg["T"], cfg["permute"], cfg["align"]
+    g = torch.Generator().manual_seed(cfg["seed"])
+    X = torch.randn((R * T, H), generator=g, dtype=torch.float64).requires_grad_()
+    W = (torch.rand((R * T, K), generator=g, dtype=torch.float64) + 0.5).requires_grad_()
+    idx = _routing(g, R * T, E, K, R, "random", 0.25)
+    buf = get_buffer(backend)
+    sl = slice(rank * T, (rank + 1) * T)
+
+    def F(X, W):
+        out = mep.dispatch(buf, _SliceSame.apply(X, T), idx[sl].contiguous(), _SliceSame.apply(W, T), num_experts=E,
+                           permute=permute, expert_alignment=align)
+        rw = out.topk_weights
+        if permute:
+            f, cw = out.x * (1 + rw).unsqueeze(1) ** 2, rw * rw
+        else:
+            f, cw = out.x * (1 + rw.sum(1, keepdim=True)) ** 2, rw * 3
+        res = mep.combine(buf, f, out.handle, weights=cw)
+        return _GatherSame.apply(res.x), _GatherSame.apply(res.weights)
+
+    try:
+        ok = torch.autograd.gradcheck(F, (X, W), eps=1e-6, atol=1e-6, rtol=1e-4, raise_exception=True)
+    except Exception as exc:
+        return [f"[gradcheck R={R} rank={rank} {cfg}] {exc}"]
+    return [] if ok else [f"[gradcheck R={R} rank={rank} {cfg}] failed"]
+
+
+# ------------------------------------------------------------------------------- bad inputs
+def run_bad_inputs(backend: str = "torch", device: str = "cpu") -> list:
+    """Every bad input raises the right error on every rank, and the buffer stays usable."""
+    import pytest
+
+    R, rank = dist.get_world_size(), dist.get_rank()
+    E, K, H, T = 4 * R, 3, 256, 6
+    inputs = make_inputs(77, R, E, K, H, [T] * R, "bf16", "random", 0.2)
+    me = inputs[rank]
+    x, idx, w = me["x"].to(device), me["idx"].to(device), me["w"].to(device)
+    buf = get_buffer(backend, max_tokens_per_rank=T)
+    other = mep.Buffer(dist.group.WORLD, backend=backend, max_tokens_per_rank=T)
+    good = buf.dispatch(x, idx, w, num_experts=E)
+    goodp = buf.dispatch(x, idx, w, num_experts=E, permute=True, expert_alignment=16)
+    errors = []
+    hi, lo, dup = idx.clone(), idx.clone(), idx.clone()
+    hi[0, 0] = E
+    lo[0, 0] = -2
+    dup[0, 0], dup[0, 1] = 1, 1
+    fp8 = (torch.zeros((T, 100), dtype=torch.float8_e4m3fn, device=device), torch.ones((T, 1), device=device))
+    fp8_bad_scales = (torch.zeros((T, H), dtype=torch.float8_e4m3fn, device=device), torch.ones((T, 1), device=device))
+    nc = torch.randn((H, T), device=device).to(torch.bfloat16).t()
+    big = torch.randn((T + 1, H), device=device).to(torch.bfloat16)
+    big_idx = torch.zeros((T + 1, K), dtype=torch.int64, device=device)
+    cases = [
+        ("expert id >= E", lambda: buf.dispatch(x, hi, w, num_experts=E), ValueError, "num_experts"),
+        ("expert id < -1", lambda: buf.dispatch(x, lo, w, num_experts=E), ValueError, ">= -1"),
+        ("duplicate expert", lambda: buf.dispatch(x, dup, w, num_experts=E), ValueError, "twice"),
+        ("K mismatch", lambda: buf.dispatch(x, idx, w[:, :K - 1].contiguous(), num_experts=E), ValueError, "K mismatch"),
+        ("FP8 H % 128", lambda: buf.dispatch(fp8, idx, w, num_experts=E), ValueError, "multiple of 128"),
+        ("FP8 scales shape", lambda: buf.dispatch(fp8_bad_scales, idx, w, num_experts=E), ValueError, "scales"),
+        ("x dtype", lambda: buf.dispatch(x.to(torch.int32), idx, w, num_experts=E), TypeError, "x must have dtype"),
+        ("topk_idx dtype", lambda: buf.dispatch(x, idx.to(torch.int32), w, num_experts=E), TypeError, "topk_idx"),
+        ("weights dtype", lambda: buf.dispatch(x, idx, w.to(torch.bfloat16), num_experts=E), TypeError, "topk_weights"),
+        ("non-contiguous x", lambda: buf.dispatch(nc, idx, w, num_experts=E), ValueError, "contiguous"),
+        ("too many tokens", lambda: buf.dispatch(big, big_idx, None, num_experts=E), ValueError, "sized for"),
+        ("rows mismatch topk", lambda: buf.dispatch(x[:-1].contiguous(), idx, w, num_experts=E), ValueError, "rows"),
+        ("missing num_experts", lambda: buf.dispatch(x, idx, w), TypeError, "num_experts"),
+        ("cached with topk_idx", lambda: buf.dispatch(x, idx, handle=good.handle), ValueError, "topk_idx=None"),
+        ("cached wrong T", lambda: buf.dispatch(x[:-1].contiguous(), handle=good.handle), ValueError, "handle"),
+        ("foreign handle", lambda: other.combine(split_x(good.x)[0], good.handle), ValueError, "different Buffer"),
+        ("combine rows", lambda: buf.combine(split_x(good.x)[0][1:].contiguous(), good.handle), ValueError, "rows"),
+        ("combine weights shape", lambda: buf.combine(split_x(goodp.x)[0], goodp.handle, weights=torch.zeros((good.handle.num_recv_rows, K), device=device)), ValueError, "weights must have shape"),
+        ("combine fp8", lambda: buf.combine((split_x(good.x)[0].to(torch.float8_e4m3fn), torch.ones((good.handle.num_recv_rows, 2), device=device)), good.handle), TypeError, "FP8"),
+        ("LL too many tokens", lambda: buf.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=T - 1), ValueError, "sized for"),
+        ("LL fp8 hidden", lambda: buf.low_latency_dispatch(x[:, :100].contiguous(), idx, num_experts=E, max_tokens_per_rank=T), ValueError, "multiple of 128"),
+        ("backend name", lambda: mep.Buffer(dist.group.WORLD, backend="nccl"), ValueError, "backend"),
+    ]
+    if R > 1:
+        cases.append(("E % R", lambda: buf.dispatch(x, idx, w, num_experts=E + 1), ValueError, "divisible"))
+    for name, fn, exc, text in cases:
+        try:
+            with pytest.raises(exc, match=None) as info:
+                fn()
+            if text not in str(info.value):
+                errors.append(f"[rank {rank}] {name}: message {str(info.value)!r} does not mention {text!r}")
+        except BaseException as e:  # pytest.raises failure is an exception too
+            errors.append(f"[rank {rank}] {name}: {type(e).__name__}: {e}")
+        # the buffer must still work after every rejected call
+        ok = buf.dispatch(x, idx, w, num_experts=E)
+        back = buf.combine(torch.ones_like(split_x(ok.x)[0]), ok.handle)
+        want = num_destinations(me, R, E, False).unsqueeze(1).expand(-1, H)
+        if not torch.equal(back.x.cpu().double(), want):
+            errors.append(f"[rank {rank}] buffer unusable after {name}")
+    other.destroy()
+    return errors
