@@ -211,6 +211,37 @@ class Buffer:
         C.check_topk_weights(topk_weights, handle.num_tokens, K, x.device)
         return impl.low_latency_combine(x, topk_idx, topk_weights, handle, **kwargs)
 
+    # --------------------------------------------------------------------- zero-copy inputs
+    def get_dispatch_input(self, num_tokens: int, hidden: int, dtype: torch.dtype = torch.bfloat16,
+                           device=None) -> torch.Tensor:
+        """A [T, H] tensor to fill and pass to dispatch: with the cuda backend it lies in the
+        communication region, so dispatch skips its staging copy. Valid until the next dispatch."""
+        impl = self._backend()
+        if self.backend == "cuda":
+            return impl.dispatch_input(num_tokens, hidden, dtype)
+        return torch.empty((num_tokens, hidden), dtype=dtype, device=device)
+
+    def get_combine_input(self, num_rows: int, hidden: int, dtype: torch.dtype = torch.bfloat16,
+                          device=None) -> torch.Tensor:
+        """A [rows, H] tensor for the experts to write their output into before combine: with
+        the cuda backend it lies in the communication region, so combine skips its staging copy
+        and peers read it directly. Valid until the next combine."""
+        impl = self._backend()
+        if self.backend == "cuda":
+            return impl.combine_input(num_rows, hidden, dtype)
+        return torch.empty((num_rows, hidden), dtype=dtype, device=device)
+
+    def synchronize(self) -> None:
+        """Wait for this buffer's communication and raise if a kernel reported a failure
+        (a timeout names the rank, the peer and the handshake it waited on)."""
+        impl = self._backend()
+        if hasattr(impl, "synchronize"):
+            impl.synchronize()
+
+    @property
+    def num_sms(self) -> Optional[int]:
+        return getattr(self._impl, "num_sms", None)
+
     # ----------------------------------------------------------------------------- helpers
     def _check_handle(self, handle, cls) -> None:
         C.fail(isinstance(handle, cls), f"handle must be a {cls.__name__}, got {type(handle).__name__}", TypeError)

@@ -27,11 +27,20 @@ from oracle import (
 
 _buffers = {}
 
+# One cuda buffer per process fits every case of the suite (the region is sized from these).
+CUDA_SIZING = dict(max_tokens_per_rank=64, hidden=7168, num_experts=256, max_topk=16, combine_rows=8192)
+
+
+def make_buffer(backend: str, **sizing) -> mep.Buffer:
+    if backend == "cuda":
+        sizing = {**CUDA_SIZING, **sizing}
+    return mep.Buffer(dist.group.WORLD, backend=backend, **sizing)
+
 
 def get_buffer(backend: str, **sizing) -> mep.Buffer:
     key = (backend, tuple(sorted(sizing.items())))
     if key not in _buffers:
-        _buffers[key] = mep.Buffer(dist.group.WORLD, backend=backend, **sizing)
+        _buffers[key] = make_buffer(backend, **sizing)
     return _buffers[key]
 
 
@@ -379,7 +388,7 @@ def run_bad_inputs(backend: str = "torch", device: str = "cpu") -> list:
     me = inputs[rank]
     x, idx, w = me["x"].to(device), me["idx"].to(device), me["w"].to(device)
     buf = get_buffer(backend, max_tokens_per_rank=T)
-    other = mep.Buffer(dist.group.WORLD, backend=backend, max_tokens_per_rank=T)
+    other = make_buffer(backend, max_tokens_per_rank=T)
     good = buf.dispatch(x, idx, w, num_experts=E)
     goodp = buf.dispatch(x, idx, w, num_experts=E, permute=True, expert_alignment=16)
     errors = []
@@ -434,3 +443,107 @@ def run_bad_inputs(backend: str = "torch", device: str = "cpu") -> list:
             errors.append(f"[rank {rank}] buffer unusable after {name}")
     other.destroy()
     return errors
+
+
+# -------------------------------------------------------------------------------- main job
+def run_demo(argv: list) -> list:
+    from megatron_ep import demo
+
+    return demo.run(demo.parse_args(argv))
+
+
+# ------------------------------------------------------------------------------- cuda only
+def run_cuda_graph_case(cfg: dict) -> list:
+    """Worst-case sized dispatch + combine captured in a CUDA graph, replayed on new inputs."""
+    R, rank = dist.get_world_size(), dist.get_rank()
+    E, K, H, T, align = cfg["E"], cfg["K"], cfg["H"], cfg["T"], cfg["align"]
+    L = E // R
+    buf = get_buffer("cuda")
+    chk = Checker(f"[graph R={R} rank={rank}]")
+    worst = R * T * min(K, L) + L * align
+    inputs = make_inputs(cfg["seed"], R, E, K, H, [T] * R, "bf16", "random", 0.2)
+    x = inputs[rank]["x"].cuda()
+    idx = inputs[rank]["idx"].cuda()
+    w = inputs[rank]["w"].cuda()
+
+    def step():
+        out = buf.dispatch(x, idx, w, num_experts=E, permute=True, expert_alignment=align, num_worst_tokens=worst)
+        res = buf.combine(out.x * 2, out.handle, weights=out.topk_weights * 3)
+        return out, res
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up outside capture (allocator, first launches)
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, res = step()
+    for it in range(4):
+        fresh = make_inputs(cfg["seed"] + 17 * (it + 1), R, E, K, H, [T] * R, "bf16", "random", 0.2)
+        x.copy_(fresh[rank]["x"])
+        idx.copy_(fresh[rank]["idx"])
+        w.copy_(fresh[rank]["w"])
+        graph.replay()
+        torch.cuda.synchronize()
+        exp = expected_expert_major(fresh, rank, R, E, align)
+        m = exp["x"].shape[0]
+        chk.equal(f"replay {it} x", out.x[:m], exp["x"])
+        chk.equal(f"replay {it} row_expert", out.row_expert[:m], exp["row_expert"])
+        chk.equal(f"replay {it} row_expert pad", out.row_expert[m:].cpu(), torch.full((worst - m,), -1, dtype=torch.int32))
+        chk.equal(f"replay {it} tokens_per_expert", out.tokens_per_expert, exp["tokens_per_expert"])
+        y_ref = expected_combine(fresh[rank], rank, R, E, True, torch.full((E,), 2.0, dtype=torch.float64), torch.zeros(E, dtype=torch.float64))
+        chk.close(f"replay {it} combine", res.x, y_ref, 2e-2)
+        me = fresh[rank]
+        chk.close(f"replay {it} combine weights", res.weights, (me["w"] * 3).double(), 1e-6)
+    buf.synchronize()
+    return chk.errors
+
+
+def run_repeated(cfg: dict, backend: str = "cuda", device: str = "cuda") -> list:
+    """Many calls with changing routing: round trip every call, full check every tenth."""
+    R, rank = dist.get_world_size(), dist.get_rank()
+    E, K, H = cfg["E"], cfg["K"], cfg["H"]
+    buf = get_buffer(backend)
+    chk = Checker(f"[repeat R={R} rank={rank}]")
+    for it in range(cfg["iters"]):
+        g = torch.Generator().manual_seed(cfg["seed"] + it)
+        Ts = torch.randint(0, cfg["t_max"] + 1, (R,), generator=g).tolist()
+        permute = it % 2 == 1
+        inputs = make_inputs(cfg["seed"] + 1000 + it, R, E, K, H, Ts, "bf16", "random", 0.3)
+        me = inputs[rank]
+        out = buf.dispatch(me["x"].to(device), me["idx"].to(device), me["w"].to(device), num_experts=E,
+                           permute=permute, expert_alignment=16 if permute else 1)
+        back = buf.combine(torch.ones_like(out.x), out.handle)
+        chk.close(f"iter {it} round trip", back.x, num_destinations(me, R, E, permute).unsqueeze(1).expand(-1, H), 1e-6)
+        if it % 10 == 0:
+            if permute:
+                exp = expected_expert_major(inputs, rank, R, E, 16)
+                chk.equal(f"iter {it} x", out.x, exp["x"])
+            else:
+                exp = expected_rank_major(inputs, rank, R, E)
+                chk.equal(f"iter {it} x", out.x, exp["x"])
+                chk.equal(f"iter {it} idx", out.topk_idx, exp["idx"])
+    buf.synchronize()
+    return chk.errors
+
+
+def run_timeout_case(absent_rank: int) -> list:
+    """One rank never joins a dispatch: the others must raise, naming the rank they waited on."""
+    rank = dist.get_rank()
+    buf = make_buffer("cuda")
+    dist.barrier()
+    if rank == absent_rank:
+        return []
+    x = torch.randn((4, 256), device="cuda").to(torch.bfloat16)
+    idx = torch.tensor([[0, 1]] * 4, device="cuda")
+    try:
+        buf.dispatch(x, idx, None, num_experts=2 * dist.get_world_size())
+        buf.synchronize()
+    except RuntimeError as exc:
+        msg = str(exc)
+        if f"waiting for rank {absent_rank}" in msg or f"because rank" in msg:
+            return []
+        return [f"rank {rank}: unexpected message {msg!r}"]
+    return [f"rank {rank}: dispatch without rank {absent_rank} did not raise"]

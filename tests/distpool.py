@@ -37,6 +37,8 @@ def _worker(rank, world_size, port, backend, env, tasks, results):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    if env.get("MEP_TEST_CUDA") == "1":  # virtual ranks: every process on the visible GPU(s)
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     timeout = datetime.timedelta(seconds=float(env.get("MEP_TEST_COLLECTIVE_TIMEOUT", "60")))
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
     while True:

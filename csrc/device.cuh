@@ -1,0 +1,152 @@
+// Device helpers shared by every kernel family: memory-ordering primitives for cross-process
+// handshakes, timeouts that report instead of hanging, and wide copies.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "common.h"
+
+namespace mep {
+
+__device__ __forceinline__ Control* ctrl_of(const Ctx& c, int r) {
+  return reinterpret_cast<Control*>(c.peers.base[r]);
+}
+__device__ __forceinline__ char* region(const Ctx& c, int r) { return c.peers.base[r]; }
+
+__device__ __forceinline__ unsigned long long ld_acquire_sys(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void add_release_sys(unsigned long long* p, unsigned long long v) {
+  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ int ld_volatile(const int* p) { return *reinterpret_cast<const volatile int*>(p); }
+
+__device__ __forceinline__ unsigned long long globaltimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
+__device__ __forceinline__ unsigned lanemask_lt() {
+  unsigned m;
+  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
+  return m;
+}
+
+// First failure wins the host record; every rank is told to stop spinning.
+static __device__ __noinline__ void report_failure(const Ctx& c, int code, int peer, int slot,
+                                            unsigned long long expected, unsigned long long observed) {
+  if (atomicCAS(const_cast<int*>(&c.host->error), 0, code) == 0) {
+    c.host->err_rank = c.rank;
+    c.host->err_peer = peer;
+    c.host->err_slot = slot;
+    c.host->err_expected = (long long)expected;
+    c.host->err_observed = (long long)observed;
+  }
+  __threadfence_system();
+  if (code == kErrTimeout)
+    for (int r = 0; r < c.num_ranks; ++r) atomicCAS(&ctrl_of(c, r)->abort, 0, c.rank + 1);
+}
+
+// Spin until signal[slot][peer] in this rank's control block reaches target. Returns false
+// (after recording why) on timeout or when another rank aborted.
+__device__ __forceinline__ bool wait_signal(const Ctx& c, int slot, int peer, unsigned long long target) {
+  Control* me = ctrl_of(c, c.rank);
+  const unsigned long long* p = &me->signal[slot][peer];
+  unsigned long long v = ld_acquire_sys(p);
+  if (v >= target) return true;
+  const unsigned long long start = globaltimer();
+  for (unsigned it = 1;; ++it) {
+    v = ld_acquire_sys(p);
+    if (v >= target) return true;
+    if ((it & 255) == 0) {
+      int ab = ld_volatile(&me->abort);
+      if (ab) {
+        report_failure(c, kErrPeerAborted, ab - 1, slot, target, v);
+        return false;
+      }
+      if (globaltimer() - start > c.timeout_ns) {
+        report_failure(c, kErrTimeout, peer, slot, target, v);
+        return false;
+      }
+    }
+  }
+}
+
+// Block-wide: threads 0..R-1 each wait on one source rank. All threads get the verdict.
+__device__ __forceinline__ bool block_wait_all(const Ctx& c, int slot, unsigned long long target) {
+  __shared__ int ok_all;
+  if (threadIdx.x == 0) ok_all = 1;
+  __syncthreads();
+  if (threadIdx.x < c.num_ranks && !wait_signal(c, slot, threadIdx.x, target)) ok_all = 0;
+  __syncthreads();
+  return ok_all != 0;
+}
+
+// One thread: tell every rank (self included) that this rank passed `slot` once more.
+__device__ __forceinline__ void signal_all(const Ctx& c, int slot) {
+  __threadfence_system();
+  for (int r = 0; r < c.num_ranks; ++r) add_release_sys(&ctrl_of(c, r)->signal[slot][c.rank], 1ull);
+}
+
+// Called by thread 0 of every block after the block's writes; true in the last block to finish.
+__device__ __forceinline__ bool last_block_done(const Ctx& c, int counter) {
+  __threadfence_system();
+  Control* me = ctrl_of(c, c.rank);
+  unsigned prev = atomicAdd(&me->grid_done[counter], 1u);
+  if (prev + 1 == gridDim.x) {
+    me->grid_done[counter] = 0;  // next launch of this kind starts from zero (stream order)
+    __threadfence();
+    return true;
+  }
+  return false;
+}
+
+// Warp copy of n16 16-byte words, U loads in flight per lane before their stores.
+template <int U>
+__device__ __forceinline__ void warp_copy(int4* __restrict__ dst, const int4* __restrict__ src, int n16) {
+  const int lane = lane_id();
+  for (int base = lane; base < n16; base += 32 * U) {
+    int4 v[U];
+#pragma unroll
+    for (int j = 0; j < U; ++j)
+      if (base + j * 32 < n16) v[j] = __ldcg(src + base + j * 32);
+#pragma unroll
+    for (int j = 0; j < U; ++j)
+      if (base + j * 32 < n16) dst[base + j * 32] = v[j];
+  }
+}
+
+// Any byte count and alignment: 16-byte words when both sides allow, else 4-byte, else bytes.
+__device__ __forceinline__ void warp_copy_bytes(char* dst, const char* src, int bytes) {
+  const unsigned long long a = reinterpret_cast<unsigned long long>(dst) | reinterpret_cast<unsigned long long>(src);
+  if ((a & 15) == 0) {
+    const int n16 = bytes >> 4;
+    warp_copy<4>(reinterpret_cast<int4*>(dst), reinterpret_cast<const int4*>(src), n16);
+    for (int i = (n16 << 4) + lane_id(); i < bytes; i += 32) dst[i] = src[i];
+  } else if ((a & 3) == 0) {
+    const int n4 = bytes >> 2;
+    for (int i = lane_id(); i < n4; i += 32) reinterpret_cast<int*>(dst)[i] = __ldcg(reinterpret_cast<const int*>(src) + i);
+    for (int i = (n4 << 2) + lane_id(); i < bytes; i += 32) dst[i] = src[i];
+  } else {
+    for (int i = lane_id(); i < bytes; i += 32) dst[i] = src[i];
+  }
+}
+
+__device__ __forceinline__ void warp_zero_bytes(char* dst, int bytes) {
+  if ((reinterpret_cast<unsigned long long>(dst) & 15) == 0) {
+    const int n16 = bytes >> 4;
+    const int4 z = make_int4(0, 0, 0, 0);
+    for (int i = lane_id(); i < n16; i += 32) reinterpret_cast<int4*>(dst)[i] = z;
+    for (int i = (n16 << 4) + lane_id(); i < bytes; i += 32) dst[i] = 0;
+  } else {
+    for (int i = lane_id(); i < bytes; i += 32) dst[i] = 0;
+  }
+}
+
+}  // namespace mep

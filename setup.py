@@ -1,0 +1,70 @@
+"""Build of megatron_ep and its CUDA extension `megatron_ep._C`.
+
+The extension is built whenever a CUDA build of torch and nvcc are present (no GPU needed:
+TORCH_CUDA_ARCH_LIST defaults to 9.0). Switches (environment):
+    MEP_SKIP_CUDA=1        build the pure-Python package only
+    MEP_PTXAS_VERBOSE=1    pass -Xptxas -v (register / shared-memory / spill report)
+    MEP_DEBUG=1            -G -O0 device code (for cuda-gdb / sanitizer line info)
+    MAX_JOBS=N             parallel compile jobs (ninja)
+Kernel sources (.cu) never include torch headers: they take raw pointers, so they compile in
+seconds; the one translation unit that includes torch is the binding (csrc/bindings.cpp).
+"""
+
+import glob
+import os
+
+from setuptools import find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _cuda_extensions():
+    if os.environ.get("MEP_SKIP_CUDA", "0") == "1":
+        return [], {}
+    if "CUDA_HOME" not in os.environ and os.path.exists("/usr/local/cuda/bin/nvcc"):
+        os.environ["CUDA_HOME"] = "/usr/local/cuda"  # torch would otherwise guess /usr/local
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
+    except ImportError:
+        print("megatron_ep: torch not importable at build time; building without the CUDA extension")
+        return [], {}
+    if torch.version.cuda is None or CUDA_HOME is None:
+        print("megatron_ep: no CUDA build of torch or no nvcc; building without the CUDA extension")
+        return [], {}
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
+    debug = os.environ.get("MEP_DEBUG", "0") == "1"
+    nvcc = [
+        "-std=c++17",
+        "-gencode=arch=compute_90,code=sm_90",
+        "--expt-relaxed-constexpr",
+        "-lineinfo",
+        "-O0" if debug else "-O3",
+    ]
+    if debug:
+        nvcc.append("-G")
+    if os.environ.get("MEP_PTXAS_VERBOSE", "0") == "1":
+        nvcc.append("-Xptxas=-v")
+    sources = ["csrc/bindings.cpp", "csrc/region.cpp"] + sorted(glob.glob("csrc/kernels/*.cu"))
+    ext = CUDAExtension(
+        name="megatron_ep._C",
+        sources=sources,
+        include_dirs=[os.path.join(ROOT, "csrc")],
+        extra_compile_args={"cxx": ["-O3", "-std=c++20"], "nvcc": nvcc},  # torch >= 2.12 headers need C++20
+    )
+    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
+
+
+ext_modules, cmdclass = _cuda_extensions()
+
+setup(
+    name="megatron_ep",
+    version="0.1.0",
+    description="Expert-parallel MoE dispatch/combine kernels with a Megatron-core flex-dispatcher plugin",
+    packages=find_packages(include=["megatron_ep", "megatron_ep.*"]),
+    python_requires=">=3.10",
+    install_requires=["torch>=2.4", "numpy"],
+    extras_require={"megatron": ["megatron-core>=0.16"], "test": ["pytest>=8"]},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)

@@ -1,0 +1,80 @@
+"""The cuda backend against the dense oracle, with R = 2, 4, 8 processes sharing one GPU
+(virtual ranks: the processes open each other's regions by CUDA IPC; run them under MPS, see
+scripts/gpu_check.sh). Outputs are poisoned before every kernel (MEP_POISON=1)."""
+
+import os
+
+import pytest
+import torch
+
+import cases
+import megatron_ep
+from case_lists import normal_cases
+from distpool import DistPool
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (torch.cuda.is_available() and megatron_ep.cuda_backend_available()),
+                       reason="needs a CUDA GPU and the built extension"),
+]
+
+ENV = {"MEP_TEST_CUDA": "1", "MEP_POISON": "1", "MEP_TIMEOUT_S": "30", "CUDA_MODULE_LOADING": "EAGER",
+       "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
+_pools = {}
+
+
+def pool(R, **extra):
+    key = (R, tuple(sorted(extra.items())))
+    if key not in _pools or _pools[key].broken:
+        _pools[key] = DistPool(R, env={**ENV, **extra})
+    return _pools[key]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_pools():
+    yield
+    for p in _pools.values():
+        p.close()
+    _pools.clear()
+
+
+def _flat(per_rank):
+    return [e for rank_errors in per_rank for e in rank_errors]
+
+
+@pytest.mark.parametrize("R", [2, 4, 8])
+def test_normal_cases(R):
+    selected = normal_cases(R)
+    if os.environ.get("MEP_CASES"):  # a subset, e.g. for the sanitizer runs
+        selected = [selected[int(i)] for i in os.environ["MEP_CASES"].split(",")]
+    errors = _flat(pool(R).run(cases.run_normal_cases, selected, backend="cuda", device="cuda", timeout=600))
+    assert not errors, "\n".join(errors[:20])
+
+
+@pytest.mark.parametrize("R", [2, 4, 8])
+def test_cuda_graph(R):
+    cfg = dict(seed=77 + R, E=4 * R, K=4, H=512, T=24, align=16)
+    errors = _flat(pool(R).run(cases.run_cuda_graph_case, cfg, timeout=600))
+    assert not errors, "\n".join(errors[:20])
+
+
+@pytest.mark.parametrize("R", [2, 4, 8])
+def test_repeated_calls(R):
+    cfg = dict(seed=5 * R, E=8 * R, K=6, H=256, t_max=40, iters=120)
+    errors = _flat(pool(R).run(cases.run_repeated, cfg, timeout=600))
+    assert not errors, "\n".join(errors[:20])
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_bad_inputs(R):
+    errors = _flat(pool(R).run(cases.run_bad_inputs, backend="cuda", device="cuda", timeout=600))
+    assert not errors, "\n".join(errors[:40])
+
+
+def test_timeout_names_the_missing_rank():
+    p = DistPool(2, env={**ENV, "MEP_TIMEOUT_S": "3"})
+    try:
+        errors = _flat(p.run(cases.run_timeout_case, 1, timeout=120))
+    finally:
+        p.close()
+    assert not errors, "\n".join(errors)
