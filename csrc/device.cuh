@@ -122,6 +122,22 @@ __device__ __forceinline__ void warp_copy(int4* __restrict__ dst, const int4* __
   }
 }
 
+// Grid-wide copy of n16 16-byte words, U independent loads in flight per thread (a streaming
+// copy with one load in flight per thread reaches only a fraction of HBM bandwidth).
+template <int U>
+__device__ __forceinline__ void grid_copy16(int4* __restrict__ dst, const int4* __restrict__ src, long long n16) {
+  const long long nthreads = (long long)gridDim.x * blockDim.x;
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  for (; i + (U - 1) * nthreads < n16; i += U * nthreads) {
+    int4 v[U];
+#pragma unroll
+    for (int j = 0; j < U; ++j) v[j] = __ldg(src + i + j * nthreads);
+#pragma unroll
+    for (int j = 0; j < U; ++j) dst[i + j * nthreads] = v[j];
+  }
+  for (; i < n16; i += nthreads) dst[i] = __ldg(src + i);
+}
+
 // Any byte count and alignment: 16-byte words when both sides allow, else 4-byte, else bytes.
 __device__ __forceinline__ void warp_copy_bytes(char* dst, const char* src, int bytes) {
   const unsigned long long a = reinterpret_cast<unsigned long long>(dst) | reinterpret_cast<unsigned long long>(src);

@@ -69,7 +69,7 @@ class CudaBackend:
         fail(self.max_experts <= self.ext.MAX_EXPERTS, f"num_experts={self.max_experts} exceeds the cuda backend's {self.ext.MAX_EXPERTS}")
         self.max_topk = max_topk or 8
         fail(1 <= self.max_topk <= self.ext.MAX_TOPK, f"max_topk must be in 1..{self.ext.MAX_TOPK}")
-        self.layout = plan_region(self.num_ranks, max_tokens_per_rank, hidden, self.max_topk, self.max_experts,
+        self.plan = plan_region(self.num_ranks, max_tokens_per_rank, hidden, self.max_topk, self.max_experts,
                                   dtype_bytes, combine_bytes, combine_rows)
         self.timeout_s = timeout_s
 
@@ -83,7 +83,7 @@ class CudaBackend:
         self.num_sms = num_sms or default_num_sms(self.ranks_per_device, self.sm_count)
         fail(1 <= self.num_sms <= self.sm_count, f"num_sms={self.num_sms} outside 1..{self.sm_count}")
 
-        self.rt = self.ext.Runtime(self.device.index, self.rank, self.num_ranks, self.layout.as_dict(), timeout_s)
+        self.rt = self.ext.Runtime(self.device.index, self.rank, self.num_ranks, self.plan.as_dict(), timeout_s)
         handles: list = [None] * self.num_ranks
         dist.all_gather_object(handles, bytes(self.rt.ipc_handle()), group=self.group)
         self.rt.open_peers(handles)
@@ -92,6 +92,7 @@ class CudaBackend:
         self.stream = torch.cuda.Stream(device=self.device)
         self.tags = itertools.count(1)
         self.broken: Optional[str] = None
+        self.trace: Optional[list] = None  # benchmarks: (phase, event) pairs on the comm stream
 
     # ------------------------------------------------------------------------------ lifetime
     def destroy(self) -> None:
@@ -107,15 +108,15 @@ class CudaBackend:
         """A [T, H] tensor inside this rank's dispatch staging: dispatching it skips one copy.
         Valid until the next dispatch on this buffer."""
         nbytes = hidden * torch.empty((), dtype=dtype).element_size()
-        fail(num_tokens <= self.layout.max_tokens and nbytes <= self.layout.x_row_bytes, "dispatch_input larger than the buffer")
-        return self.rt.view(self.layout.stage_x, [num_tokens, hidden], dtype)
+        fail(num_tokens <= self.plan.max_tokens and nbytes <= self.plan.x_row_bytes, "dispatch_input larger than the buffer")
+        return self.rt.view(self.plan.stage_x, [num_tokens, hidden], dtype)
 
     def combine_input(self, num_rows: int, hidden: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """A [rows, H] tensor inside this rank's combine area: combining it skips one copy
         (experts can write their output there). Valid until the next combine on this buffer."""
         nbytes = hidden * torch.empty((), dtype=dtype).element_size()
-        fail(num_rows <= self.layout.comb_rows and nbytes <= self.layout.comb_row_bytes, "combine_input larger than the buffer")
-        return self.rt.view(self.layout.comb_x, [num_rows, hidden], dtype)
+        fail(num_rows <= self.plan.comb_rows and nbytes <= self.plan.comb_row_bytes, "combine_input larger than the buffer")
+        return self.rt.view(self.plan.comb_x, [num_rows, hidden], dtype)
 
     # -------------------------------------------------------------------------------- checks
     def _check_alive(self) -> None:
@@ -152,6 +153,12 @@ class CudaBackend:
     def _check_rows(self, what: str, row_bytes: int, limit: int) -> None:
         fail(row_bytes % 16 == 0, f"{what}: rows of {row_bytes} bytes; the cuda backend needs a multiple of 16 (hidden * element size)")
         fail(row_bytes <= limit, f"{what}: rows of {row_bytes} bytes exceed the {limit} bytes the buffer was sized for (Buffer(hidden=..., dtype_bytes=...))")
+
+    def _mark(self, name: str) -> None:
+        if self.trace is not None:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(self.stream)
+            self.trace.append((name, ev))
 
     # --------------------------------------------------------------------------- stream glue
     def _enter(self, previous_event: Optional[EventOverlap]):
@@ -191,8 +198,8 @@ class CudaBackend:
         data, scales = (x[0], x[1]) if is_fp8_tuple(x) else (x, None)
         T, H = data.shape
         row_bytes = H * data.element_size()
-        self._check_rows("dispatch", row_bytes, self.layout.x_row_bytes)
-        fail(T <= self.layout.max_tokens, f"x has {T} tokens, more than the buffer was sized for (max_tokens_per_rank={self.layout.max_tokens})")
+        self._check_rows("dispatch", row_bytes, self.plan.x_row_bytes)
+        fail(T <= self.plan.max_tokens, f"x has {T} tokens, more than the buffer was sized for (max_tokens_per_rank={self.plan.max_tokens})")
         fail(num_experts <= self.max_experts, f"num_experts={num_experts} exceeds the buffer's {self.max_experts}")
         fail(data.device == self.device, f"x is on {data.device}, the buffer on {self.device}")
         if topk_weights is not None:
@@ -208,6 +215,7 @@ class CudaBackend:
 
         compute = self._enter(previous_event)
         with torch.cuda.stream(self.stream):
+            self._mark("start")
             if handle is None:
                 st = _CudaState(
                     rank_pos=torch.empty((T, R), dtype=torch.int32, device=self.device),
@@ -216,11 +224,13 @@ class CudaBackend:
                     num_rows=None, num_perm_rows=None, counts=None)
                 tag = next(self.tags)
                 self.rt.notify(topk_idx, num_experts, alignment, st.rank_pos, st.slot_pos, st.recv_info, tag)
+                self._mark("notify")
             else:
                 st = handle.state
-            zero_copy = data.data_ptr() == self.base + self.layout.stage_x
+            zero_copy = data.data_ptr() == self.base + self.plan.stage_x
             self.rt.stage(None if zero_copy else data, T, row_bytes, scales, scale_cols, topk_idx, topk_weights,
                           st.rank_pos, st.slot_pos, self.num_sms)
+            self._mark("stage")
             if handle is None and not num_worst_tokens:
                 st.num_rows, st.num_perm_rows, st.counts = self._wait_counts(tag, L)
             valid = st.num_perm_rows if permute else st.num_rows
@@ -246,6 +256,7 @@ class CudaBackend:
         with torch.cuda.stream(self.stream):
             self.rt.dispatch(row_bytes, scale_cols, K, num_experts, permute, topk_weights is not None, out_rows,
                              st.recv_info, out_x, out_s, out_idx, out_w, out_re, self.num_sms)
+            self._mark("pull")
             tpe.copy_(st.recv_info[3 + L:3 + 2 * L] if permute else st.recv_info[3:3 + L])
         event = self._leave(compute, [data, scales, topk_idx, topk_weights, st.rank_pos, st.slot_pos, st.recv_info,
                                       out_x, out_s, out_idx, out_w, out_re, tpe], async_op)
@@ -274,8 +285,8 @@ class CudaBackend:
         st: _CudaState = handle.state
         rows, H = x.shape
         row_bytes = H * x.element_size()
-        self._check_rows("combine", row_bytes, self.layout.comb_row_bytes)
-        fail(rows <= self.layout.comb_rows, f"combine input has {rows} rows; the buffer's combine area holds {self.layout.comb_rows} (Buffer(combine_rows=...))")
+        self._check_rows("combine", row_bytes, self.plan.comb_row_bytes)
+        fail(rows <= self.plan.comb_rows, f"combine input has {rows} rows; the buffer's combine area holds {self.plan.comb_rows} (Buffer(combine_rows=...))")
         if weights is not None:
             fail(weights.dtype == torch.float32, f"weights must be float32 for the cuda backend, got {weights.dtype}", TypeError)
         T, K = handle.num_tokens, handle.topk
@@ -290,10 +301,13 @@ class CudaBackend:
         if POISON:
             self.stream.wait_stream(compute)
         with torch.cuda.stream(self.stream):
-            zero_copy = x.data_ptr() == self.base + self.layout.comb_x
+            self._mark("start")
+            zero_copy = x.data_ptr() == self.base + self.plan.comb_x
             self.rt.stage_combine(None if zero_copy else x, rows, row_bytes, weights, w_cols, self.num_sms)
+            self._mark("stage")
             self.rt.combine(T, H, K, handle.num_experts, handle.permute, x.dtype == torch.float32, weights is not None,
                             handle.topk_idx, st.rank_pos, st.slot_pos, y, w_out, self.num_sms)
+            self._mark("pull")
         event = self._leave(compute, [x, weights, y, w_out, handle.topk_idx, st.rank_pos, st.slot_pos], async_op)
         return CombineOutput(y, w_out, event if async_op else None)
 

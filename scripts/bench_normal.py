@@ -69,11 +69,34 @@ class Timer:
         return statistics.median(times)
 
 
+def phases(buf, timer, fn, setup=None):
+    """Median time of each kernel phase of one op, from events the backend records on its
+    communication stream (the gaps include waits for peers and for the host)."""
+    impl = buf._impl
+    samples = {}
+
+    def traced():
+        impl.trace = []
+        fn()
+
+    def collect():
+        if impl.trace:
+            torch.cuda.synchronize()
+            for (_, a), (name, b) in zip(impl.trace, impl.trace[1:]):
+                samples.setdefault(name, []).append(a.elapsed_time(b) * 1e3)
+        if setup is not None:
+            setup()
+
+    timer(traced, setup=collect)
+    impl.trace = None
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
 def our_runs(args, x, x_fp8, idx, w, timer, res):
     E, R, T, H, K = args.experts, dist.get_world_size(), args.tokens, args.hidden, args.topk
     L = E // R
     buf = mep.Buffer(dist.group.WORLD, backend="cuda", max_tokens_per_rank=T, hidden=H, num_experts=E, max_topk=K,
-                     num_sms=args.num_sms or None, combine_rows=R * T + L * args.alignment, check_inputs=False)
+                     num_sms=args.num_sms or None, check_inputs=False)
     res["num_sms"] = buf.num_sms
     rm = buf.dispatch(x, idx, w, num_experts=E)
     em = buf.dispatch(x, idx, w, num_experts=E, permute=True, expert_alignment=args.alignment)
@@ -92,6 +115,9 @@ def our_runs(args, x, x_fp8, idx, w, timer, res):
     res["combine_expert"] = timer(lambda: buf.combine(y_em, em.handle))
     zce = buf.get_combine_input(M, H)
     res["combine_expert_zero_copy"] = timer(lambda: buf.combine(zce, em.handle), setup=lambda: zce.copy_(y_em))
+    res["phases_dispatch"] = phases(buf, timer, lambda: buf.dispatch(x, idx, w, num_experts=E))
+    res["phases_combine_zero_copy"] = phases(buf, timer, lambda: buf.combine(zc, rm.handle), setup=lambda: zc.copy_(y_rm))
+    res["phases_combine"] = phases(buf, timer, lambda: buf.combine(y_rm, rm.handle))
     # baselines in the same run: the received bytes copied once, and a separate permute
     src, dst = rm.x.clone(), torch.empty_like(rm.x)
     res["copy"] = timer(lambda: dst.copy_(src))
@@ -195,6 +221,9 @@ def report(args, allres):
         vs_copy = t / mean("copy")
         vs_peer = f"{t / mean(peer):>10.2f}x" if (peer and have_deepep) else f"{'':>11}"
         print(f"{name:<34}{t:>10.1f}{worst(name):>10.1f}{gbs:>8.0f}{vs_copy:>8.2f}x{vs_peer}")
+    for key in ("phases_dispatch", "phases_combine", "phases_combine_zero_copy"):
+        names = allres[0][key].keys()
+        print(f"  {key[7:]:<24} " + "  ".join(f"{n} {sum(r[key][n] for r in allres) / R:.1f} us" for n in names))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "ranks": allres}, f, indent=1)

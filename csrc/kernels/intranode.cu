@@ -31,12 +31,8 @@ __global__ void __launch_bounds__(kCopyThreads, 1) stage_kernel(Ctx c, StageArgs
   const int R = c.num_ranks;
   const long long gtid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   const long long nthreads = (long long)gridDim.x * blockDim.x;
-  if (a.x != nullptr) {  // row_bytes % 16 == 0 (host check)
-    const long long n16 = (long long)a.T * a.row_bytes / 16;
-    const int4* src = reinterpret_cast<const int4*>(a.x);
-    int4* dst = at<int4>(c, c.rank, c.lay.stage_x);
-    for (long long i = gtid; i < n16; i += nthreads) dst[i] = __ldg(src + i);
-  }
+  if (a.x != nullptr)  // row_bytes % 16 == 0 (host check)
+    grid_copy16<8>(at<int4>(c, c.rank, c.lay.stage_x), reinterpret_cast<const int4*>(a.x), (long long)a.T * a.row_bytes / 16);
   if (a.scales != nullptr) {
     float* dst = at<float>(c, c.rank, c.lay.stage_scales);
     for (long long i = gtid; i < (long long)a.T * a.scale_cols; i += nthreads) dst[i] = a.scales[i];
@@ -67,7 +63,7 @@ void launch_stage(const Ctx& ctx, const StageArgs& args, int num_blocks, cudaStr
 // ---------------------------------------------------------------------------------- dispatch
 // Copy one row from `src` to every row listed by the lanes in `dests` (positions in `pos`).
 __device__ __forceinline__ void copy_row_multi(char* out, int row_bytes, const char* src, unsigned dests, int pos) {
-  constexpr int U = 4;
+  constexpr int U = 8;  // 4 KB in flight per warp
   const int lane = lane_id();
   const int n16 = row_bytes >> 4;
   const int4* s16 = reinterpret_cast<const int4*>(src);
@@ -114,28 +110,48 @@ __global__ void __launch_bounds__(kCopyThreads, 1) dispatch_kernel(Ctx c, Dispat
   const int lane = lane_id();
   const int gw = blockIdx.x * kCopyWarps + (threadIdx.x >> 5), tw = gridDim.x * kCopyWarps;
   const int total = s_tok[R];
-  // each warp scans 32 source tokens at a time and copies the ones bound for this rank
-  for (int g = gw * 32; g < total; g += tw * 32) {
+  // Each warp scans 32 source tokens at a time and copies the ones bound for this rank. Loads
+  // are issued one step ahead: the next group's row positions while this group is copied, and
+  // the next hit's slot metadata while this hit's row is copied.
+  auto scan = [&](int g, int& s, int& t, int& rp) {
     const int u = g + lane;
-    int s = 0, t = 0, rp = -1;
+    s = 0, t = 0, rp = -1;
     if (u < total) {
       while (u >= s_tok[s + 1]) ++s;
       t = u - s_tok[s];
       rp = __ldcg(at<const int>(c, s, c.lay.stage_rpos) + (long long)t * R + rank);
     }
-    for (unsigned hits = __ballot_sync(kFull, rp >= 0); hits; hits &= hits - 1) {
+  };
+  struct Meta {
+    int e, sp;
+    float w;
+  };
+  auto load_meta = [&](int hs, int ht) {
+    Meta m{-1, -1, 0.f};
+    if (lane < K) {
+      const long long o = (long long)ht * K + lane;
+      m.e = __ldcg(at<const int>(c, hs, c.lay.stage_idx) + o);
+      m.sp = __ldcg(at<const int>(c, hs, c.lay.stage_spos) + o);
+      if (a.has_weights) m.w = __ldcg(at<const float>(c, hs, c.lay.stage_w) + o);
+    }
+    return m;
+  };
+  int s_n, t_n, rp_n;
+  if (gw * 32 < total) scan(gw * 32, s_n, t_n, rp_n);
+  for (int g = gw * 32; g < total; g += tw * 32) {
+    const int s = s_n, t = t_n, rp = rp_n;
+    if (g + tw * 32 < total) scan(g + tw * 32, s_n, t_n, rp_n);
+    unsigned hits = __ballot_sync(kFull, rp >= 0);
+    Meta next{-1, -1, 0.f};
+    if (hits) next = load_meta(__shfl_sync(kFull, s, __ffs(hits) - 1), __shfl_sync(kFull, t, __ffs(hits) - 1));
+    for (; hits; hits &= hits - 1) {
       const int h = __ffs(hits) - 1;
       const int hs = __shfl_sync(kFull, s, h), ht = __shfl_sync(kFull, t, h), hrp = __shfl_sync(kFull, rp, h);
+      const Meta m = next;
+      const unsigned rest = hits & (hits - 1);
+      if (rest) next = load_meta(__shfl_sync(kFull, s, __ffs(rest) - 1), __shfl_sync(kFull, t, __ffs(rest) - 1));
       const char* src_row = region(c, hs) + c.lay.stage_x + (long long)ht * a.row_bytes;
-      int e = -1, sp = -1;
-      float w = 0.f;
-      if (lane < K) {
-        const long long o = (long long)ht * K + lane;
-        e = __ldcg(at<const int>(c, hs, c.lay.stage_idx) + o);
-        sp = __ldcg(at<const int>(c, hs, c.lay.stage_spos) + o);
-        if (a.has_weights) w = __ldcg(at<const float>(c, hs, c.lay.stage_w) + o);
-      }
-      const bool local = e >= 0 && e / L == rank;
+      const bool local = m.e >= 0 && m.e / L == rank;
       const float* src_scales = at<const float>(c, hs, c.lay.stage_scales) + (long long)ht * a.scale_cols;
       if (!a.permute) {
         copy_row_multi(a.out_x, a.row_bytes, src_row, 1u, hrp);
@@ -143,21 +159,21 @@ __global__ void __launch_bounds__(kCopyThreads, 1) dispatch_kernel(Ctx c, Dispat
           warp_copy_bytes(reinterpret_cast<char*>(a.out_scales + (long long)hrp * a.scale_cols),
                           reinterpret_cast<const char*>(src_scales), a.scale_cols * 4);
         if (lane < K) {
-          a.out_idx[(long long)hrp * K + lane] = local ? e - rank * L : -1;
-          if (a.out_w != nullptr) a.out_w[(long long)hrp * K + lane] = local ? w : 0.f;
+          a.out_idx[(long long)hrp * K + lane] = local ? m.e - rank * L : -1;
+          if (a.out_w != nullptr) a.out_w[(long long)hrp * K + lane] = local ? m.w : 0.f;
         }
       } else {
         const unsigned dests = __ballot_sync(kFull, local);
-        copy_row_multi(a.out_x, a.row_bytes, src_row, dests, sp);
+        copy_row_multi(a.out_x, a.row_bytes, src_row, dests, m.sp);
         if (a.out_scales != nullptr)
-          for (unsigned m = dests; m; m &= m - 1) {
-            const int p = __shfl_sync(kFull, sp, __ffs(m) - 1);
+          for (unsigned d = dests; d; d &= d - 1) {
+            const int p = __shfl_sync(kFull, m.sp, __ffs(d) - 1);
             warp_copy_bytes(reinterpret_cast<char*>(a.out_scales + (long long)p * a.scale_cols),
                             reinterpret_cast<const char*>(src_scales), a.scale_cols * 4);
           }
         if (local) {
-          if (a.out_w != nullptr) a.out_w[sp] = w;
-          a.out_row_expert[sp] = e - rank * L;
+          if (a.out_w != nullptr) a.out_w[m.sp] = m.w;
+          a.out_row_expert[m.sp] = m.e - rank * L;
         }
       }
     }
@@ -204,12 +220,8 @@ void launch_dispatch(const Ctx& ctx, const DispatchArgs& args, int num_blocks, c
 __global__ void __launch_bounds__(kCopyThreads, 1) stage_combine_kernel(Ctx c, StageCombineArgs a) {
   const long long gtid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   const long long nthreads = (long long)gridDim.x * blockDim.x;
-  if (a.x != nullptr) {
-    const long long n16 = (long long)a.rows * a.row_bytes / 16;
-    const int4* src = reinterpret_cast<const int4*>(a.x);
-    int4* dst = at<int4>(c, c.rank, c.lay.comb_x);
-    for (long long i = gtid; i < n16; i += nthreads) dst[i] = __ldg(src + i);
-  }
+  if (a.x != nullptr)
+    grid_copy16<8>(at<int4>(c, c.rank, c.lay.comb_x), reinterpret_cast<const int4*>(a.x), (long long)a.rows * a.row_bytes / 16);
   if (a.w != nullptr) {
     float* dst = at<float>(c, c.rank, c.lay.comb_w);
     for (long long i = gtid; i < (long long)a.rows * a.w_cols; i += nthreads) dst[i] = a.w[i];
@@ -275,7 +287,7 @@ struct Acc<true> {  // 4 fp32 per 16 bytes
 
 template <bool kFp32>
 __global__ void __launch_bounds__(kCopyThreads, 1) combine_kernel(Ctx c, CombineArgs a) {
-  constexpr int kBatch = 4;  // source rows in flight per lane
+  constexpr int kChunks = 4;  // 16-byte chunks per lane per step
   const int R = c.num_ranks, K = a.K, L = a.E / R;
   Control* me = ctrl_of(c, c.rank);
   const unsigned long long target = me->expected[kSlotCombStaged] + 1;
@@ -302,29 +314,40 @@ __global__ void __launch_bounds__(kCopyThreads, 1) combine_kernel(Ctx c, Combine
     const unsigned srcs = __ballot_sync(kFull, src != nullptr);
     const unsigned long long src_u = reinterpret_cast<unsigned long long>(src);
     int4* y = reinterpret_cast<int4*>(static_cast<char*>(a.y) + (long long)t * row_bytes);
-    for (int it = 0; it * 32 < n16; ++it) {  // uniform trip count: shuffles inside
-      const int i16 = it * 32 + lane;
-      const bool act = i16 < n16;
-      Acc<kFp32> acc;
-      acc.zero();
-      for (unsigned m = srcs; m;) {
-        int4 v[kBatch];
-        int n = 0;
+    // U chunks per lane and two source rows at a time: 8 loads of 16 bytes in flight per lane
+    for (int it = 0; it * 32 * kChunks < n16; ++it) {  // uniform trip count: shuffles inside
+      const int base = it * 32 * kChunks + lane;
+      Acc<kFp32> acc[kChunks];
 #pragma unroll
-        for (int b = 0; b < kBatch; ++b) {
-          if (m) {
-            const int j = __ffs(m) - 1;
-            m &= m - 1;
-            const int4* p = reinterpret_cast<const int4*>(__shfl_sync(kFull, src_u, j));
-            if (act) v[b] = __ldcg(p + i16);
-            n = b + 1;
-          }
+      for (int j = 0; j < kChunks; ++j) acc[j].zero();
+      for (unsigned m = srcs; m;) {
+        const int j0 = __ffs(m) - 1;
+        m &= m - 1;
+        const int4* p0 = reinterpret_cast<const int4*>(__shfl_sync(kFull, src_u, j0));
+        const int4* p1 = nullptr;
+        if (m) {
+          p1 = reinterpret_cast<const int4*>(__shfl_sync(kFull, src_u, __ffs(m) - 1));
+          m &= m - 1;
+        }
+        int4 v0[kChunks], v1[kChunks];
+#pragma unroll
+        for (int j = 0; j < kChunks; ++j)
+          if (base + j * 32 < n16) v0[j] = __ldcg(p0 + base + j * 32);
+        if (p1 != nullptr) {
+#pragma unroll
+          for (int j = 0; j < kChunks; ++j)
+            if (base + j * 32 < n16) v1[j] = __ldcg(p1 + base + j * 32);
         }
 #pragma unroll
-        for (int b = 0; b < kBatch; ++b)
-          if (b < n && act) acc.add(v[b]);
+        for (int j = 0; j < kChunks; ++j)
+          if (base + j * 32 < n16) {
+            acc[j].add(v0[j]);
+            if (p1 != nullptr) acc[j].add(v1[j]);
+          }
       }
-      if (act) y[i16] = acc.pack();
+#pragma unroll
+      for (int j = 0; j < kChunks; ++j)
+        if (base + j * 32 < n16) y[base + j * 32] = acc[j].pack();
     }
     if (a.w_out != nullptr && lane < K) {
       float w = 0.f;

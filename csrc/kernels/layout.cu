@@ -65,22 +65,21 @@ struct Step {
   bool first_r;       // lowest such leader
 };
 
-__device__ __forceinline__ Step make_step(const long long* __restrict__ topk_idx, int t0, int t_end, int K, int L) {
+// The expert id of this lane's slot for the step starting at token t0 (-1: unused lane / slot).
+__device__ __forceinline__ long long load_slot(const long long* __restrict__ topk_idx, int t0, int t_end, int K) {
   const int lane = lane_id();
   const int j = lane / K, k = lane - j * K;
   const int t = t0 + j;
+  return (j < 32 / K && t < t_end) ? topk_idx[(long long)t * K + k] : -1;
+}
+
+__device__ __forceinline__ Step make_step(long long e_raw, int K, int L) {
+  const int lane = lane_id();
+  const int j = lane / K;
   Step s;
-  s.valid = false;
-  s.e = -1;
-  s.d = -1;
-  if (j < 32 / K && t < t_end) {
-    const long long e = topk_idx[(long long)t * K + k];
-    if (e >= 0) {
-      s.valid = true;
-      s.e = (int)e;
-      s.d = (int)e / L;
-    }
-  }
+  s.valid = e_raw >= 0;
+  s.e = s.valid ? (int)e_raw : -1;
+  s.d = s.valid ? s.e / L : -1;
   const int unique = -(lane + 2);  // keys that match nothing else
   s.m_e = __match_any_sync(0xffffffffu, s.valid ? s.e : unique);
   s.first_e = s.valid && (s.m_e & lanemask_lt()) == 0;
@@ -113,9 +112,12 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(Ctx c, Notify
   const int chunk = (a.T + kNotifyWarps - 1) / kNotifyWarps;
   const int t_begin = min(a.T, warp * chunk), t_end = min(a.T, t_begin + chunk);
   const int tpi = 32 / K;
-  // pass 1: per-warp counts
+  // pass 1: per-warp counts (the next step's ids are loaded while this one is counted)
+  long long nxt = t_begin < t_end ? load_slot(a.topk_idx, t_begin, t_end, K) : -1;
   for (int t0 = t_begin; t0 < t_end; t0 += tpi) {
-    const Step s = make_step(a.topk_idx, t0, t_end, K, L);
+    const long long cur = nxt;
+    if (t0 + tpi < t_end) nxt = load_slot(a.topk_idx, t0 + tpi, t_end, K);
+    const Step s = make_step(cur, K, L);
     if (s.first_e) cnt_e[warp * E + s.e] += __popc(s.m_e);
     if (s.first_r) cnt_r[warp * kMaxRanks + s.d] += __popc(s.m_r);
   }
@@ -211,8 +213,11 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(Ctx c, Notify
   __syncthreads();
 
   // pass 2: hand out rows in source-token order
+  nxt = t_begin < t_end ? load_slot(a.topk_idx, t_begin, t_end, K) : -1;
   for (int t0 = t_begin; t0 < t_end; t0 += tpi) {
-    const Step s = make_step(a.topk_idx, t0, t_end, K, L);
+    const long long cur = nxt;
+    if (t0 + tpi < t_end) nxt = load_slot(a.topk_idx, t0 + tpi, t_end, K);
+    const Step s = make_step(cur, K, L);
     const int j = lane / K, k = lane - j * K, t = t0 + j;
     int spos = -1, rpos = -1;
     if (s.valid) spos = cnt_e[warp * E + s.e] + __popc(s.m_e & lanemask_lt());
