@@ -45,7 +45,7 @@ def _cuda_extensions():
         nvcc.append("-G")
     if os.environ.get("MEP_PTXAS_VERBOSE", "0") == "1":
         nvcc.append("-Xptxas=-v")
-    sources = ["csrc/bindings.cpp", "csrc/region.cpp"] + sorted(glob.glob("csrc/kernels/*.cu"))
+    sources = ["csrc/bindings.cpp", "csrc/region.cpp", "csrc/pool.cpp"] + sorted(glob.glob("csrc/kernels/*.cu"))
     ext = CUDAExtension(
         name="megatron_ep._C",
         sources=sources,

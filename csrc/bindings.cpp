@@ -9,6 +9,7 @@
 #include <memory>
 
 #include "kernels/api.h"
+#include "pool.h"
 #include "region.h"
 
 namespace py = pybind11;
@@ -62,8 +63,42 @@ class Runtime {
     timeout_ns_ = (unsigned long long)(timeout_s * 1e9);
     c10::cuda::CUDAGuard guard(device);
     region_ = std::make_shared<Region>(device, lay_.total);
+    pool_ = std::make_shared<Pool>(device, get("pool"), get("pool_bytes"));
     prepare_kernels();
   }
+
+  // Rank-major dispatch outputs for `rows` rows in the pool: (x, scales, idx, w, offsets...),
+  // or None when the pool has no room. The tensors share one block, returned to the pool (on
+  // `stream`, the caller's) when the last of them dies.
+  py::object pool_rank_major(int rows, int hidden, py::object x_dtype, int row_bytes, int scale_cols, int K, bool has_w,
+                             long long stream_ptr) {
+    auto align = [](long long n) { return (n + Pool::kAlign - 1) / Pool::kAlign * Pool::kAlign; };
+    const long long bx = align((long long)rows * row_bytes), bs = align((long long)rows * scale_cols * 4);
+    const long long bi = align((long long)rows * K * 8), bw = has_w ? align((long long)rows * K * 4) : 0;
+    const long long total = bx + bs + bi + bw;
+    const long long off = pool_->alloc(total);
+    if (off < 0) return py::none();
+    struct Owner {
+      std::shared_ptr<Pool> pool;
+      std::shared_ptr<Region> region;
+      long long off, bytes;
+      cudaStream_t stream;
+      ~Owner() { pool->release(off, bytes, stream); }
+    };
+    auto owner = std::make_shared<Owner>(Owner{pool_, region_, off, total, reinterpret_cast<cudaStream_t>(stream_ptr)});
+    auto make = [&](long long o, std::vector<int64_t> shape, at::ScalarType st) {
+      auto opts = torch::TensorOptions().dtype(st).device(torch::kCUDA, region_->device());
+      return torch::from_blob(region_->base() + o, shape, [owner](void*) {}, opts);
+    };
+    const auto xt = torch::python::detail::py_object_to_dtype(x_dtype);
+    Tensor x = make(off, {rows, hidden}, xt);
+    py::object s = scale_cols > 0 ? py::cast(make(off + bx, {rows, scale_cols}, at::kFloat)) : py::none();
+    Tensor idx = make(off + bx + bs, {rows, K}, at::kLong);
+    py::object w = has_w ? py::cast(make(off + bx + bs + bi, {rows, K}, at::kFloat)) : py::none();
+    return py::make_tuple(x, s, idx, w, off, scale_cols > 0 ? off + bx : -1, off + bx + bs, has_w ? off + bx + bs + bi : -1);
+  }
+
+  long long pool_free_bytes() { return pool_->free_bytes(); }
 
   py::bytes ipc_handle() const { return py::bytes(region_->ipc_handle()); }
 
@@ -144,6 +179,31 @@ class Runtime {
     check_launch("dispatch");
   }
 
+  void dispatch_push(const Tensor& x, int T, int row_bytes, const c10::optional<Tensor>& scales, int scale_cols,
+                     const Tensor& topk_idx, const c10::optional<Tensor>& topk_w, const Tensor& rank_pos,
+                     const Tensor& slot_pos, int E, int out_rows, const Tensor& recv_info, Tensor& out_x,
+                     const c10::optional<Tensor>& out_scales, const Tensor& out_idx, const c10::optional<Tensor>& out_w,
+                     std::vector<long long> offsets, int num_blocks) {
+    TORCH_CHECK(T <= lay_.max_tokens, "megatron_ep: ", T, " tokens exceed the region's ", lay_.max_tokens);
+    TORCH_CHECK(row_bytes <= lay_.x_row_bytes && row_bytes % 16 == 0, "megatron_ep: bad dispatch row size ", row_bytes);
+    TORCH_CHECK(offsets.size() == 4, "offsets: x, scales, idx, w");
+    const int K = (int)topk_idx.size(1);
+    TORCH_CHECK(K <= lay_.max_topk, "megatron_ep: topk exceeds the region's");
+    PushArgs a;
+    a.in = StageArgs{x.data_ptr(), T, row_bytes, ptr_or_null<const float>(scales), scale_cols,
+                     static_cast<const long long*>(topk_idx.data_ptr()), ptr_or_null<const float>(topk_w), K,
+                     rank_pos.data_ptr<int>(), slot_pos.data_ptr<int>()};
+    a.out = DispatchArgs{row_bytes, scale_cols, K, E, 0, topk_w.has_value() ? 1 : 0, out_rows, recv_info.data_ptr<int>(),
+                         static_cast<char*>(out_x.data_ptr()), ptr_or_null<float>(out_scales),
+                         static_cast<long long*>(out_idx.data_ptr()), ptr_or_null<float>(out_w), nullptr};
+    a.out_x_off = offsets[0];
+    a.out_s_off = offsets[1];
+    a.out_idx_off = offsets[2];
+    a.out_w_off = offsets[3];
+    launch_dispatch_push(ctx(), a, num_blocks, stream());
+    check_launch("dispatch_push");
+  }
+
   void stage_combine(const c10::optional<Tensor>& x, int rows, int row_bytes, const c10::optional<Tensor>& w,
                      int w_cols, int num_blocks) {
     TORCH_CHECK(rows <= lay_.comb_rows, "megatron_ep: combine input has ", rows, " rows; the region holds ", lay_.comb_rows);
@@ -179,6 +239,7 @@ class Runtime {
   }
 
   std::shared_ptr<Region> region_;
+  std::shared_ptr<Pool> pool_;
   RegionLayout lay_{};
   int rank_ = 0, num_ranks_ = 1;
   unsigned long long timeout_ns_ = 0;
@@ -222,6 +283,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("notify", &mep::Runtime::notify)
       .def("stage", &mep::Runtime::stage)
       .def("dispatch", &mep::Runtime::dispatch)
+      .def("dispatch_push", &mep::Runtime::dispatch_push)
+      .def("pool_rank_major", &mep::Runtime::pool_rank_major)
+      .def("pool_free_bytes", &mep::Runtime::pool_free_bytes)
       .def("stage_combine", &mep::Runtime::stage_combine)
       .def("combine", &mep::Runtime::combine);
 }

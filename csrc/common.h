@@ -22,9 +22,13 @@ enum Slot : int {
   kSlotDispatchDone = 2,  // puller finished reading this rank's dispatch staging
   kSlotCombStaged = 3,    // combine inputs staged
   kSlotCombDone = 4,      // puller finished reading this rank's combine staging
+  kSlotOutLoc = 5,        // push dispatch: this rank published where its outputs are
+  kSlotPushDone = 6,      // push dispatch: a sender finished writing into this rank's outputs
 };
 
-enum GridCounter : int { kGridStage = 0, kGridDispatch = 1, kGridStageComb = 2, kGridCombine = 3 };
+enum GridCounter : int {
+  kGridStage = 0, kGridDispatch = 1, kGridStageComb = 2, kGridCombine = 3, kGridBarrier = 4, kGridPush = 5
+};
 
 enum ErrorCode : int { kErrNone = 0, kErrTimeout = 1, kErrPeerAborted = 2 };
 
@@ -37,7 +41,9 @@ struct Control {
   int num_tokens;                                    // published by stage: T of this call
   int has_weights;                                   // published by stage: topk weights staged
   int comb_has_weights;                              // published by combine stage
-  int pad_[4];
+  int out_pooled;                                    // push dispatch: outputs lie in this region
+  long long out_x_off, out_s_off, out_idx_off, out_w_off;  // push dispatch: where (byte offsets)
+  int pad_[2];
 };
 
 // Byte offsets inside a region; identical on every rank (all ranks size from the same hints).

@@ -56,7 +56,8 @@ class CudaBackend:
 
     def __init__(self, buf, *, max_tokens_per_rank: Optional[int], hidden: Optional[int], num_experts: Optional[int],
                  max_topk: Optional[int], num_sms: Optional[int], dtype_bytes: int = 2, combine_bytes: int = 2,
-                 combine_rows: Optional[int] = None, timeout_s: float = DEFAULT_TIMEOUT_S):
+                 combine_rows: Optional[int] = None, pool_bytes: Optional[int] = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
         self.ext = _ext.load()
         fail(torch.cuda.is_available(), "backend='cuda' needs a CUDA device", RuntimeError)
         fail(max_tokens_per_rank is not None and hidden is not None,
@@ -70,7 +71,7 @@ class CudaBackend:
         self.max_topk = max_topk or 8
         fail(1 <= self.max_topk <= self.ext.MAX_TOPK, f"max_topk must be in 1..{self.ext.MAX_TOPK}")
         self.plan = plan_region(self.num_ranks, max_tokens_per_rank, hidden, self.max_topk, self.max_experts,
-                                  dtype_bytes, combine_bytes, combine_rows)
+                                  dtype_bytes, combine_bytes, combine_rows, pool_bytes)
         self.timeout_s = timeout_s
 
         # who shares my GPU: virtual ranks share one HBM and one set of SMs
@@ -213,6 +214,8 @@ class CudaBackend:
             topk_idx = handle.topk_idx
         scale_cols = scales.shape[1] if scales is not None else 0
 
+        # rank-major rows are pushed straight into pooled outputs when every rank has room
+        push = not permute and not num_worst_tokens and self.plan.pool_bytes > 0 and not torch.cuda.is_current_stream_capturing()
         compute = self._enter(previous_event)
         with torch.cuda.stream(self.stream):
             self._mark("start")
@@ -227,10 +230,11 @@ class CudaBackend:
                 self._mark("notify")
             else:
                 st = handle.state
-            zero_copy = data.data_ptr() == self.base + self.plan.stage_x
-            self.rt.stage(None if zero_copy else data, T, row_bytes, scales, scale_cols, topk_idx, topk_weights,
-                          st.rank_pos, st.slot_pos, self.num_sms)
-            self._mark("stage")
+            if not push:
+                zero_copy = data.data_ptr() == self.base + self.plan.stage_x
+                self.rt.stage(None if zero_copy else data, T, row_bytes, scales, scale_cols, topk_idx, topk_weights,
+                              st.rank_pos, st.slot_pos, self.num_sms)
+                self._mark("stage")
             if handle is None and not num_worst_tokens:
                 st.num_rows, st.num_perm_rows, st.counts = self._wait_counts(tag, L)
             valid = st.num_perm_rows if permute else st.num_rows
@@ -240,12 +244,21 @@ class CudaBackend:
 
         # outputs live on the caller's stream (record_stream below ties them to ours)
         with torch.cuda.stream(compute):
-            out_x = torch.empty((out_rows, H), dtype=data.dtype, device=self.device)
-            out_s = torch.empty((out_rows, scale_cols), dtype=torch.float32, device=self.device) if scales is not None else None
-            out_idx = None if permute else torch.empty((out_rows, K), dtype=torch.int64, device=self.device)
-            out_w = None
-            if topk_weights is not None:
-                out_w = torch.empty((out_rows,) if permute else (out_rows, K), dtype=torch.float32, device=self.device)
+            pooled = None
+            if push:
+                pooled = self.rt.pool_rank_major(out_rows, H, data.dtype, row_bytes, scale_cols, K,
+                                                 topk_weights is not None, compute.cuda_stream)
+            if pooled is not None:
+                out_x, out_s, out_idx, out_w = pooled[:4]
+                offsets = list(pooled[4:])
+            else:
+                out_x = torch.empty((out_rows, H), dtype=data.dtype, device=self.device)
+                out_s = torch.empty((out_rows, scale_cols), dtype=torch.float32, device=self.device) if scales is not None else None
+                out_idx = None if permute else torch.empty((out_rows, K), dtype=torch.int64, device=self.device)
+                out_w = None
+                if topk_weights is not None:
+                    out_w = torch.empty((out_rows,) if permute else (out_rows, K), dtype=torch.float32, device=self.device)
+                offsets = [-1, -1, -1, -1]
             out_re = torch.empty(out_rows, dtype=torch.int32, device=self.device) if permute else None
             tpe = torch.empty(L, dtype=torch.int64, device=self.device)
             if POISON:
@@ -254,9 +267,14 @@ class CudaBackend:
         if POISON:
             self.stream.wait_stream(compute)
         with torch.cuda.stream(self.stream):
-            self.rt.dispatch(row_bytes, scale_cols, K, num_experts, permute, topk_weights is not None, out_rows,
-                             st.recv_info, out_x, out_s, out_idx, out_w, out_re, self.num_sms)
-            self._mark("pull")
+            if push:
+                self.rt.dispatch_push(data, T, row_bytes, scales, scale_cols, topk_idx, topk_weights, st.rank_pos,
+                                      st.slot_pos, num_experts, out_rows, st.recv_info, out_x, out_s, out_idx, out_w,
+                                      offsets, self.num_sms)
+            else:
+                self.rt.dispatch(row_bytes, scale_cols, K, num_experts, permute, topk_weights is not None, out_rows,
+                                 st.recv_info, out_x, out_s, out_idx, out_w, out_re, self.num_sms)
+            self._mark("pull" if not push else "push")
             tpe.copy_(st.recv_info[3 + L:3 + 2 * L] if permute else st.recv_info[3:3 + L])
         event = self._leave(compute, [data, scales, topk_idx, topk_weights, st.rank_pos, st.slot_pos, st.recv_info,
                                       out_x, out_s, out_idx, out_w, out_re, tpe], async_op)

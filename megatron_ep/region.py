@@ -11,6 +11,7 @@ and lays it out identically (csrc/common.h, RegionLayout):
     stage_rpos T_max * 8 * 4                   row of each token in each rank-major output
     comb_x    C * hidden * combine_bytes        combine input rows (C = combine_rows)
     comb_w    C * K_max * 4                     combine weights
+    pool      P bytes                           rank-major dispatch outputs (push path)
 
 with C = max(R * T_max, T_max * K_max) + (E_max / R) * 128 by default: the worst case of a
 rank-major combine, and the usual expert-major one (about T * K rows plus alignment padding).
@@ -52,6 +53,8 @@ class RegionLayout:
     comb_x: int
     comb_w: int
     total: int
+    pool: int
+    pool_bytes: int
     max_tokens: int
     max_topk: int
     max_experts: int
@@ -65,7 +68,10 @@ class RegionLayout:
 
 
 def plan_region(num_ranks: int, max_tokens: int, hidden: int, max_topk: int, max_experts: int,
-                dtype_bytes: int = 2, combine_bytes: int = 2, combine_rows: int | None = None) -> RegionLayout:
+                dtype_bytes: int = 2, combine_bytes: int = 2, combine_rows: int | None = None,
+                pool_bytes: int | None = None) -> RegionLayout:
+    if pool_bytes is None:  # a worst-case rank-major output (rows, scales, ids, weights) + 25%
+        pool_bytes = 5 * num_ranks * max_tokens * (_align16(hidden * dtype_bytes) + 4 * math.ceil(hidden / FP8_BLOCK) + 12 * max_topk) // 4 + 8 * 256
     if combine_rows is None:
         combine_rows = max(num_ranks * max_tokens, max_tokens * max_topk) + (max_experts // num_ranks) * 128
     x_row = _align16(hidden * dtype_bytes)
@@ -83,11 +89,12 @@ def plan_region(num_ranks: int, max_tokens: int, hidden: int, max_topk: int, max
         ("stage_spos", max_tokens * max_topk * 4),
         ("comb_x", combine_rows * comb_row),
         ("comb_w", combine_rows * max_topk * 4),
+        ("pool", pool_bytes),
     ]:
         off = _align(off)
         sections[name] = off
         off += max(size, 16)
-    return RegionLayout(total=_align(off), max_tokens=max_tokens, max_topk=max_topk, max_experts=max_experts,
+    return RegionLayout(total=_align(off), pool_bytes=pool_bytes, max_tokens=max_tokens, max_topk=max_topk, max_experts=max_experts,
                         x_row_bytes=x_row, scale_cols=scale_cols, comb_rows=combine_rows,
                         comb_row_bytes=comb_row, **sections)
 

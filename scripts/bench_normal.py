@@ -115,6 +115,12 @@ def our_runs(args, x, x_fp8, idx, w, timer, res):
     res["combine_expert"] = timer(lambda: buf.combine(y_em, em.handle))
     zce = buf.get_combine_input(M, H)
     res["combine_expert_zero_copy"] = timer(lambda: buf.combine(zce, em.handle), setup=lambda: zce.copy_(y_em))
+    # the notify kernel alone (count exchange + positions), and with no tokens (handshake only)
+    impl = buf._impl
+    rp, sp, ri = (torch.empty((T, R), dtype=torch.int32, device="cuda"), torch.empty((T, K), dtype=torch.int32, device="cuda"),
+                  torch.empty(3 + 3 * L, dtype=torch.int32, device="cuda"))
+    res["notify_kernel"] = timer(lambda: impl.rt.notify(idx, E, 1, rp, sp, ri, 0))
+    res["notify_kernel_T0"] = timer(lambda: impl.rt.notify(idx[:0], E, 1, rp[:0], sp[:0], ri, 0))
     res["phases_dispatch"] = phases(buf, timer, lambda: buf.dispatch(x, idx, w, num_experts=E))
     res["phases_combine_zero_copy"] = phases(buf, timer, lambda: buf.combine(zc, rm.handle), setup=lambda: zc.copy_(y_rm))
     res["phases_combine"] = phases(buf, timer, lambda: buf.combine(y_rm, rm.handle))
@@ -210,6 +216,8 @@ def report(args, allres):
         ("combine_expert", "bytes_bf16", None),
         ("combine_expert_zero_copy", "bytes_bf16", None),
         ("copy", "bytes_bf16", None),
+        ("notify_kernel", "bytes_bf16", None),
+        ("notify_kernel_T0", "bytes_bf16", None),
         ("permute", "bytes_bf16", None),
     ]
     if have_deepep:

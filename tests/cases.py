@@ -34,6 +34,9 @@ CUDA_SIZING = dict(max_tokens_per_rank=64, hidden=7168, num_experts=256, max_top
 def make_buffer(backend: str, **sizing) -> mep.Buffer:
     if backend == "cuda":
         sizing = {**CUDA_SIZING, **sizing}
+        rank0_pool = sizing.pop("pool_bytes_rank0", None)  # e.g. one rank without room: mixed push/pull
+        if rank0_pool is not None and dist.get_rank() == 0:
+            sizing["pool_bytes"] = rank0_pool
     return mep.Buffer(dist.group.WORLD, backend=backend, **sizing)
 
 

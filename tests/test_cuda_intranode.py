@@ -23,7 +23,7 @@ ENV = {"MEP_TEST_CUDA": "1", "MEP_POISON": "1", "MEP_TIMEOUT_S": "30", "CUDA_MOD
 _pools = {}
 
 
-def pool(R, **extra):
+def pool_(R, **extra):
     key = (R, tuple(sorted(extra.items())))
     if key not in _pools or _pools[key].broken:
         _pools[key] = DistPool(R, env={**ENV, **extra})
@@ -47,27 +47,38 @@ def test_normal_cases(R):
     selected = normal_cases(R)
     if os.environ.get("MEP_CASES"):  # a subset, e.g. for the sanitizer runs
         selected = [selected[int(i)] for i in os.environ["MEP_CASES"].split(",")]
-    errors = _flat(pool(R).run(cases.run_normal_cases, selected, backend="cuda", device="cuda", timeout=600))
+    errors = _flat(pool_(R).run(cases.run_normal_cases, selected, backend="cuda", device="cuda", timeout=600))
+    assert not errors, "\n".join(errors[:20])
+
+
+@pytest.mark.parametrize("R", [2, 4, 8])
+@pytest.mark.parametrize("pool", ["none", "rank0"])
+def test_push_fallback(R, pool):
+    """Rank-major dispatch when some or all ranks have no room in their pool: every rank must
+    agree on stage-and-pull inside the push kernel, with the same results."""
+    sizing = {"pool_bytes": 256} if pool == "none" else {"pool_bytes_rank0": 256}
+    selected = [dict(c, sizing=sizing) for c in normal_cases(R)[:4]]
+    errors = _flat(pool_(R).run(cases.run_normal_cases, selected, backend="cuda", device="cuda", timeout=600))
     assert not errors, "\n".join(errors[:20])
 
 
 @pytest.mark.parametrize("R", [2, 4, 8])
 def test_cuda_graph(R):
     cfg = dict(seed=77 + R, E=4 * R, K=4, H=512, T=24, align=16)
-    errors = _flat(pool(R).run(cases.run_cuda_graph_case, cfg, timeout=600))
+    errors = _flat(pool_(R).run(cases.run_cuda_graph_case, cfg, timeout=600))
     assert not errors, "\n".join(errors[:20])
 
 
 @pytest.mark.parametrize("R", [2, 4, 8])
 def test_repeated_calls(R):
     cfg = dict(seed=5 * R, E=8 * R, K=6, H=256, t_max=40, iters=120)
-    errors = _flat(pool(R).run(cases.run_repeated, cfg, timeout=600))
+    errors = _flat(pool_(R).run(cases.run_repeated, cfg, timeout=600))
     assert not errors, "\n".join(errors[:20])
 
 
 @pytest.mark.parametrize("R", [2, 4])
 def test_bad_inputs(R):
-    errors = _flat(pool(R).run(cases.run_bad_inputs, backend="cuda", device="cuda", timeout=600))
+    errors = _flat(pool_(R).run(cases.run_bad_inputs, backend="cuda", device="cuda", timeout=600))
     assert not errors, "\n".join(errors[:40])
 
 

@@ -57,6 +57,16 @@ struct DispatchArgs {
 };
 void launch_dispatch(const Ctx& ctx, const DispatchArgs& args, int num_blocks, cudaStream_t stream);
 
+// Rank-major dispatch by push: each rank publishes where its outputs are; when every rank's
+// outputs lie in its region (pool), senders read each of their rows once and write it straight
+// into every destination's output. Otherwise all ranks stage and pull, in the same kernel.
+struct PushArgs {
+  StageArgs in;       // this rank's inputs
+  DispatchArgs out;   // this rank's outputs (local pointers) and receive layout
+  long long out_x_off, out_s_off, out_idx_off, out_w_off;  // outputs inside this region; x_off < 0: not pooled
+};
+void launch_dispatch_push(const Ctx& ctx, const PushArgs& args, int num_blocks, cudaStream_t stream);
+
 // Copy the combine input (unless it already lies in the region) and weights; signal pullers.
 struct StageCombineArgs {
   const void* x;  // [rows, row_bytes] or nullptr (zero copy)

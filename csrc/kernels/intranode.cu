@@ -27,7 +27,8 @@ __device__ __forceinline__ T* at(const Ctx& c, int r, long long off) {
 }
 
 // ------------------------------------------------------------------------------------- stage
-__global__ void __launch_bounds__(kCopyThreads, 1) stage_kernel(Ctx c, StageArgs a) {
+// Copy this rank's dispatch inputs into its region (grid-stride; every block takes a share).
+__device__ __forceinline__ void stage_body(const Ctx& c, const StageArgs& a) {
   const int R = c.num_ranks;
   const long long gtid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   const long long nthreads = (long long)gridDim.x * blockDim.x;
@@ -52,6 +53,10 @@ __global__ void __launch_bounds__(kCopyThreads, 1) stage_kernel(Ctx c, StageArgs
     me->num_tokens = a.T;
     me->has_weights = a.topk_w != nullptr;
   }
+}
+
+__global__ void __launch_bounds__(kCopyThreads, 1) stage_kernel(Ctx c, StageArgs a) {
+  stage_body(c, a);
   __syncthreads();
   if (threadIdx.x == 0 && last_block_done(c, kGridStage)) signal_all(c, kSlotStaged);
 }
@@ -95,12 +100,11 @@ __device__ __forceinline__ bool is_pad_row(const int* info, int L, int row) {
   return row - seg[lo] >= info[3 + lo];
 }
 
-__global__ void __launch_bounds__(kCopyThreads, 1) dispatch_kernel(Ctx c, DispatchArgs a) {
+// Pull every row bound for this rank from the peers' staging into the outputs, and fill the
+// padding. Called once the peers' staging is known to be complete.
+__device__ __forceinline__ void pull_body(const Ctx& c, const DispatchArgs& a) {
   __shared__ int s_tok[kMaxRanks + 1];  // prefix of the peers' token counts
   const int R = c.num_ranks, rank = c.rank, L = a.E / R, K = a.K;
-  Control* me = ctrl_of(c, rank);
-  const unsigned long long target = me->expected[kSlotStaged] + 1;
-  if (!block_wait_all(c, kSlotStaged, target)) return;
   if (threadIdx.x == 0) {
     s_tok[0] = 0;
     for (int s = 0; s < R; ++s) s_tok[s + 1] = s_tok[s] + ld_volatile(&ctrl_of(c, s)->num_tokens);
@@ -198,6 +202,14 @@ __global__ void __launch_bounds__(kCopyThreads, 1) dispatch_kernel(Ctx c, Dispat
     }
   }
 
+}
+
+__global__ void __launch_bounds__(kCopyThreads, 1) dispatch_kernel(Ctx c, DispatchArgs a) {
+  const int R = c.num_ranks;
+  Control* me = ctrl_of(c, c.rank);
+  const unsigned long long target = me->expected[kSlotStaged] + 1;
+  if (!block_wait_all(c, kSlotStaged, target)) return;
+  pull_body(c, a);
   // done reading the peers' staging: tell them, and wait until nobody reads ours any more
   __syncthreads();
   if (threadIdx.x == 0 && last_block_done(c, kGridDispatch)) {
@@ -214,6 +226,151 @@ __global__ void __launch_bounds__(kCopyThreads, 1) dispatch_kernel(Ctx c, Dispat
 
 void launch_dispatch(const Ctx& ctx, const DispatchArgs& args, int num_blocks, cudaStream_t stream) {
   dispatch_kernel<<<num_blocks, kCopyThreads, 0, stream>>>(ctx, args);
+}
+
+// -------------------------------------------------------------------------------------- push
+// Copy one local row to every destination lane in `dests` holds a pointer for.
+__device__ __forceinline__ void copy_row_to(const char* src, int row_bytes, unsigned dests, unsigned long long dst) {
+  constexpr int U = 8;
+  const int lane = lane_id();
+  const int n16 = row_bytes >> 4;
+  const int4* s16 = reinterpret_cast<const int4*>(src);
+  for (int it = 0; it * 32 * U < n16; ++it) {  // uniform trip count: shuffles inside
+    const int base = it * 32 * U + lane;
+    int4 v[U];
+#pragma unroll
+    for (int j = 0; j < U; ++j)
+      if (base + j * 32 < n16) v[j] = __ldg(s16 + base + j * 32);
+    for (unsigned m = dests; m; m &= m - 1) {
+      int4* d16 = reinterpret_cast<int4*>(__shfl_sync(kFull, dst, __ffs(m) - 1));
+#pragma unroll
+      for (int j = 0; j < U; ++j)
+        if (base + j * 32 < n16) d16[base + j * 32] = v[j];
+    }
+  }
+}
+
+// Thread 0 of every block; all blocks of the grid are resident (the same assumption the
+// cross-rank waits make). A hang here means they were not: report it instead of hanging.
+__device__ __forceinline__ bool grid_barrier(const Ctx& c) {
+  Control* me = ctrl_of(c, c.rank);
+  __threadfence();
+  atomicAdd(&me->grid_done[kGridBarrier], 1u);
+  const unsigned long long start = globaltimer();
+  while (ld_volatile(reinterpret_cast<const int*>(&me->grid_done[kGridBarrier])) < (int)gridDim.x) {
+    if (globaltimer() - start > c.timeout_ns) {
+      report_failure(c, kErrTimeout, c.rank, kNumSlots, gridDim.x, 0);
+      return false;
+    }
+  }
+  return true;
+}
+
+__global__ void __launch_bounds__(kCopyThreads, 1) dispatch_push_kernel(Ctx c, PushArgs a) {
+  __shared__ long long s_off[4][kMaxRanks];
+  __shared__ int s_all_pooled;
+  const int R = c.num_ranks, rank = c.rank, L = a.out.E / R, K = a.in.K;
+  Control* me = ctrl_of(c, rank);
+  const unsigned long long t_loc = me->expected[kSlotOutLoc] + 1;
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    me->out_x_off = a.out_x_off;
+    me->out_s_off = a.out_s_off;
+    me->out_idx_off = a.out_idx_off;
+    me->out_w_off = a.out_w_off;
+    me->out_pooled = a.out_x_off >= 0;
+    signal_all(c, kSlotOutLoc);
+  }
+  if (!block_wait_all(c, kSlotOutLoc, t_loc)) return;
+  if (threadIdx.x == 0) {
+    int all = 1;
+    for (int d = 0; d < R; ++d) {
+      const Control* p = ctrl_of(c, d);
+      all &= ld_volatile(&p->out_pooled);
+      s_off[0][d] = *reinterpret_cast<const volatile long long*>(&p->out_x_off);
+      s_off[1][d] = *reinterpret_cast<const volatile long long*>(&p->out_s_off);
+      s_off[2][d] = *reinterpret_cast<const volatile long long*>(&p->out_idx_off);
+      s_off[3][d] = *reinterpret_cast<const volatile long long*>(&p->out_w_off);
+    }
+    s_all_pooled = all;
+  }
+  __syncthreads();
+  const int lane = lane_id();
+  const int gw = blockIdx.x * kCopyWarps + (threadIdx.x >> 5), tw = gridDim.x * kCopyWarps;
+  const StageArgs& in = a.in;
+
+  if (s_all_pooled) {
+    // every output is reachable: read each local row once, write it to each destination
+    for (int t = gw; t < in.T; t += tw) {
+      int pos = -1;
+      unsigned long long dst = 0, dst_s = 0;
+      if (lane < R) {
+        pos = __ldg(in.rank_pos + (long long)t * R + lane);
+        if (pos >= 0) {
+          dst = reinterpret_cast<unsigned long long>(region(c, lane) + s_off[0][lane] + (long long)pos * in.row_bytes);
+          dst_s = reinterpret_cast<unsigned long long>(region(c, lane) + s_off[1][lane] + (long long)pos * in.scale_cols * 4);
+        }
+      }
+      long long e = -1;
+      float w = 0.f;
+      if (lane < K) {
+        e = __ldg(in.topk_idx + (long long)t * K + lane);
+        if (in.topk_w != nullptr) w = __ldg(in.topk_w + (long long)t * K + lane);
+      }
+      const unsigned dests = __ballot_sync(kFull, pos >= 0);
+      copy_row_to(static_cast<const char*>(in.x) + (long long)t * in.row_bytes, in.row_bytes, dests, dst);
+      for (unsigned m = dests; m; m &= m - 1) {
+        const int d = __ffs(m) - 1;
+        const int p = __shfl_sync(kFull, pos, d);
+        if (in.scales != nullptr)
+          warp_copy_bytes(reinterpret_cast<char*>(__shfl_sync(kFull, dst_s, d)),
+                          reinterpret_cast<const char*>(in.scales + (long long)t * in.scale_cols), in.scale_cols * 4);
+        if (lane < K) {
+          const bool local = e >= 0 && e / L == d;
+          reinterpret_cast<long long*>(region(c, d) + s_off[2][d])[(long long)p * K + lane] = local ? e - (long long)d * L : -1;
+          if (s_off[3][d] >= 0) reinterpret_cast<float*>(region(c, d) + s_off[3][d])[(long long)p * K + lane] = local ? w : 0.f;
+        }
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0 && last_block_done(c, kGridPush)) {
+      const unsigned long long done = me->expected[kSlotPushDone] + 1;
+      signal_all(c, kSlotPushDone);  // this rank's writes into every output are complete
+      bool ok = true;
+      for (int s = 0; s < R && ok; ++s) ok = wait_signal(c, kSlotPushDone, s, done);
+      if (ok) {
+        me->expected[kSlotOutLoc] = t_loc;
+        me->expected[kSlotPushDone] = done;
+      }
+    }
+    return;
+  }
+
+  // some rank's outputs are ordinary tensors: everybody stages and pulls (same kernel)
+  stage_body(c, in);
+  __syncthreads();
+  if (threadIdx.x == 0 && !grid_barrier(c)) return;
+  __syncthreads();
+  if (blockIdx.x == 0 && threadIdx.x == 0) signal_all(c, kSlotStaged);
+  const unsigned long long t_st = me->expected[kSlotStaged] + 1;
+  if (!block_wait_all(c, kSlotStaged, t_st)) return;
+  pull_body(c, a.out);
+  __syncthreads();
+  if (threadIdx.x == 0 && last_block_done(c, kGridDispatch)) {
+    const unsigned long long done = me->expected[kSlotDispatchDone] + 1;
+    signal_all(c, kSlotDispatchDone);
+    bool ok = true;
+    for (int s = 0; s < R && ok; ++s) ok = wait_signal(c, kSlotDispatchDone, s, done);
+    me->grid_done[kGridBarrier] = 0;
+    if (ok) {
+      me->expected[kSlotOutLoc] = t_loc;
+      me->expected[kSlotStaged] = t_st;
+      me->expected[kSlotDispatchDone] = done;
+    }
+  }
+}
+
+void launch_dispatch_push(const Ctx& ctx, const PushArgs& args, int num_blocks, cudaStream_t stream) {
+  dispatch_push_kernel<<<num_blocks, kCopyThreads, 0, stream>>>(ctx, args);
 }
 
 // ----------------------------------------------------------------------------- stage combine
@@ -287,7 +444,8 @@ struct Acc<true> {  // 4 fp32 per 16 bytes
 
 template <bool kFp32>
 __global__ void __launch_bounds__(kCopyThreads, 1) combine_kernel(Ctx c, CombineArgs a) {
-  constexpr int kChunks = 4;  // 16-byte chunks per lane per step
+  constexpr int kChunks = 4;    // 16-byte chunks per lane per step
+  constexpr int kSrcBatch = 4;  // source rows loaded together: 16 loads in flight per lane
   const int R = c.num_ranks, K = a.K, L = a.E / R;
   Control* me = ctrl_of(c, c.rank);
   const unsigned long long target = me->expected[kSlotCombStaged] + 1;
@@ -314,35 +472,36 @@ __global__ void __launch_bounds__(kCopyThreads, 1) combine_kernel(Ctx c, Combine
     const unsigned srcs = __ballot_sync(kFull, src != nullptr);
     const unsigned long long src_u = reinterpret_cast<unsigned long long>(src);
     int4* y = reinterpret_cast<int4*>(static_cast<char*>(a.y) + (long long)t * row_bytes);
-    // U chunks per lane and two source rows at a time: 8 loads of 16 bytes in flight per lane
+    // kChunks chunks per lane from kSrcBatch source rows at a time (accumulated in row order)
     for (int it = 0; it * 32 * kChunks < n16; ++it) {  // uniform trip count: shuffles inside
       const int base = it * 32 * kChunks + lane;
       Acc<kFp32> acc[kChunks];
 #pragma unroll
       for (int j = 0; j < kChunks; ++j) acc[j].zero();
       for (unsigned m = srcs; m;) {
-        const int j0 = __ffs(m) - 1;
-        m &= m - 1;
-        const int4* p0 = reinterpret_cast<const int4*>(__shfl_sync(kFull, src_u, j0));
-        const int4* p1 = nullptr;
-        if (m) {
-          p1 = reinterpret_cast<const int4*>(__shfl_sync(kFull, src_u, __ffs(m) - 1));
-          m &= m - 1;
+        const int4* p[kSrcBatch];
+#pragma unroll
+        for (int b = 0; b < kSrcBatch; ++b) {  // warp-uniform: every lane sees the same m
+          p[b] = nullptr;
+          if (m) {
+            p[b] = reinterpret_cast<const int4*>(__shfl_sync(kFull, src_u, __ffs(m) - 1));
+            m &= m - 1;
+          }
         }
-        int4 v0[kChunks], v1[kChunks];
+        int4 v[kSrcBatch][kChunks];
 #pragma unroll
-        for (int j = 0; j < kChunks; ++j)
-          if (base + j * 32 < n16) v0[j] = __ldcg(p0 + base + j * 32);
-        if (p1 != nullptr) {
+        for (int b = 0; b < kSrcBatch; ++b)
+          if (p[b] != nullptr) {
 #pragma unroll
-          for (int j = 0; j < kChunks; ++j)
-            if (base + j * 32 < n16) v1[j] = __ldcg(p1 + base + j * 32);
-        }
+            for (int j = 0; j < kChunks; ++j)
+              if (base + j * 32 < n16) v[b][j] = __ldcg(p[b] + base + j * 32);
+          }
 #pragma unroll
-        for (int j = 0; j < kChunks; ++j)
-          if (base + j * 32 < n16) {
-            acc[j].add(v0[j]);
-            if (p1 != nullptr) acc[j].add(v1[j]);
+        for (int b = 0; b < kSrcBatch; ++b)
+          if (p[b] != nullptr) {
+#pragma unroll
+            for (int j = 0; j < kChunks; ++j)
+              if (base + j * 32 < n16) acc[j].add(v[b][j]);
           }
       }
 #pragma unroll
@@ -391,6 +550,7 @@ void prepare_kernels() {
   cudaFuncAttributes attr;
   cudaFuncGetAttributes(&attr, stage_kernel);
   cudaFuncGetAttributes(&attr, dispatch_kernel);
+  cudaFuncGetAttributes(&attr, dispatch_push_kernel);
   cudaFuncGetAttributes(&attr, stage_combine_kernel);
   cudaFuncGetAttributes(&attr, combine_kernel<true>);
   cudaFuncGetAttributes(&attr, combine_kernel<false>);

@@ -1,0 +1,106 @@
+#include "pool.h"
+
+namespace mep {
+
+namespace {
+struct DeviceGuard {
+  int prev = -1;
+  explicit DeviceGuard(int dev) {
+    cudaGetDevice(&prev);
+    if (prev != dev) cudaSetDevice(dev);
+  }
+  ~DeviceGuard() {
+    int cur = -1;
+    cudaGetDevice(&cur);
+    if (prev >= 0 && cur != prev) cudaSetDevice(prev);
+  }
+};
+}  // namespace
+
+Pool::Pool(int device, long long begin, long long bytes) : device_(device) {
+  if (bytes >= kAlign) free_[begin] = bytes / kAlign * kAlign;
+}
+
+Pool::~Pool() {
+  DeviceGuard g(device_);
+  for (auto& p : pending_) cudaEventDestroy(p.ev);
+  for (auto e : spare_events_) cudaEventDestroy(e);
+}
+
+long long Pool::alloc(long long bytes) {
+  bytes = (bytes + kAlign - 1) / kAlign * kAlign;
+  if (bytes == 0) bytes = kAlign;
+  std::lock_guard<std::mutex> lock(mu_);
+  DeviceGuard g(device_);
+  reap(false);
+  long long off = take(bytes);
+  while (off < 0 && !pending_.empty()) {  // memory pressure: wait for the oldest frees
+    reap(true);
+    off = take(bytes);
+  }
+  return off;
+}
+
+void Pool::release(long long offset, long long bytes, cudaStream_t stream) {
+  bytes = (bytes + kAlign - 1) / kAlign * kAlign;
+  if (bytes == 0) bytes = kAlign;
+  std::lock_guard<std::mutex> lock(mu_);
+  DeviceGuard g(device_);
+  cudaEvent_t ev;
+  if (!spare_events_.empty()) {
+    ev = spare_events_.back();
+    spare_events_.pop_back();
+  } else if (cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) != cudaSuccess) {
+    cudaDeviceSynchronize();  // no event: make the range safe the slow way
+    insert_free(offset, bytes);
+    return;
+  }
+  cudaEventRecord(ev, stream);
+  pending_.push_back({offset, bytes, ev});
+}
+
+long long Pool::free_bytes() {
+  std::lock_guard<std::mutex> lock(mu_);
+  long long n = 0;
+  for (auto& kv : free_) n += kv.second;
+  return n;
+}
+
+void Pool::reap(bool wait_oldest) {
+  if (wait_oldest && !pending_.empty()) cudaEventSynchronize(pending_.front().ev);
+  while (!pending_.empty() && cudaEventQuery(pending_.front().ev) == cudaSuccess) {
+    insert_free(pending_.front().off, pending_.front().size);
+    spare_events_.push_back(pending_.front().ev);
+    pending_.pop_front();
+  }
+  cudaGetLastError();  // cudaEventQuery's cudaErrorNotReady is not an error here
+}
+
+long long Pool::take(long long bytes) {
+  for (auto it = free_.begin(); it != free_.end(); ++it) {
+    if (it->second < bytes) continue;
+    const long long off = it->first, rest = it->second - bytes;
+    free_.erase(it);
+    if (rest > 0) free_[off + bytes] = rest;
+    return off;
+  }
+  return -1;
+}
+
+void Pool::insert_free(long long off, long long size) {
+  auto next = free_.lower_bound(off);
+  if (next != free_.end() && off + size == next->first) {
+    size += next->second;
+    next = free_.erase(next);
+  }
+  if (next != free_.begin()) {
+    auto prev = std::prev(next);
+    if (prev->first + prev->second == off) {
+      prev->second += size;
+      return;
+    }
+  }
+  free_[off] = size;
+}
+
+}  // namespace mep

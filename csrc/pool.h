@@ -1,0 +1,42 @@
+// A first-fit allocator over a section of the communication region. Dispatch outputs allocated
+// here are ordinary tensors for the caller, but peers can write into them directly (push). A
+// block returns to the pool when its last tensor dies: an event recorded on the stream that
+// used it marks when the memory is really free, and the pool only hands out ranges whose event
+// has completed (waiting for the oldest ones only when nothing else fits).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <deque>
+#include <map>
+#include <mutex>
+#include <vector>
+
+namespace mep {
+
+class Pool {
+ public:
+  static constexpr long long kAlign = 256;
+  Pool(int device, long long begin, long long bytes);
+  ~Pool();
+  long long alloc(long long bytes);  // offset in the region, or -1
+  void release(long long offset, long long bytes, cudaStream_t stream);
+  long long free_bytes();
+
+ private:
+  struct Pending {
+    long long off, size;
+    cudaEvent_t ev;
+  };
+  void reap(bool wait_oldest);
+  long long take(long long bytes);
+  void insert_free(long long off, long long size);
+
+  int device_;
+  std::mutex mu_;
+  std::map<long long, long long> free_;  // offset -> size, coalesced
+  std::deque<Pending> pending_;          // freed by the host, maybe still in use on the device
+  std::vector<cudaEvent_t> spare_events_;
+};
+
+}  // namespace mep
