@@ -78,14 +78,18 @@ class Runtime {
     const long long total = bx + bs + bi + bw;
     const long long off = pool_->alloc(total);
     if (off < 0) return py::none();
-    struct Owner {
+    struct Owner {  // returns the block when the last tensor over it dies (never copied)
       std::shared_ptr<Pool> pool;
       std::shared_ptr<Region> region;
       long long off, bytes;
       cudaStream_t stream;
+      Owner(std::shared_ptr<Pool> p, std::shared_ptr<Region> r, long long o, long long b, cudaStream_t s)
+          : pool(std::move(p)), region(std::move(r)), off(o), bytes(b), stream(s) {}
+      Owner(const Owner&) = delete;
+      Owner& operator=(const Owner&) = delete;
       ~Owner() { pool->release(off, bytes, stream); }
     };
-    auto owner = std::make_shared<Owner>(Owner{pool_, region_, off, total, reinterpret_cast<cudaStream_t>(stream_ptr)});
+    auto owner = std::make_shared<Owner>(pool_, region_, off, total, reinterpret_cast<cudaStream_t>(stream_ptr));
     auto make = [&](long long o, std::vector<int64_t> shape, at::ScalarType st) {
       auto opts = torch::TensorOptions().dtype(st).device(torch::kCUDA, region_->device());
       return torch::from_blob(region_->base() + o, shape, [owner](void*) {}, opts);

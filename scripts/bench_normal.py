@@ -49,10 +49,28 @@ def parse():
 
 
 class Timer:
+    """Median of isolated calls (all ranks released together by a barrier before each call),
+    and the mean over a back-to-back loop of calls (no barrier between calls: the ops' own
+    handshakes keep the ranks in step, as in a training step). Returns (isolated, loop) in us."""
+
     def __init__(self, args):
         self.args = args
 
     def __call__(self, fn, setup=None):
+        iso = self.isolated(fn, setup)
+        if setup is not None:  # ops whose input must be refreshed each call: isolated only
+            return iso, iso
+        torch.cuda.synchronize()
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(self.args.iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return iso, start.elapsed_time(end) * 1e3 / self.args.iters
+
+    def isolated(self, fn, setup=None):
         times = []
         for i in range(self.args.warmup + self.args.iters):
             if setup is not None:
@@ -87,7 +105,7 @@ def phases(buf, timer, fn, setup=None):
         if setup is not None:
             setup()
 
-    timer(traced, setup=collect)
+    timer.isolated(traced, setup=collect)
     impl.trace = None
     return {k: statistics.median(v) for k, v in samples.items()}
 
@@ -197,14 +215,14 @@ def worker(rank, args, port):
 def report(args, allres):
     R = args.ranks
     mean = lambda k: sum(r[k] for r in allres) / R  # noqa: E731
-    worst = lambda k: max(r[k] for r in allres)  # noqa: E731
+    mean2 = lambda k, i: sum(r[k][i] for r in allres) / R  # noqa: E731
     have_deepep = "deepep_dispatch" in allres[0]
     print(f"\nbench_normal: {R} ranks x {args.tokens} tokens, hidden {args.hidden}, top-{args.topk} of {args.experts}, "
           f"SMs/rank ours {allres[0]['num_sms']} deepep {args.num_sms or 24}; rows/rank rank-major {mean('rows_rank_major'):.0f}, "
           f"expert-major {mean('rows_expert_major'):.0f}; median of {args.iters}")
     if not have_deepep:
         print(f"  (DeepEP not measured: {allres[0].get('deepep_error', 'disabled')})")
-    print(f"{'operation':<34}{'us (mean)':>10}{'us (max)':>10}{'GB/s':>8}{'vs copy':>9}{'vs DeepEP':>11}")
+    print(f"{'operation':<34}{'us':>9}{'us loop':>9}{'us max':>9}{'GB/s':>7}{'vs copy':>9}{'vs DeepEP':>10}{'(loop)':>8}")
     pairs = [
         ("dispatch", "bytes_bf16", "deepep_dispatch"),
         ("dispatch_cached", "bytes_bf16", "deepep_dispatch_cached"),
@@ -224,11 +242,11 @@ def report(args, allres):
         pairs += [(k, "bytes_bf16", None) for k in ("deepep_dispatch", "deepep_dispatch_cached", "deepep_dispatch_cached_plus_permute", "deepep_combine")]
         pairs += [("deepep_dispatch_fp8_cached", "bytes_fp8", None)]
     for name, bkey, peer in pairs:
-        t = mean(name)
-        gbs = mean(bkey) / t / 1e3
-        vs_copy = t / mean("copy")
-        vs_peer = f"{t / mean(peer):>10.2f}x" if (peer and have_deepep) else f"{'':>11}"
-        print(f"{name:<34}{t:>10.1f}{worst(name):>10.1f}{gbs:>8.0f}{vs_copy:>8.2f}x{vs_peer}")
+        iso, loop = mean2(name, 0), mean2(name, 1)
+        gbs = mean(bkey) / loop / 1e3
+        vs_copy = loop / mean2("copy", 1)
+        ratio = f"{iso / mean2(peer, 0):>9.2f}x{loop / mean2(peer, 1):>7.2f}x" if (peer and have_deepep) else f"{'':>18}"
+        print(f"{name:<34}{iso:>9.1f}{loop:>9.1f}{max(r[name][0] for r in allres):>9.1f}{gbs:>7.0f}{vs_copy:>8.2f}x {ratio}")
     for key in ("phases_dispatch", "phases_combine", "phases_combine_zero_copy"):
         names = allres[0][key].keys()
         print(f"  {key[7:]:<24} " + "  ".join(f"{n} {sum(r[key][n] for r in allres) / R:.1f} us" for n in names))

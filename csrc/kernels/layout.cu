@@ -14,6 +14,7 @@ namespace mep {
 constexpr int kNotifyWarps = 32;
 constexpr int kNotifyThreads = kNotifyWarps * 32;
 constexpr int kLayoutThreads = 256;
+constexpr int kSteps = 8;  // warp steps whose ids are loaded together in notify
 
 // ------------------------------------------------------------------------------------- layout
 __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(const long long* __restrict__ topk_idx, int T, int K,
@@ -112,14 +113,18 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(Ctx c, Notify
   const int chunk = (a.T + kNotifyWarps - 1) / kNotifyWarps;
   const int t_begin = min(a.T, warp * chunk), t_end = min(a.T, t_begin + chunk);
   const int tpi = 32 / K;
-  // pass 1: per-warp counts (the next step's ids are loaded while this one is counted)
-  long long nxt = t_begin < t_end ? load_slot(a.topk_idx, t_begin, t_end, K) : -1;
-  for (int t0 = t_begin; t0 < t_end; t0 += tpi) {
-    const long long cur = nxt;
-    if (t0 + tpi < t_end) nxt = load_slot(a.topk_idx, t0 + tpi, t_end, K);
-    const Step s = make_step(cur, K, L);
-    if (s.first_e) cnt_e[warp * E + s.e] += __popc(s.m_e);
-    if (s.first_r) cnt_r[warp * kMaxRanks + s.d] += __popc(s.m_r);
+  // pass 1: per-warp counts. The ids of kSteps steps are loaded together: one dependent load
+  // per step would leave each warp waiting a full memory latency every few tokens.
+  for (int t0 = t_begin; t0 < t_end; t0 += tpi * kSteps) {
+    long long ids[kSteps];
+#pragma unroll
+    for (int b = 0; b < kSteps; ++b) ids[b] = load_slot(a.topk_idx, t0 + b * tpi, t_end, K);
+#pragma unroll
+    for (int b = 0; b < kSteps; ++b) {
+      const Step s = make_step(ids[b], K, L);
+      if (s.first_e) cnt_e[warp * E + s.e] += __popc(s.m_e);
+      if (s.first_r) cnt_r[warp * kMaxRanks + s.d] += __popc(s.m_r);
+    }
   }
   __syncthreads();
 
@@ -213,21 +218,24 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(Ctx c, Notify
   __syncthreads();
 
   // pass 2: hand out rows in source-token order
-  nxt = t_begin < t_end ? load_slot(a.topk_idx, t_begin, t_end, K) : -1;
-  for (int t0 = t_begin; t0 < t_end; t0 += tpi) {
-    const long long cur = nxt;
-    if (t0 + tpi < t_end) nxt = load_slot(a.topk_idx, t0 + tpi, t_end, K);
-    const Step s = make_step(cur, K, L);
-    const int j = lane / K, k = lane - j * K, t = t0 + j;
-    int spos = -1, rpos = -1;
-    if (s.valid) spos = cnt_e[warp * E + s.e] + __popc(s.m_e & lanemask_lt());
-    if (s.leader_td) rpos = cnt_r[warp * kMaxRanks + s.d] + __popc(s.m_r & lanemask_lt());
-    __syncwarp();
-    if (s.first_e) cnt_e[warp * E + s.e] += __popc(s.m_e);
-    if (s.first_r) cnt_r[warp * kMaxRanks + s.d] += __popc(s.m_r);
-    __syncwarp();
-    if (j < tpi && t < t_end) a.slot_pos[(long long)t * K + k] = spos;
-    if (s.leader_td) a.rank_pos[(long long)t * R + s.d] = rpos;
+  for (int t0 = t_begin; t0 < t_end; t0 += tpi * kSteps) {
+    long long ids[kSteps];
+#pragma unroll
+    for (int b = 0; b < kSteps; ++b) ids[b] = load_slot(a.topk_idx, t0 + b * tpi, t_end, K);
+#pragma unroll
+    for (int b = 0; b < kSteps; ++b) {
+      const Step s = make_step(ids[b], K, L);
+      const int j = lane / K, k = lane - j * K, t = t0 + b * tpi + j;
+      int spos = -1, rpos = -1;
+      if (s.valid) spos = cnt_e[warp * E + s.e] + __popc(s.m_e & lanemask_lt());
+      if (s.leader_td) rpos = cnt_r[warp * kMaxRanks + s.d] + __popc(s.m_r & lanemask_lt());
+      __syncwarp();
+      if (s.first_e) cnt_e[warp * E + s.e] += __popc(s.m_e);
+      if (s.first_r) cnt_r[warp * kMaxRanks + s.d] += __popc(s.m_r);
+      __syncwarp();
+      if (j < tpi && t < t_end) a.slot_pos[(long long)t * K + k] = spos;
+      if (s.leader_td) a.rank_pos[(long long)t * R + s.d] = rpos;
+    }
   }
   __syncthreads();
   if (tid == 0) me->expected[kSlotNotify] = target;
