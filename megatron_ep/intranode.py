@@ -171,8 +171,9 @@ class CudaBackend:
         return compute
 
     def _leave(self, compute, tensors, async_op: bool) -> EventOverlap:
-        capturing = torch.cuda.is_current_stream_capturing()
-        if not capturing:
+        # Synchronous calls make the caller's stream wait for ours right away, so anything it
+        # frees afterwards is reused in stream order; only async callers need record_stream.
+        if async_op and not torch.cuda.is_current_stream_capturing():
             for t in tensors:
                 if t is not None:
                     t.record_stream(self.stream)

@@ -14,7 +14,7 @@ namespace mep {
 constexpr int kNotifyWarps = 32;
 constexpr int kNotifyThreads = kNotifyWarps * 32;
 constexpr int kLayoutThreads = 256;
-constexpr int kSteps = 8;  // warp steps whose ids are loaded together in notify
+constexpr int kSteps = 8;  // tokens whose ids a notify warp loads together
 
 // ------------------------------------------------------------------------------------- layout
 __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(const long long* __restrict__ topk_idx, int T, int K,
@@ -55,40 +55,13 @@ void launch_layout(const long long* topk_idx, int T, int K, int E, int R, long l
 }
 
 // ------------------------------------------------------------------------------------- notify
-// One warp step over tokens [t0, t0 + 32/K): lane = j*K + k handles slot k of token t0 + j.
-struct Step {
-  int e, d;           // expert / destination rank of this lane's slot (-1 when unused)
-  bool valid;         // the slot names an expert
-  unsigned m_e;       // lanes naming the same expert (necessarily other tokens)
-  bool first_e;       // lowest such lane
-  bool leader_td;     // first slot of this token that names rank d
-  unsigned m_r;       // token leaders of the same rank d in this step
-  bool first_r;       // lowest such leader
-};
-
-// The expert id of this lane's slot for the step starting at token t0 (-1: unused lane / slot).
-__device__ __forceinline__ long long load_slot(const long long* __restrict__ topk_idx, int t0, int t_end, int K) {
+// Lane k of a warp holds slot k of one token (K <= 32). Experts within a token are distinct, so
+// every lane can bump its own expert counter; a token counts once per rank through its first
+// lane naming that rank (one ballot per rank: R <= 8). Match instructions are avoided: their
+// cost grows with the number of distinct keys.
+__device__ __forceinline__ long long load_slot(const long long* __restrict__ topk_idx, int t, int t_end, int K) {
   const int lane = lane_id();
-  const int j = lane / K, k = lane - j * K;
-  const int t = t0 + j;
-  return (j < 32 / K && t < t_end) ? topk_idx[(long long)t * K + k] : -1;
-}
-
-__device__ __forceinline__ Step make_step(long long e_raw, int K, int L) {
-  const int lane = lane_id();
-  const int j = lane / K;
-  Step s;
-  s.valid = e_raw >= 0;
-  s.e = s.valid ? (int)e_raw : -1;
-  s.d = s.valid ? s.e / L : -1;
-  const int unique = -(lane + 2);  // keys that match nothing else
-  s.m_e = __match_any_sync(0xffffffffu, s.valid ? s.e : unique);
-  s.first_e = s.valid && (s.m_e & lanemask_lt()) == 0;
-  const unsigned m_td = __match_any_sync(0xffffffffu, s.valid ? j * kMaxRanks + s.d : unique);
-  s.leader_td = s.valid && (m_td & lanemask_lt()) == 0;
-  s.m_r = __match_any_sync(0xffffffffu, s.leader_td ? s.d : unique);
-  s.first_r = s.leader_td && (s.m_r & lanemask_lt()) == 0;
-  return s;
+  return (lane < K && t < t_end) ? topk_idx[(long long)t * K + lane] : -1;
 }
 
 __device__ __forceinline__ int pad_to(int n, int align) { return (n + align - 1) / align * align; }
@@ -101,6 +74,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(Ctx c, Notify
   int* tot_e = cnt_r + kNotifyWarps * kMaxRanks;   // [E] totals over all ranks
   int* below_e = tot_e + E;                        // [E] totals over lower ranks
   int* seg_e = below_e + E;                        // [E] segment start of e in its rank's output
+  int* peer_e = seg_e + E;                         // [R][E] every rank's per-expert counts
   __shared__ int rtot[kMaxRanks], rbase[kMaxRanks];
   const int tid = threadIdx.x, warp = tid >> 5, lane = lane_id();
   Control* me = ctrl_of(c, rank);
@@ -112,18 +86,21 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(Ctx c, Notify
 
   const int chunk = (a.T + kNotifyWarps - 1) / kNotifyWarps;
   const int t_begin = min(a.T, warp * chunk), t_end = min(a.T, t_begin + chunk);
-  const int tpi = 32 / K;
-  // pass 1: per-warp counts. The ids of kSteps steps are loaded together: one dependent load
-  // per step would leave each warp waiting a full memory latency every few tokens.
-  for (int t0 = t_begin; t0 < t_end; t0 += tpi * kSteps) {
+  // pass 1: per-warp counts. The ids of kSteps tokens are loaded together: one dependent load
+  // per token would leave each warp waiting a full memory latency per token.
+  for (int t0 = t_begin; t0 < t_end; t0 += kSteps) {
     long long ids[kSteps];
 #pragma unroll
-    for (int b = 0; b < kSteps; ++b) ids[b] = load_slot(a.topk_idx, t0 + b * tpi, t_end, K);
+    for (int b = 0; b < kSteps; ++b) ids[b] = load_slot(a.topk_idx, t0 + b, t_end, K);
 #pragma unroll
     for (int b = 0; b < kSteps; ++b) {
-      const Step s = make_step(ids[b], K, L);
-      if (s.first_e) cnt_e[warp * E + s.e] += __popc(s.m_e);
-      if (s.first_r) cnt_r[warp * kMaxRanks + s.d] += __popc(s.m_r);
+      const bool valid = ids[b] >= 0 && ids[b] < E;  // ids were range-checked on the host unless check_inputs=False
+      const int d = valid ? (int)ids[b] / L : -1;
+      if (valid) cnt_e[warp * E + (int)ids[b]] += 1;
+      for (int r = 0; r < R; ++r) {
+        const unsigned m = __ballot_sync(0xffffffffu, d == r);
+        if (m && lane == __ffs(m) - 1) cnt_r[warp * kMaxRanks + r] += 1;
+      }
     }
   }
   __syncthreads();
@@ -158,10 +135,16 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(Ctx c, Notify
   if (tid == 0) signal_all(c, kSlotNotify);
   if (!block_wait_all(c, kSlotNotify, target)) return;  // the host block records why
 
+  // every peer's counts at once (R * E independent remote loads), then per-expert sums
+  for (int i = tid; i < R * E; i += blockDim.x) {
+    const int s = i / E, e = i - s * E;
+    peer_e[i] = ld_volatile(reinterpret_cast<const int*>(region(c, s) + c.lay.counts) + kMaxRanks + e);
+  }
+  __syncthreads();
   for (int e = tid; e < E; e += blockDim.x) {
     int tot = 0, below = 0;
     for (int s = 0; s < R; ++s) {
-      const int v = ld_volatile(reinterpret_cast<const int*>(region(c, s) + c.lay.counts) + kMaxRanks + e);
+      const int v = peer_e[s * E + e];
       tot += v;
       below += s < rank ? v : 0;
     }
@@ -217,31 +200,29 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(Ctx c, Notify
   for (long long i = tid; i < (long long)a.T * R; i += blockDim.x) a.rank_pos[i] = -1;
   __syncthreads();
 
-  // pass 2: hand out rows in source-token order
-  for (int t0 = t_begin; t0 < t_end; t0 += tpi * kSteps) {
+  // pass 2: hand out rows in source-token order (each lane touches only its own counters)
+  for (int t0 = t_begin; t0 < t_end; t0 += kSteps) {
     long long ids[kSteps];
 #pragma unroll
-    for (int b = 0; b < kSteps; ++b) ids[b] = load_slot(a.topk_idx, t0 + b * tpi, t_end, K);
+    for (int b = 0; b < kSteps; ++b) ids[b] = load_slot(a.topk_idx, t0 + b, t_end, K);
 #pragma unroll
     for (int b = 0; b < kSteps; ++b) {
-      const Step s = make_step(ids[b], K, L);
-      const int j = lane / K, k = lane - j * K, t = t0 + b * tpi + j;
-      int spos = -1, rpos = -1;
-      if (s.valid) spos = cnt_e[warp * E + s.e] + __popc(s.m_e & lanemask_lt());
-      if (s.leader_td) rpos = cnt_r[warp * kMaxRanks + s.d] + __popc(s.m_r & lanemask_lt());
-      __syncwarp();
-      if (s.first_e) cnt_e[warp * E + s.e] += __popc(s.m_e);
-      if (s.first_r) cnt_r[warp * kMaxRanks + s.d] += __popc(s.m_r);
-      __syncwarp();
-      if (j < tpi && t < t_end) a.slot_pos[(long long)t * K + k] = spos;
-      if (s.leader_td) a.rank_pos[(long long)t * R + s.d] = rpos;
+      const int t = t0 + b;
+      if (t >= t_end) break;  // warp-uniform
+      const bool valid = ids[b] >= 0 && ids[b] < E;  // ids were range-checked on the host unless check_inputs=False
+      const int d = valid ? (int)ids[b] / L : -1;
+      if (lane < K) a.slot_pos[(long long)t * K + lane] = valid ? cnt_e[warp * E + (int)ids[b]]++ : -1;
+      for (int r = 0; r < R; ++r) {
+        const unsigned m = __ballot_sync(0xffffffffu, d == r);
+        if (m && lane == __ffs(m) - 1) a.rank_pos[(long long)t * R + r] = cnt_r[warp * kMaxRanks + r]++;
+      }
     }
   }
   __syncthreads();
   if (tid == 0) me->expected[kSlotNotify] = target;
 }
 
-int notify_smem_bytes(int E) { return (kNotifyWarps * E + kNotifyWarps * kMaxRanks + 3 * E) * (int)sizeof(int); }
+int notify_smem_bytes(int E) { return (kNotifyWarps * E + kNotifyWarps * kMaxRanks + 3 * E + kMaxRanks * E) * (int)sizeof(int); }
 
 void launch_notify(const Ctx& ctx, const NotifyArgs& args, cudaStream_t stream) {
   notify_kernel<<<1, kNotifyThreads, notify_smem_bytes(args.E), stream>>>(ctx, args);
