@@ -550,3 +550,50 @@ def run_timeout_case(absent_rank: int) -> list:
             return []
         return [f"rank {rank}: unexpected message {msg!r}"]
     return [f"rank {rank}: dispatch without rank {absent_rank} did not raise"]
+
+
+def run_cuda_autograd_async(cfg: dict) -> list:
+    """Forward and backward through mep.dispatch/combine on the cuda backend equal the torch
+    backend's (fp32, CPU); async_op/previous_event give the same bytes as synchronous calls."""
+    R, rank = dist.get_world_size(), dist.get_rank()
+    E, K, H, T, permute = cfg["E"], cfg["K"], cfg["H"], cfg["T"], cfg["permute"]
+    align = 16 if permute else 1
+    inputs = make_inputs(cfg["seed"], R, E, K, H, [T] * R, "fp32", "random", 0.2)
+    me = inputs[rank]
+    g = torch.Generator().manual_seed(cfg["seed"] + 7 * rank)
+    coef_y, coef_w = torch.randn((T, H), generator=g), torch.randn((T, K), generator=g)
+    chk = Checker(f"[autograd/async R={R} rank={rank} permute={permute}]")
+
+    def run(buf, device):
+        x = me["x"].to(device).requires_grad_()
+        w = me["w"].to(device).requires_grad_()
+        out = mep.dispatch(buf, x, me["idx"].to(device), w, num_experts=E, permute=permute, expert_alignment=align)
+        rw = out.topk_weights
+        if permute:
+            f, cw = out.x * (1 + rw).unsqueeze(1) ** 2, rw * rw
+        else:
+            f, cw = out.x * (1 + rw.sum(1, keepdim=True)) ** 2, rw * 3
+        res = mep.combine(buf, f, out.handle, weights=cw)
+        loss = (res.x * coef_y.to(device)).sum() + (res.weights * coef_w.to(device)).sum()
+        loss.backward()
+        return [t.detach().cpu().double() for t in (res.x, res.weights, x.grad, w.grad)]
+
+    got = run(get_buffer("cuda"), "cuda")
+    want = run(get_buffer("torch"), "cpu")
+    for name, a, b in zip(("y", "weights", "dx", "dw"), got, want):
+        chk.close(name, a, b, 1e-5)
+
+    buf = get_buffer("cuda")
+    x, idx, w = me["x"].cuda(), me["idx"].cuda(), me["w"].cuda()
+    sync = buf.dispatch(x, idx, w, num_experts=E, permute=permute, expert_alignment=align)
+    prev = mep.EventOverlap(torch.cuda.Event())
+    prev.event.record()
+    asy = buf.dispatch(x, idx, w, num_experts=E, permute=permute, expert_alignment=align, async_op=True, previous_event=prev)
+    asy.event.current_stream_wait()
+    chk.equal("async dispatch x", asy.x, sync.x.cpu())
+    cs = buf.combine(sync.x, sync.handle)
+    ca = buf.combine(asy.x, asy.handle, async_op=True)
+    ca.event.current_stream_wait()
+    chk.equal("async combine", ca.x, cs.x.cpu())
+    buf.synchronize()
+    return chk.errors

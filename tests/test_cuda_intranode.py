@@ -89,3 +89,11 @@ def test_timeout_names_the_missing_rank():
     finally:
         p.close()
     assert not errors, "\n".join(errors)
+
+
+@pytest.mark.parametrize("R", [2, 4])
+@pytest.mark.parametrize("permute", [False, True])
+def test_autograd_and_async(R, permute):
+    cfg = dict(seed=31 + R, E=4 * R, K=4, H=256, T=20, permute=permute)
+    errors = _flat(pool_(R).run(cases.run_cuda_autograd_async, cfg, timeout=600))
+    assert not errors, "\n".join(errors[:20])
