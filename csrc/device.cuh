@@ -107,6 +107,20 @@ __device__ __forceinline__ bool last_block_done(const Ctx& c, int counter) {
   return false;
 }
 
+// Thread 0 of every block, after the block's work. The last block to finish tells every rank
+// it is done with their data (`done_slot`) and waits until every rank is done with ours; true
+// (in that block only) when the call's handshakes completed, so the caller can record them.
+__device__ __forceinline__ bool end_of_call(const Ctx& c, int grid_counter, int done_slot) {
+  if (!last_block_done(c, grid_counter)) return false;
+  Control* me = ctrl_of(c, c.rank);
+  const unsigned long long done = me->expected[done_slot] + 1;
+  signal_all(c, done_slot);
+  for (int s = 0; s < c.num_ranks; ++s)
+    if (!wait_signal(c, done_slot, s, done)) return false;
+  me->expected[done_slot] = done;
+  return true;
+}
+
 // Warp copy of n16 16-byte words, U loads in flight per lane before their stores.
 template <int U>
 __device__ __forceinline__ void warp_copy(int4* __restrict__ dst, const int4* __restrict__ src, int n16) {

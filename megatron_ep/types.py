@@ -45,11 +45,8 @@ class DispatchLayout:
 
 
 @dataclass
-class DispatchHandle:
-    """Everything combine and cached dispatch need to replay one routing.
-
-    Public fields describe the routing; `state` holds the backend's private data.
-    """
+class _Routing:
+    """What every handle records about the routing it was built from."""
 
     backend: str
     num_ranks: int
@@ -57,18 +54,27 @@ class DispatchHandle:
     num_experts: int
     num_tokens: int  # T on this rank (source side)
     topk: int
-    permute: bool
-    expert_alignment: int
-    num_recv_rows: int  # rows of the dispatch output: N (rank-major) or M (expert-major)
-    tokens_per_expert: torch.Tensor  # [E_local] int64 on the device, as returned by dispatch
-    topk_idx: torch.Tensor  # [T, K] the source-side routing this handle was built from
-    num_worst_tokens: int = 0  # >0: outputs were worst-case sized (valid prefix + padding)
-    state: Any = field(default=None, repr=False)
-    buffer_id: int = 0
 
     @property
     def num_local_experts(self) -> int:
         return self.num_experts // self.num_ranks
+
+
+@dataclass
+class DispatchHandle(_Routing):
+    """Everything combine and cached dispatch need to replay one routing.
+
+    Public fields describe the routing; `state` holds the backend's private data.
+    """
+
+    permute: bool = False
+    expert_alignment: int = 1
+    num_recv_rows: int = 0  # rows of the dispatch output: N (rank-major) or M (expert-major)
+    tokens_per_expert: Optional[torch.Tensor] = None  # [E_local] int64 on the device
+    topk_idx: Optional[torch.Tensor] = None  # [T, K] the source-side routing of this handle
+    num_worst_tokens: int = 0  # >0: outputs were worst-case sized (valid prefix + padding)
+    state: Any = field(default=None, repr=False)
+    buffer_id: int = 0
 
 
 @dataclass
@@ -91,23 +97,13 @@ class CombineOutput:
 
 
 @dataclass
-class LowLatencyHandle:
-    backend: str
-    num_ranks: int
-    rank: int
-    num_experts: int
-    num_tokens: int
-    topk: int
-    max_tokens_per_rank: int
-    hidden: int
-    layout_range: torch.Tensor  # [E_local, R, 2] int32: (begin, count) of each source's rows
-    src_token: torch.Tensor  # [E_local, R * max_tokens_per_rank] int32 source token, -1 unused
+class LowLatencyHandle(_Routing):
+    max_tokens_per_rank: int = 0
+    hidden: int = 0
+    layout_range: Optional[torch.Tensor] = None  # [E_local, R, 2] int32: (begin, count) per source
+    src_token: Optional[torch.Tensor] = None  # [E_local, R * max_tokens_per_rank] int32, -1 unused
     state: Any = field(default=None, repr=False)
     buffer_id: int = 0
-
-    @property
-    def num_local_experts(self) -> int:
-        return self.num_experts // self.num_ranks
 
 
 @dataclass

@@ -205,23 +205,13 @@ __device__ __forceinline__ void pull_body(const Ctx& c, const DispatchArgs& a) {
 }
 
 __global__ void __launch_bounds__(kCopyThreads, 1) dispatch_kernel(Ctx c, DispatchArgs a) {
-  const int R = c.num_ranks;
   Control* me = ctrl_of(c, c.rank);
   const unsigned long long target = me->expected[kSlotStaged] + 1;
   if (!block_wait_all(c, kSlotStaged, target)) return;
   pull_body(c, a);
   // done reading the peers' staging: tell them, and wait until nobody reads ours any more
   __syncthreads();
-  if (threadIdx.x == 0 && last_block_done(c, kGridDispatch)) {
-    const unsigned long long done = me->expected[kSlotDispatchDone] + 1;
-    signal_all(c, kSlotDispatchDone);
-    bool ok = true;
-    for (int s = 0; s < R && ok; ++s) ok = wait_signal(c, kSlotDispatchDone, s, done);
-    if (ok) {
-      me->expected[kSlotStaged] = target;
-      me->expected[kSlotDispatchDone] = done;
-    }
-  }
+  if (threadIdx.x == 0 && end_of_call(c, kGridDispatch, kSlotDispatchDone)) me->expected[kSlotStaged] = target;
 }
 
 void launch_dispatch(const Ctx& ctx, const DispatchArgs& args, int num_blocks, cudaStream_t stream) {
@@ -331,17 +321,8 @@ __global__ void __launch_bounds__(kCopyThreads, 1) dispatch_push_kernel(Ctx c, P
         }
       }
     }
-    __syncthreads();
-    if (threadIdx.x == 0 && last_block_done(c, kGridPush)) {
-      const unsigned long long done = me->expected[kSlotPushDone] + 1;
-      signal_all(c, kSlotPushDone);  // this rank's writes into every output are complete
-      bool ok = true;
-      for (int s = 0; s < R && ok; ++s) ok = wait_signal(c, kSlotPushDone, s, done);
-      if (ok) {
-        me->expected[kSlotOutLoc] = t_loc;
-        me->expected[kSlotPushDone] = done;
-      }
-    }
+    __syncthreads();  // then: this rank's writes into every output are complete
+    if (threadIdx.x == 0 && end_of_call(c, kGridPush, kSlotPushDone)) me->expected[kSlotOutLoc] = t_loc;
     return;
   }
 
@@ -355,17 +336,10 @@ __global__ void __launch_bounds__(kCopyThreads, 1) dispatch_push_kernel(Ctx c, P
   if (!block_wait_all(c, kSlotStaged, t_st)) return;
   pull_body(c, a.out);
   __syncthreads();
-  if (threadIdx.x == 0 && last_block_done(c, kGridDispatch)) {
-    const unsigned long long done = me->expected[kSlotDispatchDone] + 1;
-    signal_all(c, kSlotDispatchDone);
-    bool ok = true;
-    for (int s = 0; s < R && ok; ++s) ok = wait_signal(c, kSlotDispatchDone, s, done);
-    me->grid_done[kGridBarrier] = 0;
-    if (ok) {
-      me->expected[kSlotOutLoc] = t_loc;
-      me->expected[kSlotStaged] = t_st;
-      me->expected[kSlotDispatchDone] = done;
-    }
+  if (threadIdx.x == 0 && end_of_call(c, kGridDispatch, kSlotDispatchDone)) {
+    me->grid_done[kGridBarrier] = 0;  // every block passed it long ago
+    me->expected[kSlotOutLoc] = t_loc;
+    me->expected[kSlotStaged] = t_st;
   }
 }
 
@@ -524,16 +498,7 @@ __global__ void __launch_bounds__(kCopyThreads, 1) combine_kernel(Ctx c, Combine
   }
 
   __syncthreads();
-  if (threadIdx.x == 0 && last_block_done(c, kGridCombine)) {
-    const unsigned long long done = me->expected[kSlotCombDone] + 1;
-    signal_all(c, kSlotCombDone);
-    bool ok = true;
-    for (int s = 0; s < R && ok; ++s) ok = wait_signal(c, kSlotCombDone, s, done);
-    if (ok) {
-      me->expected[kSlotCombStaged] = target;
-      me->expected[kSlotCombDone] = done;
-    }
-  }
+  if (threadIdx.x == 0 && end_of_call(c, kGridCombine, kSlotCombDone)) me->expected[kSlotCombStaged] = target;
 }
 
 void launch_combine(const Ctx& ctx, const CombineArgs& args, int num_blocks, cudaStream_t stream) {

@@ -64,6 +64,17 @@ __device__ __forceinline__ long long load_slot(const long long* __restrict__ top
   return (lane < K && t < t_end) ? topk_idx[(long long)t * K + lane] : -1;
 }
 
+// Exclusive prefix over the per-warp counts cnt[w * stride] (in place); returns the total.
+__device__ __forceinline__ int warp_prefix(int* cnt, int stride) {
+  int run = 0;
+  for (int w = 0; w < kNotifyWarps; ++w) {
+    const int v = cnt[w * stride];
+    cnt[w * stride] = run;
+    run += v;
+  }
+  return run;
+}
+
 __device__ __forceinline__ int pad_to(int n, int align) { return (n + align - 1) / align * align; }
 
 __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(Ctx c, NotifyArgs a) {
@@ -106,24 +117,8 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(Ctx c, Notify
   __syncthreads();
 
   // warp prefixes (exclusive, in place) and this rank's totals
-  for (int e = tid; e < E; e += blockDim.x) {
-    int run = 0;
-    for (int w = 0; w < kNotifyWarps; ++w) {
-      const int v = cnt_e[w * E + e];
-      cnt_e[w * E + e] = run;
-      run += v;
-    }
-    tot_e[e] = run;
-  }
-  if (tid < R) {
-    int run = 0;
-    for (int w = 0; w < kNotifyWarps; ++w) {
-      const int v = cnt_r[w * kMaxRanks + tid];
-      cnt_r[w * kMaxRanks + tid] = run;
-      run += v;
-    }
-    rtot[tid] = run;
-  }
+  for (int e = tid; e < E; e += blockDim.x) tot_e[e] = warp_prefix(cnt_e + e, E);
+  if (tid < R) rtot[tid] = warp_prefix(cnt_r + tid, kMaxRanks);
   __syncthreads();
 
   // publish this rank's counts, then exchange
