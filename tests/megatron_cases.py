@@ -1,0 +1,300 @@
+"""Worker bodies for the Megatron integration tests (run on every rank of a gloo DistPool).
+
+Each case builds the same global inputs on every rank from one seed, runs them through
+Megatron's real dispatchers (`MoEAlltoAllTokenDispatcher` as the reference, and
+`MoEFlexTokenDispatcher` with megatron_ep's managers installed) or through a real `MoELayer`,
+and returns a list of failure messages (empty = pass). All collectives run before any check.
+
+CPU shims (this harness only; megatron-core 0.16/0.19 assume a GPU in a few places):
+* `moe_utils.te_general_gemm` is referenced without TransformerEngine (NameError) -> None, so
+  the router gating falls back to torch.mm;
+* the router moves its weight and expert-bias buffers to `torch.cuda.current_device()`, and
+  the alltoall dispatcher makes a D2H side stream (`torch.cuda.Stream`, `current_stream`,
+  `torch.cuda.stream`) -> "cpu" and no-op stream/event stand-ins;
+* the alltoall dispatcher passes its splits to `all_to_all_single` as CPU *tensors* when they
+  never were on a GPU (on GPU it converts them to numpy) -> convert on CPU too.
+All are patched only while a case runs, and restored after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from oracle import expected_expert_major, make_inputs
+
+
+# ------------------------------------------------------------------------------- CPU shims
+class _NoEvent:
+    def synchronize(self):
+        pass
+
+    def record(self, *a, **k):
+        pass
+
+    def wait(self, *a, **k):
+        pass
+
+
+class _NoStream:
+    def wait_stream(self, *a, **k):
+        pass
+
+    def wait_event(self, *a, **k):
+        pass
+
+    def record_event(self, *a, **k):
+        return _NoEvent()
+
+    def synchronize(self):
+        pass
+
+    def __eq__(self, other):
+        return isinstance(other, _NoStream)
+
+    def __hash__(self):
+        return 0
+
+
+_NO_STREAM = _NoStream()
+
+
+@contextlib.contextmanager
+def cpu_shims():
+    import megatron.core.transformer.moe.moe_utils as mu
+    import megatron.core.transformer.moe.token_dispatcher as td
+
+    orig_move = td.maybe_move_tensor_to_cpu
+
+    def move(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor) and not tensor.is_cuda and as_numpy:
+            return tensor.numpy()
+        return orig_move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    patches = [
+        (mu, "te_general_gemm", None),
+        (td, "maybe_move_tensor_to_cpu", move),
+        (torch.cuda, "current_device", lambda: "cpu"),
+        (torch.cuda, "current_stream", lambda *a, **k: _NO_STREAM),
+        (torch.cuda, "Stream", lambda *a, **k: _NO_STREAM),
+        (torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext()),
+        (torch.cuda, "Event", lambda *a, **k: _NoEvent()),
+    ]
+    saved = [(obj, name, obj.__dict__.get(name, getattr(obj, name, None))) for obj, name, _ in patches]
+    try:
+        for obj, name, value in patches:
+            setattr(obj, name, value)
+        yield
+    finally:
+        for obj, name, value in saved:
+            setattr(obj, name, value)
+
+
+def _init_megatron():
+    """Megatron's parallel state on the pool's gloo world: TP = PP = 1, EP = world size."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(expert_model_parallel_size=dist.get_world_size())
+    import megatron_ep.megatron as mep_megatron
+
+    mep_megatron.install()
+
+
+def _pg_collection():
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+    return get_default_pg_collection()
+
+
+def guarded(fn):
+    """Turn an exception into a failure message (so peers are not left waiting on a
+    collective that the failing rank will never join, every rank runs the same code)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception:
+            return [f"rank {dist.get_rank()}: {fn.__name__} raised:\n{traceback.format_exc()}"]
+
+    return wrapper
+
+
+def make_config(E, K, H, dispatcher, backend="deepep", **extra):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kw = dict(num_layers=1, hidden_size=H, num_attention_heads=1, num_moe_experts=E, moe_router_topk=K,
+              moe_ffn_hidden_size=2 * H, ffn_hidden_size=2 * H, use_cpu_initialization=True,
+              moe_token_dispatcher_type=dispatcher, moe_flex_dispatcher_backend=backend,
+              expert_model_parallel_size=dist.get_world_size(), add_bias_linear=False,
+              gradient_accumulation_fusion=False, moe_router_load_balancing_type="none",
+              moe_router_dtype="fp32", params_dtype=torch.float32, bf16=False)
+    kw.update(extra)
+    return TransformerConfig(**kw)
+
+
+# ---------------------------------------------------------------------- dispatcher level
+def _make_dispatcher(kind, E, K, H, **extra):
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher, MoEFlexTokenDispatcher
+
+    R, r = dist.get_world_size(), dist.get_rank()
+    L = E // R
+    if kind == "alltoall":
+        cfg = make_config(E, K, H, "alltoall", **extra)
+        cls = MoEAlltoAllTokenDispatcher
+    else:
+        cfg = make_config(E, K, H, "flex", kind, **extra)
+        cls = MoEFlexTokenDispatcher
+    return cls(L, list(range(r * L, (r + 1) * L)), config=cfg, pg_collection=_pg_collection())
+
+
+def _toy_experts(x, tokens_per_expert, probs, W):
+    """y = (x @ W[e]) * prob per expert segment: row-wise, so any expert-major layout works."""
+    counts = [int(c) for c in tokens_per_expert.tolist()]
+    assert sum(counts) == x.shape[0], f"tokens_per_expert sums to {sum(counts)} but there are {x.shape[0]} rows"
+    outs, start = [], 0
+    for e, n in enumerate(counts):
+        outs.append((x[start:start + n] @ W[e]) * probs[start:start + n].unsqueeze(1).to(x.dtype))
+        start += n
+    return torch.cat(outs) if outs else x.new_zeros((0, W.shape[-1]))
+
+
+def _global_problem(case):
+    """Every rank's tokens, routing map, dense probs and an upstream gradient, from one seed."""
+    R = dist.get_world_size()
+    E, K, H, Ts = case["E"], case["K"], case["H"], case["Ts"]
+    inputs = make_inputs(case["seed"], R, E, K, H, Ts, dtype="fp32", pattern=case.get("pattern", "random"),
+                         p_drop=case.get("p_drop", 0.2))
+    g = torch.Generator().manual_seed(case["seed"] + 7)
+    W = torch.randn((E, H, H), generator=g) / H ** 0.5
+    upstream = [torch.randn((Ts[s], H), generator=g) for s in range(R)]
+    probs_full = [torch.rand((Ts[s], E), generator=g) + 0.1 for s in range(R)]
+    return inputs, W, upstream, probs_full
+
+
+def _run_dispatcher(disp, x, routing_map, probs_leaf, W_local, upstream):
+    """Forward + backward through Megatron's dispatcher protocol; returns what to compare."""
+    probs = probs_leaf * routing_map  # zero off the routing map, gradient only on it
+    hidden, p = disp.dispatch_preprocess(x, routing_map, probs)
+    hidden, p = disp.token_dispatch(hidden, p)
+    perm_x, tpe, perm_p = disp.dispatch_postprocess(hidden, p)
+    out = _toy_experts(perm_x, tpe, perm_p, W_local)
+    out = disp.combine_preprocess(out)
+    out = disp.token_combine(out)
+    y = disp.combine_postprocess(out)
+    (y * upstream).sum().backward()
+    return dict(y=y.detach(), perm_x=perm_x.detach(), perm_p=perm_p.detach(), tpe=tpe.detach().cpu(),
+                gx=x.grad.clone(), gp=probs_leaf.grad.clone())
+
+
+@guarded
+def run_flex_vs_alltoall(case):
+    """Flex (deepep | hybridep on megatron_ep) against Megatron's alltoall dispatcher."""
+    with cpu_shims():
+        _init_megatron()
+        from megatron_ep.megatron import compat
+
+        R, r = dist.get_world_size(), dist.get_rank()
+        E, K, H = case["E"], case["K"], case["H"]
+        L = E // R
+        inputs, W, upstream, probs_full = _global_problem(case)
+        mine = inputs[r]
+        routing_map = torch.zeros((case["Ts"][r], E), dtype=torch.bool)
+        rows, slots = (mine["idx"] >= 0).nonzero(as_tuple=True)
+        routing_map[rows, mine["idx"][rows, slots]] = True
+        W_local = W[r * L:(r + 1) * L]
+        results = {}
+        for kind in ("alltoall", case["backend"]):
+            disp = _make_dispatcher(kind, E, K, H, **case.get("config", {}))
+            if kind != "alltoall":
+                mgr = disp._comm_manager
+                if type(mgr).__module__.split(".")[0] != "megatron_ep":
+                    return [f"flex {kind} built {type(mgr).__name__}, not megatron_ep's manager: install() had no effect"]
+                if "align" in case:  # FP8 configs (the only way to ask for padding) need TE
+                    mgr.align = case["align"]
+            x = mine["x"].clone().requires_grad_(True)
+            probs_leaf = probs_full[r].clone().requires_grad_(True)
+            results[kind] = _run_dispatcher(disp, x, routing_map, probs_leaf, W_local, upstream[r])
+            if kind != "alltoall":
+                results["align"] = getattr(disp._comm_manager, "align", 1)
+        align = results.pop("align")
+        dist.barrier()
+
+    errors = []
+    tag = f"[R={R} rank={r} {case['backend']} seed={case['seed']}]"
+    ref, got = results["alltoall"], results[case["backend"]]
+
+    def close(name, a, b, tol=1e-5):
+        if a.shape != b.shape:
+            errors.append(f"{tag} {name}: shape {tuple(a.shape)} != {tuple(b.shape)}")
+        elif a.numel() and not torch.allclose(a, b, rtol=tol, atol=tol):
+            errors.append(f"{tag} {name}: max abs diff {(a - b).abs().max().item():.3g}")
+
+    close("output", got["y"], ref["y"])
+    close("grad hidden", got["gx"], ref["gx"])
+    close("grad probs", got["gp"], ref["gp"])
+    if not torch.any(ref["gp"] != 0) and routing_map.any():
+        errors.append(f"{tag} reference probs gradient is all zero: the case does not exercise it")
+
+    # Layout: Megatron's alltoall delivers each local expert's rows by (source rank, token);
+    # ours must be the same rows, each segment padded with zero rows to the alignment.
+    want_tpe = ref["tpe"].long()
+    padded = (want_tpe + align - 1) // align * align
+    if got["tpe"].long().tolist() != padded.tolist():
+        errors.append(f"{tag} tokens_per_expert {got['tpe'].tolist()} != {padded.tolist()} (alltoall {want_tpe.tolist()}, align {align})")
+    else:
+        if any(int(c) % align for c in got["tpe"].tolist()):
+            errors.append(f"{tag} tokens_per_expert {got['tpe'].tolist()} not multiples of {align}")
+        keep = torch.cat([torch.arange(n) < c for n, c in zip(padded.tolist(), want_tpe.tolist())]) if L else torch.zeros(0, dtype=torch.bool)
+        if got["perm_x"].shape[0] != keep.numel():
+            errors.append(f"{tag} {got['perm_x'].shape[0]} dispatched rows, want {keep.numel()}")
+        else:
+            if not torch.equal(got["perm_x"][keep], ref["perm_x"]):
+                errors.append(f"{tag} dispatched rows differ from alltoall's")
+            if not torch.equal(got["perm_p"][keep].float(), ref["perm_p"].float()):
+                errors.append(f"{tag} dispatched probs differ from alltoall's")
+            if torch.any(got["perm_x"][~keep] != 0) or torch.any(got["perm_p"][~keep] != 0):
+                errors.append(f"{tag} pad rows are not zero")
+    return errors
+
+
+@guarded
+def run_setup_metadata_compiles(case):
+    """setup_metadata traces into one graph (no graph break) under torch.compile."""
+    with cpu_shims():
+        _init_megatron()
+        import torch._dynamo
+
+        E, K, H = case["E"], case["K"], case["H"]
+        errors = []
+        for backend in ("deepep", "hybridep"):
+            disp = _make_dispatcher(backend, E, K, H)
+            mgr = disp._comm_manager
+            T = 6
+            g = torch.Generator().manual_seed(5)
+            probs = torch.rand((T, E), generator=g)
+            rmap = torch.zeros((T, E), dtype=torch.bool)
+            rmap[torch.arange(T).unsqueeze(1), torch.topk(probs, K, dim=1).indices] = True
+            rmap[0] = False  # a token routed nowhere
+            probs = probs * rmap
+            torch._dynamo.reset()
+            compiled = torch.compile(mgr.setup_metadata, fullgraph=True, backend="eager")
+            compiled(rmap.view(T, dist.get_world_size(), -1), probs.view(T, dist.get_world_size(), -1))
+            got = {n: getattr(mgr, n) for n in ("token_probs", "token_indices", "routing_map") if getattr(mgr, n, None) is not None}
+            mgr.setup_metadata(rmap, probs)
+            for n, v in got.items():
+                if not torch.equal(v, getattr(mgr, n)):
+                    errors.append(f"{backend}: compiled setup_metadata gives a different {n}")
+            if backend == "deepep":
+                idx = mgr.token_indices
+                if not torch.equal(idx[0], torch.full_like(idx[0], -1)):
+                    errors.append(f"deepep: a token routed nowhere got indices {idx[0].tolist()}")
+                for t in range(1, T):
+                    if sorted(idx[t].tolist()) != sorted(rmap[t].nonzero().flatten().tolist()):
+                        errors.append(f"deepep: token {t} indices {idx[t].tolist()} != routing map")
+        return errors
