@@ -189,7 +189,11 @@ def _run_dispatcher(disp, x, routing_map, probs_leaf, W_local, upstream):
     y = disp.combine_postprocess(out)
     (y * upstream).sum().backward()
     return dict(y=y.detach(), perm_x=perm_x.detach(), perm_p=perm_p.detach(), tpe=tpe.detach().cpu(),
-                gx=x.grad.clone(), gp=probs_leaf.grad.clone())
+                gx=_grad(x), gp=_grad(probs_leaf))
+
+
+def _grad(t):
+    return t.grad.clone() if t.grad is not None else torch.zeros_like(t)
 
 
 @guarded
