@@ -302,3 +302,105 @@ def run_setup_metadata_compiles(case):
                     if sorted(idx[t].tolist()) != sorted(rmap[t].nonzero().flatten().tolist()):
                         errors.append(f"deepep: token {t} indices {idx[t].tolist()} != routing map")
         return errors
+
+
+# -------------------------------------------------------------------------- MoELayer level
+def _moe_config(case, dispatcher, backend="deepep"):
+    R = dist.get_world_size()
+    E = case["E"]
+    return make_config(
+        E, case["K"], case["H"], dispatcher, backend,
+        moe_ffn_hidden_size=case["F"], gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+        moe_router_num_groups=R, moe_router_group_topk=max(1, R // 2), moe_router_topk_scaling_factor=2.5,
+        moe_shared_expert_intermediate_size=case["F"])
+
+
+def _build_moe_layer(config, experts_cls=None):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron_ep.megatron import compat
+
+    mlp = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False).submodules.mlp
+    if experts_cls is not None:
+        mlp = compat.with_experts(mlp, experts_cls)
+    return MoELayer(config, compat.moe_submodules(mlp), layer_number=1, pg_collection=_pg_collection())
+
+
+def _copy_weights(src, dst):
+    """src has Megatron's SequentialMLP experts; dst either the same or GroupedGemmExperts."""
+    sd = src.state_dict()
+    if hasattr(dst.experts, "weight1"):
+        L = dst.experts.num_local_experts
+        with torch.no_grad():
+            dst.experts.weight1.copy_(torch.stack([sd[f"experts.local_experts.{i}.linear_fc1.weight"] for i in range(L)]))
+            dst.experts.weight2.copy_(torch.stack([sd[f"experts.local_experts.{i}.linear_fc2.weight"] for i in range(L)]))
+        sd = {k: v for k, v in sd.items() if not k.startswith("experts.")}
+        missing, unexpected = dst.load_state_dict(sd, strict=False)
+        assert not unexpected and set(missing) <= {"experts.weight1", "experts.weight2"}, (missing, unexpected)
+    else:
+        dst.load_state_dict(sd)
+
+
+def _expert_grads(layer):
+    if hasattr(layer.experts, "weight1"):
+        return layer.experts.weight1.grad, layer.experts.weight2.grad
+    L = len(layer.experts.local_experts)
+    return (torch.stack([layer.experts.local_experts[i].linear_fc1.weight.grad for i in range(L)]),
+            torch.stack([layer.experts.local_experts[i].linear_fc2.weight.grad for i in range(L)]))
+
+
+@guarded
+def run_moe_layer_case(case):
+    """A real MoELayer (sigmoid group-limited router with expert bias, shared expert, SwiGLU
+    experts): flex on megatron_ep vs Megatron's alltoall, same weights and input."""
+    with cpu_shims():
+        _init_megatron()
+        from megatron_ep.experts import GroupedGemmExperts
+
+        R, r = dist.get_world_size(), dist.get_rank()
+        torch.manual_seed(case["seed"])  # same non-expert weights on every rank
+        ref = _build_moe_layer(_moe_config(case, "alltoall"))
+        with torch.no_grad():
+            ref.router.expert_bias.copy_(torch.randn(case["E"], generator=torch.Generator().manual_seed(1)) * 0.1)
+        g = torch.Generator().manual_seed(case["seed"] + r)
+        S, B, H = case["S"], 2, case["H"]
+        x0 = torch.randn((S, B, H), generator=g)
+        upstream = torch.randn((S, B, H), generator=g)
+        variants = [("alltoall", None, ref)]
+        for backend, experts in case["variants"]:
+            cls = GroupedGemmExperts if experts == "grouped" else None
+            layer = _build_moe_layer(_moe_config(case, "flex" if backend != "alltoall" else "alltoall", backend if backend != "alltoall" else "deepep"), cls)
+            _copy_weights(ref, layer)
+            mgr = getattr(layer.token_dispatcher, "_comm_manager", None)
+            if backend != "alltoall" and type(mgr).__module__.split(".")[0] != "megatron_ep":
+                return [f"flex {backend} built {type(mgr).__name__}, not megatron_ep's manager"]
+            variants.append((f"{backend}+{experts}", experts, layer))
+        outs = {}
+        for name, _, layer in variants:
+            x = x0.clone().requires_grad_(True)
+            y, bias = layer(x)
+            (y * upstream).sum().backward()
+            w1, w2 = _expert_grads(layer)
+            shared = [p.grad for p in layer.shared_experts.parameters()]
+            outs[name] = dict(y=y.detach(), gx=_grad(x), grouter=_grad(layer.router.weight), gw1=w1, gw2=w2, shared=shared)
+        dist.barrier()
+
+    errors = []
+    want = outs["alltoall"]
+    for name, got in outs.items():
+        if name == "alltoall":
+            continue
+        tag = f"[R={R} rank={r} {name}]"
+        for key in ("y", "gx", "grouter", "gw1", "gw2"):
+            a, b = got[key], want[key]
+            if a is None or b is None or a.shape != b.shape:
+                errors.append(f"{tag} {key}: missing or shape mismatch")
+            elif not torch.allclose(a, b, rtol=1e-5, atol=1e-5):
+                errors.append(f"{tag} {key}: max abs diff {(a - b).abs().max().item():.3g}")
+        for i, (a, b) in enumerate(zip(got["shared"], want["shared"])):
+            if not torch.allclose(a, b, rtol=1e-5, atol=1e-5):
+                errors.append(f"{tag} shared expert grad {i}: max abs diff {(a - b).abs().max().item():.3g}")
+    if not torch.any(want["grouter"] != 0):
+        errors.append(f"[R={R} rank={r}] reference router gradient is zero: case does not exercise the probs path")
+    return errors
