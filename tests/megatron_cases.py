@@ -213,8 +213,13 @@ def run_flex_vs_alltoall(case):
         routing_map[rows, mine["idx"][rows, slots]] = True
         W_local = W[r * L:(r + 1) * L]
         results = {}
+        extra = dict(case.get("config", {}))
+        if case.get("p_drop", 0) > 0 or case.get("pattern") == "one_expert":
+            # Tokens with fewer than top-k experts only occur when the router drops (capacity
+            # factor set); megatron-core 0.19's alltoall sizes dropless outputs as T * topk.
+            extra.setdefault("moe_expert_capacity_factor", float(E))
         for kind in ("alltoall", case["backend"]):
-            disp = _make_dispatcher(kind, E, K, H, **case.get("config", {}))
+            disp = _make_dispatcher(kind, E, K, H, **extra)
             if kind != "alltoall":
                 mgr = disp._comm_manager
                 if type(mgr).__module__.split(".")[0] != "megatron_ep":
