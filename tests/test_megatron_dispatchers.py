@@ -40,3 +40,14 @@ def test_flex_matches_alltoall(pools, R):
 def test_setup_metadata_compiles(pools):
     errors = _flat(pools(2).run(mc.run_setup_metadata_compiles, dict(E=8, K=3, H=8)))
     assert not errors, "\n".join(errors[:20])
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_hybridep_rank_budget(pools, R):
+    """moe_expert_rank_capacity_factor: a budget nothing exceeds, and one most ranks exceed."""
+    errors = []
+    for i, (factor, align, expect_drop) in enumerate([(4.0, 4, False), (0.3, 2, True)]):
+        Ts = [9 + 2 * s for s in range(R)]
+        case = dict(seed=300 * R + i, E=2 * R, K=3, H=8, Ts=Ts, factor=factor, align=align, expect_drop=expect_drop, p_drop=0.0)
+        errors += _flat(pools(R).run(mc.run_rank_budget_case, case))
+    assert not errors, "\n".join(errors[:20])

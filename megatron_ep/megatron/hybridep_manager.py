@@ -113,7 +113,7 @@ class MegatronEPHybridEPManager(_DispatchManager):
             if self.over_budget.device != x.device:
                 self.over_budget = self.over_budget.to(x.device)
                 self.num_dropped_rows = self.num_dropped_rows.to(x.device)
-            dropped = self._static.dropped()
+            dropped = self._static.dropped(row_expert)
             self.num_dropped_rows += dropped
             self.over_budget |= dropped > 0
             x, probs = self._static.pack(x), self._static.pack(probs)

@@ -89,9 +89,9 @@ class StaticRows:
         tpe = torch.full((L,), seg_len, dtype=torch.int64, device=device)
         return cls(dst, L * seg_len, tpe)
 
-    def dropped(self) -> torch.Tensor:
-        """Rows that did not fit (device scalar)."""
-        return (self.dst == self.num_rows).sum()
+    def dropped(self, row_expert: torch.Tensor) -> torch.Tensor:
+        """Real (non-pad) rows that did not fit (device scalar)."""
+        return ((self.dst == self.num_rows) & (row_expert >= 0)).sum()
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """[M, ...] -> [num_rows, ...]; unfilled rows are zero."""
