@@ -174,6 +174,21 @@ def _global_problem(case):
     W = torch.randn((E, H, H), generator=g) / H ** 0.5
     upstream = [torch.randn((Ts[s], H), generator=g) for s in range(R)]
     probs_full = [torch.rand((Ts[s], E), generator=g) + 0.1 for s in range(R)]
+    if "pad_capacity_factor" in case:
+        # What the router does before a drop-and-pad dispatch: at most `capacity` tokens per
+        # expert from each rank (the first ones).
+        from megatron.core.transformer.moe.moe_utils import get_capacity
+
+        for s, inp in enumerate(inputs):
+            cap = get_capacity(num_tokens=Ts[s] * K, num_experts=E, capacity_factor=case["pad_capacity_factor"])
+            seen = [0] * E
+            for t in range(Ts[s]):
+                for k in range(K):
+                    e = int(inp["idx"][t, k])
+                    if e >= 0:
+                        seen[e] += 1
+                        if seen[e] > cap:
+                            inp["idx"][t, k] = -1
     return inputs, W, upstream, probs_full
 
 
@@ -214,7 +229,9 @@ def run_flex_vs_alltoall(case):
         W_local = W[r * L:(r + 1) * L]
         results = {}
         extra = dict(case.get("config", {}))
-        if case.get("p_drop", 0) > 0 or case.get("pattern") == "one_expert":
+        if "pad_capacity_factor" in case:
+            extra.update(moe_pad_expert_input_to_capacity=True, moe_expert_capacity_factor=case["pad_capacity_factor"])
+        elif case.get("p_drop", 0) > 0 or case.get("pattern") == "one_expert":
             # Tokens with fewer than top-k experts only occur when the router drops (capacity
             # factor set); megatron-core 0.19's alltoall sizes dropless outputs as T * topk.
             extra.setdefault("moe_expert_capacity_factor", float(E))
@@ -249,6 +266,19 @@ def run_flex_vs_alltoall(case):
     close("grad probs", got["gp"], ref["gp"])
     if not torch.any(ref["gp"] != 0) and routing_map.any():
         errors.append(f"{tag} reference probs gradient is all zero: the case does not exercise it")
+
+    if "pad_capacity_factor" in case:
+        # Drop-and-pad: both give every local expert capacity * R rows. Megatron pads each
+        # source's chunk with copies of other tokens (prob 0), we pad the segment's tail with
+        # zero rows; the real rows (prob > 0) must be the same, in the same order.
+        if got["tpe"].tolist() != ref["tpe"].tolist():
+            errors.append(f"{tag} tokens_per_expert {got['tpe'].tolist()} != alltoall's {ref['tpe'].tolist()}")
+        real_got, real_ref = got["perm_p"] != 0, ref["perm_p"] != 0
+        if not torch.equal(got["perm_x"][real_got], ref["perm_x"][real_ref]):
+            errors.append(f"{tag} drop-and-pad: real dispatched rows differ from alltoall's")
+        if torch.any(got["perm_x"][~real_got] != 0):
+            errors.append(f"{tag} drop-and-pad: pad rows are not zero")
+        return errors
 
     # Layout: Megatron's alltoall delivers each local expert's rows by (source rank, token);
     # ours must be the same rows, each segment padded with zero rows to the alignment.

@@ -26,6 +26,9 @@ def flex_cases(R):
         Ts = [5 + 3 * s for s in range(R)]
         Ts[-1] = 0 if i % 2 else Ts[-1]  # a rank without tokens
         out.append(dict(seed=seed, backend=backend, E=epr * R, K=K, H=H, Ts=Ts, pattern=pattern, p_drop=p_drop, **extra))
+    # drop-and-pad (moe_pad_expert_input_to_capacity): same token count on every rank, as Megatron assumes
+    out.append(dict(seed=100 * R + 9, backend="hybridep", E=2 * R, K=3, H=8, Ts=[12] * R, pattern="random", p_drop=0.0,
+                    pad_capacity_factor=1.0))
     return out
 
 
