@@ -518,3 +518,32 @@ def run_rank_budget_case(case):
         if not torch.allclose(a.double(), b, rtol=1e-5, atol=1e-5):
             errors.append(f"{tag} {name}: max abs diff {(a.double() - b).abs().max().item():.3g}")
     return errors
+
+
+@guarded
+def run_experts_checkpoint_case(case):
+    """GroupedGemmExperts' distributed-checkpoint entries: rank r's weights are experts
+    [r*L, (r+1)*L) of global [E, ...] tensors."""
+    with cpu_shims():
+        _init_megatron()
+        from megatron_ep.experts import GroupedGemmExperts
+
+        R, r = dist.get_world_size(), dist.get_rank()
+        E, L = case["E"], case["E"] // R
+        cfg = make_config(E, 2, 16, "flex", "hybridep", moe_ffn_hidden_size=8, gated_linear_unit=True)
+        mod = GroupedGemmExperts(L, cfg, pg_collection=_pg_collection())
+        sd = mod.sharded_state_dict(prefix="decoder.layers.mlp.experts.", sharded_offsets=((0, 3, 5),))
+    errors = []
+    for name, local in (("weight1", (L, 16, 16)), ("weight2", (L, 16, 8))):
+        st = sd.get(f"decoder.layers.mlp.experts.{name}")
+        if st is None:
+            errors.append(f"rank {r}: no sharded entry for {name}")
+            continue
+        want_global = (5, E) + local[1:]
+        want_offset = (3, r * L, 0, 0)
+        if tuple(st.global_shape) != want_global or tuple(st.global_offset) != want_offset or tuple(st.local_shape) != local:
+            errors.append(f"rank {r} {name}: global {tuple(st.global_shape)} offset {tuple(st.global_offset)} local {tuple(st.local_shape)}; "
+                          f"want {want_global} / {want_offset} / {local}")
+        if getattr(getattr(mod, name), "allreduce", None) is not False:
+            errors.append(f"rank {r} {name}: expert weights must be marked allreduce=False")
+    return errors

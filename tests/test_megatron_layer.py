@@ -18,3 +18,8 @@ def test_moe_layer_flex_matches_alltoall(pools, R):
                 variants=[("deepep", "sequential"), ("hybridep", "sequential"), ("hybridep", "grouped"), ("deepep", "grouped")])
     errors = [e for rank in pools(R).run(mc.run_moe_layer_case, case) for e in rank]
     assert not errors, "\n".join(errors[:20])
+
+
+def test_grouped_experts_checkpoint_sharding(pools):
+    errors = [e for rank in pools(2).run(mc.run_experts_checkpoint_case, dict(E=6)) for e in rank]
+    assert not errors, "\n".join(errors[:20])
