@@ -466,7 +466,7 @@ def run_rank_budget_case(case):
         disp = _make_dispatcher("hybridep", E, K, H, **extra)
         mgr = disp._comm_manager
         if not feats.rank_capacity_factor:
-            mgr.rank_capacity_factor = f
+            mgr.moe_expert_rank_capacity_factor = f
         align = mgr.align = case["align"]
         x = mine["x"].clone().requires_grad_(True)
         probs_leaf = probs_full[r].clone().requires_grad_(True)

@@ -91,7 +91,8 @@ class MegatronEPDeepepManager(_DispatchManager):
         self._permute = LocalPermute(self.dispatched_indices, self.num_local_experts, self.align, self.host_counts)
         hidden_states, permuted_probs = self._permute.permute(hidden_states, self.dispatched_probs)
         if self.align > 1:
-            self.tokens_per_expert = self._permute.padded_counts.cpu()
+            a = self.align
+            self.tokens_per_expert = torch.tensor([-(-c // a) * a for c in self.host_counts], dtype=torch.int64)
         if self.router_dtype == "fp64":
             permuted_probs = permuted_probs.to(torch.float64)
         return hidden_states, permuted_probs

@@ -54,7 +54,9 @@ class MegatronEPHybridEPManager(_DispatchManager):
         self.drop_and_pad = bool(config.moe_pad_expert_input_to_capacity)
         if self.drop_and_pad:
             assert self.capacity_factor is not None
-        self.rank_capacity_factor = compat.rank_capacity_factor(config)
+        # Read at every setup_metadata: megatron-core 0.19's paged stash switches the static
+        # budget off (None) for a rerun and back on through this attribute.
+        self.moe_expert_rank_capacity_factor = compat.rank_capacity_factor(config)
         # Accumulated until the dispatcher's reset_over_budget(); moved to the tokens' device
         # at the first dispatch.
         self.over_budget = torch.zeros(1, dtype=torch.bool)
@@ -77,8 +79,8 @@ class MegatronEPHybridEPManager(_DispatchManager):
         self.routing_map = routing_map.reshape(num_tokens, self.num_experts)
         self.token_probs = probs.reshape(num_tokens, self.num_experts)
         self.budget = self.capacity = None
-        if self.rank_capacity_factor is not None:
-            budget = int(num_tokens * self.config.moe_router_topk * self.rank_capacity_factor)
+        if self.moe_expert_rank_capacity_factor is not None:
+            budget = int(num_tokens * self.config.moe_router_topk * self.moe_expert_rank_capacity_factor)
             self.budget = budget + (-budget % self.align)
         if self.drop_and_pad:
             self.capacity = get_capacity(num_tokens=num_tokens * self.config.moe_router_topk,
