@@ -119,14 +119,10 @@ def build_model(config, args):
 def synthetic_batch(args, step: int, rank: int, device):
     """Sequences that follow t[i+1] = (5 t[i] + 3) mod V from a random start: learnable."""
     g = torch.Generator().manual_seed(args.seed + 1000 * step + rank)
-    start = torch.randint(0, args.vocab, (args.micro_batch, 1), generator=g)
-    steps = torch.arange(args.seq_len + 1).unsqueeze(0)
-    seq = start.clone()
-    cols = [seq]
+    cols = [torch.randint(0, args.vocab, (args.micro_batch, 1), generator=g)]
     for _ in range(args.seq_len):
-        seq = (5 * seq + 3) % args.vocab
-        cols.append(seq)
-    seq = torch.cat(cols, dim=1)[:, : steps.shape[1]]
+        cols.append((5 * cols[-1] + 3) % args.vocab)
+    seq = torch.cat(cols, dim=1)  # [B, S + 1]
     tokens, labels = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
     position_ids = torch.arange(args.seq_len).unsqueeze(0).expand(args.micro_batch, -1).contiguous()
     # explicit causal mask (True = masked): Megatron's default one is built on "cuda"

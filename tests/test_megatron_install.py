@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-pytest.importorskip("megatron.core")
+import megatron.core  # noqa: E402,F401  (CI installs megatron-core: a missing one must fail, not skip)
 
 import megatron_ep.megatron as mm  # noqa: E402
 from megatron_ep.megatron import compat  # noqa: E402

@@ -7,7 +7,7 @@ megatron_cases.py)."""
 
 import pytest
 
-pytest.importorskip("megatron.core")
+import megatron.core  # noqa: E402,F401  (CI installs megatron-core: a missing one must fail, not skip)
 
 import megatron_cases as mc  # noqa: E402
 
