@@ -1,0 +1,60 @@
+"""The expert-major ("contiguous") row layout the grouped GEMMs consume.
+
+Rows are grouped by local expert: expert e owns rows [start_e, start_e + tokens_per_expert[e]),
+and sum(tokens_per_expert) == number of rows (Megatron's contract for its experts). Pad rows
+(zero rows the dispatch added to align segments) belong to their segment; when the dispatch
+told us which they are (`row_expert` == -1, DeepGEMM's m_indices), their output is forced to 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+
+
+@dataclass
+class GroupedLayout:
+    tokens_per_expert: torch.Tensor  # [G] int, device or host
+    num_rows: int
+    row_expert: Optional[torch.Tensor] = None  # [num_rows] int32, -1 on pad rows, if known
+    alignment: int = 1  # every segment length is a multiple of this (known from the dispatch)
+    _host: Optional[List[int]] = field(default=None, repr=False)
+
+    @classmethod
+    def of(cls, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> "GroupedLayout":
+        """Layout of dispatched rows `x`; picks up the row ids / alignment megatron_ep's
+        hybridep manager attached to the tensor it handed Megatron."""
+        row_expert = getattr(x, "_mep_row_expert", None)
+        if row_expert is not None and row_expert.shape[0] != x.shape[0]:
+            row_expert = None
+        align = getattr(x, "_mep_alignment", 1) if row_expert is not None else 1
+        return cls(tokens_per_expert, x.shape[0], row_expert, align)
+
+    @property
+    def num_groups(self) -> int:
+        return self.tokens_per_expert.numel()
+
+    def host_counts(self) -> List[int]:
+        """Segment lengths on the host (a device->host sync when they live on a GPU)."""
+        if self._host is None:
+            self._host = [int(c) for c in self.tokens_per_expert.tolist()]
+        return self._host
+
+    def offsets(self, device) -> torch.Tensor:
+        """int32 segment ends, as torch's grouped_mm wants them (no host sync)."""
+        return torch.cumsum(self.tokens_per_expert.to(device=device, dtype=torch.int64), 0).to(torch.int32)
+
+    def m_indices(self, device) -> torch.Tensor:
+        """int32 expert id of every row (DeepGEMM's m_indices), -1 on known pad rows."""
+        if self.row_expert is not None:
+            return self.row_expert.to(device=device, dtype=torch.int32)
+        groups = torch.arange(self.num_groups, device=device, dtype=torch.int32)
+        return torch.repeat_interleave(groups, self.tokens_per_expert.to(device), output_size=self.num_rows)
+
+    def pad_mask(self, device) -> Optional[torch.Tensor]:
+        """[num_rows, 1] bool, True on real rows; None when pad rows are unknown."""
+        if self.row_expert is None:
+            return None
+        return (self.row_expert >= 0).to(device).unsqueeze(1)

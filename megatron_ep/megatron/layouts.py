@@ -1,0 +1,104 @@
+"""Local row re-layouts around a dispatch, all differentiable (gathers, index_copy, index_add).
+
+* `LocalPermute`: rank-major rows ([N, K] local expert ids, as DeepEP delivers them) into
+  expert-major rows, one per (row, local expert), each expert's segment padded with zero rows to
+  an alignment. Row order inside an expert follows the received rows, exactly as Megatron's
+  `permute(tokens, routing_map)` orders them.
+* `StaticRows`: an expert-major layout copied into a fixed number of rows (the static budget of
+  `moe_expert_rank_capacity_factor`, or fixed per-expert capacity segments for
+  `moe_pad_expert_input_to_capacity`). Rows that do not fit go to a dump row and are dropped;
+  the mapping is computed on the device from device counts (no host sync).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+
+
+def _round_up(t: torch.Tensor, align: int) -> torch.Tensor:
+    return (t + align - 1) // align * align
+
+
+class LocalPermute:
+    def __init__(self, topk_idx: torch.Tensor, num_local_experts: int, align: int, host_counts: Optional[List[int]] = None):
+        device = topk_idx.device
+        L = num_local_experts
+        rows, slots = (topk_idx >= 0).nonzero(as_tuple=True)  # (row, slot) order
+        experts = topk_idx[rows, slots]
+        order = torch.argsort(experts, stable=True)  # by expert; rows keep their order inside
+        self.rows, self.slots, experts = rows[order], slots[order], experts[order]
+        counts = torch.tensor(host_counts, dtype=torch.int64, device=device) if host_counts is not None \
+            else torch.bincount(experts, minlength=L)
+        padded = _round_up(counts, align)
+        first = torch.cumsum(counts, 0) - counts
+        seg_start = torch.cumsum(padded, 0) - padded
+        self.pos = seg_start[experts] + torch.arange(experts.numel(), device=device) - first[experts]
+        self.num_rows_in = topk_idx.shape[0]
+        self.padded_counts = padded
+        self.num_rows_out = int(padded.sum()) if host_counts is None else sum(-(-c // align) * align for c in host_counts)
+
+    def permute(self, x: torch.Tensor, probs: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H], probs [N, K] -> x [M, H] (zero pad rows), probs [M] (0 on pad rows)."""
+        M = self.num_rows_out
+        out_x = x.new_zeros((M,) + tuple(x.shape[1:])).index_copy(0, self.pos, x.index_select(0, self.rows))
+        out_p = probs.new_zeros(M).index_copy(0, self.pos, probs[self.rows, self.slots])
+        return out_x, out_p
+
+    def unpermute(self, y: torch.Tensor) -> torch.Tensor:
+        """y [M, H] -> [N, H]: each received row gets the sum of its experts' rows (fp32)."""
+        acc = torch.float64 if y.dtype == torch.float64 else torch.float32
+        out = y.new_zeros((self.num_rows_in,) + tuple(y.shape[1:]), dtype=acc)
+        return out.index_add(0, self.rows, y.index_select(0, self.pos).to(acc)).to(y.dtype)
+
+
+class StaticRows:
+    """Map the rows of a dynamic expert-major layout into `num_rows` static rows."""
+
+    def __init__(self, dst: torch.Tensor, num_rows: int, tokens_per_expert: torch.Tensor):
+        self.dst = dst  # [M] static row of each dynamic row; num_rows = dropped
+        self.num_rows = num_rows
+        self.tokens_per_expert = tokens_per_expert  # static segment lengths, sum == num_rows
+
+    @classmethod
+    def budget(cls, num_dynamic_rows: int, tokens_per_expert: torch.Tensor, budget: int) -> "StaticRows":
+        """Keep the first `budget` rows (later experts lose their tail rows); pad with zero
+        rows, counted in the last expert's segment so sum(tokens_per_expert) == budget."""
+        device = tokens_per_expert.device
+        idx = torch.arange(num_dynamic_rows, device=device)
+        dst = torch.where(idx < budget, idx, budget)
+        ends = torch.cumsum(tokens_per_expert, 0)
+        tpe = ends.clamp(max=budget) - (ends - tokens_per_expert).clamp(max=budget)
+        tpe[-1] += budget - tpe.sum()
+        return cls(dst, budget, tpe)
+
+    @classmethod
+    def segments(cls, row_expert: torch.Tensor, tokens_per_expert: torch.Tensor, seg_len: int) -> "StaticRows":
+        """Expert e's rows go to [e * seg_len, (e + 1) * seg_len); rows past seg_len and pad
+        rows (row_expert -1) are dropped."""
+        L = tokens_per_expert.numel()
+        device = row_expert.device
+        e = row_expert.long()
+        valid = e >= 0
+        e0 = e.clamp(min=0)
+        seg_start = torch.cumsum(tokens_per_expert, 0) - tokens_per_expert
+        rank_in_seg = torch.arange(e.numel(), device=device) - seg_start[e0]
+        keep = valid & (rank_in_seg < seg_len)
+        dst = torch.where(keep, e0 * seg_len + rank_in_seg, L * seg_len)
+        tpe = torch.full((L,), seg_len, dtype=torch.int64, device=device)
+        return cls(dst, L * seg_len, tpe)
+
+    def dropped(self, row_expert: torch.Tensor) -> torch.Tensor:
+        """Real (non-pad) rows that did not fit (device scalar)."""
+        return ((self.dst == self.num_rows) & (row_expert >= 0)).sum()
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """[M, ...] -> [num_rows, ...]; unfilled rows are zero."""
+        out = x.new_zeros((self.num_rows + 1,) + tuple(x.shape[1:]))
+        return out.index_copy(0, self.dst, x)[: self.num_rows]
+
+    def unpack(self, y: torch.Tensor) -> torch.Tensor:
+        """[num_rows, ...] -> [M, ...]; dropped rows come back as zeros."""
+        ext = torch.cat([y, y.new_zeros((1,) + tuple(y.shape[1:]))])
+        return ext.index_select(0, self.dst)

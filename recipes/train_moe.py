@@ -1,0 +1,238 @@
+"""Train a small megatron-core GPT with DeepSeek-V3-style MoE layers on synthetic tokens.
+
+    torchrun --nproc-per-node 2 recipes/train_moe.py --dispatcher hybridep
+    torchrun --nproc-per-node 8 recipes/train_moe.py --dispatcher deepep --backend cuda \\
+        --hidden 1024 --experts 64 --topk 8 --seq-len 2048 --micro-batch 2
+
+Model: first layer dense, the rest MoE (DeepSeek-V3 layout): sigmoid router scores,
+group-limited top-k (one group per EP rank: device-limited routing), top-k probs normalised and
+scaled, aux-loss-free expert bias updated every step (plus a small sequence aux loss), one
+shared expert, SwiGLU experts run by megatron_ep.experts.GroupedGemmExperts on the dispatch
+layout. Parallelism: EP = data parallel = world size (TP = PP = 1).
+
+--dispatcher: alltoall (Megatron's own), deepep or hybridep (Megatron's flex dispatcher with
+megatron_ep's managers installed). --backend: megatron_ep's Buffer backend (torch reference,
+cuda kernels, auto). Runs on CPU with gloo (reference backend) and on GPUs with NCCL.
+Prints per step: loss, step time, tokens/s, dispatch and combine time (fwd + bwd, summed over
+layers, max over ranks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+from recipes.comm_timer import CommTimer  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dispatcher", choices=("alltoall", "deepep", "hybridep"), default="hybridep")
+    p.add_argument("--backend", choices=("auto", "torch", "cuda"), default="auto", help="megatron_ep Buffer backend")
+    p.add_argument("--experts-impl", choices=("grouped", "sequential"), default="grouped",
+                   help="megatron_ep GroupedGemmExperts, or Megatron's SequentialMLP")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--ffn", type=int, default=128, help="dense-layer FFN size")
+    p.add_argument("--expert-ffn", type=int, default=32)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--topk", type=int, default=2)
+    p.add_argument("--group-topk", type=int, default=None, help="EP groups per token (default: half the ranks)")
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--no-time-comm", dest="time_comm", action="store_false", help="skip the dispatch/combine timers")
+    return p.parse_args(argv)
+
+
+def init_distributed():
+    on_gpu = torch.cuda.is_available()
+    if on_gpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if on_gpu else "gloo", timeout=datetime.timedelta(minutes=5))
+    if not on_gpu:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+        from recipes import cpu_shims
+
+        cpu_shims.apply()
+    return on_gpu
+
+
+def build_config(args, world: int, on_gpu: bool):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    flex = args.dispatcher != "alltoall"
+    return TransformerConfig(
+        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads, ffn_hidden_size=args.ffn,
+        normalization="RMSNorm", add_bias_linear=False, gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, hidden_dropout=0.0, attention_dropout=0.0,
+        params_dtype=torch.bfloat16 if on_gpu else torch.float32, bf16=on_gpu, pipeline_dtype=torch.bfloat16 if on_gpu else torch.float32,
+        use_cpu_initialization=not on_gpu, gradient_accumulation_fusion=False,
+        expert_model_parallel_size=world,
+        # DeepSeek-V3-style MoE
+        num_moe_experts=args.experts, moe_layer_freq=[0] + [1] * (args.layers - 1), moe_ffn_hidden_size=args.expert_ffn,
+        moe_router_topk=args.topk, moe_router_score_function="sigmoid", moe_router_topk_scaling_factor=2.5,
+        moe_router_num_groups=world, moe_router_group_topk=args.group_topk or max(1, world // 2),
+        moe_router_enable_expert_bias=True, moe_router_bias_update_rate=1e-3,
+        moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-4, moe_router_dtype="fp32",
+        moe_shared_expert_intermediate_size=args.expert_ffn,
+        moe_token_dispatcher_type="flex" if flex else "alltoall",
+        moe_flex_dispatcher_backend=args.dispatcher if flex else "deepep",
+    )
+
+
+def build_model(config, args):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from megatron_ep.experts import GroupedGemmExperts
+    from megatron_ep.megatron import compat
+
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    if args.experts_impl == "grouped":
+        layers = []
+        for layer in block.layer_specs:
+            mlp = layer.submodules.mlp
+            is_moe = hasattr(compat.moe_submodules(mlp) if hasattr(mlp, "submodules") or hasattr(mlp, "keywords") else None, "experts")
+            if is_moe:
+                layer = dataclasses.replace(layer, submodules=dataclasses.replace(
+                    layer.submodules, mlp=compat.with_experts(mlp, GroupedGemmExperts)))
+            layers.append(layer)
+        block = dataclasses.replace(block, layer_specs=layers)
+    return GPTModel(config=config, transformer_layer_spec=block, vocab_size=args.vocab,
+                    max_sequence_length=args.seq_len, position_embedding_type="rope")
+
+
+def synthetic_batch(args, step: int, rank: int, device):
+    """Sequences that follow t[i+1] = (5 t[i] + 3) mod V from a random start: learnable."""
+    g = torch.Generator().manual_seed(args.seed + 1000 * step + rank)
+    cols = [torch.randint(0, args.vocab, (args.micro_batch, 1), generator=g)]
+    for _ in range(args.seq_len):
+        cols.append((5 * cols[-1] + 3) % args.vocab)
+    seq = torch.cat(cols, dim=1)  # [B, S + 1]
+    tokens, labels = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+    position_ids = torch.arange(args.seq_len).unsqueeze(0).expand(args.micro_batch, -1).contiguous()
+    # explicit causal mask (True = masked): Megatron's default one is built on "cuda"
+    mask = torch.triu(torch.ones(args.seq_len, args.seq_len, dtype=torch.bool), diagonal=1)[None, None]
+    return tokens.to(device), labels.to(device), position_ids.to(device), mask.to(device)
+
+
+def allreduce_non_expert_grads(model, group):
+    """Data parallel = world: average replicated weights' grads; expert weights
+    (allreduce=False) each live on one rank only (expert data-parallel size 1)."""
+    world = dist.get_world_size(group)
+    grads = [p.grad for p in model.parameters() if p.grad is not None and getattr(p, "allreduce", True)]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1).float() for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= world
+    offset = 0
+    for g in grads:
+        n = g.numel()
+        g.copy_(flat[offset:offset + n].view_as(g))
+        offset += n
+
+
+def broadcast_non_expert_params(model):
+    """Replicated weights start equal everywhere (expert weights stay per rank)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if getattr(p, "allreduce", True):
+                dist.broadcast(p.data, src=0)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    on_gpu = init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    if args.experts % world:
+        raise SystemExit(f"--experts {args.experts} must be a multiple of the world size {world}")
+    os.environ["MEGATRON_EP_BACKEND"] = args.backend
+
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(expert_model_parallel_size=world)
+    if args.dispatcher != "alltoall":
+        import megatron_ep.megatron
+
+        feats = megatron_ep.megatron.install()
+        if rank == 0:
+            print(f"megatron_ep installed into megatron-core {feats.version}", flush=True)
+    torch.manual_seed(args.seed + rank)  # expert weights differ per rank; the rest is broadcast
+    if on_gpu:
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(args.seed)
+
+    config = build_config(args, world, on_gpu)
+    model = build_model(config, args).to(device)
+    broadcast_non_expert_params(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+
+    from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    timer = CommTimer(sync_cuda=on_gpu)
+    moe_layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    if args.time_comm:
+        for layer in moe_layers:
+            timer.wrap(layer.token_dispatcher)
+    if rank == 0:
+        n_params = sum(p.numel() for p in model.parameters())
+        mgr = getattr(moe_layers[0].token_dispatcher, "_comm_manager", None)
+        from megatron_ep.megatron.buffers import choose_backend
+
+        backend = choose_backend(device) if mgr is not None else "-"
+        print(f"world={world} dispatcher={args.dispatcher} manager={type(mgr).__name__ if mgr else type(moe_layers[0].token_dispatcher).__name__} "
+              f"buffer_backend={backend} experts={type(moe_layers[0].experts).__name__} moe_layers={len(moe_layers)} "
+              f"params/rank={n_params} device={device.type}", flush=True)
+        print(f"{'step':>4} {'loss':>8} {'step ms':>9} {'tok/s':>9} {'dispatch ms':>12} {'combine ms':>11}", flush=True)
+
+    dp_group = ps.get_data_parallel_group()
+    tokens_per_step = args.micro_batch * args.seq_len * world
+    for step in range(args.steps):
+        tokens, labels, position_ids, mask = synthetic_batch(args, step, rank, device)
+        timer.reset()
+        if on_gpu:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(tokens, position_ids, mask, labels=labels).float().mean()
+        loss.backward()
+        allreduce_non_expert_grads(model, dp_group)
+        _update_router_expert_bias([model], config)
+        optimizer.step()
+        if on_gpu:
+            torch.cuda.synchronize()
+        step_s = time.perf_counter() - t0
+        stats = torch.tensor([loss.item() / world, step_s,
+                              timer.totals["dispatch_fwd"] + timer.totals["dispatch_bwd"],
+                              timer.totals["combine_fwd"] + timer.totals["combine_bwd"]], device=device, dtype=torch.float64)
+        loss_sum = stats[:1].clone()
+        dist.all_reduce(loss_sum)
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+        if rank == 0:
+            step_ms = stats[1].item() * 1e3
+            comm = f"{stats[2].item() * 1e3:12.1f} {stats[3].item() * 1e3:11.1f}" if args.time_comm else f"{'-':>12} {'-':>11}"
+            print(f"{step:4d} {loss_sum.item():8.4f} {step_ms:9.1f} {tokens_per_step / stats[1].item():9.0f} {comm}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

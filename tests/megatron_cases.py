@@ -1,0 +1,549 @@
+"""Worker bodies for the Megatron integration tests (run on every rank of a gloo DistPool).
+
+Each case builds the same global inputs on every rank from one seed, runs them through
+Megatron's real dispatchers (`MoEAlltoAllTokenDispatcher` as the reference, and
+`MoEFlexTokenDispatcher` with megatron_ep's managers installed) or through a real `MoELayer`,
+and returns a list of failure messages (empty = pass). All collectives run before any check.
+
+CPU shims (this harness only; megatron-core 0.16/0.19 assume a GPU in a few places):
+* `moe_utils.te_general_gemm` is referenced without TransformerEngine (NameError) -> None, so
+  the router gating falls back to torch.mm;
+* the router moves its weight and expert-bias buffers to `torch.cuda.current_device()`, and
+  the alltoall dispatcher makes a D2H side stream (`torch.cuda.Stream`, `current_stream`,
+  `torch.cuda.stream`) -> "cpu" and no-op stream/event stand-ins;
+* the alltoall dispatcher passes its splits to `all_to_all_single` as CPU *tensors* when they
+  never were on a GPU (on GPU it converts them to numpy) -> convert on CPU too.
+All are patched only while a case runs, and restored after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from oracle import expected_expert_major, make_inputs
+
+
+# ------------------------------------------------------------------------------- CPU shims
+class _NoEvent:
+    def synchronize(self):
+        pass
+
+    def record(self, *a, **k):
+        pass
+
+    def wait(self, *a, **k):
+        pass
+
+
+class _NoStream:
+    def wait_stream(self, *a, **k):
+        pass
+
+    def wait_event(self, *a, **k):
+        pass
+
+    def record_event(self, *a, **k):
+        return _NoEvent()
+
+    def synchronize(self):
+        pass
+
+    def __eq__(self, other):
+        return isinstance(other, _NoStream)
+
+    def __hash__(self):
+        return 0
+
+
+_NO_STREAM = _NoStream()
+
+
+@contextlib.contextmanager
+def cpu_shims():
+    import megatron.core.transformer.moe.moe_utils as mu
+    import megatron.core.transformer.moe.token_dispatcher as td
+
+    orig_move = td.maybe_move_tensor_to_cpu
+
+    def move(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor) and not tensor.is_cuda and as_numpy:
+            return tensor.numpy()
+        return orig_move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    patches = [
+        (mu, "te_general_gemm", None),
+        (td, "maybe_move_tensor_to_cpu", move),
+        (torch.cuda, "current_device", lambda: "cpu"),
+        (torch.cuda, "current_stream", lambda *a, **k: _NO_STREAM),
+        (torch.cuda, "Stream", lambda *a, **k: _NO_STREAM),
+        (torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext()),
+        (torch.cuda, "Event", lambda *a, **k: _NoEvent()),
+    ]
+    saved = [(obj, name, obj.__dict__.get(name, getattr(obj, name, None))) for obj, name, _ in patches]
+    try:
+        for obj, name, value in patches:
+            setattr(obj, name, value)
+        yield
+    finally:
+        for obj, name, value in saved:
+            setattr(obj, name, value)
+
+
+def _init_megatron():
+    """Megatron's parallel state on the pool's gloo world: TP = PP = 1, EP = world size."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(expert_model_parallel_size=dist.get_world_size())
+    import megatron_ep.megatron as mep_megatron
+
+    mep_megatron.install()
+
+
+def _pg_collection():
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+    return get_default_pg_collection()
+
+
+def guarded(fn):
+    """Turn an exception into a failure message (so peers are not left waiting on a
+    collective that the failing rank will never join, every rank runs the same code)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception:
+            return [f"rank {dist.get_rank()}: {fn.__name__} raised:\n{traceback.format_exc()}"]
+
+    return wrapper
+
+
+def make_config(E, K, H, dispatcher, backend="deepep", **extra):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kw = dict(num_layers=1, hidden_size=H, num_attention_heads=1, num_moe_experts=E, moe_router_topk=K,
+              moe_ffn_hidden_size=2 * H, ffn_hidden_size=2 * H, use_cpu_initialization=True,
+              moe_token_dispatcher_type=dispatcher, moe_flex_dispatcher_backend=backend,
+              expert_model_parallel_size=dist.get_world_size(), add_bias_linear=False,
+              gradient_accumulation_fusion=False, moe_router_load_balancing_type="none",
+              moe_router_dtype="fp32", params_dtype=torch.float32, bf16=False)
+    kw.update(extra)
+    return TransformerConfig(**kw)
+
+
+# ---------------------------------------------------------------------- dispatcher level
+def _make_dispatcher(kind, E, K, H, **extra):
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher, MoEFlexTokenDispatcher
+
+    R, r = dist.get_world_size(), dist.get_rank()
+    L = E // R
+    if kind == "alltoall":
+        cfg = make_config(E, K, H, "alltoall", **extra)
+        cls = MoEAlltoAllTokenDispatcher
+    else:
+        cfg = make_config(E, K, H, "flex", kind, **extra)
+        cls = MoEFlexTokenDispatcher
+    return cls(L, list(range(r * L, (r + 1) * L)), config=cfg, pg_collection=_pg_collection())
+
+
+def _toy_experts(x, tokens_per_expert, probs, W):
+    """y = (x @ W[e]) * prob per expert segment: row-wise, so any expert-major layout works."""
+    counts = [int(c) for c in tokens_per_expert.tolist()]
+    assert sum(counts) == x.shape[0], f"tokens_per_expert sums to {sum(counts)} but there are {x.shape[0]} rows"
+    outs, start = [], 0
+    for e, n in enumerate(counts):
+        outs.append((x[start:start + n] @ W[e]) * probs[start:start + n].unsqueeze(1).to(x.dtype))
+        start += n
+    return torch.cat(outs) if outs else x.new_zeros((0, W.shape[-1]))
+
+
+def _global_problem(case):
+    """Every rank's tokens, routing map, dense probs and an upstream gradient, from one seed."""
+    R = dist.get_world_size()
+    E, K, H, Ts = case["E"], case["K"], case["H"], case["Ts"]
+    inputs = make_inputs(case["seed"], R, E, K, H, Ts, dtype="fp32", pattern=case.get("pattern", "random"),
+                         p_drop=case.get("p_drop", 0.2))
+    g = torch.Generator().manual_seed(case["seed"] + 7)
+    W = torch.randn((E, H, H), generator=g) / H ** 0.5
+    upstream = [torch.randn((Ts[s], H), generator=g) for s in range(R)]
+    probs_full = [torch.rand((Ts[s], E), generator=g) + 0.1 for s in range(R)]
+    if "pad_capacity_factor" in case:
+        # What the router does before a drop-and-pad dispatch: at most `capacity` tokens per
+        # expert from each rank (the first ones).
+        from megatron.core.transformer.moe.moe_utils import get_capacity
+
+        for s, inp in enumerate(inputs):
+            cap = get_capacity(num_tokens=Ts[s] * K, num_experts=E, capacity_factor=case["pad_capacity_factor"])
+            seen = [0] * E
+            for t in range(Ts[s]):
+                for k in range(K):
+                    e = int(inp["idx"][t, k])
+                    if e >= 0:
+                        seen[e] += 1
+                        if seen[e] > cap:
+                            inp["idx"][t, k] = -1
+    return inputs, W, upstream, probs_full
+
+
+def _run_dispatcher(disp, x, routing_map, probs_leaf, W_local, upstream):
+    """Forward + backward through Megatron's dispatcher protocol; returns what to compare."""
+    probs = probs_leaf * routing_map  # zero off the routing map, gradient only on it
+    hidden, p = disp.dispatch_preprocess(x, routing_map, probs)
+    hidden, p = disp.token_dispatch(hidden, p)
+    perm_x, tpe, perm_p = disp.dispatch_postprocess(hidden, p)
+    out = _toy_experts(perm_x, tpe, perm_p, W_local)
+    out = disp.combine_preprocess(out)
+    out = disp.token_combine(out)
+    y = disp.combine_postprocess(out)
+    (y * upstream).sum().backward()
+    return dict(y=y.detach(), perm_x=perm_x.detach(), perm_p=perm_p.detach(), tpe=tpe.detach().cpu(),
+                gx=_grad(x), gp=_grad(probs_leaf))
+
+
+def _grad(t):
+    return t.grad.clone() if t.grad is not None else torch.zeros_like(t)
+
+
+@guarded
+def run_flex_vs_alltoall(case):
+    """Flex (deepep | hybridep on megatron_ep) against Megatron's alltoall dispatcher."""
+    with cpu_shims():
+        _init_megatron()
+        from megatron_ep.megatron import compat
+
+        R, r = dist.get_world_size(), dist.get_rank()
+        E, K, H = case["E"], case["K"], case["H"]
+        L = E // R
+        inputs, W, upstream, probs_full = _global_problem(case)
+        mine = inputs[r]
+        routing_map = torch.zeros((case["Ts"][r], E), dtype=torch.bool)
+        rows, slots = (mine["idx"] >= 0).nonzero(as_tuple=True)
+        routing_map[rows, mine["idx"][rows, slots]] = True
+        W_local = W[r * L:(r + 1) * L]
+        results = {}
+        extra = dict(case.get("config", {}))
+        if "pad_capacity_factor" in case:
+            extra.update(moe_pad_expert_input_to_capacity=True, moe_expert_capacity_factor=case["pad_capacity_factor"])
+        elif case.get("p_drop", 0) > 0 or case.get("pattern") == "one_expert":
+            # Tokens with fewer than top-k experts only occur when the router drops (capacity
+            # factor set); megatron-core 0.19's alltoall sizes dropless outputs as T * topk.
+            extra.setdefault("moe_expert_capacity_factor", float(E))
+        for kind in ("alltoall", case["backend"]):
+            disp = _make_dispatcher(kind, E, K, H, **extra)
+            if kind != "alltoall":
+                mgr = disp._comm_manager
+                if type(mgr).__module__.split(".")[0] != "megatron_ep":
+                    return [f"flex {kind} built {type(mgr).__name__}, not megatron_ep's manager: install() had no effect"]
+                if "align" in case:  # FP8 configs (the only way to ask for padding) need TE
+                    mgr.align = case["align"]
+            x = mine["x"].clone().requires_grad_(True)
+            probs_leaf = probs_full[r].clone().requires_grad_(True)
+            results[kind] = _run_dispatcher(disp, x, routing_map, probs_leaf, W_local, upstream[r])
+            if kind != "alltoall":
+                results["align"] = getattr(disp._comm_manager, "align", 1)
+        align = results.pop("align")
+        dist.barrier()
+
+    errors = []
+    tag = f"[R={R} rank={r} {case['backend']} seed={case['seed']}]"
+    ref, got = results["alltoall"], results[case["backend"]]
+
+    def close(name, a, b, tol=1e-5):
+        if a.shape != b.shape:
+            errors.append(f"{tag} {name}: shape {tuple(a.shape)} != {tuple(b.shape)}")
+        elif a.numel() and not torch.allclose(a, b, rtol=tol, atol=tol):
+            errors.append(f"{tag} {name}: max abs diff {(a - b).abs().max().item():.3g}")
+
+    close("output", got["y"], ref["y"])
+    close("grad hidden", got["gx"], ref["gx"])
+    close("grad probs", got["gp"], ref["gp"])
+    if not torch.any(ref["gp"] != 0) and routing_map.any():
+        errors.append(f"{tag} reference probs gradient is all zero: the case does not exercise it")
+
+    if "pad_capacity_factor" in case:
+        # Drop-and-pad: both give every local expert capacity * R rows. Megatron pads each
+        # source's chunk with copies of other tokens (prob 0), we pad the segment's tail with
+        # zero rows; the real rows (prob > 0) must be the same, in the same order.
+        if got["tpe"].tolist() != ref["tpe"].tolist():
+            errors.append(f"{tag} tokens_per_expert {got['tpe'].tolist()} != alltoall's {ref['tpe'].tolist()}")
+        real_got, real_ref = got["perm_p"] != 0, ref["perm_p"] != 0
+        if not torch.equal(got["perm_x"][real_got], ref["perm_x"][real_ref]):
+            errors.append(f"{tag} drop-and-pad: real dispatched rows differ from alltoall's")
+        if torch.any(got["perm_x"][~real_got] != 0):
+            errors.append(f"{tag} drop-and-pad: pad rows are not zero")
+        return errors
+
+    # Layout: Megatron's alltoall delivers each local expert's rows by (source rank, token);
+    # ours must be the same rows, each segment padded with zero rows to the alignment.
+    want_tpe = ref["tpe"].long()
+    padded = (want_tpe + align - 1) // align * align
+    if got["tpe"].long().tolist() != padded.tolist():
+        errors.append(f"{tag} tokens_per_expert {got['tpe'].tolist()} != {padded.tolist()} (alltoall {want_tpe.tolist()}, align {align})")
+    else:
+        if any(int(c) % align for c in got["tpe"].tolist()):
+            errors.append(f"{tag} tokens_per_expert {got['tpe'].tolist()} not multiples of {align}")
+        keep = torch.cat([torch.arange(n) < c for n, c in zip(padded.tolist(), want_tpe.tolist())]) if L else torch.zeros(0, dtype=torch.bool)
+        if got["perm_x"].shape[0] != keep.numel():
+            errors.append(f"{tag} {got['perm_x'].shape[0]} dispatched rows, want {keep.numel()}")
+        else:
+            if not torch.equal(got["perm_x"][keep], ref["perm_x"]):
+                errors.append(f"{tag} dispatched rows differ from alltoall's")
+            if not torch.equal(got["perm_p"][keep].float(), ref["perm_p"].float()):
+                errors.append(f"{tag} dispatched probs differ from alltoall's")
+            if torch.any(got["perm_x"][~keep] != 0) or torch.any(got["perm_p"][~keep] != 0):
+                errors.append(f"{tag} pad rows are not zero")
+    return errors
+
+
+@guarded
+def run_setup_metadata_compiles(case):
+    """setup_metadata traces into one graph (no graph break) under torch.compile."""
+    with cpu_shims():
+        _init_megatron()
+        import torch._dynamo
+
+        E, K, H = case["E"], case["K"], case["H"]
+        errors = []
+        for backend in ("deepep", "hybridep"):
+            disp = _make_dispatcher(backend, E, K, H)
+            mgr = disp._comm_manager
+            T = 6
+            g = torch.Generator().manual_seed(5)
+            probs = torch.rand((T, E), generator=g)
+            rmap = torch.zeros((T, E), dtype=torch.bool)
+            rmap[torch.arange(T).unsqueeze(1), torch.topk(probs, K, dim=1).indices] = True
+            rmap[0] = False  # a token routed nowhere
+            probs = probs * rmap
+            torch._dynamo.reset()
+            compiled = torch.compile(mgr.setup_metadata, fullgraph=True, backend="eager")
+            compiled(rmap.view(T, dist.get_world_size(), -1), probs.view(T, dist.get_world_size(), -1))
+            got = {n: getattr(mgr, n) for n in ("token_probs", "token_indices", "routing_map") if getattr(mgr, n, None) is not None}
+            mgr.setup_metadata(rmap, probs)
+            for n, v in got.items():
+                if not torch.equal(v, getattr(mgr, n)):
+                    errors.append(f"{backend}: compiled setup_metadata gives a different {n}")
+            if backend == "deepep":
+                idx = mgr.token_indices
+                if not torch.equal(idx[0], torch.full_like(idx[0], -1)):
+                    errors.append(f"deepep: a token routed nowhere got indices {idx[0].tolist()}")
+                for t in range(1, T):
+                    if sorted(idx[t].tolist()) != sorted(rmap[t].nonzero().flatten().tolist()):
+                        errors.append(f"deepep: token {t} indices {idx[t].tolist()} != routing map")
+        return errors
+
+
+# -------------------------------------------------------------------------- MoELayer level
+def _moe_config(case, dispatcher, backend="deepep"):
+    R = dist.get_world_size()
+    E = case["E"]
+    return make_config(
+        E, case["K"], case["H"], dispatcher, backend,
+        moe_ffn_hidden_size=case["F"], gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+        moe_router_num_groups=R, moe_router_group_topk=max(1, R // 2), moe_router_topk_scaling_factor=2.5,
+        moe_shared_expert_intermediate_size=case["F"])
+
+
+def _build_moe_layer(config, experts_cls=None):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron_ep.megatron import compat
+
+    mlp = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False).submodules.mlp
+    if experts_cls is not None:
+        mlp = compat.with_experts(mlp, experts_cls)
+    return MoELayer(config, compat.moe_submodules(mlp), layer_number=1, pg_collection=_pg_collection())
+
+
+def _copy_weights(src, dst):
+    """src has Megatron's SequentialMLP experts; dst either the same or GroupedGemmExperts."""
+    sd = src.state_dict()
+    if hasattr(dst.experts, "weight1"):
+        L = dst.experts.num_local_experts
+        with torch.no_grad():
+            dst.experts.weight1.copy_(torch.stack([sd[f"experts.local_experts.{i}.linear_fc1.weight"] for i in range(L)]))
+            dst.experts.weight2.copy_(torch.stack([sd[f"experts.local_experts.{i}.linear_fc2.weight"] for i in range(L)]))
+        sd = {k: v for k, v in sd.items() if not k.startswith("experts.")}
+        missing, unexpected = dst.load_state_dict(sd, strict=False)
+        assert not unexpected and set(missing) <= {"experts.weight1", "experts.weight2"}, (missing, unexpected)
+    else:
+        dst.load_state_dict(sd)
+
+
+def _expert_grads(layer):
+    if hasattr(layer.experts, "weight1"):
+        return layer.experts.weight1.grad, layer.experts.weight2.grad
+    L = len(layer.experts.local_experts)
+    return (torch.stack([layer.experts.local_experts[i].linear_fc1.weight.grad for i in range(L)]),
+            torch.stack([layer.experts.local_experts[i].linear_fc2.weight.grad for i in range(L)]))
+
+
+@guarded
+def run_moe_layer_case(case):
+    """A real MoELayer (sigmoid group-limited router with expert bias, shared expert, SwiGLU
+    experts): flex on megatron_ep vs Megatron's alltoall, same weights and input."""
+    with cpu_shims():
+        _init_megatron()
+        from megatron_ep.experts import GroupedGemmExperts
+
+        R, r = dist.get_world_size(), dist.get_rank()
+        torch.manual_seed(case["seed"])  # same non-expert weights on every rank
+        ref = _build_moe_layer(_moe_config(case, "alltoall"))
+        with torch.no_grad():
+            ref.router.expert_bias.copy_(torch.randn(case["E"], generator=torch.Generator().manual_seed(1)) * 0.1)
+        g = torch.Generator().manual_seed(case["seed"] + r)
+        S, B, H = case["S"], 2, case["H"]
+        x0 = torch.randn((S, B, H), generator=g)
+        upstream = torch.randn((S, B, H), generator=g)
+        variants = [("alltoall", None, ref)]
+        for backend, experts in case["variants"]:
+            cls = GroupedGemmExperts if experts == "grouped" else None
+            layer = _build_moe_layer(_moe_config(case, "flex" if backend != "alltoall" else "alltoall", backend if backend != "alltoall" else "deepep"), cls)
+            _copy_weights(ref, layer)
+            mgr = getattr(layer.token_dispatcher, "_comm_manager", None)
+            if backend != "alltoall" and type(mgr).__module__.split(".")[0] != "megatron_ep":
+                return [f"flex {backend} built {type(mgr).__name__}, not megatron_ep's manager"]
+            variants.append((f"{backend}+{experts}", experts, layer))
+        outs = {}
+        for name, _, layer in variants:
+            x = x0.clone().requires_grad_(True)
+            y, bias = layer(x)
+            (y * upstream).sum().backward()
+            w1, w2 = _expert_grads(layer)
+            shared = [p.grad for p in layer.shared_experts.parameters()]
+            outs[name] = dict(y=y.detach(), gx=_grad(x), grouter=_grad(layer.router.weight), gw1=w1, gw2=w2, shared=shared)
+        dist.barrier()
+
+    errors = []
+    want = outs["alltoall"]
+    for name, got in outs.items():
+        if name == "alltoall":
+            continue
+        tag = f"[R={R} rank={r} {name}]"
+        for key in ("y", "gx", "grouter", "gw1", "gw2"):
+            a, b = got[key], want[key]
+            if a is None or b is None or a.shape != b.shape:
+                errors.append(f"{tag} {key}: missing or shape mismatch")
+            elif not torch.allclose(a, b, rtol=1e-5, atol=1e-5):
+                errors.append(f"{tag} {key}: max abs diff {(a - b).abs().max().item():.3g}")
+        for i, (a, b) in enumerate(zip(got["shared"], want["shared"])):
+            if not torch.allclose(a, b, rtol=1e-5, atol=1e-5):
+                errors.append(f"{tag} shared expert grad {i}: max abs diff {(a - b).abs().max().item():.3g}")
+    if not torch.any(want["grouter"] != 0):
+        errors.append(f"[R={R} rank={r}] reference router gradient is zero: case does not exercise the probs path")
+    return errors
+
+
+# ------------------------------------------------------------------ static budget (0.19 knob)
+@guarded
+def run_rank_budget_case(case):
+    """hybridep with moe_expert_rank_capacity_factor: exactly `budget` rows per rank, rows past
+    it dropped and counted, against a dense oracle of which (token, expert) pairs survive.
+    megatron-core 0.16 has no such config field: there the manager is driven directly."""
+    with cpu_shims():
+        _init_megatron()
+        from megatron_ep.megatron import compat
+
+        R, r = dist.get_world_size(), dist.get_rank()
+        E, K, H, f = case["E"], case["K"], case["H"], case["factor"]
+        L = E // R
+        inputs, W, upstream, probs_full = _global_problem(case)
+        mine = inputs[r]
+        routing_map = torch.zeros((case["Ts"][r], E), dtype=torch.bool)
+        rows, slots = (mine["idx"] >= 0).nonzero(as_tuple=True)
+        routing_map[rows, mine["idx"][rows, slots]] = True
+        feats = compat.features()
+        # 0.19 accepts the knob for hybridep only with TE's op fuser (its static-shape expert
+        # path); the flag changes nothing in the dispatcher itself.
+        extra = {"moe_expert_rank_capacity_factor": f, "use_transformer_engine_op_fuser": True} if feats.rank_capacity_factor else {}
+        disp = _make_dispatcher("hybridep", E, K, H, **extra)
+        mgr = disp._comm_manager
+        if not feats.rank_capacity_factor:
+            mgr.moe_expert_rank_capacity_factor = f
+        align = mgr.align = case["align"]
+        x = mine["x"].clone().requires_grad_(True)
+        probs_leaf = probs_full[r].clone().requires_grad_(True)
+        got = _run_dispatcher(disp, x, routing_map, probs_leaf, W[r * L:(r + 1) * L], upstream[r])
+        flag, ndrop = bool(mgr.over_budget.item()), int(mgr.num_dropped_rows.item())
+        disp_flag = disp.check_over_budget() if feats.dispatcher_over_budget else None
+        dist.barrier()
+
+    # Oracle: rank q keeps the first budget_q rows of its expert-major layout.
+    errors, tag = [], f"[R={R} rank={r} factor={f} align={align}]"
+    kept, dropped_real = set(), {}
+    for q in range(R):
+        exp = expected_expert_major(inputs, q, R, E, align)
+        budget = int(case["Ts"][q] * K * f)
+        budget += -budget % align
+        dropped_real[q] = sum(1 for i, s in enumerate(exp["src"]) if s is not None and i >= budget)
+        kept |= {s for i, s in enumerate(exp["src"]) if s is not None and i < budget}
+        if q == r:
+            want_x = torch.zeros((budget, H))
+            n = min(budget, exp["x"].shape[0])
+            want_x[:n] = exp["x"][:n]
+            ends = torch.cumsum(exp["tokens_per_expert"], 0)
+            want_tpe = ends.clamp(max=budget) - (ends - exp["tokens_per_expert"]).clamp(max=budget)
+            want_tpe[-1] += budget - want_tpe.sum()
+    if not torch.equal(got["perm_x"], want_x):
+        errors.append(f"{tag} dispatched rows: shape {tuple(got['perm_x'].shape)} vs {tuple(want_x.shape)} or values differ")
+    if got["tpe"].tolist() != want_tpe.tolist():
+        errors.append(f"{tag} tokens_per_expert {got['tpe'].tolist()} != {want_tpe.tolist()}")
+    if any(c % align for c in got["tpe"].tolist()):
+        errors.append(f"{tag} tokens_per_expert {got['tpe'].tolist()} not multiples of {align}")
+    if flag != (dropped_real[r] > 0) or ndrop != dropped_real[r]:
+        errors.append(f"{tag} over_budget={flag} num_dropped_rows={ndrop}, want {dropped_real[r] > 0} / {dropped_real[r]}")
+    if disp_flag is not None and bool(disp_flag.item()) != flag:
+        errors.append(f"{tag} MoEFlexTokenDispatcher.check_over_budget() disagrees with the manager")
+    if case["expect_drop"] != any(dropped_real.values()):
+        errors.append(f"{tag} case expected dropping={case['expect_drop']} but the oracle says {dropped_real}")
+
+    # Dense reference of the surviving pairs, with autograd for the input and probs gradients.
+    xr = mine["x"].clone().double().requires_grad_(True)
+    pr = probs_full[r].clone().double().requires_grad_(True)
+    y = torch.zeros((case["Ts"][r], H), dtype=torch.float64)
+    for t in range(case["Ts"][r]):
+        for k in range(K):
+            e = int(mine["idx"][t, k])
+            if e >= 0 and (r, t, k) in kept:
+                y[t] = y[t] + (xr[t] @ W[e].double()) * pr[t, e]
+    (y * upstream[r].double()).sum().backward()
+    for name, a, b in (("output", got["y"], y.detach()), ("grad hidden", got["gx"], xr.grad), ("grad probs", got["gp"], pr.grad)):
+        if not torch.allclose(a.double(), b, rtol=1e-5, atol=1e-5):
+            errors.append(f"{tag} {name}: max abs diff {(a.double() - b).abs().max().item():.3g}")
+    return errors
+
+
+@guarded
+def run_experts_checkpoint_case(case):
+    """GroupedGemmExperts' distributed-checkpoint entries: rank r's weights are experts
+    [r*L, (r+1)*L) of global [E, ...] tensors."""
+    with cpu_shims():
+        _init_megatron()
+        from megatron_ep.experts import GroupedGemmExperts
+
+        R, r = dist.get_world_size(), dist.get_rank()
+        E, L = case["E"], case["E"] // R
+        cfg = make_config(E, 2, 16, "flex", "hybridep", moe_ffn_hidden_size=8, gated_linear_unit=True)
+        mod = GroupedGemmExperts(L, cfg, pg_collection=_pg_collection())
+        sd = mod.sharded_state_dict(prefix="decoder.layers.mlp.experts.", sharded_offsets=((0, 3, 5),))
+    errors = []
+    for name, local in (("weight1", (L, 16, 16)), ("weight2", (L, 16, 8))):
+        st = sd.get(f"decoder.layers.mlp.experts.{name}")
+        if st is None:
+            errors.append(f"rank {r}: no sharded entry for {name}")
+            continue
+        want_global = (5, E) + local[1:]
+        want_offset = (3, r * L, 0, 0)
+        if tuple(st.global_shape) != want_global or tuple(st.global_offset) != want_offset or tuple(st.local_shape) != local:
+            errors.append(f"rank {r} {name}: global {tuple(st.global_shape)} offset {tuple(st.global_offset)} local {tuple(st.local_shape)}; "
+                          f"want {want_global} / {want_offset} / {local}")
+        if getattr(getattr(mod, name), "allreduce", None) is not False:
+            errors.append(f"rank {r} {name}: expert weights must be marked allreduce=False")
+    return errors
