@@ -1,6 +1,7 @@
 """Make megatron-core (0.16 / 0.19, without TransformerEngine) train on CPU with gloo.
 
-Used by train_moe.py only when no GPU is present; nothing here is needed on GPUs.
+Used by train_moe.py only when no GPU is present (`apply`), and by the Megatron tests while a
+case runs (`patched`); nothing here is needed on GPUs.
 * `moe_utils.te_general_gemm` is referenced without TE (NameError) -> None: router gating
   falls back to torch.mm;
 * the router and RoPE put tensors on `torch.cuda.current_device()` -> "cpu";
@@ -48,19 +49,12 @@ class _NoStream:
         return 0
 
 
-def apply() -> None:
-    import megatron.core.tensor_parallel.random as tp_random
+def _patches():
+    """(object, attribute, replacement) for every patch except the RNG tracker's."""
     import megatron.core.transformer.moe.moe_utils as mu
     import megatron.core.transformer.moe.token_dispatcher as td
 
     stream = _NoStream()
-    mu.te_general_gemm = None
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.current_stream = lambda *a, **k: stream
-    torch.cuda.Stream = lambda *a, **k: stream
-    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
-    torch.cuda.Event = lambda *a, **k: _NoEvent()
-
     orig_move = td.maybe_move_tensor_to_cpu
 
     def move(tensor, as_numpy=False, record_stream=False):
@@ -68,6 +62,36 @@ def apply() -> None:
             return tensor.numpy()
         return orig_move(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
-    td.maybe_move_tensor_to_cpu = move
+    return [
+        (mu, "te_general_gemm", None),
+        (td, "maybe_move_tensor_to_cpu", move),
+        (torch.cuda, "current_device", lambda: "cpu"),
+        (torch.cuda, "current_stream", lambda *a, **k: stream),
+        (torch.cuda, "Stream", lambda *a, **k: stream),
+        (torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext()),
+        (torch.cuda, "Event", lambda *a, **k: _NoEvent()),
+    ]
+
+
+@contextlib.contextmanager
+def patched():
+    """The patches for the duration of a block, then the originals back (test harnesses)."""
+    patches = _patches()
+    saved = [(obj, name, obj.__dict__.get(name, getattr(obj, name, None))) for obj, name, _ in patches]
+    try:
+        for obj, name, value in patches:
+            setattr(obj, name, value)
+        yield
+    finally:
+        for obj, name, value in saved:
+            setattr(obj, name, value)
+
+
+def apply() -> None:
+    """The patches for good, plus a no-op RNG-tracker fork (the recipe on CPU)."""
+    import megatron.core.tensor_parallel.random as tp_random
+
+    for obj, name, value in _patches():
+        setattr(obj, name, value)
     tracker = tp_random.get_cuda_rng_tracker()
     tracker.fork = lambda *a, **k: contextlib.nullcontext()

@@ -350,6 +350,15 @@ class _SliceSame(torch.autograd.Function):
         return torch.cat(parts), None
 
 
+def _per_row(out, permute):
+    """A nonlinear per-row function of the dispatched rows and weights, and combine weights,
+    so gradients reach x and topk_weights through both dispatch paths."""
+    rw = out.topk_weights
+    if permute:
+        return out.x * (1 + rw).unsqueeze(1) ** 2, rw * rw
+    return out.x * (1 + rw.sum(1, keepdim=True)) ** 2, rw * 3
+
+
 def run_gradcheck(cfg: dict, backend: str = "torch") -> list:
     from oracle import _routing
 
@@ -365,11 +374,7 @@ def run_gradcheck(cfg: dict, backend: str = "torch") -> list:
     def F(X, W):
         out = mep.dispatch(buf, _SliceSame.apply(X, T), idx[sl].contiguous(), _SliceSame.apply(W, T), num_experts=E,
                            permute=permute, expert_alignment=align)
-        rw = out.topk_weights
-        if permute:
-            f, cw = out.x * (1 + rw).unsqueeze(1) ** 2, rw * rw
-        else:
-            f, cw = out.x * (1 + rw.sum(1, keepdim=True)) ** 2, rw * 3
+        f, cw = _per_row(out, permute)
         res = mep.combine(buf, f, out.handle, weights=cw)
         return _GatherSame.apply(res.x), _GatherSame.apply(res.weights)
 
@@ -568,11 +573,7 @@ def run_cuda_autograd_async(cfg: dict) -> list:
         x = me["x"].to(device).requires_grad_()
         w = me["w"].to(device).requires_grad_()
         out = mep.dispatch(buf, x, me["idx"].to(device), w, num_experts=E, permute=permute, expert_alignment=align)
-        rw = out.topk_weights
-        if permute:
-            f, cw = out.x * (1 + rw).unsqueeze(1) ** 2, rw * rw
-        else:
-            f, cw = out.x * (1 + rw.sum(1, keepdim=True)) ** 2, rw * 3
+        f, cw = _per_row(out, permute)
         res = mep.combine(buf, f, out.handle, weights=cw)
         loss = (res.x * coef_y.to(device)).sum() + (res.weights * coef_w.to(device)).sum()
         loss.backward()

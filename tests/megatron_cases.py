@@ -13,12 +13,12 @@ CPU shims (this harness only; megatron-core 0.16/0.19 assume a GPU in a few plac
   `torch.cuda.stream`) -> "cpu" and no-op stream/event stand-ins;
 * the alltoall dispatcher passes its splits to `all_to_all_single` as CPU *tensors* when they
   never were on a GPU (on GPU it converts them to numpy) -> convert on CPU too.
-All are patched only while a case runs, and restored after.
+All are patched only while a case runs, and restored after (recipes/cpu_shims.py, shared with
+the training script).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import traceback
 
@@ -29,69 +29,18 @@ from oracle import expected_expert_major, make_inputs
 
 
 # ------------------------------------------------------------------------------- CPU shims
-class _NoEvent:
-    def synchronize(self):
-        pass
-
-    def record(self, *a, **k):
-        pass
-
-    def wait(self, *a, **k):
-        pass
-
-
-class _NoStream:
-    def wait_stream(self, *a, **k):
-        pass
-
-    def wait_event(self, *a, **k):
-        pass
-
-    def record_event(self, *a, **k):
-        return _NoEvent()
-
-    def synchronize(self):
-        pass
-
-    def __eq__(self, other):
-        return isinstance(other, _NoStream)
-
-    def __hash__(self):
-        return 0
-
-
-_NO_STREAM = _NoStream()
-
-
-@contextlib.contextmanager
 def cpu_shims():
-    import megatron.core.transformer.moe.moe_utils as mu
-    import megatron.core.transformer.moe.token_dispatcher as td
+    from recipes.cpu_shims import patched  # the recipe's shims, restored after each case
 
-    orig_move = td.maybe_move_tensor_to_cpu
+    return patched()
 
-    def move(tensor, as_numpy=False, record_stream=False):
-        if torch.is_tensor(tensor) and not tensor.is_cuda and as_numpy:
-            return tensor.numpy()
-        return orig_move(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
-    patches = [
-        (mu, "te_general_gemm", None),
-        (td, "maybe_move_tensor_to_cpu", move),
-        (torch.cuda, "current_device", lambda: "cpu"),
-        (torch.cuda, "current_stream", lambda *a, **k: _NO_STREAM),
-        (torch.cuda, "Stream", lambda *a, **k: _NO_STREAM),
-        (torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext()),
-        (torch.cuda, "Event", lambda *a, **k: _NoEvent()),
-    ]
-    saved = [(obj, name, obj.__dict__.get(name, getattr(obj, name, None))) for obj, name, _ in patches]
-    try:
-        for obj, name, value in patches:
-            setattr(obj, name, value)
-        yield
-    finally:
-        for obj, name, value in saved:
-            setattr(obj, name, value)
+def _routing_map(idx, E):
+    """[T, E] bool map of the experts each token names (-1 slots ignored)."""
+    routing_map = torch.zeros((idx.shape[0], E), dtype=torch.bool)
+    rows, slots = (idx >= 0).nonzero(as_tuple=True)
+    routing_map[rows, idx[rows, slots]] = True
+    return routing_map
 
 
 def _init_megatron():
@@ -223,9 +172,7 @@ def run_flex_vs_alltoall(case):
         L = E // R
         inputs, W, upstream, probs_full = _global_problem(case)
         mine = inputs[r]
-        routing_map = torch.zeros((case["Ts"][r], E), dtype=torch.bool)
-        rows, slots = (mine["idx"] >= 0).nonzero(as_tuple=True)
-        routing_map[rows, mine["idx"][rows, slots]] = True
+        routing_map = _routing_map(mine["idx"], E)
         W_local = W[r * L:(r + 1) * L]
         results = {}
         extra = dict(case.get("config", {}))
@@ -456,9 +403,7 @@ def run_rank_budget_case(case):
         L = E // R
         inputs, W, upstream, probs_full = _global_problem(case)
         mine = inputs[r]
-        routing_map = torch.zeros((case["Ts"][r], E), dtype=torch.bool)
-        rows, slots = (mine["idx"] >= 0).nonzero(as_tuple=True)
-        routing_map[rows, mine["idx"][rows, slots]] = True
+        routing_map = _routing_map(mine["idx"], E)
         feats = compat.features()
         # 0.19 accepts the knob for hybridep only with TE's op fuser (its static-shape expert
         # path); the flag changes nothing in the dispatcher itself.
