@@ -55,14 +55,19 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--no-time-comm", dest="time_comm", action="store_false", help="skip the dispatch/combine timers")
+    p.add_argument("--virtual-ranks", action="store_true",
+                   help="several processes share the GPU(s) (virtual EP on one GPU; run under MPS): gloo carries "
+                        "Megatron's own collectives, megatron_ep's CUDA IPC transport the MoE tokens; flex dispatchers only "
+                        "(NCCL refuses several ranks on one GPU, gloo has no GPU all-to-all)")
     return p.parse_args(argv)
 
 
-def init_distributed():
+def init_distributed(virtual_ranks: bool = False):
     on_gpu = torch.cuda.is_available()
     if on_gpu:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if on_gpu else "gloo", timeout=datetime.timedelta(minutes=5))
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local % torch.cuda.device_count() if virtual_ranks else local)
+    dist.init_process_group("nccl" if on_gpu and not virtual_ranks else "gloo", timeout=datetime.timedelta(minutes=5))
     if not on_gpu:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
         from recipes import cpu_shims
@@ -157,7 +162,10 @@ def broadcast_non_expert_params(model):
 
 def main(argv=None):
     args = parse_args(argv)
-    on_gpu = init_distributed()
+    if args.virtual_ranks and args.dispatcher == "alltoall":
+        raise SystemExit("--virtual-ranks needs a flex dispatcher (deepep, hybridep): Megatron's alltoall dispatcher "
+                         "needs a GPU all-to-all, which gloo lacks and NCCL refuses for several ranks on one GPU")
+    on_gpu = init_distributed(args.virtual_ranks)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     if args.experts % world:

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # One device call on the GPU machine: build the extension in place, run the GPU test suite
 # (virtual ranks R = 2, 4, 8 on one GPU under MPS), the benchmark, and compute-sanitizer on a
-# small R = 2 case. Logs go under $OUT. Select phases with MEP_GPU_STEPS=build,tests,bench,sanitizer.
-# A peer library for the benchmark is looked for on PYTHONPATH (see scripts/bench_normal.py);
-# if MEP_WAIT_FOR names a file, the benchmark waits (up to 10 min) for it to appear first.
+# small R = 2 case, and the Megatron phase (integration tests on the cuda backend, then the
+# training recipe's step table for each dispatcher). Logs go under $OUT. Select phases with
+# MEP_GPU_STEPS=build,tests,megatron,bench,sanitizer (default: all but megatron).
+# Wheels under .whl/ (megatron-core for Python 3.12, carried) are installed to /tmp/site first.
+# Peer libraries (DeepEP for the benchmark, DeepGEMM for the experts) are looked for on
+# PYTHONPATH; if MEP_WAIT_FOR names a file, the phases that use peers wait (up to 10 min) for it.
+# MEP_RECIPE_ARGS: the recipe's model flags for the step table.
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -19,6 +23,15 @@ start_mps() { mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"; nvi
 stop_mps() { echo quit | nvidia-cuda-mps-control 2>/dev/null; sleep 1; }
 trap stop_mps EXIT
 status=0
+wait_peer() {
+  if [ -n "${MEP_WAIT_FOR:-}" ]; then
+    for _ in $(seq 300); do [ -e "$MEP_WAIT_FOR" ] && break; sleep 2; done
+  fi
+}
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv | tee "$OUT/gpu.txt"
 if has build; then
@@ -36,11 +49,29 @@ if has tests; then
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   stop_mps
 fi
+if has megatron; then
+  phase megatron
+  wait_peer
+  python3 -c "import megatron.core as m; print('megatron-core', m.__version__)" || status=1
+  start_mps
+  timeout "${MEP_MEGATRON_TIMEOUT:-420}" python3 -m pytest -q -m gpu -rs tests/test_megatron_gpu.py tests/test_experts.py 2>&1 \
+    | tee "$OUT/megatron_tests.log" | tail -30
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  # The recipe: Megatron's alltoall on one rank (NCCL; flex refuses EP 1), the flex dispatchers
+  # on MEP_RECIPE_RANKS virtual ranks sharing the GPU (gloo + megatron_ep's IPC transport, MPS).
+  for d in alltoall deepep hybridep; do
+    if [ "$d" = alltoall ]; then n=1; v=""; else n=${MEP_RECIPE_RANKS:-4}; v="--virtual-ranks"; fi
+    echo "--- recipe: --dispatcher $d, $n rank(s) $v" | tee -a "$OUT/recipe.log"
+    timeout 240 python3 -m torch.distributed.run --nproc-per-node "$n" recipes/train_moe.py --dispatcher "$d" --backend cuda $v \
+      ${MEP_RECIPE_ARGS:-} > "$OUT/recipe_one.log" 2>&1 || { echo "recipe --dispatcher $d failed"; status=1; }
+    grep -v "^\[" "$OUT/recipe_one.log" | grep -v Warning | tail -${MEP_RECIPE_TAIL:-14} | tee -a "$OUT/recipe.log"
+  done
+  stop_mps
+  rm -f "$OUT/recipe_one.log"
+fi
 if has bench; then
   phase bench
-  if [ -n "${MEP_WAIT_FOR:-}" ]; then
-    for _ in $(seq 300); do [ -e "$MEP_WAIT_FOR" ] && break; sleep 2; done
-  fi
+  wait_peer
   start_mps
   for spec in ${MEP_BENCH_SPECS:-"4:24" "8:16"}; do
     r=${spec%%:*}; s=${spec##*:}

@@ -19,6 +19,7 @@ the training script).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import traceback
 
@@ -33,6 +34,38 @@ def cpu_shims():
     from recipes.cpu_shims import patched  # the recipe's shims, restored after each case
 
     return patched()
+
+
+def side(case, which):
+    """(context, device) for one side of a comparison. case["device"]:
+    "cpu" (default): both sides on CPU under the shims;
+    "virtual": Megatron's reference on CPU under the shims, megatron_ep on the GPU (virtual
+      ranks: R processes on one GPU with a gloo group, the cuda backend's own transport);
+    "cuda": both on the GPU, no shims (a real NCCL group, e.g. EP 1)."""
+    mode = case.get("device", "cpu")
+    on_gpu = mode == "cuda" or (mode == "virtual" and which == "ours")
+    return (contextlib.nullcontext() if on_gpu else cpu_shims()), ("cuda" if on_gpu else "cpu")
+
+
+def _to(d, device):
+    """Every tensor of a (nested) dict/list moved to `device` (results compared on CPU)."""
+    if torch.is_tensor(d):
+        return d.to(device)
+    if isinstance(d, dict):
+        return {k: _to(v, device) for k, v in d.items()}
+    if isinstance(d, (list, tuple)):
+        return type(d)(_to(v, device) for v in d)
+    return d
+
+
+def check_cuda_buffers(case, tag):
+    """On a GPU side megatron_ep must have run its cuda backend, not the reference."""
+    if case.get("device", "cpu") == "cpu":
+        return []
+    from megatron_ep.megatron import buffers
+
+    backends = sorted({b for _, b in buffers._BUFFERS})
+    return [] if "cuda" in backends else [f"{tag} megatron_ep buffers {backends}: the cuda backend did not run"]
 
 
 def _routing_map(idx, E):
@@ -163,26 +196,27 @@ def _grad(t):
 @guarded
 def run_flex_vs_alltoall(case):
     """Flex (deepep | hybridep on megatron_ep) against Megatron's alltoall dispatcher."""
-    with cpu_shims():
+    ctx, _ = side(case, "ref")
+    with ctx:
         _init_megatron()
-        from megatron_ep.megatron import compat
-
-        R, r = dist.get_world_size(), dist.get_rank()
-        E, K, H = case["E"], case["K"], case["H"]
-        L = E // R
-        inputs, W, upstream, probs_full = _global_problem(case)
-        mine = inputs[r]
-        routing_map = _routing_map(mine["idx"], E)
-        W_local = W[r * L:(r + 1) * L]
-        results = {}
-        extra = dict(case.get("config", {}))
-        if "pad_capacity_factor" in case:
-            extra.update(moe_pad_expert_input_to_capacity=True, moe_expert_capacity_factor=case["pad_capacity_factor"])
-        elif case.get("p_drop", 0) > 0 or case.get("pattern") == "one_expert":
-            # Tokens with fewer than top-k experts only occur when the router drops (capacity
-            # factor set); megatron-core 0.19's alltoall sizes dropless outputs as T * topk.
-            extra.setdefault("moe_expert_capacity_factor", float(E))
-        for kind in ("alltoall", case["backend"]):
+    R, r = dist.get_world_size(), dist.get_rank()
+    E, K, H = case["E"], case["K"], case["H"]
+    L = E // R
+    inputs, W, upstream, probs_full = _global_problem(case)
+    mine = inputs[r]
+    routing_map = _routing_map(mine["idx"], E)
+    W_local = W[r * L:(r + 1) * L]
+    results = {}
+    extra = dict(case.get("config", {}))
+    if "pad_capacity_factor" in case:
+        extra.update(moe_pad_expert_input_to_capacity=True, moe_expert_capacity_factor=case["pad_capacity_factor"])
+    elif case.get("p_drop", 0) > 0 or case.get("pattern") == "one_expert":
+        # Tokens with fewer than top-k experts only occur when the router drops (capacity
+        # factor set); megatron-core 0.19's alltoall sizes dropless outputs as T * topk.
+        extra.setdefault("moe_expert_capacity_factor", float(E))
+    for kind in ("alltoall", case["backend"]):
+        ctx, dev = side(case, "ref" if kind == "alltoall" else "ours")
+        with ctx:
             disp = _make_dispatcher(kind, E, K, H, **extra)
             if kind != "alltoall":
                 mgr = disp._comm_manager
@@ -190,16 +224,17 @@ def run_flex_vs_alltoall(case):
                     return [f"flex {kind} built {type(mgr).__name__}, not megatron_ep's manager: install() had no effect"]
                 if "align" in case:  # FP8 configs (the only way to ask for padding) need TE
                     mgr.align = case["align"]
-            x = mine["x"].clone().requires_grad_(True)
-            probs_leaf = probs_full[r].clone().requires_grad_(True)
-            results[kind] = _run_dispatcher(disp, x, routing_map, probs_leaf, W_local, upstream[r])
+            x = mine["x"].to(dev).clone().requires_grad_(True)
+            probs_leaf = probs_full[r].to(dev).clone().requires_grad_(True)
+            got = _run_dispatcher(disp, x, routing_map.to(dev), probs_leaf, W_local.to(dev), upstream[r].to(dev))
+            results[kind] = _to(got, "cpu")
             if kind != "alltoall":
                 results["align"] = getattr(disp._comm_manager, "align", 1)
-        align = results.pop("align")
-        dist.barrier()
+    align = results.pop("align")
+    dist.barrier()
 
-    errors = []
-    tag = f"[R={R} rank={r} {case['backend']} seed={case['seed']}]"
+    tag = f"[R={R} rank={r} {case['backend']} seed={case['seed']} {case.get('device', 'cpu')}]"
+    errors = check_cuda_buffers(case, tag)
     ref, got = results["alltoall"], results[case["backend"]]
 
     def close(name, a, b, tol=1e-5):
@@ -287,7 +322,7 @@ def run_setup_metadata_compiles(case):
 
 
 # -------------------------------------------------------------------------- MoELayer level
-def _moe_config(case, dispatcher, backend="deepep"):
+def _moe_config(case, dispatcher, backend="deepep", **extra):
     R = dist.get_world_size()
     E = case["E"]
     return make_config(
@@ -295,7 +330,7 @@ def _moe_config(case, dispatcher, backend="deepep"):
         moe_ffn_hidden_size=case["F"], gated_linear_unit=True, activation_func=torch.nn.functional.silu,
         moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
         moe_router_num_groups=R, moe_router_group_topk=max(1, R // 2), moe_router_topk_scaling_factor=2.5,
-        moe_shared_expert_intermediate_size=case["F"])
+        moe_shared_expert_intermediate_size=case["F"], **extra)
 
 
 def _build_moe_layer(config, experts_cls=None):
@@ -336,52 +371,69 @@ def _expert_grads(layer):
 def run_moe_layer_case(case):
     """A real MoELayer (sigmoid group-limited router with expert bias, shared expert, SwiGLU
     experts): flex on megatron_ep vs Megatron's alltoall, same weights and input."""
-    with cpu_shims():
+    ctx, _ = side(case, "ref")
+    with ctx:
         _init_megatron()
-        from megatron_ep.experts import GroupedGemmExperts
+    from megatron_ep.experts import GroupedGemmExperts
 
-        R, r = dist.get_world_size(), dist.get_rank()
-        torch.manual_seed(case["seed"])  # same non-expert weights on every rank
-        ref = _build_moe_layer(_moe_config(case, "alltoall"))
-        with torch.no_grad():
-            ref.router.expert_bias.copy_(torch.randn(case["E"], generator=torch.Generator().manual_seed(1)) * 0.1)
-        g = torch.Generator().manual_seed(case["seed"] + r)
-        S, B, H = case["S"], 2, case["H"]
-        x0 = torch.randn((S, B, H), generator=g)
-        upstream = torch.randn((S, B, H), generator=g)
-        variants = [("alltoall", None, ref)]
-        for backend, experts in case["variants"]:
-            cls = GroupedGemmExperts if experts == "grouped" else None
-            layer = _build_moe_layer(_moe_config(case, "flex" if backend != "alltoall" else "alltoall", backend if backend != "alltoall" else "deepep"), cls)
-            _copy_weights(ref, layer)
-            mgr = getattr(layer.token_dispatcher, "_comm_manager", None)
-            if backend != "alltoall" and type(mgr).__module__.split(".")[0] != "megatron_ep":
-                return [f"flex {backend} built {type(mgr).__name__}, not megatron_ep's manager"]
-            variants.append((f"{backend}+{experts}", experts, layer))
-        outs = {}
-        for name, _, layer in variants:
-            x = x0.clone().requires_grad_(True)
+    R, r = dist.get_world_size(), dist.get_rank()
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[case.get("dtype", "fp32")]
+    torch.manual_seed(case["seed"])  # same non-expert weights on every rank
+    g = torch.Generator().manual_seed(case["seed"] + r)
+    S, B, H = case["S"], 2, case["H"]
+    x0 = torch.randn((S, B, H), generator=g)
+    upstream = torch.randn((S, B, H), generator=g)
+    cfg_extra = dict(params_dtype=dtype, bf16=dtype == torch.bfloat16)
+
+    def build(dispatcher, backend, experts_cls, which):
+        ctx, dev = side(case, which)
+        with ctx:
+            layer = _build_moe_layer(_moe_config(case, dispatcher, backend, **cfg_extra), experts_cls).to(dev)
+        return layer, which
+
+    ref = build("alltoall", "deepep", None, "ref")
+    with torch.no_grad():
+        ref[0].router.expert_bias.copy_(torch.randn(case["E"], generator=torch.Generator().manual_seed(1)) * 0.1)
+    variants = [("alltoall", ref)]
+    for backend, experts in case["variants"]:
+        cls = GroupedGemmExperts if experts == "grouped" else None
+        if backend == "alltoall":
+            built = build("alltoall", "deepep", cls, "ref")
+        else:
+            built = build("flex", backend, cls, "ours")
+        _copy_weights(ref[0], built[0])
+        mgr = getattr(built[0].token_dispatcher, "_comm_manager", None)
+        if backend != "alltoall" and type(mgr).__module__.split(".")[0] != "megatron_ep":
+            return [f"flex {backend} built {type(mgr).__name__}, not megatron_ep's manager"]
+        variants.append((f"{backend}+{experts}", built))
+    outs = {}
+    for name, (layer, which) in variants:
+        ctx, dev = side(case, which)  # a fresh context each time (the shims are single-use)
+        with ctx:
+            x = x0.to(dev, dtype).clone().requires_grad_(True)
             y, bias = layer(x)
-            (y * upstream).sum().backward()
+            (y * upstream.to(dev, dtype)).sum().backward()
             w1, w2 = _expert_grads(layer)
             shared = [p.grad for p in layer.shared_experts.parameters()]
-            outs[name] = dict(y=y.detach(), gx=_grad(x), grouter=_grad(layer.router.weight), gw1=w1, gw2=w2, shared=shared)
-        dist.barrier()
+            got = dict(y=y.detach(), gx=_grad(x), grouter=_grad(layer.router.weight), gw1=w1, gw2=w2, shared=shared)
+            outs[name] = _to(got, "cpu")
+    dist.barrier()
 
-    errors = []
+    tol = case.get("tol", 1e-5)
+    errors = check_cuda_buffers(case, f"[R={R} rank={r}]") if any(b != "alltoall" for b, _ in case["variants"]) else []
     want = outs["alltoall"]
     for name, got in outs.items():
         if name == "alltoall":
             continue
-        tag = f"[R={R} rank={r} {name}]"
+        tag = f"[R={R} rank={r} {name} {case.get('device', 'cpu')} {case.get('dtype', 'fp32')}]"
         for key in ("y", "gx", "grouter", "gw1", "gw2"):
             a, b = got[key], want[key]
             if a is None or b is None or a.shape != b.shape:
                 errors.append(f"{tag} {key}: missing or shape mismatch")
-            elif not torch.allclose(a, b, rtol=1e-5, atol=1e-5):
-                errors.append(f"{tag} {key}: max abs diff {(a - b).abs().max().item():.3g}")
+            elif not torch.allclose(a.float(), b.float(), rtol=tol, atol=tol * max(1.0, b.float().abs().max().item())):
+                errors.append(f"{tag} {key}: max abs diff {(a.float() - b.float()).abs().max().item():.3g}")
         for i, (a, b) in enumerate(zip(got["shared"], want["shared"])):
-            if not torch.allclose(a, b, rtol=1e-5, atol=1e-5):
+            if not torch.allclose(a.float(), b.float(), rtol=tol, atol=tol * max(1.0, b.float().abs().max().item())):
                 errors.append(f"{tag} shared expert grad {i}: max abs diff {(a - b).abs().max().item():.3g}")
     if not torch.any(want["grouter"] != 0):
         errors.append(f"[R={R} rank={r}] reference router gradient is zero: case does not exercise the probs path")

@@ -90,18 +90,18 @@ LAYOUTS = [
 ]
 
 
-def _check_linear(backend, counts, align, dtype, mark_pad, tol):
-    H, N = 16, 24
+def _check_linear(backend, counts, align, dtype, mark_pad, tol, device="cpu", H=16, N=24):
     x, row_expert, layout = make_layout(counts, align, H, dtype, seed=sum(counts) + align)
     if not mark_pad:
         layout = X.GroupedLayout(layout.tokens_per_expert, layout.num_rows)
     g = torch.Generator().manual_seed(3)
     w = (torch.randn((len(counts), N, H), generator=g) / 4).to(dtype)
     gy = torch.randn((x.shape[0], N), generator=g).to(dtype) * (row_expert >= 0).unsqueeze(1)
-    x.requires_grad_(True)
-    w.requires_grad_(True)
-    y = X.grouped_linear(x, w, layout, backend)
-    y.backward(gy)
+    xd, wd = x.to(device).requires_grad_(True), w.to(device).requires_grad_(True)
+    y = X.grouped_linear(xd, wd, layout, backend)
+    y.backward(gy.to(device))
+    y, x, w = y.cpu(), xd.detach().cpu().requires_grad_(True), wd.detach().cpu().requires_grad_(True)
+    x.grad, w.grad = xd.grad.cpu(), wd.grad.cpu()
     want = dense_rows(x.detach(), w.detach(), row_expert)
     assert y.dtype == dtype and y.shape == want.shape
     torch.testing.assert_close(y.double(), want, rtol=tol, atol=tol)
@@ -249,3 +249,29 @@ def test_layout_of_picks_up_dispatch_tags():
     assert lay.alignment == 2 and lay.m_indices("cpu").tolist() == [0, 0, -1, -1, 1, 1]
     lay2 = X.GroupedLayout(tpe, 6)
     assert lay2.m_indices("cpu").tolist() == [0, 0, 0, 0, 1, 1]
+
+
+# ------------------------------------------------------------------------------- GPU (H200)
+def _gpu_backends():
+    out = [pytest.param("grouped_mm", marks=pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="needs Hopper or newer"))]
+    out.append(pytest.param("deepgemm", marks=pytest.mark.skipif(
+        not torch.cuda.is_available() or B.deep_gemm_module() is None, reason="needs a GPU and deep_gemm built from source")))
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("counts,align", [([130, 0, 7, 64], 8), ([128, 256, 0], 128), ([3, 1], 1)])
+@pytest.mark.parametrize("backend", _gpu_backends())
+def test_grouped_linear_cuda_bf16(backend, counts, align):
+    """The real kernels (torch grouped_mm on Hopper; DeepGEMM when built) at GEMM-friendly sizes,
+    forward, dgrad and wgrad against the fp64 per-row reference."""
+    _check_linear(backend, counts, align, torch.bfloat16, mark_pad=True, tol=5e-2, device="cuda", H=256, N=512)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="needs Hopper or newer")
+def test_auto_backend_on_hopper_is_grouped(monkeypatch):
+    monkeypatch.delenv("MEGATRON_EP_GEMM_BACKEND", raising=False)
+    want = "deepgemm" if B.deep_gemm_module() is not None else "grouped_mm"
+    assert X.choose_backend(torch.zeros(2, 2, dtype=torch.bfloat16, device="cuda")) == want

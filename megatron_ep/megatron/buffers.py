@@ -20,6 +20,7 @@ import torch.distributed as dist
 from ..buffer import Buffer, cuda_backend_available
 
 _BUFFERS: Dict[Tuple[object, str], Buffer] = {}  # (group, backend); keeps the group alive
+_SIZED_FOR: Dict[Tuple[object, str], Tuple[int, ...]] = {}  # (hidden, topk, experts, bytes/elem, expert-major align)
 
 
 def choose_backend(device: torch.device) -> str:
@@ -42,25 +43,48 @@ def _agreed_max_tokens(group, num_tokens: int, device: torch.device) -> int:
     return int(t.item())
 
 
-def get_buffer(group, x: torch.Tensor, num_experts: int, topk: int, num_sms: Optional[int]) -> Buffer:
-    """The group's Buffer, created on first use (a collective for the cuda backend)."""
+def _combine_rows(R: int, max_tokens: int, num_experts: int, topk: int, expert_major_align: int) -> Optional[int]:
+    """Rows the combine area must hold. Rank-major (deepep): the Buffer's default (R * T).
+    Expert-major (hybridep): a rank can receive one row per (token, local expert) from every
+    rank, R * T * min(topk, local experts), plus each segment's padding; averages are far lower
+    but a dropless layer must not fail on a skewed batch. MEGATRON_EP_COMBINE_ROWS overrides."""
+    env = os.environ.get("MEGATRON_EP_COMBINE_ROWS")
+    if env:
+        return int(env)
+    if not expert_major_align:
+        return None
+    L = num_experts // R
+    return R * max_tokens * min(topk, L) + L * (expert_major_align - 1)
+
+
+def get_buffer(group, x: torch.Tensor, num_experts: int, topk: int, num_sms: Optional[int],
+               expert_major_align: int = 0) -> Buffer:
+    """The group's Buffer, created on first use (a collective for the cuda backend).
+    expert_major_align: 0 for rank-major dispatch, else the expert-major segment alignment
+    (sizes the combine area for the expert-major worst case)."""
     backend = choose_backend(x.device)
     key = (group, backend)
     buf = _BUFFERS.get(key)
-    hidden = x.shape[-1]
-    if buf is not None and backend == "cuda" and (buf._mep_hidden < hidden or buf._mep_topk < topk):
-        # Hidden size and top-k come from the config, so every rank takes this branch together.
+    # What the cuda buffer is sized for; all of it comes from the config (hidden, top-k,
+    # experts, dtype), so every rank of the group re-creates it together when a layer needs more.
+    need = (x.shape[-1], topk, num_experts, x.element_size(), expert_major_align)
+    if buf is not None and backend == "cuda" and any(n > h for n, h in zip(need, buf._mep_sized_for)):
         buf.destroy()
         buf = None
     if buf is None:
         if backend == "torch":
             buf = Buffer(group, backend="torch")
         else:
+            sized = tuple(max(n, h) for n, h in zip(need, _SIZED_FOR.get(key, need)))
+            hidden, topk_max, experts, elem, align = sized
             max_tokens = _agreed_max_tokens(group, x.shape[0], x.device)
             check = os.environ.get("MEGATRON_EP_CHECK_INPUTS", "0") == "1"  # costs a host sync
+            rows = _combine_rows(dist.get_world_size(group), max_tokens, experts, topk_max, align)
             buf = Buffer(group, backend="cuda", max_tokens_per_rank=max_tokens, hidden=hidden,
-                         num_experts=num_experts, max_topk=topk, num_sms=num_sms, check_inputs=check)
-        buf._mep_hidden, buf._mep_topk = hidden, topk
+                         num_experts=experts, max_topk=topk_max, num_sms=num_sms, check_inputs=check,
+                         dtype_bytes=elem, combine_bytes=elem, combine_rows=rows)
+            _SIZED_FOR[key] = sized
+        buf._mep_sized_for = _SIZED_FOR.get(key, need)
         _BUFFERS[key] = buf
     if buf.max_tokens_per_rank is not None and x.shape[0] > buf.max_tokens_per_rank:
         raise ValueError(f"MoE layer got {x.shape[0]} tokens on this rank but the megatron_ep buffer was sized for "
@@ -73,3 +97,4 @@ def reset_buffers() -> None:
     for buf in _BUFFERS.values():
         buf.destroy()
     _BUFFERS.clear()
+    _SIZED_FOR.clear()

@@ -100,8 +100,9 @@ class MegatronEPHybridEPManager(_DispatchManager):
     def dispatch(self, hidden_states: torch.Tensor, async_finish: bool = True,
                  allocate_on_comm_stream: bool = True) -> torch.Tensor:
         idx, weights = self._topk_routing()
-        self.buffer = get_buffer(self.group, hidden_states, self.num_experts, self.router_topk, self.num_sms)
         align = 1 if self.drop_and_pad else self.align
+        self.buffer = get_buffer(self.group, hidden_states, self.num_experts, self.router_topk, self.num_sms,
+                                 expert_major_align=align)
         out = ep.dispatch(self.buffer, hidden_states, idx, weights, num_experts=self.num_experts,
                           permute=True, expert_alignment=align)
         self.handle = out.handle

@@ -1,0 +1,79 @@
+"""The Megatron integration on a GPU: megatron_ep's flex managers on the cuda backend inside
+Megatron's real MoEFlexTokenDispatcher and MoELayer, against Megatron's alltoall dispatcher.
+* virtual ranks, R = 2, 4, 8 processes on one GPU (gloo control group; megatron_ep's kernels
+  move the tokens by CUDA IPC; Megatron's reference runs on CPU with the test shims, since NCCL
+  refuses several ranks on one GPU) -- run under MPS (scripts/gpu_check.sh);
+* EP 1 through Megatron's own NCCL group: Megatron's flex dispatcher refuses EP 1 ("Flex token
+  dispatcher requires TPxEP > 1"), so there the alltoall layer with megatron_ep's
+  GroupedGemmExperts (torch grouped_mm on Hopper, or DeepGEMM when built) is checked against the
+  same layer with Megatron's SequentialMLP, in bf16."""
+
+import pytest
+import torch
+
+import megatron.core  # noqa: F401  (a missing megatron-core must fail, not skip)
+
+import megatron_cases as mc
+import megatron_ep
+from distpool import DistPool
+from test_megatron_dispatchers import flex_cases
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (torch.cuda.is_available() and megatron_ep.cuda_backend_available()),
+                       reason="needs a CUDA GPU and the built extension"),
+]
+
+ENV = {"MEP_TEST_CUDA": "1", "MEP_POISON": "1", "MEP_TIMEOUT_S": "30", "CUDA_MODULE_LOADING": "EAGER",
+       "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "MEGATRON_EP_BACKEND": "auto",
+       "MEGATRON_EP_MAX_TOKENS_PER_RANK": "64"}
+_pools = {}
+
+
+def pool_(R, backend="gloo"):
+    key = (R, backend)
+    if key not in _pools or _pools[key].broken:
+        _pools[key] = DistPool(R, backend=backend, env=ENV)
+    return _pools[key]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_pools():
+    yield
+    for p in _pools.values():
+        p.close()
+    _pools.clear()
+
+
+def _run(pool, fn, cases):
+    errors = []
+    for case in cases:
+        errors += [e for rank in pool.run(fn, case, timeout=600) for e in rank]
+    assert not errors, "\n".join(errors[:20])
+
+
+@pytest.mark.parametrize("R", [2, 4, 8])
+def test_flex_virtual_ranks(R):
+    _run(pool_(R), mc.run_flex_vs_alltoall, [dict(c, device="virtual") for c in flex_cases(R)])
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_moe_layer_virtual_ranks(R):
+    case = dict(seed=40 + R, E=2 * R, K=min(4, R), H=16, F=8, S=6, device="virtual",
+                variants=[("deepep", "sequential"), ("hybridep", "grouped"), ("deepep", "grouped")])
+    _run(pool_(R), mc.run_moe_layer_case, [case])
+
+
+@pytest.mark.parametrize("R", [2])
+def test_moe_layer_virtual_ranks_bf16(R):
+    """bf16 at GEMM-friendly sizes: the cuda backend and the grouped experts inside a real MoELayer
+    (reference: alltoall + SequentialMLP in bf16 on CPU, hence the bf16 tolerance)."""
+    case = dict(seed=50 + R, E=4 * R, K=4, H=128, F=64, S=32, device="virtual", dtype="bf16", tol=3e-2,
+                variants=[("hybridep", "grouped"), ("deepep", "grouped")])
+    _run(pool_(R), mc.run_moe_layer_case, [case])
+
+
+def test_moe_layer_ep1_nccl_grouped_experts():
+    case = dict(seed=8, E=8, K=4, H=256, F=128, S=64, device="cuda", dtype="bf16", tol=3e-2,
+                variants=[("alltoall", "grouped")])
+    _run(pool_(1, "nccl"), mc.run_moe_layer_case, [case])
