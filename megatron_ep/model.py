@@ -1,0 +1,459 @@
+"""Analytic performance model of expert-parallel dispatch and combine (DESIGN §1, §6).
+
+Run ``python -m megatron_ep.model`` (``--help`` for the flags). The defaults are the DeepSeek-V3
+training shape of DESIGN §6: 4096 tokens per rank, hidden 7168, top-8 of 256 experts in 8 groups
+with group-limited routing to 4 groups, FP8 dispatch, BF16 combine, 8 GPUs per node, and a
+decode shape of 128 tokens per rank for the low-latency path.
+
+Everything is a closed formula; nothing is sampled. The pieces:
+
+* Routing (``expected_units_touched``): experts are laid out contiguously (rank ``r`` owns
+  experts ``[r*E/R, (r+1)*E/R)``, node ``n`` owns its ranks' experts, group ``g`` is experts
+  ``[g*E/G, (g+1)*E/G)``). A token picks ``topk_groups`` of the ``G`` groups uniformly, then
+  ``topk`` distinct experts uniformly among the ``M = topk_groups*E/G`` experts of those
+  groups. For a unit (node or rank), ``P(untouched) = sum_S P(S) * C(M - m_S, k) / C(M, k)``
+  with ``m_S`` the unit's experts inside the selected groups ``S``; ``E[#units touched] = sum
+  over units of (1 - P(untouched))``. Without a group limit (``topk_groups = G``) and with
+  ``U`` equal units this is ``U * (1 - C(E - E/U, k) / C(E, k))``.
+* Normal path (``normal_path``): rows are deduplicated per destination. One level (EP <= GPUs
+  per node): a token crosses NVLink once per destination rank other than its own. Two levels:
+  a token crosses RDMA once per destination node other than its own (to the same-index GPU
+  there), then NVLink once per destination GPU in that node other than the one it landed on;
+  tokens for the own node go straight over NVLink. Per rank and token, averaged over source
+  ranks: ``RDMA copies = E[nodes] * (N-1)/N``, ``NVLink copies = E[ranks] * (P-1)/P``
+  (``N`` nodes, ``P`` GPUs per node). Combine is the same route reversed (in-node reduction
+  before RDMA), so the same copy counts with combine rows. Time = max over links of
+  bytes / bandwidth (per direction; traffic is symmetric, so every rank sends and receives the
+  same bytes). Row payload only (hidden + FP8 scales), no metadata.
+* DeepEP accounting (DESIGN §6): the GB/s its tests print: NVLink = received rows including the
+  rank's own rows (``E[ranks]`` per token) x row bytes / time; RDMA = tokens x ``E[nodes]``
+  including the own node x row bytes / time. Both exceed the physical link rate by design.
+* SMs: a link moving ``B`` bytes in time ``t`` needs ``ceil(B / t / per-SM rate)`` SMs; for the
+  bounding link that is ``ceil(link bandwidth / per-SM rate)``.
+* Low-latency path (``low_latency``): every (token, expert) copy goes straight to the expert's
+  rank, no deduplication: ``T * k`` rows per rank, ``(EP-P)/EP`` of them over RDMA,
+  ``(P-1)/EP`` over NVLink, ``1/EP`` local. Time = fixed latency + max over links of
+  bytes / bandwidth.
+* Training step (``step_fraction``): per rank and micro-batch, expert FLOPs per MoE layer are
+  ``2 * T * k * hidden * moe_ffn * 3`` forward (three GEMMs of the expert MLP) and twice that
+  backward; the rest of the model is ``6 * (active params - routed-expert active params)`` per
+  token (attention-score FLOPs left out). Communication per MoE layer is forward dispatch +
+  combine plus the same two backward (4 transfers). The main fraction assumes no overlap at
+  all, ``comm / (comm + compute)``: an upper bound on the exposed communication under this
+  model; the lower bound (perfect overlap) is ``max(comm - compute, 0) / max(comm, compute)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass
+from fractions import Fraction
+
+from .region import FP8_BLOCK, NVLINK_GBPS, PER_SM_COPY_GBPS
+
+DEFAULT_EPS = (8, 16, 32, 64, 128, 256)
+_EPS = 1e-9  # slack for ceilings of ratios computed in floating point
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What each rank sends: tokens per rank and the MoE routing."""
+
+    tokens: int = 4096  # per rank, training / prefill (normal path)
+    decode_tokens: int = 128  # per rank, decode (low-latency path)
+    hidden: int = 7168
+    topk: int = 8
+    experts: int = 256
+    groups: int = 8  # expert groups of the group-limited router
+    topk_groups: int = 4  # groups each token may use (= groups: no limit)
+    fp8_dispatch: bool = True  # dispatch rows: hidden bytes + one fp32 scale per 128 channels
+    combine_elem_bytes: int = 2  # BF16 combine
+
+    @property
+    def dispatch_row_bytes(self) -> int:
+        if self.fp8_dispatch:
+            return self.hidden + math.ceil(self.hidden / FP8_BLOCK) * 4
+        return 2 * self.hidden
+
+    @property
+    def combine_row_bytes(self) -> int:
+        return self.combine_elem_bytes * self.hidden
+
+    def check(self) -> None:
+        if self.experts % self.groups:
+            raise ValueError(f"experts ({self.experts}) must be a multiple of groups ({self.groups})")
+        if not 1 <= self.topk_groups <= self.groups:
+            raise ValueError(f"topk_groups ({self.topk_groups}) must be in [1, groups={self.groups}]")
+        if not 1 <= self.topk <= self.topk_groups * (self.experts // self.groups):
+            raise ValueError(f"topk ({self.topk}) must be in [1, experts of the selected groups]")
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Link and SM rates, GB/s = 1e9 bytes/s, unidirectional, per GPU."""
+
+    gpus_per_node: int = 8
+    nvlink_gbps: float = NVLINK_GBPS  # practical NVLink 4 on H100/H200 (~370 of 450); H800: ~160
+    nic_gbps: float = 50.0  # one 400 Gb/s InfiniBand NIC per GPU
+    sm_nvlink_gbps: float = PER_SM_COPY_GBPS  # measured per-SM copy rate of our kernels
+    sm_rdma_gbps: float = PER_SM_COPY_GBPS  # per-SM rate of staging rows for RDMA puts (assumed)
+    ll_fixed_us: float = 40.0  # low-latency fixed cost: launch, put latency, completion signal
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """A DeepSeek-V3 training step, per rank and micro-batch of ``Shape.tokens`` tokens."""
+
+    ep: int = 64
+    moe_ffn: int = 2048  # expert MLP intermediate size
+    moe_layers: int = 58
+    layers: int = 61
+    active_params: float = 37e9  # activated parameters per token (DeepSeek-V3)
+    tflops: float = 400.0  # achieved dense TFLOP/s per GPU
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing
+
+
+def _overlaps(lo: int, hi: int, group_size: int) -> tuple[int, ...]:
+    """Sizes of the intersections of the expert range [lo, hi) with the groups it meets."""
+    out = []
+    g = lo // group_size
+    while g * group_size < hi:
+        a, b = max(lo, g * group_size), min(hi, (g + 1) * group_size)
+        out.append(b - a)
+        g += 1
+    return tuple(out)
+
+
+def _untouched(overlaps: tuple[int, ...], groups: int, topk_groups: int, group_size: int,
+               topk: int) -> Fraction:
+    """P(a token picks none of a unit's experts); the unit holds ``overlaps[i]`` experts of the
+    i-th group it meets. Counts group selections by (groups of the unit chosen j, unit experts
+    available m), then sum C(G-q, g-j) * C(M-m, k) / (C(G, g) * C(M, k))."""
+    ways = {(0, 0): 1}
+    for o in overlaps:
+        nxt: dict[tuple[int, int], int] = {}
+        for (j, m), c in ways.items():
+            nxt[(j, m)] = nxt.get((j, m), 0) + c
+            nxt[(j + 1, m + o)] = nxt.get((j + 1, m + o), 0) + c
+        ways = nxt
+    q = len(overlaps)
+    avail = topk_groups * group_size
+    num = sum(c * math.comb(groups - q, topk_groups - j) * math.comb(avail - m, topk)
+              for (j, m), c in ways.items() if j <= topk_groups)
+    return Fraction(num, math.comb(groups, topk_groups) * math.comb(avail, topk))
+
+
+def expected_units_touched_exact(experts: int, units: int, groups: int, topk_groups: int,
+                                 topk: int) -> Fraction:
+    """E[#distinct units (nodes, ranks) a token's experts fall in], as an exact fraction.
+
+    ``units`` and ``groups`` split the experts into equal contiguous blocks; they need not nest.
+    """
+    if experts % units or experts % groups:
+        raise ValueError(f"experts ({experts}) must be a multiple of units ({units}) and groups ({groups})")
+    if not 1 <= topk_groups <= groups or not 0 <= topk <= topk_groups * (experts // groups):
+        raise ValueError("need 1 <= topk_groups <= groups and topk <= experts of the selected groups")
+    us, gs = experts // units, experts // groups
+    memo: dict[tuple[int, ...], Fraction] = {}
+    total = Fraction(0)
+    for u in range(units):
+        ov = _overlaps(u * us, (u + 1) * us, gs)
+        if ov not in memo:
+            memo[ov] = 1 - _untouched(ov, groups, topk_groups, gs, topk)
+        total += memo[ov]
+    return total
+
+
+def expected_units_touched(experts: int, units: int, groups: int, topk_groups: int, topk: int) -> float:
+    """Float of ``expected_units_touched_exact`` (see the module docstring for the formula)."""
+    return float(expected_units_touched_exact(experts, units, groups, topk_groups, topk))
+
+
+def max_units_touched(experts: int, units: int, groups: int, topk_groups: int, topk: int) -> int:
+    """Worst case #units a token touches, for units and groups that nest either way."""
+    us, gs = experts // units, experts // groups
+    if us % gs and gs % us:
+        raise ValueError("units and groups must nest (one block size a multiple of the other)")
+    reachable = topk_groups * max(1, gs // us)  # units met by the selected groups, at most
+    return min(topk, units, reachable)
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Expected per-token fan-out at one EP size (uniform group-limited routing)."""
+
+    ep: int
+    nodes: int
+    ranks_per_node: int
+    nodes_touched: float  # E[#distinct nodes], own node included
+    ranks_touched: float  # E[#distinct ranks], own rank included
+    max_nodes: int
+    rdma_copies: float  # E[#nodes other than the own one] = nodes_touched * (N-1)/N
+    nvlink_copies: float  # E[#NVLink hops]: ranks_touched * (P-1)/P
+
+    @property
+    def ranks_per_touched_node(self) -> float:
+        """E[#distinct GPUs of a node a token reaches, given it reaches that node]."""
+        return self.ranks_touched / self.nodes_touched
+
+
+def routing(shape: Shape, machine: Machine, ep: int) -> Routing:
+    """Fan-out of one token at EP size ``ep`` (``ep`` ranks, ``gpus_per_node`` per node)."""
+    shape.check()
+    p = min(ep, machine.gpus_per_node)
+    if ep % p or shape.experts % ep:
+        raise ValueError(f"EP {ep}: need EP a multiple of GPUs per node ({machine.gpus_per_node}) "
+                         f"when larger, and experts ({shape.experts}) a multiple of EP")
+    n = ep // p
+    rule = (shape.groups, shape.topk_groups, shape.topk)
+    e_nodes = expected_units_touched(shape.experts, n, *rule)
+    e_ranks = expected_units_touched(shape.experts, ep, *rule)
+    return Routing(ep=ep, nodes=n, ranks_per_node=p, nodes_touched=e_nodes, ranks_touched=e_ranks,
+                   max_nodes=max_units_touched(shape.experts, n, *rule),
+                   rdma_copies=e_nodes * (n - 1) / n, nvlink_copies=e_ranks * (p - 1) / p)
+
+
+# ---------------------------------------------------------------------------------------------
+# Normal path
+
+
+def sms_for(rate_gbps: float, per_sm_gbps: float) -> int:
+    """SMs whose copy rate covers ``rate_gbps``: ceil(rate / per-SM rate)."""
+    return math.ceil(rate_gbps / per_sm_gbps - _EPS) if rate_gbps > 0 else 0
+
+
+@dataclass(frozen=True)
+class NormalResult:
+    ep: int
+    two_level: bool
+    row_bytes: int
+    rdma_bytes: float  # per rank, one direction
+    nvlink_bytes: float
+    time_us: float
+    bound: str  # "RDMA" or "NVLink"
+    deepep_rdma_gbps: float  # DeepEP accounting (0 on one level)
+    deepep_nvlink_gbps: float
+    sms_bound: int  # SMs that saturate the bounding link
+    sms_all: int  # SMs for every link at the rate it runs during time_us
+
+
+def normal_path(shape: Shape, machine: Machine, ep: int, row_bytes: int,
+                tokens: int | None = None) -> NormalResult:
+    """Bytes, time, DeepEP-accounting GB/s and SMs of one normal dispatch or combine."""
+    r = routing(shape, machine, ep)
+    t = shape.tokens if tokens is None else tokens
+    rdma = t * r.rdma_copies * row_bytes
+    nvl = t * r.nvlink_copies * row_bytes
+    t_rdma = rdma / (machine.nic_gbps * 1e9)
+    t_nvl = nvl / (machine.nvlink_gbps * 1e9)
+    time_s = max(t_rdma, t_nvl)
+    bound = "RDMA" if t_rdma > t_nvl else "NVLink"
+    two = r.nodes > 1
+    if time_s == 0:
+        return NormalResult(ep, two, row_bytes, 0.0, 0.0, 0.0, bound, 0.0, 0.0, 0, 0)
+    sms_bound = sms_for(machine.nic_gbps if bound == "RDMA" else machine.nvlink_gbps,
+                        machine.sm_rdma_gbps if bound == "RDMA" else machine.sm_nvlink_gbps)
+    sms_all = (sms_for(rdma / time_s / 1e9, machine.sm_rdma_gbps)
+               + sms_for(nvl / time_s / 1e9, machine.sm_nvlink_gbps))
+    return NormalResult(
+        ep=ep, two_level=two, row_bytes=row_bytes, rdma_bytes=rdma, nvlink_bytes=nvl,
+        time_us=time_s * 1e6, bound=bound,
+        deepep_rdma_gbps=(t * r.nodes_touched * row_bytes / time_s / 1e9) if two else 0.0,
+        deepep_nvlink_gbps=t * r.ranks_touched * row_bytes / time_s / 1e9,
+        sms_bound=sms_bound, sms_all=sms_all)
+
+
+# ---------------------------------------------------------------------------------------------
+# Low-latency path
+
+
+@dataclass(frozen=True)
+class LowLatencyResult:
+    ep: int
+    row_bytes: int
+    total_bytes: float  # every (token, expert) copy a rank sends, local ones included
+    rdma_bytes: float
+    nvlink_bytes: float
+    time_us: float
+
+
+def low_latency(shape: Shape, machine: Machine, ep: int, row_bytes: int,
+                tokens: int | None = None) -> LowLatencyResult:
+    """One low-latency dispatch or combine: ``T*k`` copies, fixed latency + max link time."""
+    p = min(ep, machine.gpus_per_node)
+    t = shape.decode_tokens if tokens is None else tokens
+    total = t * shape.topk * row_bytes
+    rdma = total * (ep - p) / ep
+    nvl = total * (p - 1) / ep
+    time_s = max(rdma / (machine.nic_gbps * 1e9), nvl / (machine.nvlink_gbps * 1e9))
+    return LowLatencyResult(ep, row_bytes, total, rdma, nvl, machine.ll_fixed_us + time_s * 1e6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training step
+
+
+@dataclass(frozen=True)
+class StepResult:
+    ep: int
+    expert_flops: float  # per rank, all MoE layers, forward + backward
+    other_flops: float  # per rank, 6 * non-routed active params * tokens
+    compute_ms: float
+    comm_ms: float  # all MoE layers, 2 dispatches + 2 combines each
+    comm_per_layer_us: float
+    fraction: float  # comm / (comm + compute), no overlap: an upper bound
+    fraction_overlapped: float  # max(comm - compute, 0) / max(comm, compute): perfect overlap
+
+
+def step_fraction(shape: Shape, machine: Machine, step: StepModel) -> StepResult:
+    """Share of a training step spent in dispatch/combine if nothing overlaps (upper bound)."""
+    t, k, h, f = shape.tokens, shape.topk, shape.hidden, step.moe_ffn
+    expert_fwd = 2 * t * k * h * f * 3  # gate, up, down GEMMs over T*k rows
+    expert = step.moe_layers * 3 * expert_fwd  # backward = 2x forward
+    routed_params = step.moe_layers * k * 3 * h * f
+    other = 6 * max(step.active_params - routed_params, 0.0) * t
+    compute_s = (expert + other) / (step.tflops * 1e12)
+    per_layer_us = 2 * (normal_path(shape, machine, step.ep, shape.dispatch_row_bytes).time_us
+                        + normal_path(shape, machine, step.ep, shape.combine_row_bytes).time_us)
+    comm_s = step.moe_layers * per_layer_us * 1e-6
+    return StepResult(step.ep, expert, other, compute_s * 1e3, comm_s * 1e3, per_layer_us,
+                      comm_s / (comm_s + compute_s),
+                      max(comm_s - compute_s, 0.0) / max(comm_s, compute_s))
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(lines)
+
+
+def report(shape: Shape, machine: Machine, step: StepModel, eps: list[int]) -> str:
+    out = []
+    d_row, c_row = shape.dispatch_row_bytes, shape.combine_row_bytes
+    out.append(
+        f"megatron_ep analytic model: {shape.tokens} tokens/rank, hidden {shape.hidden}, "
+        f"top-{shape.topk} of {shape.experts} experts, {shape.groups} groups, "
+        f"{shape.topk_groups} per token; dispatch {'FP8' if shape.fp8_dispatch else 'BF16'} "
+        f"{d_row} B/row, combine {c_row} B/row")
+    out.append(
+        f"machine: {machine.gpus_per_node} GPUs/node, NVLink {machine.nvlink_gbps:g} GB/s, "
+        f"NIC {machine.nic_gbps:g} GB/s per GPU; per SM {machine.sm_nvlink_gbps:g} GB/s (NVLink copy), "
+        f"{machine.sm_rdma_gbps:g} GB/s (RDMA issue)")
+
+    rs = [routing(shape, machine, ep) for ep in eps]
+    out.append("\nrouting (expected per token, uniform group-limited routing, exact)")
+    out.append(_table(
+        ["EP", "nodes", "E[nodes]", "max", "E[RDMA copies]", "E[ranks]", "E[GPUs/touched node]",
+         "E[NVLink copies]"],
+        [[str(r.ep), str(r.nodes), f"{r.nodes_touched:.2f}", str(r.max_nodes), f"{r.rdma_copies:.2f}",
+          f"{r.ranks_touched:.2f}", f"{r.ranks_per_touched_node:.2f}", f"{r.nvlink_copies:.2f}"]
+         for r in rs]))
+
+    for name, row in (("dispatch", d_row), ("combine", c_row)):
+        res = [normal_path(shape, machine, ep, row) for ep in eps]
+        out.append(f"\nnormal {name} ({row} B/row), per rank; GB/s in DeepEP's accounting")
+        out.append(_table(
+            ["EP", "path", "RDMA MB", "NVLink MB", "time us", "bound", "RDMA GB/s", "NVL GB/s",
+             "SMs bound", "SMs all"],
+            [[str(x.ep), "2-level" if x.two_level else "1-level", f"{x.rdma_bytes / 1e6:.1f}",
+              f"{x.nvlink_bytes / 1e6:.1f}", f"{x.time_us:.0f}", x.bound,
+              f"{x.deepep_rdma_gbps:.0f}" if x.two_level else "-", f"{x.deepep_nvlink_gbps:.0f}",
+              str(x.sms_bound), str(x.sms_all)] for x in res]))
+
+    out.append(f"\nlow-latency ({shape.decode_tokens} tokens/rank, every (token, expert) copy sent, "
+               f"fixed {machine.ll_fixed_us:g} us + bytes/bandwidth)")
+    rows = []
+    for ep in eps:
+        d = low_latency(shape, machine, ep, d_row)
+        c = low_latency(shape, machine, ep, c_row)
+        rows.append([str(ep), f"{d.total_bytes / 1e6:.2f}", f"{d.rdma_bytes / 1e6:.2f}",
+                     f"{d.nvlink_bytes / 1e6:.2f}", f"{d.time_us:.0f}", f"{c.total_bytes / 1e6:.2f}",
+                     f"{c.rdma_bytes / 1e6:.2f}", f"{c.nvlink_bytes / 1e6:.2f}", f"{c.time_us:.0f}"])
+    out.append(_table(["EP", "disp MB", "RDMA MB", "NVL MB", "disp us", "comb MB", "RDMA MB",
+                       "NVL MB", "comb us"], rows))
+
+    s = step_fraction(shape, machine, step)
+    out.append(
+        f"\ntraining step at EP{s.ep} ({step.moe_layers} MoE of {step.layers} layers, expert FFN "
+        f"{step.moe_ffn}, {step.active_params / 1e9:g}B active params, {step.tflops:g} TFLOP/s), "
+        f"per rank and micro-batch:")
+    out.append(f"  compute {s.compute_ms:.0f} ms (experts {s.expert_flops / 1e12:.0f} TFLOP, "
+               f"rest {s.other_flops / 1e12:.0f} TFLOP); dispatch+combine fwd+bwd "
+               f"{s.comm_per_layer_us:.0f} us per MoE layer, {s.comm_ms:.0f} ms in all")
+    out.append(f"  communication share with no overlap: {100 * s.fraction:.1f}% "
+               f"(an upper bound: any overlap lowers it); with perfect overlap "
+               f"{100 * s.fraction_overlapped:.1f}% (the lower bound)")
+    return "\n".join(out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    S, M, T = Shape(), Machine(), StepModel()
+    p = argparse.ArgumentParser(
+        prog="python -m megatron_ep.model",
+        description="Analytic model of EP dispatch/combine: bytes per link, time, DeepEP-style "
+                    "GB/s, SMs, low-latency time and the communication share of a training step.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--ep", type=int, nargs="+", default=list(DEFAULT_EPS), help="EP sizes to tabulate")
+    g = p.add_argument_group("shape")
+    g.add_argument("--tokens", type=int, default=S.tokens, help="tokens per rank, normal path")
+    g.add_argument("--decode-tokens", type=int, default=S.decode_tokens, help="tokens per rank, low-latency path")
+    g.add_argument("--hidden", type=int, default=S.hidden)
+    g.add_argument("--topk", type=int, default=S.topk)
+    g.add_argument("--experts", type=int, default=S.experts)
+    g.add_argument("--groups", type=int, default=S.groups, help="expert groups of the router")
+    g.add_argument("--topk-groups", type=int, default=S.topk_groups,
+                   help="groups a token may use (= --groups: no group limit)")
+    g.add_argument("--bf16-dispatch", action="store_true", help="BF16 dispatch rows instead of FP8 + scales")
+    m = p.add_argument_group("machine (GB/s = 1e9 B/s, one direction, per GPU)")
+    m.add_argument("--gpus-per-node", type=int, default=M.gpus_per_node)
+    m.add_argument("--nvlink-gbps", type=float, default=M.nvlink_gbps,
+                   help="practical NVLink bandwidth: ~370 H100/H200 (of 450), ~160 H800")
+    m.add_argument("--nic-gbps", type=float, default=M.nic_gbps, help="NIC bandwidth (400 Gb/s IB = 50)")
+    m.add_argument("--sm-nvlink-gbps", type=float, default=M.sm_nvlink_gbps,
+                   help="bytes/s one SM copies (measured, megatron_ep.region.PER_SM_COPY_GBPS)")
+    m.add_argument("--sm-rdma-gbps", type=float, default=M.sm_rdma_gbps,
+                   help="bytes/s one SM stages and issues as RDMA puts (assumed = the copy rate)")
+    m.add_argument("--ll-fixed-us", type=float, default=M.ll_fixed_us,
+                   help="low-latency fixed cost per call (DeepEP V1 H800 figures exceed "
+                        "bytes/bandwidth by 34-57 us)")
+    t = p.add_argument_group("training step")
+    t.add_argument("--step-ep", type=int, default=T.ep)
+    t.add_argument("--moe-ffn", type=int, default=T.moe_ffn)
+    t.add_argument("--moe-layers", type=int, default=T.moe_layers)
+    t.add_argument("--layers", type=int, default=T.layers)
+    t.add_argument("--active-params", type=float, default=T.active_params)
+    t.add_argument("--tflops", type=float, default=T.tflops, help="achieved TFLOP/s per GPU")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    shape = Shape(tokens=a.tokens, decode_tokens=a.decode_tokens, hidden=a.hidden, topk=a.topk,
+                  experts=a.experts, groups=a.groups, topk_groups=a.topk_groups,
+                  fp8_dispatch=not a.bf16_dispatch)
+    machine = Machine(gpus_per_node=a.gpus_per_node, nvlink_gbps=a.nvlink_gbps, nic_gbps=a.nic_gbps,
+                      sm_nvlink_gbps=a.sm_nvlink_gbps, sm_rdma_gbps=a.sm_rdma_gbps,
+                      ll_fixed_us=a.ll_fixed_us)
+    step = StepModel(ep=a.step_ep, moe_ffn=a.moe_ffn, moe_layers=a.moe_layers, layers=a.layers,
+                     active_params=a.active_params, tflops=a.tflops)
+    try:
+        text = report(shape, machine, step, a.ep)
+    except ValueError as e:
+        parser.error(str(e))
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
