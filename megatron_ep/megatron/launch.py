@@ -18,12 +18,14 @@ def main(argv=None) -> None:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         raise SystemExit(0 if argv else 2)
+    script = argv[0]
+    # As `python script.py` would, and before install(): the script's own tree (a Megatron-LM
+    # checkout) then provides megatron.core even where a megatron-core wheel is installed.
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     from . import install
 
     install()
-    script = argv[0]
     sys.argv = argv
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python script.py` would
     runpy.run_path(script, run_name="__main__")
 
 

@@ -1,0 +1,270 @@
+"""DeepSeek-V3 (671B) pretraining with Megatron-LM's pretrain_gpt.py, 8 nodes x 8 GPUs, EP64,
+MoE dispatch / combine on megatron_ep (Megatron's flex dispatcher, backend hybridep or deepep).
+
+Run once per node (same arguments everywhere, NODE_RANK differs):
+
+    export MEGATRON_LM_DIR=/path/to/Megatron-LM MASTER_ADDR=node0 MASTER_PORT=29500 NODE_RANK=3
+    bash recipes/deepseek_v3_ep64/launch.sh [options] [-- extra pretrain_gpt.py arguments]
+
+    bash recipes/deepseek_v3_ep64/launch.sh --dry-run   # every node's command; no GPU, no Megatron-LM
+
+Rendezvous from the environment: MASTER_ADDR, MASTER_PORT (29500), NNODES (8), NODE_RANK,
+GPUS_PER_NODE (8). Each node runs
+
+    MEGATRON_EP_BACKEND=torch PYTHONPATH=$MEGATRON_LM_DIR:<this repo> torchrun --nnodes 8 \\
+        --node-rank R --nproc-per-node 8 --master-addr A --master-port P \\
+        -m megatron_ep.megatron.launch $MEGATRON_LM_DIR/pretrain_gpt.py <model and training flags>
+
+`megatron_ep.megatron.launch` installs megatron_ep's flex managers into megatron-core and then
+runs pretrain_gpt.py unchanged as `__main__`, so the managers are in place before Megatron builds
+the model. Every flag this file passes is checked against Megatron's configuration classes by
+tests/test_recipes.py. Standard library only: it must run where megatron_ep is not importable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import shutil
+import sys
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MEGATRON_LM_PLACEHOLDER = "$MEGATRON_LM_DIR"  # dry run without a checkout: left to the shell
+
+# DeepSeek-V3 architecture (its published config): fixed, not options.
+NUM_EXPERTS = 256
+DENSE_LAYERS = 3
+MODEL = {
+    "--hidden-size": 7168,
+    "--ffn-hidden-size": 18432,           # the dense layers' FFN
+    "--num-attention-heads": 128,
+    "--q-lora-rank": 1536,
+    "--kv-lora-rank": 512,
+    "--qk-head-dim": 128,
+    "--qk-pos-emb-head-dim": 64,
+    "--v-head-dim": 128,
+    "--norm-epsilon": 1e-6,
+    "--init-method-std": 0.006,
+    "--num-experts": NUM_EXPERTS,
+    "--moe-ffn-hidden-size": 2048,
+    "--moe-shared-expert-intermediate-size": 2048,   # one shared expert of the routed experts' size
+    "--moe-router-topk": 8,
+    "--moe-router-num-groups": 8,        # 8 groups of 32 experts = one group per node at EP64
+    "--moe-router-group-topk": 4,        # each token reaches at most 4 groups (nodes)
+    "--moe-router-score-function": "sigmoid",
+    "--moe-router-topk-scaling-factor": 2.5,
+    "--moe-router-bias-update-rate": 1e-3,           # aux-loss-free balancing, gamma = 0.001
+    "--moe-router-load-balancing-type": "seq_aux_loss",
+    "--moe-aux-loss-coeff": 1e-4,                    # the small sequence-wise loss, alpha = 0.0001
+    "--moe-router-dtype": "fp32",
+    "--mtp-num-layers": 1,
+    "--mtp-loss-scaling-factor": 0.3,                # lambda of the first 10T tokens
+}
+MODEL_SWITCHES = [
+    "--multi-latent-attention", "--qk-layernorm", "--swiglu", "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights", "--moe-router-enable-expert-bias", "--moe-grouped-gemm",
+]
+# Pretraining at 4K context uses plain RoPE (YaRN is DeepSeek-V3's later long-context stage);
+# Megatron's fused MLA RoPE is YaRN only, hence --no-rope-fusion.
+ROPE = ["--normalization", "RMSNorm", "--position-embedding-type", "rope", "--rope-type", "rope", "--no-rope-fusion"]
+VOCAB = 129280                           # DeepSeek-V3 tokenizer
+DEFAULT_TOKENIZER = "deepseek-ai/DeepSeek-V3"
+
+
+def moe_layer_pattern(layers: int) -> str:
+    """Megatron's --moe-layer-freq list syntax: the first 3 layers dense, the rest MoE."""
+    return f"([0]*{DENSE_LAYERS}+[1]*{layers - DENSE_LAYERS})"
+
+
+def _env_int(name: str, default):
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else default
+
+
+def parse_args(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1:]
+    p = argparse.ArgumentParser(prog="launch.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("cluster (defaults from the environment)")
+    g.add_argument("--nnodes", type=int, default=_env_int("NNODES", 8), help="NNODES")
+    g.add_argument("--node-rank", type=int, default=_env_int("NODE_RANK", None), help="NODE_RANK; required unless --dry-run")
+    g.add_argument("--gpus-per-node", type=int, default=_env_int("GPUS_PER_NODE", 8), help="GPUS_PER_NODE")
+    g.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR"), help="MASTER_ADDR; required unless --dry-run")
+    g.add_argument("--master-port", type=int, default=_env_int("MASTER_PORT", 29500), help="MASTER_PORT")
+    g.add_argument("--megatron-lm", default=os.environ.get("MEGATRON_LM_DIR"),
+                   help="Megatron-LM checkout holding pretrain_gpt.py (MEGATRON_LM_DIR)")
+    g.add_argument("--torchrun", default="torchrun", help="launcher command, e.g. 'python -m torch.distributed.run'")
+    g.add_argument("--dry-run", action="store_true", help="print every node's command and exit")
+
+    g = p.add_argument_group("megatron_ep")
+    g.add_argument("--dispatcher", choices=("hybridep", "deepep"), default="hybridep",
+                   help="--moe-flex-dispatcher-backend: hybridep (permute fused into dispatch) or deepep (rank-major + local permute)")
+    g.add_argument("--ep-backend", choices=("torch", "cuda", "auto"), default="torch",
+                   help="MEGATRON_EP_BACKEND; megatron_ep's cuda kernels are intranode (<= 8 ranks), so EP64 over 8 nodes needs torch")
+
+    g = p.add_argument_group("model and parallelism")
+    g.add_argument("--layers", type=int, default=61, help="decoder layers (first 3 dense); fewer for bring-up")
+    g.add_argument("--tp", type=int, default=1, help="tensor parallel size of the dense part (experts: ETP 1)")
+    g.add_argument("--pp", type=int, default=1, help="pipeline stages (EP x PP must divide the world size)")
+    g.add_argument("--ep", type=int, default=64, help="expert parallel size")
+    g.add_argument("--fp8", action="store_true", help="FP8 GEMMs: e4m3, blockwise scaling (DeepSeek-V3's 1x128 / 128x128; Hopper, TransformerEngine)")
+    g.add_argument("--recompute", choices=("full", "selective", "none"), default="full")
+    g.add_argument("--optimizer-offload", action=argparse.BooleanOptionalAction, default=True,
+                   help="Adam states on the CPU (see docs/megatron.md: 61 layers at EP64 on 64 GPUs do not fit otherwise)")
+
+    g = p.add_argument_group("data and training")
+    g.add_argument("--data-path", nargs="+", default=None, help="Megatron indexed-dataset prefixes (blend weights allowed); none = --mock-data")
+    g.add_argument("--tokenizer-model", default=DEFAULT_TOKENIZER, help="HuggingFace tokenizer for real data")
+    g.add_argument("--seq-length", type=int, default=4096)
+    g.add_argument("--micro-batch-size", type=int, default=1)
+    g.add_argument("--global-batch-size", type=int, default=1024)
+    g.add_argument("--train-iters", type=int, default=100000)
+    g.add_argument("--lr", type=float, default=2.2e-4)
+    g.add_argument("--min-lr", type=float, default=2.2e-5)
+    g.add_argument("--warmup-iters", type=int, default=2000)
+    g.add_argument("--checkpoint-dir", default=None, help="--save / --load directory (none: no checkpoints)")
+    g.add_argument("--save-interval", type=int, default=1000)
+    g.add_argument("--tensorboard-dir", default=None)
+    args = p.parse_args(argv)
+    args.extra = extra
+    validate(p, args)
+    return args
+
+
+def validate(p, args):
+    world = args.nnodes * args.gpus_per_node
+    if args.layers <= DENSE_LAYERS:
+        p.error(f"--layers must be more than the {DENSE_LAYERS} dense layers")
+    if NUM_EXPERTS % args.ep:
+        p.error(f"--ep {args.ep} must divide the {NUM_EXPERTS} experts")
+    if world % (args.ep * args.pp) or world % (args.tp * args.pp):
+        p.error(f"world size {world} (NNODES x GPUS_PER_NODE) must be a multiple of EP x PP = {args.ep * args.pp} and TP x PP = {args.tp * args.pp}")
+    dp = world // (args.tp * args.pp)
+    if args.global_batch_size % (args.micro_batch_size * dp):
+        p.error(f"--global-batch-size must be a multiple of micro batch x data parallel = {args.micro_batch_size * dp}")
+    if args.ep_backend != "torch" and args.ep > args.gpus_per_node:
+        p.error(f"--ep-backend {args.ep_backend}: megatron_ep's cuda kernels are intranode only; EP {args.ep} spans nodes, use torch")
+    if not args.dry_run:
+        for name, value in (("NODE_RANK / --node-rank", args.node_rank), ("MASTER_ADDR / --master-addr", args.master_addr),
+                            ("MEGATRON_LM_DIR / --megatron-lm", args.megatron_lm)):
+            if value is None:
+                p.error(f"{name} is not set")
+        if not 0 <= args.node_rank < args.nnodes:
+            p.error(f"NODE_RANK {args.node_rank} is not in [0, {args.nnodes})")
+        if not os.path.isfile(os.path.join(args.megatron_lm, "pretrain_gpt.py")):
+            p.error(f"{args.megatron_lm} has no pretrain_gpt.py (MEGATRON_LM_DIR must be a Megatron-LM checkout)")
+
+
+def _kv(d) -> list:
+    out = []
+    for flag, value in d.items():
+        out += [flag, str(value)]
+    return out
+
+
+def megatron_args(args) -> list:
+    """pretrain_gpt.py's arguments (without the extra ones after `--`)."""
+    a = ["--num-layers", str(args.layers), "--moe-layer-freq", moe_layer_pattern(args.layers)]
+    a += _kv(MODEL) + MODEL_SWITCHES + ROPE
+    a += ["--seq-length", str(args.seq_length), "--max-position-embeddings", str(args.seq_length)]
+    # megatron_ep through Megatron's flex dispatcher
+    a += ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", args.dispatcher]
+    # parallelism
+    a += ["--tensor-model-parallel-size", str(args.tp), "--pipeline-model-parallel-size", str(args.pp),
+          "--expert-model-parallel-size", str(args.ep), "--expert-tensor-parallel-size", "1"]
+    if args.tp > 1:
+        a += ["--sequence-parallel"]
+    a += ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+    # precision
+    a += ["--bf16"]
+    if args.fp8:
+        a += ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise", "--moe-router-padding-for-quantization"]
+    # memory
+    if args.recompute == "full":
+        a += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    elif args.recompute == "selective":
+        a += ["--recompute-granularity", "selective"]
+    if args.optimizer_offload:
+        # fp32 master weights and, as DeepSeek-V3 did, bf16 Adam moments, all on the host;
+        # bf16 gradients on the device
+        a += ["--use-precision-aware-optimizer", "--optimizer-cpu-offload", "--optimizer-offload-fraction", "1.0",
+              "--overlap-cpu-optimizer-d2h-h2d", "--main-grads-dtype", "bf16",
+              "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"]
+    # optimizer and schedule (DeepSeek-V3: AdamW 0.9 / 0.95, weight decay 0.1, clip 1.0)
+    a += ["--optimizer", "adam", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--weight-decay", "0.1",
+          "--clip-grad", "1.0", "--lr", str(args.lr), "--min-lr", str(args.min_lr), "--lr-decay-style", "cosine",
+          "--lr-warmup-iters", str(args.warmup_iters), "--lr-decay-iters", str(args.train_iters),
+          "--micro-batch-size", str(args.micro_batch_size), "--global-batch-size", str(args.global_batch_size),
+          "--train-iters", str(args.train_iters), "--cross-entropy-loss-fusion"]
+    # data and tokenizer
+    if args.data_path:
+        a += ["--data-path", *args.data_path, "--split", "99,1,0",
+              "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", args.tokenizer_model]
+    else:
+        a += ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB)]
+    # logging, evaluation, checkpoints
+    a += ["--log-interval", "1", "--log-throughput", "--eval-interval", "1000", "--eval-iters", "10",
+          "--distributed-timeout-minutes", "60"]
+    if args.checkpoint_dir:
+        a += ["--save", args.checkpoint_dir, "--load", args.checkpoint_dir, "--save-interval", str(args.save_interval)]
+    if args.tensorboard_dir:
+        a += ["--tensorboard-dir", args.tensorboard_dir]
+    return a
+
+
+def node_command(args, node_rank: int):
+    """(environment additions, argv) of one node. PYTHONPATH puts Megatron-LM's own megatron.core
+    ahead of an installed megatron-core wheel, and makes megatron_ep importable from this
+    checkout when it is not pip-installed; the caller's PYTHONPATH is appended at launch."""
+    megatron_lm = os.path.abspath(args.megatron_lm) if args.megatron_lm else MEGATRON_LM_PLACEHOLDER
+    env = {"MEGATRON_EP_BACKEND": args.ep_backend}
+    if args.tp > 1:  # Megatron-LM's validate_args requires it with TP on Hopper and earlier
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([megatron_lm, REPO_ROOT])
+    argv = shlex.split(args.torchrun) + [
+        "--nnodes", str(args.nnodes), "--node-rank", str(node_rank), "--nproc-per-node", str(args.gpus_per_node),
+        "--master-addr", args.master_addr or "$MASTER_ADDR", "--master-port", str(args.master_port),
+        "-m", "megatron_ep.megatron.launch", megatron_lm + "/pretrain_gpt.py",
+    ] + megatron_args(args) + args.extra
+    return env, argv
+
+
+def _quote(token: str) -> str:
+    """shlex quoting, except that the placeholders ($MASTER_ADDR, $MEGATRON_LM_DIR) stay expandable."""
+    if "$" in token and re.fullmatch(r"[\w$/.:+,=-]+", token):
+        return f'"{token}"'
+    return shlex.quote(token)
+
+
+def render(env, argv) -> str:
+    """One shell line; the caller's PYTHONPATH is appended as at launch."""
+    words = [f"{k}={_quote(v)}" + ('"${PYTHONPATH:+:$PYTHONPATH}"' if k == "PYTHONPATH" else "") for k, v in env.items()]
+    return " ".join(words + [_quote(x) for x in argv])
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.dry_run:
+        print(f"# DeepSeek-V3 on {args.nnodes} nodes x {args.gpus_per_node} GPUs: EP{args.ep} TP{args.tp} PP{args.pp}, "
+              f"{args.layers} layers, flex/{args.dispatcher}, megatron_ep backend {args.ep_backend}"
+              + (", FP8 blockwise" if args.fp8 else ", bf16"))
+        for rank in range(args.nnodes):
+            print(f"# node {rank}")
+            print(render(*node_command(args, rank)))
+        return
+    env, argv = node_command(args, args.node_rank)
+    if shutil.which(argv[0]) is None:
+        raise SystemExit(f"{argv[0]} not found; pass --torchrun '{sys.executable} -m torch.distributed.run'")
+    print(render(env, argv), flush=True)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env["PYTHONPATH"], os.environ.get("PYTHONPATH")]))
+    os.execvpe(argv[0], argv, {**os.environ, **env})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""Scaled-down proxies of the DeepSeek-V3 EP64 recipe that run on the machines at hand: named
+presets that expand to `torchrun ... recipes/train_moe.py ...` (torchrun = `python -m
+torch.distributed.run`, the interpreter running this module).
+
+    python -m recipes.proxies --list
+    python -m recipes.proxies --preset cpu-toy --dry-run        # print the command
+    python -m recipes.proxies --preset cpu-toy                  # run it (4 gloo processes)
+    python -m recipes.proxies --preset cpu-toy --nproc 2 --steps 2
+    python -m recipes.proxies --preset gpu-8 -- --dispatcher deepep   # after `--`: train_moe.py flags
+
+The model family is train_moe.py's (DeepSeek-V3-style MoE: sigmoid router with expert bias,
+group-limited top-k with one group per EP rank, scaled top-k probs, one shared expert, SwiGLU
+experts on megatron_ep's GroupedGemmExperts); unlike the full recipe it has standard attention
+(no MLA), no MTP, and one dense layer first instead of three. EP = world size.
+
+No virtual EP on one GPU: Megatron runs its collectives over NCCL on GPUs, and NCCL refuses two
+ranks on the same device, so the 1-GPU proxy is EP1 (one process). megatron-core 0.16-0.18 also
+refuse the flex dispatcher at TP x EP = 1 (0.19 accepts hybridep there), so on those versions
+run gpu-1 with `-- --dispatcher alltoall` (Megatron's dispatcher, megatron_ep's experts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shlex
+import subprocess
+import sys
+from typing import Dict, List, Optional
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN_MOE = os.path.join(REPO_ROOT, "recipes", "train_moe.py")
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    nproc: int
+    device: str                 # "cpu" (gloo) or "gpu" (NCCL, one GPU per process)
+    args: tuple                 # train_moe.py arguments
+    about: str
+    env: Optional[Dict[str, str]] = None
+
+
+_COMMON = ("--dispatcher", "hybridep", "--experts-impl", "grouped")
+PRESETS: Dict[str, Preset] = {
+    "cpu-toy": Preset(
+        nproc=4, device="cpu",
+        args=_COMMON + ("--backend", "torch", "--layers", "3", "--hidden", "64", "--heads", "4", "--ffn", "128",
+                        "--expert-ffn", "32", "--experts", "16", "--topk", "4", "--vocab", "256",
+                        "--seq-len", "32", "--micro-batch", "2", "--steps", "6"),
+        # gloo on CPU even where a GPU is visible (train_moe.py picks NCCL whenever CUDA is available)
+        env={"CUDA_VISIBLE_DEVICES": ""},
+        about="CPU, 2-4 gloo processes (--nproc), torch reference backend; toy sizes, runs in seconds"),
+    "gpu-1": Preset(
+        nproc=1, device="gpu",
+        args=_COMMON + ("--backend", "torch", "--layers", "8", "--hidden", "2048", "--heads", "16", "--ffn", "8192",
+                        "--expert-ffn", "512", "--experts", "64", "--topk", "8", "--vocab", "32768",
+                        "--seq-len", "4096", "--micro-batch", "1", "--steps", "20"),
+        about="1 GPU, EP1 (no communication: torch backend permutes locally); needs megatron-core >= 0.19 "
+              "for flex at EP1, else add `-- --dispatcher alltoall`"),
+    "gpu-8": Preset(
+        nproc=8, device="gpu",
+        args=_COMMON + ("--backend", "cuda", "--layers", "8", "--hidden", "2048", "--heads", "16", "--ffn", "8192",
+                        "--expert-ffn", "1024", "--experts", "64", "--topk", "8", "--group-topk", "4",
+                        "--vocab", "32768", "--seq-len", "4096", "--micro-batch", "1", "--steps", "20"),
+        about="8 GPUs of one node, EP8, megatron_ep cuda kernels; 8 experts per rank, top-8, "
+              "each token to at most 4 of the 8 ranks (DeepSeek-V3's 4-of-8 group limit)"),
+}
+
+
+def command(name: str, nproc: Optional[int] = None, steps: Optional[int] = None,
+            extra: List[str] = ()) -> tuple:
+    """(environment additions, argv) of a preset. Later train_moe.py flags override earlier
+    ones (argparse keeps the last), so `extra` and `steps` win over the preset's values."""
+    preset = PRESETS[name]
+    n = preset.nproc if nproc is None else nproc
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
+            TRAIN_MOE, *preset.args]
+    if steps is not None:
+        argv += ["--steps", str(steps)]
+    argv += list(extra)
+    return dict(preset.env or {}), argv
+
+
+def _check(name: str, nproc: int, extra: List[str]) -> None:
+    """Refuse, before starting processes, what would fail inside them."""
+    preset = PRESETS[name]
+    args = _train_moe_args(preset.args + tuple(extra))
+    if args.experts % nproc:
+        raise SystemExit(f"--experts {args.experts} must be a multiple of --nproc {nproc}")
+    if preset.device == "gpu":
+        import torch
+
+        have = torch.cuda.device_count()
+        if have < nproc:
+            raise SystemExit(f"preset {name} needs {nproc} GPUs, {have} visible (one process per GPU: NCCL refuses several ranks on one GPU)")
+    if nproc == 1 and args.dispatcher != "alltoall":
+        import megatron.core
+
+        major, minor = (int(x) for x in megatron.core.__version__.split(".")[:2])
+        if args.dispatcher == "deepep" or (major, minor) < (0, 19):
+            raise SystemExit(f"megatron-core {megatron.core.__version__} refuses the flex dispatcher "
+                             f"({args.dispatcher}) at TP x EP = 1; use hybridep with megatron-core >= 0.19, "
+                             "or `-- --dispatcher alltoall`")
+
+
+def _train_moe_args(argv):
+    sys.path.insert(0, REPO_ROOT)
+    from recipes.train_moe import parse_args
+
+    return parse_args(list(argv))
+
+
+def render(env: Dict[str, str], argv: List[str]) -> str:
+    return " ".join([f"{k}={shlex.quote(v)}" for k, v in env.items()] + [shlex.quote(a) for a in argv])
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: List[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1:]
+    p = argparse.ArgumentParser(prog="python -m recipes.proxies", description=__doc__.split("\n\n")[0])
+    p.add_argument("--list", action="store_true", help="list the presets")
+    p.add_argument("--preset", choices=sorted(PRESETS))
+    p.add_argument("--nproc", type=int, default=None, help="processes (= EP size); default: the preset's")
+    p.add_argument("--steps", type=int, default=None, help="training steps; default: the preset's")
+    p.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
+    args = p.parse_args(argv)
+    if args.list:
+        for name, preset in PRESETS.items():
+            print(f"{name:8s} {preset.nproc} x {preset.device}  {preset.about}")
+            print(f"{'':8s} {render(*command(name))}")
+        return 0
+    if args.preset is None:
+        p.error("--preset or --list is required")
+    nproc = PRESETS[args.preset].nproc if args.nproc is None else args.nproc
+    env, cmd = command(args.preset, nproc, args.steps, extra)
+    if args.dry_run:
+        print(render(env, cmd))
+        return 0
+    _check(args.preset, nproc, extra)
+    print(render(env, cmd), flush=True)
+    return subprocess.call(cmd, cwd=REPO_ROOT, env={**os.environ, **env})
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,260 @@
+"""Recipes: every Megatron-LM flag of the DeepSeek-V3 EP64 launcher is a megatron-core config
+field (or a mapped / training-loop flag verified against Megatron-LM's source), its dry run
+prints one correct torchrun command per node, and the cpu-toy proxy trains for 2 steps.
+
+Megatron-LM's `megatron/training/arguments.py` is not in the megatron-core wheel, so the flags
+that are not config fields were checked by hand against these Megatron-LM commits (line numbers
+below are arguments.py's unless another file is named):
+  A = core_v0.16.1  55ac7082517c3878ae653c07c09c534b8aed49f6
+  B = core_v0.19.0  5be9626709af2722333bf54797c954c09edeada3
+(and main at d98e8a64ddf34856e74b24714e3bedb2f5a39553, 2026-08-22: all flags of the launcher's
+default, FP8 + TP2 + real-data + checkpoint, and no-offload variants went through
+`parse_args()` of all three checkouts with no unknown argument, and `validate_args()` at
+world size 64 accepted them.) Config fields become flags through Megatron-LM's
+ArgumentGroupFactory: `foo_bar` -> `--foo-bar` (`--no-foo-bar` for a bool defaulting to True)
+unless the field's `argparse_meta` names another flag.
+"""
+
+import dataclasses
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import megatron.core  # noqa: F401  (CI installs megatron-core: a missing one must fail, not skip)
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.optimizer import OptimizerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+from test_megatron_install import ROOT, _run  # subprocess helper: cwd and PYTHONPATH = the checkout
+
+sys.path.insert(0, ROOT)
+from recipes.deepseek_v3_ep64 import launch  # noqa: E402
+
+CONFIG_CLASSES = (TransformerConfig, MLATransformerConfig, ModelParallelConfig, OptimizerConfig,
+                  DistributedDataParallelConfig)
+
+# Megatron-LM flag -> config field, where the names differ.
+MAPPED = {
+    # A 2691 / B 3351 `--num-experts`; copied into num_moe_experts by core_transformer_config_from_args
+    # (A arguments.py 1327, B argument_utils.py 308)
+    "--num-experts": "num_moe_experts",
+    # A 1687 / B 2367 `--swiglu`; sets gated_linear_unit (A 1334, B argument_utils.py 316) and SiLU
+    "--swiglu": "gated_linear_unit",
+    # A 2045 / B 2765 `--no-rope-fusion`, dest='apply_rope_fusion'
+    "--no-rope-fusion": "apply_rope_fusion",
+    # argparse_meta arg_names of the field in transformer_config.py: A 151 / B 195
+    "--norm-epsilon": "layernorm_epsilon",
+    # transformer_config.py A 162 / B 206 (store_false)
+    "--disable-bias-linear": "add_bias_linear",
+    # transformer_config.py A 430 / B 567
+    "--fp8-format": "fp8",
+}
+
+# Flags of Megatron-LM's training loop / model builder, not megatron-core config fields.
+# "TC n" = a field of megatron/training/training_config.py (A) / config/training_config.py (B)
+# that Megatron-LM's ArgumentGroupFactory turns into the flag.
+TRAINING_LOOP = {
+    "--seq-length": "A 2482 / B 3138",
+    "--max-position-embeddings": "A 1642 / B 2311",
+    "--position-embedding-type": "A 1645 / B 2314",
+    "--untie-embeddings-and-output-weights": "A 1697 / B 2377",
+    "--micro-batch-size": "TC A 10 / B 11",
+    "--global-batch-size": "TC A 14 / B 15",
+    "--train-iters": "TC A 46 / B 64",
+    "--lr-decay-style": "TC A 124 / B 169",
+    "--lr-decay-iters": "TC A 130 / B 175",
+    "--lr-warmup-iters": "TC A 145 / B 190",
+    "--eval-iters": "TC A 94 / B 115",
+    "--eval-interval": "TC A 98 / B 119",
+    "--log-interval": "TC A 202 / B 247",
+    "--log-throughput": "TC A 208 / B 253",
+    "--tensorboard-dir": "TC A 238 / B 283",
+    "--save": "TC A 329 / B 395",
+    "--save-interval": "TC A 332 / B 398",
+    "--load": "TC A 355 / B 430",
+    "--distributed-timeout-minutes": "A 2238 / B config/common_config.py 77",
+    "--mock-data": "A 2479 / B 3135",
+    "--data-path": "A 2431 / B 3088",
+    "--split": "A 2443 / B 3099",
+    "--tokenizer-type": "A 2386 / B TC 673",
+    "--tokenizer-model": "A 2401 / B TC 689",
+    "--vocab-size": "A 2373 / B TC 654",
+}
+
+# Launcher variants that together emit every flag it can pass.
+VARIANTS = {
+    "default": ["--dry-run"],
+    "fp8-tp2-data-ckpt": ["--dry-run", "--fp8", "--dispatcher", "deepep", "--tp", "2", "--recompute", "selective",
+                          "--data-path", "0.7", "/data/a_text_document", "0.3", "/data/b_text_document",
+                          "--checkpoint-dir", "/ckpt", "--tensorboard-dir", "/tb"],
+    "no-offload": ["--dry-run", "--no-optimizer-offload", "--recompute", "none", "--layers", "8"],
+}
+
+
+def _fields():
+    return {f.name: f for cls in CONFIG_CLASSES for f in dataclasses.fields(cls)}
+
+
+def _flags(argv):
+    return [a for a in argv if a.startswith("--")]
+
+
+def unknown_flags(flags):
+    """Flags that are neither a config field, a mapped flag nor a listed training-loop flag."""
+    fields = _fields()
+    return sorted({f for f in flags
+                   if f[2:].replace("-", "_") not in fields and f not in MAPPED and f not in TRAINING_LOOP})
+
+
+def _all_recipe_flags():
+    return {name: launch.megatron_args(launch.parse_args(argv)) for name, argv in VARIANTS.items()}
+
+
+def test_every_recipe_flag_is_known_to_megatron():
+    per_variant = _all_recipe_flags()
+    used = set()
+    for name, argv in per_variant.items():
+        flags = _flags(argv)
+        used.update(flags)
+        assert not unknown_flags(flags), f"{name}: not a megatron-core config field nor a verified Megatron-LM flag: {unknown_flags(flags)}"
+    fields = _fields()
+    for flag, field in MAPPED.items():
+        assert field in fields, f"{flag} maps to {field}, which megatron-core {megatron.core.__version__} lacks"
+        meta = fields[field].metadata.get("argparse_meta", {}).get("arg_names")
+        if meta is not None:  # the config itself names the flag: it must be ours
+            assert flag in meta, (flag, field, meta)
+    # switches given without a value must be store_true flags: bool fields that default to False
+    # (a True default would make Megatron-LM's flag `--no-...`)
+    for argv in per_variant.values():
+        for i, flag in enumerate(argv):
+            takes_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+            field = fields.get(flag[2:].replace("-", "_")) if flag.startswith("--") else None
+            if field is not None and not takes_value and flag not in MAPPED:
+                owner = [c for c in (TransformerConfig, ModelParallelConfig, OptimizerConfig, DistributedDataParallelConfig,
+                                     MLATransformerConfig)
+                         if field.name in {f.name for f in dataclasses.fields(c)}][0]
+                default = {f.name: f for f in dataclasses.fields(owner)}[field.name].default
+                assert default is False, f"{flag}: {owner.__name__}.{field.name} defaults to {default!r}"
+    stale = (set(MAPPED) | set(TRAINING_LOOP)) - used
+    assert not stale, f"listed but never passed (remove them): {sorted(stale)}"
+
+
+def test_flag_check_rejects_an_unknown_flag():
+    assert unknown_flags(["--moe-router-topk", "--num-experts", "--train-iters", "--moe-router-not-a-flag"]) == ["--moe-router-not-a-flag"]
+
+
+def test_recipe_model_is_deepseek_v3():
+    argv = launch.megatron_args(launch.parse_args(["--dry-run"]))
+    opt = {}
+    for i, a in enumerate(argv):
+        if a.startswith("--"):
+            opt[a] = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else True
+    freq = eval(opt["--moe-layer-freq"], {})  # Megatron-LM evaluates this list expression the same way
+    assert freq == [0] * 3 + [1] * 58 and int(opt["--num-layers"]) == 61
+    expect = {"--hidden-size": "7168", "--ffn-hidden-size": "18432", "--num-attention-heads": "128",
+              "--q-lora-rank": "1536", "--kv-lora-rank": "512", "--qk-head-dim": "128", "--qk-pos-emb-head-dim": "64",
+              "--v-head-dim": "128", "--num-experts": "256", "--moe-router-topk": "8", "--moe-ffn-hidden-size": "2048",
+              "--moe-shared-expert-intermediate-size": "2048", "--moe-router-num-groups": "8", "--moe-router-group-topk": "4",
+              "--moe-router-score-function": "sigmoid", "--moe-router-topk-scaling-factor": "2.5", "--mtp-num-layers": "1",
+              "--expert-model-parallel-size": "64", "--moe-token-dispatcher-type": "flex",
+              "--moe-flex-dispatcher-backend": "hybridep", "--seq-length": "4096"}
+    assert {k: opt.get(k) for k in expect} == expect
+    for switch in ("--multi-latent-attention", "--moe-router-enable-expert-bias", "--moe-grouped-gemm", "--bf16", "--mock-data"):
+        assert opt.get(switch) is True, switch
+
+
+def _dry_run(cmd, env_extra):
+    env = {k: v for k, v in os.environ.items() if k not in ("NODE_RANK", "GPUS_PER_NODE", "MEGATRON_LM_DIR", "MASTER_ADDR")}
+    env.update(env_extra, PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return out
+
+
+def _node_commands(stdout):
+    lines = [ln for ln in stdout.splitlines() if ln.strip() and not ln.startswith("#")]
+    return [shlex.split(ln) for ln in lines]
+
+
+def _value(words, flag):
+    return words[words.index(flag) + 1]
+
+
+def _without_rank(words):
+    i = words.index("--node-rank")
+    return words[:i] + words[i + 2:]
+
+
+def test_dry_run_prints_one_command_per_node():
+    env = {"NNODES": "8", "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "23456"}
+    sh = os.path.join(ROOT, "recipes", "deepseek_v3_ep64", "launch.sh")
+    py = os.path.join(ROOT, "recipes", "deepseek_v3_ep64", "launch.py")
+    for cmd, backend in ((["bash", sh, "--dry-run"], "hybridep"),
+                         ([sys.executable, py, "--dry-run", "--dispatcher", "deepep"], "deepep")):
+        out = _dry_run(cmd, env)
+        assert out.returncode == 0, out.stderr[-2000:]
+        nodes = _node_commands(out.stdout)
+        assert len(nodes) == 8, out.stdout[:2000]
+        for rank, words in enumerate(nodes):
+            assert "MEGATRON_EP_BACKEND=torch" in words  # the cuda kernels are intranode: EP64 spans 8 nodes
+            pythonpath = next(w for w in words if w.startswith("PYTHONPATH="))
+            assert pythonpath.startswith("PYTHONPATH=$MEGATRON_LM_DIR:")  # Megatron-LM's megatron.core first
+            start = words.index("torchrun")
+            assert _value(words, "--nnodes") == "8" and _value(words, "--node-rank") == str(rank)
+            assert _value(words, "--nproc-per-node") == "8"
+            assert _value(words, "--master-addr") == "10.1.2.3" and _value(words, "--master-port") == "23456"
+            m = words.index("-m", start)
+            assert words[m + 1] == "megatron_ep.megatron.launch" and words[m + 2].endswith("/pretrain_gpt.py")
+            assert _value(words, "--expert-model-parallel-size") == "64"
+            assert _value(words, "--moe-token-dispatcher-type") == "flex"
+            assert _value(words, "--moe-flex-dispatcher-backend") == backend
+            assert _without_rank(words) == _without_rank(nodes[0])  # the nodes differ by their rank only
+
+
+def test_launcher_execs_the_node_command(tmp_path):
+    """A real launch (torchrun replaced by echo): this node's command, with the checkout's path."""
+    (tmp_path / "pretrain_gpt.py").write_text("")
+    py = os.path.join(ROOT, "recipes", "deepseek_v3_ep64", "launch.py")
+    out = _dry_run([sys.executable, py, "--torchrun", "echo"],
+                   {"NODE_RANK": "5", "MASTER_ADDR": "10.1.2.3", "MEGATRON_LM_DIR": str(tmp_path)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    printed, echoed = out.stdout.strip().splitlines()
+    words = echoed.split()
+    assert _value(words, "--node-rank") == "5" and _value(words, "--nnodes") == "8"
+    assert words[words.index("megatron_ep.megatron.launch") + 1] == str(tmp_path / "pretrain_gpt.py")
+    assert f"PYTHONPATH={tmp_path}:{ROOT}" in printed
+
+
+def test_launcher_refuses_what_cannot_run():
+    py = os.path.join(ROOT, "recipes", "deepseek_v3_ep64", "launch.py")
+    out = _dry_run([sys.executable, py], {"MASTER_ADDR": "10.1.2.3"})  # a real launch without NODE_RANK
+    assert out.returncode == 2 and "NODE_RANK" in out.stderr
+    out = _dry_run([sys.executable, py, "--dry-run"], {"NNODES": "2"})  # EP64 needs 64 GPUs
+    assert out.returncode == 2 and "EP x PP" in out.stderr
+    out = _dry_run([sys.executable, py, "--dry-run", "--ep-backend", "cuda"], {})
+    assert out.returncode == 2 and "intranode" in out.stderr
+
+
+def test_proxy_presets_list_and_dry_run():
+    listing = _run(None, args=("-m", "recipes.proxies", "--list"))
+    for name in ("cpu-toy", "gpu-1", "gpu-8"):
+        assert re.search(rf"^{name}\s", listing, re.M), listing
+    cmd = shlex.split(_run(None, args=("-m", "recipes.proxies", "--preset", "gpu-8", "--dry-run")).strip())
+    assert cmd[cmd.index("--nproc-per-node") + 1] == "8" and cmd[cmd.index("--backend") + 1] == "cuda"
+    assert cmd[cmd.index("--experts") + 1] == "64" and cmd[cmd.index("--group-topk") + 1] == "4"
+    cmd = shlex.split(_run(None, args=("-m", "recipes.proxies", "--preset", "cpu-toy", "--dry-run")).strip())
+    assert cmd[0] == "CUDA_VISIBLE_DEVICES=" and cmd[1:4] == [sys.executable, "-m", "torch.distributed.run"]
+    assert cmd[4:7] == ["--standalone", "--nproc-per-node", "4"] and cmd[7].endswith("recipes/train_moe.py")
+
+
+def test_cpu_toy_proxy_trains():
+    """The cpu-toy preset end to end: 2 gloo processes, 2 steps of train_moe.py, finite loss."""
+    out = _run(None, args=("-m", "recipes.proxies", "--preset", "cpu-toy", "--nproc", "2", "--steps", "2"))
+    assert "manager=MegatronEPHybridEPManager" in out and "world=2" in out, out[-3000:]
+    steps = [ln.split() for ln in out.splitlines() if re.match(r"^\s*\d+\s+\S+\s+[\d.]+\s", ln)]
+    assert [int(s[0]) for s in steps] == [0, 1], out[-3000:]
+    losses = [float(s[1]) for s in steps]
+    assert all(math.isfinite(x) and 0 < x < 10 for x in losses), losses
