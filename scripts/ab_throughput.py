@@ -29,6 +29,7 @@ Unavailable (skipped, exit status unaffected): a precondition fails before build
 not importable, no GPU for deep_ep or --backend cuda, one rank only (flex needs TPxEP > 1).
 Failed (exit status 1): the backend was available but raised while building or stepping, or its
 step-0 loss disagreed. Exit status 3: nothing was measured (every selected backend skipped).
+(These are the ranks' exit statuses; torchrun itself exits 1 for any non-zero one.)
 All ranks agree on every failure (a flag all-reduced after each step), so a backend that raises
 on every rank does not leave the others waiting; one that dies inside a collective on some ranks
 only still leaves its peers waiting until the process-group timeout (5 min).
@@ -358,6 +359,7 @@ def table_rows(runs: List[Run], args, loss_ref: Optional[Run]) -> List[List[str]
 def format_text_table(rows: List[List[str]]) -> str:
     full = [r for r in rows if len(r) == len(COLUMNS)]
     widths = [max(len(c), *(len(r[i]) for r in full)) if full else len(c) for i, c in enumerate(COLUMNS)]
+    widths[0] = max(widths[0], *(len(r[0]) for r in rows)) if rows else widths[0]
     out = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(COLUMNS, widths)))]
     for r in rows:
         if len(r) == len(COLUMNS):

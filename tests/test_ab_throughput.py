@@ -79,10 +79,12 @@ def test_ab_cpu_alltoall_deepep_hybridep(tmp_path):
 
 def test_ab_failure_is_agreed_and_reported(tmp_path):
     """hybridep raises on rank 1 only (layer mode, step 1): rank 0 reports rank 1's error, the
-    other backends still run, the exit status is non-zero; deep_ep stays 'skipped'."""
-    out = _torchrun("tests/ab_inject_failure.py", "--mode", "layer", "--backends", "alltoall,hybridep,DeepEP",
+    other backends still run, the exit status is non-zero; deep_ep stays 'skipped'. deepep's
+    loss is scaled by 1.01: its step-0 loss check fails although it ran."""
+    out = _torchrun("tests/ab_inject_failure.py", "--mode", "layer", "--backends", "alltoall,deepep,hybridep,DeepEP",
                     "--backend", "torch", "--reps", "2", "--warmup", "1", "--steps", "1",
-                    env={"AB_FAIL_BACKEND": "hybridep", "AB_FAIL_RANK": "1", "AB_FAIL_STEP": "1"})
+                    env={"AB_FAIL_BACKEND": "hybridep", "AB_FAIL_RANK": "1", "AB_FAIL_STEP": "1",
+                         "AB_SKEW_BACKEND": "deepep"})
     log = out.stdout + "\n" + out.stderr[-4000:]
     assert out.returncode != 0, log
     assert "hybridep: FAILED at step 1 (repetition 1)" in out.stdout, log
@@ -92,7 +94,11 @@ def test_ab_failure_is_agreed_and_reported(tmp_path):
     assert rows["hybridep"]["status"].startswith("FAILED: RuntimeError: injected failure"), log
     assert rows["DeepEP"]["status"].startswith("skipped:"), log
     assert len(re.findall(r"^rep \d/2 +alltoall: step", out.stdout, re.M)) == 2, log
-    assert re.search(r"loss check at step 0 .*hybridep [0-9.e+-]+ .*: OK", out.stdout), log  # step 0 ran before the failure
+    # step 0 of hybridep ran before its failure and matches; deepep's skewed loss does not
+    assert re.search(r"loss check at step 0 .*deepep [0-9.e+-]+ \(\|d\| [0-9.e+-]+ > tolerance\), "
+                     r"hybridep [0-9.e+-]+ \(\|d\| [0-9.e+-]+\): MISMATCH", out.stdout), log
+    assert "deepep (FAILED)" in rows and float(rows["deepep (FAILED)"]["tokens/s"]) > 0, log
+    assert re.search(r"^FAILED deepep: step-0 loss .* differs from alltoall's", out.stdout, re.M), log
 
 
 if __name__ == "__main__":
