@@ -34,9 +34,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from recipes.comm_timer import CommTimer  # noqa: E402
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dispatcher", choices=("alltoall", "deepep", "hybridep"), default="hybridep")
+def add_args(p: argparse.ArgumentParser, dispatcher: bool = True) -> argparse.ArgumentParser:
+    """The recipe's options (model size, backend, steps, seed); `dispatcher=False` leaves out
+    --dispatcher for tools that pick dispatchers themselves (scripts/ab_throughput.py)."""
+    if dispatcher:
+        p.add_argument("--dispatcher", choices=("alltoall", "deepep", "hybridep"), default="hybridep")
     p.add_argument("--backend", choices=("auto", "torch", "cuda"), default="auto", help="megatron_ep Buffer backend")
     p.add_argument("--experts-impl", choices=("grouped", "sequential"), default="grouped",
                    help="megatron_ep GroupedGemmExperts, or Megatron's SequentialMLP")
@@ -59,7 +61,11 @@ def parse_args(argv=None):
                    help="several processes share the GPU(s) (virtual EP on one GPU; run under MPS): gloo carries "
                         "Megatron's own collectives, megatron_ep's CUDA IPC transport the MoE tokens; flex dispatchers only "
                         "(NCCL refuses several ranks on one GPU, gloo has no GPU all-to-all)")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None):
+    return add_args(argparse.ArgumentParser(description=__doc__.split("\n\n")[0])).parse_args(argv)
 
 
 def init_distributed(virtual_ranks: bool = False):
@@ -99,8 +105,16 @@ def build_config(args, world: int, on_gpu: bool):
     )
 
 
-def build_model(config, args):
-    from megatron.core.models.gpt import GPTModel
+def is_moe_spec(mlp) -> bool:
+    """Whether a layer spec's MLP is an MoE layer (0.16 ModuleSpec or 0.19 builder)."""
+    from megatron_ep.megatron import compat
+
+    return hasattr(compat.moe_submodules(mlp) if hasattr(mlp, "submodules") or hasattr(mlp, "keywords") else None, "experts")
+
+
+def decoder_block_spec(config, args):
+    """Megatron's local (no TE) decoder block spec, MoE experts swapped for megatron_ep's
+    GroupedGemmExperts unless --experts-impl sequential."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     from megatron_ep.experts import GroupedGemmExperts
@@ -111,13 +125,18 @@ def build_model(config, args):
         layers = []
         for layer in block.layer_specs:
             mlp = layer.submodules.mlp
-            is_moe = hasattr(compat.moe_submodules(mlp) if hasattr(mlp, "submodules") or hasattr(mlp, "keywords") else None, "experts")
-            if is_moe:
+            if is_moe_spec(mlp):
                 layer = dataclasses.replace(layer, submodules=dataclasses.replace(
                     layer.submodules, mlp=compat.with_experts(mlp, GroupedGemmExperts)))
             layers.append(layer)
         block = dataclasses.replace(block, layer_specs=layers)
-    return GPTModel(config=config, transformer_layer_spec=block, vocab_size=args.vocab,
+    return block
+
+
+def build_model(config, args):
+    from megatron.core.models.gpt import GPTModel
+
+    return GPTModel(config=config, transformer_layer_spec=decoder_block_spec(config, args), vocab_size=args.vocab,
                     max_sequence_length=args.seq_len, position_embedding_type="rope")
 
 
@@ -160,6 +179,123 @@ def broadcast_non_expert_params(model):
                 dist.broadcast(p.data, src=0)
 
 
+@dataclasses.dataclass
+class Trainer:
+    """One training run's state: built by build_trainer, advanced by train_step."""
+
+    args: argparse.Namespace
+    config: object
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    timer: CommTimer
+    moe_layers: list
+    device: torch.device
+    on_gpu: bool
+    world: int
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.args.micro_batch * self.args.seq_len * self.world
+
+
+@dataclasses.dataclass
+class StepStats:
+    """One step, agreed over ranks: loss summed over ranks of loss / world, the rest max."""
+
+    loss: float
+    step_s: float
+    dispatch_s: float
+    combine_s: float
+
+
+STEP_HEADER = f"{'step':>4} {'loss':>8} {'step ms':>9} {'tok/s':>9} {'dispatch ms':>12} {'combine ms':>11}"
+
+
+def seed_everything(args, rank: int, on_gpu: bool) -> None:
+    torch.manual_seed(args.seed + rank)  # expert weights differ per rank; the rest is broadcast
+    if on_gpu:
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(args.seed)
+
+
+def build_trainer(args, device, on_gpu: bool) -> Trainer:
+    """Seed, config, model (replicated weights broadcast from rank 0), AdamW, comm timers.
+    Megatron's parallel state must be initialised, and megatron_ep installed for flex
+    dispatchers, before this is called."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    world = dist.get_world_size()
+    seed_everything(args, dist.get_rank(), on_gpu)
+    config = build_config(args, world, on_gpu)
+    model = build_model(config, args).to(device)
+    broadcast_non_expert_params(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    timer = CommTimer(sync_cuda=on_gpu)
+    moe_layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    if args.time_comm:
+        for layer in moe_layers:
+            timer.wrap(layer.token_dispatcher)
+    return Trainer(args, config, model, optimizer, timer, moe_layers, device, on_gpu, world)
+
+
+def describe(tr: Trainer) -> str:
+    """The run's one-line header (dispatcher, manager, buffer backend, experts, sizes)."""
+    from megatron_ep.megatron.buffers import choose_backend
+
+    n_params = sum(p.numel() for p in tr.model.parameters())
+    dispatcher = tr.moe_layers[0].token_dispatcher
+    mgr = getattr(dispatcher, "_comm_manager", None)
+    backend = choose_backend(tr.device) if mgr is not None else "-"
+    return (f"world={tr.world} dispatcher={tr.args.dispatcher} manager={type(mgr).__name__ if mgr else type(dispatcher).__name__} "
+            f"buffer_backend={backend} experts={type(tr.moe_layers[0].experts).__name__} moe_layers={len(tr.moe_layers)} "
+            f"params/rank={n_params} device={tr.device.type}")
+
+
+def run_step(tr: Trainer, step: int):
+    """One optimiser step on this rank, no collective outside the model's own:
+    (local loss tensor, step seconds). The comm totals are left in tr.timer."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias
+
+    tokens, labels, position_ids, mask = synthetic_batch(tr.args, step, dist.get_rank(), tr.device)
+    tr.timer.reset()
+    if tr.on_gpu:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    tr.optimizer.zero_grad(set_to_none=True)
+    loss = tr.model(tokens, position_ids, mask, labels=labels).float().mean()
+    loss.backward()
+    allreduce_non_expert_grads(tr.model, ps.get_data_parallel_group())
+    _update_router_expert_bias([tr.model], tr.config)
+    tr.optimizer.step()
+    if tr.on_gpu:
+        torch.cuda.synchronize()
+    return loss, time.perf_counter() - t0
+
+
+def reduce_step_stats(loss: float, step_s: float, timer: CommTimer, device) -> StepStats:
+    """Collective: mean loss over ranks, max step / dispatch / combine time over ranks."""
+    world = dist.get_world_size()
+    stats = torch.tensor([loss / world, step_s,
+                          timer.totals["dispatch_fwd"] + timer.totals["dispatch_bwd"],
+                          timer.totals["combine_fwd"] + timer.totals["combine_bwd"]], device=device, dtype=torch.float64)
+    loss_sum = stats[:1].clone()
+    dist.all_reduce(loss_sum)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    return StepStats(loss_sum.item(), stats[1].item(), stats[2].item(), stats[3].item())
+
+
+def train_step(tr: Trainer, step: int) -> StepStats:
+    loss, step_s = run_step(tr, step)
+    return reduce_step_stats(loss.item(), step_s, tr.timer, tr.device)
+
+
+def format_step(step: int, st: StepStats, tokens_per_step: int, time_comm: bool) -> str:
+    comm = f"{st.dispatch_s * 1e3:12.1f} {st.combine_s * 1e3:11.1f}" if time_comm else f"{'-':>12} {'-':>11}"
+    return f"{step:4d} {st.loss:8.4f} {st.step_s * 1e3:9.1f} {tokens_per_step / st.step_s:9.0f} {comm}"
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.virtual_ranks and args.dispatcher == "alltoall":
@@ -181,63 +317,14 @@ def main(argv=None):
         feats = megatron_ep.megatron.install()
         if rank == 0:
             print(f"megatron_ep installed into megatron-core {feats.version}", flush=True)
-    torch.manual_seed(args.seed + rank)  # expert weights differ per rank; the rest is broadcast
-    if on_gpu:
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-        model_parallel_cuda_manual_seed(args.seed)
-
-    config = build_config(args, world, on_gpu)
-    model = build_model(config, args).to(device)
-    broadcast_non_expert_params(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-
-    from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-
-    timer = CommTimer(sync_cuda=on_gpu)
-    moe_layers = [m for m in model.modules() if isinstance(m, MoELayer)]
-    if args.time_comm:
-        for layer in moe_layers:
-            timer.wrap(layer.token_dispatcher)
+    tr = build_trainer(args, device, on_gpu)
     if rank == 0:
-        n_params = sum(p.numel() for p in model.parameters())
-        mgr = getattr(moe_layers[0].token_dispatcher, "_comm_manager", None)
-        from megatron_ep.megatron.buffers import choose_backend
-
-        backend = choose_backend(device) if mgr is not None else "-"
-        print(f"world={world} dispatcher={args.dispatcher} manager={type(mgr).__name__ if mgr else type(moe_layers[0].token_dispatcher).__name__} "
-              f"buffer_backend={backend} experts={type(moe_layers[0].experts).__name__} moe_layers={len(moe_layers)} "
-              f"params/rank={n_params} device={device.type}", flush=True)
-        print(f"{'step':>4} {'loss':>8} {'step ms':>9} {'tok/s':>9} {'dispatch ms':>12} {'combine ms':>11}", flush=True)
-
-    dp_group = ps.get_data_parallel_group()
-    tokens_per_step = args.micro_batch * args.seq_len * world
+        print(describe(tr), flush=True)
+        print(STEP_HEADER, flush=True)
     for step in range(args.steps):
-        tokens, labels, position_ids, mask = synthetic_batch(args, step, rank, device)
-        timer.reset()
-        if on_gpu:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        loss = model(tokens, position_ids, mask, labels=labels).float().mean()
-        loss.backward()
-        allreduce_non_expert_grads(model, dp_group)
-        _update_router_expert_bias([model], config)
-        optimizer.step()
-        if on_gpu:
-            torch.cuda.synchronize()
-        step_s = time.perf_counter() - t0
-        stats = torch.tensor([loss.item() / world, step_s,
-                              timer.totals["dispatch_fwd"] + timer.totals["dispatch_bwd"],
-                              timer.totals["combine_fwd"] + timer.totals["combine_bwd"]], device=device, dtype=torch.float64)
-        loss_sum = stats[:1].clone()
-        dist.all_reduce(loss_sum)
-        dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+        stats = train_step(tr, step)
         if rank == 0:
-            step_ms = stats[1].item() * 1e3
-            comm = f"{stats[2].item() * 1e3:12.1f} {stats[3].item() * 1e3:11.1f}" if args.time_comm else f"{'-':>12} {'-':>11}"
-            print(f"{step:4d} {loss_sum.item():8.4f} {step_ms:9.1f} {tokens_per_step / stats[1].item():9.0f} {comm}", flush=True)
+            print(format_step(step, stats, tr.tokens_per_step, args.time_comm), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -1,0 +1,105 @@
+"""scripts/ab_throughput.py on CPU: 2 gloo processes under torchrun, toy model (train_moe's
+defaults), the backends that run on CPU (alltoall, and deepep / hybridep on megatron_ep's torch
+reference backend); deep_ep's backends must be reported as skipped, a failing backend as failed."""
+
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import megatron.core  # noqa: F401  (CI installs megatron-core: a missing one must fail, not skip)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NUMERIC = ("tokens/s", "step ms", "dispatch ms", "combine ms", "peak MiB", "vs alltoall")
+
+
+def _torchrun(script, *args, env=None, timeout=300):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script, *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _table(stdout):
+    """{backend: {column: cell}} from the printed table (header line starts with 'backend')."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("backend "))
+    columns = re.split(r"\s{2,}", lines[start].strip())
+    rows = {}
+    for line in lines[start + 1:]:
+        if not line.strip() or line.startswith(("loss check", "peak MiB", "spread", "dispatch /", "wrote", "appended", "FAILED")):
+            break
+        cells = re.split(r"\s{2,}", line.strip())
+        if len(cells) == len(columns):
+            rows[cells[0]] = dict(zip(columns, cells))
+        else:
+            rows[cells[0]] = {"status": line.split(None, 1)[1]}
+    return rows
+
+
+def test_ab_cpu_alltoall_deepep_hybridep(tmp_path):
+    png = tmp_path / "ab.png"
+    doc = tmp_path / "performance.md"
+    shutil.copy(os.path.join(ROOT, "docs", "performance.md"), doc)
+    before = doc.read_text()
+    out = _torchrun("scripts/ab_throughput.py", "--backend", "torch", "--reps", "2", "--warmup", "1", "--steps", "2",
+                    "--png", str(png), "--append-doc", str(doc))
+    log = out.stdout + "\n" + out.stderr[-4000:]
+    assert out.returncode == 0, log
+    rows = _table(out.stdout)
+    for key in ("alltoall", "deepep", "hybridep"):
+        assert key in rows and "status" not in rows[key], log
+        for col in NUMERIC:
+            value = float(rows[key][col])
+            assert math.isfinite(value) and value > 0, (key, col, value, log)
+        assert float(rows[key]["loss@0"].split()[0]) > 0
+    assert float(rows["alltoall"]["vs alltoall"]) == 1.0
+    for key in ("DeepEP", "HybridEP"):  # deep_ep is not installed in CI: unavailable, not a failure
+        assert rows[key]["status"].startswith("skipped: deep_ep not importable"), log
+        assert f"{key} (" in out.stdout and "skipped: deep_ep not importable" in out.stdout
+    assert re.search(r"loss check at step 0 .*deepep .*hybridep .*: OK", out.stdout), log
+    assert "FAILED" not in out.stdout
+    # progress: one line per repetition and backend
+    assert len(re.findall(r"^rep \d/2 +(alltoall|deepep|hybridep): step", out.stdout, re.M)) == 6, log
+
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
+
+    text = doc.read_text()
+    assert text.startswith(before)
+    added = text[len(before):]
+    assert "## A/B throughput run," in added and "scripts/ab_throughput.py --backend torch" in added
+    assert "CPU only" in added and "| backend | tokens/s |" in added
+    for key in ("alltoall", "deepep", "hybridep"):
+        assert re.search(rf"^\| {key} \| \d+ \|", added, re.M), added
+    assert re.search(r"^\| DeepEP \| skipped: deep_ep not importable", added, re.M), added
+
+
+def test_ab_failure_is_agreed_and_reported(tmp_path):
+    """hybridep raises on rank 1 only (layer mode, step 1): rank 0 reports rank 1's error, the
+    other backends still run, the exit status is non-zero; deep_ep stays 'skipped'. deepep's
+    loss is scaled by 1.01: its step-0 loss check fails although it ran."""
+    out = _torchrun("tests/ab_inject_failure.py", "--mode", "layer", "--backends", "alltoall,deepep,hybridep,DeepEP",
+                    "--backend", "torch", "--reps", "2", "--warmup", "1", "--steps", "1",
+                    env={"AB_FAIL_BACKEND": "hybridep", "AB_FAIL_RANK": "1", "AB_FAIL_STEP": "1",
+                         "AB_SKEW_BACKEND": "deepep"})
+    log = out.stdout + "\n" + out.stderr[-4000:]
+    assert out.returncode != 0, log
+    assert "hybridep: FAILED at step 1 (repetition 1)" in out.stdout, log
+    assert "[rank 1]" in out.stdout and "injected failure: hybridep step 1 rank 1" in out.stdout, log
+    rows = _table(out.stdout)
+    assert float(rows["alltoall"]["tokens/s"]) > 0, log
+    assert rows["hybridep"]["status"].startswith("FAILED: RuntimeError: injected failure"), log
+    assert rows["DeepEP"]["status"].startswith("skipped:"), log
+    assert len(re.findall(r"^rep \d/2 +alltoall: step", out.stdout, re.M)) == 2, log
+    # step 0 of hybridep ran before its failure and matches; deepep's skewed loss does not
+    assert re.search(r"loss check at step 0 .*deepep [0-9.e+-]+ \(\|d\| [0-9.e+-]+ > tolerance\), "
+                     r"hybridep [0-9.e+-]+ \(\|d\| [0-9.e+-]+\): MISMATCH", out.stdout), log
+    assert "deepep (FAILED)" in rows and float(rows["deepep (FAILED)"]["tokens/s"]) > 0, log
+    assert re.search(r"^FAILED deepep: step-0 loss .* differs from alltoall's", out.stdout, re.M), log
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
