@@ -290,13 +290,16 @@ def peak_memory_mib(on_gpu: bool, device) -> float:
 
 
 # ---------------------------------------------------------------------------- report helpers
-def machine_description(on_gpu: bool, world: int) -> str:
+def machine_description(on_gpu: bool, world: int, virtual_ranks: bool = False) -> str:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     nodes = max(1, world // max(1, local))
     if on_gpu:
         prop = torch.cuda.get_device_properties(torch.cuda.current_device())
-        return (f"{world} x {prop.name} ({prop.total_memory / 2**30:.0f} GiB, {prop.multi_processor_count} SMs), "
-                f"{nodes} node(s), NCCL, one process per GPU; torch {torch.__version__}, CUDA {torch.version.cuda}")
+        gpu = f"{prop.name} ({prop.total_memory / 2**30:.0f} GiB, {prop.multi_processor_count} SMs)"
+        where = (f"{world} processes sharing {min(world, torch.cuda.device_count())} x {gpu} (virtual ranks: gloo for "
+                 f"Megatron's collectives, megatron_ep's CUDA IPC transport for the tokens)" if virtual_ranks
+                 else f"{world} x {gpu}, {nodes} node(s), NCCL, one process per GPU")
+        return f"{where}; torch {torch.__version__}, CUDA {torch.version.cuda}"
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -431,7 +434,7 @@ def main(argv=None) -> int:
     from megatron.core import parallel_state as ps
 
     ps.initialize_model_parallel(expert_model_parallel_size=world)
-    machine = machine_description(on_gpu, world)
+    machine = machine_description(on_gpu, world, args.virtual_ranks)
     dtype = "bf16" if on_gpu else "fp32"
     rtol = args.loss_rtol if args.loss_rtol is not None else (5e-3 if on_gpu else 1e-4)
     n_moe = args.layers - 1 if args.mode == "train" else 1
