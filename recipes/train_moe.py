@@ -326,6 +326,9 @@ def main(argv=None):
         if rank == 0:
             print(format_step(step, stats, tr.tokens_per_step, args.time_comm), flush=True)
     dist.barrier()
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()  # drop Megatron's group handles before the groups go
     dist.destroy_process_group()
 
 

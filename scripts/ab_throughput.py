@@ -604,6 +604,9 @@ def main(argv=None) -> int:
             print("nothing measured: every selected backend was skipped or failed", flush=True)
     code = 1 if failed else (3 if not measured else 0)
     dist.barrier()
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()  # drop Megatron's group handles before the groups go
     dist.destroy_process_group()
     return code
 
