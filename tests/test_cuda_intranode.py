@@ -11,6 +11,7 @@ import cases
 import megatron_ep
 from case_lists import normal_cases
 from distpool import DistPool
+from gpu_pools import ENV, GpuPools
 
 pytestmark = [
     pytest.mark.gpu,
@@ -18,24 +19,14 @@ pytestmark = [
                        reason="needs a CUDA GPU and the built extension"),
 ]
 
-ENV = {"MEP_TEST_CUDA": "1", "MEP_POISON": "1", "MEP_TIMEOUT_S": "30", "CUDA_MODULE_LOADING": "EAGER",
-       "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
-_pools = {}
-
-
-def pool_(R, **extra):
-    key = (R, tuple(sorted(extra.items())))
-    if key not in _pools or _pools[key].broken:
-        _pools[key] = DistPool(R, env={**ENV, **extra})
-    return _pools[key]
+POOLS = GpuPools()
+pool_ = POOLS.get
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _close_pools():
     yield
-    for p in _pools.values():
-        p.close()
-    _pools.clear()
+    POOLS.close()
 
 
 def _flat(per_rank):

@@ -15,7 +15,7 @@ import megatron.core  # noqa: F401  (a missing megatron-core must fail, not skip
 
 import megatron_cases as mc
 import megatron_ep
-from distpool import DistPool
+from gpu_pools import GpuPools
 from test_megatron_dispatchers import flex_cases
 
 pytestmark = [
@@ -24,25 +24,14 @@ pytestmark = [
                        reason="needs a CUDA GPU and the built extension"),
 ]
 
-ENV = {"MEP_TEST_CUDA": "1", "MEP_POISON": "1", "MEP_TIMEOUT_S": "30", "CUDA_MODULE_LOADING": "EAGER",
-       "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "MEGATRON_EP_BACKEND": "auto",
-       "MEGATRON_EP_MAX_TOKENS_PER_RANK": "64"}
-_pools = {}
-
-
-def pool_(R, backend="gloo"):
-    key = (R, backend)
-    if key not in _pools or _pools[key].broken:
-        _pools[key] = DistPool(R, backend=backend, env=ENV)
-    return _pools[key]
+POOLS = GpuPools(MEGATRON_EP_BACKEND="auto", MEGATRON_EP_MAX_TOKENS_PER_RANK="64")
+pool_ = POOLS.get
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _close_pools():
     yield
-    for p in _pools.values():
-        p.close()
-    _pools.clear()
+    POOLS.close()
 
 
 def _run(pool, fn, cases):
