@@ -121,7 +121,11 @@ class Buffer:
         of an earlier dispatch is reused (cached dispatch): topk_idx must be None, and
         topk_weights, if given, are moved along that routing.
         num_worst_tokens > 0 (cuda): size outputs for that many rows with no host sync
-        (CUDA-graph capturable); the valid prefix is followed by padding.
+        (CUDA-graph capturable); the valid prefix is followed by padding. It must bound the rows
+        this rank can receive: R * T_max rank-major, R * T_max * min(topk, local experts) +
+        local experts * (alignment - 1) expert-major. The torch backend raises past it; the cuda
+        backend cannot check it without the host sync it skips (a kernel-side drop-and-count is
+        an open item), so a smaller value is undefined there.
         """
         impl = self._backend()
         T, H, is_fp8 = C.check_activation("x", x)
