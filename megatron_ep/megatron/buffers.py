@@ -20,7 +20,6 @@ import torch.distributed as dist
 from ..buffer import Buffer, cuda_backend_available
 
 _BUFFERS: Dict[Tuple[object, str], Buffer] = {}  # (group, backend); keeps the group alive
-_SIZED_FOR: Dict[Tuple[object, str], Tuple[int, ...]] = {}  # (hidden, topk, experts, bytes/elem, expert-major align)
 
 
 def choose_backend(device: torch.device) -> str:
@@ -68,14 +67,15 @@ def get_buffer(group, x: torch.Tensor, num_experts: int, topk: int, num_sms: Opt
     # What the cuda buffer is sized for; all of it comes from the config (hidden, top-k,
     # experts, dtype), so every rank of the group re-creates it together when a layer needs more.
     need = (x.shape[-1], topk, num_experts, x.element_size(), expert_major_align)
-    if buf is not None and backend == "cuda" and any(n > h for n, h in zip(need, buf._mep_sized_for)):
+    sized = getattr(buf, "_mep_sized_for", None)
+    if buf is not None and backend == "cuda" and any(n > h for n, h in zip(need, sized)):
         buf.destroy()
         buf = None
     if buf is None:
+        sized = need if sized is None else tuple(map(max, need, sized))  # never shrink on re-creation
         if backend == "torch":
             buf = Buffer(group, backend="torch")
         else:
-            sized = tuple(max(n, h) for n, h in zip(need, _SIZED_FOR.get(key, need)))
             hidden, topk_max, experts, elem, align = sized
             max_tokens = _agreed_max_tokens(group, x.shape[0], x.device)
             check = os.environ.get("MEGATRON_EP_CHECK_INPUTS", "0") == "1"  # costs a host sync
@@ -83,8 +83,7 @@ def get_buffer(group, x: torch.Tensor, num_experts: int, topk: int, num_sms: Opt
             buf = Buffer(group, backend="cuda", max_tokens_per_rank=max_tokens, hidden=hidden,
                          num_experts=experts, max_topk=topk_max, num_sms=num_sms, check_inputs=check,
                          dtype_bytes=elem, combine_bytes=elem, combine_rows=rows)
-            _SIZED_FOR[key] = sized
-        buf._mep_sized_for = _SIZED_FOR.get(key, need)
+        buf._mep_sized_for = sized
         _BUFFERS[key] = buf
     if buf.max_tokens_per_rank is not None and x.shape[0] > buf.max_tokens_per_rank:
         raise ValueError(f"MoE layer got {x.shape[0]} tokens on this rank but the megatron_ep buffer was sized for "
@@ -97,4 +96,3 @@ def reset_buffers() -> None:
     for buf in _BUFFERS.values():
         buf.destroy()
     _BUFFERS.clear()
-    _SIZED_FOR.clear()
