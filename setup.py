@@ -1,4 +1,9 @@
-"""Build of megatron_ep and its CUDA extension `megatron_ep._C`.
+"""Build of megatron_ep, its protocol module `megatron_ep._protocol` and its CUDA extension
+`megatron_ep._C`.
+
+`_protocol` (csrc/protocol_module.cpp: plain C++ and pybind11, no CUDA, no torch) exports the
+region layout and call protocol that the kernels use; it is always built, since both backends
+read their call signature from it.
 
 The extension is built whenever a CUDA build of torch and nvcc are present (no GPU needed:
 TORCH_CUDA_ARCH_LIST defaults to 9.0). Switches (environment):
@@ -46,6 +51,7 @@ def _cuda_extensions():
     if os.environ.get("MEP_PTXAS_VERBOSE", "0") == "1":
         nvcc.append("-Xptxas=-v")
     sources = ["csrc/bindings.cpp", "csrc/region.cpp", "csrc/pool.cpp"] + sorted(glob.glob("csrc/kernels/*.cu"))
+
     ext = CUDAExtension(
         name="megatron_ep._C",
         sources=sources,
@@ -55,7 +61,24 @@ def _cuda_extensions():
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
 
 
+def _protocol_extension():
+    from setuptools import Extension
+
+    try:
+        import pybind11
+    except ImportError as exc:  # pragma: no cover - pybind11 is a build requirement
+        raise RuntimeError("megatron_ep needs pybind11 to build its _protocol module (pip install pybind11)") from exc
+    return Extension(
+        "megatron_ep._protocol",
+        sources=["csrc/protocol_module.cpp"],
+        include_dirs=[os.path.join(ROOT, "csrc"), pybind11.get_include()],
+        extra_compile_args=["-O2", "-std=c++17"],
+        language="c++",
+    )
+
+
 ext_modules, cmdclass = _cuda_extensions()
+ext_modules = [_protocol_extension()] + ext_modules
 
 setup(
     name="megatron_ep",

@@ -1,11 +1,17 @@
 // Python binding: the only translation unit that sees torch. It checks what the kernels assume
 // (device, dtype, contiguity, sizes) with TORCH_CHECK, builds the kernel context, and launches
 // on the current stream (the caller makes that the buffer's communication stream).
+//
+// `Runtime` is what every kernel path shares (region, pool, host block, errors, failure
+// publication); each path's launchers are free functions in a submodule of their own
+// (`_C.intranode`), taking the runtime.
 
-#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
+#include <climits>
+#include <cstring>
 #include <memory>
 
 #include "kernels/api.h"
@@ -36,40 +42,65 @@ T* ptr_or_null(const c10::optional<Tensor>& t) {
   return t.has_value() ? static_cast<T*>(t->data_ptr()) : nullptr;
 }
 
+// A call record from Python: the signature (kSigFields int64), a status and a message.
+CallArgs make_call(const std::vector<long long>& sig, int status, const std::string& msg) {
+  TORCH_CHECK((int)sig.size() == kSigFields, "megatron_ep: a call signature has ", kSigFields, " fields");
+  CallArgs a{};
+  for (int f = 0; f < kSigFields; ++f) a.sig[f] = sig[f];
+  a.status = status;
+  a.msg_len = (int)std::min<size_t>(msg.size(), kMsgBytes);
+  std::memcpy(a.msg, msg.data(), a.msg_len);
+  return a;
+}
+
+RegionLayout layout_from(const py::dict& d) {
+  RegionLayout l{};
+  auto ll = [&](const char* k) { return d[k].cast<long long>(); };
+  l.control = ll("control");
+  l.counts = ll("counts");
+  l.scratch = ll("scratch");
+  l.stage_x = ll("stage_x");
+  l.stage_scales = ll("stage_scales");
+  l.stage_idx = ll("stage_idx");
+  l.stage_w = ll("stage_w");
+  l.stage_rpos = ll("stage_rpos");
+  l.stage_spos = ll("stage_spos");
+  l.comb_x = ll("comb_x");
+  l.comb_w = ll("comb_w");
+  l.pool = ll("pool");
+  l.pool_bytes = ll("pool_bytes");
+  l.comb_rows = ll("comb_rows");
+  l.total = ll("total");
+  l.max_tokens = (int)ll("max_tokens");
+  l.max_topk = (int)ll("max_topk");
+  l.max_experts = (int)ll("max_experts");
+  l.x_row_bytes = (int)ll("x_row_bytes");
+  l.scale_cols = (int)ll("scale_cols");
+  l.comb_row_bytes = (int)ll("comb_row_bytes");
+  l.num_ranks = (int)ll("num_ranks");
+  return l;
+}
+
 class Runtime {
  public:
+  // `layout` comes from megatron_ep._protocol.plan_region (the same C++ routine, so the offsets
+  // the kernels use are the ones Python planned with).
   Runtime(int device, int rank, int num_ranks, const py::dict& layout, double timeout_s) {
     TORCH_CHECK(num_ranks >= 1 && num_ranks <= kMaxRanks, "megatron_ep: group size ", num_ranks, " is outside 1..", kMaxRanks);
-    auto get = [&](const char* k) { return layout[k].cast<long long>(); };
-    lay_.counts = get("counts");
-    lay_.stage_x = get("stage_x");
-    lay_.stage_scales = get("stage_scales");
-    lay_.stage_idx = get("stage_idx");
-    lay_.stage_w = get("stage_w");
-    lay_.stage_rpos = get("stage_rpos");
-    lay_.stage_spos = get("stage_spos");
-    lay_.comb_x = get("comb_x");
-    lay_.comb_w = get("comb_w");
-    lay_.total = get("total");
-    lay_.max_tokens = (int)get("max_tokens");
-    lay_.max_topk = (int)get("max_topk");
-    lay_.max_experts = (int)get("max_experts");
-    lay_.x_row_bytes = (int)get("x_row_bytes");
-    lay_.scale_cols = (int)get("scale_cols");
-    lay_.comb_rows = (int)get("comb_rows");
-    lay_.comb_row_bytes = (int)get("comb_row_bytes");
+    lay_ = layout_from(layout);
+    TORCH_CHECK(lay_.control == 0, "megatron_ep: the control block must start the region");
     rank_ = rank;
     num_ranks_ = num_ranks;
     timeout_ns_ = (unsigned long long)(timeout_s * 1e9);
     c10::cuda::CUDAGuard guard(device);
     region_ = std::make_shared<Region>(device, lay_.total);
-    pool_ = std::make_shared<Pool>(device, get("pool"), get("pool_bytes"));
+    pool_ = std::make_shared<Pool>(device, lay_.pool, lay_.pool_bytes);
     prepare_kernels();
   }
 
   // Rank-major dispatch outputs for `rows` rows in the pool: (x, scales, idx, w, offsets...),
   // or None when the pool has no room. The tensors share one block, returned to the pool (on
-  // `stream`, the caller's) when the last of them dies.
+  // `stream`, the caller's) when the last of them dies; the block keeps the region alive.
   py::object pool_rank_major(int rows, int hidden, py::object x_dtype, int row_bytes, int scale_cols, int K, bool has_w,
                              long long stream_ptr) {
     auto align = [](long long n) { return (n + Pool::kAlign - 1) / Pool::kAlign * Pool::kAlign; };
@@ -111,127 +142,82 @@ class Runtime {
     region_->open_peers(handles, rank_);
   }
 
-  void close() { region_->close(); }
+  // The group agreed nobody reads this region any more: unmap the peers and drop this owner.
+  // The memory itself is freed when the last tensor over it dies.
+  void close() {
+    if (!region_) return;
+    region_->close_peers();
+    region_.reset();
+    pool_.reset();
+  }
 
   // A tensor over region memory (zero-copy inputs); it keeps the region alive.
   Tensor view(long long offset, std::vector<int64_t> shape, py::object dtype) {
+    alive();
     const auto st = torch::python::detail::py_object_to_dtype(dtype);
     auto keep = region_;
     auto opts = torch::TensorOptions().dtype(st).device(torch::kCUDA, region_->device());
     return torch::from_blob(region_->base() + offset, shape, [keep](void*) {}, opts);
   }
 
-  long long base_ptr() const { return reinterpret_cast<long long>(region_->base()); }
+  long long base_ptr() const { return reinterpret_cast<long long>(region_ ? region_->base() : nullptr); }
 
   // ---- host block
-  long long host_tag() const { return region_->host()->tag; }
-  py::tuple host_counts(int L) const {
-    const HostInfo* h = region_->host();
+  long long host_tag() const { return host()->tag; }
+  py::dict host_counts(int L) const {
+    const HostInfo* h = host();
     std::vector<int> counts(L);
     for (int i = 0; i < L; ++i) counts[i] = h->expert_counts[i];
-    return py::make_tuple((int)h->num_rows, (int)h->num_perm_rows, counts);
+    py::dict d;
+    d["num_rows"] = (int)h->num_rows;
+    d["num_perm_rows"] = (int)h->num_perm_rows;
+    d["need_tokens"] = (int)h->need_tokens;
+    d["need_rows"] = (int)h->need_rows;
+    d["need_perm_rows"] = (int)h->need_perm_rows;
+    d["counts"] = counts;
+    return d;
   }
-  py::object host_error() const {
-    const HostInfo* h = region_->host();
+  int num_aborted() const { return host()->num_aborted; }
+  // The first error not yet reported, as a dict (None if none); clear=True lets the kernels
+  // record the next one.
+  py::object take_error(bool clear) {
+    HostInfo* h = host();
     if (h->error == kErrNone) return py::none();
-    return py::make_tuple((int)h->error, (int)h->err_rank, (int)h->err_peer, (int)h->err_slot,
-                          (long long)h->err_expected, (long long)h->err_observed);
+    py::dict d;
+    d["code"] = (int)h->error;
+    d["rank"] = (int)h->err_rank;
+    d["peer"] = (int)h->err_peer;
+    d["slot"] = (int)h->err_slot;
+    d["field"] = (int)h->err_field;
+    d["seq"] = (long long)h->err_seq;
+    d["expected"] = (long long)h->err_expected;
+    d["observed"] = (long long)h->err_observed;
+    std::vector<long long> values(num_ranks_), ops(num_ranks_);
+    for (int r = 0; r < num_ranks_; ++r) values[r] = h->err_values[r], ops[r] = h->err_ops[r];
+    d["values"] = values;
+    d["ops"] = ops;
+    const int n = std::max(0, std::min((int)h->err_msg_len, kMsgBytes));
+    std::string msg(n, '\0');
+    for (int i = 0; i < n; ++i) msg[i] = h->err_msg[i];
+    d["message"] = py::bytes(msg);
+    d["num_aborted"] = (int)h->num_aborted;
+    if (clear) {
+      h->error = kErrNone;
+      h->err_cleared = h->err_cleared + 1;  // after `error`: a kernel may claim the record again
+    }
+    return d;
   }
 
-  // ---- kernels
-  void notify(const Tensor& topk_idx, int E, int align, Tensor& rank_pos, Tensor& slot_pos, Tensor& recv_info,
-              long long tag) {
-    check_tensor(topk_idx, "topk_idx", at::kLong);
-    check_tensor(rank_pos, "rank_pos", at::kInt);
-    check_tensor(slot_pos, "slot_pos", at::kInt);
-    check_tensor(recv_info, "recv_info", at::kInt);
-    const int T = (int)topk_idx.size(0), K = (int)topk_idx.size(1);
-    TORCH_CHECK(K >= 1 && K <= kMaxTopk, "megatron_ep: topk ", K, " outside 1..", kMaxTopk);
-    TORCH_CHECK(E <= kMaxExperts && E % num_ranks_ == 0, "megatron_ep: bad num_experts ", E);
-    TORCH_CHECK(recv_info.numel() >= 3 + 3 * (E / num_ranks_), "recv_info too small");
-    NotifyArgs a{static_cast<const long long*>(topk_idx.data_ptr()), T, K, E, align, rank_pos.data_ptr<int>(),
-                 slot_pos.data_ptr<int>(), recv_info.data_ptr<int>(), tag};
-    launch_notify(ctx(), a, stream());
-    check_launch("notify");
+  // ---- the runtime's own kernel
+  void fail_call(const std::vector<long long>& sig, const std::string& msg, int slot) {
+    TORCH_CHECK(slot >= 0 && slot < kNumSlots, "megatron_ep: bad slot ", slot);
+    const CallArgs call = make_call(sig, kCallFailed, msg);
+    launch_fail_call(ctx(call.sig[kSigSeq]), call, slot, stream());
+    check_launch("fail_call");
   }
 
-  void stage(const c10::optional<Tensor>& x, int T, int row_bytes, const c10::optional<Tensor>& scales, int scale_cols,
-             const Tensor& topk_idx, const c10::optional<Tensor>& topk_w, const Tensor& rank_pos,
-             const Tensor& slot_pos, int num_blocks) {
-    TORCH_CHECK(T <= lay_.max_tokens, "megatron_ep: ", T, " tokens exceed the region's ", lay_.max_tokens);
-    TORCH_CHECK(row_bytes <= lay_.x_row_bytes && row_bytes % 16 == 0, "megatron_ep: bad dispatch row size ", row_bytes);
-    TORCH_CHECK(scale_cols <= lay_.scale_cols, "megatron_ep: too many scale columns");
-    const int K = (int)topk_idx.size(1);
-    TORCH_CHECK(K <= lay_.max_topk, "megatron_ep: topk exceeds the region's");
-    StageArgs a{x.has_value() ? x->data_ptr() : nullptr, T, row_bytes, ptr_or_null<const float>(scales), scale_cols,
-                static_cast<const long long*>(topk_idx.data_ptr()), ptr_or_null<const float>(topk_w), K,
-                rank_pos.data_ptr<int>(), slot_pos.data_ptr<int>()};
-    launch_stage(ctx(), a, num_blocks, stream());
-    check_launch("stage");
-  }
-
-  void dispatch(int row_bytes, int scale_cols, int K, int E, bool permute, bool has_weights, int out_rows,
-                const Tensor& recv_info, Tensor& out_x, const c10::optional<Tensor>& out_scales,
-                const c10::optional<Tensor>& out_idx, const c10::optional<Tensor>& out_w,
-                const c10::optional<Tensor>& out_row_expert, int num_blocks) {
-    TORCH_CHECK(out_x.is_contiguous() && out_x.nbytes() >= (size_t)out_rows * row_bytes, "out_x too small");
-    TORCH_CHECK(permute ? out_row_expert.has_value() : out_idx.has_value(), "missing index output");
-    DispatchArgs a{row_bytes, scale_cols, K, E, permute ? 1 : 0, has_weights ? 1 : 0, out_rows,
-                   recv_info.data_ptr<int>(), static_cast<char*>(out_x.data_ptr()), ptr_or_null<float>(out_scales),
-                   ptr_or_null<long long>(out_idx), ptr_or_null<float>(out_w), ptr_or_null<int>(out_row_expert)};
-    launch_dispatch(ctx(), a, num_blocks, stream());
-    check_launch("dispatch");
-  }
-
-  void dispatch_push(const Tensor& x, int T, int row_bytes, const c10::optional<Tensor>& scales, int scale_cols,
-                     const Tensor& topk_idx, const c10::optional<Tensor>& topk_w, const Tensor& rank_pos,
-                     const Tensor& slot_pos, int E, int out_rows, const Tensor& recv_info, Tensor& out_x,
-                     const c10::optional<Tensor>& out_scales, const Tensor& out_idx, const c10::optional<Tensor>& out_w,
-                     std::vector<long long> offsets, int num_blocks) {
-    TORCH_CHECK(T <= lay_.max_tokens, "megatron_ep: ", T, " tokens exceed the region's ", lay_.max_tokens);
-    TORCH_CHECK(row_bytes <= lay_.x_row_bytes && row_bytes % 16 == 0, "megatron_ep: bad dispatch row size ", row_bytes);
-    TORCH_CHECK(offsets.size() == 4, "offsets: x, scales, idx, w");
-    const int K = (int)topk_idx.size(1);
-    TORCH_CHECK(K <= lay_.max_topk, "megatron_ep: topk exceeds the region's");
-    PushArgs a;
-    a.in = StageArgs{x.data_ptr(), T, row_bytes, ptr_or_null<const float>(scales), scale_cols,
-                     static_cast<const long long*>(topk_idx.data_ptr()), ptr_or_null<const float>(topk_w), K,
-                     rank_pos.data_ptr<int>(), slot_pos.data_ptr<int>()};
-    a.out = DispatchArgs{row_bytes, scale_cols, K, E, 0, topk_w.has_value() ? 1 : 0, out_rows, recv_info.data_ptr<int>(),
-                         static_cast<char*>(out_x.data_ptr()), ptr_or_null<float>(out_scales),
-                         static_cast<long long*>(out_idx.data_ptr()), ptr_or_null<float>(out_w), nullptr};
-    a.out_x_off = offsets[0];
-    a.out_s_off = offsets[1];
-    a.out_idx_off = offsets[2];
-    a.out_w_off = offsets[3];
-    launch_dispatch_push(ctx(), a, num_blocks, stream());
-    check_launch("dispatch_push");
-  }
-
-  void stage_combine(const c10::optional<Tensor>& x, int rows, int row_bytes, const c10::optional<Tensor>& w,
-                     int w_cols, int num_blocks) {
-    TORCH_CHECK(rows <= lay_.comb_rows, "megatron_ep: combine input has ", rows, " rows; the region holds ", lay_.comb_rows);
-    TORCH_CHECK(row_bytes <= lay_.comb_row_bytes && row_bytes % 16 == 0, "megatron_ep: bad combine row size ", row_bytes);
-    TORCH_CHECK(w_cols <= lay_.max_topk, "megatron_ep: combine weight columns exceed the region's");
-    StageCombineArgs a{x.has_value() ? x->data_ptr() : nullptr, rows, row_bytes, ptr_or_null<const float>(w), w_cols};
-    launch_stage_combine(ctx(), a, num_blocks, stream());
-    check_launch("stage_combine");
-  }
-
-  void combine(int T, int H, int K, int E, bool permute, bool is_fp32, bool has_weights, const Tensor& topk_idx,
-               const Tensor& rank_pos, const Tensor& slot_pos, Tensor& y, const c10::optional<Tensor>& w_out,
-               int num_blocks) {
-    check_tensor(topk_idx, "topk_idx", at::kLong);
-    TORCH_CHECK(y.is_contiguous() && y.size(0) == T && y.size(1) == H, "y has the wrong shape");
-    CombineArgs a{T, H, K, E, permute ? 1 : 0, is_fp32 ? 1 : 0, has_weights ? 1 : 0,
-                  static_cast<const long long*>(topk_idx.data_ptr()), rank_pos.data_ptr<int>(),
-                  slot_pos.data_ptr<int>(), y.data_ptr(), ptr_or_null<float>(w_out)};
-    launch_combine(ctx(), a, num_blocks, stream());
-    check_launch("combine");
-  }
-
- private:
-  Ctx ctx() const {
+  Ctx ctx(long long seq) const {
+    alive();
     Ctx c;
     c.peers = region_->peers();
     c.lay = lay_;
@@ -239,7 +225,17 @@ class Runtime {
     c.rank = rank_;
     c.num_ranks = num_ranks_;
     c.timeout_ns = timeout_ns_;
+    c.seq = seq;
     return c;
+  }
+  const RegionLayout& lay() const { return lay_; }
+  int num_ranks() const { return num_ranks_; }
+
+ private:
+  void alive() const { TORCH_CHECK(region_ && region_->peers_open(), "megatron_ep: this runtime was closed"); }
+  HostInfo* host() const {
+    TORCH_CHECK(region_, "megatron_ep: this runtime was closed");
+    return region_->host();
   }
 
   std::shared_ptr<Region> region_;
@@ -248,6 +244,119 @@ class Runtime {
   int rank_ = 0, num_ranks_ = 1;
   unsigned long long timeout_ns_ = 0;
 };
+
+// ------------------------------------------------------------------------------ intranode path
+using Sig = std::vector<long long>;
+
+void notify(Runtime& rt, const Sig& sig, const Tensor& topk_idx, int E, int align, bool permute, int worst,
+            Tensor& rank_pos, Tensor& slot_pos, Tensor& recv_info, long long tag) {
+  check_tensor(topk_idx, "topk_idx", at::kLong);
+  check_tensor(rank_pos, "rank_pos", at::kInt);
+  check_tensor(slot_pos, "slot_pos", at::kInt);
+  check_tensor(recv_info, "recv_info", at::kInt);
+  const int T = (int)topk_idx.size(0), K = (int)topk_idx.size(1), R = rt.num_ranks();
+  TORCH_CHECK(K >= 1 && K <= kMaxTopk, "megatron_ep: topk ", K, " outside 1..", kMaxTopk);
+  TORCH_CHECK(E >= R && E <= kMaxExperts && E % R == 0, "megatron_ep: bad num_experts ", E);
+  TORCH_CHECK(align >= 1 && align <= kMaxAlignment, "megatron_ep: bad expert alignment ", align);
+  TORCH_CHECK(recv_info.numel() >= RecvInfo::size(E / R), "recv_info too small");
+  TORCH_CHECK(rank_pos.numel() >= (int64_t)T * R && slot_pos.numel() >= (int64_t)T * K, "position tensors too small");
+  const CallArgs call = make_call(sig, kCallOk, "");
+  NotifyArgs a{static_cast<const long long*>(topk_idx.data_ptr()), T, K, E, align, permute ? 1 : 0, worst,
+               rank_pos.data_ptr<int>(), slot_pos.data_ptr<int>(), recv_info.data_ptr<int>(), tag};
+  launch_notify(rt.ctx(call.sig[kSigSeq]), call, a, stream());
+  check_launch("notify");
+}
+
+StageArgs stage_args(const Runtime& rt, const c10::optional<Tensor>& x, int T, int row_bytes,
+                     const c10::optional<Tensor>& scales, int scale_cols, const Tensor& topk_idx,
+                     const c10::optional<Tensor>& topk_w, const Tensor& rank_pos, const Tensor& slot_pos) {
+  const RegionLayout& l = rt.lay();
+  TORCH_CHECK(T <= l.max_tokens, "megatron_ep: ", T, " tokens exceed the region's ", l.max_tokens);
+  TORCH_CHECK(row_bytes <= l.x_row_bytes && row_bytes % 16 == 0, "megatron_ep: bad dispatch row size ", row_bytes);
+  TORCH_CHECK(scale_cols <= l.scale_cols, "megatron_ep: too many scale columns");
+  const int K = (int)topk_idx.size(1);
+  TORCH_CHECK(K <= l.max_topk, "megatron_ep: topk exceeds the region's");
+  return StageArgs{x.has_value() ? x->data_ptr() : nullptr, T, row_bytes, ptr_or_null<const float>(scales), scale_cols,
+                   static_cast<const long long*>(topk_idx.data_ptr()), ptr_or_null<const float>(topk_w), K,
+                   rank_pos.data_ptr<int>(), slot_pos.data_ptr<int>()};
+}
+
+void stage(Runtime& rt, const Sig& sig, int slot, const c10::optional<Tensor>& x, int T, int row_bytes,
+           const c10::optional<Tensor>& scales, int scale_cols, const Tensor& topk_idx,
+           const c10::optional<Tensor>& topk_w, const Tensor& rank_pos, const Tensor& slot_pos, int num_blocks) {
+  const CallArgs call = make_call(sig, kCallOk, "");
+  const StageArgs a = stage_args(rt, x, T, row_bytes, scales, scale_cols, topk_idx, topk_w, rank_pos, slot_pos);
+  launch_stage(rt.ctx(call.sig[kSigSeq]), call, slot, a, num_blocks, stream());
+  check_launch("stage");
+}
+
+DispatchArgs dispatch_args(int row_bytes, int scale_cols, int K, int E, bool permute, bool has_weights, int out_rows,
+                           const Tensor& recv_info, Tensor& out_x, const c10::optional<Tensor>& out_scales,
+                           const c10::optional<Tensor>& out_idx, const c10::optional<Tensor>& out_w,
+                           const c10::optional<Tensor>& out_row_expert, const c10::optional<Tensor>& out_tpe) {
+  TORCH_CHECK(out_x.is_contiguous() && out_x.nbytes() >= (size_t)out_rows * row_bytes, "out_x too small");
+  TORCH_CHECK(permute ? out_row_expert.has_value() : out_idx.has_value(), "missing index output");
+  return DispatchArgs{row_bytes, scale_cols, K, E, permute ? 1 : 0, has_weights ? 1 : 0, out_rows,
+                      recv_info.data_ptr<int>(), static_cast<char*>(out_x.data_ptr()), ptr_or_null<float>(out_scales),
+                      ptr_or_null<long long>(out_idx), ptr_or_null<float>(out_w), ptr_or_null<int>(out_row_expert),
+                      ptr_or_null<long long>(out_tpe)};
+}
+
+void dispatch(Runtime& rt, const Sig& sig, int slot, int row_bytes, int scale_cols, int K, int E, bool permute,
+              bool has_weights, int out_rows, const Tensor& recv_info, Tensor& out_x,
+              const c10::optional<Tensor>& out_scales, const c10::optional<Tensor>& out_idx,
+              const c10::optional<Tensor>& out_w, const c10::optional<Tensor>& out_row_expert,
+              const c10::optional<Tensor>& out_tpe, int num_blocks) {
+  const DispatchArgs a = dispatch_args(row_bytes, scale_cols, K, E, permute, has_weights, out_rows, recv_info, out_x,
+                                       out_scales, out_idx, out_w, out_row_expert, out_tpe);
+  launch_dispatch(rt.ctx(sig.at(kSigSeq)), slot, a, num_blocks, stream());
+  check_launch("dispatch");
+}
+
+void dispatch_push(Runtime& rt, const Sig& sig, int slot, const Tensor& x, int T, int row_bytes,
+                   const c10::optional<Tensor>& scales, int scale_cols, const Tensor& topk_idx,
+                   const c10::optional<Tensor>& topk_w, const Tensor& rank_pos, const Tensor& slot_pos, int E,
+                   int out_rows, const Tensor& recv_info, Tensor& out_x, const c10::optional<Tensor>& out_scales,
+                   const Tensor& out_idx, const c10::optional<Tensor>& out_w, std::vector<long long> offsets,
+                   int num_blocks) {
+  TORCH_CHECK(offsets.size() == 4, "offsets: x, scales, idx, w");
+  const CallArgs call = make_call(sig, kCallOk, "");
+  PushArgs a;
+  a.in = stage_args(rt, x, T, row_bytes, scales, scale_cols, topk_idx, topk_w, rank_pos, slot_pos);
+  const int K = a.in.K;
+  a.out = dispatch_args(row_bytes, scale_cols, K, E, false, topk_w.has_value(), out_rows, recv_info, out_x, out_scales,
+                        out_idx, out_w, c10::nullopt, c10::nullopt);
+  a.out_x_off = offsets[0];
+  a.out_s_off = offsets[1];
+  a.out_idx_off = offsets[2];
+  a.out_w_off = offsets[3];
+  launch_dispatch_push(rt.ctx(call.sig[kSigSeq]), call, slot, a, num_blocks, stream());
+  check_launch("dispatch_push");
+}
+
+void stage_combine(Runtime& rt, const Sig& sig, const c10::optional<Tensor>& x, int rows, int row_bytes,
+                   const c10::optional<Tensor>& w, int w_cols, int num_blocks) {
+  const RegionLayout& l = rt.lay();
+  TORCH_CHECK(rows <= l.comb_rows, "megatron_ep: combine input has ", rows, " rows; the region holds ", l.comb_rows);
+  TORCH_CHECK(row_bytes <= l.comb_row_bytes && row_bytes % 16 == 0, "megatron_ep: bad combine row size ", row_bytes);
+  TORCH_CHECK(w_cols <= l.max_topk, "megatron_ep: combine weight columns exceed the region's");
+  const CallArgs call = make_call(sig, kCallOk, "");
+  StageCombineArgs a{x.has_value() ? x->data_ptr() : nullptr, rows, row_bytes, ptr_or_null<const float>(w), w_cols};
+  launch_stage_combine(rt.ctx(call.sig[kSigSeq]), call, a, num_blocks, stream());
+  check_launch("stage_combine");
+}
+
+void combine(Runtime& rt, const Sig& sig, int T, int H, int K, int E, bool permute, bool is_fp32, bool has_weights,
+             int row_limit, const Tensor& topk_idx, const Tensor& rank_pos, const Tensor& slot_pos, Tensor& y,
+             const c10::optional<Tensor>& w_out, int num_blocks) {
+  check_tensor(topk_idx, "topk_idx", at::kLong);
+  TORCH_CHECK(y.is_contiguous() && y.size(0) == T && y.size(1) == H, "y has the wrong shape");
+  CombineArgs a{T, H, K, E, permute ? 1 : 0, is_fp32 ? 1 : 0, has_weights ? 1 : 0, row_limit > 0 ? row_limit : INT_MAX,
+                static_cast<const long long*>(topk_idx.data_ptr()), rank_pos.data_ptr<int>(),
+                slot_pos.data_ptr<int>(), y.data_ptr(), ptr_or_null<float>(w_out)};
+  launch_combine(rt.ctx(sig.at(kSigSeq)), a, num_blocks, stream());
+  check_launch("combine");
+}
 
 void layout(const Tensor& topk_idx, int E, int R, Tensor& tokens_per_rank, Tensor& tokens_per_expert,
             Tensor& token_in_rank) {
@@ -267,13 +376,11 @@ void layout(const Tensor& topk_idx, int E, int R, Tensor& tokens_per_rank, Tenso
 }  // namespace mep
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "megatron_ep CUDA kernels (intranode normal path)";
-  m.attr("MAX_RANKS") = mep::kMaxRanks;
-  m.attr("MAX_TOPK") = mep::kMaxTopk;
-  m.attr("MAX_EXPERTS") = mep::kMaxExperts;
+  m.doc() = "megatron_ep CUDA kernels: the shared runtime and the intranode normal path";
   m.attr("CONTROL_BYTES") = (long long)sizeof(mep::Control);
+  m.attr("HOST_INFO_BYTES") = (long long)sizeof(mep::HostInfo);
+  m.attr("NUM_SIG_FIELDS") = (int)mep::kSigFields;
   m.def("layout", &mep::layout);
-  m.def("launch_notify", [] {}, "marker: the kernel entry points are present");
   py::class_<mep::Runtime>(m, "Runtime")
       .def(py::init<int, int, int, const py::dict&, double>())
       .def("ipc_handle", &mep::Runtime::ipc_handle)
@@ -283,13 +390,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("base_ptr", &mep::Runtime::base_ptr)
       .def("host_tag", &mep::Runtime::host_tag)
       .def("host_counts", &mep::Runtime::host_counts)
-      .def("host_error", &mep::Runtime::host_error)
-      .def("notify", &mep::Runtime::notify)
-      .def("stage", &mep::Runtime::stage)
-      .def("dispatch", &mep::Runtime::dispatch)
-      .def("dispatch_push", &mep::Runtime::dispatch_push)
+      .def("num_aborted", &mep::Runtime::num_aborted)
+      .def("take_error", &mep::Runtime::take_error, py::arg("clear"))
+      .def("fail_call", &mep::Runtime::fail_call)
       .def("pool_rank_major", &mep::Runtime::pool_rank_major)
-      .def("pool_free_bytes", &mep::Runtime::pool_free_bytes)
-      .def("stage_combine", &mep::Runtime::stage_combine)
-      .def("combine", &mep::Runtime::combine);
+      .def("pool_free_bytes", &mep::Runtime::pool_free_bytes);
+  auto intra = m.def_submodule("intranode", "the intranode normal path (csrc/kernels/intranode.cu)");
+  intra.def("notify", &mep::notify);
+  intra.def("stage", &mep::stage);
+  intra.def("dispatch", &mep::dispatch);
+  intra.def("dispatch_push", &mep::dispatch_push);
+  intra.def("stage_combine", &mep::stage_combine);
+  intra.def("combine", &mep::combine);
 }

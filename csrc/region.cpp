@@ -24,9 +24,17 @@ Region::Region(int device, long long bytes) : device_(device), bytes_(bytes) {
 
 Region::~Region() {
   try {
-    close();
+    close_peers();
   } catch (...) {
   }
+  if (base_ == nullptr) return;
+  cudaSetDevice(device_);
+  cudaDeviceSynchronize();  // no kernel of ours still uses it
+  cudaFree(base_);
+  base_ = nullptr;
+  if (host_ != nullptr) cudaFreeHost(host_);
+  host_ = nullptr;
+  host_dev_ = nullptr;
 }
 
 std::string Region::ipc_handle() const {
@@ -51,20 +59,17 @@ void Region::open_peers(const std::vector<std::string>& handles, int rank) {
     peers_.base[r] = static_cast<char*>(ptr);
     opened_.push_back(static_cast<char*>(ptr));
   }
+  peers_open_ = true;
 }
 
-void Region::close() {
-  if (base_ == nullptr) return;
+void Region::close_peers() {
+  if (!peers_open_) return;
   cudaSetDevice(device_);
   cudaDeviceSynchronize();
   for (char* p : opened_) cudaIpcCloseMemHandle(p);
   opened_.clear();
-  cudaFree(base_);
-  base_ = nullptr;
-  if (host_ != nullptr) cudaFreeHost(host_);
-  host_ = nullptr;
-  host_dev_ = nullptr;
   std::memset(&peers_, 0, sizeof(peers_));
+  peers_open_ = false;
 }
 
 }  // namespace mep

@@ -1,16 +1,27 @@
-"""`Buffer`: the one entry point of the API. It checks every argument, then hands the call to
-a backend (`torch` reference or `cuda` kernels) that implements exactly the same contract."""
+"""`Buffer`: the one entry point of the API. It checks every argument, builds the call's signature
+(megatron_ep/protocol.py), then hands the call to a backend -- the `torch` reference or the
+`cuda` kernels -- that implements exactly the same contract and the same backend protocol:
+
+    call(call) -> context manager   entry check; publishes a failure on this rank to its peers
+    layout / dispatch / combine / low_latency_dispatch / low_latency_combine
+    dispatch_input / combine_input  zero-copy inputs (plain tensors where there is no region)
+    synchronize / destroy / describe / num_sms
+
+so `Buffer` never branches on a backend's name.
+"""
 
 from __future__ import annotations
 
-import itertools
+import logging
+from contextlib import contextmanager
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from . import checks as C
-from .reference import TorchBackend, async_result
+from . import protocol as P
+from .reference import TorchBackend
 from .types import (
     Activation,
     CombineOutput,
@@ -23,16 +34,32 @@ from .types import (
 )
 
 BACKENDS = ("torch", "cuda", "auto")
-_ids = itertools.count(1)
+log = logging.getLogger("megatron_ep")
+_ids = iter(range(1, 1 << 62))
 
 
 def cuda_backend_available() -> bool:
-    """True when the extension is built, importable, and a GPU is visible."""
+    """True when the extension is built, importable, and a Hopper (or newer) GPU is visible."""
     if not torch.cuda.is_available():
         return False
     from . import _ext
 
-    return _ext.available()
+    return _ext.available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+def _why_not_cuda() -> str:
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    from . import _ext
+
+    if not _ext.available():
+        return f"the extension is not usable ({_ext.import_error()})"
+    return f"the GPU is sm_{''.join(map(str, torch.cuda.get_device_capability()))}, the kernels need sm_90"
+
+
+def _weights_code(w: Optional[torch.Tensor]) -> int:
+    """Signature field "weights": their dtype (it sets the bytes on the wire), 0 without."""
+    return P.dtype_code(w.dtype) if w is not None else 0
 
 
 class Buffer:
@@ -40,15 +67,22 @@ class Buffer:
 
     Args:
         group: the EP process group (None: the default group). gloo and NCCL both work for
-            the torch backend; the cuda backend uses the group only to exchange IPC handles.
-        backend: "torch", "cuda", or "auto" (cuda when the extension is built and a GPU is
-            visible, else torch).
-        max_tokens_per_rank: largest T any call may pass (required by "cuda", which sizes its
-            buffers from it; optional for "torch", where it is only enforced).
-        hidden, num_experts, max_topk, dtype_bytes: sizing hints for the cuda backend.
-        num_sms: SMs for the cuda kernels (None: an analytic default).
+            the torch backend; the cuda backend uses the group only for control (IPC handles,
+            sizing agreement).
+        backend: "torch", "cuda", or "auto" (cuda when the extension is built and a Hopper GPU
+            is visible, else torch; the choice is in `repr(buf)` and logged once).
+        max_tokens_per_rank: largest T any call may pass (enforced on every backend; with the
+            cuda backend it also sizes the region up front).
+        hidden, num_experts, max_topk, dtype_bytes, combine_bytes, combine_rows, pool_bytes,
+            max_alignment: cuda sizing hints. Without them the region is sized by the first
+            dispatch (agreed over the group) and grows collectively when a synchronous dispatch
+            needs more; sync-free calls (num_worst_tokens, CUDA graphs) must fit what exists.
+        num_sms: SMs per rank for the cuda kernels (None: an analytic default; bounded by what
+            the ranks sharing a GPU can keep resident).
         check_inputs: also check expert-id ranges and duplicates (one device->host sync on
-            GPU; skipped automatically under CUDA graph capture).
+            GPU; skipped automatically under CUDA graph capture). Unchecked ids outside
+            [0, num_experts) are treated as unused slots by both backends.
+        timeout_s (cuda): how long a kernel waits for a peer before it reports (MEP_TIMEOUT_S).
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, backend: str = "auto", *,
@@ -67,6 +101,8 @@ class Buffer:
         self.max_tokens_per_rank = max_tokens_per_rank
         self.check_inputs = check_inputs
         self.id = next(_ids)
+        self._seq = 0
+        requested = backend
         if backend == "auto":
             backend = "cuda" if cuda_backend_available() else "torch"
         self.backend = backend
@@ -74,17 +110,21 @@ class Buffer:
             C.fail(not backend_options, f"unknown Buffer options for the torch backend: {sorted(backend_options)}", TypeError)
             self._impl = TorchBackend(group, self.num_ranks, self.rank)
         else:
-            from .intranode import CudaBackend
+            from .cuda import CudaBackend
 
-            self._impl = CudaBackend(self, max_tokens_per_rank=max_tokens_per_rank, hidden=hidden,
-                                     num_experts=num_experts, max_topk=max_topk, num_sms=num_sms,
+            self._impl = CudaBackend(group, self.rank, self.num_ranks, max_tokens_per_rank=max_tokens_per_rank,
+                                     hidden=hidden, num_experts=num_experts, max_topk=max_topk, num_sms=num_sms,
                                      **backend_options)
+        if self.rank == 0:
+            why = f" ({_why_not_cuda()})" if requested == "auto" and backend == "torch" else ""
+            log.info("megatron_ep.Buffer: %d ranks, backend=%s%s: %s", self.num_ranks, backend, why, self._impl.describe())
 
     # ----------------------------------------------------------------------------- lifetime
     def destroy(self) -> None:
-        """Release communication memory now (collective for the cuda backend)."""
+        """Release communication memory now (collective for the cuda backend). Tensors that
+        point into it (pooled outputs, zero-copy views) keep their part alive until they die."""
         impl, self._impl = getattr(self, "_impl", None), None
-        if impl is not None and hasattr(impl, "destroy"):
+        if impl is not None:
             impl.destroy()
 
     def __enter__(self):
@@ -97,8 +137,19 @@ class Buffer:
         C.fail(self._impl is not None, "this Buffer was destroyed", RuntimeError)
         return self._impl
 
+    @contextmanager
+    def _call(self, op: str):
+        """One collective call: a sequence number, a signature (filled by the caller), and the
+        backend's entry check and failure publication around the whole host side."""
+        impl = self._backend()
+        self._seq += 1
+        call = P.Call(P.OP[op], self._seq)
+        with impl.call(call):
+            yield call
+
     # ------------------------------------------------------------------------------ layout
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> DispatchLayout:
+        """Local routing summary (no communication)."""
         C.check_num_experts(num_experts, self.num_ranks)
         C.fail(isinstance(topk_idx, torch.Tensor), "topk_idx must be a tensor", TypeError)
         C.check_topk_idx(topk_idx, topk_idx.shape[0] if topk_idx.dim() else -1, topk_idx.device)
@@ -117,47 +168,54 @@ class Buffer:
         """Send each token to the ranks owning its experts (DESIGN §2).
 
         permute=False (default): rank-major rows; permute=True: expert-major rows, each
-        expert's segment padded to `expert_alignment` (default 1). With `handle`, the routing
-        of an earlier dispatch is reused (cached dispatch): topk_idx must be None, and
+        expert's segment padded to `expert_alignment` (1..1024, default 1). With `handle`, the
+        routing of an earlier dispatch is reused (cached dispatch): topk_idx must be None, and
         topk_weights, if given, are moved along that routing.
-        num_worst_tokens > 0 (cuda): size outputs for that many rows with no host sync
-        (CUDA-graph capturable); the valid prefix is followed by padding. It must bound the rows
-        this rank can receive: R * T_max rank-major, R * T_max * min(topk, local experts) +
-        local experts * (alignment - 1) expert-major. The torch backend raises past it; the cuda
-        backend cannot check it without the host sync it skips (a kernel-side drop-and-count is
-        an open item), so a smaller value is undefined there.
+        num_worst_tokens > 0: outputs have exactly that many rows and no host sync happens
+        (CUDA-graph capturable on the cuda backend): the valid rows, then padding. Rows whose
+        position falls past it are not delivered: `out.num_dropped` (a device scalar) counts
+        them on the receiving rank, tokens_per_expert covers only delivered rows, and combine
+        skips them. R * T_max rank-major, or R * T_max * min(topk, local experts) + local
+        experts * (alignment - 1) expert-major, never drops.
         """
-        impl = self._backend()
-        T, H, is_fp8 = C.check_activation("x", x)
-        device = C.act_device(x)
-        C.check_token_limit(T, self.max_tokens_per_rank)
-        C.check_int("num_worst_tokens", num_worst_tokens, 0)
-        if handle is not None:
-            self._check_handle(handle, DispatchHandle)
-            C.fail(topk_idx is None, "cached dispatch (handle given) takes its routing from the handle: pass topk_idx=None")
-            C.fail(T == handle.num_tokens, f"x has {T} tokens but the handle was built for {handle.num_tokens}")
-            C.fail(num_experts in (None, handle.num_experts), f"num_experts={num_experts} differs from the handle's {handle.num_experts}")
-            C.fail(permute in (None, handle.permute), f"permute={permute} differs from the handle's {handle.permute}")
-            C.fail(expert_alignment in (None, handle.expert_alignment), f"expert_alignment={expert_alignment} differs from the handle's {handle.expert_alignment}")
-            C.fail(num_worst_tokens in (0, handle.num_worst_tokens), f"num_worst_tokens={num_worst_tokens} differs from the handle's {handle.num_worst_tokens}")
-            num_experts, permute, expert_alignment, K = handle.num_experts, handle.permute, handle.expert_alignment, handle.topk
-            num_worst_tokens = handle.num_worst_tokens
-        else:
-            C.fail(topk_idx is not None, "dispatch needs topk_idx (or a handle for a cached dispatch)", TypeError)
-            C.fail(num_experts is not None, "dispatch needs num_experts", TypeError)
-            C.check_num_experts(num_experts, self.num_ranks)
-            permute = bool(permute) if permute is not None else False
-            expert_alignment = 1 if expert_alignment is None else expert_alignment
-            C.check_int("expert_alignment", expert_alignment, 1)
-            K = C.check_topk_idx(topk_idx, T, device)
-            if self.check_inputs:
-                C.check_topk_values(topk_idx, num_experts)
-        if topk_weights is not None:
-            C.check_topk_weights(topk_weights, T, K, device)
-        out = impl.dispatch(x, topk_idx, topk_weights, num_experts, permute, expert_alignment,
-                            handle, host_counts, num_worst_tokens, **self._async_kwargs(async_op, previous_event))
+        op = "dispatch" if handle is None else "cached_dispatch"
+        with self._call(op) as call:
+            impl = self._impl
+            T, H, is_fp8 = C.check_activation("x", x)
+            device = C.act_device(x)
+            C.check_token_limit(T, self.max_tokens_per_rank)
+            C.check_int("num_worst_tokens", num_worst_tokens, 0)
+            if handle is not None:
+                self._check_handle(handle, DispatchHandle)
+                C.fail(topk_idx is None, "cached dispatch (handle given) takes its routing from the handle: pass topk_idx=None")
+                C.fail(T == handle.num_tokens, f"x has {T} tokens but the handle was built for {handle.num_tokens}")
+                C.fail(num_experts in (None, handle.num_experts), f"num_experts={num_experts} differs from the handle's {handle.num_experts}")
+                C.fail(permute in (None, handle.permute), f"permute={permute} differs from the handle's {handle.permute}")
+                C.fail(expert_alignment in (None, handle.expert_alignment), f"expert_alignment={expert_alignment} differs from the handle's {handle.expert_alignment}")
+                C.fail(num_worst_tokens in (0, handle.num_worst_tokens), f"num_worst_tokens={num_worst_tokens} differs from the handle's {handle.num_worst_tokens}")
+                num_experts, permute, expert_alignment, K = handle.num_experts, handle.permute, handle.expert_alignment, handle.topk
+                num_worst_tokens = handle.num_worst_tokens
+            else:
+                C.fail(topk_idx is not None, "dispatch needs topk_idx (or a handle for a cached dispatch)", TypeError)
+                C.fail(num_experts is not None, "dispatch needs num_experts", TypeError)
+                C.check_num_experts(num_experts, self.num_ranks)
+                permute = bool(permute) if permute is not None else False
+                expert_alignment = 1 if expert_alignment is None else expert_alignment
+                C.check_alignment(expert_alignment)
+                K = C.check_topk_idx(topk_idx, T, device)
+                if self.check_inputs:
+                    C.check_topk_values(topk_idx, num_experts)
+            if topk_weights is not None:
+                C.check_topk_weights(topk_weights, T, K, device)
+            data = x[0] if is_fp8 else x
+            call.set(routing=handle.call_seq if handle is not None else 0, dtype=P.dtype_code(data.dtype), hidden=H,
+                     row_bytes=H * data.element_size(), topk=K, num_experts=num_experts, permute=permute,
+                     expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
+                     weights=_weights_code(topk_weights))
+            out = impl.dispatch(call, x, topk_idx, topk_weights, num_experts, permute, expert_alignment, handle,
+                                host_counts, num_worst_tokens, async_op=async_op, previous_event=previous_event)
         out.handle.buffer_id = self.id
-        return async_result(out, async_op) if self.backend == "torch" else out
+        return out
 
     # ----------------------------------------------------------------------------- combine
     def combine(self, x: torch.Tensor, handle: DispatchHandle, weights: Optional[torch.Tensor] = None, *,
@@ -165,82 +223,85 @@ class Buffer:
         """y[t] = sum of the rows that came from token t (fp32 accumulation, x's dtype out).
 
         weights (rank-major [N, K], expert-major [M]) are scattered back to [T, K]."""
-        impl = self._backend()
-        self._check_handle(handle, DispatchHandle)
-        C.check_activation("x", x)
-        C.fail(not C.is_fp8_tuple(x), "combine takes bf16/fp32 rows, not FP8", TypeError)
-        C.fail(x.shape[0] == handle.num_recv_rows, f"x has {x.shape[0]} rows but the dispatch delivered {handle.num_recv_rows}")
-        if weights is not None:
-            C.fail(isinstance(weights, torch.Tensor), "weights must be a tensor", TypeError)
-            C.fail(weights.dtype in C.WEIGHT_DTYPES, f"weights must have dtype in {[str(d) for d in C.WEIGHT_DTYPES]}, got {weights.dtype}", TypeError)
-            shape = (handle.num_recv_rows,) if handle.permute else (handle.num_recv_rows, handle.topk)
-            C.fail(tuple(weights.shape) == shape, f"weights must have shape {shape}, got {tuple(weights.shape)}")
-            C.fail(weights.is_contiguous(), "weights must be contiguous")
-            C.fail(weights.device == x.device, f"weights is on {weights.device} but x is on {x.device}")
-        out = impl.combine(x, handle, weights, **self._async_kwargs(async_op, previous_event))
-        return async_result(out, async_op) if self.backend == "torch" else out
+        with self._call("combine") as call:
+            self._check_handle(handle, DispatchHandle)
+            C.check_activation("x", x)
+            C.fail(not C.is_fp8_tuple(x), "combine takes bf16/fp32 rows, not FP8", TypeError)
+            C.fail(x.shape[0] == handle.num_recv_rows, f"x has {x.shape[0]} rows but the dispatch delivered {handle.num_recv_rows}")
+            if weights is not None:
+                C.fail(isinstance(weights, torch.Tensor), "weights must be a tensor", TypeError)
+                C.fail(weights.dtype in C.WEIGHT_DTYPES, f"weights must have dtype in {[str(d) for d in C.WEIGHT_DTYPES]}, got {weights.dtype}", TypeError)
+                shape = (handle.num_recv_rows,) if handle.permute else (handle.num_recv_rows, handle.topk)
+                C.fail(tuple(weights.shape) == shape, f"weights must have shape {shape}, got {tuple(weights.shape)}")
+                C.fail(weights.is_contiguous(), "weights must be contiguous")
+                C.fail(weights.device == x.device, f"weights is on {weights.device} but x is on {x.device}")
+            call.set(routing=handle.call_seq, dtype=P.dtype_code(x.dtype), hidden=x.shape[1],
+                     row_bytes=x.shape[1] * x.element_size(), topk=handle.topk, num_experts=handle.num_experts,
+                     permute=handle.permute, expert_alignment=handle.expert_alignment,
+                     num_worst_tokens=handle.num_worst_tokens, weights=_weights_code(weights))
+            return self._impl.combine(call, x, handle, weights, async_op=async_op, previous_event=previous_event)
 
     # ------------------------------------------------------------------------- low latency
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int,
                              max_tokens_per_rank: int = 128, use_fp8: bool = True,
                              round_scale: bool = False, **kwargs) -> LowLatencyDispatchOutput:
         """Every (token, expert) copy to its expert's fixed receive area (DESIGN §2)."""
-        impl = self._backend()
-        T, H, is_fp8 = C.check_activation("x", x, allowed=(torch.bfloat16, torch.float32))
-        C.fail(not is_fp8, "low_latency_dispatch takes bf16/fp32 x and casts to FP8 itself (use_fp8=True)", TypeError)
-        C.check_num_experts(num_experts, self.num_ranks)
-        C.check_int("max_tokens_per_rank", max_tokens_per_rank, 1)
-        C.check_token_limit(T, max_tokens_per_rank)
-        if use_fp8:
-            C.fail(H % C.FP8_BLOCK == 0, f"x: hidden size {H} must be a multiple of {C.FP8_BLOCK} for FP8")
-        C.check_topk_idx(topk_idx, T, x.device)
-        if self.check_inputs:
-            C.check_topk_values(topk_idx, num_experts)
-        out = impl.low_latency_dispatch(x, topk_idx, num_experts, max_tokens_per_rank, use_fp8, round_scale, **kwargs)
+        with self._call("low_latency_dispatch") as call:
+            T, H, is_fp8 = C.check_activation("x", x, allowed=(torch.bfloat16, torch.float32))
+            C.fail(not is_fp8, "low_latency_dispatch takes bf16/fp32 x and casts to FP8 itself (use_fp8=True)", TypeError)
+            C.check_num_experts(num_experts, self.num_ranks)
+            C.check_int("max_tokens_per_rank", max_tokens_per_rank, 1)
+            C.check_token_limit(T, max_tokens_per_rank)
+            if use_fp8:
+                C.fail(H % C.FP8_BLOCK == 0, f"x: hidden size {H} must be a multiple of {C.FP8_BLOCK} for FP8")
+            K = C.check_topk_idx(topk_idx, T, x.device)
+            if self.check_inputs:
+                C.check_topk_values(topk_idx, num_experts)
+            wire = C.FP8_DTYPE if use_fp8 else x.dtype
+            call.set(dtype=P.dtype_code(wire), hidden=H, row_bytes=H * torch.empty((), dtype=wire).element_size(), topk=K,
+                     num_experts=num_experts, num_worst_tokens=max_tokens_per_rank)
+            out = self._impl.low_latency_dispatch(call, x, topk_idx, num_experts, max_tokens_per_rank, use_fp8,
+                                                  round_scale, **kwargs)
         out.handle.buffer_id = self.id
         return out
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, **kwargs) -> torch.Tensor:
         """y[t] = sum_k w[t, k] * x[e_k][row(t, e_k)] over valid slots (fp32 accumulation)."""
-        impl = self._backend()
-        self._check_handle(handle, LowLatencyHandle)
-        C.fail(isinstance(x, torch.Tensor), "x must be a tensor", TypeError)
-        C.fail(x.dtype in (torch.bfloat16, torch.float32), f"x must be bf16 or fp32, got {x.dtype}", TypeError)
-        shape = (handle.num_local_experts, handle.num_ranks * handle.max_tokens_per_rank, handle.hidden)
-        C.fail(tuple(x.shape) == shape, f"x must have shape {shape}, got {tuple(x.shape)}")
-        C.fail(x.is_contiguous(), "x must be contiguous")
-        K = C.check_topk_idx(topk_idx, handle.num_tokens, x.device)
-        C.fail(K == handle.topk, f"topk_idx has K={K} but the dispatch used K={handle.topk}")
-        C.check_topk_weights(topk_weights, handle.num_tokens, K, x.device)
-        return impl.low_latency_combine(x, topk_idx, topk_weights, handle, **kwargs)
+        with self._call("low_latency_combine") as call:
+            self._check_handle(handle, LowLatencyHandle)
+            C.fail(isinstance(x, torch.Tensor), "x must be a tensor", TypeError)
+            C.fail(x.dtype in (torch.bfloat16, torch.float32), f"x must be bf16 or fp32, got {x.dtype}", TypeError)
+            shape = (handle.num_local_experts, handle.num_ranks * handle.max_tokens_per_rank, handle.hidden)
+            C.fail(tuple(x.shape) == shape, f"x must have shape {shape}, got {tuple(x.shape)}")
+            C.fail(x.is_contiguous(), "x must be contiguous")
+            K = C.check_topk_idx(topk_idx, handle.num_tokens, x.device)
+            C.fail(K == handle.topk, f"topk_idx has K={K} but the dispatch used K={handle.topk}")
+            C.check_topk_weights(topk_weights, handle.num_tokens, K, x.device)
+            call.set(routing=handle.call_seq, dtype=P.dtype_code(x.dtype), hidden=handle.hidden,
+                     row_bytes=handle.hidden * x.element_size(), topk=K, num_experts=handle.num_experts,
+                     num_worst_tokens=handle.max_tokens_per_rank)
+            return self._impl.low_latency_combine(call, x, topk_idx, topk_weights, handle, **kwargs)
 
     # --------------------------------------------------------------------- zero-copy inputs
     def get_dispatch_input(self, num_tokens: int, hidden: int, dtype: torch.dtype = torch.bfloat16,
                            device=None) -> torch.Tensor:
         """A [T, H] tensor to fill and pass to dispatch: with the cuda backend it lies in the
         communication region, so dispatch skips its staging copy. Valid until the next dispatch."""
-        impl = self._backend()
-        if self.backend == "cuda":
-            return impl.dispatch_input(num_tokens, hidden, dtype)
-        return torch.empty((num_tokens, hidden), dtype=dtype, device=device)
+        return self._backend().dispatch_input(num_tokens, hidden, dtype, device)
 
     def get_combine_input(self, num_rows: int, hidden: int, dtype: torch.dtype = torch.bfloat16,
                           device=None) -> torch.Tensor:
         """A [rows, H] tensor for the experts to write their output into before combine: with
         the cuda backend it lies in the communication region, so combine skips its staging copy
         and peers read it directly. Valid until the next combine."""
-        impl = self._backend()
-        if self.backend == "cuda":
-            return impl.combine_input(num_rows, hidden, dtype)
-        return torch.empty((num_rows, hidden), dtype=dtype, device=device)
+        return self._backend().combine_input(num_rows, hidden, dtype, device)
 
     def synchronize(self) -> None:
         """Wait for this buffer's communication and raise if a kernel reported a failure
-        (a timeout names the rank, the peer and the handshake it waited on)."""
-        impl = self._backend()
-        if hasattr(impl, "synchronize"):
-            impl.synchronize()
+        (a timeout names the rank, the peer and the handshake it waited on; an aborted call
+        names the field the ranks disagreed on, or the rank that failed and its message)."""
+        self._backend().synchronize()
 
     @property
     def num_sms(self) -> Optional[int]:
@@ -251,12 +312,6 @@ class Buffer:
         C.fail(isinstance(handle, cls), f"handle must be a {cls.__name__}, got {type(handle).__name__}", TypeError)
         C.fail(handle.buffer_id == self.id, "handle was produced by a different Buffer")
 
-    def _async_kwargs(self, async_op: bool, previous_event: Optional[EventOverlap]) -> dict:
-        if self.backend == "torch":
-            if previous_event is not None:
-                previous_event.current_stream_wait()
-            return {}
-        return {"async_op": async_op, "previous_event": previous_event}
-
     def __repr__(self) -> str:
-        return f"Buffer(backend={self.backend!r}, rank={self.rank}/{self.num_ranks})"
+        what = self._impl.describe() if self._impl is not None else "destroyed"
+        return f"Buffer(backend={self.backend!r}, rank={self.rank}/{self.num_ranks}, {what})"

@@ -8,10 +8,10 @@ from typing import Optional, Tuple
 
 import torch
 
+from .protocol import FP8_BLOCK, MAX_ALIGNMENT  # noqa: F401  (one owner: csrc/protocol.h)
 from .types import Activation
 
 FP8_DTYPE = torch.float8_e4m3fn
-FP8_BLOCK = 128  # channels per scale
 ACT_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
 WEIGHT_DTYPES = (torch.float32, torch.float64)
 
@@ -76,6 +76,13 @@ def check_topk_weights(topk_weights, num_tokens: int, topk: int, device: torch.d
     fail(topk_weights.shape[1] == topk, f"K mismatch: topk_idx has K={topk} but topk_weights has {topk_weights.shape[1]} columns")
     fail(topk_weights.is_contiguous(), "topk_weights must be contiguous")
     fail(topk_weights.device == device, f"topk_weights is on {topk_weights.device} but x is on {device}")
+
+
+def check_alignment(alignment) -> int:
+    check_int("expert_alignment", alignment, 1)
+    fail(alignment <= MAX_ALIGNMENT, f"expert_alignment={alignment} is above {MAX_ALIGNMENT}: every expert segment would "
+                                     f"carry up to that many zero rows")
+    return alignment
 
 
 def check_num_experts(num_experts, num_ranks: int) -> int:

@@ -13,12 +13,14 @@ row orders are exactly DESIGN §2:
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
+from . import protocol as P
 from .checks import is_fp8_tuple
 from .fp8 import per_token_cast_to_fp8
 from .types import (
@@ -78,6 +80,9 @@ class _NormalState:
     perm_slots: Optional[torch.Tensor] = None
     perm_pos: Optional[torch.Tensor] = None
     row_expert: Optional[torch.Tensor] = None  # [M] int32
+    # num_worst_tokens: output rows past it were not delivered (rank-major: received rows past
+    # it; expert-major: (row, slot) pairs whose position is past it)
+    kept: Optional[torch.Tensor] = None  # [N] bool (rank-major) or [#pairs] bool (expert-major)
 
 
 @dataclass
@@ -92,17 +97,71 @@ class _LowLatencyState:
 
 class TorchBackend:
     name = "torch"
+    num_sms = None
 
     def __init__(self, group, num_ranks: int, rank: int):
         self.group, self.num_ranks, self.rank = group, num_ranks, rank
+        nccl = num_ranks > 1 and dist.get_backend(group) == "nccl"
+        self.ctl_device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+    def describe(self) -> str:
+        return "torch reference (torch.distributed collectives)"
+
+    def destroy(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    @contextmanager
+    def call(self, call: P.Call):
+        """A failure on this rank before the call's first collective is published there, so the
+        peers raise it instead of waiting for a collective this rank never joins."""
+        try:
+            yield call
+        except BaseException as exc:
+            if call.pending is not None:
+                self._exchange(call, failure=exc)
+            raise
+
+    def dispatch_input(self, num_tokens: int, hidden: int, dtype: torch.dtype, device=None) -> torch.Tensor:
+        return torch.empty((num_tokens, hidden), dtype=dtype, device=device)
+
+    def combine_input(self, num_rows: int, hidden: int, dtype: torch.dtype = torch.bfloat16, device=None) -> torch.Tensor:
+        return torch.empty((num_rows, hidden), dtype=dtype, device=device)
 
     # ---------------------------------------------------------------------------- collectives
-    def _exchange_counts(self, send_counts: torch.Tensor) -> List[int]:
-        if self.num_ranks == 1:
-            return send_counts.tolist()
-        recv = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv, send_counts.contiguous(), group=self.group)
-        return recv.tolist()
+    def _exchange(self, call: P.Call, counts: Optional[torch.Tensor] = None, failure: Optional[BaseException] = None):
+        """The first collective of every call: each rank's status, signature and (dispatch) row
+        counts per destination, gathered everywhere (one fixed-size vector, whatever the op, so
+        ranks in different calls still meet here). Raises on every rank alike on a mismatch or
+        a failed rank; returns the [source, destination] counts."""
+        R, F = self.num_ranks, len(P.SIG_FIELDS)
+        call.pending = None
+        vec = torch.zeros(1 + F + R, dtype=torch.int64)
+        vec[0] = P.CALL_FAILED if failure is not None else 0
+        vec[1:1 + F] = torch.tensor(call.sig, dtype=torch.int64)
+        if counts is not None:
+            vec[1 + F:] = counts.to(torch.int64).cpu()
+        if R == 1:
+            rows = vec.unsqueeze(0)
+        else:
+            parts = [torch.empty_like(vec, device=self.ctl_device) for _ in range(R)]
+            dist.all_gather(parts, vec.to(self.ctl_device), group=self.group)
+            rows = torch.stack(parts).cpu()
+        if bool((rows[:, 0] != 0).any()):
+            msgs: list = [None] * R
+            mine = P.failure_message(failure) if failure is not None else None
+            if R > 1:
+                dist.all_gather_object(msgs, mine, group=self.group)
+            if failure is not None:
+                return None  # the caller re-raises its own error
+            r = int((rows[:, 0] != 0).nonzero()[0, 0])
+            raise P.peer_failed_error(call, r, msgs[r] or "(no message)")
+        f = P.first_mismatch(rows[:, 1:1 + F].tolist())
+        if f is not None:
+            raise P.mismatch_error(call, f, rows[:, 1 + f].tolist(), rows[:, 1 + P.FIELD["op"]].tolist())
+        return rows[:, 1 + F:]
 
     def _exchange_rows(self, rows: torch.Tensor, send_counts: List[int], recv_counts: List[int]) -> torch.Tensor:
         if self.num_ranks == 1:
@@ -114,6 +173,7 @@ class TorchBackend:
     # --------------------------------------------------------------------------------- layout
     def layout(self, topk_idx: torch.Tensor, num_experts: int) -> DispatchLayout:
         R, L = self.num_ranks, num_experts // self.num_ranks
+        topk_idx = _valid_ids(topk_idx, num_experts)
         valid = topk_idx >= 0
         dst = torch.where(valid, topk_idx.div(L, rounding_mode="floor"), -1)
         token_in_rank = (dst.unsqueeze(-1) == torch.arange(R, device=topk_idx.device)).any(dim=1)
@@ -124,25 +184,29 @@ class TorchBackend:
         )
 
     # ------------------------------------------------------------------------------- dispatch
-    def dispatch(self, x, topk_idx, topk_weights, num_experts: int, permute: bool, alignment: int,
-                 handle: Optional[DispatchHandle], host_counts: bool, num_worst_tokens: int = 0) -> DispatchOutput:
+    def dispatch(self, call: P.Call, x, topk_idx, topk_weights, num_experts: int, permute: bool, alignment: int,
+                 handle: Optional[DispatchHandle], host_counts: bool, num_worst_tokens: int = 0,
+                 async_op: bool = False, previous_event: Optional[EventOverlap] = None) -> DispatchOutput:
         R, L = self.num_ranks, num_experts // self.num_ranks
         is_fp8 = is_fp8_tuple(x)
         data, scales = (x[0], x[1]) if is_fp8 else (x, None)
         device = data.device
+        _wait(previous_event)
 
         if handle is None:
             K = topk_idx.shape[1]
+            topk_idx = _valid_ids(topk_idx, num_experts)
             lay = self.layout(topk_idx, num_experts)
             valid = topk_idx >= 0
             dst = torch.where(valid, topk_idx.div(L, rounding_mode="floor"), -1)
             send_rank, send_tok = lay.token_in_rank.t().nonzero(as_tuple=True)  # by (rank, token)
             send_slot_local = dst[send_tok] == send_rank.unsqueeze(1)
             send_counts = lay.tokens_per_rank.tolist()
-            recv_counts = self._exchange_counts(lay.tokens_per_rank)
+            recv_counts = self._exchange(call, counts=lay.tokens_per_rank)[:, self.rank].tolist()
             local_idx = torch.where(send_slot_local, topk_idx[send_tok] - send_rank.unsqueeze(1) * L, -1)
             meta = [local_idx.to(torch.int32)]
         else:
+            self._exchange(call)
             st: _NormalState = handle.state
             K = handle.topk
             send_tok, send_slot_local = st.send_tok, st.send_slot_local
@@ -158,24 +222,26 @@ class TorchBackend:
         recv = unpack_rows(self._exchange_rows(pack_rows(parts), send_counts, recv_counts), like)
         recv_x = recv.pop(0)
         recv_scales = recv.pop(0) if is_fp8 else None
-        if handle is None:
-            recv_topk_idx = recv.pop(0).to(torch.int64)
-        else:
-            recv_topk_idx = handle.state.recv_topk_idx
+        recv_topk_idx = recv.pop(0).to(torch.int64) if handle is None else handle.state.recv_topk_idx
         recv_w = recv.pop(0) if topk_weights is not None else None
 
         if handle is None:
             state = _NormalState(send_tok, send_slot_local, send_counts, recv_counts, recv_topk_idx)
             if permute:
                 self._plan_permute(state, L, alignment, device)
+            if num_worst_tokens:
+                N = recv_topk_idx.shape[0]
+                state.kept = (state.perm_pos < num_worst_tokens) if permute else (torch.arange(N, device=device) < num_worst_tokens)
         else:
             state = handle.state
+        W = num_worst_tokens
 
         if not permute:
-            tpe = torch.bincount(recv_topk_idx[recv_topk_idx >= 0], minlength=L) if handle is None else handle.tokens_per_expert
-            out_x = (recv_x, recv_scales) if is_fp8 else recv_x
-            out = DispatchOutput(out_x, recv_topk_idx, recv_w, None, tpe, None)
-            num_rows = recv_x.shape[0]
+            N = recv_x.shape[0]
+            rows_kept = recv_topk_idx if not W else recv_topk_idx[:W]
+            tpe = torch.bincount(rows_kept[rows_kept >= 0], minlength=L) if handle is None else handle.tokens_per_expert
+            out = DispatchOutput((recv_x, recv_scales) if is_fp8 else recv_x, recv_topk_idx, recv_w, None, tpe, None)
+            num_rows, dropped = N, max(0, N - W) if W else 0
         else:
             M = state.row_expert.shape[0]
             pos, rows = state.perm_pos, state.perm_rows
@@ -192,44 +258,50 @@ class TorchBackend:
             if handle is None:
                 counts = torch.bincount(recv_topk_idx[recv_topk_idx >= 0], minlength=L)
                 tpe = (counts + alignment - 1) // alignment * alignment
+                if W:  # segments clamped to the rows that exist
+                    ends = torch.cumsum(tpe, 0)
+                    tpe = ends.clamp(max=W) - (ends - tpe).clamp(max=W)
             else:
                 tpe = handle.tokens_per_expert
             out = DispatchOutput(perm_x, None, perm_w, state.row_expert, tpe, None)
-            num_rows = M
+            num_rows, dropped = M, int((~state.kept).sum()) if W else 0
 
-        if num_worst_tokens:
-            num_rows = self._pad_to_worst(out, num_rows, num_worst_tokens, is_fp8, permute)
+        if W:
+            num_rows = self._fit_to_worst(out, num_rows, W, is_fp8, permute)
+        out.num_dropped = torch.tensor(dropped, dtype=torch.int64, device=device)
         if handle is None:
             handle = DispatchHandle(
                 backend=self.name, num_ranks=R, rank=self.rank, num_experts=num_experts,
                 num_tokens=data.shape[0], topk=K, permute=permute, expert_alignment=alignment,
                 num_recv_rows=num_rows, tokens_per_expert=out.tokens_per_expert, topk_idx=topk_idx,
-                num_worst_tokens=num_worst_tokens, state=state,
+                num_worst_tokens=num_worst_tokens, state=state, call_seq=call.seq,
             )
         out.handle = handle
         if host_counts:
             out.tokens_per_expert_host = out.tokens_per_expert.tolist()
+        if async_op:
+            out.event = EventOverlap(None)
         return out
 
     @staticmethod
-    def _pad_to_worst(out: DispatchOutput, num_rows: int, worst: int, is_fp8: bool, permute: bool) -> int:
-        """Worst-case sized outputs (as the graph-capturable cuda path returns them): the valid
-        rows first, then zero rows (-1 ids, 0 weights) up to `worst`."""
-        if num_rows > worst:
-            raise RuntimeError(f"dispatch received {num_rows} rows, more than num_worst_tokens={worst}")
+    def _fit_to_worst(out: DispatchOutput, num_rows: int, worst: int, is_fp8: bool, permute: bool) -> int:
+        """Worst-case sized outputs (as the graph-capturable cuda path returns them): the rows
+        that fit, then zero rows (-1 ids, 0 weights) up to `worst`; rows past it are dropped."""
 
-        def pad(t, value=0):
+        def fit(t, value=0):
             if t is None:
                 return None
-            extra = t.new_full((worst - num_rows,) + tuple(t.shape[1:]), value)
+            if t.shape[0] >= worst:
+                return t[:worst].contiguous()
+            extra = t.new_full((worst - t.shape[0],) + tuple(t.shape[1:]), value)
             return torch.cat([t, extra])
 
-        out.x = (pad(out.x[0]), pad(out.x[1])) if is_fp8 else pad(out.x)
-        out.topk_weights = pad(out.topk_weights)
+        out.x = (fit(out.x[0]), fit(out.x[1])) if is_fp8 else fit(out.x)
+        out.topk_weights = fit(out.topk_weights)
         if permute:
-            out.row_expert = pad(out.row_expert, -1)
+            out.row_expert = fit(out.row_expert, -1)
         else:
-            out.topk_idx = pad(out.topk_idx, -1)
+            out.topk_idx = fit(out.topk_idx, -1)
         return worst
 
     @staticmethod
@@ -249,21 +321,33 @@ class TorchBackend:
         state.perm_rows, state.perm_slots, state.perm_pos, state.row_expert = rows, slots, pos, row_expert
 
     # -------------------------------------------------------------------------------- combine
-    def combine(self, x: torch.Tensor, handle: DispatchHandle, weights: Optional[torch.Tensor]) -> CombineOutput:
+    def combine(self, call: P.Call, x: torch.Tensor, handle: DispatchHandle, weights: Optional[torch.Tensor],
+                async_op: bool = False, previous_event: Optional[EventOverlap] = None) -> CombineOutput:
         st: _NormalState = handle.state
+        _wait(previous_event)
+        self._exchange(call)
         acc = _acc_dtype(x.dtype)
         K = handle.topk
+        N = st.recv_topk_idx.shape[0]
         if handle.permute:
-            # unpermute: sum each received row's expert outputs (fp32), scatter weights to slots
-            N = st.recv_topk_idx.shape[0]
-            rows_x = x.new_zeros((N,) + tuple(x.shape[1:]), dtype=acc).index_add_(0, st.perm_rows, x[st.perm_pos].to(acc))
+            # unpermute: sum each received row's expert outputs (fp32), scatter weights to slots;
+            # rows that were not delivered (past num_worst_tokens) contribute nothing
+            rows, slots, pos = st.perm_rows, st.perm_slots, st.perm_pos
+            if st.kept is not None:
+                rows, slots, pos = rows[st.kept], slots[st.kept], pos[st.kept]
+            rows_x = x.new_zeros((N,) + tuple(x.shape[1:]), dtype=acc).index_add_(0, rows, x[pos].to(acc))
             rows_w = None
             if weights is not None:
                 rows_w = weights.new_zeros((N, K))
-                rows_w[st.perm_rows, st.perm_slots] = weights[st.perm_pos]
+                rows_w[rows, slots] = weights[pos]
         else:
-            N = st.recv_topk_idx.shape[0]  # rows past N are worst-case padding
-            rows_x, rows_w = x[:N], (weights[:N] if weights is not None else None)
+            n = min(N, x.shape[0])  # rows past N are padding; rows past num_worst_tokens were dropped
+            rows_x = x.new_zeros((N,) + tuple(x.shape[1:]), dtype=x.dtype)
+            rows_x[:n] = x[:n]
+            rows_w = None
+            if weights is not None:
+                rows_w = weights.new_zeros((N, K))
+                rows_w[:n] = weights[:n]
         parts = [rows_x] + ([rows_w] if rows_w is not None else [])
         like = [(rows_x.dtype, tuple(rows_x.shape[1:]))] + ([(rows_w.dtype, (K,))] if rows_w is not None else [])
         back = unpack_rows(self._exchange_rows(pack_rows(parts), st.recv_counts, st.send_counts), like)
@@ -274,15 +358,16 @@ class TorchBackend:
             w_out = back[1].new_zeros((T, K))
             i, k = st.send_slot_local.nonzero(as_tuple=True)
             w_out[st.send_tok[i], k] = back[1][i, k]
-        return CombineOutput(y.to(x.dtype), w_out, None)
+        return CombineOutput(y.to(x.dtype), w_out, EventOverlap(None) if async_op else None)
 
     # ---------------------------------------------------------------------------- low latency
-    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int,
+    def low_latency_dispatch(self, call: P.Call, x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int,
                              max_tokens_per_rank: int, use_fp8: bool, round_scale: bool) -> LowLatencyDispatchOutput:
         R, L = self.num_ranks, num_experts // self.num_ranks
         T, K = topk_idx.shape
         H = x.shape[1]
         device = x.device
+        topk_idx = _valid_ids(topk_idx, num_experts)
         tok, slot = (topk_idx >= 0).nonzero(as_tuple=True)
         expert = topk_idx[tok, slot]
         order = torch.argsort(expert * max(T, 1) + tok)  # by (global expert, token): unique keys
@@ -290,7 +375,7 @@ class TorchBackend:
         dst = expert.div(L, rounding_mode="floor")
         send_counts_t = torch.bincount(dst, minlength=R)
         send_counts = send_counts_t.tolist()
-        recv_counts = self._exchange_counts(send_counts_t)
+        recv_counts = self._exchange(call, counts=send_counts_t)[:, self.rank].tolist()
 
         if use_fp8:
             q, s = per_token_cast_to_fp8(x, round_scale)
@@ -326,14 +411,15 @@ class TorchBackend:
             backend=self.name, num_ranks=R, rank=self.rank, num_experts=num_experts, num_tokens=T,
             topk=K, max_tokens_per_rank=max_tokens_per_rank, hidden=H,
             layout_range=torch.stack([begin, per], dim=-1).to(torch.int32), src_token=src_token,
-            state=_LowLatencyState(tok, slot, send_counts, recv_counts, le, pos),
+            state=_LowLatencyState(tok, slot, send_counts, recv_counts, le, pos), call_seq=call.seq,
         )
         out_x = (outs[0], outs[1]) if use_fp8 else outs[0]
         return LowLatencyDispatchOutput(out_x, count.to(torch.int32), handle, None, None)
 
-    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+    def low_latency_combine(self, call: P.Call, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle) -> torch.Tensor:
         st: _LowLatencyState = handle.state
+        self._exchange(call)
         rows = x[st.recv_expert, st.recv_pos]  # back in arrival order, i.e. each source's send order
         back = unpack_rows(self._exchange_rows(pack_rows([rows]), st.recv_counts, st.send_counts), [(x.dtype, (x.shape[-1],))])[0]
         w = topk_weights[st.send_tok, st.send_slot].float().unsqueeze(1)
@@ -342,8 +428,11 @@ class TorchBackend:
         return y.to(x.dtype)
 
 
-def async_result(out, async_op: bool):
-    """The torch backend is synchronous: an async caller gets an already-complete event."""
-    if async_op:
-        out.event = EventOverlap(None)
-    return out
+def _valid_ids(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Ids outside [0, num_experts) are unused slots (what the kernels do with unchecked ids)."""
+    return torch.where((topk_idx >= 0) & (topk_idx < num_experts), topk_idx, torch.full_like(topk_idx, -1))
+
+
+def _wait(previous_event: Optional[EventOverlap]) -> None:
+    if previous_event is not None:
+        previous_event.current_stream_wait()

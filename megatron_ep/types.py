@@ -75,6 +75,7 @@ class DispatchHandle(_Routing):
     num_worst_tokens: int = 0  # >0: outputs were worst-case sized (valid prefix + padding)
     state: Any = field(default=None, repr=False)
     buffer_id: int = 0
+    call_seq: int = 0  # the call that built it (combine and cached dispatch name it in their signature)
 
 
 @dataclass
@@ -87,6 +88,9 @@ class DispatchOutput:
     handle: DispatchHandle
     tokens_per_expert_host: Optional[List[int]] = None  # only when asked (host_counts=True)
     event: Optional[EventOverlap] = None
+    # rows this rank did not receive because they fell past num_worst_tokens (0-d int64 on x's
+    # device; always 0 without num_worst_tokens)
+    num_dropped: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -104,6 +108,7 @@ class LowLatencyHandle(_Routing):
     src_token: Optional[torch.Tensor] = None  # [E_local, R * max_tokens_per_rank] int32, -1 unused
     state: Any = field(default=None, repr=False)
     buffer_id: int = 0
+    call_seq: int = 0
 
 
 @dataclass

@@ -46,6 +46,11 @@ def normal_cases(R: int, t_max: int = 24, big_t_max: int = 10):
     E, K, align = 4 * R, 4, 16
     worst = sum(Ts) * min(K, E // R) + (E // R) * align
     cases.append(dict(seed=seed, E=E, K=K, H=256, align=align, dtype="bf16", pattern="random", p_drop=0.2, Ts=Ts, worst=worst))
+    # num_worst_tokens below what arrives: the rows past it are dropped and counted
+    seed = 1000 * R + 52
+    Ts = _token_counts(seed, R, t_max, empty_rank=False)
+    cases.append(dict(seed=seed, E=4 * R, K=4, H=256, align=4, dtype="bf16", pattern="random", p_drop=0.1, Ts=Ts,
+                      worst=max(1, sum(Ts) // 3)))
     Ts = [0] * R
     Ts[R - 1] = t_max
     cases.append(dict(seed=1000 * R + 51, E=4 * R, K=3, H=128, align=1, dtype="bf16", pattern="random", p_drop=0.2, Ts=Ts))

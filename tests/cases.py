@@ -33,6 +33,10 @@ CUDA_SIZING = dict(max_tokens_per_rank=64, hidden=7168, num_experts=256, max_top
 
 def make_buffer(backend: str, **sizing) -> mep.Buffer:
     if backend == "cuda":
+        if os.environ.get("MEP_POISON") == "1":  # every output filled with garbage before its kernel
+            from megatron_ep import runtime
+
+            runtime.set_output_hook(poison_)
         sizing = {**CUDA_SIZING, **sizing}
         rank0_pool = sizing.pop("pool_bytes_rank0", None)  # e.g. one rank without room: mixed push/pull
         if rank0_pool is not None and dist.get_rank() == 0:
@@ -138,20 +142,24 @@ def run_normal_case(cfg: dict, backend: str = "torch", device: str = "cpu") -> l
     chk.equal("layout.tokens_per_rank", lay.tokens_per_rank, tir.sum(0))
     chk.equal("layout.tokens_per_expert", lay.tokens_per_expert, tpe_global)
 
-    # ---- rank-major dispatch
+    # ---- rank-major dispatch (with num_worst_tokens below what arrives, the rows past it are
+    # dropped and counted: n rows are delivered of the oracle's n_all)
     out = buf.dispatch(x, idx, w, num_experts=E, num_worst_tokens=worst)
     exp = expected_rank_major(inputs, rank, R, E)
-    n = exp["x"].shape[0]
+    n_all = exp["x"].shape[0]
+    n = min(n_all, worst) if worst else n_all
     got_x, got_s = split_x(out.x)
     if worst:
         chk.equal("worst rows", torch.tensor(got_x.shape[0]), torch.tensor(worst))
         chk.equal("worst topk_idx padding", out.topk_idx[n:].cpu(), torch.full((worst - n, K), -1, dtype=torch.int64))
-    chk.equal("rank-major x", got_x[:n], exp["x"])
+    chk.equal("rank-major x", got_x[:n], exp["x"][:n])
     if got_s is not None:
-        chk.equal("rank-major scales", got_s[:n], exp["scales"])
-    chk.equal("rank-major topk_idx", out.topk_idx[:n], exp["idx"])
-    chk.equal("rank-major topk_weights", out.topk_weights[:n], exp["w"])
-    chk.equal("rank-major tokens_per_expert", out.tokens_per_expert, exp["tokens_per_expert"])
+        chk.equal("rank-major scales", got_s[:n], exp["scales"][:n])
+    chk.equal("rank-major topk_idx", out.topk_idx[:n], exp["idx"][:n])
+    chk.equal("rank-major topk_weights", out.topk_weights[:n], exp["w"][:n])
+    kept_idx = exp["idx"][:n]
+    chk.equal("rank-major tokens_per_expert", out.tokens_per_expert, torch.bincount(kept_idx[kept_idx >= 0], minlength=E // R))
+    chk.equal("rank-major num_dropped", out.num_dropped, torch.tensor(n_all - n))
     if out.row_expert is not None:
         chk.errors.append("rank-major row_expert should be None")
 
@@ -165,35 +173,41 @@ def run_normal_case(cfg: dict, backend: str = "torch", device: str = "cpu") -> l
     inputs2 = [dict(i, x=new_values(i), w=i["w"] * 3) for i in inputs]
     out2 = buf.dispatch(to_dev(inputs2[rank]["x"], device), topk_weights=inputs2[rank]["w"].to(device), handle=out.handle)
     exp2 = expected_rank_major(inputs2, rank, R, E)
-    chk.equal("cached x", split_x(out2.x)[0][:n], exp2["x"])
+    chk.equal("cached x", split_x(out2.x)[0][:n], exp2["x"][:n])
     if exp2["scales"] is not None:
-        chk.equal("cached scales", split_x(out2.x)[1][:n], exp2["scales"])
-    chk.equal("cached topk_weights", out2.topk_weights[:n], exp2["w"])
-    chk.equal("cached topk_idx", out2.topk_idx[:n], exp["idx"])
+        chk.equal("cached scales", split_x(out2.x)[1][:n], exp2["scales"][:n])
+    chk.equal("cached topk_weights", out2.topk_weights[:n], exp2["w"][:n])
+    chk.equal("cached topk_idx", out2.topk_idx[:n], exp["idx"][:n])
 
     # ---- expert-major dispatch
     outp = buf.dispatch(x, idx, w, num_experts=E, permute=True, expert_alignment=align, num_worst_tokens=worst)
     expp = expected_expert_major(inputs, rank, R, E, align)
-    m = expp["x"].shape[0]
+    m_all = expp["x"].shape[0]
+    m = min(m_all, worst) if worst else m_all
     px, ps = split_x(outp.x)
-    chk.equal("expert-major x", px[:m], expp["x"])
+    chk.equal("expert-major x", px[:m], expp["x"][:m])
     if ps is not None:
-        chk.equal("expert-major scales", ps[:m], expp["scales"])
-    chk.equal("expert-major weights", outp.topk_weights[:m], expp["w"])
-    chk.equal("expert-major row_expert", outp.row_expert[:m], expp["row_expert"])
-    chk.equal("expert-major tokens_per_expert", outp.tokens_per_expert, expp["tokens_per_expert"])
+        chk.equal("expert-major scales", ps[:m], expp["scales"][:m])
+    chk.equal("expert-major weights", outp.topk_weights[:m], expp["w"][:m])
+    chk.equal("expert-major row_expert", outp.row_expert[:m], expp["row_expert"][:m])
+    tpe_want = expp["tokens_per_expert"]
+    if worst:  # segments clamped to the rows that exist
+        ends = torch.cumsum(tpe_want, 0)
+        tpe_want = ends.clamp(max=worst) - (ends - tpe_want).clamp(max=worst)
+    chk.equal("expert-major tokens_per_expert", outp.tokens_per_expert, tpe_want)
+    chk.equal("expert-major num_dropped", outp.num_dropped, (expp["row_expert"][m:] >= 0).sum())
     if worst:
         chk.equal("worst row_expert padding", outp.row_expert[m:].cpu(), torch.full((worst - m,), -1, dtype=torch.int32))
     if outp.topk_idx is not None:
         chk.errors.append("expert-major topk_idx should be None")
     host = buf.dispatch(x, idx, None, num_experts=E, permute=True, expert_alignment=align, host_counts=True, num_worst_tokens=worst)
-    if host.tokens_per_expert_host != expp["tokens_per_expert"].tolist():
-        chk.errors.append(f"{chk.tag} host counts {host.tokens_per_expert_host} != {expp['tokens_per_expert'].tolist()}")
+    if host.tokens_per_expert_host != tpe_want.tolist():
+        chk.errors.append(f"{chk.tag} host counts {host.tokens_per_expert_host} != {tpe_want.tolist()}")
     if host.topk_weights is not None:
         chk.errors.append("dispatch without weights returned weights")
     outp2 = buf.dispatch(to_dev(inputs2[rank]["x"], device), handle=outp.handle)
     expp2 = expected_expert_major(inputs2, rank, R, E, align)
-    chk.equal("cached expert-major x", split_x(outp2.x)[0][:m], expp2["x"])
+    chk.equal("cached expert-major x", split_x(outp2.x)[0][:m], expp2["x"][:m])
 
     if cfg["dtype"] != "fp8":
         _check_combine(cfg, buf, inputs, rank, R, out, exp, outp, expp, chk, device)
@@ -206,7 +220,10 @@ def _check_combine(cfg, buf, inputs, rank, R, out, exp, outp, expp, chk, device)
     me = inputs[rank]
     dtype = _ref_dtype(me["x"])
     rel = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    worst = cfg.get("worst", 0)
     n, m = exp["x"].shape[0], expp["x"].shape[0]
+    if worst:
+        n, m = min(n, worst), min(m, worst)
 
     # rank-major: this rank maps its received rows v -> v * scale[rank] + bias[rank]
     scale, bias = _expert_transform(R, E, False, cfg["seed"])
@@ -228,19 +245,49 @@ def _check_combine(cfg, buf, inputs, rank, R, out, exp, outp, expp, chk, device)
     ones = buf.combine(torch.ones_like(split_x(out.x)[0]), out.handle)
     onesp = buf.combine(torch.ones_like(split_x(outp.x)[0]), outp.handle)
 
+    # rows dropped past num_worst_tokens (on any destination) contribute nothing
+    lost_rm, lost_em = _dropped(inputs, rank, R, E, False, 1, worst), _dropped(inputs, rank, R, E, True, cfg["align"], worst)
+    idx = me["idx"]
+    v = split_x(me["x"])[0].double()
+    H = v.shape[1]
     y_ref = expected_combine(me, rank, R, E, False, scale, bias)
+    w_ref = torch.where(idx >= 0, me["w"] * 2 + (idx - (idx // L) * L).clamp(min=0).float(), torch.zeros_like(me["w"]))
+    ones_ref = num_destinations(me, R, E, False).unsqueeze(1).expand(-1, H).clone()
+    w_ref_rm = w_ref.clone()
+    for t, d in lost_rm:
+        y_ref[t] -= v[t] * scale[d] + bias[d]
+        ones_ref[t] -= 1
+        w_ref_rm[t] = torch.where((idx[t] >= 0) & (idx[t] // L == d), torch.zeros_like(w_ref[t]), w_ref_rm[t])
+    yp_ref = expected_combine(me, rank, R, E, True, scale_e, bias_e)
+    onesp_ref = num_destinations(me, R, E, True).unsqueeze(1).expand(-1, H).clone()
+    w_ref_em = w_ref.clone()
+    for t, k in lost_em:
+        e = int(idx[t, k])
+        yp_ref[t] -= v[t] * scale_e[e] + bias_e[e]
+        onesp_ref[t] -= 1
+        w_ref_em[t, k] = 0.0
     chk.close("rank-major combine", res.x, y_ref, rel)
     if res.x.dtype != dtype:
         chk.errors.append(f"combine returned {res.x.dtype}, want {dtype}")
-    idx = me["idx"]
-    w_ref = torch.where(idx >= 0, me["w"] * 2 + (idx - (idx // L) * L).clamp(min=0).float(), torch.zeros_like(me["w"]))
-    chk.close("rank-major combine weights", res.weights, w_ref.double(), 1e-6)
-    yp_ref = expected_combine(me, rank, R, E, True, scale_e, bias_e)
+    chk.close("rank-major combine weights", res.weights, w_ref_rm.double(), 1e-6)
     chk.close("expert-major combine", resp.x, yp_ref, rel)
-    chk.close("expert-major combine weights", resp.weights, w_ref.double(), 1e-6)
-    H = split_x(me["x"])[0].shape[1]
-    chk.close("round trip rank-major", ones.x, num_destinations(me, R, E, False).unsqueeze(1).expand(-1, H), 1e-6)
-    chk.close("round trip expert-major", onesp.x, num_destinations(me, R, E, True).unsqueeze(1).expand(-1, H), 1e-6)
+    chk.close("expert-major combine weights", resp.weights, w_ref_em.double(), 1e-6)
+    chk.close("round trip rank-major", ones.x, ones_ref, 1e-6)
+    chk.close("round trip expert-major", onesp.x, onesp_ref, 1e-6)
+
+
+def _dropped(inputs, rank, R, E, permute, align, worst):
+    """This rank's (token, destination rank) or (token, slot) pairs whose row fell past
+    num_worst_tokens on its destination (every destination's oracle layout)."""
+    lost = set()
+    if not worst:
+        return lost
+    for d in range(R):
+        src = expected_expert_major(inputs, d, R, E, align)["src"] if permute else expected_rank_major(inputs, d, R, E)["src"]
+        for row, item in enumerate(src):
+            if row >= worst and item is not None and item[0] == rank:
+                lost.add((item[1], item[2]) if permute else (item[1], d))
+    return lost
 
 
 def run_normal_cases(cfgs: list, backend: str = "torch", device: str = "cpu") -> list:

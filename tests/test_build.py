@@ -7,7 +7,7 @@ import os
 import pytest
 
 import megatron_ep
-from megatron_ep import _ext
+from megatron_ep import _ext, protocol
 
 PKG = os.path.dirname(megatron_ep.__file__)
 
@@ -19,7 +19,24 @@ def test_extension_built_and_importable():
     assert built, f"megatron_ep._C was not built under {PKG}"
     if _ext.available():
         mod = _ext.load()
-        assert hasattr(mod, "launch_notify"), "extension lacks its kernel entry points"
+        assert hasattr(mod, "Runtime") and hasattr(mod.intranode, "notify"), "extension lacks its kernel entry points"
+        assert mod.NUM_SIG_FIELDS == len(protocol.SIG_FIELDS), "the extension and _protocol disagree on the signature"
     else:
         # acceptable only when the CUDA driver itself is missing
         assert "libcuda" in _ext.import_error(), _ext.import_error()
+
+
+def test_protocol_module_plans_regions():
+    """_protocol (no CUDA) is built everywhere; its plan places every section inside the region,
+    in order, aligned, and the default combine area covers the expert-major worst case."""
+    plan = protocol.plan_region(dict(num_ranks=8, max_tokens=4096, hidden=7168, max_topk=8, max_experts=256,
+                                     max_alignment=128))
+    names = ["control", "counts", "scratch", "stage_x", "stage_scales", "stage_idx", "stage_w", "stage_rpos",
+             "stage_spos", "comb_x", "comb_w", "pool"]
+    offs = [plan[n] for n in names]
+    assert offs == sorted(offs) and offs[0] == 0 and all(o % 256 == 0 for o in offs)
+    assert plan["pool"] + plan["pool_bytes"] <= plan["total"]
+    worst = protocol.worst_expert_major_rows(8, 4096, 8, 256, 128)
+    assert worst == 8 * 4096 * 8 + 32 * 127 and plan["comb_rows"] >= worst
+    assert plan["comb_x"] + plan["comb_rows"] * plan["comb_row_bytes"] <= plan["comb_w"]
+    assert protocol.SIG_FIELDS[:2] == ["op", "seq"] and protocol.SLOT["call"] == 0

@@ -10,27 +10,35 @@ namespace mep {
 
 // ---- layout.cu -------------------------------------------------------------------------------
 // One pass over topk_idx: tokens per rank (each token once per rank), (token, expert) pairs per
-// expert, token_in_rank [T, R]. Outputs must be zeroed by the caller.
+// expert, token_in_rank [T, R]. Ids outside [0, E) count as unused. Outputs zeroed by the caller.
 void launch_layout(const long long* topk_idx, int T, int K, int E, int R, long long* tokens_per_rank,
                    long long* tokens_per_expert, bool* token_in_rank, cudaStream_t stream);
 
-// Counts, count exchange with every peer, prefix sums: writes for each (token, rank) and each
-// (token, slot) the row it will occupy in the destination's rank-major / expert-major output,
-// and this rank's receive layout (recv_info: N, M, L, counts[L], padded[L], seg_start[L]) on the
-// device and, with `tag` last, in the mapped host block.
-struct NotifyArgs {
-  const long long* topk_idx;  // [T, K]
-  int T, K, E, align;
-  int* rank_pos;   // [T, R] out
-  int* slot_pos;   // [T, K] out
-  int* recv_info;  // [3 + 3L] out
-  long long tag;
-};
-void launch_notify(const Ctx& ctx, const NotifyArgs& args, cudaStream_t stream);
-int notify_smem_bytes(int E);
+// ---- runtime.cu ------------------------------------------------------------------------------
+// A rank that fails on the host during a call publishes it at the handshake its peers wait on
+// next (`slot`; kSlotCall before the call's first exchange, with the full record), then takes
+// part in that handshake, so every rank aborts the call at the same point and the counters stay
+// in step. Does nothing when the call was already aborted on the device.
+void launch_fail_call(const Ctx& ctx, const CallArgs& call, int slot, cudaStream_t stream);
 
 // ---- intranode.cu ----------------------------------------------------------------------------
-// Copy this call's dispatch inputs into the region and signal every puller.
+// notify: counts, the call exchange (records + counts with every peer), prefix sums, and for
+// each (token, rank) and (token, slot) the row it will occupy in the destination's rank-major /
+// expert-major output; this rank's receive layout (RecvInfo) on the device and, with `tag` last,
+// the sizes and the group's largest needs in the mapped host block. Three launches: per-chunk
+// counts (grid), exchange (one block), positions (grid).
+struct NotifyArgs {
+  const long long* topk_idx;  // [T, K]
+  int T, K, E, align, permute, worst;
+  int* rank_pos;   // [T, R] out
+  int* slot_pos;   // [T, K] out
+  int* recv_info;  // [RecvInfo::size(L)] out
+  long long tag;
+};
+void launch_notify(const Ctx& ctx, const CallArgs& call, const NotifyArgs& args, cudaStream_t stream);
+
+// Copy this call's dispatch inputs into the region and signal `slot` (kSlotStaged after notify;
+// kSlotCall for a cached dispatch, publishing `call` with it).
 struct StageArgs {
   const void* x;  // [T, row_bytes] or nullptr when x already lies in the region (zero copy)
   int T, row_bytes;
@@ -42,43 +50,53 @@ struct StageArgs {
   const int* rank_pos;  // [T, R]
   const int* slot_pos;  // [T, K]
 };
-void launch_stage(const Ctx& ctx, const StageArgs& args, int num_blocks, cudaStream_t stream);
+void launch_stage(const Ctx& ctx, const CallArgs& call, int slot, const StageArgs& args, int num_blocks,
+                  cudaStream_t stream);
 
-// Pull every row destined to this rank from the peers' staging into the outputs.
+// Pull every row destined to this rank from the peers' staging into the outputs (after `slot`).
+// Rows whose position is >= out_rows are not written (num_worst_tokens: counted by notify).
 struct DispatchArgs {
   int row_bytes, scale_cols, K, E, permute, has_weights;
-  int out_rows;            // rows allocated (N, M, or the worst-case count)
+  int out_rows;            // rows allocated (N, M, or num_worst_tokens)
   const int* recv_info;    // from notify
   char* out_x;             // [out_rows, row_bytes]
   float* out_scales;       // [out_rows, scale_cols] or nullptr
   long long* out_idx;      // rank-major [out_rows, K] local ids, else nullptr
   float* out_w;            // rank-major [out_rows, K] / expert-major [out_rows], or nullptr
   int* out_row_expert;     // expert-major [out_rows], else nullptr
+  long long* out_tpe;      // rank-major, num_worst_tokens: (row, local expert) pairs delivered, zeroed; else nullptr
 };
-void launch_dispatch(const Ctx& ctx, const DispatchArgs& args, int num_blocks, cudaStream_t stream);
+void launch_dispatch(const Ctx& ctx, int slot, const DispatchArgs& args, int num_blocks, cudaStream_t stream);
 
-// Rank-major dispatch by push: each rank publishes where its outputs are; when every rank's
-// outputs lie in its region (pool), senders read each of their rows once and write it straight
-// into every destination's output. Otherwise all ranks stage and pull, in the same kernel.
+// Rank-major dispatch by push: each rank publishes where its outputs are (at `slot`: kSlotOutLoc
+// after notify, kSlotCall with `call` for a cached dispatch); when every rank's outputs lie in
+// its region (pool), senders read each of their rows once and write it straight into every
+// destination's output. Otherwise all ranks stage and pull, in the same kernel.
 struct PushArgs {
   StageArgs in;       // this rank's inputs
   DispatchArgs out;   // this rank's outputs (local pointers) and receive layout
   long long out_x_off, out_s_off, out_idx_off, out_w_off;  // outputs inside this region; x_off < 0: not pooled
 };
-void launch_dispatch_push(const Ctx& ctx, const PushArgs& args, int num_blocks, cudaStream_t stream);
+void launch_dispatch_push(const Ctx& ctx, const CallArgs& call, int slot, const PushArgs& args, int num_blocks,
+                          cudaStream_t stream);
 
-// Copy the combine input (unless it already lies in the region) and weights; signal pullers.
+// Copy the combine input (unless it already lies in the region) and weights; publish `call`
+// and signal kSlotCall (a combine's first exchange).
 struct StageCombineArgs {
   const void* x;  // [rows, row_bytes] or nullptr (zero copy)
   int rows, row_bytes;
   const float* w;  // [rows, w_cols] or nullptr
   int w_cols;
 };
-void launch_stage_combine(const Ctx& ctx, const StageCombineArgs& args, int num_blocks, cudaStream_t stream);
+void launch_stage_combine(const Ctx& ctx, const CallArgs& call, const StageCombineArgs& args, int num_blocks,
+                          cudaStream_t stream);
 
 // y[t] = sum of this token's rows, pulled from their ranks' combine staging (fp32 accumulation).
+// Only rows the dispatch delivered are read: ids outside [0, E), negative positions and
+// positions >= row_limit (num_worst_tokens) are skipped.
 struct CombineArgs {
   int T, H, K, E, permute, is_fp32, has_weights;
+  int row_limit;              // rows every rank's combine input holds at most (INT_MAX: exact sizes)
   const long long* topk_idx;  // [T, K] (expert-major: owner of each slot)
   const int* rank_pos;        // [T, R]
   const int* slot_pos;        // [T, K]

@@ -1,16 +1,19 @@
-// Intranode normal path: every rank stages its inputs once in its own region, and every rank
-// pulls the rows it needs straight from its peers' regions into its final outputs.
+// Intranode normal path: notify (counts, the call exchange, exact row positions), then every
+// rank stages its inputs once in its own region and pulls the rows it needs straight from its
+// peers' regions into its final outputs -- or, for rank-major outputs that lie in the regions'
+// pools, every sender pushes its rows straight into the receivers' outputs.
 //
-// Why pull: the outputs (dispatch) and the token sums (combine) are ordinary tensors on the
-// pulling rank, so rows land in their final place in one pass -- no ring buffer and no copy
-// out of a receive buffer (DeepEP V1's extra pass). Sizes are fixed worst cases with exact
-// offsets computed by notify, so there are no queues, credits or head/tail pointers: a call is
-// stage -> signal -> pull -> signal, and every wait is bounded by a timeout.
+// Sizes are fixed worst cases with exact offsets computed by notify, so there are no queues,
+// credits or head/tail pointers: a call is exchange -> [stage ->] copy -> done, and every wait is
+// bounded by a timeout. The first exchange of every call carries the ranks' call records
+// (signature, status): nothing moves between ranks before all of them agreed.
 //
 // Expert-major dispatch reads each (token, rank) row once over the link and writes it from
 // registers into every local expert segment that token names (send once, duplicate locally).
 
 #include <cuda_bf16.h>
+
+#include <climits>
 
 #include "../device.cuh"
 #include "api.h"
@@ -19,11 +22,247 @@ namespace mep {
 
 constexpr int kCopyThreads = 512;
 constexpr int kCopyWarps = kCopyThreads / 32;
+constexpr int kExchangeThreads = 1024;
+constexpr int kSteps = 8;            // tokens whose ids a notify warp loads together
+constexpr int kNotifyChunkMin = 64;  // tokens per notify block (one warp each)
 constexpr unsigned kFull = 0xffffffffu;
 
 template <typename T>
 __device__ __forceinline__ T* at(const Ctx& c, int r, long long off) {
   return reinterpret_cast<T*>(region(c, r) + off);
+}
+
+__device__ __forceinline__ int pad_to(int n, int align) { return (n + align - 1) / align * align; }
+
+// ------------------------------------------------------------------------------------- notify
+// Tokens are cut into chunks, one warp (block) each, in token order. Pass 1 counts per chunk;
+// the exchange block turns the chunk counts into exclusive prefixes, publishes this rank's
+// totals with its call record, checks every rank's record, and computes where each rank's rows
+// start in every destination; pass 2 walks each chunk again in token order and hands out rows.
+// Row order is therefore (destination expert or rank, source rank, source token) with no sort.
+struct NotifyPlan {
+  int blocks, chunk;
+};
+inline NotifyPlan notify_plan(int T) {
+  int blocks = (T + kNotifyChunkMin - 1) / kNotifyChunkMin;
+  blocks = blocks < 1 ? 1 : (blocks > kMaxNotifyBlocks - 1 ? kMaxNotifyBlocks - 1 : blocks);
+  int chunk = (T + blocks - 1) / blocks;
+  return {blocks, chunk < 1 ? 1 : chunk};
+}
+
+__device__ __forceinline__ int* scratch_of(const Ctx& c) { return at<int>(c, c.rank, c.lay.scratch); }
+__device__ __forceinline__ int* counts_of(const Ctx& c, int r) { return at<int>(c, r, c.lay.counts); }
+
+// Lane k holds slot k of token t (-1 past the chunk or past K).
+__device__ __forceinline__ long long load_slot(const long long* __restrict__ topk_idx, int t, int t_end, int K) {
+  const int lane = lane_id();
+  return (lane < K && t < t_end) ? topk_idx[(long long)t * K + lane] : -1;
+}
+
+__global__ void __launch_bounds__(32) notify_count_kernel(Ctx c, NotifyArgs a, int chunk) {
+  extern __shared__ int cnt[];  // [E] experts, then [R] ranks
+  const int E = a.E, R = c.num_ranks, L = E / R, K = a.K, lane = lane_id();
+  for (int i = lane; i < E + R; i += 32) cnt[i] = 0;
+  __syncwarp();
+  const int t_begin = blockIdx.x * chunk, t_end = min(a.T, t_begin + chunk);
+  for (int t0 = t_begin; t0 < t_end; t0 += kSteps) {
+    long long ids[kSteps];  // loaded together: one dependent load per token would stall the warp
+#pragma unroll
+    for (int b = 0; b < kSteps; ++b) ids[b] = load_slot(a.topk_idx, t0 + b, t_end, K);
+#pragma unroll
+    for (int b = 0; b < kSteps; ++b) {
+      const bool valid = ids[b] >= 0 && ids[b] < E;  // other ids count as unused slots
+      if (valid) atomicAdd(&cnt[(int)ids[b]], 1);
+      const unsigned ranks = __reduce_or_sync(kFull, valid ? 1u << ((int)ids[b] / L) : 0u);
+      if (lane < R && ((ranks >> lane) & 1u)) cnt[E + lane] += 1;  // lane r alone owns rank r
+    }
+  }
+  __syncwarp();
+  int* row = scratch_of(c) + (long long)blockIdx.x * kScratchStride;
+  for (int i = lane; i < E + R; i += 32) row[i] = cnt[i];
+}
+
+int exchange_smem_bytes(int E, int R) { return (E + R + R * E + 3 * E) * (int)sizeof(int); }
+
+__global__ void __launch_bounds__(kExchangeThreads, 1) notify_exchange_kernel(Ctx c, CallArgs call, NotifyArgs a,
+                                                                              int blocks) {
+  extern __shared__ int smem[];
+  const int E = a.E, R = c.num_ranks, rank = c.rank, L = E / R, tid = threadIdx.x;
+  int* tot = smem;             // [E + R]: this rank's totals, then (experts) every rank's
+  int* all_e = tot + E + R;    // [R][E] every rank's per-expert counts
+  int* below = all_e + R * E;  // [E] counts of the ranks below this one
+  int* incl = below + E;       // [E] padded totals, inclusive scan
+  int* seg = incl + E;         // [E] segment start inside the destination's output
+  __shared__ int s_rcnt[kMaxRanks][kMaxRanks];  // [source][destination] tokens
+  __shared__ int s_T[kMaxRanks];
+  __shared__ int s_dropped;
+  int* scratch = scratch_of(c);
+  Control* me = ctrl_of(c, rank);
+  const unsigned long long target = me->expected[kSlotCall] + 1;
+
+  // chunk counts -> exclusive prefixes over chunks (in place), and this rank's totals
+  for (int i = tid; i < E + R; i += blockDim.x) {
+    int run = 0;
+    for (int b = 0; b < blocks; ++b) {
+      int* p = scratch + (long long)b * kScratchStride + i;
+      const int v = *p;
+      *p = run;
+      run += v;
+    }
+    tot[i] = run;
+  }
+  __syncthreads();
+
+  // publish counts, T and the call record; then the exchange
+  int* mine = counts_of(c, rank);
+  for (int e = tid; e < E; e += blockDim.x) mine[kMaxRanks + e] = tot[e];
+  if (tid < R) mine[tid] = tot[E + tid];
+  if (tid == 0) {
+    mine[kMaxRanks + kMaxExperts] = a.T;
+    write_record(c, call);
+  }
+  if (tid == 0) s_dropped = 0;
+  __threadfence_system();
+  __syncthreads();
+  if (tid == 0) signal_all(c, kSlotCall);
+  const int st = block_wait_call(c, kSlotCall, target, true);
+  if (st < 0) return;  // the host block says why
+  if (tid == 0) me->expected[kSlotCall] = target;
+  if (st == 0) {  // aborted on every rank: wake the host, which reads the error first
+    if (tid == 0) {
+      a.recv_info[RecvInfo::kRows] = 0;
+      a.recv_info[RecvInfo::kPermRows] = 0;
+      a.recv_info[RecvInfo::kLocal] = L;
+      a.recv_info[RecvInfo::kDropped] = 0;
+      c.host->num_rows = -1;  // tells the host this call was aborted
+      c.host->num_perm_rows = -1;
+      __threadfence_system();
+      c.host->tag = a.tag;
+    }
+    return;
+  }
+
+  // every rank's counts at once (independent remote loads)
+  for (int i = tid; i < R * E; i += blockDim.x) {
+    const int s = i / E, e = i - s * E;
+    all_e[i] = ld_volatile(counts_of(c, s) + kMaxRanks + e);
+  }
+  for (int i = tid; i < R * R; i += blockDim.x) s_rcnt[i / R][i % R] = ld_volatile(counts_of(c, i / R) + i % R);
+  if (tid < R) s_T[tid] = ld_volatile(counts_of(c, tid) + kMaxRanks + kMaxExperts);
+  __syncthreads();
+  for (int e = tid; e < E; e += blockDim.x) {
+    int t = 0, b = 0;
+    for (int s = 0; s < R; ++s) {
+      const int v = all_e[s * E + e];
+      t += v;
+      b += s < rank ? v : 0;
+    }
+    tot[e] = t;
+    below[e] = b;
+    incl[e] = pad_to(t, a.align);
+  }
+  __syncthreads();
+  for (int off = 1; off < E; off <<= 1) {  // inclusive scan of the padded totals (E <= blockDim)
+    const int v = (tid < E && tid >= off) ? incl[tid - off] : 0;
+    __syncthreads();
+    if (tid < E) incl[tid] += v;
+    __syncthreads();
+  }
+  for (int e = tid; e < E; e += blockDim.x) {
+    const int first = (e / L) * L;
+    seg[e] = incl[e] - pad_to(tot[e], a.align) - (first > 0 ? incl[first - 1] : 0);
+  }
+  __syncthreads();
+
+  // receive layout of this rank, and what the group needs
+  const int W = a.worst;
+  for (int le = tid; le < L; le += blockDim.x) {
+    const int e = rank * L + le;
+    const int cnt = tot[e], s0 = seg[e], padded = pad_to(cnt, a.align);
+    a.recv_info[RecvInfo::counts(L) + le] = cnt;
+    a.recv_info[RecvInfo::padded(L) + le] = W > 0 ? min(s0 + padded, W) - min(s0, W) : padded;
+    a.recv_info[RecvInfo::seg_start(L) + le] = s0;
+    if (W > 0 && a.permute) {
+      const int lost = s0 + cnt - max(s0, W);
+      if (lost > 0) atomicAdd(&s_dropped, lost);
+    }
+    c.host->expert_counts[le] = cnt;
+  }
+  // base rows for pass 2: expert e -> its segment + lower ranks; rank d -> lower ranks' rows
+  int* base = scratch + (long long)blocks * kScratchStride;
+  for (int e = tid; e < E; e += blockDim.x) base[e] = seg[e] + below[e];
+  if (tid < R) {
+    int b = 0;
+    for (int s = 0; s < rank; ++s) b += s_rcnt[s][tid];
+    base[E + tid] = b;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    int n_max = 0, m_max = 0, t_max = 0, n_mine = 0, m_mine = 0;
+    for (int d = 0; d < R; ++d) {
+      int n = 0;
+      for (int s = 0; s < R; ++s) n += s_rcnt[s][d];
+      const int m = incl[d * L + L - 1] - (d > 0 ? incl[d * L - 1] : 0);
+      n_max = max(n_max, n);
+      m_max = max(m_max, m);
+      t_max = max(t_max, s_T[d]);
+      if (d == rank) n_mine = n, m_mine = m;
+    }
+    int dropped = 0;
+    if (W > 0) dropped = a.permute ? s_dropped : max(0, n_mine - W);
+    a.recv_info[RecvInfo::kRows] = n_mine;
+    a.recv_info[RecvInfo::kPermRows] = m_mine;
+    a.recv_info[RecvInfo::kLocal] = L;
+    a.recv_info[RecvInfo::kDropped] = dropped;
+    c.host->num_rows = n_mine;
+    c.host->num_perm_rows = m_mine;
+    c.host->need_tokens = t_max;
+    c.host->need_rows = n_max;
+    c.host->need_perm_rows = m_max;
+  }
+  __threadfence_system();
+  __syncthreads();
+  if (tid == 0) c.host->tag = a.tag;  // the CPU may now size the outputs
+}
+
+__global__ void __launch_bounds__(32) notify_positions_kernel(Ctx c, NotifyArgs a, int chunk, int blocks) {
+  extern __shared__ int run[];  // [E] running row of each expert, then [R] of each rank
+  const int E = a.E, R = c.num_ranks, L = E / R, K = a.K, lane = lane_id();
+  const int t_begin = blockIdx.x * chunk, t_end = min(a.T, t_begin + chunk);
+  if (call_aborted(c)) {  // no positions: whatever later uses them skips every row
+    for (long long i = (long long)t_begin * K + lane; i < (long long)t_end * K; i += 32) a.slot_pos[i] = -1;
+    for (long long i = (long long)t_begin * R + lane; i < (long long)t_end * R; i += 32) a.rank_pos[i] = -1;
+    return;
+  }
+  const int* scratch = scratch_of(c);
+  const int* prefix = scratch + (long long)blockIdx.x * kScratchStride;
+  const int* base = scratch + (long long)blocks * kScratchStride;
+  for (int i = lane; i < E + R; i += 32) run[i] = prefix[i] + base[i];
+  __syncwarp();
+  for (int t0 = t_begin; t0 < t_end; t0 += kSteps) {
+    long long ids[kSteps];
+#pragma unroll
+    for (int b = 0; b < kSteps; ++b) ids[b] = load_slot(a.topk_idx, t0 + b, t_end, K);
+#pragma unroll
+    for (int b = 0; b < kSteps; ++b) {
+      const int t = t0 + b;
+      if (t >= t_end) break;  // warp-uniform
+      const bool valid = ids[b] >= 0 && ids[b] < E;
+      const int pos = valid ? atomicAdd(&run[(int)ids[b]], 1) : -1;
+      if (lane < K) a.slot_pos[(long long)t * K + lane] = pos;
+      const unsigned ranks = __reduce_or_sync(kFull, valid ? 1u << ((int)ids[b] / L) : 0u);
+      if (lane < R) a.rank_pos[(long long)t * R + lane] = ((ranks >> lane) & 1u) ? run[E + lane]++ : -1;
+    }
+  }
+}
+
+void launch_notify(const Ctx& ctx, const CallArgs& call, const NotifyArgs& args, cudaStream_t stream) {
+  const NotifyPlan p = notify_plan(args.T);
+  const int R = ctx.num_ranks;
+  const int hist = (args.E + R) * (int)sizeof(int);
+  notify_count_kernel<<<p.blocks, 32, hist, stream>>>(ctx, args, p.chunk);
+  notify_exchange_kernel<<<1, kExchangeThreads, exchange_smem_bytes(args.E, R), stream>>>(ctx, call, args, p.blocks);
+  notify_positions_kernel<<<p.blocks, 32, hist, stream>>>(ctx, args, p.chunk, p.blocks);
 }
 
 // ------------------------------------------------------------------------------------- stage
@@ -42,7 +281,8 @@ __device__ __forceinline__ void stage_body(const Ctx& c, const StageArgs& a) {
   int* sspos = at<int>(c, c.rank, c.lay.stage_spos);
   float* sw = at<float>(c, c.rank, c.lay.stage_w);
   for (long long i = gtid; i < (long long)a.T * a.K; i += nthreads) {
-    sidx[i] = (int)a.topk_idx[i];
+    const long long e = a.topk_idx[i];
+    sidx[i] = (e >= 0 && e < INT_MAX) ? (int)e : -1;
     sspos[i] = a.slot_pos[i];
     if (a.topk_w != nullptr) sw[i] = a.topk_w[i];
   }
@@ -55,14 +295,19 @@ __device__ __forceinline__ void stage_body(const Ctx& c, const StageArgs& a) {
   }
 }
 
-__global__ void __launch_bounds__(kCopyThreads, 1) stage_kernel(Ctx c, StageArgs a) {
+__global__ void __launch_bounds__(kCopyThreads, 1) stage_kernel(Ctx c, CallArgs call, int slot, StageArgs a) {
+  if (call_aborted(c)) return;
   stage_body(c, a);
   __syncthreads();
-  if (threadIdx.x == 0 && last_block_done(c, kGridStage)) signal_all(c, kSlotStaged);
+  if (threadIdx.x == 0 && last_block_done(c, kGridStage)) {
+    if (slot == kSlotCall) write_record(c, call);
+    signal_all(c, slot);
+  }
 }
 
-void launch_stage(const Ctx& ctx, const StageArgs& args, int num_blocks, cudaStream_t stream) {
-  stage_kernel<<<num_blocks, kCopyThreads, 0, stream>>>(ctx, args);
+void launch_stage(const Ctx& ctx, const CallArgs& call, int slot, const StageArgs& args, int num_blocks,
+                  cudaStream_t stream) {
+  stage_kernel<<<num_blocks, kCopyThreads, 0, stream>>>(ctx, call, slot, args);
 }
 
 // ---------------------------------------------------------------------------------- dispatch
@@ -90,18 +335,19 @@ __device__ __forceinline__ void copy_row_multi(char* out, int row_bytes, const c
 
 __device__ __forceinline__ bool is_pad_row(const int* info, int L, int row) {
   // rows past M, or inside expert le's segment past its count
-  if (row >= info[1]) return true;
-  const int* seg = info + 3 + 2 * L;
+  if (row >= info[RecvInfo::kPermRows]) return true;
+  const int* seg = info + RecvInfo::seg_start(L);
   int lo = 0, hi = L - 1;
   while (lo < hi) {  // last le with seg[le] <= row
     const int mid = (lo + hi + 1) >> 1;
     if (seg[mid] <= row) lo = mid; else hi = mid - 1;
   }
-  return row - seg[lo] >= info[3 + lo];
+  return row - seg[lo] >= info[RecvInfo::counts(L) + lo];
 }
 
 // Pull every row bound for this rank from the peers' staging into the outputs, and fill the
-// padding. Called once the peers' staging is known to be complete.
+// padding. Called once the peers' staging is known to be complete. Positions >= out_rows are
+// not written (num_worst_tokens; notify counted them).
 __device__ __forceinline__ void pull_body(const Ctx& c, const DispatchArgs& a) {
   __shared__ int s_tok[kMaxRanks + 1];  // prefix of the peers' token counts
   const int R = c.num_ranks, rank = c.rank, L = a.E / R, K = a.K;
@@ -124,6 +370,7 @@ __device__ __forceinline__ void pull_body(const Ctx& c, const DispatchArgs& a) {
       while (u >= s_tok[s + 1]) ++s;
       t = u - s_tok[s];
       rp = __ldcg(at<const int>(c, s, c.lay.stage_rpos) + (long long)t * R + rank);
+      if (!a.permute && rp >= a.out_rows) rp = -1;  // past num_worst_tokens: not delivered
     }
   };
   struct Meta {
@@ -155,7 +402,7 @@ __device__ __forceinline__ void pull_body(const Ctx& c, const DispatchArgs& a) {
       const unsigned rest = hits & (hits - 1);
       if (rest) next = load_meta(__shfl_sync(kFull, s, __ffs(rest) - 1), __shfl_sync(kFull, t, __ffs(rest) - 1));
       const char* src_row = region(c, hs) + c.lay.stage_x + (long long)ht * a.row_bytes;
-      const bool local = m.e >= 0 && m.e / L == rank;
+      const bool local = m.e >= 0 && m.e < a.E && m.e / L == rank;
       const float* src_scales = at<const float>(c, hs, c.lay.stage_scales) + (long long)ht * a.scale_cols;
       if (!a.permute) {
         copy_row_multi(a.out_x, a.row_bytes, src_row, 1u, hrp);
@@ -165,9 +412,11 @@ __device__ __forceinline__ void pull_body(const Ctx& c, const DispatchArgs& a) {
         if (lane < K) {
           a.out_idx[(long long)hrp * K + lane] = local ? m.e - rank * L : -1;
           if (a.out_w != nullptr) a.out_w[(long long)hrp * K + lane] = local ? m.w : 0.f;
+          if (local && a.out_tpe != nullptr) atomicAdd(reinterpret_cast<unsigned long long*>(a.out_tpe + (m.e - rank * L)), 1ull);
         }
       } else {
-        const unsigned dests = __ballot_sync(kFull, local);
+        const bool take = local && m.sp >= 0 && m.sp < a.out_rows;
+        const unsigned dests = __ballot_sync(kFull, take);
         copy_row_multi(a.out_x, a.row_bytes, src_row, dests, m.sp);
         if (a.out_scales != nullptr)
           for (unsigned d = dests; d; d &= d - 1) {
@@ -175,7 +424,7 @@ __device__ __forceinline__ void pull_body(const Ctx& c, const DispatchArgs& a) {
             warp_copy_bytes(reinterpret_cast<char*>(a.out_scales + (long long)p * a.scale_cols),
                             reinterpret_cast<const char*>(src_scales), a.scale_cols * 4);
           }
-        if (local) {
+        if (take) {
           if (a.out_w != nullptr) a.out_w[m.sp] = m.w;
           a.out_row_expert[m.sp] = m.e - rank * L;
         }
@@ -185,7 +434,7 @@ __device__ __forceinline__ void pull_body(const Ctx& c, const DispatchArgs& a) {
 
   // padding: expert segments past their counts and worst-case rows past N / M
   const int* info = a.recv_info;
-  const int valid_rows = a.permute ? info[1] : info[0];
+  const int valid_rows = a.permute ? info[RecvInfo::kPermRows] : info[RecvInfo::kRows];
   for (int row = gw; row < a.out_rows; row += tw) {
     const bool pad = a.permute ? is_pad_row(info, L, row) : row >= valid_rows;
     if (!pad) continue;
@@ -201,21 +450,25 @@ __device__ __forceinline__ void pull_body(const Ctx& c, const DispatchArgs& a) {
       a.out_row_expert[row] = -1;
     }
   }
-
 }
 
-__global__ void __launch_bounds__(kCopyThreads, 1) dispatch_kernel(Ctx c, DispatchArgs a) {
+__global__ void __launch_bounds__(kCopyThreads, 1) dispatch_kernel(Ctx c, int slot, DispatchArgs a) {
+  if (call_aborted(c)) return;
   Control* me = ctrl_of(c, c.rank);
-  const unsigned long long target = me->expected[kSlotStaged] + 1;
-  if (!block_wait_all(c, kSlotStaged, target)) return;
-  pull_body(c, a);
+  const unsigned long long target = me->expected[slot] + 1;
+  const int st = block_wait_call(c, slot, target, slot == kSlotCall);
+  if (st < 0) return;
+  if (st > 0) pull_body(c, a);
   // done reading the peers' staging: tell them, and wait until nobody reads ours any more
   __syncthreads();
-  if (threadIdx.x == 0 && end_of_call(c, kGridDispatch, kSlotDispatchDone)) me->expected[kSlotStaged] = target;
+  if (threadIdx.x == 0 && last_block_done(c, kGridDispatch)) {
+    me->expected[slot] = target;
+    if (st > 0) done_exchange(c, kSlotDispatchDone);
+  }
 }
 
-void launch_dispatch(const Ctx& ctx, const DispatchArgs& args, int num_blocks, cudaStream_t stream) {
-  dispatch_kernel<<<num_blocks, kCopyThreads, 0, stream>>>(ctx, args);
+void launch_dispatch(const Ctx& ctx, int slot, const DispatchArgs& args, int num_blocks, cudaStream_t stream) {
+  dispatch_kernel<<<num_blocks, kCopyThreads, 0, stream>>>(ctx, slot, args);
 }
 
 // -------------------------------------------------------------------------------------- push
@@ -241,7 +494,7 @@ __device__ __forceinline__ void copy_row_to(const char* src, int row_bytes, unsi
 }
 
 // Thread 0 of every block; all blocks of the grid are resident (the same assumption the
-// cross-rank waits make). A hang here means they were not: report it instead of hanging.
+// cross-rank waits make, enforced by the host's SM budget). Reports instead of hanging.
 __device__ __forceinline__ bool grid_barrier(const Ctx& c) {
   Control* me = ctrl_of(c, c.rank);
   __threadfence();
@@ -256,30 +509,38 @@ __device__ __forceinline__ bool grid_barrier(const Ctx& c) {
   return true;
 }
 
-__global__ void __launch_bounds__(kCopyThreads, 1) dispatch_push_kernel(Ctx c, PushArgs a) {
+__global__ void __launch_bounds__(kCopyThreads, 1) dispatch_push_kernel(Ctx c, CallArgs call, int slot, PushArgs a) {
   __shared__ long long s_off[4][kMaxRanks];
-  __shared__ int s_all_pooled;
+  __shared__ int s_all_pooled, s_ok;
+  if (call_aborted(c)) return;
   const int R = c.num_ranks, rank = c.rank, L = a.out.E / R, K = a.in.K;
   Control* me = ctrl_of(c, rank);
-  const unsigned long long t_loc = me->expected[kSlotOutLoc] + 1;
+  const unsigned long long t_loc = me->expected[slot] + 1;
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     me->out_x_off = a.out_x_off;
     me->out_s_off = a.out_s_off;
     me->out_idx_off = a.out_idx_off;
     me->out_w_off = a.out_w_off;
     me->out_pooled = a.out_x_off >= 0;
-    signal_all(c, kSlotOutLoc);
+    if (slot == kSlotCall) write_record(c, call);
+    signal_all(c, slot);
   }
-  if (!block_wait_all(c, kSlotOutLoc, t_loc)) return;
+  const int st = block_wait_call(c, slot, t_loc, slot == kSlotCall);
+  if (st < 0) return;
+  if (st == 0) {  // aborted on every rank: only the handshake counter moves
+    __syncthreads();
+    if (threadIdx.x == 0 && last_block_done(c, kGridPush)) me->expected[slot] = t_loc;
+    return;
+  }
   if (threadIdx.x == 0) {
     int all = 1;
     for (int d = 0; d < R; ++d) {
       const Control* p = ctrl_of(c, d);
       all &= ld_volatile(&p->out_pooled);
-      s_off[0][d] = *reinterpret_cast<const volatile long long*>(&p->out_x_off);
-      s_off[1][d] = *reinterpret_cast<const volatile long long*>(&p->out_s_off);
-      s_off[2][d] = *reinterpret_cast<const volatile long long*>(&p->out_idx_off);
-      s_off[3][d] = *reinterpret_cast<const volatile long long*>(&p->out_w_off);
+      s_off[0][d] = ld_volatile(&p->out_x_off);
+      s_off[1][d] = ld_volatile(&p->out_s_off);
+      s_off[2][d] = ld_volatile(&p->out_idx_off);
+      s_off[3][d] = ld_volatile(&p->out_w_off);
     }
     s_all_pooled = all;
   }
@@ -306,6 +567,7 @@ __global__ void __launch_bounds__(kCopyThreads, 1) dispatch_push_kernel(Ctx c, P
         e = __ldg(in.topk_idx + (long long)t * K + lane);
         if (in.topk_w != nullptr) w = __ldg(in.topk_w + (long long)t * K + lane);
       }
+      const bool valid_e = e >= 0 && e < a.out.E;
       const unsigned dests = __ballot_sync(kFull, pos >= 0);
       copy_row_to(static_cast<const char*>(in.x) + (long long)t * in.row_bytes, in.row_bytes, dests, dst);
       for (unsigned m = dests; m; m &= m - 1) {
@@ -315,40 +577,46 @@ __global__ void __launch_bounds__(kCopyThreads, 1) dispatch_push_kernel(Ctx c, P
           warp_copy_bytes(reinterpret_cast<char*>(__shfl_sync(kFull, dst_s, d)),
                           reinterpret_cast<const char*>(in.scales + (long long)t * in.scale_cols), in.scale_cols * 4);
         if (lane < K) {
-          const bool local = e >= 0 && e / L == d;
+          const bool local = valid_e && e / L == d;
           reinterpret_cast<long long*>(region(c, d) + s_off[2][d])[(long long)p * K + lane] = local ? e - (long long)d * L : -1;
           if (s_off[3][d] >= 0) reinterpret_cast<float*>(region(c, d) + s_off[3][d])[(long long)p * K + lane] = local ? w : 0.f;
         }
       }
     }
     __syncthreads();  // then: this rank's writes into every output are complete
-    if (threadIdx.x == 0 && end_of_call(c, kGridPush, kSlotPushDone)) me->expected[kSlotOutLoc] = t_loc;
+    if (threadIdx.x == 0 && last_block_done(c, kGridPush)) {
+      me->expected[slot] = t_loc;
+      done_exchange(c, kSlotPushDone);
+    }
     return;
   }
 
   // some rank's outputs are ordinary tensors: everybody stages and pulls (same kernel)
   stage_body(c, in);
   __syncthreads();
-  if (threadIdx.x == 0 && !grid_barrier(c)) return;
+  if (threadIdx.x == 0) s_ok = grid_barrier(c);
   __syncthreads();
+  if (!s_ok) return;
   if (blockIdx.x == 0 && threadIdx.x == 0) signal_all(c, kSlotStaged);
   const unsigned long long t_st = me->expected[kSlotStaged] + 1;
   if (!block_wait_all(c, kSlotStaged, t_st)) return;
   pull_body(c, a.out);
   __syncthreads();
-  if (threadIdx.x == 0 && end_of_call(c, kGridDispatch, kSlotDispatchDone)) {
+  if (threadIdx.x == 0 && last_block_done(c, kGridDispatch)) {
     me->grid_done[kGridBarrier] = 0;  // every block passed it long ago
-    me->expected[kSlotOutLoc] = t_loc;
+    me->expected[slot] = t_loc;
     me->expected[kSlotStaged] = t_st;
+    done_exchange(c, kSlotDispatchDone);
   }
 }
 
-void launch_dispatch_push(const Ctx& ctx, const PushArgs& args, int num_blocks, cudaStream_t stream) {
-  dispatch_push_kernel<<<num_blocks, kCopyThreads, 0, stream>>>(ctx, args);
+void launch_dispatch_push(const Ctx& ctx, const CallArgs& call, int slot, const PushArgs& args, int num_blocks,
+                          cudaStream_t stream) {
+  dispatch_push_kernel<<<num_blocks, kCopyThreads, 0, stream>>>(ctx, call, slot, args);
 }
 
 // ----------------------------------------------------------------------------- stage combine
-__global__ void __launch_bounds__(kCopyThreads, 1) stage_combine_kernel(Ctx c, StageCombineArgs a) {
+__global__ void __launch_bounds__(kCopyThreads, 1) stage_combine_kernel(Ctx c, CallArgs call, StageCombineArgs a) {
   const long long gtid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   const long long nthreads = (long long)gridDim.x * blockDim.x;
   if (a.x != nullptr)
@@ -359,11 +627,15 @@ __global__ void __launch_bounds__(kCopyThreads, 1) stage_combine_kernel(Ctx c, S
   }
   if (gtid == 0) ctrl_of(c, c.rank)->comb_has_weights = a.w != nullptr;
   __syncthreads();
-  if (threadIdx.x == 0 && last_block_done(c, kGridStageComb)) signal_all(c, kSlotCombStaged);
+  if (threadIdx.x == 0 && last_block_done(c, kGridStageComb)) {
+    write_record(c, call);
+    signal_all(c, kSlotCall);
+  }
 }
 
-void launch_stage_combine(const Ctx& ctx, const StageCombineArgs& args, int num_blocks, cudaStream_t stream) {
-  stage_combine_kernel<<<num_blocks, kCopyThreads, 0, stream>>>(ctx, args);
+void launch_stage_combine(const Ctx& ctx, const CallArgs& call, const StageCombineArgs& args, int num_blocks,
+                          cudaStream_t stream) {
+  stage_combine_kernel<<<num_blocks, kCopyThreads, 0, stream>>>(ctx, call, args);
 }
 
 // ---------------------------------------------------------------------------------- combine
@@ -422,26 +694,38 @@ __global__ void __launch_bounds__(kCopyThreads, 1) combine_kernel(Ctx c, Combine
   constexpr int kSrcBatch = 4;  // source rows loaded together: 16 loads in flight per lane
   const int R = c.num_ranks, K = a.K, L = a.E / R;
   Control* me = ctrl_of(c, c.rank);
-  const unsigned long long target = me->expected[kSlotCombStaged] + 1;
-  if (!block_wait_all(c, kSlotCombStaged, target)) return;
+  const unsigned long long target = me->expected[kSlotCall] + 1;
+  const int st = block_wait_call(c, kSlotCall, target, true);
+  if (st < 0) return;
 
   const int lane = lane_id();
   const int gw = blockIdx.x * kCopyWarps + (threadIdx.x >> 5), tw = gridDim.x * kCopyWarps;
   const int row_bytes = a.H * (kFp32 ? 4 : 2);
   const int n16 = row_bytes >> 4;
-  for (int t = gw; t < a.T; t += tw) {
-    // lane j describes source row j: rank-major one per rank, expert-major one per slot
+  for (int t = (st > 0 ? gw : a.T); t < a.T; t += tw) {
+    // lane j describes source row j: rank-major one per rank, expert-major one per slot; only
+    // rows the dispatch delivered (valid id, position inside every rank's input) are read
     const char* src = nullptr;
-    long long e = -1;
-    if (lane < K) e = a.topk_idx[(long long)t * K + lane];
+    int owner = -1, pos = -1;
+    if (lane < K) {
+      const long long e = a.topk_idx[(long long)t * K + lane];
+      if (e >= 0 && e < a.E) owner = (int)(e / L);
+    }
     if (!a.permute) {
       if (lane < R) {
         const int p = a.rank_pos[(long long)t * R + lane];
-        if (p >= 0) src = region(c, lane) + c.lay.comb_x + (long long)p * row_bytes;
+        if (p >= 0 && p < a.row_limit) src = region(c, lane) + c.lay.comb_x + (long long)p * row_bytes;
       }
-    } else if (e >= 0) {
+      if (owner >= 0) {
+        const int p = a.rank_pos[(long long)t * R + owner];
+        pos = (p >= 0 && p < a.row_limit) ? p : -1;
+      }
+    } else if (owner >= 0) {
       const int p = a.slot_pos[(long long)t * K + lane];
-      src = region(c, (int)(e / L)) + c.lay.comb_x + (long long)p * row_bytes;
+      if (p >= 0 && p < a.row_limit) {
+        pos = p;
+        src = region(c, owner) + c.lay.comb_x + (long long)p * row_bytes;
+      }
     }
     const unsigned srcs = __ballot_sync(kFull, src != nullptr);
     const unsigned long long src_u = reinterpret_cast<unsigned long long>(src);
@@ -484,21 +768,19 @@ __global__ void __launch_bounds__(kCopyThreads, 1) combine_kernel(Ctx c, Combine
     }
     if (a.w_out != nullptr && lane < K) {
       float w = 0.f;
-      if (e >= 0 && a.has_weights) {
-        const int d = (int)(e / L);
-        if (!a.permute) {
-          const int p = a.rank_pos[(long long)t * R + d];
-          w = __ldcg(at<const float>(c, d, c.lay.comb_w) + (long long)p * K + lane);
-        } else {
-          w = __ldcg(at<const float>(c, d, c.lay.comb_w) + a.slot_pos[(long long)t * K + lane]);
-        }
+      if (pos >= 0 && a.has_weights) {
+        const float* wsrc = at<const float>(c, owner, c.lay.comb_w);
+        w = __ldcg(a.permute ? wsrc + pos : wsrc + (long long)pos * K + lane);
       }
       a.w_out[(long long)t * K + lane] = w;
     }
   }
 
   __syncthreads();
-  if (threadIdx.x == 0 && end_of_call(c, kGridCombine, kSlotCombDone)) me->expected[kSlotCombStaged] = target;
+  if (threadIdx.x == 0 && last_block_done(c, kGridCombine)) {
+    me->expected[kSlotCall] = target;
+    if (st > 0) done_exchange(c, kSlotCombDone);
+  }
 }
 
 void launch_combine(const Ctx& ctx, const CombineArgs& args, int num_blocks, cudaStream_t stream) {
@@ -509,10 +791,16 @@ void launch_combine(const Ctx& ctx, const CombineArgs& args, int num_blocks, cud
 }
 
 // --------------------------------------------------------------------------------- prepare
-void prepare_layout_kernels();  // layout.cu
+void prepare_layout_kernels();   // layout.cu
+void prepare_runtime_kernels();  // runtime.cu
 
 void prepare_kernels() {
   cudaFuncAttributes attr;
+  cudaFuncGetAttributes(&attr, notify_count_kernel);
+  cudaFuncGetAttributes(&attr, notify_exchange_kernel);
+  cudaFuncGetAttributes(&attr, notify_positions_kernel);
+  cudaFuncSetAttribute(notify_exchange_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                       exchange_smem_bytes(kMaxExperts, kMaxRanks));
   cudaFuncGetAttributes(&attr, stage_kernel);
   cudaFuncGetAttributes(&attr, dispatch_kernel);
   cudaFuncGetAttributes(&attr, dispatch_push_kernel);
@@ -520,6 +808,7 @@ void prepare_kernels() {
   cudaFuncGetAttributes(&attr, combine_kernel<true>);
   cudaFuncGetAttributes(&attr, combine_kernel<false>);
   prepare_layout_kernels();
+  prepare_runtime_kernels();
 }
 
 }  // namespace mep

@@ -1,0 +1,105 @@
+"""The `cuda` backend: the shared runtime plus the kernel path the group's shape calls for.
+
+Today every group is one NVLink domain (at most 8 ranks) and runs the intranode normal path;
+the low-latency path is not implemented yet (use backend='torch' for it).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Optional
+
+import torch
+
+from . import protocol as P
+from .checks import fail
+from .paths.intranode import IntranodePath
+from .runtime import DEFAULT_TIMEOUT_S, CudaRuntime
+from .types import DispatchLayout
+
+
+class CudaBackend:
+    name = "cuda"
+
+    def __init__(self, group, rank: int, num_ranks: int, *, max_tokens_per_rank: Optional[int] = None,
+                 hidden: Optional[int] = None, num_experts: Optional[int] = None, max_topk: Optional[int] = None,
+                 num_sms: Optional[int] = None, dtype_bytes: int = 2, combine_bytes: int = 2,
+                 combine_rows: Optional[int] = None, pool_bytes: Optional[int] = None, max_alignment: int = 128,
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
+        if num_experts is not None:
+            fail(num_experts <= P.MAX_EXPERTS, f"num_experts={num_experts} exceeds the cuda backend's {P.MAX_EXPERTS}")
+        if max_topk is not None:
+            fail(1 <= max_topk <= P.MAX_TOPK, f"max_topk must be in 1..{P.MAX_TOPK}")
+        fail(1 <= max_alignment <= P.MAX_ALIGNMENT, f"max_alignment must be in 1..{P.MAX_ALIGNMENT}")
+        hints = dict(max_tokens=max_tokens_per_rank, hidden=hidden, max_experts=num_experts, max_topk=max_topk,
+                     dtype_bytes=dtype_bytes, combine_bytes=combine_bytes, combine_rows=combine_rows,
+                     pool_bytes=pool_bytes, max_alignment=max_alignment)
+        self.rt = CudaRuntime(group, rank, num_ranks, hints=hints, num_sms=num_sms, timeout_s=timeout_s)
+        self.path = IntranodePath(self.rt)
+
+    @property
+    def num_sms(self) -> int:
+        return self.rt.num_sms
+
+    def describe(self) -> str:
+        rt = self.rt
+        size = f"{rt.plan['total'] / 2**20:.0f} MiB region" if rt.ready else "sized on first use"
+        return f"cuda intranode, {rt.num_sms} SMs/rank, {rt.ranks_per_device} rank(s)/GPU, {size}"
+
+    @contextmanager
+    def call(self, call: P.Call):
+        """Entry check (errors reported since the last call) and, on a failure on this rank,
+        its publication to the peers waiting on this call."""
+        with self.rt.publishing(call):
+            self.rt.check(call)
+            yield call
+
+    def destroy(self) -> None:
+        self.rt.close()
+
+    def synchronize(self) -> None:
+        """Wait for this buffer's kernels and raise if any of them reported a failure."""
+        self.rt.stream.synchronize()
+        self.rt.check()
+
+    # ------------------------------------------------------------------------------ layout
+    def layout(self, topk_idx: torch.Tensor, num_experts: int) -> DispatchLayout:
+        T, R = topk_idx.shape[0], self.rt.num_ranks
+        tpr = torch.zeros(R, dtype=torch.int64, device=topk_idx.device)
+        tpe = torch.zeros(num_experts, dtype=torch.int64, device=topk_idx.device)
+        tir = torch.empty((T, R), dtype=torch.bool, device=topk_idx.device)
+        self.rt.ext.layout(topk_idx, num_experts, R, tpr, tpe, tir)
+        return DispatchLayout(tpr, tpe, tir)
+
+    # ---------------------------------------------------------------------- normal path
+    def dispatch(self, call, *args, **kwargs):
+        return self.path.dispatch(call, *args, **kwargs)
+
+    def combine(self, call, *args, **kwargs):
+        return self.path.combine(call, *args, **kwargs)
+
+    # ---------------------------------------------------------------------- low latency
+    def low_latency_dispatch(self, call, *args, **kwargs):
+        raise NotImplementedError("the cuda backend has no low-latency kernels yet (a later issue); use backend='torch'")
+
+    def low_latency_combine(self, call, *args, **kwargs):
+        raise NotImplementedError("the cuda backend has no low-latency kernels yet (a later issue); use backend='torch'")
+
+    # ------------------------------------------------------------------ zero-copy inputs
+    def dispatch_input(self, num_tokens: int, hidden: int, dtype: torch.dtype, device=None) -> torch.Tensor:
+        """A [T, H] tensor inside this rank's dispatch staging: dispatching it skips one copy.
+        Valid until the next dispatch on this buffer."""
+        rt = self.rt
+        fail(rt.ready, "get_dispatch_input needs a sized buffer (sizing hints, or one dispatch first)", RuntimeError)
+        nbytes = hidden * torch.empty((), dtype=dtype).element_size()
+        fail(num_tokens <= rt.plan["max_tokens"] and nbytes <= rt.plan["x_row_bytes"], "dispatch_input larger than the buffer")
+        return rt.view(rt.plan["stage_x"], [num_tokens, hidden], dtype)
+
+    def combine_input(self, num_rows: int, hidden: int, dtype: torch.dtype = torch.bfloat16, device=None) -> torch.Tensor:
+        """A [rows, H] tensor inside this rank's combine area: combining it skips one copy
+        (experts can write their output there). Valid until the next combine on this buffer."""
+        rt = self.rt
+        fail(rt.ready, "get_combine_input needs a sized buffer (sizing hints, or one dispatch first)", RuntimeError)
+        nbytes = hidden * torch.empty((), dtype=dtype).element_size()
+        fail(num_rows <= rt.plan["comb_rows"] and nbytes <= rt.plan["comb_row_bytes"], "combine_input larger than the buffer")
+        return rt.view(rt.plan["comb_x"], [num_rows, hidden], dtype)

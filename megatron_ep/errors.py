@@ -1,0 +1,33 @@
+"""Errors of collective calls. Every one names the call, the ranks and what they disagreed on or
+waited for; `fatal` says whether the buffer must be re-created (see README, "Failure modes")."""
+
+from __future__ import annotations
+
+
+class MegatronEPError(RuntimeError):
+    """A collective call of a megatron_ep Buffer failed."""
+
+    fatal = False
+
+
+class CallMismatchError(MegatronEPError):
+    """The ranks called different operations, or the same one with different arguments. The call
+    was aborted on every rank before anything moved; the buffer stays usable."""
+
+
+class PeerFailedError(MegatronEPError):
+    """Another rank failed during this call (its message is included) and published it; the call
+    was aborted on every rank; the buffer stays usable."""
+
+
+class CommTimeoutError(MegatronEPError):
+    """A wait exceeded its timeout (a rank died, hung, or never made the call). The handshakes
+    are out of step: the buffer must be re-created."""
+
+    fatal = True
+
+
+class BufferBrokenError(MegatronEPError):
+    """An earlier fatal error left this buffer unusable; re-create it."""
+
+    fatal = True

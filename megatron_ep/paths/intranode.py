@@ -1,0 +1,216 @@
+"""The intranode normal path (csrc/kernels/intranode.cu) on the shared runtime.
+
+A dispatch is notify (counts, the call exchange, exact row positions) -> [host reads the sizes
+from mapped memory, grows the region if any rank needs more -- unless outputs are worst-case
+sized] -> stage + pull, or push into pooled outputs. A cached dispatch and a combine start with
+their own exchange (stage, or push, publishes the call record). Kernels run on the runtime's
+communication stream; outputs are allocated on the caller's stream.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+
+from .. import protocol as P
+from ..checks import fail, is_fp8_tuple
+from ..runtime import CudaRuntime
+from ..types import CombineOutput, DispatchHandle, DispatchOutput
+
+RI = P.RECV_INFO
+SLOT = P.SLOT
+
+
+@dataclass
+class IntranodeState:
+    rank_pos: torch.Tensor  # [T, R] int32: row of each token in each rank's rank-major output (-1: none)
+    slot_pos: torch.Tensor  # [T, K] int32: row of each (token, slot) in its rank's expert-major output
+    recv_info: torch.Tensor  # int32, csrc/region_layout.h RecvInfo: N, M, L, dropped, counts, padded, seg starts
+    num_rows: Optional[int]  # N, when known on the host
+    num_perm_rows: Optional[int]  # M, when known on the host
+    counts: Optional[List[int]]  # raw per-local-expert counts, when known on the host
+
+
+class IntranodePath:
+    def __init__(self, rt: CudaRuntime):
+        self.rt = rt
+        self.kernels = rt.ext.intranode
+        self.tags = itertools.count(1)
+
+    # ------------------------------------------------------------------------------ dispatch
+    def dispatch(self, call: P.Call, x, topk_idx, topk_weights, num_experts, permute, alignment, handle, host_counts,
+                 num_worst_tokens, async_op=False, previous_event=None) -> DispatchOutput:
+        rt = self.rt
+        R, L = rt.num_ranks, num_experts // rt.num_ranks
+        data, scales = (x[0], x[1]) if is_fp8_tuple(x) else (x, None)
+        T, H = data.shape
+        elem = data.element_size()
+        row_bytes = H * elem
+        fail(row_bytes % 16 == 0, f"dispatch: rows of {row_bytes} bytes; the cuda backend needs a multiple of 16 (hidden * element size)")
+        fail(data.device == rt.device, f"x is on {data.device}, the buffer on {rt.device}")
+        fail(num_experts <= P.MAX_EXPERTS, f"num_experts={num_experts} exceeds the cuda backend's {P.MAX_EXPERTS}")
+        if topk_weights is not None:
+            fail(topk_weights.dtype == torch.float32, f"topk_weights must be float32 for the cuda backend, got {topk_weights.dtype}", TypeError)
+        if handle is None:
+            K = topk_idx.shape[1]
+            fail(K <= P.MAX_TOPK, f"topk_idx has K={K}; the cuda backend takes at most {P.MAX_TOPK}")
+            topk_idx = topk_idx.clone()  # the handle keeps its own routing (the caller may reuse theirs)
+        else:
+            K = handle.topk
+            topk_idx = handle.topk_idx
+        scale_cols = scales.shape[1] if scales is not None else 0
+        need = dict(max_tokens=T, hidden=H, dtype_bytes=elem, combine_bytes=max(2, elem), max_topk=K,
+                    max_experts=num_experts, combine_rows=max(R * T, num_worst_tokens))
+        capturing = torch.cuda.is_current_stream_capturing()
+        fail(not capturing or num_worst_tokens or handle is not None, "a dispatch captured in a CUDA graph needs "
+             "num_worst_tokens= (or a handle): exact output sizes need a host sync, which capture forbids", RuntimeError)
+        sync_free = bool(num_worst_tokens) or capturing
+        if not rt.ready:
+            fail(not capturing, "the first call of a cuda Buffer without sizing hints "
+                 "cannot be captured in a CUDA graph (it allocates); run one call before capturing", RuntimeError)
+            rt.first_use(need)
+        if sync_free or handle is not None:  # nothing can grow without the host sync: it must fit now
+            short = rt.fits({k: v for k, v in need.items() if k != "combine_rows" or num_worst_tokens})
+            fail(short is None, f"dispatch does not fit the buffer ({short}) and a "
+                 f"{'cached' if handle is not None else 'worst-case sized'} dispatch cannot grow it (no host sync): create "
+                 f"the Buffer with max_tokens_per_rank=, hidden=, combine_rows= large enough, or run one ordinary dispatch first")
+
+        # rank-major rows are pushed straight into pooled outputs when every rank has room
+        push = not permute and not num_worst_tokens and rt.plan["pool_bytes"] > 0 and not capturing
+        call.set(variant=int(push))
+        compute = rt.enter(previous_event)
+        first = handle is None
+        with torch.cuda.stream(rt.stream):
+            rt.mark("start")
+            if first:
+                st = IntranodeState(
+                    rank_pos=torch.empty((T, R), dtype=torch.int32, device=rt.device),
+                    slot_pos=torch.empty((T, K), dtype=torch.int32, device=rt.device),
+                    recv_info=torch.empty(RI["header"] + 3 * L, dtype=torch.int32, device=rt.device),
+                    num_rows=None, num_perm_rows=None, counts=None)
+                tag = next(self.tags)
+                self.kernels.notify(rt.rt, call.sig, topk_idx, num_experts, alignment, permute, num_worst_tokens,
+                                    st.rank_pos, st.slot_pos, st.recv_info, tag)
+                call.pending = None  # from here every rank learns the exchange's verdict itself
+                rt.mark("notify")
+                if not num_worst_tokens:
+                    info = rt.wait_host(call, tag, L)
+                    st.num_rows, st.num_perm_rows, st.counts = info["num_rows"], info["num_perm_rows"], info["counts"]
+                    rt.grow_if_needed(dict(need, max_tokens=info["need_tokens"],
+                                           combine_rows=info["need_perm_rows"] if permute else info["need_rows"]))
+                call.pending = SLOT["out_loc"] if push else SLOT["staged"]
+            else:
+                st = handle.state
+            valid = st.num_perm_rows if permute else st.num_rows
+            out_rows = num_worst_tokens or valid
+
+        # outputs live on the caller's stream (record_stream ties them to ours when async)
+        with torch.cuda.stream(compute):
+            pooled = None
+            if push:
+                pooled = rt.rt.pool_rank_major(out_rows, H, data.dtype, row_bytes, scale_cols, K,
+                                               topk_weights is not None, compute.cuda_stream)
+            if pooled is not None:
+                out_x, out_s, out_idx, out_w = pooled[:4]
+                offsets = list(pooled[4:])
+            else:
+                out_x = torch.empty((out_rows, H), dtype=data.dtype, device=rt.device)
+                out_s = torch.empty((out_rows, scale_cols), dtype=torch.float32, device=rt.device) if scales is not None else None
+                out_idx = None if permute else torch.empty((out_rows, K), dtype=torch.int64, device=rt.device)
+                out_w = None
+                if topk_weights is not None:
+                    out_w = torch.empty((out_rows,) if permute else (out_rows, K), dtype=torch.float32, device=rt.device)
+                offsets = [-1, -1, -1, -1]
+            out_re = torch.empty(out_rows, dtype=torch.int32, device=rt.device) if permute else None
+            drop_counts = bool(num_worst_tokens) and not permute
+            tpe = (torch.zeros if drop_counts else torch.empty)(L, dtype=torch.int64, device=rt.device)
+            dropped = torch.empty((), dtype=torch.int64, device=rt.device)
+            hooked = rt.new_outputs((out_x, out_s, out_idx, out_w, out_re))
+        with torch.cuda.stream(rt.stream):
+            if hooked or drop_counts:
+                rt.stream.wait_stream(compute)
+            # the first exchange of a cached dispatch is its stage (or push); after notify, the next
+            # handshake. Outputs were allocated first: a failure there is published before this
+            # rank signals anything, so the peers abort at the handshake they are waiting on.
+            slot = SLOT["call"] if not first else (SLOT["out_loc"] if push else SLOT["staged"])
+            if push:
+                self.kernels.dispatch_push(rt.rt, call.sig, slot, data, T, row_bytes, scales, scale_cols, topk_idx,
+                                           topk_weights, st.rank_pos, st.slot_pos, num_experts, out_rows, st.recv_info,
+                                           out_x, out_s, out_idx, out_w, offsets, rt.num_sms)
+            else:
+                self._stage(call, slot, data, T, row_bytes, scales, scale_cols, topk_idx, topk_weights, st)
+                call.pending = None  # this rank signalled: a failure can no longer be published in step
+                self.kernels.dispatch(rt.rt, call.sig, slot, row_bytes, scale_cols, K, num_experts, permute,
+                                      topk_weights is not None, out_rows, st.recv_info, out_x, out_s, out_idx, out_w,
+                                      out_re, tpe if drop_counts else None, rt.num_sms)
+            call.pending = None
+            rt.mark("push" if push else "pull")
+            if not drop_counts:
+                tpe.copy_(st.recv_info[RI["header"] + L:RI["header"] + 2 * L] if permute else st.recv_info[RI["header"]:RI["header"] + L])
+            dropped.copy_(st.recv_info[RI["dropped"]])
+        event = rt.leave(compute, [data, scales, topk_idx, topk_weights, st.rank_pos, st.slot_pos, st.recv_info,
+                                   out_x, out_s, out_idx, out_w, out_re, tpe, dropped], async_op)
+
+        out = DispatchOutput((out_x, out_s) if scales is not None else out_x, out_idx, out_w, out_re, tpe, None,
+                             event=event if async_op else None, num_dropped=dropped)
+        if first:
+            handle = DispatchHandle(backend="cuda", num_ranks=R, rank=rt.rank, num_experts=num_experts,
+                                    num_tokens=T, topk=K, permute=permute, expert_alignment=alignment,
+                                    num_recv_rows=out_rows, tokens_per_expert=tpe, topk_idx=topk_idx,
+                                    num_worst_tokens=num_worst_tokens, state=st, call_seq=call.seq)
+        out.handle = handle
+        if host_counts:
+            if st.counts is not None and not num_worst_tokens:
+                out.tokens_per_expert_host = [(c + alignment - 1) // alignment * alignment for c in st.counts] if permute else list(st.counts)
+            else:
+                out.tokens_per_expert_host = tpe.tolist()
+        return out
+
+    def _stage(self, call, slot, data, T, row_bytes, scales, scale_cols, topk_idx, topk_weights, st):
+        rt = self.rt
+        zero_copy = data.data_ptr() == rt.base + rt.plan["stage_x"]
+        self.kernels.stage(rt.rt, call.sig, slot, None if zero_copy else data, T, row_bytes, scales, scale_cols,
+                           topk_idx, topk_weights, st.rank_pos, st.slot_pos, rt.num_sms)
+        rt.mark("stage")
+
+    # ------------------------------------------------------------------------------- combine
+    def combine(self, call: P.Call, x, handle: DispatchHandle, weights, async_op=False, previous_event=None) -> CombineOutput:
+        rt = self.rt
+        fail(x.dtype in (torch.bfloat16, torch.float32), f"the cuda backend combines bf16 or fp32 rows, got {x.dtype}", TypeError)
+        fail(x.device == rt.device, f"x is on {x.device}, the buffer on {rt.device}")
+        st: IntranodeState = handle.state
+        rows, H = x.shape
+        row_bytes = H * x.element_size()
+        fail(row_bytes % 16 == 0, f"combine: rows of {row_bytes} bytes; the cuda backend needs a multiple of 16 (hidden * element size)")
+        fail(row_bytes <= rt.plan["comb_row_bytes"], f"combine: rows of {row_bytes} bytes exceed the {rt.plan['comb_row_bytes']} "
+             f"bytes the buffer holds (combine rows wider than any dispatch so far: create the Buffer with hidden= and "
+             f"combine_bytes={x.element_size()})")
+        fail(rows <= rt.plan["comb_rows"], f"combine input has {rows} rows; the buffer's combine area holds {rt.plan['comb_rows']} "
+             f"(Buffer(combine_rows=...))")
+        if weights is not None:
+            fail(weights.dtype == torch.float32, f"weights must be float32 for the cuda backend, got {weights.dtype}", TypeError)
+        T, K = handle.num_tokens, handle.topk
+        w_cols = 1 if handle.permute else K
+        call.set(variant=0)
+        compute = rt.enter(previous_event)
+        with torch.cuda.stream(compute):
+            y = torch.empty((T, H), dtype=x.dtype, device=rt.device)
+            w_out = torch.empty((T, K), dtype=torch.float32, device=rt.device) if weights is not None else None
+            hooked = rt.new_outputs((y, w_out))
+        with torch.cuda.stream(rt.stream):
+            if hooked:
+                rt.stream.wait_stream(compute)
+            rt.mark("start")
+            zero_copy = x.data_ptr() == rt.base + rt.plan["comb_x"]
+            self.kernels.stage_combine(rt.rt, call.sig, None if zero_copy else x, rows, row_bytes, weights, w_cols, rt.num_sms)
+            call.pending = None
+            rt.mark("stage")
+            self.kernels.combine(rt.rt, call.sig, T, H, K, handle.num_experts, handle.permute, x.dtype == torch.float32,
+                                 weights is not None, handle.num_worst_tokens, handle.topk_idx, st.rank_pos, st.slot_pos,
+                                 y, w_out, rt.num_sms)
+            rt.mark("pull")
+        event = rt.leave(compute, [x, weights, y, w_out, handle.topk_idx, st.rank_pos, st.slot_pos], async_op)
+        return CombineOutput(y, w_out, event if async_op else None)

@@ -1,0 +1,129 @@
+"""The call protocol, read from the C++ definition (csrc/protocol.h, csrc/region_layout.h through
+the small `megatron_ep._protocol` module, which needs neither CUDA nor torch).
+
+Every collective call on a Buffer carries a signature -- op, call sequence number, the routing
+it reuses, dtype, hidden size, row bytes, top-k, experts, layout, alignment, worst-case rows,
+weights, kernel variant -- in its first exchange (the torch backend's first collective, the cuda
+backend's first handshake). Ranks that disagree on any field abort the call together and each
+raises `CallMismatchError`, naming the field and every rank's value; a rank that fails on its
+own during a call publishes its message there, and its peers raise `PeerFailedError` with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+import torch
+
+from .errors import CallMismatchError, PeerFailedError
+
+try:
+    from . import _protocol as P
+except ImportError as exc:  # pragma: no cover - built by setup.py on every install
+    raise ImportError(
+        "megatron_ep._protocol is not built (it holds the protocol and region layout shared with the "
+        "kernels): run `pip install --no-build-isolation -e .` or `python setup.py build_ext --inplace`"
+    ) from exc
+
+SIG_FIELDS: List[str] = list(P.SIG_FIELDS)
+FIELD = {name: i for i, name in enumerate(SIG_FIELDS)}
+OP = dict(P.OP)
+OP_NAMES = {v: k for k, v in OP.items()}
+SLOT = dict(P.SLOT)
+SLOT_NAMES = dict(P.SLOTS)
+ERROR = dict(P.ERROR)
+RECV_INFO = dict(P.RECV_INFO)
+CALL_FAILED = P.CALL_FAILED
+MSG_BYTES = P.MSG_BYTES
+MAX_RANKS, MAX_TOPK, MAX_EXPERTS, MAX_ALIGNMENT = P.MAX_RANKS, P.MAX_TOPK, P.MAX_EXPERTS, P.MAX_ALIGNMENT
+FP8_BLOCK = P.FP8_BLOCK
+plan_region = P.plan_region
+is_fatal = P.error_is_fatal
+worst_expert_major_rows = P.worst_expert_major_rows
+
+_DTYPE_CODES = {getattr(torch, name): code for name, code in P.DTYPE.items()}
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    return _DTYPE_CODES.get(dtype, 0)
+
+
+def _dtype_name(code: int) -> str:
+    for dt, c in _DTYPE_CODES.items():
+        if c == code:
+            return str(dt).replace("torch.", "")
+    return "none"
+
+
+@dataclass
+class Call:
+    """One collective call: its sequence number, its signature, and where this rank must publish
+    a failure so its peers abort the same call instead of waiting (`pending`): "first" until
+    the first exchange, then the handshake the peers wait on next, None once nothing is owed."""
+
+    op: int
+    seq: int
+    sig: List[int] = field(default_factory=list)
+    pending: Optional[object] = "first"
+
+    def __post_init__(self):
+        self.sig = [0] * len(SIG_FIELDS)
+        self.sig[FIELD["op"]] = self.op
+        self.sig[FIELD["seq"]] = self.seq
+
+    def set(self, **fields) -> "Call":
+        for name, value in fields.items():
+            self.sig[FIELD[name]] = int(value)
+        return self
+
+    @property
+    def name(self) -> str:
+        return OP_NAMES.get(self.op, "call").replace("_", " ")
+
+    def describe(self) -> str:
+        return f"megatron_ep {self.name} (call #{self.seq})"
+
+
+def failure_message(exc: BaseException) -> str:
+    """What a failing rank tells its peers (truncated to the record's size)."""
+    text = f"{type(exc).__name__}: {exc}"
+    raw = text.encode("utf-8", "replace")[:MSG_BYTES]
+    return raw.decode("utf-8", "ignore")
+
+
+def _value(field_name: str, v: int) -> str:
+    if field_name == "op":
+        return OP_NAMES.get(v, str(v))
+    if field_name in ("dtype", "weights"):
+        return _dtype_name(v)
+    if field_name == "permute":
+        return str(bool(v))
+    if field_name == "variant":
+        return {0: "stage+pull", 1: "push"}.get(v, str(v))
+    return str(v)
+
+
+def mismatch_error(call: Call, field_index: int, values: Sequence[int], ops: Optional[Sequence[int]] = None) -> CallMismatchError:
+    name = SIG_FIELDS[field_index]
+    per_rank = ", ".join(f"rank {r} = {_value(name, v)}" for r, v in enumerate(values))
+    what = {"op": "called different operations",
+            "seq": "are at different calls of this buffer (a rank skipped or repeated a call)",
+            "routing": "passed handles from different dispatches"}.get(name, f"disagree on {name}")
+    ops_text = ""
+    if ops is not None and name != "op" and len(set(ops)) > 1:
+        ops_text = " (ops: " + ", ".join(f"rank {r} {OP_NAMES.get(o, o)}" for r, o in enumerate(ops)) + ")"
+    return CallMismatchError(f"{call.describe()}: the ranks {what}: {per_rank}{ops_text}; the call was aborted on "
+                             f"every rank before anything was sent, and the buffer stays usable")
+
+
+def first_mismatch(sigs: Sequence[Sequence[int]]) -> Optional[int]:
+    """Index of the first signature field that differs between ranks, or None."""
+    for f in range(len(SIG_FIELDS)):
+        if len({int(s[f]) for s in sigs}) > 1:
+            return f
+    return None
+
+
+def peer_failed_error(call: Call, rank: int, message: str) -> PeerFailedError:
+    return PeerFailedError(f"{call.describe()} aborted on every rank: rank {rank} failed: {message}")

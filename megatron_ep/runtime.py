@@ -1,0 +1,327 @@
+"""The cuda backend's runtime, shared by every kernel path (intranode now; low-latency and
+internode later, each in megatron_ep/paths/):
+
+* the communication region of each rank (control block, handshake counters, staging, combine
+  area, output pool) shared by CUDA IPC, planned by the C++ `plan_region` (megatron_ep._protocol);
+* its size: from the Buffer's hints, or -- without hints -- from the first call, agreed over the
+  group; then grown collectively whenever a synchronous dispatch finds (from notify's group-wide
+  counts, identical on every rank) that any rank needs more. Growing never frees memory a live
+  tensor points into: pooled outputs and zero-copy views keep their old region alive;
+* call bookkeeping: sequence numbers, the signature every call publishes at its first exchange,
+  and the publication of a failure on this rank, so peers abort the same call instead of
+  waiting (see megatron_ep/protocol.py);
+* errors: the mapped host block's error record, decoded into named exceptions; recoverable
+  aborts (mismatch, peer failure) leave the buffer usable, timeouts break it;
+* the SM budget (what the ranks sharing a GPU can keep resident), the communication stream,
+  events, and a host wait that backs off instead of spinning a core.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import os
+import socket
+import time
+from contextlib import contextmanager
+from typing import Callable, Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import _ext
+from . import protocol as P
+from .checks import fail
+from .errors import BufferBrokenError, CommTimeoutError, MegatronEPError
+from .types import EventOverlap
+
+log = logging.getLogger("megatron_ep")
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("MEP_TIMEOUT_S", "60"))
+
+# The SM budget rule. A copy kernel is limited by the slower of the link that carries the rows
+# and the rate at which its SMs can move them; give it enough SMs that their copy rate covers
+# the link with 25% headroom. Virtual ranks (several processes on one GPU) share that GPU's HBM.
+NVLINK_GBPS = 370.0  # practical NVLink 4 bandwidth per GPU (DESIGN §6)
+HBM_COPY_GBPS = 4300.0  # measured H200 device-to-device copy, read + write
+PER_SM_COPY_GBPS = 45.0  # bytes one SM moves per second in our pull kernels (docs/performance.md)
+
+_output_hook: Optional[Callable[[torch.Tensor], None]] = None
+
+
+def set_output_hook(fn: Optional[Callable[[torch.Tensor], None]]) -> None:
+    """Debugging aid: call `fn` on every output tensor the cuda backend allocates, before its
+    kernels write it (tests fill outputs with garbage this way, so an unwritten row shows)."""
+    global _output_hook
+    _output_hook = fn
+
+
+def default_num_sms(ranks_per_device: int, sm_count: int) -> int:
+    """SMs per rank for the copy kernels (see the rule above); even, at least 4, and small
+    enough that every rank sharing the GPU keeps all its blocks resident at once."""
+    link = HBM_COPY_GBPS / ranks_per_device if ranks_per_device > 1 else NVLINK_GBPS
+    n = math.ceil(1.25 * link / PER_SM_COPY_GBPS)
+    n += n % 2
+    return max(4, min(n, max_num_sms(ranks_per_device, sm_count)))
+
+
+def max_num_sms(ranks_per_device: int, sm_count: int) -> int:
+    """Kernels that wait on peers need all their blocks resident; under MPS the ranks sharing a
+    GPU must fit together, one block per SM each."""
+    return max(1, sm_count // ranks_per_device)
+
+
+class CudaRuntime:
+    """Region, calls and errors of one Buffer's cuda backend (one per rank)."""
+
+    def __init__(self, group, rank: int, num_ranks: int, *, hints: Dict[str, Optional[int]], num_sms: Optional[int],
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.ext = _ext.load()
+        fail(torch.cuda.is_available(), "backend='cuda' needs a CUDA device", RuntimeError)
+        fail(num_ranks <= P.MAX_RANKS, f"the intranode cuda path supports up to {P.MAX_RANKS} ranks, got {num_ranks}")
+        self.group, self.rank, self.num_ranks = group, rank, num_ranks
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        cap = torch.cuda.get_device_capability(self.device)
+        fail(cap[0] >= 9, f"the cuda backend's kernels are built for Hopper (sm_90); this GPU is sm_{cap[0]}{cap[1]}: "
+                          f"use backend='torch'", RuntimeError)
+        self.timeout_s = timeout_s
+        # who shares my GPU: virtual ranks share one HBM and one set of SMs
+        props = torch.cuda.get_device_properties(self.device)
+        me = (socket.gethostname(), str(getattr(props, "uuid", self.device.index)))
+        peers: list = [None] * num_ranks
+        dist.all_gather_object(peers, me, group=group)
+        self.ranks_per_device = sum(p == me for p in peers)
+        self.sm_count = props.multi_processor_count
+        limit = max_num_sms(self.ranks_per_device, self.sm_count)
+        if num_sms is not None:
+            fail(isinstance(num_sms, int) and 1 <= num_sms <= limit,
+                 f"num_sms={num_sms}: with {self.ranks_per_device} rank(s) on this GPU ({self.sm_count} SMs) each rank "
+                 f"may use 1..{limit} SMs, or blocks that wait on each other would not all be resident")
+        self.num_sms = num_sms or default_num_sms(self.ranks_per_device, self.sm_count)
+        self.hints = {k: v for k, v in hints.items() if v is not None}
+        self.hints["num_ranks"] = num_ranks
+        self.rt = None
+        self.plan: Optional[dict] = None
+        self.stream = torch.cuda.Stream(device=self.device)
+        self.tags = itertools.count(1)
+        self.broken: Optional[str] = None
+        self.trace: Optional[list] = None  # benchmarks: (phase, event) pairs on the comm stream
+        self.grown = 0
+        self.closed = False
+        if "max_tokens" in self.hints and "hidden" in self.hints:
+            self._create(self.hints)
+
+    # ------------------------------------------------------------------------------ region
+    @property
+    def ready(self) -> bool:
+        return self.rt is not None
+
+    def _create(self, hints: dict) -> None:
+        """Collective: plan, allocate and open every rank's region."""
+        plan = P.plan_region(hints)
+        fail(plan["max_experts"] <= P.MAX_EXPERTS, f"num_experts={plan['max_experts']} exceeds the cuda backend's {P.MAX_EXPERTS}")
+        fail(1 <= plan["max_topk"] <= P.MAX_TOPK, f"max_topk must be in 1..{P.MAX_TOPK}")
+        rt = self.ext.Runtime(self.device.index, self.rank, self.num_ranks, plan, self.timeout_s)
+        handles: list = [None] * self.num_ranks
+        dist.all_gather_object(handles, bytes(rt.ipc_handle()), group=self.group)
+        rt.open_peers(handles)
+        dist.barrier(group=self.group)
+        self.rt, self.plan, self.hints = rt, plan, dict(hints)
+        self.base = rt.base_ptr()
+        log.info("megatron_ep cuda buffer on rank %d: %.1f MiB region (tokens %d, row bytes %d, combine rows %d), %d SMs",
+                 self.rank, plan["total"] / 2**20, plan["max_tokens"], plan["x_row_bytes"], plan["comb_rows"], self.num_sms)
+
+    def first_use(self, needs: dict) -> None:
+        """Without sizing hints, the first call sizes the region: every rank's needs, agreed over
+        the group (collective; every rank's first call gets here)."""
+        if self.ready:
+            return
+        local = {**self.hints, **{k: max(v, self.hints.get(k, 0)) for k, v in needs.items()}}
+        every: list = [None] * self.num_ranks
+        dist.all_gather_object(every, local, group=self.group)
+        merged = {k: max(d.get(k, 0) or 0 for d in every) for k in set().union(*every)}
+        self._create(merged)
+
+    _CAPACITY = ("max_tokens", "x_row_bytes", "scale_cols", "max_topk", "max_experts", "comb_rows", "comb_row_bytes")
+
+    def fits(self, need: dict) -> Optional[str]:
+        """None if a call with these needs (hint keys) fits the region as it is, else what does not."""
+        new = self._plan_for(need)
+        short = [f"{k} {new[k]} > {self.plan[k]}" for k in self._CAPACITY if new[k] > self.plan[k]]
+        return ", ".join(short) or None
+
+    def _hints_for(self, need: dict) -> dict:
+        h = dict(self.hints)
+        for k in ("max_tokens", "hidden", "dtype_bytes", "combine_bytes", "max_topk", "max_experts"):
+            if k in need:
+                h[k] = max(h.get(k, 0), int(need[k]))
+        h["combine_rows"] = max(self.plan["comb_rows"], int(need.get("combine_rows", 0)))
+        return h
+
+    def _plan_for(self, need: dict) -> dict:
+        return P.plan_region(self._hints_for(need))
+
+    def grow_if_needed(self, need: dict) -> bool:
+        """At a synchronous point where every rank holds the same `need` (notify's group-wide
+        counts and the agreed signature): re-create the region larger if anything does not fit.
+        Collective, but every rank takes the same decision from the same numbers."""
+        short = self.fits(need)
+        if short is None:
+            return False
+        h = self._hints_for(need)
+        new = P.plan_region(h)
+        # headroom, so that a slowly growing need does not re-create the region every few calls
+        if new["max_tokens"] > self.plan["max_tokens"]:
+            h["max_tokens"] = _round_up(int(h["max_tokens"] * 1.25), 256)
+        if new["comb_rows"] > self.plan["comb_rows"]:
+            h["combine_rows"] = _round_up(int(h["combine_rows"] * 1.25), 256)
+        self._replace(h, short)
+        return True
+
+    def _replace(self, hints: dict, why: str) -> None:
+        log.info("megatron_ep: growing the cuda buffer on rank %d (%s)", self.rank, why)
+        self.stream.synchronize()
+        dist.barrier(group=self.group)  # nobody reads the old regions any more
+        old = self.rt
+        self._create(hints)
+        old.close()  # unmaps the peers; this rank's old memory lives while tensors point into it
+        self.grown += 1
+
+    def close(self) -> None:
+        """Collective: every rank stops using the regions; memory that live tensors point into
+        (pooled outputs, views) is freed when they die."""
+        if self.rt is None:
+            return
+        self.stream.synchronize()
+        dist.barrier(group=self.group)
+        self.rt.close()
+        self.rt = None
+        self.closed = True
+
+    # ------------------------------------------------------------------------------ calls
+    @contextmanager
+    def publishing(self, call: P.Call):
+        """Run a call's host side; if it raises while peers may be waiting for this rank, tell
+        them (a failed record at the handshake they wait on next) before re-raising."""
+        try:
+            yield call
+        except BaseException as exc:
+            if call.pending is not None and self.ready and not self.broken and not isinstance(exc, MegatronEPError):
+                slot = P.SLOT["call"] if call.pending == "first" else int(call.pending)
+                try:
+                    with torch.cuda.stream(self.stream):
+                        self.rt.fail_call(call.sig, P.failure_message(exc), slot)
+                except Exception:  # noqa: BLE001 - the original error matters more
+                    log.exception("megatron_ep: could not publish a failure to the peers")
+            raise
+
+    def check(self, call: Optional[P.Call] = None) -> None:
+        """Raise what the kernels reported since the last check: a fatal error breaks the buffer;
+        an aborted call (an earlier asynchronous one) is reported once."""
+        fail(not self.closed, "this Buffer was destroyed", RuntimeError)
+        if self.broken:
+            raise BufferBrokenError(f"megatron_ep: communication failed earlier and this buffer must be re-created: {self.broken}")
+        if self.rt is None:
+            return
+        err = self.rt.take_error(clear=False)
+        if err is None:
+            return
+        raise self._error(err, call)
+
+    def _error(self, err: dict, call: Optional[P.Call]) -> MegatronEPError:
+        code = err["code"]
+        if P.is_fatal(code):
+            self.broken = self._describe_fatal(err)
+            return CommTimeoutError(f"megatron_ep: {self.broken}; this buffer must be re-created")
+        self.rt.take_error(clear=True)
+        failed = P.Call(err["ops"][self.rank] if err["ops"] else 0, err["seq"])
+        if code == P.ERROR["mismatch"]:
+            e = P.mismatch_error(failed, err["field"], err["values"], err["ops"])
+        else:
+            e = P.peer_failed_error(failed, err["peer"], err["message"].decode("utf-8", "replace"))
+        if call is not None and call.seq != err["seq"]:
+            e = type(e)(f"{e} [reported at call #{call.seq}]")
+        if err["num_aborted"] > 1:
+            e = type(e)(f"{e} ({err['num_aborted']} calls aborted so far)")
+        return e
+
+    def _describe_fatal(self, err: dict) -> str:
+        what = P.SLOT_NAMES.get(err["slot"], f"slot {err['slot']}")
+        if err["code"] == P.ERROR["timeout"]:
+            if err["peer"] == err["rank"] and err["slot"] >= len(P.SLOT_NAMES) - 1:
+                return (f"rank {err['rank']} timed out after {self.timeout_s:.0f}s at '{what}' in call #{err['seq']}: "
+                        f"its kernel's blocks were not all resident (lower num_sms)")
+            return (f"rank {err['rank']} timed out after {self.timeout_s:.0f}s waiting for rank {err['peer']} at "
+                    f"'{what}' in call #{err['seq']} (counter {err['observed']}, expected {err['expected']})")
+        return f"rank {err['rank']} stopped waiting at '{what}' in call #{err['seq']} because rank {err['peer']} had timed out"
+
+    def wait_host(self, call: P.Call, tag: int, L: int) -> dict:
+        """Wait (backing off, never spinning a core for long) until notify's sizes for `tag`
+        reached the host; raise if the call was aborted or a peer timed out."""
+        deadline = time.monotonic() + self.timeout_s + 5
+        spins, pause = 0, 0.0
+        while self.rt.host_tag() != tag:
+            spins += 1
+            if spins < 256:
+                continue
+            err = self.rt.take_error(clear=False)
+            if err is not None and P.is_fatal(err["code"]):
+                raise self._error(err, call)
+            if time.monotonic() > deadline:
+                self.broken = (f"rank {self.rank}: no receive count from the notify kernel of call #{call.seq} within "
+                               f"{self.timeout_s + 5:.0f}s")
+                raise CommTimeoutError(f"megatron_ep: {self.broken}")
+            pause = min(1e-3, max(2e-6, pause * 2))
+            time.sleep(pause)
+        info = self.rt.host_counts(L)
+        if info["num_rows"] < 0:  # this call was aborted at its exchange, on every rank
+            err = self.rt.take_error(clear=False)
+            if err is not None:
+                raise self._error(err, call)
+            raise MegatronEPError(f"{call.describe()} was aborted on every rank (the reason was reported earlier)")
+        return info
+
+    # ------------------------------------------------------------------------- stream glue
+    def enter(self, previous_event: Optional[EventOverlap]):
+        compute = torch.cuda.current_stream(self.device)
+        if previous_event is not None and previous_event.event is not None:
+            self.stream.wait_event(previous_event.event)
+        else:
+            self.stream.wait_stream(compute)
+        return compute
+
+    def leave(self, compute, tensors, async_op: bool) -> EventOverlap:
+        # Synchronous calls make the caller's stream wait for ours right away, so anything it
+        # frees afterwards is reused in stream order; only async callers need record_stream.
+        if async_op and not torch.cuda.is_current_stream_capturing():
+            for t in tensors:
+                if t is not None:
+                    t.record_stream(self.stream)
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        if not async_op:
+            compute.wait_event(event)
+        return EventOverlap(event)
+
+    def new_outputs(self, tensors) -> bool:
+        """Apply the output hook (tests); True when it ran (the comm stream must then wait)."""
+        if _output_hook is None:
+            return False
+        for t in tensors:
+            if t is not None:
+                _output_hook(t)
+        return True
+
+    def mark(self, name: str) -> None:
+        if self.trace is not None:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(self.stream)
+            self.trace.append((name, ev))
+
+    def view(self, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
+        return self.rt.view(offset, list(shape), dtype)
+
+
+def _round_up(n: int, a: int) -> int:
+    return (max(n, 1) + a - 1) // a * a

@@ -1,0 +1,215 @@
+"""Faults of a collective call, run on every rank of a DistPool, on either backend.
+
+Each fault is something a rank does differently from its peers (another hidden size, dtype,
+top-k, expert count or op; a check that fails on one rank only; a bad handle). The contract:
+every rank raises a named error within 2 s, nothing is written into a peer, and the buffer
+then works for the next agreed call (checked after every fault with a full dispatch + combine
+against the oracle). Every rank makes the same number of calls, so the pools stay in step.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from cases import make_buffer
+from megatron_ep.errors import CallMismatchError, PeerFailedError
+from oracle import expected_expert_major, expected_rank_major, make_inputs, num_destinations, split_x
+
+LIMIT_S = 2.0
+
+
+class Faults:
+    def __init__(self, buf, backend, device):
+        R, rank = dist.get_world_size(), dist.get_rank()
+        self.buf, self.backend, self.device, self.R, self.rank = buf, backend, device, R, rank
+        self.errors = []
+        self.E, self.K, self.H, self.T = 4 * R, 3, 256, 6
+        self.inputs = make_inputs(91, R, self.E, self.K, self.H, [self.T] * R, "bf16", "random", 0.2)
+        me = self.inputs[rank]
+        self.x, self.idx, self.w = me["x"].to(device), me["idx"].to(device), me["w"].to(device)
+
+    def tag(self, name):
+        return f"[{self.backend} R={self.R} rank={self.rank}] {name}"
+
+    def expect(self, name, fn, errors, text, sync=False):
+        """fn must raise one of `errors` mentioning `text` on this rank, within LIMIT_S (async
+        cuda calls report at synchronize(), so `sync` adds it)."""
+        start = time.monotonic()
+        try:
+            fn()
+            if sync:
+                self.buf.synchronize()
+            self.errors.append(f"{self.tag(name)}: no error")
+        except errors as exc:
+            took = time.monotonic() - start
+            if text not in str(exc):
+                self.errors.append(f"{self.tag(name)}: {type(exc).__name__} {str(exc)!r} does not mention {text!r}")
+            if took > LIMIT_S:
+                self.errors.append(f"{self.tag(name)}: raised after {took:.1f}s (limit {LIMIT_S}s)")
+        except Exception as exc:  # noqa: BLE001 - a wrong error type is a failure too
+            self.errors.append(f"{self.tag(name)}: unexpected {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        self.still_works(name)
+
+    def still_works(self, after):
+        """A full agreed round: dispatch bit-exact, round trip of all-ones exact."""
+        try:
+            out = self.buf.dispatch(self.x, self.idx, self.w, num_experts=self.E)
+            exp = expected_rank_major(self.inputs, self.rank, self.R, self.E)
+            if not torch.equal(out.x.cpu().view(torch.int16), exp["x"].view(torch.int16)):
+                self.errors.append(f"{self.tag(after)}: next dispatch not exact")
+            back = self.buf.combine(torch.ones_like(out.x), out.handle)
+            want = num_destinations(self.inputs[self.rank], self.R, self.E, False).unsqueeze(1).expand(-1, self.H)
+            if not torch.equal(back.x.cpu().double(), want):
+                self.errors.append(f"{self.tag(after)}: buffer unusable afterwards")
+            self.buf.synchronize()
+        except Exception as exc:  # noqa: BLE001
+            self.errors.append(f"{self.tag(after)}: buffer unusable afterwards: {type(exc).__name__}: {exc}")
+
+
+def run_disagreements(backend: str = "torch", device: str = "cpu") -> list:
+    """Ranks that disagree on the call: every rank raises CallMismatchError naming the field."""
+    buf = make_buffer(backend, max_tokens_per_rank=64)
+    f = Faults(buf, backend, device)
+    R, rank, E, K, T = f.R, f.rank, f.E, f.K, f.T
+    x, idx, w = f.x, f.idx, f.w
+    mine = rank == 0
+    good = buf.dispatch(x, idx, w, num_experts=E)
+    g = torch.Generator().manual_seed(7 + rank)
+
+    x_h = torch.randn((T, 256 if mine else 512), generator=g).to(torch.bfloat16).to(device)
+    f.expect("hidden", lambda: buf.dispatch(x_h, idx, w, num_experts=E), CallMismatchError, "hidden")
+    # same bytes per row, different dtype (fp32 H=128 vs bf16 H=256): must not pass as equal
+    x_d = torch.randn((T, 128), generator=g).to(device) if mine else torch.randn((T, 256), generator=g).to(torch.bfloat16).to(device)
+    f.expect("dtype", lambda: buf.dispatch(x_d, idx, w, num_experts=E), CallMismatchError, "dtype")
+    idx_k = idx[:, :K - 1].contiguous() if mine else idx
+    w_k = w[:, :K - 1].contiguous() if mine else w
+    f.expect("topk", lambda: buf.dispatch(x, idx_k, w_k, num_experts=E), CallMismatchError, "topk")
+    f.expect("num_experts", lambda: buf.dispatch(x, idx, w, num_experts=2 * E if mine else E), CallMismatchError, "num_experts")
+    f.expect("permute", lambda: buf.dispatch(x, idx, w, num_experts=E, permute=mine), CallMismatchError, "permute")
+    f.expect("weights", lambda: buf.dispatch(x, idx, w if mine else None, num_experts=E), CallMismatchError, "weights")
+
+    def other_ops():
+        if mine:
+            buf.dispatch(x, idx, w, num_experts=E)
+        else:
+            buf.combine(torch.ones_like(split_x(good.x)[0]), good.handle)
+    f.expect("op", other_ops, CallMismatchError, "different operations", sync=True)
+
+    def combine_hidden():
+        rows = split_x(good.x)[0]
+        y = torch.ones((rows.shape[0], 512 if mine else 256), dtype=torch.bfloat16, device=device)
+        buf.combine(y, good.handle)
+    f.expect("combine hidden", combine_hidden, CallMismatchError, "hidden", sync=True)
+
+    other = buf.dispatch(x, idx, w, num_experts=E)
+
+    def combine_handles():  # same shapes, handles of two different dispatches
+        h = good.handle if mine else other.handle
+        buf.combine(torch.ones((h.num_recv_rows, f.H), dtype=torch.bfloat16, device=device), h)
+    if R > 1:
+        f.expect("handles", combine_handles, CallMismatchError, "handles from different dispatches", sync=True)
+    buf.destroy()
+    return f.errors
+
+
+def run_one_rank_fails(backend: str = "torch", device: str = "cpu") -> list:
+    """A check that fails on one rank only: that rank raises its own error, every other rank
+    raises PeerFailedError with its message (not a timeout), and the next call works."""
+    buf = make_buffer(backend, max_tokens_per_rank=64)
+    f = Faults(buf, backend, device)
+    R, rank, E, T = f.R, f.rank, f.E, f.T
+    x, idx, w = f.x, f.idx, f.w
+    bad = rank == R - 1
+    good = buf.dispatch(x, idx, w, num_experts=E)
+    permuted = buf.dispatch(x, idx, w, num_experts=E, permute=True, expert_alignment=4)
+
+    hi = idx.clone()
+    hi[0, 0] = E + 5
+    errs = ValueError if bad else PeerFailedError
+    text = "num_experts" if bad else f"rank {R - 1} failed"
+    f.expect("bad id on one rank", lambda: buf.dispatch(x, hi if bad else idx, w, num_experts=E), errs, text)
+    w_bad = w[:, :-1].contiguous() if bad else w
+    f.expect("bad weights on one rank, cached", lambda: buf.dispatch(x, handle=good.handle, topk_weights=w_bad),
+             ValueError if bad else PeerFailedError, "topk_weights", sync=True)
+    if backend == "torch":  # fp64 weights are valid there, and change the bytes on the wire
+        f.expect("weights dtype", lambda: buf.dispatch(x, handle=good.handle, topk_weights=w.double() if bad else w),
+                 CallMismatchError, "weights", sync=True)
+    else:  # the cuda backend takes fp32 weights only: a one-rank check
+        f.expect("weights dtype", lambda: buf.dispatch(x, handle=good.handle, topk_weights=w.double() if bad else w),
+                 TypeError if bad else PeerFailedError, "float32", sync=True)
+
+    def bad_combine_weights():
+        rows = split_x(permuted.x)[0]
+        wts = torch.zeros((rows.shape[0], 2) if bad else (rows.shape[0],), device=device)
+        buf.combine(torch.ones_like(rows), permuted.handle, weights=wts)
+    f.expect("bad combine weights on one rank", bad_combine_weights, ValueError if bad else PeerFailedError,
+             "weights must have shape" if bad else "weights must have shape", sync=True)
+
+    def one_rank_too_many_tokens():
+        big = torch.zeros((65, f.H), dtype=torch.bfloat16, device=device)
+        big_idx = torch.full((65, f.K), -1, dtype=torch.int64, device=device)
+        buf.dispatch(big if bad else x, big_idx if bad else idx, None, num_experts=E)
+    f.expect("too many tokens on one rank", one_rank_too_many_tokens, ValueError if bad else PeerFailedError,
+             "sized for" if bad else "sized for")
+    buf.destroy()
+    return f.errors
+
+
+def run_exact_faults(backend: str = "torch", device: str = "cpu") -> list:
+    """Unchecked ids outside [0, E) (check_inputs=False) are unused slots on every backend:
+    dispatch equals the oracle with those slots -1, and combine reads nothing else."""
+    R, rank = dist.get_world_size(), dist.get_rank()
+    buf = make_buffer(backend, max_tokens_per_rank=64, check_inputs=False)
+    errors = []
+    E, K, H, T = 4 * R, 4, 128, 12
+    inputs = make_inputs(17, R, E, K, H, [T] * R, "bf16", "random", 0.1)
+    clean = [dict(i, idx=_mark(i["idx"], -1, -1)) for i in inputs]
+    me = inputs[rank]
+    x, w, idx = me["x"].to(device), me["w"].to(device), _mark(me["idx"], E + 3, -7).to(device)
+    for permute in (False, True):
+        tag = f"[{backend} rank {rank} permute={permute}] out-of-range ids"
+        out = buf.dispatch(x, idx, w, num_experts=E, permute=permute, expert_alignment=8 if permute else 1)
+        exp = expected_expert_major(clean, rank, R, E, 8) if permute else expected_rank_major(clean, rank, R, E)
+        if not torch.equal(out.x.cpu().view(torch.int16), exp["x"].view(torch.int16)):
+            errors.append(f"{tag}: dispatch differs from the oracle with those slots unused")
+        if not permute and not torch.equal(out.topk_idx.cpu(), exp["idx"]):
+            errors.append(f"{tag}: topk_idx differs")
+        back = buf.combine(torch.ones_like(out.x), out.handle)
+        want = num_destinations(clean[rank], R, E, permute).unsqueeze(1).expand(-1, H)
+        if not torch.equal(back.x.cpu().double(), want):
+            errors.append(f"{tag}: combine read rows it should not")
+    buf.synchronize()
+    buf.destroy()
+    return errors
+
+
+def _mark(idx, first, second):
+    """Row 0 slot 0 and row 1 slot 1 set to the given ids (bad ids, or -1 for the oracle)."""
+    out = idx.clone()
+    out[0, 0] = first
+    out[1, 1] = second
+    return out
+
+
+def run_alignment_bound(backend: str = "torch", device: str = "cpu") -> list:
+    R, rank = dist.get_world_size(), dist.get_rank()
+    buf = make_buffer(backend, max_tokens_per_rank=64)
+    f = Faults(buf, backend, device)
+    f.expect("alignment 2**20", lambda: buf.dispatch(f.x, f.idx, f.w, num_experts=f.E, permute=True,
+                                                     expert_alignment=2 ** 20), ValueError, "expert_alignment")
+    buf.destroy()
+    return f.errors
+
+
+def run_all_faults(backend: str = "torch", device: str = "cpu") -> list:
+    errors = []
+    for fn in (run_disagreements, run_one_rank_fails, run_exact_faults, run_alignment_bound):
+        try:
+            errors += fn(backend, device)
+        except Exception:  # noqa: BLE001 - report, keep the ranks going
+            errors.append(f"{fn.__name__} raised:\n{traceback.format_exc()}")
+    return errors

@@ -1,0 +1,18 @@
+"""Faults of collective calls on the torch backend (gloo, CPU): ranks that disagree, a check that
+fails on one rank, unchecked bad ids. Every rank raises a named error within 2 s (or the result
+is exact), and the buffer works for the next agreed call. The cuda backend runs the same bodies
+on the GPU (tests/test_cuda_intranode.py)."""
+
+import pytest
+
+import fault_cases
+
+
+def _flat(per_rank):
+    return [e for rank_errors in per_rank for e in rank_errors]
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_faults(pools, R):
+    errors = _flat(pools(R).run(fault_cases.run_all_faults, timeout=300))
+    assert not errors, "\n".join(errors[:30])
