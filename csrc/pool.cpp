@@ -61,6 +61,8 @@ void Pool::release(long long offset, long long bytes, cudaStream_t stream) {
 
 long long Pool::free_bytes() {
   std::lock_guard<std::mutex> lock(mu_);
+  DeviceGuard g(device_);
+  reap(false);  // ranges whose last use has completed count as free
   long long n = 0;
   for (auto& kv : free_) n += kv.second;
   return n;

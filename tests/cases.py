@@ -44,8 +44,10 @@ def make_buffer(backend: str, **sizing) -> mep.Buffer:
     return mep.Buffer(dist.group.WORLD, backend=backend, **sizing)
 
 
-def get_buffer(backend: str, **sizing) -> mep.Buffer:
-    key = (backend, tuple(sorted(sizing.items())))
+def get_buffer(backend: str, fuzz_reference: bool = False, **sizing) -> mep.Buffer:
+    """One buffer per (backend, sizing) and process; `fuzz_reference` gives the fuzz its own
+    reference buffer (its calls must not share a sequence with the buffer under test)."""
+    key = (backend, fuzz_reference, tuple(sorted(sizing.items())))
     if key not in _buffers:
         _buffers[key] = make_buffer(backend, **sizing)
     return _buffers[key]
@@ -645,3 +647,197 @@ def run_cuda_autograd_async(cfg: dict) -> list:
     chk.equal("async combine", ca.x, cs.x.cpu())
     buf.synchronize()
     return chk.errors
+
+
+# ------------------------------------------------------------------------- fuzz and soak (cuda)
+def fuzz_config(seed: int, R: int) -> dict:
+    """A random routing case, the same on every rank (drawn from `seed`)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=g))]
+
+    E = pick([e for e in (1, 2, 4, 8, 32) if e * R <= CUDA_SIZING["num_experts"]]) * R
+    K = int(torch.randint(1, min(9, E) + 1, (1,), generator=g))
+    dtype = pick(["bf16", "bf16", "fp32", "fp8"])
+    H = pick([128, 256, 512, 1024] if dtype == "fp32" else [128, 256, 512, 1024, 7168])
+    t_max = 8 if H >= 7168 else CUDA_SIZING["max_tokens_per_rank"]
+    Ts = torch.randint(0, t_max + 1, (R,), generator=g).tolist()
+    shape = pick(["uneven", "uneven", "one_empty", "only_one"])
+    if shape == "one_empty" and R > 1:
+        Ts[int(torch.randint(R, (1,), generator=g))] = 0
+    elif shape == "only_one":
+        keep = int(torch.randint(R, (1,), generator=g))
+        Ts = [t_max if r == keep else 0 for r in range(R)]
+    cfg = dict(seed=seed, E=E, K=K, H=H, dtype=dtype, Ts=Ts, pattern=pick(["random", "random", "hot", "one_expert", "same_rank"]),
+               p_drop=pick([0.0, 0.1, 0.3, 1.0]), align=pick([1, 16, 128]), weights=bool(torch.randint(2, (1,), generator=g)))
+    worst = 0
+    if int(torch.randint(4, (1,), generator=g)) == 0:  # worst-case sized: enough, or too few (drops)
+        worst = int(torch.randint(1, 2 * sum(Ts) * min(K, E // R) + 2, (1,), generator=g))
+        worst = min(worst, CUDA_SIZING["combine_rows"])  # sync-free calls cannot grow the buffer
+    cfg["worst"] = worst
+    return cfg
+
+
+def _combine_rows_from(x):
+    """A deterministic combine input computed from dispatched rows (identical on both backends)."""
+    data, scales = split_x(x)
+    if scales is not None:
+        v = data.float().view(data.shape[0], scales.shape[1], 128) * scales.unsqueeze(-1)
+        return (v.view(data.shape) * 0.5 + 1).to(torch.bfloat16)
+    return (data.float() * 0.5 + 1).to(data.dtype)
+
+
+def run_fuzz(cfg: dict, backend: str = "cuda", device: str = "cuda") -> list:
+    """`cases` random routings from seed `seed` on; each: rank-major and expert-major dispatch
+    bit-exact against the torch backend (gloo, CPU), cached dispatch, combine with weights.
+    (backend="torch" on the CPU checks the harness itself: the reference against itself.)"""
+    R, rank = dist.get_world_size(), dist.get_rank()
+    cuda, ref = get_buffer(backend), get_buffer("torch", fuzz_reference=True)
+    errors = []
+    for i in range(cfg["cases"]):
+        c = fuzz_config(cfg["seed"] + i, R)
+        try:
+            errors += _fuzz_one(c, cuda, ref, R, rank, device)
+        except Exception:
+            errors.append(f"fuzz seed {c['seed']} ({c}) raised on rank {rank}:\n{traceback.format_exc()}")
+        if len(errors) > 20:
+            break
+    cuda.synchronize()
+    return errors
+
+
+def _fuzz_one(c, cuda, ref, R, rank, device) -> list:
+    inputs = make_inputs(c["seed"], R, c["E"], c["K"], c["H"], c["Ts"], c["dtype"], c["pattern"], c["p_drop"])
+    me = inputs[rank]
+    w = me["w"] if c["weights"] else None
+    chk = Checker(f"fuzz seed {c['seed']} rank {rank} ({c})")
+    for permute in (False, True):
+        kw = dict(num_experts=c["E"], permute=permute, expert_alignment=c["align"] if permute else 1, num_worst_tokens=c["worst"])
+        got = cuda.dispatch(to_dev(me["x"], device), me["idx"].to(device), w.to(device) if w is not None else None, **kw)
+        want = ref.dispatch(me["x"], me["idx"], w, **kw)
+        name = "expert-major" if permute else "rank-major"
+        for field in ("topk_idx", "topk_weights", "row_expert", "tokens_per_expert", "num_dropped"):
+            chk.equal(f"{name} {field}", getattr(got, field), getattr(want, field))
+        gx, gs = split_x(got.x)
+        wx, ws = split_x(want.x)
+        chk.equal(f"{name} x", gx, wx)
+        chk.equal(f"{name} scales", gs, ws)
+        # cached dispatch of the same rows (the routing's second use) must match as well
+        again = cuda.dispatch(to_dev(me["x"], device), handle=got.handle, topk_weights=w.to(device) if w is not None else None)
+        chk.equal(f"{name} cached x", split_x(again.x)[0], wx)
+        rows = _combine_rows_from(want.x)
+        cw = want.topk_weights * 2 if want.topk_weights is not None else None
+        y = cuda.combine(rows.to(device), got.handle, weights=cw.to(device) if cw is not None else None)
+        y_ref = ref.combine(rows, want.handle, weights=cw)
+        chk.close(f"{name} combine", y.x, y_ref.x.double(), 2e-2 if rows.dtype == torch.bfloat16 else 1e-5)
+        if cw is not None:
+            chk.equal(f"{name} combine weights", y.weights, y_ref.weights)
+    return chk.errors
+
+
+def run_soak(cfg: dict) -> list:
+    """`iters` dispatch + combine rounds with changing routing (both layouts, sometimes cached):
+    every round trip of all-ones exact (checked on the device, one sync at the end), a full
+    oracle check every 1000 rounds, and memory flat: allocated bytes and the pool's free bytes
+    equal after the warm-up and at the end."""
+    R, rank = dist.get_world_size(), dist.get_rank()
+    E, K, H = cfg["E"], cfg["K"], cfg["H"]
+    L = E // R
+    buf = get_buffer("cuda")
+    errors = []
+    bad = torch.zeros((), dtype=torch.int64, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(cfg["seed"] + rank)
+    mem0 = pool0 = None
+    for it in range(cfg["iters"]):
+        T = int(torch.randint(0, cfg["t_max"] + 1, (1,)).item()) if it % 7 else cfg["t_max"]
+        scores = torch.rand((T, E), device="cuda", generator=g)
+        idx = scores.topk(K, dim=1).indices
+        idx = torch.where(torch.rand((T, K), device="cuda", generator=g) < 0.2, -1, idx)
+        x = torch.randn((T, H), device="cuda", generator=g).to(torch.bfloat16)
+        permute = it % 2 == 1
+        out = buf.dispatch(x, idx, None, num_experts=E, permute=permute, expert_alignment=16 if permute else 1)
+        if it % 5 == 0:
+            out = buf.dispatch(x, handle=out.handle)
+        back = buf.combine(torch.ones_like(out.x), out.handle)
+        valid = idx >= 0
+        if permute:
+            want = valid.sum(1)
+        else:
+            dst = torch.where(valid, idx // L, R)
+            want = torch.nn.functional.one_hot(dst, R + 1)[..., :R].amax(1).sum(1)
+        bad += (back.x.float() != want.unsqueeze(1).float()).any(dim=1).sum()
+        if it % 1000 == 999:
+            torch.cuda.synchronize()
+            exp = (expected_expert_major if permute else expected_rank_major)(*_gather_inputs(x, idx, R), rank, R, E,
+                                                                              *([16] if permute else []))
+            if not torch.equal(bits(out.x.cpu()), bits(exp["x"])):
+                errors.append(f"[soak rank {rank}] iteration {it}: dispatch not exact")
+        if it == cfg["warmup"]:
+            torch.cuda.synchronize()
+            mem0, pool0 = torch.cuda.memory_allocated(), buf._impl.rt.rt.pool_free_bytes()
+    del out, back
+    torch.cuda.synchronize()
+    if int(bad) != 0:
+        errors.append(f"[soak rank {rank}] {int(bad)} tokens with a wrong round trip in {cfg['iters']} iterations")
+    mem1, pool1 = torch.cuda.memory_allocated(), buf._impl.rt.rt.pool_free_bytes()
+    if mem0 is not None and mem1 > mem0 + (1 << 20):
+        errors.append(f"[soak rank {rank}] allocated memory grew from {mem0} to {mem1} bytes")
+    if pool0 is not None and pool1 < pool0:
+        errors.append(f"[soak rank {rank}] pool free bytes fell from {pool0} to {pool1}")
+    buf.synchronize()
+    return errors
+
+
+def _gather_inputs(x, idx, R):
+    """Every rank's (x, idx) on the CPU, as oracle inputs (a gloo all_gather_object)."""
+    mine = {"x": x.cpu(), "idx": idx.cpu(), "w": torch.zeros(idx.shape)}
+    every = [None] * R
+    dist.all_gather_object(every, mine)
+    return (every,)
+
+
+def run_lifetime_growth(cfg: dict) -> list:
+    """A buffer without sizing hints: the first dispatch sizes it, a larger one grows it (on
+    every rank together); outputs and handles from before stay valid; destroy() frees nothing a
+    live tensor points into."""
+    R, rank = dist.get_world_size(), dist.get_rank()
+    E = 4 * R
+    chk = Checker(f"[lifetime R={R} rank={rank}]")
+    buf = mep.Buffer(dist.group.WORLD, backend="cuda")
+    small = make_inputs(cfg["seed"], R, E, 3, 256, [8] * R, "bf16", "random", 0.2)
+    big = make_inputs(cfg["seed"] + 1, R, E, 3, 1024, [48] * R, "bf16", "random", 0.2)
+    s, b = small[rank], big[rank]
+    out1 = buf.dispatch(s["x"].cuda(), s["idx"].cuda(), s["w"].cuda(), num_experts=E)
+    outp1 = buf.dispatch(s["x"].cuda(), s["idx"].cuda(), s["w"].cuda(), num_experts=E, permute=True, expert_alignment=16)
+    rt = buf._impl.rt
+    total0 = rt.plan["total"]
+    out2 = buf.dispatch(b["x"].cuda(), b["idx"].cuda(), b["w"].cuda(), num_experts=E)
+    if rt.grown < 1 or rt.plan["total"] <= total0:
+        chk.errors.append(f"{chk.tag} the buffer did not grow for a larger call (grown {rt.grown})")
+    chk.equal("first output after growth", out1.x, expected_rank_major(small, rank, R, E)["x"])
+    chk.equal("grown output", out2.x, expected_rank_major(big, rank, R, E)["x"])
+    back = buf.combine(torch.ones_like(outp1.x), outp1.handle)  # a handle from before the growth
+    chk.close("old handle round trip", back.x, num_destinations(s, R, E, True).unsqueeze(1).expand(-1, 256), 1e-6)
+    again = buf.dispatch(s["x"].cuda(), handle=out1.handle)
+    chk.equal("old handle cached dispatch", again.x, expected_rank_major(small, rank, R, E)["x"])
+    view = buf.get_combine_input(4, 256)
+    view.fill_(1.5)
+    out3 = buf.dispatch(b["x"].cuda(), b["idx"].cuda(), b["w"].cuda(), num_experts=E)
+    buf.destroy()
+    torch.cuda.synchronize()
+    chk.equal("pooled output after destroy", out3.x, expected_rank_major(big, rank, R, E)["x"])
+    if float(view.float().sum()) != 1.5 * 4 * 256:
+        chk.errors.append(f"{chk.tag} a combine-input view changed after destroy")
+    return chk.errors
+
+
+def run_num_sms_bound(_cfg=None) -> list:
+    import pytest
+
+    try:
+        with pytest.raises(ValueError, match="num_sms"):
+            mep.Buffer(dist.group.WORLD, backend="cuda", num_sms=100000, max_tokens_per_rank=8, hidden=128)
+    except BaseException as exc:  # noqa: BLE001
+        return [f"rank {dist.get_rank()}: num_sms bound: {exc}"]
+    return []

@@ -18,6 +18,12 @@ def _routing(g, T, E, K, R, pattern, p_drop):
     for t in range(T):
         if pattern == "one_expert":
             chosen = [pattern_expert(E)]
+        elif pattern == "hot":  # one expert takes about half of the tokens
+            rest = torch.randperm(E, generator=g)[: min(K, E)].tolist()
+            hot = pattern_expert(E)
+            if torch.rand((), generator=g) < 0.5 and hot not in rest:
+                rest[0] = hot
+            chosen = rest
         elif pattern == "same_rank":
             r = int(torch.randint(R, (1,), generator=g))
             chosen = (r * L + torch.randperm(L, generator=g)[: min(K, L)]).tolist()

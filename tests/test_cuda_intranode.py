@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import cases
+import fault_cases
 import megatron_ep
-from case_lists import normal_cases
+from case_lists import FUZZ_REGRESSIONS, normal_cases
 from distpool import DistPool
 from gpu_pools import ENV, GpuPools
 
@@ -88,3 +89,42 @@ def test_autograd_and_async(R, permute):
     cfg = dict(seed=31 + R, E=4 * R, K=4, H=256, T=20, permute=permute)
     errors = _flat(pool_(R).run(cases.run_cuda_autograd_async, cfg, timeout=600))
     assert not errors, "\n".join(errors[:20])
+
+
+# ------------------------------------------------------------------------ runtime (faults etc.)
+@pytest.mark.parametrize("R", [2, 4])
+def test_faults(R):
+    """Each fault of the runtime issue on the cuda backend: named errors on every rank within
+    2 s (async calls at synchronize()), exact results, the buffer usable afterwards."""
+    errors = _flat(pool_(R).run(fault_cases.run_all_faults, backend="cuda", device="cuda", timeout=600))
+    assert not errors, "\n".join(errors[:30])
+
+
+@pytest.mark.parametrize("R", [2, 4, 8])
+def test_fuzz(R):
+    """MEP_FUZZ_CASES (default 1000) random routings, both layouts, bit-exact against the torch
+    backend; a failing seed is printed (add it to case_lists.FUZZ_REGRESSIONS)."""
+    n = int(os.environ.get("MEP_FUZZ_CASES", "1000"))
+    seeds = [dict(cases=1, seed=s) for s in FUZZ_REGRESSIONS] + [dict(cases=n, seed=100000 * R)]
+    errors = []
+    for cfg in seeds:
+        errors += _flat(pool_(R).run(cases.run_fuzz, cfg, timeout=900))
+    assert not errors, "\n".join(errors[:20])
+
+
+@pytest.mark.parametrize("R", [2])
+def test_soak(R):
+    cfg = dict(seed=11, E=8 * R, K=6, H=256, t_max=40, iters=int(os.environ.get("MEP_SOAK_ITERS", "10000")), warmup=200)
+    errors = _flat(pool_(R).run(cases.run_soak, cfg, timeout=900))
+    assert not errors, "\n".join(errors[:20])
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_lifetime_and_growth(R):
+    errors = _flat(pool_(R).run(cases.run_lifetime_growth, dict(seed=3 + R), timeout=600))
+    assert not errors, "\n".join(errors[:20])
+
+
+def test_num_sms_bound():
+    errors = _flat(pool_(2).run(cases.run_num_sms_bound, timeout=120))
+    assert not errors, "\n".join(errors)

@@ -16,3 +16,11 @@ def _flat(per_rank):
 def test_faults(pools, R):
     errors = _flat(pools(R).run(fault_cases.run_all_faults, timeout=300))
     assert not errors, "\n".join(errors[:30])
+
+
+def test_fuzz_harness(pools):
+    """The GPU fuzz's harness on the reference against itself (a few cases, incl. drops)."""
+    import cases
+
+    errors = _flat(pools(2).run(cases.run_fuzz, dict(cases=25, seed=424242), backend="torch", device="cpu", timeout=600))
+    assert not errors, "\n".join(errors[:20])
