@@ -1,229 +1,641 @@
 """Benchmark of the intranode normal path (a script, not a test).
 
-R processes share the GPU(s) (virtual ranks on one GPU: run under MPS), each with the training
-shape: T tokens, hidden H, top-K of E experts (uniform random routing), bf16 and FP8 dispatch,
-bf16 combine. Every figure is the median over --iters timed calls (CUDA events, after --warmup
-calls, all ranks released together by a barrier), and is printed beside baselines measured in
-the same run:
-  copy     a plain device copy of the bytes this rank receives (the HBM roofline on one GPU)
-  permute  an index_select of the received rows into the expert-major layout (a separate permute)
-  deepep   DeepEP V1's intranode kernels at the same shape and SM count, if `deep_ep` imports
-           (built on the GPU machine from a fetched snapshot; never part of this repository)
-Bandwidth is DeepEP's accounting: received rows x row bytes / time (rows from the rank itself
-included).
+R processes, each with the training shape: T tokens, hidden H, top-K of E experts (uniform
+random routing), bf16 and FP8 dispatch, bf16 combine. Rank r runs on GPU r % (GPUs visible):
+one process per GPU when there are enough GPUs, else virtual ranks sharing a GPU (run those
+under MPS, DESIGN §5). A gloo group is the control group (barriers, IPC-handle exchange); our
+kernels and DeepEP's move the data themselves.
 
-    python scripts/bench_normal.py --ranks 4 --num-sms 24
+Measured in the same run, at every SM count of --num-sms (a comma list: an SM sweep):
+  ours     megatron_ep's cuda backend (public API; phase timings and the notify kernel alone
+           through two marked internal hooks, "n/a" when those are missing)
+  deepep   DeepEP V1's intranode kernels at the same SM count (`deep_ep.Buffer.set_num_sms`),
+           if `deep_ep` imports (built on the GPU machine from a fetched snapshot, never part
+           of this repository)
+and once (no SM knob: NCCL picks its own channels):
+  nccl     what Megatron-core's alltoall dispatcher does (MoEAlltoAllTokenDispatcher, non-fused
+           path, no Transformer Engine): one row per (token, expert) pair permuted by expert
+           (`moe_utils.permute`: index_select), count all-gather + device-to-host sync,
+           `all_to_all_single` of rows and probs, `sort_chunks_by_idxs` into local-expert order;
+           combine = the reverse sort, the reverse all-to-all and `unpermute` (bf16 scatter_add_,
+           as Megatron does). Also the same all-to-all over the rank-major rows ours and DeepEP
+           send (one row per (token, rank) pair), the all-to-alls alone, and FP8-byte variants
+           (uint8 rows of H + H/128*4 bytes). Needs one GPU per process (NCCL refuses several
+           ranks on one GPU): "skipped (virtual ranks)" otherwise. Uses megatron-core's own
+           moe_utils when it imports, else a copy of 0.16.1's non-fused code.
+  copy     a plain device copy of the bytes this rank receives (the HBM roofline on one GPU)
+  permute  an index_select of the received rows into the expert-major layout
+Each op is timed two ways with CUDA events: "us" = median of --iters isolated calls (all ranks
+released together by a gloo barrier), "us loop" = mean over --iters calls back to back (the
+ops' own handshakes keep the ranks in step). Ops whose input must be refreshed before each call
+(zero-copy combine) have only the isolated figure. GB/s is DeepEP's accounting: received rows x
+row bytes / loop time (rows from the rank itself included; Megatron's rows for its own ops).
+
+Output: a console table per SM count, the NCCL table, baseline checks (the NCCL paths deliver
+exactly our rows), and a markdown table for docs/performance.md (--markdown FILE also writes it).
+
+    python3 scripts/bench_normal.py --ranks 2 --num-sms 8,16,24            # 2 GPUs, one rank each
+    python3 scripts/bench_normal.py --ranks 4 --num-sms 8,16,24            # one GPU under MPS
+    python3 scripts/bench_normal.py --smoke                                # CPU: checks the script
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import math
 import os
+import shlex
 import socket
 import statistics
+import subprocess
 import sys
+import time
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+# NVLink SHARP (NVLS) multicast is unavailable on the GPU machines; NCCL must not try it.
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
 import megatron_ep as mep  # noqa: E402
 
+FULL = dict(ranks=4, tokens=4096, hidden=7168, experts=256, topk=8, alignment=128, iters=25, warmup=5)
+SMOKE = dict(ranks=2, tokens=64, hidden=256, experts=16, topk=4, alignment=8, iters=3, warmup=1)
+DEEPEP_DEFAULT_SMS = 24  # DeepEP's SM count when --num-sms has 0 (our analytic default)
 
-def parse():
+
+def _sm_list(text: str):
+    try:
+        out = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--num-sms takes a comma list of integers, got {text!r}")
+    if not out or any(v < 0 for v in out):
+        raise argparse.ArgumentTypeError(f"--num-sms takes non-negative integers, got {text!r}")
+    return out
+
+
+def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ranks", type=int, default=4)
-    p.add_argument("--num-sms", type=int, default=24, help="SMs per rank for our kernels and DeepEP's (0: our default rule)")
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--alignment", type=int, default=128)
-    p.add_argument("--iters", type=int, default=25)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--no-deepep", action="store_true")
+    p.add_argument("--ranks", type=int, help=f"processes (default {FULL['ranks']}; --smoke {SMOKE['ranks']})")
+    p.add_argument("--num-sms", type=_sm_list, default=[24],
+                   help="SMs per rank for our kernels and DeepEP's, a comma list for a sweep, e.g. 8,16,24 "
+                        f"(0: our analytic default, DeepEP {DEEPEP_DEFAULT_SMS}); NCCL has no SM knob and runs once")
+    for name in ("tokens", "hidden", "experts", "topk", "alignment", "iters", "warmup"):
+        p.add_argument(f"--{name}", type=int, help=f"default {FULL[name]} (--smoke {SMOKE[name]})")
+    p.add_argument("--no-deepep", action="store_true", help="skip DeepEP")
+    p.add_argument("--no-nccl", action="store_true", help="skip the NCCL (Megatron alltoall) baselines")
     p.add_argument("--json", default="", help="write all per-rank figures here")
-    return p.parse_args()
+    p.add_argument("--markdown", default="", help="also write the markdown table here")
+    p.add_argument("--smoke", action="store_true",
+                   help="CPU smoke run of the script itself: torch reference backend, gloo for the Megatron baseline, "
+                        "tiny shape; checks every code path and the baselines' rows, measures nothing meaningful")
+    args = p.parse_args(argv)
+    for k, v in (SMOKE if args.smoke else FULL).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.experts % args.ranks:
+        p.error(f"--experts {args.experts} must be a multiple of --ranks {args.ranks}")
+    return args
 
 
+# ------------------------------------------------------------------------------------ timing
 class Timer:
-    """Median of isolated calls (all ranks released together by a barrier before each call),
-    and the mean over a back-to-back loop of calls (no barrier between calls: the ops' own
-    handshakes keep the ranks in step, as in a training step). Returns (isolated, loop) in us."""
+    """(isolated median, loop mean, loop measured) in us for one op; CUDA events on GPUs,
+    perf_counter in the CPU smoke run."""
 
-    def __init__(self, args):
-        self.args = args
+    def __init__(self, args, cuda: bool):
+        self.args, self.cuda = args, cuda
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def mark(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def us(self, a, b) -> float:
+        return a.elapsed_time(b) * 1e3 if self.cuda else (b - a) * 1e6
 
     def __call__(self, fn, setup=None):
         iso = self.isolated(fn, setup)
         if setup is not None:  # ops whose input must be refreshed each call: isolated only
-            return iso, iso
-        torch.cuda.synchronize()
+            return (iso, iso, False)
+        self.sync()
         dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        a = self.mark()
         for _ in range(self.args.iters):
             fn()
-        end.record()
-        torch.cuda.synchronize()
-        return iso, start.elapsed_time(end) * 1e3 / self.args.iters
+        b = self.mark()
+        self.sync()
+        return (iso, self.us(a, b) / self.args.iters, True)
 
     def isolated(self, fn, setup=None):
         times = []
         for i in range(self.args.warmup + self.args.iters):
             if setup is not None:
                 setup()
-            torch.cuda.synchronize()
+            self.sync()
             dist.barrier()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            a = self.mark()
             fn()
-            end.record()
-            torch.cuda.synchronize()
+            b = self.mark()
+            self.sync()
             if i >= self.args.warmup:
-                times.append(start.elapsed_time(end) * 1e3)  # us
+                times.append(self.us(a, b))
         return statistics.median(times)
 
 
-def phases(buf, timer, fn, setup=None):
-    """Median time of each kernel phase of one op, from events the backend records on its
-    communication stream (the gaps include waits for peers and for the host)."""
-    impl = buf._impl
+def guarded(call):
+    """For measurements through megatron_ep internals: None ("n/a") if the hook no longer fits."""
+    try:
+        return call()
+    except (AttributeError, TypeError, KeyError, RuntimeError) as exc:
+        print(f"[rank {dist.get_rank()}] internal hook failed, reported as n/a: {type(exc).__name__}: {exc}", flush=True)
+        return None
+
+
+# ----------------------------------------------------------------- megatron_ep internals
+# INTERNAL ACCESS. The two functions below are the only places this script touches
+# megatron_ep's internals (the runtime is being refactored). Each returns None when what it
+# needs is missing; the report then says "n/a". Everything else uses the public API.
+def _internal_tracer(buf):
+    """INTERNAL: `buf._impl.trace` -- while it is a list, the cuda backend appends (phase name,
+    CUDA event) pairs recorded on its communication stream. Returns begin()/end() or None."""
+    impl = getattr(buf, "_impl", None)
+    if impl is None or not hasattr(impl, "trace"):
+        return None
+
+    class Tracer:
+        def begin(self):
+            impl.trace = []
+
+        def end(self):
+            trace, impl.trace = impl.trace, None
+            return trace or []
+
+    return Tracer()
+
+
+def _internal_notify(buf, idx, num_experts, num_ranks):
+    """INTERNAL: `buf._impl.rt.notify(topk_idx, num_experts, alignment, rank_pos [T, R] int32,
+    slot_pos [T, K] int32, recv_info [3 + 3L] int32, tag)` -- the notify kernel alone (count
+    exchange + positions). Returns (with T tokens, with no tokens) callables, or None."""
+    notify = getattr(getattr(getattr(buf, "_impl", None), "rt", None), "notify", None)
+    if notify is None:
+        return None
+    T, K = idx.shape
+    L = num_experts // num_ranks
+    rp = torch.empty((T, num_ranks), dtype=torch.int32, device=idx.device)
+    sp = torch.empty((T, K), dtype=torch.int32, device=idx.device)
+    ri = torch.empty(3 + 3 * L, dtype=torch.int32, device=idx.device)
+    return (lambda: notify(idx, num_experts, 1, rp, sp, ri, 0),
+            lambda: notify(idx[:0], num_experts, 1, rp[:0], sp[:0], ri, 0))
+
+
+def phases(tracer, timer, fn, setup=None):
+    """Median time of each kernel phase of one op, from the events of `_internal_tracer` (the
+    gaps include waits for peers and for the host); "(loop)" keys: back to back."""
     samples = {}
 
     def traced():
-        impl.trace = []
+        tracer.begin()
         fn()
 
     def collect():
-        if impl.trace:
+        trace = tracer.end()
+        if trace:
             torch.cuda.synchronize()
-            for (_, a), (name, b) in zip(impl.trace, impl.trace[1:]):
+            for (_, a), (name, b) in zip(trace, trace[1:]):
                 samples.setdefault(name, []).append(a.elapsed_time(b) * 1e3)
         if setup is not None:
             setup()
 
     timer.isolated(traced, setup=collect)
-    iso = {k: statistics.median(v) for k, v in samples.items()}
+    tracer.end()
+    out = {k: statistics.median(v) for k, v in samples.items()}
     if setup is not None:
-        impl.trace = None
-        return iso
-    # back to back: each call's kernels timed between events, no barrier between calls
+        return out
     samples.clear()
     torch.cuda.synchronize()
     dist.barrier()
     traces = []
     for _ in range(timer.args.iters):
-        impl.trace = []
+        tracer.begin()
         fn()
-        traces.append(impl.trace)
+        traces.append(tracer.end())
     torch.cuda.synchronize()
     for tr in traces:
         for (_, a), (name, b) in zip(tr, tr[1:]):
             samples.setdefault(name + "(loop)", []).append(a.elapsed_time(b) * 1e3)
-    impl.trace = None
-    iso.update({k: statistics.median(v) for k, v in samples.items()})
-    return iso
+    out.update({k: statistics.median(v) for k, v in samples.items()})
+    return out
 
 
-def our_runs(args, x, x_fp8, idx, w, timer, res):
-    E, R, T, H, K = args.experts, dist.get_world_size(), args.tokens, args.hidden, args.topk
-    L = E // R
-    buf = mep.Buffer(dist.group.WORLD, backend="cuda", max_tokens_per_rank=T, hidden=H, num_experts=E, max_topk=K,
-                     num_sms=args.num_sms or None, check_inputs=False)
-    res["num_sms"] = buf.num_sms
-    rm = buf.dispatch(x, idx, w, num_experts=E)
-    em = buf.dispatch(x, idx, w, num_experts=E, permute=True, expert_alignment=args.alignment)
-    N, M = rm.x.shape[0], em.x.shape[0]
-    res.update(rows_rank_major=N, rows_expert_major=M)
-    res["dispatch"] = timer(lambda: buf.dispatch(x, idx, w, num_experts=E))
-    res["dispatch_cached"] = timer(lambda: buf.dispatch(x, handle=rm.handle))
-    res["dispatch_fp8_cached"] = timer(lambda: buf.dispatch(x_fp8, handle=rm.handle))
-    res["dispatch_expert"] = timer(lambda: buf.dispatch(x, idx, w, num_experts=E, permute=True, expert_alignment=args.alignment))
-    res["dispatch_expert_cached"] = timer(lambda: buf.dispatch(x, handle=em.handle))
-    y_rm = rm.x.clone()
-    res["combine"] = timer(lambda: buf.combine(y_rm, rm.handle))
-    zc = buf.get_combine_input(N, H)
-    res["combine_zero_copy"] = timer(lambda: buf.combine(zc, rm.handle), setup=lambda: zc.copy_(y_rm))
-    y_em = em.x.clone()
-    res["combine_expert"] = timer(lambda: buf.combine(y_em, em.handle))
-    zce = buf.get_combine_input(M, H)
-    res["combine_expert_zero_copy"] = timer(lambda: buf.combine(zce, em.handle), setup=lambda: zce.copy_(y_em))
-    # the notify kernel alone (count exchange + positions), and with no tokens (handshake only)
-    impl = buf._impl
-    rp, sp, ri = (torch.empty((T, R), dtype=torch.int32, device="cuda"), torch.empty((T, K), dtype=torch.int32, device="cuda"),
-                  torch.empty(3 + 3 * L, dtype=torch.int32, device="cuda"))
-    res["notify_kernel"] = timer(lambda: impl.rt.notify(idx, E, 1, rp, sp, ri, 0))
-    res["notify_kernel_T0"] = timer(lambda: impl.rt.notify(idx[:0], E, 1, rp[:0], sp[:0], ri, 0))
-    res["phases_dispatch"] = phases(buf, timer, lambda: buf.dispatch(x, idx, w, num_experts=E))
-    res["phases_combine_zero_copy"] = phases(buf, timer, lambda: buf.combine(zc, rm.handle), setup=lambda: zc.copy_(y_rm))
-    res["phases_combine"] = phases(buf, timer, lambda: buf.combine(y_rm, rm.handle))
-    res["phases_dispatch_cached"] = phases(buf, timer, lambda: buf.dispatch(x, handle=rm.handle))
-    res["phases_dispatch_expert_cached"] = phases(buf, timer, lambda: buf.dispatch(x, handle=em.handle))
-    # baselines in the same run: the received bytes copied once, and a separate permute
-    src, dst = rm.x.clone(), torch.empty_like(rm.x)
-    res["copy"] = timer(lambda: dst.copy_(src))
-    perm = _expert_major_perm(rm.topk_idx, L)
-    res["permute"] = timer(lambda: rm.x.index_select(0, perm))
-    buf.destroy()
-    return N
-
-
+# ------------------------------------------------------------------------------------- ours
 def _expert_major_perm(recv_idx, L):
-    """Rank-major row of every expert-major row (unpadded), for the separate-permute baseline."""
+    """Rank-major row of every expert-major row (unpadded): the separate-permute baselines."""
     rows, slots = (recv_idx >= 0).nonzero(as_tuple=True)
     order = torch.argsort(recv_idx[rows, slots], stable=True)
     return rows[order]
 
 
-def deepep_runs(args, x, x_fp8, idx, w, timer, res):
+def our_runs(args, n, inp, timer, out, first, ref):
+    """Our backend at `n` SMs per rank; `first`: also the SM-independent baselines; `ref`: a dict
+    to fill with our outputs for the baseline checks (None: not needed)."""
+    E, R, T, H, K = args.experts, args.ranks, args.tokens, args.hidden, args.topk
+    L = E // R
+    x, x_fp8, idx, w = inp["x"], inp["x_fp8"], inp["idx"], inp["w"]
+    buf = mep.Buffer(dist.group.WORLD, backend=inp["backend"], max_tokens_per_rank=T, hidden=H, num_experts=E,
+                     max_topk=K, num_sms=n or None, check_inputs=False)
+    t, ph = out["t"], out["phases"]
     try:
-        import deep_ep
-    except ImportError as exc:
-        res["deepep_error"] = str(exc)
-        return
-    E, R, H = args.experts, dist.get_world_size(), args.hidden
-    buffer = deep_ep.Buffer(dist.group.WORLD, int(2e9), 0, explicitly_destroy=True)
-    deep_ep.Buffer.set_num_sms(args.num_sms or 24)
-    dcfg, ccfg = deep_ep.Buffer.get_dispatch_config(R), deep_ep.Buffer.get_combine_config(R)
-    idx_t = idx.to(deep_ep.topk_idx_t)
+        out["num_sms"] = buf.num_sms
+        rm = buf.dispatch(x, idx, w, num_experts=E)
+        em = buf.dispatch(x, idx, w, num_experts=E, permute=True, expert_alignment=args.alignment)
+        N, M = rm.x.shape[0], em.x.shape[0]
+        out.update(rows_rank_major=N, rows_expert_major=M)
+        t["layout"] = timer(lambda: buf.get_dispatch_layout(idx, E))
+        t["dispatch"] = timer(lambda: buf.dispatch(x, idx, w, num_experts=E))
+        t["dispatch_cached"] = timer(lambda: buf.dispatch(x, handle=rm.handle))
+        t["dispatch_fp8_cached"] = timer(lambda: buf.dispatch(x_fp8, handle=rm.handle))
+        t["dispatch_expert"] = timer(lambda: buf.dispatch(x, idx, w, num_experts=E, permute=True,
+                                                          expert_alignment=args.alignment))
+        t["dispatch_expert_cached"] = timer(lambda: buf.dispatch(x, handle=em.handle))
+        t["dispatch_expert_fp8_cached"] = timer(lambda: buf.dispatch(x_fp8, handle=em.handle))
+        y_rm = rm.x.clone()
+        t["combine"] = timer(lambda: buf.combine(y_rm, rm.handle))
+        zc = buf.get_combine_input(N, H, device=x.device)
+        t["combine_zero_copy"] = timer(lambda: buf.combine(zc, rm.handle), setup=lambda: zc.copy_(y_rm))
+        y_em = em.x.clone()
+        t["combine_expert"] = timer(lambda: buf.combine(y_em, em.handle))
+        zce = buf.get_combine_input(M, H, device=x.device)
+        t["combine_expert_zero_copy"] = timer(lambda: buf.combine(zce, em.handle), setup=lambda: zce.copy_(y_em))
+        if ref is not None:
+            ref.update(rm_x=rm.x.clone(), em_x=em.x.clone(), em_expert=em.row_expert.clone(),
+                       rm_y=buf.combine(y_rm, rm.handle).x.clone(), em_y=buf.combine(y_em, em.handle).x.clone())
+        notify = _internal_notify(buf, idx, E, R)
+        t["notify_kernel"] = guarded(lambda: timer(notify[0])) if notify else None
+        t["notify_kernel_T0"] = guarded(lambda: timer(notify[1])) if notify else None
+        tracer = _internal_tracer(buf)
+        for key, fn, setup in (
+            ("dispatch", lambda: buf.dispatch(x, idx, w, num_experts=E), None),
+            ("dispatch_cached", lambda: buf.dispatch(x, handle=rm.handle), None),
+            ("dispatch_expert_cached", lambda: buf.dispatch(x, handle=em.handle), None),
+            ("combine", lambda: buf.combine(y_rm, rm.handle), None),
+            ("combine_zero_copy", lambda: buf.combine(zc, rm.handle), lambda: zc.copy_(y_rm)),
+        ):
+            ph[key] = guarded(lambda: phases(tracer, timer, fn, setup)) if tracer is not None else None
+        if first is not None:  # SM-independent baselines, once
+            src, dst = rm.x.clone(), torch.empty_like(rm.x)
+            first["copy"] = timer(lambda: dst.copy_(src))
+            perm = _expert_major_perm(rm.topk_idx, L)
+            first["permute"] = timer(lambda: rm.x.index_select(0, perm))
+    finally:
+        buf.destroy()
 
-    def layout_and_dispatch(inp):
-        ntpr, _, ntpe, itir, _ = buffer.get_dispatch_layout(idx_t, E)
-        return buffer.dispatch(inp, num_tokens_per_rank=ntpr, is_token_in_rank=itir, num_tokens_per_expert=ntpe,
-                               topk_idx=idx_t, topk_weights=w, config=dcfg)
 
-    recv_x, recv_idx, _, _, handle, _ = layout_and_dispatch(x)
-    res["deepep_dispatch"] = timer(lambda: layout_and_dispatch(x))
-    res["deepep_dispatch_cached"] = timer(lambda: buffer.dispatch(x, handle=handle, config=dcfg))
-    res["deepep_dispatch_fp8_cached"] = timer(lambda: buffer.dispatch(x_fp8, handle=handle, config=dcfg))
-    perm = _expert_major_perm(recv_idx.long(), E // R)
-    res["deepep_dispatch_cached_plus_permute"] = timer(lambda: buffer.dispatch(x, handle=handle, config=dcfg)[0].index_select(0, perm))
-    y = recv_x.clone()
-    res["deepep_combine"] = timer(lambda: buffer.combine(y, handle, config=ccfg))
-    buffer.destroy()
+# ----------------------------------------------------------------------------------- DeepEP
+class DeepEP:
+    """DeepEP V1 intranode: one buffer for the whole sweep, `set_num_sms` per SM count."""
+
+    def __init__(self, args):
+        self.args, self.error, self.buffer, self.label = args, None, None, None
+        try:
+            import deep_ep
+        except ImportError as exc:
+            self.error = f"deep_ep not importable: {exc}"
+            return
+        self.deep_ep = deep_ep
+        self.label = os.environ.get("MEP_DEEPEP_LABEL") or self._describe(deep_ep)
+        try:
+            self.buffer = deep_ep.Buffer(dist.group.WORLD, int(2e9), 0, explicitly_destroy=True)
+        except Exception as exc:  # noqa: BLE001  (reported, the rest of the run goes on)
+            self.error = f"deep_ep.Buffer failed: {type(exc).__name__}: {exc}"
+
+    @staticmethod
+    def _describe(deep_ep) -> str:
+        """Where the package lives and, if its build left one, the commit in a DEEPEP_COMMIT file
+        at the root of its source tree (MEP_DEEPEP_LABEL overrides)."""
+        root = os.path.dirname(os.path.dirname(os.path.abspath(deep_ep.__file__)))
+        try:
+            with open(os.path.join(root, "DEEPEP_COMMIT")) as f:
+                commit = f.read().strip()[:12]
+        except OSError:
+            commit = "unknown"
+        return f"DeepEP V1 from {root} (commit {commit})"
+
+    def run(self, n, inp, timer, t):
+        deep_ep, buffer = self.deep_ep, self.buffer
+        E, R = self.args.experts, self.args.ranks
+        L = E // R
+        sms = n or DEEPEP_DEFAULT_SMS
+        if sms % 2:
+            return f"DeepEP needs an even SM count, got {sms}"
+        deep_ep.Buffer.set_num_sms(sms)
+        dcfg, ccfg = deep_ep.Buffer.get_dispatch_config(R), deep_ep.Buffer.get_combine_config(R)
+        x, x_fp8, w = inp["x"], inp["x_fp8"], inp["w"]
+        idx = inp["idx"].to(getattr(deep_ep, "topk_idx_t", torch.int64))
+
+        def layout_and_dispatch(data):
+            ntpr, _, ntpe, itir, _ = buffer.get_dispatch_layout(idx, E)
+            return buffer.dispatch(data, num_tokens_per_rank=ntpr, is_token_in_rank=itir, num_tokens_per_expert=ntpe,
+                                   topk_idx=idx, topk_weights=w, config=dcfg)
+
+        def full_plus_permute():
+            recv_x, recv_idx = layout_and_dispatch(x)[:2]
+            return recv_x.index_select(0, _expert_major_perm(recv_idx, L))
+
+        recv_x, recv_idx, _, _, handle, _ = layout_and_dispatch(x)
+        perm = _expert_major_perm(recv_idx, L)
+
+        def fp8_cached_plus_permute():
+            rx, rs = buffer.dispatch(x_fp8, handle=handle, config=dcfg)[0]
+            return rx.index_select(0, perm), rs.index_select(0, perm)
+
+        y = recv_x.clone()
+        y_expert = recv_x.index_select(0, perm)  # expert-major rows as the experts return them
+
+        def unpermute_plus_combine():  # a manager's unpermute (sum per received row), then combine
+            rows = torch.zeros_like(y).index_add_(0, perm, y_expert)
+            return buffer.combine(rows, handle, config=ccfg)
+
+        t["deepep_layout"] = timer(lambda: buffer.get_dispatch_layout(idx, E))
+        t["deepep_dispatch"] = timer(lambda: layout_and_dispatch(x))
+        t["deepep_dispatch_plus_permute"] = timer(full_plus_permute)
+        t["deepep_dispatch_cached"] = timer(lambda: buffer.dispatch(x, handle=handle, config=dcfg))
+        t["deepep_dispatch_fp8_cached"] = timer(lambda: buffer.dispatch(x_fp8, handle=handle, config=dcfg))
+        t["deepep_dispatch_cached_plus_permute"] = timer(
+            lambda: buffer.dispatch(x, handle=handle, config=dcfg)[0].index_select(0, perm))
+        t["deepep_dispatch_fp8_cached_plus_permute"] = timer(fp8_cached_plus_permute)
+        t["deepep_combine"] = timer(lambda: buffer.combine(y, handle, config=ccfg))
+        t["deepep_unpermute_plus_combine"] = timer(unpermute_plus_combine)
+        return None
+
+    def close(self):
+        if self.buffer is not None:
+            self.buffer.destroy()
+            self.buffer = None
+
+
+# --------------------------------------------------------------- NCCL: Megatron's alltoall
+def _megatron_moe_ops():
+    """(label, permute, unpermute, sort_chunks): megatron-core's own moe_utils functions on
+    their non-fused path when megatron-core imports, else a copy of 0.16.1's non-fused code."""
+    try:
+        import megatron.core as mc
+        from megatron.core.transformer.moe import moe_utils as mu
+
+        def permute(tokens, routing_map, probs, num_out):
+            out = mu.permute(tokens, routing_map, probs=probs, num_out_tokens=num_out, fused=False)
+            return out[0], out[1], out[2]  # 0.16: 3 values, later: 5
+
+        def unpermute(rows, sorted_indices, shape):
+            return mu.unpermute(rows, sorted_indices, restore_shape=shape, fused=False)
+
+        def sort_chunks(rows, split_sizes, sorted_idxs, probs=None):
+            return mu.sort_chunks_by_idxs(rows, split_sizes, sorted_idxs, probs=probs, fused=False)
+
+        return f"megatron-core {mc.__version__} moe_utils, non-fused", permute, unpermute, sort_chunks
+    except Exception as exc:  # noqa: BLE001  (not installed, or broken without its extras)
+        why = f"{type(exc).__name__}"
+
+    def permute(tokens, routing_map, probs, num_out):  # moe_utils.permute, dropless, non-fused
+        num_tokens, num_experts = tokens.shape[0], routing_map.shape[1]
+        routing_map = routing_map.bool().T.contiguous()
+        token_indices = torch.arange(num_tokens, device=routing_map.device).unsqueeze(0).expand(num_experts, -1)
+        sorted_indices = token_indices.masked_select(routing_map)
+        permuted_probs = probs.T.contiguous().masked_select(routing_map) if probs is not None else None
+        return tokens.index_select(0, sorted_indices), permuted_probs, sorted_indices
+
+    def unpermute(rows, sorted_indices, shape):  # moe_utils.unpermute, no probs, non-deterministic mode
+        out = torch.zeros(shape, dtype=rows.dtype, device=rows.device)
+        out.scatter_add_(0, sorted_indices.unsqueeze(1).expand(-1, shape[1]), rows)
+        return out
+
+    def sort_chunks(rows, split_sizes, sorted_idxs, probs=None):  # moe_utils.sort_chunks_by_idxs
+        parts = torch.split(rows, split_sizes.tolist(), dim=0)
+        out = torch.cat([parts[i] for i in sorted_idxs.tolist()], dim=0)
+        if probs is not None:
+            pparts = torch.split(probs, split_sizes.tolist(), dim=0)
+            probs = torch.cat([pparts[i] for i in sorted_idxs.tolist()], dim=0)
+        return out, probs
+
+    return f"copy of megatron-core 0.16.1 moe_utils, non-fused (megatron-core: {why})", permute, unpermute, sort_chunks
+
+
+def nccl_runs(args, inp, timer, group, out, ref):
+    """Megatron's alltoall dispatcher (dropless, TP 1, non-fused) and plain all-to-alls over
+    `group`. Fills out["t"] (timings), out["rows"], out["checks"] (against `ref`)."""
+    E, R, T, H, K = args.experts, args.ranks, args.tokens, args.hidden, args.topk
+    L, rank = E // R, dist.get_rank()
+    x, idx, w, fp8_rows = inp["x"], inp["idx"], inp["w"], inp["fp8_rows"]
+    dev, cuda = x.device, x.is_cuda
+    label, permute, unpermute, sort_chunks = _megatron_moe_ops()
+    out["megatron_ops"] = label
+    t = out["t"]
+
+    def a2a(rows, out_splits, in_splits):
+        recv = rows.new_empty((sum(out_splits),) + tuple(rows.shape[1:]))
+        dist.all_to_all_single(recv, rows, out_splits, in_splits, group=group)
+        return recv
+
+    # The router's outputs (not timed): routing map [T, E] bool and dense probs [T, E] fp32.
+    routing_map = torch.zeros((T, E), dtype=torch.bool, device=dev).scatter_(1, idx, True)
+    probs = torch.zeros((T, E), dtype=torch.float32, device=dev).scatter_(1, idx, w)
+    chunk_ids = torch.arange(R * L)
+    sort_by_local_expert = chunk_ids.reshape(-1, L).T.ravel()  # MoEAlltoAllTokenDispatcher.__init__
+    restore_by_local_expert = chunk_ids.reshape(L, -1).T.ravel()
+    host = torch.empty(2 * R + R * L, dtype=torch.long, pin_memory=cuda)
+    ready = torch.cuda.Event() if cuda else None
+
+    def meta_start():  # preprocess(): counts, count all-gather, non-blocking device-to-host copy
+        per_expert = routing_map.sum(dim=0).long()
+        gathered = torch.empty(R * E, dtype=torch.long, device=dev)
+        dist.all_gather_into_tensor(gathered, per_expert, group=group)
+        per_local = gathered.view(R, E)[:, rank * L:(rank + 1) * L]  # num_global_tokens_per_local_expert
+        host.copy_(torch.cat([per_expert.view(R, L).sum(1), per_local.sum(1), per_local.reshape(-1)]), non_blocking=cuda)
+        if cuda:
+            ready.record()
+
+    def meta_wait():  # the sync before the EP all-to-all
+        if cuda:
+            ready.synchronize()
+        return host[:R].tolist(), host[R:2 * R].tolist(), host[2 * R:]
+
+    def meg_dispatch():  # dispatch_preprocess + token_dispatch + dispatch_postprocess
+        meta_start()
+        rows, pprobs, _ = permute(x, routing_map, probs, T * K)
+        in_s, out_s, per_local = meta_wait()
+        recv, rprobs = a2a(rows, out_s, in_s), a2a(pprobs, out_s, in_s)
+        if L > 1:
+            recv, rprobs = sort_chunks(recv, per_local, sort_by_local_expert, probs=rprobs)
+        return recv, rprobs
+
+    meta_start()
+    meg_in, meg_out, per_local = meta_wait()
+    per_local = per_local.clone()
+    _, _, sorted_indices = permute(x, routing_map, probs, T * K)
+    restore_splits = per_local.view(R, L).T.ravel()
+
+    def meg_cached(src):  # the same with the routing known: permute, all-to-all, sort by expert
+        recv = a2a(src.index_select(0, sorted_indices), meg_out, meg_in)
+        return sort_chunks(recv, per_local, sort_by_local_expert)[0] if L > 1 else recv
+
+    y_meg = meg_cached(x)
+
+    def meg_combine():  # combine_preprocess + token_combine + combine_postprocess
+        rows = sort_chunks(y_meg, restore_splits, restore_by_local_expert)[0] if L > 1 else y_meg
+        return unpermute(a2a(rows, meg_in, meg_out), sorted_indices, torch.Size((T, H)))
+
+    # Rank-major rows (what ours and DeepEP send): one row per (token, destination rank), by
+    # destination rank then token; the receiver gets them by source rank then token.
+    ranks = torch.arange(R, device=dev)
+    dst = torch.where(idx >= 0, idx.div(L, rounding_mode="floor"), -1)
+
+    def rm_layout():
+        in_rank = (dst.unsqueeze(-1) == ranks).any(dim=1)  # [T, R]
+        send = in_rank.sum(dim=0)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=group)
+        counts = torch.cat([send, recv]).tolist()  # device-to-host sync
+        return counts[:R], counts[R:], in_rank.t().nonzero(as_tuple=True)[1]
+
+    def rm_dispatch():  # layout, count exchange, permute, rows + local top-k ids + weights
+        in_s, out_s, tok = rm_layout()
+        recv = a2a(x.index_select(0, tok), out_s, in_s)
+        ids, wts = a2a(idx.index_select(0, tok), out_s, in_s), a2a(w.index_select(0, tok), out_s, in_s)
+        ids = torch.where(ids.div(L, rounding_mode="floor") == rank, ids - rank * L, -1)
+        return recv, ids, wts
+
+    rm_in, rm_out, send_tok = rm_layout()
+    y_rm = a2a(x.index_select(0, send_tok), rm_out, rm_in)
+
+    def rm_combine():  # the reverse all-to-all, then the sum per token in fp32
+        back = a2a(y_rm, rm_in, rm_out)
+        acc = torch.zeros((T, H), dtype=torch.float32, device=dev)
+        return acc.index_add_(0, send_tok, back.float()).to(x.dtype)
+
+    out["rows"] = dict(megatron=sum(meg_out), rank_major=sum(rm_out))
+    meg_rows, meg_rows8 = x.index_select(0, sorted_indices), fp8_rows.index_select(0, sorted_indices)
+    rm_rows, rm_rows8 = x.index_select(0, send_tok), fp8_rows.index_select(0, send_tok)
+    t["meg_meta"] = timer(lambda: (meta_start(), meta_wait()))
+    t["meg_dispatch"] = timer(meg_dispatch)
+    t["meg_dispatch_cached"] = timer(lambda: meg_cached(x))
+    t["meg_dispatch_fp8_cached"] = timer(lambda: meg_cached(fp8_rows))
+    t["meg_combine"] = timer(meg_combine)
+    t["meg_a2a"] = timer(lambda: a2a(meg_rows, meg_out, meg_in))
+    t["meg_a2a_fp8"] = timer(lambda: a2a(meg_rows8, meg_out, meg_in))
+    t["rm_dispatch"] = timer(rm_dispatch)
+    t["rm_dispatch_cached"] = timer(lambda: a2a(x.index_select(0, send_tok), rm_out, rm_in))
+    t["rm_dispatch_fp8_cached"] = timer(lambda: a2a(fp8_rows.index_select(0, send_tok), rm_out, rm_in))
+    t["rm_combine"] = timer(rm_combine)
+    t["rm_a2a"] = timer(lambda: a2a(rm_rows, rm_out, rm_in))
+    t["rm_a2a_fp8"] = timer(lambda: a2a(rm_rows8, rm_out, rm_in))
+
+    if ref:  # the baselines deliver exactly our rows; their combines match ours
+        c = out["checks"]
+        em_rows = ref["em_x"][ref["em_expert"] >= 0]
+        c["rank_major_rows_equal_ours"] = bool(torch.equal(y_rm, ref["rm_x"]))
+        c["megatron_rows_equal_ours_expert_major"] = bool(torch.equal(meg_dispatch()[0], em_rows))
+        c["rank_major_combine_max_rel_diff"] = _rel_diff(rm_combine(), ref["rm_y"])
+        c["megatron_combine_max_rel_diff"] = _rel_diff(meg_combine(), ref["em_y"])  # bf16 scatter_add_ vs fp32
+
+
+def _rel_diff(a, b) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-30))
+
+
+# ----------------------------------------------------------------------------------- driver
+def _gpus_used(args) -> int:
+    return min(args.ranks, torch.cuda.device_count())
+
+
+def _sm_limit(args, n, cuda):
+    """Why `n` SMs per rank cannot run (virtual ranks under MPS need every rank's blocks
+    resident at once, DESIGN §5), or None."""
+    if not cuda or n == 0:
+        return None
+    per_gpu = math.ceil(args.ranks / _gpus_used(args))
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    if per_gpu > 1 and per_gpu * n > sms:
+        return f"{per_gpu} ranks per GPU x {n} SMs > {sms} SMs: spinning kernels would deadlock under MPS"
+    return None
+
+
+def _nccl_group(args, cuda):
+    """(group, label) for the Megatron baseline, or (None, why not). Collective: every rank
+    calls it and takes the same branch."""
+    if args.no_nccl:
+        return None, "skipped (--no-nccl)"
+    if not cuda:
+        return dist.group.WORLD, "gloo (CPU smoke run)"
+    if torch.cuda.device_count() < args.ranks:
+        return None, "skipped (virtual ranks)"
+    return dist.new_group(backend="nccl"), "nccl"
+
+
+def make_inputs(args, rank, dev, cuda):
+    torch.manual_seed(1234 + rank)
+    T, H, E, K = args.tokens, args.hidden, args.experts, args.topk
+    x = torch.randn((T, H), device=dev).to(torch.bfloat16)
+    x_fp8 = mep.per_token_cast_to_fp8(x)
+    scores = torch.randn((T, E), device=dev).abs() + 1
+    idx = torch.topk(scores, K, dim=-1).indices
+    w = torch.rand((T, K), device=dev)
+    fp8_rows = torch.cat([x_fp8[0].view(torch.uint8), x_fp8[1].contiguous().view(torch.uint8)], dim=1)
+    assert fp8_rows.shape[1] == H + H // 128 * 4
+    return dict(x=x, x_fp8=x_fp8, idx=idx, w=w, fp8_rows=fp8_rows, backend="cuda" if cuda else "torch")
 
 
 def worker(rank, args, port):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank % torch.cuda.device_count())
+    cuda = not args.smoke
+    if cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        dev = torch.device("cuda", torch.cuda.current_device())
+    else:
+        torch.set_num_threads(1)
+        dev = torch.device("cpu")
     dist.init_process_group("gloo", rank=rank, world_size=args.ranks)
-    torch.manual_seed(1234 + rank)
-    T, H, E, K = args.tokens, args.hidden, args.experts, args.topk
-    x = torch.randn((T, H), device="cuda").to(torch.bfloat16)
-    x_fp8 = mep.per_token_cast_to_fp8(x)
-    scores = torch.randn((T, E), device="cuda").abs() + 1
-    idx = torch.topk(scores, K, dim=-1).indices
-    w = torch.rand((T, K), device="cuda")
-    timer = Timer(args)
-    res = {"rank": rank}
-    N = our_runs(args, x, x_fp8, idx, w, timer, res)
-    if not args.no_deepep:
-        deepep_runs(args, x, x_fp8, idx, w, timer, res)
-    res["bytes_bf16"] = N * H * 2
-    res["bytes_fp8"] = N * (H + H // 128 * 4)
+    inp = make_inputs(args, rank, dev, cuda)
+    timer = Timer(args, cuda)
+    res = {"rank": rank, "sms": {}, "base": {}, "nccl": {"t": {}, "checks": {}}}
+    group, res["nccl"]["status"] = _nccl_group(args, cuda)
+    ref = {} if group is not None else None
+    deepep = None
+    if args.no_deepep:
+        res["deepep_error"] = "disabled (--no-deepep)"
+    else:
+        deepep = DeepEP(args)
+        res["deepep_error"], res["deepep_label"] = deepep.error, deepep.label
+        if deepep.error:
+            deepep = None
+    for n in args.num_sms:
+        out = res["sms"][str(n)] = {"t": {}, "phases": {}}
+        out["skipped"] = _sm_limit(args, n, cuda)
+        if out["skipped"]:
+            continue
+        first = res["base"] if not res["base"] else None
+        our_runs(args, n, inp, timer, out, first, ref if ref == {} else None)
+        if deepep is not None:
+            out["deepep_skipped"] = _sm_limit(args, n or DEEPEP_DEFAULT_SMS, cuda) or deepep.run(n, inp, timer, out["t"])
+    if deepep is not None:
+        deepep.close()
+    if group is not None:
+        nccl_runs(args, inp, timer, group, res["nccl"], ref)
+    ref = None
+    H = args.hidden
+    res["bytes_row_bf16"], res["bytes_row_fp8"] = H * 2, H + H // 128 * 4
+    res["machine"] = machine_line(args, cuda) if rank == 0 else None
     allres = [None] * args.ranks
     dist.all_gather_object(allres, res)
     if rank == 0:
@@ -232,51 +644,288 @@ def worker(rank, args, port):
     dist.destroy_process_group()
 
 
+# ----------------------------------------------------------------------------------- report
+def _mps_running() -> bool:
+    return os.path.exists(os.path.join(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"), "control"))
+
+
+def machine_line(args, cuda) -> str:
+    R = args.ranks
+    if not cuda:
+        return (f"CPU smoke run: {os.cpu_count()} cores, {R} processes, gloo, torch reference backend; "
+                f"torch {torch.__version__}")
+    used, visible = _gpus_used(args), torch.cuda.device_count()
+    per_gpu = math.ceil(R / used)
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    try:
+        nccl = ".".join(str(v) for v in torch.cuda.nccl.version())
+    except Exception:  # noqa: BLE001
+        nccl = "?"
+    share = "one process per GPU" if per_gpu == 1 else \
+        f"{per_gpu} processes per GPU (virtual ranks, {'under MPS' if _mps_running() else 'MPS control pipe NOT found'})"
+    return (f"{used} x {props.name} ({props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB; "
+            f"{visible} visible), {R} processes, {share}; torch {torch.__version__}, CUDA {torch.version.cuda}, "
+            f"NCCL {nccl}, NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}")
+
+
+def _code_revision() -> str:
+    try:
+        rev = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=10)
+        if rev.returncode == 0:
+            return rev.stdout.strip() + (" + local changes" if dirty.stdout.strip() else "")
+    except Exception:  # noqa: BLE001
+        pass
+    return "unknown (no git metadata)"
+
+
+def _mean_over_ranks(allres, get):
+    """(isolated, loop, max isolated, loop measured) over ranks, or None if any rank lacks it."""
+    vals = [get(r) for r in allres]
+    if any(v is None for v in vals):
+        return None
+    R = len(vals)
+    return (sum(v[0] for v in vals) / R, sum(v[1] for v in vals) / R, max(v[0] for v in vals), all(v[2] for v in vals))
+
+
+OUR_ROWS = [  # (key, bytes per row, peer key for the ratio)
+    ("layout", None, "deepep_layout"),
+    ("dispatch", "bf16", "deepep_dispatch"),
+    ("dispatch_cached", "bf16", "deepep_dispatch_cached"),
+    ("dispatch_fp8_cached", "fp8", "deepep_dispatch_fp8_cached"),
+    ("dispatch_expert", "bf16", "deepep_dispatch_plus_permute"),
+    ("dispatch_expert_cached", "bf16", "deepep_dispatch_cached_plus_permute"),
+    ("dispatch_expert_fp8_cached", "fp8", "deepep_dispatch_fp8_cached_plus_permute"),
+    ("combine", "bf16", "deepep_combine"),
+    ("combine_zero_copy", "bf16", "deepep_combine"),
+    ("combine_expert", "bf16", "deepep_unpermute_plus_combine"),
+    ("combine_expert_zero_copy", "bf16", "deepep_unpermute_plus_combine"),
+    ("notify_kernel", None, None),
+    ("notify_kernel_T0", None, None),
+]
+DEEPEP_ROWS = [("deepep_layout", None), ("deepep_dispatch", "bf16"), ("deepep_dispatch_plus_permute", "bf16"),
+               ("deepep_dispatch_cached", "bf16"), ("deepep_dispatch_fp8_cached", "fp8"),
+               ("deepep_dispatch_cached_plus_permute", "bf16"), ("deepep_dispatch_fp8_cached_plus_permute", "fp8"),
+               ("deepep_combine", "bf16"), ("deepep_unpermute_plus_combine", "bf16")]
+NCCL_ROWS = [  # (key, rows kind, bytes per row)
+    ("meg_meta", None, None), ("meg_dispatch", "megatron", "bf16"), ("meg_dispatch_cached", "megatron", "bf16"),
+    ("meg_dispatch_fp8_cached", "megatron", "fp8"), ("meg_combine", "megatron", "bf16"),
+    ("meg_a2a", "megatron", "bf16"), ("meg_a2a_fp8", "megatron", "fp8"),
+    ("rm_dispatch", "rank_major", "bf16"), ("rm_dispatch_cached", "rank_major", "bf16"),
+    ("rm_dispatch_fp8_cached", "rank_major", "fp8"), ("rm_combine", "rank_major", "bf16"),
+    ("rm_a2a", "rank_major", "bf16"), ("rm_a2a_fp8", "rank_major", "fp8"),
+]
+# markdown rows: (label, ours key, DeepEP key, NCCL key)
+MD_ROWS = [
+    ("layout kernel", "layout", "deepep_layout", None),
+    ("notify kernel alone (count exchange + positions) [1]", "notify_kernel", None, "meg_meta"),
+    ("dispatch incl. notify, rank-major [2]", "dispatch", "deepep_dispatch", "rm_dispatch"),
+    ("cached dispatch, rank-major", "dispatch_cached", "deepep_dispatch_cached", "rm_dispatch_cached"),
+    ("FP8 cached dispatch, rank-major", "dispatch_fp8_cached", "deepep_dispatch_fp8_cached", "rm_dispatch_fp8_cached"),
+    ("expert-major dispatch incl. notify [3]", "dispatch_expert", "deepep_dispatch_plus_permute", "meg_dispatch"),
+    ("expert-major cached dispatch (ours: fused permute) [3]", "dispatch_expert_cached",
+     "deepep_dispatch_cached_plus_permute", "meg_dispatch_cached"),
+    ("FP8 expert-major cached dispatch [3]", "dispatch_expert_fp8_cached", "deepep_dispatch_fp8_cached_plus_permute",
+     "meg_dispatch_fp8_cached"),
+    ("combine, rank-major, staged input", "combine", "deepep_combine", "rm_combine"),
+    ("combine, rank-major, zero-copy input", "combine_zero_copy", "deepep_combine", "rm_combine"),
+    ("expert-major combine, staged input [4]", "combine_expert", "deepep_unpermute_plus_combine", "meg_combine"),
+    ("expert-major combine, zero-copy input [4]", "combine_expert_zero_copy", "deepep_unpermute_plus_combine",
+     "meg_combine"),
+    ("all_to_all_single alone, Megatron rows, bf16 [5]", None, None, "meg_a2a"),
+    ("all_to_all_single alone, Megatron rows, FP8 bytes [5]", None, None, "meg_a2a_fp8"),
+    ("all_to_all_single alone, rank-major rows, bf16 [5]", None, None, "rm_a2a"),
+    ("all_to_all_single alone, rank-major rows, FP8 bytes [5]", None, None, "rm_a2a_fp8"),
+]
+
+
 def report(args, allres):
     R = args.ranks
-    mean = lambda k: sum(r[k] for r in allres) / R  # noqa: E731
-    mean2 = lambda k, i: sum(r[k][i] for r in allres) / R  # noqa: E731
-    have_deepep = "deepep_dispatch" in allres[0]
+    r0 = allres[0]
+    rows_mean = lambda get: sum(get(r) for r in allres) / R  # noqa: E731
+    row_bytes = {"bf16": r0["bytes_row_bf16"], "fp8": r0["bytes_row_fp8"], None: None}
     print(f"\nbench_normal: {R} ranks x {args.tokens} tokens, hidden {args.hidden}, top-{args.topk} of {args.experts}, "
-          f"SMs/rank ours {allres[0]['num_sms']} deepep {args.num_sms or 24}; rows/rank rank-major {mean('rows_rank_major'):.0f}, "
-          f"expert-major {mean('rows_expert_major'):.0f}; median of {args.iters}")
-    if not have_deepep:
-        print(f"  (DeepEP not measured: {allres[0].get('deepep_error', 'disabled')})")
-    print(f"{'operation':<34}{'us':>9}{'us loop':>9}{'us max':>9}{'GB/s':>7}{'vs copy':>9}{'vs DeepEP':>10}{'(loop)':>8}")
-    pairs = [
-        ("dispatch", "bytes_bf16", "deepep_dispatch"),
-        ("dispatch_cached", "bytes_bf16", "deepep_dispatch_cached"),
-        ("dispatch_fp8_cached", "bytes_fp8", "deepep_dispatch_fp8_cached"),
-        ("dispatch_expert", "bytes_bf16", None),
-        ("dispatch_expert_cached", "bytes_bf16", "deepep_dispatch_cached_plus_permute"),
-        ("combine", "bytes_bf16", "deepep_combine"),
-        ("combine_zero_copy", "bytes_bf16", "deepep_combine"),
-        ("combine_expert", "bytes_bf16", None),
-        ("combine_expert_zero_copy", "bytes_bf16", None),
-        ("copy", "bytes_bf16", None),
-        ("notify_kernel", "bytes_bf16", None),
-        ("notify_kernel_T0", "bytes_bf16", None),
-        ("permute", "bytes_bf16", None),
-    ]
-    if have_deepep:
-        pairs += [(k, "bytes_bf16", None) for k in ("deepep_dispatch", "deepep_dispatch_cached", "deepep_dispatch_cached_plus_permute", "deepep_combine")]
-        pairs += [("deepep_dispatch_fp8_cached", "bytes_fp8", None)]
-    for name, bkey, peer in pairs:
-        iso, loop = mean2(name, 0), mean2(name, 1)
-        gbs = mean(bkey) / loop / 1e3
-        vs_copy = loop / mean2("copy", 1)
-        ratio = f"{iso / mean2(peer, 0):>9.2f}x{loop / mean2(peer, 1):>7.2f}x" if (peer and have_deepep) else f"{'':>18}"
-        print(f"{name:<34}{iso:>9.1f}{loop:>9.1f}{max(r[name][0] for r in allres):>9.1f}{gbs:>7.0f}{vs_copy:>8.2f}x {ratio}")
-    for key in ("phases_dispatch", "phases_dispatch_cached", "phases_dispatch_expert_cached", "phases_combine", "phases_combine_zero_copy"):
-        names = allres[0][key].keys()
-        print(f"  {key[7:]:<24} " + "  ".join(f"{n} {sum(r[key][n] for r in allres) / R:.0f}" for n in names) + " us")
+          f"alignment {args.alignment}; median of {args.iters} isolated calls / mean of {args.iters} back to back")
+    print(f"  machine: {r0['machine']}")
+    if r0.get("deepep_error"):
+        print(f"  DeepEP not measured: {r0['deepep_error']}")
+    else:
+        print(f"  DeepEP: {r0.get('deepep_label')}")
+    base = {k: _mean_over_ranks(allres, lambda r, k=k: r["base"].get(k)) for k in ("copy", "permute")}
+    for n in args.num_sms:
+        key = str(n)
+        if r0["sms"][key]["skipped"]:
+            print(f"\n--num-sms {n}: skipped: {r0['sms'][key]['skipped']}")
+            continue
+        get = lambda k: _mean_over_ranks(allres, lambda r: r["sms"][key]["t"].get(k))  # noqa: E731
+        N = rows_mean(lambda r: r["sms"][key]["rows_rank_major"])
+        M = rows_mean(lambda r: r["sms"][key]["rows_expert_major"])
+        dskip = r0["sms"][key].get("deepep_skipped")
+        ours_sms = r0["sms"][key]["num_sms"]
+        print(f"\n--num-sms {n}: ours {ours_sms if ours_sms is not None else 'n/a (no SM knob)'} SMs/rank, DeepEP "
+              f"{'not measured' if (r0.get('deepep_error') or dskip) else (n or DEEPEP_DEFAULT_SMS)}"
+              f"{' (' + dskip + ')' if dskip else ''}; rows/rank rank-major {N:.0f}, expert-major {M:.0f}")
+        print(f"{'operation':<42}{'us':>9}{'us loop':>9}{'us max':>9}{'GB/s':>7}{'vs copy':>9}{'vs DeepEP':>10}{'(loop)':>8}")
+        copy = base["copy"]
+        for name, bkind, peer in OUR_ROWS + [(k, b, None) for k, b in DEEPEP_ROWS]:
+            v = get(name)
+            if v is None:
+                if not name.startswith("deepep") or get("deepep_dispatch") is not None:
+                    print(f"{name:<42}{'n/a':>9}")
+                continue
+            iso, loop, mx, _ = v
+            gbs = f"{N * row_bytes[bkind] / loop / 1e3:>7.0f}" if bkind else f"{'':>7}"
+            vs_copy = f"{loop / copy[1]:>8.2f}x" if (copy and bkind) else f"{'':>9}"
+            p = get(peer) if peer else None
+            ratio = f" {iso / p[0]:>9.2f}x{loop / p[1]:>7.2f}x" if p else ""
+            print(f"{name:<42}{iso:>9.1f}{loop:>9.1f}{mx:>9.1f}{gbs}{vs_copy}{ratio}")
+        for pkey in ("dispatch", "dispatch_cached", "dispatch_expert_cached", "combine", "combine_zero_copy"):
+            per = [r["sms"][key]["phases"].get(pkey) for r in allres]
+            if any(p is None for p in per):
+                print(f"  phases {pkey:<24} n/a")
+                continue
+            names = per[0].keys()
+            print(f"  phases {pkey:<24} " + "  ".join(f"{nm} {sum(p.get(nm, 0) for p in per) / R:.0f}" for nm in names) + " us")
+    for k, v in base.items():
+        if v is not None:
+            print(f"baseline {k:<33}{v[0]:>9.1f}{v[1]:>9.1f}{v[2]:>9.1f}")
+
+    nstat = r0["nccl"]["status"]
+    print(f"\nNCCL baselines ({nstat}; NCCL has no SM knob, so measured once)")
+    if r0["nccl"]["t"]:
+        print(f"  Megatron ops: {r0['nccl']['megatron_ops']}")
+        nrows = {kind: rows_mean(lambda r, kind=kind: r["nccl"]["rows"][kind]) for kind in ("megatron", "rank_major")}
+        print(f"  rows received per rank: Megatron (one per token-expert pair) {nrows['megatron']:.0f}, "
+              f"rank-major (one per token-rank pair) {nrows['rank_major']:.0f}")
+        print(f"{'operation':<42}{'us':>9}{'us loop':>9}{'us max':>9}{'GB/s':>7}")
+        for name, kind, bkind in NCCL_ROWS:
+            v = _mean_over_ranks(allres, lambda r, name=name: r["nccl"]["t"].get(name))
+            if v is None:
+                print(f"{name:<42}{'n/a':>9}")
+                continue
+            gbs = f"{nrows[kind] * row_bytes[bkind] / v[1] / 1e3:>7.0f}" if kind else ""
+            print(f"{name:<42}{v[0]:>9.1f}{v[1]:>9.1f}{v[2]:>9.1f}{gbs}")
+        checks = [r["nccl"]["checks"] for r in allres]
+        if checks[0]:
+            eq = lambda k: "yes" if all(c[k] for c in checks) else "NO"  # noqa: E731
+            mx = lambda k: max(c[k] for c in checks)  # noqa: E731
+            print(f"  checks (all ranks): rank-major rows == ours: {eq('rank_major_rows_equal_ours')}; Megatron rows == "
+                  f"ours expert-major without pad rows: {eq('megatron_rows_equal_ours_expert_major')}; combine max rel. "
+                  f"diff vs ours: rank-major {mx('rank_major_combine_max_rel_diff'):.1e}, Megatron "
+                  f"{mx('megatron_combine_max_rel_diff'):.1e} (bf16 scatter_add_)")
+    else:
+        print(f"  {nstat}")
+
+    md = markdown(args, allres, base)
+    print("\n" + md)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(md + "\n")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "ranks": allres}, f, indent=1)
+            json.dump({"args": vars(args), "command": _command(), "ranks": allres}, f, indent=1)
+
+
+def _command() -> str:
+    return shlex.join(["python3"] + sys.argv)
+
+
+def markdown(args, allres, base) -> str:
+    R, r0 = args.ranks, allres[0]
+    nstat = r0["nccl"]["status"]
+    have_nccl = bool(r0["nccl"]["t"])
+    sms = [n for n in args.num_sms if not r0["sms"][str(n)]["skipped"]]
+
+    def ours(n, k):
+        return _mean_over_ranks(allres, lambda r: r["sms"][str(n)]["t"].get(k)) if k else None
+
+    def nccl(k):
+        return _mean_over_ranks(allres, lambda r: r["nccl"]["t"].get(k)) if (k and have_nccl) else None
+
+    def cell(v):
+        if v is None:
+            return "n/a"
+        return f"{v[1]:.1f}" + ("" if v[3] else " †")
+
+    def ratio(a, b):
+        return f"{a[1] / b[1]:.2f}x" if (a is not None and b is not None) else ""
+
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    N = sum(r["sms"][str(sms[0])]["rows_rank_major"] for r in allres) / R if sms else float("nan")
+    M = sum(r["sms"][str(sms[0])]["rows_expert_major"] for r in allres) / R if sms else float("nan")
+    deepep = r0.get("deepep_error") or r0.get("deepep_label")
+    lines = [
+        f"### bench_normal, {now}",
+        "",
+        f"Command: `{_command()}`",
+        "",
+        f"* machine: {r0['machine']}",
+        f"* code: {_code_revision()}",
+        f"* shape: {R} ranks x {args.tokens} tokens, hidden {args.hidden}, top-{args.topk} of {args.experts} experts "
+        f"(uniform random routing), bf16 / FP8 dispatch, bf16 combine, expert alignment {args.alignment}; rows "
+        f"received per rank: rank-major {N:.0f}, expert-major {M:.0f} (with padding)"
+        + (f", Megatron's {sum(r['nccl']['rows']['megatron'] for r in allres) / R:.0f}" if have_nccl else ""),
+        f"* DeepEP: {deepep}; NCCL: {nstat}" + (f", {r0['nccl']['megatron_ops']}" if have_nccl else ""),
+        f"* µs per call and rank, mean over ranks of the mean over {args.iters} calls back to back (loop mode); "
+        f"† = median of {args.iters} isolated calls (input refreshed before each call). ours/best = ours / the "
+        "faster of DeepEP and NCCL. NCCL has no SM knob: one column for every SM count.",
+        "",
+    ]
+    head = ["operation", "NCCL"]
+    for n in sms:
+        lab = f"{n} SMs" if n else "default SMs"
+        head += [f"ours {lab}", f"DeepEP {lab}", f"ours/DeepEP {lab}", f"ours/best {lab}"]
+    lines.append("| " + " | ".join(head) + " |")
+    lines.append("|---|" + "---:|" * (len(head) - 1))
+    for label, ok, dk, nk in MD_ROWS:
+        nv = nccl(nk)
+        ncell = ("—" if nk is None else (cell(nv) if have_nccl else nstat))
+        row = [label, ncell]
+        for n in sms:
+            o, d = ours(n, ok), ours(n, dk)
+            best = min((v for v in (d, nv) if v is not None), key=lambda v: v[1], default=None)
+            row += ["—" if ok is None else cell(o), "—" if dk is None else cell(d), ratio(o, d), ratio(o, best)]
+        lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "Notes:"]
+    if any(r0["sms"][str(n)]["skipped"] for n in args.num_sms):
+        for n in args.num_sms:
+            if r0["sms"][str(n)]["skipped"]:
+                lines.append(f"* --num-sms {n} skipped: {r0['sms'][str(n)]['skipped']}")
+    lines += [
+        "* [1] ours: the notify kernel alone (an internal hook; n/a if missing); NCCL: Megatron's preprocess "
+        "(per-expert counts, count all-gather, device-to-host copy and sync).",
+        "* [2] NCCL: the rank-major rows ours and DeepEP deliver (one per token and destination rank): layout, count "
+        "all-to-all + host sync, index_select, all_to_all_single of rows, top-k ids and weights.",
+        "* [3] ours: expert-major dispatch (permute fused, segments padded to the alignment); DeepEP: its dispatch "
+        "then an index_select into expert order (the permute index built from its output where uncached); NCCL: "
+        "Megatron's alltoall dispatcher (one row per token-expert pair: permute by expert, count all-gather + host "
+        "sync, all_to_all_single of rows and probs, sort_chunks_by_idxs into local-expert order; cached: permute, "
+        "rows, sort only). FP8: the same bytes as uint8 rows of H + H/128*4 (Megatron has no FP8 dispatch).",
+        "* [4] DeepEP: a manager's unpermute (index_add_ of the expert rows into received rows) then its combine; "
+        "NCCL: Megatron's combine (reverse sort_chunks_by_idxs, reverse all_to_all_single, unpermute = bf16 "
+        "scatter_add_). Rank-major NCCL combine: reverse all_to_all_single, fp32 index_add_, cast to bf16.",
+        "* [5] all_to_all_single of pre-permuted rows only; Megatron rows: one per token-expert pair, rank-major: one "
+        "per token-rank pair.",
+    ]
+    copy, perm = base.get("copy"), base.get("permute")
+    if copy or perm:
+        lines.append(f"* same run, single-process baselines: device copy of the received rank-major bytes "
+                     f"{cell(copy)} µs; index_select of them into expert order {cell(perm)} µs.")
+    checks = [r["nccl"]["checks"] for r in allres]
+    if checks[0]:
+        ok = all(c["rank_major_rows_equal_ours"] and c["megatron_rows_equal_ours_expert_major"] for c in checks)
+        lines.append(f"* baseline checks, all ranks: NCCL rank-major rows and Megatron's rows "
+                     f"{'equal' if ok else 'DIFFER FROM'} ours bit for bit; combine max rel. diff vs ours "
+                     f"{max(c['rank_major_combine_max_rel_diff'] for c in checks):.1e} (rank-major), "
+                     f"{max(c['megatron_combine_max_rel_diff'] for c in checks):.1e} (Megatron, bf16 accumulation).")
+    return "\n".join(lines)
 
 
 def main():
     args = parse()
+    if not args.smoke and not torch.cuda.is_available():
+        sys.exit("bench_normal: no GPU visible (use --smoke for the CPU check of the script)")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -73,9 +73,13 @@ if has bench; then
   phase bench
   wait_peer
   start_mps
+  # MEP_BENCH_SPECS: ranks:SMs per run, SMs a comma list for a sweep (e.g. "4:8,16,24")
   for spec in ${MEP_BENCH_SPECS:-"4:24" "8:16"}; do
     r=${spec%%:*}; s=${spec##*:}
-    timeout 300 python3 scripts/bench_normal.py --ranks "$r" --num-sms "$s" --json "$OUT/bench_r${r}.json" 2>&1 | tee "$OUT/bench_r${r}.log" | grep -v "^\[" | tail -25
+    timeout 300 python3 scripts/bench_normal.py --ranks "$r" --num-sms "$s" --json "$OUT/bench_r${r}.json" \
+      --markdown "$OUT/bench_r${r}.md" > "$OUT/bench_r${r}.log" 2>&1 || { echo "bench --ranks $r failed"; status=1; }
+    grep -v "^\[" "$OUT/bench_r${r}.log" | sed '/^### bench_normal/,$d' | tail -40
+    [ -f "$OUT/bench_r${r}.md" ] && cat "$OUT/bench_r${r}.md"
   done
   stop_mps
 fi
