@@ -20,6 +20,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from . import permute as PM
 from . import protocol as P
 from .checks import is_fp8_tuple
 from .fp8 import per_token_cast_to_fp8
@@ -80,6 +81,7 @@ class _NormalState:
     perm_slots: Optional[torch.Tensor] = None
     perm_pos: Optional[torch.Tensor] = None
     row_expert: Optional[torch.Tensor] = None  # [M] int32
+    padded: Optional[torch.Tensor] = None  # [L] segment lengths
     # num_worst_tokens: output rows past it were not delivered (rank-major: received rows past
     # it; expert-major: (row, slot) pairs whose position is past it)
     kept: Optional[torch.Tensor] = None  # [N] bool (rank-major) or [#pairs] bool (expert-major)
@@ -256,11 +258,7 @@ class TorchBackend:
                 perm_w = recv_w.new_zeros(M)
                 perm_w[pos] = recv_w[rows, state.perm_slots]
             if handle is None:
-                counts = torch.bincount(recv_topk_idx[recv_topk_idx >= 0], minlength=L)
-                tpe = (counts + alignment - 1) // alignment * alignment
-                if W:  # segments clamped to the rows that exist
-                    ends = torch.cumsum(tpe, 0)
-                    tpe = ends.clamp(max=W) - (ends - tpe).clamp(max=W)
+                tpe = PM.clamp_segments(state.padded, W) if W else state.padded
             else:
                 tpe = handle.tokens_per_expert
             out = DispatchOutput(perm_x, None, perm_w, state.row_expert, tpe, None)
@@ -306,19 +304,11 @@ class TorchBackend:
 
     @staticmethod
     def _plan_permute(state: _NormalState, L: int, alignment: int, device) -> None:
-        """Expert-major placement: (expert, source rank, source token) order, padded segments."""
-        rows, slots = (state.recv_topk_idx >= 0).nonzero(as_tuple=True)  # by (row, slot)
-        experts = state.recv_topk_idx[rows, slots]
-        order = torch.argsort(experts, stable=True)  # rows stay in (source rank, token) order
-        rows, slots, experts = rows[order], slots[order], experts[order]
-        counts = torch.bincount(experts, minlength=L)
-        padded = (counts + alignment - 1) // alignment * alignment
-        seg_start = torch.cumsum(padded, 0) - padded
-        first = torch.cumsum(counts, 0) - counts
-        pos = seg_start[experts] + torch.arange(experts.numel(), device=device) - first[experts]
-        row_expert = torch.full((int(padded.sum()),), -1, dtype=torch.int32, device=device)
-        row_expert[pos] = experts.to(torch.int32)
-        state.perm_rows, state.perm_slots, state.perm_pos, state.row_expert = rows, slots, pos, row_expert
+        """Expert-major placement (megatron_ep.permute: one owner of the rule)."""
+        pl = PM.place(state.recv_topk_idx, L, alignment)
+        state.perm_rows, state.perm_slots, state.perm_pos = pl.rows, pl.slots, pl.pos
+        state.row_expert = PM.row_experts(pl, state.recv_topk_idx)
+        state.padded = pl.padded
 
     # -------------------------------------------------------------------------------- combine
     def combine(self, call: P.Call, x: torch.Tensor, handle: DispatchHandle, weights: Optional[torch.Tensor],

@@ -132,14 +132,21 @@ class CudaRuntime:
         log.info("megatron_ep cuda buffer on rank %d: %.1f MiB region (tokens %d, row bytes %d, combine rows %d), %d SMs",
                  self.rank, plan["total"] / 2**20, plan["max_tokens"], plan["x_row_bytes"], plan["comb_rows"], self.num_sms)
 
-    def first_use(self, needs: dict) -> None:
+    def first_use(self, needs: Optional[dict] = None, failure: Optional[BaseException] = None) -> None:
         """Without sizing hints, the first call sizes the region: every rank's needs, agreed over
-        the group (collective; every rank's first call gets here)."""
+        the group (collective; every rank's first call gets here -- a rank whose first call
+        failed before that comes with its failure, and every peer raises it)."""
         if self.ready:
             return
-        local = {**self.hints, **{k: max(v, self.hints.get(k, 0)) for k, v in needs.items()}}
+        local = {"failed": P.failure_message(failure)} if failure is not None else \
+            {**self.hints, **{k: max(v, self.hints.get(k, 0)) for k, v in needs.items()}}
         every: list = [None] * self.num_ranks
         dist.all_gather_object(every, local, group=self.group)
+        failed = [r for r, d in enumerate(every) if "failed" in d]
+        if failed:
+            if failure is not None:
+                return  # the caller re-raises its own error
+            raise P.peer_failed_error(P.Call(P.OP["dispatch"], 1), failed[0], every[failed[0]]["failed"])
         merged = {k: max(d.get(k, 0) or 0 for d in every) for k in set().union(*every)}
         self._create(merged)
 
@@ -207,11 +214,14 @@ class CudaRuntime:
         try:
             yield call
         except BaseException as exc:
-            if call.pending is not None and self.ready and not self.broken and not isinstance(exc, MegatronEPError):
-                slot = P.SLOT["call"] if call.pending == "first" else int(call.pending)
+            if call.pending is not None and not self.broken and not self.closed:
                 try:
-                    with torch.cuda.stream(self.stream):
-                        self.rt.fail_call(call.sig, P.failure_message(exc), slot)
+                    if self.ready:
+                        slot = P.SLOT["call"] if call.pending == "first" else int(call.pending)
+                        with torch.cuda.stream(self.stream):
+                            self.rt.fail_call(call.sig, P.failure_message(exc), slot)
+                    elif call.pending == "first":  # the peers are sizing the buffer in this call
+                        self.first_use(failure=exc)
                 except Exception:  # noqa: BLE001 - the original error matters more
                     log.exception("megatron_ep: could not publish a failure to the peers")
             raise

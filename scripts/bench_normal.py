@@ -168,37 +168,49 @@ def guarded(call):
 # megatron_ep's internals (the runtime is being refactored). Each returns None when what it
 # needs is missing; the report then says "n/a". Everything else uses the public API.
 def _internal_tracer(buf):
-    """INTERNAL: `buf._impl.trace` -- while it is a list, the cuda backend appends (phase name,
-    CUDA event) pairs recorded on its communication stream. Returns begin()/end() or None."""
-    impl = getattr(buf, "_impl", None)
-    if impl is None or not hasattr(impl, "trace"):
+    """INTERNAL: `buf._impl.rt.trace` -- while it is a list, the cuda runtime appends (phase
+    name, CUDA event) pairs recorded on its communication stream. Returns begin()/end() or None."""
+    rt = getattr(getattr(buf, "_impl", None), "rt", None)
+    if rt is None or not hasattr(rt, "trace"):
         return None
 
     class Tracer:
         def begin(self):
-            impl.trace = []
+            rt.trace = []
 
         def end(self):
-            trace, impl.trace = impl.trace, None
+            trace, rt.trace = rt.trace, None
             return trace or []
 
     return Tracer()
 
 
 def _internal_notify(buf, idx, num_experts, num_ranks):
-    """INTERNAL: `buf._impl.rt.notify(topk_idx, num_experts, alignment, rank_pos [T, R] int32,
-    slot_pos [T, K] int32, recv_info [3 + 3L] int32, tag)` -- the notify kernel alone (count
-    exchange + positions). Returns (with T tokens, with no tokens) callables, or None."""
-    notify = getattr(getattr(getattr(buf, "_impl", None), "rt", None), "notify", None)
-    if notify is None:
+    """INTERNAL: the intranode notify kernels alone (chunk counts, the call exchange, row
+    positions), launched as a dispatch call of `buf` would (its own sequence number and
+    signature), on the buffer's communication stream. Returns (with T tokens, with no tokens)
+    callables, or None."""
+    impl = getattr(buf, "_impl", None)
+    path, rt = getattr(impl, "path", None), getattr(impl, "rt", None)
+    if path is None or rt is None or not hasattr(path, "kernels"):
         return None
+    from megatron_ep import protocol as P
+
     T, K = idx.shape
     L = num_experts // num_ranks
     rp = torch.empty((T, num_ranks), dtype=torch.int32, device=idx.device)
     sp = torch.empty((T, K), dtype=torch.int32, device=idx.device)
-    ri = torch.empty(3 + 3 * L, dtype=torch.int32, device=idx.device)
-    return (lambda: notify(idx, num_experts, 1, rp, sp, ri, 0),
-            lambda: notify(idx[:0], num_experts, 1, rp[:0], sp[:0], ri, 0))
+    ri = torch.empty(P.RECV_INFO["header"] + 3 * L, dtype=torch.int32, device=idx.device)
+
+    def run(t):
+        buf._seq += 1
+        call = P.Call(P.OP["dispatch"], buf._seq).set(topk=K, num_experts=num_experts, expert_alignment=1)
+        rt.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(rt.stream):
+            path.kernels.notify(rt.rt, call.sig, idx[:t], num_experts, 1, False, 0, rp[:t], sp[:t], ri, 0)
+        torch.cuda.current_stream().wait_stream(rt.stream)
+
+    return (lambda: run(T), lambda: run(0))
 
 
 def phases(tracer, timer, fn, setup=None):

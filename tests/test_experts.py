@@ -242,8 +242,9 @@ def test_layout_of_picks_up_dispatch_tags():
     x = torch.zeros(6, 4)
     tpe = torch.tensor([4, 2])
     assert X.GroupedLayout.of(x, tpe).row_expert is None
-    x._mep_row_expert = torch.tensor([0, 0, -1, -1, 1, 1], dtype=torch.int32)
-    x._mep_alignment = 2
+    from megatron_ep.permute import attach_expert_rows
+
+    attach_expert_rows(x, torch.tensor([0, 0, -1, -1, 1, 1], dtype=torch.int32), 2)
     lay = X.GroupedLayout.of(x, tpe)
     assert lay.alignment == 2 and lay.m_indices("cpu").tolist() == [0, 0, -1, -1, 1, 1]
     lay2 = X.GroupedLayout(tpe, 6)

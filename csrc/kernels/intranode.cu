@@ -100,14 +100,21 @@ __global__ void __launch_bounds__(kExchangeThreads, 1) notify_exchange_kernel(Ct
   Control* me = ctrl_of(c, rank);
   const unsigned long long target = me->expected[kSlotCall] + 1;
 
-  // chunk counts -> exclusive prefixes over chunks (in place), and this rank's totals
+  // chunk counts -> exclusive prefixes over chunks (in place), and this rank's totals; loads
+  // batched so a column of chunks is not one dependent L2 round trip per chunk
+  constexpr int kBatch = 8;
   for (int i = tid; i < E + R; i += blockDim.x) {
     int run = 0;
-    for (int b = 0; b < blocks; ++b) {
-      int* p = scratch + (long long)b * kScratchStride + i;
-      const int v = *p;
-      *p = run;
-      run += v;
+    for (int b0 = 0; b0 < blocks; b0 += kBatch) {
+      int v[kBatch];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) v[j] = b0 + j < blocks ? scratch[(long long)(b0 + j) * kScratchStride + i] : 0;
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j)
+        if (b0 + j < blocks) {
+          scratch[(long long)(b0 + j) * kScratchStride + i] = run;
+          run += v[j];
+        }
     }
     tot[i] = run;
   }

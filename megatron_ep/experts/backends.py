@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..permute import padded_counts
 from .layout import GroupedLayout
 
 BACKENDS = ("deepgemm", "grouped_mm", "loop")
@@ -110,7 +111,7 @@ class _AlignedRows:
     def __init__(self, layout: GroupedLayout, align: int, device):
         tpe = layout.tokens_per_expert.to(device=device, dtype=torch.int64)
         G, M = layout.num_groups, layout.num_rows
-        padded = (tpe + align - 1) // align * align
+        padded = padded_counts(tpe, align)
         rows = M + G * (align - 1)
         self.num_rows = (rows + align - 1) // align * align
         seg = layout.m_indices(device).long()

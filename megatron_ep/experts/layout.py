@@ -13,6 +13,8 @@ from typing import List, Optional
 
 import torch
 
+from ..permute import expert_rows_of
+
 
 @dataclass
 class GroupedLayout:
@@ -24,13 +26,12 @@ class GroupedLayout:
 
     @classmethod
     def of(cls, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> "GroupedLayout":
-        """Layout of dispatched rows `x`; picks up the row ids / alignment megatron_ep's
-        hybridep manager attached to the tensor it handed Megatron."""
-        row_expert = getattr(x, "_mep_row_expert", None)
-        if row_expert is not None and row_expert.shape[0] != x.shape[0]:
-            row_expert = None
-        align = getattr(x, "_mep_alignment", 1) if row_expert is not None else 1
-        return cls(tokens_per_expert, x.shape[0], row_expert, align)
+        """Layout of dispatched rows `x`; picks up the row ids / alignment a dispatcher attached
+        with megatron_ep.permute.attach_expert_rows (the hybridep manager does)."""
+        rows = expert_rows_of(x)
+        if rows is None:
+            return cls(tokens_per_expert, x.shape[0])
+        return cls(tokens_per_expert, x.shape[0], rows.row_expert, rows.alignment)
 
     @property
     def num_groups(self) -> int:

@@ -20,13 +20,10 @@ import torch
 from megatron.core.transformer.moe.token_dispatcher import _DispatchManager
 
 from .. import autograd as ep
+from ..permute import routing_map_to_topk
 from . import compat
 from .buffers import get_buffer
 from .layouts import LocalPermute
-
-
-def _float_probs(p: torch.Tensor) -> torch.Tensor:
-    return p if p.dtype in (torch.float32, torch.float64) else p.float()
 
 
 class MegatronEPDeepepManager(_DispatchManager):
@@ -59,19 +56,11 @@ class MegatronEPDeepepManager(_DispatchManager):
         # Shape-static tensor ops only: this runs inside Megatron's torch.compile'd
         # dispatch_preprocess.
         num_tokens = routing_map.shape[0]
-        routing_map = routing_map.reshape(num_tokens, self.num_experts)
-        probs = probs.reshape(num_tokens, self.num_experts)
-        # Select by the routing map, not by prob value: a routed expert always wins a slot,
-        # and slots beyond a token's routed experts become -1 with prob 0.
-        keyed = torch.where(routing_map, probs, torch.full_like(probs, -1.0))
-        _, indices = torch.topk(keyed, self.router_topk, dim=-1)
-        valid = routing_map.gather(1, indices)
-        self.token_indices = indices.masked_fill(~valid, -1)
-        self.token_probs = torch.where(valid, probs.gather(1, indices), torch.zeros_like(probs[:, :1]))
+        self.token_indices, self.token_probs = routing_map_to_topk(
+            routing_map.reshape(num_tokens, self.num_experts), probs.reshape(num_tokens, self.num_experts), self.router_topk)
 
     def dispatch(self, hidden_states: torch.Tensor, async_finish: bool = False,
                  allocate_on_comm_stream: bool = False) -> torch.Tensor:
-        self.token_probs = _float_probs(self.token_probs)
         self.buffer = get_buffer(self.group, hidden_states, self.num_experts, self.router_topk, self.num_sms)
         out = ep.dispatch(self.buffer, hidden_states, self.token_indices, self.token_probs,
                           num_experts=self.num_experts, permute=False, host_counts=True)

@@ -29,6 +29,7 @@ from megatron.core.transformer.moe.moe_utils import get_capacity
 from megatron.core.transformer.moe.token_dispatcher import _DispatchManager
 
 from .. import autograd as ep
+from ..permute import attach_expert_rows, routing_map_to_topk
 from . import compat
 from .buffers import get_buffer
 from .layouts import StaticRows
@@ -87,15 +88,10 @@ class MegatronEPHybridEPManager(_DispatchManager):
                                          num_experts=self.num_experts, capacity_factor=self.capacity_factor)
 
     def _topk_routing(self):
-        """Routing map -> top-k indices (-1 past a token's routed experts) and their probs.
-        Derived here rather than in setup_metadata so a CUDA-graph replay of the preprocess,
-        which restores only routing_map / token_probs, still dispatches correctly."""
-        keyed = self.routing_map.to(torch.float32)
-        _, idx = torch.topk(keyed, self.router_topk, dim=-1)
-        valid = self.routing_map.gather(1, idx)
-        probs = self.token_probs if self.token_probs.dtype in (torch.float32, torch.float64) else self.token_probs.float()
-        weights = torch.where(valid, probs.gather(1, idx), torch.zeros_like(probs[:, :1]))
-        return idx.masked_fill(~valid, -1), weights
+        """Routing map -> top-k indices and their probs (megatron_ep.permute's rule). Derived
+        here rather than in setup_metadata so a CUDA-graph replay of the preprocess, which
+        restores only routing_map / token_probs, still dispatches correctly."""
+        return routing_map_to_topk(self.routing_map, self.token_probs, self.router_topk)
 
     def dispatch(self, hidden_states: torch.Tensor, async_finish: bool = True,
                  allocate_on_comm_stream: bool = True) -> torch.Tensor:
@@ -125,7 +121,7 @@ class MegatronEPHybridEPManager(_DispatchManager):
         self.dispatched_probs = probs
         self.tokens_per_expert = tpe
         self.row_expert = row_expert
-        attach_layout(x, row_expert, 1 if self.drop_and_pad else self.align)
+        attach_expert_rows(x, row_expert, 1 if self.drop_and_pad else self.align)
         return x
 
     def get_permuted_hidden_states_by_experts(self, hidden_states: torch.Tensor):
@@ -145,11 +141,3 @@ class MegatronEPHybridEPManager(_DispatchManager):
         self.handle = None
         self._static = None
         return out.x
-
-
-def attach_layout(x: torch.Tensor, row_expert: torch.Tensor, alignment: int) -> None:
-    """Tag the dispatched tokens with their per-row expert ids (-1 on pad rows) and segment
-    alignment. Megatron passes this very tensor to the experts (identity permute), so
-    megatron_ep.experts can feed DeepGEMM's m_indices without recomputing them."""
-    x._mep_row_expert = row_expert
-    x._mep_alignment = alignment

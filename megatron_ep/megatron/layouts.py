@@ -16,28 +16,18 @@ from typing import List, Optional, Tuple
 
 import torch
 
-
-def _round_up(t: torch.Tensor, align: int) -> torch.Tensor:
-    return (t + align - 1) // align * align
+from ..permute import clamp_segments, place
 
 
 class LocalPermute:
+    """Rank-major rows -> expert-major rows, placed by megatron_ep.permute (the one owner)."""
+
     def __init__(self, topk_idx: torch.Tensor, num_local_experts: int, align: int, host_counts: Optional[List[int]] = None):
-        device = topk_idx.device
-        L = num_local_experts
-        rows, slots = (topk_idx >= 0).nonzero(as_tuple=True)  # (row, slot) order
-        experts = topk_idx[rows, slots]
-        order = torch.argsort(experts, stable=True)  # by expert; rows keep their order inside
-        self.rows, self.slots, experts = rows[order], slots[order], experts[order]
-        counts = torch.tensor(host_counts, dtype=torch.int64, device=device) if host_counts is not None \
-            else torch.bincount(experts, minlength=L)
-        padded = _round_up(counts, align)
-        first = torch.cumsum(counts, 0) - counts
-        seg_start = torch.cumsum(padded, 0) - padded
-        self.pos = seg_start[experts] + torch.arange(experts.numel(), device=device) - first[experts]
+        pl = place(topk_idx, num_local_experts, align, host_counts)
+        self.rows, self.slots, self.pos = pl.rows, pl.slots, pl.pos
         self.num_rows_in = topk_idx.shape[0]
-        self.padded_counts = padded
-        self.num_rows_out = int(padded.sum()) if host_counts is None else sum(-(-c // align) * align for c in host_counts)
+        self.padded_counts = pl.padded
+        self.num_rows_out = pl.num_rows
 
     def permute(self, x: torch.Tensor, probs: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """x [N, H], probs [N, K] -> x [M, H] (zero pad rows), probs [M] (0 on pad rows)."""
@@ -68,8 +58,7 @@ class StaticRows:
         device = tokens_per_expert.device
         idx = torch.arange(num_dynamic_rows, device=device)
         dst = torch.where(idx < budget, idx, budget)
-        ends = torch.cumsum(tokens_per_expert, 0)
-        tpe = ends.clamp(max=budget) - (ends - tokens_per_expert).clamp(max=budget)
+        tpe = clamp_segments(tokens_per_expert, budget)
         tpe[-1] += budget - tpe.sum()
         return cls(dst, budget, tpe)
 

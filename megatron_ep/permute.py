@@ -1,0 +1,110 @@
+"""The one owner of the expert-major layout rules: segment alignment, where each (row, local
+expert) pair lands, Megatron's routing map -> top-k slots, and the declared way dispatched rows
+carry their layout to the experts. The torch backend, the Megatron managers and the grouped-GEMM
+experts all import these; the kernels implement the same rules (csrc/kernels/intranode.cu) and
+the test oracle re-derives them independently (tests/oracle.py).
+
+Expert-major order: rows grouped by local expert; inside an expert, by source rank, then source
+token (i.e. the order of the rank-major rows they come from); each expert's segment padded with
+zero rows to a multiple of the alignment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+
+_ROWS_ATTR = "_mep_expert_rows"
+
+
+def padded_counts(counts: torch.Tensor, alignment: int) -> torch.Tensor:
+    """Segment lengths: each count rounded up to a multiple of `alignment`."""
+    return (counts + alignment - 1) // alignment * alignment
+
+
+@dataclass
+class Placement:
+    """Where the (row, slot) pairs of a rank-major layout land in the expert-major one."""
+
+    rows: torch.Tensor  # [P] rank-major row of each pair, in expert-major order
+    slots: torch.Tensor  # [P] its top-k slot
+    pos: torch.Tensor  # [P] its expert-major row
+    counts: torch.Tensor  # [L] pairs per local expert
+    padded: torch.Tensor  # [L] segment lengths
+    num_rows: int  # M = sum(padded)
+
+
+def place(local_idx: torch.Tensor, num_local_experts: int, alignment: int,
+          host_counts: Optional[List[int]] = None) -> Placement:
+    """local_idx [N, K]: local expert ids of the rank-major rows (-1 elsewhere). With the
+    per-expert counts already on the host, the output size needs no device->host sync."""
+    device = local_idx.device
+    rows, slots = (local_idx >= 0).nonzero(as_tuple=True)  # (row, slot) order
+    experts = local_idx[rows, slots]
+    order = torch.argsort(experts, stable=True)  # by expert; rows keep their order inside
+    rows, slots, experts = rows[order], slots[order], experts[order]
+    if host_counts is not None:
+        counts = torch.tensor(host_counts, dtype=torch.int64, device=device)
+        num_rows = sum(-(-c // alignment) * alignment for c in host_counts)
+    else:
+        counts = torch.bincount(experts, minlength=num_local_experts)
+        num_rows = None
+    padded = padded_counts(counts, alignment)
+    first = torch.cumsum(counts, 0) - counts
+    seg_start = torch.cumsum(padded, 0) - padded
+    pos = seg_start[experts] + torch.arange(experts.numel(), device=device) - first[experts]
+    return Placement(rows, slots, pos, counts, padded, int(padded.sum()) if num_rows is None else num_rows)
+
+
+def row_experts(placement: Placement, local_idx: torch.Tensor) -> torch.Tensor:
+    """[M] int32 local expert of every expert-major row, -1 on pad rows (DeepGEMM's m_indices)."""
+    out = torch.full((placement.num_rows,), -1, dtype=torch.int32, device=local_idx.device)
+    out[placement.pos] = local_idx[placement.rows, placement.slots].to(torch.int32)
+    return out
+
+
+def clamp_segments(padded: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Segment lengths cut to the first `num_rows` rows (a worst-case sized output that some
+    rows did not fit): every segment ends inside the output."""
+    ends = torch.cumsum(padded, 0)
+    return ends.clamp(max=num_rows) - (ends - padded).clamp(max=num_rows)
+
+
+def routing_map_to_topk(routing_map: torch.Tensor, probs: torch.Tensor, topk: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Megatron's routing map [T, E] bool + probs [T, E] -> top-k ids [T, topk] (the routed
+    experts in ascending id order, -1 past them) and their probs (0 there). Deterministic (no
+    ties: the key is unique per routed expert) and shape-static (torch.compile-safe)."""
+    T, E = routing_map.shape
+    rank_key = torch.arange(E, 0, -1, device=routing_map.device, dtype=torch.int32)
+    keyed = torch.where(routing_map, rank_key, torch.zeros_like(rank_key))
+    _, idx = torch.topk(keyed, topk, dim=-1)
+    valid = routing_map.gather(1, idx)
+    p = probs if probs.dtype in (torch.float32, torch.float64) else probs.float()
+    weights = torch.where(valid, p.gather(1, idx), torch.zeros((), dtype=p.dtype, device=p.device))
+    return idx.masked_fill(~valid, -1), weights
+
+
+# ------------------------------------------------------------------------------ side channel
+@dataclass
+class ExpertRows:
+    """What dispatched expert-major rows carry to the experts: each row's local expert (-1 on
+    pad rows, DeepGEMM's m_indices) and the alignment every segment is a multiple of."""
+
+    row_expert: torch.Tensor
+    alignment: int
+
+
+def attach_expert_rows(x: torch.Tensor, row_expert: torch.Tensor, alignment: int) -> torch.Tensor:
+    """Tag the tensor a dispatcher hands to the experts (Megatron passes this very tensor on)."""
+    setattr(x, _ROWS_ATTR, ExpertRows(row_expert, alignment))
+    return x
+
+
+def expert_rows_of(x: torch.Tensor) -> Optional[ExpertRows]:
+    """The layout a dispatcher attached to `x`, if it still matches its row count."""
+    rows = getattr(x, _ROWS_ATTR, None)
+    if rows is None or rows.row_expert.shape[0] != x.shape[0]:
+        return None
+    return rows
