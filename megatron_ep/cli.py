@@ -52,8 +52,14 @@ def check_positive(args: argparse.Namespace, *names: str, minimum: float = 1) ->
 
 
 # --------------------------------------------------------------------------------- parsing
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Descriptions as written; `(default: X)` after every option that has a default."""
+class HelpFormatter(argparse.HelpFormatter):
+    """Descriptions of several lines as written (one line: wrapped); `(default: X)` after every
+    option that has a default."""
+
+    def _fill_text(self, text, width, indent):
+        if "\n" in text.strip():
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
 
     def _get_help_string(self, action):
         text = action.help or ""
