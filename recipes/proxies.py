@@ -152,7 +152,9 @@ def main(argv=None) -> int:
     print(render(env, cmd), flush=True)
     if args.debug:
         env = {**env, "MEP_DEBUG_TRACEBACK": "1"}
-    return subprocess.call(cmd, cwd=REPO_ROOT, env={**os.environ, **env})
+    # torchrun's default (1 thread per process), set here so that it does not print its notice about it
+    env = {"OMP_NUM_THREADS": "1", **os.environ, **env}
+    return subprocess.call(cmd, cwd=REPO_ROOT, env=env)
 
 
 if __name__ == "__main__":
