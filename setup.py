@@ -7,7 +7,9 @@ read their call signature from it.
 
 The extension is built whenever a CUDA build of torch and nvcc are present (no GPU needed:
 TORCH_CUDA_ARCH_LIST defaults to 9.0). Switches (environment):
-    MEP_SKIP_CUDA=1        build the pure-Python package only
+    MEP_SKIP_CUDA=1        build the pure-Python package only (wins over MEP_REQUIRE_EXTENSION)
+    MEP_REQUIRE_EXTENSION=1  fail, saying why, when the extension cannot be built (instead of a
+                           pure-Python install that pip reports only with -v); CI sets it
     MEP_PTXAS_VERBOSE=1    pass -Xptxas -v (register / shared-memory / spill report)
     MEP_DEBUG=1            -G -O0 device code (for cuda-gdb / sanitizer line info)
     MAX_JOBS=N             parallel compile jobs (ninja)
@@ -23,6 +25,14 @@ from setuptools import find_packages, setup
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
+def _without_extension(reason):
+    """No extension: an error when the user asked for one, else a note (pip shows it with -v)."""
+    if os.environ.get("MEP_REQUIRE_EXTENSION", "0") == "1":
+        raise SystemExit(f"megatron_ep: MEP_REQUIRE_EXTENSION=1 but the CUDA extension cannot be built: {reason}")
+    print(f"megatron_ep: {reason}; building without the CUDA extension (MEP_REQUIRE_EXTENSION=1 makes this an error)")
+    return [], {}
+
+
 def _cuda_extensions():
     if os.environ.get("MEP_SKIP_CUDA", "0") == "1":
         return [], {}
@@ -32,11 +42,12 @@ def _cuda_extensions():
         import torch
         from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
     except ImportError:
-        print("megatron_ep: torch not importable at build time; building without the CUDA extension")
-        return [], {}
-    if torch.version.cuda is None or CUDA_HOME is None:
-        print("megatron_ep: no CUDA build of torch or no nvcc; building without the CUDA extension")
-        return [], {}
+        return _without_extension("torch is not importable at build time (pip builds in an isolated environment "
+                                  "without it: pip install --no-build-isolation ...)")
+    if torch.version.cuda is None:
+        return _without_extension(f"torch {torch.__version__} is a CPU-only build (the extension needs a CUDA build)")
+    if CUDA_HOME is None:
+        return _without_extension("no nvcc found (set CUDA_HOME to the CUDA toolkit, e.g. /usr/local/cuda)")
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
     debug = os.environ.get("MEP_DEBUG", "0") == "1"
     nvcc = [

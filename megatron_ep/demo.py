@@ -13,31 +13,59 @@ distributed result and its gradients are from the dense ones.
 
 from __future__ import annotations
 
-import argparse
 import os
-import socket
+import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import megatron_ep as mep
+from megatron_ep import cli
+
+
+PROG = "python -m megatron_ep.demo"
+
+
+def build_parser() -> cli.ArgumentParser:
+    p = cli.ArgumentParser(prog=PROG, description=__doc__)
+    p.add_argument("--ranks", type=int, default=4,
+                   help="processes to start on this machine (gloo, CPU tensors); ignored under torchrun, which sets them")
+    p.add_argument("--backend", default="auto", choices=["torch", "cuda", "auto"],
+                   help="megatron_ep Buffer backend: torch (reference, anywhere), cuda (our kernels: a Hopper GPU, the "
+                        "extension built, ranks on GPUs via torchrun), auto (cuda where it can run, else torch)")
+    p.add_argument("--tokens", type=int, default=96, help="tokens on rank 0 (the others get uneven counts)")
+    p.add_argument("--hidden", type=int, default=256, help="hidden size of a token")
+    p.add_argument("--ffn", type=int, default=128, help="intermediate size of each expert's MLP")
+    p.add_argument("--experts", type=int, default=16, help="experts in all (a multiple of the number of ranks)")
+    p.add_argument("--topk", type=int, default=4, help="experts per token (at most --experts)")
+    p.add_argument("--alignment", type=int, default=16, help="expert-major segments are padded to a multiple of this")
+    p.add_argument("--rank-major", action="store_true", help="rank-major dispatch + local permute instead of the fused permute")
+    p.add_argument("--steps", type=int, default=3, help="forward + backward steps (the table shows the best time)")
+    return p
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ranks", type=int, default=4, help="processes to spawn (ignored under torchrun)")
-    p.add_argument("--backend", default="auto", choices=["torch", "cuda", "auto"])
-    p.add_argument("--tokens", type=int, default=96, help="tokens on rank 0 (others get uneven counts)")
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--ffn", type=int, default=128)
-    p.add_argument("--experts", type=int, default=16)
-    p.add_argument("--topk", type=int, default=4)
-    p.add_argument("--alignment", type=int, default=16)
-    p.add_argument("--rank-major", action="store_true", help="rank-major dispatch + local permute instead of fused")
-    p.add_argument("--steps", type=int, default=3)
-    return p.parse_args(argv)
+    return build_parser().parse_args(argv)
+
+
+def validate(args, world: int) -> None:
+    """Refuse, before any process starts, what would fail inside the ranks."""
+    cli.check_positive(args, "ranks", "tokens", "hidden", "ffn", "experts", "topk", "alignment", "steps")
+    cli.check(args.experts % world == 0,
+              f"--experts {args.experts} must be a multiple of the number of ranks ({world}): each rank owns "
+              "the same number of experts")
+    cli.check(args.topk <= args.experts, f"--topk {args.topk} is more than the {args.experts} experts (--experts)")
+    if args.backend == "cuda":
+        cli.check(cli.world_size_from_env() is not None,
+                  "--backend cuda: the demo's own processes keep their tokens on the CPU (gloo); launch it with "
+                  "torchrun (NCCL, one GPU per rank): torchrun --nproc-per-node N -m megatron_ep.demo --backend cuda")
+        cli.check(torch.cuda.is_available(), "--backend cuda needs a CUDA GPU (none is visible); use --backend torch")
+        major, minor = torch.cuda.get_device_capability()
+        cli.check(major == 9, f"--backend cuda: megatron_ep's kernels are built for Hopper (sm_90) only; this GPU is "
+                              f"sm_{major}{minor}: use --backend torch")
+        cli.check(mep.cuda_backend_available(), "--backend cuda: megatron_ep's CUDA extension is not built here (see the "
+                                                "README, 'Use it in your own environment'); use --backend torch")
 
 
 def expert_mlp(x, w1, w2):
@@ -100,7 +128,9 @@ def run(args):
     router = (torch.randn((H, E), generator=gen) / H ** 0.5).to(device)
     T = max(0, args.tokens - 17 * rank) if rank != R - 1 or R == 1 else args.tokens // 3  # uneven
     local = torch.Generator().manual_seed(99 + rank)
-    buf = mep.Buffer(dist.group.WORLD, backend=args.backend, max_tokens_per_rank=args.tokens)
+    # "auto" follows the tokens: the cuda backend only where they live on a GPU (torchrun + NCCL)
+    backend = "torch" if args.backend == "auto" and device.type != "cuda" else args.backend
+    buf = mep.Buffer(dist.group.WORLD, backend=backend, max_tokens_per_rank=args.tokens)
     timings, errs = [], []
     for step in range(args.steps):
         x = torch.randn((T, H), generator=local).to(device=device, dtype=torch.bfloat16).requires_grad_()
@@ -135,33 +165,33 @@ def run(args):
     return gathered
 
 
-def _spawned(rank, world, port, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _init_process_group(args) -> None:
+    if cli.launched_by_us():  # our own ranks (main below): gloo and CPU tensors, as documented
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo")
+        return
+    use_nccl = torch.cuda.is_available() and args.backend != "torch"  # under torchrun
+    if use_nccl:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if use_nccl else "gloo")
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    world = cli.world_size_from_env()
+    if world is None:  # start --ranks processes of this same command
+        validate(args, args.ranks)
+        return cli.launch(args.ranks, [sys.executable, "-m", "megatron_ep.demo", *argv], prog=PROG)
+    validate(args, world)  # under torchrun: every rank checks, rank 0 says it
+    _init_process_group(args)
     try:
         run(args)
     finally:
         dist.destroy_process_group()
-
-
-def main(argv=None):
-    args = parse_args(argv)
-    if "RANK" in os.environ:  # under torchrun
-        use_nccl = torch.cuda.is_available() and args.backend != "torch"
-        if use_nccl:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if use_nccl else "gloo")
-        try:
-            run(args)
-        finally:
-            dist.destroy_process_group()
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_spawned, args=(args.ranks, port, args), nprocs=args.ranks, join=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    cli.quiet()
+    sys.exit(cli.run_main(main, prog=PROG))

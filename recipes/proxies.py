@@ -84,25 +84,21 @@ def command(name: str, nproc: Optional[int] = None, steps: Optional[int] = None,
 
 
 def _check(name: str, nproc: int, extra: List[str]) -> None:
-    """Refuse, before starting processes, what would fail inside them."""
+    """Refuse, before starting processes, what would fail inside them (cli.UsageError)."""
+    from megatron_ep import cli
+
     preset = PRESETS[name]
+    cli.check(nproc >= 1, f"--nproc must be >= 1, got {nproc}")
     args = _train_moe_args(preset.args + tuple(extra))
-    if args.experts % nproc:
-        raise SystemExit(f"--experts {args.experts} must be a multiple of --nproc {nproc}")
     if preset.device == "gpu":
         import torch
 
         have = torch.cuda.device_count()
-        if have < nproc:
-            raise SystemExit(f"preset {name} needs {nproc} GPUs, {have} visible (one process per GPU: NCCL refuses several ranks on one GPU)")
-    if nproc == 1 and args.dispatcher != "alltoall":
-        import megatron.core
+        cli.check(have >= nproc, f"preset {name} needs {nproc} GPUs, {have} visible (one process per GPU: NCCL refuses "
+                                 "several ranks on one GPU)")
+    from recipes.train_moe import validate
 
-        major, minor = (int(x) for x in megatron.core.__version__.split(".")[:2])
-        if args.dispatcher == "deepep" or (major, minor) < (0, 19):
-            raise SystemExit(f"megatron-core {megatron.core.__version__} refuses the flex dispatcher "
-                             f"({args.dispatcher}) at TP x EP = 1; use hybridep with megatron-core >= 0.19, "
-                             "or `-- --dispatcher alltoall`")
+    validate(args, nproc)
 
 
 def _train_moe_args(argv):
@@ -116,18 +112,29 @@ def render(env: Dict[str, str], argv: List[str]) -> str:
     return " ".join([f"{k}={shlex.quote(v)}" for k, v in env.items()] + [shlex.quote(a) for a in argv])
 
 
+PROG = "python -m recipes.proxies"
+
+
+def build_parser():
+    from megatron_ep import cli
+
+    p = cli.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+                           epilog="Arguments after `--` go to recipes/train_moe.py (its --help lists them).")
+    p.add_argument("--list", action="store_true", help="list the presets and their commands")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="the preset to run (or print with --dry-run)")
+    p.add_argument("--nproc", type=int, default=None, help="processes (= EP size); default: the preset's")
+    p.add_argument("--steps", type=int, default=None, help="training steps; default: the preset's")
+    p.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
+    return p
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: List[str] = []
     if "--" in argv:
         cut = argv.index("--")
         argv, extra = argv[:cut], argv[cut + 1:]
-    p = argparse.ArgumentParser(prog="python -m recipes.proxies", description=__doc__.split("\n\n")[0])
-    p.add_argument("--list", action="store_true", help="list the presets")
-    p.add_argument("--preset", choices=sorted(PRESETS))
-    p.add_argument("--nproc", type=int, default=None, help="processes (= EP size); default: the preset's")
-    p.add_argument("--steps", type=int, default=None, help="training steps; default: the preset's")
-    p.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
+    p = build_parser()
     args = p.parse_args(argv)
     if args.list:
         for name, preset in PRESETS.items():
@@ -141,10 +148,18 @@ def main(argv=None) -> int:
     if args.dry_run:
         print(render(env, cmd))
         return 0
-    _check(args.preset, nproc, extra)
+    _check(args.preset, nproc, extra + (["--steps", str(args.steps)] if args.steps is not None else []))
     print(render(env, cmd), flush=True)
-    return subprocess.call(cmd, cwd=REPO_ROOT, env={**os.environ, **env})
+    if args.debug:
+        env = {**env, "MEP_DEBUG_TRACEBACK": "1"}
+    # torchrun's default (1 thread per process), set here so that it does not print its notice about it
+    env = {"OMP_NUM_THREADS": "1", **os.environ, **env}
+    return subprocess.call(cmd, cwd=REPO_ROOT, env=env)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.path.insert(0, REPO_ROOT)
+    from megatron_ep import cli
+
+    cli.quiet()
+    sys.exit(cli.run_main(main, prog=PROG))

@@ -1,6 +1,7 @@
 """Train a small megatron-core GPT with DeepSeek-V3-style MoE layers on synthetic tokens.
 
-    torchrun --nproc-per-node 2 recipes/train_moe.py --dispatcher hybridep
+    python recipes/train_moe.py --nproc-per-node 2 --dispatcher hybridep
+    torchrun --nproc-per-node 2 recipes/train_moe.py --dispatcher hybridep   # the same, under torchrun
     torchrun --nproc-per-node 8 recipes/train_moe.py --dispatcher deepep --backend cuda \\
         --hidden 1024 --experts 64 --topk 8 --seq-len 2048 --micro-batch 2
 
@@ -31,31 +32,44 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
+from megatron_ep import cli  # noqa: E402
 from recipes.comm_timer import CommTimer  # noqa: E402
+
+
+PROG = "recipes/train_moe.py"
 
 
 def add_args(p: argparse.ArgumentParser, dispatcher: bool = True) -> argparse.ArgumentParser:
     """The recipe's options (model size, backend, steps, seed); `dispatcher=False` leaves out
     --dispatcher for tools that pick dispatchers themselves (scripts/ab_throughput.py)."""
     if dispatcher:
-        p.add_argument("--dispatcher", choices=("alltoall", "deepep", "hybridep"), default="hybridep")
-    p.add_argument("--backend", choices=("auto", "torch", "cuda"), default="auto", help="megatron_ep Buffer backend")
+        p.add_argument("--dispatcher", choices=("alltoall", "deepep", "hybridep"), default="hybridep",
+                       help="alltoall: Megatron's own dispatcher; deepep / hybridep: Megatron's flex dispatcher with "
+                            "megatron_ep's managers (rank-major + local permute / permute fused into dispatch)")
+    p.add_argument("--nproc-per-node", type=int, default=2,
+                   help="ranks to start on this machine when run with plain python (as torchrun --nproc-per-node "
+                        "would; one GPU each where there are GPUs); ignored under torchrun")
+    p.add_argument("--backend", choices=("auto", "torch", "cuda"), default="auto",
+                   help="megatron_ep Buffer backend: torch (reference), cuda (our kernels: Hopper GPUs, extension "
+                        "built), auto (cuda where it can run, else torch)")
     p.add_argument("--experts-impl", choices=("grouped", "sequential"), default="grouped",
                    help="megatron_ep GroupedGemmExperts, or Megatron's SequentialMLP")
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--layers", type=int, default=3)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--steps", type=int, default=6, help="training steps")
+    p.add_argument("--layers", type=int, default=3, help="transformer layers: the first dense, the rest MoE (at least 2)")
+    p.add_argument("--hidden", type=int, default=64, help="hidden size (a multiple of --heads)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads")
     p.add_argument("--ffn", type=int, default=128, help="dense-layer FFN size")
-    p.add_argument("--expert-ffn", type=int, default=32)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--topk", type=int, default=2)
-    p.add_argument("--group-topk", type=int, default=None, help="EP groups per token (default: half the ranks)")
-    p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--seq-len", type=int, default=32)
-    p.add_argument("--micro-batch", type=int, default=2)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--expert-ffn", type=int, default=32, help="FFN size of each expert and of the shared expert")
+    p.add_argument("--experts", type=int, default=8, help="routed experts per MoE layer (a multiple of the world size)")
+    p.add_argument("--topk", type=int, default=2,
+                   help="experts per token (at most --group-topk x experts per rank: one router group per rank)")
+    p.add_argument("--group-topk", type=int, default=None,
+                   help="router groups (= EP ranks) a token may use; default: half the ranks, at least 1")
+    p.add_argument("--vocab", type=int, default=256, help="vocabulary size of the synthetic tokens")
+    p.add_argument("--seq-len", type=int, default=32, help="sequence length")
+    p.add_argument("--micro-batch", type=int, default=2, help="sequences per rank and step")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--seed", type=int, default=1234, help="seed of the weights and the synthetic data")
     p.add_argument("--no-time-comm", dest="time_comm", action="store_false", help="skip the dispatch/combine timers")
     p.add_argument("--virtual-ranks", action="store_true",
                    help="several processes share the GPU(s) (virtual EP on one GPU; run under MPS): gloo carries "
@@ -64,8 +78,48 @@ def add_args(p: argparse.ArgumentParser, dispatcher: bool = True) -> argparse.Ar
     return p
 
 
+def build_parser() -> cli.ArgumentParser:
+    return add_args(cli.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0]))
+
+
 def parse_args(argv=None):
-    return add_args(argparse.ArgumentParser(description=__doc__.split("\n\n")[0])).parse_args(argv)
+    return build_parser().parse_args(argv)
+
+
+def validate(args, world: int) -> None:
+    """Refuse, before any process group or model exists, what would fail later inside
+    Megatron or the ranks (cli.UsageError, one line). `world`: the number of ranks."""
+    cli.check_positive(args, "nproc_per_node", "steps", "hidden", "heads", "ffn", "expert_ffn", "experts", "topk",
+                       "group_topk", "vocab", "seq_len", "micro_batch")
+    cli.check_positive(args, "layers", minimum=2)
+    cli.check(args.lr > 0, f"--lr must be > 0, got {args.lr}")
+    cli.check(args.hidden % args.heads == 0, f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
+    cli.check(args.experts % world == 0,
+              f"--experts {args.experts} must be a multiple of the world size {world}: each rank owns the same "
+              "number of experts")
+    group_topk = args.group_topk or max(1, world // 2)
+    cli.check(group_topk <= world, f"--group-topk {group_topk} is more than the {world} router groups (one per rank)")
+    reachable = group_topk * (args.experts // world)
+    cli.check(args.topk <= reachable,
+              f"--topk {args.topk} is more than the {reachable} experts a token can reach: --group-topk {group_topk} "
+              f"group(s) of {args.experts // world} experts (--experts {args.experts} over {world} ranks)")
+    dispatcher = getattr(args, "dispatcher", None)
+    cli.check(not (args.virtual_ranks and dispatcher == "alltoall"),
+              "--virtual-ranks needs a flex dispatcher (deepep, hybridep): Megatron's alltoall dispatcher needs a GPU "
+              "all-to-all, which gloo lacks and NCCL refuses for several ranks on one GPU")
+    if args.backend == "cuda":
+        from megatron_ep.buffer import cuda_backend_available
+
+        cli.check(torch.cuda.is_available(), "--backend cuda needs a CUDA GPU (none is visible); use --backend torch")
+        cli.check(cuda_backend_available(), "--backend cuda: megatron_ep's CUDA extension is not built here "
+                                            "(README, 'Use it in your own environment'); use --backend torch")
+    if world == 1 and dispatcher in ("deepep", "hybridep"):
+        import megatron.core
+
+        major, minor = (int(x) for x in megatron.core.__version__.split(".")[:2])
+        cli.check(dispatcher == "hybridep" and (major, minor) >= (0, 19),
+                  f"megatron-core {megatron.core.__version__} refuses the flex dispatcher ({dispatcher}) at TP x EP = 1: "
+                  "use 2 or more ranks, hybridep with megatron-core >= 0.19, or --dispatcher alltoall")
 
 
 def init_distributed(virtual_ranks: bool = False):
@@ -296,16 +350,17 @@ def format_step(step: int, st: StepStats, tokens_per_step: int, time_comm: bool)
     return f"{step:4d} {st.loss:8.4f} {st.step_s * 1e3:9.1f} {tokens_per_step / st.step_s:9.0f} {comm}"
 
 
-def main(argv=None):
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    if args.virtual_ranks and args.dispatcher == "alltoall":
-        raise SystemExit("--virtual-ranks needs a flex dispatcher (deepep, hybridep): Megatron's alltoall dispatcher "
-                         "needs a GPU all-to-all, which gloo lacks and NCCL refuses for several ranks on one GPU")
+    world = cli.world_size_from_env()
+    if world is None:  # plain python: validate here, then start --nproc-per-node ranks of this command
+        validate(args, args.nproc_per_node)
+        return cli.launch(args.nproc_per_node, [sys.executable, os.path.abspath(__file__), *argv], prog=PROG)
+    validate(args, world)
     on_gpu = init_distributed(args.virtual_ranks)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    if args.experts % world:
-        raise SystemExit(f"--experts {args.experts} must be a multiple of the world size {world}")
     os.environ["MEGATRON_EP_BACKEND"] = args.backend
 
     from megatron.core import parallel_state as ps
@@ -330,7 +385,9 @@ def main(argv=None):
 
     parallel_state.destroy_model_parallel()  # drop Megatron's group handles before the groups go
     dist.destroy_process_group()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    cli.quiet()
+    sys.exit(cli.run_main(main, prog=PROG))

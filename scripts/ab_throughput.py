@@ -1,6 +1,7 @@
 """A/B throughput of MoE token dispatchers in megatron-core: interleaved runs, medians, a table.
 
-    torchrun --nproc-per-node 2 scripts/ab_throughput.py --backend torch --reps 2 --steps 2
+    python scripts/ab_throughput.py --nproc-per-node 2 --backend torch --reps 2 --steps 2
+    torchrun --nproc-per-node 2 scripts/ab_throughput.py --backend torch --reps 2 --steps 2   # the same
     torchrun --nproc-per-node 8 scripts/ab_throughput.py --mode layer --backend cuda \\
         --hidden 7168 --experts 256 --topk 8 --seq-len 4096 --micro-batch 1 \\
         --png ab.png --append-doc docs/performance.md
@@ -29,7 +30,8 @@ Unavailable (skipped, exit status unaffected): a precondition fails before build
 not importable, no GPU for deep_ep or --backend cuda, one rank only (flex needs TPxEP > 1).
 Failed (exit status 1): the backend was available but raised while building or stepping, or its
 step-0 loss disagreed. Exit status 3: nothing was measured (every selected backend skipped).
-(These are the ranks' exit statuses; torchrun itself exits 1 for any non-zero one.)
+(These are the ranks' exit statuses: `python scripts/ab_throughput.py --nproc-per-node N` exits
+with them; torchrun itself exits 1 for any non-zero one.)
 All ranks agree on every failure (a flag all-reduced after each step), so a backend that raises
 on every rank does not leave the others waiting; one that dies inside a collective on some ranks
 only still leaves its peers waiting until the process-group timeout (5 min).
@@ -58,6 +60,7 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run from a checkout
 
+from megatron_ep import cli  # noqa: E402
 from recipes import train_moe  # noqa: E402
 from recipes.comm_timer import CommTimer  # noqa: E402
 
@@ -79,19 +82,28 @@ BACKENDS = {b.key: b for b in (
 )}
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--mode", choices=("train", "layer"), default="train")
-    p.add_argument("--backends", default="all", help=f"comma-separated subset of {','.join(BACKENDS)} (default all)")
+PROG = "scripts/ab_throughput.py"
+
+
+def build_parser() -> cli.ArgumentParser:
+    p = cli.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--mode", choices=("train", "layer"), default="train",
+                   help="train: train_moe.py's model and training step; layer: one MoE layer, forward + backward")
+    p.add_argument("--backends", default="all", help=f"comma-separated subset of {','.join(BACKENDS)}, or all")
     p.add_argument("--reps", type=int, default=3, help="repetitions (each runs every backend in turn)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per backend per repetition")
     p.add_argument("--loss-rtol", type=float, default=None,
                    help="step-0 loss tolerance relative to the reference backend (default 1e-4 fp32, 5e-3 bf16)")
-    p.add_argument("--png", default=None, help="write a bar chart here")
-    p.add_argument("--append-doc", default=None, metavar="MD", help="append a dated section with the table to this Markdown file")
+    p.add_argument("--png", default=None, help="write a bar chart here (default: none)")
+    p.add_argument("--append-doc", default=None, metavar="MD",
+                   help="append a dated section with the table to this Markdown file (default: none)")
     train_moe.add_args(p, dispatcher=False)
     p.set_defaults(steps=5)
+    return p
+
+
+def parse_args(argv=None):
+    p = build_parser()
     args = p.parse_args(argv)
     keys = list(BACKENDS) if args.backends.strip() == "all" else [k.strip() for k in args.backends.split(",") if k.strip()]
     bad = [k for k in keys if k not in BACKENDS]
@@ -101,6 +113,20 @@ def parse_args(argv=None):
     if args.reps < 1 or args.steps < 1 or args.warmup < 0:
         p.error("--reps and --steps must be >= 1, --warmup >= 0")
     return args
+
+
+def validate(args, world: int) -> None:
+    """train_moe's checks (model shape against the world size), before any process group."""
+    train_moe.validate(args, world)
+    cli.check(args.loss_rtol is None or args.loss_rtol >= 0, f"--loss-rtol must be >= 0, got {args.loss_rtol}")
+    if args.png:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise cli.UsageError("--png needs matplotlib (pip install matplotlib)") from None
+    for path in filter(None, (args.png, args.append_doc)):
+        folder = os.path.dirname(os.path.abspath(path))
+        cli.check(os.path.isdir(folder), f"{path}: no such directory {folder}")
 
 
 # ------------------------------------------------------------------------------ availability
@@ -326,7 +352,7 @@ def command_line(world: int) -> str:
     local = os.environ.get("LOCAL_WORLD_SIZE")
     script = os.path.relpath(os.path.abspath(sys.argv[0]), ROOT) if sys.argv and sys.argv[0] else "scripts/ab_throughput.py"
     rest = " ".join(shlex.quote(a) for a in sys.argv[1:])
-    if local is None:
+    if local is None or cli.launched_by_us():  # plain python (it started its own ranks)
         return f"python {script} {rest}".strip()
     nodes = world // max(1, int(local))
     launcher = f"torchrun --nproc-per-node {local}" + (f" --nnodes {nodes}" if nodes > 1 else "")
@@ -419,12 +445,16 @@ def write_png(path: str, runs: List[Run], args, title: str) -> None:
 
 # ----------------------------------------------------------------------------------- main
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    world = cli.world_size_from_env()
+    if world is None:  # plain python: validate here, then start --nproc-per-node ranks of this command
+        validate(args, args.nproc_per_node)
+        return cli.launch(args.nproc_per_node, [sys.executable, os.path.abspath(__file__), *argv], prog=PROG)
+    validate(args, world)
     on_gpu = train_moe.init_distributed(args.virtual_ranks)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    if args.experts % world:
-        raise SystemExit(f"--experts {args.experts} must be a multiple of the world size {world}")
     os.environ["MEGATRON_EP_BACKEND"] = args.backend
 
     def say(*text):
@@ -621,4 +651,5 @@ def megatron_core_version() -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.quiet()
+    sys.exit(cli.run_main(main, prog=PROG))

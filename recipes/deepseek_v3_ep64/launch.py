@@ -80,17 +80,33 @@ def moe_layer_pattern(layers: int) -> str:
 
 def _env_int(name: str, default):
     value = os.environ.get(name)
-    return int(value) if value not in (None, "") else default
+    if value in (None, ""):
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise SystemExit(f"launch.sh: error: the environment's {name}={value!r} is not an integer") from None
 
 
-def parse_args(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, extra = argv[:cut], argv[cut + 1:]
-    p = argparse.ArgumentParser(prog="launch.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+DEBUG_ENV = "MEP_DEBUG_TRACEBACK"
+
+
+class _Parser(argparse.ArgumentParser):
+    """One line on a bad argument (argparse prints the whole usage first); megatron_ep.cli
+    does the same for the other entry points, but this file must run without megatron_ep."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    def _get_help_string(self, action):  # no "(default: None)" for options that are simply unset
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="launch.sh", description=__doc__.split("\n\n")[0],
+                epilog="Arguments after `--` go to pretrain_gpt.py as given.", formatter_class=_Help)
     g = p.add_argument_group("cluster (defaults from the environment)")
     g.add_argument("--nnodes", type=int, default=_env_int("NNODES", 8), help="NNODES")
     g.add_argument("--node-rank", type=int, default=_env_int("NODE_RANK", None), help="NODE_RANK; required unless --dry-run")
@@ -114,23 +130,35 @@ def parse_args(argv=None):
     g.add_argument("--pp", type=int, default=1, help="pipeline stages (EP x PP must divide the world size)")
     g.add_argument("--ep", type=int, default=64, help="expert parallel size")
     g.add_argument("--fp8", action="store_true", help="FP8 GEMMs: e4m3, blockwise scaling (DeepSeek-V3's 1x128 / 128x128; Hopper, TransformerEngine)")
-    g.add_argument("--recompute", choices=("full", "selective", "none"), default="full")
+    g.add_argument("--recompute", choices=("full", "selective", "none"), default="full",
+                   help="activation recomputation: full (every layer, uniform, 1 layer per checkpoint), selective, none")
     g.add_argument("--optimizer-offload", action=argparse.BooleanOptionalAction, default=True,
                    help="Adam states on the CPU (see docs/megatron.md: 61 layers at EP64 on 64 GPUs do not fit otherwise)")
 
     g = p.add_argument_group("data and training")
     g.add_argument("--data-path", nargs="+", default=None, help="Megatron indexed-dataset prefixes (blend weights allowed); none = --mock-data")
     g.add_argument("--tokenizer-model", default=DEFAULT_TOKENIZER, help="HuggingFace tokenizer for real data")
-    g.add_argument("--seq-length", type=int, default=4096)
-    g.add_argument("--micro-batch-size", type=int, default=1)
-    g.add_argument("--global-batch-size", type=int, default=1024)
-    g.add_argument("--train-iters", type=int, default=100000)
-    g.add_argument("--lr", type=float, default=2.2e-4)
-    g.add_argument("--min-lr", type=float, default=2.2e-5)
-    g.add_argument("--warmup-iters", type=int, default=2000)
+    g.add_argument("--seq-length", type=int, default=4096, help="sequence length (and max position embeddings)")
+    g.add_argument("--micro-batch-size", type=int, default=1, help="sequences per GPU per micro-batch")
+    g.add_argument("--global-batch-size", type=int, default=1024,
+                   help="sequences per step (a multiple of micro batch x data parallel size)")
+    g.add_argument("--train-iters", type=int, default=100000, help="training steps (the cosine decay spans them)")
+    g.add_argument("--lr", type=float, default=2.2e-4, help="peak learning rate")
+    g.add_argument("--min-lr", type=float, default=2.2e-5, help="learning rate at the end of the cosine decay")
+    g.add_argument("--warmup-iters", type=int, default=2000, help="linear warm-up steps")
     g.add_argument("--checkpoint-dir", default=None, help="--save / --load directory (none: no checkpoints)")
-    g.add_argument("--save-interval", type=int, default=1000)
-    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--save-interval", type=int, default=1000, help="steps between checkpoints (with --checkpoint-dir)")
+    g.add_argument("--tensorboard-dir", default=None, help="TensorBoard log directory (none: no TensorBoard)")
+    return p
+
+
+def parse_args(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1:]
+    p = build_parser()
     args = p.parse_args(argv)
     args.extra = extra
     validate(p, args)
@@ -138,6 +166,12 @@ def parse_args(argv=None):
 
 
 def validate(p, args):
+    for name in ("nnodes", "gpus_per_node", "layers", "tp", "pp", "ep", "seq_length", "micro_batch_size",
+                 "global_batch_size", "train_iters", "save_interval"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.warmup_iters < 0 or args.lr <= 0 or args.min_lr < 0:
+        p.error("--warmup-iters and --min-lr must be >= 0, --lr > 0")
     world = args.nnodes * args.gpus_per_node
     if args.layers <= DENSE_LAYERS:
         p.error(f"--layers must be more than the {DENSE_LAYERS} dense layers")
@@ -260,11 +294,16 @@ def main(argv=None) -> None:
         return
     env, argv = node_command(args, args.node_rank)
     if shutil.which(argv[0]) is None:
-        raise SystemExit(f"{argv[0]} not found; pass --torchrun '{sys.executable} -m torch.distributed.run'")
+        raise SystemExit(f"launch.sh: error: {argv[0]} not found; pass --torchrun '{sys.executable} -m torch.distributed.run'")
     print(render(env, argv), flush=True)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [env["PYTHONPATH"], os.environ.get("PYTHONPATH")]))
     os.execvpe(argv[0], argv, {**os.environ, **env})
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except Exception as e:  # one line (the traceback with MEP_DEBUG_TRACEBACK=1), as every entry point
+        if os.environ.get(DEBUG_ENV, "0").lower() in ("1", "true", "yes"):
+            raise
+        sys.exit(f"launch.sh: error: {type(e).__name__}: {e} ({DEBUG_ENV}=1 shows the traceback)")

@@ -1,0 +1,256 @@
+"""Entry points as a new user meets them (issue 14): a bad argument gives a short answer that names
+the problem and a non-zero exit status; a rank that fails comes back as one line; every command
+line in the README parses with the options of the script it names, and every script or module
+the README names answers --help; every option of every parser has a description and shows its
+default. Each entry point runs as a subprocess, the way a user runs it."""
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+import megatron.core  # noqa: F401  (CI installs megatron-core: a missing one must fail, not skip)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+PY = sys.executable
+
+
+def _env(extra=None):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MEP_DEBUG_TRACEBACK",
+                                                            "MEP_RANK_ERRORS", "NODE_RANK", "MASTER_ADDR")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env.update(extra or {})
+    return env
+
+
+def _start(argv, env=None):
+    return subprocess.Popen(argv, cwd=ROOT, env=_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(proc, timeout=180):
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, [ln for ln in out.splitlines() if ln.strip()]
+
+
+# (what, argv, words the answer must contain)
+BAD_ARGUMENTS = [
+    ("demo: experts vs ranks", [PY, "-m", "megatron_ep.demo", "--ranks", "3"],
+     ["--experts 16", "multiple of the number of ranks (3)"]),
+    ("demo: top-k", [PY, "-m", "megatron_ep.demo", "--topk", "20"], ["--topk 20", "16 experts"]),
+    ("demo: unknown option", [PY, "-m", "megatron_ep.demo", "--bogus"], ["unrecognized arguments: --bogus"]),
+    ("recipe: experts vs world", [PY, "recipes/train_moe.py", "--experts", "7"],
+     ["--experts 7", "multiple of the world size 2"]),
+    ("recipe: top-k vs experts", [PY, "recipes/train_moe.py", "--topk", "8", "--experts", "4"], ["--topk 8"]),
+    ("A/B: experts vs world", [PY, "scripts/ab_throughput.py", "--experts", "6", "--nproc-per-node", "4"],
+     ["--experts 6", "multiple of the world size 4"]),
+    ("A/B: backends", [PY, "scripts/ab_throughput.py", "--backends", "nccl"], ["--backends: unknown ['nccl']"]),
+    ("proxies: nproc", [PY, "-m", "recipes.proxies", "--preset", "cpu-toy", "--nproc", "3"],
+     ["--experts 16", "world size 3"]),
+    ("DeepSeek-V3 launcher: EP", ["bash", "recipes/deepseek_v3_ep64/launch.sh", "--dry-run", "--ep", "3"],
+     ["--ep 3", "256 experts"]),
+    ("Megatron launcher: script", [PY, "-m", "megatron_ep.megatron.launch", "no_such_pretrain_gpt.py"],
+     ["no such script: no_such_pretrain_gpt.py"]),
+    ("model: FP8 hidden", [PY, "-m", "megatron_ep.model", "--hidden", "100"], ["--hidden 100", "multiple of 128"]),
+]
+
+
+def test_bad_arguments_give_one_short_line():
+    """All at once (each pays the torch import): non-zero status, under 5 non-blank lines, the
+    problem named, no traceback and no third-party warning."""
+    env = {"PYTHON": PY}
+    procs = [(what, _start(argv, env), words) for what, argv, words in BAD_ARGUMENTS]
+    for what, proc, words in procs:
+        code, lines = _finish(proc)
+        text = "\n".join(lines)
+        assert code != 0, (what, text)
+        assert len(lines) < 5, (what, text)
+        for w in words:
+            assert w in text, (what, w, text)
+        assert "Traceback" not in text and "Warning" not in text, (what, text)
+
+
+FAIL_ON_ONE_RANK = textwrap.dedent("""
+    import os, sys, time
+    from megatron_ep import cli
+
+    def main(argv):
+        if cli.world_size_from_env() is None:
+            return cli.launch(3, [sys.executable, __file__, *argv], prog="fails", grace_s=1.0)
+        if os.environ["RANK"] == "1":
+            raise RuntimeError("boom on rank 1\\nsecond line of the message")
+        time.sleep(60)  # the others wait, as in a collective with the dead rank
+
+    sys.exit(cli.run_main(main, prog="fails"))
+""")
+
+
+def test_failing_rank_is_one_line_and_debug_shows_the_traceback(tmp_path):
+    script = tmp_path / "fails.py"
+    script.write_text(FAIL_ON_ONE_RANK)
+    t0 = time.monotonic()
+    plain, debug = _start([PY, str(script)]), _start([PY, str(script), "--debug"])
+    code, lines = _finish(plain, timeout=60)
+    assert code == 1 and lines == ["fails: error: RuntimeError: boom on rank 1 "
+                                   "(--debug or MEP_DEBUG_TRACEBACK=1 shows the traceback)"], lines
+    code, lines = _finish(debug, timeout=60)
+    text = "\n".join(lines)
+    assert code == 1 and "Traceback" in text and "second line of the message" in text, text
+    assert lines[-1] == "fails: error: RuntimeError: boom on rank 1", text
+    assert time.monotonic() - t0 < 40  # the waiting ranks were stopped, not waited for
+
+
+def test_under_torchrun_rank_0_says_a_bad_argument():
+    """Under torchrun each rank checks: rank 0 prints the line, the others exit silently."""
+    procs = [_start([PY, "-m", "megatron_ep.demo", "--experts", "10"],
+                    {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "4"}) for r in (0, 1)]
+    (c0, out0), (c1, out1) = (_finish(p) for p in procs)
+    assert c0 == 2 and out0 == ["python -m megatron_ep.demo: error: --experts 10 must be a multiple of the number of "
+                                "ranks (4): each rank owns the same number of experts"], out0
+    assert c1 == 2 and out1 == [], out1
+
+
+def test_recipe_runs_quietly_through_its_own_launcher():
+    """python recipes/train_moe.py starts its ranks itself; the output is the run, no warnings."""
+    code, lines = _finish(_start([PY, "recipes/train_moe.py", "--nproc-per-node", "2", "--steps", "1"]), timeout=300)
+    text = "\n".join(lines)
+    assert code == 0, text
+    assert lines[0].startswith("megatron_ep installed into megatron-core"), text
+    assert "world=2 dispatcher=hybridep" in lines[1] and lines[2].startswith("step "), text
+    assert re.match(r"^\s+0\s+[\d.]+\s", lines[3]) and len(lines) == 4, text
+
+
+# ---------------------------------------------------------------------------------- README
+def _readme_commands():
+    """Every command line of the README's ```bash blocks (continuations joined, comments cut)."""
+    text = open(os.path.join(ROOT, "README.md")).read()
+    cmds = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if words:
+                cmds.append(words)
+    return cmds
+
+
+def _parser_of(target):
+    """(parser builder, how its argv is split) for a script path or module name."""
+    from megatron_ep import demo, model
+    from recipes import proxies, train_moe
+    from recipes.deepseek_v3_ep64 import launch as ds_launch
+
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import ab_throughput
+
+    return {
+        "megatron_ep.demo": demo.parse_args,
+        "scripts/run_demo.sh": demo.parse_args,  # set-up, then the demo with these arguments
+        "megatron_ep.model": lambda argv: model.build_parser().parse_args(argv),
+        "recipes/train_moe.py": train_moe.parse_args,
+        "scripts/ab_throughput.py": ab_throughput.parse_args,
+        "recipes.proxies": lambda argv: proxies.build_parser().parse_args(argv[:argv.index("--")] if "--" in argv else argv),
+        "recipes/deepseek_v3_ep64/launch.sh": ds_launch.parse_args,
+    }.get(target)
+
+
+def _split(words):
+    """(target script or module, its arguments, launcher arguments) of one README command."""
+    while words and re.match(r"^[A-Z_]+=", words[0]):  # VAR=value prefixes
+        words = words[1:]
+    head, launcher = words[0], []
+    if head == "torchrun":
+        i = next(i for i, w in enumerate(words) if w == "-m" or w.endswith(".py"))
+        launcher, words = words[1:i], words[i:]
+        return (words[1], words[2:], launcher) if words[0] == "-m" else (words[0], words[1:], launcher)
+    if head in ("python", "python3"):
+        return (words[2], words[3:], None) if words[1] == "-m" else (words[1], words[2:], None)
+    if head == "bash":
+        return words[1], words[2:], None
+    return head, words[1:], None
+
+
+def test_readme_command_lines_parse():
+    """Each README command's arguments go through its script's own parser (and torchrun's):
+    no unknown option, no bad value. Set-up commands are checked to exist."""
+    from torch.distributed.run import get_args_parser
+
+    checked = []
+    for words in _readme_commands():
+        target, args, launcher = _split(words)
+        if launcher is not None:
+            get_args_parser().parse_args(launcher + ["x.py"])
+        if target in ("source", "pip", "-c", "scripts/test.sh") or target.startswith(("-", "/")):
+            continue  # set-up of the user's shell or environment; test.sh passes pytest's arguments
+        parse = _parser_of(target)
+        if parse is None:
+            path = target if os.path.exists(os.path.join(ROOT, target)) else target.replace(".", "/") + ".py"
+            assert os.path.exists(os.path.join(ROOT, path)) or target == "megatron_ep.megatron.launch" or \
+                target == "pretrain_gpt.py", words
+            continue
+        if target == "recipes/deepseek_v3_ep64/launch.sh" and "--dry-run" not in args:
+            continue
+        parse(list(args))
+        checked.append(target)
+    assert {"scripts/run_demo.sh", "recipes/train_moe.py", "scripts/ab_throughput.py", "recipes.proxies",
+            "recipes/deepseek_v3_ep64/launch.sh"} <= set(checked), checked
+
+
+def _readme_targets():
+    """Scripts and modules the README names in a command (blocks and inline `python -m ...`)."""
+    text = open(os.path.join(ROOT, "README.md")).read()
+    targets = {_split(words)[0] for words in _readme_commands()}
+    targets |= set(re.findall(r"python\s+-m\s+([\w.]+)", text))
+    targets |= set(re.findall(r"`(?:python|bash|torchrun[^`]*?)\s+((?:scripts|recipes)/[\w/]+\.(?:py|sh))", text))
+    return sorted(t for t in targets if t.startswith(("megatron_ep", "recipes", "scripts/"))
+                  and not t.startswith("scripts/run_demo") and not t.startswith("scripts/test"))
+
+
+def test_readme_scripts_answer_help():
+    targets = _readme_targets()
+    assert {"megatron_ep.demo", "megatron_ep.model", "megatron_ep.megatron.launch", "recipes.proxies",
+            "recipes/train_moe.py", "scripts/ab_throughput.py", "recipes/deepseek_v3_ep64/launch.sh"} <= set(targets), targets
+    procs = []
+    for t in targets:
+        argv = (["bash", t] if t.endswith(".sh") else [PY, t] if t.endswith(".py") else [PY, "-m", t]) + ["--help"]
+        procs.append((t, _start(argv, {"PYTHON": PY})))
+    for t, proc in procs:
+        code, lines = _finish(proc)
+        assert code == 0 and len(lines) > 3, (t, "\n".join(lines))
+        assert "Warning" not in "\n".join(lines), (t, "\n".join(lines))
+
+
+def _parsers():
+    from megatron_ep import demo, model
+    from recipes import proxies, train_moe
+    from recipes.deepseek_v3_ep64 import launch as ds_launch
+
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import ab_throughput
+
+    return {"demo": demo.build_parser(), "model": model.build_parser(), "train_moe": train_moe.build_parser(),
+            "ab_throughput": ab_throughput.build_parser(), "proxies": proxies.build_parser(),
+            "deepseek_v3_ep64": ds_launch.build_parser()}
+
+
+@pytest.mark.parametrize("name", ["demo", "model", "train_moe", "ab_throughput", "proxies", "deepseek_v3_ep64"])
+def test_every_option_has_a_description_and_its_default(name):
+    import argparse
+
+    parser = _parsers()[name]
+    text = parser.format_help()
+    assert parser.description and parser.description.strip()[:20] in text
+    for action in parser._actions:
+        if not action.option_strings or isinstance(action, argparse._HelpAction):
+            continue
+        flag = action.option_strings[-1]
+        assert action.help and action.help.strip(), f"{name}: {flag} has no description"
+        if action.default not in (None, False, argparse.SUPPRESS) and action.nargs != 0:
+            shown = parser._get_formatter()._expand_help(action)  # the text --help prints for it
+            assert "default" in shown, f"{name}: {flag} does not show its default {action.default!r}: {shown}"
