@@ -55,18 +55,6 @@ if has tests; then
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   stop_mps
 fi
-if has sanitizer; then
-  phase sanitizer
-  for tool in $(echo "${MEP_SAN_TOOLS:-memcheck,racecheck,synccheck,initcheck}" | tr , ' '); do
-    MEP_CASES=${MEP_SAN_CASES:-0,1} MEP_TIMEOUT_S=120 timeout "${MEP_SAN_TIMEOUT:-150}" compute-sanitizer --tool "$tool" \
-      --target-processes all --error-exitcode 9 python3 -m pytest -q -x -m gpu tests/test_cuda_intranode.py \
-      -k "test_normal_cases and 2" > "/tmp/sanitizer_$tool.log" 2>&1
-    rc=$?
-    echo "$tool exit $rc: $(grep -E 'ERROR SUMMARY|HAZARD|passed|failed' "/tmp/sanitizer_$tool.log" | sort | uniq -c | tr '\n' ' ')"
-    grep -E "ERROR SUMMARY|SUMMARY|passed|failed|Error|Hazard" "/tmp/sanitizer_$tool.log" | head -20 >> "$OUT/sanitizer.txt"
-    [ "$rc" = 0 ] || { status=1; grep -B2 -A12 -m3 -E "^=+ (Invalid|Error|Race|Barrier|Uninitialized)" "/tmp/sanitizer_$tool.log" >> "$OUT/sanitizer.txt"; }
-  done
-fi
 if has bench; then
   phase bench
   for _ in $(seq 240); do [ ! -f .carry/build_deepep.sh ] || [ -e /tmp/deepep_intranode.done ] && break; sleep 1; done
@@ -79,6 +67,18 @@ if has bench; then
     > /tmp/bench.log 2>&1 || { status=1; echo "bench failed"; }
   grep -v "^\[" /tmp/bench.log | tail -70
   stop_mps
+fi
+if has sanitizer; then
+  phase sanitizer
+  for tool in $(echo "${MEP_SAN_TOOLS:-memcheck,racecheck,synccheck,initcheck}" | tr , ' '); do
+    MEP_CASES=${MEP_SAN_CASES:-0,1} MEP_TIMEOUT_S=120 timeout "${MEP_SAN_TIMEOUT:-150}" compute-sanitizer --tool "$tool" \
+      --target-processes all --error-exitcode 9 python3 -m pytest -q -x -m gpu tests/test_cuda_intranode.py \
+      -k "test_normal_cases and 2" > "/tmp/sanitizer_$tool.log" 2>&1
+    rc=$?
+    echo "$tool exit $rc: $(grep -E 'ERROR SUMMARY|HAZARD|passed|failed' "/tmp/sanitizer_$tool.log" | sort | uniq -c | tr '\n' ' ')"
+    grep -E "ERROR SUMMARY|SUMMARY|passed|failed|Error|Hazard" "/tmp/sanitizer_$tool.log" | head -20 >> "$OUT/sanitizer.txt"
+    [ "$rc" = 0 ] || { status=1; grep -B2 -A12 -m3 -E "^=+ (Invalid|Error|Race|Barrier|Uninitialized)" "/tmp/sanitizer_$tool.log" >> "$OUT/sanitizer.txt"; }
+  done
 fi
 if has megatron; then
   phase megatron
