@@ -249,20 +249,27 @@ class Runtime {
 using Sig = std::vector<long long>;
 
 void notify(Runtime& rt, const Sig& sig, const Tensor& topk_idx, int E, int align, bool permute, int worst,
-            Tensor& rank_pos, Tensor& slot_pos, Tensor& recv_info, long long tag) {
+            Tensor& rank_pos, Tensor& slot_pos, Tensor& recv_info, Tensor& row_limits, Tensor& tpe, Tensor& dropped,
+            long long tag) {
   check_tensor(topk_idx, "topk_idx", at::kLong);
   check_tensor(rank_pos, "rank_pos", at::kInt);
   check_tensor(slot_pos, "slot_pos", at::kInt);
   check_tensor(recv_info, "recv_info", at::kInt);
+  check_tensor(row_limits, "row_limits", at::kInt);
+  check_tensor(tpe, "tokens_per_expert", at::kLong);
+  check_tensor(dropped, "num_dropped", at::kLong);
   const int T = (int)topk_idx.size(0), K = (int)topk_idx.size(1), R = rt.num_ranks();
   TORCH_CHECK(K >= 1 && K <= kMaxTopk, "megatron_ep: topk ", K, " outside 1..", kMaxTopk);
   TORCH_CHECK(E >= R && E <= kMaxExperts && E % R == 0, "megatron_ep: bad num_experts ", E);
   TORCH_CHECK(align >= 1 && align <= kMaxAlignment, "megatron_ep: bad expert alignment ", align);
   TORCH_CHECK(recv_info.numel() >= RecvInfo::size(E / R), "recv_info too small");
   TORCH_CHECK(rank_pos.numel() >= (int64_t)T * R && slot_pos.numel() >= (int64_t)T * K, "position tensors too small");
+  TORCH_CHECK(row_limits.numel() >= R && tpe.numel() >= E / R && dropped.numel() >= 1, "notify outputs too small");
   const CallArgs call = make_call(sig, kCallOk, "");
   NotifyArgs a{static_cast<const long long*>(topk_idx.data_ptr()), T, K, E, align, permute ? 1 : 0, worst,
-               rank_pos.data_ptr<int>(), slot_pos.data_ptr<int>(), recv_info.data_ptr<int>(), tag};
+               rank_pos.data_ptr<int>(), slot_pos.data_ptr<int>(), recv_info.data_ptr<int>(), row_limits.data_ptr<int>(),
+               reinterpret_cast<long long*>(tpe.data_ptr<int64_t>()), reinterpret_cast<long long*>(dropped.data_ptr<int64_t>()),
+               tag};
   launch_notify(rt.ctx(call.sig[kSigSeq]), call, a, stream());
   check_launch("notify");
 }
@@ -347,11 +354,12 @@ void stage_combine(Runtime& rt, const Sig& sig, const c10::optional<Tensor>& x, 
 }
 
 void combine(Runtime& rt, const Sig& sig, int T, int H, int K, int E, bool permute, bool is_fp32, bool has_weights,
-             int row_limit, const Tensor& topk_idx, const Tensor& rank_pos, const Tensor& slot_pos, Tensor& y,
+             const Tensor& row_limits, const Tensor& topk_idx, const Tensor& rank_pos, const Tensor& slot_pos, Tensor& y,
              const c10::optional<Tensor>& w_out, int num_blocks) {
   check_tensor(topk_idx, "topk_idx", at::kLong);
+  check_tensor(row_limits, "row_limits", at::kInt);
   TORCH_CHECK(y.is_contiguous() && y.size(0) == T && y.size(1) == H, "y has the wrong shape");
-  CombineArgs a{T, H, K, E, permute ? 1 : 0, is_fp32 ? 1 : 0, has_weights ? 1 : 0, row_limit > 0 ? row_limit : INT_MAX,
+  CombineArgs a{T, H, K, E, permute ? 1 : 0, is_fp32 ? 1 : 0, has_weights ? 1 : 0, row_limits.data_ptr<int>(),
                 static_cast<const long long*>(topk_idx.data_ptr()), rank_pos.data_ptr<int>(),
                 slot_pos.data_ptr<int>(), y.data_ptr(), ptr_or_null<float>(w_out)};
   launch_combine(rt.ctx(sig.at(kSigSeq)), a, num_blocks, stream());

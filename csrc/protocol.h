@@ -79,15 +79,16 @@ enum SigField : int {
   kSigExperts,         // E
   kSigPermute,         // expert-major layout
   kSigAlignment,       // expert-major segment alignment
-  kSigWorstRows,       // num_worst_tokens (0: exact sizes)
+  kSigWorstSized,      // outputs worst-case sized (num_worst_tokens > 0; the count may differ per rank)
   kSigWeights,         // DType of the weights that travel with the rows (0: none)
   kSigVariant,         // kernel variant (push or stage+pull); must match for the handshakes to pair
+  kSigCapacity,        // low-latency: max_tokens_per_rank (fixes every rank's receive layout)
   kSigFields
 };
 inline const char* sig_field_name(int f) {
   static const char* names[kSigFields] = {"op", "seq", "routing", "dtype", "hidden", "row_bytes", "topk",
-                                          "num_experts", "permute", "expert_alignment", "num_worst_tokens",
-                                          "weights", "variant"};
+                                          "num_experts", "permute", "expert_alignment", "worst_case_sized",
+                                          "weights", "variant", "max_tokens_per_rank"};
   return (f >= 0 && f < kSigFields) ? names[f] : "?";
 }
 

@@ -105,7 +105,7 @@ inline long long align_up(long long n, long long a) { return (n + a - 1) / a * a
 // Byte offsets inside a region; identical on every rank.
 struct RegionLayout {
   long long control;       // Control
-  long long counts;        // int32: [kMaxRanks] tokens per destination rank, [kMaxExperts] per expert, T
+  long long counts;        // int32: [kMaxRanks] tokens per destination rank, [kMaxExperts] per expert, T, num_worst_tokens
   long long scratch;       // int32 [kMaxNotifyBlocks][kMaxExperts + kMaxRanks] notify's per-chunk counts (private)
   long long stage_x;       // [max_tokens, x_row_bytes] dispatch rows (bf16/fp32/fp8 bytes)
   long long stage_scales;  // [max_tokens, scale_cols] float (FP8 scales)
@@ -122,7 +122,7 @@ struct RegionLayout {
   int max_tokens, max_topk, max_experts, x_row_bytes, scale_cols, comb_row_bytes, num_ranks, pad_;
 };
 
-constexpr int kCountsInts = kMaxRanks + kMaxExperts + 1;  // per rank, then per expert, then T
+constexpr int kCountsInts = kMaxRanks + kMaxExperts + 2;  // per rank, then per expert, then T, num_worst_tokens
 constexpr int kScratchStride = kMaxExperts + kMaxRanks;
 
 // Rows an expert-major output can hold in the dropless worst case: every rank's tokens all

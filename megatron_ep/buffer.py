@@ -210,7 +210,7 @@ class Buffer:
             data = x[0] if is_fp8 else x
             call.set(routing=handle.call_seq if handle is not None else 0, dtype=P.dtype_code(data.dtype), hidden=H,
                      row_bytes=H * data.element_size(), topk=K, num_experts=num_experts, permute=permute,
-                     expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
+                     expert_alignment=expert_alignment, worst_case_sized=num_worst_tokens > 0,
                      weights=_weights_code(topk_weights))
             out = impl.dispatch(call, x, topk_idx, topk_weights, num_experts, permute, expert_alignment, handle,
                                 host_counts, num_worst_tokens, async_op=async_op, previous_event=previous_event)
@@ -238,7 +238,7 @@ class Buffer:
             call.set(routing=handle.call_seq, dtype=P.dtype_code(x.dtype), hidden=x.shape[1],
                      row_bytes=x.shape[1] * x.element_size(), topk=handle.topk, num_experts=handle.num_experts,
                      permute=handle.permute, expert_alignment=handle.expert_alignment,
-                     num_worst_tokens=handle.num_worst_tokens, weights=_weights_code(weights))
+                     worst_case_sized=handle.num_worst_tokens > 0, weights=_weights_code(weights))
             return self._impl.combine(call, x, handle, weights, async_op=async_op, previous_event=previous_event)
 
     # ------------------------------------------------------------------------- low latency
@@ -259,7 +259,7 @@ class Buffer:
                 C.check_topk_values(topk_idx, num_experts)
             wire = C.FP8_DTYPE if use_fp8 else x.dtype
             call.set(dtype=P.dtype_code(wire), hidden=H, row_bytes=H * torch.empty((), dtype=wire).element_size(), topk=K,
-                     num_experts=num_experts, num_worst_tokens=max_tokens_per_rank)
+                     num_experts=num_experts, max_tokens_per_rank=max_tokens_per_rank)
             out = self._impl.low_latency_dispatch(call, x, topk_idx, num_experts, max_tokens_per_rank, use_fp8,
                                                   round_scale, **kwargs)
         out.handle.buffer_id = self.id
@@ -280,7 +280,7 @@ class Buffer:
             C.check_topk_weights(topk_weights, handle.num_tokens, K, x.device)
             call.set(routing=handle.call_seq, dtype=P.dtype_code(x.dtype), hidden=handle.hidden,
                      row_bytes=handle.hidden * x.element_size(), topk=K, num_experts=handle.num_experts,
-                     num_worst_tokens=handle.max_tokens_per_rank)
+                     max_tokens_per_rank=handle.max_tokens_per_rank)
             return self._impl.low_latency_combine(call, x, topk_idx, topk_weights, handle, **kwargs)
 
     # --------------------------------------------------------------------- zero-copy inputs

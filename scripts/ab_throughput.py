@@ -10,6 +10,9 @@ Backends (--backends, comma separated, default all):
   alltoall  Megatron's MoEAlltoAllTokenDispatcher;
   deepep    Megatron's flex dispatcher + megatron_ep's deepep-style manager;
   hybridep  Megatron's flex dispatcher + megatron_ep's hybridep-style manager;
+  hybridep-budget  the same with a static budget of 1.5 x tokens x topk rows per rank
+            (MEGATRON_EP_RANK_CAPACITY_FACTOR): the dispatch never syncs the host; rows past
+            the budget are dropped and counted (uniform routing rarely gets near it);
   DeepEP    Megatron's flex dispatcher + Megatron's own _DeepepManager (the deep_ep package);
   HybridEP  Megatron's flex dispatcher + Megatron's own _HybridEPManager (deep_ep.HybridEPBuffer).
 --backend picks megatron_ep's Buffer backend (torch reference, cuda kernels, auto) for deepep and
@@ -71,12 +74,15 @@ class BackendSpec:
     dispatcher: str  # train_moe's --dispatcher: alltoall | deepep | hybridep
     ours: Optional[bool]  # flex: True = megatron_ep's manager, False = Megatron's own (deep_ep); None: alltoall
     about: str
+    env: tuple = ()  # (name, value) pairs set while the model is built (read by the managers)
 
 
 BACKENDS = {b.key: b for b in (
     BackendSpec("alltoall", "alltoall", None, "Megatron alltoall dispatcher"),
     BackendSpec("deepep", "deepep", True, "flex + megatron_ep deepep-style manager"),
     BackendSpec("hybridep", "hybridep", True, "flex + megatron_ep hybridep-style manager"),
+    BackendSpec("hybridep-budget", "hybridep", True, "flex + megatron_ep hybridep, static budget 1.5 x T x topk "
+                "rows (no host sync; rows past it dropped and counted)", (("MEGATRON_EP_RANK_CAPACITY_FACTOR", "1.5"),)),
     BackendSpec("DeepEP", "deepep", False, "flex + Megatron's _DeepepManager on deep_ep"),
     BackendSpec("HybridEP", "hybridep", False, "flex + Megatron's _HybridEPManager on deep_ep"),
 )}
@@ -494,8 +500,10 @@ def main(argv=None) -> int:
             continue
         t0 = time.perf_counter()
         error = None
+        saved_env = {k: os.environ.get(k) for k, _ in run.spec.env}
         try:
             set_managers(run.spec, rank)
+            os.environ.update(dict(run.spec.env))
             bargs = copy.copy(args)
             bargs.dispatcher = run.spec.dispatcher
             if args.mode == "train":
@@ -508,6 +516,12 @@ def main(argv=None) -> int:
                 copy_state(reference_state.model, run.state.model)
         except Exception:  # noqa: BLE001 - reported, agreed over ranks, exit status 1
             error = traceback.format_exc()
+        finally:
+            for k, v in saved_env.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         failure = agree_failure(error, device)
         if failure:
             run.status, run.reason = "failed", failure

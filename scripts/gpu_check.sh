@@ -44,7 +44,7 @@ if has build; then
   if ! MAX_JOBS=16 MEP_PTXAS_VERBOSE=1 python3 setup.py build_ext --inplace > /tmp/build.log 2>&1; then
     tail -40 /tmp/build.log; exit 1
   fi
-  grep -E "Compiling entry|registers|spill" /tmp/build.log | sed 's/ptxas info *: //' > "$OUT/ptxas.txt"
+  grep -E "Compiling entry|registers|spill" /tmp/build.log | sed 's/ptxas info *: //' > "${MEP_PTXAS_OUT:-$OUT}/ptxas.txt"
   python3 -c "import megatron_ep as m; print('extension usable:', m.cuda_backend_available())"
 fi
 if has tests; then
@@ -85,14 +85,19 @@ if has megatron; then
   python3 -c "import megatron.core as m; print('megatron-core', m.__version__)" || status=1
   [ -e /tmp/deepep_intranode.ok ] && export PYTHONPATH=/tmp/deepep/intranode${PYTHONPATH:+:$PYTHONPATH}
   start_mps
-  timeout "${MEP_MEGATRON_TIMEOUT:-300}" python3 -m pytest -q -m gpu -rs tests/test_megatron_gpu.py tests/test_experts.py 2>&1 \
-    | tee "$OUT/megatron_tests.log" | tail -20
+  timeout "${MEP_MEGATRON_TIMEOUT:-300}" python3 -m pytest -q -m gpu -rs tests/test_megatron_gpu.py tests/test_experts.py \
+    ${MEP_MEGATRON_TEST_ARGS:-} 2>&1 | tee "$OUT/megatron_tests.log" | tail -20
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   stop_mps
-  if [ -n "${MEP_AB_ARGS:-}" ]; then
-    timeout "${MEP_AB_TIMEOUT:-300}" python3 -m torch.distributed.run --nproc-per-node "$NGPU" scripts/ab_throughput.py \
-      $MEP_AB_ARGS > "$OUT/ab.log" 2>&1 || { status=1; echo "A/B failed"; }
-    grep -v "^\[" "$OUT/ab.log" | grep -v Warning | tail -30
-  fi
+  # A/B runs, one process per GPU: MEP_AB_ARGS holds one argument list per run, separated by '|'
+  i=0
+  IFS='|' read -ra ab_runs <<< "${MEP_AB_ARGS:-}"
+  for ab in "${ab_runs[@]}"; do
+    i=$((i + 1))
+    echo "--- A/B $i: $ab"
+    timeout "${MEP_AB_TIMEOUT:-240}" python3 scripts/ab_throughput.py --nproc-per-node "$NGPU" $ab > "$OUT/ab$i.log" 2>&1 \
+      || { status=1; echo "A/B $i failed"; }
+    grep -v "^\[" "$OUT/ab$i.log" | tail -${MEP_AB_TAIL:-16}
+  done
 fi
 exit $status

@@ -33,6 +33,10 @@ struct NotifyArgs {
   int* rank_pos;   // [T, R] out
   int* slot_pos;   // [T, K] out
   int* recv_info;  // [RecvInfo::size(L)] out
+  int* row_limits;        // [R] out: rows each rank delivers at most (its num_worst_tokens, or INT_MAX)
+  long long* out_tpe;     // [L] out: tokens_per_expert (padded and clamped when permuted; zeros for
+                          // rank-major with num_worst_tokens: the pull counts the delivered rows)
+  long long* out_dropped; // [1] out: real rows past num_worst_tokens
   long long tag;
 };
 void launch_notify(const Ctx& ctx, const CallArgs& call, const NotifyArgs& args, cudaStream_t stream);
@@ -93,10 +97,10 @@ void launch_stage_combine(const Ctx& ctx, const CallArgs& call, const StageCombi
 
 // y[t] = sum of this token's rows, pulled from their ranks' combine staging (fp32 accumulation).
 // Only rows the dispatch delivered are read: ids outside [0, E), negative positions and
-// positions >= row_limit (num_worst_tokens) are skipped.
+// positions past the owner's row limit (its num_worst_tokens) are skipped.
 struct CombineArgs {
   int T, H, K, E, permute, is_fp32, has_weights;
-  int row_limit;              // rows every rank's combine input holds at most (INT_MAX: exact sizes)
+  const int* row_limits;      // [R] from notify: rows each rank's combine input holds at most
   const long long* topk_idx;  // [T, K] (expert-major: owner of each slot)
   const int* rank_pos;        // [T, R]
   const int* slot_pos;        // [T, K]

@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(kExchangeThreads, 1) notify_exchange_kernel(Ct
   int* incl = below + E;       // [E] padded totals, inclusive scan
   int* seg = incl + E;         // [E] segment start inside the destination's output
   __shared__ int s_rcnt[kMaxRanks][kMaxRanks];  // [source][destination] tokens
-  __shared__ int s_T[kMaxRanks];
+  __shared__ int s_T[kMaxRanks], s_W[kMaxRanks];
   __shared__ int s_dropped;
   int* scratch = scratch_of(c);
   Control* me = ctrl_of(c, rank);
@@ -126,6 +126,7 @@ __global__ void __launch_bounds__(kExchangeThreads, 1) notify_exchange_kernel(Ct
   if (tid < R) mine[tid] = tot[E + tid];
   if (tid == 0) {
     mine[kMaxRanks + kMaxExperts] = a.T;
+    mine[kMaxRanks + kMaxExperts + 1] = a.worst;
     write_record(c, call);
   }
   if (tid == 0) s_dropped = 0;
@@ -143,6 +144,9 @@ __global__ void __launch_bounds__(kExchangeThreads, 1) notify_exchange_kernel(Ct
       a.recv_info[RecvInfo::kDropped] = 0;
       c.host->num_rows = -1;  // tells the host this call was aborted
       c.host->num_perm_rows = -1;
+      for (int r = 0; r < R; ++r) a.row_limits[r] = 0;  // nothing was delivered
+      for (int le = 0; le < L; ++le) a.out_tpe[le] = 0;
+      *a.out_dropped = 0;
       __threadfence_system();
       c.host->tag = a.tag;
     }
@@ -155,7 +159,11 @@ __global__ void __launch_bounds__(kExchangeThreads, 1) notify_exchange_kernel(Ct
     all_e[i] = ld_volatile(counts_of(c, s) + kMaxRanks + e);
   }
   for (int i = tid; i < R * R; i += blockDim.x) s_rcnt[i / R][i % R] = ld_volatile(counts_of(c, i / R) + i % R);
-  if (tid < R) s_T[tid] = ld_volatile(counts_of(c, tid) + kMaxRanks + kMaxExperts);
+  if (tid < R) {
+    s_T[tid] = ld_volatile(counts_of(c, tid) + kMaxRanks + kMaxExperts);
+    s_W[tid] = ld_volatile(counts_of(c, tid) + kMaxRanks + kMaxExperts + 1);
+    a.row_limits[tid] = s_W[tid] > 0 ? s_W[tid] : INT_MAX;  // each rank delivers its own worst-case rows
+  }
   __syncthreads();
   for (int e = tid; e < E; e += blockDim.x) {
     int t = 0, b = 0;
@@ -186,9 +194,11 @@ __global__ void __launch_bounds__(kExchangeThreads, 1) notify_exchange_kernel(Ct
   for (int le = tid; le < L; le += blockDim.x) {
     const int e = rank * L + le;
     const int cnt = tot[e], s0 = seg[e], padded = pad_to(cnt, a.align);
+    const int seg_len = W > 0 ? min(s0 + padded, W) - min(s0, W) : padded;
     a.recv_info[RecvInfo::counts(L) + le] = cnt;
-    a.recv_info[RecvInfo::padded(L) + le] = W > 0 ? min(s0 + padded, W) - min(s0, W) : padded;
+    a.recv_info[RecvInfo::padded(L) + le] = seg_len;
     a.recv_info[RecvInfo::seg_start(L) + le] = s0;
+    a.out_tpe[le] = a.permute ? seg_len : (W > 0 ? 0 : cnt);
     if (W > 0 && a.permute) {
       const int lost = s0 + cnt - max(s0, W);
       if (lost > 0) atomicAdd(&s_dropped, lost);
@@ -221,6 +231,7 @@ __global__ void __launch_bounds__(kExchangeThreads, 1) notify_exchange_kernel(Ct
     a.recv_info[RecvInfo::kPermRows] = m_mine;
     a.recv_info[RecvInfo::kLocal] = L;
     a.recv_info[RecvInfo::kDropped] = dropped;
+    *a.out_dropped = dropped;
     c.host->num_rows = n_mine;
     c.host->num_perm_rows = m_mine;
     c.host->need_tokens = t_max;
@@ -721,15 +732,15 @@ __global__ void __launch_bounds__(kCopyThreads, 1) combine_kernel(Ctx c, Combine
     if (!a.permute) {
       if (lane < R) {
         const int p = a.rank_pos[(long long)t * R + lane];
-        if (p >= 0 && p < a.row_limit) src = region(c, lane) + c.lay.comb_x + (long long)p * row_bytes;
+        if (p >= 0 && p < a.row_limits[lane]) src = region(c, lane) + c.lay.comb_x + (long long)p * row_bytes;
       }
       if (owner >= 0) {
         const int p = a.rank_pos[(long long)t * R + owner];
-        pos = (p >= 0 && p < a.row_limit) ? p : -1;
+        pos = (p >= 0 && p < a.row_limits[owner]) ? p : -1;
       }
     } else if (owner >= 0) {
       const int p = a.slot_pos[(long long)t * K + lane];
-      if (p >= 0 && p < a.row_limit) {
+      if (p >= 0 && p < a.row_limits[owner]) {
         pos = p;
         src = region(c, owner) + c.lay.comb_x + (long long)p * row_bytes;
       }

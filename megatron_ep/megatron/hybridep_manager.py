@@ -11,16 +11,18 @@ Same workflow and attributes as Megatron's `_HybridEPManager`:
 (5) combine(): rows back to their source tokens, summed per token.
 
 Static shapes (no host sync in the manager):
-* `moe_expert_rank_capacity_factor` (0.19): the output has exactly
-  int(T * topk * factor) rows rounded up to the alignment; rows past the budget are dropped,
-  `over_budget` is raised and `num_dropped_rows` counts them (device tensors, accumulated until
-  the dispatcher's reset_over_budget()).
+* `moe_expert_rank_capacity_factor` (0.19; `MEGATRON_EP_RANK_CAPACITY_FACTOR` anywhere): the
+  output has exactly int(T * topk * factor) rows rounded up to the alignment -- the dispatch's
+  num_worst_tokens, so there is no host sync at all; rows past the budget are dropped by the
+  dispatch, `over_budget` is raised and `num_dropped_rows` counts them (device tensors,
+  accumulated until the dispatcher's reset_over_budget()).
 * `moe_pad_expert_input_to_capacity`: each local expert gets exactly capacity * group_size rows
   (the router already dropped tokens over capacity per source rank).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -56,8 +58,11 @@ class MegatronEPHybridEPManager(_DispatchManager):
         if self.drop_and_pad:
             assert self.capacity_factor is not None
         # Read at every setup_metadata: megatron-core 0.19's paged stash switches the static
-        # budget off (None) for a rerun and back on through this attribute.
+        # budget off (None) for a rerun and back on through this attribute. Where the config has
+        # no such field (0.16) or leaves it unset, MEGATRON_EP_RANK_CAPACITY_FACTOR sets it.
         self.moe_expert_rank_capacity_factor = compat.rank_capacity_factor(config)
+        if self.moe_expert_rank_capacity_factor is None and os.environ.get("MEGATRON_EP_RANK_CAPACITY_FACTOR"):
+            self.moe_expert_rank_capacity_factor = float(os.environ["MEGATRON_EP_RANK_CAPACITY_FACTOR"])
         # Accumulated until the dispatcher's reset_over_budget(); moved to the tokens' device
         # at the first dispatch.
         self.over_budget = torch.zeros(1, dtype=torch.bool)
@@ -99,30 +104,36 @@ class MegatronEPHybridEPManager(_DispatchManager):
         align = 1 if self.drop_and_pad else self.align
         self.buffer = get_buffer(self.group, hidden_states, self.num_experts, self.router_topk, self.num_sms,
                                  expert_major_align=align)
+        # The static budget is the dispatch's own worst-case size: no host sync, rows past it
+        # dropped and counted by the dispatch itself (the budget may differ per rank).
+        worst = self.budget if (self.budget is not None and not self.drop_and_pad) else 0
         out = ep.dispatch(self.buffer, hidden_states, idx, weights, num_experts=self.num_experts,
-                          permute=True, expert_alignment=align)
+                          permute=True, expert_alignment=align, num_worst_tokens=worst)
         self.handle = out.handle
         x, probs, row_expert, tpe = out.x, out.topk_weights, out.row_expert, out.tokens_per_expert
         self._static = None
         if self.drop_and_pad:
             self._static = StaticRows.segments(row_expert, tpe, self.capacity * self.group.size())
-        elif self.budget is not None:
-            self._static = StaticRows.budget(x.shape[0], tpe, self.budget)
-        if self._static is not None:
-            if self.over_budget.device != x.device:
-                self.over_budget = self.over_budget.to(x.device)
-                self.num_dropped_rows = self.num_dropped_rows.to(x.device)
-            dropped = self._static.dropped(row_expert)
-            self.num_dropped_rows += dropped
-            self.over_budget |= dropped > 0
+            self._count_drops(self._static.dropped(row_expert))
             x, probs = self._static.pack(x), self._static.pack(probs)
             row_expert = self._static.pack(row_expert + 1) - 1  # unfilled rows -> -1
             tpe = self._static.tokens_per_expert
+        elif worst:
+            self._count_drops(out.num_dropped)
+            tpe = tpe.clone()  # Megatron's contract: the segments cover every row (the tail is padding)
+            tpe[-1] += worst - tpe.sum()
         self.dispatched_probs = probs
         self.tokens_per_expert = tpe
         self.row_expert = row_expert
         attach_expert_rows(x, row_expert, 1 if self.drop_and_pad else self.align)
         return x
+
+    def _count_drops(self, dropped: torch.Tensor) -> None:
+        if self.over_budget.device != dropped.device:
+            self.over_budget = self.over_budget.to(dropped.device)
+            self.num_dropped_rows = self.num_dropped_rows.to(dropped.device)
+        self.num_dropped_rows += dropped
+        self.over_budget |= dropped > 0
 
     def get_permuted_hidden_states_by_experts(self, hidden_states: torch.Tensor):
         return hidden_states, self.dispatched_probs

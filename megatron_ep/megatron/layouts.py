@@ -4,9 +4,8 @@
   expert-major rows, one per (row, local expert), each expert's segment padded with zero rows to
   an alignment. Row order inside an expert follows the received rows, exactly as Megatron's
   `permute(tokens, routing_map)` orders them.
-* `StaticRows`: an expert-major layout copied into a fixed number of rows (the static budget of
-  `moe_expert_rank_capacity_factor`, or fixed per-expert capacity segments for
-  `moe_pad_expert_input_to_capacity`). Rows that do not fit go to a dump row and are dropped;
+* `StaticRows`: an expert-major layout copied into fixed per-expert capacity segments
+  (`moe_pad_expert_input_to_capacity`). Rows that do not fit go to a dump row and are dropped;
   the mapping is computed on the device from device counts (no host sync).
 """
 
@@ -16,7 +15,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ..permute import clamp_segments, place
+from ..permute import place
 
 
 class LocalPermute:
@@ -50,17 +49,6 @@ class StaticRows:
         self.dst = dst  # [M] static row of each dynamic row; num_rows = dropped
         self.num_rows = num_rows
         self.tokens_per_expert = tokens_per_expert  # static segment lengths, sum == num_rows
-
-    @classmethod
-    def budget(cls, num_dynamic_rows: int, tokens_per_expert: torch.Tensor, budget: int) -> "StaticRows":
-        """Keep the first `budget` rows (later experts lose their tail rows); pad with zero
-        rows, counted in the last expert's segment so sum(tokens_per_expert) == budget."""
-        device = tokens_per_expert.device
-        idx = torch.arange(num_dynamic_rows, device=device)
-        dst = torch.where(idx < budget, idx, budget)
-        tpe = clamp_segments(tokens_per_expert, budget)
-        tpe[-1] += budget - tpe.sum()
-        return cls(dst, budget, tpe)
 
     @classmethod
     def segments(cls, row_expert: torch.Tensor, tokens_per_expert: torch.Tensor, seg_len: int) -> "StaticRows":

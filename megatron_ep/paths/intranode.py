@@ -29,6 +29,9 @@ class IntranodeState:
     rank_pos: torch.Tensor  # [T, R] int32: row of each token in each rank's rank-major output (-1: none)
     slot_pos: torch.Tensor  # [T, K] int32: row of each (token, slot) in its rank's expert-major output
     recv_info: torch.Tensor  # int32, csrc/region_layout.h RecvInfo: N, M, L, dropped, counts, padded, seg starts
+    row_limits: torch.Tensor  # [R] int32: rows each rank delivers at most (its num_worst_tokens, or INT_MAX)
+    tokens_per_expert: torch.Tensor  # [L] int64 (what every dispatch along this routing returns)
+    num_dropped: torch.Tensor  # 0-d int64
     num_rows: Optional[int]  # N, when known on the host
     num_perm_rows: Optional[int]  # M, when known on the host
     counts: Optional[List[int]]  # raw per-local-expert counts, when known on the host
@@ -83,6 +86,9 @@ class IntranodePath:
         call.set(variant=int(push))
         compute = rt.enter(previous_event)
         first = handle is None
+        if first:  # what the caller gets back is allocated on its stream (see rt.leave)
+            tpe = torch.empty(L, dtype=torch.int64, device=rt.device)
+            dropped = torch.empty((), dtype=torch.int64, device=rt.device)
         with torch.cuda.stream(rt.stream):
             rt.mark("start")
             if first:
@@ -90,10 +96,11 @@ class IntranodePath:
                     rank_pos=torch.empty((T, R), dtype=torch.int32, device=rt.device),
                     slot_pos=torch.empty((T, K), dtype=torch.int32, device=rt.device),
                     recv_info=torch.empty(RI["header"] + 3 * L, dtype=torch.int32, device=rt.device),
-                    num_rows=None, num_perm_rows=None, counts=None)
+                    row_limits=torch.empty(R, dtype=torch.int32, device=rt.device),
+                    tokens_per_expert=tpe, num_dropped=dropped, num_rows=None, num_perm_rows=None, counts=None)
                 tag = next(self.tags)
                 self.kernels.notify(rt.rt, call.sig, topk_idx, num_experts, alignment, permute, num_worst_tokens,
-                                    st.rank_pos, st.slot_pos, st.recv_info, tag)
+                                    st.rank_pos, st.slot_pos, st.recv_info, st.row_limits, tpe, dropped, tag)
                 call.pending = None  # from here every rank learns the exchange's verdict itself
                 rt.mark("notify")
                 if not num_worst_tokens:
@@ -104,6 +111,7 @@ class IntranodePath:
                 call.pending = SLOT["out_loc"] if push else SLOT["staged"]
             else:
                 st = handle.state
+                tpe, dropped = st.tokens_per_expert, st.num_dropped  # same routing, same rows
             valid = st.num_perm_rows if permute else st.num_rows
             out_rows = num_worst_tokens or valid
 
@@ -125,12 +133,11 @@ class IntranodePath:
                     out_w = torch.empty((out_rows,) if permute else (out_rows, K), dtype=torch.float32, device=rt.device)
                 offsets = [-1, -1, -1, -1]
             out_re = torch.empty(out_rows, dtype=torch.int32, device=rt.device) if permute else None
-            drop_counts = bool(num_worst_tokens) and not permute
-            tpe = (torch.zeros if drop_counts else torch.empty)(L, dtype=torch.int64, device=rt.device)
-            dropped = torch.empty((), dtype=torch.int64, device=rt.device)
+            # rank-major, worst-case sized: the pull counts the rows it delivers (notify zeroed tpe)
+            count_rows = first and bool(num_worst_tokens) and not permute
             hooked = rt.new_outputs((out_x, out_s, out_idx, out_w, out_re))
         with torch.cuda.stream(rt.stream):
-            if hooked or drop_counts:
+            if hooked:
                 rt.stream.wait_stream(compute)
             # the first exchange of a cached dispatch is its stage (or push); after notify, the next
             # handshake. Outputs were allocated first: a failure there is published before this
@@ -145,14 +152,11 @@ class IntranodePath:
                 call.pending = None  # this rank signalled: a failure can no longer be published in step
                 self.kernels.dispatch(rt.rt, call.sig, slot, row_bytes, scale_cols, K, num_experts, permute,
                                       topk_weights is not None, out_rows, st.recv_info, out_x, out_s, out_idx, out_w,
-                                      out_re, tpe if drop_counts else None, rt.num_sms)
+                                      out_re, tpe if count_rows else None, rt.num_sms)
             call.pending = None
             rt.mark("push" if push else "pull")
-            if not drop_counts:
-                tpe.copy_(st.recv_info[RI["header"] + L:RI["header"] + 2 * L] if permute else st.recv_info[RI["header"]:RI["header"] + L])
-            dropped.copy_(st.recv_info[RI["dropped"]])
         event = rt.leave(compute, [data, scales, topk_idx, topk_weights, st.rank_pos, st.slot_pos, st.recv_info,
-                                   out_x, out_s, out_idx, out_w, out_re, tpe, dropped], async_op)
+                                   st.row_limits, out_x, out_s, out_idx, out_w, out_re, tpe, dropped], async_op)
 
         out = DispatchOutput((out_x, out_s) if scales is not None else out_x, out_idx, out_w, out_re, tpe, None,
                              event=event if async_op else None, num_dropped=dropped)
@@ -209,8 +213,8 @@ class IntranodePath:
             call.pending = None
             rt.mark("stage")
             self.kernels.combine(rt.rt, call.sig, T, H, K, handle.num_experts, handle.permute, x.dtype == torch.float32,
-                                 weights is not None, handle.num_worst_tokens, handle.topk_idx, st.rank_pos, st.slot_pos,
+                                 weights is not None, st.row_limits, handle.topk_idx, st.rank_pos, st.slot_pos,
                                  y, w_out, rt.num_sms)
             rt.mark("pull")
-        event = rt.leave(compute, [x, weights, y, w_out, handle.topk_idx, st.rank_pos, st.slot_pos], async_op)
+        event = rt.leave(compute, [x, weights, y, w_out, handle.topk_idx, st.rank_pos, st.slot_pos, st.row_limits], async_op)
         return CombineOutput(y, w_out, event if async_op else None)
