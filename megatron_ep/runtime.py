@@ -128,6 +128,7 @@ class CudaRuntime:
         rt.open_peers(handles)
         dist.barrier(group=self.group)
         self.rt, self.plan, self.hints = rt, plan, dict(hints)
+        self._fitted: set = set()  # needs known to fit this region
         self.base = rt.base_ptr()
         log.info("megatron_ep cuda buffer on rank %d: %.1f MiB region (tokens %d, row bytes %d, combine rows %d), %d SMs",
                  self.rank, plan["total"] / 2**20, plan["max_tokens"], plan["x_row_bytes"], plan["comb_rows"], self.num_sms)
@@ -153,9 +154,19 @@ class CudaRuntime:
     _CAPACITY = ("max_tokens", "x_row_bytes", "scale_cols", "max_topk", "max_experts", "comb_rows", "comb_row_bytes")
 
     def fits(self, need: dict) -> Optional[str]:
-        """None if a call with these needs (hint keys) fits the region as it is, else what does not."""
+        """None if a call with these needs (hint keys) fits the region as it is, else what does not
+        (needs that fitted are remembered: the steady state plans nothing per call)."""
+        # token and combine-row counts change every call: compared directly; the rest (row
+        # widths, top-k, experts) is planned once per distinct value
+        p = self.plan
+        counts_fit = need.get("max_tokens", 0) <= p["max_tokens"] and need.get("combine_rows", 0) <= p["comb_rows"]
+        key = tuple(sorted((k, v) for k, v in need.items() if k not in ("max_tokens", "combine_rows")))
+        if counts_fit and key in self._fitted:
+            return None
         new = self._plan_for(need)
         short = [f"{k} {new[k]} > {self.plan[k]}" for k in self._CAPACITY if new[k] > self.plan[k]]
+        if not short and len(self._fitted) < 4096:
+            self._fitted.add(key)
         return ", ".join(short) or None
 
     def _hints_for(self, need: dict) -> dict:

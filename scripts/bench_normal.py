@@ -201,13 +201,17 @@ def _internal_notify(buf, idx, num_experts, num_ranks):
     rp = torch.empty((T, num_ranks), dtype=torch.int32, device=idx.device)
     sp = torch.empty((T, K), dtype=torch.int32, device=idx.device)
     ri = torch.empty(P.RECV_INFO["header"] + 3 * L, dtype=torch.int32, device=idx.device)
+    limits = torch.empty(num_ranks, dtype=torch.int32, device=idx.device)
+    tpe = torch.empty(L, dtype=torch.int64, device=idx.device)
+    dropped = torch.empty((), dtype=torch.int64, device=idx.device)
 
     def run(t):
         buf._seq += 1
         call = P.Call(P.OP["dispatch"], buf._seq).set(topk=K, num_experts=num_experts, expert_alignment=1)
         rt.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(rt.stream):
-            path.kernels.notify(rt.rt, call.sig, idx[:t], num_experts, 1, False, 0, rp[:t], sp[:t], ri, 0)
+            path.kernels.notify(rt.rt, call.sig, idx[:t], num_experts, 1, False, 0, rp[:t], sp[:t], ri, limits, tpe,
+                                dropped, 0)
         torch.cuda.current_stream().wait_stream(rt.stream)
 
     return (lambda: run(T), lambda: run(0))

@@ -50,7 +50,8 @@ fi
 if has tests; then
   phase tests
   start_mps
-  timeout "${MEP_TEST_TIMEOUT:-420}" python3 -m pytest -q -m gpu -rs tests/test_cuda_intranode.py ${MEP_TEST_ARGS:-} 2>&1 \
+  eval "targs=(${MEP_TEST_ARGS:-})"  # shell words, quotes respected (e.g. -k "faults or fuzz")
+  timeout "${MEP_TEST_TIMEOUT:-420}" python3 -m pytest -q -m gpu -rs tests/test_cuda_intranode.py "${targs[@]}" 2>&1 \
     | tee "$OUT/gpu_tests.log" | grep -vE "^\s*$" | tail -60
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   stop_mps
@@ -85,8 +86,9 @@ if has megatron; then
   python3 -c "import megatron.core as m; print('megatron-core', m.__version__)" || status=1
   [ -e /tmp/deepep_intranode.ok ] && export PYTHONPATH=/tmp/deepep/intranode${PYTHONPATH:+:$PYTHONPATH}
   start_mps
+  eval "margs=(${MEP_MEGATRON_TEST_ARGS:-})"
   timeout "${MEP_MEGATRON_TIMEOUT:-300}" python3 -m pytest -q -m gpu -rs tests/test_megatron_gpu.py tests/test_experts.py \
-    ${MEP_MEGATRON_TEST_ARGS:-} 2>&1 | tee "$OUT/megatron_tests.log" | tail -20
+    "${margs[@]}" 2>&1 | tee "$OUT/megatron_tests.log" | tail -20
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   stop_mps
   # A/B runs, one process per GPU: MEP_AB_ARGS holds one argument list per run, separated by '|'
