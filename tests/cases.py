@@ -671,10 +671,13 @@ def fuzz_config(seed: int, R: int) -> dict:
         Ts = [t_max if r == keep else 0 for r in range(R)]
     cfg = dict(seed=seed, E=E, K=K, H=H, dtype=dtype, Ts=Ts, pattern=pick(["random", "random", "hot", "one_expert", "same_rank"]),
                p_drop=pick([0.0, 0.1, 0.3, 1.0]), align=pick([1, 16, 128]), weights=bool(torch.randint(2, (1,), generator=g)))
-    worst = 0
+    worst = [0] * R
     if int(torch.randint(4, (1,), generator=g)) == 0:  # worst-case sized: enough, or too few (drops)
-        worst = int(torch.randint(1, 2 * sum(Ts) * min(K, E // R) + 2, (1,), generator=g))
-        worst = min(worst, CUDA_SIZING["combine_rows"])  # sync-free calls cannot grow the buffer
+        hi = 2 * sum(Ts) * min(K, E // R) + 2
+        # sometimes a different row budget on every rank (Megatron's per-rank static budget)
+        n = R if int(torch.randint(2, (1,), generator=g)) else 1
+        worst = torch.randint(1, hi, (n,), generator=g).tolist() * (R // n)
+        worst = [min(w, CUDA_SIZING["combine_rows"]) for w in worst]  # sync-free calls cannot grow the buffer
     cfg["worst"] = worst
     return cfg
 
@@ -713,7 +716,8 @@ def _fuzz_one(c, cuda, ref, R, rank, device) -> list:
     w = me["w"] if c["weights"] else None
     chk = Checker(f"fuzz seed {c['seed']} rank {rank} ({c})")
     for permute in (False, True):
-        kw = dict(num_experts=c["E"], permute=permute, expert_alignment=c["align"] if permute else 1, num_worst_tokens=c["worst"])
+        kw = dict(num_experts=c["E"], permute=permute, expert_alignment=c["align"] if permute else 1,
+                  num_worst_tokens=c["worst"][rank])
         got = cuda.dispatch(to_dev(me["x"], device), me["idx"].to(device), w.to(device) if w is not None else None, **kw)
         want = ref.dispatch(me["x"], me["idx"], w, **kw)
         name = "expert-major" if permute else "rank-major"
