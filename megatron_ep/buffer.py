@@ -3,6 +3,7 @@
 `cuda` kernels -- that implements exactly the same contract and the same backend protocol:
 
     call(call) -> context manager   entry check; publishes a failure on this rank to its peers
+    reserve(need)                   collective sizing ahead of sync-free calls
     layout / dispatch / combine / low_latency_dispatch / low_latency_combine
     dispatch_input / combine_input  zero-copy inputs (plain tensors where there is no region)
     synchronize / destroy / describe / num_sms
@@ -296,6 +297,16 @@ class Buffer:
         the cuda backend it lies in the communication region, so combine skips its staging copy
         and peers read it directly. Valid until the next combine."""
         return self._backend().combine_input(num_rows, hidden, dtype, device)
+
+    def reserve(self, *, max_tokens: Optional[int] = None, hidden: Optional[int] = None, dtype_bytes: Optional[int] = None,
+                topk: Optional[int] = None, num_experts: Optional[int] = None, combine_rows: Optional[int] = None) -> None:
+        """Collective (every rank at the same point, each with its own needs): make the buffer
+        hold the largest of every rank's needs, so that later sync-free calls (num_worst_tokens,
+        CUDA graphs), which cannot grow it, fit. `combine_rows`: rows a combine input may have
+        (a worst-case sized dispatch's num_worst_tokens). Nothing to do on the torch backend."""
+        need = dict(max_tokens=max_tokens, hidden=hidden, dtype_bytes=dtype_bytes, combine_bytes=max(2, dtype_bytes or 2),
+                    max_topk=topk, max_experts=num_experts, combine_rows=combine_rows)
+        self._backend().reserve({k: int(v) for k, v in need.items() if v is not None})
 
     def synchronize(self) -> None:
         """Wait for this buffer's communication and raise if a kernel reported a failure

@@ -57,6 +57,9 @@ class CudaBackend:
     def destroy(self) -> None:
         self.rt.close()
 
+    def reserve(self, need: dict) -> None:
+        self.rt.reserve(need)
+
     def synchronize(self) -> None:
         """Wait for this buffer's kernels and raise if any of them reported a failure."""
         self.rt.stream.synchronize()

@@ -115,6 +115,9 @@ class TorchBackend:
     def synchronize(self) -> None:
         pass
 
+    def reserve(self, need: dict) -> None:
+        pass  # collectives size themselves
+
     @contextmanager
     def call(self, call: P.Call):
         """A failure on this rank before the call's first collective is published there, so the

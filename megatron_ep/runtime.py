@@ -197,6 +197,16 @@ class CudaRuntime:
         self._replace(h, short)
         return True
 
+    def reserve(self, need: dict) -> None:
+        """Collective: size (or grow) the region for the largest of every rank's `need`."""
+        every: list = [None] * self.num_ranks
+        dist.all_gather_object(every, dict(need), group=self.group)
+        merged = {k: max(d.get(k, 0) for d in every) for k in set().union(*every)}
+        if not self.ready:
+            self.first_use(merged)
+        else:
+            self.grow_if_needed(merged)
+
     def _replace(self, hints: dict, why: str) -> None:
         log.info("megatron_ep: growing the cuda buffer on rank %d (%s)", self.rank, why)
         self.stream.synchronize()

@@ -845,3 +845,29 @@ def run_num_sms_bound(_cfg=None) -> list:
     except BaseException as exc:  # noqa: BLE001
         return [f"rank {dist.get_rank()}: num_sms bound: {exc}"]
     return []
+
+
+def run_reserve(cfg: dict) -> list:
+    """Buffer.reserve sizes an unsized buffer, then grows a sized one, for the largest of every
+    rank's needs (each rank asks for a different number of combine rows); afterwards a
+    worst-case sized dispatch of that many rows fits on every rank and is exact."""
+    R, rank = dist.get_world_size(), dist.get_rank()
+    E, K, H, T = 4 * R, 3, 256, 8
+    chk = Checker(f"[reserve R={R} rank={rank}]")
+    buf = mep.Buffer(dist.group.WORLD, backend="cuda")
+    inputs = make_inputs(cfg["seed"], R, E, K, H, [T] * R, "bf16", "random", 0.2)
+    me = inputs[rank]
+    for base, step in ((200, 100), (5000, 1000)):  # first sizes, then grows
+        rows = base + step * rank  # every rank asks for a different number of rows
+        buf.reserve(max_tokens=T, hidden=H, dtype_bytes=2, topk=K, num_experts=E, combine_rows=rows)
+        widest = base + step * (R - 1)  # the largest request: what the buffer must now hold
+        out = buf.dispatch(me["x"].cuda(), me["idx"].cuda(), me["w"].cuda(), num_experts=E, permute=True,
+                           expert_alignment=16, num_worst_tokens=widest)
+        exp = expected_expert_major(inputs, rank, R, E, 16)
+        m = exp["x"].shape[0]
+        chk.equal(f"reserved {rows}: x", out.x[:m], exp["x"])
+        back = buf.combine(torch.ones_like(out.x), out.handle)
+        chk.close(f"reserved {rows}: round trip", back.x, num_destinations(me, R, E, True).unsqueeze(1).expand(-1, H), 1e-6)
+    buf.synchronize()
+    buf.destroy()
+    return chk.errors

@@ -128,3 +128,10 @@ def test_lifetime_and_growth(R):
 def test_num_sms_bound():
     errors = _flat(pool_(2).run(cases.run_num_sms_bound, timeout=120))
     assert not errors, "\n".join(errors)
+
+
+@pytest.mark.parametrize("R", [2])
+def test_reserve(R):
+    """Collective sizing ahead of sync-free calls (hybridep's static budget relies on it)."""
+    errors = _flat(pool_(R).run(cases.run_reserve, dict(seed=9), timeout=300))
+    assert not errors, "\n".join(errors[:20])

@@ -79,6 +79,7 @@ class MegatronEPHybridEPManager(_DispatchManager):
         self.budget: Optional[int] = None
         self.capacity: Optional[int] = None
         self._static: Optional[StaticRows] = None
+        self._reserved = False  # the buffer was sized for this manager's static budget
 
     def setup_metadata(self, routing_map: torch.Tensor, probs: torch.Tensor):
         num_tokens = routing_map.shape[0]
@@ -107,6 +108,14 @@ class MegatronEPHybridEPManager(_DispatchManager):
         # The static budget is the dispatch's own worst-case size: no host sync, rows past it
         # dropped and counted by the dispatch itself (the budget may differ per rank).
         worst = self.budget if (self.budget is not None and not self.drop_and_pad) else 0
+        if worst and not self._reserved:
+            # a worst-case sized dispatch cannot grow the buffer: size it, collectively, at this
+            # manager's first budgeted dispatch (the same call on every rank; each brings its own
+            # budget, the largest wins)
+            self.buffer.reserve(max_tokens=hidden_states.shape[0], hidden=hidden_states.shape[-1],
+                                dtype_bytes=hidden_states.element_size(), topk=self.router_topk,
+                                num_experts=self.num_experts, combine_rows=worst)
+            self._reserved = True
         out = ep.dispatch(self.buffer, hidden_states, idx, weights, num_experts=self.num_experts,
                           permute=True, expert_alignment=align, num_worst_tokens=worst)
         self.handle = out.handle
