@@ -18,7 +18,6 @@ internode later, each in megatron_ep/paths/):
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import os
@@ -104,7 +103,6 @@ class CudaRuntime:
         self.rt = None
         self.plan: Optional[dict] = None
         self.stream = torch.cuda.Stream(device=self.device)
-        self.tags = itertools.count(1)
         self.broken: Optional[str] = None
         self.trace: Optional[list] = None  # benchmarks: (phase, event) pairs on the comm stream
         self.grown = 0
