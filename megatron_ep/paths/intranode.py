@@ -74,7 +74,9 @@ class IntranodePath:
         if not rt.ready:
             fail(not capturing, "the first call of a cuda Buffer without sizing hints "
                  "cannot be captured in a CUDA graph (it allocates); run one call before capturing", RuntimeError)
+            call.pending = None  # the sizing exchange reports a failed rank to every rank itself
             rt.first_use(need)
+            call.pending = "first"
         if sync_free or handle is not None:  # nothing can grow without the host sync: it must fit now
             short = rt.fits({k: v for k, v in need.items() if k != "combine_rows" or num_worst_tokens})
             fail(short is None, f"dispatch does not fit the buffer ({short}) and a "
