@@ -139,15 +139,18 @@ class CudaRuntime:
             return
         local = {"failed": P.failure_message(failure)} if failure is not None else \
             {**self.hints, **{k: max(v, self.hints.get(k, 0)) for k, v in needs.items()}}
-        every: list = [None] * self.num_ranks
-        dist.all_gather_object(every, local, group=self.group)
+        every = self._gather(local)
         failed = [r for r, d in enumerate(every) if "failed" in d]
         if failed:
             if failure is not None:
                 return  # the caller re-raises its own error
             raise P.peer_failed_error(P.Call(P.OP["dispatch"], 1), failed[0], every[failed[0]]["failed"])
-        merged = {k: max(d.get(k, 0) or 0 for d in every) for k in set().union(*every)}
-        self._create(merged)
+        self._create(_largest(every))
+
+    def _gather(self, obj) -> list:
+        every: list = [None] * self.num_ranks
+        dist.all_gather_object(every, obj, group=self.group)
+        return every
 
     _CAPACITY = ("max_tokens", "x_row_bytes", "scale_cols", "max_topk", "max_experts", "comb_rows", "comb_row_bytes")
 
@@ -197,13 +200,10 @@ class CudaRuntime:
 
     def reserve(self, need: dict) -> None:
         """Collective: size (or grow) the region for the largest of every rank's `need`."""
-        every: list = [None] * self.num_ranks
-        dist.all_gather_object(every, dict(need), group=self.group)
-        merged = {k: max(d.get(k, 0) for d in every) for k in set().union(*every)}
         if not self.ready:
-            self.first_use(merged)
+            self.first_use(need)  # agrees on the largest needs itself
         else:
-            self.grow_if_needed(merged)
+            self.grow_if_needed(_largest(self._gather(dict(need))))
 
     def _replace(self, hints: dict, why: str) -> None:
         log.info("megatron_ep: growing the cuda buffer on rank %d (%s)", self.rank, why)
@@ -358,6 +358,11 @@ class CudaRuntime:
 
     def view(self, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
         return self.rt.view(offset, list(shape), dtype)
+
+
+def _largest(needs: list) -> dict:
+    """Every key of the ranks' needs, at its largest value."""
+    return {k: max(d.get(k, 0) or 0 for d in needs) for k in set().union(*needs)}
 
 
 def _round_up(n: int, a: int) -> int:
