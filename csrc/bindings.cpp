@@ -101,8 +101,10 @@ class Runtime {
   // Rank-major dispatch outputs for `rows` rows in the pool: (x, scales, idx, w, offsets...),
   // or None when the pool has no room. The tensors share one block, returned to the pool (on
   // `stream`, the caller's) when the last of them dies; the block keeps the region alive.
+  // `comm_only`: every use of the block is a kernel on the communication stream (the expert-major
+  // push's rank-major buffer), so it is free again as soon as its last tensor dies.
   py::object pool_rank_major(int rows, int hidden, py::object x_dtype, int row_bytes, int scale_cols, int K, bool has_w,
-                             long long stream_ptr) {
+                             long long stream_ptr, bool comm_only) {
     auto align = [](long long n) { return (n + Pool::kAlign - 1) / Pool::kAlign * Pool::kAlign; };
     const long long bx = align((long long)rows * row_bytes), bs = align((long long)rows * scale_cols * 4);
     const long long bi = align((long long)rows * K * 8), bw = has_w ? align((long long)rows * K * 4) : 0;
@@ -114,13 +116,19 @@ class Runtime {
       std::shared_ptr<Region> region;
       long long off, bytes;
       cudaStream_t stream;
-      Owner(std::shared_ptr<Pool> p, std::shared_ptr<Region> r, long long o, long long b, cudaStream_t s)
-          : pool(std::move(p)), region(std::move(r)), off(o), bytes(b), stream(s) {}
+      bool comm_only;
+      Owner(std::shared_ptr<Pool> p, std::shared_ptr<Region> r, long long o, long long b, cudaStream_t s, bool c)
+          : pool(std::move(p)), region(std::move(r)), off(o), bytes(b), stream(s), comm_only(c) {}
       Owner(const Owner&) = delete;
       Owner& operator=(const Owner&) = delete;
-      ~Owner() { pool->release(off, bytes, stream); }
+      ~Owner() {
+        if (comm_only)
+          pool->release_now(off, bytes);
+        else
+          pool->release(off, bytes, stream);
+      }
     };
-    auto owner = std::make_shared<Owner>(pool_, region_, off, total, reinterpret_cast<cudaStream_t>(stream_ptr));
+    auto owner = std::make_shared<Owner>(pool_, region_, off, total, reinterpret_cast<cudaStream_t>(stream_ptr), comm_only);
     auto make = [&](long long o, std::vector<int64_t> shape, at::ScalarType st) {
       auto opts = torch::TensorOptions().dtype(st).device(torch::kCUDA, region_->device());
       return torch::from_blob(region_->base() + o, shape, [owner](void*) {}, opts);
@@ -300,22 +308,27 @@ void stage(Runtime& rt, const Sig& sig, int slot, const c10::optional<Tensor>& x
 DispatchArgs dispatch_args(int row_bytes, int scale_cols, int K, int E, bool permute, bool has_weights, int out_rows,
                            const Tensor& recv_info, Tensor& out_x, const c10::optional<Tensor>& out_scales,
                            const c10::optional<Tensor>& out_idx, const c10::optional<Tensor>& out_w,
-                           const c10::optional<Tensor>& out_row_expert, const c10::optional<Tensor>& out_tpe) {
+                           const c10::optional<Tensor>& out_row_expert, const c10::optional<Tensor>& out_tpe,
+                           const c10::optional<Tensor>& comb_map) {
   TORCH_CHECK(out_x.is_contiguous() && out_x.nbytes() >= (size_t)out_rows * row_bytes, "out_x too small");
   TORCH_CHECK(permute ? out_row_expert.has_value() : out_idx.has_value(), "missing index output");
+  if (comb_map.has_value()) {
+    check_tensor(*comb_map, "comb_map", at::kInt);
+    TORCH_CHECK(permute && comb_map->dim() == 2 && comb_map->size(1) == K, "comb_map must be [rows, K] (expert-major)");
+  }
   return DispatchArgs{row_bytes, scale_cols, K, E, permute ? 1 : 0, has_weights ? 1 : 0, out_rows,
                       recv_info.data_ptr<int>(), static_cast<char*>(out_x.data_ptr()), ptr_or_null<float>(out_scales),
                       ptr_or_null<long long>(out_idx), ptr_or_null<float>(out_w), ptr_or_null<int>(out_row_expert),
-                      ptr_or_null<long long>(out_tpe)};
+                      ptr_or_null<long long>(out_tpe), ptr_or_null<int>(comb_map)};
 }
 
 void dispatch(Runtime& rt, const Sig& sig, int slot, int row_bytes, int scale_cols, int K, int E, bool permute,
               bool has_weights, int out_rows, const Tensor& recv_info, Tensor& out_x,
               const c10::optional<Tensor>& out_scales, const c10::optional<Tensor>& out_idx,
               const c10::optional<Tensor>& out_w, const c10::optional<Tensor>& out_row_expert,
-              const c10::optional<Tensor>& out_tpe, int num_blocks) {
+              const c10::optional<Tensor>& out_tpe, const c10::optional<Tensor>& comb_map, int num_blocks) {
   const DispatchArgs a = dispatch_args(row_bytes, scale_cols, K, E, permute, has_weights, out_rows, recv_info, out_x,
-                                       out_scales, out_idx, out_w, out_row_expert, out_tpe);
+                                       out_scales, out_idx, out_w, out_row_expert, out_tpe, comb_map);
   launch_dispatch(rt.ctx(sig.at(kSigSeq)), slot, a, num_blocks, stream());
   check_launch("dispatch");
 }
@@ -323,22 +336,57 @@ void dispatch(Runtime& rt, const Sig& sig, int slot, int row_bytes, int scale_co
 void dispatch_push(Runtime& rt, const Sig& sig, int slot, const Tensor& x, int T, int row_bytes,
                    const c10::optional<Tensor>& scales, int scale_cols, const Tensor& topk_idx,
                    const c10::optional<Tensor>& topk_w, const Tensor& rank_pos, const Tensor& slot_pos, int E,
-                   int out_rows, const Tensor& recv_info, Tensor& out_x, const c10::optional<Tensor>& out_scales,
-                   const Tensor& out_idx, const c10::optional<Tensor>& out_w, std::vector<long long> offsets,
-                   int num_blocks) {
+                   int out_rows, bool permute, const Tensor& recv_info, Tensor& out_x,
+                   const c10::optional<Tensor>& out_scales, const c10::optional<Tensor>& out_idx,
+                   const c10::optional<Tensor>& out_w, const c10::optional<Tensor>& out_row_expert,
+                   const c10::optional<Tensor>& comb_map, std::vector<long long> offsets, int num_blocks) {
   TORCH_CHECK(offsets.size() == 4, "offsets: x, scales, idx, w");
   const CallArgs call = make_call(sig, kCallOk, "");
   PushArgs a;
   a.in = stage_args(rt, x, T, row_bytes, scales, scale_cols, topk_idx, topk_w, rank_pos, slot_pos);
   const int K = a.in.K;
-  a.out = dispatch_args(row_bytes, scale_cols, K, E, false, topk_w.has_value(), out_rows, recv_info, out_x, out_scales,
-                        out_idx, out_w, c10::nullopt, c10::nullopt);
+  a.out = dispatch_args(row_bytes, scale_cols, K, E, permute, topk_w.has_value(), out_rows, recv_info, out_x, out_scales,
+                        out_idx, out_w, out_row_expert, c10::nullopt, comb_map);
   a.out_x_off = offsets[0];
   a.out_s_off = offsets[1];
   a.out_idx_off = offsets[2];
   a.out_w_off = offsets[3];
   launch_dispatch_push(rt.ctx(call.sig[kSigSeq]), call, slot, a, num_blocks, stream());
   check_launch("dispatch_push");
+}
+
+// The pooled rank-major rows of an expert-major push (pool_rank_major's tensors; its int64 index
+// columns hold (expert-major row, local expert) int32 pairs) into the expert-major outputs.
+void fanout(Runtime& rt, const Sig& sig, const Tensor& rows, const c10::optional<Tensor>& scales, const Tensor& map,
+            const c10::optional<Tensor>& w, int row_bytes, int scale_cols, int K, int E, bool has_weights, int out_rows,
+            const Tensor& recv_info, Tensor& out_x, const c10::optional<Tensor>& out_scales,
+            const c10::optional<Tensor>& out_w, const Tensor& out_row_expert, const Tensor& comb_map, int num_blocks) {
+  TORCH_CHECK(map.scalar_type() == at::kLong && map.dim() == 2 && map.size(1) == K, "fanout: bad map");
+  FanoutArgs a;
+  a.out = dispatch_args(row_bytes, scale_cols, K, E, true, has_weights, out_rows, recv_info, out_x, out_scales,
+                        c10::nullopt, out_w, out_row_expert, c10::nullopt, comb_map);
+  a.rows = static_cast<const char*>(rows.data_ptr());
+  a.scales = ptr_or_null<const float>(scales);
+  a.map = static_cast<const int*>(map.data_ptr());
+  a.w = ptr_or_null<const float>(w);
+  launch_fanout(rt.ctx(sig.at(kSigSeq)), a, num_blocks, stream());
+  check_launch("fanout");
+}
+
+// Expert-major combine, first half: the local pre-reduction into fp32 partials (replaces stage_combine).
+void combine_reduce(Runtime& rt, const Sig& sig, const Tensor& x, int rows, int H, bool is_fp32, const Tensor& comb_map,
+                    const Tensor& recv_info, const c10::optional<Tensor>& w, int num_blocks) {
+  const RegionLayout& l = rt.lay();
+  check_tensor(comb_map, "comb_map", at::kInt);
+  TORCH_CHECK(x.is_contiguous() && x.size(0) == rows && x.size(1) == H, "combine_reduce: bad x");
+  TORCH_CHECK(H % 4 == 0, "combine_reduce: hidden must be a multiple of 4");
+  TORCH_CHECK(rows <= l.comb_rows, "megatron_ep: combine input has ", rows, " rows; the region holds ", l.comb_rows);
+  TORCH_CHECK(comb_map.size(0) * H * 4 <= l.comb_rows * l.comb_row_bytes, "combine_reduce: the partials exceed the combine area");
+  const CallArgs call = make_call(sig, kCallOk, "");
+  CombineReduceArgs a{x.data_ptr(), rows, H, is_fp32 ? 1 : 0, comb_map.data_ptr<int>(), recv_info.data_ptr<int>(),
+                      (int)comb_map.size(1), ptr_or_null<const float>(w)};
+  launch_combine_reduce(rt.ctx(call.sig[kSigSeq]), call, a, num_blocks, stream());
+  check_launch("combine_reduce");
 }
 
 void stage_combine(Runtime& rt, const Sig& sig, const c10::optional<Tensor>& x, int rows, int row_bytes,
@@ -354,12 +402,12 @@ void stage_combine(Runtime& rt, const Sig& sig, const c10::optional<Tensor>& x, 
 }
 
 void combine(Runtime& rt, const Sig& sig, int T, int H, int K, int E, bool permute, bool is_fp32, bool has_weights,
-             const Tensor& row_limits, const Tensor& topk_idx, const Tensor& rank_pos, const Tensor& slot_pos, Tensor& y,
+             bool partials, const Tensor& row_limits, const Tensor& topk_idx, const Tensor& rank_pos, const Tensor& slot_pos, Tensor& y,
              const c10::optional<Tensor>& w_out, int num_blocks) {
   check_tensor(topk_idx, "topk_idx", at::kLong);
   check_tensor(row_limits, "row_limits", at::kInt);
   TORCH_CHECK(y.is_contiguous() && y.size(0) == T && y.size(1) == H, "y has the wrong shape");
-  CombineArgs a{T, H, K, E, permute ? 1 : 0, is_fp32 ? 1 : 0, has_weights ? 1 : 0, row_limits.data_ptr<int>(),
+  CombineArgs a{T, H, K, E, permute ? 1 : 0, is_fp32 ? 1 : 0, has_weights ? 1 : 0, partials ? 1 : 0, row_limits.data_ptr<int>(),
                 static_cast<const long long*>(topk_idx.data_ptr()), rank_pos.data_ptr<int>(),
                 slot_pos.data_ptr<int>(), y.data_ptr(), ptr_or_null<float>(w_out)};
   launch_combine(rt.ctx(sig.at(kSigSeq)), a, num_blocks, stream());
@@ -408,6 +456,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   intra.def("stage", &mep::stage);
   intra.def("dispatch", &mep::dispatch);
   intra.def("dispatch_push", &mep::dispatch_push);
+  intra.def("fanout", &mep::fanout);
+  intra.def("combine_reduce", &mep::combine_reduce);
   intra.def("stage_combine", &mep::stage_combine);
   intra.def("combine", &mep::combine);
 }

@@ -59,6 +59,13 @@ void Pool::release(long long offset, long long bytes, cudaStream_t stream) {
   pending_.push_back({offset, bytes, ev});
 }
 
+void Pool::release_now(long long offset, long long bytes) {
+  bytes = (bytes + kAlign - 1) / kAlign * kAlign;
+  if (bytes == 0) bytes = kAlign;
+  std::lock_guard<std::mutex> lock(mu_);
+  insert_free(offset, bytes);
+}
+
 long long Pool::free_bytes() {
   std::lock_guard<std::mutex> lock(mu_);
   DeviceGuard g(device_);

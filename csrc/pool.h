@@ -21,6 +21,9 @@ class Pool {
   ~Pool();
   long long alloc(long long bytes);  // offset in the region, or -1
   void release(long long offset, long long bytes, cudaStream_t stream);
+  // A range whose every use ran on the communication stream, as every later use will: free now
+  // (stream order alone keeps the next user behind the last one; no event, no host wait later).
+  void release_now(long long offset, long long bytes);
   long long free_bytes();
 
  private:

@@ -35,7 +35,7 @@ struct Control {
   int out_pooled;                                    // push dispatch: outputs lie in this region
   int err_claims;                                    // private: error records claimed (host: err_cleared)
   int aborted_calls;                                 // private: calls aborted so far
-  int pad0_;
+  int push_pooled;                                   // private: the last push dispatch found every output pooled
   long long out_x_off, out_s_off, out_idx_off, out_w_off;  // push dispatch: where (byte offsets)
   long long aborted_seq;                             // private: the call this rank aborted last
   CallRecord call[2];                                // by seq parity

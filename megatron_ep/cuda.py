@@ -105,4 +105,4 @@ class CudaBackend:
         fail(rt.ready, "get_combine_input needs a sized buffer (sizing hints, or one dispatch first)", RuntimeError)
         nbytes = hidden * torch.empty((), dtype=dtype).element_size()
         fail(num_rows <= rt.plan["comb_rows"] and nbytes <= rt.plan["comb_row_bytes"], "combine_input larger than the buffer")
-        return rt.view(rt.plan["comb_x"], [num_rows, hidden], dtype)
+        return rt.combine_view(num_rows, hidden, dtype)

@@ -22,6 +22,7 @@ import logging
 import math
 import os
 import socket
+import weakref
 import time
 from contextlib import contextmanager
 from typing import Callable, Dict, Optional
@@ -98,6 +99,9 @@ class CudaRuntime:
                  f"num_sms={num_sms}: with {self.ranks_per_device} rank(s) on this GPU ({self.sm_count} SMs) each rank "
                  f"may use 1..{limit} SMs, or blocks that wait on each other would not all be resident")
         self.num_sms = num_sms or default_num_sms(self.ranks_per_device, self.sm_count)
+        # local kernels that wait on nobody (expert-major fan-out and pre-reduction) take this
+        # rank's share of the GPU, as the permute they replace would
+        self.local_sms = limit
         self.hints = {k: v for k, v in hints.items() if v is not None}
         self.hints["num_ranks"] = num_ranks
         self.rt = None
@@ -358,6 +362,34 @@ class CudaRuntime:
 
     def view(self, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
         return self.rt.view(offset, list(shape), dtype)
+
+    def combine_view(self, rows: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+        """A caller's tensor over the combine area (zero-copy combine input); while one is alive
+        the area is not lent out as dispatch scratch."""
+        t = self.view(self.plan["comb_x"], [rows, hidden], dtype)
+        self._comb_views = [r for r in getattr(self, "_comb_views", []) if r() is not None] + [weakref.ref(t)]
+        return t
+
+    def comb_scratch(self, rows: int, hidden: int, dtype: torch.dtype, row_bytes: int, scale_cols: int, K: int,
+                     has_w: bool):
+        """The expert-major push's rank-major buffer (x, scales, (row, expert) pairs, weights and
+        their byte offsets, as pool_rank_major returns) inside the combine area, which no kernel
+        uses between calls: every use is on the communication stream, in call order. None when a
+        zero-copy combine input is alive or the area is too small (then: the pool)."""
+        if any(r() is not None for r in getattr(self, "_comb_views", [])):
+            return None
+        sizes = [rows * row_bytes, rows * scale_cols * 4, rows * K * 8, rows * K * 4 if has_w else 0]
+        offs, off = [], self.plan["comb_x"]
+        for n in sizes:
+            offs.append(off if n else -1)
+            off += _round_up(n, 256) if n else 0
+        if off > self.plan["comb_w"]:
+            return None
+        x = self.view(offs[0], [rows, hidden], dtype)
+        sc = self.view(offs[1], [rows, scale_cols], torch.float32) if scale_cols else None
+        idx = self.view(offs[2], [rows, K], torch.int64)
+        w = self.view(offs[3], [rows, K], torch.float32) if has_w else None
+        return (x, sc, idx, w, *offs)
 
 
 def _largest(needs: list) -> dict:

@@ -90,6 +90,8 @@ def parse(argv=None):
     p.add_argument("--no-deepep", action="store_true", help="skip DeepEP")
     p.add_argument("--no-nccl", action="store_true", help="skip the NCCL (Megatron alltoall) baselines")
     p.add_argument("--json", default="", help="write all per-rank figures here")
+    p.add_argument("--profile", action="store_true",
+                   help="also a per-kernel trace of our ops (torch.profiler): GPU µs per kernel and host µs per call")
     p.add_argument("--markdown", default="", help="also write the markdown table here")
     p.add_argument("--smoke", action="store_true",
                    help="CPU smoke run of the script itself: torch reference backend, gloo for the Megatron baseline, "
@@ -256,6 +258,47 @@ def phases(tracer, timer, fn, setup=None):
     return out
 
 
+def gpu_bound(fn, n=25):
+    """µs per call of `fn` when the GPU, not the host, sets the pace: a sleep kernel holds the
+    stream while the host queues n calls, which then run back to back (ranks start together,
+    so a handshake waits for the peer's kernel, not for the peer's host)."""
+    torch.cuda.synchronize()
+    dist.barrier()
+    torch.cuda._sleep(20_000_000)  # ~10 ms at ~2 GHz: longer than queueing n calls
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(n):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) * 1e3 / n
+
+
+def kernel_profile(fn, iters):
+    """Per-kernel trace of `fn` called back to back (torch.profiler, CUPTI): GPU µs per call of
+    each kernel, and the host's µs per call (wall time of the loop without a sync inside: where
+    the host is slower than the GPU, this is what a loop of calls costs)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        host = (time.perf_counter() - t0) / iters * 1e6
+        torch.cuda.synchronize()
+    kernels = {}
+    for e in prof.key_averages():
+        if e.device_type == DeviceType.CUDA and e.count:
+            total = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+            kernels[e.key[:60]] = (total / iters, e.count / iters)
+    dist.barrier()
+    return {"host_us_per_call": host, "kernels": kernels}
+
+
 # ------------------------------------------------------------------------------------- ours
 def _expert_major_perm(recv_idx, L):
     """Rank-major row of every expert-major row (unpadded): the separate-permute baselines."""
@@ -291,25 +334,43 @@ def our_runs(args, n, inp, timer, out, first, ref):
         t["combine"] = timer(lambda: buf.combine(y_rm, rm.handle))
         zc = buf.get_combine_input(N, H, device=x.device)
         t["combine_zero_copy"] = timer(lambda: buf.combine(zc, rm.handle), setup=lambda: zc.copy_(y_rm))
+        del zc  # a live zero-copy view keeps the expert-major push off the combine area (pool or pull then)
         y_em = em.x.clone()
         t["combine_expert"] = timer(lambda: buf.combine(y_em, em.handle))
         zce = buf.get_combine_input(M, H, device=x.device)
         t["combine_expert_zero_copy"] = timer(lambda: buf.combine(zce, em.handle), setup=lambda: zce.copy_(y_em))
+        del zce
         if ref is not None:
             ref.update(rm_x=rm.x.clone(), em_x=em.x.clone(), em_expert=em.row_expert.clone(),
                        rm_y=buf.combine(y_rm, rm.handle).x.clone(), em_y=buf.combine(y_em, em.handle).x.clone())
         notify = _internal_notify(buf, idx, E, R)
         t["notify_kernel"] = guarded(lambda: timer(notify[0])) if notify else None
         t["notify_kernel_T0"] = guarded(lambda: timer(notify[1])) if notify else None
+        if notify and x.is_cuda:
+            out["gpu_bound"] = {"notify_kernel": gpu_bound(notify[0]), "notify_kernel_T0": gpu_bound(notify[1])}
         tracer = _internal_tracer(buf)
         for key, fn, setup in (
             ("dispatch", lambda: buf.dispatch(x, idx, w, num_experts=E), None),
             ("dispatch_cached", lambda: buf.dispatch(x, handle=rm.handle), None),
             ("dispatch_expert_cached", lambda: buf.dispatch(x, handle=em.handle), None),
             ("combine", lambda: buf.combine(y_rm, rm.handle), None),
-            ("combine_zero_copy", lambda: buf.combine(zc, rm.handle), lambda: zc.copy_(y_rm)),
+            ("combine_expert", lambda: buf.combine(y_em, em.handle), None),
         ):
             ph[key] = guarded(lambda: phases(tracer, timer, fn, setup)) if tracer is not None else None
+        if args.profile and x.is_cuda:
+            prof = out["profile"]
+            for key, fn in (
+                ("notify_kernel", notify[0] if notify else None),
+                ("dispatch", lambda: buf.dispatch(x, idx, w, num_experts=E)),
+                ("dispatch_cached", lambda: buf.dispatch(x, handle=rm.handle)),
+                ("dispatch_expert", lambda: buf.dispatch(x, idx, w, num_experts=E, permute=True,
+                                                         expert_alignment=args.alignment)),
+                ("dispatch_expert_cached", lambda: buf.dispatch(x, handle=em.handle)),
+                ("combine", lambda: buf.combine(y_rm, rm.handle)),
+                ("combine_expert", lambda: buf.combine(y_em, em.handle)),
+            ):
+                if fn is not None:
+                    prof[key] = kernel_profile(fn, args.iters)
         if first is not None:  # SM-independent baselines, once
             src, dst = rm.x.clone(), torch.empty_like(rm.x)
             first["copy"] = timer(lambda: dst.copy_(src))
@@ -636,7 +697,7 @@ def worker(rank, args, port):
         if deepep.error:
             deepep = None
     for n in args.num_sms:
-        out = res["sms"][str(n)] = {"t": {}, "phases": {}}
+        out = res["sms"][str(n)] = {"t": {}, "phases": {}, "profile": {}}
         out["skipped"] = _sm_limit(args, n, cuda)
         if out["skipped"]:
             continue
@@ -796,13 +857,22 @@ def report(args, allres):
             p = get(peer) if peer else None
             ratio = f" {iso / p[0]:>9.2f}x{loop / p[1]:>7.2f}x" if p else ""
             print(f"{name:<42}{iso:>9.1f}{loop:>9.1f}{mx:>9.1f}{gbs}{vs_copy}{ratio}")
-        for pkey in ("dispatch", "dispatch_cached", "dispatch_expert_cached", "combine", "combine_zero_copy"):
+        for pkey in ("dispatch", "dispatch_cached", "dispatch_expert_cached", "combine", "combine_expert"):
             per = [r["sms"][key]["phases"].get(pkey) for r in allres]
             if any(p is None for p in per):
                 print(f"  phases {pkey:<24} n/a")
                 continue
             names = per[0].keys()
             print(f"  phases {pkey:<24} " + "  ".join(f"{nm} {sum(p.get(nm, 0) for p in per) / R:.0f}" for nm in names) + " us")
+        gb = [r["sms"][key].get("gpu_bound") for r in allres]
+        if all(gb):
+            print("  GPU-bound (host queued ahead behind a sleep kernel): " + "; ".join(
+                f"{k} {sum(g[k] for g in gb) / R:.1f} us" for k in gb[0]))
+        prof = r0["sms"][key].get("profile") or {}
+        for op, pr in prof.items():  # rank 0's trace
+            ks = sorted(pr["kernels"].items(), key=lambda kv: -kv[1][0])
+            print(f"  trace {op:<25} host {pr['host_us_per_call']:.0f} us/call; GPU: " +
+                  "; ".join(f"{k} {v[0]:.1f} us x{v[1]:.0f}" for k, v in ks[:6]))
     for k, v in base.items():
         if v is not None:
             print(f"baseline {k:<33}{v[0]:>9.1f}{v[1]:>9.1f}{v[2]:>9.1f}")

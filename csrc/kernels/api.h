@@ -25,8 +25,8 @@ void launch_fail_call(const Ctx& ctx, const CallArgs& call, int slot, cudaStream
 // notify: counts, the call exchange (records + counts with every peer), prefix sums, and for
 // each (token, rank) and (token, slot) the row it will occupy in the destination's rank-major /
 // expert-major output; this rank's receive layout (RecvInfo) on the device and, with `tag` last,
-// the sizes and the group's largest needs in the mapped host block. Three launches: per-chunk
-// counts (grid), exchange (one block), positions (grid).
+// the sizes and the group's largest needs in the mapped host block. One launch: per-chunk counts
+// and rows inside the chunk, grid barrier, exchange (block 0), grid barrier, rows += bases.
 struct NotifyArgs {
   const long long* topk_idx;  // [T, K]
   int T, K, E, align, permute, worst;
@@ -69,20 +69,37 @@ struct DispatchArgs {
   float* out_w;            // rank-major [out_rows, K] / expert-major [out_rows], or nullptr
   int* out_row_expert;     // expert-major [out_rows], else nullptr
   long long* out_tpe;      // rank-major, num_worst_tokens: (row, local expert) pairs delivered, zeroed; else nullptr
+  int* comb_map;           // expert-major: [N, K] expert-major row of each (rank-major row, slot), -1 where
+                           // none or dropped -- the combine's local pre-reduction reads it; else nullptr
 };
 void launch_dispatch(const Ctx& ctx, int slot, const DispatchArgs& args, int num_blocks, cudaStream_t stream);
 
-// Rank-major dispatch by push: each rank publishes where its outputs are (at `slot`: kSlotOutLoc
-// after notify, kSlotCall with `call` for a cached dispatch); when every rank's outputs lie in
-// its region (pool), senders read each of their rows once and write it straight into every
-// destination's output. Otherwise all ranks stage and pull, in the same kernel.
+// Dispatch by push: each rank publishes where its rank-major rows go (at `slot`: kSlotOutLoc
+// after notify, kSlotCall with `call` for a cached dispatch); when every rank's lie in its region
+// (pool), senders read each of their rows once and write it straight into every destination
+// (NVLink stores are posted; a pull pays a round trip per load). Rank-major: those are the
+// outputs. Expert-major: a pooled rank-major buffer whose index columns carry (expert-major row,
+// local expert) pairs, which launch_fanout then spreads into the expert segments. Otherwise all
+// ranks stage and pull straight into the outputs, in the same kernel.
 struct PushArgs {
   StageArgs in;       // this rank's inputs
   DispatchArgs out;   // this rank's outputs (local pointers) and receive layout
-  long long out_x_off, out_s_off, out_idx_off, out_w_off;  // outputs inside this region; x_off < 0: not pooled
+  long long out_x_off, out_s_off, out_idx_off, out_w_off;  // rank-major rows in this region; x_off < 0: not pooled
 };
 void launch_dispatch_push(const Ctx& ctx, const CallArgs& call, int slot, const PushArgs& args, int num_blocks,
                           cudaStream_t stream);
+
+// Expert-major push, second half (local, no handshake): every received rank-major row into each
+// of its expert segments, the per-row weight and expert id, the padding, and `out.comb_map`.
+// Does nothing when the push fell back to stage + pull (which wrote all of that itself).
+struct FanoutArgs {
+  DispatchArgs out;   // the expert-major outputs (permute = 1)
+  const char* rows;   // [N, row_bytes] the pooled rank-major rows
+  const float* scales;  // [N, scale_cols] or nullptr
+  const int* map;     // [N, K, 2] (expert-major row, local expert) or -1
+  const float* w;     // [N, K] or nullptr
+};
+void launch_fanout(const Ctx& ctx, const FanoutArgs& args, int num_blocks, cudaStream_t stream);
 
 // Copy the combine input (unless it already lies in the region) and weights; publish `call`
 // and signal kSlotCall (a combine's first exchange).
@@ -95,11 +112,27 @@ struct StageCombineArgs {
 void launch_stage_combine(const Ctx& ctx, const CallArgs& call, const StageCombineArgs& args, int num_blocks,
                           cudaStream_t stream);
 
+// Expert-major combine, first half (local): each rank-major row's expert rows summed in fp32
+// into the combine area (a partial per (token, rank): one row crosses the link per token and
+// rank instead of one per (token, expert)), the weights staged; publishes `call` and signals
+// kSlotCall like launch_stage_combine, which it replaces.
+struct CombineReduceArgs {
+  const void* x;      // [rows, H] expert-major rows (bf16 or fp32), local
+  int rows, H, is_fp32;
+  const int* map;     // [N, K] the dispatch's comb_map
+  const int* recv_info;  // N
+  int K;
+  const float* w;     // [rows] or nullptr
+};
+void launch_combine_reduce(const Ctx& ctx, const CallArgs& call, const CombineReduceArgs& args, int num_blocks,
+                           cudaStream_t stream);
+
 // y[t] = sum of this token's rows, pulled from their ranks' combine staging (fp32 accumulation).
+// With `partials` (after launch_combine_reduce) the rows are the fp32 partials, one per rank.
 // Only rows the dispatch delivered are read: ids outside [0, E), negative positions and
 // positions past the owner's row limit (its num_worst_tokens) are skipped.
 struct CombineArgs {
-  int T, H, K, E, permute, is_fp32, has_weights;
+  int T, H, K, E, permute, is_fp32, has_weights, partials;
   const int* row_limits;      // [R] from notify: rows each rank's combine input holds at most
   const long long* topk_idx;  // [T, K] (expert-major: owner of each slot)
   const int* rank_pos;        // [T, R]

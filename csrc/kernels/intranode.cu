@@ -22,9 +22,8 @@ namespace mep {
 
 constexpr int kCopyThreads = 512;
 constexpr int kCopyWarps = kCopyThreads / 32;
-constexpr int kExchangeThreads = 1024;
 constexpr int kSteps = 8;            // tokens whose ids a notify warp loads together
-constexpr int kNotifyChunkMin = 64;  // tokens per notify block (one warp each)
+constexpr int kNotifyChunkMin = 64;  // tokens per notify chunk (one warp each)
 constexpr unsigned kFull = 0xffffffffu;
 
 template <typename T>
@@ -35,19 +34,23 @@ __device__ __forceinline__ T* at(const Ctx& c, int r, long long off) {
 __device__ __forceinline__ int pad_to(int n, int align) { return (n + align - 1) / align * align; }
 
 // ------------------------------------------------------------------------------------- notify
-// Tokens are cut into chunks, one warp (block) each, in token order. Pass 1 counts per chunk;
-// the exchange block turns the chunk counts into exclusive prefixes, publishes this rank's
-// totals with its call record, checks every rank's record, and computes where each rank's rows
-// start in every destination; pass 2 walks each chunk again in token order and hands out rows.
+// One launch. Tokens are cut into chunks, one warp each, in token order. Pass 1 counts per
+// chunk and gives each (token, slot) and (token, rank) its row among the chunk's rows of that
+// expert / rank; after a grid barrier, block 0 turns the chunk counts into exclusive prefixes,
+// publishes this rank's totals with its call record, checks every rank's record, and computes
+// where each rank's rows start in every destination; after a second barrier every thread adds
+// its elements' chunk prefix and base (a coalesced pass, not a second walk in token order).
 // Row order is therefore (destination expert or rank, source rank, source token) with no sort.
 struct NotifyPlan {
-  int blocks, chunk;
+  int chunks, chunk, blocks;
 };
+constexpr int kNotifyThreads = 1024;  // block 0's exchange scans E <= 1024 values in one pass
+constexpr int kNotifyWarps = kNotifyThreads / 32;
 inline NotifyPlan notify_plan(int T) {
-  int blocks = (T + kNotifyChunkMin - 1) / kNotifyChunkMin;
-  blocks = blocks < 1 ? 1 : (blocks > kMaxNotifyBlocks - 1 ? kMaxNotifyBlocks - 1 : blocks);
-  int chunk = (T + blocks - 1) / blocks;
-  return {blocks, chunk < 1 ? 1 : chunk};
+  int chunks = (T + kNotifyChunkMin - 1) / kNotifyChunkMin;
+  chunks = chunks < 1 ? 1 : (chunks > kMaxNotifyBlocks - 1 ? kMaxNotifyBlocks - 1 : chunks);  // + the base row
+  const int chunk = (T + chunks - 1) / chunks;
+  return {chunks, chunk < 1 ? 1 : chunk, (chunks + kNotifyWarps - 1) / kNotifyWarps};
 }
 
 __device__ __forceinline__ int* scratch_of(const Ctx& c) { return at<int>(c, c.rank, c.lay.scratch); }
@@ -59,34 +62,10 @@ __device__ __forceinline__ long long load_slot(const long long* __restrict__ top
   return (lane < K && t < t_end) ? topk_idx[(long long)t * K + lane] : -1;
 }
 
-__global__ void __launch_bounds__(32) notify_count_kernel(Ctx c, NotifyArgs a, int chunk) {
-  extern __shared__ int cnt[];  // [E] experts, then [R] ranks
-  const int E = a.E, R = c.num_ranks, L = E / R, K = a.K, lane = lane_id();
-  for (int i = lane; i < E + R; i += 32) cnt[i] = 0;
-  __syncwarp();
-  const int t_begin = blockIdx.x * chunk, t_end = min(a.T, t_begin + chunk);
-  for (int t0 = t_begin; t0 < t_end; t0 += kSteps) {
-    long long ids[kSteps];  // loaded together: one dependent load per token would stall the warp
-#pragma unroll
-    for (int b = 0; b < kSteps; ++b) ids[b] = load_slot(a.topk_idx, t0 + b, t_end, K);
-#pragma unroll
-    for (int b = 0; b < kSteps; ++b) {
-      const bool valid = ids[b] >= 0 && ids[b] < E;  // other ids count as unused slots
-      if (valid) atomicAdd(&cnt[(int)ids[b]], 1);
-      const unsigned ranks = __reduce_or_sync(kFull, valid ? 1u << ((int)ids[b] / L) : 0u);
-      if (lane < R && ((ranks >> lane) & 1u)) cnt[E + lane] += 1;  // lane r alone owns rank r
-    }
-  }
-  __syncwarp();
-  int* row = scratch_of(c) + (long long)blockIdx.x * kScratchStride;
-  for (int i = lane; i < E + R; i += 32) row[i] = cnt[i];
-}
-
-int exchange_smem_bytes(int E, int R) { return (E + R + R * E + 3 * E) * (int)sizeof(int); }
-
-__global__ void __launch_bounds__(kExchangeThreads, 1) notify_exchange_kernel(Ctx c, CallArgs call, NotifyArgs a,
-                                                                              int blocks) {
-  extern __shared__ int smem[];
+// Block 0, after every chunk's counts are in the scratch rows: the call exchange and the row
+// bases. Returns block_wait_call's verdict (-1: the host block says why; 0: aborted everywhere).
+__device__ __noinline__ int notify_exchange(const Ctx& c, const CallArgs& call, const NotifyArgs& a, int blocks,
+                                            int* smem) {
   const int E = a.E, R = c.num_ranks, rank = c.rank, L = E / R, tid = threadIdx.x;
   int* tot = smem;             // [E + R]: this rank's totals, then (experts) every rank's
   int* all_e = tot + E + R;    // [R][E] every rank's per-expert counts
@@ -134,7 +113,7 @@ __global__ void __launch_bounds__(kExchangeThreads, 1) notify_exchange_kernel(Ct
   __syncthreads();
   if (tid == 0) signal_all(c, kSlotCall);
   const int st = block_wait_call(c, kSlotCall, target, true);
-  if (st < 0) return;  // the host block says why
+  if (st < 0) return st;  // the host block says why
   if (tid == 0) me->expected[kSlotCall] = target;
   if (st == 0) {  // aborted on every rank: wake the host, which reads the error first
     if (tid == 0) {
@@ -150,7 +129,7 @@ __global__ void __launch_bounds__(kExchangeThreads, 1) notify_exchange_kernel(Ct
       __threadfence_system();
       c.host->tag = a.tag;
     }
-    return;
+    return st;
   }
 
   // every rank's counts at once (independent remote loads)
@@ -241,46 +220,97 @@ __global__ void __launch_bounds__(kExchangeThreads, 1) notify_exchange_kernel(Ct
   __threadfence_system();
   __syncthreads();
   if (tid == 0) c.host->tag = a.tag;  // the CPU may now size the outputs
+  return st;
 }
 
-__global__ void __launch_bounds__(32) notify_positions_kernel(Ctx c, NotifyArgs a, int chunk, int blocks) {
-  extern __shared__ int run[];  // [E] running row of each expert, then [R] of each rank
-  const int E = a.E, R = c.num_ranks, L = E / R, K = a.K, lane = lane_id();
-  const int t_begin = blockIdx.x * chunk, t_end = min(a.T, t_begin + chunk);
-  if (call_aborted(c)) {  // no positions: whatever later uses them skips every row
-    for (long long i = (long long)t_begin * K + lane; i < (long long)t_end * K; i += 32) a.slot_pos[i] = -1;
-    for (long long i = (long long)t_begin * R + lane; i < (long long)t_end * R; i += 32) a.rank_pos[i] = -1;
-    return;
+// Grid barrier number `k` (1, 2) of notify: all its blocks are resident (a handful of blocks,
+// launched alone). Waits past the exchange's own timeout only if the exchange itself hangs.
+__device__ __forceinline__ void notify_barrier(const Ctx& c, unsigned k) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned* ctr = &ctrl_of(c, c.rank)->grid_done[kGridNotify];
+    __threadfence();
+    atomicAdd(ctr, 1u);
+    const unsigned long long start = globaltimer();
+    while (ld_volatile(reinterpret_cast<const int*>(ctr)) < (int)(k * gridDim.x)) {
+      if (ld_volatile(&ctrl_of(c, c.rank)->abort)) break;  // whoever stopped everyone reported it
+      if (globaltimer() - start > 2 * c.timeout_ns) {
+        report_failure(c, kErrTimeout, c.rank, kNumSlots, k * gridDim.x, 0);
+        break;
+      }
+    }
+    __threadfence();
   }
-  const int* scratch = scratch_of(c);
-  const int* prefix = scratch + (long long)blockIdx.x * kScratchStride;
-  const int* base = scratch + (long long)blocks * kScratchStride;
-  for (int i = lane; i < E + R; i += 32) run[i] = prefix[i] + base[i];
+  __syncthreads();
+}
+
+int notify_smem_bytes(int E, int R) {
+  const int hist = kNotifyWarps * (E + R), exch = E + R + R * E + 3 * E;
+  return (hist > exch ? hist : exch) * (int)sizeof(int);
+}
+
+__global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(Ctx c, CallArgs call, NotifyArgs a, NotifyPlan p) {
+  extern __shared__ int smem[];
+  const int E = a.E, R = c.num_ranks, L = E / R, K = a.K, lane = lane_id(), warp = threadIdx.x >> 5;
+  const int g = blockIdx.x * kNotifyWarps + warp;  // this warp's chunk
+  int* scratch = scratch_of(c);
+
+  // pass 1: per-chunk counts and each element's row inside its chunk
+  int* cnt = smem + warp * (E + R);
+  for (int i = lane; i < E + R; i += 32) cnt[i] = 0;
   __syncwarp();
+  const int t_begin = g * p.chunk, t_end = g < p.chunks ? min(a.T, t_begin + p.chunk) : t_begin;
   for (int t0 = t_begin; t0 < t_end; t0 += kSteps) {
-    long long ids[kSteps];
+    long long ids[kSteps];  // loaded together: one dependent load per token would stall the warp
 #pragma unroll
     for (int b = 0; b < kSteps; ++b) ids[b] = load_slot(a.topk_idx, t0 + b, t_end, K);
 #pragma unroll
     for (int b = 0; b < kSteps; ++b) {
       const int t = t0 + b;
       if (t >= t_end) break;  // warp-uniform
-      const bool valid = ids[b] >= 0 && ids[b] < E;
-      const int pos = valid ? atomicAdd(&run[(int)ids[b]], 1) : -1;
+      const bool valid = ids[b] >= 0 && ids[b] < E;  // other ids count as unused slots
+      const int pos = valid ? atomicAdd(&cnt[(int)ids[b]], 1) : -1;
       if (lane < K) a.slot_pos[(long long)t * K + lane] = pos;
       const unsigned ranks = __reduce_or_sync(kFull, valid ? 1u << ((int)ids[b] / L) : 0u);
-      if (lane < R) a.rank_pos[(long long)t * R + lane] = ((ranks >> lane) & 1u) ? run[E + lane]++ : -1;
+      if (lane < R) a.rank_pos[(long long)t * R + lane] = ((ranks >> lane) & 1u) ? cnt[E + lane]++ : -1;  // lane r owns rank r
     }
+  }
+  __syncwarp();
+  if (g < p.chunks)
+    for (int i = lane; i < E + R; i += 32) scratch[(long long)g * kScratchStride + i] = cnt[i];
+
+  notify_barrier(c, 1);
+  if (blockIdx.x == 0) notify_exchange(c, call, a, p.chunks, smem);  // its verdict reaches the host itself
+  notify_barrier(c, 2);
+
+  // pass 2: row = chunk prefix + base + row inside the chunk (every block; -1 when aborted)
+  const bool aborted = call_aborted(c);
+  const int* base = scratch + (long long)p.chunks * kScratchStride;
+  const long long nthreads = (long long)gridDim.x * blockDim.x;
+  const long long gtid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  for (long long i = gtid; i < (long long)a.T * K; i += nthreads) {
+    const int pos = __ldcg(a.slot_pos + i);  // written by another warp before the barriers
+    if (pos < 0) continue;
+    const int e = (int)a.topk_idx[i], ch = (int)(i / K) / p.chunk;
+    a.slot_pos[i] = aborted ? -1 : pos + __ldcg(scratch + (long long)ch * kScratchStride + e) + __ldcg(base + e);
+  }
+  for (long long i = gtid; i < (long long)a.T * R; i += nthreads) {
+    const int pos = __ldcg(a.rank_pos + i);
+    if (pos < 0) continue;
+    const int r = (int)(i % R), ch = (int)(i / R) / p.chunk;
+    a.rank_pos[i] = aborted ? -1 : pos + __ldcg(scratch + (long long)ch * kScratchStride + E + r) + __ldcg(base + E + r);
+  }
+  // the last block out resets the barrier counter for the next notify (every block passed both)
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned* ctr = &ctrl_of(c, c.rank)->grid_done[kGridNotify];
+    if (atomicAdd(ctr, 1u) == 3 * gridDim.x - 1) *ctr = 0;
   }
 }
 
 void launch_notify(const Ctx& ctx, const CallArgs& call, const NotifyArgs& args, cudaStream_t stream) {
   const NotifyPlan p = notify_plan(args.T);
-  const int R = ctx.num_ranks;
-  const int hist = (args.E + R) * (int)sizeof(int);
-  notify_count_kernel<<<p.blocks, 32, hist, stream>>>(ctx, args, p.chunk);
-  notify_exchange_kernel<<<1, kExchangeThreads, exchange_smem_bytes(args.E, R), stream>>>(ctx, call, args, p.blocks);
-  notify_positions_kernel<<<p.blocks, 32, hist, stream>>>(ctx, args, p.chunk, p.blocks);
+  notify_kernel<<<p.blocks, kNotifyThreads, notify_smem_bytes(args.E, ctx.num_ranks), stream>>>(ctx, call, args, p);
 }
 
 // ------------------------------------------------------------------------------------- stage
@@ -361,6 +391,29 @@ __device__ __forceinline__ bool is_pad_row(const int* info, int L, int row) {
     if (seg[mid] <= row) lo = mid; else hi = mid - 1;
   }
   return row - seg[lo] >= info[RecvInfo::counts(L) + lo];
+}
+
+// Zero rows of the outputs that carry no data: expert segments past their counts and worst-case
+// rows past N / M (one warp per row).
+__device__ __forceinline__ void fill_padding(const DispatchArgs& a, int gw, int tw) {
+  const int* info = a.recv_info;
+  const int L = info[RecvInfo::kLocal], lane = lane_id(), K = a.K;
+  const int valid_rows = a.permute ? info[RecvInfo::kPermRows] : info[RecvInfo::kRows];
+  for (int row = gw; row < a.out_rows; row += tw) {
+    const bool pad = a.permute ? is_pad_row(info, L, row) : row >= valid_rows;
+    if (!pad) continue;
+    warp_zero_bytes(a.out_x + (long long)row * a.row_bytes, a.row_bytes);
+    if (a.out_scales != nullptr) warp_zero_bytes(reinterpret_cast<char*>(a.out_scales + (long long)row * a.scale_cols), a.scale_cols * 4);
+    if (!a.permute) {
+      if (lane < K) {
+        a.out_idx[(long long)row * K + lane] = -1;
+        if (a.out_w != nullptr) a.out_w[(long long)row * K + lane] = 0.f;
+      }
+    } else if (lane == 0) {
+      if (a.out_w != nullptr) a.out_w[row] = 0.f;
+      a.out_row_expert[row] = -1;
+    }
+  }
 }
 
 // Pull every row bound for this rank from the peers' staging into the outputs, and fill the
@@ -446,28 +499,11 @@ __device__ __forceinline__ void pull_body(const Ctx& c, const DispatchArgs& a) {
           if (a.out_w != nullptr) a.out_w[m.sp] = m.w;
           a.out_row_expert[m.sp] = m.e - rank * L;
         }
+        if (a.comb_map != nullptr && lane < K) a.comb_map[(long long)hrp * K + lane] = take ? m.sp : -1;
       }
     }
   }
-
-  // padding: expert segments past their counts and worst-case rows past N / M
-  const int* info = a.recv_info;
-  const int valid_rows = a.permute ? info[RecvInfo::kPermRows] : info[RecvInfo::kRows];
-  for (int row = gw; row < a.out_rows; row += tw) {
-    const bool pad = a.permute ? is_pad_row(info, L, row) : row >= valid_rows;
-    if (!pad) continue;
-    warp_zero_bytes(a.out_x + (long long)row * a.row_bytes, a.row_bytes);
-    if (a.out_scales != nullptr) warp_zero_bytes(reinterpret_cast<char*>(a.out_scales + (long long)row * a.scale_cols), a.scale_cols * 4);
-    if (!a.permute) {
-      if (lane < K) {
-        a.out_idx[(long long)row * K + lane] = -1;
-        if (a.out_w != nullptr) a.out_w[(long long)row * K + lane] = 0.f;
-      }
-    } else if (lane == 0) {
-      if (a.out_w != nullptr) a.out_w[row] = 0.f;
-      a.out_row_expert[row] = -1;
-    }
-  }
+  fill_padding(a, gw, tw);
 }
 
 __global__ void __launch_bounds__(kCopyThreads, 1) dispatch_kernel(Ctx c, int slot, DispatchArgs a) {
@@ -561,6 +597,7 @@ __global__ void __launch_bounds__(kCopyThreads, 1) dispatch_push_kernel(Ctx c, C
       s_off[3][d] = ld_volatile(&p->out_w_off);
     }
     s_all_pooled = all;
+    if (blockIdx.x == 0) me->push_pooled = all;  // launch_fanout's verdict (stream-ordered after us)
   }
   __syncthreads();
   const int lane = lane_id();
@@ -581,9 +618,11 @@ __global__ void __launch_bounds__(kCopyThreads, 1) dispatch_push_kernel(Ctx c, C
       }
       long long e = -1;
       float w = 0.f;
+      int sp = -1;
       if (lane < K) {
         e = __ldg(in.topk_idx + (long long)t * K + lane);
         if (in.topk_w != nullptr) w = __ldg(in.topk_w + (long long)t * K + lane);
+        if (a.out.permute) sp = __ldg(in.slot_pos + (long long)t * K + lane);
       }
       const bool valid_e = e >= 0 && e < a.out.E;
       const unsigned dests = __ballot_sync(kFull, pos >= 0);
@@ -596,7 +635,11 @@ __global__ void __launch_bounds__(kCopyThreads, 1) dispatch_push_kernel(Ctx c, C
                           reinterpret_cast<const char*>(in.scales + (long long)t * in.scale_cols), in.scale_cols * 4);
         if (lane < K) {
           const bool local = valid_e && e / L == d;
-          reinterpret_cast<long long*>(region(c, d) + s_off[2][d])[(long long)p * K + lane] = local ? e - (long long)d * L : -1;
+          if (a.out.permute)  // (expert-major row, local expert) for the receiver's fan-out
+            reinterpret_cast<int2*>(region(c, d) + s_off[2][d])[(long long)p * K + lane] =
+                local ? make_int2(sp, (int)(e - (long long)d * L)) : make_int2(-1, -1);
+          else
+            reinterpret_cast<long long*>(region(c, d) + s_off[2][d])[(long long)p * K + lane] = local ? e - (long long)d * L : -1;
           if (s_off[3][d] >= 0) reinterpret_cast<float*>(region(c, d) + s_off[3][d])[(long long)p * K + lane] = local ? w : 0.f;
         }
       }
@@ -631,6 +674,46 @@ __global__ void __launch_bounds__(kCopyThreads, 1) dispatch_push_kernel(Ctx c, C
 void launch_dispatch_push(const Ctx& ctx, const CallArgs& call, int slot, const PushArgs& args, int num_blocks,
                           cudaStream_t stream) {
   dispatch_push_kernel<<<num_blocks, kCopyThreads, 0, stream>>>(ctx, call, slot, args);
+}
+
+// ------------------------------------------------------------------------------------ fan-out
+// Local: each pooled rank-major row is read once (HBM) and written into every expert segment it
+// belongs to; a separate launch so it may use every SM (the copy-engine-free analogue of a
+// permute after the dispatch), while the link-bound push keeps the caller's SM budget.
+__global__ void __launch_bounds__(kCopyThreads) fanout_kernel(Ctx c, FanoutArgs f) {
+  if (call_aborted(c) || !ld_volatile(&ctrl_of(c, c.rank)->push_pooled)) return;  // pull wrote everything
+  const DispatchArgs& a = f.out;
+  const int K = a.K, lane = lane_id();
+  const int gw = blockIdx.x * kCopyWarps + (threadIdx.x >> 5), tw = gridDim.x * kCopyWarps;
+  const int N = a.recv_info[RecvInfo::kRows];
+  for (int n = gw; n < N; n += tw) {
+    int pos = -1, le = -1;
+    float w = 0.f;
+    if (lane < K) {
+      const int2 m = __ldcg(reinterpret_cast<const int2*>(f.map) + (long long)n * K + lane);
+      pos = m.x < a.out_rows ? m.x : -1;  // past num_worst_tokens: dropped (notify counted it)
+      le = m.y;
+      if (f.w != nullptr) w = __ldcg(f.w + (long long)n * K + lane);
+      if (a.comb_map != nullptr) a.comb_map[(long long)n * K + lane] = pos;
+    }
+    const unsigned dests = __ballot_sync(kFull, pos >= 0);
+    copy_row_multi(a.out_x, a.row_bytes, f.rows + (long long)n * a.row_bytes, dests, pos);
+    if (a.out_scales != nullptr)
+      for (unsigned d = dests; d; d &= d - 1) {
+        const int p = __shfl_sync(kFull, pos, __ffs(d) - 1);
+        warp_copy_bytes(reinterpret_cast<char*>(a.out_scales + (long long)p * a.scale_cols),
+                        reinterpret_cast<const char*>(f.scales + (long long)n * a.scale_cols), a.scale_cols * 4);
+      }
+    if (pos >= 0) {
+      if (a.out_w != nullptr) a.out_w[pos] = w;
+      a.out_row_expert[pos] = le;
+    }
+  }
+  fill_padding(a, gw, tw);
+}
+
+void launch_fanout(const Ctx& ctx, const FanoutArgs& args, int num_blocks, cudaStream_t stream) {
+  fanout_kernel<<<num_blocks, kCopyThreads, 0, stream>>>(ctx, args);
 }
 
 // ----------------------------------------------------------------------------- stage combine
@@ -705,6 +788,19 @@ struct Acc<true> {  // 4 fp32 per 16 bytes
     return out;
   }
 };
+
+// Lane k < K: the weight of token t's slot k back from its owner's combine staging (`pos`: the
+// slot's row there, -1 when not delivered).
+__device__ __forceinline__ void scatter_weight(const Ctx& c, const CombineArgs& a, int t, int owner, int pos) {
+  const int lane = lane_id(), K = a.K;
+  if (a.w_out == nullptr || lane >= K) return;
+  float w = 0.f;
+  if (pos >= 0 && a.has_weights) {
+    const float* wsrc = at<const float>(c, owner, c.lay.comb_w);
+    w = __ldcg(a.permute ? wsrc + pos : wsrc + (long long)pos * K + lane);
+  }
+  a.w_out[(long long)t * K + lane] = w;
+}
 
 template <bool kFp32>
 __global__ void __launch_bounds__(kCopyThreads, 1) combine_kernel(Ctx c, CombineArgs a) {
@@ -784,14 +880,7 @@ __global__ void __launch_bounds__(kCopyThreads, 1) combine_kernel(Ctx c, Combine
       for (int j = 0; j < kChunks; ++j)
         if (base + j * 32 < n16) y[base + j * 32] = acc[j].pack();
     }
-    if (a.w_out != nullptr && lane < K) {
-      float w = 0.f;
-      if (pos >= 0 && a.has_weights) {
-        const float* wsrc = at<const float>(c, owner, c.lay.comb_w);
-        w = __ldcg(a.permute ? wsrc + pos : wsrc + (long long)pos * K + lane);
-      }
-      a.w_out[(long long)t * K + lane] = w;
-    }
+    scatter_weight(c, a, t, owner, pos);
   }
 
   __syncthreads();
@@ -801,8 +890,165 @@ __global__ void __launch_bounds__(kCopyThreads, 1) combine_kernel(Ctx c, Combine
   }
 }
 
-void launch_combine(const Ctx& ctx, const CombineArgs& args, int num_blocks, cudaStream_t stream) {
+// Four channels of a row as fp32: 8 bytes of bf16 or 16 of fp32.
+template <bool kFp32>
+__device__ __forceinline__ float4 load4(const char* row, int i) {
+  if constexpr (kFp32) {
+    return __ldcg(reinterpret_cast<const float4*>(row) + i);
+  } else {
+    const uint2 u = __ldcg(reinterpret_cast<const uint2*>(row) + i);
+    const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
+    const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
+    return make_float4(lo.x, lo.y, hi.x, hi.y);
+  }
+}
+
+template <bool kFp32>
+__device__ __forceinline__ void store4(char* row, int i, const float4& v) {
+  if constexpr (kFp32) {
+    reinterpret_cast<float4*>(row)[i] = v;
+  } else {
+    __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
+    uint2 u;
+    u.x = *reinterpret_cast<unsigned*>(&lo);
+    u.y = *reinterpret_cast<unsigned*>(&hi);
+    reinterpret_cast<uint2*>(row)[i] = u;
+  }
+}
+
+// Sum the rows that lanes in `srcs` point at (lane order), four channels per lane per step, into
+// `dst` (fp32 or bf16). Loads of kSrcBatch rows x kUnroll steps are issued before any add, so a
+// lane keeps 16 loads in flight (remote rows pay a link round trip each).
+template <bool kInFp32, bool kOutFp32>
+__device__ __forceinline__ void warp_sum_rows(char* dst, unsigned srcs, unsigned long long src, int H) {
+  constexpr int kUnroll = 4, kSrcBatch = 4;
+  const int lane = lane_id();
+  const int n4 = H >> 2;
+  for (int it = 0; it * 32 * kUnroll < n4; ++it) {  // uniform trip count: shuffles inside
+    const int base = it * 32 * kUnroll + lane;
+    float4 acc[kUnroll];
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (unsigned m = srcs; m;) {
+      const char* row[kSrcBatch];
+#pragma unroll
+      for (int b = 0; b < kSrcBatch; ++b) {  // warp-uniform: every lane sees the same m
+        row[b] = nullptr;
+        if (m) {
+          row[b] = reinterpret_cast<const char*>(__shfl_sync(kFull, src, __ffs(m) - 1));
+          m &= m - 1;
+        }
+      }
+      float4 v[kSrcBatch][kUnroll];
+#pragma unroll
+      for (int b = 0; b < kSrcBatch; ++b)
+        if (row[b] != nullptr) {
+#pragma unroll
+          for (int j = 0; j < kUnroll; ++j)
+            if (base + j * 32 < n4) v[b][j] = load4<kInFp32>(row[b], base + j * 32);
+        }
+#pragma unroll
+      for (int b = 0; b < kSrcBatch; ++b)
+        if (row[b] != nullptr) {
+#pragma unroll
+          for (int j = 0; j < kUnroll; ++j)
+            if (base + j * 32 < n4) {
+              acc[j].x += v[b][j].x;
+              acc[j].y += v[b][j].y;
+              acc[j].z += v[b][j].z;
+              acc[j].w += v[b][j].w;
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j)
+      if (base + j * 32 < n4) store4<kOutFp32>(dst, base + j * 32, acc[j]);
+  }
+}
+
+// Local pre-reduction of an expert-major combine: partial[n] = sum of rank-major row n's expert
+// rows (fp32, into this rank's combine area), weights staged; then the call exchange.
+template <bool kInFp32>
+__global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(Ctx c, CallArgs call, CombineReduceArgs a) {
+  const int K = a.K, lane = lane_id();
+  const int gw = blockIdx.x * kCopyWarps + (threadIdx.x >> 5), tw = gridDim.x * kCopyWarps;
+  const long long in_row = (long long)a.H * (kInFp32 ? 4 : 2), out_row = (long long)a.H * 4;
+  const int N = a.recv_info[RecvInfo::kRows];
+  char* partials = region(c, c.rank) + c.lay.comb_x;
+  for (int n = gw; n < N; n += tw) {
+    const char* src = nullptr;
+    if (lane < K) {
+      const int p = a.map[(long long)n * K + lane];
+      if (p >= 0 && p < a.rows) src = static_cast<const char*>(a.x) + p * in_row;
+    }
+    warp_sum_rows<kInFp32, true>(partials + n * out_row, __ballot_sync(kFull, src != nullptr),
+                                 reinterpret_cast<unsigned long long>(src), a.H);
+  }
+  if (a.w != nullptr) {
+    float* dst = at<float>(c, c.rank, c.lay.comb_w);
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < a.rows; i += (long long)gridDim.x * blockDim.x)
+      dst[i] = a.w[i];
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) ctrl_of(c, c.rank)->comb_has_weights = a.w != nullptr;
+  __syncthreads();
+  if (threadIdx.x == 0 && last_block_done(c, kGridStageComb)) {
+    write_record(c, call);
+    signal_all(c, kSlotCall);
+  }
+}
+
+void launch_combine_reduce(const Ctx& ctx, const CallArgs& call, const CombineReduceArgs& args, int num_blocks,
+                           cudaStream_t stream) {
   if (args.is_fp32)
+    combine_reduce_kernel<true><<<num_blocks, kCopyThreads, 0, stream>>>(ctx, call, args);
+  else
+    combine_reduce_kernel<false><<<num_blocks, kCopyThreads, 0, stream>>>(ctx, call, args);
+}
+
+// Second half: y[t] = sum over ranks of the token's fp32 partial there (one row per rank).
+template <bool kOutFp32>
+__global__ void __launch_bounds__(kCopyThreads, 1) combine_partials_kernel(Ctx c, CombineArgs a) {
+  const int R = c.num_ranks, K = a.K, L = a.E / R;
+  Control* me = ctrl_of(c, c.rank);
+  const unsigned long long target = me->expected[kSlotCall] + 1;
+  const int st = block_wait_call(c, kSlotCall, target, true);
+  if (st < 0) return;
+  const int lane = lane_id();
+  const int gw = blockIdx.x * kCopyWarps + (threadIdx.x >> 5), tw = gridDim.x * kCopyWarps;
+  const long long out_row = (long long)a.H * (kOutFp32 ? 4 : 2), part_row = (long long)a.H * 4;
+  for (int t = (st > 0 ? gw : a.T); t < a.T; t += tw) {
+    const char* src = nullptr;
+    if (lane < R) {  // every rank-major row has a partial (zeros where all its slots were dropped)
+      const int p = a.rank_pos[(long long)t * R + lane];
+      if (p >= 0) src = region(c, lane) + c.lay.comb_x + p * part_row;
+    }
+    int owner = -1, pos = -1;
+    if (lane < K) {
+      const long long e = a.topk_idx[(long long)t * K + lane];
+      if (e >= 0 && e < a.E) {
+        owner = (int)(e / L);
+        const int p = a.slot_pos[(long long)t * K + lane];
+        pos = (p >= 0 && p < a.row_limits[owner]) ? p : -1;
+      }
+    }
+    warp_sum_rows<true, kOutFp32>(static_cast<char*>(a.y) + t * out_row, __ballot_sync(kFull, src != nullptr),
+                                  reinterpret_cast<unsigned long long>(src), a.H);
+    scatter_weight(c, a, t, owner, pos);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0 && last_block_done(c, kGridCombine)) {
+    me->expected[kSlotCall] = target;
+    if (st > 0) done_exchange(c, kSlotCombDone);
+  }
+}
+
+void launch_combine(const Ctx& ctx, const CombineArgs& args, int num_blocks, cudaStream_t stream) {
+  if (args.partials) {
+    if (args.is_fp32)
+      combine_partials_kernel<true><<<num_blocks, kCopyThreads, 0, stream>>>(ctx, args);
+    else
+      combine_partials_kernel<false><<<num_blocks, kCopyThreads, 0, stream>>>(ctx, args);
+  } else if (args.is_fp32)
     combine_kernel<true><<<num_blocks, kCopyThreads, 0, stream>>>(ctx, args);
   else
     combine_kernel<false><<<num_blocks, kCopyThreads, 0, stream>>>(ctx, args);
@@ -814,17 +1060,20 @@ void prepare_runtime_kernels();  // runtime.cu
 
 void prepare_kernels() {
   cudaFuncAttributes attr;
-  cudaFuncGetAttributes(&attr, notify_count_kernel);
-  cudaFuncGetAttributes(&attr, notify_exchange_kernel);
-  cudaFuncGetAttributes(&attr, notify_positions_kernel);
-  cudaFuncSetAttribute(notify_exchange_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                       exchange_smem_bytes(kMaxExperts, kMaxRanks));
+  cudaFuncGetAttributes(&attr, notify_kernel);
+  cudaFuncSetAttribute(notify_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                       notify_smem_bytes(kMaxExperts, kMaxRanks));
   cudaFuncGetAttributes(&attr, stage_kernel);
   cudaFuncGetAttributes(&attr, dispatch_kernel);
   cudaFuncGetAttributes(&attr, dispatch_push_kernel);
   cudaFuncGetAttributes(&attr, stage_combine_kernel);
   cudaFuncGetAttributes(&attr, combine_kernel<true>);
   cudaFuncGetAttributes(&attr, combine_kernel<false>);
+  cudaFuncGetAttributes(&attr, fanout_kernel);
+  cudaFuncGetAttributes(&attr, combine_reduce_kernel<true>);
+  cudaFuncGetAttributes(&attr, combine_reduce_kernel<false>);
+  cudaFuncGetAttributes(&attr, combine_partials_kernel<true>);
+  cudaFuncGetAttributes(&attr, combine_partials_kernel<false>);
   prepare_layout_kernels();
   prepare_runtime_kernels();
 }

@@ -35,6 +35,7 @@ class IntranodeState:
     num_rows: Optional[int]  # N, when known on the host
     num_perm_rows: Optional[int]  # M, when known on the host
     counts: Optional[List[int]]  # raw per-local-expert counts, when known on the host
+    comb_map: Optional[torch.Tensor] = None  # expert-major: [>= N, K] int32 row of each (rank-major row, slot)
 
 
 class IntranodePath:
@@ -83,8 +84,9 @@ class IntranodePath:
                  f"{'cached' if handle is not None else 'worst-case sized'} dispatch cannot grow it (no host sync): create "
                  f"the Buffer with max_tokens_per_rank=, hidden=, combine_rows= large enough, or run one ordinary dispatch first")
 
-        # rank-major rows are pushed straight into pooled outputs when every rank has room
-        push = not permute and not num_worst_tokens and rt.plan["pool_bytes"] > 0 and not capturing
+        # rows are pushed straight into pooled rank-major buffers when every rank has room: the
+        # outputs themselves (rank-major), or what the fan-out spreads into expert segments
+        push = (permute or not num_worst_tokens) and rt.plan["pool_bytes"] > 0 and not capturing
         call.set(variant=int(push))
         compute = rt.enter(previous_event)
         first = handle is None
@@ -100,6 +102,8 @@ class IntranodePath:
                     recv_info=torch.empty(RI["header"] + 3 * L, dtype=torch.int32, device=rt.device),
                     row_limits=torch.empty(R, dtype=torch.int32, device=rt.device),
                     tokens_per_expert=tpe, num_dropped=dropped, num_rows=None, num_perm_rows=None, counts=None)
+                # the bound on rank-major rows: every rank's tokens (the host learns N below unless sync-free)
+                st_rows_bound = R * rt.plan["max_tokens"]
                 tag = next(self.tags)
                 self.kernels.notify(rt.rt, call.sig, topk_idx, num_experts, alignment, permute, num_worst_tokens,
                                     st.rank_pos, st.slot_pos, st.recv_info, st.row_limits, tpe, dropped, tag)
@@ -110,6 +114,9 @@ class IntranodePath:
                     st.num_rows, st.num_perm_rows, st.counts = info["num_rows"], info["num_perm_rows"], info["counts"]
                     rt.grow_if_needed(dict(need, max_tokens=info["need_tokens"],
                                            combine_rows=info["need_perm_rows"] if permute else info["need_rows"]))
+                    st_rows_bound = st.num_rows
+                if permute:
+                    st.comb_map = torch.empty((st_rows_bound, K), dtype=torch.int32, device=rt.device)
                 call.pending = SLOT["out_loc"] if push else SLOT["staged"]
             else:
                 st = handle.state
@@ -120,12 +127,17 @@ class IntranodePath:
         # outputs live on the caller's stream (record_stream ties them to ours when async)
         with torch.cuda.stream(compute):
             pooled = None
-            if push:
+            if push and permute:  # a rank-major buffer for the fan-out (N rows, or the bound)
+                rows, has_w = max(1, st.comb_map.shape[0]), topk_weights is not None
+                pooled = (rt.comb_scratch(rows, H, data.dtype, row_bytes, scale_cols, K, has_w)
+                          or rt.rt.pool_rank_major(rows, H, data.dtype, row_bytes, scale_cols, K, has_w,
+                                                   compute.cuda_stream, True))
+            elif push:
                 pooled = rt.rt.pool_rank_major(out_rows, H, data.dtype, row_bytes, scale_cols, K,
-                                               topk_weights is not None, compute.cuda_stream)
-            if pooled is not None:
+                                               topk_weights is not None, compute.cuda_stream, False)
+            offsets = list(pooled[4:]) if pooled is not None else [-1, -1, -1, -1]
+            if pooled is not None and not permute:
                 out_x, out_s, out_idx, out_w = pooled[:4]
-                offsets = list(pooled[4:])
             else:
                 out_x = torch.empty((out_rows, H), dtype=data.dtype, device=rt.device)
                 out_s = torch.empty((out_rows, scale_cols), dtype=torch.float32, device=rt.device) if scales is not None else None
@@ -133,7 +145,6 @@ class IntranodePath:
                 out_w = None
                 if topk_weights is not None:
                     out_w = torch.empty((out_rows,) if permute else (out_rows, K), dtype=torch.float32, device=rt.device)
-                offsets = [-1, -1, -1, -1]
             out_re = torch.empty(out_rows, dtype=torch.int32, device=rt.device) if permute else None
             # rank-major, worst-case sized: the pull counts the rows it delivers (notify zeroed tpe)
             count_rows = first and bool(num_worst_tokens) and not permute
@@ -147,18 +158,29 @@ class IntranodePath:
             slot = SLOT["call"] if not first else (SLOT["out_loc"] if push else SLOT["staged"])
             if push:
                 self.kernels.dispatch_push(rt.rt, call.sig, slot, data, T, row_bytes, scales, scale_cols, topk_idx,
-                                           topk_weights, st.rank_pos, st.slot_pos, num_experts, out_rows, st.recv_info,
-                                           out_x, out_s, out_idx, out_w, offsets, rt.num_sms)
+                                           topk_weights, st.rank_pos, st.slot_pos, num_experts, out_rows, permute,
+                                           st.recv_info, out_x, out_s, out_idx, out_w, out_re, st.comb_map, offsets,
+                                           rt.num_sms)
+                if permute:
+                    call.pending = None
+                    rt.mark("push")
+                    if pooled is not None:
+                        self.kernels.fanout(rt.rt, call.sig, pooled[0], pooled[1], pooled[2], pooled[3], row_bytes,
+                                            scale_cols, K, num_experts, topk_weights is not None, out_rows,
+                                            st.recv_info, out_x, out_s, out_w, out_re, st.comb_map, rt.local_sms)
+                    rt.mark("fanout")
+                    pooled = None  # the buffer goes back to the pool once the fan-out ran (stream-ordered)
             else:
                 self._stage(call, slot, data, T, row_bytes, scales, scale_cols, topk_idx, topk_weights, st)
                 call.pending = None  # this rank signalled: a failure can no longer be published in step
                 self.kernels.dispatch(rt.rt, call.sig, slot, row_bytes, scale_cols, K, num_experts, permute,
                                       topk_weights is not None, out_rows, st.recv_info, out_x, out_s, out_idx, out_w,
-                                      out_re, tpe if count_rows else None, rt.num_sms)
+                                      out_re, tpe if count_rows else None, st.comb_map, rt.num_sms)
             call.pending = None
-            rt.mark("push" if push else "pull")
+            if not (push and permute):
+                rt.mark("push" if push else "pull")
         event = rt.leave(compute, [data, scales, topk_idx, topk_weights, st.rank_pos, st.slot_pos, st.recv_info,
-                                   st.row_limits, out_x, out_s, out_idx, out_w, out_re, tpe, dropped], async_op)
+                                   st.row_limits, st.comb_map, out_x, out_s, out_idx, out_w, out_re, tpe, dropped], async_op)
 
         out = DispatchOutput((out_x, out_s) if scales is not None else out_x, out_idx, out_w, out_re, tpe, None,
                              event=event if async_op else None, num_dropped=dropped)
@@ -211,12 +233,23 @@ class IntranodePath:
                 rt.stream.wait_stream(compute)
             rt.mark("start")
             zero_copy = x.data_ptr() == rt.base + rt.plan["comb_x"]
-            self.kernels.stage_combine(rt.rt, call.sig, None if zero_copy else x, rows, row_bytes, weights, w_cols, rt.num_sms)
+            # expert-major: sum each token's rows per rank locally first, so one fp32 row per
+            # (token, rank) crosses the link instead of one per (token, expert); needs the
+            # dispatch's map and room for the partials where the input is not
+            partials = (handle.permute and st.comb_map is not None and not zero_copy and x.is_contiguous()
+                        and st.comb_map.shape[0] * H * 4 <= rt.plan["comb_rows"] * rt.plan["comb_row_bytes"])
+            if partials:
+                self.kernels.combine_reduce(rt.rt, call.sig, x, rows, H, x.dtype == torch.float32, st.comb_map,
+                                            st.recv_info, weights, rt.local_sms)
+            else:
+                self.kernels.stage_combine(rt.rt, call.sig, None if zero_copy else x, rows, row_bytes, weights, w_cols,
+                                           rt.num_sms)
             call.pending = None
-            rt.mark("stage")
+            rt.mark("reduce" if partials else "stage")
             self.kernels.combine(rt.rt, call.sig, T, H, K, handle.num_experts, handle.permute, x.dtype == torch.float32,
-                                 weights is not None, st.row_limits, handle.topk_idx, st.rank_pos, st.slot_pos,
+                                 weights is not None, partials, st.row_limits, handle.topk_idx, st.rank_pos, st.slot_pos,
                                  y, w_out, rt.num_sms)
             rt.mark("pull")
-        event = rt.leave(compute, [x, weights, y, w_out, handle.topk_idx, st.rank_pos, st.slot_pos, st.row_limits], async_op)
+        event = rt.leave(compute, [x, weights, y, w_out, handle.topk_idx, st.rank_pos, st.slot_pos, st.row_limits,
+                                   st.comb_map, st.recv_info], async_op)
         return CombineOutput(y, w_out, event if async_op else None)
