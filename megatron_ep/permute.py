@@ -90,15 +90,19 @@ def routing_map_to_topk(routing_map: torch.Tensor, probs: torch.Tensor, topk: in
 @dataclass
 class ExpertRows:
     """What dispatched expert-major rows carry to the experts: each row's local expert (-1 on
-    pad rows, DeepGEMM's m_indices) and the alignment every segment is a multiple of."""
+    pad rows, DeepGEMM's m_indices), the alignment every segment is a multiple of, and -- for
+    worst-case sized outputs, whose Megatron segments end in a tail of pad rows -- the real
+    segments, so the GEMMs stop where the data ends (the tail's output is zeroed, not computed)."""
 
     row_expert: torch.Tensor
     alignment: int
+    tokens_per_expert: Optional[torch.Tensor] = None
 
 
-def attach_expert_rows(x: torch.Tensor, row_expert: torch.Tensor, alignment: int) -> torch.Tensor:
+def attach_expert_rows(x: torch.Tensor, row_expert: torch.Tensor, alignment: int,
+                       tokens_per_expert: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Tag the tensor a dispatcher hands to the experts (Megatron passes this very tensor on)."""
-    setattr(x, _ROWS_ATTR, ExpertRows(row_expert, alignment))
+    setattr(x, _ROWS_ATTR, ExpertRows(row_expert, alignment, tokens_per_expert))
     return x
 
 

@@ -251,6 +251,25 @@ def test_layout_of_picks_up_dispatch_tags():
     assert lay2.m_indices("cpu").tolist() == [0, 0, 0, 0, 1, 1]
 
 
+def test_worst_case_tail_is_not_computed():
+    """A worst-case sized dispatch: Megatron's segments fold the tail of pad rows into the last
+    expert; the real segments ride along, the grouped_mm offsets stop there, the tail is 0."""
+    from megatron_ep.permute import attach_expert_rows
+
+    x = torch.randn(8, 4)
+    megatron_tpe, real_tpe = torch.tensor([2, 6]), torch.tensor([2, 2])
+    x[4:] = 0
+    attach_expert_rows(x, torch.tensor([0, 0, 1, 1, -1, -1, -1, -1], dtype=torch.int32), 1, real_tpe)
+    lay = X.GroupedLayout.of(x, megatron_tpe)
+    assert lay.offsets("cpu").tolist() == [2, 4]  # grouped_mm skips rows 4..7
+    assert lay.tokens_per_expert.tolist() == [2, 6]  # what Megatron handed us is unchanged
+    w = torch.randn(2, 3, 4)
+    y = X.grouped_linear(x, w, lay, backend="loop")
+    torch.testing.assert_close(y[:2], x[:2] @ w[0].t())
+    torch.testing.assert_close(y[2:4], x[2:4] @ w[1].t())
+    assert y[4:].abs().sum() == 0
+
+
 # ------------------------------------------------------------------------------- GPU (H200)
 def _gpu_backends():
     out = [pytest.param("grouped_mm", marks=pytest.mark.skipif(

@@ -121,6 +121,7 @@ class MegatronEPHybridEPManager(_DispatchManager):
         self.handle = out.handle
         x, probs, row_expert, tpe = out.x, out.topk_weights, out.row_expert, out.tokens_per_expert
         self._static = None
+        real_tpe = None
         if self.drop_and_pad:
             self._static = StaticRows.segments(row_expert, tpe, self.capacity * self.group.size())
             self._count_drops(self._static.dropped(row_expert))
@@ -129,12 +130,13 @@ class MegatronEPHybridEPManager(_DispatchManager):
             tpe = self._static.tokens_per_expert
         elif worst:
             self._count_drops(out.num_dropped)
+            real_tpe = tpe  # our experts stop here (megatron_ep.experts); the tail's output is zeroed
             tpe = tpe.clone()  # Megatron's contract: the segments cover every row (the tail is padding)
             tpe[-1] += worst - tpe.sum()
         self.dispatched_probs = probs
         self.tokens_per_expert = tpe
         self.row_expert = row_expert
-        attach_expert_rows(x, row_expert, 1 if self.drop_and_pad else self.align)
+        attach_expert_rows(x, row_expert, 1 if self.drop_and_pad else self.align, real_tpe)
         return x
 
     def _count_drops(self, dropped: torch.Tensor) -> None:
