@@ -286,10 +286,26 @@ class Run:
     rep_combine_s: List[float] = dataclasses.field(default_factory=list)
     peak_mib: float = 0.0
     tokens_per_s: float = 0.0
+    dropped0: Optional[int] = None  # rows a static budget dropped at step 0 (sum over ranks and MoE layers)
+    dropped: Optional[int] = None  # ... over every step of every repetition
 
     @property
     def key(self):
         return self.spec.key
+
+
+def dropped_rows(model, device) -> Optional[int]:
+    """Collective: rows the MoE layers' static budgets dropped so far (their managers'
+    `num_dropped_rows`, summed over layers and ranks); None when no manager counts drops."""
+    counts = []
+    for m in model.modules():
+        mgr = getattr(getattr(m, "token_dispatcher", None), "_comm_manager", None)
+        n = getattr(mgr, "num_dropped_rows", None)
+        if isinstance(n, torch.Tensor):
+            counts.append(int(n.sum().item()))
+    t = torch.tensor([sum(counts), len(counts)], dtype=torch.int64, device=device)
+    dist.all_reduce(t)
+    return int(t[0].item()) if t[1].item() else None
 
 
 # ----------------------------------------------------------------------- agreement helpers
@@ -558,6 +574,7 @@ def main(argv=None) -> int:
                 stats = train_moe.reduce_step_stats(loss, step_s, st.timer, device)
                 if run.next_step == 0:
                     run.loss0 = stats.loss
+                    run.dropped0 = dropped_rows(st.model, device)
                 run.next_step += 1
                 if i >= args.warmup:
                     timed.append(stats)
@@ -568,6 +585,7 @@ def main(argv=None) -> int:
                     p.grad = None
             if run.status != "ok":
                 continue
+            run.dropped = dropped_rows(st.model, device)
             run.peak_mib = max(run.peak_mib, peak_memory_mib(on_gpu, device))
             run.rep_step_s.append(statistics.median(s.step_s for s in timed))
             run.rep_dispatch_s.append(statistics.median(s.dispatch_s for s in timed))
@@ -608,6 +626,10 @@ def main(argv=None) -> int:
                 "peak MiB: process max RSS (resource.getrusage ru_maxrss), max over ranks, read after the backend's "
                 "repetitions: cumulative over the whole run, not per backend")
     notes = [loss_check, mem_note, "spread: (max - min) / median of the per-repetition step times"]
+    budgets = [r for r in runs if r.dropped is not None]
+    if budgets:
+        notes.append("rows dropped by static budgets (forward dispatches, summed over ranks and MoE layers): " + ", ".join(
+            f"{r.key} {r.dropped0} at step 0, {r.dropped} over all {r.next_step} steps" for r in budgets))
     if args.time_comm:
         notes.append("dispatch / combine ms: forward + backward, summed over MoE layers, max over ranks (recipes/comm_timer.py"
                      + ("; it synchronises the GPU around each call, which also lengthens the step)" if on_gpu else ")"))

@@ -64,7 +64,7 @@ __device__ __forceinline__ long long load_slot(const long long* __restrict__ top
 
 // Block 0, after every chunk's counts are in the scratch rows: the call exchange and the row
 // bases. Returns block_wait_call's verdict (-1: the host block says why; 0: aborted everywhere).
-__device__ __noinline__ int notify_exchange(const Ctx& c, const CallArgs& call, const NotifyArgs& a, int blocks,
+__device__ __forceinline__ int notify_exchange(const Ctx& c, const CallArgs& call, const NotifyArgs& a, int blocks,
                                             int* smem) {
   const int E = a.E, R = c.num_ranks, rank = c.rank, L = E / R, tid = threadIdx.x;
   int* tot = smem;             // [E + R]: this rank's totals, then (experts) every rank's
