@@ -81,7 +81,7 @@ __device__ __forceinline__ int notify_exchange(const Ctx& c, const CallArgs& cal
 
   // chunk counts -> exclusive prefixes over chunks (in place), and this rank's totals; loads
   // batched so a column of chunks is not one dependent L2 round trip per chunk
-  constexpr int kBatch = 8;
+  constexpr int kBatch = 16;
   for (int i = tid; i < E + R; i += blockDim.x) {
     int run = 0;
     for (int b0 = 0; b0 < blocks; b0 += kBatch) {
@@ -283,23 +283,36 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(Ctx c, CallAr
   if (blockIdx.x == 0) notify_exchange(c, call, a, p.chunks, smem);  // its verdict reaches the host itself
   notify_barrier(c, 2);
 
-  // pass 2: row = chunk prefix + base + row inside the chunk (every block; -1 when aborted)
+  // pass 2: row = chunk prefix + base + row inside the chunk (every block; -1 when aborted).
+  // kFix elements per thread with their loads issued together: a handful of blocks cover
+  // T * K elements, and one dependent round trip per element would dominate notify.
+  constexpr int kFix = 8;
   const bool aborted = call_aborted(c);
   const int* base = scratch + (long long)p.chunks * kScratchStride;
   const long long nthreads = (long long)gridDim.x * blockDim.x;
   const long long gtid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  for (long long i = gtid; i < (long long)a.T * K; i += nthreads) {
-    const int pos = __ldcg(a.slot_pos + i);  // written by another warp before the barriers
-    if (pos < 0) continue;
-    const int e = (int)a.topk_idx[i], ch = (int)(i / K) / p.chunk;
-    a.slot_pos[i] = aborted ? -1 : pos + __ldcg(scratch + (long long)ch * kScratchStride + e) + __ldcg(base + e);
-  }
-  for (long long i = gtid; i < (long long)a.T * R; i += nthreads) {
-    const int pos = __ldcg(a.rank_pos + i);
-    if (pos < 0) continue;
-    const int r = (int)(i % R), ch = (int)(i / R) / p.chunk;
-    a.rank_pos[i] = aborted ? -1 : pos + __ldcg(scratch + (long long)ch * kScratchStride + E + r) + __ldcg(base + E + r);
-  }
+  auto fix = [&](int* rows, long long total, int cols, bool slots) {
+    for (long long i0 = gtid; i0 < total; i0 += nthreads * kFix) {
+      int pos[kFix], col[kFix], add[kFix];
+#pragma unroll
+      for (int j = 0; j < kFix; ++j) {
+        const long long i = i0 + j * nthreads;
+        pos[j] = i < total ? __ldcg(rows + i) : -1;  // written by another warp before the barriers
+        col[j] = (i < total && slots) ? (int)__ldg(a.topk_idx + i) : (int)(i % cols) + E;
+      }
+#pragma unroll
+      for (int j = 0; j < kFix; ++j) {
+        const long long i = i0 + j * nthreads;
+        const int ch = pos[j] >= 0 ? (int)(i / cols) / p.chunk : 0;
+        add[j] = pos[j] >= 0 ? __ldcg(scratch + (long long)ch * kScratchStride + col[j]) + __ldcg(base + col[j]) : 0;
+      }
+#pragma unroll
+      for (int j = 0; j < kFix; ++j)
+        if (pos[j] >= 0) rows[i0 + j * nthreads] = aborted ? -1 : pos[j] + add[j];
+    }
+  };
+  fix(a.slot_pos, (long long)a.T * K, K, true);
+  fix(a.rank_pos, (long long)a.T * R, R, false);
   // the last block out resets the barrier counter for the next notify (every block passed both)
   __syncthreads();
   if (threadIdx.x == 0) {
