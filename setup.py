@@ -1,5 +1,5 @@
-"""Build of megatron_ep, its protocol module `megatron_ep._protocol` and its CUDA extension
-`megatron_ep._C`.
+"""Build of megatron_ep, its protocol module `megatron_ep._protocol`, its CUDA extension
+`megatron_ep._C` and its low-latency extension `megatron_ep._C_ll` (NVSHMEM).
 
 `_protocol` (csrc/protocol_module.cpp: plain C++ and pybind11, no CUDA, no torch) exports the
 region layout and call protocol that the kernels use; it is always built, since both backends
@@ -13,6 +13,10 @@ TORCH_CUDA_ARCH_LIST defaults to 9.0). Switches (environment):
     MEP_PTXAS_VERBOSE=1    pass -Xptxas -v (register / shared-memory / spill report)
     MEP_DEBUG=1            -G -O0 device code (for cuda-gdb / sanitizer line info)
     MAX_JOBS=N             parallel compile jobs (ninja)
+`_C_ll` (csrc/kernels/low_latency.cu, csrc/nvshmem_bootstrap.cu, csrc/low_latency_bindings.cpp) is built beside `_C` when
+the pip package nvidia-nvshmem-cu13 is installed (torch's CUDA 13 builds depend on it), with
+relocatable device code and a device link against NVSHMEM's static device library; without
+NVSHMEM it is skipped with a printed reason (MEP_REQUIRE_EXTENSION=1 makes that an error too).
 Kernel sources (.cu) never include torch headers: they take raw pointers, so they compile in
 seconds; the one translation unit that includes torch is the binding (csrc/bindings.cpp).
 """
@@ -61,7 +65,8 @@ def _cuda_extensions():
         nvcc.append("-G")
     if os.environ.get("MEP_PTXAS_VERBOSE", "0") == "1":
         nvcc.append("-Xptxas=-v")
-    sources = ["csrc/bindings.cpp", "csrc/region.cpp", "csrc/pool.cpp"] + sorted(glob.glob("csrc/kernels/*.cu"))
+    sources = ["csrc/bindings.cpp", "csrc/region.cpp", "csrc/pool.cpp"] + sorted(
+        f for f in glob.glob("csrc/kernels/*.cu") if os.path.basename(f) not in LL_KERNELS)
 
     ext = CUDAExtension(
         name="megatron_ep._C",
@@ -69,7 +74,48 @@ def _cuda_extensions():
         include_dirs=[os.path.join(ROOT, "csrc")],
         extra_compile_args={"cxx": ["-O3", "-std=c++20"], "nvcc": nvcc},  # torch >= 2.12 headers need C++20
     )
-    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
+    return [ext] + _low_latency_extension(CUDAExtension, nvcc), {"build_ext": BuildExtension.with_options(use_ninja=True)}
+
+
+LL_KERNELS = {"low_latency.cu"}  # built into _C_ll (NVSHMEM, relocatable device code), not into _C
+
+
+def nvshmem_home():
+    """(include dir, lib dir) of the pip package nvidia-nvshmem-cu13, or a reason it is unusable."""
+    try:
+        import nvidia.nvshmem as nv
+    except ImportError:
+        return None, "the pip package nvidia-nvshmem-cu13 is not installed (pip install nvidia-nvshmem-cu13)"
+    root = list(nv.__path__)[0]
+    inc, lib = os.path.join(root, "include"), os.path.join(root, "lib")
+    need = [os.path.join(inc, "nvshmem.h"), os.path.join(lib, "libnvshmem_host.so.3"), os.path.join(lib, "libnvshmem_device.a")]
+    missing = [p for p in need if not os.path.exists(p)]
+    if missing:
+        return None, f"nvidia-nvshmem-cu13 at {root} lacks {', '.join(missing)}"
+    return (inc, lib), ""
+
+
+def _low_latency_extension(CUDAExtension, nvcc):
+    found, why = nvshmem_home()
+    if found is None:
+        if os.environ.get("MEP_REQUIRE_EXTENSION", "0") == "1":
+            raise SystemExit(f"megatron_ep: MEP_REQUIRE_EXTENSION=1 but _C_ll cannot be built: {why}")
+        print(f"megatron_ep: {why}; building without the low-latency extension _C_ll")
+        return []
+    inc, lib = found
+    # NVSHMEM's headers use the half operators torch's default flags hide; its device functions
+    # need relocatable device code and a device link with its static device library (torch's
+    # dlink=True would add -dlto, which fails with it).
+    ll_nvcc = [f for f in nvcc] + ["-rdc=true", "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+                                   "-U__CUDA_NO_HALF2_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__"]
+    return [CUDAExtension(
+        name="megatron_ep._C_ll",
+        sources=["csrc/low_latency_bindings.cpp", "csrc/nvshmem_bootstrap.cu", "csrc/kernels/low_latency.cu"],
+        include_dirs=[os.path.join(ROOT, "csrc"), inc],
+        extra_compile_args={"cxx": ["-O3", "-std=c++20"], "nvcc": ll_nvcc,
+                            "nvcc_dlink": ["-dlink", "-gencode=arch=compute_90,code=sm_90", f"-L{lib}", "-lnvshmem_device"]},
+        extra_link_args=[f"-L{lib}", "-l:libnvshmem_host.so.3", "-l:libnvshmem_device.a", f"-Wl,-rpath,{lib}"],
+    )]
 
 
 def _protocol_extension():

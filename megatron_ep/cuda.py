@@ -1,7 +1,8 @@
 """The `cuda` backend: the shared runtime plus the kernel path the group's shape calls for.
 
 Today every group is one NVLink domain (at most 8 ranks) and runs the intranode normal path;
-the low-latency path is not implemented yet (use backend='torch' for it).
+the low-latency path (megatron_ep/paths/low_latency.py, NVSHMEM, extension `_C_ll`) is created
+at the first low-latency call, or up front with `low_latency=dict(...)`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from .paths.intranode import IntranodePath
 from .runtime import DEFAULT_TIMEOUT_S, CudaRuntime
 from .types import DispatchLayout
 
+_LL_OPS = (P.OP["low_latency_dispatch"], P.OP["low_latency_combine"])
+
 
 class CudaBackend:
     name = "cuda"
@@ -25,7 +28,7 @@ class CudaBackend:
                  hidden: Optional[int] = None, num_experts: Optional[int] = None, max_topk: Optional[int] = None,
                  num_sms: Optional[int] = None, dtype_bytes: int = 2, combine_bytes: int = 2,
                  combine_rows: Optional[int] = None, pool_bytes: Optional[int] = None, max_alignment: int = 128,
-                 timeout_s: float = DEFAULT_TIMEOUT_S):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, low_latency: Optional[dict] = None):
         if num_experts is not None:
             fail(num_experts <= P.MAX_EXPERTS, f"num_experts={num_experts} exceeds the cuda backend's {P.MAX_EXPERTS}")
         if max_topk is not None:
@@ -36,6 +39,9 @@ class CudaBackend:
                      pool_bytes=pool_bytes, max_alignment=max_alignment)
         self.rt = CudaRuntime(group, rank, num_ranks, hints=hints, num_sms=num_sms, timeout_s=timeout_s)
         self.path = IntranodePath(self.rt)
+        self._ll = None  # the low-latency path, created on first use (see _low_latency)
+        if low_latency is not None:
+            self._low_latency(low_latency)
 
     @property
     def num_sms(self) -> int:
@@ -50,11 +56,17 @@ class CudaBackend:
     def call(self, call: P.Call):
         """Entry check (errors reported since the last call) and, on a failure on this rank,
         its publication to the peers waiting on this call."""
+        if call.op in _LL_OPS:  # no host-side handshake to publish at: see paths/low_latency.py
+            self._low_latency().check(call)
+            yield call
+            return
         with self.rt.publishing(call):
             self.rt.check(call)
             yield call
 
     def destroy(self) -> None:
+        if self._ll is not None:
+            self._ll.close()
         self.rt.close()
 
     def reserve(self, need: dict) -> None:
@@ -64,6 +76,9 @@ class CudaBackend:
         """Wait for this buffer's kernels and raise if any of them reported a failure."""
         self.rt.stream.synchronize()
         self.rt.check()
+        if self._ll is not None:  # low-latency kernels run on the caller's stream
+            torch.cuda.current_stream(self.rt.device).synchronize()
+            self._ll.check()
 
     # ------------------------------------------------------------------------------ layout
     def layout(self, topk_idx: torch.Tensor, num_experts: int) -> DispatchLayout:
@@ -82,11 +97,21 @@ class CudaBackend:
         return self.path.combine(call, *args, **kwargs)
 
     # ---------------------------------------------------------------------- low latency
+    def _low_latency(self, capacity: Optional[dict] = None):
+        """The low-latency path (NVSHMEM); created once, collectively (its first call)."""
+        if self._ll is None:
+            from .paths.low_latency import LowLatencyPath
+
+            self._ll = LowLatencyPath(self.rt, capacity)
+        return self._ll
+
     def low_latency_dispatch(self, call, *args, **kwargs):
-        raise NotImplementedError("the cuda backend has no low-latency kernels yet (a later issue); use backend='torch'")
+        """kwargs: return_recv_hook (the output's `hook` launches the receive half)."""
+        return self._low_latency().dispatch(call, *args, **kwargs)
 
     def low_latency_combine(self, call, *args, **kwargs):
-        raise NotImplementedError("the cuda backend has no low-latency kernels yet (a later issue); use backend='torch'")
+        """kwargs: return_recv_hook (returns (y, hook)), out (a [T, H] bf16 tensor to write)."""
+        return self._low_latency().combine(call, *args, **kwargs)
 
     # ------------------------------------------------------------------ zero-copy inputs
     def dispatch_input(self, num_tokens: int, hidden: int, dtype: torch.dtype, device=None) -> torch.Tensor:

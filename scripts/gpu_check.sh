@@ -3,8 +3,11 @@
 # GPU test suite (R = 2 ranks: one per GPU when there are two; R = 4, 8: several per GPU under
 # MPS), compute-sanitizer on a small R = 2 case, the benchmark (one process per GPU when the GPUs
 # suffice, with DeepEP and NCCL baselines), and the Megatron phase. Logs go under $OUT.
-#   MEP_GPU_STEPS   phases, comma-separated: build,tests,sanitizer,bench,megatron
+#   MEP_GPU_STEPS   phases, comma-separated: build,tests,sanitizer,bench,megatron,lowlat
 #                   (default build,tests,sanitizer,bench)
+#   lowlat          the low-latency path: tests/test_cuda_low_latency.py (MEP_LL_TEST_ARGS), then
+#                   scripts/bench_low_latency.py --ranks ${MEP_LL_RANKS:-2} (MEP_LL_BENCH_ARGS) -> $OUT/ll_bench.md;
+#                   MEP_LL_PARTS=tests or =bench runs one of the two (default tests,bench)
 #   MEP_TEST_ARGS   extra pytest arguments for the tests phase (e.g. -k "faults or fuzz")
 #   MEP_SAN_TOOLS   compute-sanitizer tools (default memcheck,racecheck,synccheck,initcheck)
 #   MEP_BENCH_ARGS  bench_normal.py arguments (default: --ranks 2 --num-sms 8,16,24)
@@ -80,6 +83,26 @@ if has sanitizer; then
     grep -E "ERROR SUMMARY|SUMMARY|passed|failed|Error|Hazard" "/tmp/sanitizer_$tool.log" | head -20 >> "$OUT/sanitizer.txt"
     [ "$rc" = 0 ] || { status=1; grep -B2 -A12 -m3 -E "^=+ (Invalid|Error|Race|Barrier|Uninitialized)" "/tmp/sanitizer_$tool.log" >> "$OUT/sanitizer.txt"; }
   done
+fi
+if has lowlat; then
+  phase lowlat
+  llparts=",${MEP_LL_PARTS:-tests,bench},"
+  if [[ "$llparts" == *",tests,"* ]]; then
+    start_mps
+    eval "llargs=(${MEP_LL_TEST_ARGS:-})"
+    timeout "${MEP_LL_TEST_TIMEOUT:-600}" python3 -m pytest -q -m gpu -rs tests/test_cuda_low_latency.py "${llargs[@]}" 2>&1 \
+      | tee "$OUT/ll_tests.log" | grep -vE "^\s*$" | tail -40
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    stop_mps
+  fi
+  if [[ "$llparts" == *",bench,"* ]]; then
+    llr=${MEP_LL_RANKS:-2}
+    [ "$llr" -gt "$NGPU" ] && start_mps
+    timeout "${MEP_LL_BENCH_TIMEOUT:-400}" python3 scripts/bench_low_latency.py --ranks "$llr" ${MEP_LL_BENCH_ARGS:-} \
+      --markdown "$OUT/ll_bench.md" --json "$OUT/ll_bench.json" > "$OUT/ll_bench.log" 2>&1 || { status=1; echo "LL bench failed"; }
+    grep -v "^\[" "$OUT/ll_bench.log" | tail -30
+    stop_mps
+  fi
 fi
 if has megatron; then
   phase megatron

@@ -306,15 +306,24 @@ def run_normal_cases(cfgs: list, backend: str = "torch", device: str = "cpu") ->
 def run_low_latency_case(cfg: dict, backend: str = "torch", device: str = "cpu") -> list:
     from oracle import expected_low_latency
 
+    import ll_cases
+
     R, rank = dist.get_world_size(), dist.get_rank()
     E, K, H, mt, use_fp8 = cfg["E"], cfg["K"], cfg["H"], cfg["max_tokens"], cfg["fp8"]
+    round_scale = cfg.get("round_scale", False)
     L = E // R
     inputs = make_inputs(cfg["seed"], R, E, K, H, cfg["Ts"], "bf16", cfg["pattern"], cfg.get("p_drop", 0.2))
+    if cfg.get("x_edge"):
+        ll_cases.edge_values_(inputs)
     me = inputs[rank]
-    buf = get_buffer(backend, **cfg.get("sizing", {}))
+    # the cuda low-latency buffer is sized once per process for every case (ll_cases.LL_SIZING)
+    buf = ll_cases.ll_buffer() if backend == "cuda" else get_buffer(backend, **cfg.get("sizing", {}))
     chk = Checker(f"[LL R={R} rank={rank} {cfg}]")
-    out = buf.low_latency_dispatch(me["x"].to(device), me["idx"].to(device), num_experts=E, max_tokens_per_rank=mt, use_fp8=use_fp8)
+    out = buf.low_latency_dispatch(me["x"].to(device), me["idx"].to(device), num_experts=E, max_tokens_per_rank=mt,
+                                   use_fp8=use_fp8, round_scale=round_scale)
     exp = expected_low_latency(inputs, rank, R, E, mt, use_fp8)
+    if round_scale:
+        ll_cases.round_scale_expected_(exp, inputs, R)
     got_x, got_s = split_x(out.x)
     chk.equal("count", out.count, exp["count"])
     chk.equal("layout_range", out.handle.layout_range, exp["layout_range"])
@@ -339,7 +348,7 @@ def run_low_latency_case(cfg: dict, backend: str = "torch", device: str = "cpu")
 
     x = me["x"]
     if use_fp8:
-        q, s = fp8_cast(x)
+        q, s = ll_cases.pow2_cast(x) if round_scale else fp8_cast(x)
         x = (q.float().view(-1, H // 128, 128) * s.unsqueeze(-1)).view(-1, H)
     y_ref = torch.zeros((x.shape[0], H), dtype=torch.float64)
     for t in range(x.shape[0]):

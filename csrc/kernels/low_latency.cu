@@ -1,0 +1,453 @@
+// The low-latency (decode) path: one kernel per direction, no host sync, fixed shapes.
+//
+// Dispatch, send half: each block casts its tokens (FP8 per 128 channels, or a bf16 copy) once
+// into its staging slot, then warp k sends copy (token, k) straight into the owner rank's receive
+// slot (local expert, this rank, position); the position is the token's rank among this rank's
+// tokens for that expert, so rows arrive in token order without atomics. A warp per expert then
+// waits until its copies are out and writes the (expert, source) count signal, -1 - count (with
+// the call's signature hash in the high word): 0 means "not arrived", so 0 tokens is visible.
+// Receive half: per (local expert, source), wait on every source's signal, place the source's
+// rows after the earlier sources' (grouped by source ascending), and fill count/range/src.
+//
+// Combine: each expert row goes back to its token's rank, into slot (token, top-k slot); one
+// flag per (global expert, token rank) after the rows; the receive half waits for every
+// expert's flag and reduces sum_k w * y in fp32.
+//
+// Transport: stores through nvshmem_ptr when the peer is load/store reachable (NVLink, or the
+// same GPU), else NVSHMEM puts (IBGDA/IB across nodes) completed with nvshmem_quiet before the
+// count is sent. Buffer sets: a sender waits, per receiver, until that receiver released the set
+// after its previous receive half on it (a token written back by the receiver), so a slow
+// receiver (a recv hook not yet called) is never overwritten. Every wait has a timeout that
+// records what it waited on in mapped host memory and stops every later wait.
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "../protocol.h"
+#include "low_latency.h"
+
+namespace mep {
+namespace {
+
+__device__ __forceinline__ long long ld_acquire_sys(const long long* p) {
+  long long v;
+  asm volatile("ld.acquire.sys.global.s64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_sys(long long* p, long long v) {
+  asm volatile("st.release.sys.global.s64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ unsigned long long globaltimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ int warp_sum(int v) {
+  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ LowLatencyState* state_of(const LLCtx& c) {
+  return reinterpret_cast<LowLatencyState*>(c.base + c.lay.state);
+}
+
+// Signal words: -1 - (count | sig << 32). Never 0, so "0 tokens" differs from "not arrived".
+__device__ __forceinline__ long long encode(int count, long long sig) { return -1 - ((sig << 32) | (unsigned)count); }
+__device__ __forceinline__ int decoded_count(long long v) { return (int)(unsigned)((unsigned long long)(-1 - v)); }
+__device__ __forceinline__ long long decoded_sig(long long v) { return (long long)((unsigned long long)(-1 - v) >> 32); }
+
+// The first error since the host's last clear wins; `failed` stops every later wait of this rank.
+__device__ __noinline__ void report(const LLCtx& c, int code, int op, int what, int expert, int peer, int set,
+                                    long long sig, long long got) {
+  LowLatencyState* st = state_of(c);
+  if (code == kErrTimeout) atomicExch(&st->failed, 1);
+  const int cleared = c.err->cleared;
+  if (atomicCAS(&st->err_claims, cleared, cleared + 1) != cleared) return;
+  c.err->op = op, c.err->what = what, c.err->expert = expert, c.err->peer = peer, c.err->set = set;
+  c.err->sig_expected = sig, c.err->sig_got = got;
+  __threadfence_system();
+  c.err->code = code;
+}
+
+// Spin until done(load()) or report a timeout. `what`/expert/peer name the wait for the host.
+template <typename Load, typename Done>
+__device__ __forceinline__ bool spin(const LLCtx& c, Load load, Done done, long long& v, int op, int what,
+                                     int expert, int peer, int set, long long sig) {
+  unsigned long long start = 0;
+  for (unsigned i = 0;; ++i) {
+    v = load();
+    if (done(v)) return true;
+    if ((i & 127) == 127) {
+      if (*reinterpret_cast<volatile int*>(&state_of(c)->failed)) return false;
+      const unsigned long long now = globaltimer();
+      if (start == 0) {
+        start = now;
+      } else if (now - start > c.timeout_ns) {
+        report(c, kErrTimeout, op, what, expert, peer, set, sig, v);
+        return false;
+      }
+    }
+  }
+}
+
+// Write a 64-bit signal word at `off` in rank dst's buffer (after the caller's fence).
+__device__ __forceinline__ void put_signal(const LLCtx& c, int dst, long long off, long long v) {
+  char* peer = c.peer_base[dst];
+  if (peer != nullptr) {
+    st_release_sys(reinterpret_cast<long long*>(peer + off), v);
+  } else {
+    nvshmemx_signal_op(reinterpret_cast<uint64_t*>(c.base + off), (uint64_t)v, NVSHMEM_SIGNAL_SET, c.pe[dst]);
+  }
+}
+
+// Warp copy of n16 16-byte words, four loads in flight per lane.
+__device__ __forceinline__ void warp_copy16(int4* dst, const int4* src, int n16) {
+  const int lane = threadIdx.x & 31;
+  int i = lane;
+  for (; i + 96 < n16; i += 128) {
+    int4 a = __ldcg(src + i), b = __ldcg(src + i + 32), d = __ldcg(src + i + 64), e = __ldcg(src + i + 96);
+    dst[i] = a, dst[i + 32] = b, dst[i + 64] = d, dst[i + 96] = e;
+  }
+  for (; i < n16; i += 32) dst[i] = __ldcg(src + i);
+}
+
+// Rows `bytes` long from this rank to rank dst at byte offset `off` of its buffer: stores when
+// reachable, else a put from `stage` (symmetric) completed before returning. Lane 0 then
+// counts the row in `finish` (after a system fence: the count signal follows it).
+__device__ __forceinline__ void send_row(const LLCtx& c, int dst, long long off, const char* stage, int bytes,
+                                         unsigned* finish) {
+  const int lane = threadIdx.x & 31;
+  char* peer = c.peer_base[dst];
+  if (peer != nullptr) {
+    warp_copy16(reinterpret_cast<int4*>(peer + off), reinterpret_cast<const int4*>(stage), bytes / 16);
+    __syncwarp();
+  } else {
+    __syncwarp();
+    if (lane == 0) __threadfence_system();  // the NIC reads the staging from memory
+    __syncwarp();
+    nvshmemx_putmem_nbi_warp(c.base + off, stage, bytes, c.pe[dst]);
+    if (lane == 0) nvshmem_quiet();  // delivered before the count signal is written
+    __syncwarp();
+  }
+  if (lane == 0) {
+    __threadfence_system();
+    if (finish != nullptr) atomicAdd(finish, 1u);
+  }
+}
+
+// Block-wide: threads r < R wait until receiver r released this set after its last receive half
+// on it (its completed calls on the set reached ours), so its slots are free again.
+__device__ __forceinline__ bool wait_released(const LLCtx& c, int set, int op, long long sig) {
+  bool ok = true;
+  const long long target = *reinterpret_cast<volatile long long*>(&state_of(c)->set_calls[set]);
+  const long long* release = reinterpret_cast<const long long*>(c.base + c.lay.set_offset(set) + c.lay.release);
+  for (int r = threadIdx.x; r < c.num_ranks; r += blockDim.x) {
+    long long v;
+    ok &= spin(c, [&] { return ld_acquire_sys(release + r); }, [&](long long x) { return x >= target; }, v, op,
+               kLLWaitRelease, -1, r, set, sig);
+  }
+  return __syncthreads_and(ok);
+}
+
+// Block-wide end of a receive half: the last block to finish clears the set's signal words
+// (`clear_off`, n words), then hands the set back to every sender.
+__device__ __forceinline__ void finish_receive(const LLCtx& c, int set, long long clear_off, int n) {
+  __shared__ bool last;
+  LowLatencyState* st = state_of(c);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    last = atomicAdd(&st->grid_done[set], 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  long long* words = reinterpret_cast<long long*>(c.base + c.lay.set_offset(set) + clear_off);
+  for (int i = threadIdx.x; i < n; i += blockDim.x) words[i] = 0;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    st->grid_done[set] = 0;
+    if (*reinterpret_cast<volatile int*>(&st->failed)) return;  // broken: leave the set held
+    __threadfence_system();
+    const long long done = ++st->set_calls[set];
+    const long long off = c.lay.set_offset(set) + c.lay.release + (long long)c.rank * 8;
+    for (int r = 0; r < c.num_ranks; ++r) put_signal(c, r, off, done);
+  }
+}
+
+// Warp: x/scale as FP8 e4m3 for one 128-channel block (lane: 4 channels), bit-exact with
+// megatron_ep.fp8: fp32 amax floored at 1e-4, scale = amax / 448 (IEEE division), optionally
+// rounded up to a power of two, q = e4m3(x / scale) round-to-nearest-even.
+__device__ __forceinline__ void cast_block(const __nv_bfloat16* x, uint8_t* q, float* scale_out, bool round_scale) {
+  const int lane = threadIdx.x & 31;
+  const uint2 raw = *reinterpret_cast<const uint2*>(x + lane * 4);
+  const __nv_bfloat162 p0 = *reinterpret_cast<const __nv_bfloat162*>(&raw.x);
+  const __nv_bfloat162 p1 = *reinterpret_cast<const __nv_bfloat162*>(&raw.y);
+  const float2 f0 = __bfloat1622float2(p0), f1 = __bfloat1622float2(p1);
+  float amax = fmaxf(fmaxf(fabsf(f0.x), fabsf(f0.y)), fmaxf(fabsf(f1.x), fabsf(f1.y)));
+  for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  amax = fmaxf(amax, 1e-4f);
+  float scale = __fdiv_rn(amax, 448.0f);
+  if (round_scale) {  // smallest power of two >= scale (scale is a positive normal float)
+    unsigned u = __float_as_uint(scale);
+    if (u & 0x7fffffu) u = (u & 0xff800000u) + 0x800000u;
+    scale = __uint_as_float(u);
+  }
+  const float2 a = make_float2(__fdiv_rn(f0.x, scale), __fdiv_rn(f0.y, scale));
+  const float2 b = make_float2(__fdiv_rn(f1.x, scale), __fdiv_rn(f1.y, scale));
+  const unsigned lo = __nv_cvt_float2_to_fp8x2(a, __NV_SATFINITE, __NV_E4M3);
+  const unsigned hi = __nv_cvt_float2_to_fp8x2(b, __NV_SATFINITE, __NV_E4M3);
+  *reinterpret_cast<unsigned*>(q + lane * 4) = lo | (hi << 16);
+  if (lane == 0) *scale_out = scale;
+}
+
+// ------------------------------------------------------------------------------------ dispatch
+__global__ void __launch_bounds__(kLLThreads, 1) ll_dispatch_kernel(const LLCtx c, const LLDispatchArgs a) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  const int R = c.num_ranks, L = a.E / R, set = a.set;
+  const int num_warps = gridDim.x * kLLWarps, gw = blockIdx.x * kLLWarps + warp;
+  const LowLatencyLayout& lay = c.lay;
+  LowLatencyState* st = state_of(c);
+  const int data_bytes = a.fp8 ? a.H : a.H * 2;
+  // data + scales, rounded up to 16 bytes (a few bytes past the scales ride along: both the
+  // staging slot and the receive slot are d_msg = 16 + that many bytes, see the layout)
+  const int payload = (data_bytes + (a.fp8 ? a.H / 128 * 4 : 0) + 15) / 16 * 16;
+  const int TK = a.T * a.K;
+
+  if (a.phases & kLLSend) {
+    if (wait_released(c, set, kOpLowLatencyDispatch, a.sig)) {
+      for (int t = blockIdx.x; t < a.T; t += gridDim.x) {
+        char* stage = c.base + lay.set_offset(set) + lay.d_send + (long long)t * lay.d_msg;
+        const __nv_bfloat16* xt = reinterpret_cast<const __nv_bfloat16*>(a.x) + (long long)t * a.H;
+        if (a.fp8) {
+          for (int g = warp; g < a.H / 128; g += kLLWarps)
+            cast_block(xt + g * 128, reinterpret_cast<uint8_t*>(stage) + g * 128,
+                       reinterpret_cast<float*>(stage + a.H) + g, a.round_scale);
+        } else {
+          for (int i = threadIdx.x; i < data_bytes / 16; i += blockDim.x)
+            reinterpret_cast<int4*>(stage)[i] = reinterpret_cast<const int4*>(xt)[i];
+        }
+        __syncthreads();
+        for (int k = warp; k < a.K; k += kLLWarps) {
+          const long long e = a.topk_idx[(long long)t * a.K + k];
+          if (e < 0 || e >= a.E) continue;
+          int pos = 0;  // copies of this rank to expert e before this one: token order
+          for (int j = lane; j < t * a.K + k; j += 32) pos += a.topk_idx[j] == e;
+          pos = warp_sum(pos);
+          const int dst = (int)(e / L);
+          const long long off = lay.d_slot(set, (int)(e % L), c.rank, pos);
+          if (c.peer_base[dst] != nullptr) {
+            if (lane == 0) *reinterpret_cast<int4*>(c.peer_base[dst] + off) = make_int4(t, k, 0, 0);
+          } else {
+            char* meta = c.base + lay.set_offset(set) + lay.d_meta + ((long long)t * lay.max_topk + k) * kLLHeader;
+            if (lane == 0) *reinterpret_cast<int4*>(meta) = make_int4(t, k, 0, 0);
+            __syncwarp();
+            if (lane == 0) __threadfence_system();
+            __syncwarp();
+            nvshmemx_putmem_nbi_warp(c.base + off, meta, kLLHeader, c.pe[dst]);
+          }
+          send_row(c, dst, off + kLLHeader, stage, payload, &st->d_finish[set][e]);
+        }
+      }
+      // counts: one warp per global expert, once every copy to it is out
+      for (int e = gw; e < a.E; e += num_warps) {
+        int n = 0;
+        for (int j = lane; j < TK; j += 32) n += a.topk_idx[j] == e;
+        n = warp_sum(n);
+        if (lane == 0) {
+          long long v;
+          unsigned* fin = &st->d_finish[set][e];
+          if (spin(c, [&] { return (long long)ld_acquire_gpu(fin); }, [&](long long x) { return x == n; }, v,
+                   kOpLowLatencyDispatch, kLLWaitOwnBlocks, e, c.rank, set, a.sig)) {
+            *fin = 0;
+            __threadfence_system();
+            put_signal(c, e / L, lay.set_offset(set) + lay.d_count + ((long long)(e % L) * R + c.rank) * 8,
+                       encode(n, a.sig));
+          }
+        }
+        __syncwarp();
+      }
+    }
+  }
+
+  if (!(a.phases & kLLRecv)) return;
+  // receive: (local expert, source) pairs, each split over `split` warps by row
+  const int pairs = L * R, split = num_warps > pairs ? num_warps / pairs : 1;
+  const long long* counts = reinterpret_cast<const long long*>(c.base + lay.set_offset(set) + lay.d_count);
+  for (int u = gw; u < pairs * split; u += num_warps) {
+    const int e = u / split / R, s = u / split % R, g = u % split;
+    int before = 0, total = 0, mine = 0;
+    bool ok = true;
+    for (int r = lane; r < R; r += 32) {
+      long long v;
+      ok &= spin(c, [&] { return ld_acquire_sys(counts + (long long)e * R + r); }, [](long long x) { return x != 0; },
+                 v, kOpLowLatencyDispatch, kLLWaitCount, e, r, set, a.sig);
+      int n = ok ? decoded_count(v) : 0;
+      if (ok && decoded_sig(v) != a.sig) {
+        if (g == 0 && s == 0) report(c, kErrMismatch, kOpLowLatencyDispatch, kLLWaitCount, e, r, set, a.sig, decoded_sig(v));
+        n = 0;  // a different call: nothing of it is delivered
+      }
+      n = min(n, a.out_cap / R);  // never past this call's outputs, whatever a mismatched sender claims
+      total += n;
+      before += r < s ? n : 0;
+      mine += r == s ? n : 0;
+    }
+    total = warp_sum(total), before = warp_sum(before), mine = warp_sum(mine);
+    __syncwarp();  // memory order: every lane reads rows whose signal another lane acquired
+    if (!__all_sync(0xffffffffu, ok)) continue;
+    if (g == 0 && lane == 0) {
+      a.out_range[((long long)e * R + s) * 2] = before;
+      a.out_range[((long long)e * R + s) * 2 + 1] = mine;
+      if (s == 0) a.out_count[e] = total;
+    }
+    if (g == 0 && s == 0)
+      for (int i = total + lane; i < a.out_cap; i += 32) a.out_src[(long long)e * a.out_cap + i] = -1;
+    for (int i = g; i < mine; i += split) {
+      const char* slot = c.base + lay.d_slot(set, e, s, i);
+      const long long row = (long long)e * a.out_cap + before + i;
+      if (a.fp8) {
+        warp_copy16(reinterpret_cast<int4*>(static_cast<uint8_t*>(a.out_x) + row * a.H),
+                    reinterpret_cast<const int4*>(slot + kLLHeader), a.H / 16);
+        const float* sc = reinterpret_cast<const float*>(slot + kLLHeader + a.H);
+        for (int j = lane; j < a.H / 128; j += 32) a.out_scales[row * (a.H / 128) + j] = __ldcg(sc + j);
+      } else {
+        warp_copy16(reinterpret_cast<int4*>(static_cast<__nv_bfloat16*>(a.out_x) + row * a.H),
+                    reinterpret_cast<const int4*>(slot + kLLHeader), a.H * 2 / 16);
+      }
+      if (lane == 0) {
+        const int4 meta = __ldcg(reinterpret_cast<const int4*>(slot));
+        a.out_src[row] = meta.x;
+        a.out_slot[row] = meta.y;
+      }
+    }
+  }
+  finish_receive(c, set, lay.d_count, (lay.num_experts / R) * R);
+}
+
+// ------------------------------------------------------------------------------------- combine
+__global__ void __launch_bounds__(kLLThreads, 1) ll_combine_kernel(const LLCtx c, const LLCombineArgs a) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  const int R = c.num_ranks, L = a.E / R, set = a.set;
+  const int num_warps = gridDim.x * kLLWarps, gw = blockIdx.x * kLLWarps + warp;
+  const LowLatencyLayout& lay = c.lay;
+  LowLatencyState* st = state_of(c);
+  const int row_bytes = a.H * 2;
+
+  if (a.phases & kLLSend) {
+    if (wait_released(c, set, kOpLowLatencyCombine, a.sig)) {
+      for (int u = gw; u < L * a.out_cap; u += num_warps) {
+        const int e = u / a.out_cap, j = u % a.out_cap;
+        int s = -1;  // the source rank whose range holds row j
+        for (int r0 = 0; r0 < R; r0 += 32) {
+          const int r = r0 + lane;
+          bool hit = false;
+          if (r < R) {
+            const int b = a.range[((long long)e * R + r) * 2], n = a.range[((long long)e * R + r) * 2 + 1];
+            hit = j >= b && j < b + n;
+          }
+          const unsigned m = __ballot_sync(0xffffffffu, hit);
+          if (m) s = r0 + __ffs(m) - 1;
+        }
+        if (s < 0) continue;  // past the expert's count
+        const long long row = (long long)e * a.out_cap + j;
+        const int t = a.src[row], k = a.slot[row];
+        const char* xrow = static_cast<const char*>(a.x) + row * row_bytes;
+        const char* from = xrow;
+        if (c.peer_base[s] == nullptr) {  // puts read symmetric memory: stage the row
+          char* stage = c.base + lay.set_offset(set) + lay.c_stage + (long long)gw * lay.c_row;
+          warp_copy16(reinterpret_cast<int4*>(stage), reinterpret_cast<const int4*>(xrow), row_bytes / 16);
+          from = stage;
+        }
+        send_row(c, s, lay.c_slot(set, t, k), from, row_bytes, &st->c_finish[set][e * R + s]);
+      }
+      // flags: one warp per (local expert, token rank), once its rows are out
+      for (int u = gw; u < L * R; u += num_warps) {
+        const int e = u / R, s = u % R;
+        if (lane == 0) {
+          const int n = a.range[((long long)e * R + s) * 2 + 1];
+          unsigned* fin = &st->c_finish[set][e * R + s];
+          long long v;
+          if (spin(c, [&] { return (long long)ld_acquire_gpu(fin); }, [&](long long x) { return x == n; }, v,
+                   kOpLowLatencyCombine, kLLWaitOwnBlocks, c.rank * L + e, c.rank, set, a.sig)) {
+            *fin = 0;
+            __threadfence_system();
+            put_signal(c, s, lay.set_offset(set) + lay.c_flag + (long long)(c.rank * L + e) * 8, encode(n, a.sig));
+          }
+        }
+        __syncwarp();
+      }
+    }
+  }
+
+  if (!(a.phases & kLLRecv)) return;
+  // receive: every expert's rows for this rank are in once its flag is set
+  const long long* flags = reinterpret_cast<const long long*>(c.base + lay.set_offset(set) + lay.c_flag);
+  bool ok = true;
+  for (int e = threadIdx.x; e < a.E; e += blockDim.x) {
+    long long v;
+    bool got = spin(c, [&] { return ld_acquire_sys(flags + e); }, [](long long x) { return x != 0; }, v,
+                    kOpLowLatencyCombine, kLLWaitFlag, e, e / L, set, a.sig);
+    if (got && decoded_sig(v) != a.sig && blockIdx.x == 0)
+      report(c, kErrMismatch, kOpLowLatencyCombine, kLLWaitFlag, e, e / L, set, a.sig, decoded_sig(v));
+    ok &= got;
+  }
+  if (__syncthreads_and(ok)) {
+    for (int t = blockIdx.x; t < a.T; t += gridDim.x) {
+      for (int v = threadIdx.x; v < a.H / 8; v += blockDim.x) {
+        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (int k = 0; k < a.K; ++k) {
+          const long long e = a.topk_idx[(long long)t * a.K + k];
+          if (e < 0 || e >= a.E) continue;
+          const float w = a.weights[(long long)t * a.K + k];
+          const int4 raw = __ldcg(reinterpret_cast<const int4*>(c.base + lay.c_slot(set, t, k)) + v);
+          const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const float2 f = __bfloat1622float2(h[i]);
+            acc[2 * i] += w * f.x;
+            acc[2 * i + 1] += w * f.y;
+          }
+        }
+        int4 out;
+        __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) o[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+        reinterpret_cast<int4*>(a.y)[(long long)t * (a.H / 8) + v] = out;
+      }
+    }
+  }
+  finish_receive(c, set, lay.c_flag, lay.num_experts);
+}
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string("megatron_ep low-latency: ") + what + ": " + cudaGetErrorString(e));
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------------ launchers
+void launch_ll_dispatch(const LLCtx& c, const LLDispatchArgs& a, int num_blocks, cudaStream_t stream) {
+  ll_dispatch_kernel<<<num_blocks, kLLThreads, 0, stream>>>(c, a);
+  check(cudaGetLastError(), "dispatch launch");
+}
+
+void launch_ll_combine(const LLCtx& c, const LLCombineArgs& a, int num_blocks, cudaStream_t stream) {
+  ll_combine_kernel<<<num_blocks, kLLThreads, 0, stream>>>(c, a);
+  check(cudaGetLastError(), "combine launch");
+}
+
+void ll_touch_kernels() {
+  cudaFuncAttributes attr;
+  check(cudaFuncGetAttributes(&attr, ll_dispatch_kernel), "loading the dispatch kernel");
+  check(cudaFuncGetAttributes(&attr, ll_combine_kernel), "loading the combine kernel");
+}
+
+}  // namespace mep

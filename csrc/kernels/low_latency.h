@@ -1,0 +1,57 @@
+// Host entry points of the low-latency path (csrc/kernels/low_latency.cu): the two kernels'
+// launchers (NVSHMEM set-up: csrc/nvshmem_bootstrap.h). Raw pointers only, and no NVSHMEM
+// headers here: the torch binding includes this file with g++, which cannot parse NVSHMEM's.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "../low_latency_layout.h"
+#include "../nvshmem_bootstrap.h"
+
+namespace mep {
+
+void ll_touch_kernels();            // load every kernel now (lazy loading deadlocks spinning kernels)
+
+enum LLPhase : int { kLLSend = 1, kLLRecv = 2 };
+
+// Fixed per buffer.
+struct LLCtx {
+  char* base;                // this rank's symmetric buffer
+  char* const* peer_base;    // [R] device array: nvshmem_ptr(base, pe of rank r), null without P2P
+  const int* pe;             // [R] device array: the NVSHMEM PE of each rank of the group
+  LowLatencyError* err;      // device view of the mapped host error record
+  LowLatencyLayout lay;
+  int rank, num_ranks;
+  unsigned long long timeout_ns;
+};
+
+struct LLDispatchArgs {
+  const void* x;              // [T, H] bf16
+  const long long* topk_idx;  // [T, K]; ids outside [0, E) are unused slots
+  int T, K, E, H, fp8, round_scale, set, phases;
+  long long sig;              // this call's signature hash (31 bits), checked against every sender
+  void* out_x;                // [L, R*mt, H] fp8 or bf16 (mt = the buffer's capacity, see out_cap)
+  float* out_scales;          // [L, R*mt, H/128] (fp8)
+  int* out_count;             // [L]
+  int* out_range;             // [L, R, 2] (begin, count)
+  int* out_src;               // [L, R*mt] source token, -1 past the count
+  int* out_slot;              // [L, R*mt] source top-k slot (the combine's return address)
+  int out_cap;                // rows per expert in the outputs (R * the call's max_tokens_per_rank)
+};
+
+struct LLCombineArgs {
+  const void* x;              // [L, out_cap, H] bf16 expert outputs
+  const int* range;           // [L, R, 2] from the dispatch
+  const int* src;             // [L, out_cap]
+  const int* slot;            // [L, out_cap]
+  const long long* topk_idx;  // [T, K] (this rank's tokens)
+  const float* weights;       // [T, K]
+  int T, K, E, H, out_cap, set, phases;
+  long long sig;
+  void* y;                    // [T, H] bf16
+};
+
+void launch_ll_dispatch(const LLCtx& c, const LLDispatchArgs& a, int num_blocks, cudaStream_t stream);
+void launch_ll_combine(const LLCtx& c, const LLCombineArgs& a, int num_blocks, cudaStream_t stream);
+
+}  // namespace mep

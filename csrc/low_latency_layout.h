@@ -1,0 +1,124 @@
+// The low-latency path's symmetric buffer, defined once: `LowLatencyLayout::plan` both sizes it
+// (the hint Python reads through megatron_ep._C_ll) and places every section the kernels use,
+// so size and layout cannot drift. Plain C++ usable from host and device code, no NVSHMEM,
+// no torch.
+//
+// One buffer per rank, allocated with nvshmem_malloc (same offsets on every PE). Two identical
+// sets alternate between calls, so two calls can be in flight (a recv hook not yet called);
+// every stride comes from the capacity (not the call), so a call never writes outside its set.
+//
+//   per set:
+//     d_send  [mt][d_msg]              dispatch staging: the FP8 cast (or bf16 copy) of each token
+//     d_meta  [mt][K][16]              dispatch staging: (token, slot) headers for puts
+//     d_recv  [L][R][mt][d_msg]        dispatch receive area: slot (local expert, source, position)
+//     c_stage [warps][c_row]           combine staging for puts (one row per warp in flight)
+//     c_recv  [mt][K][c_row]           combine receive area: slot (token, top-k slot)
+//     d_count [L][R] int64             count signals (dispatch): -1 - (count | sig << 32)
+//     c_flag  [E] int64                arrival flags (combine), one per global expert
+//     release [R] int64                written by each receiver: its completed calls on this set
+//   state (local, once): counters that never leave this rank
+//
+// A dispatch message is [16-byte header: token, top-k slot][H data bytes][H/128 fp32 scales].
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define MEP_HD __host__ __device__
+#else
+#define MEP_HD
+#endif
+
+namespace mep {
+
+constexpr int kLLMaxRanks = 64;        // count signals and release tokens per set
+constexpr int kLLThreads = 512;        // threads per block of both kernels (16 warps)
+constexpr int kLLWarps = kLLThreads / 32;
+constexpr int kLLMaxBlocks = 132;      // one H200's SMs: bounds the combine staging rows
+constexpr int kLLHeader = 16;          // dispatch message header bytes (DeepEP's accounting too)
+constexpr int kLLAlign = 256;
+
+// Local counters (in the same allocation, never written by peers).
+struct LowLatencyState {
+  unsigned int d_finish[2][1024];        // [set][global expert]: copies sent (dispatch)
+  unsigned int c_finish[2][1024];        // [set][local expert * R + dst] (L * R = E): rows sent (combine)
+  unsigned int grid_done[2];             // [set]: blocks past the receive half
+  long long set_calls[2];                // [set]: calls this rank completed on the set
+  int failed;                            // a wait timed out: every later wait returns at once
+  int err_claims;                        // error records claimed (the host counts its clears)
+};
+
+// What the kernels report through mapped host memory. A kernel claims the record on the device
+// (LowLatencyState::err_claims == cleared: the host read the previous one; no atomics on host
+// memory, which PCIe hosts may not support), fills it and publishes `code` last; the host reads
+// it, then clears `code` and bumps `cleared`.
+enum LLWhat : int {
+  kLLWaitRelease = 0,   // the send half waited for a receiver to release the buffer set
+  kLLWaitCount = 1,     // dispatch receive waited for (local expert, source)'s count signal
+  kLLWaitFlag = 2,      // combine receive waited for a global expert's rows from its owner
+  kLLWaitOwnBlocks = 3  // the signalling warp waited for this rank's own sending warps
+};
+struct LowLatencyError {
+  volatile int code;      // ErrorCode (protocol.h): kErrTimeout or kErrMismatch; 0 = none
+  volatile int op;        // Op
+  volatile int what;      // LLWhat
+  volatile int expert;    // local (dispatch) or global (combine) expert id, -1 if none
+  volatile int peer;      // rank waited on / that sent the mismatching signature
+  volatile int set;       // buffer set
+  volatile long long sig_expected;  // this rank's call signature hash
+  volatile long long sig_got;       // the peer's (mismatch) or the value observed (timeout)
+  volatile int cleared;             // host: records read and cleared so far
+};
+
+constexpr MEP_HD long long ll_align(long long n, long long a = kLLAlign) { return (n + a - 1) / a * a; }
+
+// Bytes of one dispatch message for a call (header + data + scales).
+constexpr MEP_HD long long ll_dispatch_msg_bytes(long long hidden, bool fp8) {
+  return kLLHeader + (fp8 ? hidden + hidden / 128 * 4 : hidden * 2);
+}
+
+struct LowLatencyLayout {
+  // capacity
+  int num_ranks, num_experts, max_tokens, hidden, max_topk, fp8_only;
+  // strides
+  long long d_msg, c_row;
+  // offsets inside a set, and the set size
+  long long d_send, d_meta, d_recv, c_stage, c_recv, d_count, c_flag, release, set_bytes;
+  long long state, total;
+
+  static LowLatencyLayout plan(int num_ranks, int num_experts, int max_tokens, int hidden, int max_topk,
+                               bool fp8_only) {
+    LowLatencyLayout l{};
+    l.num_ranks = num_ranks, l.num_experts = num_experts, l.max_tokens = max_tokens, l.hidden = hidden;
+    l.max_topk = max_topk, l.fp8_only = fp8_only;
+    const long long L = num_experts / num_ranks;
+    // 16-byte multiples: every message and row is copied in int4 words
+    l.d_msg = ll_align(ll_dispatch_msg_bytes(hidden, fp8_only), 16);  // a bf16 message is the larger
+    l.c_row = ll_align(2LL * hidden, 16);
+    long long o = 0;
+    l.d_send = o, o = ll_align(o + (long long)max_tokens * l.d_msg);
+    l.d_meta = o, o = ll_align(o + (long long)max_tokens * max_topk * kLLHeader);
+    l.d_recv = o, o = ll_align(o + L * num_ranks * max_tokens * l.d_msg);
+    l.c_stage = o, o = ll_align(o + (long long)kLLMaxBlocks * kLLWarps * l.c_row);
+    l.c_recv = o, o = ll_align(o + (long long)max_tokens * max_topk * l.c_row);
+    l.d_count = o, o = ll_align(o + L * num_ranks * 8);
+    l.c_flag = o, o = ll_align(o + (long long)num_experts * 8);
+    l.release = o, o = ll_align(o + (long long)kLLMaxRanks * 8);
+    l.set_bytes = o;
+    l.state = 2 * l.set_bytes;
+    l.total = ll_align(l.state + (long long)sizeof(LowLatencyState));
+    return l;
+  }
+  MEP_HD long long set_offset(int set) const { return set * set_bytes; }
+  // dispatch slot of (local expert, source rank, position)
+  MEP_HD long long d_slot(int set, int le, int src, int pos) const {
+    return set_offset(set) + d_recv + (((long long)le * num_ranks + src) * max_tokens + pos) * d_msg;
+  }
+  // combine slot of (token, top-k slot)
+  MEP_HD long long c_slot(int set, int token, int k) const {
+    return set_offset(set) + c_recv + ((long long)token * max_topk + k) * c_row;
+  }
+};
+
+}  // namespace mep

@@ -1,0 +1,55 @@
+"""The decode MoE layer on the low-latency path: LL dispatch (FP8 by default) -> the masked
+grouped expert MLP (DeepGEMM's masked GEMMs when importable, else a batched matmul,
+`megatron_ep.experts.masked`) -> LL combine, which applies the routing weights itself.
+
+Fixed shapes and no host sync after the buffer exists, so a whole decode step can be captured
+in a CUDA graph (make one call first: it sizes the low-latency buffer, a collective).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..checks import fail
+from .mlp import expert_mlp_masked
+
+
+class DecodeMoELayer(torch.nn.Module):
+    """y = sum_k w[t, k] * MLP_{e_k}(x[t]) over the EP group of `buffer`.
+
+    Args:
+        buffer: a megatron_ep.Buffer (cuda backend for the kernels; the torch backend works too).
+        num_experts: E (this rank owns experts [rank * E/R, (rank+1) * E/R)).
+        w1: [E/R, F or 2F (GLU), H] this rank's fc1 weights; w2: [E/R, H, F].
+        max_tokens_per_rank: the low-latency capacity (every call's T must fit).
+        use_fp8: FP8 dispatch (the experts see per-128-channel FP8 inputs) or bf16.
+    """
+
+    def __init__(self, buffer, num_experts: int, w1: torch.Tensor, w2: torch.Tensor, *, max_tokens_per_rank: int = 128,
+                 activation: Callable = F.silu, glu: bool = True, use_fp8: bool = True,
+                 expected_m: Optional[int] = None):
+        super().__init__()
+        R = buffer.num_ranks
+        fail(num_experts % R == 0, f"num_experts={num_experts} is not divisible by the group size {R}")
+        L = num_experts // R
+        fail(w1.dim() == 3 and w1.shape[0] == L, f"w1 must be [{L}, F or 2F, H], got {tuple(w1.shape)}")
+        fail(w2.dim() == 3 and w2.shape[0] == L and w2.shape[1] == w1.shape[2],
+             f"w2 must be [{L}, {w1.shape[2]}, F], got {tuple(w2.shape)}")
+        self.buffer, self.num_experts = buffer, num_experts
+        self.w1, self.w2 = torch.nn.Parameter(w1, requires_grad=False), torch.nn.Parameter(w2, requires_grad=False)
+        self.max_tokens_per_rank, self.activation, self.glu, self.use_fp8 = max_tokens_per_rank, activation, glu, use_fp8
+        self.expected_m = expected_m
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H] bf16, topk_idx [T, K] int64 (-1: unused), topk_weights [T, K] fp32 -> [T, H] bf16."""
+        buf = self.buffer
+        out = buf.low_latency_dispatch(x, topk_idx, num_experts=self.num_experts,
+                                       max_tokens_per_rank=self.max_tokens_per_rank, use_fp8=self.use_fp8)
+        # DeepGEMM's hint of the rows per expert (a tuning value, not a bound)
+        expected = self.expected_m or max(1, buf.num_ranks * self.max_tokens_per_rank * topk_idx.shape[1] // self.num_experts)
+        h = expert_mlp_masked(out.x, self.w1, self.w2, out.count, self.activation, self.glu, expected)
+        return buf.low_latency_combine(h.to(torch.bfloat16).contiguous(), topk_idx, topk_weights, out.handle)

@@ -1,0 +1,52 @@
+"""NVSHMEM for every NVSHMEM path of the cuda backend (low-latency now, internode later): started
+once per process from a torch group, with the unique-id bootstrap (rank 0's id broadcast over
+that group), from the pip package nvidia-nvshmem-cu13 through the extension `_C_ll`.
+
+Environment defaults, set only where the user has not: the settings known to work with several
+PEs per GPU under MPS (DESIGN §5), no InfiniBand probing when every rank is on one host, and a
+symmetric heap sized by the first buffer.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from .checks import fail
+
+ENV = {"NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "1", "NVSHMEM_DISABLE_NVLS": "1",
+       "NVSHMEM_DISABLE_MNNVL": "1"}
+HEAP_MARGIN = 64 << 20  # NVSHMEM's own symmetric allocations (barriers, signals)
+_state: dict = {}  # once per process: {"n_pes": int, "heap": bytes}
+
+
+def init(group, rank: int, num_ranks: int, device: torch.device, heap_bytes: int, ext) -> int:
+    """Start NVSHMEM over `group` unless this process already did (collective the first time);
+    returns the symmetric heap's size in bytes."""
+    if _state:
+        fail(_state["n_pes"] == num_ranks, f"NVSHMEM was started for {_state['n_pes']} PEs by an earlier group; an "
+                                           f"NVSHMEM buffer must span all of them (this group has {num_ranks})", RuntimeError)
+        return _state["heap"]
+    hosts: list = [None] * num_ranks
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    for k, v in ENV.items():
+        os.environ.setdefault(k, v)
+    if len(set(hosts)) == 1:  # one node: P2P carries everything; skip probing InfiniBand
+        os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
+    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(heap_bytes + HEAP_MARGIN))
+    uid = ext.unique_id() if rank == 0 else None
+    ids: list = [None] * num_ranks
+    dist.all_gather_object(ids, uid, group=group)
+    ext.init(ids[0], rank, num_ranks, device.index)
+    _state.update(n_pes=ext.n_pes(), heap=parse_size(os.environ["NVSHMEM_SYMMETRIC_SIZE"]))
+    return _state["heap"]
+
+
+def parse_size(text: str) -> int:
+    """NVSHMEM's size syntax: a number with an optional K/M/G/T suffix (powers of 1024)."""
+    t = text.strip().upper().rstrip("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
+    return int(float(t[:-1] if mult > 1 else t) * mult)

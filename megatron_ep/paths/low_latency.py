@@ -1,0 +1,282 @@
+"""The low-latency (decode) path of the cuda backend: csrc/kernels/low_latency.cu through the
+separate extension `megatron_ep._C_ll` (NVSHMEM).
+
+One kernel per direction on the caller's stream, no host sync after the first call, fixed
+shapes (CUDA-graph capturable). With `return_recv_hook=True` a call launches only its send half
+and returns a hook that launches the receive half later (communication overlaps compute with
+no SM held). Calls alternate between two buffer sets, so two results whose receive half has not
+run can be in flight; a third raises before anything is sent. On the device a sender also waits,
+per receiver, until that receiver released the set after its previous receive half on it, so a
+slow peer is never overwritten.
+
+NVSHMEM is initialised once per process (megatron_ep/nvshmem.py) from the first group that uses
+it; the group must span every PE (nvshmem_malloc is collective).
+The buffer is sized by `Buffer(..., low_latency=dict(...))` up front, or by the first call
+(the largest of every rank's needs); later calls must fit, or raise naming what does not.
+
+Not checked across ranks on the host (that would be a sync): each call's signature (op, seq,
+dtype, hidden, top-k, experts, max_tokens_per_rank) travels as a hash in the count signals and
+a receiver that gets a different one raises CallMismatchError at the next call/synchronize.
+A rank that fails before launching leaves its peers to time out (CommTimeoutError naming it).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import nvshmem
+from .. import protocol as P
+from ..checks import FP8_BLOCK, FP8_DTYPE, fail
+from ..errors import BufferBrokenError, CallMismatchError, CommTimeoutError
+from ..runtime import max_num_sms
+from ..types import LowLatencyDispatchOutput, LowLatencyHandle
+
+_ext = None
+_ext_error = ""
+LIMIT_BYTES = int(os.environ.get("MEP_LL_MAX_BYTES", str(32 << 30)))  # per rank, both sets
+
+
+def load():
+    """megatron_ep._C_ll, or RuntimeError saying why it is unusable."""
+    global _ext, _ext_error
+    if _ext is None and not _ext_error:
+        try:
+            from .. import _C_ll
+
+            _ext = _C_ll
+        except ImportError as exc:
+            _ext_error = f"{type(exc).__name__}: {exc}"
+    if _ext is None:
+        raise RuntimeError(f"the low-latency path needs megatron_ep._C_ll, which is not usable ({_ext_error or 'not built'}); "
+                           f"it is built by setup.py when the pip package nvidia-nvshmem-cu13 is installed "
+                           f"(pip install nvidia-nvshmem-cu13, then rebuild), or use backend='torch'")
+    return _ext
+
+
+def buffer_bytes(num_ranks: int, num_experts: int, max_tokens_per_rank: int, hidden: int, topk: int = 8,
+                 use_fp8: bool = True) -> int:
+    """Size hint: bytes of one rank's symmetric buffer, both sets (about 2 x E x max_tokens x the
+    dispatch message, plus combine slots per (token, top-k slot)); from csrc/low_latency_layout.h."""
+    return int(load().plan(num_ranks, num_experts, max_tokens_per_rank, hidden, topk, use_fp8)["total"])
+
+
+def signature_hash(call: P.Call) -> int:
+    """31 bits of the call's signature, carried by every count signal and flag."""
+    return zlib.crc32(struct.pack(f"<{len(call.sig)}q", *call.sig)) & 0x7FFFFFFF
+
+
+@dataclass
+class _LLState:
+    src_slot: torch.Tensor  # [L, cap] int32: top-k slot of each row's token (its combine return slot)
+    set: int
+
+
+class _RecvHook:
+    """Launches a call's receive half on the current stream; once."""
+
+    def __init__(self, path: "LowLatencyPath", set_: int, launch: Callable[[], None]):
+        self.path, self.set, self._launch = path, set_, launch
+
+    def __call__(self) -> None:
+        fail(self._launch is not None, "this receive hook was already called", RuntimeError)
+        launch, self._launch = self._launch, None
+        self.path.pending[self.set] = None
+        launch()
+
+
+class LowLatencyPath:
+    def __init__(self, rt, capacity: Optional[dict] = None):
+        self.rt = rt
+        self.ext = load()
+        self.buf = None
+        self.cap: Optional[dict] = None
+        self.next_set = 0
+        self.pending = [None, None]  # per set: the call whose receive hook was not called yet
+        self.broken: Optional[str] = None
+        self.num_blocks = min(max_num_sms(rt.ranks_per_device, rt.sm_count), self.ext.MAX_BLOCKS)
+        if capacity is not None:
+            unknown = sorted(set(capacity) - set(_DEFAULTS))
+            fail(not unknown, f"low_latency=dict(...) takes {sorted(_DEFAULTS)}, got unknown keys {unknown}", TypeError)
+            self._create(self._agree({**_DEFAULTS, **capacity}))
+
+    # ------------------------------------------------------------------------------ buffer
+    def _agree(self, need: dict) -> dict:
+        every: list = [None] * self.rt.num_ranks
+        dist.all_gather_object(every, need, group=self.rt.group)
+        cap = {k: max(int(d[k]) for d in every) for k in ("num_experts", "max_tokens", "hidden", "topk")}
+        cap["fp8_only"] = all(d["fp8_only"] for d in every)
+        return cap
+
+    def _create(self, cap: dict) -> None:
+        rt = self.rt
+        R = rt.num_ranks
+        fail(R <= self.ext.MAX_RANKS, f"the low-latency path supports up to {self.ext.MAX_RANKS} ranks, got {R}")
+        fail(cap["num_experts"] <= P.MAX_EXPERTS, f"num_experts={cap['num_experts']} exceeds {P.MAX_EXPERTS}")
+        fail(cap["topk"] <= P.MAX_TOPK, f"topk={cap['topk']} exceeds {P.MAX_TOPK}")
+        plan = self.ext.plan(R, cap["num_experts"], cap["max_tokens"], cap["hidden"], cap["topk"], cap["fp8_only"])
+        fail(plan["total"] <= LIMIT_BYTES,
+             f"the low-latency buffer would take {plan['total'] / 2**30:.2f} GiB per rank (num_experts={cap['num_experts']}, "
+             f"max_tokens_per_rank={cap['max_tokens']}, hidden={cap['hidden']}, topk={cap['topk']}), above the limit of "
+             f"{LIMIT_BYTES / 2**30:.2f} GiB (MEP_LL_MAX_BYTES); lower max_tokens_per_rank", RuntimeError)
+        # room for two buffers: a re-created Buffer allocates before the old one is freed
+        heap = nvshmem.init(rt.group, rt.rank, R, rt.device, 2 * plan["total"], self.ext)
+        fail(plan["total"] + nvshmem.HEAP_MARGIN <= heap,
+             f"the low-latency buffer needs {plan['total']} bytes but NVSHMEM's symmetric heap has {heap} "
+             f"(NVSHMEM_SYMMETRIC_SIZE, fixed when NVSHMEM started in this process)", RuntimeError)
+        my_pe: list = [None] * R
+        dist.all_gather_object(my_pe, self.ext.my_pe(), group=rt.group)
+        self.buf = self.ext.LowLatencyBuffer(rt.device.index, rt.rank, my_pe, cap["num_experts"], cap["max_tokens"],
+                                             cap["hidden"], cap["topk"], cap["fp8_only"], rt.timeout_s)
+        dist.barrier(group=rt.group)
+        self.cap = cap
+
+    def _fit(self, num_experts: int, max_tokens: int, hidden: int, topk: int, fp8: bool) -> None:
+        """Create the buffer at the first call (collective, agreed over the group), or check the call fits."""
+        if self.buf is None:
+            fail(not torch.cuda.is_current_stream_capturing(),
+                 "the first low-latency call sizes the buffer (a collective): make one call before CUDA-graph capture, "
+                 "or pass Buffer(..., low_latency=dict(...))", RuntimeError)
+            self._create(self._agree(dict(num_experts=num_experts, max_tokens=max_tokens, hidden=hidden, topk=topk,
+                                          fp8_only=fp8)))
+        c = self.cap
+        short = [f"{name} {v} > {c[key]}" for name, key, v in (("num_experts", "num_experts", num_experts),
+                                                              ("max_tokens_per_rank", "max_tokens", max_tokens),
+                                                              ("hidden", "hidden", hidden), ("topk", "topk", topk)) if v > c[key]]
+        if not fp8 and c["fp8_only"]:
+            short.append("bf16 rows in a buffer sized for FP8 rows")
+        fail(not short, f"the low-latency buffer was sized for num_experts={c['num_experts']}, max_tokens_per_rank="
+                        f"{c['max_tokens']}, hidden={c['hidden']}, topk={c['topk']}{', FP8 only' if c['fp8_only'] else ''}; "
+                        f"this call does not fit ({', '.join(short)}): size it up front with "
+                        f"Buffer(..., low_latency=dict(num_experts=, max_tokens=, hidden=, topk=, fp8_only=))")
+
+    def _free_set(self, call: P.Call) -> int:
+        """The set this call uses (they alternate; `_launch` moves on only after a launch, so a
+        call that raises before it leaves every rank on the same set)."""
+        s = self.next_set
+        held = self.pending[s]
+        fail(held is None, f"{call.describe()}: two low-latency results whose receive hook was not called are in flight "
+                           f"(calls #{self.pending[0]} and #{self.pending[1]}); a third call would overwrite one: call the "
+                           f"hook of call #{held} first", RuntimeError)
+        return s
+
+    def close(self) -> None:
+        """Collective (nvshmem_free). A broken path keeps its memory: a peer that timed out or died
+        would never join the free, and waiting for it would turn an error into a hang."""
+        if self.buf is not None and not self.broken:
+            torch.cuda.synchronize(self.rt.device)
+            dist.barrier(group=self.rt.group)
+            self.buf.close()
+        self.buf = None
+
+    # ------------------------------------------------------------------------------ errors
+    def check(self, call: Optional[P.Call] = None) -> None:
+        """Raise what the kernels reported since the last check (a timeout breaks the path)."""
+        if self.broken:
+            raise BufferBrokenError(f"megatron_ep: low-latency communication failed earlier; re-create the Buffer: {self.broken}")
+        err = self.buf.error() if self.buf is not None else None
+        if err is None:
+            return
+        op = P.OP_NAMES.get(err["op"], "low-latency call")
+        if err["code"] == P.ERROR["mismatch"]:
+            self.buf.clear_error()
+            raise CallMismatchError(
+                f"megatron_ep {op}: rank {err['peer']} made a different call than rank {self.rt.rank} (signature hash "
+                f"{err['sig_got']:#x} vs {err['sig_expected']:#x}: op, call sequence, dtype, hidden, topk, num_experts or "
+                f"max_tokens_per_rank differ); its results were discarded" + (f" [reported at call #{call.seq}]" if call else ""))
+        self.broken = self._describe_timeout(op, err)
+        raise CommTimeoutError(f"megatron_ep: {self.broken}; this buffer must be re-created")
+
+    def _describe_timeout(self, op: str, err: dict) -> str:
+        me, s, e, peer = self.rt.rank, err["set"], err["expert"], err["peer"]
+        L = self.cap["num_experts"] // self.rt.num_ranks if self.cap else 0
+        head = f"rank {me} timed out after {self.rt.timeout_s:.0f}s in {op}"
+        what = {
+            0: f"waiting for rank {peer} to release low-latency buffer set {s} (its receive half of an earlier call on "
+               f"that set has not run: a receive hook not called, or the rank stopped)",
+            1: f"waiting for rank {peer}'s token count for local expert {e} (global expert {me * L + e}) in buffer set {s}",
+            2: f"waiting for rank {peer}'s combined rows of expert {e} in buffer set {s}",
+            3: f"waiting for its own sending warps (expert {e}): the kernel's blocks were not all resident (lower num_sms)",
+        }.get(err["what"], f"waiting on rank {peer}")
+        return f"{head} {what}"
+
+    # ---------------------------------------------------------------------------- dispatch
+    def dispatch(self, call: P.Call, x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, max_tokens_per_rank: int,
+                 use_fp8: bool, round_scale: bool, return_recv_hook: bool = False) -> LowLatencyDispatchOutput:
+        rt = self.rt
+        R, L = rt.num_ranks, num_experts // rt.num_ranks
+        T, H = x.shape
+        K = topk_idx.shape[1]
+        fail(x.dtype == torch.bfloat16, f"the cuda low-latency dispatch takes bf16 x, got {x.dtype}", TypeError)
+        fail(x.device == rt.device, f"x is on {x.device}, the buffer on {rt.device}")
+        fail(use_fp8 or H % 8 == 0, f"x: hidden size {H} must be a multiple of 8 for bf16 rows (16-byte copies)")
+        fail(not use_fp8 or H % FP8_BLOCK == 0, f"x: hidden size {H} must be a multiple of {FP8_BLOCK} for FP8")
+        self._fit(num_experts, max_tokens_per_rank, H, K, use_fp8)
+        s = self._free_set(call)
+        cap = R * max_tokens_per_rank
+        dev = x.device
+        out_x = torch.empty((L, cap, H), dtype=FP8_DTYPE if use_fp8 else torch.bfloat16, device=dev)
+        out_s = torch.empty((L, cap, H // FP8_BLOCK), dtype=torch.float32, device=dev) if use_fp8 else None
+        count = torch.empty(L, dtype=torch.int32, device=dev)
+        layout_range = torch.empty((L, R, 2), dtype=torch.int32, device=dev)
+        src = torch.empty((L, cap), dtype=torch.int32, device=dev)
+        slot = torch.empty((L, cap), dtype=torch.int32, device=dev)
+        rt.new_outputs([out_x, out_s, count, layout_range, src, slot])  # test poisoning, on this stream
+        sig = signature_hash(call)
+
+        def launch(phases: int) -> None:
+            self.buf.dispatch(x, topk_idx, num_experts, use_fp8, round_scale, s, phases, sig, out_x, out_s, count,
+                              layout_range, src, slot, self.num_blocks)
+
+        hook = self._launch(call, s, launch, return_recv_hook)
+        handle = LowLatencyHandle(backend="cuda", num_ranks=R, rank=rt.rank, num_experts=num_experts, num_tokens=T, topk=K,
+                                  max_tokens_per_rank=max_tokens_per_rank, hidden=H, layout_range=layout_range,
+                                  src_token=src, state=_LLState(slot, s), call_seq=call.seq)
+        return LowLatencyDispatchOutput((out_x, out_s) if use_fp8 else out_x, count, handle, None, hook)
+
+    # ----------------------------------------------------------------------------- combine
+    def combine(self, call: P.Call, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                handle: LowLatencyHandle, return_recv_hook: bool = False, out: Optional[torch.Tensor] = None):
+        """y [T, H] bf16; with return_recv_hook, (y, hook): y is valid once the hook ran."""
+        rt = self.rt
+        fail(handle.backend == "cuda" and isinstance(handle.state, _LLState), "the handle is not from a cuda low-latency dispatch")
+        fail(x.dtype == torch.bfloat16, f"the cuda low-latency combine takes bf16 expert outputs, got {x.dtype}", TypeError)
+        fail(x.device == rt.device, f"x is on {x.device}, the buffer on {rt.device}")
+        T, H = handle.num_tokens, handle.hidden
+        if out is None:
+            out = torch.empty((T, H), dtype=torch.bfloat16, device=x.device)
+        else:
+            fail(isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16 and tuple(out.shape) == (T, H) and out.is_contiguous()
+                 and out.device == x.device, f"out must be a contiguous bf16 tensor of shape {(T, H)} on {x.device}")
+        self._fit(handle.num_experts, handle.max_tokens_per_rank, H, handle.topk, True)  # combine rows are bf16 in any buffer
+        s = self._free_set(call)
+        weights = topk_weights.float().contiguous()  # a no-op for fp32 weights
+        st: _LLState = handle.state
+        sig = signature_hash(call)
+        rt.new_outputs([out])
+
+        def launch(phases: int) -> None:
+            self.buf.combine(x, handle.layout_range, handle.src_token, st.src_slot, topk_idx, weights, handle.num_experts,
+                             s, phases, sig, out, self.num_blocks)
+
+        hook = self._launch(call, s, launch, return_recv_hook)
+        return (out, hook) if return_recv_hook else out
+
+    def _launch(self, call: P.Call, s: int, launch: Callable[[int], None], return_recv_hook: bool) -> Optional[_RecvHook]:
+        if not return_recv_hook:
+            launch(self.ext.SEND | self.ext.RECV)
+            self.next_set = 1 - s
+            return None
+        launch(self.ext.SEND)
+        self.next_set = 1 - s
+        self.pending[s] = call.seq
+        return _RecvHook(self, s, lambda: launch(self.ext.RECV))
+
+
+_DEFAULTS = dict(num_experts=256, max_tokens=128, hidden=7168, topk=8, fp8_only=False)

@@ -1,0 +1,336 @@
+"""Benchmark of the low-latency (decode) path (a script, not a test).
+
+R processes, decode shape: T tokens per rank (a comma list, default 128,32,1), hidden 7168, top-8
+of 256 experts (uniform random routing, distinct experts per token), FP8 dispatch, bf16 combine.
+Rank r runs on GPU r % (GPUs visible): one process per GPU when there are enough GPUs, else
+virtual ranks sharing a GPU (run those under MPS, DESIGN §5). Each implementation runs in its own
+set of processes (DeepEP and ours both start NVSHMEM, once per process):
+
+  ours     megatron_ep's cuda low-latency path (public API): dispatch, combine, dispatch+combine,
+           and dispatch+combine with recv hooks (send half, then the hook), each captured as a
+           CUDA graph of --loop back-to-back calls (GPU time, no Python launch overhead; the
+           kernels' own signals keep the ranks in step)
+  torch    the torch backend's low-latency path over NCCL (eager: it syncs with the host)
+  nccl     all_to_all_single of the same messages (one FP8 message of H + H/128*4 + 16 bytes per
+           valid (token, expert), 2H bf16 bytes back), splits known in advance (eager)
+  deepep   DeepEP V1's low-latency kernels, if `deep_ep` imports (never part of this repository)
+torch, nccl and deepep need one GPU per process (NCCL refuses several ranks on one GPU).
+
+Each figure is the median over --reps repetitions of (time of --loop back-to-back calls) / loop,
+timed with CUDA events after --warmup calls. GB/s is DeepEP's accounting per rank: valid
+(token, expert) pairs x (H + H/128*4 + 16) bytes for dispatch, x 2H for combine, / time.
+
+    python3 scripts/bench_low_latency.py --ranks 2 --markdown /tmp/ll.md   # 2 GPUs, one rank each
+    python3 scripts/bench_low_latency.py --ranks 4                         # one GPU under MPS
+    python3 scripts/bench_low_latency.py --smoke                           # CPU: checks the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import traceback
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+import megatron_ep as mep  # noqa: E402
+from megatron_ep.fp8 import per_token_cast_back  # noqa: E402
+
+IMPLS = ("ours", "torch", "nccl", "deepep")
+
+
+def routing(T, E, K, H, seed, device):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else torch.empty((0, K), dtype=torch.int64)
+    x = torch.randn((T, H), generator=g).to(torch.bfloat16)
+    w = torch.rand((T, K), generator=g) + 0.5
+    return x.to(device), idx.to(device), w.to(device)
+
+
+def timed(fn, reps, warmup, sync_each=False):
+    """Median over reps of one call of fn (which itself may run `loop` calls), in us."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+def graph_of(fn, loop):
+    """A CUDA graph of `loop` back-to-back fn() calls (warmed up eagerly first)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(loop):
+            fn()
+    return g
+
+
+# ------------------------------------------------------------------------------ impls
+def bench_ours(a, T, x, idx, w, E, K, H, gloo):
+    buf = mep.Buffer(gloo, backend="cuda", low_latency=dict(num_experts=E, max_tokens=max(a.tokens), hidden=H, topk=K, fp8_only=True))
+    mt = max(a.tokens)
+    out = buf.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=mt)
+    rows = per_token_cast_back(*out.x)
+    handle = out.handle
+
+    def d():
+        buf.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=mt)
+
+    def c():
+        buf.low_latency_combine(rows, idx, w, handle)
+
+    def dc():
+        o = buf.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=mt)
+        buf.low_latency_combine(rows, idx, w, o.handle)
+
+    def dc_hook():
+        o = buf.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=mt, return_recv_hook=True)
+        o.hook()
+        _, hook = buf.low_latency_combine(rows, idx, w, o.handle, return_recv_hook=True)
+        hook()
+
+    res = {}
+    for name, fn in (("dispatch", d), ("combine", c), ("both", dc), ("hook", dc_hook)):
+        g = graph_of(fn, a.loop)
+        dist.barrier(group=gloo)
+        res[name] = timed(g.replay, a.reps, 2) / a.loop
+        del g  # its pool holds `loop` calls' outputs
+        torch.cuda.empty_cache()
+    buf.synchronize()
+    buf.destroy()
+    return res
+
+
+def bench_torch(a, T, x, idx, w, E, K, H, nccl):
+    buf = mep.Buffer(nccl, backend="torch")
+    mt = max(a.tokens)
+    out = buf.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=mt)
+    rows = per_token_cast_back(*out.x)
+    loop = max(1, a.loop // 4)
+
+    def d():
+        for _ in range(loop):
+            buf.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=mt)
+
+    def c():
+        for _ in range(loop):
+            buf.low_latency_combine(rows, idx, w, out.handle)
+
+    def dc():
+        for _ in range(loop):
+            o = buf.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=mt)
+            buf.low_latency_combine(rows, idx, w, o.handle)
+
+    return {name: timed(fn, a.reps, 1) / loop for name, fn in (("dispatch", d), ("combine", c), ("both", dc))}
+
+
+def bench_nccl(a, T, x, idx, w, E, K, H, nccl):
+    R = dist.get_world_size(nccl)
+    L = E // R
+    msg = H + H // 128 * 4 + 16
+    dst = idx[idx >= 0] // L
+    send = torch.bincount(dst, minlength=R)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=nccl)
+    send, recv = send.tolist(), recv.tolist()
+    d_in = torch.empty((sum(send), msg), dtype=torch.uint8, device=x.device)
+    d_out = torch.empty((sum(recv), msg), dtype=torch.uint8, device=x.device)
+    c_in = torch.empty((sum(recv), H), dtype=torch.bfloat16, device=x.device)
+    c_out = torch.empty((sum(send), H), dtype=torch.bfloat16, device=x.device)
+    loop = max(1, a.loop // 4)
+
+    def d():
+        for _ in range(loop):
+            dist.all_to_all_single(d_out, d_in, recv, send, group=nccl)
+
+    def c():
+        for _ in range(loop):
+            dist.all_to_all_single(c_out, c_in, send, recv, group=nccl)
+
+    def dc():
+        for _ in range(loop):
+            dist.all_to_all_single(d_out, d_in, recv, send, group=nccl)
+            dist.all_to_all_single(c_out, c_in, send, recv, group=nccl)
+
+    return {name: timed(fn, a.reps, 2) / loop for name, fn in (("dispatch", d), ("combine", c), ("both", dc))}
+
+
+def bench_deepep(a, T, x, idx, w, E, K, H, nccl):
+    import deep_ep
+
+    R = dist.get_world_size(nccl)
+    mt = max(a.tokens)
+    rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(mt, H, R, E)
+    buf = deep_ep.Buffer(nccl, 0, rdma, low_latency_mode=True, num_qps_per_rank=E // R)
+    recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, idx, mt, E, use_fp8=True)
+    y = torch.randn((E // R, R * mt, H), device=x.device).to(torch.bfloat16)
+
+    def d():
+        for _ in range(a.loop):
+            buf.low_latency_dispatch(x, idx, mt, E, use_fp8=True)
+
+    def c():
+        for _ in range(a.loop):
+            buf.low_latency_combine(y, idx, w, handle)
+
+    def dc():
+        for _ in range(a.loop):
+            buf.low_latency_dispatch(x, idx, mt, E, use_fp8=True)
+            buf.low_latency_combine(y, idx, w, handle)
+
+    def dc_hook():
+        for _ in range(a.loop):
+            _, _, h, _, hook = buf.low_latency_dispatch(x, idx, mt, E, use_fp8=True, return_recv_hook=True)
+            hook()
+            _, _, hook = buf.low_latency_combine(y, idx, w, h, return_recv_hook=True)
+            hook()
+
+    res = {name: timed(fn, a.reps, 1) / a.loop for name, fn in (("dispatch", d), ("combine", c), ("both", dc), ("hook", dc_hook))}
+    return res
+
+
+# ------------------------------------------------------------------------------ workers
+def worker(rank, a, impl, queue):
+    R = a.ranks
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a.port), RANK=str(rank), WORLD_SIZE=str(R))
+    cuda = torch.cuda.is_available() and not a.smoke
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("gloo", rank=rank, world_size=R)
+    gloo = dist.group.WORLD
+    results = {}
+    try:
+        nccl = dist.new_group(backend="nccl") if cuda and impl != "ours" else gloo
+        for T in a.tokens:
+            x, idx, w = routing(T, a.experts, a.topk, a.hidden, 1000 * rank + T, device)
+            args_ = (a, T, x, idx, w, a.experts, a.topk, a.hidden)
+            if a.smoke:  # CPU: the torch backend's path end to end, no timing
+                buf = mep.Buffer(gloo, backend="torch")
+                out = buf.low_latency_dispatch(x, idx, num_experts=a.experts, max_tokens_per_rank=max(a.tokens))
+                buf.low_latency_combine(per_token_cast_back(*out.x), idx, w, out.handle)
+                res = {"dispatch": 0.0, "combine": 0.0, "both": 0.0}
+            else:
+                res = {"ours": lambda: bench_ours(*args_, gloo), "torch": lambda: bench_torch(*args_, nccl),
+                       "nccl": lambda: bench_nccl(*args_, nccl), "deepep": lambda: bench_deepep(*args_, nccl)}[impl]()
+            res["pairs"] = int((idx >= 0).sum())
+            results[T] = res
+        queue.put((rank, results, None))
+    except Exception:  # noqa: BLE001 - reported in the table
+        queue.put((rank, None, traceback.format_exc(limit=3).strip().splitlines()[-1]))
+    dist.barrier(group=gloo)
+    dist.destroy_process_group()
+
+
+def run_impl(a, impl):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    a.port += 1
+    procs = [ctx.Process(target=worker, args=(r, a, impl, queue)) for r in range(a.ranks)]
+    for p in procs:
+        p.start()
+    got = [queue.get(timeout=a.timeout) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        if p.is_alive():
+            p.kill()
+    errors = [e for _, _, e in got if e]
+    if errors:
+        return None, errors[0]
+    per_rank = [res for _, res, _ in sorted(got, key=lambda g: g[0])]
+    # the slowest rank sets the figure
+    return {T: {k: max(r[T][k] for r in per_rank) for k in per_rank[0][T]} for T in a.tokens}, None
+
+
+def table(a, results) -> str:
+    H = a.hidden
+    d_bytes, c_bytes = H + H // 128 * 4 + 16, 2 * H
+    lines = ["| impl | tokens/rank | dispatch us | combine us | dispatch+combine us | with hook us | dispatch GB/s | combine GB/s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for impl, (res, err) in results.items():
+        if res is None:
+            lines.append(f"| {impl} | - | {err} | | | | | |")
+            continue
+        for T in a.tokens:
+            r = res[T]
+
+            def us(k):
+                return f"{r[k]:.1f}" if k in r and r[k] > 0 else "-"
+
+            def gbs(k, b):
+                return f"{r['pairs'] * b / (r[k] * 1e-6) / 1e9:.1f}" if r.get(k, 0) > 0 else "-"
+
+            lines.append(f"| {impl} | {T} | {us('dispatch')} | {us('combine')} | {us('both')} | {us('hook')} | "
+                         f"{gbs('dispatch', d_bytes)} | {gbs('combine', c_bytes)} |")
+    return "\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--tokens", type=lambda s: [int(v) for v in s.split(",")], default=[128, 32, 1])
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--loop", type=int, default=20, help="back-to-back calls per timed repetition")
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--impls", default=",".join(IMPLS))
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--markdown", help="also write the markdown table here")
+    p.add_argument("--json", help="also write the raw figures here")
+    p.add_argument("--smoke", action="store_true", help="CPU: the torch path end to end at a small shape, no timing")
+    a = p.parse_args()
+    if a.smoke:
+        a.ranks, a.tokens, a.hidden, a.experts, a.topk, a.impls = 2, [4, 1], 256, 16, 4, "torch"
+    a.port = 29500 + os.getpid() % 1000
+    ngpu = torch.cuda.device_count()
+    results = {}
+    for impl in a.impls.split(","):
+        if impl != "ours" and not a.smoke and a.ranks > ngpu:
+            results[impl] = (None, f"skipped (virtual ranks: {a.ranks} ranks on {ngpu} GPU(s); NCCL needs one GPU per rank)")
+            continue
+        if impl == "deepep":
+            try:
+                import deep_ep  # noqa: F401
+            except ImportError:
+                results[impl] = (None, "skipped (deep_ep not importable)")
+                continue
+        results[impl] = run_impl(a, impl)
+        print(f"{impl}: {'ok' if results[impl][0] else results[impl][1]}", flush=True)
+    md = (f"Low latency, {a.ranks} ranks on {max(ngpu, 1)} GPU(s), H {a.hidden}, top-{a.topk} of {a.experts}, FP8 dispatch, "
+          f"bf16 combine; median of {a.reps} x {a.loop} back-to-back calls; slowest rank\n\n" + table(a, results))
+    print(md)
+    if a.markdown:
+        with open(a.markdown, "w") as f:
+            f.write(md + "\n")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({k: v[0] for k, v in results.items()}, f, indent=1)
+    # only our own path failing fails the run (the baselines are optional and reported in the table)
+    sys.exit(1 if results.get("ours", (True, None))[0] is None and not results["ours"][1].startswith("skipped") else 0)
+
+
+if __name__ == "__main__":
+    main()

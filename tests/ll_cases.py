@@ -1,0 +1,355 @@
+"""Low-latency case bodies for the cuda backend (run on every rank of a DistPool; see
+tests/test_cuda_low_latency.py): CUDA-graph replays, the recv hook interleaved with compute, both
+buffer sets in flight, a timeout and a signature mismatch. Helpers shared with
+cases.run_low_latency_case: the process-wide buffer, FP8 edge values, power-of-two scales.
+
+Every rank builds the same global inputs from one seed and checks its own part; collectives run
+before any check so a failing rank never leaves its peers waiting.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+import megatron_ep as mep
+from megatron_ep.errors import BufferBrokenError, CallMismatchError, CommTimeoutError
+from megatron_ep.fp8 import per_token_cast_back, per_token_cast_to_fp8
+from oracle import expected_low_latency, make_inputs, split_x
+
+# One low-latency buffer per process fits every case (E <= 32 per rank at R = 8, T <= 128, K <= 9).
+LL_SIZING = dict(num_experts=256, max_tokens=128, hidden=7168, topk=9, fp8_only=False)
+_buffer = {}
+
+
+def ll_buffer(**sizing) -> mep.Buffer:
+    key = tuple(sorted(sizing.items()))
+    if key not in _buffer:
+        if os.environ.get("MEP_POISON") == "1":
+            from cases import poison_
+            from megatron_ep import runtime
+
+            runtime.set_output_hook(poison_)
+        _buffer[key] = mep.Buffer(dist.group.WORLD, backend="cuda", low_latency={**LL_SIZING, **sizing})
+    return _buffer[key]
+
+
+def pow2_cast(x):
+    return per_token_cast_to_fp8(x, round_scale=True)
+
+
+def edge_values_(inputs) -> None:
+    """Overwrite tokens with values that stress the FP8 cast: all zeros (the amax floor), tiny
+    values (subnormal e4m3 results), signed zeros, powers of two, huge values, alternating signs."""
+    for inp in inputs:
+        x = inp["x"]
+        T, H = x.shape
+        g = torch.Generator().manual_seed(T * 7 + H)
+        kinds = [torch.zeros(H), torch.randn(H, generator=g) * 1e-6, -torch.zeros(H),
+                 2.0 ** torch.randint(-20, 20, (H,), generator=g).float(), torch.randn(H, generator=g) * 1e30,
+                 torch.linspace(-448, 448, H), torch.randn(H, generator=g) * 1e-3 + 1.0]
+        for t in range(T):
+            x[t] = kinds[t % len(kinds)].to(x.dtype)
+
+
+def round_scale_expected_(exp: dict, inputs, R: int) -> None:
+    """Replace the oracle's FP8 rows by power-of-two-scale casts (megatron_ep.fp8, the formula the
+    kernel must match), using the oracle's own row placement."""
+    casts = [pow2_cast(inp["x"]) for inp in inputs]
+    L = exp["count"].shape[0]
+    for e in range(L):
+        for s in range(R):
+            b, n = exp["layout_range"][e, s].tolist()
+            tok = exp["src_token"][e, b:b + n].long()
+            exp["x"][e, b:b + n] = casts[s][0][tok]
+            exp["scales"][e, b:b + n] = casts[s][1][tok]
+
+
+def _dequant(x):
+    data, scales = split_x(x)
+    return per_token_cast_back(data, scales) if scales is not None else data
+
+
+def _expected_counts(inputs, rank, R, E):
+    """[L] counts and [L, R, 2] ranges for this rank, vectorised (cheap enough for every replay)."""
+    L = E // R
+    per = torch.stack([torch.bincount(inp["idx"][(inp["idx"] >= rank * L) & (inp["idx"] < (rank + 1) * L)] - rank * L,
+                                      minlength=L) for inp in inputs], dim=1)  # [L, R]
+    begin = torch.cumsum(per, dim=1) - per
+    return per.sum(1).to(torch.int32), torch.stack([begin, per], dim=-1).to(torch.int32)
+
+
+def _y_ref(me, use_fp8):
+    """Combine of the dispatched rows themselves: y[t] = (sum of valid w[t]) * dequant(x[t])."""
+    x = me["x"]
+    if use_fp8:
+        q, s = per_token_cast_to_fp8(x)
+        x = per_token_cast_back(q, s)
+    w = torch.where(me["idx"] >= 0, me["w"], torch.zeros_like(me["w"])).double().sum(1, keepdim=True)
+    return w * x.double()
+
+
+def _check_dispatch(chk, tag, out, inputs, rank, R, E, mt, use_fp8):
+    exp = expected_low_latency(inputs, rank, R, E, mt, use_fp8)
+    got_x, got_s = split_x(out.x)
+    chk.equal(f"{tag} count", out.count, exp["count"])
+    chk.equal(f"{tag} layout_range", out.handle.layout_range, exp["layout_range"])
+    for e in range(E // R):
+        n = int(exp["count"][e])
+        chk.equal(f"{tag} x[{e}]", got_x[e, :n], exp["x"][e, :n])
+        if use_fp8:
+            chk.equal(f"{tag} scales[{e}]", got_s[e, :n], exp["scales"][e, :n])
+        chk.equal(f"{tag} src_token[{e}]", out.handle.src_token[e, :n], exp["src_token"][e, :n])
+
+
+# --------------------------------------------------------------------------------- CUDA graph
+def run_ll_graph_case(cfg: dict) -> list:
+    """Dispatch + combine captured once, replayed `replays` times on new inputs (same shapes)."""
+    from cases import Checker
+
+    R, rank = dist.get_world_size(), dist.get_rank()
+    E, K, H, T, mt, fp8 = cfg["E"], cfg["K"], cfg["H"], cfg["T"], cfg["max_tokens"], cfg["fp8"]
+    buf = ll_buffer()
+    chk = Checker(f"[LL graph R={R} rank={rank}]")
+    inputs = make_inputs(cfg["seed"], R, E, K, H, [T] * R, "bf16", "random", 0.2)
+    x, idx, w = (inputs[rank][k].cuda() for k in ("x", "idx", "w"))
+
+    def step():
+        out = buf.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=mt, use_fp8=fp8)
+        y = buf.low_latency_combine(_dequant(out.x), idx, w, out.handle)
+        return out, y
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside capture (allocator, first launches)
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, y = step()
+    for it in range(cfg["replays"]):
+        fresh = make_inputs(cfg["seed"] + 31 * (it + 1), R, E, K, H, [T] * R, "bf16", "random", 0.2)
+        me = fresh[rank]
+        x.copy_(me["x"])
+        idx.copy_(me["idx"])
+        w.copy_(me["w"])
+        graph.replay()
+        torch.cuda.synchronize()
+        count, rng = _expected_counts(fresh, rank, R, E)
+        chk.equal(f"replay {it} count", out.count, count)
+        chk.equal(f"replay {it} layout_range", out.handle.layout_range, rng)
+        chk.close(f"replay {it} combine", y, _y_ref(me, fp8), 2e-2)
+        if it % 25 == 0:
+            _check_dispatch(chk, f"replay {it}", out, fresh, rank, R, E, mt, fp8)
+        if chk.errors:
+            break
+    buf.synchronize()
+    return chk.errors
+
+
+# ------------------------------------------------------------------------- hook + buffer sets
+def run_ll_hook_case(cfg: dict) -> list:
+    """The receive halves launched later by their hooks, a matmul on the same stream in between;
+    then two dispatches in flight at once (both buffer sets), a third refused, hooks called in
+    reverse order, everything exact; the buffer stays usable."""
+    from cases import Checker
+
+    R, rank = dist.get_world_size(), dist.get_rank()
+    E, K, H, mt = cfg["E"], cfg["K"], cfg["H"], cfg["max_tokens"]
+    buf = ll_buffer()
+    chk = Checker(f"[LL hook R={R} rank={rank}]")
+    g = torch.Generator().manual_seed(cfg["seed"])
+    a = torch.randn((512, 512), generator=g).cuda()
+    ref = a @ a
+
+    def inputs_for(i):
+        return make_inputs(cfg["seed"] + 100 * i, R, E, K, H, [cfg["T"] - i] * R, "bf16", "random", 0.2)
+
+    # one call, hook mode both ways, compute in between
+    inputs = inputs_for(0)
+    me = {k: v.cuda() for k, v in inputs[rank].items()}
+    out = buf.low_latency_dispatch(me["x"], me["idx"], num_experts=E, max_tokens_per_rank=mt, use_fp8=True,
+                                   return_recv_hook=True)
+    c1 = a @ a
+    if out.hook is None:
+        chk.errors.append("return_recv_hook=True gave no hook")
+        return chk.errors
+    out.hook()
+    y, hook = buf.low_latency_combine(_dequant(out.x), me["idx"], me["w"], out.handle, return_recv_hook=True)
+    c2 = a @ a
+    hook()
+    torch.cuda.synchronize()
+    _check_dispatch(chk, "hook", out, inputs, rank, R, E, mt, True)
+    chk.close("hook combine", y, _y_ref(inputs[rank], True), 2e-2)
+    chk.close("matmul between send and hook", c1, ref.double().cpu(), 1e-5)
+    chk.close("matmul between combine halves", c2, ref.double().cpu(), 1e-5)
+    try:
+        out.hook()
+        chk.errors.append("a hook ran twice")
+    except RuntimeError:
+        pass
+
+    # both buffer sets in flight; a third call is refused on every rank before anything moves
+    ins = [inputs_for(1), inputs_for(2)]
+    mes = [{k: v.cuda() for k, v in i[rank].items()} for i in ins]
+    outs = [buf.low_latency_dispatch(m["x"], m["idx"], num_experts=E, max_tokens_per_rank=mt, use_fp8=False,
+                                     return_recv_hook=True) for m in mes]
+    try:
+        buf.low_latency_dispatch(mes[0]["x"], mes[0]["idx"], num_experts=E, max_tokens_per_rank=mt)
+        chk.errors.append("a third low-latency call with two hooks pending did not raise")
+    except RuntimeError as exc:
+        if "in flight" not in str(exc):
+            chk.errors.append(f"third call: unexpected message {exc}")
+    outs[1].hook()
+    outs[0].hook()
+    ys = [buf.low_latency_combine(o.x, m["idx"], m["w"], o.handle) for o, m in zip(outs, mes)]
+    torch.cuda.synchronize()
+    for i in range(2):
+        _check_dispatch(chk, f"set {i}", outs[i], ins[i], rank, R, E, mt, False)
+        chk.close(f"set {i} combine", ys[i], _y_ref(ins[i][rank], False), 2e-2)
+    # usable afterwards, with an `out=` tensor
+    y_out = torch.empty((me["x"].shape[0], H), dtype=torch.bfloat16, device="cuda")
+    out = buf.low_latency_dispatch(me["x"], me["idx"], num_experts=E, max_tokens_per_rank=mt, use_fp8=True)
+    got = buf.low_latency_combine(_dequant(out.x), me["idx"], me["w"], out.handle, out=y_out)
+    buf.synchronize()
+    if got.data_ptr() != y_out.data_ptr():
+        chk.errors.append("combine(out=) did not write into out")
+    chk.close("after both sets", y_out, _y_ref(inputs[rank], True), 2e-2)
+    return chk.errors
+
+
+# ------------------------------------------------------------------------------- failures
+def run_ll_timeout_case(absent_rank: int) -> list:
+    """One rank never calls: the others raise CommTimeoutError naming it and what they waited on,
+    then BufferBrokenError; nobody hangs."""
+    rank, R = dist.get_rank(), dist.get_world_size()
+    E = 4 * R
+    buf = mep.Buffer(dist.group.WORLD, backend="cuda", low_latency=dict(num_experts=E, max_tokens=8, hidden=256, topk=2))
+    dist.barrier()
+    if rank == absent_rank:
+        return []
+    x = torch.randn((4, 256), device="cuda").to(torch.bfloat16)
+    idx = torch.tensor([[0, E - 1]] * 4, device="cuda")
+    errors = []
+    try:
+        buf.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=8)
+        buf.synchronize()
+        errors.append(f"rank {rank}: low-latency dispatch without rank {absent_rank} did not raise")
+    except CommTimeoutError as exc:
+        if f"rank {absent_rank}" not in str(exc) or "waiting for" not in str(exc):
+            errors.append(f"rank {rank}: unexpected message {exc}")
+    try:
+        buf.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=8)
+        errors.append(f"rank {rank}: a broken low-latency buffer accepted a call")
+    except BufferBrokenError:
+        pass
+    return errors
+
+
+def run_ll_mismatch_case(_cfg=None) -> list:
+    """Rank 0 passes a different max_tokens_per_rank: every rank raises CallMismatchError (the
+    signature travels with the count signals); the protocol stays in step and the buffer usable."""
+    rank, R = dist.get_rank(), dist.get_world_size()
+    E, H = 4 * R, 256
+    buf = ll_buffer()
+    inputs = make_inputs(77, R, E, 2, H, [6] * R, "bf16", "random", 0.0)
+    me = {k: v.cuda() for k, v in inputs[rank].items()}
+    errors = []
+    try:
+        buf.low_latency_dispatch(me["x"], me["idx"], num_experts=E, max_tokens_per_rank=8 if rank == 0 else 16)
+        buf.synchronize()
+        errors.append(f"rank {rank}: mismatched calls did not raise")
+    except CallMismatchError as exc:
+        if "signature" not in str(exc):
+            errors.append(f"rank {rank}: unexpected message {exc}")
+    out = buf.low_latency_dispatch(me["x"], me["idx"], num_experts=E, max_tokens_per_rank=16, use_fp8=False)
+    buf.synchronize()
+    from cases import Checker
+
+    chk = Checker(f"[LL after mismatch rank={rank}]")
+    _check_dispatch(chk, "after", out, inputs, rank, R, E, 16, False)
+    return errors + chk.errors
+
+
+def run_ll_bad_inputs(_cfg=None) -> list:
+    """cuda-only refusals, raised on every rank before anything is sent."""
+    R = dist.get_world_size()
+    buf = ll_buffer()
+    E = 2 * R
+    x = torch.randn((4, 256), device="cuda").to(torch.bfloat16)
+    idx = torch.tensor([[0, 1]] * 4, device="cuda")
+    errors = []
+    for name, fn, exc, text in [
+        ("fp32 x", lambda: buf.low_latency_dispatch(x.float(), idx, num_experts=E), TypeError, "bf16"),
+        ("over capacity", lambda: buf.low_latency_dispatch(torch.zeros((4, 8192), dtype=torch.bfloat16, device="cuda"), idx,
+                                                            num_experts=E), ValueError, "sized for"),
+        ("bf16 hidden", lambda: buf.low_latency_dispatch(x[:, :100].contiguous(), idx, num_experts=E, use_fp8=False),
+         ValueError, "multiple of 8"),
+    ]:
+        try:
+            fn()
+            errors.append(f"{name}: did not raise")
+        except exc as e:
+            if text not in str(e):
+                errors.append(f"{name}: message {e!r} lacks {text!r}")
+    out = buf.low_latency_dispatch(x, idx, num_experts=E)  # still usable
+    try:
+        buf.low_latency_combine(out.x[0].float(), idx,
+                                torch.ones((4, 2), device="cuda"), out.handle)
+        errors.append("fp32 combine: did not raise")
+    except TypeError:
+        pass
+    buf.synchronize()
+    return errors
+
+
+# ------------------------------------------------------------------------------ decode layer
+def run_ll_decode_layer_case(cfg: dict, backend: str = "cuda", device: str = "cuda") -> list:
+    """DecodeMoELayer (LL dispatch -> masked expert MLP -> LL combine) against a dense fp32
+    reference with the same FP8 inputs and bf16 weights, eagerly and (cuda) replayed from a
+    CUDA graph. On the torch backend (CPU) it checks the layer's own logic."""
+    from cases import Checker, get_buffer
+    from megatron_ep.experts.decode_layer import DecodeMoELayer
+
+    R, rank = dist.get_world_size(), dist.get_rank()
+    E, K, H, F, T, mt = cfg["E"], cfg["K"], cfg["H"], cfg["F"], cfg["T"], cfg["max_tokens"]
+    L = E // R
+    chk = Checker(f"[decode layer R={R} rank={rank} {backend}]")
+    g = torch.Generator().manual_seed(cfg["seed"])
+    w1 = (torch.randn((E, 2 * F, H), generator=g) / H ** 0.5).to(torch.bfloat16)
+    w2 = (torch.randn((E, H, F), generator=g) / F ** 0.5).to(torch.bfloat16)
+    buf = ll_buffer() if backend == "cuda" else get_buffer(backend)
+    layer = DecodeMoELayer(buf, E, w1[rank * L:(rank + 1) * L].to(device), w2[rank * L:(rank + 1) * L].to(device),
+                           max_tokens_per_rank=mt, use_fp8=True)
+
+    def reference(me):
+        xq = per_token_cast_back(*per_token_cast_to_fp8(me["x"])).float()
+        y = torch.zeros((T, H), dtype=torch.float64)
+        for e in me["idx"][me["idx"] >= 0].unique().tolist():
+            t, k = (me["idx"] == e).nonzero(as_tuple=True)
+            a, b = (xq[t] @ w1[e].float().T).chunk(2, dim=-1)
+            h = torch.nn.functional.silu(a) * b
+            y.index_add_(0, t, (me["w"][t, k].unsqueeze(1) * (h @ w2[e].float().T)).double())
+        return y
+
+    inputs = make_inputs(cfg["seed"], R, E, K, H, [T] * R, "bf16", "random", 0.2)
+    x, idx, w = (inputs[rank][k].to(device) for k in ("x", "idx", "w"))
+    y = layer(x, idx, w)
+    chk.close("eager", y, reference(inputs[rank]), 5e-2)
+    if device == "cpu":
+        return chk.errors
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = layer(x, idx, w)
+    for it in range(3):
+        fresh = make_inputs(cfg["seed"] + it + 1, R, E, K, H, [T] * R, "bf16", "random", 0.2)
+        for dst, k in ((x, "x"), (idx, "idx"), (w, "w")):
+            dst.copy_(fresh[rank][k])
+        graph.replay()
+        torch.cuda.synchronize()
+        chk.close(f"replay {it}", y, reference(fresh[rank]), 5e-2)
+    layer.buffer.synchronize()
+    return chk.errors

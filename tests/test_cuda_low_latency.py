@@ -1,0 +1,106 @@
+"""The cuda low-latency path (NVSHMEM, megatron_ep._C_ll) against the dense oracle and the torch
+backend's contract, with R = 2 (one process per GPU when there are two) and R = 4, 8 virtual
+ranks (several processes per GPU; run under MPS, see scripts/gpu_check.sh). Outputs are poisoned
+before every kernel (MEP_POISON=1)."""
+
+import pytest
+import torch
+
+import cases
+import ll_cases
+import megatron_ep
+from case_lists import _token_counts
+from distpool import DistPool
+from gpu_pools import ENV, GpuPools
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (torch.cuda.is_available() and megatron_ep.cuda_backend_available()),
+                       reason="needs a CUDA GPU and the built extension"),
+]
+
+POOLS = GpuPools()
+pool_ = POOLS.get
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_pools():
+    yield
+    POOLS.close()
+
+
+def _flat(per_rank):
+    return [e for rank_errors in per_rank for e in rank_errors]
+
+
+def ll_cases_for(R):
+    """Both wire formats, -1 slots, empty ranks, 1 to 128 tokens, the decode shape, power-of-two
+    scales and FP8 edge values."""
+    out = []
+    for i, (epr, K, H, fp8, pattern, t_max, extra) in enumerate([
+        (4, 4, 256, True, "random", 20, {}),
+        (4, 4, 256, False, "random", 20, {}),
+        (1, 2, 128, True, "one_expert", 20, {}),
+        (32, 9, 128, False, "same_rank", 40, {}),
+        (8, 8, 1024, True, "hot", 64, {"round_scale": True}),
+        (4, 4, 512, True, "random", 14, {"x_edge": True}),
+        (16, 8, 2048, True, "random", 1, {"Ts": [1] * R}),
+        # the decode shape (E = 256, H = 7168); 128 tokens at R = 2, 32 with virtual ranks (the oracle's
+        # host copies of every rank's [E/R, R*mt, H] outputs grow with E * mt)
+        (256 // R, 8, 7168, True, "random", 128, {"Ts": [128 if R == 2 else 32] * R}),
+    ]):
+        seed = 7000 * R + i
+        Ts = extra.pop("Ts", None) or _token_counts(seed, R, t_max)
+        mt = max(Ts) if t_max == 128 else max(Ts) + 3
+        out.append(dict(seed=seed, E=epr * R, K=K, H=H, fp8=fp8, pattern=pattern, Ts=Ts, max_tokens=mt, **extra))
+    return out
+
+
+@pytest.mark.parametrize("R", [2, 4, 8])
+def test_low_latency_cases(R):
+    errors = _flat(pool_(R).run(cases.run_low_latency_cases, ll_cases_for(R), backend="cuda", device="cuda", timeout=600))
+    assert not errors, "\n".join(errors[:20])
+
+
+@pytest.mark.parametrize("R", [2, 4, 8])
+def test_cuda_graph_replays(R):
+    """Dispatch + combine captured once and replayed 100 times with new data."""
+    cfg = dict(seed=91 + R, E=8 * R, K=8, H=1024, T=48, max_tokens=64, fp8=True, replays=100)
+    errors = _flat(pool_(R).run(ll_cases.run_ll_graph_case, cfg, timeout=600))
+    assert not errors, "\n".join(errors[:20])
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_hook_and_buffer_sets(R):
+    cfg = dict(seed=17 + R, E=8 * R, K=6, H=512, T=32, max_tokens=32)
+    errors = _flat(pool_(R).run(ll_cases.run_ll_hook_case, cfg, timeout=600))
+    assert not errors, "\n".join(errors[:20])
+
+
+@pytest.mark.parametrize("R", [2])
+def test_signature_mismatch(R):
+    errors = _flat(pool_(R).run(ll_cases.run_ll_mismatch_case, timeout=300))
+    assert not errors, "\n".join(errors[:20])
+
+
+@pytest.mark.parametrize("R", [2])
+def test_bad_inputs(R):
+    errors = _flat(pool_(R).run(ll_cases.run_ll_bad_inputs, timeout=300))
+    assert not errors, "\n".join(errors[:20])
+
+
+def test_timeout_names_the_missing_rank():
+    p = DistPool(2, env={**ENV, "MEP_TIMEOUT_S": "3"})
+    try:
+        errors = _flat(p.run(ll_cases.run_ll_timeout_case, 1, timeout=180))
+    finally:
+        p.close()
+    assert not errors, "\n".join(errors)
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_decode_layer(R):
+    """LL dispatch -> masked grouped GEMM -> LL combine against a dense reference, eager and graph."""
+    cfg = dict(seed=5 + R, E=8 * R, K=4, H=512, F=256, T=24, max_tokens=32)
+    errors = _flat(pool_(R).run(ll_cases.run_ll_decode_layer_case, cfg, timeout=600))
+    assert not errors, "\n".join(errors[:20])

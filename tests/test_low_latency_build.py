@@ -1,0 +1,103 @@
+"""The low-latency extension `_C_ll` (NVSHMEM) is built by setup wherever `_C` is and the pip
+NVSHMEM is installed, links NVSHMEM's host library and carries its device code, imports without a
+GPU, and its layout (the one owner of the buffer's size) places every section inside the buffer."""
+
+import glob
+import os
+import shutil
+import subprocess
+
+import pytest
+
+import megatron_ep
+from megatron_ep.paths import low_latency as LL
+
+PKG = os.path.dirname(megatron_ep.__file__)
+
+
+def _nvshmem_installed() -> bool:
+    try:
+        import nvidia.nvshmem  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _built():
+    return glob.glob(os.path.join(PKG, "_C_ll*.so"))
+
+
+@pytest.fixture(scope="module")
+def so():
+    cuda_built = glob.glob(os.path.join(PKG, "_C.*.so"))
+    required = os.environ.get("MEP_REQUIRE_EXTENSION") == "1"
+    if not _built() and not (required or cuda_built):
+        pytest.skip("no CUDA extension built here (set MEP_REQUIRE_EXTENSION=1 to require it)")
+    if not _nvshmem_installed():
+        pytest.skip("nvidia-nvshmem-cu13 is not installed: setup.py skips _C_ll (by design)")
+    built = _built()
+    assert built, f"megatron_ep._C_ll was not built under {PKG} although _C was and NVSHMEM is installed"
+    return built[0]
+
+
+def test_links_nvshmem_and_has_device_code(so):
+    if shutil.which("ldd"):
+        out = subprocess.run(["ldd", so], capture_output=True, text=True).stdout
+        line = next((ln for ln in out.splitlines() if "libnvshmem_host" in ln), "")
+        assert line and "not found" not in line, f"_C_ll does not resolve NVSHMEM's host library:\n{out}"
+    if shutil.which("nm"):  # NVSHMEM's static device library (its init half) was linked in
+        syms = subprocess.run(["nm", "-C", so], capture_output=True, text=True).stdout
+        assert "nvshmemi_init_thread" in syms, "_C_ll lacks libnvshmem_device.a's nvshmemi_init_thread"
+    cuobjdump = shutil.which("cuobjdump") or os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "cuobjdump")
+    if os.path.exists(cuobjdump):
+        elf = subprocess.run([cuobjdump, "--list-elf", so], capture_output=True, text=True).stdout
+        assert "sm_90" in elf, f"_C_ll carries no sm_90 device code:\n{elf}"
+
+
+def test_imports_without_a_gpu_and_plans(so):
+    ext = LL.load()  # NVSHMEM's host library loads lazily: no GPU or driver needed to import
+    R, E, mt, H, K = 8, 256, 128, 7168, 8
+    plan = ext.plan(R, E, mt, H, K, True)
+    msg = 16 + H + H // 128 * 4  # DeepEP's accounting: header + FP8 data + scales
+    assert plan["d_msg"] == msg and plan["c_row"] == 2 * H
+    sections = ["d_recv", "c_recv", "d_count", "c_flag", "release"]
+    offs = [plan[s] for s in sections]
+    assert offs == sorted(offs) and all(o % 256 == 0 for o in offs)
+    assert plan["d_recv"] + (E // R) * R * mt * msg <= plan["c_recv"]  # [L][R][mt] dispatch slots
+    assert plan["c_recv"] + mt * K * 2 * H <= plan["d_count"]           # [mt][K] combine slots
+    assert plan["release"] + 64 * 8 <= plan["set_bytes"]
+    assert plan["state"] == 2 * plan["set_bytes"] and plan["total"] > plan["state"]  # two sets, then local state
+    # the hint: about two sets of E * max_tokens * message bytes
+    hint = LL.buffer_bytes(R, E, mt, H, K, use_fp8=True)
+    assert 2 * E * mt * msg <= hint <= 2 * E * mt * msg * 1.2
+    bf16 = ext.plan(R, E, mt, H, K, False)
+    assert bf16["d_msg"] == 16 + 2 * H and bf16["total"] > plan["total"]
+
+
+def test_missing_extension_is_named(monkeypatch):
+    monkeypatch.setattr(LL, "_ext", None)
+    monkeypatch.setattr(LL, "_ext_error", "ImportError: libnvshmem_host.so.3: cannot open shared object file")
+    with pytest.raises(RuntimeError, match="nvidia-nvshmem-cu13") as info:
+        LL.load()
+    assert "libnvshmem_host.so.3" in str(info.value)
+
+
+def test_signature_hash_tells_calls_apart():
+    from megatron_ep import protocol as P
+
+    a = P.Call(P.OP["low_latency_dispatch"], 3).set(hidden=7168, topk=8, num_experts=256, max_tokens_per_rank=128)
+    b = P.Call(P.OP["low_latency_dispatch"], 3).set(hidden=7168, topk=8, num_experts=256, max_tokens_per_rank=64)
+    c = P.Call(P.OP["low_latency_dispatch"], 3).set(hidden=7168, topk=8, num_experts=256, max_tokens_per_rank=128)
+    assert LL.signature_hash(a) == LL.signature_hash(c) != LL.signature_hash(b)
+    assert 0 <= LL.signature_hash(a) < 2**31
+
+
+def test_bench_script_smoke():
+    """scripts/bench_low_latency.py end to end on CPU (the torch path, 2 gloo ranks, no timing)."""
+    import sys
+
+    root = os.path.dirname(PKG)
+    res = subprocess.run([sys.executable, os.path.join(root, "scripts", "bench_low_latency.py"), "--smoke"],
+                         capture_output=True, text=True, timeout=300, cwd=root)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "| torch | 4 |" in res.stdout and "| torch | 1 |" in res.stdout, res.stdout

@@ -1,0 +1,155 @@
+"""The host side of the cuda low-latency path (megatron_ep/paths/low_latency.py) on CPU, with the
+extension's buffer replaced by a recorder: buffer-set alternation, the recv-hook bookkeeping
+(two results in flight, a third refused before anything launches), capacity errors, and the
+decoding of what the kernels report (timeouts name the rank and the wait; mismatches clear)."""
+
+import os
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_ep import nvshmem
+from megatron_ep import protocol as P
+from megatron_ep.errors import BufferBrokenError, CallMismatchError, CommTimeoutError
+from megatron_ep.paths import low_latency as LL
+
+
+class FakeBuffer:
+    """Stands in for _C_ll.LowLatencyBuffer: records launches, reports a settable error."""
+
+    def __init__(self, device, rank, pes, E, mt, H, K, fp8_only, timeout_s):
+        self.cap = (E, mt, H, K, fp8_only)
+        self.launches = []  # (op, set, phases)
+        self.err = None
+        self.cleared = 0
+
+    def dispatch(self, x, idx, E, fp8, round_scale, s, phases, sig, *outs_and_blocks):
+        self.launches.append(("dispatch", s, phases))
+
+    def combine(self, x, rng, src, slot, idx, w, E, s, phases, sig, y, num_blocks):
+        self.launches.append(("combine", s, phases))
+
+    def error(self):
+        return self.err
+
+    def clear_error(self):
+        self.err, self.cleared = None, self.cleared + 1
+
+
+@pytest.fixture()
+def path(monkeypatch):
+    try:
+        real = LL.load()
+    except RuntimeError as exc:
+        pytest.skip(f"_C_ll not built here ({exc})")
+    fake = types.SimpleNamespace(plan=real.plan, MAX_BLOCKS=real.MAX_BLOCKS, MAX_RANKS=real.MAX_RANKS, SEND=real.SEND,
+                                 RECV=real.RECV, my_pe=lambda: 0, LowLatencyBuffer=FakeBuffer)
+    monkeypatch.setattr(LL, "_ext", fake)
+    monkeypatch.setattr(nvshmem, "init", lambda *a: 1 << 40)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    rt = types.SimpleNamespace(group=dist.group.WORLD, rank=0, num_ranks=1, device=torch.device("cpu"),
+                               ranks_per_device=1, sm_count=132, timeout_s=5.0, new_outputs=lambda ts: False)
+    try:
+        yield LL.LowLatencyPath(rt, dict(num_experts=8, max_tokens=16, hidden=256, topk=4))
+    finally:
+        dist.destroy_process_group()
+
+
+def _inputs(T=5, H=256, E=8, K=4):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn((T, H), generator=g).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    return x, idx, torch.rand((T, K), generator=g)
+
+
+def _call(op, seq):
+    return P.Call(P.OP[op], seq)
+
+
+def test_sets_alternate_and_hooks_hold_them(path):
+    x, idx, w = _inputs()
+    seq = iter(range(1, 100))
+    out = path.dispatch(_call("low_latency_dispatch", next(seq)), x, idx, 8, 16, True, False)
+    assert out.hook is None and out.x[0].shape == (8, 16, 256) and out.x[1].shape == (8, 16, 2)
+    y = path.combine(_call("low_latency_combine", next(seq)), torch.zeros((8, 16, 256), dtype=torch.bfloat16), idx, w,
+                     out.handle)
+    assert y.shape == (5, 256) and y.dtype == torch.bfloat16
+    both = path.ext.SEND | path.ext.RECV
+    assert path.buf.launches == [("dispatch", 0, both), ("combine", 1, both)]
+
+    a = path.dispatch(_call("low_latency_dispatch", next(seq)), x, idx, 8, 16, False, False, return_recv_hook=True)
+    b = path.dispatch(_call("low_latency_dispatch", next(seq)), x, idx, 8, 16, False, False, return_recv_hook=True)
+    with pytest.raises(RuntimeError, match="in flight"):
+        path.dispatch(_call("low_latency_dispatch", next(seq)), x, idx, 8, 16, True, False)
+    b.hook()  # set 1 is free again, but the next call needs set 0, still held by `a`
+    with pytest.raises(RuntimeError, match="hook of call #3"):
+        path.dispatch(_call("low_latency_dispatch", next(seq)), x, idx, 8, 16, True, False)
+    a.hook()
+    with pytest.raises(RuntimeError, match="already called"):
+        a.hook()
+    y, hook = path.combine(_call("low_latency_combine", next(seq)), torch.zeros((8, 16, 256), dtype=torch.bfloat16), idx,
+                           w, a.handle, return_recv_hook=True)
+    hook()
+    send, recv = path.ext.SEND, path.ext.RECV
+    assert path.buf.launches[2:] == [("dispatch", 0, send), ("dispatch", 1, send), ("dispatch", 1, recv),
+                                     ("dispatch", 0, recv), ("combine", 0, send), ("combine", 0, recv)]
+
+
+def test_capacity_and_argument_errors(path):
+    x, idx, w = _inputs(H=512)
+    with pytest.raises(ValueError, match="sized for.*hidden 512 > 256"):
+        path.dispatch(_call("low_latency_dispatch", 1), x, idx, 8, 16, True, False)
+    x, idx, w = _inputs()
+    with pytest.raises(ValueError, match="bf16 rows in a buffer sized for FP8|sized for"):
+        path.dispatch(_call("low_latency_dispatch", 1), x, idx, 8, 32, True, False)
+    with pytest.raises(TypeError, match="bf16"):
+        path.dispatch(_call("low_latency_dispatch", 1), x.float(), idx, 8, 16, True, False)
+    assert path.buf.launches == [] and path.next_set == 0  # nothing launched, every rank still on set 0
+    with pytest.raises(TypeError, match="unknown keys"):
+        LL.LowLatencyPath(path.rt, dict(max_tokens_per_rank=16))
+
+
+def test_kernel_reports_become_named_errors(path):
+    x, idx, w = _inputs()
+    path.buf.err = dict(code=P.ERROR["mismatch"], op=P.OP["low_latency_dispatch"], what=1, expert=2, peer=0, set=0,
+                        sig_expected=0x1234, sig_got=0x99)
+    with pytest.raises(CallMismatchError, match="signature hash 0x99 vs 0x1234"):
+        path.check()
+    assert path.buf.cleared == 1
+    path.check()  # cleared: usable
+    path.buf.err = dict(code=P.ERROR["timeout"], op=P.OP["low_latency_dispatch"], what=1, expert=3, peer=0, set=1,
+                        sig_expected=0, sig_got=0)
+    with pytest.raises(CommTimeoutError, match="rank 0's token count for local expert 3 .* buffer set 1"):
+        path.check()
+    with pytest.raises(BufferBrokenError):
+        path.check()
+
+
+def test_size_syntax():
+    p = nvshmem.parse_size
+    assert p("2G") == 2 << 30 and p("512m") == 512 << 20 and p("4096") == 4096 and p("1.5g") == 3 << 29
+
+
+def test_decode_layer_on_the_torch_backend(pools):
+    """DecodeMoELayer's own logic (dispatch -> masked MLP -> combine) on 2 gloo ranks against a
+    dense reference; the cuda run of the same case is in tests/test_cuda_low_latency.py."""
+    import ll_cases
+
+    cfg = dict(seed=3, E=8, K=3, H=256, F=128, T=6, max_tokens=8)
+    errors = [e for r in pools(2).run(ll_cases.run_ll_decode_layer_case, cfg, backend="torch", device="cpu") for e in r]
+    assert not errors, "\n".join(errors)
+
+
+def test_round_scale_and_edge_value_cases_on_the_torch_backend(pools):
+    """The GPU suite's extra low-latency cases (power-of-two scales, FP8 edge values) hold on the
+    torch backend, so a failure on the GPU points at the kernels, not at the case helpers."""
+    import cases
+
+    cfgs = [dict(seed=11, E=8, K=4, H=256, fp8=True, pattern="hot", Ts=[5, 3], max_tokens=8, round_scale=True),
+            dict(seed=12, E=8, K=4, H=512, fp8=True, pattern="random", Ts=[7, 7], max_tokens=8, x_edge=True)]
+    errors = [e for r in pools(2).run(cases.run_low_latency_cases, cfgs) for e in r]
+    assert not errors, "\n".join(errors)
