@@ -41,6 +41,9 @@ NGPU=$(nvidia-smi -L | wc -l)
 if [ -f .carry/build_deepep.sh ] && { has bench || has megatron; }; then
   OUT=/tmp bash .carry/build_deepep.sh intranode > /tmp/deepep_start.log 2>&1
 fi
+if [ -f .carry/build_deepep.sh ] && has lowlat; then  # DeepEP against the pip NVSHMEM: its LL kernels
+  OUT=/tmp bash .carry/build_deepep.sh full > /tmp/deepep_full_start.log 2>&1
+fi
 
 if has build; then
   phase build
@@ -97,8 +100,12 @@ if has lowlat; then
   fi
   if [[ "$llparts" == *",bench,"* ]]; then
     llr=${MEP_LL_RANKS:-2}
+    for _ in $(seq 240); do [ ! -f .carry/build_deepep.sh ] || [ -e /tmp/deepep_full.done ] && break; sleep 1; done
+    cat /tmp/deepep_full.done 2>/dev/null
+    llpath=$PYTHONPATH  # the full DeepEP build first: an intranode-only one has no LL kernels
+    [ -e /tmp/deepep_full.ok ] && llpath=/tmp/deepep/full${PYTHONPATH:+:$PYTHONPATH}
     [ "$llr" -gt "$NGPU" ] && start_mps
-    timeout "${MEP_LL_BENCH_TIMEOUT:-400}" python3 scripts/bench_low_latency.py --ranks "$llr" ${MEP_LL_BENCH_ARGS:-} \
+    PYTHONPATH=$llpath timeout "${MEP_LL_BENCH_TIMEOUT:-400}" python3 scripts/bench_low_latency.py --ranks "$llr" ${MEP_LL_BENCH_ARGS:-} \
       --markdown "$OUT/ll_bench.md" --json "$OUT/ll_bench.json" > "$OUT/ll_bench.log" 2>&1 || { status=1; echo "LL bench failed"; }
     grep -v "^\[" "$OUT/ll_bench.log" | tail -30
     stop_mps
