@@ -47,7 +47,7 @@ inline const char* slot_name(int s) {
 
 enum GridCounter : int {
   kGridStage = 0, kGridDispatch = 1, kGridStageComb = 2, kGridCombine = 3, kGridBarrier = 4, kGridPush = 5,
-  kGridFail = 6, kGridNotify = 7
+  kGridFail = 6
 };
 
 // What a call does. Ranks must call the same op with the same arguments (below) in the same order.

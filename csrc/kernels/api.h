@@ -25,8 +25,9 @@ void launch_fail_call(const Ctx& ctx, const CallArgs& call, int slot, cudaStream
 // notify: counts, the call exchange (records + counts with every peer), prefix sums, and for
 // each (token, rank) and (token, slot) the row it will occupy in the destination's rank-major /
 // expert-major output; this rank's receive layout (RecvInfo) on the device and, with `tag` last,
-// the sizes and the group's largest needs in the mapped host block. One launch: per-chunk counts
-// and rows inside the chunk, grid barrier, exchange (block 0), grid barrier, rows += bases.
+// the sizes and the group's largest needs in the mapped host block. Three launches: per-chunk
+// counts (grid), exchange (one block), positions (grid). (A one-launch version with grid
+// barriers was measured slower on 2 x H200: its token passes ran on 2 SMs; docs/performance.md.)
 struct NotifyArgs {
   const long long* topk_idx;  // [T, K]
   int T, K, E, align, permute, worst;

@@ -22,8 +22,9 @@ namespace mep {
 
 constexpr int kCopyThreads = 512;
 constexpr int kCopyWarps = kCopyThreads / 32;
+constexpr int kExchangeThreads = 1024;
 constexpr int kSteps = 8;            // tokens whose ids a notify warp loads together
-constexpr int kNotifyChunkMin = 64;  // tokens per notify chunk (one warp each)
+constexpr int kNotifyChunkMin = 64;  // tokens per notify block (one warp each)
 constexpr unsigned kFull = 0xffffffffu;
 
 template <typename T>
@@ -34,23 +35,19 @@ __device__ __forceinline__ T* at(const Ctx& c, int r, long long off) {
 __device__ __forceinline__ int pad_to(int n, int align) { return (n + align - 1) / align * align; }
 
 // ------------------------------------------------------------------------------------- notify
-// One launch. Tokens are cut into chunks, one warp each, in token order. Pass 1 counts per
-// chunk and gives each (token, slot) and (token, rank) its row among the chunk's rows of that
-// expert / rank; after a grid barrier, block 0 turns the chunk counts into exclusive prefixes,
-// publishes this rank's totals with its call record, checks every rank's record, and computes
-// where each rank's rows start in every destination; after a second barrier every thread adds
-// its elements' chunk prefix and base (a coalesced pass, not a second walk in token order).
+// Tokens are cut into chunks, one warp (block) each, in token order. Pass 1 counts per chunk;
+// the exchange block turns the chunk counts into exclusive prefixes, publishes this rank's
+// totals with its call record, checks every rank's record, and computes where each rank's rows
+// start in every destination; pass 2 walks each chunk again in token order and hands out rows.
 // Row order is therefore (destination expert or rank, source rank, source token) with no sort.
 struct NotifyPlan {
-  int chunks, chunk, blocks;
+  int blocks, chunk;
 };
-constexpr int kNotifyThreads = 1024;  // block 0's exchange scans E <= 1024 values in one pass
-constexpr int kNotifyWarps = kNotifyThreads / 32;
 inline NotifyPlan notify_plan(int T) {
-  int chunks = (T + kNotifyChunkMin - 1) / kNotifyChunkMin;
-  chunks = chunks < 1 ? 1 : (chunks > kMaxNotifyBlocks - 1 ? kMaxNotifyBlocks - 1 : chunks);  // + the base row
-  const int chunk = (T + chunks - 1) / chunks;
-  return {chunks, chunk < 1 ? 1 : chunk, (chunks + kNotifyWarps - 1) / kNotifyWarps};
+  int blocks = (T + kNotifyChunkMin - 1) / kNotifyChunkMin;
+  blocks = blocks < 1 ? 1 : (blocks > kMaxNotifyBlocks - 1 ? kMaxNotifyBlocks - 1 : blocks);
+  int chunk = (T + blocks - 1) / blocks;
+  return {blocks, chunk < 1 ? 1 : chunk};
 }
 
 __device__ __forceinline__ int* scratch_of(const Ctx& c) { return at<int>(c, c.rank, c.lay.scratch); }
@@ -62,10 +59,34 @@ __device__ __forceinline__ long long load_slot(const long long* __restrict__ top
   return (lane < K && t < t_end) ? topk_idx[(long long)t * K + lane] : -1;
 }
 
-// Block 0, after every chunk's counts are in the scratch rows: the call exchange and the row
-// bases. Returns block_wait_call's verdict (-1: the host block says why; 0: aborted everywhere).
-__device__ __forceinline__ int notify_exchange(const Ctx& c, const CallArgs& call, const NotifyArgs& a, int blocks,
-                                            int* smem) {
+__global__ void __launch_bounds__(32) notify_count_kernel(Ctx c, NotifyArgs a, int chunk) {
+  extern __shared__ int cnt[];  // [E] experts, then [R] ranks
+  const int E = a.E, R = c.num_ranks, L = E / R, K = a.K, lane = lane_id();
+  for (int i = lane; i < E + R; i += 32) cnt[i] = 0;
+  __syncwarp();
+  const int t_begin = blockIdx.x * chunk, t_end = min(a.T, t_begin + chunk);
+  for (int t0 = t_begin; t0 < t_end; t0 += kSteps) {
+    long long ids[kSteps];  // loaded together: one dependent load per token would stall the warp
+#pragma unroll
+    for (int b = 0; b < kSteps; ++b) ids[b] = load_slot(a.topk_idx, t0 + b, t_end, K);
+#pragma unroll
+    for (int b = 0; b < kSteps; ++b) {
+      const bool valid = ids[b] >= 0 && ids[b] < E;  // other ids count as unused slots
+      if (valid) atomicAdd(&cnt[(int)ids[b]], 1);
+      const unsigned ranks = __reduce_or_sync(kFull, valid ? 1u << ((int)ids[b] / L) : 0u);
+      if (lane < R && ((ranks >> lane) & 1u)) cnt[E + lane] += 1;  // lane r alone owns rank r
+    }
+  }
+  __syncwarp();
+  int* row = scratch_of(c) + (long long)blockIdx.x * kScratchStride;
+  for (int i = lane; i < E + R; i += 32) row[i] = cnt[i];
+}
+
+int exchange_smem_bytes(int E, int R) { return (E + R + R * E + 3 * E) * (int)sizeof(int); }
+
+__global__ void __launch_bounds__(kExchangeThreads, 1) notify_exchange_kernel(Ctx c, CallArgs call, NotifyArgs a,
+                                                                              int blocks) {
+  extern __shared__ int smem[];
   const int E = a.E, R = c.num_ranks, rank = c.rank, L = E / R, tid = threadIdx.x;
   int* tot = smem;             // [E + R]: this rank's totals, then (experts) every rank's
   int* all_e = tot + E + R;    // [R][E] every rank's per-expert counts
@@ -81,7 +102,7 @@ __device__ __forceinline__ int notify_exchange(const Ctx& c, const CallArgs& cal
 
   // chunk counts -> exclusive prefixes over chunks (in place), and this rank's totals; loads
   // batched so a column of chunks is not one dependent L2 round trip per chunk
-  constexpr int kBatch = 16;
+  constexpr int kBatch = 8;
   for (int i = tid; i < E + R; i += blockDim.x) {
     int run = 0;
     for (int b0 = 0; b0 < blocks; b0 += kBatch) {
@@ -113,7 +134,7 @@ __device__ __forceinline__ int notify_exchange(const Ctx& c, const CallArgs& cal
   __syncthreads();
   if (tid == 0) signal_all(c, kSlotCall);
   const int st = block_wait_call(c, kSlotCall, target, true);
-  if (st < 0) return st;  // the host block says why
+  if (st < 0) return;  // the host block says why
   if (tid == 0) me->expected[kSlotCall] = target;
   if (st == 0) {  // aborted on every rank: wake the host, which reads the error first
     if (tid == 0) {
@@ -129,7 +150,7 @@ __device__ __forceinline__ int notify_exchange(const Ctx& c, const CallArgs& cal
       __threadfence_system();
       c.host->tag = a.tag;
     }
-    return st;
+    return;
   }
 
   // every rank's counts at once (independent remote loads)
@@ -220,110 +241,46 @@ __device__ __forceinline__ int notify_exchange(const Ctx& c, const CallArgs& cal
   __threadfence_system();
   __syncthreads();
   if (tid == 0) c.host->tag = a.tag;  // the CPU may now size the outputs
-  return st;
 }
 
-// Grid barrier number `k` (1, 2) of notify: all its blocks are resident (a handful of blocks,
-// launched alone). Waits past the exchange's own timeout only if the exchange itself hangs.
-__device__ __forceinline__ void notify_barrier(const Ctx& c, unsigned k) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    unsigned* ctr = &ctrl_of(c, c.rank)->grid_done[kGridNotify];
-    __threadfence();
-    atomicAdd(ctr, 1u);
-    const unsigned long long start = globaltimer();
-    while (ld_volatile(reinterpret_cast<const int*>(ctr)) < (int)(k * gridDim.x)) {
-      if (ld_volatile(&ctrl_of(c, c.rank)->abort)) break;  // whoever stopped everyone reported it
-      if (globaltimer() - start > 2 * c.timeout_ns) {
-        report_failure(c, kErrTimeout, c.rank, kNumSlots, k * gridDim.x, 0);
-        break;
-      }
-    }
-    __threadfence();
+__global__ void __launch_bounds__(32) notify_positions_kernel(Ctx c, NotifyArgs a, int chunk, int blocks) {
+  extern __shared__ int run[];  // [E] running row of each expert, then [R] of each rank
+  const int E = a.E, R = c.num_ranks, L = E / R, K = a.K, lane = lane_id();
+  const int t_begin = blockIdx.x * chunk, t_end = min(a.T, t_begin + chunk);
+  if (call_aborted(c)) {  // no positions: whatever later uses them skips every row
+    for (long long i = (long long)t_begin * K + lane; i < (long long)t_end * K; i += 32) a.slot_pos[i] = -1;
+    for (long long i = (long long)t_begin * R + lane; i < (long long)t_end * R; i += 32) a.rank_pos[i] = -1;
+    return;
   }
-  __syncthreads();
-}
-
-int notify_smem_bytes(int E, int R) {
-  const int hist = kNotifyWarps * (E + R), exch = E + R + R * E + 3 * E;
-  return (hist > exch ? hist : exch) * (int)sizeof(int);
-}
-
-__global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(Ctx c, CallArgs call, NotifyArgs a, NotifyPlan p) {
-  extern __shared__ int smem[];
-  const int E = a.E, R = c.num_ranks, L = E / R, K = a.K, lane = lane_id(), warp = threadIdx.x >> 5;
-  const int g = blockIdx.x * kNotifyWarps + warp;  // this warp's chunk
-  int* scratch = scratch_of(c);
-
-  // pass 1: per-chunk counts and each element's row inside its chunk
-  int* cnt = smem + warp * (E + R);
-  for (int i = lane; i < E + R; i += 32) cnt[i] = 0;
+  const int* scratch = scratch_of(c);
+  const int* prefix = scratch + (long long)blockIdx.x * kScratchStride;
+  const int* base = scratch + (long long)blocks * kScratchStride;
+  for (int i = lane; i < E + R; i += 32) run[i] = prefix[i] + base[i];
   __syncwarp();
-  const int t_begin = g * p.chunk, t_end = g < p.chunks ? min(a.T, t_begin + p.chunk) : t_begin;
   for (int t0 = t_begin; t0 < t_end; t0 += kSteps) {
-    long long ids[kSteps];  // loaded together: one dependent load per token would stall the warp
+    long long ids[kSteps];
 #pragma unroll
     for (int b = 0; b < kSteps; ++b) ids[b] = load_slot(a.topk_idx, t0 + b, t_end, K);
 #pragma unroll
     for (int b = 0; b < kSteps; ++b) {
       const int t = t0 + b;
       if (t >= t_end) break;  // warp-uniform
-      const bool valid = ids[b] >= 0 && ids[b] < E;  // other ids count as unused slots
-      const int pos = valid ? atomicAdd(&cnt[(int)ids[b]], 1) : -1;
+      const bool valid = ids[b] >= 0 && ids[b] < E;
+      const int pos = valid ? atomicAdd(&run[(int)ids[b]], 1) : -1;
       if (lane < K) a.slot_pos[(long long)t * K + lane] = pos;
       const unsigned ranks = __reduce_or_sync(kFull, valid ? 1u << ((int)ids[b] / L) : 0u);
-      if (lane < R) a.rank_pos[(long long)t * R + lane] = ((ranks >> lane) & 1u) ? cnt[E + lane]++ : -1;  // lane r owns rank r
+      if (lane < R) a.rank_pos[(long long)t * R + lane] = ((ranks >> lane) & 1u) ? run[E + lane]++ : -1;
     }
-  }
-  __syncwarp();
-  if (g < p.chunks)
-    for (int i = lane; i < E + R; i += 32) scratch[(long long)g * kScratchStride + i] = cnt[i];
-
-  notify_barrier(c, 1);
-  if (blockIdx.x == 0) notify_exchange(c, call, a, p.chunks, smem);  // its verdict reaches the host itself
-  notify_barrier(c, 2);
-
-  // pass 2: row = chunk prefix + base + row inside the chunk (every block; -1 when aborted).
-  // kFix elements per thread with their loads issued together: a handful of blocks cover
-  // T * K elements, and one dependent round trip per element would dominate notify.
-  constexpr int kFix = 8;
-  const bool aborted = call_aborted(c);
-  const int* base = scratch + (long long)p.chunks * kScratchStride;
-  const long long nthreads = (long long)gridDim.x * blockDim.x;
-  const long long gtid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  auto fix = [&](int* rows, long long total, int cols, bool slots) {
-    for (long long i0 = gtid; i0 < total; i0 += nthreads * kFix) {
-      int pos[kFix], col[kFix], add[kFix];
-#pragma unroll
-      for (int j = 0; j < kFix; ++j) {
-        const long long i = i0 + j * nthreads;
-        pos[j] = i < total ? __ldcg(rows + i) : -1;  // written by another warp before the barriers
-        col[j] = (i < total && slots) ? (int)__ldg(a.topk_idx + i) : (int)(i % cols) + E;
-      }
-#pragma unroll
-      for (int j = 0; j < kFix; ++j) {
-        const long long i = i0 + j * nthreads;
-        const int ch = pos[j] >= 0 ? (int)(i / cols) / p.chunk : 0;
-        add[j] = pos[j] >= 0 ? __ldcg(scratch + (long long)ch * kScratchStride + col[j]) + __ldcg(base + col[j]) : 0;
-      }
-#pragma unroll
-      for (int j = 0; j < kFix; ++j)
-        if (pos[j] >= 0) rows[i0 + j * nthreads] = aborted ? -1 : pos[j] + add[j];
-    }
-  };
-  fix(a.slot_pos, (long long)a.T * K, K, true);
-  fix(a.rank_pos, (long long)a.T * R, R, false);
-  // the last block out resets the barrier counter for the next notify (every block passed both)
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    unsigned* ctr = &ctrl_of(c, c.rank)->grid_done[kGridNotify];
-    if (atomicAdd(ctr, 1u) == 3 * gridDim.x - 1) *ctr = 0;
   }
 }
 
 void launch_notify(const Ctx& ctx, const CallArgs& call, const NotifyArgs& args, cudaStream_t stream) {
   const NotifyPlan p = notify_plan(args.T);
-  notify_kernel<<<p.blocks, kNotifyThreads, notify_smem_bytes(args.E, ctx.num_ranks), stream>>>(ctx, call, args, p);
+  const int R = ctx.num_ranks;
+  const int hist = (args.E + R) * (int)sizeof(int);
+  notify_count_kernel<<<p.blocks, 32, hist, stream>>>(ctx, args, p.chunk);
+  notify_exchange_kernel<<<1, kExchangeThreads, exchange_smem_bytes(args.E, R), stream>>>(ctx, call, args, p.blocks);
+  notify_positions_kernel<<<p.blocks, 32, hist, stream>>>(ctx, args, p.chunk, p.blocks);
 }
 
 // ------------------------------------------------------------------------------------- stage
@@ -1073,9 +1030,11 @@ void prepare_runtime_kernels();  // runtime.cu
 
 void prepare_kernels() {
   cudaFuncAttributes attr;
-  cudaFuncGetAttributes(&attr, notify_kernel);
-  cudaFuncSetAttribute(notify_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                       notify_smem_bytes(kMaxExperts, kMaxRanks));
+  cudaFuncGetAttributes(&attr, notify_count_kernel);
+  cudaFuncGetAttributes(&attr, notify_exchange_kernel);
+  cudaFuncGetAttributes(&attr, notify_positions_kernel);
+  cudaFuncSetAttribute(notify_exchange_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                       exchange_smem_bytes(kMaxExperts, kMaxRanks));
   cudaFuncGetAttributes(&attr, stage_kernel);
   cudaFuncGetAttributes(&attr, dispatch_kernel);
   cudaFuncGetAttributes(&attr, dispatch_push_kernel);
