@@ -101,5 +101,21 @@ def test_ab_failure_is_agreed_and_reported(tmp_path):
     assert re.search(r"^FAILED deepep: step-0 loss .* differs from alltoall's", out.stdout, re.M), log
 
 
+def test_ab_budget_reports_drops():
+    """The budgeted hybridep (static budget, no host sync) runs on the torch backend, matches
+    alltoall at step 0, and the report says how many rows its budget dropped (a number, not a
+    promise: a budget of 0.1 x tokens x top-k must drop rows)."""
+    out = _torchrun("scripts/ab_throughput.py", "--mode", "layer", "--backend", "torch", "--backends",
+                    "alltoall,hybridep-budget", "--reps", "1", "--warmup", "0", "--steps", "1",
+                    "--budget-factor", "0.1")
+    log = out.stdout + "\n" + out.stderr[-4000:]
+    assert out.returncode == 0, log
+    m = re.search(r"rows dropped by static budgets .*: hybridep-budget (\d+) at step 0, (\d+) over all 1 steps",
+                  out.stdout)
+    assert m, log
+    assert int(m.group(1)) > 0 and int(m.group(2)) >= int(m.group(1)), log
+    assert re.search(r"hybridep-budget [0-9.e+-]+ \(not compared: its budget dropped \d+ rows at step 0\)", out.stdout), log
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
