@@ -105,11 +105,8 @@ class Runtime {
   // push's rank-major buffer), so it is free again as soon as its last tensor dies.
   py::object pool_rank_major(int rows, int hidden, py::object x_dtype, int row_bytes, int scale_cols, int K, bool has_w,
                              long long stream_ptr, bool comm_only) {
-    auto align = [](long long n) { return (n + Pool::kAlign - 1) / Pool::kAlign * Pool::kAlign; };
-    const long long bx = align((long long)rows * row_bytes), bs = align((long long)rows * scale_cols * 4);
-    const long long bi = align((long long)rows * K * 8), bw = has_w ? align((long long)rows * K * 4) : 0;
-    const long long total = bx + bs + bi + bw;
-    const long long off = pool_->alloc(total);
+    const RankMajorBlock b(rows, row_bytes, scale_cols, K, has_w);
+    const long long off = pool_->alloc(b.total);
     if (off < 0) return py::none();
     struct Owner {  // returns the block when the last tensor over it dies (never copied)
       std::shared_ptr<Pool> pool;
@@ -128,17 +125,18 @@ class Runtime {
           pool->release(off, bytes, stream);
       }
     };
-    auto owner = std::make_shared<Owner>(pool_, region_, off, total, reinterpret_cast<cudaStream_t>(stream_ptr), comm_only);
-    auto make = [&](long long o, std::vector<int64_t> shape, at::ScalarType st) {
-      auto opts = torch::TensorOptions().dtype(st).device(torch::kCUDA, region_->device());
-      return torch::from_blob(region_->base() + o, shape, [owner](void*) {}, opts);
-    };
-    const auto xt = torch::python::detail::py_object_to_dtype(x_dtype);
-    Tensor x = make(off, {rows, hidden}, xt);
-    py::object s = scale_cols > 0 ? py::cast(make(off + bx, {rows, scale_cols}, at::kFloat)) : py::none();
-    Tensor idx = make(off + bx + bs, {rows, K}, at::kLong);
-    py::object w = has_w ? py::cast(make(off + bx + bs + bi, {rows, K}, at::kFloat)) : py::none();
-    return py::make_tuple(x, s, idx, w, off, scale_cols > 0 ? off + bx : -1, off + bx + bs, has_w ? off + bx + bs + bi : -1);
+    auto owner = std::make_shared<Owner>(pool_, region_, off, b.total, reinterpret_cast<cudaStream_t>(stream_ptr), comm_only);
+    return rank_major_tensors(off, b, rows, hidden, x_dtype, scale_cols, K, has_w, owner);
+  }
+
+  // The same block laid out at `offset` of the region (the expert-major push's buffer in the
+  // combine area), or None when it would reach past `limit`; the tensors keep the region alive.
+  py::object rank_major_at(long long offset, long long limit, int rows, int hidden, py::object x_dtype, int row_bytes,
+                           int scale_cols, int K, bool has_w) {
+    alive();
+    const RankMajorBlock b(rows, row_bytes, scale_cols, K, has_w);
+    if (offset + b.total > limit) return py::none();
+    return rank_major_tensors(offset, b, rows, hidden, x_dtype, scale_cols, K, has_w, region_);
   }
 
   long long pool_free_bytes() { return pool_->free_bytes(); }
@@ -240,6 +238,33 @@ class Runtime {
   int num_ranks() const { return num_ranks_; }
 
  private:
+  // One rank-major block: x, FP8 scales, top-k ids (int64), weights, each section Pool-aligned.
+  struct RankMajorBlock {
+    long long bx, bs, bi, bw, total;
+    RankMajorBlock(int rows, int row_bytes, int scale_cols, int K, bool has_w)
+        : bx(align((long long)rows * row_bytes)), bs(align((long long)rows * scale_cols * 4)),
+          bi(align((long long)rows * K * 8)), bw(has_w ? align((long long)rows * K * 4) : 0),
+          total(bx + bs + bi + bw) {}
+    static long long align(long long n) { return (n + Pool::kAlign - 1) / Pool::kAlign * Pool::kAlign; }
+  };
+
+  // (x, scales, idx, w, x_off, s_off, idx_off, w_off) over the block at `off`; `keep` lives
+  // as long as any of the tensors (-1 / None for sections the block does not have).
+  py::tuple rank_major_tensors(long long off, const RankMajorBlock& b, int rows, int hidden, py::object x_dtype,
+                               int scale_cols, int K, bool has_w, std::shared_ptr<void> keep) {
+    auto make = [&](long long o, std::vector<int64_t> shape, at::ScalarType st) {
+      auto opts = torch::TensorOptions().dtype(st).device(torch::kCUDA, region_->device());
+      return torch::from_blob(region_->base() + o, shape, [keep](void*) {}, opts);
+    };
+    const auto xt = torch::python::detail::py_object_to_dtype(x_dtype);
+    Tensor x = make(off, {rows, hidden}, xt);
+    py::object s = scale_cols > 0 ? py::cast(make(off + b.bx, {rows, scale_cols}, at::kFloat)) : py::none();
+    Tensor idx = make(off + b.bx + b.bs, {rows, K}, at::kLong);
+    py::object w = has_w ? py::cast(make(off + b.bx + b.bs + b.bi, {rows, K}, at::kFloat)) : py::none();
+    return py::make_tuple(x, s, idx, w, off, scale_cols > 0 ? off + b.bx : -1, off + b.bx + b.bs,
+                          has_w ? off + b.bx + b.bs + b.bi : -1);
+  }
+
   void alive() const { TORCH_CHECK(region_ && region_->peers_open(), "megatron_ep: this runtime was closed"); }
   HostInfo* host() const {
     TORCH_CHECK(region_, "megatron_ep: this runtime was closed");
@@ -450,6 +475,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("take_error", &mep::Runtime::take_error, py::arg("clear"))
       .def("fail_call", &mep::Runtime::fail_call)
       .def("pool_rank_major", &mep::Runtime::pool_rank_major)
+      .def("rank_major_at", &mep::Runtime::rank_major_at)
       .def("pool_free_bytes", &mep::Runtime::pool_free_bytes);
   auto intra = m.def_submodule("intranode", "the intranode normal path (csrc/kernels/intranode.cu)");
   intra.def("notify", &mep::notify);

@@ -28,8 +28,7 @@ Pool::~Pool() {
 }
 
 long long Pool::alloc(long long bytes) {
-  bytes = (bytes + kAlign - 1) / kAlign * kAlign;
-  if (bytes == 0) bytes = kAlign;
+  bytes = block_bytes(bytes);
   std::lock_guard<std::mutex> lock(mu_);
   DeviceGuard g(device_);
   reap(false);
@@ -42,8 +41,7 @@ long long Pool::alloc(long long bytes) {
 }
 
 void Pool::release(long long offset, long long bytes, cudaStream_t stream) {
-  bytes = (bytes + kAlign - 1) / kAlign * kAlign;
-  if (bytes == 0) bytes = kAlign;
+  bytes = block_bytes(bytes);
   std::lock_guard<std::mutex> lock(mu_);
   DeviceGuard g(device_);
   cudaEvent_t ev;
@@ -60,8 +58,7 @@ void Pool::release(long long offset, long long bytes, cudaStream_t stream) {
 }
 
 void Pool::release_now(long long offset, long long bytes) {
-  bytes = (bytes + kAlign - 1) / kAlign * kAlign;
-  if (bytes == 0) bytes = kAlign;
+  bytes = block_bytes(bytes);
   std::lock_guard<std::mutex> lock(mu_);
   insert_free(offset, bytes);
 }

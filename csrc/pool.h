@@ -17,6 +17,10 @@ namespace mep {
 class Pool {
  public:
   static constexpr long long kAlign = 256;
+  // What a request of `bytes` occupies: whole kAlign units, at least one.
+  static long long block_bytes(long long bytes) {
+    return bytes <= 0 ? kAlign : (bytes + kAlign - 1) / kAlign * kAlign;
+  }
   Pool(int device, long long begin, long long bytes);
   ~Pool();
   long long alloc(long long bytes);  // offset in the region, or -1

@@ -22,8 +22,8 @@ import logging
 import math
 import os
 import socket
-import weakref
 import time
+import weakref
 from contextlib import contextmanager
 from typing import Callable, Dict, Optional
 
@@ -109,6 +109,7 @@ class CudaRuntime:
         self.stream = torch.cuda.Stream(device=self.device)
         self.broken: Optional[str] = None
         self.trace: Optional[list] = None  # benchmarks: (phase, event) pairs on the comm stream
+        self._comb_views: list = []  # weak references to zero-copy combine inputs handed out
         self.grown = 0
         self.closed = False
         if "max_tokens" in self.hints and "hidden" in self.hints:
@@ -367,29 +368,19 @@ class CudaRuntime:
         """A caller's tensor over the combine area (zero-copy combine input); while one is alive
         the area is not lent out as dispatch scratch."""
         t = self.view(self.plan["comb_x"], [rows, hidden], dtype)
-        self._comb_views = [r for r in getattr(self, "_comb_views", []) if r() is not None] + [weakref.ref(t)]
+        self._comb_views = [r for r in self._comb_views if r() is not None] + [weakref.ref(t)]
         return t
 
     def comb_scratch(self, rows: int, hidden: int, dtype: torch.dtype, row_bytes: int, scale_cols: int, K: int,
                      has_w: bool):
-        """The expert-major push's rank-major buffer (x, scales, (row, expert) pairs, weights and
-        their byte offsets, as pool_rank_major returns) inside the combine area, which no kernel
-        uses between calls: every use is on the communication stream, in call order. None when a
-        zero-copy combine input is alive or the area is too small (then: the pool)."""
-        if any(r() is not None for r in getattr(self, "_comb_views", [])):
+        """The expert-major push's rank-major buffer (pool_rank_major's block: tensors and byte
+        offsets) at the start of the combine area, which no kernel uses between calls: every use
+        is on the communication stream, in call order. None when a zero-copy combine input is
+        alive or the area is too small (then: the pool)."""
+        if any(r() is not None for r in self._comb_views):
             return None
-        sizes = [rows * row_bytes, rows * scale_cols * 4, rows * K * 8, rows * K * 4 if has_w else 0]
-        offs, off = [], self.plan["comb_x"]
-        for n in sizes:
-            offs.append(off if n else -1)
-            off += _round_up(n, 256) if n else 0
-        if off > self.plan["comb_w"]:
-            return None
-        x = self.view(offs[0], [rows, hidden], dtype)
-        sc = self.view(offs[1], [rows, scale_cols], torch.float32) if scale_cols else None
-        idx = self.view(offs[2], [rows, K], torch.int64)
-        w = self.view(offs[3], [rows, K], torch.float32) if has_w else None
-        return (x, sc, idx, w, *offs)
+        return self.rt.rank_major_at(self.plan["comb_x"], self.plan["comb_w"], rows, hidden, dtype, row_bytes,
+                                     scale_cols, K, has_w)
 
 
 def _largest(needs: list) -> dict:
