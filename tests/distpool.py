@@ -21,6 +21,11 @@ import torch.multiprocessing as mp
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def flat(per_rank) -> list:
+    """One list of the error strings every rank's case body returned."""
+    return [e for rank_errors in per_rank for e in rank_errors]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -11,7 +11,7 @@ import cases
 import fault_cases
 import megatron_ep
 from case_lists import FUZZ_REGRESSIONS, normal_cases
-from distpool import DistPool
+from distpool import DistPool, flat
 from gpu_pools import ENV, GpuPools
 
 pytestmark = [
@@ -30,16 +30,12 @@ def _close_pools():
     POOLS.close()
 
 
-def _flat(per_rank):
-    return [e for rank_errors in per_rank for e in rank_errors]
-
-
 @pytest.mark.parametrize("R", [2, 4, 8])
 def test_normal_cases(R):
     selected = normal_cases(R)
     if os.environ.get("MEP_CASES"):  # a subset, e.g. for the sanitizer runs
         selected = [selected[int(i)] for i in os.environ["MEP_CASES"].split(",")]
-    errors = _flat(pool_(R).run(cases.run_normal_cases, selected, backend="cuda", device="cuda", timeout=600))
+    errors = flat(pool_(R).run(cases.run_normal_cases, selected, backend="cuda", device="cuda", timeout=600))
     assert not errors, "\n".join(errors[:20])
 
 
@@ -50,34 +46,34 @@ def test_push_fallback(R, pool):
     agree on stage-and-pull inside the push kernel, with the same results."""
     sizing = {"pool_bytes": 256} if pool == "none" else {"pool_bytes_rank0": 256}
     selected = [dict(c, sizing=sizing) for c in normal_cases(R)[:4]]
-    errors = _flat(pool_(R).run(cases.run_normal_cases, selected, backend="cuda", device="cuda", timeout=600))
+    errors = flat(pool_(R).run(cases.run_normal_cases, selected, backend="cuda", device="cuda", timeout=600))
     assert not errors, "\n".join(errors[:20])
 
 
 @pytest.mark.parametrize("R", [2, 4, 8])
 def test_cuda_graph(R):
     cfg = dict(seed=77 + R, E=4 * R, K=4, H=512, T=24, align=16)
-    errors = _flat(pool_(R).run(cases.run_cuda_graph_case, cfg, timeout=600))
+    errors = flat(pool_(R).run(cases.run_cuda_graph_case, cfg, timeout=600))
     assert not errors, "\n".join(errors[:20])
 
 
 @pytest.mark.parametrize("R", [2, 4, 8])
 def test_repeated_calls(R):
     cfg = dict(seed=5 * R, E=8 * R, K=6, H=256, t_max=40, iters=120)
-    errors = _flat(pool_(R).run(cases.run_repeated, cfg, timeout=600))
+    errors = flat(pool_(R).run(cases.run_repeated, cfg, timeout=600))
     assert not errors, "\n".join(errors[:20])
 
 
 @pytest.mark.parametrize("R", [2, 4])
 def test_bad_inputs(R):
-    errors = _flat(pool_(R).run(cases.run_bad_inputs, backend="cuda", device="cuda", timeout=600))
+    errors = flat(pool_(R).run(cases.run_bad_inputs, backend="cuda", device="cuda", timeout=600))
     assert not errors, "\n".join(errors[:40])
 
 
 def test_timeout_names_the_missing_rank():
     p = DistPool(2, env={**ENV, "MEP_TIMEOUT_S": "3"})
     try:
-        errors = _flat(p.run(cases.run_timeout_case, 1, timeout=120))
+        errors = flat(p.run(cases.run_timeout_case, 1, timeout=120))
     finally:
         p.close()
     assert not errors, "\n".join(errors)
@@ -87,7 +83,7 @@ def test_timeout_names_the_missing_rank():
 @pytest.mark.parametrize("permute", [False, True])
 def test_autograd_and_async(R, permute):
     cfg = dict(seed=31 + R, E=4 * R, K=4, H=256, T=20, permute=permute)
-    errors = _flat(pool_(R).run(cases.run_cuda_autograd_async, cfg, timeout=600))
+    errors = flat(pool_(R).run(cases.run_cuda_autograd_async, cfg, timeout=600))
     assert not errors, "\n".join(errors[:20])
 
 
@@ -96,7 +92,7 @@ def test_autograd_and_async(R, permute):
 def test_faults(R):
     """Each fault of the runtime issue on the cuda backend: named errors on every rank within
     2 s (async calls at synchronize()), exact results, the buffer usable afterwards."""
-    errors = _flat(pool_(R).run(fault_cases.run_all_faults, backend="cuda", device="cuda", timeout=600))
+    errors = flat(pool_(R).run(fault_cases.run_all_faults, backend="cuda", device="cuda", timeout=600))
     assert not errors, "\n".join(errors[:30])
 
 
@@ -108,30 +104,30 @@ def test_fuzz(R):
     seeds = [dict(cases=1, seed=s) for s in FUZZ_REGRESSIONS] + [dict(cases=n, seed=100000 * R)]
     errors = []
     for cfg in seeds:
-        errors += _flat(pool_(R).run(cases.run_fuzz, cfg, timeout=900))
+        errors += flat(pool_(R).run(cases.run_fuzz, cfg, timeout=900))
     assert not errors, "\n".join(errors[:20])
 
 
 @pytest.mark.parametrize("R", [2])
 def test_soak(R):
     cfg = dict(seed=11, E=8 * R, K=6, H=256, t_max=40, iters=int(os.environ.get("MEP_SOAK_ITERS", "10000")), warmup=200)
-    errors = _flat(pool_(R).run(cases.run_soak, cfg, timeout=900))
+    errors = flat(pool_(R).run(cases.run_soak, cfg, timeout=900))
     assert not errors, "\n".join(errors[:20])
 
 
 @pytest.mark.parametrize("R", [2, 4])
 def test_lifetime_and_growth(R):
-    errors = _flat(pool_(R).run(cases.run_lifetime_growth, dict(seed=3 + R), timeout=600))
+    errors = flat(pool_(R).run(cases.run_lifetime_growth, dict(seed=3 + R), timeout=600))
     assert not errors, "\n".join(errors[:20])
 
 
 def test_num_sms_bound():
-    errors = _flat(pool_(2).run(cases.run_num_sms_bound, timeout=120))
+    errors = flat(pool_(2).run(cases.run_num_sms_bound, timeout=120))
     assert not errors, "\n".join(errors)
 
 
 @pytest.mark.parametrize("R", [2])
 def test_reserve(R):
     """Collective sizing ahead of sync-free calls (hybridep's static budget relies on it)."""
-    errors = _flat(pool_(R).run(cases.run_reserve, dict(seed=9), timeout=300))
+    errors = flat(pool_(R).run(cases.run_reserve, dict(seed=9), timeout=300))
     assert not errors, "\n".join(errors[:20])

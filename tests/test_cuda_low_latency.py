@@ -10,7 +10,7 @@ import cases
 import ll_cases
 import megatron_ep
 from case_lists import _token_counts
-from distpool import DistPool
+from distpool import DistPool, flat
 from gpu_pools import ENV, GpuPools
 
 pytestmark = [
@@ -27,10 +27,6 @@ pool_ = POOLS.get
 def _close_pools():
     yield
     POOLS.close()
-
-
-def _flat(per_rank):
-    return [e for rank_errors in per_rank for e in rank_errors]
 
 
 def ll_cases_for(R):
@@ -58,7 +54,7 @@ def ll_cases_for(R):
 
 @pytest.mark.parametrize("R", [2, 4, 8])
 def test_low_latency_cases(R):
-    errors = _flat(pool_(R).run(cases.run_low_latency_cases, ll_cases_for(R), backend="cuda", device="cuda", timeout=600))
+    errors = flat(pool_(R).run(cases.run_low_latency_cases, ll_cases_for(R), backend="cuda", device="cuda", timeout=600))
     assert not errors, "\n".join(errors[:20])
 
 
@@ -66,33 +62,33 @@ def test_low_latency_cases(R):
 def test_cuda_graph_replays(R):
     """Dispatch + combine captured once and replayed 100 times with new data."""
     cfg = dict(seed=91 + R, E=8 * R, K=8, H=1024, T=48, max_tokens=64, fp8=True, replays=100)
-    errors = _flat(pool_(R).run(ll_cases.run_ll_graph_case, cfg, timeout=600))
+    errors = flat(pool_(R).run(ll_cases.run_ll_graph_case, cfg, timeout=600))
     assert not errors, "\n".join(errors[:20])
 
 
 @pytest.mark.parametrize("R", [2, 4])
 def test_hook_and_buffer_sets(R):
     cfg = dict(seed=17 + R, E=8 * R, K=6, H=512, T=32, max_tokens=32)
-    errors = _flat(pool_(R).run(ll_cases.run_ll_hook_case, cfg, timeout=600))
+    errors = flat(pool_(R).run(ll_cases.run_ll_hook_case, cfg, timeout=600))
     assert not errors, "\n".join(errors[:20])
 
 
 @pytest.mark.parametrize("R", [2])
 def test_signature_mismatch(R):
-    errors = _flat(pool_(R).run(ll_cases.run_ll_mismatch_case, timeout=300))
+    errors = flat(pool_(R).run(ll_cases.run_ll_mismatch_case, timeout=300))
     assert not errors, "\n".join(errors[:20])
 
 
 @pytest.mark.parametrize("R", [2])
 def test_bad_inputs(R):
-    errors = _flat(pool_(R).run(ll_cases.run_ll_bad_inputs, timeout=300))
+    errors = flat(pool_(R).run(ll_cases.run_ll_bad_inputs, timeout=300))
     assert not errors, "\n".join(errors[:20])
 
 
 def test_timeout_names_the_missing_rank():
     p = DistPool(2, env={**ENV, "MEP_TIMEOUT_S": "3"})
     try:
-        errors = _flat(p.run(ll_cases.run_ll_timeout_case, 1, timeout=180))
+        errors = flat(p.run(ll_cases.run_ll_timeout_case, 1, timeout=180))
     finally:
         p.close()
     assert not errors, "\n".join(errors)
@@ -102,5 +98,5 @@ def test_timeout_names_the_missing_rank():
 def test_decode_layer(R):
     """LL dispatch -> masked grouped GEMM -> LL combine against a dense reference, eager and graph."""
     cfg = dict(seed=5 + R, E=8 * R, K=4, H=512, F=256, T=24, max_tokens=32)
-    errors = _flat(pool_(R).run(ll_cases.run_ll_decode_layer_case, cfg, timeout=600))
+    errors = flat(pool_(R).run(ll_cases.run_ll_decode_layer_case, cfg, timeout=600))
     assert not errors, "\n".join(errors[:20])

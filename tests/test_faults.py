@@ -6,15 +6,12 @@ on the GPU (tests/test_cuda_intranode.py)."""
 import pytest
 
 import fault_cases
-
-
-def _flat(per_rank):
-    return [e for rank_errors in per_rank for e in rank_errors]
+from distpool import flat
 
 
 @pytest.mark.parametrize("R", [2, 4])
 def test_faults(pools, R):
-    errors = _flat(pools(R).run(fault_cases.run_all_faults, timeout=300))
+    errors = flat(pools(R).run(fault_cases.run_all_faults, timeout=300))
     assert not errors, "\n".join(errors[:30])
 
 
@@ -22,5 +19,5 @@ def test_fuzz_harness(pools):
     """The GPU fuzz's harness on the reference against itself (a few cases, incl. drops)."""
     import cases
 
-    errors = _flat(pools(2).run(cases.run_fuzz, dict(cases=25, seed=424242), backend="torch", device="cpu", timeout=600))
+    errors = flat(pools(2).run(cases.run_fuzz, dict(cases=25, seed=424242), backend="torch", device="cpu", timeout=600))
     assert not errors, "\n".join(errors[:20])

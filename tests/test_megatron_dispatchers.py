@@ -7,10 +7,7 @@ import pytest
 import megatron.core  # noqa: E402,F401  (CI installs megatron-core: a missing one must fail, not skip)
 
 import megatron_cases as mc  # noqa: E402
-
-
-def _flat(per_rank):
-    return [e for errors in per_rank for e in errors]
+from distpool import flat
 
 
 def flex_cases(R):
@@ -36,12 +33,12 @@ def flex_cases(R):
 def test_flex_matches_alltoall(pools, R):
     errors = []
     for case in flex_cases(R):
-        errors += _flat(pools(R).run(mc.run_flex_vs_alltoall, case))
+        errors += flat(pools(R).run(mc.run_flex_vs_alltoall, case))
     assert not errors, "\n".join(errors[:20])
 
 
 def test_setup_metadata_compiles(pools):
-    errors = _flat(pools(2).run(mc.run_setup_metadata_compiles, dict(E=8, K=3, H=8)))
+    errors = flat(pools(2).run(mc.run_setup_metadata_compiles, dict(E=8, K=3, H=8)))
     assert not errors, "\n".join(errors[:20])
 
 
@@ -52,5 +49,5 @@ def test_hybridep_rank_budget(pools, R):
     for i, (factor, align, expect_drop) in enumerate([(4.0, 4, False), (0.3, 2, True)]):
         Ts = [9 + 2 * s for s in range(R)]
         case = dict(seed=300 * R + i, E=2 * R, K=3, H=8, Ts=Ts, factor=factor, align=align, expect_drop=expect_drop, p_drop=0.0)
-        errors += _flat(pools(R).run(mc.run_rank_budget_case, case))
+        errors += flat(pools(R).run(mc.run_rank_budget_case, case))
     assert not errors, "\n".join(errors[:20])

@@ -5,10 +5,7 @@ import pytest
 
 import cases
 from case_lists import _token_counts
-
-
-def _flat(per_rank):
-    return [e for rank_errors in per_rank for e in rank_errors]
+from distpool import flat
 
 
 def low_latency_cases(R):
@@ -29,7 +26,7 @@ def low_latency_cases(R):
 
 @pytest.mark.parametrize("R", [1, 2, 4, 8])
 def test_low_latency(pools, R):
-    errors = _flat(pools(R).run(cases.run_low_latency_cases, low_latency_cases(R)))
+    errors = flat(pools(R).run(cases.run_low_latency_cases, low_latency_cases(R)))
     assert not errors, "\n".join(errors[:20])
 
 
@@ -37,11 +34,11 @@ def test_low_latency(pools, R):
 @pytest.mark.parametrize("permute", [False, True])
 def test_gradcheck(pools, R, permute):
     cfg = dict(seed=5 + R, E=2 * R, K=3, H=4, T=2, permute=permute, align=4 if permute else 1)
-    errors = _flat(pools(R).run(cases.run_gradcheck, cfg))
+    errors = flat(pools(R).run(cases.run_gradcheck, cfg))
     assert not errors, "\n".join(errors[:20])
 
 
 @pytest.mark.parametrize("R", [1, 2, 4, 8])
 def test_bad_inputs(pools, R):
-    errors = _flat(pools(R).run(cases.run_bad_inputs))
+    errors = flat(pools(R).run(cases.run_bad_inputs))
     assert not errors, "\n".join(errors[:40])
