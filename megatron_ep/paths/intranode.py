@@ -38,6 +38,11 @@ class IntranodeState:
     comb_map: Optional[torch.Tensor] = None  # expert-major: [>= N, K] int32 row of each (rank-major row, slot)
 
 
+def max_rank_major_rows(rt: CudaRuntime) -> int:
+    """The most rank-major rows any rank can receive: every rank's tokens (same on every rank)."""
+    return rt.num_ranks * rt.plan["max_tokens"]
+
+
 class IntranodePath:
     def __init__(self, rt: CudaRuntime):
         self.rt = rt
@@ -102,8 +107,7 @@ class IntranodePath:
                     recv_info=torch.empty(RI["header"] + 3 * L, dtype=torch.int32, device=rt.device),
                     row_limits=torch.empty(R, dtype=torch.int32, device=rt.device),
                     tokens_per_expert=tpe, num_dropped=dropped, num_rows=None, num_perm_rows=None, counts=None)
-                # the bound on rank-major rows: every rank's tokens (the host learns N below unless sync-free)
-                st_rows_bound = R * rt.plan["max_tokens"]
+                st_rows_bound = max_rank_major_rows(rt)  # the host learns N below unless sync-free
                 tag = next(self.tags)
                 self.kernels.notify(rt.rt, call.sig, topk_idx, num_experts, alignment, permute, num_worst_tokens,
                                     st.rank_pos, st.slot_pos, st.recv_info, st.row_limits, tpe, dropped, tag)
@@ -222,7 +226,15 @@ class IntranodePath:
             fail(weights.dtype == torch.float32, f"weights must be float32 for the cuda backend, got {weights.dtype}", TypeError)
         T, K = handle.num_tokens, handle.topk
         w_cols = 1 if handle.permute else K
-        call.set(variant=0)
+        zero_copy = x.data_ptr() == rt.base + rt.plan["comb_x"]
+        # expert-major: sum each token's rows per rank locally first, so one fp32 row per
+        # (token, rank) crosses the link instead of one per (token, expert). Needs the dispatch's
+        # map and room for every rank's partials (the group-wide bound, so the ranks agree) where
+        # the input is not; a rank whose input lies there (zero copy) takes the staged kernel,
+        # and the signature's variant turns that disagreement into CallMismatchError.
+        partials = (handle.permute and st.comb_map is not None and not zero_copy
+                    and max_rank_major_rows(rt) * H * 4 <= rt.plan["comb_rows"] * rt.plan["comb_row_bytes"])
+        call.set(variant=int(partials))
         compute = rt.enter(previous_event)
         with torch.cuda.stream(compute):
             y = torch.empty((T, H), dtype=x.dtype, device=rt.device)
@@ -232,12 +244,6 @@ class IntranodePath:
             if hooked:
                 rt.stream.wait_stream(compute)
             rt.mark("start")
-            zero_copy = x.data_ptr() == rt.base + rt.plan["comb_x"]
-            # expert-major: sum each token's rows per rank locally first, so one fp32 row per
-            # (token, rank) crosses the link instead of one per (token, expert); needs the
-            # dispatch's map and room for the partials where the input is not
-            partials = (handle.permute and st.comb_map is not None and not zero_copy and x.is_contiguous()
-                        and st.comb_map.shape[0] * H * 4 <= rt.plan["comb_rows"] * rt.plan["comb_row_bytes"])
             if partials:
                 self.kernels.combine_reduce(rt.rt, call.sig, x, rows, H, x.dtype == torch.float32, st.comb_map,
                                             st.recv_info, weights, rt.local_sms)
