@@ -13,7 +13,7 @@ TORCH_CUDA_ARCH_LIST defaults to 9.0). Switches (environment):
     MEP_PTXAS_VERBOSE=1    pass -Xptxas -v (register / shared-memory / spill report)
     MEP_DEBUG=1            -G -O0 device code (for cuda-gdb / sanitizer line info)
     MAX_JOBS=N             parallel compile jobs (ninja)
-`_C_ll` (csrc/kernels/low_latency.cu, csrc/nvshmem_bootstrap.cu, csrc/low_latency_bindings.cpp) is built beside `_C` when
+`_C_ll` (the NVSHMEM paths: csrc/kernels/low_latency.cu and internode.cu, csrc/nvshmem_bootstrap.cu, their bindings) is built beside `_C` when
 the pip package nvidia-nvshmem-cu13 is installed (torch's CUDA 13 builds depend on it), with
 relocatable device code and a device link against NVSHMEM's static device library; without
 NVSHMEM it is skipped with a printed reason (MEP_REQUIRE_EXTENSION=1 makes that an error too).
@@ -77,7 +77,7 @@ def _cuda_extensions():
     return [ext] + _low_latency_extension(CUDAExtension, nvcc), {"build_ext": BuildExtension.with_options(use_ninja=True)}
 
 
-LL_KERNELS = {"low_latency.cu"}  # built into _C_ll (NVSHMEM, relocatable device code), not into _C
+LL_KERNELS = {"low_latency.cu", "internode.cu"}  # built into _C_ll (NVSHMEM, relocatable device code), not into _C
 
 
 def nvshmem_home():
@@ -110,7 +110,8 @@ def _low_latency_extension(CUDAExtension, nvcc):
                                    "-U__CUDA_NO_HALF2_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__"]
     return [CUDAExtension(
         name="megatron_ep._C_ll",
-        sources=["csrc/low_latency_bindings.cpp", "csrc/nvshmem_bootstrap.cu", "csrc/kernels/low_latency.cu"],
+        sources=["csrc/low_latency_bindings.cpp", "csrc/internode_bindings.cpp", "csrc/nvshmem_bootstrap.cu",
+                 "csrc/kernels/low_latency.cu", "csrc/kernels/internode.cu"],
         include_dirs=[os.path.join(ROOT, "csrc"), inc],
         extra_compile_args={"cxx": ["-O3", "-std=c++20"], "nvcc": ll_nvcc,
                             "nvcc_dlink": ["-dlink", "-gencode=arch=compute_90,code=sm_90", f"-L{lib}", "-lnvshmem_device"]},

@@ -162,10 +162,13 @@ class LowLatencyBuffer {
   std::vector<bool> p2p_;
 };
 
+void bind_internode(py::module_& m);  // csrc/internode_bindings.cpp
+
 }  // namespace mep
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "megatron_ep low-latency path (NVSHMEM): csrc/kernels/low_latency.cu";
+  m.doc() = "megatron_ep NVSHMEM paths: low-latency (csrc/kernels/low_latency.cu), internode RDMA domain (csrc/kernels/internode.cu)";
+  mep::bind_internode(m);
   m.attr("THREADS") = mep::kLLThreads;
   m.attr("MAX_BLOCKS") = mep::kLLMaxBlocks;
   m.attr("MAX_RANKS") = mep::kLLMaxRanks;

@@ -84,12 +84,17 @@ class Buffer:
             GPU; skipped automatically under CUDA graph capture). Unchecked ids outside
             [0, num_experts) are treated as unused slots by both backends.
         timeout_s (cuda): how long a kernel waits for a peer before it reports (MEP_TIMEOUT_S).
+        ranks_per_node: ranks per NVLink domain (None: the ranks sharing a host). A group of
+            several nodes runs the cuda backend's two-level path (RDMA to the same-index rank
+            of each node, then NVLink inside it); a smaller value makes virtual nodes. The torch
+            backend checks it and has no hierarchy (one all-to-all over the whole group).
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, backend: str = "auto", *,
                  max_tokens_per_rank: Optional[int] = None, hidden: Optional[int] = None,
                  num_experts: Optional[int] = None, max_topk: Optional[int] = None,
-                 num_sms: Optional[int] = None, check_inputs: bool = True, **backend_options):
+                 num_sms: Optional[int] = None, check_inputs: bool = True, ranks_per_node: Optional[int] = None,
+                 **backend_options):
         C.fail(backend in BACKENDS, f"backend must be one of {BACKENDS}, got {backend!r}")
         if group is None:
             C.fail(dist.is_initialized(), "Buffer needs an initialized torch.distributed process group (or pass group=)", RuntimeError)
@@ -101,6 +106,10 @@ class Buffer:
             C.check_int("max_tokens_per_rank", max_tokens_per_rank, 0)
         self.max_tokens_per_rank = max_tokens_per_rank
         self.check_inputs = check_inputs
+        if ranks_per_node is not None:
+            C.fail(isinstance(ranks_per_node, int) and 1 <= ranks_per_node <= self.num_ranks
+                   and self.num_ranks % ranks_per_node == 0,
+                   f"ranks_per_node={ranks_per_node!r} must divide the group's {self.num_ranks} ranks")
         self.id = next(_ids)
         self._seq = 0
         requested = backend
@@ -115,7 +124,7 @@ class Buffer:
 
             self._impl = CudaBackend(group, self.rank, self.num_ranks, max_tokens_per_rank=max_tokens_per_rank,
                                      hidden=hidden, num_experts=num_experts, max_topk=max_topk, num_sms=num_sms,
-                                     **backend_options)
+                                     ranks_per_node=ranks_per_node, **backend_options)
         if self.rank == 0:
             why = f" ({_why_not_cuda()})" if requested == "auto" and backend == "torch" else ""
             log.info("megatron_ep.Buffer: %d ranks, backend=%s%s: %s", self.num_ranks, backend, why, self._impl.describe())

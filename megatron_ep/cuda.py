@@ -1,8 +1,12 @@
 """The `cuda` backend: the shared runtime plus the kernel path the group's shape calls for.
 
-Today every group is one NVLink domain (at most 8 ranks) and runs the intranode normal path;
-the low-latency path (megatron_ep/paths/low_latency.py, NVSHMEM, extension `_C_ll`) is created
-at the first low-latency call, or up front with `low_latency=dict(...)`.
+A group inside one node (one NVLink domain, at most 8 ranks) runs the intranode normal path. A
+group of several nodes -- `ranks_per_node` ranks each, by default the ranks sharing a host;
+smaller values make virtual nodes -- runs the two-level internode path
+(megatron_ep/paths/internode.py): the runtime then spans this rank's node, and NVSHMEM carries
+the RDMA domain. The low-latency path (megatron_ep/paths/low_latency.py, NVSHMEM, extension
+`_C_ll`) spans the whole group; it is created at the first low-latency call, or up front with
+`low_latency=dict(...)`.
 """
 
 from __future__ import annotations
@@ -10,7 +14,10 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Optional
 
+import socket
+
 import torch
+import torch.distributed as dist
 
 from . import protocol as P
 from .checks import fail
@@ -21,6 +28,39 @@ from .types import DispatchLayout
 _LL_OPS = (P.OP["low_latency_dispatch"], P.OP["low_latency_combine"])
 
 
+def ranks_per_node(group, num_ranks: int, requested: Optional[int]) -> int:
+    """The node size: `requested` (virtual nodes), else the ranks sharing a host, which must be
+    equal on every host and contiguous in rank order (node n = ranks [n * P, (n + 1) * P))."""
+    if requested is not None:
+        fail(isinstance(requested, int) and 1 <= requested <= num_ranks and num_ranks % requested == 0,
+             f"ranks_per_node={requested!r} must divide the group's {num_ranks} ranks")
+        return requested
+    hosts: list = [None] * num_ranks
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    P_ = hosts.count(hosts[0])
+    contiguous = all(hosts[r] == hosts[r - r % P_] for r in range(num_ranks)) and num_ranks % P_ == 0
+    fail(contiguous and len(set(hosts)) == num_ranks // P_, "the cuda backend needs the same number of ranks on every "
+         "host, numbered node by node (ranks [n * P, (n + 1) * P) on host n); pass ranks_per_node= to override")
+    return P_
+
+
+def node_group(group, rank: int, P_: int):
+    """This rank's node as a process group (only its members synchronise to create it)."""
+    first = rank - rank % P_
+    ranks = [dist.get_global_rank(group, first + i) for i in range(P_)]
+    return dist.new_group(ranks, backend=dist.get_backend(group), use_local_synchronization=True)
+
+
+class _WholeGroup:
+    """What the low-latency path needs of a runtime, over the whole group (an internode backend's
+    runtime spans one node)."""
+
+    def __init__(self, group, rank: int, num_ranks: int, node_rt: CudaRuntime):
+        self.group, self.rank, self.num_ranks = group, rank, num_ranks
+        self.device, self.ranks_per_device, self.sm_count = node_rt.device, node_rt.ranks_per_device, node_rt.sm_count
+        self.timeout_s, self.new_outputs = node_rt.timeout_s, node_rt.new_outputs
+
+
 class CudaBackend:
     name = "cuda"
 
@@ -28,7 +68,8 @@ class CudaBackend:
                  hidden: Optional[int] = None, num_experts: Optional[int] = None, max_topk: Optional[int] = None,
                  num_sms: Optional[int] = None, dtype_bytes: int = 2, combine_bytes: int = 2,
                  combine_rows: Optional[int] = None, pool_bytes: Optional[int] = None, max_alignment: int = 128,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, low_latency: Optional[dict] = None):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, low_latency: Optional[dict] = None,
+                 ranks_per_node: Optional[int] = None):
         if num_experts is not None:
             fail(num_experts <= P.MAX_EXPERTS, f"num_experts={num_experts} exceeds the cuda backend's {P.MAX_EXPERTS}")
         if max_topk is not None:
@@ -37,8 +78,23 @@ class CudaBackend:
         hints = dict(max_tokens=max_tokens_per_rank, hidden=hidden, max_experts=num_experts, max_topk=max_topk,
                      dtype_bytes=dtype_bytes, combine_bytes=combine_bytes, combine_rows=combine_rows,
                      pool_bytes=pool_bytes, max_alignment=max_alignment)
-        self.rt = CudaRuntime(group, rank, num_ranks, hints=hints, num_sms=num_sms, timeout_s=timeout_s)
-        self.path = IntranodePath(self.rt)
+        self.rank, self.num_ranks = rank, num_ranks
+        self.ranks_per_node = ranks_per_node(group, num_ranks, ranks_per_node)
+        if self.ranks_per_node == num_ranks:
+            self.rt = CudaRuntime(group, rank, num_ranks, hints=hints, num_sms=num_sms, timeout_s=timeout_s)
+            self.path = IntranodePath(self.rt)
+            self.world = self.rt
+        else:
+            from .paths.internode import InternodePath, node_hints
+
+            P_, N = self.ranks_per_node, num_ranks // self.ranks_per_node
+            node_h = dict(hints, max_experts=None if num_experts is None else num_experts // N)
+            if max_tokens_per_rank is not None and hidden is not None:
+                node_h.update(node_hints(N, max_tokens_per_rank, hidden, dtype_bytes, combine_bytes, max_topk))
+            self.rt = CudaRuntime(node_group(group, rank, P_), rank % P_, P_, hints=node_h, num_sms=num_sms,
+                                  timeout_s=timeout_s, device_group=group)
+            self.path = InternodePath(self.rt, group, rank, num_ranks, P_, hints)
+            self.world = _WholeGroup(group, rank, num_ranks, self.rt)
         self._ll = None  # the low-latency path, created on first use (see _low_latency)
         if low_latency is not None:
             self._low_latency(low_latency)
@@ -50,6 +106,9 @@ class CudaBackend:
     def describe(self) -> str:
         rt = self.rt
         size = f"{rt.plan['total'] / 2**20:.0f} MiB region" if rt.ready else "sized on first use"
+        if self.ranks_per_node < self.num_ranks:
+            return (f"cuda internode, {self.num_ranks // self.ranks_per_node} nodes x {self.ranks_per_node} ranks, "
+                    f"{rt.num_sms} SMs/rank, {rt.ranks_per_device} rank(s)/GPU, {size} per node stage")
         return f"cuda intranode, {rt.num_sms} SMs/rank, {rt.ranks_per_device} rank(s)/GPU, {size}"
 
     @contextmanager
@@ -60,6 +119,12 @@ class CudaBackend:
             self._low_latency().check(call)
             yield call
             return
+        if self.ranks_per_node < self.num_ranks:  # the in-node calls publish their own failures
+            call.pending = None
+            self.rt.check(call)
+            self.path.check(call)
+            yield call
+            return
         with self.rt.publishing(call):
             self.rt.check(call)
             yield call
@@ -67,6 +132,8 @@ class CudaBackend:
     def destroy(self) -> None:
         if self._ll is not None:
             self._ll.close()
+        if self.ranks_per_node < self.num_ranks:
+            self.path.close()
         self.rt.close()
 
     def reserve(self, need: dict) -> None:
@@ -76,13 +143,16 @@ class CudaBackend:
         """Wait for this buffer's kernels and raise if any of them reported a failure."""
         self.rt.stream.synchronize()
         self.rt.check()
+        if self.ranks_per_node < self.num_ranks:
+            torch.cuda.current_stream(self.rt.device).synchronize()
+            self.path.check()
         if self._ll is not None:  # low-latency kernels run on the caller's stream
             torch.cuda.current_stream(self.rt.device).synchronize()
             self._ll.check()
 
     # ------------------------------------------------------------------------------ layout
     def layout(self, topk_idx: torch.Tensor, num_experts: int) -> DispatchLayout:
-        T, R = topk_idx.shape[0], self.rt.num_ranks
+        T, R = topk_idx.shape[0], self.num_ranks
         tpr = torch.zeros(R, dtype=torch.int64, device=topk_idx.device)
         tpe = torch.zeros(num_experts, dtype=torch.int64, device=topk_idx.device)
         tir = torch.empty((T, R), dtype=torch.bool, device=topk_idx.device)
@@ -102,7 +172,7 @@ class CudaBackend:
         if self._ll is None:
             from .paths.low_latency import LowLatencyPath
 
-            self._ll = LowLatencyPath(self.rt, capacity)
+            self._ll = LowLatencyPath(self.world, capacity)
         return self._ll
 
     def low_latency_dispatch(self, call, *args, **kwargs):

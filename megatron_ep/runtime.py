@@ -76,7 +76,7 @@ class CudaRuntime:
     """Region, calls and errors of one Buffer's cuda backend (one per rank)."""
 
     def __init__(self, group, rank: int, num_ranks: int, *, hints: Dict[str, Optional[int]], num_sms: Optional[int],
-                 timeout_s: float = DEFAULT_TIMEOUT_S):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, device_group=None):
         self.ext = _ext.load()
         fail(torch.cuda.is_available(), "backend='cuda' needs a CUDA device", RuntimeError)
         fail(num_ranks <= P.MAX_RANKS, f"the intranode cuda path supports up to {P.MAX_RANKS} ranks, got {num_ranks}")
@@ -89,8 +89,9 @@ class CudaRuntime:
         # who shares my GPU: virtual ranks share one HBM and one set of SMs
         props = torch.cuda.get_device_properties(self.device)
         me = (socket.gethostname(), str(getattr(props, "uuid", self.device.index)))
-        peers: list = [None] * num_ranks
-        dist.all_gather_object(peers, me, group=group)
+        # (device_group: every rank that may share it, when this runtime spans only a node of them)
+        peers: list = [None] * dist.get_world_size(device_group or group)
+        dist.all_gather_object(peers, me, group=device_group or group)
         self.ranks_per_device = sum(p == me for p in peers)
         self.sm_count = props.multi_processor_count
         limit = max_num_sms(self.ranks_per_device, self.sm_count)

@@ -3,8 +3,10 @@
 # GPU test suite (R = 2 ranks: one per GPU when there are two; R = 4, 8: several per GPU under
 # MPS), compute-sanitizer on a small R = 2 case, the benchmark (one process per GPU when the GPUs
 # suffice, with DeepEP and NCCL baselines), and the Megatron phase. Logs go under $OUT.
-#   MEP_GPU_STEPS   phases, comma-separated: build,tests,sanitizer,bench,megatron,lowlat
+#   MEP_GPU_STEPS   phases, comma-separated: build,internode,tests,sanitizer,bench,megatron,lowlat
 #                   (default build,tests,sanitizer,bench)
+#   internode       the two-level path on virtual nodes: tests/test_cuda_internode.py (MEP_IN_TEST_ARGS,
+#                   MEP_IN_TEST_TIMEOUT)
 #   lowlat          the low-latency path: tests/test_cuda_low_latency.py (MEP_LL_TEST_ARGS), then
 #                   scripts/bench_low_latency.py --ranks ${MEP_LL_RANKS:-2} (MEP_LL_BENCH_ARGS) -> $OUT/ll_bench.md;
 #                   MEP_LL_PARTS=tests or =bench runs one of the two (default tests,bench)
@@ -52,6 +54,15 @@ if has build; then
   fi
   grep -E "Compiling entry|registers|spill" /tmp/build.log | sed 's/ptxas info *: //' > "${MEP_PTXAS_OUT:-$OUT}/ptxas.txt"
   python3 -c "import megatron_ep as m; print('extension usable:', m.cuda_backend_available())"
+fi
+if has internode; then
+  phase internode
+  start_mps
+  eval "inargs=(${MEP_IN_TEST_ARGS:-})"
+  timeout "${MEP_IN_TEST_TIMEOUT:-400}" python3 -m pytest -q -m gpu -rs -x tests/test_cuda_internode.py "${inargs[@]}" 2>&1 \
+    | tee "$OUT/internode_tests.log" | grep -vE "^\s*$" | tail -60
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  stop_mps
 fi
 if has tests; then
   phase tests

@@ -524,7 +524,7 @@ def run_cuda_graph_case(cfg: dict) -> list:
     R, rank = dist.get_world_size(), dist.get_rank()
     E, K, H, T, align = cfg["E"], cfg["K"], cfg["H"], cfg["T"], cfg["align"]
     L = E // R
-    buf = get_buffer("cuda")
+    buf = get_buffer("cuda", **cfg.get("sizing", {}))
     chk = Checker(f"[graph R={R} rank={rank}]")
     worst = R * T * min(K, L) + L * align
     inputs = make_inputs(cfg["seed"], R, E, K, H, [T] * R, "bf16", "random", 0.2)
@@ -571,7 +571,7 @@ def run_repeated(cfg: dict, backend: str = "cuda", device: str = "cuda") -> list
     """Many calls with changing routing: round trip every call, full check every tenth."""
     R, rank = dist.get_world_size(), dist.get_rank()
     E, K, H = cfg["E"], cfg["K"], cfg["H"]
-    buf = get_buffer(backend)
+    buf = get_buffer(backend, **cfg.get("sizing", {}))
     chk = Checker(f"[repeat R={R} rank={rank}]")
     for it in range(cfg["iters"]):
         g = torch.Generator().manual_seed(cfg["seed"] + it)

@@ -24,6 +24,10 @@ def _routing(g, T, E, K, R, pattern, p_drop):
             if torch.rand((), generator=g) < 0.5 and hot not in rest:
                 rest[0] = hot
             chosen = rest
+        elif pattern == "node_limited":  # DeepSeek-V3 style: experts of 2 of 4 expert groups (nodes)
+            groups = torch.randperm(4, generator=g)[:2].tolist()
+            pool = [gr * (E // 4) + i for gr in groups for i in range(E // 4)]
+            chosen = [pool[i] for i in torch.randperm(len(pool), generator=g)[: min(K, len(pool))].tolist()]
         elif pattern == "same_rank":
             r = int(torch.randint(R, (1,), generator=g))
             chosen = (r * L + torch.randperm(L, generator=g)[: min(K, L)]).tolist()

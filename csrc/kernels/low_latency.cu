@@ -29,34 +29,23 @@
 
 #include "../protocol.h"
 #include "low_latency.h"
+#include "symmetric.cuh"
 
 namespace mep {
 namespace {
 
-__device__ __forceinline__ long long ld_acquire_sys(const long long* p) {
-  long long v;
-  asm volatile("ld.acquire.sys.global.s64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_release_sys(long long* p, long long v) {
-  asm volatile("st.release.sys.global.s64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-__device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ unsigned long long globaltimer() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-__device__ __forceinline__ int warp_sum(int v) {
-  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
+using sym::globaltimer;
+using sym::ld_acquire_gpu;
+using sym::ld_acquire_sys;
+using sym::warp_copy16;
+using sym::warp_sum;
+
 __device__ __forceinline__ LowLatencyState* state_of(const LLCtx& c) {
   return reinterpret_cast<LowLatencyState*>(c.base + c.lay.state);
+}
+__device__ __forceinline__ sym::Waiter waiter(const LLCtx& c) {
+  LowLatencyState* st = state_of(c);
+  return {c.err, &st->failed, &st->err_claims, c.timeout_ns};
 }
 
 // Signal words: -1 - (count | sig << 32). Never 0, so "0 tokens" differs from "not arrived".
@@ -64,59 +53,19 @@ __device__ __forceinline__ long long encode(int count, long long sig) { return -
 __device__ __forceinline__ int decoded_count(long long v) { return (int)(unsigned)((unsigned long long)(-1 - v)); }
 __device__ __forceinline__ long long decoded_sig(long long v) { return (long long)((unsigned long long)(-1 - v) >> 32); }
 
-// The first error since the host's last clear wins; `failed` stops every later wait of this rank.
-__device__ __noinline__ void report(const LLCtx& c, int code, int op, int what, int expert, int peer, int set,
-                                    long long sig, long long got) {
-  LowLatencyState* st = state_of(c);
-  if (code == kErrTimeout) atomicExch(&st->failed, 1);
-  const int cleared = c.err->cleared;
-  if (atomicCAS(&st->err_claims, cleared, cleared + 1) != cleared) return;
-  c.err->op = op, c.err->what = what, c.err->expert = expert, c.err->peer = peer, c.err->set = set;
-  c.err->sig_expected = sig, c.err->sig_got = got;
-  __threadfence_system();
-  c.err->code = code;
+__device__ __forceinline__ void report(const LLCtx& c, int code, int op, int what, int expert, int peer, int set,
+                                       long long sig, long long got) {
+  sym::report(waiter(c), code, op, what, expert, peer, set, sig, got);
 }
-
-// Spin until done(load()) or report a timeout. `what`/expert/peer name the wait for the host.
 template <typename Load, typename Done>
 __device__ __forceinline__ bool spin(const LLCtx& c, Load load, Done done, long long& v, int op, int what,
                                      int expert, int peer, int set, long long sig) {
-  unsigned long long start = 0;
-  for (unsigned i = 0;; ++i) {
-    v = load();
-    if (done(v)) return true;
-    if ((i & 127) == 127) {
-      if (*reinterpret_cast<volatile int*>(&state_of(c)->failed)) return false;
-      const unsigned long long now = globaltimer();
-      if (start == 0) {
-        start = now;
-      } else if (now - start > c.timeout_ns) {
-        report(c, kErrTimeout, op, what, expert, peer, set, sig, v);
-        return false;
-      }
-    }
-  }
+  return sym::spin(waiter(c), load, done, v, op, what, expert, peer, set, sig);
 }
 
 // Write a 64-bit signal word at `off` in rank dst's buffer (after the caller's fence).
 __device__ __forceinline__ void put_signal(const LLCtx& c, int dst, long long off, long long v) {
-  char* peer = c.peer_base[dst];
-  if (peer != nullptr) {
-    st_release_sys(reinterpret_cast<long long*>(peer + off), v);
-  } else {
-    nvshmemx_signal_op(reinterpret_cast<uint64_t*>(c.base + off), (uint64_t)v, NVSHMEM_SIGNAL_SET, c.pe[dst]);
-  }
-}
-
-// Warp copy of n16 16-byte words, four loads in flight per lane.
-__device__ __forceinline__ void warp_copy16(int4* dst, const int4* src, int n16) {
-  const int lane = threadIdx.x & 31;
-  int i = lane;
-  for (; i + 96 < n16; i += 128) {
-    int4 a = __ldcg(src + i), b = __ldcg(src + i + 32), d = __ldcg(src + i + 64), e = __ldcg(src + i + 96);
-    dst[i] = a, dst[i + 32] = b, dst[i + 64] = d, dst[i + 96] = e;
-  }
-  for (; i < n16; i += 32) dst[i] = __ldcg(src + i);
+  sym::put_signal(c.peer_base[dst], c.base, c.pe[dst], off, v);
 }
 
 // Rows `bytes` long from this rank to rank dst at byte offset `off` of its buffer: stores when

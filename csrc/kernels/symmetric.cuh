@@ -1,0 +1,102 @@
+// Device helpers shared by the NVSHMEM paths (low_latency.cu, internode.cu): system-scope
+// flags, bounded waits that record what they waited on, signals to a peer (a store when it is
+// load/store reachable, else an NVSHMEM signal op) and a warp copy. Include after nvshmem.h.
+#pragma once
+
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include "../low_latency_layout.h"  // LowLatencyError: the mapped error record both paths fill
+#include "../protocol.h"
+
+namespace mep {
+namespace sym {
+
+__device__ __forceinline__ long long ld_acquire_sys(const long long* p) {
+  long long v;
+  asm volatile("ld.acquire.sys.global.s64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_sys(long long* p, long long v) {
+  asm volatile("st.release.sys.global.s64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ unsigned long long globaltimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ int warp_sum(int v) {
+  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Where a path's waits report: the mapped record, and two words of its local state: `failed`
+// (a wait timed out: every later wait returns at once) and `claims` (records claimed so far).
+struct Waiter {
+  LowLatencyError* err;
+  int* failed;
+  int* claims;
+  unsigned long long timeout_ns;
+};
+
+// The first error since the host's last clear wins (the host bumps `cleared` after reading).
+static __device__ __noinline__ void report(const Waiter& w, int code, int op, int what, int expert, int peer, int set,
+                                    long long sig, long long got) {
+  if (code == kErrTimeout) atomicExch(w.failed, 1);
+  const int cleared = w.err->cleared;
+  if (atomicCAS(w.claims, cleared, cleared + 1) != cleared) return;
+  w.err->op = op, w.err->what = what, w.err->expert = expert, w.err->peer = peer, w.err->set = set;
+  w.err->sig_expected = sig, w.err->sig_got = got;
+  __threadfence_system();
+  w.err->code = code;
+}
+
+// Spin until done(load()) or report a timeout; `what`/expert/peer/set name the wait for the host.
+template <typename Load, typename Done>
+__device__ __forceinline__ bool spin(const Waiter& w, Load load, Done done, long long& v, int op, int what,
+                                     int expert, int peer, int set, long long sig) {
+  unsigned long long start = 0;
+  for (unsigned i = 0;; ++i) {
+    v = load();
+    if (done(v)) return true;
+    if ((i & 127) == 127) {
+      if (*reinterpret_cast<volatile int*>(w.failed)) return false;
+      const unsigned long long now = globaltimer();
+      if (start == 0) {
+        start = now;
+      } else if (now - start > w.timeout_ns) {
+        report(w, kErrTimeout, op, what, expert, peer, set, sig, v);
+        return false;
+      }
+    }
+  }
+}
+
+// A 64-bit word at byte offset `off` of a peer's symmetric buffer (after the caller's fence):
+// a release store through `peer` when reachable, else an NVSHMEM signal op on PE `pe`.
+__device__ __forceinline__ void put_signal(char* peer, char* base, int pe, long long off, long long v) {
+  if (peer != nullptr) {
+    st_release_sys(reinterpret_cast<long long*>(peer + off), v);
+  } else {
+    nvshmemx_signal_op(reinterpret_cast<uint64_t*>(base + off), (uint64_t)v, NVSHMEM_SIGNAL_SET, pe);
+  }
+}
+
+// Warp copy of n16 16-byte words, four loads in flight per lane.
+__device__ __forceinline__ void warp_copy16(int4* dst, const int4* src, int n16) {
+  const int lane = threadIdx.x & 31;
+  int i = lane;
+  for (; i + 96 < n16; i += 128) {
+    int4 a = __ldcg(src + i), b = __ldcg(src + i + 32), d = __ldcg(src + i + 64), e = __ldcg(src + i + 96);
+    dst[i] = a, dst[i + 32] = b, dst[i + 64] = d, dst[i + 96] = e;
+  }
+  for (; i < n16; i += 32) dst[i] = __ldcg(src + i);
+}
+
+}  // namespace sym
+}  // namespace mep

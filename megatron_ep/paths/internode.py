@@ -1,0 +1,364 @@
+"""The two-level internode normal path: the RDMA domain (csrc/kernels/internode.cu, NVSHMEM,
+extension `_C_ll`) composed with the intranode path inside each node.
+
+Rank (node n, local l) of R = N x P ranks:
+
+dispatch  1. RDMA send: each token once to rank (m, l) of every node m owning one of its experts,
+             into that rank's fixed slot (n, token); ids and weights of every token to every node.
+          2. RDMA receive: wait for every node, then the forwarder's view of its receive area:
+             N * max_tokens rows, node-local expert ids (-1 where a token has none on this node).
+          3. In-node stage: the intranode path over the node's P ranks dispatches those rows to
+             the ranks owning their experts (NVLink), fused permute included.
+          4. Order: the in-node stage delivers rows by (forwarder, source node, token); a sort key
+             that rides in an extra scale column (source rank * max_tokens + token) restores the
+             contract's (source rank, token) order, inside each expert segment when permuted.
+combine   the inverse order, the in-node combine (each forwarder sums a token's rows of its
+          node), then the RDMA hop back and a sum over the token's nodes in fp32.
+
+Sizes: the RDMA buffer has one slot per (source node, token) up to `max_tokens_per_rank` (a
+Buffer hint, or the first call's largest T over the group; later calls must fit). Worst-case
+sized calls (num_worst_tokens) run the in-node stage at its never-dropping size and drop the
+rows past num_worst_tokens after the reordering, so the dropped rows are exactly the contract's.
+
+All kernels of this path run on the caller's stream or are ordered with it: async_op returns an
+event that is already in the caller's stream order. Cross-node failures are not published on
+the host: a rank that raises before its RDMA send leaves its peers to time out, naming it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import nvshmem
+from .. import protocol as P
+from ..checks import fail, is_fp8_tuple
+from ..errors import BufferBrokenError, CallMismatchError, CommTimeoutError
+from ..runtime import CudaRuntime
+from ..types import CombineOutput, DispatchHandle, DispatchOutput, EventOverlap
+from .intranode import IntranodePath
+from .low_latency import load, signature_hash
+
+KEY_PAD = 2**31 - 1  # sort key of rows that are not delivered (padding): after every real row
+FP8_BLOCK = 128
+INT32_MAX = 2**31 - 1
+
+
+@dataclass
+class InternodeState:
+    inner: DispatchHandle  # the in-node stage's handle (rows in forwarder order)
+    local_idx: torch.Tensor  # [N * mt, K] int64 node-local ids of the forwarder's rows
+    tokens: torch.Tensor  # [N] int32 tokens each source node sent to this forwarder
+    perm: torch.Tensor  # [rows] int64: contract row j is in-node row perm[j]
+    rows: int  # contract rows (num_worst_tokens, or the rows delivered)
+    inner_rows: int  # in-node rows (>= rows)
+    tokens_per_expert: torch.Tensor  # [L] int64 of the contract's rows
+    num_dropped: torch.Tensor  # 0-d int64: delivered by the in-node stage, past the contract's rows
+
+
+def node_hints(num_nodes: int, max_tokens: int, hidden: int, dtype_bytes: int = 2, combine_bytes: int = 2,
+               topk: Optional[int] = None) -> dict:
+    """Sizing of the node runtime's region for the in-node stage: every forwarder handles
+    N * max_tokens rows, and its scale rows carry one more column (the sort key)."""
+    h = dict(max_tokens=num_nodes * max_tokens, hidden=hidden + FP8_BLOCK, dtype_bytes=dtype_bytes,
+             combine_bytes=combine_bytes)
+    if topk:
+        h["max_topk"] = topk
+    return h
+
+
+def inner_worst_rows(P_: int, N: int, mt: int, K: int, L: int, permute: bool, align: int) -> int:
+    """Rows the in-node stage can deliver to one rank at most (its never-dropping size)."""
+    tokens = P_ * N * mt
+    return tokens * min(K, L) + L * (align - 1) if permute else tokens
+
+
+class InternodePath:
+    def __init__(self, rt: CudaRuntime, group, rank: int, num_ranks: int, ranks_per_node: int, hints: dict):
+        self.rt = rt  # the node's runtime (its group: this node's P ranks)
+        self.intra = IntranodePath(rt)
+        self.group, self.rank, self.num_ranks, self.P = group, rank, num_ranks, ranks_per_node
+        self.N = num_ranks // ranks_per_node
+        self.node, self.local = rank // ranks_per_node, rank % ranks_per_node
+        self.hints = hints
+        self.ext = load()
+        self.buf = None
+        self.cap: Optional[dict] = None
+        self.broken: Optional[str] = None
+        self.inner_seq = 0
+        self.num_blocks = min(rt.num_sms, self.ext.IN_MAX_BLOCKS)
+        if hints.get("max_tokens") and hints.get("hidden"):
+            self._create(self._agree(self._need(hints["max_tokens"], hints["hidden"], hints.get("dtype_bytes", 2),
+                                                hints.get("combine_bytes", 2), hints.get("max_topk") or 8)))
+
+    # ------------------------------------------------------------------------------ buffer
+    @staticmethod
+    def _need(T: int, H: int, elem: int, comb_elem: int, K: int) -> dict:
+        return dict(max_tokens=int(T), hidden=int(H), x_row=int(H * elem), c_row=int(H * max(2, comb_elem)), topk=int(K))
+
+    def _agree(self, need: dict) -> dict:
+        every: list = [None] * self.num_ranks
+        dist.all_gather_object(every, need, group=self.group)
+        return {k: max(int(d[k]) for d in every) for k in need}
+
+    def _create(self, cap: dict) -> None:
+        """Collective over every rank: the RDMA buffer, NVSHMEM (once per process) and the node
+        runtime's region sized for N * max_tokens forwarded rows with the key column."""
+        hosts: list = [None] * self.num_ranks
+        import socket
+
+        dist.all_gather_object(hosts, socket.gethostname(), group=self.group)
+        staged = len(set(hosts)) > 1 or os.environ.get("MEP_IN_FORCE_PUTS", "0") == "1"
+        scale_cols = (cap["hidden"] + FP8_BLOCK - 1) // FP8_BLOCK
+        plan = self.ext.internode_plan(self.N, cap["max_tokens"], cap["topk"], cap["x_row"], scale_cols, cap["c_row"], staged)
+        heap = nvshmem.init(self.group, self.rank, self.num_ranks, self.rt.device, 2 * plan["total"], self.ext)
+        fail(plan["total"] + nvshmem.HEAP_MARGIN <= heap,
+             f"the internode buffer needs {plan['total']} bytes but NVSHMEM's symmetric heap has {heap} "
+             f"(NVSHMEM_SYMMETRIC_SIZE, fixed when NVSHMEM started in this process)", RuntimeError)
+        pes: list = [None] * self.num_ranks
+        dist.all_gather_object(pes, self.ext.my_pe(), group=self.group)
+        peers = [pes[m * self.P + self.local] for m in range(self.N)]
+        self.buf = self.ext.InternodeBuffer(self.rt.device.index, self.node, self.local, self.P, peers, cap["max_tokens"],
+                                            cap["topk"], cap["x_row"], scale_cols, cap["c_row"], staged, self.rt.timeout_s)
+        dist.barrier(group=self.group)
+        fail(staged or all(self.buf.p2p()), "megatron_ep internode: a same-index peer on this host is not load/store "
+                                            "reachable (no P2P); set MEP_IN_FORCE_PUTS=1 to send everything as NVSHMEM puts",
+             RuntimeError)
+        self.cap, self.plan, self.staged = dict(cap, scale_cols=scale_cols), plan, staged
+        # the in-node stage: N * max_tokens rows per forwarder, one more scale column (the key)
+        self.rt.reserve(node_hints(self.N, cap["max_tokens"], cap["hidden"], max(1, cap["x_row"] // cap["hidden"]),
+                                   cap["c_row"] // cap["hidden"], cap["topk"]))
+
+    def _fit(self, T: int, H: int, elem: int, K: int, comb_elem: int = 2) -> None:
+        if self.buf is None:
+            fail(not torch.cuda.is_current_stream_capturing(), "the first internode call sizes the buffer (a collective): "
+                 "make one call before CUDA-graph capture, or pass max_tokens_per_rank= and hidden= to Buffer", RuntimeError)
+            self._create(self._agree(self._need(T, H, elem, comb_elem, K)))
+        c = self.cap
+        need = self._need(T, H, elem, comb_elem, K)
+        short = [f"{k} {need[k]} > {c[k]}" for k in ("max_tokens", "x_row", "topk") if need[k] > c[k]]
+        fail(not short, f"the internode buffer was sized for max_tokens_per_rank={c['max_tokens']}, {c['x_row']} bytes per row, "
+                        f"topk={c['topk']}; this call does not fit ({', '.join(short)}): create the Buffer with "
+                        f"max_tokens_per_rank=, hidden=, max_topk= large enough")
+
+    def close(self) -> None:
+        if self.buf is not None and not self.broken:
+            torch.cuda.synchronize(self.rt.device)
+            dist.barrier(group=self.group)
+            self.buf.close()
+        self.buf = None
+
+    def view(self, section: str, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = rows * cols * torch.empty((), dtype=dtype).element_size()
+        return self.buf.view(self.plan[section], nbytes).view(dtype).view(rows, cols)
+
+    # ------------------------------------------------------------------------------ errors
+    def check(self, call: Optional[P.Call] = None) -> None:
+        if self.broken:
+            raise BufferBrokenError(f"megatron_ep: internode communication failed earlier; re-create the Buffer: {self.broken}")
+        err = self.buf.error() if self.buf is not None else None
+        if err is None:
+            return
+        op = P.OP_NAMES.get(err["op"], "call").replace("_", " ")
+        if err["code"] == P.ERROR["mismatch"]:
+            self.buf.clear_error()
+            raise CallMismatchError(
+                f"megatron_ep {op}: rank {err['peer']} (node {err['node']}) made a different call than rank {self.rank} "
+                f"(signature hash {err['sig_got']:#x} vs {err['sig_expected']:#x}); its rows were discarded"
+                + (f" [reported at call #{call.seq}]" if call else ""))
+        direction = "dispatch" if err["direction"] == 0 else "combine"
+        what = {0: f"waiting for rank {err['peer']} (node {err['node']}) to finish reading this rank's previous {direction} "
+                   f"rows (its release signal)",
+                1: f"waiting for rank {err['peer']}'s (node {err['node']}) {direction} rows (its signal)"}.get(err["what"], "waiting")
+        self.broken = f"rank {self.rank} timed out after {self.rt.timeout_s:.0f}s in the internode {op}, {what}"
+        raise CommTimeoutError(f"megatron_ep: {self.broken}; this buffer must be re-created")
+
+    def _inner_call(self, call: P.Call, num_experts: int, routing: int) -> P.Call:
+        """The in-node stage's call: the same signature on the node's own call sequence."""
+        self.inner_seq += 1
+        inner = P.Call(call.op, self.inner_seq)
+        inner.sig = list(call.sig)
+        inner.set(seq=self.inner_seq, num_experts=num_experts, routing=routing)
+        return inner
+
+    # ---------------------------------------------------------------------------- dispatch
+    def dispatch(self, call: P.Call, x, topk_idx, topk_weights, num_experts, permute, alignment, handle, host_counts,
+                 num_worst_tokens, async_op=False, previous_event=None) -> DispatchOutput:
+        rt, N = self.rt, self.N
+        data, scales = (x[0], x[1]) if is_fp8_tuple(x) else (x, None)
+        T, H = data.shape
+        elem = data.element_size()
+        row_bytes = H * elem
+        fail(row_bytes % 16 == 0, f"dispatch: rows of {row_bytes} bytes; the cuda backend needs a multiple of 16 (hidden * element size)")
+        fail(data.device == rt.device, f"x is on {data.device}, the buffer on {rt.device}")
+        fail(num_experts % N == 0, f"num_experts={num_experts} must be a multiple of the {N} nodes")
+        if topk_weights is not None:
+            fail(topk_weights.dtype == torch.float32, f"topk_weights must be float32 for the cuda backend, got {topk_weights.dtype}", TypeError)
+        if handle is not None:
+            st: InternodeState = handle.state
+            K, topk_idx = handle.topk, handle.topk_idx
+        else:
+            K = topk_idx.shape[1]
+            fail(K <= P.MAX_TOPK, f"topk_idx has K={K}; the cuda backend takes at most {P.MAX_TOPK}")
+            topk_idx = topk_idx.contiguous().clone()
+        if previous_event is not None and previous_event.event is not None:
+            torch.cuda.current_stream(rt.device).wait_event(previous_event.event)
+        self._fit(T, H, elem, K)
+        mt, sc = self.cap["max_tokens"], (scales.shape[1] if scales is not None else 0)
+        sig = signature_hash(call)
+        data = data.contiguous()
+        src_x, src_s, src_i, src_w = data, scales, topk_idx, topk_weights
+        if self.staged:  # puts read symmetric memory
+            src_x = self.view("s_x", T, H, data.dtype)
+            src_x.copy_(data)
+            src_i = self.view("s_idx", T, K, torch.int64)
+            src_i.copy_(topk_idx)
+            if scales is not None:
+                src_s = self.view("s_s", T, sc, torch.float32)
+                src_s.copy_(scales)
+            if topk_weights is not None:
+                src_w = self.view("s_w", T, K, torch.float32)
+                src_w.copy_(topk_weights)
+        self.buf.dispatch_send(src_x, src_s, src_i, src_w, num_experts, sig, self.num_blocks)
+        local_idx = torch.empty((N * mt, K), dtype=torch.int64, device=rt.device)
+        tokens = torch.empty(N, dtype=torch.int32, device=rt.device)
+        self.buf.dispatch_recv(K, num_experts, sc, sig, local_idx, tokens, self.num_blocks)
+
+        # the in-node stage over the forwarder's rows (scales carry the key column)
+        fx = self.view("d_x", N * mt, H, data.dtype)
+        fs = self.view("d_s", N * mt, sc + 1, torch.float32)
+        fw = self.view("d_w", N * mt, K, torch.float32) if topk_weights is not None else None
+        L_node = num_experts // N
+        L = num_experts // self.num_ranks
+        inner_worst = 0
+        if num_worst_tokens:
+            inner_worst = max(num_worst_tokens, inner_worst_rows(self.P, N, mt, K, L, permute, alignment))
+        inner_call = self._inner_call(call, L_node, handle.state.inner.call_seq if handle is not None else 0)
+        with rt.publishing(inner_call):
+            rt.check(inner_call)
+            if handle is None:
+                inner = self.intra.dispatch(inner_call, (fx, fs), local_idx, fw, L_node, permute, alignment, None, False,
+                                            inner_worst)
+            else:
+                inner = self.intra.dispatch(inner_call, (fx, fs), None, fw, L_node, permute, alignment,
+                                            handle.state.inner, False, inner_worst)
+        with torch.cuda.stream(rt.stream):  # the in-node stage has read the receive area: free it
+            self.buf.release(0)
+        torch.cuda.current_stream(rt.device).wait_stream(rt.stream)  # joined (CUDA-graph capture needs it)
+        self.check(call)
+
+        ix, iscale = inner.x
+        if handle is None:
+            perm, rows = self._order(inner, iscale[:, sc], permute, num_worst_tokens, L)
+        else:
+            perm, rows = st.perm, st.rows
+        out_x = ix.index_select(0, perm)
+        out_s = iscale[:, :sc].index_select(0, perm) if scales is not None else None
+        out_w = inner.topk_weights.index_select(0, perm) if inner.topk_weights is not None else None
+        if permute:
+            out_idx = None
+            out_re = inner.row_expert.index_select(0, perm)
+        else:
+            out_re = None
+            out_idx = inner.topk_idx.index_select(0, perm)
+        if handle is None:
+            tpe, dropped = self._counts(inner, out_idx, out_re, rows, permute, L)
+            st = InternodeState(inner=inner.handle, local_idx=local_idx, tokens=tokens, perm=perm, rows=rows,
+                                inner_rows=ix.shape[0], tokens_per_expert=tpe, num_dropped=dropped)
+            handle = DispatchHandle(backend="cuda", num_ranks=self.num_ranks, rank=self.rank, num_experts=num_experts,
+                                    num_tokens=T, topk=K, permute=permute, expert_alignment=alignment,
+                                    num_recv_rows=rows, tokens_per_expert=tpe, topk_idx=topk_idx,
+                                    num_worst_tokens=num_worst_tokens, state=st, call_seq=call.seq)
+        else:
+            st.local_idx, st.tokens = local_idx, tokens  # the same values: the routing did not change
+        event = EventOverlap(torch.cuda.Event())
+        event.event.record(torch.cuda.current_stream(rt.device))
+        out = DispatchOutput((out_x, out_s) if scales is not None else out_x, out_idx, out_w, out_re,
+                             st.tokens_per_expert, None, event=event if async_op else None, num_dropped=st.num_dropped)
+        out.handle = handle
+        if host_counts:
+            out.tokens_per_expert_host = st.tokens_per_expert.tolist()
+        return out
+
+    def _order(self, inner: DispatchOutput, keys_f32: torch.Tensor, permute: bool, num_worst_tokens: int, L: int):
+        """The contract's row order over the in-node stage's rows: (source rank, token), inside
+        each expert segment when permuted; rows that are not delivered last. Returns the
+        permutation (first `rows` entries) and the contract's row count."""
+        keys = keys_f32.contiguous().view(torch.int32).to(torch.int64)
+        n_inner = keys.shape[0]
+        if permute:
+            live = inner.row_expert >= 0
+            ends = torch.cumsum(inner.tokens_per_expert, 0)
+            seg = torch.searchsorted(ends, torch.arange(n_inner, device=keys.device), right=True)
+            composite = seg * (2**32) + torch.where(live, keys, torch.full_like(keys, KEY_PAD))
+        else:
+            live = (inner.topk_idx >= 0).any(1)
+            composite = torch.where(live, keys, torch.full_like(keys, KEY_PAD))
+        perm = torch.sort(composite, stable=True).indices
+        rows = num_worst_tokens if num_worst_tokens else n_inner
+        return perm[:rows].contiguous(), rows
+
+    @staticmethod
+    def _counts(inner, out_idx, out_re, rows, permute, L):
+        """tokens_per_expert of the contract's rows and the rows dropped past them (device)."""
+        dev = inner.tokens_per_expert.device
+        if permute:
+            ends = torch.cumsum(inner.tokens_per_expert, 0)
+            starts = ends - inner.tokens_per_expert
+            tpe = ends.clamp(max=rows) - starts.clamp(max=rows)
+            dropped = (inner.row_expert >= 0).sum() - (out_re >= 0).sum()
+        else:
+            ids = out_idx.flatten()
+            tpe = torch.zeros(L, dtype=torch.int64, device=dev).scatter_add_(0, ids.clamp(min=0), (ids >= 0).long())
+            dropped = (inner.topk_idx >= 0).any(1).sum() - (out_idx >= 0).any(1).sum()
+        return tpe, dropped.to(torch.int64)
+
+    # ----------------------------------------------------------------------------- combine
+    def combine(self, call: P.Call, x, handle: DispatchHandle, weights, async_op=False, previous_event=None) -> CombineOutput:
+        rt, N = self.rt, self.N
+        fail(x.dtype in (torch.bfloat16, torch.float32), f"the cuda backend combines bf16 or fp32 rows, got {x.dtype}", TypeError)
+        fail(x.device == rt.device, f"x is on {x.device}, the buffer on {rt.device}")
+        st: InternodeState = handle.state
+        rows, H = x.shape
+        fail((H * x.element_size()) % 16 == 0, "combine: rows must be a multiple of 16 bytes")
+        fail(H * x.element_size() <= self.cap["c_row"], f"combine: rows of {H * x.element_size()} bytes exceed the "
+             f"{self.cap['c_row']} the internode buffer holds (Buffer(hidden=, combine_bytes=))")
+        if weights is not None:
+            fail(weights.dtype == torch.float32, f"weights must be float32 for the cuda backend, got {weights.dtype}", TypeError)
+        if previous_event is not None and previous_event.event is not None:
+            torch.cuda.current_stream(rt.device).wait_event(previous_event.event)
+        T, K = handle.num_tokens, handle.topk
+        # contract order -> the in-node stage's rows (rows it delivered past the contract's: zero)
+        full = st.inner_rows == st.rows
+        xi = x.new_zeros((st.inner_rows, H)) if not full else torch.empty((st.inner_rows, H), dtype=x.dtype, device=x.device)
+        xi.index_copy_(0, st.perm, x.contiguous())
+        wi = None
+        if weights is not None:
+            wshape = (st.inner_rows,) if handle.permute else (st.inner_rows, K)
+            wi = weights.new_zeros(wshape)
+            wi.index_copy_(0, st.perm, weights.contiguous())
+        inner_call = self._inner_call(call, handle.num_experts // N, st.inner.call_seq)
+        with rt.publishing(inner_call):
+            rt.check(inner_call)
+            yf = self.intra.combine(inner_call, xi, st.inner, wi)
+        sig = signature_hash(call)
+        y_src, w_src = yf.x, yf.weights
+        if self.staged:
+            y_src = self.view("s_y", yf.x.shape[0], H, x.dtype)
+            y_src.copy_(yf.x)
+            if yf.weights is not None:
+                w_src = self.view("s_cw", yf.weights.shape[0], K, torch.float32)
+                w_src.copy_(yf.weights)
+        self.buf.combine_send(y_src, w_src, st.local_idx, st.tokens, sig, self.num_blocks)
+        y = torch.empty((T, H), dtype=x.dtype, device=rt.device)
+        w_out = torch.empty((T, K), dtype=torch.float32, device=rt.device) if weights is not None else None
+        rt.new_outputs((y, w_out))
+        self.buf.combine_recv(handle.topk_idx, handle.num_experts, sig, y, w_out, self.num_blocks)
+        self.check(call)
+        event = EventOverlap(torch.cuda.Event())
+        event.event.record(torch.cuda.current_stream(rt.device))
+        return CombineOutput(y, w_out, event if async_op else None)

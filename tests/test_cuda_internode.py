@@ -1,0 +1,75 @@
+"""The two-level internode path (RDMA domain over NVSHMEM, then the intranode path inside each
+node) against the dense oracle, on virtual nodes: `ranks_per_node` smaller than the group makes
+groups of ranks act as nodes. R processes on the visible GPU(s) (rank r on GPU r % GPUs; several
+per GPU under MPS, see scripts/gpu_check.sh). Outputs are poisoned before every kernel."""
+
+import pytest
+import torch
+
+import cases
+import megatron_ep
+from case_lists import normal_cases
+from distpool import flat
+from gpu_pools import GpuPools
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (torch.cuda.is_available() and megatron_ep.cuda_backend_available()),
+                       reason="needs a CUDA GPU and the built extension"),
+]
+
+POOLS = GpuPools(NVSHMEM_DISABLE_MNNVL="1")
+pool_ = POOLS.get
+# (ranks, ranks per node): 2 nodes x 1, 2 x 2, 2 x 4, 4 x 2
+LAYOUTS = [(2, 1), (4, 2), (8, 4), (8, 2)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_pools():
+    yield
+    POOLS.close()
+
+
+def _sized(cfgs, P, **extra):
+    return [dict(c, sizing={"ranks_per_node": P, **extra}) for c in cfgs]
+
+
+@pytest.mark.parametrize("R,P", LAYOUTS)
+def test_internode_cases(R, P):
+    """Every normal-path case (rank- and expert-major, cached, worst-case sized with drops,
+    FP8, -1 slots, empty ranks, one expert, combine with weights, round trip)."""
+    errors = flat(pool_(R).run(cases.run_normal_cases, _sized(normal_cases(R), P), backend="cuda", device="cuda",
+                               timeout=900))
+    assert not errors, "\n".join(errors[:20])
+
+
+def test_internode_node_limited_routing():
+    """DeepSeek-V3-style routing: each token's experts on at most 2 of 4 nodes."""
+    R, P = 8, 2
+    cfgs = [dict(seed=7100 + i, E=8 * R, K=8, H=512, align=align, dtype=dtype, pattern="node_limited", p_drop=0.1,
+                 Ts=[24, 0, 17, 24, 5, 24, 24, 9]) for i, (align, dtype) in enumerate([(1, "bf16"), (16, "fp8")])]
+    errors = flat(pool_(R).run(cases.run_normal_cases, _sized(cfgs, P), backend="cuda", device="cuda", timeout=600))
+    assert not errors, "\n".join(errors[:20])
+
+
+def test_internode_puts():
+    """The same cases with every RDMA-domain transfer as an NVSHMEM put from symmetric staging
+    (the code path InfiniBand takes), here over NVSHMEM's P2P transport."""
+    R, P = 4, 2
+    errors = flat(pool_(R, MEP_IN_FORCE_PUTS="1").run(cases.run_normal_cases, _sized(normal_cases(R)[:6], P),
+                                                      backend="cuda", device="cuda", timeout=600))
+    assert not errors, "\n".join(errors[:20])
+
+
+@pytest.mark.parametrize("R,P", [(4, 2), (8, 4)])
+def test_internode_cuda_graph(R, P):
+    cfg = dict(seed=91 + R, E=4 * R, K=4, H=512, T=24, align=16, sizing={"ranks_per_node": P})
+    errors = flat(pool_(R).run(cases.run_cuda_graph_case, cfg, timeout=600))
+    assert not errors, "\n".join(errors[:20])
+
+
+@pytest.mark.parametrize("R,P", [(4, 2)])
+def test_internode_repeated(R, P):
+    cfg = dict(seed=13 * R, E=8 * R, K=6, H=256, t_max=40, iters=60, sizing={"ranks_per_node": P})
+    errors = flat(pool_(R).run(cases.run_repeated, cfg, timeout=600))
+    assert not errors, "\n".join(errors[:20])

@@ -1,0 +1,75 @@
+"""The internode path's pieces that need no GPU: its RDMA-domain buffer layout (the one owner of
+the buffer's size, in `_C_ll`), the in-node stage's sizing, and the `ranks_per_node` checks."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import megatron_ep as mep
+from megatron_ep.paths import internode as IN
+
+
+@pytest.fixture(scope="module")
+def ext():
+    from megatron_ep.paths.low_latency import load
+
+    try:
+        return load()
+    except RuntimeError as exc:
+        pytest.skip(f"_C_ll is not built here: {exc}")
+
+
+SECTIONS = ["d_x", "d_s", "d_idx", "d_w", "c_y", "c_w", "s_x", "s_s", "s_idx", "s_w", "s_y", "s_cw"]
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_layout_places_every_section(ext, staged):
+    N, mt, K, H = 4, 4096, 8, 7168
+    plan = ext.internode_plan(N, mt, K, 2 * H, H // 128, 2 * H, staged)
+    offs = [plan[s] for s in SECTIONS]
+    assert offs == sorted(offs) and all(o % 256 == 0 for o in offs)
+    slots = N * mt
+    assert plan["d_s"] - plan["d_x"] >= slots * 2 * H  # a slot per (source node, token)
+    assert plan["s_cols"] == H // 128 + 1  # the scales and the sort key
+    assert plan["d_idx"] - plan["d_s"] >= slots * plan["s_cols"] * 4
+    assert plan["c_w"] - plan["c_y"] >= slots * 2 * H
+    staging = plan["s_cw"] + (slots * K * 4 if staged else 0) - plan["s_x"]
+    assert (staging > mt * 2 * H) == staged  # staging only where puts need it
+    assert plan["total"] >= plan["s_cw"]
+
+
+def test_layout_grows_with_nodes_and_tokens(ext):
+    small = ext.internode_plan(2, 64, 8, 1024, 4, 1024, False)["total"]
+    assert ext.internode_plan(4, 64, 8, 1024, 4, 1024, False)["total"] > small
+    assert ext.internode_plan(2, 128, 8, 1024, 4, 1024, False)["total"] > small
+
+
+def test_in_node_stage_sizing():
+    h = IN.node_hints(num_nodes=4, max_tokens=4096, hidden=7168, dtype_bytes=1, combine_bytes=2, topk=8)
+    assert h["max_tokens"] == 4 * 4096  # every forwarder handles N * max_tokens rows
+    assert (h["hidden"] + 127) // 128 == 7168 // 128 + 1  # room for the key column
+    assert IN.inner_worst_rows(2, 4, 64, 8, 4, False, 1) == 2 * 4 * 64
+    assert IN.inner_worst_rows(2, 4, 64, 8, 4, True, 16) == 2 * 4 * 64 * 4 + 4 * 15
+
+
+@pytest.fixture()
+def group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("bad", [0, 2, "1"])
+def test_ranks_per_node_is_checked(group, bad):
+    with pytest.raises(ValueError, match="ranks_per_node"):
+        mep.Buffer(group, backend="torch", ranks_per_node=bad)
+
+
+def test_ranks_per_node_on_the_torch_backend(group):
+    buf = mep.Buffer(group, backend="torch", ranks_per_node=1)
+    x = torch.randn(3, 128, dtype=torch.bfloat16)
+    idx = torch.tensor([[0, 1], [1, -1], [-1, -1]])
+    out = buf.dispatch(x, idx, num_experts=2)
+    assert torch.equal(out.x, x[:2])
