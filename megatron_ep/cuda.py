@@ -28,7 +28,7 @@ from .types import DispatchLayout
 _LL_OPS = (P.OP["low_latency_dispatch"], P.OP["low_latency_combine"])
 
 
-def ranks_per_node(group, num_ranks: int, requested: Optional[int]) -> int:
+def node_size(group, num_ranks: int, requested: Optional[int]) -> int:
     """The node size: `requested` (virtual nodes), else the ranks sharing a host, which must be
     equal on every host and contiguous in rank order (node n = ranks [n * P, (n + 1) * P))."""
     if requested is not None:
@@ -79,7 +79,7 @@ class CudaBackend:
                      dtype_bytes=dtype_bytes, combine_bytes=combine_bytes, combine_rows=combine_rows,
                      pool_bytes=pool_bytes, max_alignment=max_alignment)
         self.rank, self.num_ranks = rank, num_ranks
-        self.ranks_per_node = ranks_per_node(group, num_ranks, ranks_per_node)
+        self.ranks_per_node = node_size(group, num_ranks, ranks_per_node)
         if self.ranks_per_node == num_ranks:
             self.rt = CudaRuntime(group, rank, num_ranks, hints=hints, num_sms=num_sms, timeout_s=timeout_s)
             self.path = IntranodePath(self.rt)
