@@ -87,6 +87,9 @@ def parse(argv=None):
                         f"(0: our analytic default, DeepEP {DEEPEP_DEFAULT_SMS}); NCCL has no SM knob and runs once")
     for name in ("tokens", "hidden", "experts", "topk", "alignment", "iters", "warmup"):
         p.add_argument(f"--{name}", type=int, help=f"default {FULL[name]} (--smoke {SMOKE[name]})")
+    p.add_argument("--ranks-per-node", type=int, default=None,
+                   help="our Buffer's ranks_per_node: below --ranks, our path is the two-level internode one on "
+                        "virtual nodes (RDMA domain over NVSHMEM, then NVLink inside each node); default: one node")
     p.add_argument("--no-deepep", action="store_true", help="skip DeepEP")
     p.add_argument("--no-nccl", action="store_true", help="skip the NCCL (Megatron alltoall) baselines")
     p.add_argument("--json", default="", help="write all per-rank figures here")
@@ -102,7 +105,19 @@ def parse(argv=None):
             setattr(args, k, v)
     if args.experts % args.ranks:
         p.error(f"--experts {args.experts} must be a multiple of --ranks {args.ranks}")
+    if args.ranks_per_node is not None and (args.ranks_per_node < 1 or args.ranks % args.ranks_per_node):
+        p.error(f"--ranks-per-node {args.ranks_per_node} must divide --ranks {args.ranks}")
     return args
+
+
+def node_pairs(idx: torch.Tensor, E: int, nodes: int) -> int:
+    """(token, destination node) pairs: the rows a rank sends over the RDMA domain (DeepEP's
+    accounting: each token once per distinct node among its experts; its own node included)."""
+    valid = idx >= 0
+    node = torch.where(valid, idx // (E // nodes), torch.full_like(idx, -1))
+    hit = torch.zeros((idx.shape[0], nodes + 1), dtype=torch.bool, device=idx.device)
+    hit.scatter_(1, node + 1, True)
+    return int(hit[:, 1:].sum())
 
 
 # ------------------------------------------------------------------------------------ timing
@@ -313,11 +328,15 @@ def our_runs(args, n, inp, timer, out, first, ref):
     E, R, T, H, K = args.experts, args.ranks, args.tokens, args.hidden, args.topk
     L = E // R
     x, x_fp8, idx, w = inp["x"], inp["x_fp8"], inp["idx"], inp["w"]
+    extra = {"ranks_per_node": args.ranks_per_node} if args.ranks_per_node else {}
     buf = mep.Buffer(dist.group.WORLD, backend=inp["backend"], max_tokens_per_rank=T, hidden=H, num_experts=E,
-                     max_topk=K, num_sms=n or None, check_inputs=False)
+                     max_topk=K, num_sms=n or None, check_inputs=False, **extra)
     t, ph = out["t"], out["phases"]
     try:
         out["num_sms"] = buf.num_sms
+        out["path"] = repr(buf)
+        if args.ranks_per_node and args.ranks_per_node < R:
+            out["rdma_rows_sent"] = node_pairs(idx, E, R // args.ranks_per_node)
         rm = buf.dispatch(x, idx, w, num_experts=E)
         em = buf.dispatch(x, idx, w, num_experts=E, permute=True, expert_alignment=args.alignment)
         N, M = rm.x.shape[0], em.x.shape[0]
@@ -840,6 +859,11 @@ def report(args, allres):
         M = rows_mean(lambda r: r["sms"][key]["rows_expert_major"])
         dskip = r0["sms"][key].get("deepep_skipped")
         ours_sms = r0["sms"][key]["num_sms"]
+        print(f"\n  ours: {r0['sms'][key].get('path')}")
+        if r0["sms"][key].get("rdma_rows_sent") is not None:
+            rd = rows_mean(lambda r: r["sms"][key]["rdma_rows_sent"])
+            print(f"  RDMA domain: {rd:.0f} rows sent per rank ((token, node) pairs, own node included): "
+                  f"{rd * row_bytes['bf16'] / 1e6:.1f} MB bf16; NVLink stage rows as in the table below")
         print(f"\n--num-sms {n}: ours {ours_sms if ours_sms is not None else 'n/a (no SM knob)'} SMs/rank, DeepEP "
               f"{'not measured' if (r0.get('deepep_error') or dskip) else (n or DEEPEP_DEFAULT_SMS)}"
               f"{' (' + dskip + ')' if dskip else ''}; rows/rank rank-major {N:.0f}, expert-major {M:.0f}")
