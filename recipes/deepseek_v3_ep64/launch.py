@@ -122,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dispatcher", choices=("hybridep", "deepep"), default="hybridep",
                    help="--moe-flex-dispatcher-backend: hybridep (permute fused into dispatch) or deepep (rank-major + local permute)")
     g.add_argument("--ep-backend", choices=("torch", "cuda", "auto"), default="torch",
-                   help="MEGATRON_EP_BACKEND; megatron_ep's cuda kernels are intranode (<= 8 ranks), so EP64 over 8 nodes needs torch")
+                   help="MEGATRON_EP_BACKEND (default torch: NCCL all-to-all). cuda: the two-level internode path across the "
+                        "nodes (NVSHMEM RDMA domain + NVLink; tested on virtual nodes, never over InfiniBand)")
 
     g = p.add_argument_group("model and parallelism")
     g.add_argument("--layers", type=int, default=61, help="decoder layers (first 3 dense); fewer for bring-up")
@@ -182,8 +183,8 @@ def validate(p, args):
     dp = world // (args.tp * args.pp)
     if args.global_batch_size % (args.micro_batch_size * dp):
         p.error(f"--global-batch-size must be a multiple of micro batch x data parallel = {args.micro_batch_size * dp}")
-    if args.ep_backend != "torch" and args.ep > args.gpus_per_node:
-        p.error(f"--ep-backend {args.ep_backend}: megatron_ep's cuda kernels are intranode only; EP {args.ep} spans nodes, use torch")
+    if args.ep_backend != "torch" and args.gpus_per_node > 8:
+        p.error(f"--ep-backend {args.ep_backend}: megatron_ep's NVLink stage takes at most 8 ranks per node")
     if not args.dry_run:
         for name, value in (("NODE_RANK / --node-rank", args.node_rank), ("MASTER_ADDR / --master-addr", args.master_addr),
                             ("MEGATRON_LM_DIR / --megatron-lm", args.megatron_lm)):
