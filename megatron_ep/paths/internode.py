@@ -36,11 +36,11 @@ import torch.distributed as dist
 
 from .. import nvshmem
 from .. import protocol as P
-from ..checks import fail, is_fp8_tuple
+from ..checks import fail
 from ..errors import BufferBrokenError, CallMismatchError, CommTimeoutError
 from ..runtime import CudaRuntime
 from ..types import CombineOutput, DispatchHandle, DispatchOutput, EventOverlap
-from .intranode import IntranodePath
+from .intranode import IntranodePath, dispatch_rows
 from .low_latency import load, signature_hash
 
 KEY_PAD = 2**31 - 1  # sort key of rows that are not delivered (padding): after every real row
@@ -189,15 +189,8 @@ class InternodePath:
     def dispatch(self, call: P.Call, x, topk_idx, topk_weights, num_experts, permute, alignment, handle, host_counts,
                  num_worst_tokens, async_op=False, previous_event=None) -> DispatchOutput:
         rt, N = self.rt, self.N
-        data, scales = (x[0], x[1]) if is_fp8_tuple(x) else (x, None)
-        T, H = data.shape
-        elem = data.element_size()
-        row_bytes = H * elem
-        fail(row_bytes % 16 == 0, f"dispatch: rows of {row_bytes} bytes; the cuda backend needs a multiple of 16 (hidden * element size)")
-        fail(data.device == rt.device, f"x is on {data.device}, the buffer on {rt.device}")
+        data, scales, T, H, elem, _ = dispatch_rows(rt, x, topk_weights, num_experts)
         fail(num_experts % N == 0, f"num_experts={num_experts} must be a multiple of the {N} nodes")
-        if topk_weights is not None:
-            fail(topk_weights.dtype == torch.float32, f"topk_weights must be float32 for the cuda backend, got {topk_weights.dtype}", TypeError)
         if handle is not None:
             st: InternodeState = handle.state
             K, topk_idx = handle.topk, handle.topk_idx

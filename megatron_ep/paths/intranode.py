@@ -38,6 +38,21 @@ class IntranodeState:
     comb_map: Optional[torch.Tensor] = None  # expert-major: [>= N, K] int32 row of each (rank-major row, slot)
 
 
+def dispatch_rows(rt: CudaRuntime, x, topk_weights, num_experts: int):
+    """The cuda backend's own checks of a dispatch's inputs (Buffer checked the contract);
+    returns (data, scales, T, H, element bytes, row bytes)."""
+    data, scales = (x[0], x[1]) if is_fp8_tuple(x) else (x, None)
+    T, H = data.shape
+    elem = data.element_size()
+    row_bytes = H * elem
+    fail(row_bytes % 16 == 0, f"dispatch: rows of {row_bytes} bytes; the cuda backend needs a multiple of 16 (hidden * element size)")
+    fail(data.device == rt.device, f"x is on {data.device}, the buffer on {rt.device}")
+    fail(num_experts <= P.MAX_EXPERTS, f"num_experts={num_experts} exceeds the cuda backend's {P.MAX_EXPERTS}")
+    if topk_weights is not None:
+        fail(topk_weights.dtype == torch.float32, f"topk_weights must be float32 for the cuda backend, got {topk_weights.dtype}", TypeError)
+    return data, scales, T, H, elem, row_bytes
+
+
 def max_rank_major_rows(rt: CudaRuntime) -> int:
     """The most rank-major rows any rank can receive: every rank's tokens (same on every rank)."""
     return rt.num_ranks * rt.plan["max_tokens"]
@@ -54,15 +69,7 @@ class IntranodePath:
                  num_worst_tokens, async_op=False, previous_event=None) -> DispatchOutput:
         rt = self.rt
         R, L = rt.num_ranks, num_experts // rt.num_ranks
-        data, scales = (x[0], x[1]) if is_fp8_tuple(x) else (x, None)
-        T, H = data.shape
-        elem = data.element_size()
-        row_bytes = H * elem
-        fail(row_bytes % 16 == 0, f"dispatch: rows of {row_bytes} bytes; the cuda backend needs a multiple of 16 (hidden * element size)")
-        fail(data.device == rt.device, f"x is on {data.device}, the buffer on {rt.device}")
-        fail(num_experts <= P.MAX_EXPERTS, f"num_experts={num_experts} exceeds the cuda backend's {P.MAX_EXPERTS}")
-        if topk_weights is not None:
-            fail(topk_weights.dtype == torch.float32, f"topk_weights must be float32 for the cuda backend, got {topk_weights.dtype}", TypeError)
+        data, scales, T, H, elem, row_bytes = dispatch_rows(rt, x, topk_weights, num_experts)
         if handle is None:
             K = topk_idx.shape[1]
             fail(K <= P.MAX_TOPK, f"topk_idx has K={K}; the cuda backend takes at most {P.MAX_TOPK}")
