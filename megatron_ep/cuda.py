@@ -29,11 +29,10 @@ _LL_OPS = (P.OP["low_latency_dispatch"], P.OP["low_latency_combine"])
 
 
 def node_size(group, num_ranks: int, requested: Optional[int]) -> int:
-    """The node size: `requested` (virtual nodes), else the ranks sharing a host, which must be
-    equal on every host and contiguous in rank order (node n = ranks [n * P, (n + 1) * P))."""
+    """The node size: `requested` (virtual nodes; Buffer checked it), else the ranks sharing a
+    host, which must be equal on every host and contiguous in rank order (node n = ranks
+    [n * P, (n + 1) * P))."""
     if requested is not None:
-        fail(isinstance(requested, int) and 1 <= requested <= num_ranks and num_ranks % requested == 0,
-             f"ranks_per_node={requested!r} must divide the group's {num_ranks} ranks")
         return requested
     hosts: list = [None] * num_ranks
     dist.all_gather_object(hosts, socket.gethostname(), group=group)

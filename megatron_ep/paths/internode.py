@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from .. import nvshmem
 from .. import protocol as P
-from ..checks import fail
+from ..checks import FP8_BLOCK, fail
 from ..errors import BufferBrokenError, CallMismatchError, CommTimeoutError
 from ..runtime import CudaRuntime
 from ..types import CombineOutput, DispatchHandle, DispatchOutput, EventOverlap
@@ -44,8 +44,6 @@ from .intranode import IntranodePath, dispatch_rows
 from .low_latency import load, signature_hash
 
 KEY_PAD = 2**31 - 1  # sort key of rows that are not delivered (padding): after every real row
-FP8_BLOCK = 128
-INT32_MAX = 2**31 - 1
 
 
 @dataclass
@@ -84,7 +82,6 @@ class InternodePath:
         self.group, self.rank, self.num_ranks, self.P = group, rank, num_ranks, ranks_per_node
         self.N = num_ranks // ranks_per_node
         self.node, self.local = rank // ranks_per_node, rank % ranks_per_node
-        self.hints = hints
         self.ext = load()
         self.buf = None
         self.cap: Optional[dict] = None
@@ -128,7 +125,7 @@ class InternodePath:
         fail(staged or all(self.buf.p2p()), "megatron_ep internode: a same-index peer on this host is not load/store "
                                             "reachable (no P2P); set MEP_IN_FORCE_PUTS=1 to send everything as NVSHMEM puts",
              RuntimeError)
-        self.cap, self.plan, self.staged = dict(cap, scale_cols=scale_cols), plan, staged
+        self.cap, self.plan, self.staged = cap, plan, staged
         # the in-node stage: N * max_tokens rows per forwarder, one more scale column (the key)
         self.rt.reserve(node_hints(self.N, cap["max_tokens"], cap["hidden"], max(1, cap["x_row"] // cap["hidden"]),
                                    cap["c_row"] // cap["hidden"], cap["topk"]))
@@ -246,7 +243,7 @@ class InternodePath:
 
         ix, iscale = inner.x
         if handle is None:
-            perm, rows = self._order(inner, iscale[:, sc], permute, num_worst_tokens, L)
+            perm, rows = self._order(inner, iscale[:, sc], permute, num_worst_tokens)
         else:
             perm, rows = st.perm, st.rows
         out_x = ix.index_select(0, perm)
@@ -277,7 +274,7 @@ class InternodePath:
             out.tokens_per_expert_host = st.tokens_per_expert.tolist()
         return out
 
-    def _order(self, inner: DispatchOutput, keys_f32: torch.Tensor, permute: bool, num_worst_tokens: int, L: int):
+    def _order(self, inner: DispatchOutput, keys_f32: torch.Tensor, permute: bool, num_worst_tokens: int):
         """The contract's row order over the in-node stage's rows: (source rank, token), inside
         each expert segment when permuted; rows that are not delivered last. Returns the
         permutation (first `rows` entries) and the contract's row count."""
