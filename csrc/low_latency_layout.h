@@ -36,6 +36,7 @@ constexpr int kLLMaxRanks = 64;        // count signals and release tokens per s
 constexpr int kLLThreads = 512;        // threads per block of both kernels (16 warps)
 constexpr int kLLWarps = kLLThreads / 32;
 constexpr int kLLMaxBlocks = 132;      // one H200's SMs: bounds the combine staging rows
+constexpr int kLLIdsSmemBytes = 96 << 10;  // dispatch: the call's T*K expert ids in shared memory up to this
 constexpr int kLLHeader = 16;          // dispatch message header bytes (DeepEP's accounting too)
 constexpr int kLLAlign = 256;
 
@@ -56,8 +57,7 @@ struct LowLatencyState {
 enum LLWhat : int {
   kLLWaitRelease = 0,   // the send half waited for a receiver to release the buffer set
   kLLWaitCount = 1,     // dispatch receive waited for (local expert, source)'s count signal
-  kLLWaitFlag = 2,      // combine receive waited for a global expert's rows from its owner
-  kLLWaitOwnBlocks = 3  // the signalling warp waited for this rank's own sending warps
+  kLLWaitFlag = 2       // combine receive waited for a global expert's rows from its owner
 };
 struct LowLatencyError {
   volatile int code;      // ErrorCode (protocol.h): kErrTimeout or kErrMismatch; 0 = none

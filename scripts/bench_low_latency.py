@@ -16,6 +16,9 @@ set of processes (DeepEP and ours both start NVSHMEM, once per process):
   deepep   DeepEP V1's low-latency kernels, if `deep_ep` imports (never part of this repository)
 torch, nccl and deepep need one GPU per process (NCCL refuses several ranks on one GPU).
 
+Kernel time (ours and deepep): the kernels of --kernel-iters eager calls under torch.profiler, median
+per kernel (DeepEP's own accounting), with the hook's send and receive halves apart.
+
 Each figure is the median over --reps repetitions of (time of --loop back-to-back calls) / loop,
 timed with CUDA events after --warmup calls. GB/s is DeepEP's accounting per rank: valid
 (token, expert) pairs x (H + H/128*4 + 16) bytes for dispatch, x 2H for combine, / time.
@@ -72,6 +75,36 @@ def timed(fn, reps, warmup, sync_each=False):
     return statistics.median(times)
 
 
+def kernel_trace(fn, iters):
+    """(name, GPU µs) of every kernel of `iters` eager fn() calls, in launch order (torch.profiler,
+    CUPTI): DeepEP's accounting (kernel time, no launch gaps or host work)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    ev = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    return [(e.name, e.time_range.elapsed_us()) for e in ev]
+
+
+def kernel_figures(d, c, hook, iters):
+    """Median kernel µs: dispatch and combine alone, and the hook's send and receive halves (the
+    kernels of a hook call alternate send, receive per direction)."""
+    def med(trace, word, part=None):
+        us = [t for n, t in trace if word in n.lower()]
+        us = us if part is None else us[part::2]
+        return statistics.median(us) if us else 0.0
+
+    td, tc, th = kernel_trace(d, iters), kernel_trace(c, iters), kernel_trace(hook, iters)
+    return {"k_dispatch": med(td, "dispatch"), "k_combine": med(tc, "combine"),
+            "k_d_send": med(th, "dispatch", 0), "k_d_recv": med(th, "dispatch", 1),
+            "k_c_send": med(th, "combine", 0), "k_c_recv": med(th, "combine", 1)}
+
+
 def graph_of(fn, loop):
     """A CUDA graph of `loop` back-to-back fn() calls (warmed up eagerly first)."""
     side = torch.cuda.Stream()
@@ -118,6 +151,8 @@ def bench_ours(a, T, x, idx, w, E, K, H, gloo):
         res[name] = timed(g.replay, a.reps, 2) / a.loop
         del g  # its pool holds `loop` calls' outputs
         torch.cuda.empty_cache()
+    dist.barrier(group=gloo)
+    res.update(kernel_figures(d, c, dc_hook, a.kernel_iters))
     buf.synchronize()
     buf.destroy()
     return res
@@ -208,6 +243,16 @@ def bench_deepep(a, T, x, idx, w, E, K, H, nccl):
             hook()
 
     res = {name: timed(fn, a.reps, 1) / a.loop for name, fn in (("dispatch", d), ("combine", c), ("both", dc), ("hook", dc_hook))}
+
+    def one_hook():
+        _, _, h, _, hook = buf.low_latency_dispatch(x, idx, mt, E, use_fp8=True, return_recv_hook=True)
+        hook()
+        _, _, hook = buf.low_latency_combine(y, idx, w, h, return_recv_hook=True)
+        hook()
+
+    dist.barrier(group=nccl)
+    res.update(kernel_figures(lambda: buf.low_latency_dispatch(x, idx, mt, E, use_fp8=True),
+                              lambda: buf.low_latency_combine(y, idx, w, handle), one_hook, a.kernel_iters))
     return res
 
 
@@ -269,6 +314,9 @@ def table(a, results) -> str:
     d_bytes, c_bytes = H + H // 128 * 4 + 16, 2 * H
     lines = ["| impl | tokens/rank | dispatch us | combine us | dispatch+combine us | with hook us | dispatch GB/s | combine GB/s |",
              "|---|---|---|---|---|---|---|---|"]
+    kernels = ["", "Kernel time (torch.profiler, median of eager calls; hook: send + receive halves):", "",
+               "| impl | tokens/rank | dispatch us | combine us | hook dispatch send + recv us | hook combine send + recv us |",
+               "|---|---|---|---|---|---|"]
     for impl, (res, err) in results.items():
         if res is None:
             lines.append(f"| {impl} | - | {err} | | | | | |")
@@ -284,7 +332,10 @@ def table(a, results) -> str:
 
             lines.append(f"| {impl} | {T} | {us('dispatch')} | {us('combine')} | {us('both')} | {us('hook')} | "
                          f"{gbs('dispatch', d_bytes)} | {gbs('combine', c_bytes)} |")
-    return "\n".join(lines)
+            if "k_dispatch" in r:
+                kernels.append(f"| {impl} | {T} | {us('k_dispatch')} | {us('k_combine')} | {us('k_d_send')} + {us('k_d_recv')} | "
+                               f"{us('k_c_send')} + {us('k_c_recv')} |")
+    return "\n".join(lines + (kernels if len(kernels) > 5 else []))
 
 
 def main():
@@ -296,6 +347,7 @@ def main():
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--loop", type=int, default=20, help="back-to-back calls per timed repetition")
     p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--kernel-iters", type=int, default=50, help="eager calls traced for the kernel-time table")
     p.add_argument("--impls", default=",".join(IMPLS))
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--markdown", help="also write the markdown table here")

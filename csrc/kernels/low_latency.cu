@@ -3,15 +3,21 @@
 // Dispatch, send half: each block casts its tokens (FP8 per 128 channels, or a bf16 copy) once
 // into its staging slot, then warp k sends copy (token, k) straight into the owner rank's receive
 // slot (local expert, this rank, position); the position is the token's rank among this rank's
-// tokens for that expert, so rows arrive in token order without atomics. A warp per expert then
-// waits until its copies are out and writes the (expert, source) count signal, -1 - count (with
-// the call's signature hash in the high word): 0 means "not arrived", so 0 tokens is visible.
+// tokens for that expert (a warp scan of the call's ids, held in shared memory), so rows arrive
+// in token order without atomics. The warp that sends an expert's last copy then writes the
+// (expert, source) count signal, -1 - count (with the call's signature hash in the high word): 0
+// means "not arrived", so 0 tokens is visible (experts with no copy get theirs at once).
 // Receive half: per (local expert, source), wait on every source's signal, place the source's
 // rows after the earlier sources' (grouped by source ascending), and fill count/range/src.
 //
-// Combine: each expert row goes back to its token's rank, into slot (token, top-k slot); one
-// flag per (global expert, token rank) after the rows; the receive half waits for every
-// expert's flag and reduces sum_k w * y in fp32.
+// Combine: each expert row goes back to its token's rank, into slot (token, top-k slot), by warps
+// split over the (local expert, token rank) pairs; the pair's last warp sends one flag per
+// (global expert, token rank) after the rows; the receive half waits for every expert's flag and
+// reduces sum_k w * y in fp32.
+//
+// Ordering: a row's stores are followed by an acq_rel bump of a per-group counter; the warp that
+// completes the group has acquired every bump, and its system fence + release store of the
+// signal makes every row visible first (no fence per row).
 //
 // Transport: stores through nvshmem_ptr when the peer is load/store reachable (NVLink, or the
 // same GPU), else NVSHMEM puts (IBGDA/IB across nodes) completed with nvshmem_quiet before the
@@ -35,7 +41,7 @@ namespace mep {
 namespace {
 
 using sym::globaltimer;
-using sym::ld_acquire_gpu;
+using sym::atom_add_acq_rel_gpu;
 using sym::ld_acquire_sys;
 using sym::warp_copy16;
 using sym::warp_sum;
@@ -68,28 +74,36 @@ __device__ __forceinline__ void put_signal(const LLCtx& c, int dst, long long of
   sym::put_signal(c.peer_base[dst], c.base, c.pe[dst], off, v);
 }
 
-// Rows `bytes` long from this rank to rank dst at byte offset `off` of its buffer: stores when
-// reachable, else a put from `stage` (symmetric) completed before returning. Lane 0 then
-// counts the row in `finish` (after a system fence: the count signal follows it).
-__device__ __forceinline__ void send_row(const LLCtx& c, int dst, long long off, const char* stage, int bytes,
-                                         unsigned* finish) {
+// A row `bytes` long from this rank to rank dst at byte offset `off` of its buffer: stores when
+// reachable, else a put from `stage` (symmetric) completed before returning. No fence here: the
+// warp that signals for a group of rows acquires every sender's counter bump first (see
+// `count_sent`), and its release covers their stores.
+__device__ __forceinline__ void send_row(const LLCtx& c, int dst, long long off, const char* stage, int bytes) {
   const int lane = threadIdx.x & 31;
   char* peer = c.peer_base[dst];
   if (peer != nullptr) {
     warp_copy16(reinterpret_cast<int4*>(peer + off), reinterpret_cast<const int4*>(stage), bytes / 16);
-    __syncwarp();
   } else {
     __syncwarp();
     if (lane == 0) __threadfence_system();  // the NIC reads the staging from memory
     __syncwarp();
     nvshmemx_putmem_nbi_warp(c.base + off, stage, bytes, c.pe[dst]);
     if (lane == 0) nvshmem_quiet();  // delivered before the count signal is written
-    __syncwarp();
   }
-  if (lane == 0) {
+  __syncwarp();
+}
+
+// Warp: count `done` finished parts of a group that has `parts` in all (copies of an expert, or
+// warps of a (expert, receiver) pair); the lane that completes the group resets the counter and
+// writes the group's signal word (`off` in rank dst's buffer). True on every lane of that warp.
+__device__ __forceinline__ void count_sent(const LLCtx& c, unsigned* counter, unsigned done, unsigned parts, int dst,
+                                           long long off, long long v) {
+  if ((threadIdx.x & 31) == 0 && atom_add_acq_rel_gpu(counter, done) + done == parts) {
+    *counter = 0;  // nobody else touches it before this set's next call
     __threadfence_system();
-    if (finish != nullptr) atomicAdd(finish, 1u);
+    put_signal(c, dst, off, v);
   }
+  __syncwarp();
 }
 
 // Block-wide: threads r < R wait until receiver r released this set after its last receive half
@@ -159,7 +173,14 @@ __device__ __forceinline__ void cast_block(const __nv_bfloat16* x, uint8_t* q, f
 }
 
 // ------------------------------------------------------------------------------------ dispatch
-__global__ void __launch_bounds__(kLLThreads, 1) ll_dispatch_kernel(const LLCtx c, const LLDispatchArgs a) {
+// An expert id as the kernels use it: -1 for an unused slot (any id outside [0, E)).
+__device__ __forceinline__ int valid_id(long long e, int E) { return e >= 0 && e < E ? (int)e : -1; }
+
+// `ids_in_smem`: the T*K ids fit in the dynamic shared memory (kLLIdsSmemBytes), else each scan
+// reads them from global memory.
+__global__ void __launch_bounds__(kLLThreads, 1) ll_dispatch_kernel(const LLCtx c, const LLDispatchArgs a,
+                                                                    bool ids_in_smem) {
+  extern __shared__ int s_ids[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   const int R = c.num_ranks, L = a.E / R, set = a.set;
   const int num_warps = gridDim.x * kLLWarps, gw = blockIdx.x * kLLWarps + warp;
@@ -172,7 +193,14 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_dispatch_kernel(const LLCtx 
   const int TK = a.T * a.K;
 
   if (a.phases & kLLSend) {
-    if (wait_released(c, set, kOpLowLatencyDispatch, a.sig)) {
+    // every copy's expert (-1: unused slot) once per block: the prefix counts below scan them
+    if (ids_in_smem)
+      for (int j = threadIdx.x; j < TK; j += blockDim.x) s_ids[j] = valid_id(a.topk_idx[j], a.E);
+    const auto id = [&](int j) { return ids_in_smem ? s_ids[j] : valid_id(a.topk_idx[j], a.E); };
+    const auto count_offset = [&](int e) {
+      return lay.set_offset(set) + lay.d_count + ((long long)(e % L) * R + c.rank) * 8;
+    };
+    if (wait_released(c, set, kOpLowLatencyDispatch, a.sig)) {  // (a block barrier: s_ids is filled)
       for (int t = blockIdx.x; t < a.T; t += gridDim.x) {
         char* stage = c.base + lay.set_offset(set) + lay.d_send + (long long)t * lay.d_msg;
         const __nv_bfloat16* xt = reinterpret_cast<const __nv_bfloat16*>(a.x) + (long long)t * a.H;
@@ -186,13 +214,17 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_dispatch_kernel(const LLCtx 
         }
         __syncthreads();
         for (int k = warp; k < a.K; k += kLLWarps) {
-          const long long e = a.topk_idx[(long long)t * a.K + k];
-          if (e < 0 || e >= a.E) continue;
-          int pos = 0;  // copies of this rank to expert e before this one: token order
-          for (int j = lane; j < t * a.K + k; j += 32) pos += a.topk_idx[j] == e;
-          pos = warp_sum(pos);
-          const int dst = (int)(e / L);
-          const long long off = lay.d_slot(set, (int)(e % L), c.rank, pos);
+          const int j0 = t * a.K + k, e = id(j0);
+          if (e < 0) continue;
+          int pos = 0, n = 0;  // copies to e before this one (token order), and all copies to e
+          for (int j = lane; j < TK; j += 32) {
+            const bool hit = id(j) == e;
+            n += hit;
+            pos += hit && j < j0;
+          }
+          pos = warp_sum(pos), n = warp_sum(n);
+          const int dst = e / L;
+          const long long off = lay.d_slot(set, e % L, c.rank, pos);
           if (c.peer_base[dst] != nullptr) {
             if (lane == 0) *reinterpret_cast<int4*>(c.peer_base[dst] + off) = make_int4(t, k, 0, 0);
           } else {
@@ -203,26 +235,16 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_dispatch_kernel(const LLCtx 
             __syncwarp();
             nvshmemx_putmem_nbi_warp(c.base + off, meta, kLLHeader, c.pe[dst]);
           }
-          send_row(c, dst, off + kLLHeader, stage, payload, &st->d_finish[set][e]);
+          send_row(c, dst, off + kLLHeader, stage, payload);
+          // the expert's last copy out sends its count
+          count_sent(c, &st->d_finish[set][e], 1, n, dst, count_offset(e), encode(n, a.sig));
         }
       }
-      // counts: one warp per global expert, once every copy to it is out
+      // experts this rank sends nothing to: their count (0) now, one warp each
       for (int e = gw; e < a.E; e += num_warps) {
-        int n = 0;
-        for (int j = lane; j < TK; j += 32) n += a.topk_idx[j] == e;
-        n = warp_sum(n);
-        if (lane == 0) {
-          long long v;
-          unsigned* fin = &st->d_finish[set][e];
-          if (spin(c, [&] { return (long long)ld_acquire_gpu(fin); }, [&](long long x) { return x == n; }, v,
-                   kOpLowLatencyDispatch, kLLWaitOwnBlocks, e, c.rank, set, a.sig)) {
-            *fin = 0;
-            __threadfence_system();
-            put_signal(c, e / L, lay.set_offset(set) + lay.d_count + ((long long)(e % L) * R + c.rank) * 8,
-                       encode(n, a.sig));
-          }
-        }
-        __syncwarp();
+        bool any = false;
+        for (int j = lane; j < TK && !any; j += 32) any = id(j) == e;
+        if (!__any_sync(0xffffffffu, any) && lane == 0) put_signal(c, e / L, count_offset(e), encode(0, a.sig));
       }
     }
   }
@@ -283,7 +305,7 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_dispatch_kernel(const LLCtx 
 
 // ------------------------------------------------------------------------------------- combine
 __global__ void __launch_bounds__(kLLThreads, 1) ll_combine_kernel(const LLCtx c, const LLCombineArgs a) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  const int warp = threadIdx.x / 32;
   const int R = c.num_ranks, L = a.E / R, set = a.set;
   const int num_warps = gridDim.x * kLLWarps, gw = blockIdx.x * kLLWarps + warp;
   const LowLatencyLayout& lay = c.lay;
@@ -292,46 +314,26 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_combine_kernel(const LLCtx c
 
   if (a.phases & kLLSend) {
     if (wait_released(c, set, kOpLowLatencyCombine, a.sig)) {
-      for (int u = gw; u < L * a.out_cap; u += num_warps) {
-        const int e = u / a.out_cap, j = u % a.out_cap;
-        int s = -1;  // the source rank whose range holds row j
-        for (int r0 = 0; r0 < R; r0 += 32) {
-          const int r = r0 + lane;
-          bool hit = false;
-          if (r < R) {
-            const int b = a.range[((long long)e * R + r) * 2], n = a.range[((long long)e * R + r) * 2 + 1];
-            hit = j >= b && j < b + n;
+      // (local expert, token rank) pairs, each split over `split` warps by row; the pair's last
+      // warp to finish sends its flag
+      const int pairs = L * R, split = num_warps > pairs ? num_warps / pairs : 1;
+      for (int u = gw; u < pairs * split; u += num_warps) {
+        const int e = u / split / R, s = u / split % R, g = u % split;
+        const int begin = a.range[((long long)e * R + s) * 2], n = a.range[((long long)e * R + s) * 2 + 1];
+        for (int i = g; i < n; i += split) {
+          const long long row = (long long)e * a.out_cap + begin + i;
+          const int t = a.src[row], k = a.slot[row];
+          const char* xrow = static_cast<const char*>(a.x) + row * row_bytes;
+          const char* from = xrow;
+          if (c.peer_base[s] == nullptr) {  // puts read symmetric memory: stage the row
+            char* stage = c.base + lay.set_offset(set) + lay.c_stage + (long long)gw * lay.c_row;
+            warp_copy16(reinterpret_cast<int4*>(stage), reinterpret_cast<const int4*>(xrow), row_bytes / 16);
+            from = stage;
           }
-          const unsigned m = __ballot_sync(0xffffffffu, hit);
-          if (m) s = r0 + __ffs(m) - 1;
+          send_row(c, s, lay.c_slot(set, t, k), from, row_bytes);
         }
-        if (s < 0) continue;  // past the expert's count
-        const long long row = (long long)e * a.out_cap + j;
-        const int t = a.src[row], k = a.slot[row];
-        const char* xrow = static_cast<const char*>(a.x) + row * row_bytes;
-        const char* from = xrow;
-        if (c.peer_base[s] == nullptr) {  // puts read symmetric memory: stage the row
-          char* stage = c.base + lay.set_offset(set) + lay.c_stage + (long long)gw * lay.c_row;
-          warp_copy16(reinterpret_cast<int4*>(stage), reinterpret_cast<const int4*>(xrow), row_bytes / 16);
-          from = stage;
-        }
-        send_row(c, s, lay.c_slot(set, t, k), from, row_bytes, &st->c_finish[set][e * R + s]);
-      }
-      // flags: one warp per (local expert, token rank), once its rows are out
-      for (int u = gw; u < L * R; u += num_warps) {
-        const int e = u / R, s = u % R;
-        if (lane == 0) {
-          const int n = a.range[((long long)e * R + s) * 2 + 1];
-          unsigned* fin = &st->c_finish[set][e * R + s];
-          long long v;
-          if (spin(c, [&] { return (long long)ld_acquire_gpu(fin); }, [&](long long x) { return x == n; }, v,
-                   kOpLowLatencyCombine, kLLWaitOwnBlocks, c.rank * L + e, c.rank, set, a.sig)) {
-            *fin = 0;
-            __threadfence_system();
-            put_signal(c, s, lay.set_offset(set) + lay.c_flag + (long long)(c.rank * L + e) * 8, encode(n, a.sig));
-          }
-        }
-        __syncwarp();
+        count_sent(c, &st->c_finish[set][e * R + s], 1, split, s,
+                   lay.set_offset(set) + lay.c_flag + (long long)(c.rank * L + e) * 8, encode(n, a.sig));
       }
     }
   }
@@ -348,21 +350,40 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_combine_kernel(const LLCtx c
       report(c, kErrMismatch, kOpLowLatencyCombine, kLLWaitFlag, e, e / L, set, a.sig, decoded_sig(v));
     ok &= got;
   }
+  // the token's weights and used slots in shared memory (unused slots' rows are never read); every
+  // slot's load of a step is issued before the adds (k ascending, as the reference sums)
+  __shared__ float s_w[kMaxTopk];
+  __shared__ bool s_on[kMaxTopk];
+  constexpr int kBatch = 8;
   if (__syncthreads_and(ok)) {
     for (int t = blockIdx.x; t < a.T; t += gridDim.x) {
+      if (threadIdx.x < a.K) {
+        const long long i = (long long)t * a.K + threadIdx.x;
+        s_on[threadIdx.x] = valid_id(a.topk_idx[i], a.E) >= 0;
+        s_w[threadIdx.x] = a.weights[i];
+      }
+      __syncthreads();
       for (int v = threadIdx.x; v < a.H / 8; v += blockDim.x) {
         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        for (int k = 0; k < a.K; ++k) {
-          const long long e = a.topk_idx[(long long)t * a.K + k];
-          if (e < 0 || e >= a.E) continue;
-          const float w = a.weights[(long long)t * a.K + k];
-          const int4 raw = __ldcg(reinterpret_cast<const int4*>(c.base + lay.c_slot(set, t, k)) + v);
-          const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+        for (int k0 = 0; k0 < a.K; k0 += kBatch) {
+          int4 raw[kBatch];
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const float2 f = __bfloat1622float2(h[i]);
-            acc[2 * i] += w * f.x;
-            acc[2 * i + 1] += w * f.y;
+          for (int b = 0; b < kBatch; ++b) {
+            const int k = k0 + b;
+            raw[b] = k < a.K && s_on[k] ? __ldcg(reinterpret_cast<const int4*>(c.base + lay.c_slot(set, t, k)) + v)
+                                              : make_int4(0, 0, 0, 0);
+          }
+#pragma unroll
+          for (int b = 0; b < kBatch; ++b) {
+            if (k0 + b >= a.K || !s_on[k0 + b]) continue;
+            const float w = s_w[k0 + b];
+            const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw[b]);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const float2 f = __bfloat1622float2(h[i]);
+              acc[2 * i] += w * f.x;
+              acc[2 * i + 1] += w * f.y;
+            }
           }
         }
         int4 out;
@@ -371,6 +392,7 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_combine_kernel(const LLCtx c
         for (int i = 0; i < 4; ++i) o[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
         reinterpret_cast<int4*>(a.y)[(long long)t * (a.H / 8) + v] = out;
       }
+      __syncthreads();  // s_w is rewritten for the next token
     }
   }
   finish_receive(c, set, lay.c_flag, lay.num_experts);
@@ -384,7 +406,9 @@ void check(cudaError_t e, const char* what) {
 
 // ------------------------------------------------------------------------------------ launchers
 void launch_ll_dispatch(const LLCtx& c, const LLDispatchArgs& a, int num_blocks, cudaStream_t stream) {
-  ll_dispatch_kernel<<<num_blocks, kLLThreads, 0, stream>>>(c, a);
+  const long long ids_bytes = (long long)a.T * a.K * sizeof(int);
+  const bool ids_in_smem = ids_bytes <= kLLIdsSmemBytes;
+  ll_dispatch_kernel<<<num_blocks, kLLThreads, ids_in_smem ? ids_bytes : 0, stream>>>(c, a, ids_in_smem);
   check(cudaGetLastError(), "dispatch launch");
 }
 
@@ -396,6 +420,8 @@ void launch_ll_combine(const LLCtx& c, const LLCombineArgs& a, int num_blocks, c
 void ll_touch_kernels() {
   cudaFuncAttributes attr;
   check(cudaFuncGetAttributes(&attr, ll_dispatch_kernel), "loading the dispatch kernel");
+  check(cudaFuncSetAttribute(ll_dispatch_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kLLIdsSmemBytes),
+        "the dispatch kernel's shared memory");
   check(cudaFuncGetAttributes(&attr, ll_combine_kernel), "loading the combine kernel");
 }
 

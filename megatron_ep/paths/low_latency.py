@@ -202,7 +202,6 @@ class LowLatencyPath:
                f"that set has not run: a receive hook not called, or the rank stopped)",
             1: f"waiting for rank {peer}'s token count for local expert {e} (global expert {me * L + e}) in buffer set {s}",
             2: f"waiting for rank {peer}'s combined rows of expert {e} in buffer set {s}",
-            3: f"waiting for its own sending warps (expert {e}): the kernel's blocks were not all resident (lower num_sms)",
         }.get(err["what"], f"waiting on rank {peer}")
         return f"{head} {what}"
 
