@@ -16,8 +16,9 @@ set of processes (DeepEP and ours both start NVSHMEM, once per process):
   deepep   DeepEP V1's low-latency kernels, if `deep_ep` imports (never part of this repository)
 torch, nccl and deepep need one GPU per process (NCCL refuses several ranks on one GPU).
 
-Kernel time (ours and deepep): the kernels of --kernel-iters eager calls under torch.profiler, median
-per kernel (DeepEP's own accounting), with the hook's send and receive halves apart.
+Kernel time (ours and deepep): the kernels of about --kernel-iters calls under torch.profiler (ours:
+replays of the CUDA graphs above; deepep: eager calls), median per kernel (DeepEP's own
+accounting), with the hook's send and receive halves apart.
 
 Each figure is the median over --reps repetitions of (time of --loop back-to-back calls) / loop,
 timed with CUDA events after --warmup calls. GB/s is DeepEP's accounting per rank: valid
@@ -144,15 +145,21 @@ def bench_ours(a, T, x, idx, w, E, K, H, gloo):
         _, hook = buf.low_latency_combine(rows, idx, w, o.handle, return_recv_hook=True)
         hook()
 
-    res = {}
+    res, graphs = {}, {}
     for name, fn in (("dispatch", d), ("combine", c), ("both", dc), ("hook", dc_hook)):
         g = graph_of(fn, a.loop)
         dist.barrier(group=gloo)
         res[name] = timed(g.replay, a.reps, 2) / a.loop
-        del g  # its pool holds `loop` calls' outputs
-        torch.cuda.empty_cache()
+        if name != "both":
+            graphs[name] = g
+        del g
+    # kernel times from graph replays: an eager loop's kernels would mostly wait for the other
+    # rank's Python launch overhead
     dist.barrier(group=gloo)
-    res.update(kernel_figures(d, c, dc_hook, a.kernel_iters))
+    iters = max(1, a.kernel_iters // a.loop)
+    res.update(kernel_figures(graphs["dispatch"].replay, graphs["combine"].replay, graphs["hook"].replay, iters))
+    del graphs  # their pools hold `loop` calls' outputs
+    torch.cuda.empty_cache()
     buf.synchronize()
     buf.destroy()
     return res
@@ -314,7 +321,7 @@ def table(a, results) -> str:
     d_bytes, c_bytes = H + H // 128 * 4 + 16, 2 * H
     lines = ["| impl | tokens/rank | dispatch us | combine us | dispatch+combine us | with hook us | dispatch GB/s | combine GB/s |",
              "|---|---|---|---|---|---|---|---|"]
-    kernels = ["", "Kernel time (torch.profiler, median of eager calls; hook: send + receive halves):", "",
+    kernels = ["", "Kernel time (torch.profiler, median per kernel; ours from graph replays, deepep eager; hook: send + receive halves):", "",
                "| impl | tokens/rank | dispatch us | combine us | hook dispatch send + recv us | hook combine send + recv us |",
                "|---|---|---|---|---|---|"]
     for impl, (res, err) in results.items():

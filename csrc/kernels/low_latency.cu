@@ -42,7 +42,6 @@ namespace {
 
 using sym::globaltimer;
 using sym::atom_add_acq_rel_gpu;
-using sym::ld_acquire_sys;
 using sym::warp_copy16;
 using sym::warp_sum;
 
@@ -67,6 +66,15 @@ template <typename Load, typename Done>
 __device__ __forceinline__ bool spin(const LLCtx& c, Load load, Done done, long long& v, int op, int what,
                                      int expert, int peer, int set, long long sig) {
   return sym::spin(waiter(c), load, done, v, op, what, expert, peer, set, sig);
+}
+
+// Wait until done(*p), p a signal word another rank writes (relaxed polls, one acquire after).
+template <typename Done>
+__device__ __forceinline__ bool wait_word(const LLCtx& c, const long long* p, Done done, long long& v, int op, int what,
+                                          int expert, int peer, int set, long long sig) {
+  const bool ok = spin(c, [&] { return sym::ld_relaxed_sys(p); }, done, v, op, what, expert, peer, set, sig);
+  sym::fence_acq_rel_sys();
+  return ok;
 }
 
 // Write a 64-bit signal word at `off` in rank dst's buffer (after the caller's fence).
@@ -114,15 +122,17 @@ __device__ __forceinline__ bool wait_released(const LLCtx& c, int set, int op, l
   const long long* release = reinterpret_cast<const long long*>(c.base + c.lay.set_offset(set) + c.lay.release);
   for (int r = threadIdx.x; r < c.num_ranks; r += blockDim.x) {
     long long v;
-    ok &= spin(c, [&] { return ld_acquire_sys(release + r); }, [&](long long x) { return x >= target; }, v, op,
-               kLLWaitRelease, -1, r, set, sig);
+    ok &= wait_word(c, release + r, [&](long long x) { return x >= target; }, v, op, kLLWaitRelease, -1, r, set, sig);
   }
   return __syncthreads_and(ok);
 }
 
 // Block-wide end of a receive half: the last block to finish clears the set's signal words
-// (`clear_off`, n words), then hands the set back to every sender.
-__device__ __forceinline__ void finish_receive(const LLCtx& c, int set, long long clear_off, int n) {
+// (`clear_off`, n words), then hands the set back to every sender. With `flags_of` > 0 (the
+// combine's per-expert flags, `flags_of` experts per rank), words nobody waited on (experts no
+// local token used) are first waited for, so a late one cannot leak into the set's next call.
+__device__ __forceinline__ void finish_receive(const LLCtx& c, int set, long long clear_off, int n, int flags_of = 0,
+                                               long long sig = 0) {
   __shared__ bool last;
   LowLatencyState* st = state_of(c);
   __syncthreads();
@@ -134,6 +144,20 @@ __device__ __forceinline__ void finish_receive(const LLCtx& c, int set, long lon
   if (!last) return;
   __threadfence();
   long long* words = reinterpret_cast<long long*>(c.base + c.lay.set_offset(set) + clear_off);
+  if (flags_of > 0) {
+    bool ok = true;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      long long v;
+      ok &= wait_word(c, words + i, [](long long x) { return x != 0; }, v, kOpLowLatencyCombine, kLLWaitFlag, i,
+                      i / flags_of, set, sig);
+      if (ok && decoded_sig(v) != sig)
+        report(c, kErrMismatch, kOpLowLatencyCombine, kLLWaitFlag, i, i / flags_of, set, sig, decoded_sig(v));
+    }
+    if (!__syncthreads_and(ok)) {  // timed out: the path is broken, the set stays held
+      if (threadIdx.x == 0) st->grid_done[set] = 0;
+      return;
+    }
+  }
   for (int i = threadIdx.x; i < n; i += blockDim.x) words[i] = 0;
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -259,8 +283,8 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_dispatch_kernel(const LLCtx 
     bool ok = true;
     for (int r = lane; r < R; r += 32) {
       long long v;
-      ok &= spin(c, [&] { return ld_acquire_sys(counts + (long long)e * R + r); }, [](long long x) { return x != 0; },
-                 v, kOpLowLatencyDispatch, kLLWaitCount, e, r, set, a.sig);
+      ok &= wait_word(c, counts + (long long)e * R + r, [](long long x) { return x != 0; }, v, kOpLowLatencyDispatch,
+                      kLLWaitCount, e, r, set, a.sig);
       int n = ok ? decoded_count(v) : 0;
       if (ok && decoded_sig(v) != a.sig) {
         if (g == 0 && s == 0) report(c, kErrMismatch, kOpLowLatencyDispatch, kLLWaitCount, e, r, set, a.sig, decoded_sig(v));
@@ -339,63 +363,62 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_combine_kernel(const LLCtx c
   }
 
   if (!(a.phases & kLLRecv)) return;
-  // receive: every expert's rows for this rank are in once its flag is set
+  // receive: a block waits only for the flags of the experts its token uses (threads k < K), so
+  // it reduces as soon as they are in and only T*K threads poll
   const long long* flags = reinterpret_cast<const long long*>(c.base + lay.set_offset(set) + lay.c_flag);
-  bool ok = true;
-  for (int e = threadIdx.x; e < a.E; e += blockDim.x) {
-    long long v;
-    bool got = spin(c, [&] { return ld_acquire_sys(flags + e); }, [](long long x) { return x != 0; }, v,
-                    kOpLowLatencyCombine, kLLWaitFlag, e, e / L, set, a.sig);
-    if (got && decoded_sig(v) != a.sig && blockIdx.x == 0)
-      report(c, kErrMismatch, kOpLowLatencyCombine, kLLWaitFlag, e, e / L, set, a.sig, decoded_sig(v));
-    ok &= got;
-  }
   // the token's weights and used slots in shared memory (unused slots' rows are never read); every
   // slot's load of a step is issued before the adds (k ascending, as the reference sums)
   __shared__ float s_w[kMaxTopk];
   __shared__ bool s_on[kMaxTopk];
   constexpr int kBatch = 8;
-  if (__syncthreads_and(ok)) {
-    for (int t = blockIdx.x; t < a.T; t += gridDim.x) {
-      if (threadIdx.x < a.K) {
-        const long long i = (long long)t * a.K + threadIdx.x;
-        s_on[threadIdx.x] = valid_id(a.topk_idx[i], a.E) >= 0;
-        s_w[threadIdx.x] = a.weights[i];
+  for (int t = blockIdx.x; t < a.T; t += gridDim.x) {
+    bool ok = true;
+    if (threadIdx.x < a.K) {
+      const long long i = (long long)t * a.K + threadIdx.x;
+      const int e = valid_id(a.topk_idx[i], a.E);
+      s_on[threadIdx.x] = e >= 0;
+      s_w[threadIdx.x] = a.weights[i];
+      if (e >= 0) {
+        long long v;
+        ok = wait_word(c, flags + e, [](long long x) { return x != 0; }, v, kOpLowLatencyCombine, kLLWaitFlag, e, e / L,
+                       set, a.sig);
+        if (ok && decoded_sig(v) != a.sig)
+          report(c, kErrMismatch, kOpLowLatencyCombine, kLLWaitFlag, e, e / L, set, a.sig, decoded_sig(v));
       }
-      __syncthreads();
-      for (int v = threadIdx.x; v < a.H / 8; v += blockDim.x) {
-        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        for (int k0 = 0; k0 < a.K; k0 += kBatch) {
-          int4 raw[kBatch];
+    }
+    if (!__syncthreads_and(ok)) break;  // timed out (reported): every later wait returns at once
+    for (int v = threadIdx.x; v < a.H / 8; v += blockDim.x) {
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (int k0 = 0; k0 < a.K; k0 += kBatch) {
+        int4 raw[kBatch];
 #pragma unroll
-          for (int b = 0; b < kBatch; ++b) {
-            const int k = k0 + b;
-            raw[b] = k < a.K && s_on[k] ? __ldcg(reinterpret_cast<const int4*>(c.base + lay.c_slot(set, t, k)) + v)
-                                              : make_int4(0, 0, 0, 0);
-          }
+        for (int b = 0; b < kBatch; ++b) {
+          const int k = k0 + b;
+          raw[b] = k < a.K && s_on[k] ? __ldcg(reinterpret_cast<const int4*>(c.base + lay.c_slot(set, t, k)) + v)
+                                      : make_int4(0, 0, 0, 0);
+        }
 #pragma unroll
-          for (int b = 0; b < kBatch; ++b) {
-            if (k0 + b >= a.K || !s_on[k0 + b]) continue;
-            const float w = s_w[k0 + b];
-            const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw[b]);
+        for (int b = 0; b < kBatch; ++b) {
+          if (k0 + b >= a.K || !s_on[k0 + b]) continue;
+          const float w = s_w[k0 + b];
+          const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw[b]);
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              const float2 f = __bfloat1622float2(h[i]);
-              acc[2 * i] += w * f.x;
-              acc[2 * i + 1] += w * f.y;
-            }
+          for (int i = 0; i < 4; ++i) {
+            const float2 f = __bfloat1622float2(h[i]);
+            acc[2 * i] += w * f.x;
+            acc[2 * i + 1] += w * f.y;
           }
         }
-        int4 out;
-        __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) o[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-        reinterpret_cast<int4*>(a.y)[(long long)t * (a.H / 8) + v] = out;
       }
-      __syncthreads();  // s_w is rewritten for the next token
+      int4 out;
+      __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) o[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+      reinterpret_cast<int4*>(a.y)[(long long)t * (a.H / 8) + v] = out;
     }
+    __syncthreads();  // s_w, s_on are rewritten for the next token
   }
-  finish_receive(c, set, lay.c_flag, lay.num_experts);
+  finish_receive(c, set, lay.c_flag, lay.num_experts, lay.num_experts / R, a.sig);
 }
 
 void check(cudaError_t e, const char* what) {
