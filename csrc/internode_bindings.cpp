@@ -1,32 +1,21 @@
 // The internode path's RDMA-domain buffer for megatron_ep._C_ll (registered by
 // low_latency_bindings.cpp, the module's one PYBIND11_MODULE). Adapts tensors to the launchers
-// of csrc/kernels/internode.cu and owns one rank's symmetric buffer, its same-index peers'
-// addresses and the mapped error record. Python (megatron_ep/paths/internode.py) checks every
+// of csrc/kernels/internode.cu and holds one rank's symmetric buffer, its same-index peers'
+// addresses and the mapped error record (csrc/symmetric_memory.h). Python (megatron_ep/paths/internode.py) checks every
 // argument first; the checks here only guard against memory errors.
 #include <c10/cuda/CUDAStream.h>
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
-#include <cstring>
 #include <vector>
 
 #include "kernels/internode.h"
-#include "nvshmem_bootstrap.h"
 #include "protocol.h"
+#include "symmetric_memory.h"
+#include "tensor_args.h"
 
 namespace mep {
 namespace {
-
-void ok(cudaError_t e, const char* what) {
-  TORCH_CHECK(e == cudaSuccess, "megatron_ep internode: ", what, ": ", cudaGetErrorString(e));
-}
-
-template <typename T>
-T* in_ptr(const torch::Tensor& t, const char* name, at::ScalarType dtype) {
-  TORCH_CHECK(t.is_cuda() && t.is_contiguous(), name, " must be a contiguous CUDA tensor");
-  TORCH_CHECK(t.scalar_type() == dtype, name, " has dtype ", t.scalar_type(), ", expected ", dtype);
-  return static_cast<T*>(t.data_ptr());
-}
 
 py::dict in_layout_dict(const InternodeLayout& l) {
   py::dict d;
@@ -47,37 +36,21 @@ class InternodeBuffer {
                   int max_topk, long long x_row, long long scale_cols, long long c_row, bool staged, double timeout_s) {
     const int N = (int)pes.size();
     TORCH_CHECK(N >= 1 && N <= kInMaxNodes, "megatron_ep internode: ", N, " nodes; at most ", kInMaxNodes);
-    ok(cudaSetDevice(device), "cudaSetDevice");
+    cuda_ok(cudaSetDevice(device), "internode", "cudaSetDevice");
     ctx_.lay = InternodeLayout::plan(N, max_tokens, max_topk, x_row, scale_cols, c_row, staged);
     ctx_.node = node, ctx_.local = local, ctx_.ranks_per_node = ranks_per_node;
     ctx_.timeout_ns = (unsigned long long)(timeout_s * 1e9);
     in_touch_kernels();
-    base_ = static_cast<char*>(sym_malloc((size_t)ctx_.lay.total));
-    ctx_.base = base_;
-    std::vector<char*> peers(N);
-    p2p_.resize(N);
-    for (int n = 0; n < N; ++n) {
-      peers[n] = static_cast<char*>(sym_peer_ptr(base_, pes[n]));
-      p2p_[n] = peers[n] != nullptr;
-      if (staged) peers[n] = nullptr;  // every transfer is a put (from symmetric staging)
-    }
-    ok(cudaMalloc(&peer_dev_, N * sizeof(char*)), "cudaMalloc");
-    ok(cudaMalloc(&pe_dev_, N * sizeof(int)), "cudaMalloc");
-    ok(cudaMemcpy(peer_dev_, peers.data(), N * sizeof(char*), cudaMemcpyHostToDevice), "cudaMemcpy");
-    ok(cudaMemcpy(pe_dev_, pes.data(), N * sizeof(int), cudaMemcpyHostToDevice), "cudaMemcpy");
-    ctx_.peer_base = peer_dev_, ctx_.pe = pe_dev_;
-    ok(cudaHostAlloc(&err_host_, sizeof(LowLatencyError), cudaHostAllocMapped), "cudaHostAlloc");
-    std::memset((void*)err_host_, 0, sizeof(LowLatencyError));
-    ok(cudaHostGetDevicePointer((void**)&ctx_.err, (void*)err_host_, 0), "cudaHostGetDevicePointer");
+    mem_.open((size_t)ctx_.lay.total, pes, !staged);  // staged: every transfer is a put (from symmetric staging)
+    mem_.point(ctx_);
   }
-  ~InternodeBuffer() { release_local(); }
 
   // Bytes [offset, offset + nbytes) of this rank's buffer as a uint8 tensor (Python views it with
   // its dtype and shape); valid until close().
   torch::Tensor view(long long offset, long long nbytes) {
     live();
     TORCH_CHECK(offset >= 0 && nbytes >= 0 && offset + nbytes <= ctx_.lay.total, "view outside the buffer");
-    return torch::from_blob(base_ + offset, {nbytes}, torch::TensorOptions().dtype(torch::kUInt8).device(torch::kCUDA, device()));
+    return torch::from_blob(mem_.base() + offset, {nbytes}, torch::TensorOptions().dtype(torch::kUInt8).device(torch::kCUDA, device()));
   }
 
   void dispatch_send(const torch::Tensor& x, const c10::optional<torch::Tensor>& scales, const torch::Tensor& topk_idx,
@@ -87,11 +60,11 @@ class InternodeBuffer {
     TORCH_CHECK(x.is_cuda() && x.is_contiguous() && x.dim() == 2, "x must be a contiguous [T, H] CUDA tensor");
     a.x = static_cast<const char*>(x.data_ptr());
     a.T = (int)x.size(0), a.row_bytes = (int)(x.size(1) * x.element_size());
-    a.topk_idx = reinterpret_cast<const long long*>(in_ptr<int64_t>(topk_idx, "topk_idx", at::kLong));
+    a.topk_idx = reinterpret_cast<const long long*>(ptr<int64_t>(topk_idx, "topk_idx", at::kLong));
     a.K = (int)topk_idx.size(1), a.E = num_experts, a.sig = sig;
-    a.scales = scales ? in_ptr<float>(*scales, "scales", at::kFloat) : nullptr;
+    a.scales = scales ? ptr<float>(*scales, "scales", at::kFloat) : nullptr;
     a.scale_cols = scales ? (int)scales->size(1) : 0;
-    a.weights = weights ? in_ptr<float>(*weights, "topk_weights", at::kFloat) : nullptr;
+    a.weights = weights ? ptr<float>(*weights, "topk_weights", at::kFloat) : nullptr;
     check_call(a.T, a.K, a.row_bytes, a.scale_cols, num_blocks);
     TORCH_CHECK(topk_idx.size(0) == a.T, "topk_idx rows differ from x's");
     launch_in_dispatch_send(ctx_, a, num_blocks, stream());
@@ -103,8 +76,8 @@ class InternodeBuffer {
     InRecvArgs a{};
     a.K = topk, a.E = num_experts, a.scale_cols = scale_cols, a.sig = sig;
     check_call(0, a.K, 16, scale_cols, num_blocks);
-    a.out_idx = reinterpret_cast<long long*>(in_ptr<int64_t>(out_idx, "out_idx", at::kLong));
-    a.out_tokens = in_ptr<int>(out_tokens, "out_tokens", at::kInt);
+    a.out_idx = reinterpret_cast<long long*>(ptr<int64_t>(out_idx, "out_idx", at::kLong));
+    a.out_tokens = ptr<int>(out_tokens, "out_tokens", at::kInt);
     TORCH_CHECK(out_idx.numel() == (long long)ctx_.lay.num_nodes * ctx_.lay.max_tokens * topk, "out_idx must be [N * max_tokens, K]");
     TORCH_CHECK(out_tokens.numel() == ctx_.lay.num_nodes, "out_tokens must be [N]");
     launch_in_dispatch_recv(ctx_, a, num_blocks, stream());
@@ -125,10 +98,10 @@ class InternodeBuffer {
     TORCH_CHECK(y.size(0) == rows && local_idx.size(0) == rows, "y and local_idx must have N * max_tokens rows");
     a.y = static_cast<const char*>(y.data_ptr());
     a.row_bytes = (int)(y.size(1) * y.element_size());
-    a.local_idx = reinterpret_cast<const long long*>(in_ptr<int64_t>(local_idx, "local_idx", at::kLong));
+    a.local_idx = reinterpret_cast<const long long*>(ptr<int64_t>(local_idx, "local_idx", at::kLong));
     a.K = (int)local_idx.size(1);
-    a.w = w ? in_ptr<float>(*w, "weights", at::kFloat) : nullptr;
-    a.tokens = in_ptr<int>(tokens, "tokens", at::kInt);
+    a.w = w ? ptr<float>(*w, "weights", at::kFloat) : nullptr;
+    a.tokens = ptr<int>(tokens, "tokens", at::kInt);
     a.sig = sig;
     TORCH_CHECK(a.row_bytes % 16 == 0 && a.row_bytes <= ctx_.lay.c_row, "combine rows of ", a.row_bytes, " bytes do not fit");
     check_call(0, a.K, 16, 0, num_blocks);
@@ -139,41 +112,26 @@ class InternodeBuffer {
                     const c10::optional<torch::Tensor>& w, int num_blocks) {
     live();
     InCombineRecvArgs a{};
-    a.topk_idx = reinterpret_cast<const long long*>(in_ptr<int64_t>(topk_idx, "topk_idx", at::kLong));
+    a.topk_idx = reinterpret_cast<const long long*>(ptr<int64_t>(topk_idx, "topk_idx", at::kLong));
     a.T = (int)topk_idx.size(0), a.K = (int)topk_idx.size(1), a.E = num_experts, a.sig = sig;
     TORCH_CHECK(y.is_cuda() && y.is_contiguous() && y.size(0) == a.T, "y must be a contiguous [T, H] CUDA tensor");
     TORCH_CHECK(y.scalar_type() == at::kBFloat16 || y.scalar_type() == at::kFloat, "y must be bf16 or fp32");
     a.fp32 = y.scalar_type() == at::kFloat;
     a.H = (int)y.size(1);
     a.y = y.data_ptr();
-    a.w = w ? in_ptr<float>(*w, "weights", at::kFloat) : nullptr;
+    a.w = w ? ptr<float>(*w, "weights", at::kFloat) : nullptr;
     TORCH_CHECK((long long)a.H * y.element_size() <= ctx_.lay.c_row && a.H % 8 == 0, "combine rows do not fit");
     check_call(a.T, a.K, 16, 0, num_blocks);
     launch_in_combine_recv(ctx_, a, num_blocks, stream());
   }
 
-  py::object error() const {
-    if (err_host_ == nullptr || err_host_->code == 0) return py::none();
-    py::dict d;
-    d["code"] = (int)err_host_->code, d["op"] = (int)err_host_->op, d["what"] = (int)err_host_->what;
-    d["node"] = (int)err_host_->expert, d["peer"] = (int)err_host_->peer, d["direction"] = (int)err_host_->set;
-    d["sig_expected"] = (long long)err_host_->sig_expected, d["sig_got"] = (long long)err_host_->sig_got;
-    return d;
-  }
-  void clear_error() {
-    if (err_host_ == nullptr) return;
-    err_host_->code = 0;
-    err_host_->cleared = err_host_->cleared + 1;
-  }
-  std::vector<bool> p2p() const { return p2p_; }
+  // The kernels' first unread error, or None (the record's expert and set: node and direction).
+  py::object error() const { return mem_.error("node", "direction"); }
+  void clear_error() { mem_.clear_error(); }
+  std::vector<bool> p2p() const { return mem_.p2p(); }
   py::dict layout() const { return in_layout_dict(ctx_.lay); }
 
-  void close() {  // collective (nvshmem_free)
-    if (base_ == nullptr) return;
-    sym_free(base_);
-    base_ = nullptr;
-    release_local();
-  }
+  void close() { mem_.close(); }  // collective (nvshmem_free)
 
  private:
   int device() const {
@@ -182,7 +140,7 @@ class InternodeBuffer {
     return d;
   }
   static cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
-  void live() const { TORCH_CHECK(base_ != nullptr, "megatron_ep: this internode buffer was closed"); }
+  void live() const { mem_.live(); }
   void check_call(int T, int K, long long row_bytes, int scale_cols, int num_blocks) const {
     const InternodeLayout& l = ctx_.lay;
     TORCH_CHECK(T <= l.max_tokens && K <= l.max_topk && K >= 1 && K <= kMaxTopk && row_bytes <= l.x_row &&
@@ -191,19 +149,9 @@ class InternodeBuffer {
                 scale_cols, ") exceeds the buffer");
     TORCH_CHECK(num_blocks >= 1 && num_blocks <= kInMaxBlocks, "num_blocks must be in 1..", kInMaxBlocks);
   }
-  void release_local() {
-    if (peer_dev_ != nullptr) cudaFree(peer_dev_);
-    if (pe_dev_ != nullptr) cudaFree(pe_dev_);
-    if (err_host_ != nullptr) cudaFreeHost((void*)err_host_);
-    peer_dev_ = nullptr, pe_dev_ = nullptr, err_host_ = nullptr;
-  }
 
   InCtx ctx_{};
-  char* base_ = nullptr;
-  char** peer_dev_ = nullptr;
-  int* pe_dev_ = nullptr;
-  LowLatencyError* err_host_ = nullptr;
-  std::vector<bool> p2p_;
+  SymmetricMemory mem_{"internode"};
 };
 
 void bind_internode(py::module_& m) {

@@ -1,31 +1,21 @@
 // megatron_ep._C_ll: the low-latency path's torch binding. Adapts tensors to the raw-pointer
-// launchers of csrc/kernels/low_latency.cu and owns one rank's NVSHMEM buffer (its peers'
-// addresses, the mapped error record). Python (megatron_ep/paths/low_latency.py) checks every
-// argument first; the checks here only guard against memory errors.
+// launchers of csrc/kernels/low_latency.cu and holds one rank's NVSHMEM buffer (its peers'
+// addresses, the mapped error record: csrc/symmetric_memory.h). Python
+// (megatron_ep/paths/low_latency.py) checks every argument first; the checks here only guard
+// against memory errors.
 #include <c10/cuda/CUDAStream.h>
 #include <pybind11/stl.h>
 #include <torch/extension.h>
-
-#include <cstring>
 
 #include <vector>
 
 #include "kernels/low_latency.h"
 #include "protocol.h"
+#include "symmetric_memory.h"
+#include "tensor_args.h"
 
 namespace mep {
 namespace {
-
-void cuda_ok(cudaError_t e, const char* what) {
-  TORCH_CHECK(e == cudaSuccess, "megatron_ep low-latency: ", what, ": ", cudaGetErrorString(e));
-}
-
-template <typename T>
-T* ptr(const torch::Tensor& t, const char* name, at::ScalarType dtype) {
-  TORCH_CHECK(t.is_cuda() && t.is_contiguous(), name, " must be a contiguous CUDA tensor");
-  TORCH_CHECK(t.scalar_type() == dtype, name, " has dtype ", t.scalar_type(), ", expected ", dtype);
-  return static_cast<T*>(t.data_ptr());
-}
 
 py::dict layout_dict(const LowLatencyLayout& l) {
   py::dict d;
@@ -47,28 +37,14 @@ class LowLatencyBuffer {
                    int max_topk, bool fp8_only, double timeout_s) {
     const int R = (int)pes.size();
     TORCH_CHECK(R >= 1 && R <= kLLMaxRanks, "megatron_ep low-latency: ", R, " ranks; at most ", kLLMaxRanks);
-    cuda_ok(cudaSetDevice(device), "cudaSetDevice");
+    cuda_ok(cudaSetDevice(device), "low-latency", "cudaSetDevice");
     ctx_.lay = LowLatencyLayout::plan(R, num_experts, max_tokens, hidden, max_topk, fp8_only);
     ctx_.rank = rank, ctx_.num_ranks = R;
     ctx_.timeout_ns = (unsigned long long)(timeout_s * 1e9);
     ll_touch_kernels();
-    base_ = static_cast<char*>(sym_malloc((size_t)ctx_.lay.total));
-    ctx_.base = base_;
-    std::vector<char*> peers(R);
-    for (int r = 0; r < R; ++r) peers[r] = static_cast<char*>(sym_peer_ptr(base_, pes[r]));
-    p2p_.resize(R);
-    for (int r = 0; r < R; ++r) p2p_[r] = peers[r] != nullptr;
-    cuda_ok(cudaMalloc(&peer_dev_, R * sizeof(char*)), "cudaMalloc");
-    cuda_ok(cudaMalloc(&pe_dev_, R * sizeof(int)), "cudaMalloc");
-    cuda_ok(cudaMemcpy(peer_dev_, peers.data(), R * sizeof(char*), cudaMemcpyHostToDevice), "cudaMemcpy");
-    cuda_ok(cudaMemcpy(pe_dev_, pes.data(), R * sizeof(int), cudaMemcpyHostToDevice), "cudaMemcpy");
-    ctx_.peer_base = peer_dev_, ctx_.pe = pe_dev_;
-    cuda_ok(cudaHostAlloc(&err_host_, sizeof(LowLatencyError), cudaHostAllocMapped), "cudaHostAlloc");
-    std::memset((void*)err_host_, 0, sizeof(LowLatencyError));
-    cuda_ok(cudaHostGetDevicePointer((void**)&ctx_.err, (void*)err_host_, 0), "cudaHostGetDevicePointer");
+    mem_.open((size_t)ctx_.lay.total, pes, true);
+    mem_.point(ctx_);
   }
-
-  ~LowLatencyBuffer() { release_local(); }
 
   void dispatch(const torch::Tensor& x, const torch::Tensor& topk_idx, int num_experts, bool fp8, bool round_scale,
                 int set, int phases, long long sig, const torch::Tensor& out_x, const c10::optional<torch::Tensor>& out_scales,
@@ -113,33 +89,16 @@ class LowLatencyBuffer {
   }
 
   // The kernels' first unread error, or None.
-  py::object error() const {
-    if (err_host_ == nullptr || err_host_->code == 0) return py::none();
-    py::dict d;
-    d["code"] = (int)err_host_->code, d["op"] = (int)err_host_->op, d["what"] = (int)err_host_->what;
-    d["expert"] = (int)err_host_->expert, d["peer"] = (int)err_host_->peer, d["set"] = (int)err_host_->set;
-    d["sig_expected"] = (long long)err_host_->sig_expected, d["sig_got"] = (long long)err_host_->sig_got;
-    return d;
-  }
-  void clear_error() {
-    if (err_host_ == nullptr) return;
-    err_host_->code = 0;
-    err_host_->cleared = err_host_->cleared + 1;  // lets the kernels claim the record again
-  }
+  py::object error() const { return mem_.error("expert", "set"); }
+  void clear_error() { mem_.clear_error(); }
 
-  std::vector<bool> p2p() const { return p2p_; }
+  std::vector<bool> p2p() const { return mem_.p2p(); }
   py::dict layout() const { return layout_dict(ctx_.lay); }
 
-  // Collective (nvshmem_free).
-  void close() {
-    if (base_ == nullptr) return;
-    sym_free(base_);
-    base_ = nullptr;
-    release_local();
-  }
+  void close() { mem_.close(); }  // collective (nvshmem_free)
 
  private:
-  void live() const { TORCH_CHECK(base_ != nullptr, "megatron_ep: this low-latency buffer was closed"); }
+  void live() const { mem_.live(); }
   void check_call(int T, int K, int E, int H, int set, int num_blocks) const {
     const LowLatencyLayout& l = ctx_.lay;
     TORCH_CHECK(T <= l.max_tokens && K <= l.max_topk && E <= l.num_experts && E % l.num_ranks == 0 && H <= l.hidden,
@@ -147,19 +106,9 @@ class LowLatencyBuffer {
     TORCH_CHECK(set == 0 || set == 1, "buffer set must be 0 or 1");
     TORCH_CHECK(num_blocks >= 1 && num_blocks <= kLLMaxBlocks, "num_blocks must be in 1..", kLLMaxBlocks);
   }
-  void release_local() {
-    if (peer_dev_ != nullptr) cudaFree(peer_dev_);
-    if (pe_dev_ != nullptr) cudaFree(pe_dev_);
-    if (err_host_ != nullptr) cudaFreeHost((void*)err_host_);
-    peer_dev_ = nullptr, pe_dev_ = nullptr, err_host_ = nullptr;
-  }
 
   LLCtx ctx_{};
-  char* base_ = nullptr;
-  char** peer_dev_ = nullptr;
-  int* pe_dev_ = nullptr;
-  LowLatencyError* err_host_ = nullptr;
-  std::vector<bool> p2p_;
+  SymmetricMemory mem_{"low-latency"};
 };
 
 void bind_internode(py::module_& m);  // csrc/internode_bindings.cpp
