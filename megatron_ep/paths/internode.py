@@ -40,7 +40,7 @@ from ..checks import FP8_BLOCK, fail
 from ..errors import BufferBrokenError, CallMismatchError, CommTimeoutError
 from ..runtime import CudaRuntime
 from ..types import CombineOutput, DispatchHandle, DispatchOutput, EventOverlap
-from .intranode import IntranodePath, dispatch_rows
+from .intranode import IntranodePath, combine_rows, dispatch_rows
 from .low_latency import load, signature_hash
 
 KEY_PAD = 2**31 - 1  # sort key of rows that are not delivered (padding): after every real row
@@ -310,15 +310,10 @@ class InternodePath:
     # ----------------------------------------------------------------------------- combine
     def combine(self, call: P.Call, x, handle: DispatchHandle, weights, async_op=False, previous_event=None) -> CombineOutput:
         rt, N = self.rt, self.N
-        fail(x.dtype in (torch.bfloat16, torch.float32), f"the cuda backend combines bf16 or fp32 rows, got {x.dtype}", TypeError)
-        fail(x.device == rt.device, f"x is on {x.device}, the buffer on {rt.device}")
         st: InternodeState = handle.state
-        rows, H = x.shape
-        fail((H * x.element_size()) % 16 == 0, "combine: rows must be a multiple of 16 bytes")
-        fail(H * x.element_size() <= self.cap["c_row"], f"combine: rows of {H * x.element_size()} bytes exceed the "
+        _, H, row_bytes = combine_rows(rt, x, weights)
+        fail(row_bytes <= self.cap["c_row"], f"combine: rows of {row_bytes} bytes exceed the "
              f"{self.cap['c_row']} the internode buffer holds (Buffer(hidden=, combine_bytes=))")
-        if weights is not None:
-            fail(weights.dtype == torch.float32, f"weights must be float32 for the cuda backend, got {weights.dtype}", TypeError)
         if previous_event is not None and previous_event.event is not None:
             torch.cuda.current_stream(rt.device).wait_event(previous_event.event)
         T, K = handle.num_tokens, handle.topk

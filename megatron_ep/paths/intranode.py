@@ -53,6 +53,19 @@ def dispatch_rows(rt: CudaRuntime, x, topk_weights, num_experts: int):
     return data, scales, T, H, elem, row_bytes
 
 
+def combine_rows(rt: CudaRuntime, x, weights):
+    """The cuda backend's own checks of a combine's inputs (Buffer checked the contract);
+    returns (rows, H, row bytes). Whether the rows fit is each path's check (its buffer)."""
+    fail(x.dtype in (torch.bfloat16, torch.float32), f"the cuda backend combines bf16 or fp32 rows, got {x.dtype}", TypeError)
+    fail(x.device == rt.device, f"x is on {x.device}, the buffer on {rt.device}")
+    rows, H = x.shape
+    row_bytes = H * x.element_size()
+    fail(row_bytes % 16 == 0, f"combine: rows of {row_bytes} bytes; the cuda backend needs a multiple of 16 (hidden * element size)")
+    if weights is not None:
+        fail(weights.dtype == torch.float32, f"weights must be float32 for the cuda backend, got {weights.dtype}", TypeError)
+    return rows, H, row_bytes
+
+
 def max_rank_major_rows(rt: CudaRuntime) -> int:
     """The most rank-major rows any rank can receive: every rank's tokens (same on every rank)."""
     return rt.num_ranks * rt.plan["max_tokens"]
@@ -218,19 +231,13 @@ class IntranodePath:
     # ------------------------------------------------------------------------------- combine
     def combine(self, call: P.Call, x, handle: DispatchHandle, weights, async_op=False, previous_event=None) -> CombineOutput:
         rt = self.rt
-        fail(x.dtype in (torch.bfloat16, torch.float32), f"the cuda backend combines bf16 or fp32 rows, got {x.dtype}", TypeError)
-        fail(x.device == rt.device, f"x is on {x.device}, the buffer on {rt.device}")
         st: IntranodeState = handle.state
-        rows, H = x.shape
-        row_bytes = H * x.element_size()
-        fail(row_bytes % 16 == 0, f"combine: rows of {row_bytes} bytes; the cuda backend needs a multiple of 16 (hidden * element size)")
+        rows, H, row_bytes = combine_rows(rt, x, weights)
         fail(row_bytes <= rt.plan["comb_row_bytes"], f"combine: rows of {row_bytes} bytes exceed the {rt.plan['comb_row_bytes']} "
              f"bytes the buffer holds (combine rows wider than any dispatch so far: create the Buffer with hidden= and "
              f"combine_bytes={x.element_size()})")
         fail(rows <= rt.plan["comb_rows"], f"combine input has {rows} rows; the buffer's combine area holds {rt.plan['comb_rows']} "
              f"(Buffer(combine_rows=...))")
-        if weights is not None:
-            fail(weights.dtype == torch.float32, f"weights must be float32 for the cuda backend, got {weights.dtype}", TypeError)
         T, K = handle.num_tokens, handle.topk
         w_cols = 1 if handle.permute else K
         zero_copy = x.data_ptr() == rt.base + rt.plan["comb_x"]
