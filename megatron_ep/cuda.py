@@ -14,13 +14,12 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Optional
 
-import socket
-
 import torch
 import torch.distributed as dist
 
 from . import protocol as P
 from .checks import fail
+from .hosts import host_names
 from .paths.intranode import IntranodePath
 from .runtime import DEFAULT_TIMEOUT_S, CudaRuntime
 from .types import DispatchLayout
@@ -34,8 +33,7 @@ def node_size(group, num_ranks: int, requested: Optional[int]) -> int:
     [n * P, (n + 1) * P))."""
     if requested is not None:
         return requested
-    hosts: list = [None] * num_ranks
-    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    hosts = host_names(group)
     P_ = hosts.count(hosts[0])
     contiguous = all(hosts[r] == hosts[r - r % P_] for r in range(num_ranks)) and num_ranks % P_ == 0
     fail(contiguous and len(set(hosts)) == num_ranks // P_, "the cuda backend needs the same number of ranks on every "

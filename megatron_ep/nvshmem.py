@@ -10,12 +10,12 @@ symmetric heap sized by the first buffer.
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 
 from .checks import fail
+from .hosts import host_names
 
 ENV = {"NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "1", "NVSHMEM_DISABLE_NVLS": "1",
        "NVSHMEM_DISABLE_MNNVL": "1"}
@@ -30,8 +30,7 @@ def init(group, rank: int, num_ranks: int, device: torch.device, heap_bytes: int
         fail(_state["n_pes"] == num_ranks, f"NVSHMEM was started for {_state['n_pes']} PEs by an earlier group; an "
                                            f"NVSHMEM buffer must span all of them (this group has {num_ranks})", RuntimeError)
         return _state["heap"]
-    hosts: list = [None] * num_ranks
-    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    hosts = host_names(group)
     for k, v in ENV.items():
         os.environ.setdefault(k, v)
     if len(set(hosts)) == 1:  # one node: P2P carries everything; skip probing InfiniBand

@@ -38,6 +38,7 @@ from .. import nvshmem
 from .. import protocol as P
 from ..checks import FP8_BLOCK, fail
 from ..errors import BufferBrokenError, CallMismatchError, CommTimeoutError
+from ..hosts import host_names
 from ..runtime import CudaRuntime
 from ..types import CombineOutput, DispatchHandle, DispatchOutput, EventOverlap
 from .intranode import IntranodePath, combine_rows, dispatch_rows
@@ -105,11 +106,7 @@ class InternodePath:
     def _create(self, cap: dict) -> None:
         """Collective over every rank: the RDMA buffer, NVSHMEM (once per process) and the node
         runtime's region sized for N * max_tokens forwarded rows with the key column."""
-        hosts: list = [None] * self.num_ranks
-        import socket
-
-        dist.all_gather_object(hosts, socket.gethostname(), group=self.group)
-        staged = len(set(hosts)) > 1 or os.environ.get("MEP_IN_FORCE_PUTS", "0") == "1"
+        staged = len(set(host_names(self.group))) > 1 or os.environ.get("MEP_IN_FORCE_PUTS", "0") == "1"
         scale_cols = (cap["hidden"] + FP8_BLOCK - 1) // FP8_BLOCK
         plan = self.ext.internode_plan(self.N, cap["max_tokens"], cap["topk"], cap["x_row"], scale_cols, cap["c_row"], staged)
         heap = nvshmem.init(self.group, self.rank, self.num_ranks, self.rt.device, 2 * plan["total"], self.ext)
