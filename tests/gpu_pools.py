@@ -1,7 +1,24 @@
 """Worker pools for the GPU tests: R processes on the visible GPU(s) (virtual ranks when there
-is one GPU; run them under MPS, see scripts/gpu_check.sh), kept for a test module's lifetime."""
+is one GPU; run them under MPS, see scripts/gpu_check.sh), kept for a test module's lifetime.
+A GPU test module takes its marks and its pools' closing from here:
 
+    pytestmark = GPU_MARKS
+    POOLS = GpuPools(...)
+    _close_pools = closing(POOLS)
+"""
+
+import pytest
+import torch
+
+import megatron_ep
 from distpool import DistPool
+
+# What a GPU test module needs to run: the `gpu` mark (-m gpu selects them) and a skip elsewhere.
+GPU_MARKS = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (torch.cuda.is_available() and megatron_ep.cuda_backend_available()),
+                       reason="needs a CUDA GPU and the built extension"),
+]
 
 # Outputs poisoned before every kernel, short handshake timeouts, eager module loading (a lazily
 # loaded kernel can wait behind a peer's spinning one), NVLink multicast off.
@@ -25,3 +42,25 @@ class GpuPools:
         for p in self._pools.values():
             p.close()
         self._pools.clear()
+
+
+def run_alone(R: int, fn, *args, timeout: float, **env) -> list:
+    """fn's per-rank results on a pool of its own, closed after (a test whose environment, e.g. a
+    short timeout, no other test may share, or which may leave its pool broken)."""
+    pool = DistPool(R, env={**ENV, **env})
+    try:
+        return pool.run(fn, *args, timeout=timeout)
+    finally:
+        pool.close()
+
+
+def closing(pools: GpuPools):
+    """A module-scoped autouse fixture that closes `pools` after the module's last test; pytest
+    finds it under the name the module assigns it to."""
+
+    @pytest.fixture(scope="module", autouse=True)
+    def _close_pools():
+        yield
+        pools.close()
+
+    return _close_pools

@@ -6,30 +6,19 @@ per GPU under MPS, see scripts/gpu_check.sh). Outputs are poisoned before every 
 import os
 
 import pytest
-import torch
 
 import cases
-import megatron_ep
 from case_lists import normal_cases
 from distpool import flat
-from gpu_pools import GpuPools
+from gpu_pools import GPU_MARKS, GpuPools, closing
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not (torch.cuda.is_available() and megatron_ep.cuda_backend_available()),
-                       reason="needs a CUDA GPU and the built extension"),
-]
+pytestmark = GPU_MARKS
 
 POOLS = GpuPools(NVSHMEM_DISABLE_MNNVL="1")
 pool_ = POOLS.get
+_close_pools = closing(POOLS)
 # (ranks, ranks per node): 2 nodes x 1, 2 x 2, 2 x 4, 4 x 2
 LAYOUTS = [(2, 1), (4, 2), (8, 4), (8, 2)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _close_pools():
-    yield
-    POOLS.close()
 
 
 def _sized(cfgs, P, **extra):

@@ -5,29 +5,18 @@ scripts/gpu_check.sh). Outputs are poisoned before every kernel (MEP_POISON=1)."
 import os
 
 import pytest
-import torch
 
 import cases
 import fault_cases
-import megatron_ep
 from case_lists import FUZZ_REGRESSIONS, normal_cases
-from distpool import DistPool, flat
-from gpu_pools import ENV, GpuPools
+from distpool import flat
+from gpu_pools import GPU_MARKS, GpuPools, closing, run_alone
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not (torch.cuda.is_available() and megatron_ep.cuda_backend_available()),
-                       reason="needs a CUDA GPU and the built extension"),
-]
+pytestmark = GPU_MARKS
 
 POOLS = GpuPools()
 pool_ = POOLS.get
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _close_pools():
-    yield
-    POOLS.close()
+_close_pools = closing(POOLS)
 
 
 @pytest.mark.parametrize("R", [2, 4, 8])
@@ -71,11 +60,7 @@ def test_bad_inputs(R):
 
 
 def test_timeout_names_the_missing_rank():
-    p = DistPool(2, env={**ENV, "MEP_TIMEOUT_S": "3"})
-    try:
-        errors = flat(p.run(cases.run_timeout_case, 1, timeout=120))
-    finally:
-        p.close()
+    errors = flat(run_alone(2, cases.run_timeout_case, 1, timeout=120, MEP_TIMEOUT_S="3"))
     assert not errors, "\n".join(errors)
 
 

@@ -4,29 +4,19 @@ ranks (several processes per GPU; run under MPS, see scripts/gpu_check.sh). Outp
 before every kernel (MEP_POISON=1)."""
 
 import pytest
-import torch
 
 import cases
 import ll_cases
 import megatron_ep
 from case_lists import _token_counts
-from distpool import DistPool, flat
-from gpu_pools import ENV, GpuPools
+from distpool import flat
+from gpu_pools import GPU_MARKS, GpuPools, closing, run_alone
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not (torch.cuda.is_available() and megatron_ep.cuda_backend_available()),
-                       reason="needs a CUDA GPU and the built extension"),
-]
+pytestmark = GPU_MARKS
 
 POOLS = GpuPools()
 pool_ = POOLS.get
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _close_pools():
-    yield
-    POOLS.close()
+_close_pools = closing(POOLS)
 
 
 def ll_cases_for(R):
@@ -86,11 +76,7 @@ def test_bad_inputs(R):
 
 
 def test_timeout_names_the_missing_rank():
-    p = DistPool(2, env={**ENV, "MEP_TIMEOUT_S": "3"})
-    try:
-        errors = flat(p.run(ll_cases.run_ll_timeout_case, 1, timeout=180))
-    finally:
-        p.close()
+    errors = flat(run_alone(2, ll_cases.run_ll_timeout_case, 1, timeout=180, MEP_TIMEOUT_S="3"))
     assert not errors, "\n".join(errors)
 
 

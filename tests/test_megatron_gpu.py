@@ -9,29 +9,18 @@ Megatron's real MoEFlexTokenDispatcher and MoELayer, against Megatron's alltoall
   same layer with Megatron's SequentialMLP, in bf16."""
 
 import pytest
-import torch
 
 import megatron.core  # noqa: F401  (a missing megatron-core must fail, not skip)
 
 import megatron_cases as mc
-import megatron_ep
-from gpu_pools import GpuPools
+from gpu_pools import GPU_MARKS, GpuPools, closing
 from test_megatron_dispatchers import flex_cases
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not (torch.cuda.is_available() and megatron_ep.cuda_backend_available()),
-                       reason="needs a CUDA GPU and the built extension"),
-]
+pytestmark = GPU_MARKS
 
 POOLS = GpuPools(MEGATRON_EP_BACKEND="auto", MEGATRON_EP_MAX_TOKENS_PER_RANK="64")
 pool_ = POOLS.get
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _close_pools():
-    yield
-    POOLS.close()
+_close_pools = closing(POOLS)
 
 
 def _run(pool, fn, cases):
