@@ -128,11 +128,12 @@ __device__ __forceinline__ bool wait_released(const LLCtx& c, int set, int op, l
 }
 
 // Block-wide end of a receive half: the last block to finish clears the set's signal words
-// (`clear_off`, n words), then hands the set back to every sender. With `flags_of` > 0 (the
-// combine's per-expert flags, `flags_of` experts per rank), words nobody waited on (experts no
-// local token used) are first waited for, so a late one cannot leak into the set's next call.
-__device__ __forceinline__ void finish_receive(const LLCtx& c, int set, long long clear_off, int n, int flags_of = 0,
-                                               long long sig = 0) {
+// (`clear_off`, n words), then hands the set back to every sender. With `wait_n` > 0 (the
+// combine: this call's E per-expert flags, L experts per rank), the flags nobody waited on
+// (experts no local token used) are first waited for, so a late one cannot leak into the set's
+// next call.
+__device__ __forceinline__ void finish_receive(const LLCtx& c, int set, long long clear_off, int n, int wait_n = 0,
+                                               int L = 1, long long sig = 0) {
   __shared__ bool last;
   LowLatencyState* st = state_of(c);
   __syncthreads();
@@ -144,14 +145,14 @@ __device__ __forceinline__ void finish_receive(const LLCtx& c, int set, long lon
   if (!last) return;
   __threadfence();
   long long* words = reinterpret_cast<long long*>(c.base + c.lay.set_offset(set) + clear_off);
-  if (flags_of > 0) {
+  if (wait_n > 0) {
     bool ok = true;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    for (int i = threadIdx.x; i < wait_n; i += blockDim.x) {
       long long v;
-      ok &= wait_word(c, words + i, [](long long x) { return x != 0; }, v, kOpLowLatencyCombine, kLLWaitFlag, i,
-                      i / flags_of, set, sig);
+      ok &= wait_word(c, words + i, [](long long x) { return x != 0; }, v, kOpLowLatencyCombine, kLLWaitFlag, i, i / L,
+                      set, sig);
       if (ok && decoded_sig(v) != sig)
-        report(c, kErrMismatch, kOpLowLatencyCombine, kLLWaitFlag, i, i / flags_of, set, sig, decoded_sig(v));
+        report(c, kErrMismatch, kOpLowLatencyCombine, kLLWaitFlag, i, i / L, set, sig, decoded_sig(v));
     }
     if (!__syncthreads_and(ok)) {  // timed out: the path is broken, the set stays held
       if (threadIdx.x == 0) st->grid_done[set] = 0;
@@ -170,12 +171,11 @@ __device__ __forceinline__ void finish_receive(const LLCtx& c, int set, long lon
   }
 }
 
-// Warp: x/scale as FP8 e4m3 for one 128-channel block (lane: 4 channels), bit-exact with
+// Warp: x/scale as FP8 e4m3 for one 128-channel block (lane: its 4 channels in `raw`), bit-exact with
 // megatron_ep.fp8: fp32 amax floored at 1e-4, scale = amax / 448 (IEEE division), optionally
 // rounded up to a power of two, q = e4m3(x / scale) round-to-nearest-even.
-__device__ __forceinline__ void cast_block(const __nv_bfloat16* x, uint8_t* q, float* scale_out, bool round_scale) {
+__device__ __forceinline__ void cast_block(const uint2 raw, uint8_t* q, float* scale_out, bool round_scale) {
   const int lane = threadIdx.x & 31;
-  const uint2 raw = *reinterpret_cast<const uint2*>(x + lane * 4);
   const __nv_bfloat162 p0 = *reinterpret_cast<const __nv_bfloat162*>(&raw.x);
   const __nv_bfloat162 p1 = *reinterpret_cast<const __nv_bfloat162*>(&raw.y);
   const float2 f0 = __bfloat1622float2(p0), f1 = __bfloat1622float2(p1);
@@ -228,16 +228,33 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_dispatch_kernel(const LLCtx 
       for (int t = blockIdx.x; t < a.T; t += gridDim.x) {
         char* stage = c.base + lay.set_offset(set) + lay.d_send + (long long)t * lay.d_msg;
         const __nv_bfloat16* xt = reinterpret_cast<const __nv_bfloat16*>(a.x) + (long long)t * a.H;
-        if (a.fp8) {
-          for (int g = warp; g < a.H / 128; g += kLLWarps)
-            cast_block(xt + g * 128, reinterpret_cast<uint8_t*>(stage) + g * 128,
-                       reinterpret_cast<float*>(stage + a.H) + g, a.round_scale);
+        if (a.fp8) {  // a warp's blocks are loaded together: one memory round trip, not one per block
+          constexpr int kCastBatch = 4;
+          const int nb = a.H / 128;
+          for (int g0 = warp; g0 < nb; g0 += kLLWarps * kCastBatch) {
+            uint2 raw[kCastBatch];
+#pragma unroll
+            for (int i = 0; i < kCastBatch; ++i) {
+              const int g = g0 + i * kLLWarps;
+              if (g < nb) raw[i] = *reinterpret_cast<const uint2*>(xt + g * 128 + lane * 4);
+            }
+#pragma unroll
+            for (int i = 0; i < kCastBatch; ++i) {
+              const int g = g0 + i * kLLWarps;
+              if (g < nb)
+                cast_block(raw[i], reinterpret_cast<uint8_t*>(stage) + g * 128, reinterpret_cast<float*>(stage + a.H) + g,
+                           a.round_scale);
+            }
+          }
         } else {
           for (int i = threadIdx.x; i < data_bytes / 16; i += blockDim.x)
             reinterpret_cast<int4*>(stage)[i] = reinterpret_cast<const int4*>(xt)[i];
         }
         __syncthreads();
-        for (int k = warp; k < a.K; k += kLLWarps) {
+        // each copy by `per` warps, a share of the row each (all warps busy at K < kLLWarps)
+        const int per = max(1, kLLWarps / a.K), n16 = payload / 16, chunk = (n16 + per - 1) / per;
+        for (int u = warp; u < a.K * per; u += kLLWarps) {
+          const int k = u / per, h = u % per;
           const int j0 = t * a.K + k, e = id(j0);
           if (e < 0) continue;
           int pos = 0, n = 0;  // copies to e before this one (token order), and all copies to e
@@ -249,9 +266,9 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_dispatch_kernel(const LLCtx 
           pos = warp_sum(pos), n = warp_sum(n);
           const int dst = e / L;
           const long long off = lay.d_slot(set, e % L, c.rank, pos);
-          if (c.peer_base[dst] != nullptr) {
+          if (h == 0 && c.peer_base[dst] != nullptr) {
             if (lane == 0) *reinterpret_cast<int4*>(c.peer_base[dst] + off) = make_int4(t, k, 0, 0);
-          } else {
+          } else if (h == 0) {
             char* meta = c.base + lay.set_offset(set) + lay.d_meta + ((long long)t * lay.max_topk + k) * kLLHeader;
             if (lane == 0) *reinterpret_cast<int4*>(meta) = make_int4(t, k, 0, 0);
             __syncwarp();
@@ -259,9 +276,10 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_dispatch_kernel(const LLCtx 
             __syncwarp();
             nvshmemx_putmem_nbi_warp(c.base + off, meta, kLLHeader, c.pe[dst]);
           }
-          send_row(c, dst, off + kLLHeader, stage, payload);
-          // the expert's last copy out sends its count
-          count_sent(c, &st->d_finish[set][e], 1, n, dst, count_offset(e), encode(n, a.sig));
+          const int b16 = min(h * chunk, n16), m16 = min(chunk, n16 - b16);
+          if (m16 > 0) send_row(c, dst, off + kLLHeader + b16 * 16, stage + b16 * 16, m16 * 16);
+          // the expert's last share out sends its count
+          count_sent(c, &st->d_finish[set][e], 1, n * per, dst, count_offset(e), encode(n, a.sig));
         }
       }
       // experts this rank sends nothing to: their count (0) now, one warp each
@@ -418,7 +436,7 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_combine_kernel(const LLCtx c
     }
     __syncthreads();  // s_w, s_on are rewritten for the next token
   }
-  finish_receive(c, set, lay.c_flag, lay.num_experts, lay.num_experts / R, a.sig);
+  finish_receive(c, set, lay.c_flag, lay.num_experts, a.E, L, a.sig);
 }
 
 void check(cudaError_t e, const char* what) {
