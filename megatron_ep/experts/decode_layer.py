@@ -46,10 +46,21 @@ class DecodeMoELayer(torch.nn.Module):
     @torch.no_grad()
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x [T, H] bf16, topk_idx [T, K] int64 (-1: unused), topk_weights [T, K] fp32 -> [T, H] bf16."""
-        buf = self.buffer
-        out = buf.low_latency_dispatch(x, topk_idx, num_experts=self.num_experts,
-                                       max_tokens_per_rank=self.max_tokens_per_rank, use_fp8=self.use_fp8)
-        # DeepGEMM's hint of the rows per expert (a tuning value, not a bound)
-        expected = self.expected_m or max(1, buf.num_ranks * self.max_tokens_per_rank * topk_idx.shape[1] // self.num_experts)
-        h = expert_mlp_masked(out.x, self.w1, self.w2, out.count, self.activation, self.glu, expected)
-        return buf.low_latency_combine(h.to(torch.bfloat16).contiguous(), topk_idx, topk_weights, out.handle)
+        return decode_moe(self.buffer, x, topk_idx, topk_weights, self.w1, self.w2, num_experts=self.num_experts,
+                          max_tokens_per_rank=self.max_tokens_per_rank, activation=self.activation, glu=self.glu,
+                          use_fp8=self.use_fp8, expected_m=self.expected_m)
+
+
+@torch.no_grad()
+def decode_moe(buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1: torch.Tensor,
+               w2: torch.Tensor, *, num_experts: int, max_tokens_per_rank: int, activation: Callable = F.silu,
+               glu: bool = True, use_fp8: bool = True, expected_m: Optional[int] = None) -> torch.Tensor:
+    """DecodeMoELayer's computation as a function (megatron_ep.megatron.decode calls it with a
+    Megatron layer's own expert weights): LL dispatch -> masked expert MLP -> LL combine.
+    The expert outputs go to combine in x's dtype (bf16; fp32 on the torch backend only)."""
+    out = buffer.low_latency_dispatch(x, topk_idx, num_experts=num_experts, max_tokens_per_rank=max_tokens_per_rank,
+                                      use_fp8=use_fp8)
+    # DeepGEMM's hint of the rows per expert (a tuning value, not a bound)
+    expected = expected_m or max(1, buffer.num_ranks * max_tokens_per_rank * topk_idx.shape[1] // num_experts)
+    h = expert_mlp_masked(out.x, w1, w2, out.count, activation, glu, expected)
+    return buffer.low_latency_combine(h.to(x.dtype).contiguous(), topk_idx, topk_weights, out.handle)

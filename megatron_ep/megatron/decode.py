@@ -1,0 +1,307 @@
+"""Decode steps of megatron-core MoE layers on megatron_ep's low-latency path (opt-in).
+
+    import megatron_ep.megatron.decode as mep_decode
+    mep_decode.enable_decode(model, max_tokens_per_rank=128)   # after the model is built
+    with torch.no_grad(), mep_decode.decode_step():            # a decode step (every EP rank)
+        logits = model(tokens, position_ids, attention_mask, inference_context=ctx)
+
+Inside a decode step every wrapped `MoELayer` runs router -> low-latency dispatch (one kernel,
+no host sync; `Buffer.low_latency_dispatch`) -> masked grouped expert MLP on the layer's own
+expert weights -> low-latency combine (applies the routing probs) -> + shared expert: the
+computation of `megatron_ep.experts.decode_layer.DecodeMoELayer`. Outside one (training,
+prefill, evaluation) the layer's own forward runs, with whatever dispatcher it was built with.
+
+Why a wrapper: megatron-core has no hook a dispatcher plugin can use for decode.
+* 0.16: `MoELayer.forward` does not know about inference at all; `TransformerLayer._forward_mlp`
+  sees `inference_context` but calls `self.mlp(x, padding_mask=...)` without it.
+* 0.19: `MoELayer.forward` swaps `token_dispatcher` for `_inference_token_dispatcher` while
+  `megatron.core.inference.utils.InferenceMode.is_active()`, but only for
+  `transformer_impl="inference_optimized"`, whose dispatchers (`NCCLAllGatherDispatcher`,
+  `NVLSAllGatherVDispatcher`, token_dispatcher_inference.py) are all-gather based and feed
+  `InferenceGroupedMLP` (TE, no GLU) a routing map over all gathered tokens; the low-latency
+  layout (`[local experts, R * max_tokens, H]` with per-expert counts) fits neither.
+So `enable_decode` replaces `forward` on the layer instances (nothing global is patched;
+`disable_decode` restores them).
+
+When a step is a decode step (the choice must be the same on every rank of the EP group: the
+low-latency calls are collectives):
+* `decode_step()` (context manager) or `set_decode_step(True/False)`: explicit, process-wide;
+* `follow_inference_context=True` (default): a forward pre-hook on `model` (a `GPTModel` or
+  `TransformerBlock`: anything whose forward takes `inference_context`) turns decode on for that
+  forward when `inference_context.is_decode_only()`, gradients are off, and every EP rank
+  agrees, including that its tokens fit `max_tokens_per_rank` (`agree=True`: one all-reduce of
+  two ints over the EP group per model forward, outside any CUDA graph of the layers; Megatron's
+  dynamic engine makes the same agreement when it picks decode CUDA graphs).
+A module in training mode always takes its normal path.
+
+Expert weights (this rank's local experts, `[L, F or 2F, H]` and `[L, H, F]`): read in place
+from megatron_ep's `GroupedGemmExperts` and 0.16's legacy `GroupedMLP` (views); stacked from
+`SequentialMLP` (`local_experts[i].linear_fc{1,2}.weight`) and `TEGroupedMLP` (`weight{i}`),
+one extra copy of the local experts, re-stacked when a weight's storage or version changes.
+Not supported (raise naming the setting): expert tensor parallelism, attention TP > 1, expert
+biases, MoE latent projections, `glu_linear_offset`, `activation_func_clamp_value`,
+`transformer_impl="inference_optimized"`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import types
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..checks import fail
+from ..experts.decode_layer import decode_moe
+from ..permute import routing_map_to_topk
+from . import compat
+from .buffers import get_buffer
+
+_DECODE = {"active": False}
+
+
+def is_decode_step() -> bool:
+    return _DECODE["active"]
+
+
+def set_decode_step(active: bool) -> None:
+    """Process-wide: wrapped MoE layers (not in training mode) take the low-latency path."""
+    _DECODE["active"] = bool(active)
+
+
+@contextlib.contextmanager
+def decode_step(active: bool = True):
+    """`with decode_step():` the wrapped MoE layers run the low-latency path (all EP ranks)."""
+    before = _DECODE["active"]
+    _DECODE["active"] = bool(active)
+    try:
+        yield
+    finally:
+        _DECODE["active"] = before
+
+
+# -------------------------------------------------------------------------- expert weights
+def _params_of(experts) -> Tuple[str, List[torch.Tensor]]:
+    """(kind, the parameters the weights come from)."""
+    L = experts.num_local_experts
+    if hasattr(experts, "local_experts"):  # SequentialMLP
+        mlps = list(experts.local_experts)
+        for m in mlps:
+            fail(getattr(m.linear_fc1, "bias", None) is None and getattr(m.linear_fc2, "bias", None) is None,
+                 "decode path: expert biases are not supported (add_bias_linear=False)")
+        return "sequential", [m.linear_fc1.weight for m in mlps] + [m.linear_fc2.weight for m in mlps]
+    fc1 = getattr(experts, "linear_fc1", None)
+    if fc1 is not None and hasattr(fc1, "weight0"):  # TEGroupedMLP: TE GroupedLinear, weight{i} per expert
+        fc2 = experts.linear_fc2
+        fail(not getattr(fc1, "single_grouped_weight", False) and not getattr(fc2, "single_grouped_weight", False),
+             "decode path: TEGroupedMLP with a single grouped weight is not supported")
+        fail(not getattr(fc1, "use_bias", False) and not getattr(fc2, "use_bias", False),
+             "decode path: expert biases are not supported (add_bias_linear=False)")
+        return "te_grouped", [getattr(fc1, f"weight{i}") for i in range(L)] + [getattr(fc2, f"weight{i}") for i in range(L)]
+    if hasattr(experts, "weight1") and hasattr(experts, "weight2"):
+        # megatron_ep's GroupedGemmExperts: [L, F|2F, H] / [L, H, F]; 0.16's GroupedMLP: [H, L*(F|2F)] / [L*F, H]
+        kind = "ours" if experts.weight1.dim() == 3 else "legacy_grouped"
+        return kind, [experts.weight1, experts.weight2]
+    raise TypeError(f"decode path: experts of type {type(experts).__name__} are not supported "
+                    "(SequentialMLP, TEGroupedMLP, GroupedMLP, megatron_ep GroupedGemmExperts are)")
+
+
+def expert_weights(experts, hidden_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """This rank's expert weights as w1 [L, F or 2F, H], w2 [L, H, F] (megatron_ep.experts.mlp's
+    layout: y = w2 @ act(w1 @ x)); views where the module stores them that way, else stacked."""
+    kind, params = _params_of(experts)
+    L = experts.num_local_experts
+    if kind == "ours":
+        return params[0], params[1]
+    if kind == "legacy_grouped":  # x @ weight1.view(L, H, -1)[e] in GroupedMLP.forward
+        return (params[0].view(L, hidden_size, -1).transpose(1, 2),
+                params[1].view(L, -1, hidden_size).transpose(1, 2))
+    return torch.stack([p.detach() for p in params[:L]]), torch.stack([p.detach() for p in params[L:]])
+
+
+# ------------------------------------------------------------------------------ the layer
+@dataclass
+class DecodeState:
+    """What `enable_decode` keeps on a layer (`layer.megatron_ep_decode`)."""
+
+    max_tokens_per_rank: int
+    use_fp8: bool
+    expected_m: Optional[int]
+    normal_forward: object
+    group: object
+    decode_calls: int = 0
+    normal_calls: int = 0
+    _weights: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+    _weights_key: Optional[tuple] = field(default=None, repr=False)
+
+    def weights(self, layer) -> Tuple[torch.Tensor, torch.Tensor]:
+        _, params = _params_of(layer.experts)
+        key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in params)
+        if self._weights is None or key != self._weights_key:
+            self._weights = expert_weights(layer.experts, layer.config.hidden_size)
+            self._weights_key = key
+        return self._weights
+
+
+def check_layer(layer) -> None:
+    """Raise naming what the decode path cannot run for this MoELayer."""
+    cfg = layer.config
+    fail(compat.cfg(cfg, "transformer_impl") != "inference_optimized",
+         "decode path: transformer_impl='inference_optimized' has its own inference dispatcher")
+    fail(not compat.cfg(cfg, "moe_latent_size"), "decode path: MoE latent projections are not supported")
+    fail(not compat.cfg(cfg, "add_bias_linear", False), "decode path: expert biases are not supported (add_bias_linear=False)")
+    fail(compat.cfg(cfg, "glu_linear_offset", 0.0) == 0.0, "decode path: glu_linear_offset != 0 is not supported")
+    fail(compat.cfg(cfg, "activation_func_clamp_value") is None, "decode path: activation_func_clamp_value is not supported")
+    fail(not compat.cfg(cfg, "moe_apply_probs_on_input", False) or cfg.moe_router_topk == 1,
+         "moe_apply_probs_on_input needs moe_router_topk == 1")
+    tp = getattr(layer, "tp_group", None)
+    fail(tp is None or tp.size() == 1, "decode path: tensor parallelism (TP > 1) is not supported")
+    expt_tp = getattr(getattr(layer.token_dispatcher, "tp_group", None), "size", lambda: 1)()
+    fail(expt_tp == 1, "decode path: expert tensor parallelism is not supported")
+    _params_of(layer.experts)
+    R = layer.token_dispatcher.ep_group.size()
+    L = layer.num_local_experts
+    ep_rank = layer.token_dispatcher.ep_group.rank()
+    fail(list(layer.local_expert_indices) == list(range(ep_rank * L, (ep_rank + 1) * L)),
+         f"decode path: local experts {list(layer.local_expert_indices)} are not rank-contiguous over the EP group")
+    fail(L * R == cfg.num_moe_experts, f"decode path: {L} local experts x {R} EP ranks != {cfg.num_moe_experts} experts")
+
+
+@torch.no_grad()
+def decode_forward(layer, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
+    """One MoELayer forward on the low-latency path: (output [S, B, H], None), as MoELayer.forward."""
+    st: DecodeState = layer.megatron_ep_decode
+    cfg = layer.config
+    S, B, H = hidden_states.shape
+    T = S * B
+    fail(T <= st.max_tokens_per_rank, f"decode path: {T} tokens on this rank, more than max_tokens_per_rank="
+                                      f"{st.max_tokens_per_rank} (enable_decode(max_tokens_per_rank=...))")
+    shared = layer.shared_experts(hidden_states) if getattr(layer, "use_shared_expert", False) else None
+    if padding_mask is not None:
+        padding_mask = padding_mask.transpose(0, 1).bool()
+    E, K = cfg.num_moe_experts, cfg.moe_router_topk
+    if T == 0:  # an idle rank still serves its experts; Megatron's router cannot take 0 tokens
+        topk_idx = torch.empty((0, K), dtype=torch.int64, device=hidden_states.device)
+        topk_w = torch.empty((0, K), dtype=torch.float32, device=hidden_states.device)
+    else:
+        probs, routing_map = layer.route(hidden_states, padding_mask)
+        topk_idx, topk_w = routing_map_to_topk(routing_map.reshape(T, E), probs.reshape(T, E), K)
+    topk_w = topk_w.float().contiguous()
+    x = hidden_states.reshape(T, H)
+    if compat.cfg(cfg, "moe_apply_probs_on_input", False):  # top-1: the prob scales the expert's input
+        x = (x * topk_w.to(x.dtype)).to(x.dtype)
+        topk_w = (topk_idx >= 0).float()
+    buf = get_buffer(st.group, x, E, K, compat.flex_num_sms(cfg, compat.cfg(cfg, "moe_flex_dispatcher_backend", "deepep")))
+    if buf.backend == "cuda":
+        x = x.to(torch.bfloat16)  # the kernels move bf16 (or FP8 cast from it)
+    w1, w2 = st.weights(layer)
+    y = decode_moe(buf, x.contiguous(), topk_idx.contiguous(), topk_w, w1, w2, num_experts=E,
+                   max_tokens_per_rank=st.max_tokens_per_rank, activation=cfg.activation_func,
+                   glu=bool(cfg.gated_linear_unit), use_fp8=st.use_fp8, expected_m=st.expected_m)
+    out = y.to(hidden_states.dtype).view(S, B, H)
+    if shared is not None:
+        out = out + shared
+    st.decode_calls += 1
+    return out, None
+
+
+def _wrapped_forward(layer, hidden_states, *args, **kwargs):
+    st: DecodeState = layer.megatron_ep_decode
+    if layer.training or not is_decode_step():
+        st.normal_calls += 1
+        return st.normal_forward(hidden_states, *args, **kwargs)
+    intermediate = kwargs.get("intermediate_tensors", args[0] if args else None)
+    fail(intermediate is None, "decode path: partial MoE CUDA graphs (intermediate_tensors) are not supported")
+    return decode_forward(layer, hidden_states, kwargs.get("padding_mask", args[1] if len(args) > 1 else None))
+
+
+def moe_layers(model: torch.nn.Module) -> list:
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    return [m for m in model.modules() if isinstance(m, MoELayer)]
+
+
+def enable_decode(model: torch.nn.Module, *, max_tokens_per_rank: int = 128, use_fp8: bool = False,
+                  expected_m: Optional[int] = None, follow_inference_context: bool = True, agree: bool = True) -> list:
+    """Wrap every MoELayer in `model` (idempotent); returns them.
+
+    max_tokens_per_rank: the low-latency capacity (tokens per rank in a decode step);
+    use_fp8: FP8 dispatch (per-128-channel scales; H a multiple of 128), else the layer's bf16;
+    expected_m: DeepGEMM's masked-GEMM hint of rows per expert (default from the capacity);
+    follow_inference_context / agree: see the module docstring."""
+    fail(isinstance(max_tokens_per_rank, int) and max_tokens_per_rank >= 1,
+         f"max_tokens_per_rank must be a positive int, got {max_tokens_per_rank!r}")
+    layers = moe_layers(model)
+    fail(bool(layers), f"enable_decode: no megatron-core MoELayer in {type(model).__name__}")
+    for layer in layers:
+        check_layer(layer)
+        if isinstance(getattr(layer, "megatron_ep_decode", None), DecodeState):
+            st = layer.megatron_ep_decode
+            st.max_tokens_per_rank, st.use_fp8, st.expected_m = max_tokens_per_rank, use_fp8, expected_m
+            continue
+        layer.megatron_ep_decode = DecodeState(max_tokens_per_rank, use_fp8, expected_m, layer.forward,
+                                               layer.token_dispatcher.ep_group)
+        layer.forward = types.MethodType(_wrapped_forward, layer)
+    if follow_inference_context and getattr(model, "_megatron_ep_decode_hooks", None) is None:
+        params = inspect.signature(model.forward).parameters
+        if "inference_context" in params or "inference_params" in params:
+            group = layers[0].megatron_ep_decode.group
+            pre = model.register_forward_pre_hook(_context_pre_hook(model, group, max_tokens_per_rank, agree),
+                                                  with_kwargs=True)
+            post = model.register_forward_hook(_context_post_hook, always_call=True)  # also when forward raises
+            model._megatron_ep_decode_hooks = (pre, post)
+    return layers
+
+
+def disable_decode(model: torch.nn.Module) -> None:
+    """Restore the layers' own forward and remove the inference-context hooks."""
+    for layer in moe_layers(model):
+        st = getattr(layer, "megatron_ep_decode", None)
+        if isinstance(st, DecodeState):
+            del layer.forward  # the instance attribute; the class's forward is back
+            del layer.megatron_ep_decode
+    for hook in getattr(model, "_megatron_ep_decode_hooks", None) or ():
+        hook.remove()
+    model._megatron_ep_decode_hooks = None
+
+
+# ------------------------------------------------------------- following inference_context
+_HOOK_SAVED: list = []
+
+
+def _agreed(local_ok: bool, group, agree: bool) -> bool:
+    if not agree or dist.get_world_size(group) == 1:
+        return local_ok
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    flag = torch.tensor([0 if local_ok else 1], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return int(flag.item()) == 0
+
+
+def _context_pre_hook(model, group, max_tokens: int, agree: bool):
+    sig = inspect.signature(model.forward)
+
+    def hook(module, args, kwargs):
+        bound = sig.bind_partial(*args, **kwargs).arguments
+        ctx = bound.get("inference_context") or bound.get("inference_params")
+        _HOOK_SAVED.append(is_decode_step())
+        if ctx is None or module.training or torch.is_grad_enabled():
+            return  # not inference (the same on every rank): no agreement, the explicit flag stands
+        decode = hasattr(ctx, "is_decode_only") and bool(ctx.is_decode_only())
+        first = next((v for v in bound.values() if torch.is_tensor(v)), None)  # input_ids [B, S] / hidden [S, B, H]
+        tokens = 0 if first is None else (first.numel() if first.dim() <= 2 else first.shape[0] * first.shape[1])
+        set_decode_step(_agreed(decode and tokens <= max_tokens, group, agree))
+
+    return hook
+
+
+def _context_post_hook(module, args, output):
+    if _HOOK_SAVED:
+        set_decode_step(_HOOK_SAVED.pop())
+
+
+__all__ = ["DecodeState", "check_layer", "decode_forward", "decode_step", "disable_decode", "enable_decode",
+           "expert_weights", "is_decode_step", "moe_layers", "set_decode_step"]

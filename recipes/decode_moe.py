@@ -1,0 +1,113 @@
+"""One decode step of a small megatron-core GPT with MoE layers on megatron_ep's low-latency path,
+checked against Megatron's own forward of the same step.
+
+    python recipes/decode_moe.py --nproc-per-node 2                      # CPU: gloo, torch backend
+    torchrun --nproc-per-node 2 recipes/decode_moe.py --dispatcher hybridep --backend cuda
+
+The model is recipes/train_moe.py's (DeepSeek-V3-style MoE layers; same options). Each rank
+prefills its own prompts (--micro-batch sequences of --seq-len tokens) through Megatron's
+`StaticInferenceContext` (KV cache) with the normal dispatcher, then runs one decode step (one
+new token per sequence) twice: Megatron's own MoE forward, and with
+`megatron_ep.megatron.decode.enable_decode(model)`, whose pre-hook sees
+`inference_context.is_decode_only()` and sends every MoE layer through low-latency dispatch ->
+masked expert MLP -> low-latency combine. Prints the largest logit difference and fails if it
+is above --tol (fp32 on CPU; bf16 on GPUs).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+from megatron_ep import cli  # noqa: E402
+from recipes import train_moe  # noqa: E402
+
+PROG = "recipes/decode_moe.py"
+
+
+def build_parser() -> cli.ArgumentParser:
+    p = train_moe.add_args(cli.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0]))
+    p.add_argument("--max-tokens-per-rank", type=int, default=128, help="low-latency capacity (decode tokens per rank)")
+    p.add_argument("--fp8", action="store_true", help="FP8 low-latency dispatch (hidden a multiple of 128)")
+    p.add_argument("--tol", type=float, default=None,
+                   help="largest allowed |logit difference| / max |logit| (default 1e-4 fp32, 3e-2 bf16)")
+    p.set_defaults(seq_len=8, dispatcher="deepep", time_comm=False)
+    return p
+
+
+def prefill_and_decode(model, tokens, ctx):
+    """Prefill the prompts into ctx's KV cache, then one decode forward on the last token;
+    returns the decode step's logits (the cache's decode slot is rewritten identically on a rerun)."""
+    B, P = tokens.shape
+    position_ids = torch.arange(P, device=tokens.device).unsqueeze(0).expand(B, -1)
+    mask = torch.triu(torch.ones(P, P, dtype=torch.bool, device=tokens.device), diagonal=1)[None, None]
+    model(tokens, position_ids, mask, inference_context=ctx, runtime_gather_output=True)
+    ctx.sequence_len_offset += P
+    ctx.enable_decode_mode()
+    nxt = tokens[:, -1:]  # the "new" token (any id works for the comparison)
+    return model(nxt, torch.full((B, 1), P, device=tokens.device), None, inference_context=ctx, runtime_gather_output=True)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    world = cli.world_size_from_env()
+    if world is None:
+        train_moe.validate(args, args.nproc_per_node)
+        return cli.launch(args.nproc_per_node, [sys.executable, os.path.abspath(__file__), *argv], prog=PROG)
+    train_moe.validate(args, world)
+    cli.check(args.micro_batch * 1 <= args.max_tokens_per_rank, "--micro-batch is more than --max-tokens-per-rank")
+    on_gpu = train_moe.init_distributed(args.virtual_ranks)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    os.environ["MEGATRON_EP_BACKEND"] = args.backend
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.inference.contexts import StaticInferenceContext
+
+    import megatron_ep.megatron
+    import megatron_ep.megatron.decode as mep_decode
+
+    ps.initialize_model_parallel(expert_model_parallel_size=world)
+    if args.dispatcher != "alltoall":
+        megatron_ep.megatron.install()
+    tr = train_moe.build_trainer(args, device, on_gpu)
+    model = tr.model.eval()
+    g = torch.Generator().manual_seed(args.seed + rank)
+    tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq_len), generator=g).to(device)
+
+    with torch.no_grad():
+        ctx = StaticInferenceContext(args.micro_batch, args.seq_len + 1)
+        want = prefill_and_decode(model, tokens, ctx)  # Megatron's own MoE forward throughout
+        layers = mep_decode.enable_decode(model, max_tokens_per_rank=args.max_tokens_per_rank, use_fp8=args.fp8)
+        ctx = StaticInferenceContext(args.micro_batch, args.seq_len + 1)
+        got = prefill_and_decode(model, tokens, ctx)  # prefill: normal path; decode step: low latency
+    decode_calls = sum(layer.megatron_ep_decode.decode_calls for layer in layers)
+    scale = want.float().abs().max().item()
+    diff = (got.float() - want.float()).abs().max().item() / max(scale, 1e-6)
+    stats = torch.tensor([diff, float(decode_calls != len(layers))], dtype=torch.float64, device=device)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    tol = args.tol if args.tol is not None else (3e-2 if want.dtype == torch.bfloat16 else 1e-4)
+    if rank == 0:
+        print(f"{train_moe.describe(tr)}\ndecode step: {len(layers)} MoE layers on the low-latency path "
+              f"(fp8={args.fp8}); logits {tuple(want.shape)} {want.dtype}; max |diff| / max |logit| over ranks = "
+              f"{stats[0].item():.3g} (tolerance {tol:g})", flush=True)
+    ok = stats[0].item() <= tol and stats[1].item() == 0
+    dist.barrier()
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+    if not ok:
+        raise SystemExit(f"{PROG}: decode step differs from Megatron's forward (or a layer skipped the decode path)")
+    if rank == 0:
+        print("OK", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    cli.quiet()
+    sys.exit(cli.run_main(main, prog=PROG))
