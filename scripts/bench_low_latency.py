@@ -13,7 +13,9 @@ set of processes (DeepEP and ours both start NVSHMEM, once per process):
   torch    the torch backend's low-latency path over NCCL (eager: it syncs with the host)
   nccl     all_to_all_single of the same messages (one FP8 message of H + H/128*4 + 16 bytes per
            valid (token, expert), 2H bf16 bytes back), splits known in advance (eager)
-  deepep   DeepEP V1's low-latency kernels, if `deep_ep` imports (never part of this repository)
+  deepep   DeepEP V1's low-latency kernels, if `deep_ep` imports (never part of this repository):
+           the same four figures from CUDA graphs, as ours (eager loops if capture fails; the
+           table says which)
 torch, nccl and deepep need one GPU per process (NCCL refuses several ranks on one GPU).
 
 Kernel time (ours and deepep): the kernels of about --kernel-iters calls under torch.profiler (ours:
@@ -121,6 +123,27 @@ def graph_of(fn, loop):
     return g
 
 
+def graph_figures(a, fns, group):
+    """Per-call µs of each of `fns` (dispatch, combine, both, hook: one call each) from a CUDA
+    graph of --loop back-to-back calls (GPU time, no Python launch overhead; the kernels' own
+    signals keep the ranks in step), and the kernel times from replays of those graphs (an eager
+    loop's kernels would mostly wait for the other rank's launch overhead)."""
+    res, graphs = {}, {}
+    for name, fn in fns.items():
+        g = graph_of(fn, a.loop)
+        dist.barrier(group=group)
+        res[name] = timed(g.replay, a.reps, 2) / a.loop
+        if name != "both":
+            graphs[name] = g
+        del g
+    dist.barrier(group=group)
+    iters = max(1, a.kernel_iters // a.loop)
+    res.update(kernel_figures(graphs["dispatch"].replay, graphs["combine"].replay, graphs["hook"].replay, iters))
+    del graphs  # their pools hold `loop` calls' outputs
+    torch.cuda.empty_cache()
+    return res
+
+
 # ------------------------------------------------------------------------------ impls
 def bench_ours(a, T, x, idx, w, E, K, H, gloo):
     buf = mep.Buffer(gloo, backend="cuda", low_latency=dict(num_experts=E, max_tokens=max(a.tokens), hidden=H, topk=K, fp8_only=True))
@@ -145,21 +168,7 @@ def bench_ours(a, T, x, idx, w, E, K, H, gloo):
         _, hook = buf.low_latency_combine(rows, idx, w, o.handle, return_recv_hook=True)
         hook()
 
-    res, graphs = {}, {}
-    for name, fn in (("dispatch", d), ("combine", c), ("both", dc), ("hook", dc_hook)):
-        g = graph_of(fn, a.loop)
-        dist.barrier(group=gloo)
-        res[name] = timed(g.replay, a.reps, 2) / a.loop
-        if name != "both":
-            graphs[name] = g
-        del g
-    # kernel times from graph replays: an eager loop's kernels would mostly wait for the other
-    # rank's Python launch overhead
-    dist.barrier(group=gloo)
-    iters = max(1, a.kernel_iters // a.loop)
-    res.update(kernel_figures(graphs["dispatch"].replay, graphs["combine"].replay, graphs["hook"].replay, iters))
-    del graphs  # their pools hold `loop` calls' outputs
-    torch.cuda.empty_cache()
+    res = graph_figures(a, {"dispatch": d, "combine": c, "both": dc, "hook": dc_hook}, gloo)
     buf.synchronize()
     buf.destroy()
     return res
@@ -230,36 +239,36 @@ def bench_deepep(a, T, x, idx, w, E, K, H, nccl):
     y = torch.randn((E // R, R * mt, H), device=x.device).to(torch.bfloat16)
 
     def d():
-        for _ in range(a.loop):
-            buf.low_latency_dispatch(x, idx, mt, E, use_fp8=True)
+        buf.low_latency_dispatch(x, idx, mt, E, use_fp8=True)
 
     def c():
-        for _ in range(a.loop):
-            buf.low_latency_combine(y, idx, w, handle)
+        buf.low_latency_combine(y, idx, w, handle)
 
     def dc():
-        for _ in range(a.loop):
-            buf.low_latency_dispatch(x, idx, mt, E, use_fp8=True)
-            buf.low_latency_combine(y, idx, w, handle)
+        _, _, h, _, _ = buf.low_latency_dispatch(x, idx, mt, E, use_fp8=True)
+        buf.low_latency_combine(y, idx, w, h)
 
     def dc_hook():
-        for _ in range(a.loop):
-            _, _, h, _, hook = buf.low_latency_dispatch(x, idx, mt, E, use_fp8=True, return_recv_hook=True)
-            hook()
-            _, _, hook = buf.low_latency_combine(y, idx, w, h, return_recv_hook=True)
-            hook()
-
-    res = {name: timed(fn, a.reps, 1) / a.loop for name, fn in (("dispatch", d), ("combine", c), ("both", dc), ("hook", dc_hook))}
-
-    def one_hook():
         _, _, h, _, hook = buf.low_latency_dispatch(x, idx, mt, E, use_fp8=True, return_recv_hook=True)
         hook()
         _, _, hook = buf.low_latency_combine(y, idx, w, h, return_recv_hook=True)
         hook()
 
-    dist.barrier(group=nccl)
-    res.update(kernel_figures(lambda: buf.low_latency_dispatch(x, idx, mt, E, use_fp8=True),
-                              lambda: buf.low_latency_combine(y, idx, w, handle), one_hook, a.kernel_iters))
+    fns = {"dispatch": d, "combine": c, "both": dc, "hook": dc_hook}
+    try:  # its LL kernels are CUDA-graph capturable: the same timing as ours
+        res = graph_figures(a, fns, nccl)
+        res["timing"] = "graph"
+    except Exception as exc:  # noqa: BLE001 - eager loops instead, said in the table
+        torch.cuda.synchronize()
+        dist.barrier(group=nccl)
+
+        def looped(fn):
+            return lambda: [fn() for _ in range(a.loop)]
+
+        res = {name: timed(looped(fn), a.reps, 1) / a.loop for name, fn in fns.items()}
+        dist.barrier(group=nccl)
+        res.update(kernel_figures(d, c, dc_hook, a.kernel_iters))
+        res["timing"] = f"eager ({type(exc).__name__} in graph capture)"
     return res
 
 
@@ -321,7 +330,7 @@ def table(a, results) -> str:
     d_bytes, c_bytes = H + H // 128 * 4 + 16, 2 * H
     lines = ["| impl | tokens/rank | dispatch us | combine us | dispatch+combine us | with hook us | dispatch GB/s | combine GB/s |",
              "|---|---|---|---|---|---|---|---|"]
-    kernels = ["", "Kernel time (torch.profiler, median per kernel; ours from graph replays, deepep eager; hook: send + receive halves):", "",
+    kernels = ["", "Kernel time (torch.profiler, median per kernel, from graph replays; hook: send + receive halves):", "",
                "| impl | tokens/rank | dispatch us | combine us | hook dispatch send + recv us | hook combine send + recv us |",
                "|---|---|---|---|---|---|"]
     for impl, (res, err) in results.items():
@@ -337,10 +346,11 @@ def table(a, results) -> str:
             def gbs(k, b):
                 return f"{r['pairs'] * b / (r[k] * 1e-6) / 1e9:.1f}" if r.get(k, 0) > 0 else "-"
 
-            lines.append(f"| {impl} | {T} | {us('dispatch')} | {us('combine')} | {us('both')} | {us('hook')} | "
+            name = impl + (" (eager)" if str(r.get("timing", "graph")).startswith("eager") else "")
+            lines.append(f"| {name} | {T} | {us('dispatch')} | {us('combine')} | {us('both')} | {us('hook')} | "
                          f"{gbs('dispatch', d_bytes)} | {gbs('combine', c_bytes)} |")
             if "k_dispatch" in r:
-                kernels.append(f"| {impl} | {T} | {us('k_dispatch')} | {us('k_combine')} | {us('k_d_send')} + {us('k_d_recv')} | "
+                kernels.append(f"| {name} | {T} | {us('k_dispatch')} | {us('k_combine')} | {us('k_d_send')} + {us('k_d_recv')} | "
                                f"{us('k_c_send')} + {us('k_c_recv')} |")
     return "\n".join(lines + (kernels if len(kernels) > 5 else []))
 
