@@ -19,15 +19,23 @@ Everything is a closed formula; nothing is sampled. The pieces:
   per node): a token crosses NVLink once per destination rank other than its own. Two levels:
   a token crosses RDMA once per destination node other than its own (to the same-index GPU
   there), then NVLink once per destination GPU in that node other than the one it landed on;
-  tokens for the own node go straight over NVLink. Per rank and token, averaged over source
-  ranks: ``RDMA copies = E[nodes] * (N-1)/N``, ``NVLink copies = E[ranks] * (P-1)/P``
-  (``N`` nodes, ``P`` GPUs per node). Combine is the same route reversed (in-node reduction
-  before RDMA), so the same copy counts with combine rows. Time = max over links of
+  tokens for the own node go straight over NVLink. ``route_copies`` is that route, the one
+  definition: ``RDMA = nodes - own node``, ``NVLink = ranks - landed`` (destination nodes whose
+  landing rank is itself a destination). Per rank and token, averaged over source ranks
+  (``P(own node) = E[nodes]/N``, ``E[landed] = E[ranks]/P``): ``RDMA copies = E[nodes] *
+  (N-1)/N``, ``NVLink copies = E[ranks] * (P-1)/P`` (``N`` nodes, ``P`` GPUs per node).
+  ``link_count`` applies the same route to a given routing and counts the rows per rank and
+  link exactly; over random routings its mean converges to these expectations
+  (tests/test_model.py). Combine is the same route reversed (in-node reduction before RDMA), so
+  the same copy counts with combine rows. Time = max over links of
   bytes / bandwidth (per direction; traffic is symmetric, so every rank sends and receives the
   same bytes). Row payload only (hidden + FP8 scales), no metadata.
 * DeepEP accounting (DESIGN §6): the GB/s its tests print: NVLink = received rows including the
   rank's own rows (``E[ranks]`` per token) x row bytes / time; RDMA = tokens x ``E[nodes]``
   including the own node x row bytes / time. Both exceed the physical link rate by design.
+* Against DeepEP V1 (``deepep_internode_check``): EP16-EP64 in its RDMA accounting, with its
+  test's routing (one group per node, min(nodes, 4) per token) at H800 NVLink, beside its
+  published figures (``DEEPEP_V1_INTERNODE``).
 * SMs: a link moving ``B`` bytes in time ``t`` needs ``ceil(B / t / per-SM rate)`` SMs; for the
   bounding link that is ``ceil(link bandwidth / per-SM rate)``.
 * Low-latency path (``low_latency``): every (token, expert) copy goes straight to the expert's
@@ -50,11 +58,22 @@ import math
 import sys
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Any, Sequence
 
 from .protocol import FP8_BLOCK
 from .runtime import NVLINK_GBPS, PER_SM_COPY_GBPS
 
 DEFAULT_EPS = (8, 16, 32, 64, 128, 256)
+# DeepEP V1's published internode normal-kernel figures, "bottleneck bandwidth" (RDMA) in its
+# accounting, GB/s, (dispatch FP8, combine BF16) per EP: H800 (~160 GB/s NVLink), one CX7
+# 400 Gb/s NIC (~50 GB/s) per GPU, 4096 tokens, hidden 7168, top-8 experts, top-4 groups.
+# deepseek-ai/DeepEP README.md from commit 3b1045d ("Fix the performance data", 2025-04-22)
+# until the EPv2 release (b306af0) replaced the table; its tests/test_internode.py routes with
+# one group per node and min(nodes, 4) groups per token, and counts RDMA bytes as (token,
+# destination node) pairs, own node included, x row bytes.
+DEEPEP_V1_INTERNODE = {16: (43.0, 43.0), 32: (58.0, 57.0), 64: (51.0, 50.0)}
+DEEPEP_V1_SOURCE = "deepseek-ai/DeepEP README.md, commit 3b1045d (2025-04-22), H800 + CX7 400 Gb/s"
+H800_NVLINK_GBPS = 160.0
 _EPS = 1e-9  # slack for ceilings of ratios computed in floating point
 
 
@@ -184,6 +203,37 @@ def max_units_touched(experts: int, units: int, groups: int, topk_groups: int, t
     return min(topk, units, reachable)
 
 
+# ---------------------------------------------------------------------------------------------
+# The two-level route: one definition for the exact counts and the expectations
+
+
+@dataclass(frozen=True)
+class RouteCopies:
+    """Rows one token (or one (token, destination node) pair) puts on each link."""
+
+    rdma: Any  # over the RDMA domain, to the source's same-index rank of another node
+    nvlink: Any  # over NVLink inside a node, from the rank the token landed on
+    deepep_rdma: Any  # DeepEP's RDMA accounting: destination nodes, the own node included
+    deepep_nvlink: Any  # DeepEP's NVLink accounting: destination ranks, the own rank included
+
+
+def route_copies(nodes, own_node, ranks, landed) -> RouteCopies:
+    """The normal path's route (DESIGN §1), the one definition every count here uses.
+
+    A token of rank (node n, local l) goes once to every destination node m, landing on rank
+    (m, l) -- over the RDMA domain when m != n, on the source itself when m == n -- and from the
+    landing rank once over NVLink to every destination rank of m other than itself. So
+    ``rdma = nodes - own_node`` and ``nvlink = ranks - landed``, with ``nodes`` the destination
+    nodes (own included), ``own_node`` 1 when the own node is one of them, ``ranks`` the
+    destination ranks and ``landed`` the destination nodes whose landing rank is itself a
+    destination. One node is the case N = 1 (landing rank = the source).
+
+    Linear in its arguments, so it serves per (token, node) pair, per token (sums over nodes) and
+    in expectation (expected arguments give expected copies): exact counts pass tensors
+    (``link_count``), the analytic model passes expectations (``routing``)."""
+    return RouteCopies(rdma=nodes - own_node, nvlink=ranks - landed, deepep_rdma=nodes, deepep_nvlink=ranks)
+
+
 @dataclass(frozen=True)
 class Routing:
     """Expected per-token fan-out at one EP size (uniform group-limited routing)."""
@@ -212,11 +262,142 @@ def routing(shape: Shape, machine: Machine, ep: int) -> Routing:
                          f"when larger, and experts ({shape.experts}) a multiple of EP")
     n = ep // p
     rule = (shape.groups, shape.topk_groups, shape.topk)
-    e_nodes = expected_units_touched(shape.experts, n, *rule)
-    e_ranks = expected_units_touched(shape.experts, ep, *rule)
-    return Routing(ep=ep, nodes=n, ranks_per_node=p, nodes_touched=e_nodes, ranks_touched=e_ranks,
+    e_nodes = expected_units_touched_exact(shape.experts, n, *rule)
+    e_ranks = expected_units_touched_exact(shape.experts, ep, *rule)
+    # averaged over source ranks: P(own node touched) = E[nodes] / N, and the landing ranks (one
+    # local index l over the nodes) are destinations E[ranks] / P times on average over l
+    c = route_copies(e_nodes, e_nodes / n, e_ranks, e_ranks / p)
+    return Routing(ep=ep, nodes=n, ranks_per_node=p, nodes_touched=float(e_nodes), ranks_touched=float(e_ranks),
                    max_nodes=max_units_touched(shape.experts, n, *rule),
-                   rdma_copies=e_nodes * (n - 1) / n, nvlink_copies=e_ranks * (p - 1) / p)
+                   rdma_copies=float(c.rdma), nvlink_copies=float(c.nvlink))
+
+
+# ---------------------------------------------------------------------------------------------
+# Exact per-link rows of one routing (the same route, counted instead of expected)
+
+
+LINK_FIELDS = ("rdma_sent", "rdma_recv", "deepep_rdma", "nvlink_sent", "nvlink_recv", "recv_rows")
+
+
+@dataclass
+class LinkCount:
+    """Rows (x ``row_bytes``: bytes) per rank on each link of the two-level route, for one
+    routing, counted exactly; lists indexed by rank. Rows only, no metadata.
+
+    rdma_sent    rows the rank sends over the RDMA domain: one per (token, other destination node)
+    rdma_recv    rows it receives over the RDMA domain as a landing rank (forwarder)
+    deepep_rdma  (token, destination node) pairs of its tokens, own node included (DeepEP's
+                 RDMA accounting; what the RDMA kernels handle, the own node's copy being local)
+    nvlink_sent  rows it forwards over NVLink as the landing rank: tokens arriving from other
+                 nodes and its own tokens, once per destination rank of its node but itself
+    nvlink_recv  rows it receives over NVLink (its rank-major rows that did not land on it)
+    recv_rows    rank-major rows it receives, own included (DeepEP's NVLink accounting)
+    """
+
+    num_ranks: int
+    ranks_per_node: int
+    row_bytes: int
+    rdma_sent: list
+    rdma_recv: list
+    deepep_rdma: list
+    nvlink_sent: list
+    nvlink_recv: list
+    recv_rows: list
+
+    def __add__(self, other: "LinkCount") -> "LinkCount":
+        if (self.num_ranks, self.ranks_per_node, self.row_bytes) != (other.num_ranks, other.ranks_per_node,
+                                                                     other.row_bytes):
+            raise ValueError("LinkCount: adding counts of different groups or row sizes")
+        return LinkCount(self.num_ranks, self.ranks_per_node, self.row_bytes,
+                         *[[a + b for a, b in zip(getattr(self, f), getattr(other, f))] for f in LINK_FIELDS])
+
+    def bytes(self, name: str) -> list:
+        """Bytes per rank of one field (``LINK_FIELDS``)."""
+        return [v * self.row_bytes for v in getattr(self, name)]
+
+    @property
+    def rdma_bytes(self) -> list:
+        return self.bytes("rdma_sent")
+
+    @property
+    def deepep_rdma_bytes(self) -> list:
+        return self.bytes("deepep_rdma")
+
+    @property
+    def nvlink_bytes(self) -> list:
+        return self.bytes("nvlink_sent")
+
+
+def link_count_from(topk_idx, num_experts: int, num_ranks: int, ranks_per_node: int, rank: int,
+                    row_bytes: int = 1) -> LinkCount:
+    """What the tokens of one source rank put on each link, per rank (``rank``'s own sending
+    counts and the landing / destination ranks' shares); ``route_copies`` applied per (token,
+    destination node). ``topk_idx`` [T, K] global expert ids, -1 = unused slot."""
+    import torch
+
+    R, P_ = num_ranks, ranks_per_node
+    if R < 1 or P_ < 1 or R % P_ or num_experts % R:
+        raise ValueError(f"need ranks_per_node ({P_}) dividing ranks ({R}) and ranks dividing num_experts "
+                         f"({num_experts})")
+    if not 0 <= rank < R:
+        raise ValueError(f"rank {rank} not in [0, {R})")
+    idx = torch.as_tensor(topk_idx).to(torch.int64).cpu()
+    if idx.dim() != 2:
+        raise ValueError(f"topk_idx must be [T, K], got shape {tuple(idx.shape)}")
+    if idx.numel() and (int(idx.min()) < -1 or int(idx.max()) >= num_experts):
+        raise ValueError(f"topk_idx holds ids outside [-1, {num_experts})")
+    T, N = idx.shape[0], R // P_
+    node, local = divmod(rank, P_)
+    dst = torch.where(idx >= 0, idx // (num_experts // R) + 1, torch.zeros_like(idx))
+    in_rank = torch.zeros((T, R + 1), dtype=torch.int64).scatter_(1, dst, 1)[:, 1:]  # [T, R]
+    g = in_rank.view(T, N, P_)
+    ranks = g.sum(2)  # [T, N] destination ranks per node
+    nodes = (ranks > 0).to(torch.int64)
+    own = torch.zeros(N, dtype=torch.int64)
+    own[node] = 1
+    c = route_copies(nodes, nodes * own, ranks, g[:, :, local])  # per (token, node): lands on (m, local)
+    landing = torch.arange(N) * P_ + local
+
+    def at(values, where) -> list:
+        out = torch.zeros(R, dtype=torch.int64)
+        out[where] += values
+        return out.tolist()
+
+    not_landed = g.clone()
+    not_landed[:, :, local] = 0
+    return LinkCount(
+        num_ranks=R, ranks_per_node=P_, row_bytes=row_bytes,
+        rdma_sent=at(c.rdma.sum(), rank), rdma_recv=at(c.rdma.sum(0), landing),
+        deepep_rdma=at(c.deepep_rdma.sum(), rank),
+        nvlink_sent=at(c.nvlink.sum(0), landing), nvlink_recv=not_landed.sum(0).flatten().tolist(),
+        recv_rows=in_rank.sum(0).tolist())
+
+
+def link_count(routings: Sequence, num_experts: int, ranks_per_node: int, row_bytes: int = 1) -> LinkCount:
+    """Exact rows and bytes per rank on each link for every rank's routing (``routings[r]`` =
+    rank r's topk_idx [T_r, K]): the sum of ``link_count_from`` over the source ranks."""
+    R = len(routings)
+    total = None
+    for r, idx in enumerate(routings):
+        c = link_count_from(idx, num_experts, R, ranks_per_node, r, row_bytes)
+        total = c if total is None else total + c
+    if total is None:
+        raise ValueError("link_count: no routings")
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# Copy stages bounded by their SMs (the bench's model check)
+
+
+def per_sm_gbps(rows: float, row_bytes: int, time_us: float, sms: int) -> float:
+    """Measured per-SM rate of a copy stage: rows x row bytes / time / SMs, GB/s."""
+    return rows * row_bytes / (time_us * 1e-6) / sms / 1e9
+
+
+def sm_bound_us(rows: float, row_bytes: int, sms: int, per_sm: float) -> float:
+    """Time of a copy stage bounded by its SMs: rows x row bytes / (SMs x per-SM rate), µs."""
+    return rows * row_bytes / (sms * per_sm * 1e9) * 1e6
 
 
 # ---------------------------------------------------------------------------------------------
@@ -371,6 +552,8 @@ def report(shape: Shape, machine: Machine, step: StepModel, eps: list[int]) -> s
               f"{x.deepep_rdma_gbps:.0f}" if x.two_level else "-", f"{x.deepep_nvlink_gbps:.0f}",
               str(x.sms_bound), str(x.sms_all)] for x in res]))
 
+    out.append(deepep_internode_check(shape, machine))
+
     out.append(f"\nlow-latency ({shape.decode_tokens} tokens/rank, every (token, expert) copy sent, "
                f"fixed {machine.ll_fixed_us:g} us + bytes/bandwidth)")
     rows = []
@@ -395,6 +578,33 @@ def report(shape: Shape, machine: Machine, step: StepModel, eps: list[int]) -> s
                f"(an upper bound: any overlap lowers it); with perfect overlap "
                f"{100 * s.fraction_overlapped:.1f}% (the lower bound)")
     return "\n".join(out)
+
+
+def deepep_internode_check(shape: Shape, machine: Machine) -> str:
+    """EP16-EP64 two-level predictions in DeepEP's RDMA accounting beside its published figures,
+    with DeepEP's test routing (one group per node, min(nodes, 4) per token) and H800 NVLink."""
+    m = Machine(gpus_per_node=machine.gpus_per_node, nvlink_gbps=H800_NVLINK_GBPS, nic_gbps=machine.nic_gbps,
+                sm_nvlink_gbps=machine.sm_nvlink_gbps, sm_rdma_gbps=machine.sm_rdma_gbps)
+    rows = []
+    for ep, (pub_d, pub_c) in sorted(DEEPEP_V1_INTERNODE.items()):
+        n = ep // m.gpus_per_node
+        if ep % m.gpus_per_node or n < 2 or shape.experts % ep or shape.experts % n:
+            continue
+        s = Shape(tokens=shape.tokens, hidden=shape.hidden, topk=shape.topk, experts=shape.experts, groups=n,
+                  topk_groups=min(n, 4), fp8_dispatch=True, combine_elem_bytes=2)
+        d, c = normal_path(s, m, ep, s.dispatch_row_bytes), normal_path(s, m, ep, s.combine_row_bytes)
+        r = routing(s, m, ep)
+        rows.append([str(ep), str(n), f"{r.nodes_touched:.2f}", d.bound, f"{d.deepep_rdma_gbps:.0f}", f"{pub_d:g}",
+                     f"{d.deepep_rdma_gbps / pub_d:.2f}", f"{c.deepep_rdma_gbps:.0f}", f"{pub_c:g}",
+                     f"{c.deepep_rdma_gbps / pub_c:.2f}"])
+    head = (f"\ntwo-level vs DeepEP V1 published: RDMA GB/s in DeepEP's accounting ((token, node) pairs incl. own "
+            f"node x row bytes / time)\n  model at NVLink {H800_NVLINK_GBPS:g} GB/s (H800), NIC {m.nic_gbps:g} GB/s, "
+            f"DeepEP's test routing (groups = nodes, min(nodes, 4) per token), FP8 dispatch, BF16 combine\n"
+            f"  published: {DEEPEP_V1_SOURCE}")
+    if not rows:
+        return head + "\n  (no EP16-EP64 two-level case at this --gpus-per-node / --experts)"
+    return head + "\n" + _table(["EP", "nodes", "E[nodes]", "bound", "disp model", "DeepEP", "ratio", "comb model",
+                                 "DeepEP", "ratio"], rows)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -31,6 +31,11 @@ ops' own handshakes keep the ranks in step). Ops whose input must be refreshed b
 (zero-copy combine) have only the isolated figure. GB/s is DeepEP's accounting: received rows x
 row bytes / loop time (rows from the rank itself included; Megatron's rows for its own ops).
 
+With --ranks-per-node: a "model check" per SM count -- megatron_ep.model's exact per-link bytes
+of this run's routing (equal to the bench's own RDMA count and to the rows delivered, or the run
+fails), and the model's times from per-SM rates of the intranode path, measured in the same run
+(below --ranks it runs too), against the measured internode times.
+
 Output: a console table per SM count, the NCCL table, baseline checks (the NCCL paths deliver
 exactly our rows), and a markdown table for docs/performance.md (--markdown FILE also writes it).
 
@@ -63,6 +68,7 @@ import torch.multiprocessing as mp  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 import megatron_ep as mep  # noqa: E402
+from megatron_ep import model as MODEL  # noqa: E402
 
 FULL = dict(ranks=4, tokens=4096, hidden=7168, experts=256, topk=8, alignment=128, iters=25, warmup=5)
 SMOKE = dict(ranks=2, tokens=64, hidden=256, experts=16, topk=4, alignment=8, iters=3, warmup=1)
@@ -202,6 +208,13 @@ def _internal_tracer(buf):
     return Tracer()
 
 
+def _internal_rdma_blocks(buf):
+    """INTERNAL: `buf._impl.path.num_blocks` -- the blocks the internode path's RDMA-domain
+    kernels run on (None when missing, or on another path)."""
+    n = getattr(getattr(getattr(buf, "_impl", None), "path", None), "num_blocks", None)
+    return int(n) if isinstance(n, int) else None
+
+
 def _internal_notify(buf, idx, num_experts, num_ranks):
     """INTERNAL: the intranode notify kernels alone (chunk counts, the call exchange, row
     positions), launched as a dispatch call of `buf` would (its own sequence number and
@@ -337,6 +350,10 @@ def our_runs(args, n, inp, timer, out, first, ref):
         out["path"] = repr(buf)
         if args.ranks_per_node and args.ranks_per_node < R:
             out["rdma_rows_sent"] = node_pairs(idx, E, R // args.ranks_per_node)
+            out["rdma_blocks"] = _internal_rdma_blocks(buf)
+        if args.ranks_per_node:  # the model's exact count of this rank's routing (rows; summed in the report)
+            lc = MODEL.link_count_from(idx, E, R, args.ranks_per_node, dist.get_rank())
+            out["links"] = {f: getattr(lc, f) for f in MODEL.LINK_FIELDS}
         rm = buf.dispatch(x, idx, w, num_experts=E)
         em = buf.dispatch(x, idx, w, num_experts=E, permute=True, expert_alignment=args.alignment)
         N, M = rm.x.shape[0], em.x.shape[0]
@@ -395,6 +412,25 @@ def our_runs(args, n, inp, timer, out, first, ref):
             first["copy"] = timer(lambda: dst.copy_(src))
             perm = _expert_major_perm(rm.topk_idx, L)
             first["permute"] = timer(lambda: rm.x.index_select(0, perm))
+    finally:
+        buf.destroy()
+
+
+def intranode_reference(args, n, inp, timer, out):
+    """With --ranks-per-node below --ranks: the intranode path over all ranks at the same SM
+    count, in the same run (the per-SM rates of the model check): cached rank-major dispatch
+    and combine, bf16."""
+    E, T, H, K = args.experts, args.tokens, args.hidden, args.topk
+    x, idx, w = inp["x"], inp["idx"], inp["w"]
+    buf = mep.Buffer(dist.group.WORLD, backend=inp["backend"], max_tokens_per_rank=T, hidden=H, num_experts=E,
+                     max_topk=K, num_sms=n or None, check_inputs=False, ranks_per_node=args.ranks)
+    try:
+        rm = buf.dispatch(x, idx, w, num_experts=E)
+        y = rm.x.clone()
+        out["intra_rows"] = rm.x.shape[0]
+        out["intra_num_sms"] = buf.num_sms
+        out["t"]["intra_dispatch_cached"] = timer(lambda: buf.dispatch(x, handle=rm.handle))
+        out["t"]["intra_combine"] = timer(lambda: buf.combine(y, rm.handle))
     finally:
         buf.destroy()
 
@@ -722,6 +758,8 @@ def worker(rank, args, port):
             continue
         first = res["base"] if not res["base"] else None
         our_runs(args, n, inp, timer, out, first, ref if ref == {} else None)
+        if args.ranks_per_node and args.ranks_per_node < args.ranks:
+            intranode_reference(args, n, inp, timer, out)
         if deepep is not None:
             out["deepep_skipped"] = _sm_limit(args, n or DEEPEP_DEFAULT_SMS, cuda) or deepep.run(n, inp, timer, out["t"])
     if deepep is not None:
@@ -836,6 +874,94 @@ MD_ROWS = [
 ]
 
 
+def model_check(args, allres, key, base, row_bytes) -> str:
+    """The "model check" block (--ranks-per-node): megatron_ep.model's exact per-link bytes of
+    this run's routing against the bench's own counts, and the model's times from per-SM rates
+    measured in the same run against the measured times. Raises after printing when an exact
+    count disagrees (a bug, not a measurement)."""
+    R, P = args.ranks, args.ranks_per_node
+    sms_out = [r["sms"][key] for r in allres]
+    lc = None
+    for o in sms_out:
+        c = MODEL.LinkCount(R, P, row_bytes, *[o["links"][f] for f in MODEL.LINK_FIELDS])
+        lc = c if lc is None else lc + c
+    mb = lambda v: f"{v / 1e6:.2f} MB"  # noqa: E731
+    lines = [f"  model check (megatron_ep.model, {R // P} nodes x {P} ranks, bf16 rows of {row_bytes} B; per rank "
+             f"mean [min, max]):"]
+
+    def span(vals):
+        return f"{mb(sum(vals) / R)} [{mb(min(vals))}, {mb(max(vals))}]"
+
+    lines.append(f"    exact, link_count of this run's routing: RDMA domain sent {span(lc.rdma_bytes)}; DeepEP RDMA "
+                 f"accounting (incl. own node) {span(lc.deepep_rdma_bytes)}; NVLink forwarded {span(lc.nvlink_bytes)}; "
+                 f"rank-major rows received {span(lc.bytes('recv_rows'))}")
+    bad = []
+    bench_rows = [o.get("rdma_rows_sent") for o in sms_out]
+    if all(v is not None for v in bench_rows):
+        same = bench_rows == lc.deepep_rdma
+        lines.append(f"    bench's own RDMA count x row bytes {span([v * row_bytes for v in bench_rows])}: "
+                     f"{'equal on every rank' if same else 'DIFFERS'}")
+        bad += [] if same else [f"RDMA rows: bench {bench_rows} vs model {lc.deepep_rdma}"]
+    delivered = [o["rows_rank_major"] for o in sms_out]
+    same = delivered == lc.recv_rows
+    lines.append(f"    rank-major rows our path delivered: {'equal to the count on every rank' if same else 'DIFFER'}")
+    bad += [] if same else [f"delivered rows {delivered} vs model {lc.recv_rows}"]
+    if P == R:
+        lines.append("    one node: no RDMA domain, no timing check (pass --ranks-per-node below --ranks)")
+    else:
+        lines += _model_times(allres, key, base, row_bytes, lc)
+    text = "\n".join(lines)
+    if bad:
+        print(text)
+        raise AssertionError("bench_normal model check: exact counts disagree: " + "; ".join(bad))
+    return text
+
+
+def _model_times(allres, key, base, row_bytes, lc) -> list:
+    """Predicted / measured internode times from per-SM rates of the intranode path measured in
+    the same run (a sequential composition, as our path runs: RDMA-domain hop, in-node stage,
+    reorder), plus the analytic model's overlapped max(). Says what is and is not a check."""
+    R = len(allres)
+    get = lambda k: _mean_over_ranks(allres, lambda r: r["sms"][key]["t"].get(k))  # noqa: E731
+    o0 = allres[0]["sms"][key]
+    sms = o0.get("num_sms")
+    unit = "SM" if sms else "rank (no SM count: torch backend)"
+    sms = sms or 1
+    blocks = o0.get("rdma_blocks") or sms
+    rows = sum(lc.recv_rows) / R  # the in-node stage delivers the same rank-major rows as the intranode path
+    node_pairs = sum(lc.deepep_rdma) / R  # what the RDMA-domain kernels handle (own node's copy local)
+    perm = base.get("permute")
+    out = [f"    times (µs, loop mode, mean over ranks); rates per {unit}; the RDMA-domain kernels on {blocks} blocks"
+           + ("" if o0.get("rdma_blocks") else " (assumed = SMs: internal hook n/a)")]
+    for op, intra_key, inter_key in (("cached dispatch", "intra_dispatch_cached", "dispatch_cached"),
+                                     ("combine", "intra_combine", "combine")):
+        intra, inter = get(intra_key), get(inter_key)
+        if intra is None or inter is None or perm is None:
+            out.append(f"    {op}: n/a (a measurement is missing)")
+            continue
+        rate = MODEL.per_sm_gbps(rows, row_bytes, intra[1], sms)  # independent of the internode measurement
+        t_node = MODEL.sm_bound_us(rows, row_bytes, sms, rate)
+        t_rdma = MODEL.sm_bound_us(node_pairs, row_bytes, blocks, rate)  # assumed: RDMA hop at the same per-SM rate
+        t_seq = t_rdma + t_node + perm[1]
+        ratio = t_seq / inter[1]
+        out.append(f"    {op}: intranode path {intra[1]:.1f} µs -> {rate:.3g} GB/s per {unit.split()[0]} (received rows "
+                   f"incl. own / time / SMs); predicted internode = RDMA hop {t_rdma:.1f} + in-node stage {t_node:.1f} "
+                   f"+ reorder {perm[1]:.1f} (the index_select baseline) = {t_seq:.1f} vs measured {inter[1]:.1f}: "
+                   f"predicted/measured {ratio:.2f} ({'within' if abs(ratio - 1) <= 0.25 else 'OUTSIDE'} 25%)")
+        out.append(f"      model with overlap (max over links, as DeepEP's fused kernel): {max(t_rdma, t_node):.1f} µs "
+                   f"= {max(t_rdma, t_node) / inter[1]:.2f}x measured")
+        derived = inter[1] - t_node - perm[1]
+        if derived > 0:
+            out.append(f"      not a check: the RDMA hop's own rate, derived from this same measurement (measured - "
+                       f"in-node stage - reorder = {derived:.1f} µs): "
+                       f"{MODEL.per_sm_gbps(node_pairs, row_bytes, derived, blocks):.3g} GB/s per {unit.split()[0]}")
+        else:
+            out.append("      not a check: the RDMA hop's own rate cannot be derived (measured <= in-node stage + reorder)")
+    out.append("    assumptions: the RDMA-domain hop copies at the intranode per-SM rate (the model's sm_rdma = "
+               "sm_nvlink; on virtual nodes NVSHMEM P2P runs over NVLink/HBM, not InfiniBand); metadata not counted")
+    return out
+
+
 def report(args, allres):
     R = args.ranks
     r0 = allres[0]
@@ -888,6 +1014,8 @@ def report(args, allres):
                 continue
             names = per[0].keys()
             print(f"  phases {pkey:<24} " + "  ".join(f"{nm} {sum(p.get(nm, 0) for p in per) / R:.0f}" for nm in names) + " us")
+        if args.ranks_per_node:
+            print(model_check(args, allres, key, base, row_bytes["bf16"]))
         gb = [r["sms"][key].get("gpu_bound") for r in allres]
         if all(gb):
             print("  GPU-bound (host queued ahead behind a sleep kernel): " + "; ".join(

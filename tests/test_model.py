@@ -9,6 +9,7 @@ import sys
 from fractions import Fraction
 
 import pytest
+import torch
 
 from megatron_ep import model as M
 
@@ -225,6 +226,201 @@ def test_cli_in_process(capsys):
     assert M.main(["--ep", "8", "64", "--nic-gbps", "25"]) == 0
     out = capsys.readouterr().out
     assert "NIC 25 GB/s" in out
+    assert "DeepEP V1 published" in out and "3b1045d" in out
+    ep64 = [ln.split() for ln in out.splitlines() if ln.split()[:3] == ["64", "8", "3.63"]]
+    # EP64 beside DeepEP's 51 / 50 GB/s (here at a 25 GB/s NIC: the model's 29 GB/s is below them)
+    assert ep64 and ep64[-1][5] == "51" and ep64[-1][8] == "50"
+    assert float(ep64[-1][6]) == pytest.approx(float(ep64[-1][4]) / 51, abs=0.01)
     with pytest.raises(SystemExit) as e:
         M.main(["--topk-groups", "9"])
     assert e.value.code == 2 and "topk_groups" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# Exact per-link counts of a routing (link_count) against brute force, the reference backend's
+# dispatch, and the analytic expectation
+
+
+def _brute_force(dests, R, P):
+    """Per-link rows per rank from each token's destination ranks, written with sets and loops
+    (the route of DESIGN §1, independently of model.route_copies): dests[s] = one set of
+    destination ranks per token of source rank s."""
+    out = {k: [0] * R for k in M.LINK_FIELDS}
+    for s, tokens in enumerate(dests):
+        n, l = divmod(s, P)
+        for D in tokens:
+            for d in D:
+                out["recv_rows"][d] += 1
+            for m in sorted({d // P for d in D}):
+                landing = m * P + l
+                out["deepep_rdma"][s] += 1
+                if m != n:
+                    out["rdma_sent"][s] += 1
+                    out["rdma_recv"][landing] += 1
+                for d in D:
+                    if d // P == m and d != landing:
+                        out["nvlink_sent"][landing] += 1
+                        out["nvlink_recv"][d] += 1
+    return out
+
+
+def _dests(idx, E, R):
+    return [{e // (E // R) for e in row if e >= 0} for row in idx.tolist()]
+
+
+def test_route_copies_is_the_model_route():
+    # one token of rank (node 0, local 1), 2 nodes x 2: destinations ranks 0, 1 (own node) and 3
+    # (node 1, lands on rank 3 = (1, 1)): 1 RDMA copy; NVLink: rank 1 -> 0 and nothing on node 1
+    c = M.route_copies(2, 1, 3, 2)
+    assert (c.rdma, c.nvlink, c.deepep_rdma, c.deepep_nvlink) == (1, 1, 2, 3)
+    lc = M.link_count_from(torch.tensor([[0, 2, 7, -1]]), 8, 4, 2, 1, row_bytes=10)
+    assert lc.rdma_sent == [0, 1, 0, 0] and lc.rdma_recv == [0, 0, 0, 1]
+    assert lc.deepep_rdma == [0, 2, 0, 0] and lc.nvlink_sent == [0, 1, 0, 0] and lc.nvlink_recv == [1, 0, 0, 0]
+    assert lc.recv_rows == [1, 1, 0, 1]
+    assert lc.rdma_bytes == [0, 10, 0, 0] and lc.deepep_rdma_bytes == [0, 20, 0, 0] and lc.nvlink_bytes == [0, 10, 0, 0]
+    # the analytic model takes its copies from the same function (expected arguments)
+    r = M.routing(M.Shape(), M.Machine(), 32)
+    e = M.route_copies(r.nodes_touched, r.nodes_touched / 4, r.ranks_touched, r.ranks_touched / 8)
+    assert r.rdma_copies == pytest.approx(e.rdma) and r.nvlink_copies == pytest.approx(e.nvlink)
+    with pytest.raises(ValueError, match="outside"):
+        M.link_count_from(torch.tensor([[8]]), 8, 4, 2, 0)
+    with pytest.raises(ValueError, match="divid"):
+        M.link_count_from(torch.tensor([[0]]), 8, 4, 3, 0)
+
+
+@pytest.mark.parametrize("R,P", [(4, 1), (4, 2), (8, 2), (8, 4), (6, 3), (4, 4)])
+def test_link_count_equals_brute_force(R, P):
+    g = torch.Generator().manual_seed(R * 10 + P)
+    E, K = 4 * R, 5
+    routings = []
+    for s in range(R):
+        T = 0 if s == 1 else 20 + 7 * s
+        idx = torch.randint(-1, E, (T, K), generator=g)  # -1 slots, repeated ranks, repeated experts
+        routings.append(idx)
+    lc = M.link_count(routings, E, P, row_bytes=3)
+    want = _brute_force([_dests(i, E, R) for i in routings], R, P)
+    for f in M.LINK_FIELDS:
+        assert getattr(lc, f) == want[f], f
+    assert sum(lc.rdma_sent) == sum(lc.rdma_recv) and sum(lc.nvlink_sent) == sum(lc.nvlink_recv)
+    assert lc.rdma_bytes == [3 * v for v in want["rdma_sent"]]
+    if P == R:
+        assert lc.rdma_sent == [0] * R and lc.deepep_rdma == [len([d for d in _dests(i, E, R) if d])
+                                                             for i in routings]
+
+
+def reference_destinations(E, K, T_of_rank):
+    """Runs on every rank of a gloo pool: a rank-major dispatch of the torch reference backend
+    whose rows carry (source rank, token) in their first channels; returns this rank's routing
+    and the (source rank, token) of every row it received."""
+    import torch.distributed as dist
+
+    import megatron_ep as mep
+
+    rank = dist.get_rank()
+    T = T_of_rank[rank]
+    g = torch.Generator().manual_seed(77 + rank)
+    idx = torch.rand((T, E), generator=g).argsort(dim=1)[:, :K]  # distinct experts (the contract)
+    idx = idx.masked_fill(torch.rand((T, K), generator=g) < 0.2, -1)  # and -1 slots
+    x = torch.zeros((T, 128), dtype=torch.bfloat16)
+    x[:, 0] = rank
+    x[:, 1] = torch.arange(T) % 128
+    x[:, 2] = torch.arange(T) // 128
+    buf = mep.Buffer(dist.group.WORLD, backend="torch")
+    out = buf.dispatch(x, idx, torch.ones((T, K)), num_experts=E)
+    got = out.x.float()
+    src = [(int(a), int(b) + 128 * int(c)) for a, b, c in got[:, :3].tolist()]
+    return idx, src
+
+
+@pytest.mark.parametrize("P", [1, 2])
+def test_link_count_equals_reference_dispatch(pools, P):
+    # The reference backend has no nodes; what it does say is which ranks receive each token
+    # (the rank-major rows). The route is a function of those sets: count it by brute force.
+    R, E, K = 4, 16, 4
+    T_of_rank = [50, 0, 33, 70]
+    res = pools(R).run(reference_destinations, E, K, T_of_rank)
+    routings = [r[0] for r in res]
+    dests = [[set() for _ in range(T_of_rank[s])] for s in range(R)]
+    for d, (_, src) in enumerate(res):
+        for s, t in src:
+            assert d not in dests[s][t]  # one row per (token, destination rank)
+            dests[s][t].add(d)
+    assert dests == [_dests(i, E, R) for i in routings]  # the reference delivers to the experts' owners
+    lc = M.link_count(routings, E, P)
+    want = _brute_force(dests, R, P)
+    for f in M.LINK_FIELDS:
+        assert getattr(lc, f) == want[f], f
+    assert lc.recv_rows == [len(r[1]) for r in res]  # rank-major rows = DeepEP's NVLink accounting
+
+
+def _group_limited(T, E, G, g, k, gen):
+    """The analytic model's routing: g of G groups uniformly, then k experts uniformly among them."""
+    grp = torch.rand((T, G), generator=gen).topk(g, dim=1).indices
+    mask = torch.zeros((T, G), dtype=torch.bool).scatter_(1, grp, True).repeat_interleave(E // G, dim=1)
+    return torch.rand((T, E), generator=gen).masked_fill(~mask, -1.0).topk(k, dim=1).indices
+
+
+def _deepseek_v3_router(T, E, G, g, k, gen):
+    """DeepSeek-V3's group-limited router on i.i.d. scores: group score = sum of its top-2 expert
+    scores, top-g groups, then the top-k experts of those groups."""
+    s = torch.rand((T, E), generator=gen)
+    grp = s.view(T, G, E // G).topk(2, dim=-1).values.sum(-1).topk(g, dim=1).indices
+    mask = torch.zeros((T, G), dtype=torch.bool).scatter_(1, grp, True).repeat_interleave(E // G, dim=1)
+    return s.masked_fill(~mask, -1.0).topk(k, dim=1).indices
+
+
+@pytest.mark.parametrize("ep,groups,topk_groups", [
+    (16, 8, 4), (32, 8, 4), (64, 8, 4),  # DeepSeek-V3 training shape, group-limited
+    (16, 1, 1), (64, 1, 1),  # uniform top-8 of 256
+    (64, 8, 8),  # 8 groups, no limit
+])
+def test_mean_link_count_converges_to_the_model(ep, groups, topk_groups):
+    shape = M.Shape(tokens=1024, groups=groups, topk_groups=topk_groups)
+    mach = M.Machine()
+    row = shape.dispatch_row_bytes
+    gen = torch.Generator().manual_seed(ep + groups)
+    total = None
+    draws = 2
+    for _ in range(draws):
+        rt = [_group_limited(shape.tokens, shape.experts, groups, topk_groups, shape.topk, gen) for _ in range(ep)]
+        c = M.link_count(rt, shape.experts, mach.gpus_per_node, row)
+        total = c if total is None else total + c
+    n = draws * ep  # rank-draws
+    mean = lambda xs: sum(xs) / n  # noqa: E731
+    r = M.routing(shape, mach, ep)
+    npath = M.normal_path(shape, mach, ep, row)
+    assert mean(total.rdma_bytes) == pytest.approx(npath.rdma_bytes, rel=0.02)
+    assert mean(total.nvlink_bytes) == pytest.approx(npath.nvlink_bytes, rel=0.02)
+    assert mean(total.deepep_rdma_bytes) == pytest.approx(shape.tokens * r.nodes_touched * row, rel=0.02)
+    assert mean(total.bytes("recv_rows")) == pytest.approx(shape.tokens * r.ranks_touched * row, rel=0.02)
+    # every rank, not only the mean: one rank's 1024 x 2 tokens are within a few % too
+    for f, expect in (("rdma_sent", r.rdma_copies), ("nvlink_sent", r.nvlink_copies)):
+        for v in getattr(total, f):
+            assert v / draws == pytest.approx(shape.tokens * expect, rel=0.06), f
+
+
+def test_deepseek_v3_router_spreads_wider_than_the_model():
+    # The analytic model draws experts uniformly inside the selected groups. DeepSeek-V3's router
+    # on i.i.d. scores picks groups for their high scores, so a token's experts spread over more
+    # of its groups: node-limited all the same (<= 4 nodes at EP64), but E[nodes] is ~9% higher.
+    gen = torch.Generator().manual_seed(3)
+    ep, E = 64, 256
+    rt = [_deepseek_v3_router(512, E, 8, 4, 8, gen) for _ in range(ep)]
+    nodes = torch.stack([torch.zeros((512, 8)).scatter_(1, i // 32, 1).sum(1) for i in rt])
+    assert int(nodes.max()) <= M.max_units_touched(E, 8, 8, 4, 8) == 4
+    c = M.link_count(rt, E, 8)
+    r = M.routing(M.Shape(), M.Machine(), ep)
+    ratio = sum(c.deepep_rdma) / (ep * 512) / r.nodes_touched
+    assert 1.04 < ratio < 1.14, ratio
+
+
+def test_bench_normal_smoke_model_check():
+    # scripts/bench_normal.py on CPU (torch backend, 2 gloo ranks, 2 virtual nodes x 1): the
+    # model check's exact counts equal the bench's own RDMA count and the rows delivered
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_normal.py"), "--smoke",
+                        "--ranks-per-node", "1", "--no-nccl"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "model check" in p.stdout and "equal on every rank" in p.stdout
+    assert "equal to the count on every rank" in p.stdout and "predicted/measured" in p.stdout
