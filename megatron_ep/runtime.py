@@ -356,10 +356,12 @@ class CudaRuntime:
                 _output_hook(t)
         return True
 
-    def mark(self, name: str) -> None:
-        if self.trace is not None:
+    def mark(self, name: str, stream=None, first: bool = False) -> None:
+        """Benchmarks: the end of phase `name` on `stream` (default: the communication stream).
+        `first`: a path's opening mark, left out when a composing path (internode) marked first."""
+        if self.trace is not None and not (first and self.trace):
             ev = torch.cuda.Event(enable_timing=True)
-            ev.record(self.stream)
+            ev.record(self.stream if stream is None else stream)
             self.trace.append((name, ev))
 
     def view(self, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:

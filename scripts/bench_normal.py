@@ -917,6 +917,19 @@ def model_check(args, allres, key, base, row_bytes) -> str:
     return text
 
 
+def _phase_split(allres, key, op):
+    """(RDMA hop, in-node stage, reorder) loop µs of `op`, mean over ranks, from the internode
+    path's marks ("rdma", "reorder"; every other phase is the in-node stage's), or None."""
+    per = [r["sms"][key]["phases"].get(op) for r in allres]
+    if any(not p or "rdma(loop)" not in p or "reorder(loop)" not in p for p in per):
+        return None
+    R = len(per)
+    rdma = sum(p["rdma(loop)"] for p in per) / R
+    reorder = sum(p["reorder(loop)"] for p in per) / R
+    node = sum(v for p in per for k, v in p.items() if k.endswith("(loop)") and k not in ("rdma(loop)", "reorder(loop)")) / R
+    return rdma, node, reorder
+
+
 def _model_times(allres, key, base, row_bytes, lc) -> list:
     """Predicted / measured internode times from per-SM rates of the intranode path measured in
     the same run (a sequential composition, as our path runs: RDMA-domain hop, in-node stage,
@@ -957,6 +970,18 @@ def _model_times(allres, key, base, row_bytes, lc) -> list:
                        f"{MODEL.per_sm_gbps(node_pairs, row_bytes, derived, blocks):.3g} GB/s per {unit.split()[0]}")
         else:
             out.append("      not a check: the RDMA hop's own rate cannot be derived (measured <= in-node stage + reorder)")
+        split = _phase_split(allres, key, inter_key)
+        if split is None:
+            out.append("      measured phases: n/a (no trace)")
+        else:
+            m_rdma, m_node, m_reorder = split
+            hop_rate = MODEL.per_sm_gbps(node_pairs, row_bytes, m_rdma, blocks) if m_rdma > 0 else float("nan")
+            out.append(f"      measured phases (loop, the internode path's own marks): RDMA hop {m_rdma:.1f}, in-node stage "
+                       f"{m_node:.1f}, reorder {m_reorder:.1f} µs; model term / measured: RDMA hop "
+                       f"{t_rdma / m_rdma if m_rdma > 0 else float('nan'):.2f}, in-node stage "
+                       f"{t_node / m_node if m_node > 0 else float('nan'):.2f}, reorder "
+                       f"{perm[1] / m_reorder if m_reorder > 0 else float('nan'):.2f}; the hop's own rate {hop_rate:.3g} GB/s "
+                       f"per {unit.split()[0]} ({hop_rate / rate:.2f}x the intranode rate the model assumes)")
     out.append("    assumptions: the RDMA-domain hop copies at the intranode per-SM rate (the model's sm_rdma = "
                "sm_nvlink; on virtual nodes NVSHMEM P2P runs over NVLink/HBM, not InfiniBand); metadata not counted")
     return out

@@ -199,6 +199,8 @@ class InternodePath:
         sig = signature_hash(call)
         data = data.contiguous()
         src_x, src_s, src_i, src_w = data, scales, topk_idx, topk_weights
+        cur = torch.cuda.current_stream(rt.device)
+        rt.mark("start", cur)  # benchmarks' phases: rdma, the in-node stage's, reorder
         if self.staged:  # puts read symmetric memory
             src_x = self.view("s_x", T, H, data.dtype)
             src_x.copy_(data)
@@ -214,6 +216,7 @@ class InternodePath:
         local_idx = torch.empty((N * mt, K), dtype=torch.int64, device=rt.device)
         tokens = torch.empty(N, dtype=torch.int32, device=rt.device)
         self.buf.dispatch_recv(K, num_experts, sc, sig, local_idx, tokens, self.num_blocks)
+        rt.mark("rdma", cur)
 
         # the in-node stage over the forwarder's rows (scales carry the key column)
         fx = self.view("d_x", N * mt, H, data.dtype)
@@ -252,6 +255,7 @@ class InternodePath:
         else:
             out_re = None
             out_idx = inner.topk_idx.index_select(0, perm)
+        rt.mark("reorder", cur)
         if handle is None:
             tpe, dropped = self._counts(inner, out_idx, out_re, rows, permute, L)
             st = InternodeState(inner=inner.handle, local_idx=local_idx, tokens=tokens, perm=perm, rows=rows,
@@ -314,6 +318,8 @@ class InternodePath:
         if previous_event is not None and previous_event.event is not None:
             torch.cuda.current_stream(rt.device).wait_event(previous_event.event)
         T, K = handle.num_tokens, handle.topk
+        cur = torch.cuda.current_stream(rt.device)
+        rt.mark("start", cur)  # benchmarks' phases: reorder, the in-node stage's, rdma
         # contract order -> the in-node stage's rows (rows it delivered past the contract's: zero)
         full = st.inner_rows == st.rows
         xi = x.new_zeros((st.inner_rows, H)) if not full else torch.empty((st.inner_rows, H), dtype=x.dtype, device=x.device)
@@ -323,6 +329,7 @@ class InternodePath:
             wshape = (st.inner_rows,) if handle.permute else (st.inner_rows, K)
             wi = weights.new_zeros(wshape)
             wi.index_copy_(0, st.perm, weights.contiguous())
+        rt.mark("reorder", cur)
         inner_call = self._inner_call(call, handle.num_experts // N, st.inner.call_seq)
         with rt.publishing(inner_call):
             rt.check(inner_call)
@@ -340,6 +347,7 @@ class InternodePath:
         w_out = torch.empty((T, K), dtype=torch.float32, device=rt.device) if weights is not None else None
         rt.new_outputs((y, w_out))
         self.buf.combine_recv(handle.topk_idx, handle.num_experts, sig, y, w_out, self.num_blocks)
+        rt.mark("rdma", cur)
         self.check(call)
         event = EventOverlap(torch.cuda.Event())
         event.event.record(torch.cuda.current_stream(rt.device))

@@ -119,7 +119,7 @@ class IntranodePath:
             tpe = torch.empty(L, dtype=torch.int64, device=rt.device)
             dropped = torch.empty((), dtype=torch.int64, device=rt.device)
         with torch.cuda.stream(rt.stream):
-            rt.mark("start")
+            rt.mark("start", first=True)
             if first:
                 st = IntranodeState(
                     rank_pos=torch.empty((T, R), dtype=torch.int32, device=rt.device),
@@ -257,7 +257,7 @@ class IntranodePath:
         with torch.cuda.stream(rt.stream):
             if hooked:
                 rt.stream.wait_stream(compute)
-            rt.mark("start")
+            rt.mark("start", first=True)
             if partials:
                 self.kernels.combine_reduce(rt.rt, call.sig, x, rows, H, x.dtype == torch.float32, st.comb_map,
                                             st.recv_info, weights, rt.local_sms)
