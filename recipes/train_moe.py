@@ -71,6 +71,9 @@ def add_args(p: argparse.ArgumentParser, dispatcher: bool = True) -> argparse.Ar
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     p.add_argument("--seed", type=int, default=1234, help="seed of the weights and the synthetic data")
     p.add_argument("--no-time-comm", dest="time_comm", action="store_false", help="skip the dispatch/combine timers")
+    p.add_argument("--shared-expert-overlap", action="store_true",
+                   help="Megatron's moe_shared_expert_overlap: the shared expert runs on its own CUDA stream while "
+                        "dispatch and combine are in flight (GPU only)")
     p.add_argument("--virtual-ranks", action="store_true",
                    help="several processes share the GPU(s) (virtual EP on one GPU; run under MPS): gloo carries "
                         "Megatron's own collectives, megatron_ep's CUDA IPC transport the MoE tokens; flex dispatchers only "
@@ -107,6 +110,15 @@ def validate(args, world: int) -> None:
     cli.check(not (args.virtual_ranks and dispatcher == "alltoall"),
               "--virtual-ranks needs a flex dispatcher (deepep, hybridep): Megatron's alltoall dispatcher needs a GPU "
               "all-to-all, which gloo lacks and NCCL refuses for several ranks on one GPU")
+    if args.shared_expert_overlap:
+        import megatron.core
+
+        version = tuple(int(x) for x in megatron.core.__version__.split(".")[:2])
+        cli.check(dispatcher in (None, "alltoall") or version >= (0, 19),
+                  f"--shared-expert-overlap with a flex dispatcher needs megatron-core >= 0.19 (this is "
+                  f"{megatron.core.__version__}, whose config accepts moe_shared_expert_overlap with alltoall only)")
+        cli.check(torch.cuda.is_available(),
+                  "--shared-expert-overlap needs a CUDA GPU (Megatron runs the shared expert on its own CUDA stream)")
     if args.backend == "cuda":
         from megatron_ep.buffer import cuda_backend_available
 
@@ -154,6 +166,7 @@ def build_config(args, world: int, on_gpu: bool):
         moe_router_enable_expert_bias=True, moe_router_bias_update_rate=1e-3,
         moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-4, moe_router_dtype="fp32",
         moe_shared_expert_intermediate_size=args.expert_ffn,
+        moe_shared_expert_overlap=bool(getattr(args, "shared_expert_overlap", False)),
         moe_token_dispatcher_type="flex" if flex else "alltoall",
         moe_flex_dispatcher_backend=args.dispatcher if flex else "deepep",
     )

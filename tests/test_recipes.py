@@ -277,3 +277,29 @@ def test_train_moe_loss_decreases_and_matches_alltoall():
     assert all(math.isfinite(x) for x in flex), flex
     assert all(b < a for a, b in zip(flex, flex[1:])), f"loss does not fall every step: {flex}"
     assert all(abs(a - b) <= 1e-3 * abs(b) for a, b in zip(flex, ref)), f"hybridep {flex} vs alltoall {ref}"
+
+
+def test_shared_expert_overlap_flag():
+    """--shared-expert-overlap reaches Megatron's config (the A/B tool shares the flag), and what
+    cannot run is refused before anything starts: no GPU, or a flex dispatcher on a megatron-core
+    whose config accepts the overlap with alltoall only (0.16)."""
+    import pytest
+    import torch
+
+    from megatron_ep import cli
+    from recipes import train_moe
+
+    args = train_moe.parse_args(["--dispatcher", "alltoall", "--shared-expert-overlap"])
+    if not torch.cuda.is_available():
+        with pytest.raises(cli.UsageError, match="--shared-expert-overlap needs a CUDA GPU"):
+            train_moe.validate(args, 2)
+    config = train_moe.build_config(args, 1, on_gpu=False)
+    assert config.moe_shared_expert_overlap and config.moe_shared_expert_intermediate_size == args.expert_ffn
+    assert not train_moe.build_config(train_moe.parse_args(["--dispatcher", "alltoall"]), 1, on_gpu=False).moe_shared_expert_overlap
+    version = tuple(int(x) for x in megatron.core.__version__.split(".")[:2])
+    flex = train_moe.parse_args(["--dispatcher", "hybridep", "--shared-expert-overlap"])
+    if version < (0, 19):
+        with pytest.raises(cli.UsageError, match="needs megatron-core >= 0.19"):
+            train_moe.validate(flex, 2)
+    if version >= (0, 19):
+        assert train_moe.build_config(flex, 1, on_gpu=False).moe_shared_expert_overlap
