@@ -114,7 +114,9 @@ def validate(args, world: int) -> None:
         import megatron.core
 
         version = tuple(int(x) for x in megatron.core.__version__.split(".")[:2])
-        cli.check(dispatcher in (None, "alltoall") or version >= (0, 19),
+        # flex here (train_moe's --dispatcher) or among the A/B tool's --backends
+        flex = [d for d in [dispatcher] + str(getattr(args, "backends", "") or "").split(",") if d and d != "alltoall"]
+        cli.check(not flex or version >= (0, 19),
                   f"--shared-expert-overlap with a flex dispatcher needs megatron-core >= 0.19 (this is "
                   f"{megatron.core.__version__}, whose config accepts moe_shared_expert_overlap with alltoall only)")
         cli.check(torch.cuda.is_available(),
