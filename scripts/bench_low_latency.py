@@ -1,7 +1,7 @@
 """Benchmark of the low-latency (decode) path (a script, not a test).
 
 R processes, decode shape: T tokens per rank (a comma list, default 128,32,1), hidden 7168, top-8
-of 256 experts (uniform random routing, distinct experts per token), FP8 dispatch, bf16 combine.
+of 256 experts (uniform random routing, distinct experts per token), FP8 dispatch (--bf16-dispatch: bf16 rows), bf16 combine.
 Rank r runs on GPU r % (GPUs visible): one process per GPU when there are enough GPUs, else
 virtual ranks sharing a GPU (run those under MPS, DESIGN §5). Each implementation runs in its own
 set of processes (DeepEP and ours both start NVSHMEM, once per process):
@@ -146,26 +146,37 @@ def graph_figures(a, fns, group):
     return res
 
 
+def msg_bytes(H, fp8):
+    """Dispatch bytes per valid (token, expert) in DeepEP's accounting: the row (FP8 + one fp32
+    scale per 128 channels, or bf16) and a 16-byte header."""
+    return (H + H // 128 * 4 if fp8 else 2 * H) + 16
+
+
+def rows_of(x):
+    """The dispatched rows as bf16 (the combine's input): FP8 rows cast back, bf16 as they are."""
+    return per_token_cast_back(*x) if isinstance(x, tuple) else x
+
+
 # ------------------------------------------------------------------------------ impls
 def bench_ours(a, T, x, idx, w, E, K, H, gloo):
-    buf = mep.Buffer(gloo, backend="cuda", low_latency=dict(num_experts=E, max_tokens=max(a.tokens), hidden=H, topk=K, fp8_only=True))
+    buf = mep.Buffer(gloo, backend="cuda", low_latency=dict(num_experts=E, max_tokens=max(a.tokens), hidden=H, topk=K, fp8_only=a.fp8))
     mt = max(a.tokens)
-    out = buf.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=mt)
-    rows = per_token_cast_back(*out.x)
+    out = buf.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=mt, use_fp8=a.fp8)
+    rows = rows_of(out.x)
     handle = out.handle
 
     def d():
-        buf.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=mt)
+        buf.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=mt, use_fp8=a.fp8)
 
     def c():
         buf.low_latency_combine(rows, idx, w, handle)
 
     def dc():
-        o = buf.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=mt)
+        o = buf.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=mt, use_fp8=a.fp8)
         buf.low_latency_combine(rows, idx, w, o.handle)
 
     def dc_hook():
-        o = buf.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=mt, return_recv_hook=True)
+        o = buf.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=mt, use_fp8=a.fp8, return_recv_hook=True)
         o.hook()
         _, hook = buf.low_latency_combine(rows, idx, w, o.handle, return_recv_hook=True)
         hook()
@@ -179,13 +190,13 @@ def bench_ours(a, T, x, idx, w, E, K, H, gloo):
 def bench_torch(a, T, x, idx, w, E, K, H, nccl):
     buf = mep.Buffer(nccl, backend="torch")
     mt = max(a.tokens)
-    out = buf.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=mt)
-    rows = per_token_cast_back(*out.x)
+    out = buf.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=mt, use_fp8=a.fp8)
+    rows = rows_of(out.x)
     loop = max(1, a.loop // 4)
 
     def d():
         for _ in range(loop):
-            buf.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=mt)
+            buf.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=mt, use_fp8=a.fp8)
 
     def c():
         for _ in range(loop):
@@ -193,7 +204,7 @@ def bench_torch(a, T, x, idx, w, E, K, H, nccl):
 
     def dc():
         for _ in range(loop):
-            o = buf.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=mt)
+            o = buf.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=mt, use_fp8=a.fp8)
             buf.low_latency_combine(rows, idx, w, o.handle)
 
     return {name: timed(fn, a.reps, 1) / loop for name, fn in (("dispatch", d), ("combine", c), ("both", dc))}
@@ -202,7 +213,7 @@ def bench_torch(a, T, x, idx, w, E, K, H, nccl):
 def bench_nccl(a, T, x, idx, w, E, K, H, nccl):
     R = dist.get_world_size(nccl)
     L = E // R
-    msg = H + H // 128 * 4 + 16
+    msg = msg_bytes(H, a.fp8)
     dst = idx[idx >= 0] // L
     send = torch.bincount(dst, minlength=R)
     recv = torch.empty_like(send)
@@ -237,21 +248,21 @@ def bench_deepep(a, T, x, idx, w, E, K, H, nccl):
     mt = max(a.tokens)
     rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(mt, H, R, E)
     buf = deep_ep.Buffer(nccl, 0, rdma, low_latency_mode=True, num_qps_per_rank=E // R)
-    recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, idx, mt, E, use_fp8=True)
+    recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, idx, mt, E, use_fp8=a.fp8)
     y = torch.randn((E // R, R * mt, H), device=x.device).to(torch.bfloat16)
 
     def d():
-        buf.low_latency_dispatch(x, idx, mt, E, use_fp8=True)
+        buf.low_latency_dispatch(x, idx, mt, E, use_fp8=a.fp8)
 
     def c():
         buf.low_latency_combine(y, idx, w, handle)
 
     def dc():
-        _, _, h, _, _ = buf.low_latency_dispatch(x, idx, mt, E, use_fp8=True)
+        _, _, h, _, _ = buf.low_latency_dispatch(x, idx, mt, E, use_fp8=a.fp8)
         buf.low_latency_combine(y, idx, w, h)
 
     def dc_hook():
-        _, _, h, _, hook = buf.low_latency_dispatch(x, idx, mt, E, use_fp8=True, return_recv_hook=True)
+        _, _, h, _, hook = buf.low_latency_dispatch(x, idx, mt, E, use_fp8=a.fp8, return_recv_hook=True)
         hook()
         _, _, hook = buf.low_latency_combine(y, idx, w, h, return_recv_hook=True)
         hook()
@@ -288,8 +299,8 @@ def worker(rank, a, impl, queue):
             args_ = (a, T, x, idx, w, a.experts, a.topk, a.hidden)
             if a.smoke:  # CPU: the torch backend's path end to end, no timing
                 buf = mep.Buffer(gloo, backend="torch")
-                out = buf.low_latency_dispatch(x, idx, num_experts=a.experts, max_tokens_per_rank=max(a.tokens))
-                buf.low_latency_combine(per_token_cast_back(*out.x), idx, w, out.handle)
+                out = buf.low_latency_dispatch(x, idx, num_experts=a.experts, max_tokens_per_rank=max(a.tokens), use_fp8=a.fp8)
+                buf.low_latency_combine(rows_of(out.x), idx, w, out.handle)
                 res = {"dispatch": 0.0, "combine": 0.0, "both": 0.0}
             else:
                 res = {"ours": lambda: bench_ours(*args_, gloo), "torch": lambda: bench_torch(*args_, nccl),
@@ -334,7 +345,7 @@ def run_impl(a, impl):
 
 def table(a, results) -> str:
     H = a.hidden
-    d_bytes, c_bytes = H + H // 128 * 4 + 16, 2 * H
+    d_bytes, c_bytes = msg_bytes(H, a.fp8), 2 * H
     lines = ["| impl | tokens/rank | dispatch us | combine us | dispatch+combine us | with hook us | dispatch GB/s | combine GB/s |",
              "|---|---|---|---|---|---|---|---|"]
     kernels = ["", "Kernel time (torch.profiler, median per kernel; ours from graph replays, deepep eager; hook: send + receive halves):", "",
@@ -371,6 +382,8 @@ def main():
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--loop", type=int, default=20, help="back-to-back calls per timed repetition")
     p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--bf16-dispatch", dest="fp8", action="store_false",
+                   help="bf16 dispatch rows instead of FP8 (twice the bytes: with the FP8 run, tells bytes from latency)")
     p.add_argument("--kernel-iters", type=int, default=50, help="eager calls traced for the kernel-time table")
     p.add_argument("--impls", default=",".join(IMPLS))
     p.add_argument("--timeout", type=float, default=600)
@@ -396,7 +409,7 @@ def main():
         results[impl] = run_impl(a, impl)
         print(f"{impl}: {'ok' if results[impl][0] else results[impl][1]}", flush=True)
         print(table(a, {impl: results[impl]}), flush=True)  # now: a later impl may crash the run
-    md = (f"Low latency, {a.ranks} ranks on {max(ngpu, 1)} GPU(s), H {a.hidden}, top-{a.topk} of {a.experts}, FP8 dispatch, "
+    md = (f"Low latency, {a.ranks} ranks on {max(ngpu, 1)} GPU(s), H {a.hidden}, top-{a.topk} of {a.experts}, {'FP8' if a.fp8 else 'bf16'} dispatch, "
           f"bf16 combine; median of {a.reps} x {a.loop} back-to-back calls; slowest rank\n\n" + table(a, results))
     print(md)
     if a.markdown:
