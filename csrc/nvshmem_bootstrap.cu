@@ -10,14 +10,13 @@
 #include <stdexcept>
 #include <string>
 
+#include "cuda_check.h"
 #include "nvshmem_bootstrap.h"
 
 namespace mep {
 namespace {
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string("megatron_ep NVSHMEM set-up: ") + what + ": " + cudaGetErrorString(e));
-}
+void check(cudaError_t e, const char* what) { check_cuda(e, what, "NVSHMEM set-up"); }
 
 }  // namespace
 

@@ -7,10 +7,6 @@
 
 namespace mep {
 
-void check_cuda(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) throw std::runtime_error(std::string("megatron_ep: ") + what + ": " + cudaGetErrorString(err));
-}
-
 Region::Region(int device, long long bytes) : device_(device), bytes_(bytes) {
   check_cuda(cudaSetDevice(device), "cudaSetDevice");
   check_cuda(cudaMalloc(&base_, bytes), "cudaMalloc of the communication region");

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common.h"
+#include "cuda_check.h"
 
 namespace mep {
 
@@ -45,7 +46,5 @@ class Region {
   bool peers_open_ = false;
   std::vector<char*> opened_;
 };
-
-void check_cuda(cudaError_t err, const char* what);
 
 }  // namespace mep

@@ -23,9 +23,7 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
-#include <stdexcept>
-#include <string>
-
+#include "../cuda_check.h"
 #include "../protocol.h"
 #include "internode.h"
 #include "symmetric.cuh"
@@ -334,9 +332,7 @@ __global__ void __launch_bounds__(kInThreads, 1) in_combine_recv_kernel(const In
     sym::put_signal(c.peer_base[n], c.base, c.pe[n], c.lay.release_at(kInCombine, c.node), call);
 }
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string("megatron_ep internode: ") + what + ": " + cudaGetErrorString(e));
-}
+void check(cudaError_t e, const char* what) { check_cuda(e, what, "internode"); }
 
 }  // namespace
 

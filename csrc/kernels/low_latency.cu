@@ -30,9 +30,7 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
-#include <stdexcept>
-#include <string>
-
+#include "../cuda_check.h"
 #include "../protocol.h"
 #include "low_latency.h"
 #include "symmetric.cuh"
@@ -439,9 +437,7 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_combine_kernel(const LLCtx c
   finish_receive(c, set, lay.c_flag, lay.num_experts, a.E, L, a.sig);
 }
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string("megatron_ep low-latency: ") + what + ": " + cudaGetErrorString(e));
-}
+void check(cudaError_t e, const char* what) { check_cuda(e, what, "low-latency"); }
 
 }  // namespace
 
