@@ -268,7 +268,7 @@ class Buffer:
             if self.check_inputs:
                 C.check_topk_values(topk_idx, num_experts)
             wire = C.FP8_DTYPE if use_fp8 else x.dtype
-            call.set(dtype=P.dtype_code(wire), hidden=H, row_bytes=H * torch.empty((), dtype=wire).element_size(), topk=K,
+            call.set(dtype=P.dtype_code(wire), hidden=H, row_bytes=H * wire.itemsize, topk=K,
                      num_experts=num_experts, max_tokens_per_rank=max_tokens_per_rank)
             out = self._impl.low_latency_dispatch(call, x, topk_idx, num_experts, max_tokens_per_rank, use_fp8,
                                                   round_scale, **kwargs)

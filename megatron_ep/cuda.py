@@ -186,7 +186,7 @@ class CudaBackend:
         Valid until the next dispatch on this buffer."""
         rt = self.rt
         fail(rt.ready, "get_dispatch_input needs a sized buffer (sizing hints, or one dispatch first)", RuntimeError)
-        nbytes = hidden * torch.empty((), dtype=dtype).element_size()
+        nbytes = hidden * dtype.itemsize
         fail(num_tokens <= rt.plan["max_tokens"] and nbytes <= rt.plan["x_row_bytes"], "dispatch_input larger than the buffer")
         return rt.view(rt.plan["stage_x"], [num_tokens, hidden], dtype)
 
@@ -195,6 +195,6 @@ class CudaBackend:
         (experts can write their output there). Valid until the next combine on this buffer."""
         rt = self.rt
         fail(rt.ready, "get_combine_input needs a sized buffer (sizing hints, or one dispatch first)", RuntimeError)
-        nbytes = hidden * torch.empty((), dtype=dtype).element_size()
+        nbytes = hidden * dtype.itemsize
         fail(num_rows <= rt.plan["comb_rows"] and nbytes <= rt.plan["comb_row_bytes"], "combine_input larger than the buffer")
         return rt.combine_view(num_rows, hidden, dtype)

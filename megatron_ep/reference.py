@@ -58,7 +58,7 @@ def unpack_rows(rows: torch.Tensor, like: Sequence[Tuple[torch.dtype, Tuple[int,
     """Inverse of pack_rows: `like` gives (dtype, per-row shape) of each part."""
     out, col, n = [], 0, rows.shape[0]
     for dtype, shape in like:
-        width = _per_row(shape) * torch.empty((), dtype=dtype).element_size()
+        width = _per_row(shape) * dtype.itemsize
         chunk = rows[:, col:col + width].clone(memory_format=torch.contiguous_format)  # aligned for any dtype
         out.append(chunk.view(dtype).reshape((n,) + tuple(shape)))
         col += width

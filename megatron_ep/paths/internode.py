@@ -147,7 +147,7 @@ class InternodePath:
         self.buf = None
 
     def view(self, section: str, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
-        nbytes = rows * cols * torch.empty((), dtype=dtype).element_size()
+        nbytes = rows * cols * dtype.itemsize
         return self.buf.view(self.plan[section], nbytes).view(dtype).view(rows, cols)
 
     # ------------------------------------------------------------------------------ errors
