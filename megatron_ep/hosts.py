@@ -16,6 +16,8 @@ from typing import List
 
 import torch.distributed as dist
 
+from .runtime import gather
+
 _hosts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -25,7 +27,5 @@ def host_names(group) -> List[str]:
     if group is None:
         group = dist.group.WORLD
     if group not in _hosts:
-        hosts: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(hosts, socket.gethostname(), group=group)
-        _hosts[group] = hosts
+        _hosts[group] = gather(socket.gethostname(), group)
     return list(_hosts[group])

@@ -12,15 +12,26 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed as dist
 
 from .checks import fail
 from .hosts import host_names
+from .runtime import gather
 
 ENV = {"NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "1", "NVSHMEM_DISABLE_NVLS": "1",
        "NVSHMEM_DISABLE_MNNVL": "1"}
 HEAP_MARGIN = 64 << 20  # NVSHMEM's own symmetric allocations (barriers, signals)
 _state: dict = {}  # once per process: {"n_pes": int, "heap": bytes}
+
+
+def pes_for(group, rank: int, num_ranks: int, device: torch.device, need_bytes: int, ext, what: str) -> list:
+    """Collective: NVSHMEM started (once per process) with room for a symmetric buffer of
+    `need_bytes` (`what`, for the error), and every rank's PE in group rank order."""
+    # room for two buffers: a re-created Buffer allocates before the old one is freed
+    heap = init(group, rank, num_ranks, device, 2 * need_bytes, ext)
+    fail(need_bytes + HEAP_MARGIN <= heap,
+         f"{what} needs {need_bytes} bytes but NVSHMEM's symmetric heap has {heap} "
+         f"(NVSHMEM_SYMMETRIC_SIZE, fixed when NVSHMEM started in this process)", RuntimeError)
+    return gather(ext.my_pe(), group)
 
 
 def init(group, rank: int, num_ranks: int, device: torch.device, heap_bytes: int, ext) -> int:
@@ -36,9 +47,7 @@ def init(group, rank: int, num_ranks: int, device: torch.device, heap_bytes: int
     if len(set(hosts)) == 1:  # one node: P2P carries everything; skip probing InfiniBand
         os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
     os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(heap_bytes + HEAP_MARGIN))
-    uid = ext.unique_id() if rank == 0 else None
-    ids: list = [None] * num_ranks
-    dist.all_gather_object(ids, uid, group=group)
+    ids = gather(ext.unique_id() if rank == 0 else None, group)
     ext.init(ids[0], rank, num_ranks, device.index)
     _state.update(n_pes=ext.n_pes(), heap=parse_size(os.environ["NVSHMEM_SYMMETRIC_SIZE"]))
     return _state["heap"]

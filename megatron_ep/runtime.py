@@ -90,8 +90,7 @@ class CudaRuntime:
         props = torch.cuda.get_device_properties(self.device)
         me = (socket.gethostname(), str(getattr(props, "uuid", self.device.index)))
         # (device_group: every rank that may share it, when this runtime spans only a node of them)
-        peers: list = [None] * dist.get_world_size(device_group or group)
-        dist.all_gather_object(peers, me, group=device_group or group)
+        peers = gather(me, device_group or group)
         self.ranks_per_device = sum(p == me for p in peers)
         self.sm_count = props.multi_processor_count
         limit = max_num_sms(self.ranks_per_device, self.sm_count)
@@ -127,9 +126,7 @@ class CudaRuntime:
         fail(plan["max_experts"] <= P.MAX_EXPERTS, f"num_experts={plan['max_experts']} exceeds the cuda backend's {P.MAX_EXPERTS}")
         fail(1 <= plan["max_topk"] <= P.MAX_TOPK, f"max_topk must be in 1..{P.MAX_TOPK}")
         rt = self.ext.Runtime(self.device.index, self.rank, self.num_ranks, plan, self.timeout_s)
-        handles: list = [None] * self.num_ranks
-        dist.all_gather_object(handles, bytes(rt.ipc_handle()), group=self.group)
-        rt.open_peers(handles)
+        rt.open_peers(gather(bytes(rt.ipc_handle()), self.group))
         dist.barrier(group=self.group)
         self.rt, self.plan, self.hints = rt, plan, dict(hints)
         self._fitted: set = set()  # needs known to fit this region
@@ -145,18 +142,13 @@ class CudaRuntime:
             return
         local = {"failed": P.failure_message(failure)} if failure is not None else \
             {**self.hints, **{k: max(v, self.hints.get(k, 0)) for k, v in needs.items()}}
-        every = self._gather(local)
+        every = gather(local, self.group)
         failed = [r for r, d in enumerate(every) if "failed" in d]
         if failed:
             if failure is not None:
                 return  # the caller re-raises its own error
             raise P.peer_failed_error(P.Call(P.OP["dispatch"], 1), failed[0], every[failed[0]]["failed"])
-        self._create(_largest(every))
-
-    def _gather(self, obj) -> list:
-        every: list = [None] * self.num_ranks
-        dist.all_gather_object(every, obj, group=self.group)
-        return every
+        self._create(largest(every))
 
     _CAPACITY = ("max_tokens", "x_row_bytes", "scale_cols", "max_topk", "max_experts", "comb_rows", "comb_row_bytes")
 
@@ -209,7 +201,7 @@ class CudaRuntime:
         if not self.ready:
             self.first_use(need)  # agrees on the largest needs itself
         else:
-            self.grow_if_needed(_largest(self._gather(dict(need))))
+            self.grow_if_needed(largest(gather(dict(need), self.group)))
 
     def _replace(self, hints: dict, why: str) -> None:
         log.info("megatron_ep: growing the cuda buffer on rank %d (%s)", self.rank, why)
@@ -386,7 +378,14 @@ class CudaRuntime:
                                      scale_cols, K, has_w)
 
 
-def _largest(needs: list) -> dict:
+def gather(obj, group) -> list:
+    """Every rank's `obj` in `group` rank order (collective)."""
+    every: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, obj, group=group)
+    return every
+
+
+def largest(needs: list) -> dict:
     """Every key of the ranks' needs, at its largest value."""
     return {k: max(d.get(k, 0) or 0 for d in needs) for k in set().union(*needs)}
 

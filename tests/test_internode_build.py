@@ -73,3 +73,27 @@ def test_ranks_per_node_on_the_torch_backend(group):
     idx = torch.tensor([[0, 1], [1, -1], [-1, -1]])
     out = buf.dispatch(x, idx, num_experts=2)
     assert torch.equal(out.x, x[:2])
+
+
+def _start_up_collectives():
+    """On every rank: the start-up helpers the cuda paths share (runtime.gather / largest, the
+    cached host names)."""
+    from megatron_ep import hosts
+    from megatron_ep.runtime import gather, largest
+
+    rank = dist.get_rank()
+    errors = []
+    if gather(rank * 10, None) != [0, 10]:
+        errors.append(f"gather: {gather(rank * 10, None)}")
+    got = largest(gather({"max_tokens": 4 + rank, "hidden": 256 - rank, **({"topk": 8} if rank else {})}, None))
+    if got != {"max_tokens": 5, "hidden": 256, "topk": 8}:
+        errors.append(f"largest: {got}")
+    first = hosts.host_names(None)
+    if len(first) != 2 or hosts.host_names(dist.group.WORLD) != first:  # the second comes from the cache
+        errors.append(f"host_names: {first}")
+    return errors
+
+
+def test_start_up_collectives(pools):
+    errors = [e for r in pools(2).run(_start_up_collectives) for e in r]
+    assert not errors, "\n".join(errors)

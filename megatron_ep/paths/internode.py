@@ -39,7 +39,7 @@ from .. import protocol as P
 from ..checks import FP8_BLOCK, fail
 from ..errors import BufferBrokenError, CallMismatchError, CommTimeoutError
 from ..hosts import host_names
-from ..runtime import CudaRuntime
+from ..runtime import CudaRuntime, gather, largest
 from ..types import CombineOutput, DispatchHandle, DispatchOutput, EventOverlap
 from .intranode import IntranodePath, combine_rows, dispatch_rows
 from .low_latency import load, signature_hash
@@ -99,9 +99,7 @@ class InternodePath:
         return dict(max_tokens=int(T), hidden=int(H), x_row=int(H * elem), c_row=int(H * max(2, comb_elem)), topk=int(K))
 
     def _agree(self, need: dict) -> dict:
-        every: list = [None] * self.num_ranks
-        dist.all_gather_object(every, need, group=self.group)
-        return {k: max(int(d[k]) for d in every) for k in need}
+        return largest(gather(need, self.group))
 
     def _create(self, cap: dict) -> None:
         """Collective over every rank: the RDMA buffer, NVSHMEM (once per process) and the node
@@ -109,12 +107,8 @@ class InternodePath:
         staged = len(set(host_names(self.group))) > 1 or os.environ.get("MEP_IN_FORCE_PUTS", "0") == "1"
         scale_cols = (cap["hidden"] + FP8_BLOCK - 1) // FP8_BLOCK
         plan = self.ext.internode_plan(self.N, cap["max_tokens"], cap["topk"], cap["x_row"], scale_cols, cap["c_row"], staged)
-        heap = nvshmem.init(self.group, self.rank, self.num_ranks, self.rt.device, 2 * plan["total"], self.ext)
-        fail(plan["total"] + nvshmem.HEAP_MARGIN <= heap,
-             f"the internode buffer needs {plan['total']} bytes but NVSHMEM's symmetric heap has {heap} "
-             f"(NVSHMEM_SYMMETRIC_SIZE, fixed when NVSHMEM started in this process)", RuntimeError)
-        pes: list = [None] * self.num_ranks
-        dist.all_gather_object(pes, self.ext.my_pe(), group=self.group)
+        pes = nvshmem.pes_for(self.group, self.rank, self.num_ranks, self.rt.device, plan["total"], self.ext,
+                              "the internode buffer")
         peers = [pes[m * self.P + self.local] for m in range(self.N)]
         self.buf = self.ext.InternodeBuffer(self.rt.device.index, self.node, self.local, self.P, peers, cap["max_tokens"],
                                             cap["topk"], cap["x_row"], scale_cols, cap["c_row"], staged, self.rt.timeout_s)

@@ -35,7 +35,7 @@ from .. import nvshmem
 from .. import protocol as P
 from ..checks import FP8_BLOCK, FP8_DTYPE, fail
 from ..errors import BufferBrokenError, CallMismatchError, CommTimeoutError
-from ..runtime import max_num_sms
+from ..runtime import gather, max_num_sms
 from ..types import LowLatencyDispatchOutput, LowLatencyHandle
 
 _ext = None
@@ -108,8 +108,7 @@ class LowLatencyPath:
 
     # ------------------------------------------------------------------------------ buffer
     def _agree(self, need: dict) -> dict:
-        every: list = [None] * self.rt.num_ranks
-        dist.all_gather_object(every, need, group=self.rt.group)
+        every = gather(need, self.rt.group)
         cap = {k: max(int(d[k]) for d in every) for k in ("num_experts", "max_tokens", "hidden", "topk")}
         cap["fp8_only"] = all(d["fp8_only"] for d in every)
         return cap
@@ -125,13 +124,7 @@ class LowLatencyPath:
              f"the low-latency buffer would take {plan['total'] / 2**30:.2f} GiB per rank (num_experts={cap['num_experts']}, "
              f"max_tokens_per_rank={cap['max_tokens']}, hidden={cap['hidden']}, topk={cap['topk']}), above the limit of "
              f"{LIMIT_BYTES / 2**30:.2f} GiB (MEP_LL_MAX_BYTES); lower max_tokens_per_rank", RuntimeError)
-        # room for two buffers: a re-created Buffer allocates before the old one is freed
-        heap = nvshmem.init(rt.group, rt.rank, R, rt.device, 2 * plan["total"], self.ext)
-        fail(plan["total"] + nvshmem.HEAP_MARGIN <= heap,
-             f"the low-latency buffer needs {plan['total']} bytes but NVSHMEM's symmetric heap has {heap} "
-             f"(NVSHMEM_SYMMETRIC_SIZE, fixed when NVSHMEM started in this process)", RuntimeError)
-        my_pe: list = [None] * R
-        dist.all_gather_object(my_pe, self.ext.my_pe(), group=rt.group)
+        my_pe = nvshmem.pes_for(rt.group, rt.rank, R, rt.device, plan["total"], self.ext, "the low-latency buffer")
         self.buf = self.ext.LowLatencyBuffer(rt.device.index, rt.rank, my_pe, cap["num_experts"], cap["max_tokens"],
                                              cap["hidden"], cap["topk"], cap["fp8_only"], rt.timeout_s)
         dist.barrier(group=rt.group)
