@@ -64,7 +64,7 @@ def routing(T, E, K, H, seed, device):
     return x.to(device), idx.to(device), w.to(device)
 
 
-def timed(fn, reps, warmup, sync_each=False):
+def timed(fn, reps, warmup):
     """Median over reps of one call of fn (which itself may run `loop` calls), in us."""
     for _ in range(warmup):
         fn()
@@ -364,7 +364,7 @@ def table(a, results) -> str:
             def gbs(k, b):
                 return f"{r['pairs'] * b / (r[k] * 1e-6) / 1e9:.1f}" if r.get(k, 0) > 0 else "-"
 
-            name = impl + (" (eager)" if str(r.get("timing", "graph")).startswith("eager") else "")
+            name = impl + (" (eager)" if r.get("timing") == "eager" else "")
             lines.append(f"| {name} | {T} | {us('dispatch')} | {us('combine')} | {us('both')} | {us('hook')} | "
                          f"{gbs('dispatch', d_bytes)} | {gbs('combine', c_bytes)} |")
             if "k_dispatch" in r:
