@@ -38,6 +38,14 @@ Everything is a closed formula; nothing is sampled. The pieces:
   published figures (``DEEPEP_V1_INTERNODE``).
 * SMs: a link moving ``B`` bytes in time ``t`` needs ``ceil(B / t / per-SM rate)`` SMs; for the
   bounding link that is ``ceil(link bandwidth / per-SM rate)``.
+* Two-level stages (``StageWork``, ``calibrate_stages``, ``predict_stages``; the model check of
+  scripts/bench_normal.py): our internode path runs the RDMA-domain hop ((token, node) pairs x
+  row bytes on its blocks), the in-node stage (rank-major rows x row bytes on the Buffer's SMs)
+  and local reorder / fan-out work (bytes read + written, on the GPU) one after the other. Per-SM
+  rates calibrated on one measured operation's phase marks predict the others from exact row
+  counts (``link_count``): FP8 rows, expert-major layouts, other SM counts. ``split_sms`` /
+  ``bounding_stage``: the SMs each copy stage would need if the two ran at once, so that both
+  finish together, and which stage (its SMs, or its link) bounds.
 * Low-latency path (``low_latency``): every (token, expert) copy goes straight to the expert's
   rank, no deduplication: ``T * k`` rows per rank, ``(EP-P)/EP`` of them over RDMA,
   ``(P-1)/EP`` over NVLink, ``1/EP`` local. Time = fixed latency + max over links of
@@ -398,6 +406,263 @@ def per_sm_gbps(rows: float, row_bytes: int, time_us: float, sms: int) -> float:
 def sm_bound_us(rows: float, row_bytes: int, sms: int, per_sm: float) -> float:
     """Time of a copy stage bounded by its SMs: rows x row bytes / (SMs x per-SM rate), µs."""
     return rows * row_bytes / (sms * per_sm * 1e9) * 1e6
+
+
+# ---------------------------------------------------------------------------------------------
+# The two-level path's stages, timed from per-SM rates calibrated on one measured operation
+# (the bench's model check)
+#
+# An internode normal dispatch runs three stages one after the other (paths/internode.py):
+#   rdma   the RDMA-domain hop: every (token, destination node) pair, the own node's included
+#          (the same kernels copy it locally), on the path's RDMA blocks;
+#   node   the in-node stage (the intranode path over the node's ranks): the rank-major rows it
+#          delivers, on the Buffer's SMs;
+#   local  local HBM work on the rank's whole share of the GPU: the reorder into the contract's
+#          order (a torch index_select / index_copy_) and the expert-major fan-out; counted as
+#          bytes read + written, at a per-GPU rate (it does not scale with --num-sms);
+# plus `fixed`: measured terms the model has no formula for (the notify kernel), added as they
+# are. Combine runs the same stages in reverse. Rates are calibrated per direction (dispatch on
+# a dispatch, combine on a combine): the kernels differ (the combine's hop sums in fp32, its
+# reorder scatters).
+
+TIME_TOLERANCE = 0.25  # predicted/measured within 1 +- this: "within 25%"
+STAGES = ("rdma", "node", "local", "fixed")
+STAGE_NAMES = {"rdma": "RDMA hop", "node": "in-node stage", "local": "local reorder", "fixed": "notify"}
+# The internode path's phase marks (Runtime.mark in paths/internode.py and paths/intranode.py) ->
+# stage. "reduce" (expert-major combine) takes the place of the staging copy ("stage"): both
+# write the rows that cross the in-node stage into the combine area. "fanout" spreads the
+# received rank-major rows into expert segments on the local SMs, as the reorder does.
+STAGE_OF_MARK = {"rdma": "rdma", "notify": "fixed", "stage": "node", "push": "node", "pull": "node",
+                 "reduce": "node", "fanout": "local", "reorder": "local"}
+
+
+@dataclass(frozen=True)
+class StageWork:
+    """What one two-level operation moves per rank in each stage, and on how many SMs."""
+
+    rdma_bytes: float  # (token, node) pairs x row bytes
+    node_bytes: float  # rank-major rows x the row bytes that cross the in-node stage
+    local_bytes: float  # bytes the local reorder / fan-out read and write
+    blocks: int  # the RDMA-domain kernels' blocks
+    sms: int  # the in-node stage's SMs
+    fixed_us: float = 0.0  # measured terms without a formula (notify)
+
+
+@dataclass(frozen=True)
+class StageRates:
+    """Calibrated rates, GB/s: per block of the RDMA hop, per SM of the in-node stage, and of
+    the local work on the rank's GPU share (bytes read + written)."""
+
+    rdma_per_sm: float
+    node_per_sm: float
+    local_gbps: float
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """µs per stage of one operation (measured phases or a prediction)."""
+
+    rdma_us: float = 0.0
+    node_us: float = 0.0
+    local_us: float = 0.0
+    fixed_us: float = 0.0
+
+    def of(self, stage: str) -> float:
+        return getattr(self, f"{stage}_us")
+
+    @property
+    def total_us(self) -> float:
+        return self.rdma_us + self.node_us + self.local_us + self.fixed_us
+
+
+def dispatch_stage_work(pairs: float, rows: float, row_bytes: int, blocks: int, sms: int,
+                        expert_rows: float | None = None, fixed_us: float = 0.0) -> StageWork:
+    """A two-level dispatch of ``row_bytes`` rows (bf16: 2H; FP8: H + H/128 x 4 scale bytes):
+    ``pairs`` (token, node) pairs over the hop, ``rows`` rank-major rows through the in-node
+    stage; local work: rank-major, the reorder reads and writes ``rows`` rows; expert-major, the
+    fan-out reads ``rows`` and writes ``expert_rows`` (padding included) and the reorder reads
+    and writes ``expert_rows``."""
+    local = 2 * rows if expert_rows is None else rows + 3 * expert_rows
+    return StageWork(pairs * row_bytes, rows * row_bytes, local * row_bytes, blocks, sms, fixed_us)
+
+
+def combine_stage_work(pairs: float, rows: float, hidden: int, blocks: int, sms: int,
+                       expert_rows: float | None = None, partials: bool = True,
+                       elem_bytes: int = 2) -> StageWork:
+    """A two-level combine of rows of ``hidden`` x ``elem_bytes`` (bf16): the reorder back to
+    the in-node stage's order reads and writes the input rows (``rows`` rank-major, or
+    ``expert_rows``); the in-node stage carries ``rows`` rank-major rows -- expert-major with
+    ``partials``, each a token's rows of the rank pre-summed in fp32 (4 x hidden bytes), else
+    every expert row; the hop carries ``pairs`` rows back."""
+    row = hidden * elem_bytes
+    if expert_rows is None:
+        node, local = rows * row, 2 * rows * row
+    else:
+        node = rows * 4 * hidden if partials else expert_rows * row
+        local = 2 * expert_rows * row
+    return StageWork(pairs * row, node, local, blocks, sms)
+
+
+def phase_stages(phases: dict) -> StageTimes:
+    """The internode path's phase marks ({mark: µs}) summed into the stages (``STAGE_OF_MARK``;
+    a mark it does not know is the intranode path's, so the in-node stage's)."""
+    t = {s: 0.0 for s in STAGES}
+    for mark, us in phases.items():
+        t[STAGE_OF_MARK.get(mark, "node")] += us
+    return StageTimes(*(t[s] for s in STAGES))
+
+
+def calibrate_stages(work: StageWork, measured: StageTimes) -> StageRates:
+    """Rates of one measured operation's phases: hop bytes / time / blocks, in-node bytes /
+    time / SMs, local bytes / time."""
+    for stage, nbytes in (("rdma", work.rdma_bytes), ("node", work.node_bytes), ("local", work.local_bytes)):
+        if not (nbytes > 0 and measured.of(stage) > 0):
+            raise ValueError(f"calibrate_stages: the {STAGE_NAMES[stage]} needs bytes and a measured time "
+                             f"(got {nbytes} B in {measured.of(stage)} µs)")
+    return StageRates(rdma_per_sm=per_sm_gbps(work.rdma_bytes, 1, measured.rdma_us, work.blocks),
+                      node_per_sm=per_sm_gbps(work.node_bytes, 1, measured.node_us, work.sms),
+                      local_gbps=work.local_bytes / (measured.local_us * 1e-6) / 1e9)
+
+
+def predict_stages(work: StageWork, rates: StageRates) -> StageTimes:
+    """Each stage's time at the calibrated rates (SM-bound: bytes / (SMs x per-SM rate))."""
+    return StageTimes(rdma_us=sm_bound_us(work.rdma_bytes, 1, work.blocks, rates.rdma_per_sm),
+                      node_us=sm_bound_us(work.node_bytes, 1, work.sms, rates.node_per_sm),
+                      local_us=work.local_bytes / (rates.local_gbps * 1e9) * 1e6, fixed_us=work.fixed_us)
+
+
+def within(ratio: float, tol: float = TIME_TOLERANCE) -> bool:
+    return abs(ratio - 1) <= tol
+
+
+def verdict(ratio: float, tol: float = TIME_TOLERANCE) -> str:
+    return f"{'within' if within(ratio, tol) else 'OUTSIDE'} {100 * tol:g}%"
+
+
+@dataclass(frozen=True)
+class TimeCheck:
+    """A prediction of one operation against its measurement: per stage (when its phases were
+    traced) and in total against the measured time per call."""
+
+    name: str
+    predicted: StageTimes
+    measured: StageTimes | None  # the operation's own phase marks (None: not traced)
+    call_us: float  # measured µs per call
+
+    def stage_ratio(self, stage: str) -> float | None:
+        if self.measured is None or self.measured.of(stage) <= 0:
+            return None
+        return self.predicted.of(stage) / self.measured.of(stage)
+
+    @property
+    def ratio(self) -> float:
+        return self.predicted.total_us / self.call_us
+
+    @property
+    def within(self) -> bool:
+        return within(self.ratio)
+
+    @property
+    def outside_marks_us(self) -> float | None:
+        """The measured call time outside the phase marks (host work, launches, counts)."""
+        return None if self.measured is None else self.call_us - self.measured.total_us
+
+
+def check_stages(name: str, work: StageWork, rates: StageRates, call_us: float,
+                 measured: StageTimes | None = None) -> TimeCheck:
+    return TimeCheck(name, predict_stages(work, rates), measured, call_us)
+
+
+# ---------------------------------------------------------------------------------------------
+# The two-level path's SM split, if its two copy stages ran at once on one SM budget
+
+
+def stage_us(nbytes: float, sms: float, per_sm: float, link_bytes: float | None = None,
+             link_gbps: float | None = None) -> float:
+    """One stage on ``sms`` SMs: max(bytes / (SMs x per-SM rate), link bytes / link rate), µs
+    (``link_bytes``: what crosses the link, default ``nbytes``; no link term without a rate)."""
+    if nbytes <= 0:
+        return 0.0
+    t = nbytes / (sms * per_sm * 1e9) * 1e6 if sms > 0 else math.inf
+    if link_gbps:
+        t = max(t, (nbytes if link_bytes is None else link_bytes) / (link_gbps * 1e9) * 1e6)
+    return t
+
+
+@dataclass(frozen=True)
+class StageBound:
+    """Which of the two stages finishes last, and whether its SMs or its link limit it."""
+
+    stage: str  # "rdma" or "node"
+    limited_by: str  # "SMs" or "link"
+    rdma_us: float
+    node_us: float
+
+    @property
+    def time_us(self) -> float:
+        return max(self.rdma_us, self.node_us)
+
+    def describe(self) -> str:
+        link = {"rdma": "the NIC", "node": "NVLink"}[self.stage]
+        return f"the {STAGE_NAMES[self.stage]} ({'its SMs' if self.limited_by == 'SMs' else link})"
+
+
+def bounding_stage(rdma_bytes: float, node_bytes: float, rdma_sms: float, node_sms: float, rdma_per_sm: float,
+                   node_per_sm: float, *, nic_gbps: float | None = None, rdma_link_bytes: float | None = None,
+                   nvlink_gbps: float | None = None, node_link_bytes: float | None = None) -> StageBound:
+    """Which link bounds the two-level path when the RDMA hop runs on ``rdma_sms`` and the
+    in-node stage on ``node_sms`` at once: the stage that takes longer (ties: the hop), limited
+    by its SMs or, with a link rate given, by its link (``*_link_bytes``: what crosses it, e.g.
+    only the remote rows over the NIC)."""
+    sm_r, sm_n = stage_us(rdma_bytes, rdma_sms, rdma_per_sm), stage_us(node_bytes, node_sms, node_per_sm)
+    t_r = stage_us(rdma_bytes, rdma_sms, rdma_per_sm, rdma_link_bytes, nic_gbps)
+    t_n = stage_us(node_bytes, node_sms, node_per_sm, node_link_bytes, nvlink_gbps)
+    stage, sm_time, t = ("rdma", sm_r, t_r) if t_r >= t_n else ("node", sm_n, t_n)
+    return StageBound(stage, "SMs" if sm_time >= t else "link", t_r, t_n)
+
+
+@dataclass(frozen=True)
+class SmSplit:
+    total_sms: int
+    rdma_sms: int
+    node_sms: int
+    bound: StageBound
+    ideal_us: float  # the continuous optimum: max((w_rdma + w_node) / SMs, link times), w = bytes / per-SM rate
+
+    @property
+    def time_us(self) -> float:
+        return self.bound.time_us
+
+
+def split_sms(total_sms: int, rdma_bytes: float, node_bytes: float, rdma_per_sm: float, node_per_sm: float, *,
+              nic_gbps: float | None = None, rdma_link_bytes: float | None = None, nvlink_gbps: float | None = None,
+              node_link_bytes: float | None = None) -> SmSplit:
+    """SMs for the RDMA hop and the in-node stage if they ran at once (fused, as DeepEP's
+    kernel) on ``total_sms``: the integer split that finishes soonest (ties: the smaller sum of
+    the two times, so no SMs idle on a stage its link bounds). Without link limits both finish
+    together at the hop's share ``w_rdma / (w_rdma + w_node)`` of the SMs, and the time equals
+    the two stages run one after the other on all the SMs: overlap gains only where a link, not
+    the SMs, bounds."""
+    caps = dict(nic_gbps=nic_gbps, rdma_link_bytes=rdma_link_bytes, nvlink_gbps=nvlink_gbps,
+                node_link_bytes=node_link_bytes)
+    need_r, need_n = rdma_bytes > 0, node_bytes > 0
+    if total_sms < need_r + need_n:
+        raise ValueError(f"split_sms: {total_sms} SMs cannot run {need_r + need_n} stages")
+    if not (need_r and need_n):
+        cands = [(total_sms, 0)] if need_r else [(0, total_sms)]
+    else:
+        cands = [(a, total_sms - a) for a in range(1, total_sms)]
+    best = None
+    for a, b in cands:
+        bd = bounding_stage(rdma_bytes, node_bytes, a, b, rdma_per_sm, node_per_sm, **caps)
+        key = (bd.time_us, bd.rdma_us + bd.node_us)
+        if best is None or key < best[0]:
+            best = (key, a, b, bd)
+    _, a, b, bd = best
+    work = (rdma_bytes / rdma_per_sm + node_bytes / node_per_sm) / 1e9 * 1e6  # SM-µs
+    links = [stage_us(rdma_bytes, math.inf, 1.0, rdma_link_bytes, nic_gbps) if nic_gbps else 0.0,
+             stage_us(node_bytes, math.inf, 1.0, node_link_bytes, nvlink_gbps) if nvlink_gbps else 0.0]
+    return SmSplit(total_sms, a, b, bd, max(work / total_sms, *links))
 
 
 # ---------------------------------------------------------------------------------------------

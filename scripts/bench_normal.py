@@ -33,8 +33,11 @@ row bytes / loop time (rows from the rank itself included; Megatron's rows for i
 
 With --ranks-per-node: a "model check" per SM count -- megatron_ep.model's exact per-link bytes
 of this run's routing (equal to the bench's own RDMA count and to the rows delivered, or the run
-fails), and the model's times from per-SM rates of the intranode path, measured in the same run
-(below --ranks it runs too), against the measured internode times.
+fails), and a time check: per-SM rates of the RDMA hop, the in-node stage and the local reorder,
+calibrated on one op's phase marks per direction (bf16 cached rank-major dispatch; rank-major
+combine), predict the other ops from the exact rows (FP8, with notify, expert-major), and those
+of the first SM count predict the others; plus the SM split if the two copy stages were fused.
+Below --ranks the intranode path runs too (its per-SM rate, for context).
 
 Output: a console table per SM count, the NCCL table, baseline checks (the NCCL paths deliver
 exactly our rows), and a markdown table for docs/performance.md (--markdown FILE also writes it).
@@ -388,7 +391,9 @@ def our_runs(args, n, inp, timer, out, first, ref):
         for key, fn, setup in (
             ("dispatch", lambda: buf.dispatch(x, idx, w, num_experts=E), None),
             ("dispatch_cached", lambda: buf.dispatch(x, handle=rm.handle), None),
+            ("dispatch_fp8_cached", lambda: buf.dispatch(x_fp8, handle=rm.handle), None),
             ("dispatch_expert_cached", lambda: buf.dispatch(x, handle=em.handle), None),
+            ("dispatch_expert_fp8_cached", lambda: buf.dispatch(x_fp8, handle=em.handle), None),
             ("combine", lambda: buf.combine(y_rm, rm.handle), None),
             ("combine_expert", lambda: buf.combine(y_em, em.handle), None),
         ):
@@ -418,8 +423,8 @@ def our_runs(args, n, inp, timer, out, first, ref):
 
 def intranode_reference(args, n, inp, timer, out):
     """With --ranks-per-node below --ranks: the intranode path over all ranks at the same SM
-    count, in the same run (the per-SM rates of the model check): cached rank-major dispatch
-    and combine, bf16."""
+    count, in the same run (its per-SM rate, beside the model check's calibrated rates): cached
+    rank-major dispatch and combine, bf16."""
     E, T, H, K = args.experts, args.tokens, args.hidden, args.topk
     x, idx, w = inp["x"], inp["idx"], inp["w"]
     buf = mep.Buffer(dist.group.WORLD, backend=inp["backend"], max_tokens_per_rank=T, hidden=H, num_experts=E,
@@ -874,11 +879,12 @@ MD_ROWS = [
 ]
 
 
-def model_check(args, allres, key, base, row_bytes) -> str:
+def model_check(args, allres, key, row_bytes, ref_key=None) -> str:
     """The "model check" block (--ranks-per-node): megatron_ep.model's exact per-link bytes of
-    this run's routing against the bench's own counts, and the model's times from per-SM rates
-    measured in the same run against the measured times. Raises after printing when an exact
-    count disagrees (a bug, not a measurement)."""
+    this run's routing against the bench's own counts, and the time check (`_model_times`):
+    rates calibrated on one measured op per direction predict the others; those of SM count
+    `ref_key` predict this one. Raises after printing when an exact count disagrees (a bug, not
+    a measurement); a time outside 25% is printed as OUTSIDE."""
     R, P = args.ranks, args.ranks_per_node
     sms_out = [r["sms"][key] for r in allres]
     lc = None
@@ -909,7 +915,7 @@ def model_check(args, allres, key, base, row_bytes) -> str:
     if P == R:
         lines.append("    one node: no RDMA domain, no timing check (pass --ranks-per-node below --ranks)")
     else:
-        lines += _model_times(allres, key, base, row_bytes, lc)
+        lines += _model_times(args, allres, key, ref_key, lc)
     text = "\n".join(lines)
     if bad:
         print(text)
@@ -917,73 +923,164 @@ def model_check(args, allres, key, base, row_bytes) -> str:
     return text
 
 
-def _phase_split(allres, key, op):
-    """(RDMA hop, in-node stage, reorder) loop µs of `op`, mean over ranks, from the internode
-    path's marks ("rdma", "reorder"; every other phase is the in-node stage's), or None."""
-    per = [r["sms"][key]["phases"].get(op) for r in allres]
-    if any(not p or "rdma(loop)" not in p or "reorder(loop)" not in p for p in per):
+def _phase_means(allres, key, op):
+    """{mark: loop µs, mean over ranks} of `op`'s phase marks at SM count `key`, or None (not
+    traced: torch backend, or the internal hook is missing)."""
+    per = [r["sms"].get(key, {}).get("phases", {}).get(op) for r in allres]
+    if any(not p for p in per):
         return None
-    R = len(per)
-    rdma = sum(p["rdma(loop)"] for p in per) / R
-    reorder = sum(p["reorder(loop)"] for p in per) / R
-    node = sum(v for p in per for k, v in p.items() if k.endswith("(loop)") and k not in ("rdma(loop)", "reorder(loop)")) / R
-    return rdma, node, reorder
+    loops = [{k[:-len("(loop)")]: v for k, v in p.items() if k.endswith("(loop)")} for p in per]
+    if not all(loops):
+        return None
+    names = list(dict.fromkeys(k for lp in loops for k in lp))
+    return {k: sum(lp.get(k, 0.0) for lp in loops) / len(loops) for k in names}
 
 
-def _model_times(allres, key, base, row_bytes, lc) -> list:
-    """Predicted / measured internode times from per-SM rates of the intranode path measured in
-    the same run (a sequential composition, as our path runs: RDMA-domain hop, in-node stage,
-    reorder), plus the analytic model's overlapped max(). Says what is and is not a check."""
-    R = len(allres)
-    get = lambda k: _mean_over_ranks(allres, lambda r: r["sms"][key]["t"].get(k))  # noqa: E731
-    o0 = allres[0]["sms"][key]
-    sms = o0.get("num_sms")
-    unit = "SM" if sms else "rank (no SM count: torch backend)"
-    sms = sms or 1
-    blocks = o0.get("rdma_blocks") or sms
-    rows = sum(lc.recv_rows) / R  # the in-node stage delivers the same rank-major rows as the intranode path
-    node_pairs = sum(lc.deepep_rdma) / R  # what the RDMA-domain kernels handle (own node's copy local)
-    perm = base.get("permute")
-    out = [f"    times (µs, loop mode, mean over ranks); rates per {unit}; the RDMA-domain kernels on {blocks} blocks"
-           + ("" if o0.get("rdma_blocks") else " (assumed = SMs: internal hook n/a)")]
-    for op, intra_key, inter_key in (("cached dispatch", "intra_dispatch_cached", "dispatch_cached"),
-                                     ("combine", "intra_combine", "combine")):
-        intra, inter = get(intra_key), get(inter_key)
-        if intra is None or inter is None or perm is None:
-            out.append(f"    {op}: n/a (a measurement is missing)")
+def _stages_text(t, sep=" + ") -> str:
+    return sep.join(f"{MODEL.STAGE_NAMES[s]} {t.of(s):.1f}" for s in MODEL.STAGES if t.of(s) or s != "fixed")
+
+
+def _check_lines(chk, note="") -> list:
+    """A prediction against the measured call (the verdict) and, when traced, its phases."""
+    p = chk.predicted
+    fixed = " (measured, no model term)" if p.fixed_us else ""
+    out = [f"      {chk.name}{note}: predicted {_stages_text(p)}{fixed} = {p.total_us:.1f} vs measured "
+           f"{chk.call_us:.1f} per call: {chk.ratio:.2f} ({MODEL.verdict(chk.ratio)})"]
+    if chk.measured is None:
+        out.append("        per phase: n/a (this op's phases not traced)")
+        return out
+    m = chk.measured
+    ratios = ", ".join(f"{MODEL.STAGE_NAMES[s]} {chk.stage_ratio(s):.2f}" + ("" if MODEL.within(chk.stage_ratio(s))
+                                                                             else " OUTSIDE")
+                       for s in MODEL.STAGES if s != "fixed" and chk.stage_ratio(s) is not None)
+    out.append(f"        measured phases {_stages_text(m, ', ')} (sum {m.total_us:.1f}: predicted/sum "
+               f"{p.total_us / m.total_us:.2f}; {chk.outside_marks_us:.1f} of the call outside the marks); "
+               f"predicted/measured per phase: {ratios}")
+    return out
+
+
+def _model_times(args, allres, key, ref_key, lc) -> list:
+    """The time check: per-SM rates of the RDMA hop, the in-node stage and the local reorder
+    calibrated on ONE measured operation per direction (its phase marks) predict the others
+    from this run's exact rows (megatron_ep.model's stages); rates calibrated at the first SM
+    count predict the others; the SM split if the two copy stages ran at once."""
+    R, H = len(allres), args.hidden
+    bf16, fp8 = 2 * H, H + H // 128 * 4
+    rows = sum(lc.recv_rows) / R  # the in-node stage delivers the rank-major rows (own ones included)
+    pairs = sum(lc.deepep_rdma) / R  # what the RDMA-domain kernels handle (the own node's copy local)
+    erows = sum(r["sms"][key]["rows_expert_major"] for r in allres) / R
+
+    def sizes(k):
+        o = allres[0]["sms"][k]
+        return o.get("num_sms"), (o.get("rdma_blocks") or o.get("num_sms")), bool(o.get("rdma_blocks"))
+
+    def call(op, k=key):
+        v = _mean_over_ranks(allres, lambda r: r["sms"][k]["t"].get(op))
+        return v[1] if v else None
+
+    sms, blocks, known = sizes(key)
+    if not sms:
+        return ["    times: n/a (no SM count: torch backend, no phase marks; tests/test_model.py checks the time check "
+                "on recorded GPU figures)"]
+    out = [f"    times (µs per call and rank, loop mode, mean over ranks; megatron_ep.model's stages): RDMA hop on "
+           f"{blocks} blocks{'' if known else ' (assumed = SMs: internal hook n/a)'}, in-node stage on {sms} SMs, local "
+           f"reorder / fan-out on the rank's GPU share; rates calibrated on ONE op per direction, the rest predicted "
+           f"from this run's rows x row bytes"]
+    checks, rates_of = [], {}
+    dw = lambda row, sk=sms, bk=blocks, **kw: MODEL.dispatch_stage_work(pairs, rows, row, bk, sk, **kw)  # noqa: E731
+    cw = lambda sk=sms, bk=blocks, **kw: MODEL.combine_stage_work(pairs, rows, H, bk, sk, **kw)  # noqa: E731
+
+    def measured(op, k=key):
+        ph = _phase_means(allres, k, op)
+        return None if ph is None else MODEL.phase_stages(ph)
+
+    def calibrate(label, op, what, work, unit_rows):
+        m, c = measured(op), call(op)
+        if m is None or c is None:
+            out.append(f"    {label}: n/a (no phase marks of the {what}: the internal hook is missing)")
+            return None
+        try:
+            r = MODEL.calibrate_stages(work, m)
+        except ValueError as exc:  # a stage without a mark
+            out.append(f"    {label}: n/a ({exc})")
+            return None
+        rates_of[op] = r
+        out.append(f"    {label}: calibrated on the {what} (its phases {_stages_text(m, ', ')}; call "
+                   f"{c:.1f}): RDMA hop {r.rdma_per_sm:.1f} GB/s per block ((token, node) pairs x {unit_rows} B), "
+                   f"in-node stage {r.node_per_sm:.1f} GB/s per SM (rank-major rows x {unit_rows} B), local "
+                   f"{r.local_gbps:.0f} GB/s (bytes read + written)")
+        return r
+
+    def predict(name, op, work, rates, note="", k=key):
+        c = call(op, k)
+        if c is None or work is None:
+            out.append(f"      {name}: n/a (not measured)")
+            return
+        chk = MODEL.check_stages(name, work, rates, c, measured(op, k))
+        checks.append(chk)
+        out.extend(_check_lines(chk, note))
+
+    rd = calibrate("dispatch", "dispatch_cached", "bf16 cached rank-major dispatch", dw(bf16), bf16)
+    if rd is not None:
+        notify = measured("dispatch")
+        predict("FP8 cached, rank-major", "dispatch_fp8_cached", dw(fp8), rd, f" (same rows, {fp8} B)")
+        predict("incl. notify, rank-major", "dispatch", dw(bf16, fixed_us=notify.fixed_us) if notify else None, rd,
+                " (the first call also sorts the order keys and syncs with the host: no model term)")
+        predict("cached, expert-major", "dispatch_expert_cached", dw(bf16, expert_rows=erows), rd,
+                f" (fan-out + reorder of {erows:.0f} rows)")
+        predict("FP8 cached, expert-major", "dispatch_expert_fp8_cached", dw(fp8, expert_rows=erows), rd)
+    rc = calibrate("combine", "combine", "bf16 rank-major combine", cw(), bf16)
+    if rc is not None:
+        em = _phase_means(allres, key, "combine_expert")
+        partials = em is None or "reduce" in em
+        predict("expert-major", "combine_expert", cw(expert_rows=erows, partials=partials), rc,
+                " (reorder of the expert rows; " + ("fp32 partials cross the in-node stage)" if partials
+                                                   else "every expert row crosses the in-node stage)"))
+    if ref_key is not None and ref_key != key:
+        rsms, rblocks, _ = sizes(ref_key)
+        out.append(f"    SM sweep: rates calibrated at {rsms} SMs ({rblocks} blocks) predict {sms} SMs ({blocks} blocks); "
+                   f"the local work does not scale with the SMs")
+        for label, op, wref, wnow in (("cached dispatch, rank-major", "dispatch_cached", dw(bf16, rsms, rblocks), dw(bf16)),
+                                      ("combine, rank-major", "combine", cw(rsms, rblocks), cw())):
+            m = measured(op, ref_key)
+            try:
+                rates = MODEL.calibrate_stages(wref, m) if m is not None else None
+            except ValueError:
+                rates = None
+            if rates is None:
+                out.append(f"      {label}: n/a (no phase marks of every stage at {rsms} SMs)")
+                continue
+            predict(label, op, wnow, rates)
+    if checks:
+        bad = [f"{c.name} {c.ratio:.2f}" for c in checks if not c.within]
+        out.append(f"    time check: {len(checks) - len(bad)} of {len(checks)} predictions within "
+                   f"{100 * MODEL.TIME_TOLERANCE:g}% of the measured call" + (f"; OUTSIDE: {', '.join(bad)}" if bad else ""))
+    nic = MODEL.Machine().nic_gbps
+    for label, op, work in (("dispatch", "dispatch_cached", dw(bf16)), ("combine", "combine", cw())):
+        r = rates_of.get(op)
+        if r is None:
             continue
-        rate = MODEL.per_sm_gbps(rows, row_bytes, intra[1], sms)  # independent of the internode measurement
-        t_node = MODEL.sm_bound_us(rows, row_bytes, sms, rate)
-        t_rdma = MODEL.sm_bound_us(node_pairs, row_bytes, blocks, rate)  # assumed: RDMA hop at the same per-SM rate
-        t_seq = t_rdma + t_node + perm[1]
-        ratio = t_seq / inter[1]
-        out.append(f"    {op}: intranode path {intra[1]:.1f} µs -> {rate:.3g} GB/s per {unit.split()[0]} (received rows "
-                   f"incl. own / time / SMs); predicted internode = RDMA hop {t_rdma:.1f} + in-node stage {t_node:.1f} "
-                   f"+ reorder {perm[1]:.1f} (the index_select baseline) = {t_seq:.1f} vs measured {inter[1]:.1f}: "
-                   f"predicted/measured {ratio:.2f} ({'within' if abs(ratio - 1) <= 0.25 else 'OUTSIDE'} 25%)")
-        out.append(f"      model with overlap (max over links, as DeepEP's fused kernel): {max(t_rdma, t_node):.1f} µs "
-                   f"= {max(t_rdma, t_node) / inter[1]:.2f}x measured")
-        derived = inter[1] - t_node - perm[1]
-        if derived > 0:
-            out.append(f"      not a check: the RDMA hop's own rate, derived from this same measurement (measured - "
-                       f"in-node stage - reorder = {derived:.1f} µs): "
-                       f"{MODEL.per_sm_gbps(node_pairs, row_bytes, derived, blocks):.3g} GB/s per {unit.split()[0]}")
-        else:
-            out.append("      not a check: the RDMA hop's own rate cannot be derived (measured <= in-node stage + reorder)")
-        split = _phase_split(allres, key, inter_key)
-        if split is None:
-            out.append("      measured phases: n/a (no trace)")
-        else:
-            m_rdma, m_node, m_reorder = split
-            hop_rate = MODEL.per_sm_gbps(node_pairs, row_bytes, m_rdma, blocks) if m_rdma > 0 else float("nan")
-            out.append(f"      measured phases (loop, the internode path's own marks): RDMA hop {m_rdma:.1f}, in-node stage "
-                       f"{m_node:.1f}, reorder {m_reorder:.1f} µs; model term / measured: RDMA hop "
-                       f"{t_rdma / m_rdma if m_rdma > 0 else float('nan'):.2f}, in-node stage "
-                       f"{t_node / m_node if m_node > 0 else float('nan'):.2f}, reorder "
-                       f"{perm[1] / m_reorder if m_reorder > 0 else float('nan'):.2f}; the hop's own rate {hop_rate:.3g} GB/s "
-                       f"per {unit.split()[0]} ({hop_rate / rate:.2f}x the intranode rate the model assumes)")
-    out.append("    assumptions: the RDMA-domain hop copies at the intranode per-SM rate (the model's sm_rdma = "
-               "sm_nvlink; on virtual nodes NVSHMEM P2P runs over NVLink/HBM, not InfiniBand); metadata not counted")
+        s = MODEL.split_sms(sms, work.rdma_bytes, work.node_bytes, r.rdma_per_sm, r.node_per_sm)
+        remote = sum(lc.rdma_sent) / R * (work.rdma_bytes / pairs)
+        sn = MODEL.split_sms(sms, work.rdma_bytes, work.node_bytes, r.rdma_per_sm, r.node_per_sm, nic_gbps=nic,
+                             rdma_link_bytes=remote)
+        seq = MODEL.predict_stages(work, r)
+        out.append(f"    if the stages were fused/overlapped ({label}, calibrated rates): split {sms} SMs as {s.rdma_sms} "
+                   f"RDMA hop / {s.node_sms} in-node stage -> {s.time_us:.1f} µs (ideal {s.ideal_us:.1f}; one after the "
+                   f"other on all {sms}: {seq.rdma_us + seq.node_us:.1f}); bound by {s.bound.describe()}; over a "
+                   f"{nic:g} GB/s NIC carrying the {remote / 1e6:.2f} MB of remote rows: {sn.rdma_sms} / {sn.node_sms} -> "
+                   f"{sn.time_us:.1f} µs, bound by {sn.bound.describe()}")
+    intra = call("intra_dispatch_cached")
+    if rd is not None and intra is not None:
+        rate = MODEL.per_sm_gbps(rows, bf16, intra, sms)
+        out.append(f"    not a check: the intranode path (one node of all ranks, same run) cached dispatch {intra:.1f} µs -> "
+                   f"{rate:.3g} GB/s per SM; the calibrated RDMA hop / in-node stage rates are {rd.rdma_per_sm / rate:.2f}x / "
+                   f"{rd.node_per_sm / rate:.2f}x it")
+    out.append("    assumptions: the stages run one after the other (the marks of one stream); hop and in-node stage "
+               "SM-bound at their per-SM rates (virtual nodes: NVSHMEM P2P over NVLink, no NIC); local work at one "
+               "per-GPU rate per direction (bytes read + written, independent of --num-sms); the expert-major combine's "
+               "pre-reduction takes the staging copy's place (its read of the expert rows has no term); the first "
+               "call's sort and host sync, and metadata, have no term")
     return out
 
 
@@ -1000,6 +1097,7 @@ def report(args, allres):
     else:
         print(f"  DeepEP: {r0.get('deepep_label')}")
     base = {k: _mean_over_ranks(allres, lambda r, k=k: r["base"].get(k)) for k in ("copy", "permute")}
+    ref_key = next((str(n) for n in args.num_sms if not r0["sms"][str(n)]["skipped"]), None)  # the SM sweep's calibration
     for n in args.num_sms:
         key = str(n)
         if r0["sms"][key]["skipped"]:
@@ -1032,15 +1130,16 @@ def report(args, allres):
             p = get(peer) if peer else None
             ratio = f" {iso / p[0]:>9.2f}x{loop / p[1]:>7.2f}x" if p else ""
             print(f"{name:<42}{iso:>9.1f}{loop:>9.1f}{mx:>9.1f}{gbs}{vs_copy}{ratio}")
-        for pkey in ("dispatch", "dispatch_cached", "dispatch_expert_cached", "combine", "combine_expert"):
+        for pkey in ("dispatch", "dispatch_cached", "dispatch_fp8_cached", "dispatch_expert_cached",
+                     "dispatch_expert_fp8_cached", "combine", "combine_expert"):
             per = [r["sms"][key]["phases"].get(pkey) for r in allres]
             if any(p is None for p in per):
-                print(f"  phases {pkey:<24} n/a")
+                print(f"  phases {pkey:<26} n/a")
                 continue
             names = per[0].keys()
-            print(f"  phases {pkey:<24} " + "  ".join(f"{nm} {sum(p.get(nm, 0) for p in per) / R:.0f}" for nm in names) + " us")
+            print(f"  phases {pkey:<26} " + "  ".join(f"{nm} {sum(p.get(nm, 0) for p in per) / R:.0f}" for nm in names) + " us")
         if args.ranks_per_node:
-            print(model_check(args, allres, key, base, row_bytes["bf16"]))
+            print(model_check(args, allres, key, row_bytes["bf16"], ref_key))
         gb = [r["sms"][key].get("gpu_bound") for r in allres]
         if all(gb):
             print("  GPU-bound (host queued ahead behind a sleep kernel): " + "; ".join(

@@ -423,4 +423,209 @@ def test_bench_normal_smoke_model_check():
                        timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "model check" in p.stdout and "equal on every rank" in p.stdout
-    assert "equal to the count on every rank" in p.stdout and "predicted/measured" in p.stdout
+    assert "equal to the count on every rank" in p.stdout
+    assert "times: n/a (no SM count: torch backend" in p.stdout  # the time check: test_bench_model_check_* below
+
+
+# ---------------------------------------------------------------------------------------------
+# The two-level time check: per-SM rates calibrated on one measured op predict the others
+# (megatron_ep.model's stages; scripts/bench_normal.py prints them in its model check)
+
+# The 2 x H200 run of 2026-11-30 (/tmp/in_bench_call1.log): `python3 scripts/bench_normal.py
+# --ranks 2 --ranks-per-node 1 --num-sms 24 --no-deepep`, 4096 tokens, H 7168, top-8 of 256.
+# Loop-mode µs per call and per phase mark (mean over ranks), as that run printed them.
+CALL1_H = 7168
+CALL1_CALLS = {"layout": 41.8, "dispatch": 895.8, "dispatch_cached": 455.7, "dispatch_fp8_cached": 309.6,
+               "dispatch_expert": 1256.3, "dispatch_expert_cached": 951.4, "dispatch_expert_fp8_cached": 572.9,
+               "combine": 1080.1, "combine_expert": 2051.7, "intra_dispatch_cached": 342.8, "intra_combine": 327.7}
+CALL1_PHASES = {  # the FP8 ops were not traced in that run
+    "dispatch": {"rdma": 230.0, "notify": 69.0, "push": 201.0, "reorder": 194.0},
+    "dispatch_cached": {"rdma": 221.8, "push": 156.6, "reorder": 84.0},
+    "dispatch_expert_cached": {"rdma": 223.0, "push": 165.0, "fanout": 217.0, "reorder": 345.0},
+    "combine": {"reorder": 178.3, "stage": 113.2, "pull": 201.0, "rdma": 594.9},
+    "combine_expert": {"reorder": 864.0, "reduce": 305.0, "pull": 286.0, "rdma": 603.0},
+}
+CALL1_ROWS, CALL1_PAIRS, CALL1_EXPERT_ROWS = 8168, 8168, 40832  # per rank (mean): rank-major, (token, node), expert-major
+
+
+def test_phase_stages_map_the_internode_marks():
+    t = M.phase_stages({"rdma": 1.0, "notify": 2.0, "stage": 4.0, "push": 8.0, "pull": 16.0, "reduce": 32.0,
+                        "fanout": 64.0, "reorder": 128.0, "someday": 256.0})
+    assert (t.rdma_us, t.fixed_us, t.local_us) == (1.0, 2.0, 192.0)
+    assert t.node_us == 4 + 8 + 16 + 32 + 256  # unknown marks are the intranode path's
+    assert t.total_us == 511.0
+
+
+def test_stage_work_bytes():
+    d = M.dispatch_stage_work(10, 20, 100, 4, 8)
+    assert (d.rdma_bytes, d.node_bytes, d.local_bytes, d.blocks, d.sms) == (1000, 2000, 4000, 4, 8)
+    e = M.dispatch_stage_work(10, 20, 100, 4, 8, expert_rows=50, fixed_us=3.0)
+    assert e.local_bytes == (20 + 3 * 50) * 100 and e.fixed_us == 3.0  # fan-out reads 20, writes 50; reorder 2 x 50
+    c = M.combine_stage_work(10, 20, 64, 4, 8)
+    assert (c.rdma_bytes, c.node_bytes, c.local_bytes) == (1280, 2560, 5120)
+    ce = M.combine_stage_work(10, 20, 64, 4, 8, expert_rows=50)
+    assert (ce.rdma_bytes, ce.node_bytes, ce.local_bytes) == (1280, 20 * 256, 2 * 50 * 128)  # fp32 partials
+    assert M.combine_stage_work(10, 20, 64, 4, 8, expert_rows=50, partials=False).node_bytes == 50 * 128
+
+
+def test_calibrate_and_predict_hand_computed():
+    # 1e9 B over the hop in 1000 us on 10 blocks = 100 GB/s per block; 2e9 B in-node in 500 us on 20 SMs = 200
+    w = M.StageWork(rdma_bytes=1e9, node_bytes=2e9, local_bytes=3e9, blocks=10, sms=20)
+    r = M.calibrate_stages(w, M.StageTimes(rdma_us=1000.0, node_us=500.0, local_us=1000.0))
+    assert r.rdma_per_sm == pytest.approx(100.0) and r.node_per_sm == pytest.approx(200.0)
+    assert r.local_gbps == pytest.approx(3000.0)
+    assert M.predict_stages(w, r).total_us == pytest.approx(2500.0)  # its own calibration: exact
+    # other SM counts: hop and in-node stage scale with their SMs, the local work does not
+    p = M.predict_stages(M.StageWork(1e9, 2e9, 3e9, blocks=20, sms=40, fixed_us=7.0), r)
+    assert (p.rdma_us, p.node_us, p.local_us, p.fixed_us) == pytest.approx((500.0, 250.0, 1000.0, 7.0))
+    chk = M.check_stages("x", M.StageWork(1e9, 2e9, 3e9, 20, 40), r, call_us=1400.0,
+                         measured=M.StageTimes(400.0, 250.0, 1000.0))
+    assert chk.ratio == pytest.approx(1750 / 1400) and chk.within  # 1.25: the edge is within
+    assert chk.stage_ratio("rdma") == pytest.approx(1.25) and chk.stage_ratio("fixed") is None
+    assert chk.outside_marks_us == pytest.approx(-250.0)
+    assert M.verdict(0.74) == "OUTSIDE 25%" and M.verdict(1.2) == "within 25%"
+    with pytest.raises(ValueError, match="RDMA hop"):
+        M.calibrate_stages(w, M.StageTimes(rdma_us=0.0, node_us=500.0, local_us=1000.0))
+
+
+def test_sm_split_both_finish_together():
+    # SM-bound: hop work 6e6 B / 1 GB/s per SM = 6000 SM-us, in-node 2e6 / 1 = 2000: 3/4 of 8 SMs to the hop
+    s = M.split_sms(8, 6e6, 2e6, 1.0, 1.0)
+    assert (s.rdma_sms, s.node_sms) == (6, 2)
+    assert s.bound.rdma_us == pytest.approx(1000.0) and s.bound.node_us == pytest.approx(1000.0)
+    assert s.ideal_us == pytest.approx(1000.0) and s.time_us == pytest.approx(1000.0)  # = sequential on all 8
+    assert s.bound.stage == "rdma" and s.bound.limited_by == "SMs"  # a tie goes to the hop
+    # a slow link: the hop needs only the SMs that cover its link, the rest go to the in-node stage
+    # (the link takes 4.5e6 B / 2 GB/s = 2250 us; 3 SMs cover it (2000 us), a 4th would only slow the
+    # in-node stage: 400 -> 500 us)
+    n = M.split_sms(8, 6e6, 2e6, 1.0, 1.0, nic_gbps=2.0, rdma_link_bytes=4.5e6)
+    assert n.bound.stage == "rdma" and n.bound.limited_by == "link" and n.time_us == pytest.approx(2250.0)
+    assert (n.rdma_sms, n.node_sms) == (3, 5) and n.ideal_us == pytest.approx(2250.0)
+    assert n.bound.node_us == pytest.approx(400.0)
+    b = M.bounding_stage(6e6, 2e6, 4, 4, 1.0, 1.0)
+    assert (b.stage, b.limited_by) == ("rdma", "SMs") and b.time_us == pytest.approx(1500.0)
+    b = M.bounding_stage(1e6, 2e6, 4, 4, 1.0, 1.0, nvlink_gbps=0.5)
+    assert (b.stage, b.limited_by) == ("node", "link") and b.node_us == pytest.approx(4000.0)
+    assert b.describe() == "the in-node stage (NVLink)"
+    assert M.split_sms(8, 0.0, 2e6, 1.0, 1.0).node_sms == 8
+    with pytest.raises(ValueError):
+        M.split_sms(1, 1e6, 1e6, 1.0, 1.0)
+
+
+def test_call1_predictions_on_paper():
+    # Rates from the bf16 cached rank-major dispatch's own marks; the other ops predicted.
+    H, N, Q, E = CALL1_H, CALL1_ROWS, CALL1_PAIRS, CALL1_EXPERT_ROWS
+    bf16, fp8 = 2 * H, H + H // 128 * 4
+    cal = M.phase_stages(CALL1_PHASES["dispatch_cached"])
+    r = M.calibrate_stages(M.dispatch_stage_work(Q, N, bf16, 24, 24), cal)
+    assert r.rdma_per_sm == pytest.approx(22.0, abs=0.05)  # 8168 x 14336 B / 221.8 us / 24
+    assert r.node_per_sm == pytest.approx(31.2, abs=0.05)
+    assert r.local_gbps == pytest.approx(2788, abs=1)  # 2 x 117.1 MB / 84 us
+    fp = M.check_stages("fp8", M.dispatch_stage_work(Q, N, fp8, 24, 24), r, CALL1_CALLS["dispatch_fp8_cached"])
+    assert fp.predicted.total_us == pytest.approx(462.4 * fp8 / bf16)  # the same rows at 7392 of 14336 B
+    assert round(fp.ratio, 2) == 0.77 and fp.within
+    notify = M.phase_stages(CALL1_PHASES["dispatch"])
+    nt = M.check_stages("notify", M.dispatch_stage_work(Q, N, bf16, 24, 24, fixed_us=notify.fixed_us), r,
+                        CALL1_CALLS["dispatch"], notify)
+    assert nt.predicted.total_us == pytest.approx(462.4 + 69.0)
+    assert round(nt.ratio, 2) == 0.59 and not nt.within  # the first call's sort and host sync: no model term
+    assert round(nt.stage_ratio("local"), 2) == 0.43 and round(nt.stage_ratio("rdma"), 2) == 0.96
+    assert nt.outside_marks_us == pytest.approx(895.8 - 694.0)
+    em = M.check_stages("expert", M.dispatch_stage_work(Q, N, bf16, 24, 24, expert_rows=E), r,
+                        CALL1_CALLS["dispatch_expert_cached"], M.phase_stages(CALL1_PHASES["dispatch_expert_cached"]))
+    assert round(em.ratio, 2) == 1.10 and em.within and round(em.stage_ratio("local"), 2) == 1.20
+    em8 = M.check_stages("expert fp8", M.dispatch_stage_work(Q, N, fp8, 24, 24, expert_rows=E), r,
+                         CALL1_CALLS["dispatch_expert_fp8_cached"])
+    assert round(em8.ratio, 2) == 0.95
+    # combine: rates from the rank-major combine, the expert-major one predicted
+    rc = M.calibrate_stages(M.combine_stage_work(Q, N, H, 24, 24), M.phase_stages(CALL1_PHASES["combine"]))
+    assert rc.rdma_per_sm == pytest.approx(8.2, abs=0.05) and rc.node_per_sm == pytest.approx(15.5, abs=0.05)
+    ce = M.check_stages("combine expert", M.combine_stage_work(Q, N, H, 24, 24, expert_rows=E), rc,
+                        CALL1_CALLS["combine_expert"], M.phase_stages(CALL1_PHASES["combine_expert"]))
+    assert [round(ce.stage_ratio(s), 2) for s in ("rdma", "node", "local")] == [0.99, 1.06, 1.03]
+    assert round(ce.ratio, 2) == 1.03 and ce.within
+    # fused on 24 SMs: 14 / 10, no faster than the two stages one after the other (both SM-bound)
+    w = M.dispatch_stage_work(Q, N, bf16, 24, 24)
+    s = M.split_sms(24, w.rdma_bytes, w.node_bytes, r.rdma_per_sm, r.node_per_sm)
+    assert (s.rdma_sms, s.node_sms, s.bound.stage, s.bound.limited_by) == (14, 10, "rdma", "SMs")
+    assert s.ideal_us == pytest.approx(221.8 + 156.6)
+
+
+def _load_bench():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_normal_for_test", os.path.join(ROOT, "scripts", "bench_normal.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _call1_allres(sweep: bool = False):
+    """allres as bench_normal's workers gather it, with the call-1 figures on both ranks (loop =
+    isolated), 2 virtual nodes x 1 rank. `sweep`: also 16 SMs, the hop and in-node phases
+    24/16 longer (the per-SM rates of 24 SMs) and the local work unchanged."""
+    rdma_sent, deepep, recv = [4083, 4086], [8167, 8169], [8170, 8166]  # consistent: recv = own pairs + landed
+
+    def at(sms, scale):
+        t = {k: (v * (scale if k in ("dispatch_cached", "combine") else 1), v, 0, True) for k, v in CALL1_CALLS.items()}
+        ph = {}
+        for op, marks in CALL1_PHASES.items():
+            ph[op] = {f"{m}(loop)": v * (scale if M.STAGE_OF_MARK.get(m, "node") in ("rdma", "node") else 1)
+                      for m, v in marks.items()}
+        if scale != 1:
+            for op in ("dispatch_cached", "combine"):
+                t[op] = (0.0, sum(ph[op].values()), 0, True)
+        return {"num_sms": sms, "rdma_blocks": sms, "t": t, "phases": ph, "skipped": None, "rows_expert_major": 40832}
+
+    allres = []
+    for r in range(2):
+        sms = {"24": at(24, 1.0)}
+        if sweep:
+            sms = {"16": at(16, 24 / 16), **sms}
+        for o in sms.values():
+            o.update(rows_rank_major=recv[r], rdma_rows_sent=deepep[r],
+                     links={"rdma_sent": rdma_sent if r == 0 else [0, 0], "rdma_recv": [4086, 4083] if r == 0 else [0, 0],
+                            "deepep_rdma": deepep if r == 0 else [0, 0], "nvlink_sent": [0, 0], "nvlink_recv": [0, 0],
+                            "recv_rows": recv if r == 0 else [0, 0]})
+        allres.append({"rank": r, "sms": sms})
+    return allres
+
+
+def test_bench_model_check_prints_the_call1_verdicts(capsys):
+    bench = _load_bench()
+    args = bench.parse(["--ranks", "2", "--ranks-per-node", "1", "--num-sms", "24", "--no-deepep"])
+    text = bench.model_check(args, _call1_allres(), "24", 2 * CALL1_H, ref_key="24")
+    print(text)
+    assert "equal on every rank" in text and "equal to the count on every rank" in text
+    assert "calibrated on the bf16 cached rank-major dispatch" in text
+    assert "RDMA hop 22.0 GB/s per block" in text and "in-node stage 31.2 GB/s per SM" in text
+    assert "RDMA hop 8.2 GB/s per block" in text and "in-node stage 15.5 GB/s per SM" in text  # the combine's
+    line = lambda start: next(ln for ln in text.splitlines() if ln.strip().startswith(start))  # noqa: E731
+    assert line("FP8 cached, rank-major").endswith("309.6 per call: 0.77 (within 25%)")
+    assert line("incl. notify, rank-major").endswith("895.8 per call: 0.59 (OUTSIDE 25%)")
+    assert "notify 69.0 (measured, no model term)" in line("incl. notify, rank-major")
+    assert line("cached, expert-major").endswith(": 1.10 (within 25%)")
+    assert line("FP8 cached, expert-major").endswith(": 0.95 (within 25%)")
+    assert line("expert-major (reorder").endswith(": 1.03 (within 25%)")
+    assert "time check: 4 of 5 predictions within 25% of the measured call; OUTSIDE: incl. notify, rank-major 0.59" in text
+    assert "split 24 SMs as 14 RDMA hop / 10 in-node stage" in text and "bound by the RDMA hop (its SMs)" in text
+    assert "bound by the RDMA hop (the NIC)" in text
+    assert "SM sweep" not in text  # one SM count
+
+
+def test_bench_model_check_sm_sweep():
+    # rates of 16 SMs predict 24 SMs: built so that they do exactly (hop and in-node stage 24/16 slower at 16)
+    bench = _load_bench()
+    args = bench.parse(["--ranks", "2", "--ranks-per-node", "1", "--num-sms", "16,24", "--no-deepep"])
+    allres = _call1_allres(sweep=True)
+    text = bench.model_check(args, allres, "24", 2 * CALL1_H, ref_key="16")
+    assert "SM sweep: rates calibrated at 16 SMs (16 blocks) predict 24 SMs (24 blocks)" in text
+    sweep = text.split("SM sweep")[1].splitlines()
+    disp = next(ln for ln in sweep if ln.strip().startswith("cached dispatch, rank-major"))
+    assert "predicted RDMA hop 221.8 + in-node stage 156.6 + local reorder 84.0 = 462.4" in disp
+    assert disp.endswith("455.7 per call: 1.01 (within 25%)")
+    comb = next(ln for ln in sweep if ln.strip().startswith("combine, rank-major"))
+    assert "predicted RDMA hop 594.9 + in-node stage 314.2 + local reorder 178.3 = 1087.4" in comb
+    assert comb.endswith("1080.1 per call: 1.01 (within 25%)")
+    # the 16-SM block itself calibrates and predicts at 16 SMs, no sweep line
+    assert "SM sweep" not in bench.model_check(args, allres, "16", 2 * CALL1_H, ref_key="16")
