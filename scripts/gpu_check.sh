@@ -3,13 +3,22 @@
 # GPU test suite (R = 2 ranks: one per GPU when there are two; R = 4, 8: several per GPU under
 # MPS), compute-sanitizer on a small R = 2 case, the benchmark (one process per GPU when the GPUs
 # suffice, with DeepEP and NCCL baselines), and the Megatron phase. Logs go under $OUT.
-#   MEP_GPU_STEPS   phases, comma-separated: build,internode,tests,sanitizer,bench,megatron,lowlat
+#   MEP_GPU_STEPS   phases, comma-separated: build,internode,tests,sanitizer,bench,megatron,lowlat,deepgemm
 #                   (default build,tests,sanitizer,bench)
 #   internode       the two-level path on virtual nodes: tests/test_cuda_internode.py (MEP_IN_TEST_ARGS,
 #                   MEP_IN_TEST_TIMEOUT)
 #   lowlat          the low-latency path: tests/test_cuda_low_latency.py (MEP_LL_TEST_ARGS), then
 #                   scripts/bench_low_latency.py --ranks ${MEP_LL_RANKS:-2} (MEP_LL_BENCH_ARGS) -> $OUT/ll_bench.md;
 #                   MEP_LL_PARTS=tests or =bench runs one of the two (default tests,bench)
+#   deepgemm        DeepGEMM under our expert glue: waits for .carry/build_deepgemm.sh's build (started
+#                   at the top; MEP_DG_WAIT seconds, default 300), takes /tmp/deepgemm.env (PYTHONPATH,
+#                   DG_JIT_CACHE_DIR, LD_PRELOAD) for this phase only, then under MPS: every GPU test of
+#                   tests/test_experts.py (masked bf16/FP8 GEMMs, the decode experts in a CUDA graph,
+#                   contiguous GEMMs) and the decode layer in one CUDA graph from
+#                   tests/test_cuda_low_latency.py (needs the build phase's extension)
+#                   -> $OUT/deepgemm_tests.log (MEP_DG_TEST_ARGS; MEP_DG_TEST_TIMEOUT, default 300 s, for
+#                   each of the two pytest runs). Without a usable deep_gemm the DeepGEMM cases skip,
+#                   the fallback's run, and the phase fails
 #   MEP_TEST_ARGS   extra pytest arguments for the tests phase (e.g. -k "faults or fuzz")
 #   MEP_SAN_TOOLS   compute-sanitizer tools (default memcheck,racecheck,synccheck,initcheck)
 #   MEP_BENCH_ARGS  bench_normal.py arguments (default: --ranks 2 --num-sms 8,16,24)
@@ -17,7 +26,7 @@
 # Wheels under .whl/ (megatron-core for Python 3.12, carried) are installed to /tmp/site first.
 # If .carry/build_deepep.sh exists (a peer library built on the GPU machine from a fetched
 # snapshot, never part of this repository), DeepEP's intranode build starts in the background
-# and the bench phase waits for it.
+# and the bench phase waits for it; likewise .carry/build_deepgemm.sh for the deepgemm phase.
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -45,6 +54,9 @@ if [ -f .carry/build_deepep.sh ] && { has bench || has megatron; }; then
 fi
 if [ -f .carry/build_deepep.sh ] && has lowlat; then  # DeepEP against the pip NVSHMEM: its LL kernels
   OUT=/tmp bash .carry/build_deepep.sh full > /tmp/deepep_full_start.log 2>&1
+fi
+if [ -f .carry/build_deepgemm.sh ] && has deepgemm; then  # one C++ file, beside the build phase
+  OUT=/tmp bash .carry/build_deepgemm.sh > /tmp/deepgemm_start.log 2>&1
 fi
 
 if has build; then
@@ -121,6 +133,28 @@ if has lowlat; then
     grep -v "^\[" "$OUT/ll_bench.log" | tail -30
     stop_mps
   fi
+fi
+if has deepgemm; then
+  phase deepgemm
+  dglog=$OUT/deepgemm_tests.log
+  if [ -f .carry/build_deepgemm.sh ]; then
+    for _ in $(seq "${MEP_DG_WAIT:-300}"); do [ -e /tmp/deepgemm.done ] && break; sleep 1; done
+    echo "DeepGEMM build: $(cat /tmp/deepgemm.done 2>/dev/null || echo 'not finished')" | tee -a "$dglog"
+    [ -e /tmp/deepgemm.ok ] || { status=1; tail -30 /tmp/deepgemm_build.log 2>/dev/null | tee -a "$dglog"; }
+  fi
+  start_mps
+  eval "dgargs=(${MEP_DG_TEST_ARGS:-})"
+  # two runs, so a crash in the single-process GEMM tests still leaves the decode-layer run
+  for dgtests in "tests/test_experts.py" \
+      "tests/test_cuda_low_latency.py::test_decode_layer tests/test_cuda_low_latency.py::test_decode_layer_one_graph"; do
+    (
+      if [ -e /tmp/deepgemm.ok ]; then . /tmp/deepgemm.env; fi
+      python3 -c "import deep_gemm" 2>&1 | tail -3
+      exec timeout "${MEP_DG_TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu -rs $dgtests "${dgargs[@]}"
+    ) 2>&1 | tee -a "$dglog" | grep -vE "^\s*$" | tail -30
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  done
+  stop_mps
 fi
 if has megatron; then
   phase megatron

@@ -1,7 +1,9 @@
 """Low-latency case bodies for the cuda backend (run on every rank of a DistPool; see
 tests/test_cuda_low_latency.py): CUDA-graph replays, the recv hook interleaved with compute, both
-buffer sets in flight, a timeout and a signature mismatch. Helpers shared with
-cases.run_low_latency_case: the process-wide buffer, FP8 edge values, power-of-two scales.
+buffer sets in flight, a timeout and a signature mismatch, and the decode MoE layer in one CUDA
+graph (DeepGEMM's masked GEMMs or the torch fallback: `masked_gemm`, also used by
+tests/test_experts.py). Helpers shared with cases.run_low_latency_case: the process-wide buffer,
+FP8 edge values, power-of-two scales.
 
 Every rank builds the same global inputs from one seed and checks its own part; collectives run
 before any check so a failing rank never leaves its peers waiting.
@@ -9,7 +11,9 @@ before any check so a failing rank never leaves its peers waiting.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -307,17 +311,80 @@ def run_ll_bad_inputs(_cfg=None) -> list:
 
 
 # ------------------------------------------------------------------------------ decode layer
+MASKED_GEMMS = ("m_grouped_fp8_gemm_nt_masked", "m_grouped_bf16_gemm_nt_masked")
+
+
+class DeepGemmSpy:
+    """The real deep_gemm module, recording the name of every grouped GEMM our glue calls on it."""
+
+    def __init__(self, module):
+        self.module, self.calls = module, []
+
+    def __getattr__(self, name):
+        attr = getattr(self.module, name)
+        if not name.startswith("m_grouped_"):
+            return attr
+
+        def call(*args, **kwargs):
+            self.calls.append(name)
+            return attr(*args, **kwargs)
+
+        return call
+
+
+@contextlib.contextmanager
+def masked_gemm(kind: Optional[str]):
+    """Which GEMMs megatron_ep.experts uses inside the block (this process only; restored after):
+    'deepgemm': the real deep_gemm behind a DeepGemmSpy, which is yielded (raises if deep_gemm does
+    not import); 'torch': DeepGEMM hidden, so the masked GEMMs take the batched-matmul fallback;
+    None: whatever is importable (yields None)."""
+    from megatron_ep.experts import backends as B
+
+    if kind is None:
+        yield None
+        return
+    saved = (B._deep_gemm, B._deep_gemm_checked)
+    spy = None
+    if kind == "deepgemm":
+        real = B.deep_gemm_module()
+        if real is None:
+            raise RuntimeError("deep_gemm does not import in this process (PYTHONPATH / LD_PRELOAD from /tmp/deepgemm.env?)")
+        spy = DeepGemmSpy(real)
+    elif kind != "torch":
+        raise ValueError(f"masked_gemm kind must be deepgemm, torch or None, got {kind!r}")
+    B._deep_gemm, B._deep_gemm_checked = spy, True
+    try:
+        yield spy
+    finally:
+        B._deep_gemm, B._deep_gemm_checked = saved
+
+
+def block_cast_back(w: torch.Tensor) -> torch.Tensor:
+    """The fp32 weights DeepGEMM's FP8 GEMMs see: per_block_cast_to_fp8(w) multiplied back out."""
+    from megatron_ep.experts import per_block_cast_to_fp8
+
+    q, s = per_block_cast_to_fp8(w)
+    N, K = w.shape[-2:]
+    return q.float() * s.repeat_interleave(128, -2).repeat_interleave(128, -1)[..., :N, :K]
+
+
 def run_ll_decode_layer_case(cfg: dict, backend: str = "cuda", device: str = "cuda") -> list:
     """DecodeMoELayer (LL dispatch -> masked expert MLP -> LL combine) against a dense fp32
-    reference with the same FP8 inputs and bf16 weights, eagerly and (cuda) replayed from a
-    CUDA graph. On the torch backend (CPU) it checks the layer's own logic."""
+    reference with the same FP8 inputs and bf16 weights (fc1's cast to FP8 per 128x128 block when
+    DeepGEMM runs it), eagerly and (cuda) replayed from one CUDA graph on fresh tokens and
+    routings, each replay also against the eager layer on the same inputs (those eager calls run
+    before the capture). On the torch backend (CPU) it checks the layer's own logic.
+    cfg: seed, E, K, H, F, T, max_tokens; replays (3); gemm: 'deepgemm' | 'torch' | None
+    (masked_gemm; with 'deepgemm' both masked GEMMs must have been called)."""
     from cases import Checker, get_buffer
+    from megatron_ep.experts import backends
     from megatron_ep.experts.decode_layer import DecodeMoELayer
 
     R, rank = dist.get_world_size(), dist.get_rank()
     E, K, H, F, T, mt = cfg["E"], cfg["K"], cfg["H"], cfg["F"], cfg["T"], cfg["max_tokens"]
     L = E // R
-    chk = Checker(f"[decode layer R={R} rank={rank} {backend}]")
+    gemm = cfg.get("gemm")
+    chk = Checker(f"[decode layer R={R} rank={rank} {backend}{'' if gemm is None else ' ' + gemm}]")
     g = torch.Generator().manual_seed(cfg["seed"])
     w1 = (torch.randn((E, 2 * F, H), generator=g) / H ** 0.5).to(torch.bfloat16)
     w2 = (torch.randn((E, H, F), generator=g) / F ** 0.5).to(torch.bfloat16)
@@ -325,31 +392,41 @@ def run_ll_decode_layer_case(cfg: dict, backend: str = "cuda", device: str = "cu
     layer = DecodeMoELayer(buf, E, w1[rank * L:(rank + 1) * L].to(device), w2[rank * L:(rank + 1) * L].to(device),
                            max_tokens_per_rank=mt, use_fp8=True)
 
-    def reference(me):
-        xq = per_token_cast_back(*per_token_cast_to_fp8(me["x"])).float()
-        y = torch.zeros((T, H), dtype=torch.float64)
-        for e in me["idx"][me["idx"] >= 0].unique().tolist():
-            t, k = (me["idx"] == e).nonzero(as_tuple=True)
-            a, b = (xq[t] @ w1[e].float().T).chunk(2, dim=-1)
-            h = torch.nn.functional.silu(a) * b
-            y.index_add_(0, t, (me["w"][t, k].unsqueeze(1) * (h @ w2[e].float().T)).double())
-        return y
+    def inputs_for(i):
+        return make_inputs(cfg["seed"] + i, R, E, K, H, [T] * R, "bf16", "random", 0.2)
 
-    inputs = make_inputs(cfg["seed"], R, E, K, H, [T] * R, "bf16", "random", 0.2)
-    x, idx, w = (inputs[rank][k].to(device) for k in ("x", "idx", "w"))
-    y = layer(x, idx, w)
-    chk.close("eager", y, reference(inputs[rank]), 5e-2)
-    if device == "cpu":
-        return chk.errors
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with masked_gemm(gemm) as spy:
+        fc1 = block_cast_back(w1) if device != "cpu" and backends.deep_gemm_module() is not None else w1.float()
+
+        def reference(me):
+            xq = per_token_cast_back(*per_token_cast_to_fp8(me["x"])).float()
+            y = torch.zeros((T, H), dtype=torch.float64)
+            for e in me["idx"][me["idx"] >= 0].unique().tolist():
+                t, k = (me["idx"] == e).nonzero(as_tuple=True)
+                a, b = (xq[t] @ fc1[e].T).chunk(2, dim=-1)
+                h = torch.nn.functional.silu(a) * b
+                y.index_add_(0, t, (me["w"][t, k].unsqueeze(1) * (h @ w2[e].float().T)).double())
+            return y
+
+        inputs = inputs_for(0)
+        x, idx, w = (inputs[rank][k].to(device) for k in ("x", "idx", "w"))
         y = layer(x, idx, w)
-    for it in range(3):
-        fresh = make_inputs(cfg["seed"] + it + 1, R, E, K, H, [T] * R, "bf16", "random", 0.2)
-        for dst, k in ((x, "x"), (idx, "idx"), (w, "w")):
-            dst.copy_(fresh[rank][k])
-        graph.replay()
-        torch.cuda.synchronize()
-        chk.close(f"replay {it}", y, reference(fresh[rank]), 5e-2)
-    layer.buffer.synchronize()
+        chk.close("eager", y, reference(inputs[rank]), 5e-2)
+        if device == "cpu":
+            return chk.errors
+        fresh = [inputs_for(it + 1) for it in range(cfg.get("replays", 3))]
+        eager = [layer(*(f[rank][k].cuda() for k in ("x", "idx", "w"))).double().cpu() for f in fresh]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = layer(x, idx, w)
+        for it, f in enumerate(fresh):
+            for dst, k in ((x, "x"), (idx, "idx"), (w, "w")):
+                dst.copy_(f[rank][k])
+            graph.replay()
+            torch.cuda.synchronize()
+            chk.close(f"replay {it}", y, reference(f[rank]), 5e-2)
+            chk.close(f"replay {it} vs eager", y, eager[it], 1e-2)
+        layer.buffer.synchronize()
+    if spy is not None and not set(MASKED_GEMMS) <= set(spy.calls):
+        chk.errors.append(f"{chk.tag} DeepGEMM's masked GEMMs were not both called: {sorted(set(spy.calls))}")
     return chk.errors

@@ -11,6 +11,7 @@ import megatron_ep
 from case_lists import _token_counts
 from distpool import flat
 from gpu_pools import GPU_MARKS, GpuPools, closing, run_alone
+from megatron_ep.experts.backends import deep_gemm_module
 
 pytestmark = GPU_MARKS
 
@@ -82,7 +83,27 @@ def test_timeout_names_the_missing_rank():
 
 @pytest.mark.parametrize("R", [2, 4])
 def test_decode_layer(R):
-    """LL dispatch -> masked grouped GEMM -> LL combine against a dense reference, eager and graph."""
+    """LL dispatch -> masked grouped GEMM -> LL combine against a dense reference, eager and graph
+    (DeepGEMM's masked GEMMs when deep_gemm imports, else the fallback; R = 2 has 64 rows per
+    expert, which the DeepGEMM glue pads to its 128-row tile)."""
     cfg = dict(seed=5 + R, E=8 * R, K=4, H=512, F=256, T=24, max_tokens=32)
     errors = flat(pool_(R).run(ll_cases.run_ll_decode_layer_case, cfg, timeout=600))
+    assert not errors, "\n".join(errors[:20])
+
+
+@pytest.mark.parametrize("gemm", [
+    pytest.param("deepgemm", marks=pytest.mark.skipif(
+        deep_gemm_module() is None, reason="deep_gemm does not import (build it: .carry/build_deepgemm.sh, "
+                                           "then source /tmp/deepgemm.env; gpu_check.sh step deepgemm)")),
+    "torch"])
+def test_decode_layer_one_graph(gemm):
+    """The whole decode MoE layer in ONE CUDA graph at R = 2: LL dispatch (FP8) -> DeepGEMM's masked
+    FP8 fc1 -> SwiGLU -> its masked bf16 fc2 -> LL combine ('deepgemm'; both GEMMs must have been
+    called), or the same with the batched-matmul fallback ('torch'). Replayed on 4 fresh sets of
+    tokens and routings, each against the eager layer on the same inputs and the dense reference.
+    max_m = R * 64 = 128 rows per expert: DeepGEMM's tile, no padding copy (test_decode_layer's
+    R = 2 case, 64 rows, takes the padded path)."""
+    cfg = dict(seed=41, E=8, K=4, H=512, F=256, T=48, max_tokens=64, replays=4, gemm=gemm)
+    # a short answer time: a rank that crashes in DeepGEMM must not hold the 'torch' case back
+    errors = flat(pool_(2).run(ll_cases.run_ll_decode_layer_case, cfg, timeout=180))
     assert not errors, "\n".join(errors[:20])

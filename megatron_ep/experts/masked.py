@@ -8,6 +8,17 @@ else a batched matmul with the invalid rows zeroed (differentiable).
 FP8 inputs are the dispatch's (x_fp8, per-128-channel scales) tuples. With DeepGEMM the weights
 are cast per 128x128 block and the FP8 GEMM runs; otherwise the input is cast back to bf16 and
 the bf16 path runs (same result up to the weights' FP8 rounding).
+
+DeepGEMM's masked kernels (54e2261, SM90; `m_grouped_{fp8,bf16}_gemm_nt_masked(a, b, d,
+masked_m, expected_m)`, masked_m int32 read on the device: no host sync, capturable) compute
+whole BLOCK_M-row tiles (64 or 128) and address `[G, max_m]` as G * max_m flat rows, so:
+* rows of a group's last tile past masked_m are written with whatever the input holds there:
+  we zero every row past masked_m afterwards;
+* with max_m not a multiple of the tile, a full group's last tile would run into the next
+  group's first rows: the input is then copied into [G, max_m rounded up to 128, K] first
+  (low-latency capacities R * max_tokens_per_rank are usually multiples of 128 already).
+Shapes its kernels refuse (bf16: K % 64; FP8: K % 128; N % 8, the output's 16-byte TMA rows;
+a GPU other than SM90/SM100) take the batched-matmul path instead of failing in its asserts.
 """
 
 from __future__ import annotations
@@ -39,23 +50,66 @@ def per_block_cast_to_fp8(w: torch.Tensor, block: int = 128) -> Fp8:
     return q, scale.view(G, (N + pn) // block, (K + pk) // block)
 
 
+DEEP_GEMM_MASKED_ROWS = 128  # max_m is padded to a multiple of the masked kernels' largest BLOCK_M
+
+
+def deep_gemm_takes_masked(x: Union[torch.Tensor, Fp8], w: torch.Tensor) -> bool:
+    """Whether DeepGEMM's masked kernels accept these operands (checked on the host)."""
+    is_fp8 = isinstance(x, tuple)
+    data = x[0] if is_fp8 else x
+    if data.dim() != 3 or w.dim() != 3 or data.shape[0] != w.shape[0] or data.shape[2] != w.shape[2]:
+        return False
+    G, max_m, K = data.shape
+    N = w.shape[1]
+    if min(G, max_m, N, K) == 0 or N % 8:
+        return False
+    if is_fp8:  # per-token, per-128-channel fp32 scales (the dispatch's); the weights are cast per 128x128 block
+        ok = (data.dtype == torch.float8_e4m3fn and K % 128 == 0 and x[1].dtype == torch.float32
+              and tuple(x[1].shape) == (G, max_m, K // 128))
+    else:
+        ok = data.dtype == torch.bfloat16 and K % 64 == 0
+    if ok and data.is_cuda:
+        ok = torch.cuda.get_device_capability(data.device)[0] in (9, 10)
+    return ok
+
+
+def deep_gemm_masked(dg, x: Union[torch.Tensor, Fp8], w: torch.Tensor, masked_m: torch.Tensor,
+                     expected_m: int) -> torch.Tensor:
+    """One `m_grouped_{fp8,bf16}_gemm_nt_masked` call (rules in the module docstring) -> bf16
+    [G, max_m, N], zero past masked_m. Operands must pass `deep_gemm_takes_masked`."""
+    is_fp8 = isinstance(x, tuple)
+    data = x[0] if is_fp8 else x
+    G, max_m, K = data.shape
+    rows = -(-max_m // DEEP_GEMM_MASKED_ROWS) * DEEP_GEMM_MASKED_ROWS
+
+    def rows_of(t: torch.Tensor) -> torch.Tensor:  # contiguous [G, rows, ...]; the extra rows are past masked_m
+        if rows == max_m:
+            return t.contiguous()
+        out = t.new_empty((G, rows) + tuple(t.shape[2:]))
+        out[:, :max_m].copy_(t)
+        return out
+
+    d = torch.empty((G, rows, w.shape[1]), dtype=torch.bfloat16, device=data.device)
+    m = masked_m.to(device=data.device, dtype=torch.int32).contiguous()
+    if is_fp8:
+        dg.m_grouped_fp8_gemm_nt_masked((rows_of(data), rows_of(x[1])), per_block_cast_to_fp8(w), d, m, int(expected_m))
+    else:
+        dg.m_grouped_bf16_gemm_nt_masked(rows_of(data), w.to(torch.bfloat16).contiguous(), d, m, int(expected_m))
+    valid = _valid_rows(m, max_m, data.device).unsqueeze(-1)
+    return torch.where(valid, d[:, :max_m], d.new_zeros(()))
+
+
 def grouped_linear_masked(x: Union[torch.Tensor, Fp8], w: torch.Tensor, masked_m: torch.Tensor,
                           expected_m: Optional[int] = None) -> torch.Tensor:
-    """x [G, max_m, K] (or an FP8 tuple with scales [G, max_m, K/128]), w [G, N, K] -> [G, max_m, N]."""
+    """x [G, max_m, K] (or an FP8 tuple with scales [G, max_m, K/128]), w [G, N, K] -> [G, max_m, N]
+    (bf16 from DeepGEMM; x's dtype, or w's for FP8 x, from the fallback)."""
     is_fp8 = isinstance(x, tuple)
     data = x[0] if is_fp8 else x
     G, max_m, _ = data.shape
     dg = deep_gemm_module()
     needs_grad = torch.is_grad_enabled() and (w.requires_grad or (not is_fp8 and x.requires_grad))
-    if dg is not None and data.is_cuda and not needs_grad:
-        expected = expected_m or max(1, max_m // 4)
-        out = torch.zeros((G, max_m, w.shape[1]), dtype=torch.bfloat16, device=data.device)
-        m = masked_m.to(torch.int32)
-        if is_fp8:
-            dg.m_grouped_fp8_gemm_nt_masked((x[0], x[1]), per_block_cast_to_fp8(w), out, m, expected)
-        else:
-            dg.m_grouped_bf16_gemm_nt_masked(x, w.to(torch.bfloat16).contiguous(), out, m, expected)
-        return out
+    if dg is not None and data.is_cuda and not needs_grad and deep_gemm_takes_masked(x, w):
+        return deep_gemm_masked(dg, x, w, masked_m, expected_m or max(1, max_m // 4))
     if is_fp8:
         data = per_token_cast_back(x[0], x[1], w.dtype)
     valid = _valid_rows(masked_m, max_m, data.device).unsqueeze(-1)
