@@ -92,6 +92,18 @@ class LowLatencyBuffer {
   py::object error() const { return mem_.error("expert", "set"); }
   void clear_error() { mem_.clear_error(); }
 
+  // Attach (or with None detach) the kernels' trace stamps: int64 [2, MAX_BLOCKS, TRACE_POINTS] on
+  // this device, zeroed by the caller before each traced call (the stamps take the max).
+  void set_trace(const c10::optional<torch::Tensor>& trace) {
+    if (trace.has_value()) {
+      TORCH_CHECK(trace->is_cuda() && trace->scalar_type() == at::kLong && trace->is_contiguous() &&
+                      trace->numel() == 2LL * kLLMaxBlocks * kLLTracePoints,
+                  "trace must be a contiguous int64 CUDA tensor of [2, ", kLLMaxBlocks, ", ", (int)kLLTracePoints, "]");
+    }
+    trace_ = trace.has_value() ? *trace : torch::Tensor();
+    ctx_.trace = trace.has_value() ? reinterpret_cast<unsigned long long*>(trace_.data_ptr()) : nullptr;
+  }
+
   std::vector<bool> p2p() const { return mem_.p2p(); }
   py::dict layout() const { return layout_dict(ctx_.lay); }
 
@@ -108,6 +120,7 @@ class LowLatencyBuffer {
   }
 
   LLCtx ctx_{};
+  torch::Tensor trace_;  // keeps the attached trace alive
   SymmetricMemory mem_{"low-latency"};
 };
 
@@ -124,6 +137,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("HEADER_BYTES") = mep::kLLHeader;
   m.attr("SEND") = (int)mep::kLLSend;
   m.attr("RECV") = (int)mep::kLLRecv;
+  m.attr("TRACE_POINTS") = (int)mep::kLLTracePoints;
   m.def("plan", [](int num_ranks, int num_experts, int max_tokens, int hidden, int max_topk, bool fp8_only) {
     return mep::layout_dict(mep::LowLatencyLayout::plan(num_ranks, num_experts, max_tokens, hidden, max_topk, fp8_only));
   }, "The buffer layout and size (bytes, both sets) for this capacity; no GPU needed.");
@@ -137,6 +151,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("combine", &mep::LowLatencyBuffer::combine)
       .def("error", &mep::LowLatencyBuffer::error)
       .def("clear_error", &mep::LowLatencyBuffer::clear_error)
+      .def("set_trace", &mep::LowLatencyBuffer::set_trace, py::arg("trace").none(true))
       .def("p2p", &mep::LowLatencyBuffer::p2p)
       .def("layout", &mep::LowLatencyBuffer::layout)
       .def("close", &mep::LowLatencyBuffer::close);

@@ -146,6 +146,62 @@ def graph_figures(a, fns, group):
     return res
 
 
+# Trace points of csrc/kernels/low_latency.h (LLTracePoint), in order.
+TRACE_POINTS = ("entry", "released", "zero", "cast", "sent", "arrived", "copied", "end")
+
+
+def trace_figures(buf, fns, iters, group):
+    """Where our kernels' time goes: each of `fns` ({"dispatch": fn, "combine": fn}) is called
+    `iters` times eagerly with the kernels' trace stamps attached (csrc/kernels/low_latency.h);
+    per call, every point's time from the earliest block's entry (latest block, as the kernel
+    ends when its last block does), then the mean over calls. Eager: the "wait" span includes the
+    ranks' launch skew."""
+    ll = buf._impl._low_latency()
+    trace = torch.zeros(2, ll.ext.MAX_BLOCKS, ll.ext.TRACE_POINTS, dtype=torch.int64, device="cuda")
+    ll.buf.set_trace(trace)
+    out = {}
+    try:
+        for kernel, (name, fn) in enumerate(fns.items()):
+            rows = []
+            for _ in range(iters):
+                trace.zero_()
+                dist.barrier(group=group)
+                fn()
+                torch.cuda.synchronize()
+                t = trace[kernel].cpu().double()
+                used = t[:, 0] > 0
+                t = t[used]
+                start = t[:, 0].min()
+                rows.append([float((t[:, p][t[:, p] > 0] - start).max()) / 1e3 if (t[:, p] > 0).any() else float("nan")
+                             for p in range(len(TRACE_POINTS))])
+            out[name] = [statistics.fmean(r[p] for r in rows) for p in range(len(TRACE_POINTS))]
+    finally:
+        ll.buf.set_trace(None)
+    return out
+
+
+def trace_table(a, res) -> str:
+    """Per T and kernel: µs from the first block's entry to each trace point (latest block, slowest
+    rank), then each point's span since the previous one the kernel stamps."""
+    lines = ["", "Kernel trace (ours, eager, mean of --trace calls; µs from the first block's entry to each point "
+             "(latest block); in brackets the span since the previous point):", "",
+             "| tokens/rank | kernel | " + " | ".join(TRACE_POINTS[1:]) + " |", "|---|---|" + "---|" * (len(TRACE_POINTS) - 1)]
+    for T in a.tokens:
+        for kernel in ("dispatch", "combine"):
+            pts = res[T].get("trace", {}).get(kernel)
+            if pts is None:
+                continue
+            cells, prev = [], pts[0]
+            for v in pts[1:]:
+                if v != v:  # a point this kernel does not stamp
+                    cells.append("-")
+                    continue
+                cells.append(f"{v:.1f} ({v - prev:+.1f})")
+                prev = v
+            lines.append(f"| {T} | {kernel} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def msg_bytes(H, fp8):
     """Dispatch bytes per valid (token, expert) in DeepEP's accounting: the row (FP8 + one fp32
     scale per 128 channels, or bf16) and a 16-byte header."""
@@ -182,6 +238,8 @@ def bench_ours(a, T, x, idx, w, E, K, H, gloo):
         hook()
 
     res = graph_figures(a, {"dispatch": d, "combine": c, "both": dc, "hook": dc_hook}, gloo)
+    if a.trace:
+        res["trace"] = trace_figures(buf, {"dispatch": d, "combine": c}, a.trace, gloo)
     buf.synchronize()
     buf.destroy()
     return res
@@ -339,8 +397,12 @@ def run_impl(a, impl):
     if errors:
         return None, errors[0]
     per_rank = [res for _, res, _ in sorted(got, key=lambda g: g[0])]
-    # the slowest rank sets the figure
-    return {T: {k: max(r[T][k] for r in per_rank) for k in per_rank[0][T]} for T in a.tokens}, None
+    # the slowest rank sets the figure (the trace: point by point)
+    def slowest(vals):
+        if isinstance(vals[0], dict):
+            return {k: [max(v) for v in zip(*(d[k] for d in vals))] for k in vals[0]}
+        return max(vals)
+    return {T: {k: slowest([r[T][k] for r in per_rank]) for k in per_rank[0][T]} for T in a.tokens}, None
 
 
 def table(a, results) -> str:
@@ -386,6 +448,8 @@ def main():
                    help="bf16 dispatch rows instead of FP8 (twice the bytes: with the FP8 run, tells bytes from latency)")
     p.add_argument("--kernel-iters", type=int, default=50, help="eager calls traced for the kernel-time table")
     p.add_argument("--impls", default=",".join(IMPLS))
+    p.add_argument("--trace", type=int, default=0, metavar="N",
+                   help="ours: N eager calls per kernel with the kernels' trace stamps (where the time goes)")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--markdown", help="also write the markdown table here")
     p.add_argument("--json", help="also write the raw figures here")
@@ -411,6 +475,8 @@ def main():
         print(table(a, {impl: results[impl]}), flush=True)  # now: a later impl may crash the run
     md = (f"Low latency, {a.ranks} ranks on {max(ngpu, 1)} GPU(s), H {a.hidden}, top-{a.topk} of {a.experts}, {'FP8' if a.fp8 else 'bf16'} dispatch, "
           f"bf16 combine; median of {a.reps} x {a.loop} back-to-back calls; slowest rank\n\n" + table(a, results))
+    if a.trace and results.get("ours", (None,))[0]:
+        md += "\n" + trace_table(a, results["ours"][0])
     print(md)
     if a.markdown:
         with open(a.markdown, "w") as f:

@@ -16,8 +16,8 @@
 // reduces sum_k w * y in fp32.
 //
 // Ordering: a row's stores are followed by an acq_rel bump of a per-group counter; the warp that
-// completes the group has acquired every bump, and its system fence + release store of the
-// signal makes every row visible first (no fence per row).
+// completes the group has acquired every bump, and its system-scope release store of the signal
+// makes every row visible first (no fence per row). Waits poll relaxed, then acquire once.
 //
 // Transport: stores through nvshmem_ptr when the peer is load/store reachable (NVLink, or the
 // same GPU), else NVSHMEM puts (IBGDA/IB across nodes) completed with nvshmem_quiet before the
@@ -41,6 +41,7 @@ namespace {
 using sym::globaltimer;
 using sym::atom_add_acq_rel_gpu;
 using sym::warp_copy16;
+using sym::warp_copy16_deep;
 using sym::warp_sum;
 
 __device__ __forceinline__ LowLatencyState* state_of(const LLCtx& c) {
@@ -49,6 +50,14 @@ __device__ __forceinline__ LowLatencyState* state_of(const LLCtx& c) {
 __device__ __forceinline__ sym::Waiter waiter(const LLCtx& c) {
   LowLatencyState* st = state_of(c);
   return {c.err, &st->failed, &st->err_claims, c.timeout_ns};
+}
+
+// A trace stamp (LLTracePoint) when the buffer has a trace attached: thread 0's time, or with
+// `warps` the latest of the block's warps (each warp's lane 0).
+__device__ __forceinline__ void stamp(const LLCtx& c, int kernel, int point, bool warps = false) {
+  if (c.trace == nullptr) return;
+  unsigned long long* p = c.trace + ((long long)kernel * kLLMaxBlocks + blockIdx.x) * kLLTracePoints + point;
+  if (warps ? (threadIdx.x & 31) == 0 : threadIdx.x == 0) atomicMax(p, globaltimer());
 }
 
 // Signal words: -1 - (count | sig << 32). Never 0, so "0 tokens" differs from "not arrived".
@@ -71,7 +80,9 @@ template <typename Done>
 __device__ __forceinline__ bool wait_word(const LLCtx& c, const long long* p, Done done, long long& v, int op, int what,
                                           int expert, int peer, int set, long long sig) {
   const bool ok = spin(c, [&] { return sym::ld_relaxed_sys(p); }, done, v, op, what, expert, peer, set, sig);
-  sym::fence_acq_rel_sys();
+  // one acquire load of the word once seen (it only moves forward until this rank clears it):
+  // cheaper than a system fence, which also drains this thread's outstanding stores
+  if (ok) v = sym::ld_acquire_sys(p);
   return ok;
 }
 
@@ -88,7 +99,7 @@ __device__ __forceinline__ void send_row(const LLCtx& c, int dst, long long off,
   const int lane = threadIdx.x & 31;
   char* peer = c.peer_base[dst];
   if (peer != nullptr) {
-    warp_copy16(reinterpret_cast<int4*>(peer + off), reinterpret_cast<const int4*>(stage), bytes / 16);
+    warp_copy16_deep<8>(reinterpret_cast<int4*>(peer + off), reinterpret_cast<const int4*>(stage), bytes / 16);
   } else {
     __syncwarp();
     if (lane == 0) __threadfence_system();  // the NIC reads the staging from memory
@@ -106,7 +117,9 @@ __device__ __forceinline__ void count_sent(const LLCtx& c, unsigned* counter, un
                                            long long off, long long v) {
   if ((threadIdx.x & 31) == 0 && atom_add_acq_rel_gpu(counter, done) + done == parts) {
     *counter = 0;  // nobody else touches it before this set's next call
-    __threadfence_system();
+    // a reachable peer gets a release store at system scope, which orders every row this lane
+    // acquired through the counter; the NVSHMEM signal op needs the explicit fence
+    if (c.peer_base[dst] == nullptr) __threadfence_system();
     put_signal(c, dst, off, v);
   }
   __syncwarp();
@@ -135,13 +148,11 @@ __device__ __forceinline__ void finish_receive(const LLCtx& c, int set, long lon
   __shared__ bool last;
   LowLatencyState* st = state_of(c);
   __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    last = atomicAdd(&st->grid_done[set], 1u) == gridDim.x - 1;
-  }
+  // acq_rel: this block's reads of the words come before the bump; the last block acquires every
+  // block's bump before clearing them
+  if (threadIdx.x == 0) last = atom_add_acq_rel_gpu(&st->grid_done[set], 1u) == gridDim.x - 1;
   __syncthreads();
   if (!last) return;
-  __threadfence();
   long long* words = reinterpret_cast<long long*>(c.base + c.lay.set_offset(set) + clear_off);
   if (wait_n > 0) {
     bool ok = true;
@@ -162,10 +173,15 @@ __device__ __forceinline__ void finish_receive(const LLCtx& c, int set, long lon
   if (threadIdx.x == 0) {
     st->grid_done[set] = 0;
     if (*reinterpret_cast<volatile int*>(&st->failed)) return;  // broken: leave the set held
-    __threadfence_system();
     const long long done = ++st->set_calls[set];
     const long long off = c.lay.set_offset(set) + c.lay.release + (long long)c.rank * 8;
-    for (int r = 0; r < c.num_ranks; ++r) put_signal(c, r, off, done);
+    // release stores (the block's clears are ordered by the barrier) or, for NVSHMEM signal ops,
+    // one fence first
+    bool fenced = false;
+    for (int r = 0; r < c.num_ranks; ++r) {
+      if (c.peer_base[r] == nullptr && !fenced) __threadfence_system(), fenced = true;
+      put_signal(c, r, off, done);
+    }
   }
 }
 
@@ -213,6 +229,7 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_dispatch_kernel(const LLCtx 
   // staging slot and the receive slot are d_msg = 16 + that many bytes, see the layout)
   const int payload = (data_bytes + (a.fp8 ? a.H / 128 * 4 : 0) + 15) / 16 * 16;
   const int TK = a.T * a.K;
+  stamp(c, 0, kLLTraceEntry);
 
   if (a.phases & kLLSend) {
     // every copy's expert (-1: unused slot) once per block: the prefix counts below scan them
@@ -223,6 +240,16 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_dispatch_kernel(const LLCtx 
       return lay.set_offset(set) + lay.d_count + ((long long)(e % L) * R + c.rank) * 8;
     };
     if (wait_released(c, set, kOpLowLatencyDispatch, a.sig)) {  // (a block barrier: s_ids is filled)
+      stamp(c, 0, kLLTraceReleased);
+      // experts this rank sends nothing to: their count (0) first, before this warp has stores in
+      // flight (a release store then waits for none), one warp each from the last blocks (those
+      // without tokens when T < blocks)
+      for (int e = num_warps - 1 - gw; e < a.E; e += num_warps) {
+        bool any = false;
+        for (int j = lane; j < TK && !any; j += 32) any = id(j) == e;
+        if (!__any_sync(0xffffffffu, any) && lane == 0) put_signal(c, e / L, count_offset(e), encode(0, a.sig));
+      }
+      stamp(c, 0, kLLTraceZero, true);
       for (int t = blockIdx.x; t < a.T; t += gridDim.x) {
         char* stage = c.base + lay.set_offset(set) + lay.d_send + (long long)t * lay.d_msg;
         const __nv_bfloat16* xt = reinterpret_cast<const __nv_bfloat16*>(a.x) + (long long)t * a.H;
@@ -249,6 +276,7 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_dispatch_kernel(const LLCtx 
             reinterpret_cast<int4*>(stage)[i] = reinterpret_cast<const int4*>(xt)[i];
         }
         __syncthreads();
+        if (t == blockIdx.x) stamp(c, 0, kLLTraceCast);
         // each copy by `per` warps, a share of the row each (all warps busy at K < kLLWarps)
         const int per = max(1, kLLWarps / a.K), n16 = payload / 16, chunk = (n16 + per - 1) / per;
         for (int u = warp; u < a.K * per; u += kLLWarps) {
@@ -280,12 +308,7 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_dispatch_kernel(const LLCtx 
           count_sent(c, &st->d_finish[set][e], 1, n * per, dst, count_offset(e), encode(n, a.sig));
         }
       }
-      // experts this rank sends nothing to: their count (0) now, one warp each
-      for (int e = gw; e < a.E; e += num_warps) {
-        bool any = false;
-        for (int j = lane; j < TK && !any; j += 32) any = id(j) == e;
-        if (!__any_sync(0xffffffffu, any) && lane == 0) put_signal(c, e / L, count_offset(e), encode(0, a.sig));
-      }
+      stamp(c, 0, kLLTraceSent, true);
     }
   }
 
@@ -314,6 +337,7 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_dispatch_kernel(const LLCtx 
     total = warp_sum(total), before = warp_sum(before), mine = warp_sum(mine);
     __syncwarp();  // memory order: every lane reads rows whose signal another lane acquired
     if (!__all_sync(0xffffffffu, ok)) continue;
+    stamp(c, 0, kLLTraceArrived, true);
     if (g == 0 && lane == 0) {
       a.out_range[((long long)e * R + s) * 2] = before;
       a.out_range[((long long)e * R + s) * 2 + 1] = mine;
@@ -325,13 +349,13 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_dispatch_kernel(const LLCtx 
       const char* slot = c.base + lay.d_slot(set, e, s, i);
       const long long row = (long long)e * a.out_cap + before + i;
       if (a.fp8) {
-        warp_copy16(reinterpret_cast<int4*>(static_cast<uint8_t*>(a.out_x) + row * a.H),
-                    reinterpret_cast<const int4*>(slot + kLLHeader), a.H / 16);
+        warp_copy16_deep<16>(reinterpret_cast<int4*>(static_cast<uint8_t*>(a.out_x) + row * a.H),
+                  reinterpret_cast<const int4*>(slot + kLLHeader), a.H / 16);
         const float* sc = reinterpret_cast<const float*>(slot + kLLHeader + a.H);
         for (int j = lane; j < a.H / 128; j += 32) a.out_scales[row * (a.H / 128) + j] = __ldcg(sc + j);
       } else {
-        warp_copy16(reinterpret_cast<int4*>(static_cast<__nv_bfloat16*>(a.out_x) + row * a.H),
-                    reinterpret_cast<const int4*>(slot + kLLHeader), a.H * 2 / 16);
+        warp_copy16_deep<16>(reinterpret_cast<int4*>(static_cast<__nv_bfloat16*>(a.out_x) + row * a.H),
+                  reinterpret_cast<const int4*>(slot + kLLHeader), a.H * 2 / 16);
       }
       if (lane == 0) {
         const int4 meta = __ldcg(reinterpret_cast<const int4*>(slot));
@@ -340,7 +364,9 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_dispatch_kernel(const LLCtx 
       }
     }
   }
+  stamp(c, 0, kLLTraceCopied, true);
   finish_receive(c, set, lay.d_count, (lay.num_experts / R) * R);
+  stamp(c, 0, kLLTraceEnd);
 }
 
 // ------------------------------------------------------------------------------------- combine
@@ -351,9 +377,11 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_combine_kernel(const LLCtx c
   const LowLatencyLayout& lay = c.lay;
   LowLatencyState* st = state_of(c);
   const int row_bytes = a.H * 2;
+  stamp(c, 1, kLLTraceEntry);
 
   if (a.phases & kLLSend) {
     if (wait_released(c, set, kOpLowLatencyCombine, a.sig)) {
+      stamp(c, 1, kLLTraceReleased);
       // (local expert, token rank) pairs, each split over `split` warps by row; the pair's last
       // warp to finish sends its flag
       const int pairs = L * R, split = num_warps > pairs ? num_warps / pairs : 1;
@@ -375,6 +403,7 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_combine_kernel(const LLCtx c
         count_sent(c, &st->c_finish[set][e * R + s], 1, split, s,
                    lay.set_offset(set) + lay.c_flag + (long long)(c.rank * L + e) * 8, encode(n, a.sig));
       }
+      stamp(c, 1, kLLTraceSent, true);
     }
   }
 
@@ -403,6 +432,7 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_combine_kernel(const LLCtx c
       }
     }
     if (!__syncthreads_and(ok)) break;  // timed out (reported): every later wait returns at once
+    if (t == blockIdx.x) stamp(c, 1, kLLTraceArrived);
     for (int v = threadIdx.x; v < a.H / 8; v += blockDim.x) {
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       for (int k0 = 0; k0 < a.K; k0 += kBatch) {
@@ -434,7 +464,9 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_combine_kernel(const LLCtx c
     }
     __syncthreads();  // s_w, s_on are rewritten for the next token
   }
+  stamp(c, 1, kLLTraceCopied, true);
   finish_receive(c, set, lay.c_flag, lay.num_experts, a.E, L, a.sig);
+  stamp(c, 1, kLLTraceEnd);
 }
 
 void check(cudaError_t e, const char* what) { check_cuda(e, what, "low-latency"); }

@@ -14,6 +14,20 @@ void ll_touch_kernels();            // load every kernel now (lazy loading deadl
 
 enum LLPhase : int { kLLSend = 1, kLLRecv = 2 };
 
+// Where a kernel's time goes (scripts/bench_low_latency.py --trace): each block stamps these
+// points (ns, %globaltimer); "last warp" points are the max over the block's warps.
+enum LLTracePoint : int {
+  kLLTraceEntry = 0,      // thread 0 at entry
+  kLLTraceReleased = 1,   // the receivers released the set (send half may start)
+  kLLTraceZero = 2,       // dispatch: last warp done with the zero-count signals
+  kLLTraceCast = 3,       // dispatch: the block's first token cast into staging
+  kLLTraceSent = 4,       // last warp done sending rows (and their count signals / flags)
+  kLLTraceArrived = 5,    // last warp saw its signals (dispatch counts; combine: the first token's flags)
+  kLLTraceCopied = 6,     // last warp done copying out (dispatch) or reducing (combine)
+  kLLTraceEnd = 7,        // thread 0 after the set's hand-back (the last block also cleared the words)
+  kLLTracePoints = 8
+};
+
 // Fixed per buffer.
 struct LLCtx {
   char* base;                // this rank's symmetric buffer
@@ -23,6 +37,7 @@ struct LLCtx {
   LowLatencyLayout lay;
   int rank, num_ranks;
   unsigned long long timeout_ns;
+  unsigned long long* trace;  // null, or [2 kernels][kLLMaxBlocks][kLLTracePoints] globaltimer stamps (a bench's probe)
 };
 
 struct LLDispatchArgs {

@@ -113,5 +113,25 @@ __device__ __forceinline__ void warp_copy16(int4* dst, const int4* src, int n16)
   for (; i < n16; i += 32) dst[i] = __ldcg(src + i);
 }
 
+// Warp copy with all of a lane's loads (up to kDepth words) issued before its stores: a 7 KB row
+// in one memory round trip at depth 16 (the low-latency path's rows: latency, not bandwidth, bounds).
+template <int kDepth>
+__device__ __forceinline__ void warp_copy16_deep(int4* dst, const int4* src, int n16) {
+  const int lane = threadIdx.x & 31;
+  for (int base = 0; base < n16; base += 32 * kDepth) {
+    int4 v[kDepth];
+#pragma unroll
+    for (int i = 0; i < kDepth; ++i) {
+      const int j = base + i * 32 + lane;
+      if (j < n16) v[i] = __ldcg(src + j);
+    }
+#pragma unroll
+    for (int i = 0; i < kDepth; ++i) {
+      const int j = base + i * 32 + lane;
+      if (j < n16) dst[j] = v[i];
+    }
+  }
+}
+
 }  // namespace sym
 }  // namespace mep
