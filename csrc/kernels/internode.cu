@@ -32,7 +32,7 @@ namespace mep {
 namespace {
 
 using sym::ld_acquire_sys;
-using sym::warp_copy16;
+using sym::warp_copy16_deep;
 constexpr unsigned kFull = 0xffffffffu;
 
 __device__ __forceinline__ InternodeState* state_of(const InCtx& c) {
@@ -164,8 +164,8 @@ __global__ void __launch_bounds__(kInThreads, 1) in_dispatch_send_kernel(const I
         if (!((mask >> n) & 1ull)) continue;
         char* peer = c.peer_base[n];
         if (peer != nullptr) {
-          warp_copy16(reinterpret_cast<int4*>(peer + lay.d_x + row * a.row_bytes), reinterpret_cast<const int4*>(xs),
-                      a.row_bytes / 16);
+          warp_copy16_deep<8>(reinterpret_cast<int4*>(peer + lay.d_x + row * a.row_bytes),
+                               reinterpret_cast<const int4*>(xs), a.row_bytes / 16);
           float* ds = reinterpret_cast<float*>(peer + lay.d_s) + row * sstride;
           for (int j = lane; j < sc; j += 32) ds[j] = a.scales[(long long)t * sc + j];
         } else {
@@ -241,8 +241,8 @@ __global__ void __launch_bounds__(kInThreads, 1) in_combine_send_kernel(const In
       const char* ys = a.y + row * a.row_bytes;
       char* peer = c.peer_base[n];
       if (peer != nullptr) {
-        warp_copy16(reinterpret_cast<int4*>(peer + lay.c_y + slot * a.row_bytes), reinterpret_cast<const int4*>(ys),
-                    a.row_bytes / 16);
+        warp_copy16_deep<8>(reinterpret_cast<int4*>(peer + lay.c_y + slot * a.row_bytes),
+                             reinterpret_cast<const int4*>(ys), a.row_bytes / 16);
         if (a.w != nullptr && lane < a.K)
           reinterpret_cast<float*>(peer + lay.c_w)[slot * a.K + lane] = a.w[row * a.K + lane];
       } else {

@@ -114,7 +114,7 @@ __device__ __forceinline__ void warp_copy16(int4* dst, const int4* src, int n16)
 }
 
 // Warp copy with all of a lane's loads (up to kDepth words) issued before its stores: a 7 KB row
-// in one memory round trip at depth 16 (the low-latency path's rows: latency, not bandwidth, bounds).
+// in one memory round trip at depth 16 (a warp per row: latency, not bandwidth, bounds).
 template <int kDepth>
 __device__ __forceinline__ void warp_copy16_deep(int4* dst, const int4* src, int n16) {
   const int lane = threadIdx.x & 31;
