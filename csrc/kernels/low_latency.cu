@@ -350,12 +350,12 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_dispatch_kernel(const LLCtx 
       const long long row = (long long)e * a.out_cap + before + i;
       if (a.fp8) {
         warp_copy16_deep<16>(reinterpret_cast<int4*>(static_cast<uint8_t*>(a.out_x) + row * a.H),
-                  reinterpret_cast<const int4*>(slot + kLLHeader), a.H / 16);
+                             reinterpret_cast<const int4*>(slot + kLLHeader), a.H / 16);
         const float* sc = reinterpret_cast<const float*>(slot + kLLHeader + a.H);
         for (int j = lane; j < a.H / 128; j += 32) a.out_scales[row * (a.H / 128) + j] = __ldcg(sc + j);
       } else {
         warp_copy16_deep<16>(reinterpret_cast<int4*>(static_cast<__nv_bfloat16*>(a.out_x) + row * a.H),
-                  reinterpret_cast<const int4*>(slot + kLLHeader), a.H * 2 / 16);
+                             reinterpret_cast<const int4*>(slot + kLLHeader), a.H * 2 / 16);
       }
       if (lane == 0) {
         const int4 meta = __ldcg(reinterpret_cast<const int4*>(slot));
