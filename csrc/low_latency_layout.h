@@ -36,7 +36,7 @@ constexpr int kLLMaxRanks = 64;        // count signals and release tokens per s
 constexpr int kLLThreads = 512;        // threads per block of both kernels (16 warps)
 constexpr int kLLWarps = kLLThreads / 32;
 constexpr int kLLMaxBlocks = 132;      // one H200's SMs: bounds the combine staging rows
-constexpr int kLLIdsSmemBytes = 96 << 10;  // dispatch: the call's T*K expert ids in shared memory up to this
+constexpr int kLLIdsSmemBytes = 100 << 10;  // dispatch: the call's T*K expert ids and E counts in shared memory up to this
 constexpr int kLLHeader = 16;          // dispatch message header bytes (DeepEP's accounting too)
 constexpr int kLLAlign = 256;
 

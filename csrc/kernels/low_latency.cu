@@ -214,8 +214,8 @@ __device__ __forceinline__ void cast_block(const uint2 raw, uint8_t* q, float* s
 // An expert id as the kernels use it: -1 for an unused slot (any id outside [0, E)).
 __device__ __forceinline__ int valid_id(long long e, int E) { return e >= 0 && e < E ? (int)e : -1; }
 
-// `ids_in_smem`: the T*K ids fit in the dynamic shared memory (kLLIdsSmemBytes), else each scan
-// reads them from global memory.
+// `ids_in_smem`: the T*K ids and an E-entry copy count fit in the dynamic shared memory
+// (kLLIdsSmemBytes), else each scan reads the ids from global memory.
 __global__ void __launch_bounds__(kLLThreads, 1) ll_dispatch_kernel(const LLCtx c, const LLDispatchArgs a,
                                                                     bool ids_in_smem) {
   extern __shared__ int s_ids[];
@@ -232,23 +232,39 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_dispatch_kernel(const LLCtx 
   stamp(c, 0, kLLTraceEntry);
 
   if (a.phases & kLLSend) {
-    // every copy's expert (-1: unused slot) once per block: the prefix counts below scan them
-    if (ids_in_smem)
-      for (int j = threadIdx.x; j < TK; j += blockDim.x) s_ids[j] = valid_id(a.topk_idx[j], a.E);
+    // every copy's expert (-1: unused slot) once per block, and the copies per expert: the
+    // prefix counts below scan the ids up to their copy, the counts answer "how many" at once
+    int* s_cnt = s_ids + TK;
+    if (ids_in_smem) {
+      for (int e = threadIdx.x; e < a.E; e += blockDim.x) s_cnt[e] = 0;
+      __syncthreads();
+      for (int j = threadIdx.x; j < TK; j += blockDim.x) {
+        const int e = valid_id(a.topk_idx[j], a.E);
+        s_ids[j] = e;
+        if (e >= 0) atomicAdd(&s_cnt[e], 1);
+      }
+    }
     const auto id = [&](int j) { return ids_in_smem ? s_ids[j] : valid_id(a.topk_idx[j], a.E); };
+    // copies to e in the whole call (the smem count, else a warp scan); on every lane
+    const auto copies_to = [&](int e) {
+      if (ids_in_smem) return s_cnt[e];
+      int n = 0;
+      for (int j = lane; j < TK; j += 32) n += id(j) == e;
+      return warp_sum(n);
+    };
     const auto count_offset = [&](int e) {
       return lay.set_offset(set) + lay.d_count + ((long long)(e % L) * R + c.rank) * 8;
     };
     if (wait_released(c, set, kOpLowLatencyDispatch, a.sig)) {  // (a block barrier: s_ids is filled)
       stamp(c, 0, kLLTraceReleased);
       // experts this rank sends nothing to: their count (0) first, before this warp has stores in
-      // flight (a release store then waits for none), one warp each from the last blocks (those
-      // without tokens when T < blocks)
-      for (int e = num_warps - 1 - gw; e < a.E; e += num_warps) {
-        bool any = false;
-        for (int j = lane; j < TK && !any; j += 32) any = id(j) == e;
-        if (!__any_sync(0xffffffffu, any) && lane == 0) put_signal(c, e / L, count_offset(e), encode(0, a.sig));
-      }
+      // flight (a release store then waits for none); by the blocks without a token when there
+      // are some (T < blocks), else one warp each from the last blocks
+      const int idle_warps = gridDim.x > a.T ? (gridDim.x - a.T) * kLLWarps : 0;
+      const int zw = idle_warps > 0 ? gw - a.T * kLLWarps : num_warps - 1 - gw;
+      const int zstride = idle_warps > 0 ? idle_warps : num_warps;
+      for (int e = zw; zw >= 0 && e < a.E; e += zstride)
+        if (copies_to(e) == 0 && lane == 0) put_signal(c, e / L, count_offset(e), encode(0, a.sig));
       stamp(c, 0, kLLTraceZero, true);
       for (int t = blockIdx.x; t < a.T; t += gridDim.x) {
         char* stage = c.base + lay.set_offset(set) + lay.d_send + (long long)t * lay.d_msg;
@@ -283,13 +299,10 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_dispatch_kernel(const LLCtx 
           const int k = u / per, h = u % per;
           const int j0 = t * a.K + k, e = id(j0);
           if (e < 0) continue;
-          int pos = 0, n = 0;  // copies to e before this one (token order), and all copies to e
-          for (int j = lane; j < TK; j += 32) {
-            const bool hit = id(j) == e;
-            n += hit;
-            pos += hit && j < j0;
-          }
-          pos = warp_sum(pos), n = warp_sum(n);
+          int pos = 0;  // copies to e before this one (token order)
+          for (int j = lane; j < j0; j += 32) pos += id(j) == e;
+          pos = warp_sum(pos);
+          const int n = copies_to(e);  // all copies to e
           const int dst = e / L;
           const long long off = lay.d_slot(set, e % L, c.rank, pos);
           if (h == 0 && c.peer_base[dst] != nullptr) {
@@ -475,7 +488,7 @@ void check(cudaError_t e, const char* what) { check_cuda(e, what, "low-latency")
 
 // ------------------------------------------------------------------------------------ launchers
 void launch_ll_dispatch(const LLCtx& c, const LLDispatchArgs& a, int num_blocks, cudaStream_t stream) {
-  const long long ids_bytes = (long long)a.T * a.K * sizeof(int);
+  const long long ids_bytes = ((long long)a.T * a.K + a.E) * sizeof(int);  // ids, then the per-expert counts
   const bool ids_in_smem = ids_bytes <= kLLIdsSmemBytes;
   ll_dispatch_kernel<<<num_blocks, kLLThreads, ids_in_smem ? ids_bytes : 0, stream>>>(c, a, ids_in_smem);
   check(cudaGetLastError(), "dispatch launch");
