@@ -182,22 +182,24 @@ def trace_figures(buf, fns, iters, group):
 
 def trace_table(a, res) -> str:
     """Per T and kernel: µs from the first block's entry to each trace point (latest block, slowest
-    rank), then each point's span since the previous one the kernel stamps."""
+    rank), then each point's span since the latest point stamped before it."""
     lines = ["", "Kernel trace (ours, eager, mean of --trace calls; µs from the first block's entry to each point "
-             "(latest block); in brackets the span since the previous point):", "",
+             "(latest block); in brackets the span since the latest earlier point):", "",
              "| tokens/rank | kernel | " + " | ".join(TRACE_POINTS[1:]) + " |", "|---|---|" + "---|" * (len(TRACE_POINTS) - 1)]
     for T in a.tokens:
         for kernel in ("dispatch", "combine"):
             pts = res[T].get("trace", {}).get(kernel)
             if pts is None:
                 continue
-            cells, prev = [], pts[0]
+            cells = []
             for v in pts[1:]:
                 if v != v:  # a point this kernel does not stamp
                     cells.append("-")
                     continue
+                # span since the latest point stamped before it (the dispatch casts before it
+                # waits for the release, so the columns are not in time order)
+                prev = max([p for p in pts if p == p and p < v], default=pts[0])
                 cells.append(f"{v:.1f} ({v - prev:+.1f})")
-                prev = v
             lines.append(f"| {T} | {kernel} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -3,8 +3,10 @@
 # GPU test suite (R = 2 ranks: one per GPU when there are two; R = 4, 8: several per GPU under
 # MPS), compute-sanitizer on a small R = 2 case, the benchmark (one process per GPU when the GPUs
 # suffice, with DeepEP and NCCL baselines), and the Megatron phase. Logs go under $OUT.
-#   MEP_GPU_STEPS   phases, comma-separated: build,internode,tests,sanitizer,bench,megatron,lowlat,deepgemm
+#   MEP_GPU_STEPS   phases, comma-separated: build,internode,tests,sanitizer,bench,megatron,lowlat,deepgemm,link
 #                   (default build,tests,sanitizer,bench)
+#   link            the NVLink roofline between GPUs 0 and 1 (scripts/bench_link.py MEP_LINK_ARGS: copy
+#                   engine, SM stores, bulk copies; one way and both ways) -> $OUT/link.md
 #   internode       the two-level path on virtual nodes: tests/test_cuda_internode.py (MEP_IN_TEST_ARGS,
 #                   MEP_IN_TEST_TIMEOUT)
 #   lowlat          the low-latency path: tests/test_cuda_low_latency.py (MEP_LL_TEST_ARGS), then
@@ -84,6 +86,12 @@ if has tests; then
     | tee "$OUT/gpu_tests.log" | grep -vE "^\s*$" | tail -60
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   stop_mps
+fi
+if has link; then
+  phase link
+  timeout "${MEP_LINK_TIMEOUT:-180}" python3 scripts/bench_link.py ${MEP_LINK_ARGS:-} > "$OUT/link.md" 2>&1 \
+    || { status=1; echo "link failed"; }
+  cat "$OUT/link.md"
 fi
 if has bench; then
   phase bench

@@ -1,7 +1,8 @@
 // The low-latency (decode) path: one kernel per direction, no host sync, fixed shapes.
 //
 // Dispatch, send half: each block casts its tokens (FP8 per 128 channels, or a bf16 copy) once
-// into its staging slot, then warp k sends copy (token, k) straight into the owner rank's receive
+// into its staging slot (before it waits for the receivers' release: the staging is this rank's
+// own), then warp k sends copy (token, k) straight into the owner rank's receive
 // slot (local expert, this rank, position); the position is the token's rank among this rank's
 // tokens for that expert (a warp scan of the call's ids, held in shared memory), so rows arrive
 // in token order without atomics. The warp that sends an expert's last copy then writes the
@@ -43,6 +44,8 @@ using sym::atom_add_acq_rel_gpu;
 using sym::warp_copy16;
 using sym::warp_copy16_deep;
 using sym::warp_sum;
+
+constexpr int kLLScaleRegs = 2;  // a lane's FP8 scales held in registers during a row's copy-out (H <= 8192)
 
 __device__ __forceinline__ LowLatencyState* state_of(const LLCtx& c) {
   return reinterpret_cast<LowLatencyState*>(c.base + c.lay.state);
@@ -255,7 +258,37 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_dispatch_kernel(const LLCtx 
     const auto count_offset = [&](int e) {
       return lay.set_offset(set) + lay.d_count + ((long long)(e % L) * R + c.rank) * 8;
     };
-    if (wait_released(c, set, kOpLowLatencyDispatch, a.sig)) {  // (a block barrier: s_ids is filled)
+    // every token of the block cast into its staging slot before the receivers are waited for:
+    // the staging is this rank's own, last read by this rank's previous send on the set (stream
+    // order; puts are quieted before that send's counts), so it is free already
+    for (int t = blockIdx.x; t < a.T; t += gridDim.x) {
+      char* stage = c.base + lay.set_offset(set) + lay.d_send + (long long)t * lay.d_msg;
+      const __nv_bfloat16* xt = reinterpret_cast<const __nv_bfloat16*>(a.x) + (long long)t * a.H;
+      if (a.fp8) {  // a warp's blocks are loaded together: one memory round trip, not one per block
+        constexpr int kCastBatch = 4;
+        const int nb = a.H / 128;
+        for (int g0 = warp; g0 < nb; g0 += kLLWarps * kCastBatch) {
+          uint2 raw[kCastBatch];
+#pragma unroll
+          for (int i = 0; i < kCastBatch; ++i) {
+            const int g = g0 + i * kLLWarps;
+            if (g < nb) raw[i] = *reinterpret_cast<const uint2*>(xt + g * 128 + lane * 4);
+          }
+#pragma unroll
+          for (int i = 0; i < kCastBatch; ++i) {
+            const int g = g0 + i * kLLWarps;
+            if (g < nb)
+              cast_block(raw[i], reinterpret_cast<uint8_t*>(stage) + g * 128, reinterpret_cast<float*>(stage + a.H) + g,
+                         a.round_scale);
+          }
+        }
+      } else {
+        for (int i = threadIdx.x; i < data_bytes / 16; i += blockDim.x)
+          reinterpret_cast<int4*>(stage)[i] = reinterpret_cast<const int4*>(xt)[i];
+      }
+    }
+    if (blockIdx.x < a.T) stamp(c, 0, kLLTraceCast, true);
+    if (wait_released(c, set, kOpLowLatencyDispatch, a.sig)) {  // (a block barrier: s_ids and staging are filled)
       stamp(c, 0, kLLTraceReleased);
       // experts this rank sends nothing to: their count (0) first, before this warp has stores in
       // flight (a release store then waits for none); by the blocks without a token when there
@@ -267,32 +300,7 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_dispatch_kernel(const LLCtx 
         if (copies_to(e) == 0 && lane == 0) put_signal(c, e / L, count_offset(e), encode(0, a.sig));
       stamp(c, 0, kLLTraceZero, true);
       for (int t = blockIdx.x; t < a.T; t += gridDim.x) {
-        char* stage = c.base + lay.set_offset(set) + lay.d_send + (long long)t * lay.d_msg;
-        const __nv_bfloat16* xt = reinterpret_cast<const __nv_bfloat16*>(a.x) + (long long)t * a.H;
-        if (a.fp8) {  // a warp's blocks are loaded together: one memory round trip, not one per block
-          constexpr int kCastBatch = 4;
-          const int nb = a.H / 128;
-          for (int g0 = warp; g0 < nb; g0 += kLLWarps * kCastBatch) {
-            uint2 raw[kCastBatch];
-#pragma unroll
-            for (int i = 0; i < kCastBatch; ++i) {
-              const int g = g0 + i * kLLWarps;
-              if (g < nb) raw[i] = *reinterpret_cast<const uint2*>(xt + g * 128 + lane * 4);
-            }
-#pragma unroll
-            for (int i = 0; i < kCastBatch; ++i) {
-              const int g = g0 + i * kLLWarps;
-              if (g < nb)
-                cast_block(raw[i], reinterpret_cast<uint8_t*>(stage) + g * 128, reinterpret_cast<float*>(stage + a.H) + g,
-                           a.round_scale);
-            }
-          }
-        } else {
-          for (int i = threadIdx.x; i < data_bytes / 16; i += blockDim.x)
-            reinterpret_cast<int4*>(stage)[i] = reinterpret_cast<const int4*>(xt)[i];
-        }
-        __syncthreads();
-        if (t == blockIdx.x) stamp(c, 0, kLLTraceCast);
+        const char* stage = c.base + lay.set_offset(set) + lay.d_send + (long long)t * lay.d_msg;
         // each copy by `per` warps, a share of the row each (all warps busy at K < kLLWarps)
         const int per = max(1, kLLWarps / a.K), n16 = payload / 16, chunk = (n16 + per - 1) / per;
         for (int u = warp; u < a.K * per; u += kLLWarps) {
@@ -361,17 +369,21 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_dispatch_kernel(const LLCtx 
     for (int i = g; i < mine; i += split) {
       const char* slot = c.base + lay.d_slot(set, e, s, i);
       const long long row = (long long)e * a.out_cap + before + i;
-      if (a.fp8) {
-        warp_copy16_deep<16>(reinterpret_cast<int4*>(static_cast<uint8_t*>(a.out_x) + row * a.H),
-                             reinterpret_cast<const int4*>(slot + kLLHeader), a.H / 16);
-        const float* sc = reinterpret_cast<const float*>(slot + kLLHeader + a.H);
-        for (int j = lane; j < a.H / 128; j += 32) a.out_scales[row * (a.H / 128) + j] = __ldcg(sc + j);
-      } else {
-        warp_copy16_deep<16>(reinterpret_cast<int4*>(static_cast<__nv_bfloat16*>(a.out_x) + row * a.H),
-                             reinterpret_cast<const int4*>(slot + kLLHeader), a.H * 2 / 16);
-      }
+      // the header and the scales are loaded with the row, not after its stores (one round trip)
+      const int4 meta = lane == 0 ? __ldcg(reinterpret_cast<const int4*>(slot)) : make_int4(0, 0, 0, 0);
+      const float* sc = reinterpret_cast<const float*>(slot + kLLHeader + a.H);
+      const int nsc = a.fp8 ? a.H / 128 : 0;
+      float sc_reg[kLLScaleRegs];
+#pragma unroll
+      for (int r = 0; r < kLLScaleRegs; ++r)
+        if (lane + r * 32 < nsc) sc_reg[r] = __ldcg(sc + lane + r * 32);
+      warp_copy16_deep<16>(reinterpret_cast<int4*>(static_cast<char*>(a.out_x) + row * data_bytes),
+                           reinterpret_cast<const int4*>(slot + kLLHeader), data_bytes / 16);
+#pragma unroll
+      for (int r = 0; r < kLLScaleRegs; ++r)
+        if (lane + r * 32 < nsc) a.out_scales[row * nsc + lane + r * 32] = sc_reg[r];
+      for (int j = lane + kLLScaleRegs * 32; j < nsc; j += 32) a.out_scales[row * nsc + j] = __ldcg(sc + j);
       if (lane == 0) {
-        const int4 meta = __ldcg(reinterpret_cast<const int4*>(slot));
         a.out_src[row] = meta.x;
         a.out_slot[row] = meta.y;
       }

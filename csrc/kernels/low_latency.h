@@ -20,7 +20,7 @@ enum LLTracePoint : int {
   kLLTraceEntry = 0,      // thread 0 at entry
   kLLTraceReleased = 1,   // the receivers released the set (send half may start)
   kLLTraceZero = 2,       // dispatch: last warp done with the zero-count signals
-  kLLTraceCast = 3,       // dispatch: the block's first token cast into staging
+  kLLTraceCast = 3,       // dispatch: last warp done casting the block's tokens into staging (before the release wait)
   kLLTraceSent = 4,       // last warp done sending rows (and their count signals / flags)
   kLLTraceArrived = 5,    // last warp saw its signals (dispatch counts; combine: the first token's flags)
   kLLTraceCopied = 6,     // last warp done copying out (dispatch) or reducing (combine)
