@@ -104,9 +104,9 @@ class Runtime {
   // `comm_only`: every use of the block is a kernel on the communication stream (the expert-major
   // push's rank-major buffer), so it is free again as soon as its last tensor dies.
   py::object pool_rank_major(int rows, int hidden, py::object x_dtype, int row_bytes, int scale_cols, int K, bool has_w,
-                             long long stream_ptr, bool comm_only) {
+                             long long stream_ptr, bool comm_only, long long order_stream_ptr) {
     const RankMajorBlock b(rows, row_bytes, scale_cols, K, has_w);
-    const long long off = pool_->alloc(b.total);
+    const long long off = pool_->alloc(b.total, reinterpret_cast<cudaStream_t>(order_stream_ptr));
     if (off < 0) return py::none();
     struct Owner {  // returns the block when the last tensor over it dies (never copied)
       std::shared_ptr<Pool> pool;
@@ -140,6 +140,11 @@ class Runtime {
   }
 
   long long pool_free_bytes() { return pool_->free_bytes(); }
+  // (stream_waits, host_waits, misses) of the output pool so far (Pool::Stats)
+  py::tuple pool_stats() {
+    const Pool::Stats s = pool_->stats();
+    return py::make_tuple(s.stream_waits, s.host_waits, s.misses);
+  }
 
   py::bytes ipc_handle() const { return py::bytes(region_->ipc_handle()); }
 
@@ -476,7 +481,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("fail_call", &mep::Runtime::fail_call)
       .def("pool_rank_major", &mep::Runtime::pool_rank_major)
       .def("rank_major_at", &mep::Runtime::rank_major_at)
-      .def("pool_free_bytes", &mep::Runtime::pool_free_bytes);
+      .def("pool_free_bytes", &mep::Runtime::pool_free_bytes)
+      .def("pool_stats", &mep::Runtime::pool_stats);
   auto intra = m.def_submodule("intranode", "the intranode normal path (csrc/kernels/intranode.cu)");
   intra.def("notify", &mep::notify);
   intra.def("stage", &mep::stage);

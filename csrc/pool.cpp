@@ -27,17 +27,37 @@ Pool::~Pool() {
   for (auto e : spare_events_) cudaEventDestroy(e);
 }
 
-long long Pool::alloc(long long bytes) {
+long long Pool::alloc(long long bytes, cudaStream_t order) {
   bytes = block_bytes(bytes);
   std::lock_guard<std::mutex> lock(mu_);
   DeviceGuard g(device_);
   reap(false);
   long long off = take(bytes);
-  while (off < 0 && !pending_.empty()) {  // memory pressure: wait for the oldest frees
-    reap(true);
+  bool stream_wait = false, host_wait = false;
+  while (off < 0 && !pending_.empty()) {  // memory pressure: take over the oldest frees
+    if (order != nullptr) {
+      // `order` waits for the range's last use on the GPU; the wait binds the event's current
+      // record, so the event may be recorded again later
+      const Pending p = pending_.front();
+      pending_.pop_front();
+      cudaStreamWaitEvent(order, p.ev, 0);
+      insert_free(p.off, p.size);
+      spare_events_.push_back(p.ev);
+      stream_wait = true;
+    } else {
+      reap(true);
+      host_wait = true;
+    }
     off = take(bytes);
   }
+  stats_.stream_waits += stream_wait;
+  stats_.host_waits += host_wait;
+  stats_.misses += off < 0;
   return off;
+}
+Pool::Stats Pool::stats() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
 }
 
 void Pool::release(long long offset, long long bytes, cudaStream_t stream) {

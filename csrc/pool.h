@@ -2,7 +2,10 @@
 // here are ordinary tensors for the caller, but peers can write into them directly (push). A
 // block returns to the pool when its last tensor dies: an event recorded on the stream that
 // used it marks when the memory is really free, and the pool only hands out ranges whose event
-// has completed (waiting for the oldest ones only when nothing else fits).
+// has completed. When nothing else fits, the oldest pending ranges are taken over: with an
+// `order` stream (the one whose kernels write the block first), that stream waits for their
+// events on the GPU (no host wait: a loop of dispatches keeps the host ahead); without one, the
+// host waits for them.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -23,12 +26,18 @@ class Pool {
   }
   Pool(int device, long long begin, long long bytes);
   ~Pool();
-  long long alloc(long long bytes);  // offset in the region, or -1
+  long long alloc(long long bytes, cudaStream_t order = nullptr);  // offset in the region, or -1
   void release(long long offset, long long bytes, cudaStream_t stream);
   // A range whose every use ran on the communication stream, as every later use will: free now
   // (stream order alone keeps the next user behind the last one; no event, no host wait later).
   void release_now(long long offset, long long bytes);
   long long free_bytes();
+  // Allocations so far that took over pending ranges with a GPU-side wait / a host wait, and
+  // that found no room at all (the caller then stages and pulls).
+  struct Stats {
+    long long stream_waits = 0, host_waits = 0, misses = 0;
+  };
+  Stats stats();
 
  private:
   struct Pending {
@@ -44,6 +53,7 @@ class Pool {
   std::map<long long, long long> free_;  // offset -> size, coalesced
   std::deque<Pending> pending_;          // freed by the host, maybe still in use on the device
   std::vector<cudaEvent_t> spare_events_;
+  Stats stats_;
 };
 
 }  // namespace mep

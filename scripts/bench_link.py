@@ -8,6 +8,8 @@ Kernels (compiled at run time with NVRTC through CuPy, which the GPU image has):
 
   ce           torch's cross-device copy (cudaMemcpyPeerAsync: the copy engines)
   st           grid-stride copy, each thread issues U 16-byte loads then U stores to the peer
+  rows         our rank-major push's pattern: a warp per 14336-byte row (+local: the row also to
+               this GPU, +ids: 8 ids and 8 weights per row and destination too); 58 MB is 4096 rows
   tma          per block, 1D bulk copies (cp.async.bulk): global -> shared, shared -> peer,
                a pipeline of `stages` chunks in flight; one thread drives it
   local        the same `st` kernel into this GPU's own memory (the HBM copy, for scale)
@@ -81,6 +83,41 @@ __device__ void tma_body(const char* src, char* dst, long long nbytes, int chunk
   }
   asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
+// Our push's pattern (csrc/kernels/intranode.cu, dispatch_push_kernel): a warp per row, U loads
+// per lane then the stores to each destination; mode bit 0: also a local copy of the row (the
+// sender's own rank), bit 1: also K 8-byte ids and K 4-byte weights per row and destination.
+extern "C" __global__ void rows_copy(const int4* __restrict__ src, int4* remote, int4* local, long long* ids_r,
+                                     long long* ids_l, int nrows, int n16, int mode) {
+  constexpr int U = 8, K = 8;
+  const int lane = threadIdx.x & 31;
+  const int gw = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, tw = gridDim.x * (blockDim.x / 32);
+  for (int r = gw; r < nrows; r += tw) {
+    const int4* s = src + (long long)r * n16;
+    for (int it = 0; it * 32 * U < n16; ++it) {
+      const int base = it * 32 * U + lane;
+      int4 v[U];
+#pragma unroll
+      for (int j = 0; j < U; ++j)
+        if (base + j * 32 < n16) v[j] = __ldg(s + base + j * 32);
+#pragma unroll
+      for (int j = 0; j < U; ++j)
+        if (base + j * 32 < n16) remote[(long long)r * n16 + base + j * 32] = v[j];
+      if (mode & 1) {
+#pragma unroll
+        for (int j = 0; j < U; ++j)
+          if (base + j * 32 < n16) local[(long long)r * n16 + base + j * 32] = v[j];
+      }
+    }
+    if ((mode & 2) && lane < K) {
+      ids_r[(long long)r * K + lane] = lane;
+      reinterpret_cast<float*>(ids_r + (long long)nrows * K)[(long long)r * K + lane] = 1.f;
+      if (mode & 1) {
+        ids_l[(long long)r * K + lane] = lane;
+        reinterpret_cast<float*>(ids_l + (long long)nrows * K)[(long long)r * K + lane] = 1.f;
+      }
+    }
+  }
+}
 extern "C" __global__ void tma_copy4(const char* src, char* dst, long long nbytes, int chunk) { tma_body<4>(src, dst, nbytes, chunk); }
 """
 
@@ -88,7 +125,7 @@ extern "C" __global__ void tma_copy4(const char* src, char* dst, long long nbyte
 def kernels():
     import cupy
     mod = cupy.RawModule(code=SRC, options=("-std=c++17",), name_expressions=None)
-    return cupy, mod.get_function("st_copy"), mod.get_function("tma_copy4")
+    return cupy, mod.get_function("st_copy"), mod.get_function("tma_copy4"), mod.get_function("rows_copy")
 
 
 def main():
@@ -102,10 +139,13 @@ def main():
     assert torch.cuda.device_count() >= 2, "needs two GPUs"
     assert torch.cuda.can_device_access_peer(0, 1), "GPUs 0 and 1 have no peer access"
     n = int(a.mbytes * 1e6) // a.chunk * a.chunk
-    cupy, st, tma = kernels()
-    tma.max_dynamic_shared_size_bytes = 4 * a.chunk
+    cupy, st, tma, rows = kernels()
+    row_bytes = 14336  # a bf16 row of hidden 7168
+    nrows = n // row_bytes
     src = [torch.randn(n // 2, dtype=torch.bfloat16, device=f"cuda:{d}") for d in (0, 1)]
     dst = [torch.empty(n // 2, dtype=torch.bfloat16, device=f"cuda:{d}") for d in (0, 1)]
+    dst_local = [torch.empty(n // 2, dtype=torch.bfloat16, device=f"cuda:{d}") for d in (0, 1)]
+    ids = [torch.empty(n // row_bytes * 8 * 3 // 2 + 8, dtype=torch.int64, device=f"cuda:{d}") for d in (0, 1)]
     for d in (0, 1):  # the peer mappings SM stores need (torch enables them lazily for copies)
         with cupy.cuda.Device(d):
             try:
@@ -121,11 +161,17 @@ def main():
             if kind == "ce":
                 t.copy_(s, non_blocking=True)
                 return
-            cs = cupy.cuda.ExternalStream(streams[d].cuda_stream, d)
+            cs = cupy.cuda.ExternalStream(streams[d].cuda_stream, d)  # (deprecated name; still there in the image)
             with cupy.cuda.Device(d), cs:
                 if kind in ("st", "local"):
                     st((sms,), (512,), (s.data_ptr(), t.data_ptr(), cupy.int64(n // 16)))
+                elif kind.startswith("rows"):
+                    mode = {"rows": 0, "rows+local": 1, "rows+local+ids": 3}[kind]
+                    rows((sms,), (512,), (s.data_ptr(), t.data_ptr(), dst_local[d].data_ptr(), ids[to].data_ptr(),
+                                          ids[d].data_ptr(), cupy.int32(nrows), cupy.int32(row_bytes // 16),
+                                          cupy.int32(mode)))
                 else:
+                    tma.max_dynamic_shared_size_bytes = 4 * a.chunk  # per device: each loads its own module
                     tma((sms,), (32,), (s.data_ptr(), t.data_ptr(), cupy.int64(n), cupy.int32(a.chunk)),
                         shared_mem=4 * a.chunk)
 
@@ -152,18 +198,20 @@ def main():
         return statistics.median(out)
 
     # correctness of each kernel once (a copy that is fast and wrong measures nothing)
-    for kind in ("st", "tma"):
+    for kind in ("st", "tma", "rows"):
         dst[1].zero_()
         launch(kind, 0, 1, 24)
         torch.cuda.synchronize(0)
-        assert torch.equal(dst[1].cpu(), src[0].cpu()), f"{kind} copy is wrong"
+        m = nrows * row_bytes // 2 if kind == "rows" else n // 2
+        assert torch.equal(dst[1][:m].cpu(), src[0][:m].cpu()), f"{kind} copy is wrong"
 
     sms = [int(x) for x in a.sms.split(",")]
     print(f"bytes per GPU: {n / 1e6:.1f} MB; GB/s = bytes one GPU sends / µs (slowest GPU), median of {a.reps}\n")
     print("| kernel | SMs | one way µs | one way GB/s | both ways µs | both ways GB/s |")
     print("|---|---:|---:|---:|---:|---:|")
-    rows = [("ce", 0)] + [(k, m) for k in ("st", "tma") for m in sms] + [("local", m) for m in sms]
-    for kind, m in rows:
+    cases = [("ce", 0)] + [(k, m) for k in ("st", "tma") for m in sms] + [("local", m) for m in sms]
+    cases += [(k, m) for k in ("rows", "rows+local", "rows+local+ids") for m in sms if m <= 32]
+    for kind, m in cases:
         if kind == "local":
             t1 = timed(kind, [(0, 0)], m)
             print(f"| local (HBM, read+write {2 * n / 1e6:.0f} MB) | {m} | {t1:.1f} | {2 * n / t1 / 1e3:.0f} | | |")

@@ -211,6 +211,13 @@ def _internal_tracer(buf):
     return Tracer()
 
 
+def _internal_pool_stats(buf):
+    """INTERNAL: `buf._impl.rt.rt.pool_stats()` -- the output pool's (GPU-side waits, host waits,
+    misses) so far (csrc/pool.h), or None when missing."""
+    rt = getattr(getattr(getattr(buf, "_impl", None), "rt", None), "rt", None)
+    return getattr(rt, "pool_stats", None)
+
+
 def _internal_rdma_blocks(buf):
     """INTERNAL: `buf._impl.path.num_blocks` -- the blocks the internode path's RDMA-domain
     kernels run on (None when missing, or on another path)."""
@@ -362,13 +369,21 @@ def our_runs(args, n, inp, timer, out, first, ref):
         N, M = rm.x.shape[0], em.x.shape[0]
         out.update(rows_rank_major=N, rows_expert_major=M)
         t["layout"] = timer(lambda: buf.get_dispatch_layout(idx, E))
-        t["dispatch"] = timer(lambda: buf.dispatch(x, idx, w, num_experts=E))
-        t["dispatch_cached"] = timer(lambda: buf.dispatch(x, handle=rm.handle))
-        t["dispatch_fp8_cached"] = timer(lambda: buf.dispatch(x_fp8, handle=rm.handle))
-        t["dispatch_expert"] = timer(lambda: buf.dispatch(x, idx, w, num_experts=E, permute=True,
-                                                          expert_alignment=args.alignment))
-        t["dispatch_expert_cached"] = timer(lambda: buf.dispatch(x, handle=em.handle))
-        t["dispatch_expert_fp8_cached"] = timer(lambda: buf.dispatch(x_fp8, handle=em.handle))
+        pool_stats, out["pool"] = _internal_pool_stats(buf), {}
+
+        def pooled_timer(key, fn):  # the timing, and what the output pool did meanwhile
+            before = pool_stats() if pool_stats else None
+            t[key] = timer(fn)
+            if before is not None:
+                out["pool"][key] = [b - a for a, b in zip(before, pool_stats())]
+
+        pooled_timer("dispatch", lambda: buf.dispatch(x, idx, w, num_experts=E))
+        pooled_timer("dispatch_cached", lambda: buf.dispatch(x, handle=rm.handle))
+        pooled_timer("dispatch_fp8_cached", lambda: buf.dispatch(x_fp8, handle=rm.handle))
+        pooled_timer("dispatch_expert", lambda: buf.dispatch(x, idx, w, num_experts=E, permute=True,
+                                                             expert_alignment=args.alignment))
+        pooled_timer("dispatch_expert_cached", lambda: buf.dispatch(x, handle=em.handle))
+        pooled_timer("dispatch_expert_fp8_cached", lambda: buf.dispatch(x_fp8, handle=em.handle))
         y_rm = rm.x.clone()
         t["combine"] = timer(lambda: buf.combine(y_rm, rm.handle))
         zc = buf.get_combine_input(N, H, device=x.device)
@@ -1274,6 +1289,12 @@ def markdown(args, allres, base) -> str:
     if copy or perm:
         lines.append(f"* same run, single-process baselines: device copy of the received rank-major bytes "
                      f"{cell(copy)} µs; index_select of them into expert order {cell(perm)} µs.")
+    pool = {n: r0["sms"][str(n)].get("pool") for n in sms}
+    if any(pool.values()):
+        lines.append("* our output pool during each dispatch's timing (rank 0; GPU-side waits / host waits / no room, "
+                     "then staged and pulled): " + "; ".join(
+                         f"{n} SMs: " + ", ".join(f"{k} {'/'.join(map(str, v))}" for k, v in pool[n].items())
+                         for n in sms if pool[n]) + ".")
     checks = [r["nccl"]["checks"] for r in allres]
     if checks[0]:
         ok = all(c["rank_major_rows_equal_ours"] and c["megatron_rows_equal_ours_expert_major"] for c in checks)

@@ -133,7 +133,7 @@ if has lowlat; then
     llr=${MEP_LL_RANKS:-2}
     for _ in $(seq 240); do [ ! -f .carry/build_deepep.sh ] || [ -e /tmp/deepep_full.done ] && break; sleep 1; done
     cat /tmp/deepep_full.done 2>/dev/null
-    llpath=$PYTHONPATH  # the full DeepEP build first: an intranode-only one has no LL kernels
+    llpath=${PYTHONPATH:-}  # the full DeepEP build first: an intranode-only one has no LL kernels
     [ -e /tmp/deepep_full.ok ] && llpath=/tmp/deepep/full${PYTHONPATH:+:$PYTHONPATH}
     [ "$llr" -gt "$NGPU" ] && start_mps
     PYTHONPATH=$llpath timeout "${MEP_LL_BENCH_TIMEOUT:-400}" python3 scripts/bench_low_latency.py --ranks "$llr" ${MEP_LL_BENCH_ARGS:-} \

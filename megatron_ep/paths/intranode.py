@@ -155,10 +155,13 @@ class IntranodePath:
                 rows, has_w = max(1, st.comb_map.shape[0]), topk_weights is not None
                 pooled = (rt.comb_scratch(rows, H, data.dtype, row_bytes, scale_cols, K, has_w)
                           or rt.rt.pool_rank_major(rows, H, data.dtype, row_bytes, scale_cols, K, has_w,
-                                                   compute.cuda_stream, True))
+                                                   compute.cuda_stream, True, rt.stream.cuda_stream))
             elif push:
+                # the push kernel (communication stream) is the block's first writer, here and on
+                # the peers (they wait for its start): a block still in use is waited for there
                 pooled = rt.rt.pool_rank_major(out_rows, H, data.dtype, row_bytes, scale_cols, K,
-                                               topk_weights is not None, compute.cuda_stream, False)
+                                               topk_weights is not None, compute.cuda_stream, False,
+                                               rt.stream.cuda_stream)
             offsets = list(pooled[4:]) if pooled is not None else [-1, -1, -1, -1]
             if pooled is not None and not permute:
                 out_x, out_s, out_idx, out_w = pooled[:4]
