@@ -25,7 +25,11 @@ input [seq, batch, hidden], forward + backward of mean(out^2) timed (no optimise
 Every backend's model is built once (same seed, then the first model's weights and buffers
 copied into the others) and reused; each repetition runs every backend in turn for --warmup
 untimed then --steps timed steps (A B C A B C ...), each backend on its own sequence of batches
-0, 1, 2, ... so they all see the same data. Figures are medians over repetitions of each
+0, 1, 2, ... so they all see the same data. By default every repetition starts again from the
+initial weights (a copy kept on the device), a fresh optimiser state and batch 0, so repetitions
+repeat the same work and their spread is the timing's: trained on, the router changes the load
+balance from one repetition to the next, and each backend's own rounding drives its training
+apart (--continue-reps keeps training across repetitions, as before). Figures are medians over repetitions of each
 repetition's median. Step 0 (identical weights and data) must give the same loss on every
 backend within --loss-rtol (they compute the same function).
 
@@ -101,6 +105,9 @@ def build_parser() -> cli.ArgumentParser:
     p.add_argument("--backends", default="all", help=f"comma-separated subset of {','.join(BACKENDS)}, or all")
     p.add_argument("--reps", type=int, default=3, help="repetitions (each runs every backend in turn)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per backend per repetition")
+    p.add_argument("--continue-reps", action="store_true",
+                   help="train on across repetitions (default: each repetition restarts from the initial weights, "
+                        "a fresh optimiser state and batch 0)")
     p.add_argument("--loss-rtol", type=float, default=None,
                    help="step-0 loss tolerance relative to the reference backend (default 1e-4 fp32, 5e-3 bf16)")
     p.add_argument("--png", default=None, help="write a bar chart here (default: none)")
@@ -275,12 +282,25 @@ def copy_state(src: torch.nn.Module, dst: torch.nn.Module) -> None:
             t.copy_(s[name])
 
 
+def restart(run, initial: dict) -> None:
+    """Back to the start: the initial weights and buffers, a fresh optimiser state, batch 0."""
+    model = run.state.model
+    with torch.no_grad():
+        for n, t in list(model.named_parameters()) + list(model.named_buffers()):
+            t.copy_(initial[n])
+    opt = getattr(run.state, "optimizer", None)
+    if opt is not None:
+        opt.state.clear()  # torch optimisers build their per-parameter state again on the next step
+    run.next_step = 0
+
+
 @dataclasses.dataclass
 class Run:
     spec: BackendSpec
     state: object = None  # train_moe.Trainer or LayerModel
     step_fn: Optional[Callable] = None
     next_step: int = 0
+    steps_total: int = 0  # steps run over all repetitions
     loss0: Optional[float] = None
     status: str = "ok"  # ok | skipped | failed
     reason: str = ""
@@ -498,7 +518,8 @@ def main(argv=None) -> int:
          f"{args.seq_len} x {args.micro_batch} tokens per rank, {dtype}, megatron_ep buffer backend {args.backend}, "
          f"experts {args.experts_impl}")
     plan = (f"{args.reps} repetition(s), each backend {args.warmup} warm-up + {args.steps} timed step(s) per repetition, "
-            f"interleaved; medians over repetitions of per-repetition medians")
+            f"interleaved, {'training on across repetitions' if args.continue_reps else 'each repetition from the initial weights and batch 0'}; "
+            f"medians over repetitions of per-repetition medians")
     say(f"A/B: {machine}")
     say(f"A/B: {shape}")
     say(f"A/B: {plan}; comm timers {'on (synchronising)' if args.time_comm and on_gpu else 'on' if args.time_comm else 'off'}")
@@ -554,11 +575,19 @@ def main(argv=None) -> int:
                 f"{type(mgr).__name__ if mgr else type(run.state.layer.token_dispatcher).__name__}, "
                 f"experts {type(run.state.layer.experts).__name__}")
 
+    # the initial weights every repetition restarts from (every model was copied from the first)
+    initial = None
+    if reference_state is not None and not args.continue_reps:
+        m = reference_state.model
+        initial = {n: t.detach().clone() for n, t in list(m.named_parameters()) + list(m.named_buffers())}
+
     for rep in range(args.reps):
         for run in runs:
             if run.status != "ok":
                 continue
             st = run.state
+            if initial is not None and rep > 0:
+                restart(run, initial)
             if on_gpu:
                 torch.cuda.reset_peak_memory_stats(device)
             timed = []
@@ -575,10 +604,11 @@ def main(argv=None) -> int:
                     say(f"{run.key}: FAILED at step {run.next_step} (repetition {rep + 1}):\n{failure}")
                     break
                 stats = train_moe.reduce_step_stats(loss, step_s, st.timer, device)
-                if run.next_step == 0:
+                if run.next_step == 0 and run.loss0 is None:
                     run.loss0 = stats.loss
                     run.dropped0 = dropped_rows(st.model, device)
                 run.next_step += 1
+                run.steps_total += 1
                 if i >= args.warmup:
                     timed.append(stats)
             if hasattr(st, "optimizer"):
@@ -635,7 +665,7 @@ def main(argv=None) -> int:
     budgets = [r for r in runs if r.dropped is not None]
     if budgets:
         notes.append("rows dropped by static budgets (forward dispatches, summed over ranks and MoE layers): " + ", ".join(
-            f"{r.key} {r.dropped0} at step 0, {r.dropped} over all {r.next_step} steps" for r in budgets))
+            f"{r.key} {r.dropped0} at step 0, {r.dropped} over all {r.steps_total} steps" for r in budgets))
     if args.time_comm:
         notes.append("dispatch / combine ms: forward + backward, summed over MoE layers, max over ranks (recipes/comm_timer.py"
                      + ("; it synchronises the GPU around each call, which also lengthens the step)" if on_gpu else ")"))

@@ -845,6 +845,51 @@ def run_lifetime_growth(cfg: dict) -> list:
     return chk.errors
 
 
+def run_pool_takeover(cfg: dict) -> list:
+    """The output pool holds one rank-major output: a cached dispatch (no host sync) made while the
+    previous output is freed but still read on the device (behind a long kernel) takes its block
+    over with a GPU-side wait and pushes (no host wait, no stage-and-pull); the late reader still
+    sees the old rows."""
+    R, rank = dist.get_world_size(), dist.get_rank()
+    E, K, H, T = 4 * R, 3, 256, 64
+    chk = Checker(f"[pool takeover R={R} rank={rank}]")
+    # room for one worst-case output (R*T rows of data, ids and weights): one real output fits, two
+    # do not (a rank receives ~61-88% of the worst case here)
+    pool_bytes = R * T * (2 * H + 12 * K) + 4096
+    buf = mep.Buffer(dist.group.WORLD, backend="cuda", max_tokens_per_rank=T, hidden=H, num_experts=E, max_topk=K,
+                     pool_bytes=pool_bytes)
+    try:
+        stats = buf._impl.rt.rt.pool_stats
+        inp = make_inputs(cfg["seed"], R, E, K, H, [T] * R, "bf16", "random", 0.0)
+        me = inp[rank]
+        out = buf.dispatch(me["x"].cuda(), me["idx"].cuda(), me["w"].cuda(), num_experts=E)
+        handle, want_sum = out.handle, None
+        chk.equal("first output", out.x, expected_rank_major(inp, rank, R, E)["x"])
+        g = torch.Generator().manual_seed(cfg["seed"] + 1)  # the same new rows on every rank
+        for i in range(cfg["rounds"]):
+            for r in range(R):
+                inp[r]["x"] = torch.randn((T, H), generator=g).to(torch.bfloat16)
+            want = expected_rank_major(inp, rank, R, E)["x"]
+            want_sum = float(out.x.float().sum())
+            torch.cuda._sleep(100_000_000)  # ~50 ms: the last read below, and so the release, wait for it
+            late_sum = out.x.float().sum()
+            del out  # its block goes back to the pool behind the late read (an event on this stream)
+            before = stats()
+            out = buf.dispatch(inp[rank]["x"].cuda(), handle=handle)
+            d = [b - a for a, b in zip(before, stats())]
+            if d != [1, 0, 0]:
+                chk.errors.append(f"{chk.tag} round {i}: pool (GPU-side waits, host waits, misses) moved by {d}, "
+                                  "expected one GPU-side takeover")
+            if float(late_sum) != want_sum:
+                chk.errors.append(f"{chk.tag} round {i}: the previous output read behind the takeover summed to "
+                                  f"{float(late_sum)}, expected {want_sum}: the new push overwrote it too early")
+            chk.equal(f"round {i} output", out.x, want)
+        torch.cuda.synchronize()
+    finally:
+        buf.destroy()
+    return chk.errors
+
+
 def run_num_sms_bound(_cfg=None) -> list:
     import pytest
 

@@ -64,6 +64,10 @@ def test_ab_cpu_alltoall_deepep_hybridep(tmp_path):
     assert "FAILED" not in out.stdout
     # progress: one line per repetition and backend
     assert len(re.findall(r"^rep \d/2 +(alltoall|deepep|hybridep): step", out.stdout, re.M)) == 6, log
+    # every repetition restarts from the initial weights and batch 0: the same last loss each time
+    for key in ("alltoall", "deepep", "hybridep"):
+        losses = re.findall(rf"^rep \d/2 +{key}: step .* loss (\S+)$", out.stdout, re.M)
+        assert len(losses) == 2 and losses[0] == losses[1], (key, losses, log)
 
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
 

@@ -93,6 +93,13 @@ def test_fuzz(R):
     assert not errors, "\n".join(errors[:20])
 
 
+@pytest.mark.parametrize("R", [2, 4])
+def test_pool_takeover(R):
+    """A block still read on the device is taken over by the next dispatch with a GPU-side wait."""
+    errors = flat(pool_(R).run(cases.run_pool_takeover, dict(seed=21 + R, rounds=4), timeout=300))
+    assert not errors, "\n".join(errors[:20])
+
+
 @pytest.mark.parametrize("R", [2])
 def test_soak(R):
     cfg = dict(seed=11, E=8 * R, K=6, H=256, t_max=40, iters=int(os.environ.get("MEP_SOAK_ITERS", "10000")), warmup=200)
