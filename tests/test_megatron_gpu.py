@@ -51,6 +51,13 @@ def test_moe_layer_virtual_ranks_bf16(R):
     _run(pool_(R), mc.run_moe_layer_case, [case])
 
 
+@pytest.mark.parametrize("R", [2])
+def test_moe_layer_cuda_graph_budget(R):
+    """hybridep's sync-free budget mode under CUDA-graph capture of a whole MoELayer forward."""
+    case = dict(seed=60 + R, E=4 * R, K=4, H=128, F=64, S=16, factor=2.0, rounds=3)
+    _run(pool_(R), mc.run_moe_layer_graph_case, [case])
+
+
 def test_moe_layer_ep1_nccl_grouped_experts():
     case = dict(seed=8, E=8, K=4, H=256, F=128, S=64, device="cuda", dtype="bf16", tol=3e-2,
                 variants=[("alltoall", "grouped")])
