@@ -60,7 +60,6 @@ import statistics
 import subprocess
 import sys
 import time
-import types
 
 # NVLink SHARP (NVLS) multicast is unavailable on the GPU machines; NCCL must not try it.
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -374,7 +373,8 @@ def our_runs(args, n, inp, timer, out, first, ref):
         y_rm, y_em, rm_topk = rm.x.clone(), em.x.clone(), rm.topk_idx.clone()
         if ref is not None:
             ref.update(rm_x=rm.x.clone(), em_x=em.x.clone(), em_expert=em.row_expert.clone())
-        rm, em = types.SimpleNamespace(handle=rm.handle), types.SimpleNamespace(handle=em.handle)
+        rm_h, em_h = rm.handle, em.handle
+        del rm, em
         t["layout"] = timer(lambda: buf.get_dispatch_layout(idx, E))
         pool_stats, out["pool"] = _internal_pool_stats(buf), {}
 
@@ -385,22 +385,22 @@ def our_runs(args, n, inp, timer, out, first, ref):
                 out["pool"][key] = [b - a for a, b in zip(before, pool_stats())]
 
         pooled_timer("dispatch", lambda: buf.dispatch(x, idx, w, num_experts=E))
-        pooled_timer("dispatch_cached", lambda: buf.dispatch(x, handle=rm.handle))
-        pooled_timer("dispatch_fp8_cached", lambda: buf.dispatch(x_fp8, handle=rm.handle))
+        pooled_timer("dispatch_cached", lambda: buf.dispatch(x, handle=rm_h))
+        pooled_timer("dispatch_fp8_cached", lambda: buf.dispatch(x_fp8, handle=rm_h))
         pooled_timer("dispatch_expert", lambda: buf.dispatch(x, idx, w, num_experts=E, permute=True,
                                                              expert_alignment=args.alignment))
-        pooled_timer("dispatch_expert_cached", lambda: buf.dispatch(x, handle=em.handle))
-        pooled_timer("dispatch_expert_fp8_cached", lambda: buf.dispatch(x_fp8, handle=em.handle))
-        t["combine"] = timer(lambda: buf.combine(y_rm, rm.handle))
+        pooled_timer("dispatch_expert_cached", lambda: buf.dispatch(x, handle=em_h))
+        pooled_timer("dispatch_expert_fp8_cached", lambda: buf.dispatch(x_fp8, handle=em_h))
+        t["combine"] = timer(lambda: buf.combine(y_rm, rm_h))
         zc = buf.get_combine_input(N, H, device=x.device)
-        t["combine_zero_copy"] = timer(lambda: buf.combine(zc, rm.handle), setup=lambda: zc.copy_(y_rm))
+        t["combine_zero_copy"] = timer(lambda: buf.combine(zc, rm_h), setup=lambda: zc.copy_(y_rm))
         del zc  # a live zero-copy view keeps the expert-major push off the combine area (pool or pull then)
-        t["combine_expert"] = timer(lambda: buf.combine(y_em, em.handle))
+        t["combine_expert"] = timer(lambda: buf.combine(y_em, em_h))
         zce = buf.get_combine_input(M, H, device=x.device)
-        t["combine_expert_zero_copy"] = timer(lambda: buf.combine(zce, em.handle), setup=lambda: zce.copy_(y_em))
+        t["combine_expert_zero_copy"] = timer(lambda: buf.combine(zce, em_h), setup=lambda: zce.copy_(y_em))
         del zce
         if ref is not None:
-            ref.update(rm_y=buf.combine(y_rm, rm.handle).x.clone(), em_y=buf.combine(y_em, em.handle).x.clone())
+            ref.update(rm_y=buf.combine(y_rm, rm_h).x.clone(), em_y=buf.combine(y_em, em_h).x.clone())
         notify = _internal_notify(buf, idx, E, R)
         t["notify_kernel"] = guarded(lambda: timer(notify[0])) if notify else None
         t["notify_kernel_T0"] = guarded(lambda: timer(notify[1])) if notify else None
@@ -409,12 +409,12 @@ def our_runs(args, n, inp, timer, out, first, ref):
         tracer = _internal_tracer(buf)
         for key, fn, setup in (
             ("dispatch", lambda: buf.dispatch(x, idx, w, num_experts=E), None),
-            ("dispatch_cached", lambda: buf.dispatch(x, handle=rm.handle), None),
-            ("dispatch_fp8_cached", lambda: buf.dispatch(x_fp8, handle=rm.handle), None),
-            ("dispatch_expert_cached", lambda: buf.dispatch(x, handle=em.handle), None),
-            ("dispatch_expert_fp8_cached", lambda: buf.dispatch(x_fp8, handle=em.handle), None),
-            ("combine", lambda: buf.combine(y_rm, rm.handle), None),
-            ("combine_expert", lambda: buf.combine(y_em, em.handle), None),
+            ("dispatch_cached", lambda: buf.dispatch(x, handle=rm_h), None),
+            ("dispatch_fp8_cached", lambda: buf.dispatch(x_fp8, handle=rm_h), None),
+            ("dispatch_expert_cached", lambda: buf.dispatch(x, handle=em_h), None),
+            ("dispatch_expert_fp8_cached", lambda: buf.dispatch(x_fp8, handle=em_h), None),
+            ("combine", lambda: buf.combine(y_rm, rm_h), None),
+            ("combine_expert", lambda: buf.combine(y_em, em_h), None),
         ):
             ph[key] = guarded(lambda: phases(tracer, timer, fn, setup)) if tracer is not None else None
         if args.profile and x.is_cuda:
@@ -422,12 +422,12 @@ def our_runs(args, n, inp, timer, out, first, ref):
             for key, fn in (
                 ("notify_kernel", notify[0] if notify else None),
                 ("dispatch", lambda: buf.dispatch(x, idx, w, num_experts=E)),
-                ("dispatch_cached", lambda: buf.dispatch(x, handle=rm.handle)),
+                ("dispatch_cached", lambda: buf.dispatch(x, handle=rm_h)),
                 ("dispatch_expert", lambda: buf.dispatch(x, idx, w, num_experts=E, permute=True,
                                                          expert_alignment=args.alignment)),
-                ("dispatch_expert_cached", lambda: buf.dispatch(x, handle=em.handle)),
-                ("combine", lambda: buf.combine(y_rm, rm.handle)),
-                ("combine_expert", lambda: buf.combine(y_em, em.handle)),
+                ("dispatch_expert_cached", lambda: buf.dispatch(x, handle=em_h)),
+                ("combine", lambda: buf.combine(y_rm, rm_h)),
+                ("combine_expert", lambda: buf.combine(y_em, em_h)),
             ):
                 if fn is not None:
                     prof[key] = kernel_profile(fn, args.iters)
@@ -453,9 +453,10 @@ def intranode_reference(args, n, inp, timer, out):
         y = rm.x.clone()
         out["intra_rows"] = rm.x.shape[0]
         out["intra_num_sms"] = buf.num_sms
-        rm = types.SimpleNamespace(handle=rm.handle)  # the output's pool block free for the timed calls
-        out["t"]["intra_dispatch_cached"] = timer(lambda: buf.dispatch(x, handle=rm.handle))
-        out["t"]["intra_combine"] = timer(lambda: buf.combine(y, rm.handle))
+        handle = rm.handle
+        del rm  # the output's pool block free for the timed calls
+        out["t"]["intra_dispatch_cached"] = timer(lambda: buf.dispatch(x, handle=handle))
+        out["t"]["intra_combine"] = timer(lambda: buf.combine(y, handle))
     finally:
         buf.destroy()
 
