@@ -266,12 +266,22 @@ def layer_step(lm: LayerModel, step: int):
     return loss, time.perf_counter() - t0
 
 
+def state_tensors(module: torch.nn.Module) -> dict:
+    """{name: tensor} of every parameter and buffer."""
+    d = dict(module.named_parameters())
+    d.update(module.named_buffers())
+    return d
+
+
 def copy_state(src: torch.nn.Module, dst: torch.nn.Module) -> None:
     """Every parameter and buffer of src into dst (same names and shapes required)."""
-    s = dict(src.named_parameters())
-    s.update(src.named_buffers())
-    d = dict(dst.named_parameters())
-    d.update(dst.named_buffers())
+    copy_tensors(state_tensors(src), dst)
+
+
+def copy_tensors(s: dict, dst: torch.nn.Module) -> None:
+    """The tensors of `s` ({name: tensor}, e.g. state_tensors of a model) into dst's parameters
+    and buffers of the same names and shapes."""
+    d = state_tensors(dst)
     if s.keys() != d.keys():
         raise RuntimeError(f"model differs from the reference: extra {sorted(d.keys() - s.keys())[:4]}, "
                            f"missing {sorted(s.keys() - d.keys())[:4]}")
@@ -284,10 +294,7 @@ def copy_state(src: torch.nn.Module, dst: torch.nn.Module) -> None:
 
 def restart(run, initial: dict) -> None:
     """Back to the start: the initial weights and buffers, a fresh optimiser state, batch 0."""
-    model = run.state.model
-    with torch.no_grad():
-        for n, t in list(model.named_parameters()) + list(model.named_buffers()):
-            t.copy_(initial[n])
+    copy_tensors(initial, run.state.model)
     opt = getattr(run.state, "optimizer", None)
     if opt is not None:
         opt.state.clear()  # torch optimisers build their per-parameter state again on the next step
@@ -578,8 +585,7 @@ def main(argv=None) -> int:
     # the initial weights every repetition restarts from (every model was copied from the first)
     initial = None
     if reference_state is not None and not args.continue_reps:
-        m = reference_state.model
-        initial = {n: t.detach().clone() for n, t in list(m.named_parameters()) + list(m.named_buffers())}
+        initial = {n: t.detach().clone() for n, t in state_tensors(reference_state.model).items()}
 
     for rep in range(args.reps):
         for run in runs:
