@@ -863,7 +863,7 @@ def run_pool_takeover(cfg: dict) -> list:
         inp = make_inputs(cfg["seed"], R, E, K, H, [T] * R, "bf16", "random", 0.0)
         me = inp[rank]
         out = buf.dispatch(me["x"].cuda(), me["idx"].cuda(), me["w"].cuda(), num_experts=E)
-        handle, want_sum = out.handle, None
+        handle = out.handle
         chk.equal("first output", out.x, expected_rank_major(inp, rank, R, E)["x"])
         g = torch.Generator().manual_seed(cfg["seed"] + 1)  # the same new rows on every rank
         for i in range(cfg["rounds"]):

@@ -452,51 +452,45 @@ def run_moe_layer_case(case):
 # ------------------------------------------------------------------ CUDA graph of a MoE layer
 @guarded
 def run_moe_layer_graph_case(case):
-    """hybridep with a static budget (MEGATRON_EP_RANK_CAPACITY_FACTOR: no host sync anywhere in
-    the dispatch): a real MoELayer's forward (router, flex dispatcher, GroupedGemmExperts,
-    shared expert) captured in one CUDA graph, replayed on new inputs, equals the eager forward
-    on the same inputs, bit for bit."""
+    """hybridep with a static budget (MEGATRON_EP_RANK_CAPACITY_FACTOR in the pool's environment:
+    no host sync anywhere in the dispatch): a real MoELayer's forward (router, flex dispatcher,
+    GroupedGemmExperts, shared expert) captured in one CUDA graph, replayed on new inputs, equals
+    the eager forward on the same inputs, bit for bit."""
+    if not os.environ.get("MEGATRON_EP_RANK_CAPACITY_FACTOR"):
+        return ["run_moe_layer_graph_case needs MEGATRON_EP_RANK_CAPACITY_FACTOR in the pool's environment"]
     _init_megatron()
     from megatron_ep.experts import GroupedGemmExperts
 
     R, r = dist.get_world_size(), dist.get_rank()
     errors, tag = [], f"[graph R={R} rank={r}]"
-    saved = os.environ.get("MEGATRON_EP_RANK_CAPACITY_FACTOR")
-    os.environ["MEGATRON_EP_RANK_CAPACITY_FACTOR"] = str(case["factor"])
-    try:
-        torch.manual_seed(case["seed"])  # same non-expert weights on every rank
-        config = _moe_config(case, "flex", "hybridep", params_dtype=torch.bfloat16, bf16=True)
-        layer = _build_moe_layer(config, GroupedGemmExperts).cuda()
-        g = torch.Generator(device="cuda").manual_seed(case["seed"] + r)
-        shape = (case["S"], 2, case["H"])
-        x_static = torch.randn(shape, device="cuda", generator=g).to(torch.bfloat16)
-        with torch.no_grad():
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up outside the capture (allocator, first launches)
-                for _ in range(3):
-                    layer(x_static)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                y_static, _ = layer(x_static)
-            for i in range(case["rounds"]):
-                x_new = torch.randn(shape, device="cuda", generator=g).to(torch.bfloat16)
-                x_static.copy_(x_new)
-                graph.replay()
-                y_eager, _ = layer(x_new)
-                torch.cuda.synchronize()
-                if not torch.equal(y_static, y_eager):
-                    errors.append(f"{tag} replay {i}: max abs diff {(y_static.float() - y_eager.float()).abs().max().item():.3g} "
-                                  "from the eager forward")
-                if not torch.isfinite(y_static.float()).all() or not torch.any(y_static != 0):
-                    errors.append(f"{tag} replay {i}: output is not finite or all zero")
-        dist.barrier()
-    finally:
-        if saved is None:
-            os.environ.pop("MEGATRON_EP_RANK_CAPACITY_FACTOR", None)
-        else:
-            os.environ["MEGATRON_EP_RANK_CAPACITY_FACTOR"] = saved
+    torch.manual_seed(case["seed"])  # same non-expert weights on every rank
+    config = _moe_config(case, "flex", "hybridep", params_dtype=torch.bfloat16, bf16=True)
+    layer = _build_moe_layer(config, GroupedGemmExperts).cuda()
+    g = torch.Generator(device="cuda").manual_seed(case["seed"] + r)
+    shape = (case["S"], 2, case["H"])
+    x_static = torch.randn(shape, device="cuda", generator=g).to(torch.bfloat16)
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside the capture (allocator, first launches)
+            for _ in range(3):
+                layer(x_static)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y_static, _ = layer(x_static)
+        for i in range(case["rounds"]):
+            x_new = torch.randn(shape, device="cuda", generator=g).to(torch.bfloat16)
+            x_static.copy_(x_new)
+            graph.replay()
+            y_eager, _ = layer(x_new)
+            torch.cuda.synchronize()
+            if not torch.equal(y_static, y_eager):
+                errors.append(f"{tag} replay {i}: max abs diff {(y_static.float() - y_eager.float()).abs().max().item():.3g} "
+                              "from the eager forward")
+            if not torch.isfinite(y_static.float()).all() or not torch.any(y_static != 0):
+                errors.append(f"{tag} replay {i}: output is not finite or all zero")
+    dist.barrier()
     return errors
 
 
