@@ -22,7 +22,7 @@ py::dict layout_dict(const LowLatencyLayout& l) {
   d["num_ranks"] = l.num_ranks, d["num_experts"] = l.num_experts, d["max_tokens"] = l.max_tokens;
   d["hidden"] = l.hidden, d["max_topk"] = l.max_topk, d["fp8_only"] = (bool)l.fp8_only;
   d["d_msg"] = l.d_msg, d["c_row"] = l.c_row, d["set_bytes"] = l.set_bytes, d["total"] = l.total;
-  d["d_recv"] = l.d_recv, d["c_recv"] = l.c_recv, d["d_count"] = l.d_count, d["c_flag"] = l.c_flag;
+  d["d_rows"] = l.d_rows, d["d_table"] = l.d_table, d["c_recv"] = l.c_recv, d["d_count"] = l.d_count, d["c_flag"] = l.c_flag;
   d["release"] = l.release, d["state"] = l.state;
   return d;
 }

@@ -9,8 +9,11 @@
 //
 //   per set:
 //     d_send  [mt][d_msg]              dispatch staging: the FP8 cast (or bf16 copy) of each token
-//     d_meta  [mt][K][16]              dispatch staging: (token, slot) headers for puts
-//     d_recv  [L][R][mt][d_msg]        dispatch receive area: slot (local expert, source, position)
+//     d_meta  [mt][K][16]              dispatch staging: table entries, for puts
+//     d_rows  [R][mt][d_msg]           dispatch receive area: a token's row once per (source, receiver),
+//                                      at its position among the source's tokens bound for this rank
+//     d_table [L][R][mt][16]           dispatch receive table: entry (local expert, source, position) =
+//                                      (row position in d_rows, top-k slot, token): which row is that copy
 //     c_stage [warps][c_row]           combine staging for puts (one row per warp in flight)
 //     c_recv  [mt][K][c_row]           combine receive area: slot (token, top-k slot)
 //     d_count [L][R] int64             count signals (dispatch): -1 - (count | sig << 32)
@@ -18,7 +21,10 @@
 //     release [R] int64                written by each receiver: its completed calls on this set
 //   state (local, once): counters that never leave this rank
 //
-// A dispatch message is [16-byte header: token, top-k slot][H data bytes][H/128 fp32 scales].
+// A dispatch message is [16 bytes (unused: the table entry says whose row it is)][H data bytes]
+// [H/128 fp32 scales]; DeepEP's accounting counts the 16 bytes, so the size is kept.
+// A token's row crosses the link once per receiving rank, not once per expert copy: the copies
+// of a row are table entries, and the receiver's copy-out expands them into expert segments.
 #pragma once
 
 #include <cstddef>
@@ -38,6 +44,7 @@ constexpr int kLLWarps = kLLThreads / 32;
 constexpr int kLLMaxBlocks = 132;      // one H200's SMs: bounds the combine staging rows
 constexpr int kLLIdsSmemBytes = 100 << 10;  // dispatch: the call's T*K expert ids and E counts in shared memory up to this
 constexpr int kLLHeader = 16;          // dispatch message header bytes (DeepEP's accounting too)
+constexpr int kLLEntry = 16;           // dispatch table entry: int4 (row position, top-k slot, token, 0)
 constexpr int kLLAlign = 256;
 
 // Local counters (in the same allocation, never written by peers).
@@ -84,7 +91,7 @@ struct LowLatencyLayout {
   // strides
   long long d_msg, c_row;
   // offsets inside a set, and the set size
-  long long d_send, d_meta, d_recv, c_stage, c_recv, d_count, c_flag, release, set_bytes;
+  long long d_send, d_meta, d_rows, d_table, c_stage, c_recv, d_count, c_flag, release, set_bytes;
   long long state, total;
 
   static LowLatencyLayout plan(int num_ranks, int num_experts, int max_tokens, int hidden, int max_topk,
@@ -99,7 +106,8 @@ struct LowLatencyLayout {
     long long o = 0;
     l.d_send = o, o = ll_align(o + (long long)max_tokens * l.d_msg);
     l.d_meta = o, o = ll_align(o + (long long)max_tokens * max_topk * kLLHeader);
-    l.d_recv = o, o = ll_align(o + L * num_ranks * max_tokens * l.d_msg);
+    l.d_rows = o, o = ll_align(o + (long long)num_ranks * max_tokens * l.d_msg);
+    l.d_table = o, o = ll_align(o + L * num_ranks * max_tokens * kLLEntry);
     l.c_stage = o, o = ll_align(o + (long long)kLLMaxBlocks * kLLWarps * l.c_row);
     l.c_recv = o, o = ll_align(o + (long long)max_tokens * max_topk * l.c_row);
     l.d_count = o, o = ll_align(o + L * num_ranks * 8);
@@ -111,9 +119,13 @@ struct LowLatencyLayout {
     return l;
   }
   MEP_HD long long set_offset(int set) const { return set * set_bytes; }
-  // dispatch slot of (local expert, source rank, position)
-  MEP_HD long long d_slot(int set, int le, int src, int pos) const {
-    return set_offset(set) + d_recv + (((long long)le * num_ranks + src) * max_tokens + pos) * d_msg;
+  // dispatch row from source rank `src` at position `pos` (of the source's rows for this rank)
+  MEP_HD long long d_row(int set, int src, int pos) const {
+    return set_offset(set) + d_rows + ((long long)src * max_tokens + pos) * d_msg;
+  }
+  // dispatch table entry of copy (local expert, source rank, position)
+  MEP_HD long long d_entry(int set, int le, int src, int pos) const {
+    return set_offset(set) + d_table + (((long long)le * num_ranks + src) * max_tokens + pos) * kLLEntry;
   }
   // combine slot of (token, top-k slot)
   MEP_HD long long c_slot(int set, int token, int k) const {

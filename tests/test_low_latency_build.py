@@ -60,16 +60,19 @@ def test_imports_without_a_gpu_and_plans(so):
     plan = ext.plan(R, E, mt, H, K, True)
     msg = 16 + H + H // 128 * 4  # DeepEP's accounting: header + FP8 data + scales
     assert plan["d_msg"] == msg and plan["c_row"] == 2 * H
-    sections = ["d_recv", "c_recv", "d_count", "c_flag", "release"]
+    sections = ["d_rows", "d_table", "c_recv", "d_count", "c_flag", "release"]
     offs = [plan[s] for s in sections]
     assert offs == sorted(offs) and all(o % 256 == 0 for o in offs)
-    assert plan["d_recv"] + (E // R) * R * mt * msg <= plan["c_recv"]  # [L][R][mt] dispatch slots
+    assert plan["d_rows"] + R * mt * msg <= plan["d_table"]             # [R][mt] dispatch rows, one per (source, token)
+    assert plan["d_table"] + (E // R) * R * mt * 16 <= plan["c_recv"]   # [L][R][mt] table entries, one per copy
     assert plan["c_recv"] + mt * K * 2 * H <= plan["d_count"]           # [mt][K] combine slots
     assert plan["release"] + 64 * 8 <= plan["set_bytes"]
     assert plan["state"] == 2 * plan["set_bytes"] and plan["total"] > plan["state"]  # two sets, then local state
-    # the hint: about two sets of E * max_tokens * message bytes
+    # the hint: two sets of rows per (source, token), entries per copy, combine slots and staging
     hint = LL.buffer_bytes(R, E, mt, H, K, use_fp8=True)
-    assert 2 * E * mt * msg <= hint <= 2 * E * mt * msg * 1.2
+    need = 2 * (R * mt * msg + E * mt * 16 + mt * K * 2 * H + 132 * 16 * 2 * H)
+    assert hint == plan["total"] and need <= hint <= need * 1.1
+    assert hint < E * mt * msg  # below one set of DeepEP's per-expert layout
     bf16 = ext.plan(R, E, mt, H, K, False)
     assert bf16["d_msg"] == 16 + 2 * H and bf16["total"] > plan["total"]
 

@@ -2,14 +2,17 @@
 //
 // Dispatch, send half: each block casts its tokens (FP8 per 128 channels, or a bf16 copy) once
 // into its staging slot (before it waits for the receivers' release: the staging is this rank's
-// own), then warp k sends copy (token, k) straight into the owner rank's receive
-// slot (local expert, this rank, position); the position is the token's rank among this rank's
-// tokens for that expert (a warp scan of the call's ids, held in shared memory), so rows arrive
-// in token order without atomics. The warp that sends an expert's last copy then writes the
-// (expert, source) count signal, -1 - count (with the call's signature hash in the high word): 0
-// means "not arrived", so 0 tokens is visible (experts with no copy get theirs at once).
+// own), then sends each token's row once to every rank that owns one of its experts, at the
+// token's position among this rank's rows for that rank (a warp scan of the call's ids, held in
+// shared memory): a row crosses the link once per receiver, however many of its experts live
+// there. Each copy (token, k) becomes a table entry at the receiver, slot (local expert, this
+// rank, position), position = the copy's rank among this rank's copies for that expert, so copies
+// arrive in token order without atomics. The warps that finish an expert's last copy then write
+// the (expert, source) count signal, -1 - count (with the call's signature hash in the high
+// word): 0 means "not arrived", so 0 tokens is visible (experts with no copy get theirs at once).
 // Receive half: per (local expert, source), wait on every source's signal, place the source's
-// rows after the earlier sources' (grouped by source ascending), and fill count/range/src.
+// copies after the earlier sources' (grouped by source ascending), expand each table entry into
+// its row of the expert's segment, and fill count/range/src.
 //
 // Combine: each expert row goes back to its token's rank, into slot (token, top-k slot), by warps
 // split over the (local expert, token rank) pairs; the pair's last warp sends one flag per
@@ -222,6 +225,7 @@ __device__ __forceinline__ int valid_id(long long e, int E) { return e >= 0 && e
 __global__ void __launch_bounds__(kLLThreads, 1) ll_dispatch_kernel(const LLCtx c, const LLDispatchArgs a,
                                                                     bool ids_in_smem) {
   extern __shared__ int s_ids[];
+  __shared__ int s_dest[kMaxTopk], s_ndest;
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   const int R = c.num_ranks, L = a.E / R, set = a.set;
   const int num_warps = gridDim.x * kLLWarps, gw = blockIdx.x * kLLWarps + warp;
@@ -299,35 +303,93 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_dispatch_kernel(const LLCtx 
       for (int e = zw; zw >= 0 && e < a.E; e += zstride)
         if (copies_to(e) == 0 && lane == 0) put_signal(c, e / L, count_offset(e), encode(0, a.sig));
       stamp(c, 0, kLLTraceZero, true);
+      // the warps of one row: a fixed number for the whole call (a copy's count closes after
+      // copies x `per` parts), enough for min(K, R) destinations to use every warp
+      const int per = max(1, kLLWarps / max(1, min(a.K, R))), n16 = payload / 16, chunk = (n16 + per - 1) / per;
       for (int t = blockIdx.x; t < a.T; t += gridDim.x) {
         const char* stage = c.base + lay.set_offset(set) + lay.d_send + (long long)t * lay.d_msg;
-        // each copy by `per` warps, a share of the row each (all warps busy at K < kLLWarps)
-        const int per = max(1, kLLWarps / a.K), n16 = payload / 16, chunk = (n16 + per - 1) / per;
-        for (int u = warp; u < a.K * per; u += kLLWarps) {
-          const int k = u / per, h = u % per;
-          const int j0 = t * a.K + k, e = id(j0);
-          if (e < 0) continue;
-          int pos = 0;  // copies to e before this one (token order)
-          for (int j = lane; j < j0; j += 32) pos += id(j) == e;
-          pos = warp_sum(pos);
-          const int n = copies_to(e);  // all copies to e
-          const int dst = e / L;
-          const long long off = lay.d_slot(set, e % L, c.rank, pos);
-          if (h == 0 && c.peer_base[dst] != nullptr) {
-            if (lane == 0) *reinterpret_cast<int4*>(c.peer_base[dst] + off) = make_int4(t, k, 0, 0);
-          } else if (h == 0) {
-            char* meta = c.base + lay.set_offset(set) + lay.d_meta + ((long long)t * lay.max_topk + k) * kLLHeader;
-            if (lane == 0) *reinterpret_cast<int4*>(meta) = make_int4(t, k, 0, 0);
-            __syncwarp();
-            if (lane == 0) __threadfence_system();
-            __syncwarp();
-            nvshmemx_putmem_nbi_warp(c.base + off, meta, kLLHeader, c.pe[dst]);
+        // this token's receiving ranks, each once, in slot order
+        if (warp == 0) {
+          const int e = lane < a.K ? id(t * a.K + lane) : -1;
+          const int d = e >= 0 ? e / L : -1;
+          bool first = d >= 0;
+          for (int k = 0; k < a.K; ++k) {
+            const int dk = __shfl_sync(0xffffffffu, d, k);
+            if (k < lane && dk == d) first = false;
           }
-          const int b16 = min(h * chunk, n16), m16 = min(chunk, n16 - b16);
-          if (m16 > 0) send_row(c, dst, off + kLLHeader + b16 * 16, stage + b16 * 16, m16 * 16);
-          // the expert's last share out sends its count
-          count_sent(c, &st->d_finish[set][e], 1, n * per, dst, count_offset(e), encode(n, a.sig));
+          const unsigned m = __ballot_sync(0xffffffffu, first);
+          if (first) s_dest[__popc(m & ((1u << lane) - 1))] = d;
+          if (lane == 0) s_ndest = __popc(m);
         }
+        __syncthreads();
+        const int nd = s_ndest;
+        for (int u = warp; u < nd * per; u += kLLWarps) {
+          const int d = s_dest[u / per], h = u % per;
+          int p = 0;  // this token's row position among this rank's rows for d (tokens before it with a copy there)
+          for (int t2 = lane; t2 < t; t2 += 32) {
+            bool hit = false;
+            for (int k = 0; k < a.K; ++k) {
+              const int e2 = id(t2 * a.K + k);
+              hit |= e2 >= 0 && e2 / L == d;
+            }
+            p += hit;
+          }
+          p = warp_sum(p);
+          // the table entries of the token's copies on d, slot k by the row's warp k % per
+          for (int k = h; k < a.K; k += per) {
+            const int e = id(t * a.K + k);
+            if (e < 0 || e / L != d) continue;
+            int pos = 0;  // copies to e before this one (token order)
+            for (int j = lane; j < t * a.K + k; j += 32) pos += id(j) == e;
+            pos = warp_sum(pos);
+            if (pos >= lay.max_tokens) continue;  // (duplicate ids past the capacity: never delivered)
+            const long long eoff = lay.d_entry(set, e % L, c.rank, pos);
+            const int4 entry = make_int4(p, k, t, 0);
+            if (c.peer_base[d] != nullptr) {
+              if (lane == 0) *reinterpret_cast<int4*>(c.peer_base[d] + eoff) = entry;
+            } else {
+              char* meta = c.base + lay.set_offset(set) + lay.d_meta + ((long long)t * lay.max_topk + k) * kLLEntry;
+              if (lane == 0) *reinterpret_cast<int4*>(meta) = entry;
+              __syncwarp();
+              if (lane == 0) __threadfence_system();
+              __syncwarp();
+              nvshmemx_putmem_nbi_warp(c.base + eoff, meta, kLLEntry, c.pe[d]);
+            }
+          }
+          // this warp's share of the row (after the entries: send_row quiets the puts)
+          const int b16 = min(h * chunk, n16), m16 = min(chunk, n16 - b16);
+          if (m16 > 0) {
+            send_row(c, d, lay.d_row(set, c.rank, p) + kLLHeader + b16 * 16, stage + b16 * 16, m16 * 16);
+          } else if (c.peer_base[d] == nullptr) {  // no share of a short row: the entries' puts still complete first
+            if (lane == 0) nvshmem_quiet();
+            __syncwarp();
+          }
+          // every copy of the token on d: this warp's part is done; the copy's expert closes
+          // (count signal) after all its copies' parts
+          const int e_l = lane < a.K ? id(t * a.K + lane) : -1;
+          const bool on_d = e_l >= 0 && e_l / L == d;
+          int n_l = 0;
+          if (ids_in_smem) {
+            n_l = on_d ? s_cnt[e_l] : 0;
+          } else {
+            for (int k = 0; k < a.K; ++k) {
+              const int ek = __shfl_sync(0xffffffffu, e_l, k);
+              const int on = __shfl_sync(0xffffffffu, (int)on_d, k);
+              if (on) {
+                const int n = copies_to(ek);  // warp-wide
+                if (lane == k) n_l = n;
+              }
+            }
+          }
+          __syncwarp();
+          if (on_d && atom_add_acq_rel_gpu(&st->d_finish[set][e_l], 1u) + 1 == (unsigned)(n_l * per)) {
+            st->d_finish[set][e_l] = 0;  // nobody else touches it before this set's next call
+            if (c.peer_base[d] == nullptr) __threadfence_system();  // NVSHMEM signal ops need it
+            put_signal(c, d, count_offset(e_l), encode(n_l, a.sig));
+          }
+          __syncwarp();
+        }
+        __syncthreads();  // s_dest is rewritten for the block's next token
       }
       stamp(c, 0, kLLTraceSent, true);
     }
@@ -367,10 +429,14 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_dispatch_kernel(const LLCtx 
     if (g == 0 && s == 0)
       for (int i = total + lane; i < a.out_cap; i += 32) a.out_src[(long long)e * a.out_cap + i] = -1;
     for (int i = g; i < mine; i += split) {
-      const char* slot = c.base + lay.d_slot(set, e, s, i);
+      // which row holds copy i of (e, s), and whose it is; then the row (one round trip each)
+      const int4 ent = __ldcg(reinterpret_cast<const int4*>(c.base + lay.d_entry(set, e, s, i)));
       const long long row = (long long)e * a.out_cap + before + i;
-      // the header and the scales are loaded with the row, not after its stores (one round trip)
-      const int4 meta = lane == 0 ? __ldcg(reinterpret_cast<const int4*>(slot)) : make_int4(0, 0, 0, 0);
+      if (ent.x < 0 || ent.x >= lay.max_tokens) {  // (never: the sender's positions are < T)
+        if (lane == 0) a.out_src[row] = -1, a.out_slot[row] = -1;
+        continue;
+      }
+      const char* slot = c.base + lay.d_row(set, s, ent.x);
       const float* sc = reinterpret_cast<const float*>(slot + kLLHeader + a.H);
       const int nsc = a.fp8 ? a.H / 128 : 0;
       float sc_reg[kLLScaleRegs];
@@ -384,8 +450,8 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_dispatch_kernel(const LLCtx 
         if (lane + r * 32 < nsc) a.out_scales[row * nsc + lane + r * 32] = sc_reg[r];
       for (int j = lane + kLLScaleRegs * 32; j < nsc; j += 32) a.out_scales[row * nsc + j] = __ldcg(sc + j);
       if (lane == 0) {
-        a.out_src[row] = meta.x;
-        a.out_slot[row] = meta.y;
+        a.out_src[row] = ent.z;
+        a.out_slot[row] = ent.y;
       }
     }
   }

@@ -62,8 +62,9 @@ def load():
 
 def buffer_bytes(num_ranks: int, num_experts: int, max_tokens_per_rank: int, hidden: int, topk: int = 8,
                  use_fp8: bool = True) -> int:
-    """Size hint: bytes of one rank's symmetric buffer, both sets (about 2 x E x max_tokens x the
-    dispatch message, plus combine slots per (token, top-k slot)); from csrc/low_latency_layout.h."""
+    """Size hint: bytes of one rank's symmetric buffer, both sets (dispatch rows per (source rank,
+    token), a 16-byte table entry per expert copy, combine slots per (token, top-k slot) and the
+    combine's staging); from csrc/low_latency_layout.h."""
     return int(load().plan(num_ranks, num_experts, max_tokens_per_rank, hidden, topk, use_fp8)["total"])
 
 
