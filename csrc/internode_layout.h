@@ -39,6 +39,7 @@ enum InWhat : int {
 
 // Local counters (in the same allocation, never written by peers).
 struct InternodeState {
+  long long peer_failed;  // rank + 1 of a same-index peer that failed before joining a call (0: none)
   long long sent[2];      // [direction]: calls this rank sent
   long long received[2];  // [direction]: calls this rank received
   unsigned grid_done[4];  // last-block counters: dispatch send, dispatch recv, combine send, combine recv

@@ -47,7 +47,7 @@ class LowLatencyBuffer {
   }
 
   void dispatch(const torch::Tensor& x, const torch::Tensor& topk_idx, int num_experts, bool fp8, bool round_scale,
-                int set, int phases, long long sig, const torch::Tensor& out_x, const c10::optional<torch::Tensor>& out_scales,
+                int set, int phases, long long sig, long long seq, const torch::Tensor& out_x, const c10::optional<torch::Tensor>& out_scales,
                 const torch::Tensor& out_count, const torch::Tensor& out_range, const torch::Tensor& out_src,
                 const torch::Tensor& out_slot, int num_blocks) {
     live();
@@ -55,7 +55,7 @@ class LowLatencyBuffer {
     a.x = ptr<at::BFloat16>(x, "x", at::kBFloat16);
     a.topk_idx = reinterpret_cast<const long long*>(ptr<int64_t>(topk_idx, "topk_idx", at::kLong));
     a.T = (int)x.size(0), a.K = (int)topk_idx.size(1), a.E = num_experts, a.H = (int)x.size(1);
-    a.fp8 = fp8, a.round_scale = round_scale, a.set = set, a.phases = phases, a.sig = sig;
+    a.fp8 = fp8, a.round_scale = round_scale, a.set = set, a.phases = phases, a.sig = sig, a.seq = seq;
     check_call(a.T, a.K, a.E, a.H, set, num_blocks);
     a.out_x = out_x.data_ptr();
     TORCH_CHECK(out_x.is_contiguous() && out_x.dim() == 3 && out_x.size(2) == a.H, "out_x must be [L, cap, H]");
@@ -71,7 +71,7 @@ class LowLatencyBuffer {
 
   void combine(const torch::Tensor& x, const torch::Tensor& range, const torch::Tensor& src, const torch::Tensor& slot,
                const torch::Tensor& topk_idx, const torch::Tensor& weights, int num_experts, int set, int phases,
-               long long sig, const torch::Tensor& y, int num_blocks) {
+               long long sig, long long seq, const torch::Tensor& y, int num_blocks) {
     live();
     LLCombineArgs a{};
     a.x = ptr<at::BFloat16>(x, "x", at::kBFloat16);
@@ -82,10 +82,21 @@ class LowLatencyBuffer {
     a.weights = ptr<float>(weights, "topk_weights", at::kFloat);
     a.y = ptr<at::BFloat16>(y, "out", at::kBFloat16);
     a.T = (int)topk_idx.size(0), a.K = (int)topk_idx.size(1), a.E = num_experts, a.H = (int)x.size(2);
-    a.out_cap = (int)x.size(1), a.set = set, a.phases = phases, a.sig = sig;
+    a.out_cap = (int)x.size(1), a.set = set, a.phases = phases, a.sig = sig, a.seq = seq;
     check_call(a.T, a.K, a.E, a.H, set, num_blocks);
     TORCH_CHECK(y.size(0) == a.T && y.size(1) == a.H, "out must be [T, H]");
     launch_ll_combine(ctx_, a, num_blocks, c10::cuda::getCurrentCUDAStream().stream());
+  }
+
+  // This rank failed before joining call `seq` (its host raised first): tell every peer, whose
+  // waits on it in that call stop and report kErrPeerFailed naming this rank, instead of waiting
+  // for the timeout. On
+  // a stream of its own (this rank's queued work may itself wait on peers), completed on return.
+  void publish_failure(long long seq) {
+    live();
+    const c10::cuda::CUDAStream s = c10::cuda::getStreamFromPool(true, c10::cuda::current_device());
+    launch_ll_publish_failure(ctx_, seq, s.stream());
+    cuda_ok(cudaStreamSynchronize(s.stream()), "low-latency", "publishing a failure");
   }
 
   // The kernels' first unread error, or None.
@@ -149,6 +160,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<int, int, std::vector<int>, int, int, int, int, bool, double>())
       .def("dispatch", &mep::LowLatencyBuffer::dispatch)
       .def("combine", &mep::LowLatencyBuffer::combine)
+      .def("publish_failure", &mep::LowLatencyBuffer::publish_failure)
       .def("error", &mep::LowLatencyBuffer::error)
       .def("clear_error", &mep::LowLatencyBuffer::clear_error)
       .def("set_trace", &mep::LowLatencyBuffer::set_trace, py::arg("trace").none(true))

@@ -47,8 +47,9 @@ constexpr int kLLHeader = 16;          // dispatch message header bytes (DeepEP'
 constexpr int kLLEntry = 16;           // dispatch table entry: int4 (row position, top-k slot, token, 0)
 constexpr int kLLAlign = 256;
 
-// Local counters (in the same allocation, never written by peers).
+// Local counters (in the same allocation; peers write only `peer_failed`).
 struct LowLatencyState {
+  long long peer_failed;                 // rank + 1 of a peer that failed before joining a call (0: none)
   unsigned int d_finish[2][1024];        // [set][global expert]: copies sent (dispatch)
   unsigned int c_finish[2][1024];        // [set][local expert * R + dst] (L * R = E): rows sent (combine)
   unsigned int grid_done[2];             // [set]: blocks past the receive half

@@ -3,7 +3,8 @@ backend of the same API and Megatron-core flex-dispatcher integration."""
 
 from .autograd import combine, dispatch
 from .buffer import Buffer, cuda_backend_available
-from .errors import BufferBrokenError, CallMismatchError, CommTimeoutError, MegatronEPError, PeerFailedError
+from .errors import (BufferBrokenError, CallMismatchError, CommTimeoutError, MegatronEPError, PeerFailedError,
+                     PeerFailedFatalError)
 from .fp8 import per_token_cast_back, per_token_cast_to_fp8
 from .types import (
     CombineOutput,
@@ -29,6 +30,7 @@ __all__ = [
     "CommTimeoutError",
     "MegatronEPError",
     "PeerFailedError",
+    "PeerFailedFatalError",
     "CombineOutput",
     "DispatchHandle",
     "DispatchLayout",

@@ -112,9 +112,15 @@ class CudaBackend:
     def call(self, call: P.Call):
         """Entry check (errors reported since the last call) and, on a failure on this rank,
         its publication to the peers waiting on this call."""
-        if call.op in _LL_OPS:  # no host-side handshake to publish at: see paths/low_latency.py
-            self._low_latency().check(call)
-            yield call
+        if call.op in _LL_OPS:  # no host-side handshake: a failure before the launch is published to the kernels
+            ll = self._low_latency()
+            ll.check(call)
+            try:
+                yield call
+            except BaseException as exc:
+                if call.pending is not None:  # the peers' kernels wait for this rank's signals
+                    ll.publish_failure(call, exc)
+                raise
             return
         if self.ranks_per_node < self.num_ranks:  # the in-node calls publish their own failures
             call.pending = None

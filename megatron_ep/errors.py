@@ -20,6 +20,14 @@ class PeerFailedError(MegatronEPError):
     was aborted on every rank; the buffer stays usable."""
 
 
+class PeerFailedFatalError(PeerFailedError):
+    """Another rank failed before it joined this call on a path without host handshakes (the
+    low-latency path) and published it: the waits on it stopped at once instead of timing out,
+    but the path's buffer sets are out of step, so the buffer must be re-created."""
+
+    fatal = True
+
+
 class CommTimeoutError(MegatronEPError):
     """A wait exceeded its timeout (a rank died, hung, or never made the call). The handshakes
     are out of step: the buffer must be re-created."""

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_ep as mep
-from megatron_ep.errors import BufferBrokenError, CallMismatchError, CommTimeoutError
+from megatron_ep.errors import BufferBrokenError, CallMismatchError, CommTimeoutError, PeerFailedFatalError
 from megatron_ep.fp8 import per_token_cast_back, per_token_cast_to_fp8
 from oracle import expected_low_latency, make_inputs, split_x
 
@@ -251,6 +251,56 @@ def run_ll_timeout_case(absent_rank: int) -> list:
     except BufferBrokenError:
         pass
     return errors
+
+
+def run_ll_peer_failure_case(failing_rank: int) -> list:
+    """A failure before the launch is published to the kernels. (1) Every rank fails the same call
+    (an argument error): nothing waited, the buffer stays usable and the next call is exact. (2)
+    Only `failing_rank` fails: it raises its own error, every other rank's kernel stops waiting
+    for it at once (long before the 60 s timeout) and raises PeerFailedFatalError naming it, then
+    BufferBrokenError."""
+    import time
+
+    rank, R = dist.get_rank(), dist.get_world_size()
+    E, H = 4 * R, 256
+    buf = mep.Buffer(dist.group.WORLD, backend="cuda", timeout_s=60.0,
+                     low_latency=dict(num_experts=E, max_tokens=8, hidden=H, topk=2))
+    inputs = make_inputs(91, R, E, 2, H, [6] * R, "bf16", "random", 0.0)
+    me = {k: v.cuda() for k, v in inputs[rank].items()}
+    errors = []
+    try:  # (1) every rank: fp32 rows, which the cuda path refuses before launching
+        buf.low_latency_dispatch(me["x"].float(), me["idx"], num_experts=E, max_tokens_per_rank=8)
+        errors.append(f"rank {rank}: fp32 x did not raise")
+    except TypeError:
+        pass
+    out = buf.low_latency_dispatch(me["x"], me["idx"], num_experts=E, max_tokens_per_rank=8, use_fp8=False)
+    buf.synchronize()
+    from cases import Checker
+
+    chk = Checker(f"[LL peer failure rank={rank}]")
+    _check_dispatch(chk, "after a call every rank failed", out, inputs, rank, R, E, 8, False)
+    dist.barrier()
+    # (2) one rank fails alone
+    t0 = time.monotonic()
+    x = me["x"].float() if rank == failing_rank else me["x"]
+    try:
+        buf.low_latency_dispatch(x, me["idx"], num_experts=E, max_tokens_per_rank=8, use_fp8=False)
+        buf.synchronize()
+        errors.append(f"rank {rank}: the call rank {failing_rank} failed did not raise here")
+    except TypeError:
+        if rank != failing_rank:
+            errors.append(f"rank {rank}: raised the failing rank's TypeError")
+    except PeerFailedFatalError as exc:
+        if rank == failing_rank or f"rank {failing_rank}" not in str(exc):
+            errors.append(f"rank {rank}: unexpected {exc}")
+        if time.monotonic() - t0 > 20:
+            errors.append(f"rank {rank}: stopped after {time.monotonic() - t0:.0f} s (the publication did not stop the wait)")
+        try:
+            buf.low_latency_dispatch(me["x"], me["idx"], num_experts=E, max_tokens_per_rank=8, use_fp8=False)
+            errors.append(f"rank {rank}: a buffer broken by a peer's failure accepted a call")
+        except BufferBrokenError:
+            pass
+    return errors + chk.errors
 
 
 def run_ll_mismatch_case(_cfg=None) -> list:

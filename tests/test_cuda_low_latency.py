@@ -76,6 +76,13 @@ def test_bad_inputs(R):
     assert not errors, "\n".join(errors[:20])
 
 
+@pytest.mark.parametrize("R", [2])
+def test_peer_failure_is_published(R):
+    """(fresh processes: the case leaves broken buffers behind)"""
+    errors = flat(run_alone(R, ll_cases.run_ll_peer_failure_case, R - 1, timeout=240))
+    assert not errors, "\n".join(errors[:20])
+
+
 def test_timeout_names_the_missing_rank():
     errors = flat(run_alone(2, ll_cases.run_ll_timeout_case, 1, timeout=180, MEP_TIMEOUT_S="3"))
     assert not errors, "\n".join(errors)

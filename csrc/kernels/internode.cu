@@ -40,7 +40,7 @@ __device__ __forceinline__ InternodeState* state_of(const InCtx& c) {
 }
 __device__ __forceinline__ sym::Waiter waiter(const InCtx& c) {
   InternodeState* st = state_of(c);
-  return {c.err, &st->failed, &st->err_claims, c.timeout_ns};
+  return {c.err, &st->failed, &st->err_claims, c.timeout_ns, &st->peer_failed, -1};  // (nothing publishes here yet)
 }
 __device__ __forceinline__ int peer_rank(const InCtx& c, int node) { return node * c.ranks_per_node + c.local; }
 __device__ __forceinline__ bool failed(const InCtx& c) { return *reinterpret_cast<volatile int*>(&state_of(c)->failed); }

@@ -55,7 +55,7 @@ __device__ __forceinline__ LowLatencyState* state_of(const LLCtx& c) {
 }
 __device__ __forceinline__ sym::Waiter waiter(const LLCtx& c) {
   LowLatencyState* st = state_of(c);
-  return {c.err, &st->failed, &st->err_claims, c.timeout_ns};
+  return {c.err, &st->failed, &st->err_claims, c.timeout_ns, &st->peer_failed, c.seq};
 }
 
 // A trace stamp (LLTracePoint) when the buffer has a trace attached: thread 0's time, or with
@@ -560,6 +560,13 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_combine_kernel(const LLCtx c
   stamp(c, 1, kLLTraceEnd);
 }
 
+// This rank failed before joining a call: every peer's waits stop and name it.
+__global__ void ll_publish_failure_kernel(const LLCtx c, long long seq) {
+  if (threadIdx.x == 0)
+    sym::publish_failure(c.peer_base, c.base, c.pe, c.num_ranks, c.rank,
+                         c.lay.state + (long long)offsetof(LowLatencyState, peer_failed), c.rank, seq);
+}
+
 void check(cudaError_t e, const char* what) { check_cuda(e, what, "low-latency"); }
 
 }  // namespace
@@ -568,17 +575,27 @@ void check(cudaError_t e, const char* what) { check_cuda(e, what, "low-latency")
 void launch_ll_dispatch(const LLCtx& c, const LLDispatchArgs& a, int num_blocks, cudaStream_t stream) {
   const long long ids_bytes = ((long long)a.T * a.K + a.E) * sizeof(int);  // ids, then the per-expert counts
   const bool ids_in_smem = ids_bytes <= kLLIdsSmemBytes;
-  ll_dispatch_kernel<<<num_blocks, kLLThreads, ids_in_smem ? ids_bytes : 0, stream>>>(c, a, ids_in_smem);
+  LLCtx cs = c;
+  cs.seq = a.seq;
+  ll_dispatch_kernel<<<num_blocks, kLLThreads, ids_in_smem ? ids_bytes : 0, stream>>>(cs, a, ids_in_smem);
   check(cudaGetLastError(), "dispatch launch");
 }
 
 void launch_ll_combine(const LLCtx& c, const LLCombineArgs& a, int num_blocks, cudaStream_t stream) {
-  ll_combine_kernel<<<num_blocks, kLLThreads, 0, stream>>>(c, a);
+  LLCtx cs = c;
+  cs.seq = a.seq;
+  ll_combine_kernel<<<num_blocks, kLLThreads, 0, stream>>>(cs, a);
   check(cudaGetLastError(), "combine launch");
+}
+
+void launch_ll_publish_failure(const LLCtx& c, long long seq, cudaStream_t stream) {
+  ll_publish_failure_kernel<<<1, 32, 0, stream>>>(c, seq);
+  check(cudaGetLastError(), "failure publication launch");
 }
 
 void ll_touch_kernels() {
   cudaFuncAttributes attr;
+  check(cudaFuncGetAttributes(&attr, ll_publish_failure_kernel), "loading the failure publication kernel");
   check(cudaFuncGetAttributes(&attr, ll_dispatch_kernel), "loading the dispatch kernel");
   check(cudaFuncSetAttribute(ll_dispatch_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kLLIdsSmemBytes),
         "the dispatch kernel's shared memory");

@@ -38,6 +38,7 @@ struct LLCtx {
   int rank, num_ranks;
   unsigned long long timeout_ns;
   unsigned long long* trace;  // null, or [2 kernels][kLLMaxBlocks][kLLTracePoints] globaltimer stamps (a bench's probe)
+  long long seq;              // the call a launch serves (set per launch from its args): matches peers' failure publications
 };
 
 struct LLDispatchArgs {
@@ -45,6 +46,7 @@ struct LLDispatchArgs {
   const long long* topk_idx;  // [T, K]; ids outside [0, E) are unused slots
   int T, K, E, H, fp8, round_scale, set, phases;
   long long sig;              // this call's signature hash (31 bits), checked against every sender
+  long long seq;              // this call's sequence number (peers' failure publications name it)
   void* out_x;                // [L, R*mt, H] fp8 or bf16 (mt = the buffer's capacity, see out_cap)
   float* out_scales;          // [L, R*mt, H/128] (fp8)
   int* out_count;             // [L]
@@ -62,11 +64,13 @@ struct LLCombineArgs {
   const long long* topk_idx;  // [T, K] (this rank's tokens)
   const float* weights;       // [T, K]
   int T, K, E, H, out_cap, set, phases;
-  long long sig;
+  long long sig, seq;
   void* y;                    // [T, H] bf16
 };
 
 void launch_ll_dispatch(const LLCtx& c, const LLDispatchArgs& a, int num_blocks, cudaStream_t stream);
 void launch_ll_combine(const LLCtx& c, const LLCombineArgs& a, int num_blocks, cudaStream_t stream);
+// This rank failed before joining call `seq`: tell every peer (their peer_failed word).
+void launch_ll_publish_failure(const LLCtx& c, long long seq, cudaStream_t stream);
 
 }  // namespace mep

@@ -50,19 +50,27 @@ __device__ __forceinline__ int warp_sum(int v) {
   return v;
 }
 
-// Where a path's waits report: the mapped record, and two words of its local state: `failed`
-// (a wait timed out: every later wait returns at once) and `claims` (records claimed so far).
+// Where a path's waits report: the mapped record, two words of its local state: `failed` (a
+// wait timed out or a peer failed: every later wait returns at once) and `claims` (records
+// claimed so far), and `peer_failed`, the one word of that state other ranks write: (rank + 1)
+// << 32 | call sequence number of a peer that failed before joining that call (publish_failure).
+// `seq`: the call the waiting kernel serves (< 0: none; such waits ignore publications).
 struct Waiter {
   LowLatencyError* err;
   int* failed;
   int* claims;
   unsigned long long timeout_ns;
+  const long long* peer_failed;
+  long long seq;
 };
+__host__ __device__ constexpr long long failure_word(int rank, long long seq) {
+  return ((long long)(rank + 1) << 32) | (seq & 0xffffffffLL);
+}
 
 // The first error since the host's last clear wins (the host bumps `cleared` after reading).
 static __device__ __noinline__ void report(const Waiter& w, int code, int op, int what, int expert, int peer, int set,
                                     long long sig, long long got) {
-  if (code == kErrTimeout) atomicExch(w.failed, 1);
+  if (code == kErrTimeout || code == kErrPeerFailed) atomicExch(w.failed, 1);
   const int cleared = w.err->cleared;
   if (atomicCAS(w.claims, cleared, cleared + 1) != cleared) return;
   w.err->op = op, w.err->what = what, w.err->expert = expert, w.err->peer = peer, w.err->set = set;
@@ -81,6 +89,13 @@ __device__ __forceinline__ bool spin(const Waiter& w, Load load, Done done, long
     if (done(v)) return true;
     if ((i & 127) == 127) {
       if (*reinterpret_cast<volatile int*>(w.failed)) return false;
+      // a peer published that it failed before joining this call: it will never signal, so stop
+      // now, naming it (a publication for another call, e.g. one every rank failed, is ignored)
+      const long long pf = *reinterpret_cast<const volatile long long*>(w.peer_failed);
+      if (w.seq >= 0 && pf != 0 && (pf & 0xffffffffLL) == (w.seq & 0xffffffffLL)) {
+        report(w, kErrPeerFailed, op, what, expert, (int)(pf >> 32) - 1, set, sig, v);
+        return false;
+      }
       const unsigned long long now = globaltimer();
       if (start == 0) {
         start = now;
@@ -100,6 +115,15 @@ __device__ __forceinline__ void put_signal(char* peer, char* base, int pe, long 
   } else {
     nvshmemx_signal_op(reinterpret_cast<uint64_t*>(base + off), (uint64_t)v, NVSHMEM_SIGNAL_SET, pe);
   }
+}
+
+// One thread: tell the other n - 1 peers (index `self` is this rank) that this rank failed before
+// joining call `seq`, through the peer_failed word at byte offset `off` of their buffers: their
+// waits for that call stop and name `rank` (the group rank).
+__device__ __forceinline__ void publish_failure(char* const* peer_base, char* base, const int* pe, int n, int self,
+                                                long long off, int rank, long long seq) {
+  for (int r = 0; r < n; ++r)
+    if (r != self) put_signal(peer_base[r], base, pe[r], off, failure_word(rank, seq));
 }
 
 // Warp copy of n16 16-byte words, four loads in flight per lane.

@@ -17,7 +17,10 @@ The buffer is sized by `Buffer(..., low_latency=dict(...))` up front, or by the 
 Not checked across ranks on the host (that would be a sync): each call's signature (op, seq,
 dtype, hidden, top-k, experts, max_tokens_per_rank) travels as a hash in the count signals and
 a receiver that gets a different one raises CallMismatchError at the next call/synchronize.
-A rank that fails before launching leaves its peers to time out (CommTimeoutError naming it).
+A rank whose host side fails before it launches its part of a call publishes the failure into
+every peer's buffer (one word each, `publish_failure`): their waits on it stop at once and raise
+PeerFailedFatalError naming it (the buffer sets are then out of step: re-create the Buffer). A
+rank that dies or hangs without publishing leaves its peers to time out (CommTimeoutError).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import torch.distributed as dist
 from .. import nvshmem
 from .. import protocol as P
 from ..checks import FP8_BLOCK, FP8_DTYPE, fail
-from ..errors import BufferBrokenError, CallMismatchError, CommTimeoutError
+from ..errors import BufferBrokenError, CallMismatchError, CommTimeoutError, PeerFailedFatalError
 from ..runtime import gather, max_num_sms
 from ..types import LowLatencyDispatchOutput, LowLatencyHandle
 
@@ -101,6 +104,7 @@ class LowLatencyPath:
         self.next_set = 0
         self.pending = [None, None]  # per set: the call whose receive hook was not called yet
         self.broken: Optional[str] = None
+        self.published = False  # this rank told its peers of a failure: some of them may be broken
         self.num_blocks = min(max_num_sms(rt.ranks_per_device, rt.sm_count), self.ext.MAX_BLOCKS)
         if capacity is not None:
             unknown = sorted(set(capacity) - set(_DEFAULTS))
@@ -162,8 +166,9 @@ class LowLatencyPath:
 
     def close(self) -> None:
         """Collective (nvshmem_free). A broken path keeps its memory: a peer that timed out or died
-        would never join the free, and waiting for it would turn an error into a hang."""
-        if self.buf is not None and not self.broken:
+        would never join the free, and waiting for it would turn an error into a hang; neither
+        does a rank that published a failure (the peers it stopped are broken and skip the free)."""
+        if self.buf is not None and not self.broken and not self.published:
             torch.cuda.synchronize(self.rt.device)
             dist.barrier(group=self.rt.group)
             self.buf.close()
@@ -178,6 +183,10 @@ class LowLatencyPath:
         if err is None:
             return
         op = P.OP_NAMES.get(err["op"], "low-latency call")
+        if err["code"] == P.ERROR["peer_failed"]:
+            self.broken = (f"rank {err['peer']} failed before joining a {op} and told its peers; rank {self.rt.rank} "
+                           f"stopped waiting for it (buffer set {err['set']})")
+            raise PeerFailedFatalError(f"megatron_ep: {self.broken}; this buffer must be re-created")
         if err["code"] == P.ERROR["mismatch"]:
             self.buf.clear_error()
             raise CallMismatchError(
@@ -186,6 +195,19 @@ class LowLatencyPath:
                 f"max_tokens_per_rank differ); its results were discarded" + (f" [reported at call #{call.seq}]" if call else ""))
         self.broken = self._describe_timeout(op, err)
         raise CommTimeoutError(f"megatron_ep: {self.broken}; this buffer must be re-created")
+
+    def publish_failure(self, call: P.Call, exc: BaseException) -> None:
+        """This rank raised before launching its part of `call`: the peers' kernels would wait for
+        it until their timeout; tell them now (their waits for this call stop and raise
+        PeerFailedFatalError). Nothing of the call left this rank, so it stays usable here: when
+        every rank failed the same call (an argument error), nobody waited and nothing breaks."""
+        if self.buf is None or self.broken:
+            return
+        self.published = True
+        try:
+            self.buf.publish_failure(call.seq)
+        except Exception:  # noqa: BLE001 - the original error is what the caller must see
+            pass
 
     def _describe_timeout(self, op: str, err: dict) -> str:
         me, s, e, peer = self.rt.rank, err["set"], err["expert"], err["peer"]
@@ -224,7 +246,7 @@ class LowLatencyPath:
         sig = signature_hash(call)
 
         def launch(phases: int) -> None:
-            self.buf.dispatch(x, topk_idx, num_experts, use_fp8, round_scale, s, phases, sig, out_x, out_s, count,
+            self.buf.dispatch(x, topk_idx, num_experts, use_fp8, round_scale, s, phases, sig, call.seq, out_x, out_s, count,
                               layout_range, src, slot, self.num_blocks)
 
         hook = self._launch(call, s, launch, return_recv_hook)
@@ -256,7 +278,7 @@ class LowLatencyPath:
 
         def launch(phases: int) -> None:
             self.buf.combine(x, handle.layout_range, handle.src_token, st.src_slot, topk_idx, weights, handle.num_experts,
-                             s, phases, sig, out, self.num_blocks)
+                             s, phases, sig, call.seq, out, self.num_blocks)
 
         hook = self._launch(call, s, launch, return_recv_hook)
         return (out, hook) if return_recv_hook else out
@@ -264,9 +286,11 @@ class LowLatencyPath:
     def _launch(self, call: P.Call, s: int, launch: Callable[[int], None], return_recv_hook: bool) -> Optional[_RecvHook]:
         if not return_recv_hook:
             launch(self.ext.SEND | self.ext.RECV)
+            call.pending = None  # launched: a later failure of this call's host side owes the peers nothing
             self.next_set = 1 - s
             return None
         launch(self.ext.SEND)
+        call.pending = None
         self.next_set = 1 - s
         self.pending[s] = call.seq
         return _RecvHook(self, s, lambda: launch(self.ext.RECV))
