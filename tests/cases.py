@@ -859,7 +859,8 @@ def run_pool_takeover(cfg: dict) -> list:
     buf = mep.Buffer(dist.group.WORLD, backend="cuda", max_tokens_per_rank=T, hidden=H, num_experts=E, max_topk=K,
                      pool_bytes=pool_bytes)
     try:
-        stats = buf._impl.rt.rt.pool_stats
+        # looked up at each use: the first dispatch may re-create the region (and its pool)
+        stats = lambda: buf._impl.rt.rt.pool_stats()  # noqa: E731
         inp = make_inputs(cfg["seed"], R, E, K, H, [T] * R, "bf16", "random", 0.0)
         me = inp[rank]
         out = buf.dispatch(me["x"].cuda(), me["idx"].cuda(), me["w"].cuda(), num_experts=E)
