@@ -872,11 +872,14 @@ def run_pool_takeover(cfg: dict) -> list:
                 inp[r]["x"] = torch.randn((T, H), generator=g).to(torch.bfloat16)
             want = expected_rank_major(inp, rank, R, E)["x"]
             want_sum = float(out.x.float().sum())
+            # on the GPU before the sleep: a blocking .cuda() waits for the stream (call 2 found the
+            # host waiting there for the late read, so the block was free again: moved by [0, 0, 0])
+            x_new = inp[rank]["x"].cuda()
             torch.cuda._sleep(100_000_000)  # ~50 ms: the last read below, and so the release, wait for it
             late_sum = out.x.float().sum()
             del out  # its block goes back to the pool behind the late read (an event on this stream)
             before = stats()
-            out = buf.dispatch(inp[rank]["x"].cuda(), handle=handle)
+            out = buf.dispatch(x_new, handle=handle)
             d = [b - a for a, b in zip(before, stats())]
             if d != [1, 0, 0]:
                 chk.errors.append(f"{chk.tag} round {i}: pool (GPU-side waits, host waits, misses) moved by {d}, "
