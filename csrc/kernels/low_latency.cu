@@ -555,7 +555,7 @@ __device__ __forceinline__ void send_partial(const LLCtx& c, const LLCombineArgs
   char* peer = c.peer_base[s];
   float* stage = reinterpret_cast<float*>(c.base + lay.set_offset(set) + lay.c_stage + (long long)gw * lay.c_row);
   const int4* x = static_cast<const int4*>(a.x);
-  for (int v0 = g0 + lane; v0 - lane < g1; v0 += 32 * kB) {  // warp-uniform trips: the shuffles below need every lane
+  for (int v0 = g0 + lane; v0 < g1; v0 += 32 * kB) {
     float acc[kB][8];
 #pragma unroll
     for (int b = 0; b < kB; ++b)
