@@ -49,7 +49,7 @@ class LowLatencyBuffer {
   void dispatch(const torch::Tensor& x, const torch::Tensor& topk_idx, int num_experts, bool fp8, bool round_scale,
                 int set, int phases, long long sig, long long seq, const torch::Tensor& out_x, const c10::optional<torch::Tensor>& out_scales,
                 const torch::Tensor& out_count, const torch::Tensor& out_range, const torch::Tensor& out_src,
-                const torch::Tensor& out_slot, const torch::Tensor& out_pairs, int num_blocks) {
+                const torch::Tensor& out_slot, int num_blocks) {
     live();
     LLDispatchArgs a{};
     a.x = ptr<at::BFloat16>(x, "x", at::kBFloat16);
@@ -66,13 +66,11 @@ class LowLatencyBuffer {
     a.out_slot = ptr<int>(out_slot, "out_slot", at::kInt);
     a.out_cap = (int)out_x.size(1);
     TORCH_CHECK(a.out_cap <= ctx_.num_ranks * ctx_.lay.max_tokens, "out_x has more rows per expert than the buffer");
-    a.out_pairs = ptr<int>(out_pairs, "out_pairs", at::kInt);
-    TORCH_CHECK(out_pairs.numel() == (long long)a.out_cap * (a.K + 1), "out_pairs must be [R, max_tokens_per_rank, K + 1]");
     launch_ll_dispatch(ctx_, a, num_blocks, c10::cuda::getCurrentCUDAStream().stream());
   }
 
   void combine(const torch::Tensor& x, const torch::Tensor& range, const torch::Tensor& src, const torch::Tensor& slot,
-               const torch::Tensor& pairs, const torch::Tensor& topk_idx, const torch::Tensor& weights, int num_experts, int set, int phases,
+               const torch::Tensor& topk_idx, const torch::Tensor& weights, int num_experts, int set, int phases,
                long long sig, long long seq, const torch::Tensor& y, int num_blocks) {
     live();
     LLCombineArgs a{};
@@ -80,7 +78,6 @@ class LowLatencyBuffer {
     a.range = ptr<int>(range, "layout_range", at::kInt);
     a.src = ptr<int>(src, "src_token", at::kInt);
     a.slot = ptr<int>(slot, "src_slot", at::kInt);
-    a.pairs = ptr<int>(pairs, "pairs", at::kInt);
     a.topk_idx = reinterpret_cast<const long long*>(ptr<int64_t>(topk_idx, "topk_idx", at::kLong));
     a.weights = ptr<float>(weights, "topk_weights", at::kFloat);
     a.y = ptr<at::BFloat16>(y, "out", at::kBFloat16);
@@ -88,7 +85,6 @@ class LowLatencyBuffer {
     a.out_cap = (int)x.size(1), a.set = set, a.phases = phases, a.sig = sig, a.seq = seq;
     check_call(a.T, a.K, a.E, a.H, set, num_blocks);
     TORCH_CHECK(y.size(0) == a.T && y.size(1) == a.H, "out must be [T, H]");
-    TORCH_CHECK(pairs.numel() == (long long)a.out_cap * (a.K + 1), "pairs must be [R, max_tokens_per_rank, K + 1]");
     launch_ll_combine(ctx_, a, num_blocks, c10::cuda::getCurrentCUDAStream().stream());
   }
 

@@ -16,10 +16,8 @@
 //                                      (row position in d_rows, top-k slot, token): which row is that copy
 //     c_stage [warps][c_row]           combine staging for puts (one row per warp in flight)
 //     c_recv  [mt][K][c_row]           combine receive area: slot (token, top-k slot)
-//     c_w     [R][mt][K] fp32          combine: each source rank's top-k weights (for the merged rows)
 //     d_count [L][R] int64             count signals (dispatch): -1 - (count | sig << 32)
-//     c_flag  [E + R] int64            arrival flags (combine), one per global expert, then one per
-//                                      source rank for its weights (c_w): one range to wait on and clear
+//     c_flag  [E] int64                arrival flags (combine), one per global expert
 //     release [R] int64                written by each receiver: its completed calls on this set
 //   state (local, once): counters that never leave this rank
 //
@@ -27,9 +25,6 @@
 // [H/128 fp32 scales]; DeepEP's accounting counts the 16 bytes, so the size is kept.
 // A token's row crosses the link once per receiving rank, not once per expert copy: the copies
 // of a row are table entries, and the receiver's copy-out expands them into expert segments.
-// The combine mirrors it: a token's copies on one rank go back as one fp32 partial sum (their
-// weighted sum, the source's weights sent ahead in c_w), split over the first two copies' slots
-// (H/2 fp32 channels = 2H bytes each), when the token has two or more copies there.
 #pragma once
 
 #include <cstddef>
@@ -70,8 +65,7 @@ struct LowLatencyState {
 enum LLWhat : int {
   kLLWaitRelease = 0,   // the send half waited for a receiver to release the buffer set
   kLLWaitCount = 1,     // dispatch receive waited for (local expert, source)'s count signal
-  kLLWaitFlag = 2,      // combine receive waited for a global expert's rows from its owner
-  kLLWaitWeights = 3    // combine send waited for a source rank's top-k weights (merged rows)
+  kLLWaitFlag = 2       // combine receive waited for a global expert's rows from its owner
 };
 struct LowLatencyError {
   volatile int code;      // ErrorCode (protocol.h): kErrTimeout or kErrMismatch; 0 = none
@@ -98,7 +92,7 @@ struct LowLatencyLayout {
   // strides
   long long d_msg, c_row;
   // offsets inside a set, and the set size
-  long long d_send, d_meta, d_rows, d_table, c_stage, c_recv, c_w, d_count, c_flag, release, set_bytes;
+  long long d_send, d_meta, d_rows, d_table, c_stage, c_recv, d_count, c_flag, release, set_bytes;
   long long state, total;
 
   static LowLatencyLayout plan(int num_ranks, int num_experts, int max_tokens, int hidden, int max_topk,
@@ -117,9 +111,8 @@ struct LowLatencyLayout {
     l.d_table = o, o = ll_align(o + L * num_ranks * max_tokens * kLLEntry);
     l.c_stage = o, o = ll_align(o + (long long)kLLMaxBlocks * kLLWarps * l.c_row);
     l.c_recv = o, o = ll_align(o + (long long)max_tokens * max_topk * l.c_row);
-    l.c_w = o, o = ll_align(o + (long long)num_ranks * max_tokens * max_topk * 4);
     l.d_count = o, o = ll_align(o + L * num_ranks * 8);
-    l.c_flag = o, o = ll_align(o + ((long long)num_experts + num_ranks) * 8);
+    l.c_flag = o, o = ll_align(o + (long long)num_experts * 8);
     l.release = o, o = ll_align(o + (long long)kLLMaxRanks * 8);
     l.set_bytes = o;
     l.state = 2 * l.set_bytes;
@@ -138,14 +131,6 @@ struct LowLatencyLayout {
   // combine slot of (token, top-k slot)
   MEP_HD long long c_slot(int set, int token, int k) const {
     return set_offset(set) + c_recv + ((long long)token * max_topk + k) * c_row;
-  }
-  // combine: source rank `src`'s weight of (token, top-k slot)
-  MEP_HD long long c_weight(int set, int src, int token, int k) const {
-    return set_offset(set) + c_w + (((long long)src * max_tokens + token) * max_topk + k) * 4;
-  }
-  // combine: the signal word saying source rank `src`'s weights arrived (after the expert flags)
-  MEP_HD long long c_weights_flag(int set, int src) const {
-    return set_offset(set) + c_flag + ((long long)num_experts + src) * 8;
   }
 };
 

@@ -17,9 +17,7 @@
 // Combine: each expert row goes back to its token's rank, into slot (token, top-k slot), by warps
 // split over the (local expert, token rank) pairs; the pair's last warp sends one flag per
 // (global expert, token rank) after the rows; the receive half waits for every expert's flag and
-// reduces sum_k w * y in fp32. A token with two or more copies on one rank gets one fp32 sum of
-// them instead (the dispatch's pairs table says which rows; the source's weights are sent ahead
-// to every rank): at EP 2, top-8, ~2 slots' bytes instead of ~4 rows' cross the link per token.
+// reduces sum_k w * y in fp32.
 //
 // Ordering: a row's stores are followed by an acq_rel bump of a per-group counter; the warp that
 // completes the group has acquired every bump, and its system-scope release store of the signal
@@ -103,24 +101,17 @@ __device__ __forceinline__ void put_signal(const LLCtx& c, int dst, long long of
 // reachable, else a put from `stage` (symmetric) completed before returning. No fence here: the
 // warp that signals for a group of rows acquires every sender's counter bump first (see
 // `count_sent`), and its release covers their stores.
-// Warp: put `bytes` of symmetric `stage` (this rank's, just written by the warp) to rank dst at
-// `off`, delivered on return (before the caller's count signal).
-__device__ __forceinline__ void put_staged(const LLCtx& c, int dst, long long off, const char* stage, long long bytes) {
-  const int lane = threadIdx.x & 31;
-  __syncwarp();
-  if (lane == 0) __threadfence_system();  // the NIC reads the staging from memory
-  __syncwarp();
-  nvshmemx_putmem_nbi_warp(c.base + off, stage, bytes, c.pe[dst]);
-  if (lane == 0) nvshmem_quiet();
-  __syncwarp();
-}
-
 __device__ __forceinline__ void send_row(const LLCtx& c, int dst, long long off, const char* stage, int bytes) {
+  const int lane = threadIdx.x & 31;
   char* peer = c.peer_base[dst];
   if (peer != nullptr) {
     warp_copy16_deep<8>(reinterpret_cast<int4*>(peer + off), reinterpret_cast<const int4*>(stage), bytes / 16);
   } else {
-    put_staged(c, dst, off, stage, bytes);
+    __syncwarp();
+    if (lane == 0) __threadfence_system();  // the NIC reads the staging from memory
+    __syncwarp();
+    nvshmemx_putmem_nbi_warp(c.base + off, stage, bytes, c.pe[dst]);
+    if (lane == 0) nvshmem_quiet();  // delivered before the count signal is written
   }
   __syncwarp();
 }
@@ -159,7 +150,7 @@ __device__ __forceinline__ bool wait_released(const LLCtx& c, int set, int op, l
 // (experts no local token used) are first waited for, so a late one cannot leak into the set's
 // next call.
 __device__ __forceinline__ void finish_receive(const LLCtx& c, int set, long long clear_off, int n, int wait_n = 0,
-                                               int L = 1, long long sig = 0, bool wait_weights = false) {
+                                               int L = 1, long long sig = 0) {
   __shared__ bool last;
   LowLatencyState* st = state_of(c);
   __syncthreads();
@@ -171,17 +162,12 @@ __device__ __forceinline__ void finish_receive(const LLCtx& c, int set, long lon
   long long* words = reinterpret_cast<long long*>(c.base + c.lay.set_offset(set) + clear_off);
   if (wait_n > 0) {
     bool ok = true;
-    // then every source's weights word (after the E capacity flags), which nobody here may have
-    // waited for (a rank with no merged rows from that source)
-    const int R = c.num_ranks, nw = wait_n + (wait_weights ? R : 0);
-    for (int j = threadIdx.x; j < nw; j += blockDim.x) {
-      const bool flag = j < wait_n;
-      const int i = flag ? j : c.lay.num_experts + (j - wait_n);
-      const int what = flag ? kLLWaitFlag : kLLWaitWeights, expert = flag ? i : -1, peer = flag ? i / L : j - wait_n;
+    for (int i = threadIdx.x; i < wait_n; i += blockDim.x) {
       long long v;
-      ok &= wait_word(c, words + i, [](long long x) { return x != 0; }, v, kOpLowLatencyCombine, what, expert, peer,
+      ok &= wait_word(c, words + i, [](long long x) { return x != 0; }, v, kOpLowLatencyCombine, kLLWaitFlag, i, i / L,
                       set, sig);
-      if (ok && decoded_sig(v) != sig) report(c, kErrMismatch, kOpLowLatencyCombine, what, expert, peer, set, sig, decoded_sig(v));
+      if (ok && decoded_sig(v) != sig)
+        report(c, kErrMismatch, kOpLowLatencyCombine, kLLWaitFlag, i, i / L, set, sig, decoded_sig(v));
     }
     if (!__syncthreads_and(ok)) {  // timed out: the path is broken, the set stays held
       if (threadIdx.x == 0) st->grid_done[set] = 0;
@@ -349,10 +335,6 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_dispatch_kernel(const LLCtx 
             p += hit;
           }
           p = warp_sum(p);
-          // the token's copies on d: lane k's slot; their mask rides in every entry (the combine
-          // merges a token's copies on one rank into one partial sum)
-          const unsigned dmask = __ballot_sync(0xffffffffu, lane < a.K && id(t * a.K + lane) >= 0 &&
-                                                                id(t * a.K + lane) / L == d);
           // the table entries of the token's copies on d, slot k by the row's warp k % per
           for (int k = h; k < a.K; k += per) {
             const int e = id(t * a.K + k);
@@ -362,7 +344,7 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_dispatch_kernel(const LLCtx 
             pos = warp_sum(pos);
             if (pos >= lay.max_tokens) continue;  // (duplicate ids past the capacity: never delivered)
             const long long eoff = lay.d_entry(set, e % L, c.rank, pos);
-            const int4 entry = make_int4(p, k, t, (int)dmask);
+            const int4 entry = make_int4(p, k, t, 0);
             if (c.peer_base[d] != nullptr) {
               if (lane == 0) *reinterpret_cast<int4*>(c.peer_base[d] + eoff) = entry;
             } else {
@@ -470,11 +452,6 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_dispatch_kernel(const LLCtx 
       if (lane == 0) {
         a.out_src[row] = ent.z;
         a.out_slot[row] = ent.y;
-        if (ent.z >= 0 && ent.z < a.out_cap / R && ent.y >= 0 && ent.y < a.K) {  // (never otherwise: the sender's own values)
-          int* pr = a.out_pairs + ((long long)s * (a.out_cap / R) + ent.z) * (a.K + 1);
-          pr[ent.y] = (int)row;
-          pr[a.K] = ent.w;  // the same mask from each of the token's copies here
-        }
       }
     }
   }
@@ -484,131 +461,6 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_dispatch_kernel(const LLCtx 
 }
 
 // ------------------------------------------------------------------------------------- combine
-// Merged rows: a token with two or more copies on one rank gets back one fp32 sum of them (the
-// weighted sum, in fp32), split over its first two copies' slots: channels [0, H/2) in the first
-// slot, [H/2, H) in the second, each H/2 fp32 = a slot's 2H bytes. Needs H/2 in 8-channel groups.
-__device__ __forceinline__ bool merges(int H) { return H % 16 == 0; }
-
-// Warp: this rank's [T, K] weights into rank r's c_w (source = this rank), then its word.
-__device__ __forceinline__ void send_weights(const LLCtx& c, const LLCombineArgs& a, int set, int r) {
-  const int lane = threadIdx.x & 31;
-  const LowLatencyLayout& lay = c.lay;
-  char* peer = c.peer_base[r];
-  char* to = peer != nullptr ? peer : c.base;  // unreachable: this rank's own copy (symmetric), then a put
-  for (int j = lane; j < a.T * a.K; j += 32)
-    *reinterpret_cast<float*>(to + lay.c_weight(set, c.rank, j / a.K, j % a.K)) = a.weights[j];
-  if (peer == nullptr)
-    put_staged(c, r, lay.c_weight(set, c.rank, 0, 0), c.base + lay.c_weight(set, c.rank, 0, 0),
-               (long long)a.T * lay.max_topk * 4);
-  __syncwarp();  // every lane's stores before lane 0's release store
-  if (lane == 0) {
-    if (peer == nullptr) __threadfence_system();  // NVSHMEM signal ops need it
-    put_signal(c, r, lay.c_weights_flag(set, c.rank), encode(a.T, a.sig));
-  }
-  __syncwarp();
-}
-
-// Warp: wait until source rank s's weights arrived here (lane 0 polls; the warp reads them after).
-__device__ __forceinline__ bool wait_weights(const LLCtx& c, const LLCombineArgs& a, int set, int s) {
-  const int lane = threadIdx.x & 31;
-  bool ok = true;
-  if (lane == 0) {
-    const long long* w = reinterpret_cast<const long long*>(c.base + c.lay.c_weights_flag(set, s));
-    long long v;
-    ok = wait_word(c, w, [](long long x) { return x != 0; }, v, kOpLowLatencyCombine, kLLWaitWeights, -1, s, set, a.sig);
-    if (ok && decoded_sig(v) != a.sig) {
-      report(c, kErrMismatch, kOpLowLatencyCombine, kLLWaitWeights, -1, s, set, a.sig, decoded_sig(v));
-      ok = false;
-    }
-  }
-  ok = __shfl_sync(0xffffffffu, ok, 0);
-  __syncwarp();  // memory order: every lane reads the weights lane 0 acquired
-  return ok;
-}
-
-// Warp: copy k (top-k slot) of source s's token t is one of the token's copies here (`mask`,
-// two or more): this warp sums all of them over its share of the channels (copy j of n takes
-// the j-th n-th, in 8-channel groups) and sends that part of the fp32 sum into the token's
-// first two copies' slots. The copies' rows and weights: `pr` (the dispatch's pairs entry) and
-// c_w (source s's weights, arrived).
-__device__ __forceinline__ void send_partial(const LLCtx& c, const LLCombineArgs& a, int set, int s, int t, int k,
-                                             unsigned mask, const int* pr, int gw) {
-  constexpr int kB = 4;  // 8-channel groups per lane in flight per copy
-  const int lane = threadIdx.x & 31;
-  const LowLatencyLayout& lay = c.lay;
-  const int n = __popc(mask), me = __popc(mask & ((1u << k) - 1u));
-  const int k1 = __ffs(mask) - 1, k2 = __ffs(mask & (mask - 1u)) - 1;
-  const int G = a.H / 8, half = G / 2, per = (G + n - 1) / n;
-  const int g0 = min(G, me * per), g1 = min(G, g0 + per);
-  const long long rows = (long long)(a.E / c.num_ranks) * a.out_cap;
-  // lane j < n: copy j's row and weight (copies in slot order)
-  long long my_row = -1;
-  float my_w = 0.f;
-  if (lane < n) {
-    unsigned m = mask;
-    for (int j = 0; j < lane; ++j) m &= m - 1u;
-    const int kk = __ffs(m) - 1;
-    const int r = __ldg(pr + kk);
-    my_row = r >= 0 && r < rows ? r : -1;  // (always: the dispatch wrote it for every copy here)
-    my_w = __ldcg(reinterpret_cast<const float*>(c.base + lay.c_weight(set, s, t, kk)));
-  }
-  char* peer = c.peer_base[s];
-  float* stage = reinterpret_cast<float*>(c.base + lay.set_offset(set) + lay.c_stage + (long long)gw * lay.c_row);
-  const int4* x = static_cast<const int4*>(a.x);
-  for (int v0 = g0 + lane; v0 < g1; v0 += 32 * kB) {
-    float acc[kB][8];
-#pragma unroll
-    for (int b = 0; b < kB; ++b)
-#pragma unroll
-      for (int q = 0; q < 8; ++q) acc[b][q] = 0.f;
-    for (int j = 0; j < n; ++j) {
-      const long long r = __shfl_sync(0xffffffffu, my_row, j);
-      const float w = __shfl_sync(0xffffffffu, my_w, j);
-      if (r < 0) continue;
-      int4 raw[kB];
-#pragma unroll
-      for (int b = 0; b < kB; ++b) {
-        const int v = v0 + 32 * b;
-        raw[b] = v < g1 ? __ldcg(x + r * G + v) : make_int4(0, 0, 0, 0);
-      }
-#pragma unroll
-      for (int b = 0; b < kB; ++b) {
-        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw[b]);
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const float2 f = __bfloat1622float2(h[q]);
-          acc[b][2 * q] += w * f.x;
-          acc[b][2 * q + 1] += w * f.y;
-        }
-      }
-    }
-#pragma unroll
-    for (int b = 0; b < kB; ++b) {
-      const int v = v0 + 32 * b;
-      if (v >= g1) continue;
-      float* dst;
-      if (peer != nullptr) {
-        const int hi = v >= half;
-        dst = reinterpret_cast<float*>(peer + lay.c_slot(set, t, hi ? k2 : k1)) + (long long)(v - hi * half) * 8;
-      } else {
-        dst = stage + (long long)(v - g0) * 8;  // the warp's share, staged for the puts below
-      }
-      reinterpret_cast<float4*>(dst)[0] = make_float4(acc[b][0], acc[b][1], acc[b][2], acc[b][3]);
-      reinterpret_cast<float4*>(dst)[1] = make_float4(acc[b][4], acc[b][5], acc[b][6], acc[b][7]);
-    }
-  }
-  if (peer == nullptr) {  // the share in at most two puts: the part in the first slot, the part in the second
-    const int a0 = g0, a1 = min(g1, half), b0 = max(g0, half), b1 = g1;
-    if (a1 > a0)
-      put_staged(c, s, lay.c_slot(set, t, k1) + (long long)a0 * 32, reinterpret_cast<const char*>(stage),
-                 (long long)(a1 - a0) * 32);
-    if (b1 > b0)
-      put_staged(c, s, lay.c_slot(set, t, k2) + (long long)(b0 - half) * 32,
-                 reinterpret_cast<const char*>(stage + (long long)(b0 - g0) * 8), (long long)(b1 - b0) * 32);
-  }
-  __syncwarp();
-}
-
 __global__ void __launch_bounds__(kLLThreads, 1) ll_combine_kernel(const LLCtx c, const LLCombineArgs a) {
   const int warp = threadIdx.x / 32;
   const int R = c.num_ranks, L = a.E / R, set = a.set;
@@ -616,39 +468,20 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_combine_kernel(const LLCtx c
   const LowLatencyLayout& lay = c.lay;
   LowLatencyState* st = state_of(c);
   const int row_bytes = a.H * 2;
-  // a token's copies on one rank go back as one fp32 sum (H/2 channels per slot: 16-byte groups)
-  const bool merge = merges(a.H);
-  const int mtc = a.out_cap / R;  // the dispatch's max_tokens_per_rank (pairs' token stride)
   stamp(c, 1, kLLTraceEntry);
 
   if (a.phases & kLLSend) {
     if (wait_released(c, set, kOpLowLatencyCombine, a.sig)) {
       stamp(c, 1, kLLTraceReleased);
-      // this rank's weights to every rank first: a rank that holds two or more copies of one of
-      // our tokens sums them before sending (fewer bytes on the link); every rank gets them, so
-      // each receive half can wait for all R words before clearing them
-      if (merge)
-        for (int r = gw; r < R; r += num_warps) send_weights(c, a, set, r);
       // (local expert, token rank) pairs, each split over `split` warps by row; the pair's last
       // warp to finish sends its flag
       const int pairs = L * R, split = num_warps > pairs ? num_warps / pairs : 1;
-      int weights_of = -1;  // the source whose weights this warp has seen arrive
       for (int u = gw; u < pairs * split; u += num_warps) {
         const int e = u / split / R, s = u / split % R, g = u % split;
         const int begin = a.range[((long long)e * R + s) * 2], n = a.range[((long long)e * R + s) * 2 + 1];
         for (int i = g; i < n; i += split) {
           const long long row = (long long)e * a.out_cap + begin + i;
           const int t = a.src[row], k = a.slot[row];
-          const int* pr = a.pairs + ((long long)s * mtc + t) * (a.K + 1);
-          const unsigned mask = merge ? (unsigned)__ldg(pr + a.K) : 0u;
-          if (__popc(mask) >= 2 && (mask >> k & 1u)) {  // one of the token's copies here: its share of their sum
-            if (weights_of != s) {
-              if (!wait_weights(c, a, set, s)) break;  // timed out (reported)
-              weights_of = s;
-            }
-            send_partial(c, a, set, s, t, k, mask, pr, gw);
-            continue;
-          }
           const char* xrow = static_cast<const char*>(a.x) + row * row_bytes;
           const char* from = xrow;
           if (c.peer_base[s] == nullptr) {  // puts read symmetric memory: stage the row
@@ -669,31 +502,18 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_combine_kernel(const LLCtx c
   // receive: a block waits only for the flags of the experts its token uses (threads k < K), so
   // it reduces as soon as they are in and only T*K threads poll
   const long long* flags = reinterpret_cast<const long long*>(c.base + lay.set_offset(set) + lay.c_flag);
-  // per top-k slot of the token, in shared memory: its weight and what its slot holds -- nothing
-  // (unused, or a later copy of a merged group), its expert's bf16 row (weighted here), or the
-  // fp32 sum of the token's copies on that rank (first half of the channels; the rest in s_k2's
-  // slot). Every slot's load of a step is issued before the adds, k ascending as the reference.
+  // the token's weights and used slots in shared memory (unused slots' rows are never read); every
+  // slot's load of a step is issued before the adds (k ascending, as the reference sums)
   __shared__ float s_w[kMaxTopk];
-  __shared__ int s_kind[kMaxTopk], s_k2[kMaxTopk];
+  __shared__ bool s_on[kMaxTopk];
   constexpr int kBatch = 8;
-  const int G = a.H / 8;
   for (int t = blockIdx.x; t < a.T; t += gridDim.x) {
     bool ok = true;
     if (threadIdx.x < a.K) {
-      const int k = threadIdx.x;
-      const long long* ids = a.topk_idx + (long long)t * a.K;
-      const int e = valid_id(ids[k], a.E);
-      int n = 0, first = -1, second = -1;  // the token's copies on e's rank, the first two slots
-      for (int k2 = 0; e >= 0 && k2 < a.K; ++k2) {
-        const int e2 = valid_id(ids[k2], a.E);
-        if (e2 < 0 || e2 / L != e / L) continue;
-        ++n;
-        if (first < 0) first = k2;
-        else if (second < 0) second = k2;
-      }
-      s_kind[k] = e < 0 ? 0 : !merge || n < 2 ? 1 : k == first ? 2 : 0;
-      s_k2[k] = second;
-      s_w[k] = a.weights[(long long)t * a.K + k];
+      const long long i = (long long)t * a.K + threadIdx.x;
+      const int e = valid_id(a.topk_idx[i], a.E);
+      s_on[threadIdx.x] = e >= 0;
+      s_w[threadIdx.x] = a.weights[i];
       if (e >= 0) {
         long long v;
         ok = wait_word(c, flags + e, [](long long x) { return x != 0; }, v, kOpLowLatencyCombine, kLLWaitFlag, e, e / L,
@@ -704,40 +524,26 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_combine_kernel(const LLCtx c
     }
     if (!__syncthreads_and(ok)) break;  // timed out (reported): every later wait returns at once
     if (t == blockIdx.x) stamp(c, 1, kLLTraceArrived);
-    for (int v = threadIdx.x; v < G; v += blockDim.x) {
+    for (int v = threadIdx.x; v < a.H / 8; v += blockDim.x) {
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      const int hi = merge && v >= G / 2;  // merged sums: which of the two slots holds these channels
       for (int k0 = 0; k0 < a.K; k0 += kBatch) {
-        int4 raw[kBatch], raw2[kBatch];
+        int4 raw[kBatch];
 #pragma unroll
         for (int b = 0; b < kBatch; ++b) {
-          const int k = k0 + b, kind = k < a.K ? s_kind[k] : 0;
-          raw[b] = raw2[b] = make_int4(0, 0, 0, 0);
-          if (kind == 1) {
-            raw[b] = __ldcg(reinterpret_cast<const int4*>(c.base + lay.c_slot(set, t, k)) + v);
-          } else if (kind == 2) {
-            const int4* p = reinterpret_cast<const int4*>(c.base + lay.c_slot(set, t, hi ? s_k2[k] : k)) +
-                            (long long)(v - hi * (G / 2)) * 2;
-            raw[b] = __ldcg(p), raw2[b] = __ldcg(p + 1);
-          }
+          const int k = k0 + b;
+          raw[b] = k < a.K && s_on[k] ? __ldcg(reinterpret_cast<const int4*>(c.base + lay.c_slot(set, t, k)) + v)
+                                      : make_int4(0, 0, 0, 0);
         }
 #pragma unroll
         for (int b = 0; b < kBatch; ++b) {
-          const int k = k0 + b, kind = k < a.K ? s_kind[k] : 0;
-          if (kind == 1) {
-            const float w = s_w[k];
-            const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw[b]);
+          if (k0 + b >= a.K || !s_on[k0 + b]) continue;
+          const float w = s_w[k0 + b];
+          const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw[b]);
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              const float2 f = __bfloat1622float2(h[i]);
-              acc[2 * i] += w * f.x;
-              acc[2 * i + 1] += w * f.y;
-            }
-          } else if (kind == 2) {
-            const float* f0 = reinterpret_cast<const float*>(&raw[b]);
-            const float* f1 = reinterpret_cast<const float*>(&raw2[b]);
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc[i] += f0[i], acc[4 + i] += f1[i];
+          for (int i = 0; i < 4; ++i) {
+            const float2 f = __bfloat1622float2(h[i]);
+            acc[2 * i] += w * f.x;
+            acc[2 * i + 1] += w * f.y;
           }
         }
       }
@@ -745,12 +551,12 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_combine_kernel(const LLCtx c
       __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
 #pragma unroll
       for (int i = 0; i < 4; ++i) o[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-      reinterpret_cast<int4*>(a.y)[(long long)t * G + v] = out;
+      reinterpret_cast<int4*>(a.y)[(long long)t * (a.H / 8) + v] = out;
     }
-    __syncthreads();  // s_w, s_kind, s_k2 are rewritten for the next token
+    __syncthreads();  // s_w, s_on are rewritten for the next token
   }
   stamp(c, 1, kLLTraceCopied, true);
-  finish_receive(c, set, lay.c_flag, lay.num_experts + R, a.E, L, a.sig, merge);
+  finish_receive(c, set, lay.c_flag, lay.num_experts, a.E, L, a.sig);
   stamp(c, 1, kLLTraceEnd);
 }
 

@@ -53,8 +53,6 @@ struct LLDispatchArgs {
   int* out_range;             // [L, R, 2] (begin, count)
   int* out_src;               // [L, R*mt] source token, -1 past the count
   int* out_slot;              // [L, R*mt] source top-k slot (the combine's return address)
-  int* out_pairs;             // [R, mt, K + 1]: per (source, token) the row of each top-k slot's copy
-                              // here, then the mask of the token's slots on this rank (combine merges them)
   int out_cap;                // rows per expert in the outputs (R * the call's max_tokens_per_rank)
 };
 
@@ -63,7 +61,6 @@ struct LLCombineArgs {
   const int* range;           // [L, R, 2] from the dispatch
   const int* src;             // [L, out_cap]
   const int* slot;            // [L, out_cap]
-  const int* pairs;           // [R, out_cap / R, K + 1] from the dispatch (out_pairs)
   const long long* topk_idx;  // [T, K] (this rank's tokens)
   const float* weights;       // [T, K]
   int T, K, E, H, out_cap, set, phases;

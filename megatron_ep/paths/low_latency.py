@@ -79,8 +79,6 @@ def signature_hash(call: P.Call) -> int:
 @dataclass
 class _LLState:
     src_slot: torch.Tensor  # [L, cap] int32: top-k slot of each row's token (its combine return slot)
-    pairs: torch.Tensor     # [R, max_tokens_per_rank, K + 1] int32: per (source, token) its copies' rows here
-                            # by top-k slot, then their slot mask (the combine sums a token's copies here once)
     set: int
 
 
@@ -220,7 +218,6 @@ class LowLatencyPath:
                f"that set has not run: a receive hook not called, or the rank stopped)",
             1: f"waiting for rank {peer}'s token count for local expert {e} (global expert {me * L + e}) in buffer set {s}",
             2: f"waiting for rank {peer}'s combined rows of expert {e} in buffer set {s}",
-            3: f"waiting for rank {peer}'s top-k weights (sent ahead of its combine) in buffer set {s}",
         }.get(err["what"], f"waiting on rank {peer}")
         return f"{head} {what}"
 
@@ -245,18 +242,17 @@ class LowLatencyPath:
         layout_range = torch.empty((L, R, 2), dtype=torch.int32, device=dev)
         src = torch.empty((L, cap), dtype=torch.int32, device=dev)
         slot = torch.empty((L, cap), dtype=torch.int32, device=dev)
-        pairs = torch.empty((R, max_tokens_per_rank, K + 1), dtype=torch.int32, device=dev)
-        rt.new_outputs([out_x, out_s, count, layout_range, src, slot, pairs])  # test poisoning, on this stream
+        rt.new_outputs([out_x, out_s, count, layout_range, src, slot])  # test poisoning, on this stream
         sig = signature_hash(call)
 
         def launch(phases: int) -> None:
             self.buf.dispatch(x, topk_idx, num_experts, use_fp8, round_scale, s, phases, sig, call.seq, out_x, out_s, count,
-                              layout_range, src, slot, pairs, self.num_blocks)
+                              layout_range, src, slot, self.num_blocks)
 
         hook = self._launch(call, s, launch, return_recv_hook)
         handle = LowLatencyHandle(backend="cuda", num_ranks=R, rank=rt.rank, num_experts=num_experts, num_tokens=T, topk=K,
                                   max_tokens_per_rank=max_tokens_per_rank, hidden=H, layout_range=layout_range,
-                                  src_token=src, state=_LLState(slot, pairs, s), call_seq=call.seq)
+                                  src_token=src, state=_LLState(slot, s), call_seq=call.seq)
         return LowLatencyDispatchOutput((out_x, out_s) if use_fp8 else out_x, count, handle, None, hook)
 
     # ----------------------------------------------------------------------------- combine
@@ -281,8 +277,8 @@ class LowLatencyPath:
         rt.new_outputs([out])
 
         def launch(phases: int) -> None:
-            self.buf.combine(x, handle.layout_range, handle.src_token, st.src_slot, st.pairs, topk_idx, weights,
-                             handle.num_experts, s, phases, sig, call.seq, out, self.num_blocks)
+            self.buf.combine(x, handle.layout_range, handle.src_token, st.src_slot, topk_idx, weights, handle.num_experts,
+                             s, phases, sig, call.seq, out, self.num_blocks)
 
         hook = self._launch(call, s, launch, return_recv_hook)
         return (out, hook) if return_recv_hook else out
