@@ -147,7 +147,7 @@ def graph_figures(a, fns, group):
 
 
 # Trace points of csrc/kernels/low_latency.h (LLTracePoint), in order.
-TRACE_POINTS = ("entry", "released", "zero", "cast", "sent", "arrived", "copied", "end")
+TRACE_POINTS = ("entry", "released", "zero", "cast", "sent", "arrived", "copied", "end", "scanned", "stored")
 
 
 def trace_figures(buf, fns, iters, group):
@@ -162,7 +162,7 @@ def trace_figures(buf, fns, iters, group):
     out = {}
     try:
         for kernel, (name, fn) in enumerate(fns.items()):
-            rows = []
+            rows, block_rows = [], []
             for _ in range(iters):
                 trace.zero_()
                 dist.barrier(group=group)
@@ -174,7 +174,12 @@ def trace_figures(buf, fns, iters, group):
                 start = t[:, 0].min()
                 rows.append([float((t[:, p][t[:, p] > 0] - start).max()) / 1e3 if (t[:, p] > 0).any() else float("nan")
                              for p in range(len(TRACE_POINTS))])
+                # the median block, each from its own entry: a block's own latency, without the
+                # spread of the blocks' start times and the slowest block's contention
+                block_rows.append([float((t[:, p][t[:, p] > 0] - t[:, 0][t[:, p] > 0]).median()) / 1e3
+                                   if (t[:, p] > 0).any() else float("nan") for p in range(len(TRACE_POINTS))])
             out[name] = [statistics.fmean(r[p] for r in rows) for p in range(len(TRACE_POINTS))]
+            out[name + " block"] = [statistics.fmean(r[p] for r in block_rows) for p in range(len(TRACE_POINTS))]
     finally:
         ll.buf.set_trace(None)
     return out
@@ -184,10 +189,11 @@ def trace_table(a, res) -> str:
     """Per T and kernel: µs from the first block's entry to each trace point (latest block, slowest
     rank), then each point's span since the latest point stamped before it."""
     lines = ["", "Kernel trace (ours, eager, mean of --trace calls; µs from the first block's entry to each point "
-             "(latest block); in brackets the span since the latest earlier point):", "",
+             "(latest block; 'block' rows: the median block from its own entry); in brackets the span since the "
+             "latest earlier point):", "",
              "| tokens/rank | kernel | " + " | ".join(TRACE_POINTS[1:]) + " |", "|---|---|" + "---|" * (len(TRACE_POINTS) - 1)]
     for T in a.tokens:
-        for kernel in ("dispatch", "combine"):
+        for kernel in ("dispatch", "dispatch block", "combine", "combine block"):
             pts = res[T].get("trace", {}).get(kernel)
             if pts is None:
                 continue

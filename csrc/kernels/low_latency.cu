@@ -335,6 +335,7 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_dispatch_kernel(const LLCtx 
             p += hit;
           }
           p = warp_sum(p);
+          stamp(c, 0, kLLTraceScanned, true);
           // the table entries of the token's copies on d, slot k by the row's warp k % per
           for (int k = h; k < a.K; k += per) {
             const int e = id(t * a.K + k);
@@ -364,6 +365,7 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_dispatch_kernel(const LLCtx 
             if (lane == 0) nvshmem_quiet();
             __syncwarp();
           }
+          stamp(c, 0, kLLTraceStored, true);
           // every copy of the token on d: this warp's part is done; the copy's expert closes
           // (count signal) after all its copies' parts
           const int e_l = lane < a.K ? id(t * a.K + lane) : -1;
@@ -491,6 +493,7 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_combine_kernel(const LLCtx c
           }
           send_row(c, s, lay.c_slot(set, t, k), from, row_bytes);
         }
+        stamp(c, 1, kLLTraceStored, true);
         count_sent(c, &st->c_finish[set][e * R + s], 1, split, s,
                    lay.set_offset(set) + lay.c_flag + (long long)(c.rank * L + e) * 8, encode(n, a.sig));
       }

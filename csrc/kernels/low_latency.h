@@ -25,7 +25,10 @@ enum LLTracePoint : int {
   kLLTraceArrived = 5,    // last warp saw its signals (dispatch counts; combine: the first token's flags)
   kLLTraceCopied = 6,     // last warp done copying out (dispatch) or reducing (combine)
   kLLTraceEnd = 7,        // thread 0 after the set's hand-back (the last block also cleared the words)
-  kLLTracePoints = 8
+  kLLTraceScanned = 8,    // dispatch: last warp done with its row's position scans (before any store)
+  kLLTraceStored = 9,     // last warp done storing its rows (dispatch: entries and row share), before the
+                          // counter bump and the signal
+  kLLTracePoints = 10
 };
 
 // Fixed per buffer.
