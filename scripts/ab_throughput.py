@@ -314,6 +314,7 @@ class Run:
     rep_step_s: List[float] = dataclasses.field(default_factory=list)  # one median per repetition
     rep_dispatch_s: List[float] = dataclasses.field(default_factory=list)
     rep_combine_s: List[float] = dataclasses.field(default_factory=list)
+    rep_loss: List[float] = dataclasses.field(default_factory=list)  # the last step's loss, per repetition
     peak_mib: float = 0.0
     tokens_per_s: float = 0.0
     dropped0: Optional[int] = None  # rows a static budget dropped at step 0 (sum over ranks and MoE layers)
@@ -412,6 +413,21 @@ def command_line(world: int) -> str:
 
 
 COLUMNS = ("backend", "tokens/s", "step ms", "spread", "dispatch ms", "combine ms", "peak MiB", "vs alltoall", "loss@0")
+
+
+def reproducibility_note(runs: List[Run]) -> str:
+    """Every repetition restarts from the same weights, optimiser state and batch: a backend whose
+    last losses differ between repetitions trains non-deterministically, so its routing, load and
+    step time drift between them (part of its spread)."""
+    parts = []
+    for r in runs:
+        if len(r.rep_loss) < 2:
+            continue
+        same = max(r.rep_loss) == min(r.rep_loss)
+        losses = f"{r.rep_loss[0]:.6g} x{len(r.rep_loss)}" if same else " / ".join(f"{v:.6g}" for v in r.rep_loss)
+        parts.append(f"{r.key} {losses} ({'equal' if same else 'differ'})")
+    return ("last loss per repetition (each restarted from the same state: equal when the backend trains "
+            "deterministically): " + ", ".join(parts))
 
 
 def table_rows(runs: List[Run], args, loss_ref: Optional[Run]) -> List[List[str]]:
@@ -629,6 +645,7 @@ def main(argv=None) -> int:
             run.rep_step_s.append(statistics.median(s.step_s for s in timed))
             run.rep_dispatch_s.append(statistics.median(s.dispatch_s for s in timed))
             run.rep_combine_s.append(statistics.median(s.combine_s for s in timed))
+            run.rep_loss.append(float(timed[-1].loss))
             comm = (f", dispatch {run.rep_dispatch_s[-1] * 1e3:.2f} ms, combine {run.rep_combine_s[-1] * 1e3:.2f} ms"
                     if args.time_comm else "")
             say(f"rep {rep + 1}/{args.reps} {run.key:>9}: step {run.rep_step_s[-1] * 1e3:.2f} ms "
@@ -668,6 +685,8 @@ def main(argv=None) -> int:
                 "peak MiB: process max RSS (resource.getrusage ru_maxrss), max over ranks, read after the backend's "
                 "repetitions: cumulative over the whole run, not per backend")
     notes = [loss_check, mem_note, "spread: (max - min) / median of the per-repetition step times"]
+    if not args.continue_reps and args.reps > 1:
+        notes.append(reproducibility_note(runs))
     budgets = [r for r in runs if r.dropped is not None]
     if budgets:
         notes.append("rows dropped by static budgets (forward dispatches, summed over ranks and MoE layers): " + ", ".join(

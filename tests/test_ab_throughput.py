@@ -68,6 +68,7 @@ def test_ab_cpu_alltoall_deepep_hybridep(tmp_path):
     for key in ("alltoall", "deepep", "hybridep"):
         losses = re.findall(rf"^rep \d/2 +{key}: step .* loss (\S+)$", out.stdout, re.M)
         assert len(losses) == 2 and losses[0] == losses[1], (key, losses, log)
+        assert re.search(rf"^last loss per repetition .*{key} \S+ x2 \(equal\)", out.stdout, re.M), log
 
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
 
