@@ -38,11 +38,8 @@ long long Pool::alloc(long long bytes, cudaStream_t order) {
     if (order != nullptr) {
       // `order` waits for the range's last use on the GPU; the wait binds the event's current
       // record, so the event may be recorded again later
-      const Pending p = pending_.front();
-      pending_.pop_front();
-      cudaStreamWaitEvent(order, p.ev, 0);
-      insert_free(p.off, p.size);
-      spare_events_.push_back(p.ev);
+      cudaStreamWaitEvent(order, pending_.front().ev, 0);
+      free_oldest();
       stream_wait = true;
     } else {
       reap(true);
@@ -94,12 +91,15 @@ long long Pool::free_bytes() {
 
 void Pool::reap(bool wait_oldest) {
   if (wait_oldest && !pending_.empty()) cudaEventSynchronize(pending_.front().ev);
-  while (!pending_.empty() && cudaEventQuery(pending_.front().ev) == cudaSuccess) {
-    insert_free(pending_.front().off, pending_.front().size);
-    spare_events_.push_back(pending_.front().ev);
-    pending_.pop_front();
-  }
+  while (!pending_.empty() && cudaEventQuery(pending_.front().ev) == cudaSuccess) free_oldest();
   cudaGetLastError();  // cudaEventQuery's cudaErrorNotReady is not an error here
+}
+
+void Pool::free_oldest() {
+  const Pending p = pending_.front();
+  pending_.pop_front();
+  insert_free(p.off, p.size);
+  spare_events_.push_back(p.ev);
 }
 
 long long Pool::take(long long bytes) {

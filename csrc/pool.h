@@ -45,6 +45,7 @@ class Pool {
     cudaEvent_t ev;
   };
   void reap(bool wait_oldest);
+  void free_oldest();  // the oldest pending range back to the free list, its event to the spares
   long long take(long long bytes);
   void insert_free(long long off, long long size);
 
