@@ -106,7 +106,7 @@ struct LowLatencyLayout {
     l.c_row = ll_align(2LL * hidden, 16);
     long long o = 0;
     l.d_send = o, o = ll_align(o + (long long)max_tokens * l.d_msg);
-    l.d_meta = o, o = ll_align(o + (long long)max_tokens * max_topk * kLLHeader);
+    l.d_meta = o, o = ll_align(o + (long long)max_tokens * max_topk * kLLEntry);
     l.d_rows = o, o = ll_align(o + (long long)num_ranks * max_tokens * l.d_msg);
     l.d_table = o, o = ll_align(o + L * num_ranks * max_tokens * kLLEntry);
     l.c_stage = o, o = ll_align(o + (long long)kLLMaxBlocks * kLLWarps * l.c_row);
