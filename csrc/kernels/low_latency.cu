@@ -116,12 +116,13 @@ __device__ __forceinline__ void send_row(const LLCtx& c, int dst, long long off,
   __syncwarp();
 }
 
-// Warp: count `done` finished parts of a group that has `parts` in all (copies of an expert, or
-// warps of a (expert, receiver) pair); the lane that completes the group resets the counter and
-// writes the group's signal word (`off` in rank dst's buffer). True on every lane of that warp.
-__device__ __forceinline__ void count_sent(const LLCtx& c, unsigned* counter, unsigned done, unsigned parts, int dst,
-                                           long long off, long long v) {
-  if ((threadIdx.x & 31) == 0 && atom_add_acq_rel_gpu(counter, done) + done == parts) {
+// Warp: each lane with `mine` counts `done` finished parts of its group, which has `parts` in all
+// (the warps' shares of an expert's copies, or the warps of an (expert, receiver) pair); the lane
+// that completes a group resets its counter and writes the group's signal word (`off` in rank
+// dst's buffer).
+__device__ __forceinline__ void count_sent(const LLCtx& c, bool mine, unsigned* counter, unsigned done, unsigned parts,
+                                           int dst, long long off, long long v) {
+  if (mine && atom_add_acq_rel_gpu(counter, done) + done == parts) {
     *counter = 0;  // nobody else touches it before this set's next call
     // a reachable peer gets a release store at system scope, which orders every row this lane
     // acquired through the counter; the NVSHMEM signal op needs the explicit fence
@@ -384,12 +385,8 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_dispatch_kernel(const LLCtx 
             }
           }
           __syncwarp();
-          if (on_d && atom_add_acq_rel_gpu(&st->d_finish[set][e_l], 1u) + 1 == (unsigned)(n_l * per)) {
-            st->d_finish[set][e_l] = 0;  // nobody else touches it before this set's next call
-            if (c.peer_base[d] == nullptr) __threadfence_system();  // NVSHMEM signal ops need it
-            put_signal(c, d, count_offset(e_l), encode(n_l, a.sig));
-          }
-          __syncwarp();
+          const int e_c = on_d ? e_l : 0;  // (lanes without a copy on d count nothing)
+          count_sent(c, on_d, &st->d_finish[set][e_c], 1, n_l * per, d, count_offset(e_c), encode(n_l, a.sig));
         }
         __syncthreads();  // s_dest is rewritten for the block's next token
       }
@@ -494,7 +491,7 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_combine_kernel(const LLCtx c
           send_row(c, s, lay.c_slot(set, t, k), from, row_bytes);
         }
         stamp(c, 1, kLLTraceStored, true);
-        count_sent(c, &st->c_finish[set][e * R + s], 1, split, s,
+        count_sent(c, (threadIdx.x & 31) == 0, &st->c_finish[set][e * R + s], 1, split, s,
                    lay.set_offset(set) + lay.c_flag + (long long)(c.rank * L + e) * 8, encode(n, a.sig));
       }
       stamp(c, 1, kLLTraceSent, true);
