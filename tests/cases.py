@@ -872,8 +872,8 @@ def run_pool_takeover(cfg: dict) -> list:
                 inp[r]["x"] = torch.randn((T, H), generator=g).to(torch.bfloat16)
             want = expected_rank_major(inp, rank, R, E)["x"]
             want_sum = float(out.x.float().sum())
-            # on the GPU before the sleep: a blocking .cuda() waits for the stream (call 2 found the
-            # host waiting there for the late read, so the block was free again: moved by [0, 0, 0])
+            # on the GPU before the sleep: a blocking .cuda() after it would wait for the stream, so
+            # the late read and the block's release would be done before the dispatch (no takeover)
             x_new = inp[rank]["x"].cuda()
             torch.cuda._sleep(100_000_000)  # ~50 ms: the last read below, and so the release, wait for it
             late_sum = out.x.float().sum()
