@@ -46,6 +46,11 @@ DEFAULT_TIMEOUT_S = float(os.environ.get("MEP_TIMEOUT_S", "60"))
 NVLINK_GBPS = 370.0  # practical NVLink 4 bandwidth per GPU (DESIGN §6)
 HBM_COPY_GBPS = 4300.0  # measured H200 device-to-device copy, read + write
 PER_SM_COPY_GBPS = 45.0  # bytes one SM moves per second in our pull kernels (docs/performance.md)
+# The push kernel (a warp per token, its row to every destination) ran 209 us at 16 SMs and 239 at
+# 24 on 2 H200s (4096 tokens, H 7168, bf16; docs/performance.md, sixth session, call 4): past what
+# the link needs, more blocks only contend. Capped there at EP 2 with one rank per GPU; other
+# shapes are unmeasured and uncapped. MEP_PUSH_MAX_SMS overrides (benchmarks compare).
+PUSH_MAX_SMS_EP2 = 16
 
 _output_hook: Optional[Callable[[torch.Tensor], None]] = None
 
@@ -102,6 +107,8 @@ class CudaRuntime:
         # local kernels that wait on nobody (expert-major fan-out and pre-reduction) take this
         # rank's share of the GPU, as the permute they replace would
         self.local_sms = limit
+        cap = PUSH_MAX_SMS_EP2 if num_ranks == 2 and self.ranks_per_device == 1 else self.num_sms
+        self.push_sms = max(1, min(self.num_sms, int(os.environ.get("MEP_PUSH_MAX_SMS", cap))))
         self.hints = {k: v for k, v in hints.items() if v is not None}
         self.hints["num_ranks"] = num_ranks
         self.rt = None

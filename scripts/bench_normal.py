@@ -357,6 +357,8 @@ def our_runs(args, n, inp, timer, out, first, ref):
     t, ph = out["t"], out["phases"]
     try:
         out["num_sms"] = buf.num_sms
+        rt = getattr(getattr(buf, "_impl", None), "rt", None)  # INTERNAL: the push kernel's own SM cap
+        out["push_sms"] = getattr(rt, "push_sms", None)
         out["path"] = repr(buf)
         if args.ranks_per_node and args.ranks_per_node < R:
             out["rdma_rows_sent"] = node_pairs(idx, E, R // args.ranks_per_node)
@@ -1245,6 +1247,8 @@ def markdown(args, allres, base) -> str:
         "",
         f"* machine: {r0['machine']}",
         f"* code: {_code_revision()}",
+        "* push kernel SMs per SM count: " + ", ".join(
+            f"{n} -> {r0['sms'][str(n)].get('push_sms')}" for n in sms if not r0["sms"][str(n)].get("skipped")),
         f"* shape: {R} ranks x {args.tokens} tokens, hidden {args.hidden}, top-{args.topk} of {args.experts} experts "
         f"(uniform random routing), bf16 / FP8 dispatch, bf16 combine, expert alignment {args.alignment}; rows "
         f"received per rank: rank-major {N:.0f}, expert-major {M:.0f} (with padding)"

@@ -187,7 +187,7 @@ class IntranodePath:
                 self.kernels.dispatch_push(rt.rt, call.sig, slot, data, T, row_bytes, scales, scale_cols, topk_idx,
                                            topk_weights, st.rank_pos, st.slot_pos, num_experts, out_rows, permute,
                                            st.recv_info, out_x, out_s, out_idx, out_w, out_re, st.comb_map, offsets,
-                                           rt.num_sms)
+                                           rt.push_sms)
                 if permute:
                     call.pending = None
                     rt.mark("push")
