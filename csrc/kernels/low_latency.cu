@@ -92,9 +92,10 @@ __device__ __forceinline__ bool wait_word(const LLCtx& c, const long long* p, Do
   return ok;
 }
 
-// Write a 64-bit signal word at `off` in rank dst's buffer (after the caller's fence).
-__device__ __forceinline__ void put_signal(const LLCtx& c, int dst, long long off, long long v) {
-  sym::put_signal(c.peer_base[dst], c.base, c.pe[dst], off, v);
+// Write a 64-bit signal word at `off` in rank dst's buffer (after the caller's fence; see
+// sym::put_signal for `release`).
+__device__ __forceinline__ void put_signal(const LLCtx& c, int dst, long long off, long long v, bool release = true) {
+  sym::put_signal(c.peer_base[dst], c.base, c.pe[dst], off, v, release);
 }
 
 // A row `bytes` long from this rank to rank dst at byte offset `off` of its buffer: stores when
@@ -181,13 +182,10 @@ __device__ __forceinline__ void finish_receive(const LLCtx& c, int set, long lon
     if (*reinterpret_cast<volatile int*>(&st->failed)) return;  // broken: leave the set held
     const long long done = ++st->set_calls[set];
     const long long off = c.lay.set_offset(set) + c.lay.release + (long long)c.rank * 8;
-    // release stores (the block's clears are ordered by the barrier) or, for NVSHMEM signal ops,
-    // one fence first
-    bool fenced = false;
-    for (int r = 0; r < c.num_ranks; ++r) {
-      if (c.peer_base[r] == nullptr && !fenced) __threadfence_system(), fenced = true;
-      put_signal(c, r, off, done);
-    }
+    // one system fence (the block's reads of the set and its clears are ordered before it by the
+    // barrier), then relaxed stores: a release store per rank would be a fence per rank
+    __threadfence_system();
+    for (int r = 0; r < c.num_ranks; ++r) put_signal(c, r, off, done, false);
   }
 }
 
@@ -310,7 +308,7 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_dispatch_kernel(const LLCtx 
       const int zw = idle_warps > 0 ? gw - a.T * kLLWarps : num_warps - 1 - gw;
       const int zstride = idle_warps > 0 ? idle_warps : num_warps;
       for (int e = zw; zw >= 0 && e < a.E; e += zstride)
-        if (copies_to(e) == 0 && lane == 0) put_signal(c, e / L, count_offset(e), encode(0, a.sig));
+        if (copies_to(e) == 0 && lane == 0) put_signal(c, e / L, count_offset(e), encode(0, a.sig), false);  // orders nothing
       stamp(c, 0, kLLTraceZero, true);
       // the warps of one row: a fixed number for the whole call (a copy's count closes after
       // copies x `per` parts), enough for min(K, R) destinations to use every warp
