@@ -43,6 +43,7 @@ constexpr int kLLThreads = 512;        // threads per block of both kernels (16 
 constexpr int kLLWarps = kLLThreads / 32;
 constexpr int kLLMaxBlocks = 132;      // one H200's SMs: bounds the combine staging rows
 constexpr int kLLIdsSmemBytes = 100 << 10;  // dispatch: the call's T*K expert ids and E counts in shared memory up to this
+constexpr int kLLMaskTokens = 1024;    // dispatch: per-token receiving-rank masks (static shared memory) up to this T
 constexpr int kLLHeader = 16;          // dispatch message header bytes (DeepEP's accounting too)
 constexpr int kLLEntry = 16;           // dispatch table entry: int4 (row position, top-k slot, token, 0)
 constexpr int kLLAlign = 256;

@@ -108,10 +108,18 @@ __device__ __forceinline__ bool spin(const Waiter& w, Load load, Done done, long
 }
 
 // A 64-bit word at byte offset `off` of a peer's symmetric buffer (after the caller's fence):
-// a release store through `peer` when reachable, else an NVSHMEM signal op on PE `pe`.
-__device__ __forceinline__ void put_signal(char* peer, char* base, int pe, long long off, long long v) {
+// a release store through `peer` when reachable, else an NVSHMEM signal op on PE `pe`. With
+// `release` false a relaxed store: for a word that orders nothing (a zero count) or that follows
+// the caller's own system fence (several words after one fence) -- each release store is a
+// MEMBAR.ALL.SYS of its own in the SASS.
+__device__ __forceinline__ void put_signal(char* peer, char* base, int pe, long long off, long long v,
+                                           bool release = true) {
   if (peer != nullptr) {
-    st_release_sys(reinterpret_cast<long long*>(peer + off), v);
+    if (release)
+      st_release_sys(reinterpret_cast<long long*>(peer + off), v);
+    else
+      asm volatile("st.relaxed.sys.global.s64 [%0], %1;" ::"l"(reinterpret_cast<long long*>(peer + off)), "l"(v)
+                   : "memory");
   } else {
     nvshmemx_signal_op(reinterpret_cast<uint64_t*>(base + off), (uint64_t)v, NVSHMEM_SIGNAL_SET, pe);
   }
