@@ -184,13 +184,7 @@ class InternodePath:
         every rank failed the same call (an argument error), nobody waited and nothing breaks."""
         if self.inner_of != call.seq:  # (each rank's in-node sequence advances alike)
             self.rt.publish(self._inner_call(call, 0, 0), exc)
-        if self.buf is None or self.broken:
-            return
-        self.published = True
-        try:
-            self.buf.publish_failure(call.seq)
-        except Exception:  # noqa: BLE001 - the original error is what the caller must see
-            pass
+        nvshmem.publish_failure(self, call.seq)
 
     def _inner_call(self, call: P.Call, num_experts: int, routing: int) -> P.Call:
         """The in-node stage's call: the same signature on the node's own call sequence."""
