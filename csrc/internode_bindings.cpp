@@ -40,6 +40,7 @@ class InternodeBuffer {
     ctx_.lay = InternodeLayout::plan(N, max_tokens, max_topk, x_row, scale_cols, c_row, staged);
     ctx_.node = node, ctx_.local = local, ctx_.ranks_per_node = ranks_per_node;
     ctx_.timeout_ns = (unsigned long long)(timeout_s * 1e9);
+    ctx_.seq = -1;
     in_touch_kernels();
     mem_.open((size_t)ctx_.lay.total, pes, !staged);  // staged: every transfer is a put (from symmetric staging)
     mem_.point(ctx_);
@@ -81,6 +82,16 @@ class InternodeBuffer {
     TORCH_CHECK(out_idx.numel() == (long long)ctx_.lay.num_nodes * ctx_.lay.max_tokens * topk, "out_idx must be [N * max_tokens, K]");
     TORCH_CHECK(out_tokens.numel() == ctx_.lay.num_nodes, "out_tokens must be [N]");
     launch_in_dispatch_recv(ctx_, a, num_blocks, stream());
+  }
+
+  // The call the next launches serve (the Buffer's call number, the same on every rank): a wait
+  // in them stops at once when a peer publishes that it failed before joining that call.
+  void set_call(long long seq) { ctx_.seq = seq; }
+
+  // This rank failed before its RDMA send of call `seq` (its host raised first): tell every
+  // same-index peer, whose waits on it in that call stop and report kErrPeerFailed naming this rank.
+  void publish_failure(long long seq) {
+    mem_.publish_aside([&](cudaStream_t s) { launch_in_publish_failure(ctx_, seq, s); });
   }
 
   void release(int dir) {
@@ -168,6 +179,8 @@ void bind_internode(py::module_& m) {
       .def("dispatch_send", &InternodeBuffer::dispatch_send)
       .def("dispatch_recv", &InternodeBuffer::dispatch_recv)
       .def("release", &InternodeBuffer::release)
+      .def("set_call", &InternodeBuffer::set_call)
+      .def("publish_failure", &InternodeBuffer::publish_failure)
       .def("combine_send", &InternodeBuffer::combine_send)
       .def("combine_recv", &InternodeBuffer::combine_recv)
       .def("error", &InternodeBuffer::error)

@@ -90,13 +90,9 @@ class LowLatencyBuffer {
 
   // This rank failed before joining call `seq` (its host raised first): tell every peer, whose
   // waits on it in that call stop and report kErrPeerFailed naming this rank, instead of waiting
-  // for the timeout. On
-  // a stream of its own (this rank's queued work may itself wait on peers), completed on return.
+  // for the timeout.
   void publish_failure(long long seq) {
-    live();
-    const c10::cuda::CUDAStream s = c10::cuda::getStreamFromPool(true, c10::cuda::current_device());
-    launch_ll_publish_failure(ctx_, seq, s.stream());
-    cuda_ok(cudaStreamSynchronize(s.stream()), "low-latency", "publishing a failure");
+    mem_.publish_aside([&](cudaStream_t s) { launch_ll_publish_failure(ctx_, seq, s); });
   }
 
   // The kernels' first unread error, or None.

@@ -5,6 +5,7 @@
 // fields.
 #pragma once
 
+#include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 #include <torch/extension.h>
 
@@ -51,6 +52,17 @@ class SymmetricMemory {
   template <typename Ctx>
   void point(Ctx& c) const {
     c.base = base_, c.peer_base = peer_dev_, c.pe = pe_dev_, c.err = err_dev_;
+  }
+
+  // A failure publication (`launch(stream)`, a one-thread kernel writing the peers' peer_failed
+  // word) on a stream of its own -- this rank's queued work may itself wait on peers -- and
+  // completed on return.
+  template <typename Launch>
+  void publish_aside(Launch launch) const {
+    live();
+    const c10::cuda::CUDAStream s = c10::cuda::getStreamFromPool(true, c10::cuda::current_device());
+    launch(s.stream());
+    cuda_ok(cudaStreamSynchronize(s.stream()), path_, "publishing a failure");
   }
 
   char* base() const { return base_; }

@@ -123,10 +123,15 @@ class CudaBackend:
                 raise
             return
         if self.ranks_per_node < self.num_ranks:  # the in-node calls publish their own failures
-            call.pending = None
             self.rt.check(call)
             self.path.check(call)
-            yield call
+            call.pending = "rdma"  # until its RDMA send, the same-index peers wait for this rank
+            try:
+                yield call
+            except BaseException as exc:
+                if call.pending is not None:
+                    self.path.publish_failure(call, exc)
+                raise
             return
         with self.rt.publishing(call):
             self.rt.check(call)

@@ -238,17 +238,23 @@ class CudaRuntime:
         try:
             yield call
         except BaseException as exc:
-            if call.pending is not None and not self.broken and not self.closed:
-                try:
-                    if self.ready:
-                        slot = P.SLOT["call"] if call.pending == "first" else int(call.pending)
-                        with torch.cuda.stream(self.stream):
-                            self.rt.fail_call(call.sig, P.failure_message(exc), slot)
-                    elif call.pending == "first":  # the peers are sizing the buffer in this call
-                        self.first_use(failure=exc)
-                except Exception:  # noqa: BLE001 - the original error matters more
-                    log.exception("megatron_ep: could not publish a failure to the peers")
+            self.publish(call, exc)
             raise
+
+    def publish(self, call: P.Call, exc: BaseException) -> None:
+        """`call` failed on this rank with `exc`: if peers may be waiting for it (`call.pending`),
+        a failed record at the handshake they wait on next."""
+        if call.pending is None or self.broken or self.closed:
+            return
+        try:
+            if self.ready:
+                slot = P.SLOT["call"] if call.pending == "first" else int(call.pending)
+                with torch.cuda.stream(self.stream):
+                    self.rt.fail_call(call.sig, P.failure_message(exc), slot)
+            elif call.pending == "first":  # the peers are sizing the buffer in this call
+                self.first_use(failure=exc)
+        except Exception:  # noqa: BLE001 - the original error matters more
+            log.exception("megatron_ep: could not publish a failure to the peers")
 
     def check(self, call: Optional[P.Call] = None) -> None:
         """Raise what the kernels reported since the last check: a fatal error breaks the buffer;

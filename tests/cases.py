@@ -929,3 +929,68 @@ def run_reserve(cfg: dict) -> list:
     buf.synchronize()
     buf.destroy()
     return chk.errors
+
+
+def run_internode_peer_failure_case(cfg: dict) -> list:
+    """Internode path: a failure before a rank's RDMA send is published to its same-index peers.
+    (1) Every rank fails the same dispatch (an argument error): nothing waited, the buffer stays
+    usable and the next dispatch is exact. (2) Only `failing_rank` fails (an expert id out of
+    range on that rank alone): it raises its own ValueError; every other rank stops waiting for it
+    at once (long before the 60 s timeout) and raises PeerFailedFatalError naming it, then
+    BufferBrokenError."""
+    import time
+
+    from megatron_ep.errors import BufferBrokenError, PeerFailedFatalError
+
+    R, rank, P, failing = dist.get_world_size(), dist.get_rank(), cfg["ranks_per_node"], cfg["failing_rank"]
+    E, K, H, T = 4 * R, 2, 256, 8
+    chk = Checker(f"[internode peer failure R={R} P={P} rank={rank}]")
+    buf = mep.Buffer(dist.group.WORLD, backend="cuda", ranks_per_node=P, timeout_s=60.0, max_tokens_per_rank=T,
+                     hidden=H, num_experts=E, max_topk=K)
+    try:
+        inp = make_inputs(cfg["seed"], R, E, K, H, [T] * R, "bf16", "random", 0.0)
+        me = {k: v.cuda() for k, v in inp[rank].items()}
+        try:  # (1) every rank: num_experts not a multiple of the group, refused before anything is sent
+            buf.dispatch(me["x"], me["idx"], me["w"], num_experts=E + 1)
+            chk.errors.append(f"{chk.tag} num_experts={E + 1} did not raise")
+        except ValueError:
+            pass
+        out = buf.dispatch(me["x"], me["idx"], me["w"], num_experts=E)
+        chk.equal("after a call every rank failed", out.x, expected_rank_major(inp, rank, R, E)["x"])
+        del out
+        buf.synchronize()
+        dist.barrier()
+        # (2) one rank fails alone
+        t0 = time.monotonic()
+        idx = me["idx"].clone()
+        if rank == failing:
+            idx[0, 0] = E + 5
+        try:
+            buf.dispatch(me["x"], idx, me["w"], num_experts=E)
+            buf.synchronize()
+            if rank == failing or rank % P == failing % P:  # the failing rank, and its same-index peers
+                chk.errors.append(f"{chk.tag} the dispatch rank {failing} failed did not raise here")
+        except ValueError:
+            if rank != failing:
+                chk.errors.append(f"{chk.tag} raised the failing rank's ValueError")
+        except PeerFailedFatalError as exc:
+            if rank == failing or f"rank {failing}" not in str(exc):
+                chk.errors.append(f"{chk.tag} unexpected {exc}")
+            if time.monotonic() - t0 > 20:
+                chk.errors.append(f"{chk.tag} stopped after {time.monotonic() - t0:.0f} s (the publication did not "
+                                  "stop the wait)")
+            try:
+                buf.dispatch(me["x"], me["idx"], me["w"], num_experts=E)
+                chk.errors.append(f"{chk.tag} a buffer broken by a peer's failure accepted a dispatch")
+            except BufferBrokenError:
+                pass
+        except Exception as exc:  # noqa: BLE001
+            if rank == failing:
+                chk.errors.append(f"{chk.tag} the failing rank raised {type(exc).__name__}: {exc}")
+            # other ranks of the failing rank's node may see the in-node stage's PeerFailedError first
+    finally:
+        try:
+            buf.destroy()
+        except Exception:  # noqa: BLE001 - broken buffers skip their collective free
+            pass
+    return chk.errors

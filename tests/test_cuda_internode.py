@@ -10,7 +10,7 @@ import pytest
 import cases
 from case_lists import normal_cases
 from distpool import flat
-from gpu_pools import GPU_MARKS, GpuPools, closing
+from gpu_pools import GPU_MARKS, GpuPools, closing, run_alone
 
 pytestmark = GPU_MARKS
 
@@ -65,4 +65,15 @@ def test_internode_cuda_graph(R, P):
 def test_internode_repeated(R, P):
     cfg = dict(seed=13 * R, E=8 * R, K=6, H=256, t_max=40, iters=60, sizing={"ranks_per_node": P})
     errors = flat(pool_(R).run(cases.run_repeated, cfg, timeout=600))
+    assert not errors, "\n".join(errors[:20])
+
+
+@pytest.mark.parametrize("R,P,failing", [(2, 1, 1)])
+def test_internode_peer_failure_is_published(R, P, failing):
+    """A rank failing before its RDMA send: its same-index peers stop at once (PeerFailedFatalError)
+    (fresh processes: broken buffers stay behind). Not (4, 2): there the ranks whose buffers did
+    not break would wait in destroy's collective free for the broken ones."""
+    errors = flat(run_alone(R, cases.run_internode_peer_failure_case,
+                            dict(seed=61 + R, ranks_per_node=P, failing_rank=failing), timeout=300,
+                            NVSHMEM_DISABLE_MNNVL="1"))
     assert not errors, "\n".join(errors[:20])

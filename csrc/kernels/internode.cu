@@ -40,7 +40,7 @@ __device__ __forceinline__ InternodeState* state_of(const InCtx& c) {
 }
 __device__ __forceinline__ sym::Waiter waiter(const InCtx& c) {
   InternodeState* st = state_of(c);
-  return {c.err, &st->failed, &st->err_claims, c.timeout_ns, &st->peer_failed, -1};  // (nothing publishes here yet)
+  return {c.err, &st->failed, &st->err_claims, c.timeout_ns, &st->peer_failed, c.seq};
 }
 __device__ __forceinline__ int peer_rank(const InCtx& c, int node) { return node * c.ranks_per_node + c.local; }
 __device__ __forceinline__ bool failed(const InCtx& c) { return *reinterpret_cast<volatile int*>(&state_of(c)->failed); }
@@ -332,6 +332,13 @@ __global__ void __launch_bounds__(kInThreads, 1) in_combine_recv_kernel(const In
     sym::put_signal(c.peer_base[n], c.base, c.pe[n], c.lay.release_at(kInCombine, c.node), call);
 }
 
+// This rank failed before its RDMA send of a call: every same-index peer's waits on it stop and name it.
+__global__ void in_publish_failure_kernel(const InCtx c, long long seq) {
+  if (threadIdx.x == 0)
+    sym::publish_failure(c.peer_base, c.base, c.pe, c.lay.num_nodes, c.node,
+                         c.lay.state + (long long)offsetof(InternodeState, peer_failed), peer_rank(c, c.node), seq);
+}
+
 void check(cudaError_t e, const char* what) { check_cuda(e, what, "internode"); }
 
 }  // namespace
@@ -358,8 +365,14 @@ void launch_in_combine_recv(const InCtx& c, const InCombineRecvArgs& a, int num_
   check(cudaGetLastError(), "combine receive launch");
 }
 
+void launch_in_publish_failure(const InCtx& c, long long seq, cudaStream_t stream) {
+  in_publish_failure_kernel<<<1, 32, 0, stream>>>(c, seq);
+  check(cudaGetLastError(), "failure publication launch");
+}
+
 void in_touch_kernels() {
   cudaFuncAttributes attr;
+  check(cudaFuncGetAttributes(&attr, in_publish_failure_kernel), "loading the failure publication kernel");
   check(cudaFuncGetAttributes(&attr, in_dispatch_send_kernel), "loading the dispatch send kernel");
   check(cudaFuncGetAttributes(&attr, in_dispatch_recv_kernel), "loading the dispatch receive kernel");
   check(cudaFuncGetAttributes(&attr, in_release_kernel), "loading the release kernel");

@@ -19,6 +19,7 @@ struct InCtx {
   InternodeLayout lay;
   int node, local, ranks_per_node;
   unsigned long long timeout_ns;
+  long long seq;  // the call the next launches serve (Buffer's call number; -1: none): peers' failure publications name it
 };
 
 // Send half of a dispatch: every token to the same-index rank of each node that owns one of
@@ -65,5 +66,7 @@ void launch_in_dispatch_recv(const InCtx& c, const InRecvArgs& a, int num_blocks
 void launch_in_release(const InCtx& c, int dir, cudaStream_t stream);
 void launch_in_combine_send(const InCtx& c, const InCombineSendArgs& a, int num_blocks, cudaStream_t stream);
 void launch_in_combine_recv(const InCtx& c, const InCombineRecvArgs& a, int num_blocks, cudaStream_t stream);
+// This rank failed before its RDMA send of call `seq`: tell every same-index peer (their peer_failed word).
+void launch_in_publish_failure(const InCtx& c, long long seq, cudaStream_t stream);
 
 }  // namespace mep

@@ -21,8 +21,10 @@ sized calls (num_worst_tokens) run the in-node stage at its never-dropping size 
 rows past num_worst_tokens after the reordering, so the dropped rows are exactly the contract's.
 
 All kernels of this path run on the caller's stream or are ordered with it: async_op returns an
-event that is already in the caller's stream order. Cross-node failures are not published on
-the host: a rank that raises before its RDMA send leaves its peers to time out, naming it.
+event that is already in the caller's stream order. A rank whose host side raises before its
+RDMA send of a call publishes that into its same-index peers' buffers (`publish_failure`): their
+waits for that call stop at once and raise PeerFailedFatalError naming it (their buffers must
+then be re-created). A rank that dies or hangs without publishing leaves them to time out.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import torch.distributed as dist
 from .. import nvshmem
 from .. import protocol as P
 from ..checks import FP8_BLOCK, fail
-from ..errors import BufferBrokenError, CallMismatchError, CommTimeoutError
+from ..errors import BufferBrokenError, CallMismatchError, CommTimeoutError, PeerFailedFatalError
 from ..hosts import host_names
 from ..runtime import CudaRuntime, gather, largest
 from ..types import CombineOutput, DispatchHandle, DispatchOutput, EventOverlap
@@ -87,7 +89,9 @@ class InternodePath:
         self.buf = None
         self.cap: Optional[dict] = None
         self.broken: Optional[str] = None
+        self.published = False  # this rank told its peers of a failure: some of them may be broken
         self.inner_seq = 0
+        self.inner_of = -1  # the (outer) call whose in-node stage call was made last
         self.num_blocks = min(rt.num_sms, self.ext.IN_MAX_BLOCKS)
         if hints.get("max_tokens") and hints.get("hidden"):
             self._create(self._agree(self._need(hints["max_tokens"], hints["hidden"], hints.get("dtype_bytes", 2),
@@ -134,7 +138,9 @@ class InternodePath:
                         f"max_tokens_per_rank=, hidden=, max_topk= large enough")
 
     def close(self) -> None:
-        if self.buf is not None and not self.broken:
+        """Collective (nvshmem_free), skipped by a broken path and by one that published a failure:
+        a peer that is broken would never join the free."""
+        if self.buf is not None and not self.broken and not self.published:
             torch.cuda.synchronize(self.rt.device)
             dist.barrier(group=self.group)
             self.buf.close()
@@ -152,6 +158,10 @@ class InternodePath:
         if err is None:
             return
         op = P.OP_NAMES.get(err["op"], "call").replace("_", " ")
+        if err["code"] == P.ERROR["peer_failed"]:
+            self.broken = (f"rank {err['peer']} failed before its RDMA send in the internode {op} and told its peers; "
+                           f"rank {self.rank} stopped waiting for it")
+            raise PeerFailedFatalError(f"megatron_ep: {self.broken}; this buffer must be re-created")
         if err["code"] == P.ERROR["mismatch"]:
             self.buf.clear_error()
             raise CallMismatchError(
@@ -165,9 +175,21 @@ class InternodePath:
         self.broken = f"rank {self.rank} timed out after {self.rt.timeout_s:.0f}s in the internode {op}, {what}"
         raise CommTimeoutError(f"megatron_ep: {self.broken}; this buffer must be re-created")
 
+    def publish_failure(self, call: P.Call, exc: BaseException) -> None:
+        """This rank raised before its RDMA send of `call`: the same-index peers' receives would wait
+        for it until their timeout; tell them now (their buffers break). The node's other ranks
+        wait for it at the in-node stage's handshake: unless this rank's own in-node call already
+        published there, a failed record for the in-node call it will not make (they raise
+        PeerFailedError; the node's buffer stays usable). Nothing of the call left this rank; when
+        every rank failed the same call (an argument error), nobody waited and nothing breaks."""
+        if self.inner_of != call.seq:  # (each rank's in-node sequence advances alike)
+            self.rt.publish(self._inner_call(call, 0, 0), exc)
+        nvshmem.publish_failure(self, call.seq)
+
     def _inner_call(self, call: P.Call, num_experts: int, routing: int) -> P.Call:
         """The in-node stage's call: the same signature on the node's own call sequence."""
         self.inner_seq += 1
+        self.inner_of = call.seq
         inner = P.Call(call.op, self.inner_seq)
         inner.sig = list(call.sig)
         inner.set(seq=self.inner_seq, num_experts=num_experts, routing=routing)
@@ -206,7 +228,9 @@ class InternodePath:
             if topk_weights is not None:
                 src_w = self.view("s_w", T, K, torch.float32)
                 src_w.copy_(topk_weights)
+        self.buf.set_call(call.seq)  # the waits of this call's kernels stop on a peer's publication for it
         self.buf.dispatch_send(src_x, src_s, src_i, src_w, num_experts, sig, self.num_blocks)
+        call.pending = None  # sent: a later failure here owes the peers nothing
         local_idx = torch.empty((N * mt, K), dtype=torch.int64, device=rt.device)
         tokens = torch.empty(N, dtype=torch.int32, device=rt.device)
         self.buf.dispatch_recv(K, num_experts, sc, sig, local_idx, tokens, self.num_blocks)
@@ -336,7 +360,9 @@ class InternodePath:
             if yf.weights is not None:
                 w_src = self.view("s_cw", yf.weights.shape[0], K, torch.float32)
                 w_src.copy_(yf.weights)
+        self.buf.set_call(call.seq)
         self.buf.combine_send(y_src, w_src, st.local_idx, st.tokens, sig, self.num_blocks)
+        call.pending = None
         y = torch.empty((T, H), dtype=x.dtype, device=rt.device)
         w_out = torch.empty((T, K), dtype=torch.float32, device=rt.device) if weights is not None else None
         rt.new_outputs((y, w_out))

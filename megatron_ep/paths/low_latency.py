@@ -201,13 +201,7 @@ class LowLatencyPath:
         it until their timeout; tell them now (their waits for this call stop and raise
         PeerFailedFatalError). Nothing of the call left this rank, so it stays usable here: when
         every rank failed the same call (an argument error), nobody waited and nothing breaks."""
-        if self.buf is None or self.broken:
-            return
-        self.published = True
-        try:
-            self.buf.publish_failure(call.seq)
-        except Exception:  # noqa: BLE001 - the original error is what the caller must see
-            pass
+        nvshmem.publish_failure(self, call.seq)
 
     def _describe_timeout(self, op: str, err: dict) -> str:
         me, s, e, peer = self.rt.rank, err["set"], err["expert"], err["peer"]
