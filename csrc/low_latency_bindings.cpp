@@ -49,7 +49,8 @@ class LowLatencyBuffer {
   void dispatch(const torch::Tensor& x, const torch::Tensor& topk_idx, int num_experts, bool fp8, bool round_scale,
                 int set, int phases, long long sig, long long seq, const torch::Tensor& out_x, const c10::optional<torch::Tensor>& out_scales,
                 const torch::Tensor& out_count, const torch::Tensor& out_range, const torch::Tensor& out_src,
-                const torch::Tensor& out_slot, int num_blocks) {
+                const torch::Tensor& out_slot, const c10::optional<torch::Tensor>& weights,
+                const c10::optional<torch::Tensor>& out_w, const c10::optional<torch::Tensor>& out_pairs, int num_blocks) {
     live();
     LLDispatchArgs a{};
     a.x = ptr<at::BFloat16>(x, "x", at::kBFloat16);
@@ -66,12 +67,21 @@ class LowLatencyBuffer {
     a.out_slot = ptr<int>(out_slot, "out_slot", at::kInt);
     a.out_cap = (int)out_x.size(1);
     TORCH_CHECK(a.out_cap <= ctx_.num_ranks * ctx_.lay.max_tokens, "out_x has more rows per expert than the buffer");
+    if (weights.has_value()) {  // the merged combine's inputs
+      TORCH_CHECK(out_w.has_value() && out_pairs.has_value(), "weights need out_w and out_pairs");
+      TORCH_CHECK(weights->numel() == (int64_t)a.T * a.K && out_w->numel() == out_src.numel() &&
+                      out_pairs->numel() == (int64_t)a.out_cap * a.K, "weights / out_w / out_pairs sizes");
+      a.weights = ptr<float>(*weights, "topk_weights", at::kFloat);
+      a.out_w = ptr<float>(*out_w, "out_w", at::kFloat);
+      a.out_pairs = ptr<int>(*out_pairs, "out_pairs", at::kInt);
+    }
     launch_ll_dispatch(ctx_, a, num_blocks, c10::cuda::getCurrentCUDAStream().stream());
   }
 
   void combine(const torch::Tensor& x, const torch::Tensor& range, const torch::Tensor& src, const torch::Tensor& slot,
                const torch::Tensor& topk_idx, const torch::Tensor& weights, int num_experts, int set, int phases,
-               long long sig, long long seq, const torch::Tensor& y, int num_blocks) {
+               long long sig, long long seq, const torch::Tensor& y, const c10::optional<torch::Tensor>& pairs,
+               const c10::optional<torch::Tensor>& row_w, int num_blocks) {
     live();
     LLCombineArgs a{};
     a.x = ptr<at::BFloat16>(x, "x", at::kBFloat16);
@@ -85,6 +95,12 @@ class LowLatencyBuffer {
     a.out_cap = (int)x.size(1), a.set = set, a.phases = phases, a.sig = sig, a.seq = seq;
     check_call(a.T, a.K, a.E, a.H, set, num_blocks);
     TORCH_CHECK(y.size(0) == a.T && y.size(1) == a.H, "out must be [T, H]");
+    if (pairs.has_value()) {  // merged: the dispatch carried the weights
+      TORCH_CHECK(row_w.has_value() && pairs->numel() == (int64_t)a.out_cap * a.K && row_w->numel() == src.numel(),
+                  "pairs / row_w sizes");
+      a.pairs = ptr<int>(*pairs, "pairs", at::kInt);
+      a.row_w = ptr<float>(*row_w, "row_w", at::kFloat);
+    }
     launch_ll_combine(ctx_, a, num_blocks, c10::cuda::getCurrentCUDAStream().stream());
   }
 

@@ -17,7 +17,8 @@
 //     c_stage [warps][c_row]           combine staging for puts (one row per warp in flight)
 //     c_recv  [mt][K][c_row]           combine receive area: slot (token, top-k slot)
 //     d_count [L][R] int64             count signals (dispatch): -1 - (count | sig << 32)
-//     c_flag  [E] int64                arrival flags (combine), one per global expert
+//     c_flag  [E] int64                arrival flags (combine), one per global expert (merged: one per
+//                                      sending rank, words [0, R))
 //     release [R] int64                written by each receiver: its completed calls on this set
 //   state (local, once): counters that never leave this rank
 //
@@ -66,7 +67,8 @@ struct LowLatencyState {
 enum LLWhat : int {
   kLLWaitRelease = 0,   // the send half waited for a receiver to release the buffer set
   kLLWaitCount = 1,     // dispatch receive waited for (local expert, source)'s count signal
-  kLLWaitFlag = 2       // combine receive waited for a global expert's rows from its owner
+  kLLWaitFlag = 2,      // combine receive waited for a global expert's rows from its owner
+  kLLWaitRankFlag = 3   // merged combine receive waited for a rank's rows (`expert` = that rank)
 };
 struct LowLatencyError {
   volatile int code;      // ErrorCode (protocol.h): kErrTimeout or kErrMismatch; 0 = none

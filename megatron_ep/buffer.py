@@ -254,8 +254,14 @@ class Buffer:
     # ------------------------------------------------------------------------- low latency
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int,
                              max_tokens_per_rank: int = 128, use_fp8: bool = True,
-                             round_scale: bool = False, **kwargs) -> LowLatencyDispatchOutput:
-        """Every (token, expert) copy to its expert's fixed receive area (DESIGN §2)."""
+                             round_scale: bool = False, topk_weights: Optional[torch.Tensor] = None,
+                             **kwargs) -> LowLatencyDispatchOutput:
+        """Every (token, expert) copy to its expert's fixed receive area (DESIGN §2).
+
+        `topk_weights` ([T, K], optional): the weights the combine will take. Given here, they
+        travel with the copies, and a combine passed the same tensor (unchanged since) sends one
+        row per token and rank (its copies' weighted sum, rounded to bf16) instead of one per
+        copy (cuda backend; the reference backend ignores them here)."""
         with self._call("low_latency_dispatch") as call:
             T, H, is_fp8 = C.check_activation("x", x, allowed=(torch.bfloat16, torch.float32))
             C.fail(not is_fp8, "low_latency_dispatch takes bf16/fp32 x and casts to FP8 itself (use_fp8=True)", TypeError)
@@ -267,6 +273,9 @@ class Buffer:
             K = C.check_topk_idx(topk_idx, T, x.device)
             if self.check_inputs:
                 C.check_topk_values(topk_idx, num_experts)
+            if topk_weights is not None:
+                C.check_topk_weights(topk_weights, T, K, x.device)
+                kwargs["topk_weights"] = topk_weights
             wire = C.FP8_DTYPE if use_fp8 else x.dtype
             call.set(dtype=P.dtype_code(wire), hidden=H, row_bytes=H * wire.itemsize, topk=K,
                      num_experts=num_experts, max_tokens_per_rank=max_tokens_per_rank)

@@ -355,7 +355,9 @@ class TorchBackend:
 
     # ---------------------------------------------------------------------------- low latency
     def low_latency_dispatch(self, call: P.Call, x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int,
-                             max_tokens_per_rank: int, use_fp8: bool, round_scale: bool) -> LowLatencyDispatchOutput:
+                             max_tokens_per_rank: int, use_fp8: bool, round_scale: bool,
+                             topk_weights: Optional[torch.Tensor] = None) -> LowLatencyDispatchOutput:
+        # topk_weights: accepted for the API; the reference combine always weights at the source
         R, L = self.num_ranks, num_experts // self.num_ranks
         T, K = topk_idx.shape
         H = x.shape[1]

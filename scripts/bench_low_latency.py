@@ -53,7 +53,7 @@ sys.path.insert(0, REPO)
 import megatron_ep as mep  # noqa: E402
 from megatron_ep.fp8 import per_token_cast_back  # noqa: E402
 
-IMPLS = ("ours", "torch", "nccl", "deepep")
+IMPLS = ("ours", "ours-merged", "torch", "nccl", "deepep")  # ours-merged: the weights given at dispatch
 
 
 def routing(T, E, K, H, seed, device):
@@ -222,25 +222,29 @@ def rows_of(x):
 
 
 # ------------------------------------------------------------------------------ impls
-def bench_ours(a, T, x, idx, w, E, K, H, gloo):
+def bench_ours(a, T, x, idx, w, E, K, H, gloo, merged=False):
+    """merged: the weights go with the dispatch, so the combine sends a token's copies on a rank
+    as one row (megatron_ep's API extension; DeepEP's dispatch takes no weights)."""
     buf = mep.Buffer(gloo, backend="cuda", low_latency=dict(num_experts=E, max_tokens=max(a.tokens), hidden=H, topk=K, fp8_only=a.fp8))
     mt = max(a.tokens)
-    out = buf.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=mt, use_fp8=a.fp8)
+    dw = w if merged else None
+    out = buf.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=mt, use_fp8=a.fp8, topk_weights=dw)
     rows = rows_of(out.x)
     handle = out.handle
 
     def d():
-        buf.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=mt, use_fp8=a.fp8)
+        buf.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=mt, use_fp8=a.fp8, topk_weights=dw)
 
     def c():
         buf.low_latency_combine(rows, idx, w, handle)
 
     def dc():
-        o = buf.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=mt, use_fp8=a.fp8)
+        o = buf.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=mt, use_fp8=a.fp8, topk_weights=dw)
         buf.low_latency_combine(rows, idx, w, o.handle)
 
     def dc_hook():
-        o = buf.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=mt, use_fp8=a.fp8, return_recv_hook=True)
+        o = buf.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=mt, use_fp8=a.fp8, return_recv_hook=True,
+                                     topk_weights=dw)
         o.hook()
         _, hook = buf.low_latency_combine(rows, idx, w, o.handle, return_recv_hook=True)
         hook()
@@ -359,7 +363,7 @@ def worker(rank, a, impl, queue):
     gloo = dist.group.WORLD
     results = {}
     try:
-        nccl = dist.new_group(backend="nccl") if cuda and impl != "ours" else gloo
+        nccl = dist.new_group(backend="nccl") if cuda and not impl.startswith("ours") else gloo
         for T in a.tokens:
             x, idx, w = routing(T, a.experts, a.topk, a.hidden, 1000 * rank + T, device)
             args_ = (a, T, x, idx, w, a.experts, a.topk, a.hidden)
@@ -369,7 +373,8 @@ def worker(rank, a, impl, queue):
                 buf.low_latency_combine(rows_of(out.x), idx, w, out.handle)
                 res = {"dispatch": 0.0, "combine": 0.0, "both": 0.0}
             else:
-                res = {"ours": lambda: bench_ours(*args_, gloo), "torch": lambda: bench_torch(*args_, nccl),
+                res = {"ours": lambda: bench_ours(*args_, gloo), "ours-merged": lambda: bench_ours(*args_, gloo, merged=True),
+                       "torch": lambda: bench_torch(*args_, nccl),
                        "nccl": lambda: bench_nccl(*args_, nccl), "deepep": lambda: bench_deepep(*args_, nccl)}[impl]()
             res["pairs"] = int((idx >= 0).sum())
             results[T] = res
@@ -469,7 +474,7 @@ def main():
     ngpu = torch.cuda.device_count()
     results = {}
     for impl in a.impls.split(","):
-        if impl != "ours" and not a.smoke and a.ranks > ngpu:
+        if not impl.startswith("ours") and not a.smoke and a.ranks > ngpu:
             results[impl] = (None, f"skipped (virtual ranks: {a.ranks} ranks on {ngpu} GPU(s); NCCL needs one GPU per rank)")
             continue
         if impl == "deepep":
@@ -483,8 +488,9 @@ def main():
         print(table(a, {impl: results[impl]}), flush=True)  # now: a later impl may crash the run
     md = (f"Low latency, {a.ranks} ranks on {max(ngpu, 1)} GPU(s), H {a.hidden}, top-{a.topk} of {a.experts}, {'FP8' if a.fp8 else 'bf16'} dispatch, "
           f"bf16 combine; median of {a.reps} x {a.loop} back-to-back calls; slowest rank\n\n" + table(a, results))
-    if a.trace and results.get("ours", (None,))[0]:
-        md += "\n" + trace_table(a, results["ours"][0])
+    for impl in ("ours", "ours-merged"):
+        if a.trace and results.get(impl, (None,))[0]:
+            md += f"\n{impl}:\n" + trace_table(a, results[impl][0])
     print(md)
     if a.markdown:
         with open(a.markdown, "w") as f:

@@ -319,8 +319,14 @@ def run_low_latency_case(cfg: dict, backend: str = "torch", device: str = "cpu")
     # the cuda low-latency buffer is sized once per process for every case (ll_cases.LL_SIZING)
     buf = ll_cases.ll_buffer() if backend == "cuda" else get_buffer(backend, **cfg.get("sizing", {}))
     chk = Checker(f"[LL R={R} rank={rank} {cfg}]")
+    # merged: the weights go with the dispatch, and the combine given that same tensor sends a
+    # token's copies per rank as one row (cuda backend)
+    merged = cfg.get("merged", False)
+    w = me["w"].to(device)
     out = buf.low_latency_dispatch(me["x"].to(device), me["idx"].to(device), num_experts=E, max_tokens_per_rank=mt,
-                                   use_fp8=use_fp8, round_scale=round_scale)
+                                   use_fp8=use_fp8, round_scale=round_scale, topk_weights=w if merged else None)
+    if merged and backend == "cuda" and not out.handle.state.merges(w):
+        chk.errors.append("merged case: the combine would not merge (the dispatch kept no weights)")
     exp = expected_low_latency(inputs, rank, R, E, mt, use_fp8)
     if round_scale:
         ll_cases.round_scale_expected_(exp, inputs, R)
@@ -341,7 +347,10 @@ def run_low_latency_case(cfg: dict, backend: str = "torch", device: str = "cpu")
     rows = (rows.double().cpu() * scale[ge].view(L, 1, 1) + bias[ge].view(L, 1, 1)).to(torch.bfloat16)
     for e in range(L):
         rows[e, int(exp["count"][e]):] = 3000.0
-    y = buf.low_latency_combine(rows.to(device), me["idx"].to(device), me["w"].to(device), out.handle)
+    y = buf.low_latency_combine(rows.to(device), me["idx"].to(device), w, out.handle)
+    # a different weights tensor (even equal values): one row per copy, weighted here
+    ys = [("low-latency combine", y)] + ([("combine, weights not the dispatch's", buf.low_latency_combine(
+        rows.to(device), me["idx"].to(device), w.clone(), out.handle))] if merged else [])
 
     # oracle: the value each (token, expert) row held on its expert's rank, weighted and summed
     from oracle import fp8_cast
@@ -357,9 +366,10 @@ def run_low_latency_case(cfg: dict, backend: str = "torch", device: str = "cpu")
             if e >= 0:
                 row = (x[t].double() * scale[e] + bias[e]).to(torch.bfloat16).double()
                 y_ref[t] += float(me["w"][t, k]) * row
-    chk.close("low-latency combine", y, y_ref, 2e-2)
-    if y.dtype != torch.bfloat16:
-        chk.errors.append(f"low-latency combine returned {y.dtype}")
+    for name, got in ys:
+        chk.close(name, got, y_ref, 2e-2)
+        if got.dtype != torch.bfloat16:
+            chk.errors.append(f"{name} returned {got.dtype}")
     return chk.errors
 
 

@@ -22,19 +22,20 @@ _close_pools = closing(POOLS)
 
 def ll_cases_for(R):
     """Both wire formats, -1 slots, empty ranks, 1 to 128 tokens, the decode shape, power-of-two
-    scales and FP8 edge values."""
+    scales and FP8 edge values; the merged combine (weights given at dispatch) on half of them,
+    including 9 copies of a token on one rank and the decode shape."""
     out = []
     for i, (epr, K, H, fp8, pattern, t_max, extra) in enumerate([
         (4, 4, 256, True, "random", 20, {}),
-        (4, 4, 256, False, "random", 20, {}),
-        (1, 2, 128, True, "one_expert", 20, {}),
-        (32, 9, 128, False, "same_rank", 40, {}),
-        (8, 8, 1024, True, "hot", 64, {"round_scale": True}),
+        (4, 4, 256, False, "random", 20, {"merged": True}),
+        (1, 2, 128, True, "one_expert", 20, {"merged": True}),
+        (32, 9, 128, False, "same_rank", 40, {"merged": True}),
+        (8, 8, 1024, True, "hot", 64, {"round_scale": True, "merged": True}),
         (4, 4, 512, True, "random", 14, {"x_edge": True}),
         (16, 8, 2048, True, "random", 1, {"Ts": [1] * R}),
         # the decode shape (E = 256, H = 7168); 128 tokens at R = 2, 32 with virtual ranks (the oracle's
         # host copies of every rank's [E/R, R*mt, H] outputs grow with E * mt)
-        (256 // R, 8, 7168, True, "random", 128, {"Ts": [128 if R == 2 else 32] * R}),
+        (256 // R, 8, 7168, True, "random", 128, {"Ts": [128 if R == 2 else 32] * R, "merged": True}),
     ]):
         seed = 7000 * R + i
         Ts = extra.pop("Ts", None) or _token_counts(seed, R, t_max)

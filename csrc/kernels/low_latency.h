@@ -57,6 +57,13 @@ struct LLDispatchArgs {
   int* out_src;               // [L, R*mt] source token, -1 past the count
   int* out_slot;              // [L, R*mt] source top-k slot (the combine's return address)
   int out_cap;                // rows per expert in the outputs (R * the call's max_tokens_per_rank)
+  // With the weights (optional, [T, K] fp32): they ride in the table entries, and the receive
+  // half records, for the merged combine, each row's weight and per (source, token, top-k slot)
+  // the row holding that copy here (entries of copies elsewhere are left as they were: the
+  // combine validates each one against out_src / out_slot / out_range before use)
+  const float* weights;       // null: no merged combine for this dispatch
+  float* out_w;               // [L, R*mt] the row's top-k weight
+  int* out_pairs;             // [R, mt, K] row of copy (source, token, slot) here
 };
 
 struct LLCombineArgs {
@@ -66,6 +73,10 @@ struct LLCombineArgs {
   const int* slot;            // [L, out_cap]
   const long long* topk_idx;  // [T, K] (this rank's tokens)
   const float* weights;       // [T, K]
+  // merged (the dispatch carried the weights): a token's copies here go back as one row, their
+  // weighted sum rounded to bf16 (a single copy goes back as is and is weighted at its source)
+  const int* pairs;           // [R, mt, K] from the dispatch (out_pairs), or null: one row per copy
+  const float* row_w;         // [L, out_cap] from the dispatch (out_w)
   int T, K, E, H, out_cap, set, phases;
   long long sig, seq;
   void* y;                    // [T, H] bf16

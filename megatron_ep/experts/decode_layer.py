@@ -58,8 +58,9 @@ def decode_moe(buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: to
     """DecodeMoELayer's computation as a function (megatron_ep.megatron.decode calls it with a
     Megatron layer's own expert weights): LL dispatch -> masked expert MLP -> LL combine.
     The expert outputs go to combine in x's dtype (bf16; fp32 on the torch backend only)."""
+    # the weights go with the dispatch: the combine (same tensor) sends one row per token and rank
     out = buffer.low_latency_dispatch(x, topk_idx, num_experts=num_experts, max_tokens_per_rank=max_tokens_per_rank,
-                                      use_fp8=use_fp8)
+                                      use_fp8=use_fp8, topk_weights=topk_weights)
     # DeepGEMM's hint of the rows per expert (a tuning value, not a bound)
     expected = expected_m or max(1, buffer.num_ranks * max_tokens_per_rank * topk_idx.shape[1] // num_experts)
     h = expert_mlp_masked(out.x, w1, w2, out.count, activation, glu, expected)

@@ -80,6 +80,16 @@ def signature_hash(call: P.Call) -> int:
 class _LLState:
     src_slot: torch.Tensor  # [L, cap] int32: top-k slot of each row's token (its combine return slot)
     set: int
+    # the dispatch carried the weights (merged combine): the tensor it was given and its version,
+    # each row's weight [L, cap] and the row of each copy (source, token, slot) here [R, mt, K]
+    weights: Optional[torch.Tensor] = None
+    weights_version: int = -1
+    row_w: Optional[torch.Tensor] = None
+    pairs: Optional[torch.Tensor] = None
+
+    def merges(self, topk_weights: torch.Tensor) -> bool:
+        """The combine may use the dispatch's weights: it got the very tensor, unchanged since."""
+        return self.pairs is not None and topk_weights is self.weights and topk_weights._version == self.weights_version
 
 
 class _RecvHook:
@@ -212,12 +222,14 @@ class LowLatencyPath:
                f"that set has not run: a receive hook not called, or the rank stopped)",
             1: f"waiting for rank {peer}'s token count for local expert {e} (global expert {me * L + e}) in buffer set {s}",
             2: f"waiting for rank {peer}'s combined rows of expert {e} in buffer set {s}",
+            3: f"waiting for rank {peer}'s merged combine rows in buffer set {s}",
         }.get(err["what"], f"waiting on rank {peer}")
         return f"{head} {what}"
 
     # ---------------------------------------------------------------------------- dispatch
     def dispatch(self, call: P.Call, x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, max_tokens_per_rank: int,
-                 use_fp8: bool, round_scale: bool, return_recv_hook: bool = False) -> LowLatencyDispatchOutput:
+                 use_fp8: bool, round_scale: bool, return_recv_hook: bool = False,
+                 topk_weights: Optional[torch.Tensor] = None) -> LowLatencyDispatchOutput:
         rt = self.rt
         R, L = rt.num_ranks, num_experts // rt.num_ranks
         T, H = x.shape
@@ -236,17 +248,24 @@ class LowLatencyPath:
         layout_range = torch.empty((L, R, 2), dtype=torch.int32, device=dev)
         src = torch.empty((L, cap), dtype=torch.int32, device=dev)
         slot = torch.empty((L, cap), dtype=torch.int32, device=dev)
-        rt.new_outputs([out_x, out_s, count, layout_range, src, slot])  # test poisoning, on this stream
+        state = _LLState(slot, s)
+        w = row_w = pairs = None
+        if topk_weights is not None:  # they ride with the copies: the combine merges a token's copies per rank
+            w = topk_weights.float().contiguous()  # a no-op for fp32 weights
+            row_w = torch.empty((L, cap), dtype=torch.float32, device=dev)
+            pairs = torch.empty((R, max_tokens_per_rank, K), dtype=torch.int32, device=dev)  # stale entries are checked
+            state = _LLState(slot, s, topk_weights, topk_weights._version, row_w, pairs)
+        rt.new_outputs([out_x, out_s, count, layout_range, src, slot, row_w, pairs])  # test poisoning, on this stream
         sig = signature_hash(call)
 
         def launch(phases: int) -> None:
             self.buf.dispatch(x, topk_idx, num_experts, use_fp8, round_scale, s, phases, sig, call.seq, out_x, out_s, count,
-                              layout_range, src, slot, self.num_blocks)
+                              layout_range, src, slot, w, row_w, pairs, self.num_blocks)
 
         hook = self._launch(call, s, launch, return_recv_hook)
         handle = LowLatencyHandle(backend="cuda", num_ranks=R, rank=rt.rank, num_experts=num_experts, num_tokens=T, topk=K,
                                   max_tokens_per_rank=max_tokens_per_rank, hidden=H, layout_range=layout_range,
-                                  src_token=src, state=_LLState(slot, s), call_seq=call.seq)
+                                  src_token=src, state=state, call_seq=call.seq)
         return LowLatencyDispatchOutput((out_x, out_s) if use_fp8 else out_x, count, handle, None, hook)
 
     # ----------------------------------------------------------------------------- combine
@@ -267,12 +286,14 @@ class LowLatencyPath:
         s = self._free_set(call)
         weights = topk_weights.float().contiguous()  # a no-op for fp32 weights
         st: _LLState = handle.state
+        merged = st.merges(topk_weights)  # else one row per copy, weighted here
+        pairs, row_w = (st.pairs, st.row_w) if merged else (None, None)
         sig = signature_hash(call)
         rt.new_outputs([out])
 
         def launch(phases: int) -> None:
             self.buf.combine(x, handle.layout_range, handle.src_token, st.src_slot, topk_idx, weights, handle.num_experts,
-                             s, phases, sig, call.seq, out, self.num_blocks)
+                             s, phases, sig, call.seq, out, pairs, row_w, self.num_blocks)
 
         hook = self._launch(call, s, launch, return_recv_hook)
         return (out, hook) if return_recv_hook else out
