@@ -476,6 +476,26 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_dispatch_kernel(const LLCtx 
 }
 
 // ------------------------------------------------------------------------------------- combine
+// acc[0..8) += w * the 8 bf16 values of a 16-byte word (fp32)
+__device__ __forceinline__ void axpy_bf16x8(float* acc, float w, const int4& word) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&word);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(h[i]);
+    acc[2 * i] += w * f.x;
+    acc[2 * i + 1] += w * f.y;
+  }
+}
+
+// 8 fp32 values rounded to bf16, as one 16-byte word
+__device__ __forceinline__ int4 pack_bf16x8(const float* acc) {
+  int4 out;
+  __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) o[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+  return out;
+}
+
 // Warp: dst[v] = bf16(sum_j w[j] * rows[j][b16 + v]) for v < m16 (16-byte words of bf16 rows of
 // n16 words), fp32 sums in j order (= k ascending), four copies' loads in flight per lane. Not
 // inlined: inside the combine kernel its registers pushed the kernel into spills.
@@ -492,21 +512,10 @@ __device__ __noinline__ void merge_rows(int4* dst, const int4* __restrict__ x, c
 #pragma unroll
       for (int b = 0; b < 4; ++b) {
         if (j0 + b >= n) break;
-        const float wk = w[j0 + b];
-        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw[b]);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float2 f = __bfloat1622float2(h[i]);
-          acc[2 * i] += wk * f.x;
-          acc[2 * i + 1] += wk * f.y;
-        }
+        axpy_bf16x8(acc, w[j0 + b], raw[b]);
       }
     }
-    int4 out;
-    __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) o[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-    dst[v] = out;
+    dst[v] = pack_bf16x8(acc);
   }
 }
 
@@ -676,21 +685,10 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_combine_kernel(const LLCtx c
 #pragma unroll
         for (int b = 0; b < kBatch; ++b) {
           if (k0 + b >= a.K || !s_on[k0 + b]) continue;
-          const float w = s_w[k0 + b];
-          const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw[b]);
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const float2 f = __bfloat1622float2(h[i]);
-            acc[2 * i] += w * f.x;
-            acc[2 * i + 1] += w * f.y;
-          }
+          axpy_bf16x8(acc, s_w[k0 + b], raw[b]);
         }
       }
-      int4 out;
-      __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) o[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-      reinterpret_cast<int4*>(a.y)[(long long)t * (a.H / 8) + v] = out;
+      reinterpret_cast<int4*>(a.y)[(long long)t * (a.H / 8) + v] = pack_bf16x8(acc);
     }
     __syncthreads();  // s_w, s_on are rewritten for the next token
   }
