@@ -30,6 +30,7 @@ class FakeBuffer:
 
     def combine(self, x, rng, src, slot, idx, w, E, s, phases, sig, seq, y, pairs, row_w, num_blocks):
         self.launches.append(("combine", s, phases))
+        self.merged = pairs is not None
 
     def error(self):
         return self.err
@@ -153,3 +154,27 @@ def test_round_scale_and_edge_value_cases_on_the_torch_backend(pools):
             dict(seed=12, E=8, K=4, H=512, fp8=True, pattern="random", Ts=[7, 7], max_tokens=8, x_edge=True)]
     errors = [e for r in pools(2).run(cases.run_low_latency_cases, cfgs) for e in r]
     assert not errors, "\n".join(errors)
+
+
+def test_combine_merges_only_with_the_dispatchs_weights(path):
+    """The merged combine (one row per token and rank, weighted at the expert side) runs only
+    when the dispatch got the weights and the combine gets that very tensor, unchanged since;
+    anything else takes the per-copy combine, which weights at the source."""
+    x, idx, w = _inputs()
+    seq = iter(range(1, 100))
+    rows = torch.zeros((8, 16, 256), dtype=torch.bfloat16)
+
+    def merged(dispatch_w, combine_w, change=None):
+        out = path.dispatch(_call("low_latency_dispatch", next(seq)), x, idx, 8, 16, True, False, topk_weights=dispatch_w)
+        if change is not None:
+            change()
+        path.combine(_call("low_latency_combine", next(seq)), rows, idx, combine_w, out.handle)
+        return path.buf.merged
+
+    assert merged(w, w)
+    assert not merged(None, w)
+    assert not merged(w, w.clone())  # equal values, another tensor
+    assert not merged(w, w, change=lambda: w.mul_(1.0))  # changed in place after the dispatch
+    with torch.inference_mode():  # no version counter: the same tensor still merges
+        wi = w.clone()
+    assert merged(wi, wi)

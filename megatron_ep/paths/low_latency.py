@@ -83,13 +83,23 @@ class _LLState:
     # the dispatch carried the weights (merged combine): the tensor it was given and its version,
     # each row's weight [L, cap] and the row of each copy (source, token, slot) here [R, mt, K]
     weights: Optional[torch.Tensor] = None
-    weights_version: int = -1
+    weights_version: Optional[int] = None
     row_w: Optional[torch.Tensor] = None
     pairs: Optional[torch.Tensor] = None
 
     def merges(self, topk_weights: torch.Tensor) -> bool:
         """The combine may use the dispatch's weights: it got the very tensor, unchanged since."""
-        return self.pairs is not None and topk_weights is self.weights and topk_weights._version == self.weights_version
+        return (self.pairs is not None and topk_weights is self.weights
+                and tensor_version(topk_weights) == self.weights_version)
+
+
+def tensor_version(t: torch.Tensor) -> Optional[int]:
+    """t's in-place version counter; None for inference-mode tensors, which keep none (an
+    inference tensor changed in place between dispatch and combine goes unnoticed)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 class _RecvHook:
@@ -254,7 +264,7 @@ class LowLatencyPath:
             w = topk_weights.float().contiguous()  # a no-op for fp32 weights
             row_w = torch.empty((L, cap), dtype=torch.float32, device=dev)
             pairs = torch.empty((R, max_tokens_per_rank, K), dtype=torch.int32, device=dev)  # stale entries are checked
-            state = _LLState(slot, s, topk_weights, topk_weights._version, row_w, pairs)
+            state = _LLState(slot, s, topk_weights, tensor_version(topk_weights), row_w, pairs)
         rt.new_outputs([out_x, out_s, count, layout_range, src, slot, row_w, pairs])  # test poisoning, on this stream
         sig = signature_hash(call)
 
