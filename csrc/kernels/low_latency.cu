@@ -244,20 +244,35 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_dispatch_kernel(const LLCtx 
     // and per token the mask of its receiving ranks (R <= 64): a row's position scan then tests
     // one bit per earlier token instead of dividing K ids by L (call 5's trace: ~3.8 us of scans
     // per block at 128 tokens, most of it integer divisions)
+    // A thread's first kIdsAhead ids are loaded here and stored after the cast below, so their
+    // loads and the cast's overlap (two memory round trips were one after the other: ~4 us from
+    // entry to the cast's end in call 2's trace); 2 per thread cover T*K <= 1024, the decode shape.
+    constexpr int kIdsAhead = 2;
     int* s_cnt = s_ids + TK;
+    long long ahead[kIdsAhead];
     if (ids_in_smem) {
+#pragma unroll
+      for (int i = 0; i < kIdsAhead; ++i) {
+        const int j = threadIdx.x + i * blockDim.x;
+        ahead[i] = j < TK ? a.topk_idx[j] : -1;
+      }
       for (int e = threadIdx.x; e < a.E; e += blockDim.x) s_cnt[e] = 0;
       for (int t = threadIdx.x; t < a.T; t += blockDim.x) s_tmask[t] = 0;
-      __syncthreads();
-      for (int j = threadIdx.x; j < TK; j += blockDim.x) {
-        const int e = valid_id(a.topk_idx[j], a.E);
+    }
+    const auto fill_ids = [&] {  // after a barrier past the zeroing
+      const auto put = [&](int j, long long raw) {
+        const int e = valid_id(raw, a.E);
         s_ids[j] = e;
         if (e >= 0) {
           atomicAdd(&s_cnt[e], 1);
           atomicOr(&s_tmask[j / a.K], 1ull << (e / L));
         }
-      }
-    }
+      };
+#pragma unroll
+      for (int i = 0; i < kIdsAhead; ++i)
+        if (threadIdx.x + i * blockDim.x < TK) put(threadIdx.x + i * blockDim.x, ahead[i]);
+      for (int j = threadIdx.x + kIdsAhead * blockDim.x; j < TK; j += blockDim.x) put(j, a.topk_idx[j]);
+    };
     const auto id = [&](int j) { return ids_in_smem ? s_ids[j] : valid_id(a.topk_idx[j], a.E); };
     // copies to e in the whole call (the smem count, else a warp scan); on every lane
     const auto copies_to = [&](int e) {
@@ -297,6 +312,10 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_dispatch_kernel(const LLCtx 
         for (int i = threadIdx.x; i < data_bytes / 16; i += blockDim.x)
           reinterpret_cast<int4*>(stage)[i] = reinterpret_cast<const int4*>(xt)[i];
       }
+    }
+    if (ids_in_smem) {
+      __syncthreads();
+      fill_ids();
     }
     if (blockIdx.x < a.T) stamp(c, 0, kLLTraceCast, true);
     if (wait_released(c, set, kOpLowLatencyDispatch, a.sig)) {  // (a block barrier: s_ids and staging are filled)
