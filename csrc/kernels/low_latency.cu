@@ -613,33 +613,37 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_combine_kernel(const LLCtx c
   const LowLatencyLayout& lay = c.lay;
   LowLatencyState* st = state_of(c);
   const int row_bytes = a.H * 2;
+  const bool merged = a.pairs != nullptr;  // the dispatch carried the weights (merged_send)
   stamp(c, 1, kLLTraceEntry);
 
   if (a.phases & kLLSend) {
     if (wait_released(c, set, kOpLowLatencyCombine, a.sig)) {
       stamp(c, 1, kLLTraceReleased);
-      // (local expert, token rank) pairs, each split over `split` warps by row; the pair's last
-      // warp to finish sends its flag
-      const int pairs = L * R, split = num_warps > pairs ? num_warps / pairs : 1;
-      if (a.pairs != nullptr) merged_send(c, a, gw, num_warps);
-      for (int u = a.pairs != nullptr ? pairs * split : gw; u < pairs * split; u += num_warps) {
-        const int e = u / split / R, s = u / split % R, g = u % split;
-        const int begin = a.range[((long long)e * R + s) * 2], n = a.range[((long long)e * R + s) * 2 + 1];
-        for (int i = g; i < n; i += split) {
-          const long long row = (long long)e * a.out_cap + begin + i;
-          const int t = a.src[row], k = a.slot[row];
-          const char* xrow = static_cast<const char*>(a.x) + row * row_bytes;
-          const char* from = xrow;
-          if (c.peer_base[s] == nullptr) {  // puts read symmetric memory: stage the row
-            char* stage = c.base + lay.set_offset(set) + lay.c_stage + (long long)gw * lay.c_row;
-            warp_copy16(reinterpret_cast<int4*>(stage), reinterpret_cast<const int4*>(xrow), row_bytes / 16);
-            from = stage;
+      if (merged) {
+        merged_send(c, a, gw, num_warps);
+      } else {
+        // (local expert, token rank) pairs, each split over `split` warps by row; the pair's last
+        // warp to finish sends its flag
+        const int pairs = L * R, split = num_warps > pairs ? num_warps / pairs : 1;
+        for (int u = gw; u < pairs * split; u += num_warps) {
+          const int e = u / split / R, s = u / split % R, g = u % split;
+          const int begin = a.range[((long long)e * R + s) * 2], n = a.range[((long long)e * R + s) * 2 + 1];
+          for (int i = g; i < n; i += split) {
+            const long long row = (long long)e * a.out_cap + begin + i;
+            const int t = a.src[row], k = a.slot[row];
+            const char* xrow = static_cast<const char*>(a.x) + row * row_bytes;
+            const char* from = xrow;
+            if (c.peer_base[s] == nullptr) {  // puts read symmetric memory: stage the row
+              char* stage = c.base + lay.set_offset(set) + lay.c_stage + (long long)gw * lay.c_row;
+              warp_copy16(reinterpret_cast<int4*>(stage), reinterpret_cast<const int4*>(xrow), row_bytes / 16);
+              from = stage;
+            }
+            send_row(c, s, lay.c_slot(set, t, k), from, row_bytes);
           }
-          send_row(c, s, lay.c_slot(set, t, k), from, row_bytes);
+          stamp(c, 1, kLLTraceStored, true);
+          count_sent(c, (threadIdx.x & 31) == 0, &st->c_finish[set][e * R + s], 1, split, s,
+                     lay.set_offset(set) + lay.c_flag + (long long)(c.rank * L + e) * 8, encode(n, a.sig));
         }
-        stamp(c, 1, kLLTraceStored, true);
-        count_sent(c, (threadIdx.x & 31) == 0, &st->c_finish[set][e * R + s], 1, split, s,
-                   lay.set_offset(set) + lay.c_flag + (long long)(c.rank * L + e) * 8, encode(n, a.sig));
       }
       stamp(c, 1, kLLTraceSent, true);
     }
@@ -657,7 +661,6 @@ __global__ void __launch_bounds__(kLLThreads, 1) ll_combine_kernel(const LLCtx c
   __shared__ bool s_on[kMaxTopk];
   __shared__ int s_rank[kMaxTopk];
   constexpr int kBatch = 8;
-  const bool merged = a.pairs != nullptr;
   for (int t = blockIdx.x; t < a.T; t += gridDim.x) {
     bool ok = true;
     int e = -1;
