@@ -258,13 +258,12 @@ class LowLatencyPath:
         layout_range = torch.empty((L, R, 2), dtype=torch.int32, device=dev)
         src = torch.empty((L, cap), dtype=torch.int32, device=dev)
         slot = torch.empty((L, cap), dtype=torch.int32, device=dev)
-        state = _LLState(slot, s)
         w = row_w = pairs = None
         if topk_weights is not None:  # they ride with the copies: the combine merges a token's copies per rank
             w = topk_weights.float().contiguous()  # a no-op for fp32 weights
             row_w = torch.empty((L, cap), dtype=torch.float32, device=dev)
             pairs = torch.empty((R, max_tokens_per_rank, K), dtype=torch.int32, device=dev)  # stale entries are checked
-            state = _LLState(slot, s, topk_weights, tensor_version(topk_weights), row_w, pairs)
+        state = _LLState(slot, s, topk_weights, None if w is None else tensor_version(topk_weights), row_w, pairs)
         rt.new_outputs([out_x, out_s, count, layout_range, src, slot, row_w, pairs])  # test poisoning, on this stream
         sig = signature_hash(call)
 
