@@ -147,15 +147,14 @@ class CudaRuntime:
         failed before that comes with its failure, and every peer raises it)."""
         if self.ready:
             return
-        local = {"failed": P.failure_message(failure)} if failure is not None else \
-            {**self.hints, **{k: max(v, self.hints.get(k, 0)) for k, v in needs.items()}}
+        local = {"failed": P.failure_message(failure)} if failure is not None else merge_hints(self.hints, needs)
         every = gather(local, self.group)
         failed = [r for r, d in enumerate(every) if "failed" in d]
         if failed:
             if failure is not None:
                 return  # the caller re-raises its own error
             raise P.peer_failed_error(P.Call(P.OP["dispatch"], 1), failed[0], every[failed[0]]["failed"])
-        self._create(largest(every))
+        self._create(merge_hints(*every))
 
     _CAPACITY = ("max_tokens", "x_row_bytes", "scale_cols", "max_topk", "max_experts", "comb_rows", "comb_row_bytes")
 
@@ -176,10 +175,7 @@ class CudaRuntime:
         return ", ".join(short) or None
 
     def _hints_for(self, need: dict) -> dict:
-        h = dict(self.hints)
-        for k in ("max_tokens", "hidden", "dtype_bytes", "combine_bytes", "max_topk", "max_experts"):
-            if k in need:
-                h[k] = max(h.get(k, 0), int(need[k]))
+        h = merge_hints(self.hints, {k: int(v) for k, v in need.items() if k in _NEED_KEYS})
         h["combine_rows"] = max(self.plan["comb_rows"], int(need.get("combine_rows", 0)))
         return h
 
@@ -208,7 +204,7 @@ class CudaRuntime:
         if not self.ready:
             self.first_use(need)  # agrees on the largest needs itself
         else:
-            self.grow_if_needed(largest(gather(dict(need), self.group)))
+            self.grow_if_needed(merge_hints(*gather(dict(need), self.group)))
 
     def _replace(self, hints: dict, why: str) -> None:
         log.info("megatron_ep: growing the cuda buffer on rank %d (%s)", self.rank, why)
@@ -401,6 +397,26 @@ def gather(obj, group) -> list:
 def largest(needs: list) -> dict:
     """Every key of the ranks' needs, at its largest value."""
     return {k: max(d.get(k, 0) or 0 for d in needs) for k in set().union(*needs)}
+
+
+# The keys of a call's need that size the region (the hint names of csrc/region_layout.h).
+_NEED_KEYS = ("max_tokens", "hidden", "dtype_bytes", "combine_bytes", "max_topk", "max_experts")
+_ELEMENT_BYTES_DEFAULT = 2  # RegionHints' dtype_bytes and combine_bytes when a hint leaves them out
+
+
+def merge_hints(*hints: dict) -> dict:
+    """Region hints that fit every one of `hints` (the owner of that rule): counts at their
+    largest, and rows by their width in bytes. Taking the largest hidden size and, separately,
+    the largest element size over-asks: a 7168-wide bf16 hint and a 256-wide fp32 call both fit
+    14336-byte rows, not 7168 x 4 = 28672 (and a sync-free call would then raise that it does
+    not fit). The element sizes become the widest row over the largest hidden size, rounded up."""
+    merged = largest(list(hints))
+    hidden = merged.get("hidden", 0)
+    if hidden:
+        for key in ("dtype_bytes", "combine_bytes"):
+            widest = max((h.get("hidden", 0) or 0) * (h.get(key) or _ELEMENT_BYTES_DEFAULT) for h in hints)
+            merged[key] = max(1, -(-widest // hidden))
+    return merged
 
 
 def _round_up(n: int, a: int) -> int:

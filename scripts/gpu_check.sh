@@ -1,188 +1,127 @@
 #!/usr/bin/env bash
-# One device call on the GPU machine (one or two H200s): build the extension in place, run the
-# GPU test suite (R = 2 ranks: one per GPU when there are two; R = 4, 8: several per GPU under
-# MPS), compute-sanitizer on a small R = 2 case, the benchmark (one process per GPU when the GPUs
-# suffice, with DeepEP and NCCL baselines), and the Megatron phase. Logs go under $OUT.
-#   MEP_GPU_STEPS   phases, comma-separated: build,internode,tests,sanitizer,bench,megatron,lowlat,deepgemm,link
-#                   (default build,tests,sanitizer,bench)
-#   link            the NVLink roofline between GPUs 0 and 1 (scripts/bench_link.py MEP_LINK_ARGS: copy
-#                   engine, SM stores, bulk copies; one way and both ways) -> $OUT/link.md
-#   internode       the two-level path on virtual nodes: tests/test_cuda_internode.py (MEP_IN_TEST_ARGS,
-#                   MEP_IN_TEST_TIMEOUT)
-#   lowlat          the low-latency path: tests/test_cuda_low_latency.py (MEP_LL_TEST_ARGS), then
-#                   scripts/bench_low_latency.py --ranks ${MEP_LL_RANKS:-2} (MEP_LL_BENCH_ARGS) -> $OUT/ll_bench.md;
-#                   MEP_LL_PARTS=tests or =bench runs one of the two (default tests,bench)
-#   deepgemm        DeepGEMM under our expert glue: waits for .carry/build_deepgemm.sh's build (started
-#                   at the top; MEP_DG_WAIT seconds, default 300), takes /tmp/deepgemm.env (PYTHONPATH,
-#                   DG_JIT_CACHE_DIR, LD_PRELOAD) for this phase only, then under MPS: every GPU test of
-#                   tests/test_experts.py (masked bf16/FP8 GEMMs, the decode experts in a CUDA graph,
-#                   contiguous GEMMs) and the decode layer in one CUDA graph from
-#                   tests/test_cuda_low_latency.py (needs the build phase's extension)
-#                   -> $OUT/deepgemm_tests.log (MEP_DG_TEST_ARGS; MEP_DG_TEST_TIMEOUT, default 300 s, for
-#                   each of the two pytest runs). Without a usable deep_gemm the DeepGEMM cases skip,
-#                   the fallback's run, and the phase fails
-#   MEP_TEST_ARGS   extra pytest arguments for the tests phase (e.g. -k "faults or fuzz")
-#   MEP_SAN_TOOLS   compute-sanitizer tools (default memcheck,racecheck,synccheck,initcheck)
-#   MEP_BENCH_ARGS  bench_normal.py arguments (default: --ranks 2 --num-sms 8,16,24)
-#   MEP_RECIPE_ARGS the recipe's model flags for the Megatron step table
-# Wheels under .whl/ (megatron-core for Python 3.12, carried) are installed to /tmp/site first.
-# If .carry/build_deepep.sh exists (a peer library built on the GPU machine from a fetched
-# snapshot, never part of this repository), DeepEP's intranode build starts in the background
-# and the bench phase waits for it; likewise .carry/build_deepgemm.sh for the deepgemm phase.
+# The GPU gate (CONTRIBUTING.md): on a machine with one or two Hopper GPUs, build the extension in
+# place and run every GPU test of every path, then one compute-sanitizer pass on a small case of
+# each path. One summary line per test file; the record docs/gpu-status.md is rewritten for the
+# files that ran (the copy under $OUT is the one to bring back and commit).
+#
+#   bash scripts/gpu_check.sh          the gate (one H200: under 9 minutes, build included)
+#   bash scripts/gpu_check.sh long     the long runs: MEP_FUZZ_CASES (default 1000) fuzz seeds per
+#                                      R = 2, 4, 8, the MEP_SOAK_ITERS (default 10000) soak, and the
+#                                      four sanitizer tools on the intranode case
+#   MEP_GATE_COMMIT=<sha>              the commit under test, for the record (else git rev-parse HEAD)
+#   MEP_GATE_FILES="a.py b.py"         only these test files (the record then names only them)
+#   MEP_GATE_PYTEST="..."              extra pytest arguments for every file
+#
+# Virtual ranks (R processes on one GPU, CUDA IPC between them) run under MPS, started here; with
+# two GPUs rank r takes GPU r % 2, so R = 2 is one process per GPU. Every test has a time limit
+# (tests/conftest.py) and every file a timeout here, so nothing can hang the run. Benchmarks are
+# scripts/gpu_bench.sh. Wheels under .whl/ (megatron-core for the GPU image's Python) are
+# installed to /tmp/site first.
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
+MODE=${1:-gate}
+case "$MODE" in gate|long) ;; *) echo "usage: $0 [gate|long]" >&2; exit 2 ;; esac
 OUT=${OUT:-$ROOT/.gpu_out}
-mkdir -p "$OUT"
+mkdir -p "$OUT/logs"
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 NVSHMEM_DISABLE_MNNVL=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-export CUDA_MODULE_LOADING=EAGER PYTHONUNBUFFERED=1
-STEPS=${MEP_GPU_STEPS:-build,tests,sanitizer,bench}
-has() { [[ ",$STEPS," == *",$1,"* ]]; }
-phase() { echo "=== $1 ($(date +%T))"; }
+export CUDA_MODULE_LOADING=EAGER PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/mep-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mep-mps-log
+GATE_START=$(date +%s)
+RESULTS=$OUT/results.tsv  # file, passed, failed, skipped, seconds, note
+: > "$RESULTS"
+status=0
 MPS=0
-start_mps() { mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"; nvidia-cuda-mps-control -d && MPS=1 && echo "MPS started"; }
+start_mps() { [ "$MPS" = 1 ] && return 0; mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+              nvidia-cuda-mps-control -d && MPS=1; }
 stop_mps() { [ "$MPS" = 1 ] && { echo quit | nvidia-cuda-mps-control 2>/dev/null; sleep 1; MPS=0; }; return 0; }
 trap stop_mps EXIT
-status=0
+
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv | tee "$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 NGPU=$(nvidia-smi -L | wc -l)
-if [ -f .carry/build_deepep.sh ] && { has bench || has megatron; }; then
-  OUT=/tmp bash .carry/build_deepep.sh intranode > /tmp/deepep_start.log 2>&1
-fi
-if [ -f .carry/build_deepep.sh ] && has lowlat; then  # DeepEP against the pip NVSHMEM: its LL kernels
-  OUT=/tmp bash .carry/build_deepep.sh full > /tmp/deepep_full_start.log 2>&1
-fi
-if [ -f .carry/build_deepgemm.sh ] && has deepgemm; then  # one C++ file, beside the build phase
-  OUT=/tmp bash .carry/build_deepgemm.sh > /tmp/deepgemm_start.log 2>&1
+
+# ---- build (MEP_GATE_REUSE_BUILD=1: keep an extension already built in this tree, e.g. the long
+# mode right after the gate on the same machine)
+t0=$(date +%s)
+if [ "${MEP_GATE_REUSE_BUILD:-0}" = 1 ] && python3 -c "import megatron_ep as m, sys; sys.exit(0 if m.cuda_backend_available() else 1)" 2>/dev/null; then
+  printf 'build\t1\t0\t0\t%s\treused the extension already built here\n' $(( $(date +%s) - t0 )) >> "$RESULTS"
+elif MAX_JOBS=$(nproc) MEP_PTXAS_VERBOSE=1 MEP_REQUIRE_EXTENSION=1 python3 setup.py build_ext --inplace > "$OUT/logs/build.log" 2>&1 \
+   && python3 -c "import megatron_ep as m, sys; sys.exit(0 if m.cuda_backend_available() else 1)"; then
+  printf 'build\t1\t0\t0\t%s\t\n' $(( $(date +%s) - t0 )) >> "$RESULTS"
+  grep -E "Compiling entry|registers|spill" "$OUT/logs/build.log" | sed 's/ptxas info *: //' > "$OUT/logs/ptxas.txt"
+else
+  tail -40 "$OUT/logs/build.log"
+  printf 'build\t0\t1\t0\t%s\textension not built or not usable\n' $(( $(date +%s) - t0 )) >> "$RESULTS"
+  python3 scripts/gpu_report.py --mode "$MODE" --results "$RESULTS" --out "$OUT" --elapsed $(( $(date +%s) - GATE_START ))
+  exit 1
 fi
 
-if has build; then
-  phase build
-  if ! MAX_JOBS=16 MEP_PTXAS_VERBOSE=1 python3 setup.py build_ext --inplace > /tmp/build.log 2>&1; then
-    tail -40 /tmp/build.log; exit 1
+# run_file NAME TIMEOUT_S PYTEST_ARGS...: one pytest run, its summary row (from the junit record;
+# a file killed at its timeout names the test that was running)
+run_file() {
+  local name=$1 limit=$2; shift 2
+  local log=$OUT/logs/${name//\//_}.log xml=/tmp/mep-junit-${name//\//_}.xml t0 rc
+  rm -f "$xml"
+  t0=$(date +%s)
+  # shellcheck disable=SC2086
+  timeout -k 10 "$limit" python3 -m pytest -v -rs -p no:cacheprovider --junitxml="$xml" "$@" ${MEP_GATE_PYTEST:-} > "$log" 2>&1
+  rc=$?
+  python3 scripts/gpu_report.py --row "$name" --junit "$xml" --log "$log" --rc "$rc" --seconds $(( $(date +%s) - t0 )) \
+    --limit "$limit" >> "$RESULTS"
+  [ "$rc" = 0 ] || status=1
+  tail -1 "$RESULTS"
+}
+
+# sanitize NAME TOOL TIMEOUT_S PYTEST_ARGS...: compute-sanitizer over every process of a small case
+# (without MPS: the tools do not follow MPS clients; R = 2 time-slices one GPU, or takes two)
+sanitize() {
+  local name=$1 tool=$2 limit=$3; shift 3
+  local log=$OUT/logs/sanitizer_${tool}_${name//\//_}.log t0 rc
+  t0=$(date +%s)
+  MEP_TIMEOUT_S=120 timeout -k 10 "$limit" compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 9 \
+    python3 -m pytest -q -x -p no:cacheprovider "$@" > "$log" 2>&1
+  rc=$?
+  local errs passed
+  errs=$(grep -cE "^========= (Invalid|Error|Race|Barrier|Uninitialized|Program hit)" "$log")
+  passed=$(grep -oE "[0-9]+ passed" "$log" | tail -1 | grep -oE "[0-9]+"); passed=${passed:-0}
+  local note="$tool: $errs reports"
+  [ "$rc" = 124 ] || [ "$rc" = 137 ] && note="$tool: timeout after ${limit}s"
+  if [ "$rc" = 0 ]; then
+    printf 'sanitizer %s\t%s\t0\t0\t%s\t%s\n' "$name" "$passed" $(( $(date +%s) - t0 )) "$note" >> "$RESULTS"
+  else
+    status=1
+    printf 'sanitizer %s\t%s\t1\t0\t%s\t%s (exit %s)\n' "$name" "$passed" $(( $(date +%s) - t0 )) "$note" "$rc" >> "$RESULTS"
+    grep -B2 -A14 -m3 -E "^========= (Invalid|Error|Race|Barrier|Uninitialized)" "$log" | head -60
   fi
-  grep -E "Compiling entry|registers|spill" /tmp/build.log | sed 's/ptxas info *: //' > "${MEP_PTXAS_OUT:-$OUT}/ptxas.txt"
-  python3 -c "import megatron_ep as m; print('extension usable:', m.cuda_backend_available())"
-fi
-if has internode; then
-  phase internode
-  start_mps
-  eval "inargs=(${MEP_IN_TEST_ARGS:-})"
-  timeout "${MEP_IN_TEST_TIMEOUT:-400}" python3 -m pytest -q -m gpu -rs -x tests/test_cuda_internode.py "${inargs[@]}" 2>&1 \
-    | tee "$OUT/internode_tests.log" | grep -vE "^\s*$" | tail -60
-  [ "${PIPESTATUS[0]}" = 0 ] || status=1
-  stop_mps
-fi
-if has tests; then
-  phase tests
-  start_mps
-  eval "targs=(${MEP_TEST_ARGS:-})"  # shell words, quotes respected (e.g. -k "faults or fuzz")
-  timeout "${MEP_TEST_TIMEOUT:-420}" python3 -m pytest -q -m gpu -rs tests/test_cuda_intranode.py "${targs[@]}" 2>&1 \
-    | tee "$OUT/gpu_tests.log" | grep -vE "^\s*$" | tail -60
-  [ "${PIPESTATUS[0]}" = 0 ] || status=1
-  stop_mps
-fi
-if has link; then
-  phase link
-  timeout "${MEP_LINK_TIMEOUT:-180}" python3 scripts/bench_link.py ${MEP_LINK_ARGS:-} > "$OUT/link.md" 2>&1 \
-    || { status=1; echo "link failed"; }
-  cat "$OUT/link.md"
-fi
-if has bench; then
-  phase bench
-  for _ in $(seq 240); do [ ! -f .carry/build_deepep.sh ] || [ -e /tmp/deepep_intranode.done ] && break; sleep 1; done
-  [ -e /tmp/deepep_intranode.ok ] && export PYTHONPATH=/tmp/deepep/intranode${PYTHONPATH:+:$PYTHONPATH}
-  cat /tmp/deepep_intranode.done 2>/dev/null
-  args=${MEP_BENCH_ARGS:---ranks 2 --num-sms 8,16,24}
-  r=$(echo "$args" | sed -n 's/.*--ranks \([0-9]*\).*/\1/p'); r=${r:-2}
-  [ "$r" -gt "$NGPU" ] && start_mps
-  timeout "${MEP_BENCH_TIMEOUT:-300}" python3 scripts/bench_normal.py $args --json "$OUT/bench.json" --markdown "$OUT/bench.md" \
-    > /tmp/bench.log 2>&1 || { status=1; echo "bench failed"; }
-  grep -v "^\[" /tmp/bench.log | tail -70
-  stop_mps
-fi
-if has sanitizer; then
-  phase sanitizer
-  for tool in $(echo "${MEP_SAN_TOOLS:-memcheck,racecheck,synccheck,initcheck}" | tr , ' '); do
-    MEP_CASES=${MEP_SAN_CASES:-0,1} MEP_TIMEOUT_S=120 timeout "${MEP_SAN_TIMEOUT:-150}" compute-sanitizer --tool "$tool" \
-      --target-processes all --error-exitcode 9 python3 -m pytest -q -x -m gpu tests/test_cuda_intranode.py \
-      -k "test_normal_cases and 2" > "/tmp/sanitizer_$tool.log" 2>&1
-    rc=$?
-    echo "$tool exit $rc: $(grep -E 'ERROR SUMMARY|HAZARD|passed|failed' "/tmp/sanitizer_$tool.log" | sort | uniq -c | tr '\n' ' ')"
-    grep -E "ERROR SUMMARY|SUMMARY|passed|failed|Error|Hazard" "/tmp/sanitizer_$tool.log" | head -20 >> "$OUT/sanitizer.txt"
-    [ "$rc" = 0 ] || { status=1; grep -B2 -A12 -m3 -E "^=+ (Invalid|Error|Race|Barrier|Uninitialized)" "/tmp/sanitizer_$tool.log" >> "$OUT/sanitizer.txt"; }
-  done
-fi
-if has lowlat; then
-  phase lowlat
-  llparts=",${MEP_LL_PARTS:-tests,bench},"
-  if [[ "$llparts" == *",tests,"* ]]; then
-    start_mps
-    eval "llargs=(${MEP_LL_TEST_ARGS:-})"
-    timeout "${MEP_LL_TEST_TIMEOUT:-600}" python3 -m pytest -q -m gpu -rs tests/test_cuda_low_latency.py "${llargs[@]}" 2>&1 \
-      | tee "$OUT/ll_tests.log" | grep -vE "^\s*$" | tail -40
-    [ "${PIPESTATUS[0]}" = 0 ] || status=1
-    stop_mps
-  fi
-  if [[ "$llparts" == *",bench,"* ]]; then
-    llr=${MEP_LL_RANKS:-2}
-    for _ in $(seq 240); do [ ! -f .carry/build_deepep.sh ] || [ -e /tmp/deepep_full.done ] && break; sleep 1; done
-    cat /tmp/deepep_full.done 2>/dev/null
-    llpath=${PYTHONPATH:-}  # the full DeepEP build first: an intranode-only one has no LL kernels
-    [ -e /tmp/deepep_full.ok ] && llpath=/tmp/deepep/full${PYTHONPATH:+:$PYTHONPATH}
-    [ "$llr" -gt "$NGPU" ] && start_mps
-    PYTHONPATH=$llpath timeout "${MEP_LL_BENCH_TIMEOUT:-400}" python3 scripts/bench_low_latency.py --ranks "$llr" ${MEP_LL_BENCH_ARGS:-} \
-      --markdown "$OUT/ll_bench.md" --json "$OUT/ll_bench.json" > "$OUT/ll_bench.log" 2>&1 || { status=1; echo "LL bench failed"; }
-    grep -v "^\[" "$OUT/ll_bench.log" | tail -30
-    stop_mps
-  fi
-fi
-if has deepgemm; then
-  phase deepgemm
-  dglog=$OUT/deepgemm_tests.log
-  if [ -f .carry/build_deepgemm.sh ]; then
-    for _ in $(seq "${MEP_DG_WAIT:-300}"); do [ -e /tmp/deepgemm.done ] && break; sleep 1; done
-    echo "DeepGEMM build: $(cat /tmp/deepgemm.done 2>/dev/null || echo 'not finished')" | tee -a "$dglog"
-    [ -e /tmp/deepgemm.ok ] || { status=1; tail -30 /tmp/deepgemm_build.log 2>/dev/null | tee -a "$dglog"; }
-  fi
-  start_mps
-  eval "dgargs=(${MEP_DG_TEST_ARGS:-})"
-  # two runs, so a crash in the single-process GEMM tests still leaves the decode-layer run
-  for dgtests in "tests/test_experts.py" \
-      "tests/test_cuda_low_latency.py::test_decode_layer tests/test_cuda_low_latency.py::test_decode_layer_one_graph"; do
-    (
-      if [ -e /tmp/deepgemm.ok ]; then . /tmp/deepgemm.env; fi
-      python3 -c "import deep_gemm" 2>&1 | tail -3
-      exec timeout "${MEP_DG_TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu -rs $dgtests "${dgargs[@]}"
-    ) 2>&1 | tee -a "$dglog" | grep -vE "^\s*$" | tail -30
-    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  tail -1 "$RESULTS"
+}
+
+start_mps
+if [ "$MODE" = gate ]; then
+  FILES=${MEP_GATE_FILES:-tests/test_cuda_intranode.py tests/test_cuda_internode.py tests/test_cuda_low_latency.py tests/test_megatron_gpu.py tests/test_experts.py}
+  for f in $FILES; do
+    case "$f" in
+      *intranode*) run_file "$f" 240 -m gpu "$f" -k "not soak" ;;
+      *) run_file "$f" 200 -m gpu "$f" ;;
+    esac
   done
   stop_mps
-fi
-if has megatron; then
-  phase megatron
-  python3 -c "import megatron.core as m; print('megatron-core', m.__version__)" || status=1
-  [ -e /tmp/deepep_intranode.ok ] && export PYTHONPATH=/tmp/deepep/intranode${PYTHONPATH:+:$PYTHONPATH}
-  start_mps
-  eval "margs=(${MEP_MEGATRON_TEST_ARGS:-})"
-  timeout "${MEP_MEGATRON_TIMEOUT:-300}" python3 -m pytest -q -m gpu -rs tests/test_megatron_gpu.py tests/test_experts.py \
-    "${margs[@]}" 2>&1 | tee "$OUT/megatron_tests.log" | tail -20
-  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  MEP_CASES=0,1 sanitize intranode memcheck 120 -m gpu tests/test_cuda_intranode.py -k "test_normal_cases and 2"
+  MEP_CASES=0 NVSHMEM_DISABLE_NCCL=1 sanitize internode memcheck 150 -m gpu tests/test_cuda_internode.py -k "test_internode_cases and 2-1"
+  MEP_CASES=0 NVSHMEM_DISABLE_NCCL=1 sanitize low_latency memcheck 150 -m gpu tests/test_cuda_low_latency.py -k "test_low_latency_cases and 2"
+else
+  export MEP_FUZZ_CASES=${MEP_FUZZ_CASES:-1000} MEP_SOAK_ITERS=${MEP_SOAK_ITERS:-10000}
+  MEP_GPU_TEST_LIMIT_S=420 run_file "tests/test_cuda_intranode.py (long)" 540 -m gpu tests/test_cuda_intranode.py -k "fuzz or soak"
   stop_mps
-  # A/B runs, one process per GPU: MEP_AB_ARGS holds one argument list per run, separated by '|'
-  i=0
-  IFS='|' read -ra ab_runs <<< "${MEP_AB_ARGS:-}"
-  for ab in "${ab_runs[@]}"; do
-    i=$((i + 1))
-    echo "--- A/B $i: $ab"
-    timeout "${MEP_AB_TIMEOUT:-240}" python3 scripts/ab_throughput.py --nproc-per-node "$NGPU" $ab > "$OUT/ab$i.log" 2>&1 \
-      || { status=1; echo "A/B $i failed"; }
-    grep -v "^\[" "$OUT/ab$i.log" | tail -${MEP_AB_TAIL:-16}
+  for tool in racecheck synccheck initcheck; do
+    MEP_CASES=0 sanitize intranode "$tool" 100 -m gpu tests/test_cuda_intranode.py -k "test_normal_cases and 2"
   done
 fi
+stop_mps
+python3 scripts/gpu_report.py --mode "$MODE" --results "$RESULTS" --out "$OUT" --elapsed $(( $(date +%s) - GATE_START )) \
+  --gpus "$NGPU" || status=1
 exit $status

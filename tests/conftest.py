@@ -1,13 +1,59 @@
 import os
+import signal
 import sys
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import distpool  # noqa: E402
 from distpool import DistPool  # noqa: E402
 
 _pools = {}
+
+# Every test has a time limit that ends it: GPU tests MEP_GPU_TEST_LIMIT_S (default 240 s), the
+# others MEP_TEST_LIMIT_S (default 600 s), or a test's own `@pytest.mark.limit(seconds)`. Pool
+# waits stop at the limit with each silent rank's stack (distpool.py); code that waits in this
+# process is interrupted by SIGALRM a little later, with its stack. Slow cases get smaller sizes,
+# not longer limits.
+GPU_LIMIT_S = float(os.environ.get("MEP_GPU_TEST_LIMIT_S", "240"))
+CPU_LIMIT_S = float(os.environ.get("MEP_TEST_LIMIT_S", "600"))
+ALARM_GRACE_S = 20
+
+
+class TestLimitExceeded(Exception):
+    pass
+
+
+def _limit_of(item) -> float:
+    mark = item.get_closest_marker("limit")
+    if mark is not None:
+        return float(mark.args[0])
+    return GPU_LIMIT_S if item.get_closest_marker("gpu") is not None else CPU_LIMIT_S
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    limit = _limit_of(item)
+    distpool.set_test_limit(item.nodeid, limit)
+
+    def on_alarm(signum, frame):
+        import faulthandler
+
+        faulthandler.dump_traceback(all_threads=False)
+        raise TestLimitExceeded(f"{item.nodeid} ran past its limit of {limit:.0f}s (stack above)")
+
+    use_alarm = hasattr(signal, "setitimer")
+    if use_alarm:
+        previous = signal.signal(signal.SIGALRM, on_alarm)
+        signal.setitimer(signal.ITIMER_REAL, limit + ALARM_GRACE_S)
+    try:
+        yield
+    finally:
+        if use_alarm:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        distpool.set_test_limit(None, None)
 
 
 @pytest.fixture(scope="session")

@@ -9,8 +9,8 @@ the masked glue (max_m padded to the 128-row tile, rows past masked_m zeroed, FP
 block, the shapes DeepGEMM refuses left to the fallback) runs against `FakeMaskedDeepGemm`, which
 computes and stores whole tiles as DeepGEMM's SM90 masked kernels do.
 
-GPU tests (-m gpu): the real kernels, DeepGEMM's when `deep_gemm` imports (built by
-.carry/build_deepgemm.sh; scripts/gpu_check.sh step deepgemm), including the masked GEMMs and
+GPU tests (-m gpu): the real kernels, DeepGEMM's when `deep_gemm` imports (optional, built by
+the user: docs/megatron.md, "Experts"), including the masked GEMMs and
 the decode experts captured in a CUDA graph; tests/test_cuda_low_latency.py has the whole decode
 layer (LL dispatch -> masked GEMMs -> LL combine) in one graph.
 """
@@ -453,8 +453,7 @@ def _masked_gemms():
     no_gpu = not torch.cuda.is_available()
     return [pytest.param("torch", marks=pytest.mark.skipif(no_gpu, reason="needs a GPU")),
             pytest.param("deepgemm", marks=pytest.mark.skipif(no_gpu or B.deep_gemm_module() is None, reason=(
-                "needs a GPU and deep_gemm importable (.carry/build_deepgemm.sh, then source /tmp/deepgemm.env; "
-                "scripts/gpu_check.sh step deepgemm)")))]
+                "needs a GPU and deep_gemm importable (optional: docs/megatron.md, 'Experts')")))]
 
 
 @pytest.mark.gpu

@@ -1,0 +1,137 @@
+#!/usr/bin/env bash
+# Benchmarks on the GPU machine (one or two H200s): build the extension in place, then the phases
+# named in MEP_GPU_STEPS: the normal-path benchmark (one process per GPU when the GPUs suffice,
+# with DeepEP and NCCL baselines), the low-latency benchmark, the Megatron A/B runs, the NVLink
+# roofline, DeepGEMM's expert tests. Logs go under $OUT. The tests are scripts/gpu_check.sh (the
+# gate); run it first: a figure counts only for code that passed it.
+#   MEP_GPU_STEPS   phases, comma-separated: build,bench,megatron,lowlat,deepgemm,link
+#                   (default build,bench)
+#   link            the NVLink roofline between GPUs 0 and 1 (scripts/bench_link.py MEP_LINK_ARGS: copy
+#                   engine, SM stores, bulk copies; one way and both ways) -> $OUT/link.md
+#   lowlat          scripts/bench_low_latency.py --ranks ${MEP_LL_RANKS:-2} (MEP_LL_BENCH_ARGS) -> $OUT/ll_bench.md
+#   megatron        the Megatron A/B runs of MEP_AB_ARGS (scripts/ab_throughput.py)
+#   deepgemm        DeepGEMM under our expert glue: waits for .carry/build_deepgemm.sh's build (started
+#                   at the top; MEP_DG_WAIT seconds, default 300), takes /tmp/deepgemm.env (PYTHONPATH,
+#                   DG_JIT_CACHE_DIR, LD_PRELOAD) for this phase only, then under MPS: every GPU test of
+#                   tests/test_experts.py (masked bf16/FP8 GEMMs, the decode experts in a CUDA graph,
+#                   contiguous GEMMs) and the decode layer in one CUDA graph from
+#                   tests/test_cuda_low_latency.py (needs the build phase's extension)
+#                   -> $OUT/deepgemm_tests.log (MEP_DG_TEST_ARGS; MEP_DG_TEST_TIMEOUT, default 300 s, for
+#                   each of the two pytest runs). Without a usable deep_gemm the DeepGEMM cases skip,
+#                   the fallback's run, and the phase fails
+#   MEP_BENCH_ARGS  bench_normal.py arguments (default: --ranks 2 --num-sms 8,16,24)
+#   MEP_RECIPE_ARGS the recipe's model flags for the Megatron step table
+# Wheels under .whl/ (megatron-core for Python 3.12, carried) are installed to /tmp/site first.
+# If .carry/build_deepep.sh exists (a peer library built on the GPU machine from a fetched
+# snapshot, never part of this repository), DeepEP's intranode build starts in the background
+# and the bench phase waits for it; likewise .carry/build_deepgemm.sh for the deepgemm phase.
+set -uo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+OUT=${OUT:-$ROOT/.gpu_out}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 NVSHMEM_DISABLE_MNNVL=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export CUDA_MODULE_LOADING=EAGER PYTHONUNBUFFERED=1
+STEPS=${MEP_GPU_STEPS:-build,bench}
+has() { [[ ",$STEPS," == *",$1,"* ]]; }
+phase() { echo "=== $1 ($(date +%T))"; }
+export CUDA_MPS_PIPE_DIRECTORY=/tmp/mep-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mep-mps-log
+MPS=0
+start_mps() { mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"; nvidia-cuda-mps-control -d && MPS=1 && echo "MPS started"; }
+stop_mps() { [ "$MPS" = 1 ] && { echo quit | nvidia-cuda-mps-control 2>/dev/null; sleep 1; MPS=0; }; return 0; }
+trap stop_mps EXIT
+status=0
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv | tee "$OUT/gpu.txt"
+NGPU=$(nvidia-smi -L | wc -l)
+if [ -f .carry/build_deepep.sh ] && { has bench || has megatron; }; then
+  OUT=/tmp bash .carry/build_deepep.sh intranode > /tmp/deepep_start.log 2>&1
+fi
+if [ -f .carry/build_deepep.sh ] && has lowlat; then  # DeepEP against the pip NVSHMEM: its LL kernels
+  OUT=/tmp bash .carry/build_deepep.sh full > /tmp/deepep_full_start.log 2>&1
+fi
+if [ -f .carry/build_deepgemm.sh ] && has deepgemm; then  # one C++ file, beside the build phase
+  OUT=/tmp bash .carry/build_deepgemm.sh > /tmp/deepgemm_start.log 2>&1
+fi
+
+if has build; then
+  phase build
+  if ! MAX_JOBS=16 MEP_PTXAS_VERBOSE=1 python3 setup.py build_ext --inplace > /tmp/build.log 2>&1; then
+    tail -40 /tmp/build.log; exit 1
+  fi
+  grep -E "Compiling entry|registers|spill" /tmp/build.log | sed 's/ptxas info *: //' > "${MEP_PTXAS_OUT:-$OUT}/ptxas.txt"
+  python3 -c "import megatron_ep as m; print('extension usable:', m.cuda_backend_available())"
+fi
+if has link; then
+  phase link
+  timeout "${MEP_LINK_TIMEOUT:-180}" python3 scripts/bench_link.py ${MEP_LINK_ARGS:-} > "$OUT/link.md" 2>&1 \
+    || { status=1; echo "link failed"; }
+  cat "$OUT/link.md"
+fi
+if has bench; then
+  phase bench
+  for _ in $(seq 240); do [ ! -f .carry/build_deepep.sh ] || [ -e /tmp/deepep_intranode.done ] && break; sleep 1; done
+  [ -e /tmp/deepep_intranode.ok ] && export PYTHONPATH=/tmp/deepep/intranode${PYTHONPATH:+:$PYTHONPATH}
+  cat /tmp/deepep_intranode.done 2>/dev/null
+  args=${MEP_BENCH_ARGS:---ranks 2 --num-sms 8,16,24}
+  r=$(echo "$args" | sed -n 's/.*--ranks \([0-9]*\).*/\1/p'); r=${r:-2}
+  [ "$r" -gt "$NGPU" ] && start_mps
+  timeout "${MEP_BENCH_TIMEOUT:-300}" python3 scripts/bench_normal.py $args --json "$OUT/bench.json" --markdown "$OUT/bench.md" \
+    > /tmp/bench.log 2>&1 || { status=1; echo "bench failed"; }
+  grep -v "^\[" /tmp/bench.log | tail -70
+  stop_mps
+fi
+if has lowlat; then
+  phase lowlat
+  llr=${MEP_LL_RANKS:-2}
+  for _ in $(seq 240); do [ ! -f .carry/build_deepep.sh ] || [ -e /tmp/deepep_full.done ] && break; sleep 1; done
+  cat /tmp/deepep_full.done 2>/dev/null
+  llpath=${PYTHONPATH:-}  # the full DeepEP build first: an intranode-only one has no LL kernels
+  [ -e /tmp/deepep_full.ok ] && llpath=/tmp/deepep/full${PYTHONPATH:+:$PYTHONPATH}
+  [ "$llr" -gt "$NGPU" ] && start_mps
+  PYTHONPATH=$llpath timeout "${MEP_LL_BENCH_TIMEOUT:-400}" python3 scripts/bench_low_latency.py --ranks "$llr" ${MEP_LL_BENCH_ARGS:-} \
+    --markdown "$OUT/ll_bench.md" --json "$OUT/ll_bench.json" > "$OUT/ll_bench.log" 2>&1 || { status=1; echo "LL bench failed"; }
+  grep -v "^\[" "$OUT/ll_bench.log" | tail -30
+  stop_mps
+fi
+if has deepgemm; then
+  phase deepgemm
+  dglog=$OUT/deepgemm_tests.log
+  if [ -f .carry/build_deepgemm.sh ]; then
+    for _ in $(seq "${MEP_DG_WAIT:-300}"); do [ -e /tmp/deepgemm.done ] && break; sleep 1; done
+    echo "DeepGEMM build: $(cat /tmp/deepgemm.done 2>/dev/null || echo 'not finished')" | tee -a "$dglog"
+    [ -e /tmp/deepgemm.ok ] || { status=1; tail -30 /tmp/deepgemm_build.log 2>/dev/null | tee -a "$dglog"; }
+  fi
+  start_mps
+  eval "dgargs=(${MEP_DG_TEST_ARGS:-})"
+  # two runs, so a crash in the single-process GEMM tests still leaves the decode-layer run
+  for dgtests in "tests/test_experts.py" \
+      "tests/test_cuda_low_latency.py::test_decode_layer tests/test_cuda_low_latency.py::test_decode_layer_one_graph"; do
+    (
+      if [ -e /tmp/deepgemm.ok ]; then . /tmp/deepgemm.env; fi
+      python3 -c "import deep_gemm" 2>&1 | tail -3
+      exec timeout "${MEP_DG_TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu -rs $dgtests "${dgargs[@]}"
+    ) 2>&1 | tee -a "$dglog" | grep -vE "^\s*$" | tail -30
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  done
+  stop_mps
+fi
+if has megatron; then
+  phase megatron
+  python3 -c "import megatron.core as m; print('megatron-core', m.__version__)" || status=1
+  [ -e /tmp/deepep_intranode.ok ] && export PYTHONPATH=/tmp/deepep/intranode${PYTHONPATH:+:$PYTHONPATH}
+  # A/B runs, one process per GPU: MEP_AB_ARGS holds one argument list per run, separated by '|'
+  i=0
+  IFS='|' read -ra ab_runs <<< "${MEP_AB_ARGS:-}"
+  for ab in "${ab_runs[@]}"; do
+    i=$((i + 1))
+    echo "--- A/B $i: $ab"
+    timeout "${MEP_AB_TIMEOUT:-240}" python3 scripts/ab_throughput.py --nproc-per-node "$NGPU" $ab > "$OUT/ab$i.log" 2>&1 \
+      || { status=1; echo "A/B $i failed"; }
+    grep -v "^\[" "$OUT/ab$i.log" | tail -${MEP_AB_TAIL:-16}
+  done
+fi
+exit $status

@@ -1,0 +1,209 @@
+#!/usr/bin/env python3
+"""The GPU gate's bookkeeping (scripts/gpu_check.sh calls it; CONTRIBUTING.md says why).
+
+    gpu_report.py --row NAME --junit X --log L --rc N --seconds S --limit T   one TSV summary row
+    gpu_report.py --mode gate|long --results TSV --out DIR --elapsed S        summary lines, and
+                  DIR/gpu-status.md: docs/gpu-status.md with the rows of this run replaced
+    gpu_report.py hash                                                        the code hash
+    gpu_report.py verify                                                      is the working
+                  tree's code the code the record's gate run passed on? (exit 0 yes, 1 no)
+
+The code hash is a SHA-256 over the contents of csrc/, megatron_ep/ and tests/ (build outputs
+left out), so the record names the code it ran on even where the GPU machine has no git: the
+commit in the record is the one the run was started for, and `verify` checks that the working
+tree's code is that code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import os
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECORD = os.path.join(ROOT, "docs", "gpu-status.md")
+CODE_DIRS = ("csrc", "megatron_ep", "tests")
+SKIP_DIRS = {"__pycache__", "build", ".pytest_cache"}
+SKIP_SUFFIXES = (".so", ".pyc", ".o", ".egg-info")
+FIELDS = ("file", "passed", "failed", "skipped", "seconds", "note")
+
+
+def code_hash(root: str = ROOT) -> str:
+    h = hashlib.sha256()
+    for top in CODE_DIRS:
+        for dirpath, dirnames, filenames in os.walk(os.path.join(root, top)):
+            dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.endswith(".egg-info"))
+            for name in sorted(filenames):
+                if name.endswith(SKIP_SUFFIXES):
+                    continue
+                path = os.path.join(dirpath, name)
+                h.update(os.path.relpath(path, root).encode() + b"\0")
+                with open(path, "rb") as f:
+                    h.update(f.read())
+                h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def row(args) -> str:
+    """passed / failed / skipped from the junit record; without one (the file's timeout killed
+    pytest), from the verbose log, naming the test that was running."""
+    passed = failed = skipped = 0
+    note = ""
+    if os.path.exists(args.junit):
+        for case in ET.parse(args.junit).getroot().iter("testcase"):
+            kinds = {child.tag for child in case}
+            if kinds & {"failure", "error"}:
+                failed += 1
+            elif "skipped" in kinds:
+                skipped += 1
+            else:
+                passed += 1
+        if args.rc != 0 and failed == 0:
+            failed, note = 1, f"pytest exit {args.rc}"
+    else:
+        log = open(args.log, errors="replace").read() if os.path.exists(args.log) else ""
+        passed = len(re.findall(r" PASSED", log))
+        failed = len(re.findall(r" (FAILED|ERROR)", log)) + 1
+        skipped = len(re.findall(r" SKIPPED", log))
+        started = re.findall(r"^(tests/\S+::\S+)", log, re.M)
+        running = started[-1] if started else "before the first test"
+        note = f"killed at the file's {args.limit}s timeout while running {running}"
+    return "\t".join(map(str, (args.row, passed, failed, skipped, args.seconds, note)))
+
+
+def read_rows(path: str) -> list:
+    rows = []
+    for line in open(path):
+        parts = line.rstrip("\n").split("\t")
+        if len(parts) >= 5:
+            rows.append(dict(zip(FIELDS, parts + [""] * (len(FIELDS) - len(parts)))))
+    return rows
+
+
+def machine() -> str:
+    try:
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                               text=True, timeout=30).stdout.split("\n")
+        names = [n.strip() for n in names if n.strip()]
+    except (OSError, subprocess.SubprocessError):
+        names = []
+    return f"{len(names)} x {names[0]}" if names else "no GPU"
+
+
+def commit() -> str:
+    if os.environ.get("MEP_GATE_COMMIT"):
+        return os.environ["MEP_GATE_COMMIT"][:12]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=30).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+HEADER = """# GPU record
+
+Written by `scripts/gpu_check.sh` (CONTRIBUTING.md): for each GPU test file, the last gate run on it,
+at which commit and code hash (`python3 scripts/gpu_report.py hash`: csrc/, megatron_ep/, tests/),
+on which machine, and its summary. `python3 scripts/gpu_report.py verify` says whether the working
+tree's code is the code of the last run. Do not edit by hand: commit the copy the gate writes
+under `$OUT`.
+
+"""
+
+
+def _parse_record(text: str) -> dict:
+    """The table rows of an existing record, by file."""
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 8 and cells[0] not in ("test file", "---") and not cells[0].startswith("-"):
+            rows[cells[0]] = cells
+    return rows
+
+
+def report(args) -> int:
+    rows = read_rows(args.results)
+    ok = all(int(r["failed"]) == 0 for r in rows) and rows
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    where, sha, code = machine(), commit(), code_hash()
+    print(f"=== GPU gate ({args.mode}) at {sha}, code {code}, {where}: {'PASSED' if ok else 'FAILED'} "
+          f"in {args.elapsed} s")
+    for r in rows:
+        line = f"{r['file']}: {r['passed']} passed, {r['failed']} failed, {r['skipped']} skipped, {r['seconds']} s"
+        print(line + (f" ({r['note']})" if r["note"] else ""))
+    old = _parse_record(open(RECORD).read()) if os.path.exists(RECORD) else {}
+    for r in rows:
+        result = "passed" if int(r["failed"]) == 0 else "FAILED"
+        summary = f"{r['passed']} passed, {r['failed']} failed, {r['skipped']} skipped, {r['seconds']} s"
+        if r["note"]:
+            summary += f"; {r['note']}"
+        old[r["file"]] = [r["file"], result, sha, code, when, where, args.mode, summary]
+    lines = [HEADER,
+             f"Last run: **{'passed' if ok else 'FAILED'}** ({args.mode}), commit {sha}, code {code}, {when}, "
+             f"{where}, {args.elapsed} s in all.\n",
+             "| test file | result | commit | code | date | machine | mode | summary |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += ["| " + " | ".join(cells) + " |" for _, cells in sorted(old.items())]
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "gpu-status.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    if os.path.isdir(os.path.dirname(RECORD)):
+        with open(RECORD, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    return 0 if ok else 1
+
+
+def verify() -> int:
+    if not os.path.exists(RECORD):
+        print("no docs/gpu-status.md: no gate run is recorded")
+        return 1
+    m = re.search(r"Last run: \*\*(\w+)\*\* \((\w+)\), commit (\w+), code (\w+)", open(RECORD).read())
+    if not m:
+        print("docs/gpu-status.md has no 'Last run' line")
+        return 1
+    result, mode, sha, code = m.groups()
+    here = code_hash()
+    if result != "passed":
+        print(f"the last recorded gate run ({mode}, {sha}) did not pass")
+        return 1
+    if code != here:
+        print(f"the working tree's code ({here}) is not the code the gate passed on ({code}, commit {sha}): run the gate")
+        return 1
+    print(f"the working tree's code {here} passed the gate ({mode}) at commit {sha}")
+    return 0
+
+
+def main(argv=None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["hash"]:
+        print(code_hash())
+        return 0
+    if argv[:1] == ["verify"]:
+        return verify()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--row")
+    ap.add_argument("--junit")
+    ap.add_argument("--log")
+    ap.add_argument("--rc", type=int, default=0)
+    ap.add_argument("--seconds", type=int, default=0)
+    ap.add_argument("--limit", type=int, default=0)
+    ap.add_argument("--mode", default="gate")
+    ap.add_argument("--results")
+    ap.add_argument("--out")
+    ap.add_argument("--elapsed", type=int, default=0)
+    ap.add_argument("--gpus", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.row:
+        print(row(args))
+        return 0
+    return report(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
