@@ -11,6 +11,8 @@
 #   MEP_GATE_COMMIT=<sha>              the commit under test, for the record (else git rev-parse HEAD)
 #   MEP_GATE_FILES="a.py b.py"         only these test files (the record then names only them)
 #   MEP_GATE_PYTEST="..."              extra pytest arguments for every file
+#   MEP_GATE_BUDGET_S=540              the whole run's wall-clock budget: each file's timeout is cut to
+#                                      what is left of it, so the run ends (and reports) inside it
 #
 # Virtual ranks (R processes on one GPU, CUDA IPC between them) run under MPS, started here; with
 # two GPUs rank r takes GPU r % 2, so R = 2 is one process per GPU. Every test has a time limit
@@ -23,11 +25,14 @@ cd "$ROOT"
 MODE=${1:-gate}
 case "$MODE" in gate|long) ;; *) echo "usage: $0 [gate|long]" >&2; exit 2 ;; esac
 OUT=${OUT:-$ROOT/.gpu_out}
-mkdir -p "$OUT/logs"
+LOGS=/tmp/mep-gate-logs  # packed into $OUT/logs.tar.gz at the end (a device call brings few files back)
+rm -rf "$LOGS"; mkdir -p "$OUT" "$LOGS"
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 NVSHMEM_DISABLE_MNNVL=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export CUDA_MODULE_LOADING=EAGER PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/mep-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mep-mps-log
 GATE_START=$(date +%s)
+BUDGET=${MEP_GATE_BUDGET_S:-540}
+left() { local l=$(( BUDGET - ($(date +%s) - GATE_START) - ${2:-0} )); [ "$l" -lt "$1" ] && echo $(( l > 5 ? l : 5 )) || echo "$1"; }
 RESULTS=$OUT/results.tsv  # file, passed, failed, skipped, seconds, note
 : > "$RESULTS"
 status=0
@@ -35,7 +40,8 @@ MPS=0
 start_mps() { [ "$MPS" = 1 ] && return 0; mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
               nvidia-cuda-mps-control -d && MPS=1; }
 stop_mps() { [ "$MPS" = 1 ] && { echo quit | nvidia-cuda-mps-control 2>/dev/null; sleep 1; MPS=0; }; return 0; }
-trap stop_mps EXIT
+finish() { stop_mps; tar -czf "$OUT/logs.tar.gz" -C "$LOGS" . 2>/dev/null; }
+trap finish EXIT
 
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -49,12 +55,12 @@ NGPU=$(nvidia-smi -L | wc -l)
 t0=$(date +%s)
 if [ "${MEP_GATE_REUSE_BUILD:-0}" = 1 ] && python3 -c "import megatron_ep as m, sys; sys.exit(0 if m.cuda_backend_available() else 1)" 2>/dev/null; then
   printf 'build\t1\t0\t0\t%s\treused the extension already built here\n' $(( $(date +%s) - t0 )) >> "$RESULTS"
-elif MAX_JOBS=$(nproc) MEP_PTXAS_VERBOSE=1 MEP_REQUIRE_EXTENSION=1 python3 setup.py build_ext --inplace > "$OUT/logs/build.log" 2>&1 \
+elif MAX_JOBS=$(nproc) MEP_PTXAS_VERBOSE=1 MEP_REQUIRE_EXTENSION=1 python3 setup.py build_ext --inplace > "$LOGS/build.log" 2>&1 \
    && python3 -c "import megatron_ep as m, sys; sys.exit(0 if m.cuda_backend_available() else 1)"; then
   printf 'build\t1\t0\t0\t%s\t\n' $(( $(date +%s) - t0 )) >> "$RESULTS"
-  grep -E "Compiling entry|registers|spill" "$OUT/logs/build.log" | sed 's/ptxas info *: //' > "$OUT/logs/ptxas.txt"
+  grep -E "Compiling entry|registers|spill" "$LOGS/build.log" | sed 's/ptxas info *: //' > "$LOGS/ptxas.txt"
 else
-  tail -40 "$OUT/logs/build.log"
+  tail -40 "$LOGS/build.log"
   printf 'build\t0\t1\t0\t%s\textension not built or not usable\n' $(( $(date +%s) - t0 )) >> "$RESULTS"
   python3 scripts/gpu_report.py --mode "$MODE" --results "$RESULTS" --out "$OUT" --elapsed $(( $(date +%s) - GATE_START ))
   exit 1
@@ -63,8 +69,8 @@ fi
 # run_file NAME TIMEOUT_S PYTEST_ARGS...: one pytest run, its summary row (from the junit record;
 # a file killed at its timeout names the test that was running)
 run_file() {
-  local name=$1 limit=$2; shift 2
-  local log=$OUT/logs/${name//\//_}.log xml=/tmp/mep-junit-${name//\//_}.xml t0 rc
+  local name=$1 limit; limit=$(left "$2" 40); shift 2
+  local log=$LOGS/${name//\//_}.log xml=/tmp/mep-junit-${name//\//_}.xml t0 rc
   rm -f "$xml"
   t0=$(date +%s)
   # shellcheck disable=SC2086
@@ -79,8 +85,8 @@ run_file() {
 # sanitize NAME TOOL TIMEOUT_S PYTEST_ARGS...: compute-sanitizer over every process of a small case
 # (without MPS: the tools do not follow MPS clients; R = 2 time-slices one GPU, or takes two)
 sanitize() {
-  local name=$1 tool=$2 limit=$3; shift 3
-  local log=$OUT/logs/sanitizer_${tool}_${name//\//_}.log t0 rc
+  local name=$1 tool=$2 limit; limit=$(left "$3" 15); shift 3
+  local log=$LOGS/sanitizer_${tool}_${name//\//_}.log t0 rc
   t0=$(date +%s)
   MEP_TIMEOUT_S=120 timeout -k 10 "$limit" compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 9 \
     python3 -m pytest -q -x -p no:cacheprovider "$@" > "$log" 2>&1
