@@ -11,7 +11,7 @@
 #   MEP_GATE_COMMIT=<sha>              the commit under test, for the record (else git rev-parse HEAD)
 #   MEP_GATE_FILES="a.py b.py"         only these test files (the record then names only them)
 #   MEP_GATE_PYTEST="..."              extra pytest arguments for every file
-#   MEP_GATE_BUDGET_S=540              the whole run's wall-clock budget: each file's timeout is cut to
+#   MEP_GATE_BUDGET_S=570              the whole run's wall-clock budget: each file's timeout is cut to
 #                                      what is left of it, so the run ends (and reports) inside it
 #
 # Virtual ranks (R processes on one GPU, CUDA IPC between them) run under MPS, started here; with
@@ -31,7 +31,7 @@ export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 NVSHMEM_DISABLE_MNNVL=1 TORCH_S
 export CUDA_MODULE_LOADING=EAGER PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/mep-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mep-mps-log
 GATE_START=$(date +%s)
-BUDGET=${MEP_GATE_BUDGET_S:-540}
+BUDGET=${MEP_GATE_BUDGET_S:-570}
 left() { local l=$(( BUDGET - ($(date +%s) - GATE_START) - ${2:-0} )); [ "$l" -lt "$1" ] && echo $(( l > 5 ? l : 5 )) || echo "$1"; }
 RESULTS=$OUT/results.tsv  # file, passed, failed, skipped, seconds, note
 : > "$RESULTS"
@@ -55,7 +55,7 @@ NGPU=$(nvidia-smi -L | wc -l)
 t0=$(date +%s)
 if [ "${MEP_GATE_REUSE_BUILD:-0}" = 1 ] && python3 -c "import megatron_ep as m, sys; sys.exit(0 if m.cuda_backend_available() else 1)" 2>/dev/null; then
   printf 'build\t1\t0\t0\t%s\treused the extension already built here\n' $(( $(date +%s) - t0 )) >> "$RESULTS"
-elif MAX_JOBS=$(nproc) MEP_PTXAS_VERBOSE=1 MEP_REQUIRE_EXTENSION=1 python3 setup.py build_ext --inplace > "$LOGS/build.log" 2>&1 \
+elif MAX_JOBS=$(nproc) MEP_PTXAS_VERBOSE=1 MEP_REQUIRE_EXTENSION=1 python3 setup.py build_ext --inplace -j 3 > "$LOGS/build.log" 2>&1 \
    && python3 -c "import megatron_ep as m, sys; sys.exit(0 if m.cuda_backend_available() else 1)"; then
   printf 'build\t1\t0\t0\t%s\t\n' $(( $(date +%s) - t0 )) >> "$RESULTS"
   grep -E "Compiling entry|registers|spill" "$LOGS/build.log" | sed 's/ptxas info *: //' > "$LOGS/ptxas.txt"
@@ -70,12 +70,14 @@ fi
 # a file killed at its timeout names the test that was running)
 run_file() {
   local name=$1 limit; limit=$(left "$2" 40); shift 2
-  local log=$LOGS/${name//\//_}.log xml=/tmp/mep-junit-${name//\//_}.xml t0 rc
+  local safe=${name//[^A-Za-z0-9_.-]/_}; local log=$LOGS/$safe.log xml=/tmp/mep-junit-$safe.xml t0 rc
   rm -f "$xml"
   t0=$(date +%s)
   # shellcheck disable=SC2086
-  timeout -k 10 "$limit" python3 -m pytest -v -rs -p no:cacheprovider --junitxml="$xml" "$@" ${MEP_GATE_PYTEST:-} > "$log" 2>&1
+  timeout -k 10 "$limit" python3 -m pytest -v -rs -p no:cacheprovider --durations=12 --junitxml="$xml" "$@" \
+    ${MEP_GATE_PYTEST:-} > "$log" 2>&1
   rc=$?
+  [ -f "$xml" ] && cp "$xml" "$LOGS/"
   python3 scripts/gpu_report.py --row "$name" --junit "$xml" --log "$log" --rc "$rc" --seconds $(( $(date +%s) - t0 )) \
     --limit "$limit" >> "$RESULTS"
   [ "$rc" = 0 ] || status=1
@@ -86,7 +88,7 @@ run_file() {
 # (without MPS: the tools do not follow MPS clients; R = 2 time-slices one GPU, or takes two)
 sanitize() {
   local name=$1 tool=$2 limit; limit=$(left "$3" 15); shift 3
-  local log=$LOGS/sanitizer_${tool}_${name//\//_}.log t0 rc
+  local log=$LOGS/sanitizer_${tool}_${name//[^A-Za-z0-9_.-]/_}.log t0 rc
   t0=$(date +%s)
   MEP_TIMEOUT_S=120 timeout -k 10 "$limit" compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 9 \
     python3 -m pytest -q -x -p no:cacheprovider "$@" > "$log" 2>&1
@@ -110,21 +112,21 @@ start_mps
 if [ "$MODE" = gate ]; then
   FILES=${MEP_GATE_FILES:-tests/test_cuda_intranode.py tests/test_cuda_internode.py tests/test_cuda_low_latency.py tests/test_megatron_gpu.py tests/test_experts.py}
   for f in $FILES; do
-    case "$f" in
-      *intranode*) run_file "$f" 240 -m gpu "$f" -k "not soak" ;;
-      *) run_file "$f" 200 -m gpu "$f" ;;
-    esac
+    run_file "$f" 200 -m "gpu and not no_mps" "$f"
   done
   stop_mps
-  MEP_CASES=0,1 sanitize intranode memcheck 120 -m gpu tests/test_cuda_intranode.py -k "test_normal_cases and 2"
-  MEP_CASES=0 NVSHMEM_DISABLE_NCCL=1 sanitize internode memcheck 150 -m gpu tests/test_cuda_internode.py -k "test_internode_cases and 2-1"
-  MEP_CASES=0 NVSHMEM_DISABLE_NCCL=1 sanitize low_latency memcheck 150 -m gpu tests/test_cuda_low_latency.py -k "test_low_latency_cases and 2"
+  # shellcheck disable=SC2086
+  run_file "tests without MPS" 120 -m "gpu and no_mps" $FILES
+  # one small case of each path (R = 2, case 0) in one sanitizer run
+  MEP_CASES=0 NVSHMEM_DISABLE_NCCL=1 sanitize "intranode, internode, low-latency" memcheck 240 -m gpu \
+    "tests/test_cuda_intranode.py::test_normal_cases[2]" "tests/test_cuda_internode.py::test_internode_cases[2-1]" \
+    "tests/test_cuda_low_latency.py::test_low_latency_cases[2]"
 else
   export MEP_FUZZ_CASES=${MEP_FUZZ_CASES:-1000} MEP_SOAK_ITERS=${MEP_SOAK_ITERS:-10000}
   MEP_GPU_TEST_LIMIT_S=420 run_file "tests/test_cuda_intranode.py (long)" 540 -m gpu tests/test_cuda_intranode.py -k "fuzz or soak"
   stop_mps
   for tool in racecheck synccheck initcheck; do
-    MEP_CASES=0 sanitize intranode "$tool" 100 -m gpu tests/test_cuda_intranode.py -k "test_normal_cases and 2"
+    MEP_CASES=0 sanitize intranode "$tool" 100 -m gpu "tests/test_cuda_intranode.py::test_normal_cases[2]"
   done
 fi
 stop_mps

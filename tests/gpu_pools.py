@@ -44,10 +44,10 @@ class GpuPools:
         self._pools.clear()
 
 
-def run_alone(R: int, fn, *args, timeout: float, **env) -> list:
+def run_alone(R: int, fn, *args, timeout: float, backend: str = "gloo", **env) -> list:
     """fn's per-rank results on a pool of its own, closed after (a test whose environment, e.g. a
     short timeout, no other test may share, or which may leave its pool broken)."""
-    pool = DistPool(R, env={**ENV, **env})
+    pool = DistPool(R, backend=backend, env={**ENV, **env})
     try:
         return pool.run(fn, *args, timeout=timeout)
     finally:
