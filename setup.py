@@ -13,6 +13,7 @@ TORCH_CUDA_ARCH_LIST defaults to 9.0). Switches (environment):
     MEP_PTXAS_VERBOSE=1    pass -Xptxas -v (register / shared-memory / spill report)
     MEP_DEBUG=1            -G -O0 device code (for cuda-gdb / sanitizer line info)
     MAX_JOBS=N             parallel compile jobs (ninja)
+    MEP_BUILD_ONLY=a,b     only these extensions (e.g. _protocol,_C), see below
 `_C_ll` (the NVSHMEM paths: csrc/kernels/low_latency.cu and internode.cu, csrc/nvshmem_bootstrap.cu, their bindings) is built beside `_C` when
 the pip package nvidia-nvshmem-cu13 is installed (torch's CUDA 13 builds depend on it), with
 relocatable device code and a device link against NVSHMEM's static device library; without
@@ -137,6 +138,12 @@ def _protocol_extension():
 
 ext_modules, cmdclass = _cuda_extensions()
 ext_modules = [_protocol_extension()] + ext_modules
+# MEP_BUILD_ONLY=_protocol,_C (names after "megatron_ep."): build only these. Two builds of
+# disjoint sets can then run at once, each with its own --build-temp (torch's ninja build
+# writes one build.ninja per build directory, so setuptools' own -j would mix them up).
+if os.environ.get("MEP_BUILD_ONLY"):
+    _only = {n.strip() for n in os.environ["MEP_BUILD_ONLY"].split(",") if n.strip()}
+    ext_modules = [e for e in ext_modules if e.name.split(".")[-1] in _only]
 
 setup(
     name="megatron_ep",

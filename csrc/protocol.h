@@ -69,7 +69,8 @@ inline const char* op_name(long long op) {
 // The call signature: every field must be equal on every rank, or the call is aborted on all of
 // them (nothing written) and each raises, naming the field and every rank's value.
 enum SigField : int {
-  kSigOp = 0,          // Op
+  kSigBuffer = 0,      // which Buffer of the group: its ordinal there (first, so it is named first)
+  kSigOp,              // Op
   kSigSeq,             // calls this buffer made so far (a rank that skipped one is caught here)
   kSigRouting,         // seq of the dispatch that built the handle (cached dispatch, combine)
   kSigDtype,           // DType of the rows
@@ -86,7 +87,7 @@ enum SigField : int {
   kSigFields
 };
 inline const char* sig_field_name(int f) {
-  static const char* names[kSigFields] = {"op", "seq", "routing", "dtype", "hidden", "row_bytes", "topk",
+  static const char* names[kSigFields] = {"buffer", "op", "seq", "routing", "dtype", "hidden", "row_bytes", "topk",
                                           "num_experts", "permute", "expert_alignment", "worst_case_sized",
                                           "weights", "variant", "max_tokens_per_rank"};
   return (f >= 0 && f < kSigFields) ? names[f] : "?";

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from . import checks as C
 from . import protocol as P
+from .errors import CallMismatchError
 from .reference import TorchBackend
 from .types import (
     Activation,
@@ -37,6 +38,16 @@ from .types import (
 BACKENDS = ("torch", "cuda", "auto")
 log = logging.getLogger("megatron_ep")
 _ids = iter(range(1, 1 << 62))
+_ordinals: dict = {}  # ranks of a group -> Buffers this process created on it so far
+
+
+def _next_ordinal(group) -> int:
+    """The Buffer's number among the Buffers created on the same ranks, in creation order: equal
+    on every rank when every rank creates its Buffers in the same order (as collective set-up
+    does), so calls on different Buffers are told apart (the signature's `buffer` field)."""
+    key = tuple(dist.get_process_group_ranks(group)) if group is not dist.group.WORLD else "world"
+    _ordinals[key] = _ordinals.get(key, 0) + 1
+    return _ordinals[key]
 
 
 def cuda_backend_available() -> bool:
@@ -111,7 +122,9 @@ class Buffer:
                    and self.num_ranks % ranks_per_node == 0,
                    f"ranks_per_node={ranks_per_node!r} must divide the group's {self.num_ranks} ranks")
         self.id = next(_ids)
+        self.ordinal = _next_ordinal(group)
         self._seq = 0
+        self._destroyed = False
         requested = backend
         if backend == "auto":
             backend = "cuda" if cuda_backend_available() else "torch"
@@ -132,9 +145,11 @@ class Buffer:
     # ----------------------------------------------------------------------------- lifetime
     def destroy(self) -> None:
         """Release communication memory now (collective for the cuda backend). Tensors that
-        point into it (pooled outputs, zero-copy views) keep their part alive until they die."""
-        impl, self._impl = getattr(self, "_impl", None), None
-        if impl is not None:
+        point into it (pooled outputs, zero-copy views) keep their part alive until they die.
+        A later call on this Buffer raises, and tells its peers (they raise PeerFailedError)."""
+        impl = getattr(self, "_impl", None)
+        if impl is not None and not self._destroyed:
+            self._destroyed = True
             impl.destroy()
 
     def __enter__(self):
@@ -144,18 +159,26 @@ class Buffer:
         self.destroy()
 
     def _backend(self):
-        C.fail(self._impl is not None, "this Buffer was destroyed", RuntimeError)
+        C.fail(not self._destroyed, "this Buffer was destroyed", RuntimeError)
         return self._impl
 
     @contextmanager
     def _call(self, op: str):
         """One collective call: a sequence number, a signature (filled by the caller), and the
-        backend's entry check and failure publication around the whole host side."""
-        impl = self._backend()
+        backend's entry check and failure publication around the whole host side -- also for a
+        destroyed Buffer, whose call raises inside it, so the peers learn of it instead of
+        waiting."""
+        impl = self._impl
         self._seq += 1
-        call = P.Call(P.OP[op], self._seq)
-        with impl.call(call):
-            yield call
+        call = P.Call(P.OP[op], self._seq).set(buffer=self.ordinal)
+        try:
+            with impl.call(call):
+                self._backend()
+                yield call
+        except CallMismatchError as exc:
+            if getattr(exc, "resync", None) is not None:  # the backend realigned the call numbers
+                self._seq = exc.resync
+            raise
 
     # ------------------------------------------------------------------------------ layout
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> DispatchLayout:
@@ -194,7 +217,10 @@ class Buffer:
             T, H, is_fp8 = C.check_activation("x", x)
             device = C.act_device(x)
             C.check_token_limit(T, self.max_tokens_per_rank)
-            C.check_int("num_worst_tokens", num_worst_tokens, 0)
+            C.check_int("num_worst_tokens", num_worst_tokens, 0, C.MAX_ROWS)
+            C.check_bool("permute", permute, allow_none=True)
+            C.check_bool("host_counts", host_counts)
+            C.check_bool("async_op", async_op)
             if handle is not None:
                 self._check_handle(handle, DispatchHandle)
                 C.fail(topk_idx is None, "cached dispatch (handle given) takes its routing from the handle: pass topk_idx=None")
@@ -209,7 +235,7 @@ class Buffer:
                 C.fail(topk_idx is not None, "dispatch needs topk_idx (or a handle for a cached dispatch)", TypeError)
                 C.fail(num_experts is not None, "dispatch needs num_experts", TypeError)
                 C.check_num_experts(num_experts, self.num_ranks)
-                permute = bool(permute) if permute is not None else False
+                permute = bool(permute)
                 expert_alignment = 1 if expert_alignment is None else expert_alignment
                 C.check_alignment(expert_alignment)
                 K = C.check_topk_idx(topk_idx, T, device)
@@ -235,6 +261,7 @@ class Buffer:
         weights (rank-major [N, K], expert-major [M]) are scattered back to [T, K]."""
         with self._call("combine") as call:
             self._check_handle(handle, DispatchHandle)
+            C.check_bool("async_op", async_op)
             C.check_activation("x", x)
             C.fail(not C.is_fp8_tuple(x), "combine takes bf16/fp32 rows, not FP8", TypeError)
             C.fail(x.shape[0] == handle.num_recv_rows, f"x has {x.shape[0]} rows but the dispatch delivered {handle.num_recv_rows}")
@@ -266,7 +293,9 @@ class Buffer:
             T, H, is_fp8 = C.check_activation("x", x, allowed=(torch.bfloat16, torch.float32))
             C.fail(not is_fp8, "low_latency_dispatch takes bf16/fp32 x and casts to FP8 itself (use_fp8=True)", TypeError)
             C.check_num_experts(num_experts, self.num_ranks)
-            C.check_int("max_tokens_per_rank", max_tokens_per_rank, 1)
+            C.check_bool("use_fp8", use_fp8)
+            C.check_bool("round_scale", round_scale)
+            C.check_low_latency_capacity(max_tokens_per_rank, num_experts, H, 1 if use_fp8 else x.element_size())
             C.check_token_limit(T, max_tokens_per_rank)
             if use_fp8:
                 C.fail(H % C.FP8_BLOCK == 0, f"x: hidden size {H} must be a multiple of {C.FP8_BLOCK} for FP8")
@@ -282,6 +311,7 @@ class Buffer:
             out = self._impl.low_latency_dispatch(call, x, topk_idx, num_experts, max_tokens_per_rank, use_fp8,
                                                   round_scale, **kwargs)
         out.handle.buffer_id = self.id
+        out.handle.topk_idx, out.handle.topk_idx_version = topk_idx, C.tensor_version(topk_idx)  # combine checks it
         return out
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -296,6 +326,8 @@ class Buffer:
             C.fail(x.is_contiguous(), "x must be contiguous")
             K = C.check_topk_idx(topk_idx, handle.num_tokens, x.device)
             C.fail(K == handle.topk, f"topk_idx has K={K} but the dispatch used K={handle.topk}")
+            if self.check_inputs:
+                C.check_same_routing(topk_idx, handle.topk_idx, handle.topk_idx_version)
             C.check_topk_weights(topk_weights, handle.num_tokens, K, x.device)
             call.set(routing=handle.call_seq, dtype=P.dtype_code(x.dtype), hidden=handle.hidden,
                      row_bytes=handle.hidden * x.element_size(), topk=K, num_experts=handle.num_experts,
@@ -342,5 +374,5 @@ class Buffer:
         C.fail(handle.buffer_id == self.id, "handle was produced by a different Buffer")
 
     def __repr__(self) -> str:
-        what = self._impl.describe() if self._impl is not None else "destroyed"
+        what = "destroyed" if self._destroyed else self._impl.describe()
         return f"Buffer(backend={self.backend!r}, rank={self.rank}/{self.num_ranks}, {what})"

@@ -14,6 +14,11 @@ from .types import Activation
 FP8_DTYPE = torch.float8_e4m3fn
 ACT_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
 WEIGHT_DTYPES = (torch.float32, torch.float64)
+# Upper bounds that keep every count in the int32 the kernels index with, and far above any
+# model: a value past them is a mistake, reported here rather than as an allocator's error.
+MAX_NUM_EXPERTS = 1 << 20
+MAX_ROWS = (1 << 31) - 1
+MAX_LOW_LATENCY_BYTES = 32 << 30  # the fixed receive area of one low-latency call (both backends)
 
 
 def fail(cond: bool, msg: str, exc=ValueError) -> None:
@@ -21,14 +26,22 @@ def fail(cond: bool, msg: str, exc=ValueError) -> None:
         raise exc(msg)
 
 
-def check_int(name: str, value, minimum: int = 0) -> int:
+def check_int(name: str, value, minimum: int = 0, maximum: Optional[int] = None) -> int:
     fail(isinstance(value, int) and not isinstance(value, bool), f"{name} must be an int, got {type(value).__name__}", TypeError)
     fail(value >= minimum, f"{name} must be >= {minimum}, got {value}")
+    fail(maximum is None or value <= maximum, f"{name}={value} is above {maximum}")
+    return value
+
+
+def check_bool(name: str, value, allow_none: bool = False) -> Optional[bool]:
+    """A flag must be a bool (a string such as "False" is not: it would read as true)."""
+    fail(isinstance(value, bool) or (allow_none and value is None),
+         f"{name} must be a bool{' or None' if allow_none else ''}, got {type(value).__name__} {value!r}", TypeError)
     return value
 
 
 def is_fp8_tuple(x) -> bool:
-    return isinstance(x, (tuple, list))
+    return isinstance(x, tuple)
 
 
 def check_activation(name: str, x: Activation, allowed=ACT_DTYPES) -> Tuple[int, int, bool]:
@@ -41,14 +54,17 @@ def check_activation(name: str, x: Activation, allowed=ACT_DTYPES) -> Tuple[int,
         fail(scales.dtype == torch.float32, f"{name}[1] (scales) must be torch.float32, got {scales.dtype}", TypeError)
         fail(data.dim() == 2, f"{name}[0] must be 2-D [T, H], got shape {tuple(data.shape)}")
         T, H = data.shape
+        fail(H >= 1, f"{name} has hidden size 0: rows need at least one channel")
         fail(H % FP8_BLOCK == 0, f"{name}: hidden size {H} must be a multiple of {FP8_BLOCK} for FP8")
         fail(tuple(scales.shape) == (T, H // FP8_BLOCK), f"{name}[1] (scales) must have shape {(T, H // FP8_BLOCK)}, got {tuple(scales.shape)}")
         fail(data.is_contiguous() and scales.is_contiguous(), f"{name}: FP8 data and scales must be contiguous")
         fail(data.device == scales.device, f"{name}: FP8 data and scales are on different devices")
         return T, H, True
-    fail(isinstance(x, torch.Tensor), f"{name} must be a tensor or an FP8 tuple, got {type(x).__name__}", TypeError)
+    fail(isinstance(x, torch.Tensor), f"{name} must be a tensor, or a tuple (x_fp8 [T, H], scales [T, H/128]) for FP8, "
+                                      f"got {type(x).__name__}", TypeError)
     fail(x.dtype in allowed, f"{name} must have dtype in {[str(d) for d in allowed]}, got {x.dtype}", TypeError)
     fail(x.dim() == 2, f"{name} must be 2-D [T, H], got shape {tuple(x.shape)}")
+    fail(x.shape[1] >= 1, f"{name} has hidden size 0: rows need at least one channel")
     fail(x.is_contiguous(), f"{name} must be contiguous")
     return x.shape[0], x.shape[1], False
 
@@ -86,7 +102,7 @@ def check_alignment(alignment) -> int:
 
 
 def check_num_experts(num_experts, num_ranks: int) -> int:
-    check_int("num_experts", num_experts, 1)
+    check_int("num_experts", num_experts, 1, MAX_NUM_EXPERTS)
     fail(num_experts % num_ranks == 0, f"num_experts={num_experts} is not divisible by the group size {num_ranks}")
     return num_experts
 
@@ -113,3 +129,40 @@ def check_topk_values(topk_idx: torch.Tensor, num_experts: int) -> None:
 def check_token_limit(num_tokens: int, limit: Optional[int], what: str = "max_tokens_per_rank") -> None:
     if limit is not None:
         fail(num_tokens <= limit, f"x has {num_tokens} tokens, more than the buffer was sized for ({what}={limit})")
+
+
+def check_low_latency_capacity(max_tokens_per_rank, num_experts: int, hidden: int, elem_bytes: int) -> int:
+    """max_tokens_per_rank fixes the receive area, [E_local, R * max_tokens_per_rank, H] on every
+    rank (E * max_tokens_per_rank * H elements): bounded before anything is allocated."""
+    check_int("max_tokens_per_rank", max_tokens_per_rank, 1, MAX_ROWS)
+    nbytes = num_experts * max_tokens_per_rank * hidden * elem_bytes
+    fail(nbytes <= MAX_LOW_LATENCY_BYTES,
+         f"max_tokens_per_rank={max_tokens_per_rank}: the receive area of {num_experts} experts x "
+         f"{max_tokens_per_rank} tokens x hidden {hidden} would take {nbytes / 2**30:.1f} GiB per rank, above "
+         f"{MAX_LOW_LATENCY_BYTES >> 30} GiB")
+    return max_tokens_per_rank
+
+
+def tensor_version(t: torch.Tensor) -> Optional[int]:
+    """t's in-place version counter; None for inference-mode tensors, which keep none (an
+    inference tensor changed in place between dispatch and combine goes unnoticed)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
+def check_same_routing(topk_idx: torch.Tensor, dispatched: Optional[torch.Tensor], version: Optional[int]) -> None:
+    """A low-latency combine must get the routing its dispatch got: the same tensor unchanged, or
+    equal values (compared with one host sync; skipped under graph capture)."""
+    if dispatched is None or (topk_idx is dispatched and tensor_version(topk_idx) == version):
+        return
+    if capturing():
+        return
+    fail(tuple(topk_idx.shape) == tuple(dispatched.shape),
+         f"topk_idx has shape {tuple(topk_idx.shape)} but its dispatch got {tuple(dispatched.shape)}")
+    diff = topk_idx != dispatched
+    if bool(diff.any()):
+        row = int(diff.any(dim=1).nonzero()[0, 0])
+        raise ValueError(f"topk_idx differs from the routing its dispatch got (row {row}: {topk_idx[row].tolist()} vs "
+                         f"{dispatched[row].tolist()}): a low-latency combine returns the rows of that dispatch")

@@ -12,7 +12,14 @@ class MegatronEPError(RuntimeError):
 
 class CallMismatchError(MegatronEPError):
     """The ranks called different operations, or the same one with different arguments. The call
-    was aborted on every rank before anything moved; the buffer stays usable."""
+    was aborted on every rank before anything moved; the buffer stays usable, except where the
+    message says that the ranks' call numbers stay apart. `field` names the signature field,
+    `values` every rank's value, `resync` the call number this rank continues from (if the
+    backend realigned them)."""
+
+    field = None
+    values = None
+    resync = None
 
 
 class PeerFailedError(MegatronEPError):

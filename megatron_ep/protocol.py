@@ -1,7 +1,7 @@
 """The call protocol, read from the C++ definition (csrc/protocol.h, csrc/region_layout.h through
 the small `megatron_ep._protocol` module, which needs neither CUDA nor torch).
 
-Every collective call on a Buffer carries a signature -- op, call sequence number, the routing
+Every collective call on a Buffer carries a signature -- the Buffer, op, call sequence number, the routing
 it reuses, dtype, hidden size, row bytes, top-k, experts, layout, alignment, worst-case rows,
 weights, kernel variant -- in its first exchange (the torch backend's first collective, the cuda
 backend's first handshake). Ranks that disagree on any field abort the call together and each
@@ -104,17 +104,33 @@ def _value(field_name: str, v: int) -> str:
     return str(v)
 
 
-def mismatch_error(call: Call, field_index: int, values: Sequence[int], ops: Optional[Sequence[int]] = None) -> CallMismatchError:
+def mismatch_error(call: Call, field_index: int, values: Sequence[int], ops: Optional[Sequence[int]] = None,
+                   resync: Optional[int] = None) -> CallMismatchError:
+    """The error every rank raises for a call its ranks disagree on. `resync`: the call number this
+    rank continues from (Buffer sets it), where the disagreement is about call numbers themselves
+    -- calls of different Buffers, or a rank a call behind -- and the backend can realign them;
+    without it a disagreement on call numbers stays (the Buffer must be re-created)."""
     name = SIG_FIELDS[field_index]
     per_rank = ", ".join(f"rank {r} = {_value(name, v)}" for r, v in enumerate(values))
-    what = {"op": "called different operations",
+    what = {"buffer": "called different Buffers (numbered in the order each rank created them on the group)",
+            "op": "called different operations",
             "seq": "are at different calls of this buffer (a rank skipped or repeated a call)",
             "routing": "passed handles from different dispatches"}.get(name, f"disagree on {name}")
     ops_text = ""
     if ops is not None and name != "op" and len(set(ops)) > 1:
         ops_text = " (ops: " + ", ".join(f"rank {r} {OP_NAMES.get(o, o)}" for r, o in enumerate(ops)) + ")"
-    return CallMismatchError(f"{call.describe()}: the ranks {what}: {per_rank}{ops_text}; the call was aborted on "
-                             f"every rank before anything was sent, and the buffer stays usable")
+    if name in ("buffer", "seq") and resync is None:
+        after = "the ranks' call numbers stay apart: re-create the Buffer on every rank"
+    elif name == "buffer":
+        after = "the aborted call does not count on any Buffer, so each stays usable"
+    elif name == "seq":
+        after = f"every rank continues from call #{resync}, so the buffer stays usable"
+    else:
+        after = "the buffer stays usable"
+    err = CallMismatchError(f"{call.describe()}: the ranks {what}: {per_rank}{ops_text}; the call was aborted on "
+                            f"every rank before anything was sent; {after}")
+    err.field, err.values, err.resync = name, list(values), resync
+    return err
 
 
 def first_mismatch(sigs: Sequence[Sequence[int]]) -> Optional[int]:

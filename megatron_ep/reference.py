@@ -24,6 +24,7 @@ from . import permute as PM
 from . import protocol as P
 from .checks import is_fp8_tuple
 from .fp8 import per_token_cast_to_fp8
+from .hooks import new_outputs
 from .types import (
     CombineOutput,
     DispatchHandle,
@@ -120,13 +121,16 @@ class TorchBackend:
 
     @contextmanager
     def call(self, call: P.Call):
-        """A failure on this rank before the call's first collective is published there, so the
-        peers raise it instead of waiting for a collective this rank never joins."""
+        """A failure on this rank before the call's first collective, or between it and the data
+        collective (an allocation, say), is published at the collective the peers wait in next,
+        so they raise it instead of waiting for one this rank never joins."""
         try:
             yield call
         except BaseException as exc:
-            if call.pending is not None:
+            if call.pending == "first":
                 self._exchange(call, failure=exc)
+            elif call.pending == "commit":
+                self._commit(call, failure=exc)
             raise
 
     def dispatch_input(self, num_tokens: int, hidden: int, dtype: torch.dtype, device=None) -> torch.Tensor:
@@ -144,10 +148,35 @@ class TorchBackend:
         R, F = self.num_ranks, len(P.SIG_FIELDS)
         call.pending = None
         vec = torch.zeros(1 + F + R, dtype=torch.int64)
-        vec[0] = P.CALL_FAILED if failure is not None else 0
         vec[1:1 + F] = torch.tensor(call.sig, dtype=torch.int64)
         if counts is not None:
             vec[1 + F:] = counts.to(torch.int64).cpu()
+        rows = self._gather_status(call, vec, failure)
+        if rows is None:
+            return None  # this rank failed: the caller re-raises its own error
+        f = P.first_mismatch(rows[:, 1:1 + F].tolist())
+        if f is not None:
+            values = rows[:, 1 + f].tolist()
+            # every rank sees every rank's signature here, so call numbers can be realigned: a
+            # call on different Buffers counts on none of them; ranks at different calls of one
+            # Buffer continue from the furthest
+            resync = {"buffer": call.seq - 1, "seq": max(values)}.get(P.SIG_FIELDS[f])
+            raise P.mismatch_error(call, f, values, rows[:, 1 + P.FIELD["op"]].tolist(), resync=resync)
+        call.pending = "commit"  # until the data collective: a failure here is published by _commit
+        return rows[:, 1 + F:]
+
+    def _commit(self, call: P.Call, failure: Optional[BaseException] = None) -> None:
+        """Right before a call's data collective: every rank says it is ready (its receive
+        buffers allocated) or that it failed since the first exchange, so its peers raise
+        PeerFailedError instead of waiting in the data collective."""
+        call.pending = None
+        self._gather_status(call, torch.zeros(1, dtype=torch.int64), failure)
+
+    def _gather_status(self, call: P.Call, vec: torch.Tensor, failure: Optional[BaseException]):
+        """All-gather `vec` with this rank's status in its first element: every rank's vector, or
+        None on a rank that failed itself; a peer's failure raises PeerFailedError naming it."""
+        R = self.num_ranks
+        vec[0] = P.CALL_FAILED if failure is not None else 0
         if R == 1:
             rows = vec.unsqueeze(0)
         else:
@@ -160,18 +189,20 @@ class TorchBackend:
             if R > 1:
                 dist.all_gather_object(msgs, mine, group=self.group)
             if failure is not None:
-                return None  # the caller re-raises its own error
+                return None
             r = int((rows[:, 0] != 0).nonzero()[0, 0])
             raise P.peer_failed_error(call, r, msgs[r] or "(no message)")
-        f = P.first_mismatch(rows[:, 1:1 + F].tolist())
-        if f is not None:
-            raise P.mismatch_error(call, f, rows[:, 1 + f].tolist(), rows[:, 1 + P.FIELD["op"]].tolist())
-        return rows[:, 1 + F:]
+        return rows
 
-    def _exchange_rows(self, rows: torch.Tensor, send_counts: List[int], recv_counts: List[int]) -> torch.Tensor:
+    def _exchange_rows(self, call: P.Call, rows: torch.Tensor, send_counts: List[int], recv_counts: List[int]) -> torch.Tensor:
+        """The call's data collective: rows to every rank, after every rank confirmed it can
+        take its share (_commit)."""
         if self.num_ranks == 1:
+            self._commit(call)
             return rows
         out = rows.new_empty((sum(recv_counts), rows.shape[1]))
+        new_outputs([out])
+        self._commit(call)
         dist.all_to_all_single(out, rows, recv_counts, send_counts, group=self.group)
         return out
 
@@ -224,7 +255,7 @@ class TorchBackend:
         like = [(data.dtype, tuple(data.shape[1:]))] + ([(torch.float32, tuple(scales.shape[1:]))] if is_fp8 else [])
         like += [(torch.int32, (K,))] * len(meta)
         like += [(topk_weights.dtype, (K,))] if topk_weights is not None else []
-        recv = unpack_rows(self._exchange_rows(pack_rows(parts), send_counts, recv_counts), like)
+        recv = unpack_rows(self._exchange_rows(call, pack_rows(parts), send_counts, recv_counts), like)
         recv_x = recv.pop(0)
         recv_scales = recv.pop(0) if is_fp8 else None
         recv_topk_idx = recv.pop(0).to(torch.int64) if handle is None else handle.state.recv_topk_idx
@@ -343,7 +374,7 @@ class TorchBackend:
                 rows_w[:n] = weights[:n]
         parts = [rows_x] + ([rows_w] if rows_w is not None else [])
         like = [(rows_x.dtype, tuple(rows_x.shape[1:]))] + ([(rows_w.dtype, (K,))] if rows_w is not None else [])
-        back = unpack_rows(self._exchange_rows(pack_rows(parts), st.recv_counts, st.send_counts), like)
+        back = unpack_rows(self._exchange_rows(call, pack_rows(parts), st.recv_counts, st.send_counts), like)
         T = handle.num_tokens
         y = back[0].new_zeros((T,) + tuple(x.shape[1:]), dtype=acc).index_add_(0, st.send_tok, back[0].to(acc))
         w_out = None
@@ -380,7 +411,7 @@ class TorchBackend:
             payload, like = [x[tok]], [(x.dtype, (H,))]
         payload += [(expert - dst * L).to(torch.int32), tok.to(torch.int32)]
         like += [(torch.int32, ()), (torch.int32, ())]
-        recv = unpack_rows(self._exchange_rows(pack_rows(payload), send_counts, recv_counts), like)
+        recv = unpack_rows(self._exchange_rows(call, pack_rows(payload), send_counts, recv_counts), like)
         le, src_tok = recv[-2].to(torch.int64), recv[-1]
         src_rank = torch.repeat_interleave(torch.arange(R, device=device), torch.tensor(recv_counts, device=device))
 
@@ -416,7 +447,7 @@ class TorchBackend:
         st: _LowLatencyState = handle.state
         self._exchange(call)
         rows = x[st.recv_expert, st.recv_pos]  # back in arrival order, i.e. each source's send order
-        back = unpack_rows(self._exchange_rows(pack_rows([rows]), st.recv_counts, st.send_counts), [(x.dtype, (x.shape[-1],))])[0]
+        back = unpack_rows(self._exchange_rows(call, pack_rows([rows]), st.recv_counts, st.send_counts), [(x.dtype, (x.shape[-1],))])[0]
         w = topk_weights[st.send_tok, st.send_slot].float().unsqueeze(1)
         y = torch.zeros((handle.num_tokens, x.shape[-1]), dtype=torch.float32, device=x.device)
         y.index_add_(0, st.send_tok, back.float() * w)

@@ -25,7 +25,7 @@ import socket
 import time
 import weakref
 from contextlib import contextmanager
-from typing import Callable, Dict, Optional
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,8 @@ import torch.distributed as dist
 from . import _ext
 from . import protocol as P
 from .checks import fail
-from .errors import BufferBrokenError, CommTimeoutError, MegatronEPError
+from .errors import BufferBrokenError, CommTimeoutError, MegatronEPError, PeerFailedError
+from .hooks import new_outputs
 from .types import EventOverlap
 
 log = logging.getLogger("megatron_ep")
@@ -51,16 +52,6 @@ PER_SM_COPY_GBPS = 45.0  # bytes one SM moves per second in our pull kernels (do
 # the link needs, more blocks only contend. Capped there at EP 2 with one rank per GPU; other
 # shapes are unmeasured and uncapped. MEP_PUSH_MAX_SMS overrides (benchmarks compare).
 PUSH_MAX_SMS_EP2 = 16
-
-_output_hook: Optional[Callable[[torch.Tensor], None]] = None
-
-
-def set_output_hook(fn: Optional[Callable[[torch.Tensor], None]]) -> None:
-    """Debugging aid: call `fn` on every output tensor the cuda backend allocates, before its
-    kernels write it (tests fill outputs with garbage this way, so an unwritten row shows)."""
-    global _output_hook
-    _output_hook = fn
-
 
 def default_num_sms(ranks_per_device: int, sm_count: int) -> int:
     """SMs per rank for the copy kernels (see the rule above); even, at least 4, and small
@@ -132,8 +123,21 @@ class CudaRuntime:
         plan = P.plan_region(hints)
         fail(plan["max_experts"] <= P.MAX_EXPERTS, f"num_experts={plan['max_experts']} exceeds the cuda backend's {P.MAX_EXPERTS}")
         fail(1 <= plan["max_topk"] <= P.MAX_TOPK, f"max_topk must be in 1..{P.MAX_TOPK}")
-        rt = self.ext.Runtime(self.device.index, self.rank, self.num_ranks, plan, self.timeout_s)
-        rt.open_peers(gather(bytes(rt.ipc_handle()), self.group))
+        # the allocation can fail on one rank (memory): every rank still reaches the gather, so
+        # the others raise PeerFailedError naming it instead of waiting there
+        try:
+            rt = self.ext.Runtime(self.device.index, self.rank, self.num_ranks, plan, self.timeout_s)
+            mine = bytes(rt.ipc_handle())
+        except Exception as exc:
+            gather({"failed": P.failure_message(exc)}, self.group)
+            raise
+        every = gather(mine, self.group)
+        failed = [r for r, h in enumerate(every) if isinstance(h, dict)]
+        if failed:
+            rt.close()
+            raise PeerFailedError(f"megatron_ep: allocating the communication region: rank {failed[0]} failed: "
+                                  f"{every[failed[0]]['failed']}")
+        rt.open_peers(every)
         dist.barrier(group=self.group)
         self.rt, self.plan, self.hints = rt, plan, dict(hints)
         self._fitted: set = set()  # needs known to fit this region
@@ -221,7 +225,7 @@ class CudaRuntime:
         if self.rt is None:
             return
         self.stream.synchronize()
-        dist.barrier(group=self.group)
+        bounded_barrier(self.group, self.timeout_s, "destroy")
         self.rt.close()
         self.rt = None
         self.closed = True
@@ -349,13 +353,9 @@ class CudaRuntime:
         return EventOverlap(event)
 
     def new_outputs(self, tensors) -> bool:
-        """Apply the output hook (tests); True when it ran (the comm stream must then wait)."""
-        if _output_hook is None:
-            return False
-        for t in tensors:
-            if t is not None:
-                _output_hook(t)
-        return True
+        """Apply the output hook (tests; megatron_ep.hooks); True when it ran (the comm stream
+        must then wait)."""
+        return new_outputs(tensors)
 
     def mark(self, name: str, stream=None, first: bool = False) -> None:
         """Benchmarks: the end of phase `name` on `stream` (default: the communication stream).
@@ -385,6 +385,22 @@ class CudaRuntime:
             return None
         return self.rt.rank_major_at(self.plan["comb_x"], self.plan["comb_w"], rows, hidden, dtype, row_bytes,
                                      scale_cols, K, has_w)
+
+
+def bounded_barrier(group, timeout_s: float, what: str) -> None:
+    """A barrier that gives up: a rank that never joins (it called something else, or died)
+    raises CommTimeoutError here after `timeout_s` instead of a hang (gloo's own timeout is 30
+    minutes). Polling the barrier's work, so it behaves the same on gloo and NCCL groups."""
+    work = dist.barrier(group=group, async_op=True)
+    deadline = time.monotonic() + timeout_s
+    pause = 1e-4
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            raise CommTimeoutError(f"megatron_ep: {what} is collective, and not every rank of the group joined it within "
+                                   f"{timeout_s:.0f}s; this rank keeps its communication memory")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)
+    work.wait()
 
 
 def gather(obj, group) -> list:

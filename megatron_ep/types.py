@@ -106,6 +106,8 @@ class LowLatencyHandle(_Routing):
     hidden: int = 0
     layout_range: Optional[torch.Tensor] = None  # [E_local, R, 2] int32: (begin, count) per source
     src_token: Optional[torch.Tensor] = None  # [E_local, R * max_tokens_per_rank] int32, -1 unused
+    topk_idx: Optional[torch.Tensor] = field(default=None, repr=False)  # the routing the dispatch got
+    topk_idx_version: Optional[int] = None  # its version counter then (the combine checks both)
     state: Any = field(default=None, repr=False)
     buffer_id: int = 0
     call_seq: int = 0

@@ -34,9 +34,9 @@ CUDA_SIZING = dict(max_tokens_per_rank=64, hidden=7168, num_experts=256, max_top
 def make_buffer(backend: str, **sizing) -> mep.Buffer:
     if backend == "cuda":
         if os.environ.get("MEP_POISON") == "1":  # every output filled with garbage before its kernel
-            from megatron_ep import runtime
+            from megatron_ep import hooks
 
-            runtime.set_output_hook(poison_)
+            hooks.set_output_hook(poison_)
         sizing = {**CUDA_SIZING, **sizing}
         rank0_pool = sizing.pop("pool_bytes_rank0", None)  # e.g. one rank without room: mixed push/pull
         if rank0_pool is not None and dist.get_rank() == 0:

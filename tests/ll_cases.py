@@ -33,9 +33,9 @@ def ll_buffer(**sizing) -> mep.Buffer:
     if key not in _buffer:
         if os.environ.get("MEP_POISON") == "1":
             from cases import poison_
-            from megatron_ep import runtime
+            from megatron_ep import hooks
 
-            runtime.set_output_hook(poison_)
+            hooks.set_output_hook(poison_)
         _buffer[key] = mep.Buffer(dist.group.WORLD, backend="cuda", low_latency={**LL_SIZING, **sizing})
     return _buffer[key]
 

@@ -8,6 +8,7 @@ import pytest
 
 import cases
 import fault_cases
+import hostile_cases
 from case_lists import FUZZ_REGRESSIONS, normal_cases
 from distpool import flat
 from gpu_pools import GPU_MARKS, GpuPools, closing, run_alone
@@ -73,6 +74,22 @@ def test_autograd_and_async(R, permute):
 
 
 # ------------------------------------------------------------------------ runtime (faults etc.)
+@pytest.mark.parametrize("R", [2, 4])
+def test_hostile_use(R):
+    """tests/hostile_cases.py on the cuda backend: an allocation failing on one rank mid-call,
+    arguments refused by name; the Buffer usable afterwards."""
+    errors = flat(pool_(R).run(hostile_cases.run_all, backend="cuda", device="cuda", timeout=300))
+    assert not errors, "\n".join(errors[:30])
+
+
+def test_hostile_timeouts():
+    """Calls on different Buffers, and a destroy on one rank only: CommTimeoutError on every rank
+    within the (short) timeout, no hang (fresh processes: the Buffers end broken)."""
+    errors = flat(run_alone(2, hostile_cases.run_cuda_timeouts, None, timeout=150, MEP_TIMEOUT_S="3"))
+    assert not errors, "\n".join(errors[:20])
+
+
+
 @pytest.mark.parametrize("R", [2, 4])
 def test_faults(R):
     """Each fault of the runtime issue on the cuda backend: named errors on every rank within

@@ -41,7 +41,7 @@ from .. import protocol as P
 from ..checks import FP8_BLOCK, fail
 from ..errors import BufferBrokenError, CallMismatchError, CommTimeoutError, PeerFailedFatalError
 from ..hosts import host_names
-from ..runtime import CudaRuntime, gather, largest
+from ..runtime import CudaRuntime, bounded_barrier, gather, largest
 from ..types import CombineOutput, DispatchHandle, DispatchOutput, EventOverlap
 from .intranode import IntranodePath, combine_rows, dispatch_rows
 from .low_latency import load, signature_hash
@@ -142,7 +142,7 @@ class InternodePath:
         a peer that is broken would never join the free."""
         if self.buf is not None and not self.broken and not self.published:
             torch.cuda.synchronize(self.rt.device)
-            dist.barrier(group=self.group)
+            bounded_barrier(self.group, self.rt.timeout_s, "destroy")
             self.buf.close()
         self.buf = None
 

@@ -36,9 +36,9 @@ import torch.distributed as dist
 
 from .. import nvshmem
 from .. import protocol as P
-from ..checks import FP8_BLOCK, FP8_DTYPE, fail
+from ..checks import FP8_BLOCK, FP8_DTYPE, fail, tensor_version
 from ..errors import BufferBrokenError, CallMismatchError, CommTimeoutError, PeerFailedFatalError
-from ..runtime import gather, max_num_sms
+from ..runtime import bounded_barrier, gather, max_num_sms
 from ..types import LowLatencyDispatchOutput, LowLatencyHandle
 
 _ext = None
@@ -91,15 +91,6 @@ class _LLState:
         """The combine may use the dispatch's weights: it got the very tensor, unchanged since."""
         return (self.pairs is not None and topk_weights is self.weights
                 and tensor_version(topk_weights) == self.weights_version)
-
-
-def tensor_version(t: torch.Tensor) -> Optional[int]:
-    """t's in-place version counter; None for inference-mode tensors, which keep none (an
-    inference tensor changed in place between dispatch and combine goes unnoticed)."""
-    try:
-        return t._version
-    except RuntimeError:
-        return None
 
 
 class _RecvHook:
@@ -190,7 +181,7 @@ class LowLatencyPath:
         does a rank that published a failure (the peers it stopped are broken and skip the free)."""
         if self.buf is not None and not self.broken and not self.published:
             torch.cuda.synchronize(self.rt.device)
-            dist.barrier(group=self.rt.group)
+            bounded_barrier(self.rt.group, self.rt.timeout_s, "destroy")
             self.buf.close()
         self.buf = None
 
