@@ -122,7 +122,6 @@ class Buffer:
                    and self.num_ranks % ranks_per_node == 0,
                    f"ranks_per_node={ranks_per_node!r} must divide the group's {self.num_ranks} ranks")
         self.id = next(_ids)
-        self.ordinal = _next_ordinal(group)
         self._seq = 0
         self._destroyed = False
         requested = backend
@@ -138,6 +137,7 @@ class Buffer:
             self._impl = CudaBackend(group, self.rank, self.num_ranks, max_tokens_per_rank=max_tokens_per_rank,
                                      hidden=hidden, num_experts=num_experts, max_topk=max_topk, num_sms=num_sms,
                                      ranks_per_node=ranks_per_node, **backend_options)
+        self.ordinal = _next_ordinal(group)  # once the Buffer exists (a failed creation takes no number)
         if self.rank == 0:
             why = f" ({_why_not_cuda()})" if requested == "auto" and backend == "torch" else ""
             log.info("megatron_ep.Buffer: %d ranks, backend=%s%s: %s", self.num_ranks, backend, why, self._impl.describe())
