@@ -11,7 +11,7 @@
 #   MEP_GATE_COMMIT=<sha>              the commit under test, for the record (else git rev-parse HEAD)
 #   MEP_GATE_FILES="a.py b.py"         only these test files (the record then names only them)
 #   MEP_GATE_PYTEST="..."              extra pytest arguments for every file
-#   MEP_GATE_BUDGET_S=570              the whole run's wall-clock budget: each file's timeout is cut to
+#   MEP_GATE_BUDGET_S=585              the whole run's wall-clock budget: each file's timeout is cut to
 #                                      what is left of it, so the run ends (and reports) inside it
 #
 # Virtual ranks (R processes on one GPU, CUDA IPC between them) run under MPS, started here; with
@@ -31,7 +31,7 @@ export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 NVSHMEM_DISABLE_MNNVL=1 TORCH_S
 export CUDA_MODULE_LOADING=EAGER PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/mep-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mep-mps-log
 GATE_START=$(date +%s)
-BUDGET=${MEP_GATE_BUDGET_S:-570}
+BUDGET=${MEP_GATE_BUDGET_S:-585}
 left() { local l=$(( BUDGET - ($(date +%s) - GATE_START) - ${2:-0} )); [ "$l" -lt "$1" ] && echo $(( l > 5 ? l : 5 )) || echo "$1"; }
 RESULTS=$OUT/results.tsv  # file, passed, failed, skipped, seconds, note
 : > "$RESULTS"

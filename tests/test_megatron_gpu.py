@@ -30,7 +30,7 @@ def _run(pool, fn, cases):
     assert not errors, "\n".join(errors[:20])
 
 
-@pytest.mark.parametrize("R", [2, 4, 8])
+@pytest.mark.parametrize("R", [2, 4])  # (the kernel paths' own suites run R = 8)
 def test_flex_virtual_ranks(R):
     _run(pool_(R), mc.run_flex_vs_alltoall, [dict(c, device="virtual") for c in flex_cases(R)])
 
