@@ -107,10 +107,11 @@ def commit() -> str:
 
 HEADER = """# GPU record
 
-Written by `scripts/gpu_check.sh` (CONTRIBUTING.md): for each GPU test file, the last gate run on it,
+Written by `scripts/gpu_check.sh` (CONTRIBUTING.md): the last run of each mode (the gate; `long`:
+the long fuzz, soak and sanitizer tools) and, for each GPU test file, its last run,
 at which commit and code hash (`python3 scripts/gpu_report.py hash`: csrc/, megatron_ep/, tests/),
 on which machine, and its summary. `python3 scripts/gpu_report.py verify` says whether the working
-tree's code is the code of the last run. Do not edit by hand: commit the copy the gate writes
+tree's code is the code of the last gate run. Do not edit by hand: commit the copy the gate writes
 under `$OUT`.
 
 """
@@ -136,16 +137,18 @@ def report(args) -> int:
     for r in rows:
         line = f"{r['file']}: {r['passed']} passed, {r['failed']} failed, {r['skipped']} skipped, {r['seconds']} s"
         print(line + (f" ({r['note']})" if r["note"] else ""))
-    old = _parse_record(open(RECORD).read()) if os.path.exists(RECORD) else {}
+    text = open(RECORD).read() if os.path.exists(RECORD) else ""
+    old = _parse_record(text)
+    runs = dict(re.findall(r"^(Gate|Long) run: (.*)$", text, re.M))  # the other mode's line stays
+    runs["Gate" if args.mode == "gate" else "Long"] = (
+        f"**{'passed' if ok else 'FAILED'}**, commit {sha}, code {code}, {when}, {where}, {args.elapsed} s in all.")
     for r in rows:
         result = "passed" if int(r["failed"]) == 0 else "FAILED"
         summary = f"{r['passed']} passed, {r['failed']} failed, {r['skipped']} skipped, {r['seconds']} s"
         if r["note"]:
             summary += f"; {r['note']}"
         old[r["file"]] = [r["file"], result, sha, code, when, where, args.mode, summary]
-    lines = [HEADER,
-             f"Last run: **{'passed' if ok else 'FAILED'}** ({args.mode}), commit {sha}, code {code}, {when}, "
-             f"{where}, {args.elapsed} s in all.\n",
+    lines = [HEADER] + [f"{mode} run: {runs[mode]}\n" for mode in ("Gate", "Long") if mode in runs] + [
              "| test file | result | commit | code | date | machine | mode | summary |",
              "|---|---|---|---|---|---|---|---|"]
     lines += ["| " + " | ".join(cells) + " |" for _, cells in sorted(old.items())]
@@ -162,19 +165,19 @@ def verify() -> int:
     if not os.path.exists(RECORD):
         print("no docs/gpu-status.md: no gate run is recorded")
         return 1
-    m = re.search(r"Last run: \*\*(\w+)\*\* \((\w+)\), commit (\w+), code (\w+)", open(RECORD).read())
+    m = re.search(r"^Gate run: \*\*(\w+)\*\*, commit (\w+), code (\w+)", open(RECORD).read(), re.M)
     if not m:
-        print("docs/gpu-status.md has no 'Last run' line")
+        print("docs/gpu-status.md has no 'Gate run' line")
         return 1
-    result, mode, sha, code = m.groups()
+    result, sha, code = m.groups()
     here = code_hash()
     if result != "passed":
-        print(f"the last recorded gate run ({mode}, {sha}) did not pass")
+        print(f"the last recorded gate run (commit {sha}) did not pass")
         return 1
     if code != here:
         print(f"the working tree's code ({here}) is not the code the gate passed on ({code}, commit {sha}): run the gate")
         return 1
-    print(f"the working tree's code {here} passed the gate ({mode}) at commit {sha}")
+    print(f"the working tree's code {here} passed the gate at commit {sha}")
     return 0
 
 

@@ -1,0 +1,41 @@
+"""The GPU gate's bookkeeping (scripts/gpu_report.py), on CPU: summary rows from a junit record
+or from the log of a run killed at its timeout, the record's two run lines, and verify."""
+
+import importlib.util
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+spec = importlib.util.spec_from_file_location("gpu_report", os.path.join(ROOT, "scripts", "gpu_report.py"))
+gr = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(gr)
+
+JUNIT = """<?xml version="1.0"?><testsuites><testsuite>
+<testcase classname="t" name="a"/><testcase classname="t" name="b"><skipped/></testcase>
+<testcase classname="t" name="c"><failure message="x"/></testcase></testsuite></testsuites>"""
+
+
+def test_rows_from_junit_and_from_a_killed_run(tmp_path, capsys):
+    (tmp_path / "j.xml").write_text(JUNIT)
+    gr.main(["--row", "tests/t.py", "--junit", str(tmp_path / "j.xml"), "--log", "-", "--rc", "1", "--seconds", "7"])
+    assert capsys.readouterr().out.split("\t")[:5] == ["tests/t.py", "1", "1", "1", "7"]
+    (tmp_path / "l.log").write_text("tests/t.py::test_a PASSED\ntests/t.py::test_b \n")
+    gr.main(["--row", "tests/t.py", "--junit", str(tmp_path / "none.xml"), "--log", str(tmp_path / "l.log"),
+             "--rc", "124", "--seconds", "9", "--limit", "9"])
+    out = capsys.readouterr().out
+    assert out.split("\t")[1:3] == ["1", "1"] and "while running tests/t.py::test_b" in out
+
+
+def test_record_keeps_each_mode_and_verify_checks_the_code(tmp_path, monkeypatch, capsys):
+    record = tmp_path / "gpu-status.md"
+    monkeypatch.setattr(gr, "RECORD", str(record))
+    monkeypatch.setenv("MEP_GATE_COMMIT", "abc1234")
+    (tmp_path / "g.tsv").write_text("tests/a.py\t3\t0\t0\t20\t\n")
+    (tmp_path / "l.tsv").write_text("tests/a.py (long)\t1\t1\t0\t50\t\n")
+    assert gr.main(["--mode", "gate", "--results", str(tmp_path / "g.tsv"), "--out", str(tmp_path), "--elapsed", "30"]) == 0
+    assert gr.verify() == 0
+    assert gr.main(["--mode", "long", "--results", str(tmp_path / "l.tsv"), "--out", str(tmp_path), "--elapsed", "60"]) == 1
+    text = record.read_text()
+    assert "Gate run: **passed**" in text and "Long run: **FAILED**" in text and "| tests/a.py | passed |" in text
+    assert gr.verify() == 0  # the gate line decides
+    monkeypatch.setattr(gr, "code_hash", lambda root=gr.ROOT: "0" * 16)
+    assert gr.verify() == 1 and "run the gate" in capsys.readouterr().out
