@@ -198,7 +198,7 @@ class Buffer:
                  handle: Optional[DispatchHandle] = None, *, host_counts: bool = False,
                  num_worst_tokens: int = 0, async_op: bool = False,
                  previous_event: Optional[EventOverlap] = None) -> DispatchOutput:
-        """Send each token to the ranks owning its experts (DESIGN §2).
+        """Send each token to the ranks owning its experts (docs/design.md §2).
 
         permute=False (default): rank-major rows; permute=True: expert-major rows, each
         expert's segment padded to `expert_alignment` (1..1024, default 1). With `handle`, the
@@ -283,7 +283,7 @@ class Buffer:
                              max_tokens_per_rank: int = 128, use_fp8: bool = True,
                              round_scale: bool = False, topk_weights: Optional[torch.Tensor] = None,
                              **kwargs) -> LowLatencyDispatchOutput:
-        """Every (token, expert) copy to its expert's fixed receive area (DESIGN §2).
+        """Every (token, expert) copy to its expert's fixed receive area (docs/design.md §2).
 
         `topk_weights` ([T, K], optional): the weights the combine will take. Given here, they
         travel with the copies, and a combine passed the same tensor (unchanged since) sends one

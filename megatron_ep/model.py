@@ -1,7 +1,7 @@
-"""Analytic performance model of expert-parallel dispatch and combine (DESIGN §1, §6).
+"""Analytic performance model of expert-parallel dispatch and combine (docs/design.md §1, §6).
 
 Run ``python -m megatron_ep.model`` (``--help`` for the flags). The defaults are the DeepSeek-V3
-training shape of DESIGN §6: 4096 tokens per rank, hidden 7168, top-8 of 256 experts in 8 groups
+training shape of docs/design.md §6: 4096 tokens per rank, hidden 7168, top-8 of 256 experts in 8 groups
 with group-limited routing to 4 groups, FP8 dispatch, BF16 combine, 8 GPUs per node, and a
 decode shape of 128 tokens per rank for the low-latency path.
 
@@ -30,7 +30,7 @@ Everything is a closed formula; nothing is sampled. The pieces:
   the same copy counts with combine rows. Time = max over links of
   bytes / bandwidth (per direction; traffic is symmetric, so every rank sends and receives the
   same bytes). Row payload only (hidden + FP8 scales), no metadata.
-* DeepEP accounting (DESIGN §6): the GB/s its tests print: NVLink = received rows including the
+* DeepEP accounting (docs/design.md §6): the GB/s its tests print: NVLink = received rows including the
   rank's own rows (``E[ranks]`` per token) x row bytes / time; RDMA = tokens x ``E[nodes]``
   including the own node x row bytes / time. Both exceed the physical link rate by design.
 * Against DeepEP V1 (``deepep_internode_check``): EP16-EP64 in its RDMA accounting, with its
@@ -226,7 +226,7 @@ class RouteCopies:
 
 
 def route_copies(nodes, own_node, ranks, landed) -> RouteCopies:
-    """The normal path's route (DESIGN §1), the one definition every count here uses.
+    """The normal path's route (docs/design.md §1), the one definition every count here uses.
 
     A token of rank (node n, local l) goes once to every destination node m, landing on rank
     (m, l) -- over the RDMA domain when m != n, on the source itself when m == n -- and from the

@@ -1,9 +1,9 @@
-"""NVSHMEM for every NVSHMEM path of the cuda backend (low-latency now, internode later): started
+"""NVSHMEM for both NVSHMEM paths of the cuda backend (low-latency, and internode's RDMA domain): started
 once per process from a torch group, with the unique-id bootstrap (rank 0's id broadcast over
 that group), from the pip package nvidia-nvshmem-cu13 through the extension `_C_ll`.
 
 Environment defaults, set only where the user has not: the settings known to work with several
-PEs per GPU under MPS (DESIGN §5), no InfiniBand probing when every rank is on one host, and a
+PEs per GPU under MPS (docs/design.md §5), no InfiniBand probing when every rank is on one host, and a
 symmetric heap sized by the first buffer.
 """
 

@@ -3,7 +3,7 @@
 It is the oracle for every kernel test and the default wherever no GPU is present, so it is
 written for clarity: each step is one vectorised tensor operation, rows travel as packed bytes
 through `all_to_all_single` (so dispatch is bit-exact for every dtype, gloo or NCCL), and the
-row orders are exactly DESIGN §2:
+row orders are exactly docs/design.md §2:
 
 * rank-major: rows grouped by source rank, then source token index;
 * expert-major: rows grouped by local expert, then source rank, then source token index, each

@@ -1,5 +1,5 @@
-"""The cuda backend's runtime, shared by every kernel path (intranode now; low-latency and
-internode later, each in megatron_ep/paths/):
+"""The cuda backend's runtime, shared by the kernel paths in megatron_ep/paths/ (intranode, and
+the in-node stage of internode; low-latency uses its group-wide helpers):
 
 * the communication region of each rank (control block, handshake counters, staging, combine
   area, output pool) shared by CUDA IPC, planned by the C++ `plan_region` (megatron_ep._protocol);
@@ -44,12 +44,12 @@ DEFAULT_TIMEOUT_S = float(os.environ.get("MEP_TIMEOUT_S", "60"))
 # The SM budget rule. A copy kernel is limited by the slower of the link that carries the rows
 # and the rate at which its SMs can move them; give it enough SMs that their copy rate covers
 # the link with 25% headroom. Virtual ranks (several processes on one GPU) share that GPU's HBM.
-NVLINK_GBPS = 370.0  # practical NVLink 4 bandwidth per GPU (DESIGN §6)
+NVLINK_GBPS = 370.0  # practical NVLink 4 bandwidth per GPU (docs/design.md §6)
 HBM_COPY_GBPS = 4300.0  # measured H200 device-to-device copy, read + write
 PER_SM_COPY_GBPS = 45.0  # bytes one SM moves per second in our pull kernels (docs/performance.md)
 # The push kernel (a warp per token, its row to every destination) ran 209 us at 16 SMs and 239 at
-# 24 on 2 H200s (4096 tokens, H 7168, bf16; docs/performance.md, sixth session, call 4): past what
-# the link needs, more blocks only contend. Capped there at EP 2 with one rank per GPU; other
+# 24 on 2 x H200 (2026-11-30, commit 38ff6cf; 4096 tokens, H 7168, bf16; docs/performance-history.md):
+# past what the link needs, more blocks only contend. Capped there at EP 2 with one rank per GPU; other
 # shapes are unmeasured and uncapped. MEP_PUSH_MAX_SMS overrides (benchmarks compare).
 PUSH_MAX_SMS_EP2 = 16
 

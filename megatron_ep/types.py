@@ -1,6 +1,6 @@
 """Result and handle types shared by every backend.
 
-Field names are part of the public API (DESIGN §2): other teams' tests read them directly.
+Field names are part of the public API (docs/design.md §2): other teams' tests read them directly.
 """
 
 from __future__ import annotations

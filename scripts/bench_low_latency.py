@@ -3,7 +3,7 @@
 R processes, decode shape: T tokens per rank (a comma list, default 128,32,1), hidden 7168, top-8
 of 256 experts (uniform random routing, distinct experts per token), FP8 dispatch (--bf16-dispatch: bf16 rows), bf16 combine.
 Rank r runs on GPU r % (GPUs visible): one process per GPU when there are enough GPUs, else
-virtual ranks sharing a GPU (run those under MPS, DESIGN §5). Each implementation runs in its own
+virtual ranks sharing a GPU (run those under MPS, docs/design.md §5). Each implementation runs in its own
 set of processes (DeepEP and ours both start NVSHMEM, once per process):
 
   ours     megatron_ep's cuda low-latency path (public API): dispatch, combine, dispatch+combine,

@@ -3,7 +3,7 @@
 R processes, each with the training shape: T tokens, hidden H, top-K of E experts (uniform
 random routing), bf16 and FP8 dispatch, bf16 combine. Rank r runs on GPU r % (GPUs visible):
 one process per GPU when there are enough GPUs, else virtual ranks sharing a GPU (run those
-under MPS, DESIGN §5). A gloo group is the control group (barriers, IPC-handle exchange); our
+under MPS, docs/design.md §5). A gloo group is the control group (barriers, IPC-handle exchange); our
 kernels and DeepEP's move the data themselves.
 
 Measured in the same run, at every SM count of --num-sms (a comma list: an SM sweep):
@@ -721,7 +721,7 @@ def _gpus_used(args) -> int:
 
 def _sm_limit(args, n, cuda):
     """Why `n` SMs per rank cannot run (virtual ranks under MPS need every rank's blocks
-    resident at once, DESIGN §5), or None."""
+    resident at once, docs/design.md §5), or None."""
     if not cuda or n == 0:
         return None
     per_gpu = math.ceil(args.ranks / _gpus_used(args))

@@ -1,4 +1,4 @@
-"""Test inputs and an independent, dense, single-process oracle of DESIGN §2.
+"""Test inputs and an independent, dense, single-process oracle of docs/design.md §2.
 
 Written separately from the backends on purpose: plain Python loops over (source rank, token,
 slot), no shared helpers, so a bug in the backends cannot be mirrored here. Every rank builds

@@ -243,7 +243,7 @@ def test_cli_in_process(capsys):
 
 def _brute_force(dests, R, P):
     """Per-link rows per rank from each token's destination ranks, written with sets and loops
-    (the route of DESIGN §1, independently of model.route_copies): dests[s] = one set of
+    (the route of docs/design.md §1, independently of model.route_copies): dests[s] = one set of
     destination ranks per token of source rank s."""
     out = {k: [0] * R for k in M.LINK_FIELDS}
     for s, tokens in enumerate(dests):

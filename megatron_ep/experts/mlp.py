@@ -1,7 +1,7 @@
 """The expert MLP over the expert-major layout, as Megatron's grouped MLP computes it:
     h = fc1(x);  h = act(h[:F]) * h[F:] (GLU) or act(h);  h = (h * prob).to(x.dtype);  y = fc2(h)
 with fc1 / fc2 grouped GEMMs (weights [G, out, in]). Probs are applied inside the experts, so
-combine stays an unweighted sum (DESIGN §2)."""
+combine stays an unweighted sum (docs/design.md §2)."""
 
 from __future__ import annotations
 

@@ -1,3 +1,4 @@
 """Kernel paths of the cuda backend, each on the shared runtime (megatron_ep/runtime.py) and each
-one `.cu` file of csrc/kernels: `intranode` (one NVLink domain, normal path) and `low_latency`
-(decode; NVSHMEM, its own extension `_C_ll`). The two-level internode path will sit beside them."""
+one `.cu` file of csrc/kernels: `intranode` (one NVLink domain, normal path), `low_latency`
+(decode; NVSHMEM, its own extension `_C_ll`), and `internode` (two levels: an RDMA domain over
+NVSHMEM in `_C_ll`, then the intranode path inside each node)."""
