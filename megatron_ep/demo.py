@@ -103,7 +103,9 @@ def moe_distributed(buf, x, idx, probs, w1, w2, args, timings):
 
 
 def moe_dense(x, idx, probs, w1, w2):
-    y = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    # 0 * x, not a fresh zeros tensor: y stays in x's graph when no row picks an expert (a rank
+    # with no tokens), so its backward gives x a zero gradient instead of failing
+    y = x.double() * 0
     for k in range(idx.shape[1]):
         for e in idx[:, k].unique().tolist():
             if e < 0:
@@ -115,6 +117,10 @@ def moe_dense(x, idx, probs, w1, w2):
 
 
 def rel_err(a, b):
+    """|a - b| / |b|; inf when a is missing or of another shape (a gradient that never reached
+    x), 0 for two empty tensors (a rank with no tokens)."""
+    if a is None or b is None or a.shape != b.shape:
+        return float("inf")
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
@@ -144,7 +150,7 @@ def run(args):
         probs_d = torch.softmax(xd @ router.double(), dim=-1).gather(1, idx)
         yd = moe_dense(xd, idx, probs_d, w1, w2)
         (yd ** 2).sum().backward()
-        errs.append((rel_err(y, yd), rel_err(x.grad, xd.grad) if T else 0.0))
+        errs.append((rel_err(y, yd), rel_err(x.grad, xd.grad)))
     stats = dict(rank=rank, tokens=T, rows=out.handle.num_recv_rows,
                  per_expert=out.tokens_per_expert.tolist(), dispatch_ms=1e3 * min(t[0] for t in timings),
                  combine_ms=1e3 * min(t[1] for t in timings), fwd_err=max(e[0] for e in errs),
