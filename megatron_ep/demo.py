@@ -29,19 +29,19 @@ PROG = "python -m megatron_ep.demo"
 
 def build_parser() -> cli.ArgumentParser:
     p = cli.ArgumentParser(prog=PROG, description=__doc__)
-    p.add_argument("--ranks", type=int, default=4,
+    p.add_argument("--ranks", type=cli.integer(), default=4,
                    help="processes to start on this machine (gloo, CPU tensors); ignored under torchrun, which sets them")
     p.add_argument("--backend", default="auto", choices=["torch", "cuda", "auto"],
                    help="megatron_ep Buffer backend: torch (reference, anywhere), cuda (our kernels: a Hopper GPU, the "
                         "extension built, ranks on GPUs via torchrun), auto (cuda where it can run, else torch)")
-    p.add_argument("--tokens", type=int, default=96, help="tokens on rank 0 (the others get uneven counts)")
-    p.add_argument("--hidden", type=int, default=256, help="hidden size of a token")
-    p.add_argument("--ffn", type=int, default=128, help="intermediate size of each expert's MLP")
-    p.add_argument("--experts", type=int, default=16, help="experts in all (a multiple of the number of ranks)")
-    p.add_argument("--topk", type=int, default=4, help="experts per token (at most --experts)")
-    p.add_argument("--alignment", type=int, default=16, help="expert-major segments are padded to a multiple of this")
+    p.add_argument("--tokens", type=cli.integer(), default=96, help="tokens on rank 0 (the others get uneven counts)")
+    p.add_argument("--hidden", type=cli.integer(), default=256, help="hidden size of a token")
+    p.add_argument("--ffn", type=cli.integer(), default=128, help="intermediate size of each expert's MLP")
+    p.add_argument("--experts", type=cli.integer(), default=16, help="experts in all (a multiple of the number of ranks)")
+    p.add_argument("--topk", type=cli.integer(), default=4, help="experts per token (at most --experts)")
+    p.add_argument("--alignment", type=cli.integer(), default=16, help="expert-major segments are padded to a multiple of this")
     p.add_argument("--rank-major", action="store_true", help="rank-major dispatch + local permute instead of the fused permute")
-    p.add_argument("--steps", type=int, default=3, help="forward + backward steps (the table shows the best time)")
+    p.add_argument("--steps", type=cli.integer(), default=3, help="forward + backward steps (the table shows the best time)")
     return p
 
 
@@ -50,8 +50,8 @@ def parse_args(argv=None):
 
 
 def validate(args, world: int) -> None:
-    """Refuse, before any process starts, what would fail inside the ranks."""
-    cli.check_positive(args, "ranks", "tokens", "hidden", "ffn", "experts", "topk", "alignment", "steps")
+    """Refuse, before any process starts, what would fail inside the ranks (option types and
+    ranges are the parser's)."""
     cli.check(args.experts % world == 0,
               f"--experts {args.experts} must be a multiple of the number of ranks ({world}): each rank owns "
               "the same number of experts")

@@ -98,17 +98,17 @@ PROG = "scripts/ab_throughput.py"
 
 def build_parser() -> cli.ArgumentParser:
     p = cli.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--budget-factor", type=float, default=1.5,
+    p.add_argument("--budget-factor", type=cli.number(0, above=True), default=1.5,
                    help="hybridep-budget: rows per rank = factor x tokens x topk (default 1.5)")
     p.add_argument("--mode", choices=("train", "layer"), default="train",
                    help="train: train_moe.py's model and training step; layer: one MoE layer, forward + backward")
     p.add_argument("--backends", default="all", help=f"comma-separated subset of {','.join(BACKENDS)}, or all")
-    p.add_argument("--reps", type=int, default=3, help="repetitions (each runs every backend in turn)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per backend per repetition")
+    p.add_argument("--reps", type=cli.integer(), default=3, help="repetitions (each runs every backend in turn)")
+    p.add_argument("--warmup", type=cli.integer(0), default=2, help="untimed steps per backend per repetition")
     p.add_argument("--continue-reps", action="store_true",
                    help="train on across repetitions (default: each repetition restarts from the initial weights, "
                         "a fresh optimiser state and batch 0)")
-    p.add_argument("--loss-rtol", type=float, default=None,
+    p.add_argument("--loss-rtol", type=cli.number(0), default=None,
                    help="step-0 loss tolerance relative to the reference backend (default 1e-4 fp32, 5e-3 bf16)")
     p.add_argument("--png", default=None, help="write a bar chart here (default: none)")
     p.add_argument("--append-doc", default=None, metavar="MD",
@@ -126,15 +126,17 @@ def parse_args(argv=None):
     if bad or not keys:
         p.error(f"--backends: unknown {bad} (choose from {', '.join(BACKENDS)} or all)")
     args.backend_keys = list(dict.fromkeys(keys))
-    if args.reps < 1 or args.steps < 1 or args.warmup < 0:
-        p.error("--reps and --steps must be >= 1, --warmup >= 0")
     return args
 
 
 def validate(args, world: int) -> None:
-    """train_moe's checks (model shape against the world size), before any process group."""
+    """train_moe's checks (model shape against the world size) and the output paths, before
+    any process group (option types and ranges are the parser's)."""
     train_moe.validate(args, world)
-    cli.check(args.loss_rtol is None or args.loss_rtol >= 0, f"--loss-rtol must be >= 0, got {args.loss_rtol}")
+    if "hybridep-budget" in args.backend_keys:
+        rows = args.budget_factor * args.seq_len * args.micro_batch * args.topk
+        cli.check(rows >= 1, f"--budget-factor {args.budget_factor:g} gives a budget of {rows:g} rows per rank "
+                             "(factor x seq-len x micro-batch x topk): less than one row, so no budget at all")
     if args.png:
         try:
             import matplotlib  # noqa: F401
