@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_ep as mep
-from megatron_ep import cli
+from megatron_ep import cli, resources
 
 
 PROG = "python -m megatron_ep.demo"
@@ -42,6 +42,7 @@ def build_parser() -> cli.ArgumentParser:
     p.add_argument("--alignment", type=cli.integer(), default=16, help="expert-major segments are padded to a multiple of this")
     p.add_argument("--rank-major", action="store_true", help="rank-major dispatch + local permute instead of the fused permute")
     p.add_argument("--steps", type=cli.integer(), default=3, help="forward + backward steps (the table shows the best time)")
+    resources.add_force(p)
     return p
 
 
@@ -50,8 +51,8 @@ def parse_args(argv=None):
 
 
 def validate(args, world: int) -> None:
-    """Refuse, before any process starts, what would fail inside the ranks (option types and
-    ranges are the parser's)."""
+    """Refuse, before any process starts, what would fail inside the ranks or not fit on this
+    machine (option types and ranges are the parser's)."""
     cli.check(args.experts % world == 0,
               f"--experts {args.experts} must be a multiple of the number of ranks ({world}): each rank owns "
               "the same number of experts")
@@ -66,6 +67,9 @@ def validate(args, world: int) -> None:
                               f"sm_{major}{minor}: use --backend torch")
         cli.check(mep.cuda_backend_available(), "--backend cuda: megatron_ep's CUDA extension is not built here (see the "
                                                 "README, 'Use it in your own environment'); use --backend torch")
+    # the demo's own ranks are gloo on the CPU; under torchrun, NCCL on GPUs unless --backend torch
+    on_gpu = cli.world_size_from_env() is not None and args.backend != "torch" and torch.cuda.is_available()
+    resources.refuse_unless_fits(resources.demo_need(args, world, on_gpu), force=args.force)
 
 
 def expert_mlp(x, w1, w2):

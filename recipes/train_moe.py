@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from megatron_ep import cli  # noqa: E402
+from megatron_ep import cli, resources  # noqa: E402
 from recipes.comm_timer import CommTimer  # noqa: E402
 
 
@@ -82,7 +82,9 @@ def add_args(p: argparse.ArgumentParser, dispatcher: bool = True) -> argparse.Ar
 
 
 def build_parser() -> cli.ArgumentParser:
-    return add_args(cli.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0]))
+    p = add_args(cli.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0]))
+    resources.add_force(p)
+    return p
 
 
 def parse_args(argv=None):
@@ -130,6 +132,13 @@ def validate(args, world: int) -> None:
         cli.check(dispatcher == "hybridep" and (major, minor) >= (0, 19),
                   f"megatron-core {megatron.core.__version__} refuses the flex dispatcher ({dispatcher}) at TP x EP = 1: "
                   "use 2 or more ranks, hybridep with megatron-core >= 0.19, or --dispatcher alltoall")
+
+
+def check_resources(args, world: int) -> None:
+    """Refuse, before any process starts, a run that does not fit this machine (--force skips
+    it): the ranks run on the GPUs wherever CUDA is visible (init_distributed)."""
+    need = resources.moe_gpt_need(args, world, on_gpu=torch.cuda.is_available())
+    resources.refuse_unless_fits(need, force=args.force)
 
 
 def init_distributed(virtual_ranks: bool = False):
@@ -367,8 +376,10 @@ def main(argv=None) -> int:
     world = cli.world_size_from_env()
     if world is None:  # plain python: validate here, then start --nproc-per-node ranks of this command
         validate(args, args.nproc_per_node)
+        check_resources(args, args.nproc_per_node)
         return cli.launch(args.nproc_per_node, [sys.executable, os.path.abspath(__file__), *argv], prog=PROG)
     validate(args, world)
+    check_resources(args, world)
     on_gpu = init_distributed(args.virtual_ranks)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")

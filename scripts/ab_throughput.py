@@ -50,6 +50,7 @@ import argparse
 import copy
 import dataclasses
 import datetime
+import importlib.util
 import os
 import platform
 import resource
@@ -67,7 +68,7 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run from a checkout
 
-from megatron_ep import cli  # noqa: E402
+from megatron_ep import cli, resources  # noqa: E402
 from recipes import train_moe  # noqa: E402
 from recipes.comm_timer import CommTimer  # noqa: E402
 
@@ -114,6 +115,7 @@ def build_parser() -> cli.ArgumentParser:
     p.add_argument("--append-doc", default=None, metavar="MD",
                    help="append a dated section with the table to this Markdown file (default: none)")
     train_moe.add_args(p, dispatcher=False)
+    resources.add_force(p)
     p.set_defaults(steps=5)
     return p
 
@@ -130,8 +132,9 @@ def parse_args(argv=None):
 
 
 def validate(args, world: int) -> None:
-    """train_moe's checks (model shape against the world size) and the output paths, before
-    any process group (option types and ranges are the parser's)."""
+    """train_moe's checks (model shape against the world size), the output paths, and whether
+    the run fits this machine, before any process group (option types and ranges are the
+    parser's)."""
     train_moe.validate(args, world)
     if "hybridep-budget" in args.backend_keys:
         rows = args.budget_factor * args.seq_len * args.micro_batch * args.topk
@@ -145,6 +148,25 @@ def validate(args, world: int) -> None:
     for path in filter(None, (args.png, args.append_doc)):
         folder = os.path.dirname(os.path.abspath(path))
         cli.check(os.path.isdir(folder), f"{path}: no such directory {folder}")
+    # train_moe.init_distributed: the ranks use the GPUs wherever CUDA is visible
+    resources.refuse_unless_fits(resources_needed(args, world, torch.cuda.is_available()), force=args.force)
+
+
+def resources_needed(args, world: int, on_gpu: bool) -> resources.Need:
+    """Every backend built keeps its model and optimiser: count only those sure to build
+    (unavailable_reason: deep_ep's need it installed and GPUs, flex ones 2 or more ranks,
+    --virtual-ranks ours only)."""
+    deep_ep = on_gpu and importlib.util.find_spec("deep_ep") is not None
+
+    def builds(spec: BackendSpec) -> bool:
+        if args.virtual_ranks:
+            return bool(spec.ours) and world >= 2
+        return spec.ours is None or (world >= 2 and (spec.ours or deep_ep))
+
+    models = sum(builds(BACKENDS[k]) for k in args.backend_keys)
+    budget = args.budget_factor if "hybridep-budget" in args.backend_keys else None
+    return resources.moe_gpt_need(args, world, on_gpu, mode=args.mode, models=models,
+                                  initial_copy=not args.continue_reps, budget_factor=budget)
 
 
 # ------------------------------------------------------------------------------ availability

@@ -59,6 +59,16 @@ BAD_ARGUMENTS = [
     ("Megatron launcher: script", [PY, "-m", "megatron_ep.megatron.launch", "no_such_pretrain_gpt.py"],
      ["no such script: no_such_pretrain_gpt.py"]),
     ("model: FP8 hidden", [PY, "-m", "megatron_ep.model", "--hidden", "100"], ["--hidden 100", "multiple of 128"]),
+    # what no machine runs is refused before a process starts (the estimate's own tests:
+    # test_resources.py, against given machines)
+    ("demo: processes past the cores", [PY, "-m", "megatron_ep.demo", "--ranks", "4096", "--experts", "4096"],
+     ["4096 processes on this machine are more than", "per core", "--force"]),
+    ("demo: weights past the memory", [PY, "-m", "megatron_ep.demo", "--experts", "10000000"],
+     ["needs about", "expert weights", "available", "--force"]),
+    ("recipe: processes past the cores", [PY, "recipes/train_moe.py", "--nproc-per-node", "4096", "--experts", "4096"],
+     ["4096 processes on this machine are more than", "--force"]),
+    ("recipe: sequence past the memory", [PY, "recipes/train_moe.py", "--seq-len", "100000000"],
+     ["needs about", "attention activations", "--force"]),
     ("A/B: budget factor nan", [PY, "scripts/ab_throughput.py", "--budget-factor", "nan"],
      ["argument --budget-factor: must be a finite number > 0, got 'nan'"]),
     ("A/B: budget factor -1", [PY, "scripts/ab_throughput.py", "--budget-factor", "-1"],
@@ -121,6 +131,15 @@ def test_under_torchrun_rank_0_says_a_bad_argument():
     assert c0 == 2 and out0 == ["python -m megatron_ep.demo: error: --experts 10 must be a multiple of the number of "
                                 "ranks (4): each rank owns the same number of experts"], out0
     assert c1 == 2 and out1 == [], out1
+
+
+def test_under_torchrun_a_rank_refuses_what_this_machine_cannot_run():
+    """The estimate counts the launcher's ranks on this machine (LOCAL_WORLD_SIZE) and refuses
+    before the rank joins a process group."""
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4096", "LOCAL_WORLD_SIZE": "4096"}
+    code, lines = _finish(_start([PY, "-m", "megatron_ep.demo", "--experts", "4096"], env))
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("python -m megatron_ep.demo: error: 4096 processes on this machine are more than"), lines
 
 
 def test_recipe_runs_quietly_through_its_own_launcher():
