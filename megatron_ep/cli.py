@@ -2,6 +2,8 @@
 
 * `ArgumentParser`: `--help` shows every option's default; a bad argument prints one line
   (`prog: error: ...`) instead of the whole usage; `--debug` is added.
+* `integer(min, max)`, `number(min)`: option types that hold an option's range (finite floats
+  only), so argparse refuses a bad value, naming the option, before anything runs.
 * `run_main(main)`: runs an entry point. A failure prints one line naming the problem and
   returns a non-zero exit status (2 for a bad argument, 1 otherwise); `--debug` or
   `MEP_DEBUG_TRACEBACK=1` adds the traceback. In a multi-rank run one rank says it.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import socket
@@ -43,12 +46,43 @@ def check(cond: bool, message: str) -> None:
         raise UsageError(message)
 
 
-def check_positive(args: argparse.Namespace, *names: str, minimum: float = 1) -> None:
-    """Each `args.<name>` (when not None) must be >= minimum; named as its option."""
-    for name in names:
-        value = getattr(args, name, None)
-        if value is not None and value < minimum:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= {minimum:g}, got {value}")
+# ------------------------------------------------------------------------- option types
+# The type and range of an option live in its add_argument(type=...): argparse applies them to
+# every value given, before main() runs, and a bad one is one line naming the option
+# ("argument --lr: must be a finite number > 0, got 'inf'").
+def integer(minimum: int = 1, maximum: Optional[int] = None) -> Callable[[str], int]:
+    """argparse type: an int in [minimum, maximum]."""
+    wanted = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer {wanted}, got {text!r}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            raise argparse.ArgumentTypeError(f"must be an integer {wanted}, got {value}")
+        return value
+
+    parse.bounds = (minimum, maximum)  # read by the tests that every numeric option is bounded
+    return parse
+
+
+def number(minimum: float = 0.0, *, above: bool = False) -> Callable[[str], float]:
+    """argparse type: a finite float >= minimum (> minimum with above=True). float() alone
+    takes "nan" and "inf", which no option of ours means."""
+    wanted = f"{'>' if above else '>='} {minimum:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < minimum or (above and value == minimum):
+            raise argparse.ArgumentTypeError(f"must be a finite number {wanted}, got {text!r}")
+        return value
+
+    parse.bounds = (float(minimum), None)
+    return parse
 
 
 # --------------------------------------------------------------------------------- parsing

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_ep as mep
-from megatron_ep import cli
+from megatron_ep import cli, resources
 
 
 PROG = "python -m megatron_ep.demo"
@@ -29,19 +29,20 @@ PROG = "python -m megatron_ep.demo"
 
 def build_parser() -> cli.ArgumentParser:
     p = cli.ArgumentParser(prog=PROG, description=__doc__)
-    p.add_argument("--ranks", type=int, default=4,
+    p.add_argument("--ranks", type=cli.integer(), default=4,
                    help="processes to start on this machine (gloo, CPU tensors); ignored under torchrun, which sets them")
     p.add_argument("--backend", default="auto", choices=["torch", "cuda", "auto"],
                    help="megatron_ep Buffer backend: torch (reference, anywhere), cuda (our kernels: a Hopper GPU, the "
                         "extension built, ranks on GPUs via torchrun), auto (cuda where it can run, else torch)")
-    p.add_argument("--tokens", type=int, default=96, help="tokens on rank 0 (the others get uneven counts)")
-    p.add_argument("--hidden", type=int, default=256, help="hidden size of a token")
-    p.add_argument("--ffn", type=int, default=128, help="intermediate size of each expert's MLP")
-    p.add_argument("--experts", type=int, default=16, help="experts in all (a multiple of the number of ranks)")
-    p.add_argument("--topk", type=int, default=4, help="experts per token (at most --experts)")
-    p.add_argument("--alignment", type=int, default=16, help="expert-major segments are padded to a multiple of this")
+    p.add_argument("--tokens", type=cli.integer(), default=96, help="tokens on rank 0 (the others get uneven counts)")
+    p.add_argument("--hidden", type=cli.integer(), default=256, help="hidden size of a token")
+    p.add_argument("--ffn", type=cli.integer(), default=128, help="intermediate size of each expert's MLP")
+    p.add_argument("--experts", type=cli.integer(), default=16, help="experts in all (a multiple of the number of ranks)")
+    p.add_argument("--topk", type=cli.integer(), default=4, help="experts per token (at most --experts)")
+    p.add_argument("--alignment", type=cli.integer(), default=16, help="expert-major segments are padded to a multiple of this")
     p.add_argument("--rank-major", action="store_true", help="rank-major dispatch + local permute instead of the fused permute")
-    p.add_argument("--steps", type=int, default=3, help="forward + backward steps (the table shows the best time)")
+    p.add_argument("--steps", type=cli.integer(), default=3, help="forward + backward steps (the table shows the best time)")
+    resources.add_force(p)
     return p
 
 
@@ -50,8 +51,8 @@ def parse_args(argv=None):
 
 
 def validate(args, world: int) -> None:
-    """Refuse, before any process starts, what would fail inside the ranks."""
-    cli.check_positive(args, "ranks", "tokens", "hidden", "ffn", "experts", "topk", "alignment", "steps")
+    """Refuse, before any process starts, what would fail inside the ranks or not fit on this
+    machine (option types and ranges are the parser's)."""
     cli.check(args.experts % world == 0,
               f"--experts {args.experts} must be a multiple of the number of ranks ({world}): each rank owns "
               "the same number of experts")
@@ -66,6 +67,9 @@ def validate(args, world: int) -> None:
                               f"sm_{major}{minor}: use --backend torch")
         cli.check(mep.cuda_backend_available(), "--backend cuda: megatron_ep's CUDA extension is not built here (see the "
                                                 "README, 'Use it in your own environment'); use --backend torch")
+    # the demo's own ranks are gloo on the CPU; under torchrun, NCCL on GPUs unless --backend torch
+    on_gpu = cli.world_size_from_env() is not None and args.backend != "torch" and torch.cuda.is_available()
+    resources.refuse_unless_fits(resources.demo_need(args, world, on_gpu), force=args.force)
 
 
 def expert_mlp(x, w1, w2):
@@ -103,7 +107,9 @@ def moe_distributed(buf, x, idx, probs, w1, w2, args, timings):
 
 
 def moe_dense(x, idx, probs, w1, w2):
-    y = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    # 0 * x, not a fresh zeros tensor: y stays in x's graph when no row picks an expert (a rank
+    # with no tokens), so its backward gives x a zero gradient instead of failing
+    y = x.double() * 0
     for k in range(idx.shape[1]):
         for e in idx[:, k].unique().tolist():
             if e < 0:
@@ -115,6 +121,10 @@ def moe_dense(x, idx, probs, w1, w2):
 
 
 def rel_err(a, b):
+    """|a - b| / |b|; inf when a is missing or of another shape (a gradient that never reached
+    x), 0 for two empty tensors (a rank with no tokens)."""
+    if a is None or b is None or a.shape != b.shape:
+        return float("inf")
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
@@ -144,7 +154,7 @@ def run(args):
         probs_d = torch.softmax(xd @ router.double(), dim=-1).gather(1, idx)
         yd = moe_dense(xd, idx, probs_d, w1, w2)
         (yd ** 2).sum().backward()
-        errs.append((rel_err(y, yd), rel_err(x.grad, xd.grad) if T else 0.0))
+        errs.append((rel_err(y, yd), rel_err(x.grad, xd.grad)))
     stats = dict(rank=rank, tokens=T, rows=out.handle.num_recv_rows,
                  per_expert=out.tokens_per_expert.tolist(), dispatch_ms=1e3 * min(t[0] for t in timings),
                  combine_ms=1e3 * min(t[1] for t in timings), fwd_err=max(e[0] for e in errs),

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from megatron_ep import cli  # noqa: E402
+from megatron_ep import cli, resources  # noqa: E402
 from recipes.comm_timer import CommTimer  # noqa: E402
 
 
@@ -46,7 +46,7 @@ def add_args(p: argparse.ArgumentParser, dispatcher: bool = True) -> argparse.Ar
         p.add_argument("--dispatcher", choices=("alltoall", "deepep", "hybridep"), default="hybridep",
                        help="alltoall: Megatron's own dispatcher; deepep / hybridep: Megatron's flex dispatcher with "
                             "megatron_ep's managers (rank-major + local permute / permute fused into dispatch)")
-    p.add_argument("--nproc-per-node", type=int, default=2,
+    p.add_argument("--nproc-per-node", type=cli.integer(), default=2,
                    help="ranks to start on this machine when run with plain python (as torchrun --nproc-per-node "
                         "would; one GPU each where there are GPUs); ignored under torchrun")
     p.add_argument("--backend", choices=("auto", "torch", "cuda"), default="auto",
@@ -54,22 +54,22 @@ def add_args(p: argparse.ArgumentParser, dispatcher: bool = True) -> argparse.Ar
                         "built), auto (cuda where it can run, else torch)")
     p.add_argument("--experts-impl", choices=("grouped", "sequential"), default="grouped",
                    help="megatron_ep GroupedGemmExperts, or Megatron's SequentialMLP")
-    p.add_argument("--steps", type=int, default=6, help="training steps")
-    p.add_argument("--layers", type=int, default=3, help="transformer layers: the first dense, the rest MoE (at least 2)")
-    p.add_argument("--hidden", type=int, default=64, help="hidden size (a multiple of --heads)")
-    p.add_argument("--heads", type=int, default=4, help="attention heads")
-    p.add_argument("--ffn", type=int, default=128, help="dense-layer FFN size")
-    p.add_argument("--expert-ffn", type=int, default=32, help="FFN size of each expert and of the shared expert")
-    p.add_argument("--experts", type=int, default=8, help="routed experts per MoE layer (a multiple of the world size)")
-    p.add_argument("--topk", type=int, default=2,
+    p.add_argument("--steps", type=cli.integer(), default=6, help="training steps")
+    p.add_argument("--layers", type=cli.integer(2), default=3, help="transformer layers: the first dense, the rest MoE (at least 2)")
+    p.add_argument("--hidden", type=cli.integer(), default=64, help="hidden size (a multiple of --heads)")
+    p.add_argument("--heads", type=cli.integer(), default=4, help="attention heads")
+    p.add_argument("--ffn", type=cli.integer(), default=128, help="dense-layer FFN size")
+    p.add_argument("--expert-ffn", type=cli.integer(), default=32, help="FFN size of each expert and of the shared expert")
+    p.add_argument("--experts", type=cli.integer(), default=8, help="routed experts per MoE layer (a multiple of the world size)")
+    p.add_argument("--topk", type=cli.integer(), default=2,
                    help="experts per token (at most --group-topk x experts per rank: one router group per rank)")
-    p.add_argument("--group-topk", type=int, default=None,
+    p.add_argument("--group-topk", type=cli.integer(), default=None,
                    help="router groups (= EP ranks) a token may use; default: half the ranks, at least 1")
-    p.add_argument("--vocab", type=int, default=256, help="vocabulary size of the synthetic tokens")
-    p.add_argument("--seq-len", type=int, default=32, help="sequence length")
-    p.add_argument("--micro-batch", type=int, default=2, help="sequences per rank and step")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
-    p.add_argument("--seed", type=int, default=1234, help="seed of the weights and the synthetic data")
+    p.add_argument("--vocab", type=cli.integer(), default=256, help="vocabulary size of the synthetic tokens")
+    p.add_argument("--seq-len", type=cli.integer(), default=32, help="sequence length")
+    p.add_argument("--micro-batch", type=cli.integer(), default=2, help="sequences per rank and step")
+    p.add_argument("--lr", type=cli.number(0, above=True), default=3e-3, help="AdamW learning rate")
+    p.add_argument("--seed", type=cli.integer(0, 2**32 - 1), default=1234, help="seed of the weights and the synthetic data")
     p.add_argument("--no-time-comm", dest="time_comm", action="store_false", help="skip the dispatch/combine timers")
     p.add_argument("--shared-expert-overlap", action="store_true",
                    help="Megatron's moe_shared_expert_overlap: the shared expert runs on its own CUDA stream while "
@@ -82,7 +82,9 @@ def add_args(p: argparse.ArgumentParser, dispatcher: bool = True) -> argparse.Ar
 
 
 def build_parser() -> cli.ArgumentParser:
-    return add_args(cli.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0]))
+    p = add_args(cli.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0]))
+    resources.add_force(p)
+    return p
 
 
 def parse_args(argv=None):
@@ -92,10 +94,6 @@ def parse_args(argv=None):
 def validate(args, world: int) -> None:
     """Refuse, before any process group or model exists, what would fail later inside
     Megatron or the ranks (cli.UsageError, one line). `world`: the number of ranks."""
-    cli.check_positive(args, "nproc_per_node", "steps", "hidden", "heads", "ffn", "expert_ffn", "experts", "topk",
-                       "group_topk", "vocab", "seq_len", "micro_batch")
-    cli.check_positive(args, "layers", minimum=2)
-    cli.check(args.lr > 0, f"--lr must be > 0, got {args.lr}")
     cli.check(args.hidden % args.heads == 0, f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
     cli.check(args.experts % world == 0,
               f"--experts {args.experts} must be a multiple of the world size {world}: each rank owns the same "
@@ -134,6 +132,13 @@ def validate(args, world: int) -> None:
         cli.check(dispatcher == "hybridep" and (major, minor) >= (0, 19),
                   f"megatron-core {megatron.core.__version__} refuses the flex dispatcher ({dispatcher}) at TP x EP = 1: "
                   "use 2 or more ranks, hybridep with megatron-core >= 0.19, or --dispatcher alltoall")
+
+
+def check_resources(args, world: int) -> None:
+    """Refuse, before any process starts, a run that does not fit this machine (--force skips
+    it): the ranks run on the GPUs wherever CUDA is visible (init_distributed)."""
+    need = resources.moe_gpt_need(args, world, on_gpu=torch.cuda.is_available())
+    resources.refuse_unless_fits(need, force=args.force)
 
 
 def init_distributed(virtual_ranks: bool = False):
@@ -371,8 +376,10 @@ def main(argv=None) -> int:
     world = cli.world_size_from_env()
     if world is None:  # plain python: validate here, then start --nproc-per-node ranks of this command
         validate(args, args.nproc_per_node)
+        check_resources(args, args.nproc_per_node)
         return cli.launch(args.nproc_per_node, [sys.executable, os.path.abspath(__file__), *argv], prog=PROG)
     validate(args, world)
+    check_resources(args, world)
     on_gpu = init_distributed(args.virtual_ranks)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")

@@ -50,6 +50,7 @@ import argparse
 import copy
 import dataclasses
 import datetime
+import importlib.util
 import os
 import platform
 import resource
@@ -67,7 +68,7 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run from a checkout
 
-from megatron_ep import cli  # noqa: E402
+from megatron_ep import cli, resources  # noqa: E402
 from recipes import train_moe  # noqa: E402
 from recipes.comm_timer import CommTimer  # noqa: E402
 
@@ -98,22 +99,23 @@ PROG = "scripts/ab_throughput.py"
 
 def build_parser() -> cli.ArgumentParser:
     p = cli.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--budget-factor", type=float, default=1.5,
+    p.add_argument("--budget-factor", type=cli.number(0, above=True), default=1.5,
                    help="hybridep-budget: rows per rank = factor x tokens x topk (default 1.5)")
     p.add_argument("--mode", choices=("train", "layer"), default="train",
                    help="train: train_moe.py's model and training step; layer: one MoE layer, forward + backward")
     p.add_argument("--backends", default="all", help=f"comma-separated subset of {','.join(BACKENDS)}, or all")
-    p.add_argument("--reps", type=int, default=3, help="repetitions (each runs every backend in turn)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per backend per repetition")
+    p.add_argument("--reps", type=cli.integer(), default=3, help="repetitions (each runs every backend in turn)")
+    p.add_argument("--warmup", type=cli.integer(0), default=2, help="untimed steps per backend per repetition")
     p.add_argument("--continue-reps", action="store_true",
                    help="train on across repetitions (default: each repetition restarts from the initial weights, "
                         "a fresh optimiser state and batch 0)")
-    p.add_argument("--loss-rtol", type=float, default=None,
+    p.add_argument("--loss-rtol", type=cli.number(0), default=None,
                    help="step-0 loss tolerance relative to the reference backend (default 1e-4 fp32, 5e-3 bf16)")
     p.add_argument("--png", default=None, help="write a bar chart here (default: none)")
     p.add_argument("--append-doc", default=None, metavar="MD",
                    help="append a dated section with the table to this Markdown file (default: none)")
     train_moe.add_args(p, dispatcher=False)
+    resources.add_force(p)
     p.set_defaults(steps=5)
     return p
 
@@ -126,15 +128,18 @@ def parse_args(argv=None):
     if bad or not keys:
         p.error(f"--backends: unknown {bad} (choose from {', '.join(BACKENDS)} or all)")
     args.backend_keys = list(dict.fromkeys(keys))
-    if args.reps < 1 or args.steps < 1 or args.warmup < 0:
-        p.error("--reps and --steps must be >= 1, --warmup >= 0")
     return args
 
 
 def validate(args, world: int) -> None:
-    """train_moe's checks (model shape against the world size), before any process group."""
+    """train_moe's checks (model shape against the world size), the output paths, and whether
+    the run fits this machine, before any process group (option types and ranges are the
+    parser's)."""
     train_moe.validate(args, world)
-    cli.check(args.loss_rtol is None or args.loss_rtol >= 0, f"--loss-rtol must be >= 0, got {args.loss_rtol}")
+    if "hybridep-budget" in args.backend_keys:
+        rows = args.budget_factor * args.seq_len * args.micro_batch * args.topk
+        cli.check(rows >= 1, f"--budget-factor {args.budget_factor:g} gives a budget of {rows:g} rows per rank "
+                             "(factor x seq-len x micro-batch x topk): less than one row, so no budget at all")
     if args.png:
         try:
             import matplotlib  # noqa: F401
@@ -143,6 +148,25 @@ def validate(args, world: int) -> None:
     for path in filter(None, (args.png, args.append_doc)):
         folder = os.path.dirname(os.path.abspath(path))
         cli.check(os.path.isdir(folder), f"{path}: no such directory {folder}")
+    # train_moe.init_distributed: the ranks use the GPUs wherever CUDA is visible
+    resources.refuse_unless_fits(resources_needed(args, world, torch.cuda.is_available()), force=args.force)
+
+
+def resources_needed(args, world: int, on_gpu: bool) -> resources.Need:
+    """Every backend built keeps its model and optimiser: count only those sure to build
+    (unavailable_reason: deep_ep's need it installed and GPUs, flex ones 2 or more ranks,
+    --virtual-ranks ours only)."""
+    deep_ep = on_gpu and importlib.util.find_spec("deep_ep") is not None
+
+    def builds(spec: BackendSpec) -> bool:
+        if args.virtual_ranks:
+            return bool(spec.ours) and world >= 2
+        return spec.ours is None or (world >= 2 and (spec.ours or deep_ep))
+
+    models = sum(builds(BACKENDS[k]) for k in args.backend_keys)
+    budget = args.budget_factor if "hybridep-budget" in args.backend_keys else None
+    return resources.moe_gpt_need(args, world, on_gpu, mode=args.mode, models=models,
+                                  initial_copy=not args.continue_reps, budget_factor=budget)
 
 
 # ------------------------------------------------------------------------------ availability

@@ -12,3 +12,12 @@ def test_demo_matches_dense(pools, R, argv):
     for s in stats:
         assert s["fwd_err"] < 2e-2 and s["grad_err"] < 2e-2, s
     assert sum(s["rows"] for s in stats) > 0
+
+
+def test_demo_with_a_rank_without_tokens(pools):
+    """--tokens 30 at 4 ranks leaves rank 2 with none: its dense reference and its distributed
+    layer still run forward and backward (an empty gradient, no error), the others match."""
+    stats = pools(4).run(cases.run_demo, ["--backend", "torch", "--tokens", "30", "--steps", "1"])[0]
+    assert [s["tokens"] for s in stats] == [30, 13, 0, 10], stats
+    for s in stats:
+        assert s["fwd_err"] < 2e-2 and s["grad_err"] < 2e-2, s

@@ -59,6 +59,22 @@ BAD_ARGUMENTS = [
     ("Megatron launcher: script", [PY, "-m", "megatron_ep.megatron.launch", "no_such_pretrain_gpt.py"],
      ["no such script: no_such_pretrain_gpt.py"]),
     ("model: FP8 hidden", [PY, "-m", "megatron_ep.model", "--hidden", "100"], ["--hidden 100", "multiple of 128"]),
+    # what no machine runs is refused before a process starts (the estimate's own tests:
+    # test_resources.py, against given machines)
+    ("demo: processes past the cores", [PY, "-m", "megatron_ep.demo", "--ranks", "4096", "--experts", "4096"],
+     ["4096 processes on this machine are more than", "per core", "--force"]),
+    ("demo: weights past the memory", [PY, "-m", "megatron_ep.demo", "--experts", "10000000"],
+     ["needs about", "expert weights", "available", "--force"]),
+    ("recipe: processes past the cores", [PY, "recipes/train_moe.py", "--nproc-per-node", "4096", "--experts", "4096"],
+     ["4096 processes on this machine are more than", "--force"]),
+    ("recipe: sequence past the memory", [PY, "recipes/train_moe.py", "--seq-len", "100000000"],
+     ["needs about", "attention activations", "--force"]),
+    ("A/B: budget factor nan", [PY, "scripts/ab_throughput.py", "--budget-factor", "nan"],
+     ["argument --budget-factor: must be a finite number > 0, got 'nan'"]),
+    ("A/B: budget factor -1", [PY, "scripts/ab_throughput.py", "--budget-factor", "-1"],
+     ["argument --budget-factor: must be a finite number > 0, got '-1'"]),
+    ("A/B: budget under one row", [PY, "scripts/ab_throughput.py", "--backends", "hybridep-budget", "--budget-factor",
+                                   "0.001"], ["--budget-factor 0.001 gives a budget of 0.128 rows", "less than one row"]),
 ]
 
 
@@ -115,6 +131,15 @@ def test_under_torchrun_rank_0_says_a_bad_argument():
     assert c0 == 2 and out0 == ["python -m megatron_ep.demo: error: --experts 10 must be a multiple of the number of "
                                 "ranks (4): each rank owns the same number of experts"], out0
     assert c1 == 2 and out1 == [], out1
+
+
+def test_under_torchrun_a_rank_refuses_what_this_machine_cannot_run():
+    """The estimate counts the launcher's ranks on this machine (LOCAL_WORLD_SIZE) and refuses
+    before the rank joins a process group."""
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4096", "LOCAL_WORLD_SIZE": "4096"}
+    code, lines = _finish(_start([PY, "-m", "megatron_ep.demo", "--experts", "4096"], env))
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("python -m megatron_ep.demo: error: 4096 processes on this machine are more than"), lines
 
 
 def test_recipe_runs_quietly_through_its_own_launcher():
@@ -254,3 +279,32 @@ def test_every_option_has_a_description_and_its_default(name):
         if action.default not in (None, False, argparse.SUPPRESS) and action.nargs != 0:
             shown = parser._get_formatter()._expand_help(action)  # the text --help prints for it
             assert "default" in shown, f"{name}: {flag} does not show its default {action.default!r}: {shown}"
+
+
+@pytest.mark.parametrize("name", ["demo", "train_moe", "ab_throughput"])
+def test_every_numeric_option_is_range_checked(name, capsys):
+    """Each int or float option of the entry points that start ranks has a range (cli.integer /
+    cli.number) holding its default; a value below it, and nan / inf for a float, end the parse
+    (exit status 2) with one line naming the option, before anything runs."""
+    parser = _parsers()[name]
+    checked = 0
+    for action in parser._actions:
+        if not action.option_strings or action.type is None:
+            continue
+        flag = action.option_strings[-1]
+        assert action.type not in (int, float), f"{name}: {flag} has no range (type={action.type.__name__})"
+        bounds = getattr(action.type, "bounds", None)
+        if bounds is None:
+            continue
+        low, high = bounds
+        if action.default is not None:
+            assert low <= action.default and (high is None or action.default <= high), (name, flag, action.default)
+        is_float = isinstance(low, float)
+        bad = [str(low - 1)] + (["nan", "inf"] if is_float else [str(high + 1)] if high is not None else [])
+        for value in bad:
+            with pytest.raises(SystemExit) as e:
+                parser.parse_args([flag, value])
+            err = capsys.readouterr().err.strip()
+            assert e.value.code == 2 and len(err.splitlines()) == 1 and f"argument {flag}: must be" in err, (flag, value, err)
+        checked += 1
+    assert checked >= {"demo": 8, "train_moe": 14, "ab_throughput": 17}[name], checked
