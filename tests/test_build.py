@@ -39,4 +39,5 @@ def test_protocol_module_plans_regions():
     worst = protocol.worst_expert_major_rows(8, 4096, 8, 256, 128)
     assert worst == 8 * 4096 * 8 + 32 * 127 and plan["comb_rows"] >= worst
     assert plan["comb_x"] + plan["comb_rows"] * plan["comb_row_bytes"] <= plan["comb_w"]
-    assert protocol.SIG_FIELDS[:2] == ["op", "seq"] and protocol.SLOT["call"] == 0
+    # the Buffer first: ranks on different Buffers are told so, whatever else differs
+    assert protocol.SIG_FIELDS[:3] == ["buffer", "op", "seq"] and protocol.SLOT["call"] == 0
