@@ -762,7 +762,7 @@ def _fuzz_one(c, cuda, ref, R, rank, device) -> list:
 def run_soak(cfg: dict) -> list:
     """`iters` dispatch + combine rounds with changing routing (both layouts, sometimes cached):
     every round trip of all-ones exact (checked on the device, one sync at the end), a full
-    oracle check every 1000 rounds, and memory flat: allocated bytes and the pool's free bytes
+    oracle check every 1000 rounds and at the last, and memory flat: allocated bytes and the pool's free bytes
     equal after the warm-up and at the end."""
     R, rank = dist.get_world_size(), dist.get_rank()
     E, K, H = cfg["E"], cfg["K"], cfg["H"]
@@ -790,7 +790,7 @@ def run_soak(cfg: dict) -> list:
             dst = torch.where(valid, idx // L, R)
             want = torch.nn.functional.one_hot(dst, R + 1)[..., :R].amax(1).sum(1)
         bad += (back.x.float() != want.unsqueeze(1).float()).any(dim=1).sum()
-        if it % 1000 == 999:
+        if it % 1000 == 999 or it == cfg["iters"] - 1:  # (and the last round, for a short soak)
             torch.cuda.synchronize()
             exp = (expected_expert_major if permute else expected_rank_major)(*_gather_inputs(x, idx, R), rank, R, E,
                                                                               *([16] if permute else []))

@@ -100,10 +100,10 @@ def test_faults(R):
 
 @pytest.mark.parametrize("R", [2, 4, 8])
 def test_fuzz(R):
-    """MEP_FUZZ_CASES (default 100; the gate's long mode: 1000) random routings, both layouts,
+    """MEP_FUZZ_CASES (default 60; the gate's long mode: 1000) random routings, both layouts,
     bit-exact against the torch backend; a failing seed is printed with its inputs (add it to
     case_lists.FUZZ_REGRESSIONS)."""
-    n = int(os.environ.get("MEP_FUZZ_CASES", "100"))
+    n = int(os.environ.get("MEP_FUZZ_CASES", "60"))
     seeds = [dict(cases=1, seed=s) for s in FUZZ_REGRESSIONS] + [dict(cases=n, seed=100000 * R)]
     errors = []
     for cfg in seeds:
@@ -120,8 +120,8 @@ def test_pool_takeover(R):
 
 @pytest.mark.parametrize("R", [2])
 def test_soak(R):
-    """MEP_SOAK_ITERS (default 1000; the gate's long mode: 10000) rounds with changing routing."""
-    cfg = dict(seed=11, E=8 * R, K=6, H=256, t_max=40, iters=int(os.environ.get("MEP_SOAK_ITERS", "1000")), warmup=200)
+    """MEP_SOAK_ITERS (default 600; the gate's long mode: 10000) rounds with changing routing."""
+    cfg = dict(seed=11, E=8 * R, K=6, H=256, t_max=40, iters=int(os.environ.get("MEP_SOAK_ITERS", "600")), warmup=200)
     errors = flat(pool_(R).run(cases.run_soak, cfg, timeout=900))
     assert not errors, "\n".join(errors[:20])
 
