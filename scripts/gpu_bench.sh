@@ -26,6 +26,7 @@
 # snapshot, never part of this repository), DeepEP's intranode build starts in the background
 # and the bench phase waits for it; likewise .carry/build_deepgemm.sh for the deepgemm phase.
 set -uo pipefail
+case "${1:-}" in -h|--help) sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | grep '^#' | sed 's/^# \{0,1\}//'; exit 0 ;; esac
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 OUT=${OUT:-$ROOT/.gpu_out}

@@ -23,7 +23,11 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 MODE=${1:-gate}
-case "$MODE" in gate|long) ;; *) echo "usage: $0 [gate|long]" >&2; exit 2 ;; esac
+case "$MODE" in
+  gate|long) ;;
+  -h|--help) sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | grep '^#' | sed 's/^# \{0,1\}//'; exit 0 ;;
+  *) echo "usage: $0 [gate|long] (--help says more)" >&2; exit 2 ;;
+esac
 OUT=${OUT:-$ROOT/.gpu_out}
 LOGS=/tmp/mep-gate-logs  # packed into $OUT/logs.tar.gz at the end (a device call brings few files back)
 rm -rf "$LOGS"; mkdir -p "$OUT" "$LOGS"
