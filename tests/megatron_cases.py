@@ -495,45 +495,46 @@ def run_moe_layer_graph_case(case):
 
 
 # ------------------------------------------------------------------ static budget (0.19 knob)
-@guarded
-def run_rank_budget_case(case):
-    """hybridep with moe_expert_rank_capacity_factor: exactly `budget` rows per rank, rows past
-    it dropped and counted, against a dense oracle of which (token, expert) pairs survive.
-    megatron-core 0.16 has no such config field: there the manager is driven directly."""
-    with cpu_shims():
-        _init_megatron()
-        from megatron_ep.megatron import compat
+def budget_oracle_rows(case, R, L, align, grown=0):
+    """The documented budget, re-derived: room for int(T * topk * factor) real rows (T: the
+    largest token count over the group, so every rank budgets alike, T = 0 ranks included),
+    plus align - 1 pad rows per local expert, rounded up to the alignment, at least one
+    alignment; `grown` real rows at least after a grow_recv_capacity."""
+    real = max(int(max(case["Ts"]) * case["K"] * case["factor"]), grown)
+    rows = real + L * (align - 1)
+    return max(rows + (-rows % align), align)
 
-        R, r = dist.get_world_size(), dist.get_rank()
-        E, K, H, f = case["E"], case["K"], case["H"], case["factor"]
-        L = E // R
-        inputs, W, upstream, probs_full = _global_problem(case)
-        mine = inputs[r]
-        routing_map = _routing_map(mine["idx"], E)
-        feats = compat.features()
-        # 0.19 accepts the knob for hybridep only with TE's op fuser (its static-shape expert
-        # path); the flag changes nothing in the dispatcher itself.
-        extra = {"moe_expert_rank_capacity_factor": f, "use_transformer_engine_op_fuser": True} if feats.rank_capacity_factor else {}
-        disp = _make_dispatcher("hybridep", E, K, H, **extra)
-        mgr = disp._comm_manager
-        if not feats.rank_capacity_factor:
-            mgr.moe_expert_rank_capacity_factor = f
-        align = mgr.align = case["align"]
-        x = mine["x"].clone().requires_grad_(True)
-        probs_leaf = probs_full[r].clone().requires_grad_(True)
-        got = _run_dispatcher(disp, x, routing_map, probs_leaf, W[r * L:(r + 1) * L], upstream[r])
-        flag, ndrop = bool(mgr.over_budget.item()), int(mgr.num_dropped_rows.item())
-        disp_flag = disp.check_over_budget() if feats.dispatcher_over_budget else None
-        dist.barrier()
 
-    # Oracle: rank q keeps the first budget_q rows of its expert-major layout.
-    errors, tag = [], f"[R={R} rank={r} factor={f} align={align}]"
-    kept, dropped_real = set(), {}
+def _budget_dispatcher(case, f):
+    """A flex hybridep dispatcher with moe_expert_rank_capacity_factor = f (0.16 has no such
+    config field: there the manager is driven directly); the alignment forced to case["align"]."""
+    from megatron_ep.megatron import compat
+
+    feats = compat.features()
+    # 0.19 accepts the knob for hybridep only with TE's op fuser (main: or moe_use_grouped_tensor);
+    # the flag changes nothing in the dispatcher itself.
+    extra = {"moe_expert_rank_capacity_factor": f, "use_transformer_engine_op_fuser": True} if feats.rank_capacity_factor else {}
+    extra.update(case.get("config", {}))
+    disp = _make_dispatcher("hybridep", case["E"], case["K"], case["H"], **extra)
+    mgr = disp._comm_manager
+    if not feats.rank_capacity_factor:
+        mgr.moe_expert_rank_capacity_factor = mgr._factor = f
+    mgr.align = case["align"]
+    return disp, mgr
+
+
+def _budget_expected(case, inputs, W, upstream, probs_full, grown=0):
+    """What a budgeted dispatch must give on this rank: each rank q keeps the first budget rows
+    of its expert-major layout; returns (errors-free expectations) as a dict."""
+    R, r = dist.get_world_size(), dist.get_rank()
+    E, K, H, align = case["E"], case["K"], case["H"], case["align"]
+    L = E // R
+    budget = budget_oracle_rows(case, R, L, align, grown)
+    kept, dropped_real, needed = set(), {}, {}
     for q in range(R):
         exp = expected_expert_major(inputs, q, R, E, align)
-        budget = int(case["Ts"][q] * K * f)
-        budget += -budget % align
         dropped_real[q] = sum(1 for i, s in enumerate(exp["src"]) if s is not None and i >= budget)
+        needed[q] = sum(1 for s in exp["src"] if s is not None)
         kept |= {s for i, s in enumerate(exp["src"]) if s is not None and i < budget}
         if q == r:
             want_x = torch.zeros((budget, H))
@@ -542,20 +543,8 @@ def run_rank_budget_case(case):
             ends = torch.cumsum(exp["tokens_per_expert"], 0)
             want_tpe = ends.clamp(max=budget) - (ends - exp["tokens_per_expert"]).clamp(max=budget)
             want_tpe[-1] += budget - want_tpe.sum()
-    if not torch.equal(got["perm_x"], want_x):
-        errors.append(f"{tag} dispatched rows: shape {tuple(got['perm_x'].shape)} vs {tuple(want_x.shape)} or values differ")
-    if got["tpe"].tolist() != want_tpe.tolist():
-        errors.append(f"{tag} tokens_per_expert {got['tpe'].tolist()} != {want_tpe.tolist()}")
-    if any(c % align for c in got["tpe"].tolist()):
-        errors.append(f"{tag} tokens_per_expert {got['tpe'].tolist()} not multiples of {align}")
-    if flag != (dropped_real[r] > 0) or ndrop != dropped_real[r]:
-        errors.append(f"{tag} over_budget={flag} num_dropped_rows={ndrop}, want {dropped_real[r] > 0} / {dropped_real[r]}")
-    if disp_flag is not None and bool(disp_flag.item()) != flag:
-        errors.append(f"{tag} MoEFlexTokenDispatcher.check_over_budget() disagrees with the manager")
-    if case["expect_drop"] != any(dropped_real.values()):
-        errors.append(f"{tag} case expected dropping={case['expect_drop']} but the oracle says {dropped_real}")
-
     # Dense reference of the surviving pairs, with autograd for the input and probs gradients.
+    mine = inputs[r]
     xr = mine["x"].clone().double().requires_grad_(True)
     pr = probs_full[r].clone().double().requires_grad_(True)
     y = torch.zeros((case["Ts"][r], H), dtype=torch.float64)
@@ -564,10 +553,127 @@ def run_rank_budget_case(case):
             e = int(mine["idx"][t, k])
             if e >= 0 and (r, t, k) in kept:
                 y[t] = y[t] + (xr[t] @ W[e].double()) * pr[t, e]
-    (y * upstream[r].double()).sum().backward()
-    for name, a, b in (("output", got["y"], y.detach()), ("grad hidden", got["gx"], xr.grad), ("grad probs", got["gp"], pr.grad)):
+    ((y * upstream[r].double()).sum() + 0 * (xr.sum() + pr.sum())).backward()  # a graph even when T = 0
+    return dict(budget=budget, x=want_x, tpe=want_tpe, dropped=dropped_real, needed=needed,
+                y=y.detach(), gx=xr.grad, gp=pr.grad)
+
+
+def _budget_errors(tag, got, want, flag, ndrop, align, r):
+    errors = []
+    if not torch.equal(got["perm_x"], want["x"]):
+        errors.append(f"{tag} dispatched rows: shape {tuple(got['perm_x'].shape)} vs {tuple(want['x'].shape)} or values differ")
+    if got["tpe"].tolist() != want["tpe"].tolist():
+        errors.append(f"{tag} tokens_per_expert {got['tpe'].tolist()} != {want['tpe'].tolist()}")
+    if any(c % align for c in got["tpe"].tolist()):
+        errors.append(f"{tag} tokens_per_expert {got['tpe'].tolist()} not multiples of {align}")
+    if flag != (want["dropped"][r] > 0) or ndrop != want["dropped"][r]:
+        errors.append(f"{tag} over_budget={flag} num_dropped_rows={ndrop}, want {want['dropped'][r] > 0} / {want['dropped'][r]}")
+    for name, a, b in (("output", got["y"], want["y"]), ("grad hidden", got["gx"], want["gx"]), ("grad probs", got["gp"], want["gp"])):
         if not torch.allclose(a.double(), b, rtol=1e-5, atol=1e-5):
             errors.append(f"{tag} {name}: max abs diff {(a.double() - b).abs().max().item():.3g}")
+    return errors
+
+
+@guarded
+def run_rank_budget_case(case):
+    """hybridep with moe_expert_rank_capacity_factor: exactly the documented budget of rows per
+    rank, rows past it dropped and counted, against a dense oracle of which (token, expert)
+    pairs survive; ranks may have no tokens. case["expect_drop"] says whether any rank must drop
+    (the promise under test: a factor equal to the EP size never drops)."""
+    with cpu_shims():
+        _init_megatron()
+        from megatron_ep.megatron import compat
+
+        R, r = dist.get_world_size(), dist.get_rank()
+        E, f = case["E"], case["factor"]
+        L = E // R
+        inputs, W, upstream, probs_full = _global_problem(case)
+        mine = inputs[r]
+        routing_map = _routing_map(mine["idx"], E)
+        disp, mgr = _budget_dispatcher(case, f)
+        align = case["align"]
+        x = mine["x"].clone().requires_grad_(True)
+        probs_leaf = probs_full[r].clone().requires_grad_(True)
+        got = _run_dispatcher(disp, x, routing_map, probs_leaf, W[r * L:(r + 1) * L], upstream[r])
+        flag, ndrop = bool(mgr.over_budget.item()), int(mgr.num_dropped_rows.item())
+        need = int(mgr.required_recv.item()) if hasattr(mgr, "required_recv") else None
+        disp_flag = disp.check_over_budget() if compat.features().dispatcher_over_budget else None
+        dist.barrier()
+
+    tag = f"[R={R} rank={r} Ts={case['Ts']} factor={f} align={align}]"
+    want = _budget_expected(case, inputs, W, upstream, probs_full)
+    errors = _budget_errors(tag, got, want, flag, ndrop, align, r)
+    if need != want["needed"][r]:
+        errors.append(f"{tag} required_recv={need}, want the {want['needed'][r]} real rows this rank needed")
+    if disp_flag is not None and bool(disp_flag.item()) != flag:
+        errors.append(f"{tag} MoEFlexTokenDispatcher.check_over_budget() disagrees with the manager")
+    if case["expect_drop"] != any(want["dropped"].values()):
+        errors.append(f"{tag} case expected dropping={case['expect_drop']} but the oracle says {want['dropped']}")
+    return errors
+
+
+@guarded
+def run_overfull_routing_case(case):
+    """A routing-map row with more than top-k experts (case["extra"]: "one" adds experts to one
+    row of case["bad_ranks"]' maps, "all" marks every expert of every row there). The dynamic
+    managers reject it before any communication: the bad ranks raise ValueError naming the row,
+    the others PeerFailedError, and the next dispatch works (checked against alltoall). The
+    budget mode, which cannot sync, counts the extra pairs as dropped and raises over_budget."""
+    from megatron_ep.errors import PeerFailedError
+
+    R, r = dist.get_world_size(), dist.get_rank()
+    E, K, H = case["E"], case["K"], case["H"]
+    L = E // R
+    inputs, W, upstream, probs_full = _global_problem(case)
+    good_map = _routing_map(inputs[r]["idx"], E)
+    bad_map = good_map.clone()
+    row = 1
+    if r in case["bad_ranks"]:
+        if case["extra"] == "all":
+            bad_map[:] = True
+        else:  # every expert this row lacks, up to K + 2 in all
+            free = (~bad_map[row]).nonzero().flatten()[: K + 2 - int(bad_map[row].sum())]
+            bad_map[row, free] = True
+    excess = int((bad_map.sum(-1) - K).clamp(min=0).sum())
+    errors, tag = [], f"[R={R} rank={r} {case['backend']} extra={case['extra']} bad={case['bad_ranks']}]"
+    with cpu_shims():
+        _init_megatron()
+        if case.get("budget"):
+            disp, mgr = _budget_dispatcher(dict(case, align=1), float(R))
+        else:
+            disp = _make_dispatcher(case["backend"], E, K, H)
+            mgr = disp._comm_manager
+        x = inputs[r]["x"].clone().requires_grad_(True)
+        probs_leaf = probs_full[r].clone().requires_grad_(True)
+        try:
+            _run_dispatcher(disp, x, bad_map, probs_leaf, W[r * L:(r + 1) * L], upstream[r])
+            outcome = None
+        except (ValueError, PeerFailedError) as e:
+            outcome = e
+        if case.get("budget"):
+            if outcome is not None:
+                errors.append(f"{tag} the budget mode raised {type(outcome).__name__}: {outcome}")
+            ndrop, flag = int(mgr.num_dropped_rows.item()), bool(mgr.over_budget.item())
+            if ndrop != excess or flag != (excess > 0):
+                errors.append(f"{tag} num_dropped_rows={ndrop} over_budget={flag}, want the {excess} pairs past top-k")
+            return errors
+        mine = r in case["bad_ranks"]
+        if mine and not (type(outcome) is ValueError and f"routing map row {row if case['extra'] == 'one' else 0} " in str(outcome)):
+            errors.append(f"{tag} want a ValueError naming the row, got {type(outcome).__name__}: {outcome}")
+        if not mine and not isinstance(outcome, PeerFailedError):
+            errors.append(f"{tag} want PeerFailedError from the bad rank, got {type(outcome).__name__}: {outcome}")
+        # the Buffer stays usable: the valid routing, through flex and through alltoall
+        results = {}
+        for kind in (case["backend"], "alltoall"):
+            d = disp if kind != "alltoall" else _make_dispatcher("alltoall", E, K, H)
+            xx = inputs[r]["x"].clone().requires_grad_(True)
+            pl = probs_full[r].clone().requires_grad_(True)
+            results[kind] = _run_dispatcher(d, xx, good_map, pl, W[r * L:(r + 1) * L], upstream[r])
+        dist.barrier()
+    for key in ("y", "gx", "gp"):
+        a, b = results[case["backend"]][key], results["alltoall"][key]
+        if not torch.allclose(a, b, rtol=1e-5, atol=1e-5):
+            errors.append(f"{tag} after the rejected call, {key} differs from alltoall's by {(a - b).abs().max().item():.3g}")
     return errors
 
 

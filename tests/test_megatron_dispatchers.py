@@ -42,12 +42,62 @@ def test_setup_metadata_compiles(pools):
     assert not errors, "\n".join(errors[:20])
 
 
+def _run(pool, fn, cases):
+    errors = []
+    for case in cases:
+        errors += flat(pool.run(fn, case))
+    assert not errors, "\n".join(errors[:20])
+
+
 @pytest.mark.parametrize("R", [2, 4])
 def test_hybridep_rank_budget(pools, R):
     """moe_expert_rank_capacity_factor: a budget nothing exceeds, and one most ranks exceed."""
-    errors = []
-    for i, (factor, align, expect_drop) in enumerate([(4.0, 4, False), (0.3, 2, True)]):
-        Ts = [9 + 2 * s for s in range(R)]
-        case = dict(seed=300 * R + i, E=2 * R, K=3, H=8, Ts=Ts, factor=factor, align=align, expect_drop=expect_drop, p_drop=0.0)
-        errors += flat(pools(R).run(mc.run_rank_budget_case, case))
-    assert not errors, "\n".join(errors[:20])
+    _run(pools(R), mc.run_rank_budget_case, [
+        dict(seed=300 * R + i, E=2 * R, K=3, H=8, Ts=[9 + 2 * s for s in range(R)], factor=factor, align=align,
+             expect_drop=expect_drop, p_drop=0.0)
+        for i, (factor, align, expect_drop) in enumerate([(4.0, 4, False), (0.3, 2, True)])])
+
+
+def budget_boundary_cases(R):
+    """A factor equal to the EP size never drops, whatever the padding: 6 tokens per rank at
+    alignment 16 (the padding alone outgrew the old budget), and every token's copies on rank 0
+    (the worst case itself); one real row less than that worst case drops exactly that row."""
+    T, K = 64, 4
+    return [dict(seed=310 + R, E=4 * R, K=3, H=8, Ts=[6] * R, factor=float(R), align=16, expect_drop=False, p_drop=0.0),
+            dict(seed=311 + R, E=4 * R, K=K, H=8, Ts=[T] * R, pattern="first_rank", factor=float(R), align=16,
+                 expect_drop=False, p_drop=0.0),
+            dict(seed=312 + R, E=4 * R, K=K, H=8, Ts=[T] * R, pattern="first_rank", factor=R - 1 / (T * K), align=1,
+                 expect_drop=True, p_drop=0.0)]
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_hybridep_budget_factor_ep_size_never_drops(pools, R):
+    _run(pools(R), mc.run_rank_budget_case, budget_boundary_cases(R))
+
+
+def budget_empty_rank_cases(R):
+    """Ranks without tokens under a static budget: they make the same worst-case sized dispatch
+    as the others and still receive their experts' rows (the budget's T is the group's largest)."""
+    Ts = [0, 9] if R == 2 else [0, 9, 0, 13]
+    return [dict(seed=320 + R, E=2 * R, K=3, H=8, Ts=Ts, factor=float(R), align=4, expect_drop=False, p_drop=0.0),
+            dict(seed=321 + R, E=2 * R, K=3, H=8, Ts=Ts, factor=0.3, align=2, expect_drop=True, p_drop=0.0)]
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_hybridep_budget_rank_without_tokens(pools, R):
+    _run(pools(R), mc.run_rank_budget_case, budget_empty_rank_cases(R))
+
+
+def overfull_routing_cases(R):
+    base = dict(E=2 * R, K=2, H=8, Ts=[6] * R, p_drop=0.0)
+    return [dict(base, seed=330 + i, backend=backend, extra=extra, bad_ranks=bad, budget=budget)
+            for i, (backend, extra, bad, budget) in enumerate([
+                ("deepep", "one", [R - 1], False), ("deepep", "all", list(range(R)), False),
+                ("hybridep", "one", [0], False), ("hybridep", "all", list(range(R)), False),
+                ("hybridep", "one", [0], True), ("hybridep", "all", [R - 1], True)])]
+
+
+def test_routing_map_past_topk(pools):
+    """A routing map with more than top-k experts in a row: rejected, naming the row (the
+    dynamic modes), or counted as dropped (the budget mode); never silently truncated."""
+    _run(pools(2), mc.run_overfull_routing_case, overfull_routing_cases(2))
