@@ -449,6 +449,127 @@ def run_moe_layer_case(case):
     return errors
 
 
+# ------------------------------------------------------- Megatron's EP overlap (combined 1F1B)
+@contextlib.contextmanager
+def schedule_on_cpu():
+    """megatron-core's pipeline schedules allocate a few scalars on device="cuda" and call
+    record_stream on the layer's residual: on CPU the former land on the CPU and the latter does
+    nothing (streams are the cpu_shims stand-ins there); attention forks the CUDA RNG tracker
+    (dropout is 0): a no-op here. The schedule's logic is untouched."""
+    from torch.overrides import TorchFunctionMode
+
+    from megatron.core.tensor_parallel import random as tp_random
+
+    class _CudaOnCpu(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if str(kwargs.get("device", "")).startswith("cuda"):
+                kwargs = dict(kwargs, device="cpu")
+            return func(*args, **kwargs)
+
+    record_stream, tracker = torch.Tensor.record_stream, tp_random.get_cuda_rng_tracker()
+    fork = tracker.__dict__.get("fork")
+    torch.Tensor.record_stream = lambda self, stream: record_stream(self, stream) if self.is_cuda else None
+    tracker.fork = lambda *a, **k: contextlib.nullcontext()
+    try:
+        with _CudaOnCpu():
+            yield
+    finally:
+        torch.Tensor.record_stream = record_stream
+        if fork is None:
+            del tracker.fork
+        else:
+            tracker.fork = fork
+
+
+def _overlap_model(case, overlap: bool, device):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    R = dist.get_world_size()
+    torch.manual_seed(case["seed"])  # the same weights for both runs (and the replicated ones on every rank)
+    cfg = TransformerConfig(
+        num_layers=2, hidden_size=case["H"], num_attention_heads=2, ffn_hidden_size=2 * case["H"], normalization="RMSNorm",
+        add_bias_linear=False, gated_linear_unit=True, activation_func=torch.nn.functional.silu, hidden_dropout=0.0,
+        attention_dropout=0.0, params_dtype=torch.bfloat16, bf16=True, pipeline_dtype=torch.bfloat16,
+        use_cpu_initialization=True, gradient_accumulation_fusion=False, expert_model_parallel_size=R,
+        num_moe_experts=case["E"], moe_layer_freq=[0, 1], moe_ffn_hidden_size=case["H"] // 2, moe_router_topk=case["K"],
+        moe_router_load_balancing_type="none", moe_router_dtype="fp32", moe_token_dispatcher_type="flex",
+        moe_flex_dispatcher_backend=case["backend"], overlap_moe_expert_parallel_comm=overlap)
+    spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False)
+    model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=case["V"], max_sequence_length=case["S"],
+                     position_embedding_type="rope")
+    return model.to(device)
+
+
+@guarded
+def run_overlap_case(case):
+    """--overlap-moe-expert-parallel-comm: Megatron's combined 1F1B schedule (dispatch / combine
+    of one micro-batch beside the other's compute, on its communication stream) with our flex
+    managers gives the same losses and gradients as Megatron's ordinary schedule, same model and
+    data. CPU: exact; GPU: within case["tol"] (relative)."""
+    ctx, dev = side(case, "ours")
+    with ctx:
+        _init_megatron()
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    R, r = dist.get_world_size(), dist.get_rank()
+    S, B, V, MB = case["S"], 2, case["V"], case["microbatches"]
+    g = torch.Generator().manual_seed(case["seed"] + 100 + r)
+    data = [(torch.randint(0, V, (B, S), generator=g), torch.randint(0, V, (B, S), generator=g)) for _ in range(MB)]
+    mask = torch.triu(torch.ones(S, S, dtype=torch.bool), diagonal=1)[None, None].to(dev)
+    pos = torch.arange(S).unsqueeze(0).expand(B, -1).to(dev)
+
+    def loss_func(output_tensor):
+        loss = output_tensor.float().mean()
+        return loss, {"loss": loss.detach()}
+
+    plans = []
+
+    def forward_step(data_iterator, model, return_schedule_plan=False):
+        tokens, labels = (t.to(dev) for t in next(data_iterator))
+        if return_schedule_plan:  # the combined 1F1B schedule asks for a plan instead of running the model
+            plans.append(1)
+            return model.build_schedule_plan(tokens, pos, mask, labels=labels), loss_func
+        return model(tokens, pos, mask, labels=labels), loss_func
+
+    results, errors = {}, []
+    tag = f"[R={R} rank={r} overlap {case['backend']} {case.get('device', 'cpu')}]"
+    for overlap in (False, True):
+        plans.clear()
+        with side(case, "ours")[0], (schedule_on_cpu() if dev == "cpu" else contextlib.nullcontext()):
+            if dev == "cuda":
+                from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+                model_parallel_cuda_manual_seed(case["seed"])
+            model = _overlap_model(case, overlap, dev)
+            mgr = [m for m in model.modules() if hasattr(m, "token_dispatcher")][0].token_dispatcher._comm_manager
+            if type(mgr).__module__.split(".")[0] != "megatron_ep":
+                return [f"{tag} flex {case['backend']} built {type(mgr).__name__}, not megatron_ep's manager"]
+            out = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(data), model=[model],
+                                              num_microbatches=MB, seq_length=S, micro_batch_size=B, forward_only=False)
+        if overlap and len(plans) != MB:
+            errors.append(f"{tag} the combined 1F1B schedule built {len(plans)} schedule plans for {MB} micro-batches")
+        if not overlap and plans:
+            errors.append(f"{tag} the ordinary schedule asked for schedule plans")
+        results[overlap] = ([float(o["loss"]) for o in out],
+                            {n: p.grad.float().cpu().clone() for n, p in model.named_parameters() if p.grad is not None})
+    dist.barrier()
+    errors += check_cuda_buffers(case, tag)
+    (l0, g0), (l1, g1) = results[False], results[True]
+    tol = case.get("tol", 0.0)
+    if len(l0) != MB or any(abs(a - b) > tol * abs(a) for a, b in zip(l0, l1)) or len(l0) != len(l1):
+        errors.append(f"{tag} losses with the overlap {l1} != without {l0}")
+    if set(g0) != set(g1) or not g0:
+        errors.append(f"{tag} gradients of {sorted(set(g0) ^ set(g1))[:4]} exist in one run only (or none at all)")
+    for name in sorted(set(g0) & set(g1)):
+        a, b = g1[name], g0[name]
+        if not torch.allclose(a, b, rtol=tol, atol=tol * max(1e-6, b.abs().max().item())):
+            errors.append(f"{tag} grad {name}: max abs diff {(a - b).abs().max().item():.3g} with the overlap")
+    return errors
+
+
 # ------------------------------------------------------------------ CUDA graph of a MoE layer
 @guarded
 def run_moe_layer_graph_case(case):
@@ -580,35 +701,174 @@ def run_rank_budget_case(case):
     rank, rows past it dropped and counted, against a dense oracle of which (token, expert)
     pairs survive; ranks may have no tokens. case["expect_drop"] says whether any rank must drop
     (the promise under test: a factor equal to the EP size never drops)."""
-    with cpu_shims():
-        _init_megatron()
-        from megatron_ep.megatron import compat
+    from megatron_ep.megatron import compat
 
-        R, r = dist.get_world_size(), dist.get_rank()
-        E, f = case["E"], case["factor"]
-        L = E // R
-        inputs, W, upstream, probs_full = _global_problem(case)
-        mine = inputs[r]
-        routing_map = _routing_map(mine["idx"], E)
+    with side(case, "ref")[0]:
+        _init_megatron()
+    R, r = dist.get_world_size(), dist.get_rank()
+    E, f, align = case["E"], case["factor"], case["align"]
+    L = E // R
+    inputs, W, upstream, probs_full = _global_problem(case)
+    mine = inputs[r]
+    routing_map = _routing_map(mine["idx"], E)
+    ctx, dev = side(case, "ours")
+    with ctx:
         disp, mgr = _budget_dispatcher(case, f)
-        align = case["align"]
-        x = mine["x"].clone().requires_grad_(True)
-        probs_leaf = probs_full[r].clone().requires_grad_(True)
-        got = _run_dispatcher(disp, x, routing_map, probs_leaf, W[r * L:(r + 1) * L], upstream[r])
+        x = mine["x"].to(dev).clone().requires_grad_(True)
+        probs_leaf = probs_full[r].to(dev).clone().requires_grad_(True)
+        got = _to(_run_dispatcher(disp, x, routing_map.to(dev), probs_leaf, W[r * L:(r + 1) * L].to(dev),
+                                  upstream[r].to(dev)), "cpu")
         flag, ndrop = bool(mgr.over_budget.item()), int(mgr.num_dropped_rows.item())
         need = int(mgr.required_recv.item()) if hasattr(mgr, "required_recv") else None
         disp_flag = disp.check_over_budget() if compat.features().dispatcher_over_budget else None
         dist.barrier()
 
-    tag = f"[R={R} rank={r} Ts={case['Ts']} factor={f} align={align}]"
+    tag = f"[R={R} rank={r} Ts={case['Ts']} factor={f} align={align} {case.get('device', 'cpu')}]"
     want = _budget_expected(case, inputs, W, upstream, probs_full)
-    errors = _budget_errors(tag, got, want, flag, ndrop, align, r)
+    errors = check_cuda_buffers(case, tag) + _budget_errors(tag, got, want, flag, ndrop, align, r)
     if need != want["needed"][r]:
         errors.append(f"{tag} required_recv={need}, want the {want['needed'][r]} real rows this rank needed")
     if disp_flag is not None and bool(disp_flag.item()) != flag:
         errors.append(f"{tag} MoEFlexTokenDispatcher.check_over_budget() disagrees with the manager")
     if case["expect_drop"] != any(want["dropped"].values()):
         errors.append(f"{tag} case expected dropping={case['expect_drop']} but the oracle says {want['dropped']}")
+    return errors
+
+
+class _RerunModel(torch.nn.Module):
+    """What megatron-core's PagedStashRunner walks: a chunk with a decoder whose layers have an
+    `mlp` holding the flex `token_dispatcher` (here the dispatcher alone, with toy experts)."""
+
+    def __init__(self, disp, config):
+        super().__init__()
+        self.config, self.mtp_process = config, False
+        self.decoder = torch.nn.Module()
+        layer = torch.nn.Module()
+        layer.mlp = torch.nn.Module()
+        layer.mlp.token_dispatcher = disp
+        self.decoder.layers = torch.nn.ModuleList([layer])
+
+    def zero_grad_buffer(self):
+        pass
+
+
+def _paged_stash_runner():
+    """megatron-core's PagedStashRunner when it drives the capacity hooks (main), else None."""
+    try:
+        from megatron.core.transformer.moe import paged_stash
+        from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
+    except ImportError:
+        return None
+    if not hasattr(MoEFlexTokenDispatcher, "grow_ep_recv_capacity"):
+        return None
+    return paged_stash
+
+
+@contextlib.contextmanager
+def _stash_state_on(device):
+    """PagedStashRunner asks the (unused) paged stash for its overflow flags as device='cuda'
+    tensors; on CPU they are made here, everything else is megatron-core's."""
+    from megatron.core.transformer.moe import paged_stash
+
+    if device != "cpu":
+        yield
+        return
+    saved = paged_stash.check_paged_stash_overflow, paged_stash.check_paged_stash_host_spill
+    paged_stash.check_paged_stash_overflow = paged_stash.check_paged_stash_host_spill = lambda: torch.zeros(1, dtype=torch.bool)
+    try:
+        yield
+    finally:
+        paged_stash.check_paged_stash_overflow, paged_stash.check_paged_stash_host_spill = saved
+
+
+def _hook_protocol_step(disp, mgr, attempt):
+    """The paged-stash rerun protocol of megatron-core main (paged_stash.py, PagedStashRunner),
+    through the manager's hooks directly, for versions whose runner lacks them: run; if any
+    rank went over budget, clear the factor, reset, invalidate, grow to the group's largest
+    required_recv, rerun dropless; restore the factor."""
+    results, factor = [attempt()], mgr.moe_expert_rank_capacity_factor
+    over = mgr.over_budget.to(torch.int32).cpu()
+    dist.all_reduce(over)
+    if int(over) > 0:
+        required = mgr.required_recv.cpu().clone()
+        dist.all_reduce(required, op=dist.ReduceOp.MAX)
+        mgr.moe_expert_rank_capacity_factor = None
+        mgr.over_budget.fill_(0)
+        mgr.required_recv.fill_(0)
+        mgr._bootstrapped = False
+        mgr.grow_recv_capacity(int(required))
+        results.append(attempt())
+        mgr._bootstrapped = False
+    mgr.moe_expert_rank_capacity_factor = factor
+    return results
+
+
+@guarded
+def run_budget_rerun_case(case):
+    """An over-budget step under megatron-core's paged-stash rerun (main's PagedStashRunner, or
+    its hook protocol driven directly where the runner lacks the hooks): the step reruns dropless
+    and its result equals Megatron's alltoall (no row lost); the manager grows its budget to what
+    the step needed, so the next step on the same routing fits at once, without a rerun."""
+    ctx, _ = side(case, "ref")
+    with ctx:
+        _init_megatron()
+    R, r = dist.get_world_size(), dist.get_rank()
+    E, K, H = case["E"], case["K"], case["H"]
+    L = E // R
+    inputs, W, upstream, probs_full = _global_problem(case)
+    routing_map = _routing_map(inputs[r]["idx"], E)
+    errors, tag = [], f"[R={R} rank={r} rerun factor={case['factor']} {case.get('device', 'cpu')}]"
+    with side(case, "ref")[0]:  # the reference: Megatron's alltoall on the same inputs (a fresh context: single-use)
+        x = inputs[r]["x"].clone().requires_grad_(True)
+        pl = probs_full[r].clone().requires_grad_(True)
+        ref = _run_dispatcher(_make_dispatcher("alltoall", E, K, H), x, routing_map, pl, W[r * L:(r + 1) * L], upstream[r])
+    ctx, dev = side(case, "ours")
+    runner_mod = _paged_stash_runner()
+    with ctx, (_stash_state_on(dev) if runner_mod is not None else contextlib.nullcontext()):
+        disp, mgr = _budget_dispatcher(case, case["factor"])
+
+        def attempt():
+            xx = inputs[r]["x"].to(dev).clone().requires_grad_(True)
+            pp = probs_full[r].to(dev).clone().requires_grad_(True)
+            got = _run_dispatcher(disp, xx, routing_map.to(dev), pp, W[r * L:(r + 1) * L].to(dev), upstream[r].to(dev))
+            return _to(got, "cpu")
+
+        steps = []
+        for step in range(2):
+            drops_before = int(mgr.num_dropped_rows.item())
+            if runner_mod is not None:
+                tried = []
+
+                def forward_backward(model, data_iterator, num_microbatches, seq_length, forward_only):
+                    for _ in range(num_microbatches):
+                        next(data_iterator[0])
+                        tried.append(attempt())
+                    return tried[-1]
+
+                runner = runner_mod.PagedStashRunner(disp.config, False, [_RerunModel(disp, disp.config)], None,
+                                                     forward_backward)
+                runner(model=[runner.model[0]], data_iterator=iter([0, 0]), num_microbatches=1, seq_length=1,
+                       forward_only=False)
+            else:
+                tried = _hook_protocol_step(disp, mgr, attempt)
+            steps.append((tried, int(mgr.num_dropped_rows.item()) - drops_before))
+        dist.barrier()
+    errors += check_cuda_buffers(case, tag)
+    driver = "PagedStashRunner" if runner_mod is not None else "the hook protocol"
+    for step, (tried, dropped) in enumerate(steps):
+        for key in ("y", "gx", "gp"):
+            a, b = tried[-1][key], ref[key]
+            if a.shape != b.shape or not torch.allclose(a, b, rtol=1e-5, atol=1e-5):
+                errors.append(f"{tag} step {step} ({len(tried)} attempts, {driver}): {key} differs from alltoall's")
+        want = 2 if step == 0 else 1
+        if len(tried) != want:
+            errors.append(f"{tag} step {step}: {len(tried)} attempts through {driver}, want {want}")
+        if step == 1 and dropped:
+            errors.append(f"{tag} step 1 dropped {dropped} rows: grow_recv_capacity did not make room")
+    over = torch.tensor([steps[0][1]])
+    dist.all_reduce(over)
+    if int(over) == 0:
+        errors.append(f"{tag} no rank went over budget in step 0: the case does not exercise the rerun")
     return errors
 
 
@@ -635,18 +895,25 @@ def run_overfull_routing_case(case):
             free = (~bad_map[row]).nonzero().flatten()[: K + 2 - int(bad_map[row].sum())]
             bad_map[row, free] = True
     excess = int((bad_map.sum(-1) - K).clamp(min=0).sum())
-    errors, tag = [], f"[R={R} rank={r} {case['backend']} extra={case['extra']} bad={case['bad_ranks']}]"
-    with cpu_shims():
+    errors, tag = [], f"[R={R} rank={r} {case['backend']} extra={case['extra']} bad={case['bad_ranks']} {case.get('device', 'cpu')}]"
+    with side(case, "ref")[0]:
         _init_megatron()
+    W_local = W[r * L:(r + 1) * L]
+    ctx, dev = side(case, "ours")
+
+    def run(disp, routing_map, device):
+        x = inputs[r]["x"].to(device).clone().requires_grad_(True)
+        pl = probs_full[r].to(device).clone().requires_grad_(True)
+        return _to(_run_dispatcher(disp, x, routing_map.to(device), pl, W_local.to(device), upstream[r].to(device)), "cpu")
+
+    with ctx:
         if case.get("budget"):
             disp, mgr = _budget_dispatcher(dict(case, align=1), float(R))
         else:
             disp = _make_dispatcher(case["backend"], E, K, H)
             mgr = disp._comm_manager
-        x = inputs[r]["x"].clone().requires_grad_(True)
-        probs_leaf = probs_full[r].clone().requires_grad_(True)
         try:
-            _run_dispatcher(disp, x, bad_map, probs_leaf, W[r * L:(r + 1) * L], upstream[r])
+            run(disp, bad_map, dev)
             outcome = None
         except (ValueError, PeerFailedError) as e:
             outcome = e
@@ -656,25 +923,22 @@ def run_overfull_routing_case(case):
             ndrop, flag = int(mgr.num_dropped_rows.item()), bool(mgr.over_budget.item())
             if ndrop != excess or flag != (excess > 0):
                 errors.append(f"{tag} num_dropped_rows={ndrop} over_budget={flag}, want the {excess} pairs past top-k")
-            return errors
-        mine = r in case["bad_ranks"]
-        if mine and not (type(outcome) is ValueError and f"routing map row {row if case['extra'] == 'one' else 0} " in str(outcome)):
-            errors.append(f"{tag} want a ValueError naming the row, got {type(outcome).__name__}: {outcome}")
-        if not mine and not isinstance(outcome, PeerFailedError):
-            errors.append(f"{tag} want PeerFailedError from the bad rank, got {type(outcome).__name__}: {outcome}")
-        # the Buffer stays usable: the valid routing, through flex and through alltoall
-        results = {}
-        for kind in (case["backend"], "alltoall"):
-            d = disp if kind != "alltoall" else _make_dispatcher("alltoall", E, K, H)
-            xx = inputs[r]["x"].clone().requires_grad_(True)
-            pl = probs_full[r].clone().requires_grad_(True)
-            results[kind] = _run_dispatcher(d, xx, good_map, pl, W[r * L:(r + 1) * L], upstream[r])
-        dist.barrier()
+            dist.barrier()
+            return errors + check_cuda_buffers(case, tag)
+        got = run(disp, good_map, dev)  # the Buffer stays usable: the valid routing, against alltoall
+    with side(case, "ref")[0]:
+        ref = run(_make_dispatcher("alltoall", E, K, H), good_map, "cpu")
+    dist.barrier()
+    mine = r in case["bad_ranks"]
+    if mine and not (type(outcome) is ValueError and f"routing map row {row if case['extra'] == 'one' else 0} " in str(outcome)):
+        errors.append(f"{tag} want a ValueError naming the row, got {type(outcome).__name__}: {outcome}")
+    if not mine and not isinstance(outcome, PeerFailedError):
+        errors.append(f"{tag} want PeerFailedError from the bad rank, got {type(outcome).__name__}: {outcome}")
     for key in ("y", "gx", "gp"):
-        a, b = results[case["backend"]][key], results["alltoall"][key]
-        if not torch.allclose(a, b, rtol=1e-5, atol=1e-5):
-            errors.append(f"{tag} after the rejected call, {key} differs from alltoall's by {(a - b).abs().max().item():.3g}")
-    return errors
+        if not torch.allclose(got[key], ref[key], rtol=1e-5, atol=1e-5):
+            errors.append(f"{tag} after the rejected call, {key} differs from alltoall's by "
+                          f"{(got[key] - ref[key]).abs().max().item():.3g}")
+    return errors + check_cuda_buffers(case, tag)
 
 
 @guarded

@@ -101,3 +101,14 @@ def test_routing_map_past_topk(pools):
     """A routing map with more than top-k experts in a row: rejected, naming the row (the
     dynamic modes), or counted as dropped (the budget mode); never silently truncated."""
     _run(pools(2), mc.run_overfull_routing_case, overfull_routing_cases(2))
+
+
+def budget_rerun_cases(R):
+    return [dict(seed=340 + R, E=2 * R, K=3, H=8, Ts=[8] * R, factor=0.4, align=2, p_drop=0.0)]
+
+
+def test_hybridep_budget_rerun_drops_nothing(pools):
+    """megatron-core's paged-stash rerun of an over-budget step (main's PagedStashRunner; the same
+    hook protocol driven directly on versions whose runner lacks the hooks): no row lost, and
+    the grown budget fits the next step without a rerun."""
+    _run(pools(2), mc.run_budget_rerun_case, budget_rerun_cases(2))
