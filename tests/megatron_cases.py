@@ -225,6 +225,11 @@ def run_flex_vs_alltoall(case):
                     return [f"flex {kind} built {type(mgr).__name__}, not megatron_ep's manager: install() had no effect"]
                 if "align" in case:  # FP8 configs (the only way to ask for padding) need TE
                     mgr.align = case["align"]
+                want_sms = extra.get("moe_flex_dispatcher_num_sms")
+                if want_sms is not None and mgr.num_sms != want_sms:
+                    return [f"flex {kind}: num_sms {mgr.num_sms}, but moe_flex_dispatcher_num_sms is {want_sms}"]
+                if "want_align" in case and mgr.align != case["want_align"]:
+                    return [f"flex {kind}: alignment {mgr.align}, want {case['want_align']} for {case.get('config')}"]
             x = mine["x"].to(dev).clone().requires_grad_(True)
             probs_leaf = probs_full[r].to(dev).clone().requires_grad_(True)
             got = _run_dispatcher(disp, x, routing_map.to(dev), probs_leaf, W_local.to(dev), upstream[r].to(dev))

@@ -37,6 +37,24 @@ def test_flex_matches_alltoall(pools, R):
     assert not errors, "\n".join(errors[:20])
 
 
+def grouped_tensor_cases(R):
+    """megatron-core main: under moe_use_grouped_tensor TE's grouped-tensor experts skip their
+    own padding and expect 256-row segments from the dispatcher; moe_flex_dispatcher_num_sms
+    reaches the manager."""
+    cfg = dict(moe_grouped_gemm=True, moe_use_grouped_tensor=True, moe_flex_dispatcher_num_sms=24)
+    return [dict(seed=350 + R + i, backend=backend, E=2 * R, K=3, H=8, Ts=[7 + s for s in range(R)], pattern="random",
+                 p_drop=0.0, config=cfg, want_align=256) for i, backend in enumerate(("deepep", "hybridep"))]
+
+
+@pytest.mark.parametrize("R", [2])
+def test_flex_grouped_tensor_alignment(pools, R):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if not hasattr(TransformerConfig, "moe_use_grouped_tensor"):
+        pytest.skip(f"megatron-core {megatron.core.__version__} has no moe_use_grouped_tensor (main has)")
+    _run(pools(R), mc.run_flex_vs_alltoall, grouped_tensor_cases(R))
+
+
 def test_setup_metadata_compiles(pools):
     errors = flat(pools(2).run(mc.run_setup_metadata_compiles, dict(E=8, K=3, H=8)))
     assert not errors, "\n".join(errors[:20])
