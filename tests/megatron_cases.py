@@ -808,6 +808,27 @@ def _hook_protocol_step(disp, mgr, attempt):
     return results
 
 
+def _captured_after_rerun(mgr, attempt):
+    """The step after a rerun as megatron-core's full-iteration CUDA graph takes it: invalidated
+    (`_bootstrapped = False`) and captured, so no collective may run. On CPU the capture is
+    simulated: the manager sees capturing() and any collective raises."""
+    import megatron_ep.megatron.hybridep_manager as hm
+
+    def no_collective(*a, **k):
+        raise AssertionError("a collective ran inside the (simulated) capture")
+
+    saved = hm.capturing, hm.agree_max
+    mgr._bootstrapped = False
+    hm.capturing, hm.agree_max, mgr.buffer.reserve = (lambda: True), no_collective, no_collective
+    try:
+        return attempt()
+    except Exception as e:  # reported, not raised: every rank must reach the barrier
+        return f"the step captured after a rerun raised {type(e).__name__}: {e}"
+    finally:
+        hm.capturing, hm.agree_max = saved
+        del mgr.buffer.reserve  # the Buffer's own method again
+
+
 @guarded
 def run_budget_rerun_case(case):
     """An over-budget step under megatron-core's paged-stash rerun (main's PagedStashRunner, or
@@ -857,8 +878,15 @@ def run_budget_rerun_case(case):
             else:
                 tried = _hook_protocol_step(disp, mgr, attempt)
             steps.append((tried, int(mgr.num_dropped_rows.item()) - drops_before))
+        captured = _captured_after_rerun(mgr, attempt)
         dist.barrier()
     errors += check_cuda_buffers(case, tag)
+    if isinstance(captured, str):
+        errors.append(f"{tag} {captured}")
+    else:
+        for key in ("y", "gx", "gp"):
+            if not torch.allclose(captured[key], ref[key], rtol=1e-5, atol=1e-5):
+                errors.append(f"{tag} the step captured after a rerun: {key} differs from alltoall's")
     driver = "PagedStashRunner" if runner_mod is not None else "the hook protocol"
     for step, (tried, dropped) in enumerate(steps):
         for key in ("y", "gx", "gp"):

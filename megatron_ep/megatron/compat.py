@@ -1,9 +1,10 @@
-"""What differs between the megatron-core versions we plug into (0.16.x and 0.19.x).
+"""What differs between the megatron-core versions we plug into (0.16.x, 0.19.x, main).
 
 Every difference is detected from the installed code (an attribute, a config field, a function
-signature), never assumed from the version string alone, and `features()` reports what was found
-so a launcher can log it. An installed megatron-core that lacks what we rely on fails loudly in
-`check_supported()` instead of half-working.
+signature, what a function reads of a config that answers every field), never assumed from the
+version string alone, and `features()` reports what was found so a launcher can log it. An
+installed megatron-core that lacks what we rely on fails loudly in `check_supported()`, with
+one IncompatibleMegatronError, instead of half-working.
 """
 
 from __future__ import annotations
@@ -92,10 +93,13 @@ def _probe(what: str, fn, config: Optional[_AnyConfig] = None):
 def features() -> Features:
     """What the installed megatron-core does, probed once (cached after the first success; a
     failure raises IncompatibleMegatronError and is probed again next time)."""
-    from megatron.core.transformer.moe import moe_layer, moe_utils, token_dispatcher
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    def modules():
+        from megatron.core.transformer.moe import moe_layer, moe_utils, token_dispatcher
+        from megatron.core.transformer.transformer_config import TransformerConfig
 
-    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+        return moe_layer, moe_utils, token_dispatcher, {f.name for f in dataclasses.fields(TransformerConfig)}
+
+    moe_layer, moe_utils, token_dispatcher, fields = _probe("the MoE modules and TransformerConfig's fields", modules)
     permute_params = _probe("moe_utils.permute's signature", lambda: inspect.signature(moe_utils.permute).parameters)
     flex = token_dispatcher.MoEFlexTokenDispatcher
     align_cfg = _AnyConfig()

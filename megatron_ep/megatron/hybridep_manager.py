@@ -85,6 +85,7 @@ class MegatronEPHybridEPManager(_DispatchManager):
         self._bootstrapped = False
         self._max_tokens_per_rank: Optional[int] = None  # the group's largest T at the bootstrap
         self._last_shape = None  # (T, H, element bytes) of the last budgeted dispatch
+        self._reserved_rows = 0  # the most rows this manager sized the Buffer for
 
         # Metadata (Megatron's CUDA-graph code captures token_probs / routing_map)
         self.routing_map: Optional[torch.Tensor] = None
@@ -126,15 +127,21 @@ class MegatronEPHybridEPManager(_DispatchManager):
         T, H, elt = self._last_shape
         self.buffer.reserve(max_tokens=max(T, self._max_tokens_per_rank or 0), hidden=H, dtype_bytes=elt,
                             topk=self.router_topk, num_experts=self.num_experts, combine_rows=rows)
+        self._reserved_rows = max(self._reserved_rows, rows)
 
     def _bootstrap(self, hidden_states: torch.Tensor, factor: float) -> None:
         """At the first budgeted dispatch (and after invalidate_ep_bootstrap()): agree the token
         count every rank budgets for, then size the Buffer. Both are collectives with a host
-        sync, hence not under CUDA-graph capture (Megatron's warm-up runs before it)."""
+        sync, hence not under CUDA-graph capture (Megatron's warm-up runs before it). A capture
+        right after a rerun (megatron-core's full-iteration graph is re-captured at the first
+        step after its reset) keeps the earlier agreement if the Buffer already holds the
+        budget: grow_recv_capacity sized it outside the capture."""
         if capturing():
-            raise RuntimeError("hybridep static budget: the first budgeted dispatch agrees the token count over the "
-                               "EP group and sizes the Buffer (collectives with a host sync), which cannot be captured "
-                               "in a CUDA graph; run one step before capturing")
+            if self._max_tokens_per_rank is None or self._budget_rows(hidden_states.shape[0], factor) > self._reserved_rows:
+                raise RuntimeError("hybridep static budget: the first budgeted dispatch agrees the token count over the "
+                                   "EP group and sizes the Buffer (collectives with a host sync), which cannot be "
+                                   "captured in a CUDA graph; run one step before capturing")
+            return  # re-agreed at the next dispatch outside a capture
         self._max_tokens_per_rank = agree_max(self.group, hidden_states.shape[0], hidden_states.device)
         self._reserve(self._budget_rows(hidden_states.shape[0], factor))
         self._bootstrapped = True
