@@ -6,6 +6,7 @@ import pytest
 
 import megatron.core  # noqa: E402,F401  (CI installs megatron-core: a missing one must fail, not skip)
 
+import megatron_budget_cases as bc  # noqa: E402
 import megatron_cases as mc  # noqa: E402
 from distpool import flat
 
@@ -70,7 +71,7 @@ def _run(pool, fn, cases):
 @pytest.mark.parametrize("R", [2, 4])
 def test_hybridep_rank_budget(pools, R):
     """moe_expert_rank_capacity_factor: a budget nothing exceeds, and one most ranks exceed."""
-    _run(pools(R), mc.run_rank_budget_case, [
+    _run(pools(R), bc.run_rank_budget_case, [
         dict(seed=300 * R + i, E=2 * R, K=3, H=8, Ts=[9 + 2 * s for s in range(R)], factor=factor, align=align,
              expect_drop=expect_drop, p_drop=0.0)
         for i, (factor, align, expect_drop) in enumerate([(4.0, 4, False), (0.3, 2, True)])])
@@ -90,7 +91,7 @@ def budget_boundary_cases(R):
 
 @pytest.mark.parametrize("R", [2, 4])
 def test_hybridep_budget_factor_ep_size_never_drops(pools, R):
-    _run(pools(R), mc.run_rank_budget_case, budget_boundary_cases(R))
+    _run(pools(R), bc.run_rank_budget_case, budget_boundary_cases(R))
 
 
 def budget_empty_rank_cases(R):
@@ -103,7 +104,7 @@ def budget_empty_rank_cases(R):
 
 @pytest.mark.parametrize("R", [2, 4])
 def test_hybridep_budget_rank_without_tokens(pools, R):
-    _run(pools(R), mc.run_rank_budget_case, budget_empty_rank_cases(R))
+    _run(pools(R), bc.run_rank_budget_case, budget_empty_rank_cases(R))
 
 
 def overfull_routing_cases(R):
@@ -118,7 +119,7 @@ def overfull_routing_cases(R):
 def test_routing_map_past_topk(pools):
     """A routing map with more than top-k experts in a row: rejected, naming the row (the
     dynamic modes), or counted as dropped (the budget mode); never silently truncated."""
-    _run(pools(2), mc.run_overfull_routing_case, overfull_routing_cases(2))
+    _run(pools(2), bc.run_overfull_routing_case, overfull_routing_cases(2))
 
 
 def budget_rerun_cases(R):
@@ -129,4 +130,4 @@ def test_hybridep_budget_rerun_drops_nothing(pools):
     """megatron-core's paged-stash rerun of an over-budget step (main's PagedStashRunner; the same
     hook protocol driven directly on versions whose runner lacks the hooks): no row lost, and
     the grown budget fits the next step without a rerun."""
-    _run(pools(2), mc.run_budget_rerun_case, budget_rerun_cases(2))
+    _run(pools(2), bc.run_budget_rerun_case, budget_rerun_cases(2))
