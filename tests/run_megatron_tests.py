@@ -77,7 +77,7 @@ def pytest_configure(config):
     print(f"megatron_ep managers installed into megatron-core {feats.version} (rank {Utils.rank})")
 
 
-def pytest_collection_modifyitems(session, config, items):
+def pytest_collection_modifyitems(config, items):
     conftest = sys.modules.get("tests.unit_tests.conftest")
     if conftest is not None and hasattr(conftest, "download_and_extract_asset"):
         def no_download(*a, **k):
