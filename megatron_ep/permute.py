@@ -75,7 +75,9 @@ def clamp_segments(padded: torch.Tensor, num_rows: int) -> torch.Tensor:
 def routing_map_to_topk(routing_map: torch.Tensor, probs: torch.Tensor, topk: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """Megatron's routing map [T, E] bool + probs [T, E] -> top-k ids [T, topk] (the routed
     experts in ascending id order, -1 past them) and their probs (0 there). Deterministic (no
-    ties: the key is unique per routed expert) and shape-static (torch.compile-safe)."""
+    ties: the key is unique per routed expert) and shape-static (torch.compile-safe). A row that
+    routes more than `topk` experts does not fit: callers reject it with `routing_map_error`
+    before any communication, or count it with `routed_past_topk` where no host sync is allowed."""
     T, E = routing_map.shape
     rank_key = torch.arange(E, 0, -1, device=routing_map.device, dtype=torch.int32)
     keyed = torch.where(routing_map, rank_key, torch.zeros_like(rank_key))
@@ -84,6 +86,30 @@ def routing_map_to_topk(routing_map: torch.Tensor, probs: torch.Tensor, topk: in
     p = probs if probs.dtype in (torch.float32, torch.float64) else probs.float()
     weights = torch.where(valid, p.gather(1, idx), torch.zeros((), dtype=p.dtype, device=p.device))
     return idx.masked_fill(~valid, -1), weights
+
+
+def routed_past_topk(routing_map: torch.Tensor, topk: int) -> torch.Tensor:
+    """[T] int64: how many routed experts each row has past the first `topk` (0 on a valid map;
+    shape-static, no host sync)."""
+    return (routing_map.sum(dim=-1, dtype=torch.int64) - topk).clamp(min=0)
+
+
+def routing_map_error(routing_map: torch.Tensor, topk: int) -> Optional[str]:
+    """What is wrong with `routing_map` [T, E] for a top-k dispatch, naming the first row that
+    routes more than `topk` experts (Megatron's alltoall would send it to all of them; keeping
+    some would drop the others silently), or None. One device->host sync; None under CUDA-graph
+    capture, which cannot sync."""
+    from .checks import capturing
+
+    if routing_map.numel() == 0 or capturing():
+        return None
+    past = routed_past_topk(routing_map, topk)
+    if not bool((past > 0).any()):
+        return None
+    row = int((past > 0).nonzero()[0, 0])
+    experts = routing_map[row].nonzero().flatten().tolist()
+    return (f"routing map row {row} routes {len(experts)} experts {experts}, more than top-k = {topk} "
+            f"({int((past > 0).sum())} of {routing_map.shape[0]} rows do): a top-k dispatch cannot route them all")
 
 
 # ------------------------------------------------------------------------------ side channel

@@ -27,7 +27,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from oracle import expected_expert_major, make_inputs
+from oracle import make_inputs
 
 
 # ------------------------------------------------------------------------------- CPU shims
@@ -225,6 +225,11 @@ def run_flex_vs_alltoall(case):
                     return [f"flex {kind} built {type(mgr).__name__}, not megatron_ep's manager: install() had no effect"]
                 if "align" in case:  # FP8 configs (the only way to ask for padding) need TE
                     mgr.align = case["align"]
+                want_sms = extra.get("moe_flex_dispatcher_num_sms")
+                if want_sms is not None and mgr.num_sms != want_sms:
+                    return [f"flex {kind}: num_sms {mgr.num_sms}, but moe_flex_dispatcher_num_sms is {want_sms}"]
+                if "want_align" in case and mgr.align != case["want_align"]:
+                    return [f"flex {kind}: alignment {mgr.align}, want {case['want_align']} for {case.get('config')}"]
             x = mine["x"].to(dev).clone().requires_grad_(True)
             probs_leaf = probs_full[r].to(dev).clone().requires_grad_(True)
             got = _run_dispatcher(disp, x, routing_map.to(dev), probs_leaf, W_local.to(dev), upstream[r].to(dev))
@@ -491,83 +496,6 @@ def run_moe_layer_graph_case(case):
             if not torch.isfinite(y_static.float()).all() or not torch.any(y_static != 0):
                 errors.append(f"{tag} replay {i}: output is not finite or all zero")
     dist.barrier()
-    return errors
-
-
-# ------------------------------------------------------------------ static budget (0.19 knob)
-@guarded
-def run_rank_budget_case(case):
-    """hybridep with moe_expert_rank_capacity_factor: exactly `budget` rows per rank, rows past
-    it dropped and counted, against a dense oracle of which (token, expert) pairs survive.
-    megatron-core 0.16 has no such config field: there the manager is driven directly."""
-    with cpu_shims():
-        _init_megatron()
-        from megatron_ep.megatron import compat
-
-        R, r = dist.get_world_size(), dist.get_rank()
-        E, K, H, f = case["E"], case["K"], case["H"], case["factor"]
-        L = E // R
-        inputs, W, upstream, probs_full = _global_problem(case)
-        mine = inputs[r]
-        routing_map = _routing_map(mine["idx"], E)
-        feats = compat.features()
-        # 0.19 accepts the knob for hybridep only with TE's op fuser (its static-shape expert
-        # path); the flag changes nothing in the dispatcher itself.
-        extra = {"moe_expert_rank_capacity_factor": f, "use_transformer_engine_op_fuser": True} if feats.rank_capacity_factor else {}
-        disp = _make_dispatcher("hybridep", E, K, H, **extra)
-        mgr = disp._comm_manager
-        if not feats.rank_capacity_factor:
-            mgr.moe_expert_rank_capacity_factor = f
-        align = mgr.align = case["align"]
-        x = mine["x"].clone().requires_grad_(True)
-        probs_leaf = probs_full[r].clone().requires_grad_(True)
-        got = _run_dispatcher(disp, x, routing_map, probs_leaf, W[r * L:(r + 1) * L], upstream[r])
-        flag, ndrop = bool(mgr.over_budget.item()), int(mgr.num_dropped_rows.item())
-        disp_flag = disp.check_over_budget() if feats.dispatcher_over_budget else None
-        dist.barrier()
-
-    # Oracle: rank q keeps the first budget_q rows of its expert-major layout.
-    errors, tag = [], f"[R={R} rank={r} factor={f} align={align}]"
-    kept, dropped_real = set(), {}
-    for q in range(R):
-        exp = expected_expert_major(inputs, q, R, E, align)
-        budget = int(case["Ts"][q] * K * f)
-        budget += -budget % align
-        dropped_real[q] = sum(1 for i, s in enumerate(exp["src"]) if s is not None and i >= budget)
-        kept |= {s for i, s in enumerate(exp["src"]) if s is not None and i < budget}
-        if q == r:
-            want_x = torch.zeros((budget, H))
-            n = min(budget, exp["x"].shape[0])
-            want_x[:n] = exp["x"][:n]
-            ends = torch.cumsum(exp["tokens_per_expert"], 0)
-            want_tpe = ends.clamp(max=budget) - (ends - exp["tokens_per_expert"]).clamp(max=budget)
-            want_tpe[-1] += budget - want_tpe.sum()
-    if not torch.equal(got["perm_x"], want_x):
-        errors.append(f"{tag} dispatched rows: shape {tuple(got['perm_x'].shape)} vs {tuple(want_x.shape)} or values differ")
-    if got["tpe"].tolist() != want_tpe.tolist():
-        errors.append(f"{tag} tokens_per_expert {got['tpe'].tolist()} != {want_tpe.tolist()}")
-    if any(c % align for c in got["tpe"].tolist()):
-        errors.append(f"{tag} tokens_per_expert {got['tpe'].tolist()} not multiples of {align}")
-    if flag != (dropped_real[r] > 0) or ndrop != dropped_real[r]:
-        errors.append(f"{tag} over_budget={flag} num_dropped_rows={ndrop}, want {dropped_real[r] > 0} / {dropped_real[r]}")
-    if disp_flag is not None and bool(disp_flag.item()) != flag:
-        errors.append(f"{tag} MoEFlexTokenDispatcher.check_over_budget() disagrees with the manager")
-    if case["expect_drop"] != any(dropped_real.values()):
-        errors.append(f"{tag} case expected dropping={case['expect_drop']} but the oracle says {dropped_real}")
-
-    # Dense reference of the surviving pairs, with autograd for the input and probs gradients.
-    xr = mine["x"].clone().double().requires_grad_(True)
-    pr = probs_full[r].clone().double().requires_grad_(True)
-    y = torch.zeros((case["Ts"][r], H), dtype=torch.float64)
-    for t in range(case["Ts"][r]):
-        for k in range(K):
-            e = int(mine["idx"][t, k])
-            if e >= 0 and (r, t, k) in kept:
-                y[t] = y[t] + (xr[t] @ W[e].double()) * pr[t, e]
-    (y * upstream[r].double()).sum().backward()
-    for name, a, b in (("output", got["y"], y.detach()), ("grad hidden", got["gx"], xr.grad), ("grad probs", got["gp"], pr.grad)):
-        if not torch.allclose(a.double(), b, rtol=1e-5, atol=1e-5):
-            errors.append(f"{tag} {name}: max abs diff {(a.double() - b).abs().max().item():.3g}")
     return errors
 
 

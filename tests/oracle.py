@@ -28,6 +28,8 @@ def _routing(g, T, E, K, R, pattern, p_drop):
             groups = torch.randperm(4, generator=g)[:2].tolist()
             pool = [gr * (E // 4) + i for gr in groups for i in range(E // 4)]
             chosen = [pool[i] for i in torch.randperm(len(pool), generator=g)[: min(K, len(pool))].tolist()]
+        elif pattern == "first_rank":  # every token's copies on rank 0 (a static budget's worst case)
+            chosen = torch.randperm(L, generator=g)[: min(K, L)].tolist()
         elif pattern == "same_rank":
             r = int(torch.randint(R, (1,), generator=g))
             chosen = (r * L + torch.randperm(L, generator=g)[: min(K, L)]).tolist()

@@ -67,3 +67,40 @@ def test_moe_layer_ep1_nccl_grouped_experts():
                 variants=[("alltoall", "grouped")])
     errors = [e for rank in run_alone(1, mc.run_moe_layer_case, case, timeout=180, backend="nccl") for e in rank]
     assert not errors, "\n".join(errors[:20])
+
+
+# The cases below are the CPU tests' (test_megatron_dispatchers.py, test_megatron_layer.py), with
+# megatron_ep on the GPU (the cuda backend's worst-case sized dispatch, Buffer.reserve, published
+# failures) and Megatron's reference on CPU.
+@pytest.mark.parametrize("R", [2])
+def test_hybridep_budget_virtual_ranks(R):
+    """The budget at the EP-size factor never drops (alignment 16; every token on rank 0); one row
+    under the worst case drops that row; ranks without tokens budget like the others."""
+    import megatron_budget_cases as bc
+    from test_megatron_dispatchers import budget_boundary_cases, budget_empty_rank_cases
+
+    _run(pool_(R), bc.run_rank_budget_case,
+         [dict(c, device="virtual") for c in budget_boundary_cases(R) + budget_empty_rank_cases(R)])
+
+
+def test_routing_map_past_topk_virtual_ranks():
+    import megatron_budget_cases as bc
+    from test_megatron_dispatchers import overfull_routing_cases
+
+    _run(pool_(2), bc.run_overfull_routing_case, [dict(c, device="virtual") for c in overfull_routing_cases(2)])
+
+
+def test_hybridep_budget_rerun_virtual_ranks():
+    """megatron-core's paged-stash rerun protocol: grow_recv_capacity sizes the cuda Buffer."""
+    import megatron_budget_cases as bc
+    from test_megatron_dispatchers import budget_rerun_cases
+
+    _run(pool_(2), bc.run_budget_rerun_case, [dict(c, device="virtual") for c in budget_rerun_cases(2)])
+
+
+def test_ep_overlap_virtual_ranks():
+    """--overlap-moe-expert-parallel-comm: dispatch / combine on Megatron's communication stream."""
+    import megatron_overlap_cases as oc
+    from test_megatron_layer import overlap_cases
+
+    _run(pool_(2), oc.run_overlap_case, [dict(c, device="virtual", tol=1e-2) for c in overlap_cases(2)])

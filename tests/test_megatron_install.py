@@ -1,5 +1,7 @@
 """install() / activation paths and the megatron-core version detection (single process)."""
 
+import copy
+import dataclasses
 import os
 import subprocess
 import sys
@@ -27,10 +29,60 @@ def test_install_is_idempotent_and_reversible():
     assert mm.is_installed()
     assert td._DeepepManager is mm.MegatronEPDeepepManager and td._HybridEPManager is mm.MegatronEPHybridEPManager
     assert issubclass(td._DeepepManager, td._DispatchManager) and issubclass(td._HybridEPManager, td._DispatchManager)
-    assert feats.version.startswith(("0.16", "0.17", "0.18", "0.19"))
+    assert feats.version.startswith(("0.16", "0.17", "0.18", "0.19", "0.20"))
     mm.uninstall()
     assert (td._DeepepManager, td._HybridEPManager) == original
     mm.install()
+
+
+def _probe_again(monkeypatch, align_fn):
+    """compat.features() re-probed with get_align_size_for_quantization replaced."""
+    from megatron.core.transformer.moe import moe_utils
+
+    monkeypatch.setattr(moe_utils, "get_align_size_for_quantization", align_fn)
+    compat.features.cache_clear()
+
+
+def test_probes_follow_fields_megatron_adds(monkeypatch):
+    """A later megatron-core that reads a config field we never heard of (as main's
+    moe_use_grouped_tensor): the probe answers it, install() works and reports the field."""
+    def align(config):  # a future version: a new knob checked first
+        return 512 if config.moe_some_future_knob else (256 if config.use_transformer_engine_op_fuser else 0)
+
+    try:
+        _probe_again(monkeypatch, align)
+        feats = mm.install()
+        assert feats.align_default == 0 and feats.align_fields[0] == "moe_some_future_knob"
+        assert compat.features() is compat.features()  # one probe, cached
+    finally:
+        monkeypatch.undo()
+        compat.features.cache_clear()
+
+
+def test_a_failed_probe_leaves_megatron_untouched(monkeypatch):
+    """A probe that raises: install() raises one IncompatibleMegatronError naming the version
+    and the field, and Megatron keeps its own managers (nothing half-installed)."""
+    from megatron.core.transformer.moe import token_dispatcher as td
+
+    def align(config):
+        return int(config.moe_some_future_knob) + 1  # int(None): TypeError
+
+    mm.uninstall()
+    original = td._DeepepManager, td._HybridEPManager
+    try:
+        _probe_again(monkeypatch, align)
+        with pytest.raises(compat.IncompatibleMegatronError) as err:
+            mm.install()
+        message = str(err.value)
+        assert megatron.core.__version__ in message and "'moe_some_future_knob'" in message, message
+        assert (td._DeepepManager, td._HybridEPManager) == original and not mm.is_installed()
+        with pytest.raises(compat.IncompatibleMegatronError):  # a failure is not cached: probed again
+            compat.features()
+    finally:
+        monkeypatch.undo()
+        compat.features.cache_clear()
+        mm.install()
+    assert mm.is_installed()
 
 
 def _run(code, env=None, args=()):
@@ -67,13 +119,21 @@ def test_config_accessors_follow_the_installed_version():
     assert compat.flex_num_sms(cfg19, "deepep") == 24 and compat.flex_num_sms(cfg19, "hybridep") == 24
     assert compat.flex_num_sms(types.SimpleNamespace(moe_flex_dispatcher_num_sms=None), "hybridep") is None
 
-    plain = types.SimpleNamespace(fp8=None, fp4=None, use_transformer_engine_op_fuser=False, moe_router_padding_for_quantization=False)
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    plain = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=1, num_moe_experts=4,
+                              moe_router_topk=2, add_bias_linear=False, use_cpu_initialization=True)
     assert compat.quant_align(plain) == max(1, feats.align_default)
     if feats.permute_pads_segments:  # 0.19: DeepEP's permute pads to the quantization alignment itself
         assert compat.deepep_align(plain) == compat.quant_align(plain)
     else:  # 0.16: only with moe_router_padding_for_quantization
         assert compat.deepep_align(plain) == 1
-        assert compat.deepep_align(types.SimpleNamespace(**{**vars(plain), "moe_router_padding_for_quantization": True})) == 16
+        padded = copy.copy(plain)  # the config refuses the flag without FP8, which needs TE
+        padded.moe_router_padding_for_quantization = True
+        assert compat.deepep_align(padded) == 16
+    if "moe_use_grouped_tensor" in feats.align_fields:  # main: TE's grouped-tensor experts want 256-row segments
+        grouped = dataclasses.replace(plain, moe_grouped_gemm=True, moe_use_grouped_tensor=True)
+        assert compat.quant_align(grouped) == 256 and compat.deepep_align(grouped) == 256
     assert (compat.rank_capacity_factor(types.SimpleNamespace(moe_expert_rank_capacity_factor=1.5)) == 1.5) == feats.rank_capacity_factor
 
 

@@ -10,6 +10,7 @@ import pytest
 import megatron.core  # noqa: E402,F401  (CI installs megatron-core: a missing one must fail, not skip)
 
 import megatron_cases as mc  # noqa: E402
+import megatron_overlap_cases as oc  # noqa: E402
 
 
 @pytest.mark.parametrize("R", [2, 4])
@@ -22,4 +23,16 @@ def test_moe_layer_flex_matches_alltoall(pools, R):
 
 def test_grouped_experts_checkpoint_sharding(pools):
     errors = [e for rank in pools(2).run(mc.run_experts_checkpoint_case, dict(E=6)) for e in rank]
+    assert not errors, "\n".join(errors[:20])
+
+
+def overlap_cases(R):
+    return [dict(seed=70 + i, backend=backend, E=2 * R, K=2, H=32, S=8, V=64, microbatches=3)
+            for i, backend in enumerate(("deepep", "hybridep"))]
+
+
+def test_ep_overlap_schedule_matches(pools):
+    """--overlap-moe-expert-parallel-comm (Megatron's combined 1F1B schedule) with our managers:
+    the same losses and gradients as without it (a 2-layer GPTModel, 3 micro-batches, bf16)."""
+    errors = [e for case in overlap_cases(2) for rank in pools(2).run(oc.run_overlap_case, case) for e in rank]
     assert not errors, "\n".join(errors[:20])

@@ -198,8 +198,13 @@ def test_dry_run_prints_one_command_per_node():
         assert out.returncode == 0, out.stderr[-2000:]
         nodes = _node_commands(out.stdout)
         assert len(nodes) == 8, out.stdout[:2000]
+        header = [ln for ln in out.stdout.splitlines() if ln.startswith("# node ")]
+        assert len(header) == 8 and all("two-level internode path (8 nodes x 8 ranks" in ln and "ranks 0-63" in ln
+                                        for ln in header), header
         for rank, words in enumerate(nodes):
-            assert "MEGATRON_EP_BACKEND=torch" in words  # the cuda kernels are intranode: EP64 spans 8 nodes
+            assert "MEGATRON_EP_BACKEND=auto" in words  # our kernels by default: the internode path across the 8 nodes
+            assert {"NVSHMEM_IB_ENABLE_IBGDA=1", "NVSHMEM_QP_DEPTH=1024"} <= set(words), words[:6]
+            assert any(w.startswith("NVSHMEM_HCA_LIST=mlx5_0:1,") for w in words), words[:6]
             pythonpath = next(w for w in words if w.startswith("PYTHONPATH="))
             assert pythonpath.startswith("PYTHONPATH=$MEGATRON_LM_DIR:")  # Megatron-LM's megatron.core first
             start = words.index("torchrun")
@@ -221,7 +226,8 @@ def test_launcher_execs_the_node_command(tmp_path):
     out = _dry_run([sys.executable, py, "--torchrun", "echo"],
                    {"NODE_RANK": "5", "MASTER_ADDR": "10.1.2.3", "MEGATRON_LM_DIR": str(tmp_path)})
     assert out.returncode == 0, out.stderr[-2000:]
-    printed, echoed = out.stdout.strip().splitlines()
+    header, printed, echoed = out.stdout.strip().splitlines()
+    assert header.startswith("# node 5: ranks 40-47: EP group 0 (ranks 0-63, nodes 0-7): cuda two-level internode path"), header
     words = echoed.split()
     assert _value(words, "--node-rank") == "5" and _value(words, "--nnodes") == "8"
     assert words[words.index("megatron_ep.megatron.launch") + 1] == str(tmp_path / "pretrain_gpt.py")
@@ -236,6 +242,28 @@ def test_launcher_refuses_what_cannot_run():
     assert out.returncode == 2 and "EP x PP" in out.stderr
     out = _dry_run([sys.executable, py, "--dry-run", "--ep-backend", "cuda"], {})  # EP64 across nodes: internode path
     assert out.returncode == 0 and "MEGATRON_EP_BACKEND=cuda" in out.stdout, out.stderr
+    out = _dry_run([sys.executable, py, "--dry-run", "--ep", "16", "--gpus-per-node", "4"], {"NNODES": "16"})
+    assert out.returncode == 0 and "(4 nodes x 4 ranks" in out.stdout, out.stderr
+    out = _dry_run([sys.executable, py, "--dry-run", "--ep", "32", "--gpus-per-node", "6", "--global-batch-size", "960"],
+                   {"NNODES": "16"})
+    assert out.returncode == 2 and "must fill whole nodes" in out.stderr, out.stderr
+
+
+def test_dry_run_backend_choices():
+    """--ep-backend torch: NCCL all-to-all and no NVSHMEM settings; --ib-hcas / --ll-max-tokens
+    reach the environment; EP8 on 8-GPU nodes stays inside each node (the intranode path)."""
+    py = os.path.join(ROOT, "recipes", "deepseek_v3_ep64", "launch.py")
+    out = _dry_run([sys.executable, py, "--dry-run", "--ep-backend", "torch"], {})
+    assert out.returncode == 0 and "MEGATRON_EP_BACKEND=torch" in out.stdout and "NVSHMEM_" not in _node_commands(out.stdout)[0][0]
+    assert all("NVSHMEM" not in w for w in _node_commands(out.stdout)[0]) and "torch backend (NCCL all-to-all)" in out.stdout
+    out = _dry_run([sys.executable, py, "--dry-run", "--ib-hcas", "mlx5_2:1,mlx5_3:1", "--ll-max-tokens", "1024"], {})
+    words = _node_commands(out.stdout)[3]
+    assert "NVSHMEM_HCA_LIST=mlx5_2:1,mlx5_3:1" in words and "NVSHMEM_QP_DEPTH=2050" in words, words[:6]
+    out = _dry_run([sys.executable, py, "--dry-run", "--no-infiniband"], {})
+    assert all("NVSHMEM" not in w for w in _node_commands(out.stdout)[0]), out.stdout[:500]
+    out = _dry_run([sys.executable, py, "--dry-run", "--ep", "8"], {})
+    header = [ln for ln in out.stdout.splitlines() if ln.startswith("# node 5:")]
+    assert header and "EP group 5 (ranks 40-47)" in header[0] and "cuda intranode path" in header[0], header
 
 
 def test_proxy_presets_list_and_dry_run():

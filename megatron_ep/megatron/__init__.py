@@ -3,7 +3,7 @@
 
 Megatron's `MoEFlexTokenDispatcher` looks `_DeepepManager` / `_HybridEPManager` up as globals of
 `megatron.core.transformer.moe.token_dispatcher` each time it is constructed, so `install()`
-rebinds those two names to our managers (DESIGN §4). Activation, any one of:
+rebinds those two names to our managers. Activation, any one of:
 
 * `import megatron_ep.megatron; megatron_ep.megatron.install()` (idempotent);
 * `import megatron_ep.megatron.activate` (e.g. from a `--spec` module or a launcher);
@@ -36,17 +36,18 @@ def _managers():
 
 def install() -> compat.Features:
     """Rebind Megatron's flex managers to megatron_ep's (idempotent); returns what was detected
-    about the installed megatron-core."""
-    compat.check_supported()
+    about the installed megatron-core. Every probe runs first: on any failure nothing is
+    rebound and one IncompatibleMegatronError names the version and what did not fit."""
+    feats = compat.check_supported()
     from megatron.core.transformer.moe import token_dispatcher as td
 
-    for name, cls in _managers().items():
+    managers = _managers()  # imported before anything is rebound
+    for name, cls in managers.items():
         current = getattr(td, name)
-        if current is cls:
-            continue
-        _ORIGINALS.setdefault(name, current)
+        if current is not cls:
+            _ORIGINALS.setdefault(name, current)
+    for name, cls in managers.items():
         setattr(td, name, cls)
-    feats = compat.features()
     logger.info("megatron_ep installed into megatron-core %s (%s)", feats.version, feats)
     return feats
 

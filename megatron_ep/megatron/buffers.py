@@ -60,6 +60,14 @@ def get_buffer(group, x: torch.Tensor, num_experts: int, topk: int, num_sms: Opt
     return buf
 
 
+def fail_dispatch(buf: Buffer, message: str) -> None:
+    """Raise ValueError(message) as this rank's failure of its next dispatch on `buf`, before any
+    communication: the failure is published to the peers, which raise PeerFailedError naming it
+    instead of waiting for a dispatch this rank never makes (the Buffer stays usable)."""
+    with buf._call("dispatch"):
+        raise ValueError(message)
+
+
 def reset_buffers() -> None:
     """Drop every cached Buffer (collective for cuda buffers: call on all ranks)."""
     for buf in _BUFFERS.values():

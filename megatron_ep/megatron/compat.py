@@ -1,9 +1,10 @@
-"""What differs between the megatron-core versions we plug into (0.16.x and 0.19.x).
+"""What differs between the megatron-core versions we plug into (0.16.x, 0.19.x, main).
 
 Every difference is detected from the installed code (an attribute, a config field, a function
-signature), never assumed from the version string alone, and `features()` reports what was found
-so a launcher can log it. An installed megatron-core that lacks what we rely on fails loudly in
-`check_supported()` instead of half-working.
+signature, what a function reads of a config that answers every field), never assumed from the
+version string alone, and `features()` reports what was found so a launcher can log it. An
+installed megatron-core that lacks what we rely on fails loudly in `check_supported()`, with
+one IncompatibleMegatronError, instead of half-working.
 """
 
 from __future__ import annotations
@@ -39,63 +40,106 @@ class Features:
     permute_pads_segments: bool
     # 0.19: the dispatcher reports over_budget through check_over_budget().
     dispatcher_over_budget: bool
+    # main (0.20): the dispatcher's paged-stash rerun hooks (check_required_capacity,
+    # grow_ep_recv_capacity, invalidate_ep_bootstrap), each used only if the manager has it.
+    dispatcher_capacity_hooks: bool
     # 0.19: MoESubmodules.experts is a builder called directly (no ModuleSpec/build_module).
     experts_builder_call: bool
-    # 0.19: get_align_size_for_quantization returns 0 without FP8/FP4 (0.16: 16).
+    # get_align_size_for_quantization with every config field off (0.16: 16; 0.19, main: 0).
     align_default: int
+    # the config fields get_align_size_for_quantization reads (main adds moe_use_grouped_tensor).
+    align_fields: Tuple[str, ...]
+
+
+class IncompatibleMegatronError(RuntimeError):
+    """The installed megatron-core lacks, or changed, something megatron_ep plugs into."""
+
+
+class _AnyConfig:
+    """A config that answers every field with `None` (off) except those in `on`, and records
+    the fields it was asked for: a probe of what megatron-core reads, that a field added in a
+    later release cannot break (a stub listing today's fields would)."""
+
+    def __init__(self, on=()):
+        object.__setattr__(self, "_on", dict(on))
+        object.__setattr__(self, "read", [])
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        self.read.append(name)
+        return self._on.get(name)
+
+
+def _version() -> str:
+    import megatron.core as mc
+
+    return getattr(mc, "__version__", "unknown")
+
+
+def _probe(what: str, fn, config: Optional[_AnyConfig] = None):
+    """Run one probe; any failure becomes one error naming the version, the probe and the last
+    config field it read."""
+    try:
+        return fn()
+    except Exception as e:  # a probe must fail loudly and say where, whatever it raised
+        field = f" (last config field read: {config.read[-1]!r})" if config is not None and config.read else ""
+        raise IncompatibleMegatronError(
+            f"megatron-core {_version()}: probing {what} failed{field}: {type(e).__name__}: {e}; "
+            "megatron_ep.megatron cannot plug into this version") from e
 
 
 @functools.lru_cache(maxsize=None)
 def features() -> Features:
-    import megatron.core as mc
-    from megatron.core.transformer.moe import moe_utils, token_dispatcher
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    """What the installed megatron-core does, probed once (cached after the first success; a
+    failure raises IncompatibleMegatronError and is probed again next time)."""
+    def modules():
+        from megatron.core.transformer.moe import moe_layer, moe_utils, token_dispatcher
+        from megatron.core.transformer.transformer_config import TransformerConfig
 
-    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
-    permute_params = inspect.signature(moe_utils.permute).parameters
-    from megatron.core.transformer.moe import moe_layer
+        return moe_layer, moe_utils, token_dispatcher, {f.name for f in dataclasses.fields(TransformerConfig)}
 
+    moe_layer, moe_utils, token_dispatcher, fields = _probe("the MoE modules and TransformerConfig's fields", modules)
+    permute_params = _probe("moe_utils.permute's signature", lambda: inspect.signature(moe_utils.permute).parameters)
+    flex = token_dispatcher.MoEFlexTokenDispatcher
+    align_cfg = _AnyConfig()
+    align_default = _probe("moe_utils.get_align_size_for_quantization",
+                           lambda: int(moe_utils.get_align_size_for_quantization(align_cfg) or 0), align_cfg)
     return Features(
-        version=getattr(mc, "__version__", "unknown"),
+        version=_version(),
         unified_num_sms="moe_flex_dispatcher_num_sms" in fields,
         rank_capacity_factor="moe_expert_rank_capacity_factor" in fields,
         permute_pads_segments="align_size" in permute_params,
-        dispatcher_over_budget=hasattr(token_dispatcher.MoEFlexTokenDispatcher, "check_over_budget"),
+        dispatcher_over_budget=hasattr(flex, "check_over_budget"),
+        dispatcher_capacity_hooks=all(hasattr(flex, n) for n in ("check_required_capacity", "grow_ep_recv_capacity",
+                                                                 "invalidate_ep_bootstrap")),
         experts_builder_call=hasattr(moe_layer, "ExpertsBuilder"),
-        align_default=_default_align(),
+        align_default=align_default,
+        align_fields=tuple(dict.fromkeys(align_cfg.read)),
     )
 
 
-def _default_align() -> int:
-    from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
-
-    class _Plain:  # the fields get_align_size_for_quantization reads, all off
-        fp8 = None
-        fp4 = None
-        use_transformer_engine_op_fuser = False
-
-    return int(get_align_size_for_quantization(_Plain()))
-
-
-def check_supported() -> None:
-    """Raise if the installed megatron-core lacks what install() rebinds or relies on."""
-    import megatron.core as mc
+def check_supported() -> Features:
+    """Raise IncompatibleMegatronError if the installed megatron-core lacks what install()
+    rebinds or relies on; else return its features (every probe has run)."""
     from megatron.core.transformer.moe import token_dispatcher as td
 
-    version = getattr(mc, "__version__", "0")
+    version = _version()
     if _version_tuple(version) < MIN_VERSION:
-        raise RuntimeError(f"megatron_ep.megatron needs megatron-core >= {'.'.join(map(str, MIN_VERSION))}, found {version}")
+        raise IncompatibleMegatronError(f"megatron_ep.megatron needs megatron-core >= {'.'.join(map(str, MIN_VERSION))}, "
+                                        f"found {version}")
     missing = [n for n in ("_DispatchManager", "_DeepepManager", "_HybridEPManager", "MoEFlexTokenDispatcher") if not hasattr(td, n)]
     if missing:
-        raise RuntimeError(f"megatron-core {version}: token_dispatcher lacks {missing}; megatron_ep cannot plug in")
+        raise IncompatibleMegatronError(f"megatron-core {version}: token_dispatcher lacks {missing}; megatron_ep cannot plug in")
     # The dispatcher must still look the managers up as module globals at construction time
     # (rebinding the names is how we plug in); a version that imports them elsewhere would
     # silently keep its own managers.
-    src = inspect.getsource(td.MoEFlexTokenDispatcher.__init__)
+    src = _probe("MoEFlexTokenDispatcher.__init__'s source", lambda: inspect.getsource(td.MoEFlexTokenDispatcher.__init__))
     for name in ("_DeepepManager(", "_HybridEPManager("):
         if name not in src:
-            raise RuntimeError(f"megatron-core {version}: MoEFlexTokenDispatcher no longer constructs {name[:-1]} by name; "
-                               "megatron_ep.megatron.install() would have no effect")
+            raise IncompatibleMegatronError(f"megatron-core {version}: MoEFlexTokenDispatcher no longer constructs {name[:-1]} "
+                                            "by name; megatron_ep.megatron.install() would have no effect")
+    return features()
 
 
 # ------------------------------------------------------------------------- config accessors

@@ -20,9 +20,9 @@ import torch
 from megatron.core.transformer.moe.token_dispatcher import _DispatchManager
 
 from .. import autograd as ep
-from ..permute import routing_map_to_topk
+from ..permute import routing_map_error, routing_map_to_topk
 from . import compat
-from .buffers import get_buffer
+from .buffers import fail_dispatch, get_buffer
 from .layouts import LocalPermute
 
 
@@ -45,6 +45,7 @@ class MegatronEPDeepepManager(_DispatchManager):
         # Metadata (Megatron's CUDA-graph code captures token_probs / token_indices)
         self.token_indices: Optional[torch.Tensor] = None
         self.token_probs: Optional[torch.Tensor] = None
+        self.routing_map: Optional[torch.Tensor] = None  # checked in dispatch (a host sync it has anyway)
         self.handle = None
         self.buffer = None
         self.dispatched_indices = None
@@ -56,12 +57,17 @@ class MegatronEPDeepepManager(_DispatchManager):
         # Shape-static tensor ops only: this runs inside Megatron's torch.compile'd
         # dispatch_preprocess.
         num_tokens = routing_map.shape[0]
+        self.routing_map = routing_map.reshape(num_tokens, self.num_experts)
         self.token_indices, self.token_probs = routing_map_to_topk(
-            routing_map.reshape(num_tokens, self.num_experts), probs.reshape(num_tokens, self.num_experts), self.router_topk)
+            self.routing_map, probs.reshape(num_tokens, self.num_experts), self.router_topk)
 
     def dispatch(self, hidden_states: torch.Tensor, async_finish: bool = False,
                  allocate_on_comm_stream: bool = False) -> torch.Tensor:
         self.buffer = get_buffer(self.group, hidden_states, self.num_experts, self.router_topk, self.num_sms)
+        # before any communication (this dispatch syncs the host anyway)
+        error = routing_map_error(self.routing_map, self.router_topk) if self.routing_map is not None else None
+        if error:
+            fail_dispatch(self.buffer, f"flex deepep: {error}")
         out = ep.dispatch(self.buffer, hidden_states, self.token_indices, self.token_probs,
                           num_experts=self.num_experts, permute=False, host_counts=True)
         self.handle = out.handle
@@ -96,6 +102,7 @@ class MegatronEPDeepepManager(_DispatchManager):
         out = ep.combine(self.buffer, hidden_states, self.handle)
         # Release per-iteration state (autograd keeps what backward needs).
         self.handle = None
+        self.routing_map = None
         self.dispatched_indices = None
         self.dispatched_probs = None
         return out.x

@@ -11,13 +11,20 @@ Same workflow and attributes as Megatron's `_HybridEPManager`:
 (5) combine(): rows back to their source tokens, summed per token.
 
 Static shapes (no host sync in the manager):
-* `moe_expert_rank_capacity_factor` (0.19; `MEGATRON_EP_RANK_CAPACITY_FACTOR` anywhere): the
-  output has exactly int(T * topk * factor) rows rounded up to the alignment -- the dispatch's
-  num_worst_tokens, so there is no host sync at all; rows past the budget are dropped by the
-  dispatch, `over_budget` is raised and `num_dropped_rows` counts them (device tensors,
-  accumulated until the dispatcher's reset_over_budget()).
+* `moe_expert_rank_capacity_factor` (0.19; `MEGATRON_EP_RANK_CAPACITY_FACTOR` anywhere): room for
+  int(T * topk * factor) real rows on every rank, plus every segment's worst padding, rounded up
+  to the alignment: the dispatch's num_worst_tokens, so there is no host sync at all. T is the
+  larger of this rank's tokens and the group's largest token count, agreed once (with the
+  Buffer's sizing) at the first budgeted dispatch, so every rank budgets alike and a rank
+  without tokens still receives. A factor equal to the EP size then never drops. Rows past the
+  budget are dropped by the dispatch, `over_budget` is raised and `num_dropped_rows` counts them;
+  `required_recv` keeps the most real rows a dispatch needed (device tensors). Megatron's
+  paged-stash rerun (main) reads `required_recv` and calls `grow_recv_capacity`.
 * `moe_pad_expert_input_to_capacity`: each local expert gets exactly capacity * group_size rows
   (the router already dropped tokens over capacity per source rank).
+A routing-map row with more than top-k experts is rejected before any communication (the
+dynamic modes sync the host anyway); in the budget mode, which cannot sync, its extra
+(token, expert) pairs are counted as dropped rows and raise `over_budget`.
 """
 
 from __future__ import annotations
@@ -31,9 +38,11 @@ from megatron.core.transformer.moe.moe_utils import get_capacity
 from megatron.core.transformer.moe.token_dispatcher import _DispatchManager
 
 from .. import autograd as ep
-from ..permute import attach_expert_rows, routing_map_to_topk
+from ..checks import capturing
+from ..permute import attach_expert_rows, routed_past_topk, routing_map_error, routing_map_to_topk
 from . import compat
-from .buffers import get_buffer
+from .budget import agree_max, budget_rows
+from .buffers import fail_dispatch, get_buffer
 from .layouts import StaticRows
 
 
@@ -57,16 +66,26 @@ class MegatronEPHybridEPManager(_DispatchManager):
         self.drop_and_pad = bool(config.moe_pad_expert_input_to_capacity)
         if self.drop_and_pad:
             assert self.capacity_factor is not None
-        # Read at every setup_metadata: megatron-core 0.19's paged stash switches the static
-        # budget off (None) for a rerun and back on through this attribute. Where the config has
-        # no such field (0.16) or leaves it unset, MEGATRON_EP_RANK_CAPACITY_FACTOR sets it.
+        # Read at every dispatch: megatron-core's paged stash switches the static budget off
+        # (None) for a rerun and back on through this attribute. Where the config has no such
+        # field (0.16) or leaves it unset, MEGATRON_EP_RANK_CAPACITY_FACTOR sets it.
         self.moe_expert_rank_capacity_factor = compat.rank_capacity_factor(config)
         if self.moe_expert_rank_capacity_factor is None and os.environ.get("MEGATRON_EP_RANK_CAPACITY_FACTOR"):
             self.moe_expert_rank_capacity_factor = float(os.environ["MEGATRON_EP_RANK_CAPACITY_FACTOR"])
-        # Accumulated until the dispatcher's reset_over_budget(); moved to the tokens' device
-        # at the first dispatch.
+        self._factor = self.moe_expert_rank_capacity_factor  # the configured one (what a grown budget keeps)
+        # Budget state, moved to the tokens' device at the first dispatch. over_budget and
+        # required_recv are what megatron-core's reset_over_budget() zeroes; num_dropped_rows
+        # counts from the manager's creation.
         self.over_budget = torch.zeros(1, dtype=torch.bool)
         self.num_dropped_rows = torch.zeros(1, dtype=torch.int64)
+        self.required_recv = torch.zeros(1, dtype=torch.int64)  # most real rows one dispatch needed
+        self._recv_capacity_override = 0  # real rows grow_recv_capacity() asked room for
+        # False until a budgeted dispatch agreed the token count and sized the Buffer;
+        # megatron-core's invalidate_ep_bootstrap() clears it (redone at the next one).
+        self._bootstrapped = False
+        self._max_tokens_per_rank: Optional[int] = None  # the group's largest T at the bootstrap
+        self._last_shape = None  # (T, H, element bytes) of the last budgeted dispatch
+        self._reserved_rows = 0  # the most rows this manager sized the Buffer for
 
         # Metadata (Megatron's CUDA-graph code captures token_probs / routing_map)
         self.routing_map: Optional[torch.Tensor] = None
@@ -76,19 +95,15 @@ class MegatronEPHybridEPManager(_DispatchManager):
         self.dispatched_probs = None
         self.tokens_per_expert = None
         self.row_expert = None
-        self.budget: Optional[int] = None
+        self.budget: Optional[int] = None  # rows of the last budgeted dispatch
         self.capacity: Optional[int] = None
         self._static: Optional[StaticRows] = None
-        self._reserved = False  # the buffer was sized for this manager's static budget
 
     def setup_metadata(self, routing_map: torch.Tensor, probs: torch.Tensor):
         num_tokens = routing_map.shape[0]
         self.routing_map = routing_map.reshape(num_tokens, self.num_experts)
         self.token_probs = probs.reshape(num_tokens, self.num_experts)
-        self.budget = self.capacity = None
-        if self.moe_expert_rank_capacity_factor is not None:
-            budget = int(num_tokens * self.config.moe_router_topk * self.moe_expert_rank_capacity_factor)
-            self.budget = budget + (-budget % self.align)
+        self.capacity = None
         if self.drop_and_pad:
             self.capacity = get_capacity(num_tokens=num_tokens * self.config.moe_router_topk,
                                          num_experts=self.num_experts, capacity_factor=self.capacity_factor)
@@ -99,23 +114,69 @@ class MegatronEPHybridEPManager(_DispatchManager):
         restores only routing_map / token_probs, still dispatches correctly."""
         return routing_map_to_topk(self.routing_map, self.token_probs, self.router_topk)
 
+    # ------------------------------------------------------------------------ static budget
+    def _budget_rows(self, num_tokens: int, factor: float) -> int:
+        tokens = max(num_tokens, self._max_tokens_per_rank or 0)
+        return budget_rows(tokens, self.config.moe_router_topk, factor, self.num_local_experts, self.align,
+                           self._recv_capacity_override)
+
+    def _reserve(self, rows: int) -> None:
+        """Size the Buffer for a budgeted dispatch of `rows` rows (collective: every rank, same
+        point; each brings its own needs, the largest wins). A worst-case sized dispatch cannot
+        grow the Buffer itself."""
+        T, H, elt = self._last_shape
+        self.buffer.reserve(max_tokens=max(T, self._max_tokens_per_rank or 0), hidden=H, dtype_bytes=elt,
+                            topk=self.router_topk, num_experts=self.num_experts, combine_rows=rows)
+        self._reserved_rows = max(self._reserved_rows, rows)
+
+    def _bootstrap(self, hidden_states: torch.Tensor, factor: float) -> None:
+        """At the first budgeted dispatch (and after invalidate_ep_bootstrap()): agree the token
+        count every rank budgets for, then size the Buffer. Both are collectives with a host
+        sync, hence not under CUDA-graph capture (Megatron's warm-up runs before it). A capture
+        right after a rerun (megatron-core's full-iteration graph is re-captured at the first
+        step after its reset) keeps the earlier agreement if the Buffer already holds the
+        budget: grow_recv_capacity sized it outside the capture."""
+        if capturing():
+            if self._max_tokens_per_rank is None or self._budget_rows(hidden_states.shape[0], factor) > self._reserved_rows:
+                raise RuntimeError("hybridep static budget: the first budgeted dispatch agrees the token count over the "
+                                   "EP group and sizes the Buffer (collectives with a host sync), which cannot be "
+                                   "captured in a CUDA graph; run one step before capturing")
+            return  # re-agreed at the next dispatch outside a capture
+        self._max_tokens_per_rank = agree_max(self.group, hidden_states.shape[0], hidden_states.device)
+        self._reserve(self._budget_rows(hidden_states.shape[0], factor))
+        self._bootstrapped = True
+
+    def grow_recv_capacity(self, new_capacity: int) -> None:
+        """megatron-core's paged-stash hook (main): after an over-budget step, make room for
+        `new_capacity` real rows (the group's largest `required_recv`) in every later budgeted
+        dispatch, and size the Buffer for it now -- collectively, outside any CUDA graph -- so
+        the rerun and the steps after it never drop what that step needed. Never shrinks."""
+        if self._factor is None:
+            return
+        self._recv_capacity_override = max(self._recv_capacity_override, int(new_capacity))
+        if self.buffer is not None and self._last_shape is not None:
+            self._reserve(self._budget_rows(self._last_shape[0], self._factor))
+
+    # ----------------------------------------------------------------------------- dispatch
     def dispatch(self, hidden_states: torch.Tensor, async_finish: bool = True,
                  allocate_on_comm_stream: bool = True) -> torch.Tensor:
         idx, weights = self._topk_routing()
+        factor = self.moe_expert_rank_capacity_factor
+        budgeted = factor is not None and not self.drop_and_pad
         align = 1 if self.drop_and_pad else self.align
         self.buffer = get_buffer(self.group, hidden_states, self.num_experts, self.router_topk, self.num_sms,
                                  expert_major_align=align)
+        error = None if budgeted else routing_map_error(self.routing_map, self.router_topk)
+        if error:  # before any communication (the dynamic modes sync the host anyway)
+            fail_dispatch(self.buffer, f"flex hybridep: {error}")
         # The static budget is the dispatch's own worst-case size: no host sync, rows past it
-        # dropped and counted by the dispatch itself (the budget may differ per rank).
-        worst = self.budget if (self.budget is not None and not self.drop_and_pad) else 0
-        if worst and not self._reserved:
-            # a worst-case sized dispatch cannot grow the buffer: size it, collectively, at this
-            # manager's first budgeted dispatch (the same call on every rank; each brings its own
-            # budget, the largest wins)
-            self.buffer.reserve(max_tokens=hidden_states.shape[0], hidden=hidden_states.shape[-1],
-                                dtype_bytes=hidden_states.element_size(), topk=self.router_topk,
-                                num_experts=self.num_experts, combine_rows=worst)
-            self._reserved = True
+        # dropped and counted by the dispatch itself.
+        worst, self.budget = 0, None
+        if budgeted:
+            self._last_shape = (hidden_states.shape[0], hidden_states.shape[-1], hidden_states.element_size())
+            if not self._bootstrapped:
+                self._bootstrap(hidden_states, factor)
+            worst = self.budget = self._budget_rows(hidden_states.shape[0], factor)
         out = ep.dispatch(self.buffer, hidden_states, idx, weights, num_experts=self.num_experts,
                           permute=True, expert_alignment=align, num_worst_tokens=worst)
         self.handle = out.handle
@@ -129,7 +190,10 @@ class MegatronEPHybridEPManager(_DispatchManager):
             row_expert = self._static.pack(row_expert + 1) - 1  # unfilled rows -> -1
             tpe = self._static.tokens_per_expert
         elif worst:
-            self._count_drops(out.num_dropped)
+            # a routing-map row past top-k cannot be rejected without a host sync: its extra
+            # pairs count as dropped (megatron-core's paged stash then reruns dropless, which rejects it)
+            self._count_drops(out.num_dropped + routed_past_topk(self.routing_map, self.router_topk).sum())
+            self._need((row_expert >= 0).sum() + out.num_dropped)
             real_tpe = tpe  # our experts stop here (megatron_ep.experts); the tail's output is zeroed
             tpe = tpe.clone()  # Megatron's contract: the segments cover every row (the tail is padding)
             tpe[-1] += worst - tpe.sum()
@@ -139,12 +203,20 @@ class MegatronEPHybridEPManager(_DispatchManager):
         attach_expert_rows(x, row_expert, 1 if self.drop_and_pad else self.align, real_tpe)
         return x
 
+    def _on(self, device: torch.device) -> None:
+        if self.over_budget.device != device:
+            self.over_budget = self.over_budget.to(device)
+            self.num_dropped_rows = self.num_dropped_rows.to(device)
+            self.required_recv = self.required_recv.to(device)
+
     def _count_drops(self, dropped: torch.Tensor) -> None:
-        if self.over_budget.device != dropped.device:
-            self.over_budget = self.over_budget.to(dropped.device)
-            self.num_dropped_rows = self.num_dropped_rows.to(dropped.device)
+        self._on(dropped.device)
         self.num_dropped_rows += dropped
         self.over_budget |= dropped > 0
+
+    def _need(self, real_rows: torch.Tensor) -> None:
+        self._on(real_rows.device)
+        torch.maximum(self.required_recv, real_rows.reshape(1).to(torch.int64), out=self.required_recv)
 
     def get_permuted_hidden_states_by_experts(self, hidden_states: torch.Tensor):
         return hidden_states, self.dispatched_probs

@@ -11,9 +11,16 @@ Run once per node (same arguments everywhere, NODE_RANK differs):
 Rendezvous from the environment: MASTER_ADDR, MASTER_PORT (29500), NNODES (8), NODE_RANK,
 GPUS_PER_NODE (8). Each node runs
 
-    MEGATRON_EP_BACKEND=torch PYTHONPATH=$MEGATRON_LM_DIR:<this repo> torchrun --nnodes 8 \\
+    MEGATRON_EP_BACKEND=auto NVSHMEM_IB_ENABLE_IBGDA=1 NVSHMEM_HCA_LIST=... NVSHMEM_QP_DEPTH=1024 \\
+        PYTHONPATH=$MEGATRON_LM_DIR:<this repo> torchrun --nnodes 8 \\
         --node-rank R --nproc-per-node 8 --master-addr A --master-port P \\
         -m megatron_ep.megatron.launch $MEGATRON_LM_DIR/pretrain_gpt.py <model and training flags>
+
+MEGATRON_EP_BACKEND=auto runs megatron_ep's cuda kernels where the GPUs are Hopper and its CUDA
+extension is built: an EP group spanning nodes takes the two-level internode path (NVSHMEM
+RDMA between nodes, NVLink inside each), one inside a node the intranode path; elsewhere the
+torch backend (NCCL all-to-all). The NVSHMEM settings are those an InfiniBand cluster needs
+(--no-infiniband leaves NVSHMEM's own defaults).
 
 `megatron_ep.megatron.launch` installs megatron_ep's flex managers into megatron-core and then
 runs pretrain_gpt.py unchanged as `__main__`, so the managers are in place before Megatron builds
@@ -121,9 +128,19 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("megatron_ep")
     g.add_argument("--dispatcher", choices=("hybridep", "deepep"), default="hybridep",
                    help="--moe-flex-dispatcher-backend: hybridep (permute fused into dispatch) or deepep (rank-major + local permute)")
-    g.add_argument("--ep-backend", choices=("torch", "cuda", "auto"), default="torch",
-                   help="MEGATRON_EP_BACKEND (default torch: NCCL all-to-all). cuda: the two-level internode path across the "
-                        "nodes (NVSHMEM RDMA domain + NVLink; tested on virtual nodes, never over InfiniBand)")
+    g.add_argument("--ep-backend", choices=("auto", "cuda", "torch"), default="auto",
+                   help="MEGATRON_EP_BACKEND. auto: megatron_ep's cuda kernels on Hopper GPUs with the extension built (an EP "
+                        "group across nodes: the two-level internode path, NVSHMEM RDMA + NVLink; tested on virtual nodes, "
+                        "never over InfiniBand), else the torch backend; cuda: the kernels or an error; torch: NCCL all-to-all")
+    g.add_argument("--infiniband", action=argparse.BooleanOptionalAction, default=True,
+                   help="set the NVSHMEM environment an InfiniBand cluster needs for the cuda backend: IBGDA, the HCA list, "
+                        "the QP depth (--no-infiniband: NVSHMEM's defaults, e.g. for RoCE or EFA)")
+    g.add_argument("--ib-hcas", default=os.environ.get("NVSHMEM_HCA_LIST"),
+                   help="NVSHMEM_HCA_LIST: the compute HCAs, so storage and management NICs are left out (default: the "
+                        "environment's NVSHMEM_HCA_LIST, else mlx5_0:1 ... one port-1 HCA per GPU, an HGX node's rails)")
+    g.add_argument("--ll-max-tokens", type=int, default=128,
+                   help="tokens per rank of a low-latency (decode) dispatch; sizes NVSHMEM_QP_DEPTH to at least 2 x (this + 1), "
+                        "the puts one QP may have in flight")
 
     g = p.add_argument_group("model and parallelism")
     g.add_argument("--layers", type=int, default=61, help="decoder layers (first 3 dense); fewer for bring-up")
@@ -183,8 +200,14 @@ def validate(p, args):
     dp = world // (args.tp * args.pp)
     if args.global_batch_size % (args.micro_batch_size * dp):
         p.error(f"--global-batch-size must be a multiple of micro batch x data parallel = {args.micro_batch_size * dp}")
-    if args.ep_backend != "torch" and args.gpus_per_node > 8:
-        p.error(f"--ep-backend {args.ep_backend}: megatron_ep's NVLink stage takes at most 8 ranks per node")
+    if args.ep_backend != "torch":
+        if args.gpus_per_node > 8:
+            p.error(f"--ep-backend {args.ep_backend}: megatron_ep's NVLink stage takes at most 8 ranks per node")
+        if args.ep % args.gpus_per_node and args.gpus_per_node % args.ep:
+            p.error(f"--ep-backend {args.ep_backend}: an EP group of {args.ep} ranks must fill whole nodes of "
+                    f"{args.gpus_per_node} GPUs, or fit in one (the cuda backend's paths)")
+    if args.ll_max_tokens < 1:
+        p.error("--ll-max-tokens must be >= 1")
     if not args.dry_run:
         for name, value in (("NODE_RANK / --node-rank", args.node_rank), ("MASTER_ADDR / --master-addr", args.master_addr),
                             ("MEGATRON_LM_DIR / --megatron-lm", args.megatron_lm)):
@@ -253,12 +276,44 @@ def megatron_args(args) -> list:
     return a
 
 
+def nvshmem_env(args) -> dict:
+    """NVSHMEM's environment for the cuda backend on InfiniBand: GPU-initiated RDMA (IBGDA), the
+    compute HCAs (each GPU's PE then takes the nearest of them), and QPs deep enough for a
+    low-latency dispatch's puts (DeepEP's rule, 2 x (tokens + 1), and NVSHMEM's 1024 at least)."""
+    if args.ep_backend == "torch" or not args.infiniband:
+        return {}
+    hcas = args.ib_hcas or ",".join(f"mlx5_{i}:1" for i in range(args.gpus_per_node))
+    return {"NVSHMEM_IB_ENABLE_IBGDA": "1", "NVSHMEM_HCA_LIST": hcas,
+            "NVSHMEM_QP_DEPTH": str(max(1024, 2 * (args.ll_max_tokens + 1)))}
+
+
+def ep_paths(args, node_rank: int) -> str:
+    """Which EP groups this node's ranks are in and the megatron_ep path each takes (EP groups
+    are EP consecutive ranks: Megatron orders expert ranks expert-TP, then EP, with ETP 1)."""
+    g, ep = args.gpus_per_node, args.ep
+    first, last = node_rank * g, node_rank * g + g - 1
+    groups = sorted({r // ep for r in range(first, last + 1)})
+    spans = [(grp * ep // g, (grp * ep + ep - 1) // g) for grp in groups]
+    if args.ep_backend == "torch":
+        path = "torch backend (NCCL all-to-all)"
+    elif spans[0][0] == spans[0][1]:
+        path = f"cuda intranode path ({min(ep, g)} ranks over NVLink)"
+    else:
+        n = spans[0][1] - spans[0][0] + 1
+        path = f"cuda two-level internode path ({n} nodes x {g} ranks: NVSHMEM RDMA between nodes, NVLink inside)"
+    if args.ep_backend == "auto":
+        path += " on Hopper GPUs with megatron_ep's extension, else the torch backend"
+    where = ", ".join(f"EP group {grp} (ranks {grp * ep}-{grp * ep + ep - 1}, nodes {a}-{b})" if a != b else
+                      f"EP group {grp} (ranks {grp * ep}-{grp * ep + ep - 1})" for grp, (a, b) in zip(groups, spans))
+    return f"ranks {first}-{last}: {where}: {path}"
+
+
 def node_command(args, node_rank: int):
     """(environment additions, argv) of one node. PYTHONPATH puts Megatron-LM's own megatron.core
     ahead of an installed megatron-core wheel, and makes megatron_ep importable from this
     checkout when it is not pip-installed; the caller's PYTHONPATH is appended at launch."""
     megatron_lm = os.path.abspath(args.megatron_lm) if args.megatron_lm else MEGATRON_LM_PLACEHOLDER
-    env = {"MEGATRON_EP_BACKEND": args.ep_backend}
+    env = {"MEGATRON_EP_BACKEND": args.ep_backend, **nvshmem_env(args)}
     if args.tp > 1:  # Megatron-LM's validate_args requires it with TP on Hopper and earlier
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([megatron_lm, REPO_ROOT])
@@ -289,10 +344,13 @@ def main(argv=None) -> None:
         print(f"# DeepSeek-V3 on {args.nnodes} nodes x {args.gpus_per_node} GPUs: EP{args.ep} TP{args.tp} PP{args.pp}, "
               f"{args.layers} layers, flex/{args.dispatcher}, megatron_ep backend {args.ep_backend}"
               + (", FP8 blockwise" if args.fp8 else ", bf16"))
+        nv = nvshmem_env(args)
+        print("# NVSHMEM: " + (" ".join(f"{k}={v}" for k, v in nv.items()) if nv else "its own defaults"))
         for rank in range(args.nnodes):
-            print(f"# node {rank}")
+            print(f"# node {rank}: {ep_paths(args, rank)}")
             print(render(*node_command(args, rank)))
         return
+    print(f"# node {args.node_rank}: {ep_paths(args, args.node_rank)}", flush=True)
     env, argv = node_command(args, args.node_rank)
     if shutil.which(argv[0]) is None:
         raise SystemExit(f"launch.sh: error: {argv[0]} not found; pass --torchrun '{sys.executable} -m torch.distributed.run'")

@@ -1,0 +1,143 @@
+"""Run Megatron-LM's own unit tests on megatron_ep's flex managers, on CPU (gloo, the torch
+backend), as `torchrun --nproc-per-node 8 -m pytest ...` would on 8 GPUs:
+
+    python tests/run_megatron_tests.py /path/to/Megatron-LM               # TestFlexDispatcher
+    python tests/run_megatron_tests.py /path/to/Megatron-LM -k "TestFlexDispatcher and hybridep"
+
+The checkout's `megatron` is the one imported (its directory goes first on PYTHONPATH) and
+megatron_ep comes from this repository. Each rank runs pytest on the test file
+(`--file`, default tests/unit_tests/transformer/moe/test_token_dispatcher.py) with this module
+loaded as a plugin, which changes only what a CPU run needs, before collection:
+* megatron_ep.megatron.install(): Megatron's flex dispatcher builds our managers;
+* `fused_a2a.HAVE_DEEP_EP` / `HAVE_HYBRIDEP` are set (the tests skip without DeepEP and
+  HybridEP, which our managers replace);
+* the `skipif(not torch.cuda.is_available())` marks are dropped, `.cuda()` of tensors and
+  modules is the identity, `torch.cuda.synchronize` / `set_device` do nothing, and
+  recipes/cpu_shims.py applies (router device, streams, RNG tracker);
+* `Utils.initialize_distributed` joins a gloo group (RANK / WORLD_SIZE from this launcher)
+  instead of NCCL, and the unit-test data download is skipped (no test here reads it);
+* `typing.override` (Python 3.12) comes from typing_extensions on older Pythons.
+Megatron-LM's tests also import click and requests (its data downloader): put them on
+PYTHONPATH if the environment lacks them. Nothing of Megatron-LM is copied or changed. Exit
+status: 0 when every rank passed; each rank's pytest summary line is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+DEFAULT_FILE = "tests/unit_tests/transformer/moe/test_token_dispatcher.py"
+
+
+# ----------------------------------------------------------------------------- the plugin
+def _typing_override() -> None:
+    """megatron.training (main) imports Python 3.12's typing.override; Megatron's conftest
+    imports it before any hook runs, so this runs when pytest loads the plugin."""
+    import typing
+
+    if not hasattr(typing, "override"):
+        import typing_extensions
+
+        typing.override = typing_extensions.override
+
+
+def pytest_configure(config):
+    import torch
+
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    torch.nn.Module.cuda = lambda self, *a, **k: self
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.set_device = lambda *a, **k: None
+    sys.path.insert(0, ROOT)
+    from recipes import cpu_shims
+
+    cpu_shims.apply()
+    import megatron_ep.megatron as mep_megatron
+    from megatron.core.transformer.moe import fused_a2a
+
+    feats = mep_megatron.install()
+    fused_a2a.HAVE_DEEP_EP = fused_a2a.HAVE_HYBRIDEP = True
+    from tests.unit_tests.test_utilities import Utils
+
+    def initialize_distributed():
+        import torch.distributed as dist
+
+        if not dist.is_initialized() and Utils.rank >= 0:
+            dist.init_process_group("gloo", rank=Utils.rank, world_size=Utils.world_size)
+            dist.barrier()
+        Utils.inited = True
+
+    Utils.initialize_distributed = staticmethod(initialize_distributed)
+    print(f"megatron_ep managers installed into megatron-core {feats.version} (rank {Utils.rank})")
+
+
+def pytest_collection_modifyitems(config, items):
+    conftest = sys.modules.get("tests.unit_tests.conftest")
+    if conftest is not None and hasattr(conftest, "download_and_extract_asset"):
+        def no_download(*a, **k):
+            raise ImportError("unit-test data not downloaded (CPU run of the dispatcher tests)")
+
+        conftest.download_and_extract_asset = no_download
+    for item in items:
+        item.own_markers = [m for m in item.own_markers
+                            if not (m.name == "skipif" and "CUDA not available" in str(m.kwargs.get("reason", "")))]
+
+
+# ----------------------------------------------------------------------------- the launcher
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("checkout", help="Megatron-LM checkout (holds megatron/ and tests/unit_tests/)")
+    p.add_argument("-k", default="TestFlexDispatcher", help="pytest -k expression (default: TestFlexDispatcher)")
+    p.add_argument("--file", default=DEFAULT_FILE, help=f"test file inside the checkout (default: {DEFAULT_FILE})")
+    p.add_argument("--nproc", type=int, default=8, help="ranks (Megatron's tests assume 8)")
+    p.add_argument("--timeout", type=int, default=3000, help="seconds before the ranks are stopped")
+    args = p.parse_args(argv)
+    checkout = os.path.abspath(args.checkout)
+    if not os.path.isfile(os.path.join(checkout, args.file)):
+        print(f"run_megatron_tests: error: {os.path.join(checkout, args.file)} does not exist", file=sys.stderr)
+        return 2
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(args.nproc),
+               CUDA_VISIBLE_DEVICES="", MEGATRON_EP_BACKEND="torch",
+               PYTHONPATH=os.pathsep.join(filter(None, [checkout, ROOT, HERE, os.environ.get("PYTHONPATH")])))
+    cmd = [sys.executable, "-m", "pytest", "-p", "run_megatron_tests", "-q", "-p", "no:cacheprovider",
+           "-o", "addopts=", "-rs", args.file, "-k", args.k]
+    procs = []
+    for rank in range(args.nproc):
+        out = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"megatron_tests_rank{rank}.log"), "w+")
+        procs.append((subprocess.Popen(cmd, cwd=checkout, env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
+                                       stdout=out, stderr=subprocess.STDOUT), out))
+    codes = []
+    for rank, (proc, out) in enumerate(procs):
+        try:
+            codes.append(proc.wait(timeout=args.timeout))
+        except subprocess.TimeoutExpired:
+            for other, _ in procs:
+                other.kill()
+            codes.append("timeout")
+        out.seek(0)
+        text = out.read()
+        out.close()
+        summary = [ln for ln in text.splitlines() if " passed" in ln or " failed" in ln or " error" in ln
+                   or " skipped" in ln]
+        if rank == 0 or codes[-1] != 0:
+            print(text[-20000:] if codes[-1] != 0 else "\n".join(ln for ln in text.splitlines() if ln.startswith("SKIPPED")))
+        print(f"rank {rank}: exit {codes[-1]}: {summary[-1] if summary else '(no summary)'} ({out.name})")
+    return 0 if all(c == 0 for c in codes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+else:
+    _typing_override()
