@@ -4,6 +4,7 @@ argument, before any communication or kernel runs."""
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -166,3 +167,30 @@ def check_same_routing(topk_idx: torch.Tensor, dispatched: Optional[torch.Tensor
         row = int(diff.any(dim=1).nonzero()[0, 0])
         raise ValueError(f"topk_idx differs from the routing its dispatch got (row {row}: {topk_idx[row].tolist()} vs "
                          f"{dispatched[row].tolist()}): a low-latency combine returns the rows of that dispatch")
+
+
+def routing_inputs_error(routing_map, probs, num_experts: int) -> Optional[str]:
+    """What is wrong with a Megatron manager's (routing_map, probs) before anything is derived
+    from them: kinds, dtypes and shapes only (no host sync, so torch.compile-safe), or None."""
+    if not isinstance(routing_map, torch.Tensor) or routing_map.dtype != torch.bool:
+        kind = routing_map.dtype if isinstance(routing_map, torch.Tensor) else type(routing_map).__name__
+        return f"routing_map must be a torch.bool [tokens, {num_experts}] map of the routed experts, got {kind}"
+    if routing_map.dim() == 0 or routing_map.numel() % num_experts:
+        return f"routing_map has shape {tuple(routing_map.shape)}; it must be [tokens, {num_experts}]"
+    if not isinstance(probs, torch.Tensor) or not probs.is_floating_point():
+        kind = probs.dtype if isinstance(probs, torch.Tensor) else type(probs).__name__
+        return f"probs must be a floating-point tensor shaped like routing_map, got {kind}"
+    if probs.numel() != routing_map.numel():
+        return f"probs has shape {tuple(probs.shape)} but routing_map has {tuple(routing_map.shape)}: they must match"
+    return None
+
+
+def check_capacity_factor(name: str, value) -> Optional[float]:
+    """None (off) or a finite number > 0: NaN, inf, 0 and negative factors are refused (0 and
+    negative ones used to switch the budget off silently)."""
+    if value is None:
+        return None
+    fail(isinstance(value, (int, float)) and not isinstance(value, bool), f"{name} must be a number, got "
+                                                                            f"{type(value).__name__}", TypeError)
+    fail(math.isfinite(value) and value > 0, f"{name} must be a finite number > 0 (or unset), got {value}")
+    return float(value)

@@ -366,3 +366,81 @@ def run_overfull_routing_case(case):
             errors.append(f"{tag} after the rejected call, {key} differs from alltoall's by "
                           f"{(got[key] - ref[key]).abs().max().item():.3g}")
     return errors + check_cuda_buffers(case, tag)
+
+
+@guarded
+def run_bad_routing_inputs_case(case):
+    """A manager given a routing map that is not a bool map, or probs shaped unlike it, raises a
+    ValueError naming them at its dispatch, on every rank alike, and then works (against
+    alltoall); a rank capacity factor of NaN, inf, 0 or below is refused when the manager is
+    built (0 and negative ones used to switch the budget off silently)."""
+    R, r = dist.get_world_size(), dist.get_rank()
+    E, K, H = case["E"], case["K"], case["H"]
+    L = E // R
+    inputs, W, upstream, probs_full = _global_problem(case)
+    good_map = _routing_map(inputs[r]["idx"], E)
+    errors, tag = [], f"[R={R} rank={r} {case['backend']}]"
+    with side(case, "ref")[0]:
+        _init_megatron()
+    W_local = W[r * L:(r + 1) * L]
+    ctx, dev = side(case, "ours")
+    x = inputs[r]["x"].to(dev)
+    probs = (probs_full[r] * good_map).to(dev)
+    with ctx:
+        disp = _make_dispatcher(case["backend"], E, K, H)
+        mgr = disp._comm_manager
+        for name, rmap, p, text in [("float routing map", good_map.float(), probs, "routing_map must be a torch.bool"),
+                                    ("int routing map", good_map.long(), probs, "routing_map must be a torch.bool"),
+                                    ("probs shape", good_map, probs[:, :-1], "probs has shape")]:
+            try:
+                mgr.setup_metadata(rmap.to(dev), p)
+                mgr.dispatch(x)
+                errors.append(f"{tag} {name}: no error")
+            except ValueError as e:
+                if text not in str(e):
+                    errors.append(f"{tag} {name}: {e!r} does not mention {text!r}")
+        got = _to(_run_dispatcher(disp, x.clone().requires_grad_(True), good_map.to(dev),
+                                  probs_full[r].to(dev).clone().requires_grad_(True), W_local.to(dev),
+                                  upstream[r].to(dev)), "cpu")
+    with side(case, "ref")[0]:
+        ref = _to(_run_dispatcher(_make_dispatcher("alltoall", E, K, H), inputs[r]["x"].clone().requires_grad_(True),
+                                  good_map, probs_full[r].clone().requires_grad_(True), W_local, upstream[r]), "cpu")
+    if not torch.allclose(got["y"], ref["y"], rtol=1e-5, atol=1e-5):
+        errors.append(f"{tag} the dispatch after the refused ones differs from alltoall")
+    if case["backend"] == "hybridep":
+        from megatron_ep.megatron.hybridep_manager import MegatronEPHybridEPManager
+
+        for f in (float("nan"), float("inf"), 0.0, -1.0):
+            try:
+                with side(case, "ours")[0], _with_factor(mgr.config, f) as config:
+                    MegatronEPHybridEPManager(mgr.group, mgr.num_local_experts, E, config)
+                errors.append(f"{tag} rank capacity factor {f}: accepted")
+            except ValueError as e:
+                if "capacity_factor" not in str(e):
+                    errors.append(f"{tag} rank capacity factor {f}: {e!r} does not name it")
+    dist.barrier()
+    return errors
+
+
+@contextlib.contextmanager
+def _with_factor(config, f):
+    """A copy of `config` whose rank capacity factor is `f` (through the environment variable
+    where the installed megatron-core has no such field; restored after)."""
+    import copy
+    import os
+
+    from megatron_ep.megatron import compat
+
+    c = copy.copy(config)
+    key, before = "MEGATRON_EP_RANK_CAPACITY_FACTOR", os.environ.get("MEGATRON_EP_RANK_CAPACITY_FACTOR")
+    if compat.features().rank_capacity_factor:
+        c.moe_expert_rank_capacity_factor = f
+    else:
+        os.environ[key] = str(f)
+    try:
+        yield c
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before

@@ -131,3 +131,10 @@ def test_hybridep_budget_rerun_drops_nothing(pools):
     hook protocol driven directly on versions whose runner lacks the hooks): no row lost, and
     the grown budget fits the next step without a rerun."""
     _run(pools(2), bc.run_budget_rerun_case, budget_rerun_cases(2))
+
+
+@pytest.mark.parametrize("backend", ["deepep", "hybridep"])
+def test_routing_inputs_of_the_wrong_kind(pools, backend):
+    """A float or int routing map, probs shaped unlike it, a rank capacity factor of NaN, inf, 0
+    or below: refused by name, and the manager works afterwards."""
+    _run(pools(2), bc.run_bad_routing_inputs_case, [dict(seed=350, backend=backend, E=4, K=2, H=8, Ts=[6, 6], p_drop=0.0)])

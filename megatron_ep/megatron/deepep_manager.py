@@ -20,6 +20,7 @@ import torch
 from megatron.core.transformer.moe.token_dispatcher import _DispatchManager
 
 from .. import autograd as ep
+from ..checks import routing_inputs_error
 from ..permute import routing_map_error, routing_map_to_topk
 from . import compat
 from .buffers import fail_dispatch, get_buffer
@@ -46,6 +47,7 @@ class MegatronEPDeepepManager(_DispatchManager):
         self.token_indices: Optional[torch.Tensor] = None
         self.token_probs: Optional[torch.Tensor] = None
         self.routing_map: Optional[torch.Tensor] = None  # checked in dispatch (a host sync it has anyway)
+        self._input_error: Optional[str] = None  # a routing_map / probs of the wrong kind or shape
         self.handle = None
         self.buffer = None
         self.dispatched_indices = None
@@ -56,6 +58,9 @@ class MegatronEPDeepepManager(_DispatchManager):
     def setup_metadata(self, routing_map: torch.Tensor, probs: torch.Tensor):
         # Shape-static tensor ops only: this runs inside Megatron's torch.compile'd
         # dispatch_preprocess.
+        self._input_error = routing_inputs_error(routing_map, probs, self.num_experts)
+        if self._input_error:  # raised at dispatch, where the peers can be told
+            return
         num_tokens = routing_map.shape[0]
         self.routing_map = routing_map.reshape(num_tokens, self.num_experts)
         self.token_indices, self.token_probs = routing_map_to_topk(
@@ -65,7 +70,9 @@ class MegatronEPDeepepManager(_DispatchManager):
                  allocate_on_comm_stream: bool = False) -> torch.Tensor:
         self.buffer = get_buffer(self.group, hidden_states, self.num_experts, self.router_topk, self.num_sms)
         # before any communication (this dispatch syncs the host anyway)
-        error = routing_map_error(self.routing_map, self.router_topk) if self.routing_map is not None else None
+        error = self._input_error
+        if error is None and self.routing_map is not None:
+            error = routing_map_error(self.routing_map, self.router_topk)
         if error:
             fail_dispatch(self.buffer, f"flex deepep: {error}")
         out = ep.dispatch(self.buffer, hidden_states, self.token_indices, self.token_probs,

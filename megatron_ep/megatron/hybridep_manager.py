@@ -38,7 +38,7 @@ from megatron.core.transformer.moe.moe_utils import get_capacity
 from megatron.core.transformer.moe.token_dispatcher import _DispatchManager
 
 from .. import autograd as ep
-from ..checks import capturing
+from ..checks import capturing, check_capacity_factor, routing_inputs_error
 from ..permute import attach_expert_rows, routed_past_topk, routing_map_error, routing_map_to_topk
 from . import compat
 from .budget import agree_max, budget_rows
@@ -72,6 +72,9 @@ class MegatronEPHybridEPManager(_DispatchManager):
         self.moe_expert_rank_capacity_factor = compat.rank_capacity_factor(config)
         if self.moe_expert_rank_capacity_factor is None and os.environ.get("MEGATRON_EP_RANK_CAPACITY_FACTOR"):
             self.moe_expert_rank_capacity_factor = float(os.environ["MEGATRON_EP_RANK_CAPACITY_FACTOR"])
+        self.moe_expert_rank_capacity_factor = check_capacity_factor(
+            "moe_expert_rank_capacity_factor (or MEGATRON_EP_RANK_CAPACITY_FACTOR)", self.moe_expert_rank_capacity_factor)
+        check_capacity_factor("moe_expert_capacity_factor", self.capacity_factor)
         self._factor = self.moe_expert_rank_capacity_factor  # the configured one (what a grown budget keeps)
         # Budget state, moved to the tokens' device at the first dispatch. over_budget and
         # required_recv are what megatron-core's reset_over_budget() zeroes; num_dropped_rows
@@ -90,6 +93,7 @@ class MegatronEPHybridEPManager(_DispatchManager):
         # Metadata (Megatron's CUDA-graph code captures token_probs / routing_map)
         self.routing_map: Optional[torch.Tensor] = None
         self.token_probs: Optional[torch.Tensor] = None
+        self._input_error: Optional[str] = None  # a routing_map / probs of the wrong kind or shape
         self.handle = None
         self.buffer = None
         self.dispatched_probs = None
@@ -100,6 +104,10 @@ class MegatronEPHybridEPManager(_DispatchManager):
         self._static: Optional[StaticRows] = None
 
     def setup_metadata(self, routing_map: torch.Tensor, probs: torch.Tensor):
+        # a wrong kind or shape is raised at dispatch, where the peers can be told
+        self._input_error = routing_inputs_error(routing_map, probs, self.num_experts)
+        if self._input_error:
+            return
         num_tokens = routing_map.shape[0]
         self.routing_map = routing_map.reshape(num_tokens, self.num_experts)
         self.token_probs = probs.reshape(num_tokens, self.num_experts)
@@ -160,12 +168,14 @@ class MegatronEPHybridEPManager(_DispatchManager):
     # ----------------------------------------------------------------------------- dispatch
     def dispatch(self, hidden_states: torch.Tensor, async_finish: bool = True,
                  allocate_on_comm_stream: bool = True) -> torch.Tensor:
-        idx, weights = self._topk_routing()
         factor = self.moe_expert_rank_capacity_factor
         budgeted = factor is not None and not self.drop_and_pad
         align = 1 if self.drop_and_pad else self.align
         self.buffer = get_buffer(self.group, hidden_states, self.num_experts, self.router_topk, self.num_sms,
                                  expert_major_align=align)
+        if self._input_error:
+            fail_dispatch(self.buffer, f"flex hybridep: {self._input_error}")
+        idx, weights = self._topk_routing()
         error = None if budgeted else routing_map_error(self.routing_map, self.router_topk)
         if error:  # before any communication (the dynamic modes sync the host anyway)
             fail_dispatch(self.buffer, f"flex hybridep: {error}")
