@@ -54,9 +54,10 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 NGPU=$(nvidia-smi -L | wc -l)
 
-# ---- build: _protocol and _C (intranode) first; _C_ll (the NVSHMEM paths) builds in the background
-# while the intranode tests run, and is waited for before the internode tests. MEP_GATE_REUSE_BUILD=1
-# keeps an extension already built in this tree (e.g. the long mode right after the gate).
+# ---- build: _protocol and _C (intranode) in one build, _C_ll (the NVSHMEM paths) in another at the
+# same time (each with its own build directory); both done before any test (the intranode suite's
+# bad-input cases reach the low-latency path too). MEP_GATE_REUSE_BUILD=1 keeps an extension
+# already built in this tree (e.g. the long mode right after the gate).
 usable() { python3 -c "import megatron_ep as m, megatron_ep.paths.low_latency as ll, sys; ll.load(); \
 sys.exit(0 if m.cuda_backend_available() else 1)" 2>> "$LOGS/build.log"; }
 build_one() {  # build_one NAMES TEMP LOG
@@ -86,7 +87,7 @@ wait_ll_build() {  # once: the background _C_ll build's result row
   LL_PID=
   cat "$LOGS/build_ll.log" >> "$LOGS/build.log"
   if [ "$rc" = 0 ] && usable; then
-    printf 'build _C_ll\t1\t0\t0\t%s\tin the background from the start\n' $(( $(date +%s) - t0 )) >> "$RESULTS"
+    printf 'build _C_ll\t1\t0\t0\t%s\tbeside the _C build\n' $(( $(date +%s) - t0 )) >> "$RESULTS"
   else
     status=1; tail -30 "$LOGS/build_ll.log"
     printf 'build _C_ll\t0\t1\t0\t%s\tnot built or not usable\n' $(( $(date +%s) - t0 )) >> "$RESULTS"
@@ -94,6 +95,7 @@ wait_ll_build() {  # once: the background _C_ll build's result row
   grep -E "Compiling entry|registers|spill" "$LOGS/build.log" | sed 's/ptxas info *: //' > "$LOGS/ptxas.txt"
   tail -1 "$RESULTS"
 }
+wait_ll_build
 
 # run_file NAME TIMEOUT_S PYTEST_ARGS...: one pytest run, its summary row (from the junit record;
 # a file killed at its timeout names the test that was running)
@@ -141,10 +143,8 @@ start_mps
 if [ "$MODE" = gate ]; then
   FILES=${MEP_GATE_FILES:-tests/test_cuda_intranode.py tests/test_cuda_internode.py tests/test_cuda_low_latency.py tests/test_megatron_gpu.py tests/test_experts.py}
   for f in $FILES; do
-    case "$f" in *intranode*) ;; *) wait_ll_build ;; esac
     run_file "$f" 200 -m "gpu and not no_mps" "$f"
   done
-  wait_ll_build
   stop_mps
   # shellcheck disable=SC2086
   run_file "tests without MPS" 120 -m "gpu and no_mps" $FILES
@@ -154,7 +154,6 @@ if [ "$MODE" = gate ]; then
     "tests/test_cuda_low_latency.py::test_low_latency_cases[2]"
 else
   export MEP_FUZZ_CASES=${MEP_FUZZ_CASES:-1000} MEP_SOAK_ITERS=${MEP_SOAK_ITERS:-10000}
-  wait_ll_build
   MEP_GPU_TEST_LIMIT_S=420 run_file "tests/test_cuda_intranode.py (long)" 540 -m gpu tests/test_cuda_intranode.py -k "fuzz or soak"
   stop_mps
   for tool in racecheck synccheck initcheck; do
