@@ -57,8 +57,8 @@ def test_low_latency_cases(R):
 
 @pytest.mark.parametrize("R", [2, 4, 8])
 def test_cuda_graph_replays(R):
-    """Dispatch + combine captured once and replayed 100 times with new data."""
-    cfg = dict(seed=91 + R, E=8 * R, K=8, H=1024, T=48, max_tokens=64, fp8=True, replays=100)
+    """Dispatch + combine captured once and replayed 30 times with new data."""
+    cfg = dict(seed=91 + R, E=8 * R, K=8, H=1024, T=48, max_tokens=64, fp8=True, replays=30)
     errors = flat(pool_(R).run(ll_cases.run_ll_graph_case, cfg, timeout=600))
     assert not errors, "\n".join(errors[:20])
 

@@ -33,12 +33,12 @@ def _run(pool, fn, cases):
     assert not errors, "\n".join(errors[:20])
 
 
-@pytest.mark.parametrize("R", [2, 4])  # (the kernel paths' own suites run R = 8)
+@pytest.mark.parametrize("R", [2])  # the CPU suite runs R = 2, 4; the kernel suites R = 2, 4, 8
 def test_flex_virtual_ranks(R):
     _run(pool_(R), mc.run_flex_vs_alltoall, [dict(c, device="virtual") for c in flex_cases(R)])
 
 
-@pytest.mark.parametrize("R", [2, 4])
+@pytest.mark.parametrize("R", [2])
 def test_moe_layer_virtual_ranks(R):
     case = dict(seed=40 + R, E=2 * R, K=min(4, R), H=16, F=8, S=6, device="virtual",
                 variants=[("deepep", "sequential"), ("hybridep", "grouped"), ("deepep", "grouped")])
