@@ -1,6 +1,6 @@
 """The Megatron integration on a GPU: megatron_ep's flex managers on the cuda backend inside
 Megatron's real MoEFlexTokenDispatcher and MoELayer, against Megatron's alltoall dispatcher.
-* virtual ranks, R = 2, 4, 8 processes on one GPU (gloo control group; megatron_ep's kernels
+* virtual ranks, R = 2 processes on one GPU (gloo control group; megatron_ep's kernels
   move the tokens by CUDA IPC; Megatron's reference runs on CPU with the test shims, since NCCL
   refuses several ranks on one GPU) -- run under MPS (scripts/gpu_check.sh);
 * EP 1 through Megatron's own NCCL group: Megatron's flex dispatcher refuses EP 1 ("Flex token
