@@ -11,6 +11,8 @@
 #   MEP_GATE_COMMIT=<sha>              the commit under test, for the record (else git rev-parse HEAD)
 #   MEP_GATE_FILES="a.py b.py"         only these test files (the record then names only them)
 #   MEP_GATE_PYTEST="..."              extra pytest arguments for every file
+#   MEP_GATE_SANITIZER=split           memcheck over each path's own suite (three pools) instead of
+#                                      tests/test_sanitizer_pass.py (one pool)
 #   MEP_GATE_BUDGET_S=585              the whole run's wall-clock budget: each file's timeout is cut to
 #                                      what is left of it, so the run ends (and reports) inside it
 #
@@ -148,10 +150,15 @@ if [ "$MODE" = gate ]; then
   stop_mps
   # shellcheck disable=SC2086
   run_file "tests without MPS" 120 -m "gpu and no_mps" $FILES
-  # one small case of each path (R = 2, case 0) in one sanitizer run
-  MEP_CASES=0 NVSHMEM_DISABLE_NCCL=1 sanitize "intranode, internode, low-latency" memcheck 240 -m gpu \
-    "tests/test_cuda_intranode.py::test_normal_cases[2]" "tests/test_cuda_internode.py::test_internode_cases[2-1]" \
-    "tests/test_cuda_low_latency.py::test_low_latency_cases[2]"
+  # one small case of each path (R = 2) under memcheck: in one pool (tests/test_sanitizer_pass.py), or
+  # with MEP_GATE_SANITIZER=split in each path's own suite (three pools under the tool)
+  if [ "${MEP_GATE_SANITIZER:-pool}" = split ]; then
+    MEP_CASES=0 NVSHMEM_DISABLE_NCCL=1 sanitize "intranode, internode, low-latency" memcheck 240 -m gpu \
+      "tests/test_cuda_intranode.py::test_normal_cases[2]" "tests/test_cuda_internode.py::test_internode_cases[2-1]" \
+      "tests/test_cuda_low_latency.py::test_low_latency_cases[2]"
+  else
+    sanitize "intranode, internode, low-latency" memcheck 240 -m gpu tests/test_sanitizer_pass.py
+  fi
 else
   export MEP_FUZZ_CASES=${MEP_FUZZ_CASES:-1000} MEP_SOAK_ITERS=${MEP_SOAK_ITERS:-10000}
   MEP_GPU_TEST_LIMIT_S=420 run_file "tests/test_cuda_intranode.py (long)" 540 -m gpu tests/test_cuda_intranode.py -k "fuzz or soak"

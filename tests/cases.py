@@ -1006,3 +1006,13 @@ def run_internode_peer_failure_case(cfg: dict) -> list:
         except Exception:  # noqa: BLE001 - broken buffers skip their collective free
             pass
     return chk.errors
+
+
+# ------------------------------------------------------------------- one case of each path
+def run_one_case_of_each_path(normal_cfg: dict, ll_cfg: dict) -> list:
+    """A small case of each cuda path in this one pool: intranode, internode (every rank a node
+    of its own) and low-latency (for a compute-sanitizer run: one pool start-up under the tool)."""
+    errors = run_normal_cases([normal_cfg], backend="cuda", device="cuda")
+    errors += run_normal_cases([dict(normal_cfg, sizing={"ranks_per_node": 1})], backend="cuda", device="cuda")
+    errors += run_low_latency_cases([ll_cfg], backend="cuda", device="cuda")
+    return errors
