@@ -117,6 +117,24 @@ run_file() {
   tail -1 "$RESULTS"
 }
 
+# run_files TIMEOUT_S "FILES": one pytest process over the files under MPS (one start-up and collection
+# instead of one per file), a summary row per file
+run_files() {
+  local limit; limit=$(left "$1" 150)
+  local log=$LOGS/gpu_tests.log xml=/tmp/mep-junit-gpu_tests.xml t0 rc
+  rm -f "$xml"
+  t0=$(date +%s)
+  # shellcheck disable=SC2086
+  timeout -k 10 "$limit" python3 -m pytest -v -rs -p no:cacheprovider --durations=25 --junitxml="$xml" \
+    -m "gpu and not no_mps" $2 ${MEP_GATE_PYTEST:-} > "$log" 2>&1
+  rc=$?
+  [ -f "$xml" ] && cp "$xml" "$LOGS/"
+  python3 scripts/gpu_report.py --files "$2" --junit "$xml" --log "$log" --rc "$rc" --limit "$limit" >> "$RESULTS"
+  [ "$rc" = 0 ] || status=1
+  echo "(the files took $(( $(date +%s) - t0 )) s together)"
+  tail -"$(echo $2 | wc -w)" "$RESULTS"
+}
+
 # sanitize NAME TOOL TIMEOUT_S PYTEST_ARGS...: compute-sanitizer over every process of a small case
 # (without MPS: the tools do not follow MPS clients; R = 2 time-slices one GPU, or takes two)
 sanitize() {
@@ -144,9 +162,7 @@ sanitize() {
 start_mps
 if [ "$MODE" = gate ]; then
   FILES=${MEP_GATE_FILES:-tests/test_cuda_intranode.py tests/test_cuda_internode.py tests/test_cuda_low_latency.py tests/test_megatron_gpu.py tests/test_experts.py}
-  for f in $FILES; do
-    run_file "$f" 200 -m "gpu and not no_mps" "$f"
-  done
+  run_files 560 "$FILES"
   stop_mps
   # shellcheck disable=SC2086
   run_file "tests without MPS" 120 -m "gpu and no_mps" $FILES

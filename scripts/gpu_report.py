@@ -2,6 +2,7 @@
 """The GPU gate's bookkeeping (scripts/gpu_check.sh calls it; CONTRIBUTING.md says why).
 
     gpu_report.py --row NAME --junit X --log L --rc N --seconds S --limit T   one TSV summary row
+    gpu_report.py --files "A B" --junit X --log L --rc N --limit T            a row per file of one run
     gpu_report.py --mode gate|long --results TSV --out DIR --elapsed S        summary lines, and
                   DIR/gpu-status.md: docs/gpu-status.md with the rows of this run replaced
     gpu_report.py hash                                                        the code hash
@@ -74,6 +75,45 @@ def row(args) -> str:
         running = started[-1] if started else "before the first test"
         note = f"killed at the file's {args.limit}s timeout while running {running}"
     return "\t".join(map(str, (args.row, passed, failed, skipped, args.seconds, note)))
+
+
+def file_rows(args) -> str:
+    """One summary row per test file of a single pytest run over several files (`--files`), from
+    its junit record (test times summed per file), or -- killed at its timeout -- from its
+    verbose log: the file that was running is named, files after it were not reached."""
+    files = args.files.split()
+    counts = {f: [0, 0, 0, 0.0] for f in files}  # passed, failed, skipped, seconds
+    notes = {f: "" for f in files}
+    if os.path.exists(args.junit):
+        for case in ET.parse(args.junit).getroot().iter("testcase"):
+            path = (case.get("file") or case.get("classname", "").replace(".", "/") + ".py")
+            f = next((x for x in files if path.endswith(x) or x.endswith(path)), None)
+            if f is None:
+                continue
+            kinds = {child.tag for child in case}
+            counts[f][1 if kinds & {"failure", "error"} else 2 if "skipped" in kinds else 0] += 1
+            counts[f][3] += float(case.get("time", 0) or 0)
+        if args.rc not in (0, 5) and not any(c[1] for c in counts.values()):
+            counts[files[-1]][1] += 1
+            notes[files[-1]] = f"pytest exit {args.rc}"
+    else:
+        log = open(args.log, errors="replace").read() if os.path.exists(args.log) else ""
+        started = re.findall(r"^(tests/\S+?\.py)::(\S+)", log, re.M)
+        for f in files:
+            counts[f][0] = len(re.findall(rf"^{re.escape(f)}::\S+ PASSED", log, re.M))
+            counts[f][1] = len(re.findall(rf"^{re.escape(f)}::\S+ (?:FAILED|ERROR)", log, re.M))
+            counts[f][2] = len(re.findall(rf"^{re.escape(f)}::\S+ SKIPPED", log, re.M))
+        running = started[-1] if started else None
+        reached = True
+        for f in files:
+            if running and f == running[0]:
+                counts[f][1] += 1
+                notes[f] = f"killed at the run's {args.limit}s timeout while running {running[0]}::{running[1]}"
+                reached = False
+            elif not reached or running is None:
+                counts[f][1] += 1
+                notes[f] = "not reached before the run's timeout"
+    return "\n".join("\t".join(map(str, (f, c[0], c[1], c[2], round(c[3]), notes[f]))) for f, c in counts.items())
 
 
 def read_rows(path: str) -> list:
@@ -191,6 +231,7 @@ def main(argv=None) -> int:
         return verify()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--row")
+    ap.add_argument("--files", help="rows per file of one run over these files (space-separated)")
     ap.add_argument("--junit")
     ap.add_argument("--log")
     ap.add_argument("--rc", type=int, default=0)
@@ -202,6 +243,9 @@ def main(argv=None) -> int:
     ap.add_argument("--elapsed", type=int, default=0)
     ap.add_argument("--gpus", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.files:
+        print(file_rows(args))
+        return 0
     if args.row:
         print(row(args))
         return 0

@@ -39,3 +39,22 @@ def test_record_keeps_each_mode_and_verify_checks_the_code(tmp_path, monkeypatch
     assert gr.verify() == 0  # the gate line decides
     monkeypatch.setattr(gr, "code_hash", lambda root=gr.ROOT: "0" * 16)
     assert gr.verify() == 1 and "run the gate" in capsys.readouterr().out
+
+
+def test_rows_per_file_of_one_run(tmp_path, capsys):
+    files = "tests/test_a.py tests/test_b.py tests/test_c.py"
+    junit = """<?xml version="1.0"?><testsuites><testsuite>
+<testcase classname="tests.test_a" name="x" time="1.5"/><testcase classname="tests.test_a" name="y" time="2"/>
+<testcase classname="tests.test_b" name="z" time="4"><failure message="m"/></testcase>
+<testcase classname="tests.test_c" name="w" time="1"><skipped/></testcase></testsuite></testsuites>"""
+    (tmp_path / "j.xml").write_text(junit)
+    gr.main(["--files", files, "--junit", str(tmp_path / "j.xml"), "--log", "-", "--rc", "1"])
+    rows = [r.split("\t") for r in capsys.readouterr().out.strip().split("\n")]
+    assert [r[:5] for r in rows] == [["tests/test_a.py", "2", "0", "0", "4"], ["tests/test_b.py", "0", "1", "0", "4"],
+                                     ["tests/test_c.py", "0", "0", "1", "1"]]
+    (tmp_path / "l.log").write_text("tests/test_a.py::x PASSED\ntests/test_b.py::z PASSED\ntests/test_b.py::q \n")
+    gr.main(["--files", files, "--junit", str(tmp_path / "none.xml"), "--log", str(tmp_path / "l.log"), "--rc", "124",
+             "--limit", "500"])
+    rows = [r.split("\t") for r in capsys.readouterr().out.strip().split("\n")]
+    assert rows[0][1:3] == ["1", "0"] and rows[1][1:3] == ["1", "1"] and "running tests/test_b.py::q" in rows[1][5]
+    assert rows[2][2] == "1" and "not reached" in rows[2][5]
