@@ -13,7 +13,7 @@
 #   MEP_GATE_PYTEST="..."              extra pytest arguments for every file
 #   MEP_GATE_SANITIZER=split           memcheck over each path's own suite (three pools) instead of
 #                                      tests/test_sanitizer_pass.py (one pool)
-#   MEP_GATE_BUDGET_S=585              the whole run's wall-clock budget: each file's timeout is cut to
+#   MEP_GATE_BUDGET_S=590              the whole run's wall-clock budget: each file's timeout is cut to
 #                                      what is left of it, so the run ends (and reports) inside it
 #
 # Virtual ranks (R processes on one GPU, CUDA IPC between them) run under MPS, started here; with
@@ -37,7 +37,7 @@ export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 NVSHMEM_DISABLE_MNNVL=1 TORCH_S
 export CUDA_MODULE_LOADING=EAGER PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/mep-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mep-mps-log
 GATE_START=$(date +%s)
-BUDGET=${MEP_GATE_BUDGET_S:-585}
+BUDGET=${MEP_GATE_BUDGET_S:-590}
 left() { local l=$(( BUDGET - ($(date +%s) - GATE_START) - ${2:-0} )); [ "$l" -lt "$1" ] && echo $(( l > 5 ? l : 5 )) || echo "$1"; }
 RESULTS=$OUT/results.tsv  # file, passed, failed, skipped, seconds, note
 : > "$RESULTS"
@@ -120,7 +120,7 @@ run_file() {
 # run_files TIMEOUT_S "FILES": one pytest process over the files under MPS (one start-up and collection
 # instead of one per file), a summary row per file
 run_files() {
-  local limit; limit=$(left "$1" 150)
+  local limit; limit=$(left "$1" 120)
   local log=$LOGS/gpu_tests.log xml=/tmp/mep-junit-gpu_tests.xml t0 rc
   rm -f "$xml"
   t0=$(date +%s)
