@@ -14,5 +14,5 @@ pytestmark = GPU_MARKS
 def test_one_case_of_each_path():
     # the NVSHMEM heap sized for both NVSHMEM paths up front (the first user would size it for itself)
     errors = flat(run_alone(2, cases.run_one_case_of_each_path, normal_cases(2)[0], ll_cases_for(2)[0], timeout=600,
-                            NVSHMEM_SYMMETRIC_SIZE="4G", NVSHMEM_DISABLE_NCCL="1", NVSHMEM_DISABLE_MNNVL="1"))
+                            NVSHMEM_SYMMETRIC_SIZE="1G", NVSHMEM_DISABLE_NCCL="1", NVSHMEM_DISABLE_MNNVL="1"))
     assert not errors, "\n".join(errors[:20])
