@@ -6,6 +6,7 @@
 // publication); each path's launchers are free functions in a submodule of their own
 // (`_C.intranode`), taking the runtime.
 
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
@@ -23,6 +24,21 @@ using torch::Tensor;
 
 namespace mep {
 namespace {
+
+// A tensor over region memory at `p`; `keep` (the pooled block's owner, or the region) lives as
+// long as its storage holds the memory. The storage is resizable, with torch's CUDA allocator
+// behind it, because Megatron's schedule frees a node's input early with
+// `untyped_storage().resize_(0)`: that must drop our memory (a pooled block goes back once
+// its last tensor lets go), as it would a torch allocation, instead of raising.
+Tensor region_tensor(char* p, const std::vector<int64_t>& shape, at::ScalarType st, int device,
+                     std::shared_ptr<void> keep) {
+  return at::for_blob(p, shape)
+      .options(torch::TensorOptions().dtype(st).device(torch::kCUDA, device))
+      .deleter([keep = std::move(keep)](void*) {})
+      .allocator(c10::cuda::CUDACachingAllocator::get())
+      .resizeable_storage()
+      .make_tensor();
+}
 
 cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
@@ -166,9 +182,7 @@ class Runtime {
   Tensor view(long long offset, std::vector<int64_t> shape, py::object dtype) {
     alive();
     const auto st = torch::python::detail::py_object_to_dtype(dtype);
-    auto keep = region_;
-    auto opts = torch::TensorOptions().dtype(st).device(torch::kCUDA, region_->device());
-    return torch::from_blob(region_->base() + offset, shape, [keep](void*) {}, opts);
+    return region_tensor(region_->base() + offset, shape, st, region_->device(), region_);
   }
 
   long long base_ptr() const { return reinterpret_cast<long long>(region_ ? region_->base() : nullptr); }
@@ -258,8 +272,7 @@ class Runtime {
   py::tuple rank_major_tensors(long long off, const RankMajorBlock& b, int rows, int hidden, py::object x_dtype,
                                int scale_cols, int K, bool has_w, std::shared_ptr<void> keep) {
     auto make = [&](long long o, std::vector<int64_t> shape, at::ScalarType st) {
-      auto opts = torch::TensorOptions().dtype(st).device(torch::kCUDA, region_->device());
-      return torch::from_blob(region_->base() + o, shape, [keep](void*) {}, opts);
+      return region_tensor(region_->base() + o, shape, st, region_->device(), keep);
     };
     const auto xt = torch::python::detail::py_object_to_dtype(x_dtype);
     Tensor x = make(off, {rows, hidden}, xt);

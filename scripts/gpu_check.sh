@@ -7,7 +7,7 @@
 #   bash scripts/gpu_check.sh          the gate (one H200: under 9 minutes, build included)
 #   bash scripts/gpu_check.sh long     the long runs: MEP_FUZZ_CASES (default 1000) fuzz seeds per
 #                                      R = 2, 4, 8, the MEP_SOAK_ITERS (default 10000) soak, and the
-#                                      four sanitizer tools on the intranode case
+#                                      racecheck and synccheck on the intranode case
 #   MEP_GATE_COMMIT=<sha>              the commit under test, for the record (else git rev-parse HEAD)
 #   MEP_GATE_FILES="a.py b.py"         only these test files (the record then names only them)
 #   MEP_GATE_PYTEST="..."              extra pytest arguments for every file
@@ -179,7 +179,10 @@ else
   export MEP_FUZZ_CASES=${MEP_FUZZ_CASES:-1000} MEP_SOAK_ITERS=${MEP_SOAK_ITERS:-10000}
   MEP_GPU_TEST_LIMIT_S=420 run_file "tests/test_cuda_intranode.py (long)" 540 -m gpu tests/test_cuda_intranode.py -k "fuzz or soak"
   stop_mps
-  for tool in racecheck synccheck initcheck; do
+  # not initcheck: it tracks initialisation per process, so every read of a peer's counters
+  # (zeroed by the peer's cudaMemset, mapped here by CUDA IPC) is reported as uninitialised
+  # (35 such reports on one H200, 2026-12-01, and no others)
+  for tool in racecheck synccheck; do
     MEP_CASES=0 sanitize intranode "$tool" 100 -m gpu "tests/test_cuda_intranode.py::test_normal_cases[2]"
   done
 fi

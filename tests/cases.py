@@ -846,6 +846,18 @@ def run_lifetime_growth(cfg: dict) -> list:
     chk.close("old handle round trip", back.x, num_destinations(s, R, E, True).unsqueeze(1).expand(-1, 256), 1e-6)
     again = buf.dispatch(s["x"].cuda(), handle=out1.handle)
     chk.equal("old handle cached dispatch", again.x, expected_rank_major(small, rank, R, E)["x"])
+    # Megatron's schedule frees a node's input early with untyped_storage().resize_(0): pooled
+    # outputs and zero-copy views allow it like torch allocations, and the block goes back
+    freed = buf.dispatch(s["x"].cuda(), s["idx"].cuda(), s["w"].cuda(), num_experts=E)
+    scratch = buf.get_combine_input(4, 256)
+    try:
+        for t in (freed.x, freed.topk_idx, freed.topk_weights, scratch):
+            t.untyped_storage().resize_(0)
+    except RuntimeError as e:
+        chk.errors.append(f"{chk.tag} resize_(0) of a dispatch output or combine-input view raised: {e}")
+    del freed, scratch
+    again = buf.dispatch(s["x"].cuda(), handle=out1.handle)
+    chk.equal("cached dispatch after outputs were resized away", again.x, expected_rank_major(small, rank, R, E)["x"])
     view = buf.get_combine_input(4, 256)
     view.fill_(1.5)
     out3 = buf.dispatch(b["x"].cuda(), b["idx"].cuda(), b["w"].cuda(), num_experts=E)

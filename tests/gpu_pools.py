@@ -7,6 +7,8 @@ A GPU test module takes its marks and its pools' closing from here:
     _close_pools = closing(POOLS)
 """
 
+import os
+
 import pytest
 import torch
 
@@ -20,9 +22,10 @@ GPU_MARKS = [
                        reason="needs a CUDA GPU and the built extension"),
 ]
 
-# Outputs poisoned before every kernel, short handshake timeouts, eager module loading (a lazily
+# Outputs poisoned before every kernel, short handshake timeouts (MEP_TIMEOUT_S from the
+# environment when set: the gate's sanitizer runs are several times slower), eager module loading (a lazily
 # loaded kernel can wait behind a peer's spinning one), NVLink multicast off.
-ENV = {"MEP_TEST_CUDA": "1", "MEP_POISON": "1", "MEP_TIMEOUT_S": "30", "CUDA_MODULE_LOADING": "EAGER",
+ENV = {"MEP_TEST_CUDA": "1", "MEP_POISON": "1", "MEP_TIMEOUT_S": os.environ.get("MEP_TIMEOUT_S", "30"), "CUDA_MODULE_LOADING": "EAGER",
        "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
