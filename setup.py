@@ -1,7 +1,7 @@
 """Build of megatron_ep, its protocol module `megatron_ep._protocol`, its CUDA extension
 `megatron_ep._C` and its low-latency extension `megatron_ep._C_ll` (NVSHMEM).
 
-`_protocol` (csrc/protocol_module.cpp: plain C++ and pybind11, no CUDA, no torch) exports the
+`_protocol` (csrc/common/protocol_module.cpp: plain C++ and pybind11, no CUDA, no torch) exports the
 region layout and call protocol that the kernels use; it is always built, since both backends
 read their call signature from it.
 
@@ -14,12 +14,12 @@ TORCH_CUDA_ARCH_LIST defaults to 9.0). Switches (environment):
     MEP_DEBUG=1            -G -O0 device code (for cuda-gdb / sanitizer line info)
     MAX_JOBS=N             parallel compile jobs (ninja)
     MEP_BUILD_ONLY=a,b     only these extensions (e.g. _protocol,_C), see below
-`_C_ll` (the NVSHMEM paths: csrc/kernels/low_latency.cu and internode.cu, csrc/nvshmem_bootstrap.cu, their bindings) is built beside `_C` when
+`_C_ll` (the NVSHMEM paths: csrc/nvshmem/, csrc/internode/, csrc/low_latency/) is built beside `_C` when
 the pip package nvidia-nvshmem-cu13 is installed (torch's CUDA 13 builds depend on it), with
 relocatable device code and a device link against NVSHMEM's static device library; without
 NVSHMEM it is skipped with a printed reason (MEP_REQUIRE_EXTENSION=1 makes that an error too).
 Kernel sources (.cu) never include torch headers: they take raw pointers, so they compile in
-seconds; the one translation unit that includes torch is the binding (csrc/bindings.cpp).
+seconds; the one translation unit that includes torch is the binding (csrc/intranode/binding.cpp).
 """
 
 import glob
@@ -66,8 +66,7 @@ def _cuda_extensions():
         nvcc.append("-G")
     if os.environ.get("MEP_PTXAS_VERBOSE", "0") == "1":
         nvcc.append("-Xptxas=-v")
-    sources = ["csrc/bindings.cpp", "csrc/region.cpp", "csrc/pool.cpp"] + sorted(
-        f for f in glob.glob("csrc/kernels/*.cu") if os.path.basename(f) not in LL_KERNELS)
+    sources = _sources("ipc", "intranode")
 
     ext = CUDAExtension(
         name="megatron_ep._C",
@@ -78,7 +77,9 @@ def _cuda_extensions():
     return [ext] + _low_latency_extension(CUDAExtension, nvcc), {"build_ext": BuildExtension.with_options(use_ninja=True)}
 
 
-LL_KERNELS = {"low_latency.cu", "internode.cu"}  # built into _C_ll (NVSHMEM, relocatable device code), not into _C
+def _sources(*folders):
+    """Every .cpp and .cu file of these csrc/ folders (one folder per layer or path: csrc/README)."""
+    return sorted(f for d in folders for ext in ("cpp", "cu") for f in glob.glob(f"csrc/{d}/*.{ext}"))
 
 
 def nvshmem_home():
@@ -111,8 +112,7 @@ def _low_latency_extension(CUDAExtension, nvcc):
                                    "-U__CUDA_NO_HALF2_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__"]
     return [CUDAExtension(
         name="megatron_ep._C_ll",
-        sources=["csrc/low_latency_bindings.cpp", "csrc/internode_bindings.cpp", "csrc/nvshmem_bootstrap.cu",
-                 "csrc/kernels/low_latency.cu", "csrc/kernels/internode.cu"],
+        sources=_sources("nvshmem", "internode", "low_latency"),
         include_dirs=[os.path.join(ROOT, "csrc"), inc],
         extra_compile_args={"cxx": ["-O3", "-std=c++20"], "nvcc": ll_nvcc,
                             "nvcc_dlink": ["-dlink", "-gencode=arch=compute_90,code=sm_90", f"-L{lib}", "-lnvshmem_device"]},
@@ -129,7 +129,7 @@ def _protocol_extension():
         raise RuntimeError("megatron_ep needs pybind11 to build its _protocol module (pip install pybind11)") from exc
     return Extension(
         "megatron_ep._protocol",
-        sources=["csrc/protocol_module.cpp"],
+        sources=["csrc/common/protocol_module.cpp"],
         include_dirs=[os.path.join(ROOT, "csrc"), pybind11.get_include()],
         extra_compile_args=["-O2", "-std=c++17"],
         language="c++",

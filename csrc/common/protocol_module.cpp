@@ -1,0 +1,96 @@
+// `megatron_ep._protocol`: the protocol and region layout of csrc/common/protocol.h and
+// csrc/ipc/region_layout.h, for Python. No CUDA and no torch, so it builds and imports everywhere
+// (CI included); Python reads every offset, size, slot and field name from here instead of
+// restating them.
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "ipc/region_layout.h"
+
+namespace py = pybind11;
+using namespace mep;
+
+namespace {
+
+py::dict plan(const py::dict& hints) {
+  RegionHints h;
+  auto get = [&](const char* k, auto& field) {
+    if (hints.contains(k) && !hints[k].is_none()) field = hints[k].cast<std::decay_t<decltype(field)>>();
+  };
+  get("num_ranks", h.num_ranks);
+  get("max_tokens", h.max_tokens);
+  get("hidden", h.hidden);
+  get("max_topk", h.max_topk);
+  get("max_experts", h.max_experts);
+  get("dtype_bytes", h.dtype_bytes);
+  get("combine_bytes", h.combine_bytes);
+  get("max_alignment", h.max_alignment);
+  get("combine_rows", h.combine_rows);
+  get("pool_bytes", h.pool_bytes);
+  const RegionLayout l = plan_region(h);
+  py::dict d;
+#define MEP_FIELD(f) d[#f] = l.f
+  MEP_FIELD(control); MEP_FIELD(counts); MEP_FIELD(scratch); MEP_FIELD(stage_x); MEP_FIELD(stage_scales);
+  MEP_FIELD(stage_idx); MEP_FIELD(stage_w); MEP_FIELD(stage_rpos); MEP_FIELD(stage_spos); MEP_FIELD(comb_x);
+  MEP_FIELD(comb_w); MEP_FIELD(pool); MEP_FIELD(pool_bytes); MEP_FIELD(comb_rows); MEP_FIELD(total);
+  MEP_FIELD(max_tokens); MEP_FIELD(max_topk); MEP_FIELD(max_experts); MEP_FIELD(x_row_bytes);
+  MEP_FIELD(scale_cols); MEP_FIELD(comb_row_bytes); MEP_FIELD(num_ranks);
+#undef MEP_FIELD
+  return d;
+}
+
+template <typename F>
+py::dict names(int n, F name) {
+  py::dict d;
+  for (int i = 0; i < n; ++i) d[py::int_(i)] = name(i);
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_protocol, m) {
+  m.doc() = "megatron_ep call protocol and region layout (csrc/common/protocol.h, csrc/ipc/region_layout.h)";
+  m.attr("MAX_RANKS") = kMaxRanks;
+  m.attr("MAX_TOPK") = kMaxTopk;
+  m.attr("MAX_EXPERTS") = kMaxExperts;
+  m.attr("MAX_ALIGNMENT") = kMaxAlignment;
+  m.attr("MAX_NOTIFY_BLOCKS") = kMaxNotifyBlocks;
+  m.attr("MSG_BYTES") = kMsgBytes;
+  m.attr("FP8_BLOCK") = kFp8Block;
+  m.attr("CONTROL_BYTES") = (long long)sizeof(Control);
+  m.attr("HOST_INFO_BYTES") = (long long)sizeof(HostInfo);
+  m.attr("NUM_SIG_FIELDS") = (int)kSigFields;
+  m.attr("SIG_FIELDS") = [] {
+    py::list l;
+    for (int f = 0; f < kSigFields; ++f) l.append(sig_field_name(f));
+    return l;
+  }();
+  m.attr("SLOTS") = names(kNumSlots + 1, slot_name);
+  m.attr("OPS") = names(kOpLowLatencyCombine + 1, [](int i) { return op_name(i); });
+  py::dict slots;
+  slots["call"] = (int)kSlotCall; slots["staged"] = (int)kSlotStaged; slots["dispatch_done"] = (int)kSlotDispatchDone;
+  slots["combine_done"] = (int)kSlotCombDone; slots["out_loc"] = (int)kSlotOutLoc; slots["push_done"] = (int)kSlotPushDone;
+  m.attr("SLOT") = slots;
+  py::dict ops;
+  ops["dispatch"] = (int)kOpDispatch; ops["cached_dispatch"] = (int)kOpCachedDispatch; ops["combine"] = (int)kOpCombine;
+  ops["low_latency_dispatch"] = (int)kOpLowLatencyDispatch; ops["low_latency_combine"] = (int)kOpLowLatencyCombine;
+  m.attr("OP") = ops;
+  py::dict dtypes;
+  dtypes["bfloat16"] = (int)kDtypeBf16; dtypes["float32"] = (int)kDtypeFp32; dtypes["float8_e4m3fn"] = (int)kDtypeFp8;
+  dtypes["float64"] = (int)kDtypeFp64;
+  m.attr("DTYPE") = dtypes;
+  py::dict errs;
+  errs["timeout"] = (int)kErrTimeout; errs["peer_aborted"] = (int)kErrPeerAborted; errs["mismatch"] = (int)kErrMismatch;
+  errs["peer_failed"] = (int)kErrPeerFailed;
+  m.attr("ERROR") = errs;
+  m.attr("CALL_FAILED") = (int)kCallFailed;
+  py::dict ri;
+  ri["rows"] = RecvInfo::kRows; ri["perm_rows"] = RecvInfo::kPermRows; ri["local"] = RecvInfo::kLocal;
+  ri["dropped"] = RecvInfo::kDropped; ri["header"] = RecvInfo::kHeader;
+  m.attr("RECV_INFO") = ri;
+  m.def("plan_region", &plan, py::arg("hints"), "Sizes and offsets of a region planned from these hints");
+  m.def("worst_expert_major_rows", &worst_expert_major_rows, py::arg("num_ranks"), py::arg("max_tokens"),
+        py::arg("topk"), py::arg("num_experts"), py::arg("alignment"));
+  m.def("error_is_fatal", &error_is_fatal);
+}

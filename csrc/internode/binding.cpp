@@ -1,0 +1,193 @@
+// The internode path's RDMA-domain buffer for megatron_ep._C_ll (registered by
+// low_latency/binding.cpp, the module's one PYBIND11_MODULE). Adapts tensors to the launchers
+// of csrc/internode/kernels.cu and holds one rank's symmetric buffer, its same-index peers'
+// addresses and the mapped error record (csrc/nvshmem/symmetric_memory.h). Python (megatron_ep/paths/internode.py) checks every
+// argument first; the checks here only guard against memory errors.
+#include <c10/cuda/CUDAStream.h>
+#include <pybind11/stl.h>
+#include <torch/extension.h>
+
+#include <vector>
+
+#include "internode/api.h"
+#include "common/protocol.h"
+#include "nvshmem/symmetric_memory.h"
+#include "common/tensor_args.h"
+
+namespace mep {
+namespace {
+
+py::dict layout_dict(const InternodeLayout& l) {
+  py::dict d;
+  d["num_nodes"] = l.num_nodes, d["max_tokens"] = l.max_tokens, d["max_topk"] = l.max_topk, d["staged"] = (bool)l.staged;
+  d["x_row"] = l.x_row, d["s_cols"] = l.s_cols, d["c_row"] = l.c_row;
+  d["d_x"] = l.d_x, d["d_s"] = l.d_s, d["d_idx"] = l.d_idx, d["d_w"] = l.d_w, d["c_y"] = l.c_y, d["c_w"] = l.c_w;
+  d["s_x"] = l.s_x, d["s_s"] = l.s_s, d["s_idx"] = l.s_idx, d["s_w"] = l.s_w, d["s_y"] = l.s_y, d["s_cw"] = l.s_cw;
+  d["total"] = l.total;
+  return d;
+}
+
+}  // namespace
+
+class InternodeBuffer {
+ public:
+  // Collective over every PE. `pes`: the PE of the same-index rank of each node (node order).
+  InternodeBuffer(int device, int node, int local, int ranks_per_node, std::vector<int> pes, int max_tokens,
+                  int max_topk, long long x_row, long long scale_cols, long long c_row, bool staged, double timeout_s) {
+    const int N = (int)pes.size();
+    TORCH_CHECK(N >= 1 && N <= kInternodeMaxNodes, "megatron_ep internode: ", N, " nodes; at most ", kInternodeMaxNodes);
+    cuda_ok(cudaSetDevice(device), "internode", "cudaSetDevice");
+    ctx_.lay = InternodeLayout::plan(N, max_tokens, max_topk, x_row, scale_cols, c_row, staged);
+    ctx_.node = node, ctx_.local = local, ctx_.ranks_per_node = ranks_per_node;
+    ctx_.timeout_ns = (unsigned long long)(timeout_s * 1e9);
+    ctx_.seq = -1;
+    internode_touch_kernels();
+    mem_.open((size_t)ctx_.lay.total, pes, !staged);  // staged: every transfer is a put (from symmetric staging)
+    mem_.point(ctx_);
+  }
+
+  // Bytes [offset, offset + nbytes) of this rank's buffer as a uint8 tensor (Python views it with
+  // its dtype and shape); valid until close().
+  torch::Tensor view(long long offset, long long nbytes) {
+    live();
+    TORCH_CHECK(offset >= 0 && nbytes >= 0 && offset + nbytes <= ctx_.lay.total, "view outside the buffer");
+    return torch::from_blob(mem_.base() + offset, {nbytes}, torch::TensorOptions().dtype(torch::kUInt8).device(torch::kCUDA, device()));
+  }
+
+  void dispatch_send(const torch::Tensor& x, const c10::optional<torch::Tensor>& scales, const torch::Tensor& topk_idx,
+                     const c10::optional<torch::Tensor>& weights, int num_experts, long long sig, int num_blocks) {
+    live();
+    InternodeSendArgs a{};
+    TORCH_CHECK(x.is_cuda() && x.is_contiguous() && x.dim() == 2, "x must be a contiguous [T, H] CUDA tensor");
+    a.x = static_cast<const char*>(x.data_ptr());
+    a.T = (int)x.size(0), a.row_bytes = (int)(x.size(1) * x.element_size());
+    a.topk_idx = reinterpret_cast<const long long*>(ptr<int64_t>(topk_idx, "topk_idx", at::kLong));
+    a.K = (int)topk_idx.size(1), a.E = num_experts, a.sig = sig;
+    a.scales = scales ? ptr<float>(*scales, "scales", at::kFloat) : nullptr;
+    a.scale_cols = scales ? (int)scales->size(1) : 0;
+    a.weights = weights ? ptr<float>(*weights, "topk_weights", at::kFloat) : nullptr;
+    check_call(a.T, a.K, a.row_bytes, a.scale_cols, num_blocks);
+    TORCH_CHECK(topk_idx.size(0) == a.T, "topk_idx rows differ from x's");
+    launch_internode_dispatch_send(ctx_, a, num_blocks, stream());
+  }
+
+  void dispatch_recv(int topk, int num_experts, int scale_cols, long long sig, const torch::Tensor& out_idx,
+                     const torch::Tensor& out_tokens, int num_blocks) {
+    live();
+    InternodeRecvArgs a{};
+    a.K = topk, a.E = num_experts, a.scale_cols = scale_cols, a.sig = sig;
+    check_call(0, a.K, 16, scale_cols, num_blocks);
+    a.out_idx = reinterpret_cast<long long*>(ptr<int64_t>(out_idx, "out_idx", at::kLong));
+    a.out_tokens = ptr<int>(out_tokens, "out_tokens", at::kInt);
+    TORCH_CHECK(out_idx.numel() == (long long)ctx_.lay.num_nodes * ctx_.lay.max_tokens * topk, "out_idx must be [N * max_tokens, K]");
+    TORCH_CHECK(out_tokens.numel() == ctx_.lay.num_nodes, "out_tokens must be [N]");
+    launch_internode_dispatch_recv(ctx_, a, num_blocks, stream());
+  }
+
+  // The call the next launches serve (the Buffer's call number, the same on every rank): a wait
+  // in them stops at once when a peer publishes that it failed before joining that call.
+  void set_call(long long seq) { ctx_.seq = seq; }
+
+  // This rank failed before its RDMA send of call `seq` (its host raised first): tell every
+  // same-index peer, whose waits on it in that call stop and report kErrPeerFailed naming this rank.
+  void publish_failure(long long seq) {
+    mem_.publish_aside([&](cudaStream_t s) { launch_internode_publish_failure(ctx_, seq, s); });
+  }
+
+  void release(int dir) {
+    live();
+    TORCH_CHECK(dir == kInternodeDispatch || dir == kInternodeCombine, "direction must be 0 or 1");
+    launch_internode_release(ctx_, dir, stream());
+  }
+
+  void combine_send(const torch::Tensor& y, const c10::optional<torch::Tensor>& w, const torch::Tensor& local_idx,
+                    const torch::Tensor& tokens, long long sig, int num_blocks) {
+    live();
+    InternodeCombineSendArgs a{};
+    TORCH_CHECK(y.is_cuda() && y.is_contiguous() && y.dim() == 2, "y must be a contiguous CUDA matrix");
+    const long long rows = (long long)ctx_.lay.num_nodes * ctx_.lay.max_tokens;
+    TORCH_CHECK(y.size(0) == rows && local_idx.size(0) == rows, "y and local_idx must have N * max_tokens rows");
+    a.y = static_cast<const char*>(y.data_ptr());
+    a.row_bytes = (int)(y.size(1) * y.element_size());
+    a.local_idx = reinterpret_cast<const long long*>(ptr<int64_t>(local_idx, "local_idx", at::kLong));
+    a.K = (int)local_idx.size(1);
+    a.w = w ? ptr<float>(*w, "weights", at::kFloat) : nullptr;
+    a.tokens = ptr<int>(tokens, "tokens", at::kInt);
+    a.sig = sig;
+    TORCH_CHECK(a.row_bytes % 16 == 0 && a.row_bytes <= ctx_.lay.c_row, "combine rows of ", a.row_bytes, " bytes do not fit");
+    check_call(0, a.K, 16, 0, num_blocks);
+    launch_internode_combine_send(ctx_, a, num_blocks, stream());
+  }
+
+  void combine_recv(const torch::Tensor& topk_idx, int num_experts, long long sig, const torch::Tensor& y,
+                    const c10::optional<torch::Tensor>& w, int num_blocks) {
+    live();
+    InternodeCombineRecvArgs a{};
+    a.topk_idx = reinterpret_cast<const long long*>(ptr<int64_t>(topk_idx, "topk_idx", at::kLong));
+    a.T = (int)topk_idx.size(0), a.K = (int)topk_idx.size(1), a.E = num_experts, a.sig = sig;
+    TORCH_CHECK(y.is_cuda() && y.is_contiguous() && y.size(0) == a.T, "y must be a contiguous [T, H] CUDA tensor");
+    TORCH_CHECK(y.scalar_type() == at::kBFloat16 || y.scalar_type() == at::kFloat, "y must be bf16 or fp32");
+    a.fp32 = y.scalar_type() == at::kFloat;
+    a.H = (int)y.size(1);
+    a.y = y.data_ptr();
+    a.w = w ? ptr<float>(*w, "weights", at::kFloat) : nullptr;
+    TORCH_CHECK((long long)a.H * y.element_size() <= ctx_.lay.c_row && a.H % 8 == 0, "combine rows do not fit");
+    check_call(a.T, a.K, 16, 0, num_blocks);
+    launch_internode_combine_recv(ctx_, a, num_blocks, stream());
+  }
+
+  // The kernels' first unread error, or None (the record's expert and set: node and direction).
+  py::object error() const { return mem_.error("node", "direction"); }
+  void clear_error() { mem_.clear_error(); }
+  std::vector<bool> p2p() const { return mem_.p2p(); }
+  py::dict layout() const { return layout_dict(ctx_.lay); }
+
+  void close() { mem_.close(); }  // collective (nvshmem_free)
+
+ private:
+  int device() const {
+    int d = 0;
+    cudaGetDevice(&d);
+    return d;
+  }
+  static cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+  void live() const { mem_.live(); }
+  void check_call(int T, int K, long long row_bytes, int scale_cols, int num_blocks) const {
+    const InternodeLayout& l = ctx_.lay;
+    TORCH_CHECK(T <= l.max_tokens && K <= l.max_topk && K >= 1 && K <= kMaxTopk && row_bytes <= l.x_row &&
+                    row_bytes % 16 == 0 && scale_cols + 1 <= l.s_cols,
+                "megatron_ep internode: the call (T ", T, ", K ", K, ", row bytes ", row_bytes, ", scale columns ",
+                scale_cols, ") exceeds the buffer");
+    TORCH_CHECK(num_blocks >= 1 && num_blocks <= kInternodeMaxBlocks, "num_blocks must be in 1..", kInternodeMaxBlocks);
+  }
+
+  InternodeCtx ctx_{};
+  SymmetricMemory mem_{"internode"};
+};
+
+void bind_internode(py::module_& m) {
+  m.attr("IN_THREADS") = kInternodeThreads;
+  m.attr("IN_MAX_BLOCKS") = kInternodeMaxBlocks;
+  m.attr("IN_MAX_NODES") = kInternodeMaxNodes;
+  m.def("internode_plan", [](int num_nodes, int max_tokens, int max_topk, long long x_row, long long scale_cols,
+                             long long c_row, bool staged) {
+    return layout_dict(InternodeLayout::plan(num_nodes, max_tokens, max_topk, x_row, scale_cols, c_row, staged));
+  }, "The internode RDMA-domain buffer's layout and size in bytes; no GPU needed.");
+  py::class_<InternodeBuffer>(m, "InternodeBuffer")
+      .def(py::init<int, int, int, int, std::vector<int>, int, int, long long, long long, long long, bool, double>())
+      .def("view", &InternodeBuffer::view, py::arg("offset"), py::arg("nbytes"))
+      .def("dispatch_send", &InternodeBuffer::dispatch_send, py::arg("x"), py::arg("scales"), py::arg("topk_idx"), py::arg("weights"), py::arg("num_experts"), py::arg("sig"), py::arg("num_blocks"))
+      .def("dispatch_recv", &InternodeBuffer::dispatch_recv, py::arg("topk"), py::arg("num_experts"), py::arg("scale_cols"), py::arg("sig"), py::arg("out_idx"), py::arg("out_tokens"), py::arg("num_blocks"))
+      .def("release", &InternodeBuffer::release, py::arg("dir"))
+      .def("set_call", &InternodeBuffer::set_call, py::arg("seq"))
+      .def("publish_failure", &InternodeBuffer::publish_failure, py::arg("seq"))
+      .def("combine_send", &InternodeBuffer::combine_send, py::arg("y"), py::arg("w"), py::arg("local_idx"), py::arg("tokens"), py::arg("sig"), py::arg("num_blocks"))
+      .def("combine_recv", &InternodeBuffer::combine_recv, py::arg("topk_idx"), py::arg("num_experts"), py::arg("sig"), py::arg("y"), py::arg("w"), py::arg("num_blocks"))
+      .def("error", &InternodeBuffer::error)
+      .def("clear_error", &InternodeBuffer::clear_error)
+      .def("p2p", &InternodeBuffer::p2p)
+      .def("layout", &InternodeBuffer::layout)
+      .def("close", &InternodeBuffer::close);
+}
+
+}  // namespace mep

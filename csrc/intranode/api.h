@@ -1,0 +1,157 @@
+// Host-side launchers of every kernel family. Raw pointers only: no torch headers here, so the
+// .cu files compile quickly; csrc/intranode/binding.cpp adapts tensors to these.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "ipc/context.h"
+
+namespace mep {
+
+// ---- layout.cu -------------------------------------------------------------------------------
+// One pass over topk_idx: tokens per rank (each token once per rank), (token, expert) pairs per
+// expert, token_in_rank [T, R]. Ids outside [0, E) count as unused. Outputs zeroed by the caller.
+void launch_layout(const long long* topk_idx, int T, int K, int E, int R, long long* tokens_per_rank,
+                   long long* tokens_per_expert, bool* token_in_rank, cudaStream_t stream);
+
+// ---- runtime.cu ------------------------------------------------------------------------------
+// A rank that fails on the host during a call publishes it at the handshake its peers wait on
+// next (`slot`; kSlotCall before the call's first exchange, with the full record), then takes
+// part in that handshake, so every rank aborts the call at the same point and the counters stay
+// in step. Does nothing when the call was already aborted on the device.
+void launch_fail_call(const Ctx& ctx, const CallArgs& call, int slot, cudaStream_t stream);
+
+// ---- intranode.cu ----------------------------------------------------------------------------
+// notify: counts, the call exchange (records + counts with every peer), prefix sums, and for
+// each (token, rank) and (token, slot) the row it will occupy in the destination's rank-major /
+// expert-major output; this rank's receive layout (RecvInfo) on the device and, with `tag` last,
+// the sizes and the group's largest needs in the mapped host block. Three launches: per-chunk
+// counts (grid), exchange (one block), positions (grid). (A one-launch version with grid
+// barriers was measured slower on 2 x H200: its token passes ran on 2 SMs; docs/performance.md.)
+struct NotifyArgs {
+  const long long* topk_idx;  // [T, K]
+  int T, K, E, align, permute, worst;
+  int* rank_pos;   // [T, R] out
+  int* slot_pos;   // [T, K] out
+  int* recv_info;  // [RecvInfo::size(L)] out
+  int* row_limits;        // [R] out: rows each rank delivers at most (its num_worst_tokens, or INT_MAX)
+  long long* out_tpe;     // [L] out: tokens_per_expert (padded and clamped when permuted; zeros for
+                          // rank-major with num_worst_tokens: the pull counts the delivered rows)
+  long long* out_dropped; // [1] out: real rows past num_worst_tokens
+  long long tag;
+};
+void launch_notify(const Ctx& ctx, const CallArgs& call, const NotifyArgs& args, cudaStream_t stream);
+
+// Copy this call's dispatch inputs into the region and signal `slot` (kSlotStaged after notify;
+// kSlotCall for a cached dispatch, publishing `call` with it).
+struct StageArgs {
+  const void* x;  // [T, row_bytes] or nullptr when x already lies in the region (zero copy)
+  int T, row_bytes;
+  const float* scales;  // [T, scale_cols] or nullptr
+  int scale_cols;
+  const long long* topk_idx;  // [T, K] (handle's or caller's)
+  const float* topk_w;        // [T, K] or nullptr
+  int K;
+  const int* rank_pos;  // [T, R]
+  const int* slot_pos;  // [T, K]
+};
+void launch_stage(const Ctx& ctx, const CallArgs& call, int slot, const StageArgs& args, int num_blocks,
+                  cudaStream_t stream);
+
+// Pull every row destined to this rank from the peers' staging into the outputs (after `slot`).
+// Rows whose position is >= out_rows are not written (num_worst_tokens: counted by notify).
+struct DispatchArgs {
+  int row_bytes, scale_cols, K, E, permute, has_weights;
+  int out_rows;            // rows allocated (N, M, or num_worst_tokens)
+  const int* recv_info;    // from notify
+  char* out_x;             // [out_rows, row_bytes]
+  float* out_scales;       // [out_rows, scale_cols] or nullptr
+  long long* out_idx;      // rank-major [out_rows, K] local ids, else nullptr
+  float* out_w;            // rank-major [out_rows, K] / expert-major [out_rows], or nullptr
+  int* out_row_expert;     // expert-major [out_rows], else nullptr
+  long long* out_tpe;      // rank-major, num_worst_tokens: (row, local expert) pairs delivered, zeroed; else nullptr
+  int* comb_map;           // expert-major: [N, K] expert-major row of each (rank-major row, slot), -1 where
+                           // none or dropped -- the combine's local pre-reduction reads it; else nullptr
+};
+void launch_dispatch(const Ctx& ctx, int slot, const DispatchArgs& args, int num_blocks, cudaStream_t stream);
+
+// Dispatch by push: each rank publishes where its rank-major rows go (at `slot`: kSlotOutLoc
+// after notify, kSlotCall with `call` for a cached dispatch); when every rank's lie in its region
+// (pool), senders read each of their rows once and write it straight into every destination
+// (NVLink stores are posted; a pull pays a round trip per load). Rank-major: those are the
+// outputs. Expert-major: a pooled rank-major buffer whose index columns carry (expert-major row,
+// local expert) pairs, which launch_fanout then spreads into the expert segments. Otherwise all
+// ranks stage and pull straight into the outputs, in the same kernel.
+struct PushArgs {
+  StageArgs in;       // this rank's inputs
+  DispatchArgs out;   // this rank's outputs (local pointers) and receive layout
+  long long out_x_off, out_s_off, out_idx_off, out_w_off;  // rank-major rows in this region; x_off < 0: not pooled
+};
+void launch_dispatch_push(const Ctx& ctx, const CallArgs& call, int slot, const PushArgs& args, int num_blocks,
+                          cudaStream_t stream);
+
+// Expert-major push, second half (local, no handshake): every received rank-major row into each
+// of its expert segments, the per-row weight and expert id, the padding, and `out.comb_map`.
+// Does nothing when the push fell back to stage + pull (which wrote all of that itself).
+struct FanoutArgs {
+  DispatchArgs out;   // the expert-major outputs (permute = 1)
+  const char* rows;   // [N, row_bytes] the pooled rank-major rows
+  const float* scales;  // [N, scale_cols] or nullptr
+  const int* map;     // [N, K, 2] (expert-major row, local expert) or -1
+  const float* w;     // [N, K] or nullptr
+};
+void launch_fanout(const Ctx& ctx, const FanoutArgs& args, int num_blocks, cudaStream_t stream);
+
+// Copy the combine input (unless it already lies in the region) and weights; publish `call`
+// and signal kSlotCall (a combine's first exchange).
+struct StageCombineArgs {
+  const void* x;  // [rows, row_bytes] or nullptr (zero copy)
+  int rows, row_bytes;
+  const float* w;  // [rows, w_cols] or nullptr
+  int w_cols;
+};
+void launch_stage_combine(const Ctx& ctx, const CallArgs& call, const StageCombineArgs& args, int num_blocks,
+                          cudaStream_t stream);
+
+// Expert-major combine, first half (local): each rank-major row's expert rows summed in fp32
+// into the combine area (a partial per (token, rank): one row crosses the link per token and
+// rank instead of one per (token, expert)), the weights staged; publishes `call` and signals
+// kSlotCall like launch_stage_combine, which it replaces.
+struct CombineReduceArgs {
+  const void* x;      // [rows, H] expert-major rows (bf16 or fp32), local
+  int rows, H, is_fp32;
+  const int* map;     // [N, K] the dispatch's comb_map
+  const int* recv_info;  // N
+  int K;
+  const float* w;     // [rows] or nullptr
+};
+void launch_combine_reduce(const Ctx& ctx, const CallArgs& call, const CombineReduceArgs& args, int num_blocks,
+                           cudaStream_t stream);
+
+// y[t] = sum of this token's rows, pulled from their ranks' combine staging (fp32 accumulation).
+// With `partials` (after launch_combine_reduce) the rows are the fp32 partials, one per rank.
+// Only rows the dispatch delivered are read: ids outside [0, E), negative positions and
+// positions past the owner's row limit (its num_worst_tokens) are skipped.
+struct CombineArgs {
+  int T, H, K, E, permute, is_fp32, has_weights, partials;
+  const int* row_limits;      // [R] from notify: rows each rank's combine input holds at most
+  const long long* topk_idx;  // [T, K] (expert-major: owner of each slot)
+  const int* rank_pos;        // [T, R]
+  const int* slot_pos;        // [T, K]
+  void* y;                    // [T, H]
+  float* w_out;               // [T, K] or nullptr
+};
+void launch_combine(const Ctx& ctx, const CombineArgs& args, int num_blocks, cudaStream_t stream);
+
+// Resolve every kernel now (module loading is lazy by default, and a first launch that has to
+// wait behind a spinning kernel of the same process would deadlock) and raise smem limits:
+// prepare_kernels() runs each file's part (notify.cu, dispatch.cu, combine.cu, layout.cu,
+// ipc/fail_call.cu).
+void prepare_kernels();
+void prepare_notify_kernels();
+void prepare_dispatch_kernels();
+void prepare_combine_kernels();
+void prepare_layout_kernels();
+void prepare_runtime_kernels();
+
+}  // namespace mep

@@ -1,0 +1,342 @@
+// Intranode combine: stage, pull-and-sum, the expert-major reduce and the partial sums.
+
+#include "intranode/common.cuh"
+
+namespace mep {
+
+// ----------------------------------------------------------------------------- stage combine
+__global__ void __launch_bounds__(kCopyThreads, 1) stage_combine_kernel(Ctx c, CallArgs call, StageCombineArgs a) {
+  const long long gtid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const long long nthreads = (long long)gridDim.x * blockDim.x;
+  if (a.x != nullptr)
+    grid_copy16<8>(at<int4>(c, c.rank, c.lay.comb_x), reinterpret_cast<const int4*>(a.x), (long long)a.rows * a.row_bytes / 16);
+  if (a.w != nullptr) {
+    float* dst = at<float>(c, c.rank, c.lay.comb_w);
+    for (long long i = gtid; i < (long long)a.rows * a.w_cols; i += nthreads) dst[i] = a.w[i];
+  }
+  if (gtid == 0) ctrl_of(c, c.rank)->comb_has_weights = a.w != nullptr;
+  __syncthreads();
+  if (threadIdx.x == 0 && last_block_done(c, kGridStageComb)) {
+    write_record(c, call);
+    signal_all(c, kSlotCall);
+  }
+}
+
+void launch_stage_combine(const Ctx& ctx, const CallArgs& call, const StageCombineArgs& args, int num_blocks,
+                          cudaStream_t stream) {
+  stage_combine_kernel<<<num_blocks, kCopyThreads, 0, stream>>>(ctx, call, args);
+}
+
+// ---------------------------------------------------------------------------------- combine
+template <bool kFp32>
+struct Acc;
+
+template <>
+struct Acc<false> {  // 8 bf16 per 16 bytes
+  float v[8];
+  __device__ __forceinline__ void zero() {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = 0.f;
+  }
+  __device__ __forceinline__ void add(const int4& x) { add_bf16x8(v, x); }
+  __device__ __forceinline__ int4 pack() const { return pack_bf16x8(v); }
+};
+
+template <>
+struct Acc<true> {  // 4 fp32 per 16 bytes
+  float v[4];
+  __device__ __forceinline__ void zero() {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = 0.f;
+  }
+  __device__ __forceinline__ void add(const int4& x) {
+    const float* f = reinterpret_cast<const float*>(&x);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] += f[i];
+  }
+  __device__ __forceinline__ int4 pack() const {
+    int4 out;
+    float* f = reinterpret_cast<float*>(&out);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) f[i] = v[i];
+    return out;
+  }
+};
+
+// Lane k < K: the weight of token t's slot k back from its owner's combine staging (`pos`: the
+// slot's row there, -1 when not delivered).
+__device__ __forceinline__ void scatter_weight(const Ctx& c, const CombineArgs& a, int t, int owner, int pos) {
+  const int lane = lane_id(), K = a.K;
+  if (a.w_out == nullptr || lane >= K) return;
+  float w = 0.f;
+  if (pos >= 0 && a.has_weights) {
+    const float* wsrc = at<const float>(c, owner, c.lay.comb_w);
+    w = __ldcg(a.permute ? wsrc + pos : wsrc + (long long)pos * K + lane);
+  }
+  a.w_out[(long long)t * K + lane] = w;
+}
+
+template <bool kFp32>
+__global__ void __launch_bounds__(kCopyThreads, 1) combine_kernel(Ctx c, CombineArgs a) {
+  constexpr int kChunks = 4;    // 16-byte chunks per lane per step
+  constexpr int kSrcBatch = 4;  // source rows loaded together: 16 loads in flight per lane
+  const int R = c.num_ranks, K = a.K, L = a.E / R;
+  Control* me = ctrl_of(c, c.rank);
+  const unsigned long long target = me->expected[kSlotCall] + 1;
+  const int st = block_wait_call(c, kSlotCall, target, true);
+  if (st < 0) return;
+
+  const int lane = lane_id();
+  const int gw = blockIdx.x * kCopyWarps + (threadIdx.x >> 5), tw = gridDim.x * kCopyWarps;
+  const int row_bytes = a.H * (kFp32 ? 4 : 2);
+  const int n16 = row_bytes >> 4;
+  for (int t = (st > 0 ? gw : a.T); t < a.T; t += tw) {
+    // lane j describes source row j: rank-major one per rank, expert-major one per slot; only
+    // rows the dispatch delivered (valid id, position inside every rank's input) are read
+    const char* src = nullptr;
+    int owner = -1, pos = -1;
+    if (lane < K) {
+      const long long e = a.topk_idx[(long long)t * K + lane];
+      if (e >= 0 && e < a.E) owner = (int)(e / L);
+    }
+    if (!a.permute) {
+      if (lane < R) {
+        const int p = a.rank_pos[(long long)t * R + lane];
+        if (p >= 0 && p < a.row_limits[lane]) src = region(c, lane) + c.lay.comb_x + (long long)p * row_bytes;
+      }
+      if (owner >= 0) {
+        const int p = a.rank_pos[(long long)t * R + owner];
+        pos = (p >= 0 && p < a.row_limits[owner]) ? p : -1;
+      }
+    } else if (owner >= 0) {
+      const int p = a.slot_pos[(long long)t * K + lane];
+      if (p >= 0 && p < a.row_limits[owner]) {
+        pos = p;
+        src = region(c, owner) + c.lay.comb_x + (long long)p * row_bytes;
+      }
+    }
+    const unsigned srcs = __ballot_sync(kFull, src != nullptr);
+    const unsigned long long src_u = reinterpret_cast<unsigned long long>(src);
+    int4* y = reinterpret_cast<int4*>(static_cast<char*>(a.y) + (long long)t * row_bytes);
+    // kChunks chunks per lane from kSrcBatch source rows at a time (accumulated in row order)
+    for (int it = 0; it * 32 * kChunks < n16; ++it) {  // uniform trip count: shuffles inside
+      const int base = it * 32 * kChunks + lane;
+      Acc<kFp32> acc[kChunks];
+#pragma unroll
+      for (int j = 0; j < kChunks; ++j) acc[j].zero();
+      for (unsigned m = srcs; m;) {
+        const int4* p[kSrcBatch];
+#pragma unroll
+        for (int b = 0; b < kSrcBatch; ++b) {  // warp-uniform: every lane sees the same m
+          p[b] = nullptr;
+          if (m) {
+            p[b] = reinterpret_cast<const int4*>(__shfl_sync(kFull, src_u, __ffs(m) - 1));
+            m &= m - 1;
+          }
+        }
+        int4 v[kSrcBatch][kChunks];
+#pragma unroll
+        for (int b = 0; b < kSrcBatch; ++b)
+          if (p[b] != nullptr) {
+#pragma unroll
+            for (int j = 0; j < kChunks; ++j)
+              if (base + j * 32 < n16) v[b][j] = __ldcg(p[b] + base + j * 32);
+          }
+#pragma unroll
+        for (int b = 0; b < kSrcBatch; ++b)
+          if (p[b] != nullptr) {
+#pragma unroll
+            for (int j = 0; j < kChunks; ++j)
+              if (base + j * 32 < n16) acc[j].add(v[b][j]);
+          }
+      }
+#pragma unroll
+      for (int j = 0; j < kChunks; ++j)
+        if (base + j * 32 < n16) y[base + j * 32] = acc[j].pack();
+    }
+    scatter_weight(c, a, t, owner, pos);
+  }
+
+  __syncthreads();
+  if (threadIdx.x == 0 && last_block_done(c, kGridCombine)) {
+    me->expected[kSlotCall] = target;
+    if (st > 0) done_exchange(c, kSlotCombDone);
+  }
+}
+
+// Four channels of a row as fp32: 8 bytes of bf16 or 16 of fp32.
+template <bool kFp32>
+__device__ __forceinline__ float4 load4(const char* row, int i) {
+  if constexpr (kFp32) {
+    return __ldcg(reinterpret_cast<const float4*>(row) + i);
+  } else {
+    const uint2 u = __ldcg(reinterpret_cast<const uint2*>(row) + i);
+    const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
+    const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
+    return make_float4(lo.x, lo.y, hi.x, hi.y);
+  }
+}
+
+template <bool kFp32>
+__device__ __forceinline__ void store4(char* row, int i, const float4& v) {
+  if constexpr (kFp32) {
+    reinterpret_cast<float4*>(row)[i] = v;
+  } else {
+    __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
+    uint2 u;
+    u.x = *reinterpret_cast<unsigned*>(&lo);
+    u.y = *reinterpret_cast<unsigned*>(&hi);
+    reinterpret_cast<uint2*>(row)[i] = u;
+  }
+}
+
+// Sum the rows that lanes in `srcs` point at (lane order), four channels per lane per step, into
+// `dst` (fp32 or bf16). Loads of kSrcBatch rows x kUnroll steps are issued before any add, so a
+// lane keeps 16 loads in flight (remote rows pay a link round trip each).
+template <bool kInFp32, bool kOutFp32>
+__device__ __forceinline__ void warp_sum_rows(char* dst, unsigned srcs, unsigned long long src, int H) {
+  constexpr int kUnroll = 4, kSrcBatch = 4;
+  const int lane = lane_id();
+  const int n4 = H >> 2;
+  for (int it = 0; it * 32 * kUnroll < n4; ++it) {  // uniform trip count: shuffles inside
+    const int base = it * 32 * kUnroll + lane;
+    float4 acc[kUnroll];
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (unsigned m = srcs; m;) {
+      const char* row[kSrcBatch];
+#pragma unroll
+      for (int b = 0; b < kSrcBatch; ++b) {  // warp-uniform: every lane sees the same m
+        row[b] = nullptr;
+        if (m) {
+          row[b] = reinterpret_cast<const char*>(__shfl_sync(kFull, src, __ffs(m) - 1));
+          m &= m - 1;
+        }
+      }
+      float4 v[kSrcBatch][kUnroll];
+#pragma unroll
+      for (int b = 0; b < kSrcBatch; ++b)
+        if (row[b] != nullptr) {
+#pragma unroll
+          for (int j = 0; j < kUnroll; ++j)
+            if (base + j * 32 < n4) v[b][j] = load4<kInFp32>(row[b], base + j * 32);
+        }
+#pragma unroll
+      for (int b = 0; b < kSrcBatch; ++b)
+        if (row[b] != nullptr) {
+#pragma unroll
+          for (int j = 0; j < kUnroll; ++j)
+            if (base + j * 32 < n4) {
+              acc[j].x += v[b][j].x;
+              acc[j].y += v[b][j].y;
+              acc[j].z += v[b][j].z;
+              acc[j].w += v[b][j].w;
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j)
+      if (base + j * 32 < n4) store4<kOutFp32>(dst, base + j * 32, acc[j]);
+  }
+}
+
+// Local pre-reduction of an expert-major combine: partial[n] = sum of rank-major row n's expert
+// rows (fp32, into this rank's combine area), weights staged; then the call exchange.
+template <bool kInFp32>
+__global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(Ctx c, CallArgs call, CombineReduceArgs a) {
+  const int K = a.K, lane = lane_id();
+  const int gw = blockIdx.x * kCopyWarps + (threadIdx.x >> 5), tw = gridDim.x * kCopyWarps;
+  const long long in_row = (long long)a.H * (kInFp32 ? 4 : 2), out_row = (long long)a.H * 4;
+  const int N = a.recv_info[RecvInfo::kRows];
+  char* partials = region(c, c.rank) + c.lay.comb_x;
+  for (int n = gw; n < N; n += tw) {
+    const char* src = nullptr;
+    if (lane < K) {
+      const int p = a.map[(long long)n * K + lane];
+      if (p >= 0 && p < a.rows) src = static_cast<const char*>(a.x) + p * in_row;
+    }
+    warp_sum_rows<kInFp32, true>(partials + n * out_row, __ballot_sync(kFull, src != nullptr),
+                                 reinterpret_cast<unsigned long long>(src), a.H);
+  }
+  if (a.w != nullptr) {
+    float* dst = at<float>(c, c.rank, c.lay.comb_w);
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < a.rows; i += (long long)gridDim.x * blockDim.x)
+      dst[i] = a.w[i];
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) ctrl_of(c, c.rank)->comb_has_weights = a.w != nullptr;
+  __syncthreads();
+  if (threadIdx.x == 0 && last_block_done(c, kGridStageComb)) {
+    write_record(c, call);
+    signal_all(c, kSlotCall);
+  }
+}
+
+void launch_combine_reduce(const Ctx& ctx, const CallArgs& call, const CombineReduceArgs& args, int num_blocks,
+                           cudaStream_t stream) {
+  if (args.is_fp32)
+    combine_reduce_kernel<true><<<num_blocks, kCopyThreads, 0, stream>>>(ctx, call, args);
+  else
+    combine_reduce_kernel<false><<<num_blocks, kCopyThreads, 0, stream>>>(ctx, call, args);
+}
+
+// Second half: y[t] = sum over ranks of the token's fp32 partial there (one row per rank).
+template <bool kOutFp32>
+__global__ void __launch_bounds__(kCopyThreads, 1) combine_partials_kernel(Ctx c, CombineArgs a) {
+  const int R = c.num_ranks, K = a.K, L = a.E / R;
+  Control* me = ctrl_of(c, c.rank);
+  const unsigned long long target = me->expected[kSlotCall] + 1;
+  const int st = block_wait_call(c, kSlotCall, target, true);
+  if (st < 0) return;
+  const int lane = lane_id();
+  const int gw = blockIdx.x * kCopyWarps + (threadIdx.x >> 5), tw = gridDim.x * kCopyWarps;
+  const long long out_row = (long long)a.H * (kOutFp32 ? 4 : 2), part_row = (long long)a.H * 4;
+  for (int t = (st > 0 ? gw : a.T); t < a.T; t += tw) {
+    const char* src = nullptr;
+    if (lane < R) {  // every rank-major row has a partial (zeros where all its slots were dropped)
+      const int p = a.rank_pos[(long long)t * R + lane];
+      if (p >= 0) src = region(c, lane) + c.lay.comb_x + p * part_row;
+    }
+    int owner = -1, pos = -1;
+    if (lane < K) {
+      const long long e = a.topk_idx[(long long)t * K + lane];
+      if (e >= 0 && e < a.E) {
+        owner = (int)(e / L);
+        const int p = a.slot_pos[(long long)t * K + lane];
+        pos = (p >= 0 && p < a.row_limits[owner]) ? p : -1;
+      }
+    }
+    warp_sum_rows<true, kOutFp32>(static_cast<char*>(a.y) + t * out_row, __ballot_sync(kFull, src != nullptr),
+                                  reinterpret_cast<unsigned long long>(src), a.H);
+    scatter_weight(c, a, t, owner, pos);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0 && last_block_done(c, kGridCombine)) {
+    me->expected[kSlotCall] = target;
+    if (st > 0) done_exchange(c, kSlotCombDone);
+  }
+}
+
+void launch_combine(const Ctx& ctx, const CombineArgs& args, int num_blocks, cudaStream_t stream) {
+  if (args.partials) {
+    if (args.is_fp32)
+      combine_partials_kernel<true><<<num_blocks, kCopyThreads, 0, stream>>>(ctx, args);
+    else
+      combine_partials_kernel<false><<<num_blocks, kCopyThreads, 0, stream>>>(ctx, args);
+  } else if (args.is_fp32)
+    combine_kernel<true><<<num_blocks, kCopyThreads, 0, stream>>>(ctx, args);
+  else
+    combine_kernel<false><<<num_blocks, kCopyThreads, 0, stream>>>(ctx, args);
+}
+
+void prepare_combine_kernels() {
+  cudaFuncAttributes attr;
+  cudaFuncGetAttributes(&attr, stage_combine_kernel);
+  cudaFuncGetAttributes(&attr, combine_kernel<true>);
+  cudaFuncGetAttributes(&attr, combine_kernel<false>);
+  cudaFuncGetAttributes(&attr, combine_reduce_kernel<true>);
+  cudaFuncGetAttributes(&attr, combine_reduce_kernel<false>);
+  cudaFuncGetAttributes(&attr, combine_partials_kernel<true>);
+  cudaFuncGetAttributes(&attr, combine_partials_kernel<false>);
+}
+
+}  // namespace mep

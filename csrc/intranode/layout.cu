@@ -1,0 +1,53 @@
+// Layout: the routing summary of one rank's tokens (get_dispatch_layout). Local, no peers.
+
+#include "ipc/handshake.cuh"
+#include "intranode/api.h"
+
+namespace mep {
+
+constexpr int kLayoutThreads = 256;
+
+__global__ void __launch_bounds__(kLayoutThreads) layout_kernel(const long long* __restrict__ topk_idx, int T, int K,
+                                                                int E, int R, long long* tokens_per_rank,
+                                                                long long* tokens_per_expert, bool* token_in_rank) {
+  extern __shared__ int hist[];  // [E] experts, then [R] ranks
+  for (int i = threadIdx.x; i < E + R; i += blockDim.x) hist[i] = 0;
+  __syncthreads();
+  const int L = E / R;
+  for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < T; t += gridDim.x * blockDim.x) {
+    unsigned ranks = 0;  // R <= 32 in this kernel's contract
+    for (int k = 0; k < K; ++k) {
+      const long long e = topk_idx[(long long)t * K + k];
+      if (e >= 0 && e < E) {
+        atomicAdd(&hist[e], 1);
+        ranks |= 1u << (e / L);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const bool in = (ranks >> r) & 1u;
+      token_in_rank[(long long)t * R + r] = in;
+      if (in) atomicAdd(&hist[E + r], 1);
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < E; i += blockDim.x)
+    if (hist[i]) atomicAdd(reinterpret_cast<unsigned long long*>(tokens_per_expert + i), (unsigned long long)hist[i]);
+  for (int i = threadIdx.x; i < R; i += blockDim.x)
+    if (hist[E + i]) atomicAdd(reinterpret_cast<unsigned long long*>(tokens_per_rank + i), (unsigned long long)hist[E + i]);
+}
+
+void launch_layout(const long long* topk_idx, int T, int K, int E, int R, long long* tokens_per_rank,
+                   long long* tokens_per_expert, bool* token_in_rank, cudaStream_t stream) {
+  const int blocks = T > 0 ? (T + kLayoutThreads - 1) / kLayoutThreads : 1;
+  const int smem = (E + R) * (int)sizeof(int);
+  layout_kernel<<<blocks < 132 ? blocks : 132, kLayoutThreads, smem, stream>>>(topk_idx, T, K, E, R, tokens_per_rank,
+                                                                                tokens_per_expert, token_in_rank);
+}
+
+void prepare_layout_kernels() {
+  cudaFuncAttributes attr;
+  cudaFuncGetAttributes(&attr, layout_kernel);
+  cudaFuncSetAttribute(layout_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (16384 + 32) * (int)sizeof(int));
+}
+
+}  // namespace mep

@@ -1,0 +1,297 @@
+// The IPC runtime as the torch binding sees it: the `Runtime` class (one rank's region, its
+// output pool, the mapped host block, errors and failure publication) and the torch-side helpers
+// the launchers share (tensor checks, call records, region tensors). Included by the one
+// translation unit that binds the intranode path (intranode/binding.cpp), which sees torch.
+#pragma once
+
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/extension.h>
+
+#include <climits>
+#include <cstring>
+#include <memory>
+
+#include "intranode/api.h"
+#include "ipc/pool.h"
+#include "ipc/region.h"
+
+namespace mep {
+
+namespace py = pybind11;
+using torch::Tensor;
+
+
+// A tensor over region memory at `p`; `keep` (the pooled block's owner, or the region) lives as
+// long as its storage holds the memory. The storage is resizable, with torch's CUDA allocator
+// behind it, because Megatron's schedule frees a node's input early with
+// `untyped_storage().resize_(0)`: that must drop our memory (a pooled block goes back once
+// its last tensor lets go), as it would a torch allocation, instead of raising.
+inline Tensor region_tensor(char* p, const std::vector<int64_t>& shape, at::ScalarType st, int device,
+                     std::shared_ptr<void> keep) {
+  return at::for_blob(p, shape)
+      .options(torch::TensorOptions().dtype(st).device(torch::kCUDA, device))
+      .deleter([keep = std::move(keep)](void*) {})
+      .allocator(c10::cuda::CUDACachingAllocator::get())
+      .resizeable_storage()
+      .make_tensor();
+}
+
+inline cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
+inline void check_launch(const char* what) {
+  const cudaError_t err = cudaGetLastError();
+  TORCH_CHECK(err == cudaSuccess, "megatron_ep: launch of ", what, " failed: ", cudaGetErrorString(err));
+}
+
+inline void check_tensor(const Tensor& t, const char* name, c10::ScalarType dtype) {
+  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  TORCH_CHECK(t.scalar_type() == dtype, name, " has dtype ", t.scalar_type(), ", expected ", dtype);
+}
+
+template <typename T>
+inline T* ptr_or_null(const c10::optional<Tensor>& t) {
+  return t.has_value() ? static_cast<T*>(t->data_ptr()) : nullptr;
+}
+
+// A call record from Python: the signature (kSigFields int64), a status and a message.
+inline CallArgs make_call(const std::vector<long long>& sig, int status, const std::string& msg) {
+  TORCH_CHECK((int)sig.size() == kSigFields, "megatron_ep: a call signature has ", kSigFields, " fields");
+  CallArgs a{};
+  for (int f = 0; f < kSigFields; ++f) a.sig[f] = sig[f];
+  a.status = status;
+  a.msg_len = (int)std::min<size_t>(msg.size(), kMsgBytes);
+  std::memcpy(a.msg, msg.data(), a.msg_len);
+  return a;
+}
+
+inline RegionLayout layout_from(const py::dict& d) {
+  RegionLayout l{};
+  auto ll = [&](const char* k) { return d[k].cast<long long>(); };
+  l.control = ll("control");
+  l.counts = ll("counts");
+  l.scratch = ll("scratch");
+  l.stage_x = ll("stage_x");
+  l.stage_scales = ll("stage_scales");
+  l.stage_idx = ll("stage_idx");
+  l.stage_w = ll("stage_w");
+  l.stage_rpos = ll("stage_rpos");
+  l.stage_spos = ll("stage_spos");
+  l.comb_x = ll("comb_x");
+  l.comb_w = ll("comb_w");
+  l.pool = ll("pool");
+  l.pool_bytes = ll("pool_bytes");
+  l.comb_rows = ll("comb_rows");
+  l.total = ll("total");
+  l.max_tokens = (int)ll("max_tokens");
+  l.max_topk = (int)ll("max_topk");
+  l.max_experts = (int)ll("max_experts");
+  l.x_row_bytes = (int)ll("x_row_bytes");
+  l.scale_cols = (int)ll("scale_cols");
+  l.comb_row_bytes = (int)ll("comb_row_bytes");
+  l.num_ranks = (int)ll("num_ranks");
+  return l;
+}
+
+class Runtime {
+ public:
+  // `layout` comes from megatron_ep._protocol.plan_region (the same C++ routine, so the offsets
+  // the kernels use are the ones Python planned with).
+  Runtime(int device, int rank, int num_ranks, const py::dict& layout, double timeout_s) {
+    TORCH_CHECK(num_ranks >= 1 && num_ranks <= kMaxRanks, "megatron_ep: group size ", num_ranks, " is outside 1..", kMaxRanks);
+    lay_ = layout_from(layout);
+    TORCH_CHECK(lay_.control == 0, "megatron_ep: the control block must start the region");
+    rank_ = rank;
+    num_ranks_ = num_ranks;
+    timeout_ns_ = (unsigned long long)(timeout_s * 1e9);
+    c10::cuda::CUDAGuard guard(device);
+    region_ = std::make_shared<Region>(device, lay_.total);
+    pool_ = std::make_shared<Pool>(device, lay_.pool, lay_.pool_bytes);
+    prepare_kernels();
+  }
+
+  // Rank-major dispatch outputs for `rows` rows in the pool: (x, scales, idx, w, offsets...),
+  // or None when the pool has no room. The tensors share one block, returned to the pool (on
+  // `stream`, the caller's) when the last of them dies; the block keeps the region alive.
+  // `comm_only`: every use of the block is a kernel on the communication stream (the expert-major
+  // push's rank-major buffer), so it is free again as soon as its last tensor dies.
+  py::object pool_rank_major(int rows, int hidden, py::object x_dtype, int row_bytes, int scale_cols, int K, bool has_w,
+                             long long stream_ptr, bool comm_only, long long order_stream_ptr) {
+    const RankMajorBlock b(rows, row_bytes, scale_cols, K, has_w);
+    const long long off = pool_->alloc(b.total, reinterpret_cast<cudaStream_t>(order_stream_ptr));
+    if (off < 0) return py::none();
+    struct Owner {  // returns the block when the last tensor over it dies (never copied)
+      std::shared_ptr<Pool> pool;
+      std::shared_ptr<Region> region;
+      long long off, bytes;
+      cudaStream_t stream;
+      bool comm_only;
+      Owner(std::shared_ptr<Pool> p, std::shared_ptr<Region> r, long long o, long long b, cudaStream_t s, bool c)
+          : pool(std::move(p)), region(std::move(r)), off(o), bytes(b), stream(s), comm_only(c) {}
+      Owner(const Owner&) = delete;
+      Owner& operator=(const Owner&) = delete;
+      ~Owner() {
+        if (comm_only)
+          pool->release_now(off, bytes);
+        else
+          pool->release(off, bytes, stream);
+      }
+    };
+    auto owner = std::make_shared<Owner>(pool_, region_, off, b.total, reinterpret_cast<cudaStream_t>(stream_ptr), comm_only);
+    return rank_major_tensors(off, b, rows, hidden, x_dtype, scale_cols, K, has_w, owner);
+  }
+
+  // The same block laid out at `offset` of the region (the expert-major push's buffer in the
+  // combine area), or None when it would reach past `limit`; the tensors keep the region alive.
+  py::object rank_major_at(long long offset, long long limit, int rows, int hidden, py::object x_dtype, int row_bytes,
+                           int scale_cols, int K, bool has_w) {
+    alive();
+    const RankMajorBlock b(rows, row_bytes, scale_cols, K, has_w);
+    if (offset + b.total > limit) return py::none();
+    return rank_major_tensors(offset, b, rows, hidden, x_dtype, scale_cols, K, has_w, region_);
+  }
+
+  long long pool_free_bytes() { return pool_->free_bytes(); }
+  // (stream_waits, host_waits, misses) of the output pool so far (Pool::Stats)
+  py::tuple pool_stats() {
+    const Pool::Stats s = pool_->stats();
+    return py::make_tuple(s.stream_waits, s.host_waits, s.misses);
+  }
+
+  py::bytes ipc_handle() const { return py::bytes(region_->ipc_handle()); }
+
+  void open_peers(const std::vector<std::string>& handles) {
+    TORCH_CHECK((int)handles.size() == num_ranks_, "megatron_ep: expected ", num_ranks_, " IPC handles");
+    region_->open_peers(handles, rank_);
+  }
+
+  // The group agreed nobody reads this region any more: unmap the peers and drop this owner.
+  // The memory itself is freed when the last tensor over it dies.
+  void close() {
+    if (!region_) return;
+    region_->close_peers();
+    region_.reset();
+    pool_.reset();
+  }
+
+  // A tensor over region memory (zero-copy inputs); it keeps the region alive.
+  Tensor view(long long offset, std::vector<int64_t> shape, py::object dtype) {
+    alive();
+    const auto st = torch::python::detail::py_object_to_dtype(dtype);
+    return region_tensor(region_->base() + offset, shape, st, region_->device(), region_);
+  }
+
+  long long base_ptr() const { return reinterpret_cast<long long>(region_ ? region_->base() : nullptr); }
+
+  // ---- host block
+  long long host_tag() const { return host()->tag; }
+  py::dict host_counts(int L) const {
+    const HostInfo* h = host();
+    std::vector<int> counts(L);
+    for (int i = 0; i < L; ++i) counts[i] = h->expert_counts[i];
+    py::dict d;
+    d["num_rows"] = (int)h->num_rows;
+    d["num_perm_rows"] = (int)h->num_perm_rows;
+    d["need_tokens"] = (int)h->need_tokens;
+    d["need_rows"] = (int)h->need_rows;
+    d["need_perm_rows"] = (int)h->need_perm_rows;
+    d["counts"] = counts;
+    return d;
+  }
+  int num_aborted() const { return host()->num_aborted; }
+  // The first error not yet reported, as a dict (None if none); clear=True lets the kernels
+  // record the next one.
+  py::object take_error(bool clear) {
+    HostInfo* h = host();
+    if (h->error == kErrNone) return py::none();
+    py::dict d;
+    d["code"] = (int)h->error;
+    d["rank"] = (int)h->err_rank;
+    d["peer"] = (int)h->err_peer;
+    d["slot"] = (int)h->err_slot;
+    d["field"] = (int)h->err_field;
+    d["seq"] = (long long)h->err_seq;
+    d["expected"] = (long long)h->err_expected;
+    d["observed"] = (long long)h->err_observed;
+    std::vector<long long> values(num_ranks_), ops(num_ranks_);
+    for (int r = 0; r < num_ranks_; ++r) values[r] = h->err_values[r], ops[r] = h->err_ops[r];
+    d["values"] = values;
+    d["ops"] = ops;
+    const int n = std::max(0, std::min((int)h->err_msg_len, kMsgBytes));
+    std::string msg(n, '\0');
+    for (int i = 0; i < n; ++i) msg[i] = h->err_msg[i];
+    d["message"] = py::bytes(msg);
+    d["num_aborted"] = (int)h->num_aborted;
+    if (clear) {
+      h->error = kErrNone;
+      h->err_cleared = h->err_cleared + 1;  // after `error`: a kernel may claim the record again
+    }
+    return d;
+  }
+
+  // ---- the runtime's own kernel
+  void fail_call(const std::vector<long long>& sig, const std::string& msg, int slot) {
+    TORCH_CHECK(slot >= 0 && slot < kNumSlots, "megatron_ep: bad slot ", slot);
+    const CallArgs call = make_call(sig, kCallFailed, msg);
+    launch_fail_call(ctx(call.sig[kSigSeq]), call, slot, stream());
+    check_launch("fail_call");
+  }
+
+  Ctx ctx(long long seq) const {
+    alive();
+    Ctx c;
+    c.peers = region_->peers();
+    c.lay = lay_;
+    c.host = region_->host_device();
+    c.rank = rank_;
+    c.num_ranks = num_ranks_;
+    c.timeout_ns = timeout_ns_;
+    c.seq = seq;
+    return c;
+  }
+  const RegionLayout& lay() const { return lay_; }
+  int num_ranks() const { return num_ranks_; }
+
+ private:
+  // One rank-major block: x, FP8 scales, top-k ids (int64), weights, each section Pool-aligned.
+  struct RankMajorBlock {
+    long long bx, bs, bi, bw, total;
+    RankMajorBlock(int rows, int row_bytes, int scale_cols, int K, bool has_w)
+        : bx(align((long long)rows * row_bytes)), bs(align((long long)rows * scale_cols * 4)),
+          bi(align((long long)rows * K * 8)), bw(has_w ? align((long long)rows * K * 4) : 0),
+          total(bx + bs + bi + bw) {}
+    static long long align(long long n) { return (n + Pool::kAlign - 1) / Pool::kAlign * Pool::kAlign; }
+  };
+
+  // (x, scales, idx, w, x_off, s_off, idx_off, w_off) over the block at `off`; `keep` lives
+  // as long as any of the tensors (-1 / None for sections the block does not have).
+  py::tuple rank_major_tensors(long long off, const RankMajorBlock& b, int rows, int hidden, py::object x_dtype,
+                               int scale_cols, int K, bool has_w, std::shared_ptr<void> keep) {
+    auto make = [&](long long o, std::vector<int64_t> shape, at::ScalarType st) {
+      return region_tensor(region_->base() + o, shape, st, region_->device(), keep);
+    };
+    const auto xt = torch::python::detail::py_object_to_dtype(x_dtype);
+    Tensor x = make(off, {rows, hidden}, xt);
+    py::object s = scale_cols > 0 ? py::cast(make(off + b.bx, {rows, scale_cols}, at::kFloat)) : py::none();
+    Tensor idx = make(off + b.bx + b.bs, {rows, K}, at::kLong);
+    py::object w = has_w ? py::cast(make(off + b.bx + b.bs + b.bi, {rows, K}, at::kFloat)) : py::none();
+    return py::make_tuple(x, s, idx, w, off, scale_cols > 0 ? off + b.bx : -1, off + b.bx + b.bs,
+                          has_w ? off + b.bx + b.bs + b.bi : -1);
+  }
+
+  void alive() const { TORCH_CHECK(region_ && region_->peers_open(), "megatron_ep: this runtime was closed"); }
+  HostInfo* host() const {
+    TORCH_CHECK(region_, "megatron_ep: this runtime was closed");
+    return region_->host();
+  }
+
+  std::shared_ptr<Region> region_;
+  std::shared_ptr<Pool> pool_;
+  RegionLayout lay_{};
+  int rank_ = 0, num_ranks_ = 1;
+  unsigned long long timeout_ns_ = 0;
+};
+
+}  // namespace mep

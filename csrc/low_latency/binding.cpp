@@ -1,0 +1,182 @@
+// megatron_ep._C_ll: the low-latency path's torch binding. Adapts tensors to the raw-pointer
+// launchers of csrc/low_latency/ and holds one rank's NVSHMEM buffer (its peers'
+// addresses, the mapped error record: csrc/nvshmem/symmetric_memory.h). Python
+// (megatron_ep/paths/low_latency.py) checks every argument first; the checks here only guard
+// against memory errors.
+#include <c10/cuda/CUDAStream.h>
+#include <pybind11/stl.h>
+#include <torch/extension.h>
+
+#include <vector>
+
+#include "low_latency/api.h"
+#include "common/protocol.h"
+#include "nvshmem/symmetric_memory.h"
+#include "common/tensor_args.h"
+
+namespace mep {
+namespace {
+
+py::dict layout_dict(const LowLatencyLayout& l) {
+  py::dict d;
+  d["num_ranks"] = l.num_ranks, d["num_experts"] = l.num_experts, d["max_tokens"] = l.max_tokens;
+  d["hidden"] = l.hidden, d["max_topk"] = l.max_topk, d["fp8_only"] = (bool)l.fp8_only;
+  d["d_msg"] = l.d_msg, d["c_row"] = l.c_row, d["set_bytes"] = l.set_bytes, d["total"] = l.total;
+  d["d_rows"] = l.d_rows, d["d_table"] = l.d_table, d["c_recv"] = l.c_recv, d["d_count"] = l.d_count, d["c_flag"] = l.c_flag;
+  d["release"] = l.release, d["state"] = l.state;
+  return d;
+}
+
+}  // namespace
+
+class LowLatencyBuffer {
+ public:
+  // Collective over every PE: allocates the symmetric buffer (plan: num_experts, max_tokens,
+  // hidden, max_topk, fp8_only) and maps each rank's PE id to a load/store address when reachable.
+  LowLatencyBuffer(int device, int rank, std::vector<int> pes, int num_experts, int max_tokens, int hidden,
+                   int max_topk, bool fp8_only, double timeout_s) {
+    const int R = (int)pes.size();
+    TORCH_CHECK(R >= 1 && R <= kLLMaxRanks, "megatron_ep low-latency: ", R, " ranks; at most ", kLLMaxRanks);
+    cuda_ok(cudaSetDevice(device), "low-latency", "cudaSetDevice");
+    ctx_.lay = LowLatencyLayout::plan(R, num_experts, max_tokens, hidden, max_topk, fp8_only);
+    ctx_.rank = rank, ctx_.num_ranks = R;
+    ctx_.timeout_ns = (unsigned long long)(timeout_s * 1e9);
+    ll_touch_kernels();
+    mem_.open((size_t)ctx_.lay.total, pes, true);
+    mem_.point(ctx_);
+  }
+
+  void dispatch(const torch::Tensor& x, const torch::Tensor& topk_idx, int num_experts, bool fp8, bool round_scale,
+                int set, int phases, long long sig, long long seq, const torch::Tensor& out_x, const c10::optional<torch::Tensor>& out_scales,
+                const torch::Tensor& out_count, const torch::Tensor& out_range, const torch::Tensor& out_src,
+                const torch::Tensor& out_slot, const c10::optional<torch::Tensor>& weights,
+                const c10::optional<torch::Tensor>& out_w, const c10::optional<torch::Tensor>& out_pairs, int num_blocks) {
+    live();
+    LLDispatchArgs a{};
+    a.x = ptr<at::BFloat16>(x, "x", at::kBFloat16);
+    a.topk_idx = reinterpret_cast<const long long*>(ptr<int64_t>(topk_idx, "topk_idx", at::kLong));
+    a.T = (int)x.size(0), a.K = (int)topk_idx.size(1), a.E = num_experts, a.H = (int)x.size(1);
+    a.fp8 = fp8, a.round_scale = round_scale, a.set = set, a.phases = phases, a.sig = sig, a.seq = seq;
+    check_call(a.T, a.K, a.E, a.H, set, num_blocks);
+    a.out_x = out_x.data_ptr();
+    TORCH_CHECK(out_x.is_contiguous() && out_x.dim() == 3 && out_x.size(2) == a.H, "out_x must be [L, cap, H]");
+    a.out_scales = fp8 ? ptr<float>(out_scales.value(), "out_scales", at::kFloat) : nullptr;
+    a.out_count = ptr<int>(out_count, "out_count", at::kInt);
+    a.out_range = ptr<int>(out_range, "out_range", at::kInt);
+    a.out_src = ptr<int>(out_src, "out_src", at::kInt);
+    a.out_slot = ptr<int>(out_slot, "out_slot", at::kInt);
+    a.out_cap = (int)out_x.size(1);
+    TORCH_CHECK(a.out_cap <= ctx_.num_ranks * ctx_.lay.max_tokens, "out_x has more rows per expert than the buffer");
+    if (weights.has_value()) {  // the merged combine's inputs
+      TORCH_CHECK(out_w.has_value() && out_pairs.has_value(), "weights need out_w and out_pairs");
+      TORCH_CHECK(weights->numel() == (int64_t)a.T * a.K && out_w->numel() == out_src.numel() &&
+                      out_pairs->numel() == (int64_t)a.out_cap * a.K, "weights / out_w / out_pairs sizes");
+      a.weights = ptr<float>(*weights, "topk_weights", at::kFloat);
+      a.out_w = ptr<float>(*out_w, "out_w", at::kFloat);
+      a.out_pairs = ptr<int>(*out_pairs, "out_pairs", at::kInt);
+    }
+    launch_ll_dispatch(ctx_, a, num_blocks, c10::cuda::getCurrentCUDAStream().stream());
+  }
+
+  void combine(const torch::Tensor& x, const torch::Tensor& range, const torch::Tensor& src, const torch::Tensor& slot,
+               const torch::Tensor& topk_idx, const torch::Tensor& weights, int num_experts, int set, int phases,
+               long long sig, long long seq, const torch::Tensor& y, const c10::optional<torch::Tensor>& pairs,
+               const c10::optional<torch::Tensor>& row_w, int num_blocks) {
+    live();
+    LLCombineArgs a{};
+    a.x = ptr<at::BFloat16>(x, "x", at::kBFloat16);
+    a.range = ptr<int>(range, "layout_range", at::kInt);
+    a.src = ptr<int>(src, "src_token", at::kInt);
+    a.slot = ptr<int>(slot, "src_slot", at::kInt);
+    a.topk_idx = reinterpret_cast<const long long*>(ptr<int64_t>(topk_idx, "topk_idx", at::kLong));
+    a.weights = ptr<float>(weights, "topk_weights", at::kFloat);
+    a.y = ptr<at::BFloat16>(y, "out", at::kBFloat16);
+    a.T = (int)topk_idx.size(0), a.K = (int)topk_idx.size(1), a.E = num_experts, a.H = (int)x.size(2);
+    a.out_cap = (int)x.size(1), a.set = set, a.phases = phases, a.sig = sig, a.seq = seq;
+    check_call(a.T, a.K, a.E, a.H, set, num_blocks);
+    TORCH_CHECK(y.size(0) == a.T && y.size(1) == a.H, "out must be [T, H]");
+    if (pairs.has_value()) {  // merged: the dispatch carried the weights
+      TORCH_CHECK(row_w.has_value() && pairs->numel() == (int64_t)a.out_cap * a.K && row_w->numel() == src.numel(),
+                  "pairs / row_w sizes");
+      a.pairs = ptr<int>(*pairs, "pairs", at::kInt);
+      a.row_w = ptr<float>(*row_w, "row_w", at::kFloat);
+    }
+    launch_ll_combine(ctx_, a, num_blocks, c10::cuda::getCurrentCUDAStream().stream());
+  }
+
+  // This rank failed before joining call `seq` (its host raised first): tell every peer, whose
+  // waits on it in that call stop and report kErrPeerFailed naming this rank, instead of waiting
+  // for the timeout.
+  void publish_failure(long long seq) {
+    mem_.publish_aside([&](cudaStream_t s) { launch_ll_publish_failure(ctx_, seq, s); });
+  }
+
+  // The kernels' first unread error, or None.
+  py::object error() const { return mem_.error("expert", "set"); }
+  void clear_error() { mem_.clear_error(); }
+
+  // Attach (or with None detach) the kernels' trace stamps: int64 [2, MAX_BLOCKS, TRACE_POINTS] on
+  // this device, zeroed by the caller before each traced call (the stamps take the max).
+  void set_trace(const c10::optional<torch::Tensor>& trace) {
+    if (trace.has_value()) {
+      TORCH_CHECK(trace->is_cuda() && trace->scalar_type() == at::kLong && trace->is_contiguous() &&
+                      trace->numel() == 2LL * kLLMaxBlocks * kLLTracePoints,
+                  "trace must be a contiguous int64 CUDA tensor of [2, ", kLLMaxBlocks, ", ", (int)kLLTracePoints, "]");
+    }
+    trace_ = trace.has_value() ? *trace : torch::Tensor();
+    ctx_.trace = trace.has_value() ? reinterpret_cast<unsigned long long*>(trace_.data_ptr()) : nullptr;
+  }
+
+  std::vector<bool> p2p() const { return mem_.p2p(); }
+  py::dict layout() const { return layout_dict(ctx_.lay); }
+
+  void close() { mem_.close(); }  // collective (nvshmem_free)
+
+ private:
+  void live() const { mem_.live(); }
+  void check_call(int T, int K, int E, int H, int set, int num_blocks) const {
+    const LowLatencyLayout& l = ctx_.lay;
+    TORCH_CHECK(T <= l.max_tokens && K <= l.max_topk && E <= l.num_experts && E % l.num_ranks == 0 && H <= l.hidden,
+                "megatron_ep low-latency: the call (T ", T, ", K ", K, ", E ", E, ", H ", H, ") exceeds the buffer");
+    TORCH_CHECK(set == 0 || set == 1, "buffer set must be 0 or 1");
+    TORCH_CHECK(num_blocks >= 1 && num_blocks <= kLLMaxBlocks, "num_blocks must be in 1..", kLLMaxBlocks);
+  }
+
+  LLCtx ctx_{};
+  torch::Tensor trace_;  // keeps the attached trace alive
+  SymmetricMemory mem_{"low-latency"};
+};
+
+void bind_internode(py::module_& m);  // csrc/internode/binding.cpp
+
+}  // namespace mep
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "megatron_ep NVSHMEM paths: low-latency (csrc/low_latency/), internode RDMA domain (csrc/internode/kernels.cu)";
+  mep::bind_internode(m);
+  m.attr("THREADS") = mep::kLLThreads;
+  m.attr("MAX_BLOCKS") = mep::kLLMaxBlocks;
+  m.attr("MAX_RANKS") = mep::kLLMaxRanks;
+  m.attr("HEADER_BYTES") = mep::kLLHeader;
+  m.attr("SEND") = (int)mep::kLLSend;
+  m.attr("RECV") = (int)mep::kLLRecv;
+  m.attr("TRACE_POINTS") = (int)mep::kLLTracePoints;
+  m.def("plan", [](int num_ranks, int num_experts, int max_tokens, int hidden, int max_topk, bool fp8_only) {
+    return mep::layout_dict(mep::LowLatencyLayout::plan(num_ranks, num_experts, max_tokens, hidden, max_topk, fp8_only));
+  }, "The buffer layout and size (bytes, both sets) for this capacity; no GPU needed.");
+  m.def("unique_id", [] { return py::bytes(mep::sym_unique_id()); });
+  m.def("init", [](py::bytes uid, int rank, int nranks, int device) { mep::sym_init(std::string(uid), rank, nranks, device); });
+  m.def("my_pe", &mep::sym_my_pe);
+  m.def("n_pes", &mep::sym_n_pes);
+  py::class_<mep::LowLatencyBuffer>(m, "LowLatencyBuffer")
+      .def(py::init<int, int, std::vector<int>, int, int, int, int, bool, double>())
+      .def("dispatch", &mep::LowLatencyBuffer::dispatch, py::arg("x"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("fp8"), py::arg("round_scale"), py::arg("set"), py::arg("phases"), py::arg("sig"), py::arg("seq"), py::arg("out_x"), py::arg("out_scales"), py::arg("out_count"), py::arg("out_range"), py::arg("out_src"), py::arg("out_slot"), py::arg("weights"), py::arg("out_w"), py::arg("out_pairs"), py::arg("num_blocks"))
+      .def("combine", &mep::LowLatencyBuffer::combine, py::arg("x"), py::arg("range"), py::arg("src"), py::arg("slot"), py::arg("topk_idx"), py::arg("weights"), py::arg("num_experts"), py::arg("set"), py::arg("phases"), py::arg("sig"), py::arg("seq"), py::arg("y"), py::arg("pairs"), py::arg("row_w"), py::arg("num_blocks"))
+      .def("publish_failure", &mep::LowLatencyBuffer::publish_failure, py::arg("seq"))
+      .def("error", &mep::LowLatencyBuffer::error)
+      .def("clear_error", &mep::LowLatencyBuffer::clear_error)
+      .def("set_trace", &mep::LowLatencyBuffer::set_trace, py::arg("trace").none(true))
+      .def("p2p", &mep::LowLatencyBuffer::p2p)
+      .def("layout", &mep::LowLatencyBuffer::layout)
+      .def("close", &mep::LowLatencyBuffer::close);
+}

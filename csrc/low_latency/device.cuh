@@ -1,0 +1,169 @@
+// What the low-latency kernel files (dispatch.cu, combine.cu) share: the path's state, its
+// waits (timeouts and peer failures recorded in the mapped error record), signals and row sends
+// to a peer (a store when load/store reachable, else an NVSHMEM put), the send counters, the
+// buffer-set release and the receive half's epilogue. The kernels live in the named namespace
+// mep::low_latency so profilers show them as such. Include after nvshmem.h.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include "common/cuda_check.h"
+#include "common/protocol.h"
+#include "low_latency/api.h"
+#include "nvshmem/waits.cuh"
+
+namespace mep {
+namespace low_latency {
+
+
+constexpr int kLLScaleRegs = 2;  // a lane's FP8 scales held in registers during a row's copy-out (H <= 8192)
+
+__device__ __forceinline__ LowLatencyState* state_of(const LLCtx& c) {
+  return reinterpret_cast<LowLatencyState*>(c.base + c.lay.state);
+}
+__device__ __forceinline__ sym::Waiter waiter(const LLCtx& c) {
+  LowLatencyState* st = state_of(c);
+  return {c.err, &st->failed, &st->err_claims, c.timeout_ns, &st->peer_failed, c.seq};
+}
+
+// A trace stamp (LLTracePoint) when the buffer has a trace attached: thread 0's time, or with
+// `warps` the latest of the block's warps (each warp's lane 0).
+__device__ __forceinline__ void stamp(const LLCtx& c, int kernel, int point, bool warps = false) {
+  if (c.trace == nullptr) return;
+  unsigned long long* p = c.trace + ((long long)kernel * kLLMaxBlocks + blockIdx.x) * kLLTracePoints + point;
+  if (warps ? (threadIdx.x & 31) == 0 : threadIdx.x == 0) atomicMax(p, globaltimer());
+}
+
+// Signal words: -1 - (count | sig << 32). Never 0, so "0 tokens" differs from "not arrived".
+__device__ __forceinline__ long long encode(int count, long long sig) { return -1 - ((sig << 32) | (unsigned)count); }
+__device__ __forceinline__ int decoded_count(long long v) { return (int)(unsigned)((unsigned long long)(-1 - v)); }
+__device__ __forceinline__ long long decoded_sig(long long v) { return (long long)((unsigned long long)(-1 - v) >> 32); }
+
+__device__ __forceinline__ void report(const LLCtx& c, int code, int op, int what, int expert, int peer, int set,
+                                       long long sig, long long got) {
+  sym::report(waiter(c), code, op, what, expert, peer, set, sig, got);
+}
+template <typename Load, typename Done>
+__device__ __forceinline__ bool spin(const LLCtx& c, Load load, Done done, long long& v, int op, int what,
+                                     int expert, int peer, int set, long long sig) {
+  return sym::spin(waiter(c), load, done, v, op, what, expert, peer, set, sig);
+}
+
+// Wait until done(*p), p a signal word another rank writes (relaxed polls, one acquire after).
+template <typename Done>
+__device__ __forceinline__ bool wait_word(const LLCtx& c, const long long* p, Done done, long long& v, int op, int what,
+                                          int expert, int peer, int set, long long sig) {
+  const bool ok = spin(c, [&] { return ld_relaxed_sys(p); }, done, v, op, what, expert, peer, set, sig);
+  // one acquire load of the word once seen (it only moves forward until this rank clears it):
+  // cheaper than a system fence, which also drains this thread's outstanding stores
+  if (ok) v = ld_acquire_sys(p);
+  return ok;
+}
+
+// Write a 64-bit signal word at `off` in rank dst's buffer (after the caller's fence; see
+// sym::put_signal for `release`).
+__device__ __forceinline__ void put_signal(const LLCtx& c, int dst, long long off, long long v, bool release = true) {
+  sym::put_signal(c.peer_base[dst], c.base, c.pe[dst], off, v, release);
+}
+
+// A row `bytes` long from this rank to rank dst at byte offset `off` of its buffer: stores when
+// reachable, else a put from `stage` (symmetric) completed before returning. No fence here: the
+// warp that signals for a group of rows acquires every sender's counter bump first (see
+// `count_sent`), and its release covers their stores.
+__device__ __forceinline__ void send_row(const LLCtx& c, int dst, long long off, const char* stage, int bytes) {
+  const int lane = threadIdx.x & 31;
+  char* peer = c.peer_base[dst];
+  if (peer != nullptr) {
+    warp_copy<8>(reinterpret_cast<int4*>(peer + off), reinterpret_cast<const int4*>(stage), bytes / 16);
+  } else {
+    __syncwarp();
+    if (lane == 0) __threadfence_system();  // the NIC reads the staging from memory
+    __syncwarp();
+    nvshmemx_putmem_nbi_warp(c.base + off, stage, bytes, c.pe[dst]);
+    if (lane == 0) nvshmem_quiet();  // delivered before the count signal is written
+  }
+  __syncwarp();
+}
+
+// Warp: each lane with `mine` counts `done` finished parts of its group, which has `parts` in all
+// (the warps' shares of an expert's copies, or the warps of an (expert, receiver) pair); the lane
+// that completes a group resets its counter and writes the group's signal word (`off` in rank
+// dst's buffer).
+__device__ __forceinline__ void count_sent(const LLCtx& c, bool mine, unsigned* counter, unsigned done, unsigned parts,
+                                           int dst, long long off, long long v) {
+  if (mine && atom_add_acq_rel_gpu(counter, done) + done == parts) {
+    *counter = 0;  // nobody else touches it before this set's next call
+    // a reachable peer gets a release store at system scope, which orders every row this lane
+    // acquired through the counter; the NVSHMEM signal op needs the explicit fence
+    if (c.peer_base[dst] == nullptr) __threadfence_system();
+    put_signal(c, dst, off, v);
+  }
+  __syncwarp();
+}
+
+// Block-wide: threads r < R wait until receiver r released this set after its last receive half
+// on it (its completed calls on the set reached ours), so its slots are free again.
+__device__ __forceinline__ bool wait_released(const LLCtx& c, int set, int op, long long sig) {
+  bool ok = true;
+  const long long target = *reinterpret_cast<volatile long long*>(&state_of(c)->set_calls[set]);
+  const long long* release = reinterpret_cast<const long long*>(c.base + c.lay.set_offset(set) + c.lay.release);
+  for (int r = threadIdx.x; r < c.num_ranks; r += blockDim.x) {
+    long long v;
+    ok &= wait_word(c, release + r, [&](long long x) { return x >= target; }, v, op, kLLWaitRelease, -1, r, set, sig);
+  }
+  return __syncthreads_and(ok);
+}
+
+// Block-wide end of a receive half: the last block to finish clears the set's signal words
+// (`clear_off`, n words), then hands the set back to every sender. With `wait_n` > 0 (the
+// combine: this call's E per-expert flags, L experts per rank), the flags nobody waited on
+// (experts no local token used) are first waited for, so a late one cannot leak into the set's
+// next call.
+__device__ __forceinline__ void finish_receive(const LLCtx& c, int set, long long clear_off, int n, int wait_n = 0,
+                                               int L = 1, long long sig = 0, int what = kLLWaitFlag) {
+  __shared__ bool last;
+  LowLatencyState* st = state_of(c);
+  __syncthreads();
+  // acq_rel: this block's reads of the words come before the bump; the last block acquires every
+  // block's bump before clearing them
+  if (threadIdx.x == 0) last = atom_add_acq_rel_gpu(&st->grid_done[set], 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  long long* words = reinterpret_cast<long long*>(c.base + c.lay.set_offset(set) + clear_off);
+  if (wait_n > 0) {
+    bool ok = true;
+    for (int i = threadIdx.x; i < wait_n; i += blockDim.x) {
+      long long v;
+      ok &= wait_word(c, words + i, [](long long x) { return x != 0; }, v, kOpLowLatencyCombine, what, i, i / L, set,
+                      sig);
+      if (ok && decoded_sig(v) != sig) report(c, kErrMismatch, kOpLowLatencyCombine, what, i, i / L, set, sig, decoded_sig(v));
+    }
+    if (!__syncthreads_and(ok)) {  // timed out: the path is broken, the set stays held
+      if (threadIdx.x == 0) st->grid_done[set] = 0;
+      return;
+    }
+  }
+  for (int i = threadIdx.x; i < n; i += blockDim.x) words[i] = 0;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    st->grid_done[set] = 0;
+    if (*reinterpret_cast<volatile int*>(&st->failed)) return;  // broken: leave the set held
+    const long long done = ++st->set_calls[set];
+    const long long off = c.lay.set_offset(set) + c.lay.release + (long long)c.rank * 8;
+    // one system fence (the block's reads of the set and its clears are ordered before it by the
+    // barrier), then relaxed stores: a release store per rank would be a fence per rank
+    __threadfence_system();
+    for (int r = 0; r < c.num_ranks; ++r) put_signal(c, r, off, done, false);
+  }
+}
+
+// An expert id as the kernels use it: -1 for an unused slot (any id outside [0, E)).
+__device__ __forceinline__ int valid_id(long long e, int E) { return e >= 0 && e < E ? (int)e : -1; }
+
+inline void check(cudaError_t e, const char* what) { check_cuda(e, what, "low-latency"); }
+
+}  // namespace low_latency
+}  // namespace mep

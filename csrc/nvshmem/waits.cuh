@@ -1,0 +1,103 @@
+// Device helpers shared by the NVSHMEM paths (internode, low-latency): bounded waits that record
+// what they waited on, signals to a peer (a store when it is load/store reachable, else an
+// NVSHMEM signal op) and the failure publication. Include after nvshmem.h.
+#pragma once
+
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include "nvshmem/common.h"  // SymmetricError: the mapped error record both paths fill
+#include "common/device.cuh"
+#include "common/protocol.h"
+
+namespace mep {
+namespace sym {
+
+
+// Where a path's waits report: the mapped record, two words of its local state: `failed` (a
+// wait timed out or a peer failed: every later wait returns at once) and `claims` (records
+// claimed so far), and `peer_failed`, the one word of that state other ranks write: (rank + 1)
+// << 32 | call sequence number of a peer that failed before joining that call (publish_failure).
+// `seq`: the call the waiting kernel serves (< 0: none; such waits ignore publications).
+struct Waiter {
+  SymmetricError* err;
+  int* failed;
+  int* claims;
+  unsigned long long timeout_ns;
+  const long long* peer_failed;
+  long long seq;
+};
+__host__ __device__ constexpr long long failure_word(int rank, long long seq) {
+  return ((long long)(rank + 1) << 32) | (seq & 0xffffffffLL);
+}
+
+// The first error since the host's last clear wins (the host bumps `cleared` after reading).
+static __device__ __noinline__ void report(const Waiter& w, int code, int op, int what, int expert, int peer, int set,
+                                    long long sig, long long got) {
+  if (code == kErrTimeout || code == kErrPeerFailed) atomicExch(w.failed, 1);
+  const int cleared = w.err->cleared;
+  if (atomicCAS(w.claims, cleared, cleared + 1) != cleared) return;
+  w.err->op = op, w.err->what = what, w.err->expert = expert, w.err->peer = peer, w.err->set = set;
+  w.err->sig_expected = sig, w.err->sig_got = got;
+  __threadfence_system();
+  w.err->code = code;
+}
+
+// Spin until done(load()) or report a timeout; `what`/expert/peer/set name the wait for the host.
+template <typename Load, typename Done>
+__device__ __forceinline__ bool spin(const Waiter& w, Load load, Done done, long long& v, int op, int what,
+                                     int expert, int peer, int set, long long sig) {
+  unsigned long long start = 0;
+  for (unsigned i = 0;; ++i) {
+    v = load();
+    if (done(v)) return true;
+    if ((i & 127) == 127) {
+      if (*reinterpret_cast<volatile int*>(w.failed)) return false;
+      // a peer published that it failed before joining this call: it will never signal, so stop
+      // now, naming it (a publication for another call, e.g. one every rank failed, is ignored)
+      const long long pf = *reinterpret_cast<const volatile long long*>(w.peer_failed);
+      if (w.seq >= 0 && pf != 0 && (pf & 0xffffffffLL) == (w.seq & 0xffffffffLL)) {
+        report(w, kErrPeerFailed, op, what, expert, (int)(pf >> 32) - 1, set, sig, v);
+        return false;
+      }
+      const unsigned long long now = globaltimer();
+      if (start == 0) {
+        start = now;
+      } else if (now - start > w.timeout_ns) {
+        report(w, kErrTimeout, op, what, expert, peer, set, sig, v);
+        return false;
+      }
+    }
+  }
+}
+
+// A 64-bit word at byte offset `off` of a peer's symmetric buffer (after the caller's fence):
+// a release store through `peer` when reachable, else an NVSHMEM signal op on PE `pe`. With
+// `release` false a relaxed store: for a word that orders nothing (a zero count) or that follows
+// the caller's own system fence (several words after one fence) -- each release store is a
+// MEMBAR.ALL.SYS of its own in the SASS.
+__device__ __forceinline__ void put_signal(char* peer, char* base, int pe, long long off, long long v,
+                                           bool release = true) {
+  if (peer != nullptr) {
+    if (release)
+      st_release_sys(reinterpret_cast<long long*>(peer + off), v);
+    else
+      asm volatile("st.relaxed.sys.global.s64 [%0], %1;" ::"l"(reinterpret_cast<long long*>(peer + off)), "l"(v)
+                   : "memory");
+  } else {
+    nvshmemx_signal_op(reinterpret_cast<uint64_t*>(base + off), (uint64_t)v, NVSHMEM_SIGNAL_SET, pe);
+  }
+}
+
+// One thread: tell the other n - 1 peers (index `self` is this rank) that this rank failed before
+// joining call `seq`, through the peer_failed word at byte offset `off` of their buffers: their
+// waits for that call stop and name `rank` (the group rank).
+__device__ __forceinline__ void publish_failure(char* const* peer_base, char* base, const int* pe, int n, int self,
+                                                long long off, int rank, long long seq) {
+  for (int r = 0; r < n; ++r)
+    if (r != self) put_signal(peer_base[r], base, pe[r], off, failure_word(rank, seq));
+}
+
+
+}  // namespace sym
+}  // namespace mep
