@@ -126,6 +126,40 @@ __device__ __forceinline__ void warp_zero_bytes(char* dst, int bytes) {
 }
 
 
+// The NVSHMEM paths' row copies (their kernels were tuned with these loop shapes; warp_copy's
+// per-lane trip count compiles differently):
+// a warp copy of n16 16-byte words, four loads in flight per lane while four words remain.
+__device__ __forceinline__ void warp_copy16(int4* dst, const int4* src, int n16) {
+  const int lane = threadIdx.x & 31;
+  int i = lane;
+  for (; i + 96 < n16; i += 128) {
+    int4 a = __ldcg(src + i), b = __ldcg(src + i + 32), d = __ldcg(src + i + 64), e = __ldcg(src + i + 96);
+    dst[i] = a, dst[i + 32] = b, dst[i + 64] = d, dst[i + 96] = e;
+  }
+  for (; i < n16; i += 32) dst[i] = __ldcg(src + i);
+}
+
+// A warp copy with all of a lane's loads (up to kDepth words) issued before its stores, in
+// warp-uniform steps: a 7 KB row in one memory round trip at depth 16 (a warp per row: latency,
+// not bandwidth, bounds).
+template <int kDepth>
+__device__ __forceinline__ void warp_copy16_deep(int4* dst, const int4* src, int n16) {
+  const int lane = threadIdx.x & 31;
+  for (int base = 0; base < n16; base += 32 * kDepth) {
+    int4 v[kDepth];
+#pragma unroll
+    for (int i = 0; i < kDepth; ++i) {
+      const int j = base + i * 32 + lane;
+      if (j < n16) v[i] = __ldcg(src + j);
+    }
+#pragma unroll
+    for (int i = 0; i < kDepth; ++i) {
+      const int j = base + i * 32 + lane;
+      if (j < n16) dst[j] = v[i];
+    }
+  }
+}
+
 // ------------------------------------------------------------------------------------- bf16
 // acc[0..8) += the 8 bf16 values of a 16-byte word (fp32)
 __device__ __forceinline__ void add_bf16x8(float* acc, const int4& word) {

@@ -163,7 +163,7 @@ __global__ void __launch_bounds__(kInternodeThreads, 1) dispatch_send_kernel(con
         if (!((mask >> n) & 1ull)) continue;
         char* peer = c.peer_base[n];
         if (peer != nullptr) {
-          warp_copy<8>(reinterpret_cast<int4*>(peer + lay.d_x + row * a.row_bytes),
+          warp_copy16_deep<8>(reinterpret_cast<int4*>(peer + lay.d_x + row * a.row_bytes),
                                reinterpret_cast<const int4*>(xs), a.row_bytes / 16);
           float* ds = reinterpret_cast<float*>(peer + lay.d_s) + row * sstride;
           for (int j = lane; j < sc; j += 32) ds[j] = a.scales[(long long)t * sc + j];
@@ -240,7 +240,7 @@ __global__ void __launch_bounds__(kInternodeThreads, 1) combine_send_kernel(cons
       const char* ys = a.y + row * a.row_bytes;
       char* peer = c.peer_base[n];
       if (peer != nullptr) {
-        warp_copy<8>(reinterpret_cast<int4*>(peer + lay.c_y + slot * a.row_bytes),
+        warp_copy16_deep<8>(reinterpret_cast<int4*>(peer + lay.c_y + slot * a.row_bytes),
                              reinterpret_cast<const int4*>(ys), a.row_bytes / 16);
         if (a.w != nullptr && lane < a.K)
           reinterpret_cast<float*>(peer + lay.c_w)[slot * a.K + lane] = a.w[row * a.K + lane];

@@ -63,6 +63,53 @@ struct Acc<true> {  // 4 fp32 per 16 bytes
   }
 };
 
+// Warp: sums rows that the lanes in `srcs` point at (lane l's row: `src` shuffled from lane l, as a Row pointer),
+// in lane order, word by word; `n_words` words per row, kSteps words per lane per step, and the
+// loads of kSrcBatch rows x kSteps words issued before any add (16 loads in flight per lane:
+// remote rows pay a link round trip each). `load(row, base, j)` reads word base + 32 j of a row
+// as a Word (callers keep their own address arithmetic),
+// Acc accumulates Words (zero(), add()), `store(i, acc)` writes word i of the sum.
+template <int kSteps, int kSrcBatch, typename Row, typename Word, typename Acc, typename Load, typename Store>
+__device__ __forceinline__ void warp_sum_batched(unsigned srcs, unsigned long long src, int n_words, Load load,
+                                                 Store store) {
+  const int lane = lane_id();
+  for (int it = 0; it * 32 * kSteps < n_words; ++it) {  // uniform trip count: shuffles inside
+    const int base = it * 32 * kSteps + lane;
+    Acc acc[kSteps];
+#pragma unroll
+    for (int j = 0; j < kSteps; ++j) acc[j].zero();
+    for (unsigned m = srcs; m;) {
+      Row row[kSrcBatch];
+#pragma unroll
+      for (int b = 0; b < kSrcBatch; ++b) {  // warp-uniform: every lane sees the same m
+        row[b] = nullptr;
+        if (m) {
+          row[b] = reinterpret_cast<Row>(__shfl_sync(kFull, src, __ffs(m) - 1));
+          m &= m - 1;
+        }
+      }
+      Word v[kSrcBatch][kSteps];
+#pragma unroll
+      for (int b = 0; b < kSrcBatch; ++b)
+        if (row[b] != nullptr) {
+#pragma unroll
+          for (int j = 0; j < kSteps; ++j)
+            if (base + j * 32 < n_words) v[b][j] = load(row[b], base, j);
+        }
+#pragma unroll
+      for (int b = 0; b < kSrcBatch; ++b)
+        if (row[b] != nullptr) {
+#pragma unroll
+          for (int j = 0; j < kSteps; ++j)
+            if (base + j * 32 < n_words) acc[j].add(v[b][j]);
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < kSteps; ++j)
+      if (base + j * 32 < n_words) store(base + j * 32, acc[j]);
+  }
+}
+
 // Lane k < K: the weight of token t's slot k back from its owner's combine staging (`pos`: the
 // slot's row there, -1 when not delivered).
 __device__ __forceinline__ void scatter_weight(const Ctx& c, const CombineArgs& a, int t, int owner, int pos) {
@@ -118,42 +165,9 @@ __global__ void __launch_bounds__(kCopyThreads, 1) combine_kernel(Ctx c, Combine
     const unsigned srcs = __ballot_sync(kFull, src != nullptr);
     const unsigned long long src_u = reinterpret_cast<unsigned long long>(src);
     int4* y = reinterpret_cast<int4*>(static_cast<char*>(a.y) + (long long)t * row_bytes);
-    // kChunks chunks per lane from kSrcBatch source rows at a time (accumulated in row order)
-    for (int it = 0; it * 32 * kChunks < n16; ++it) {  // uniform trip count: shuffles inside
-      const int base = it * 32 * kChunks + lane;
-      Acc<kFp32> acc[kChunks];
-#pragma unroll
-      for (int j = 0; j < kChunks; ++j) acc[j].zero();
-      for (unsigned m = srcs; m;) {
-        const int4* p[kSrcBatch];
-#pragma unroll
-        for (int b = 0; b < kSrcBatch; ++b) {  // warp-uniform: every lane sees the same m
-          p[b] = nullptr;
-          if (m) {
-            p[b] = reinterpret_cast<const int4*>(__shfl_sync(kFull, src_u, __ffs(m) - 1));
-            m &= m - 1;
-          }
-        }
-        int4 v[kSrcBatch][kChunks];
-#pragma unroll
-        for (int b = 0; b < kSrcBatch; ++b)
-          if (p[b] != nullptr) {
-#pragma unroll
-            for (int j = 0; j < kChunks; ++j)
-              if (base + j * 32 < n16) v[b][j] = __ldcg(p[b] + base + j * 32);
-          }
-#pragma unroll
-        for (int b = 0; b < kSrcBatch; ++b)
-          if (p[b] != nullptr) {
-#pragma unroll
-            for (int j = 0; j < kChunks; ++j)
-              if (base + j * 32 < n16) acc[j].add(v[b][j]);
-          }
-      }
-#pragma unroll
-      for (int j = 0; j < kChunks; ++j)
-        if (base + j * 32 < n16) y[base + j * 32] = acc[j].pack();
-    }
+    warp_sum_batched<kChunks, kSrcBatch, const int4*, int4, Acc<kFp32>>(
+        srcs, src_u, n16, [](const int4* row, int base, int j) { return __ldcg(row + base + j * 32); },
+        [&](int i, const Acc<kFp32>& acc) { y[i] = acc.pack(); });
     scatter_weight(c, a, t, owner, pos);
   }
 
@@ -193,51 +207,22 @@ __device__ __forceinline__ void store4(char* row, int i, const float4& v) {
 // Sum the rows that lanes in `srcs` point at (lane order), four channels per lane per step, into
 // `dst` (fp32 or bf16). Loads of kSrcBatch rows x kUnroll steps are issued before any add, so a
 // lane keeps 16 loads in flight (remote rows pay a link round trip each).
+struct Sum4 {  // four fp32 channels
+  float4 v;
+  __device__ __forceinline__ void zero() { v = make_float4(0.f, 0.f, 0.f, 0.f); }
+  __device__ __forceinline__ void add(const float4& x) {
+    v.x += x.x;
+    v.y += x.y;
+    v.z += x.z;
+    v.w += x.w;
+  }
+};
+
 template <bool kInFp32, bool kOutFp32>
 __device__ __forceinline__ void warp_sum_rows(char* dst, unsigned srcs, unsigned long long src, int H) {
-  constexpr int kUnroll = 4, kSrcBatch = 4;
-  const int lane = lane_id();
-  const int n4 = H >> 2;
-  for (int it = 0; it * 32 * kUnroll < n4; ++it) {  // uniform trip count: shuffles inside
-    const int base = it * 32 * kUnroll + lane;
-    float4 acc[kUnroll];
-#pragma unroll
-    for (int j = 0; j < kUnroll; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (unsigned m = srcs; m;) {
-      const char* row[kSrcBatch];
-#pragma unroll
-      for (int b = 0; b < kSrcBatch; ++b) {  // warp-uniform: every lane sees the same m
-        row[b] = nullptr;
-        if (m) {
-          row[b] = reinterpret_cast<const char*>(__shfl_sync(kFull, src, __ffs(m) - 1));
-          m &= m - 1;
-        }
-      }
-      float4 v[kSrcBatch][kUnroll];
-#pragma unroll
-      for (int b = 0; b < kSrcBatch; ++b)
-        if (row[b] != nullptr) {
-#pragma unroll
-          for (int j = 0; j < kUnroll; ++j)
-            if (base + j * 32 < n4) v[b][j] = load4<kInFp32>(row[b], base + j * 32);
-        }
-#pragma unroll
-      for (int b = 0; b < kSrcBatch; ++b)
-        if (row[b] != nullptr) {
-#pragma unroll
-          for (int j = 0; j < kUnroll; ++j)
-            if (base + j * 32 < n4) {
-              acc[j].x += v[b][j].x;
-              acc[j].y += v[b][j].y;
-              acc[j].z += v[b][j].z;
-              acc[j].w += v[b][j].w;
-            }
-        }
-    }
-#pragma unroll
-    for (int j = 0; j < kUnroll; ++j)
-      if (base + j * 32 < n4) store4<kOutFp32>(dst, base + j * 32, acc[j]);
-  }
+  warp_sum_batched<4, 4, const char*, float4, Sum4>(
+      srcs, src, H >> 2, [](const char* row, int base, int j) { return load4<kInFp32>(row, base + j * 32); },
+      [&](int i, const Sum4& acc) { store4<kOutFp32>(dst, i, acc.v); });
 }
 
 // Local pre-reduction of an expert-major combine: partial[n] = sum of rank-major row n's expert

@@ -52,8 +52,12 @@ void launch_stage(const Ctx& ctx, const CallArgs& call, int slot, const StageArg
 }
 
 // ---------------------------------------------------------------------------------- dispatch
-// Copy one row from `src` to every row listed by the lanes in `dests` (positions in `pos`).
-__device__ __forceinline__ void copy_row_multi(char* out, int row_bytes, const char* src, unsigned dests, int pos) {
+// Copy one row from `src` to the destination of every lane in `dests`: `dest_of(l)` is lane l's
+// destination (a warp shuffle, so every lane calls it alike). U 16-byte loads in flight per lane
+// before the stores; kPeerSource: the row lies in a peer's region (loads through L2), else in
+// this rank's read-only input.
+template <bool kPeerSource, typename DestOf>
+__device__ __forceinline__ void copy_row_fanout(const char* src, int row_bytes, unsigned dests, DestOf dest_of) {
   constexpr int U = 8;  // 4 KB in flight per warp
   const int lane = lane_id();
   const int n16 = row_bytes >> 4;
@@ -63,15 +67,21 @@ __device__ __forceinline__ void copy_row_multi(char* out, int row_bytes, const c
     int4 v[U];
 #pragma unroll
     for (int j = 0; j < U; ++j)
-      if (base + j * 32 < n16) v[j] = __ldcg(s16 + base + j * 32);
+      if (base + j * 32 < n16) v[j] = kPeerSource ? __ldcg(s16 + base + j * 32) : __ldg(s16 + base + j * 32);
     for (unsigned m = dests; m; m &= m - 1) {
-      const int p = __shfl_sync(kFull, pos, __ffs(m) - 1);
-      int4* d16 = reinterpret_cast<int4*>(out + (long long)p * row_bytes);
+      int4* d16 = dest_of(__ffs(m) - 1);
 #pragma unroll
       for (int j = 0; j < U; ++j)
         if (base + j * 32 < n16) d16[base + j * 32] = v[j];
     }
   }
+}
+
+// Copy one row from `src` to every row listed by the lanes in `dests` (positions in `pos`).
+__device__ __forceinline__ void copy_row_multi(char* out, int row_bytes, const char* src, unsigned dests, int pos) {
+  copy_row_fanout<true>(src, row_bytes, dests, [&](int l) {
+    return reinterpret_cast<int4*>(out + (long long)__shfl_sync(kFull, pos, l) * row_bytes);
+  });
 }
 
 __device__ __forceinline__ bool is_pad_row(const int* info, int L, int row) {
@@ -221,23 +231,8 @@ void launch_dispatch(const Ctx& ctx, int slot, const DispatchArgs& args, int num
 // -------------------------------------------------------------------------------------- push
 // Copy one local row to every destination lane in `dests` holds a pointer for.
 __device__ __forceinline__ void copy_row_to(const char* src, int row_bytes, unsigned dests, unsigned long long dst) {
-  constexpr int U = 8;
-  const int lane = lane_id();
-  const int n16 = row_bytes >> 4;
-  const int4* s16 = reinterpret_cast<const int4*>(src);
-  for (int it = 0; it * 32 * U < n16; ++it) {  // uniform trip count: shuffles inside
-    const int base = it * 32 * U + lane;
-    int4 v[U];
-#pragma unroll
-    for (int j = 0; j < U; ++j)
-      if (base + j * 32 < n16) v[j] = __ldg(s16 + base + j * 32);
-    for (unsigned m = dests; m; m &= m - 1) {
-      int4* d16 = reinterpret_cast<int4*>(__shfl_sync(kFull, dst, __ffs(m) - 1));
-#pragma unroll
-      for (int j = 0; j < U; ++j)
-        if (base + j * 32 < n16) d16[base + j * 32] = v[j];
-    }
-  }
+  copy_row_fanout<false>(src, row_bytes, dests,
+                         [&](int l) { return reinterpret_cast<int4*>(__shfl_sync(kFull, dst, l)); });
 }
 
 // Thread 0 of every block; all blocks of the grid are resident (the same assumption the

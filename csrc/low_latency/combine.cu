@@ -86,7 +86,7 @@ __device__ __forceinline__ void merged_send(const LLCtx& c, const LLCombineArgs&
     char* stage = c.base + lay.set_offset(set) + lay.c_stage + (long long)gw * lay.c_row + (long long)b16 * 16;
     int4* dst = reinterpret_cast<int4*>(peer != nullptr ? peer + off : stage);  // puts read symmetric memory
     if (n == 1) {
-      warp_copy<4>(dst, x + (long long)s_mrow[warp][0] * n16 + b16, m16);
+      warp_copy16(dst, x + (long long)s_mrow[warp][0] * n16 + b16, m16);
     } else {
       merge_rows(dst, x, s_mrow[warp], s_mw[warp], n, n16, b16, m16);
     }
@@ -126,7 +126,7 @@ __global__ void __launch_bounds__(kLLThreads, 1) combine_kernel(const LLCtx c, c
             const char* from = xrow;
             if (c.peer_base[s] == nullptr) {  // puts read symmetric memory: stage the row
               char* stage = c.base + lay.set_offset(set) + lay.c_stage + (long long)gw * lay.c_row;
-              warp_copy<4>(reinterpret_cast<int4*>(stage), reinterpret_cast<const int4*>(xrow), row_bytes / 16);
+              warp_copy16(reinterpret_cast<int4*>(stage), reinterpret_cast<const int4*>(xrow), row_bytes / 16);
               from = stage;
             }
             send_row(c, s, lay.c_slot(set, t, k), from, row_bytes);

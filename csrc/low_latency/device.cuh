@@ -77,7 +77,7 @@ __device__ __forceinline__ void send_row(const LLCtx& c, int dst, long long off,
   const int lane = threadIdx.x & 31;
   char* peer = c.peer_base[dst];
   if (peer != nullptr) {
-    warp_copy<8>(reinterpret_cast<int4*>(peer + off), reinterpret_cast<const int4*>(stage), bytes / 16);
+    warp_copy16_deep<8>(reinterpret_cast<int4*>(peer + off), reinterpret_cast<const int4*>(stage), bytes / 16);
   } else {
     __syncwarp();
     if (lane == 0) __threadfence_system();  // the NIC reads the staging from memory

@@ -322,7 +322,7 @@ __global__ void __launch_bounds__(kLLThreads, 1) dispatch_kernel(const LLCtx c, 
 #pragma unroll
       for (int r = 0; r < kLLScaleRegs; ++r)
         if (lane + r * 32 < nsc) sc_reg[r] = __ldcg(sc + lane + r * 32);
-      warp_copy<16>(reinterpret_cast<int4*>(static_cast<char*>(a.out_x) + row * data_bytes),
+      warp_copy16_deep<16>(reinterpret_cast<int4*>(static_cast<char*>(a.out_x) + row * data_bytes),
                            reinterpret_cast<const int4*>(slot + kLLHeader), data_bytes / 16);
 #pragma unroll
       for (int r = 0; r < kLLScaleRegs; ++r)
