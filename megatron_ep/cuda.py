@@ -118,18 +118,18 @@ class CudaBackend:
             try:
                 yield call
             except BaseException as exc:
-                if call.pending is not None:  # the peers' kernels wait for this rank's signals
+                if call.owes:  # the peers' kernels wait for this rank's signals
                     ll.publish_failure(call, exc)
                 raise
             return
         if self.ranks_per_node < self.num_ranks:  # the in-node calls publish their own failures
             self.rt.check(call)
             self.path.check(call)
-            call.pending = "rdma"  # until its RDMA send, the same-index peers wait for this rank
+            call.owe(P.Pending.RDMA)  # until its RDMA send, the same-index peers wait for this rank
             try:
                 yield call
             except BaseException as exc:
-                if call.pending is not None:
+                if call.owes:
                     self.path.publish_failure(call, exc)
                 raise
             return

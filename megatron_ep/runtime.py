@@ -244,14 +244,14 @@ class CudaRuntime:
     def publish(self, call: P.Call, exc: BaseException) -> None:
         """`call` failed on this rank with `exc`: if peers may be waiting for it (`call.pending`),
         a failed record at the handshake they wait on next."""
-        if call.pending is None or self.broken or self.closed:
+        if not call.owes or self.broken or self.closed:
             return
         try:
             if self.ready:
-                slot = P.SLOT["call"] if call.pending == "first" else int(call.pending)
+                slot = call.pending.slot
                 with torch.cuda.stream(self.stream):
                     self.rt.fail_call(call.sig, P.failure_message(exc), slot)
-            elif call.pending == "first":  # the peers are sizing the buffer in this call
+            elif call.pending is P.Pending.FIRST:  # the peers are sizing the buffer in this call
                 self.first_use(failure=exc)
         except Exception:  # noqa: BLE001 - the original error matters more
             log.exception("megatron_ep: could not publish a failure to the peers")

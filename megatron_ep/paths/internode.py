@@ -230,7 +230,7 @@ class InternodePath:
                 src_w.copy_(topk_weights)
         self.buf.set_call(call.seq)  # the waits of this call's kernels stop on a peer's publication for it
         self.buf.dispatch_send(src_x, src_s, src_i, src_w, num_experts, sig, self.num_blocks)
-        call.pending = None  # sent: a later failure here owes the peers nothing
+        call.settle()  # sent: a later failure here owes the peers nothing
         local_idx = torch.empty((N * mt, K), dtype=torch.int64, device=rt.device)
         tokens = torch.empty(N, dtype=torch.int32, device=rt.device)
         self.buf.dispatch_recv(K, num_experts, sc, sig, local_idx, tokens, self.num_blocks)
@@ -362,7 +362,7 @@ class InternodePath:
                 w_src.copy_(yf.weights)
         self.buf.set_call(call.seq)
         self.buf.combine_send(y_src, w_src, st.local_idx, st.tokens, sig, self.num_blocks)
-        call.pending = None
+        call.settle()
         y = torch.empty((T, H), dtype=x.dtype, device=rt.device)
         w_out = torch.empty((T, K), dtype=torch.float32, device=rt.device) if weights is not None else None
         rt.new_outputs((y, w_out))

@@ -100,9 +100,9 @@ class IntranodePath:
         if not rt.ready:
             fail(not capturing, "the first call of a cuda Buffer without sizing hints "
                  "cannot be captured in a CUDA graph (it allocates); run one call before capturing", RuntimeError)
-            call.pending = None  # the sizing exchange reports a failed rank to every rank itself
+            call.settle()  # the sizing exchange reports a failed rank to every rank itself
             rt.first_use(need)
-            call.pending = "first"
+            call.owe(P.Pending.FIRST)
         if sync_free or handle is not None:  # nothing can grow without the host sync: it must fit now
             short = rt.fits({k: v for k, v in need.items() if k != "combine_rows" or num_worst_tokens})
             fail(short is None, f"dispatch does not fit the buffer ({short}) and a "
@@ -131,7 +131,7 @@ class IntranodePath:
                 tag = next(self.tags)
                 self.kernels.notify(rt.rt, call.sig, topk_idx, num_experts, alignment, permute, num_worst_tokens,
                                     st.rank_pos, st.slot_pos, st.recv_info, st.row_limits, tpe, dropped, tag)
-                call.pending = None  # from here every rank learns the exchange's verdict itself
+                call.settle()  # from here every rank learns the exchange's verdict itself
                 rt.mark("notify")
                 if not num_worst_tokens:
                     info = rt.wait_host(call, tag, L)
@@ -141,7 +141,7 @@ class IntranodePath:
                     st_rows_bound = st.num_rows
                 if permute:
                     st.comb_map = torch.empty((st_rows_bound, K), dtype=torch.int32, device=rt.device)
-                call.pending = SLOT["out_loc"] if push else SLOT["staged"]
+                call.owe(P.Pending.OUT_LOC if push else P.Pending.STAGED)
             else:
                 st = handle.state
                 tpe, dropped = st.tokens_per_expert, st.num_dropped  # same routing, same rows
@@ -189,7 +189,7 @@ class IntranodePath:
                                            st.recv_info, out_x, out_s, out_idx, out_w, out_re, st.comb_map, offsets,
                                            rt.push_sms)
                 if permute:
-                    call.pending = None
+                    call.settle()
                     rt.mark("push")
                     if pooled is not None:
                         self.kernels.fanout(rt.rt, call.sig, pooled[0], pooled[1], pooled[2], pooled[3], row_bytes,
@@ -199,11 +199,11 @@ class IntranodePath:
                     pooled = None  # the buffer goes back to the pool once the fan-out ran (stream-ordered)
             else:
                 self._stage(call, slot, data, T, row_bytes, scales, scale_cols, topk_idx, topk_weights, st)
-                call.pending = None  # this rank signalled: a failure can no longer be published in step
+                call.settle()  # this rank signalled: a failure can no longer be published in step
                 self.kernels.dispatch(rt.rt, call.sig, slot, row_bytes, scale_cols, K, num_experts, permute,
                                       topk_weights is not None, out_rows, st.recv_info, out_x, out_s, out_idx, out_w,
                                       out_re, tpe if count_rows else None, st.comb_map, rt.num_sms)
-            call.pending = None
+            call.settle()
             if not (push and permute):
                 rt.mark("push" if push else "pull")
         event = rt.leave(compute, [data, scales, topk_idx, topk_weights, st.rank_pos, st.slot_pos, st.recv_info,
@@ -267,7 +267,7 @@ class IntranodePath:
             else:
                 self.kernels.stage_combine(rt.rt, call.sig, None if zero_copy else x, rows, row_bytes, weights, w_cols,
                                            rt.num_sms)
-            call.pending = None
+            call.settle()
             rt.mark("reduce" if partials else "stage")
             self.kernels.combine(rt.rt, call.sig, T, H, K, handle.num_experts, handle.permute, x.dtype == torch.float32,
                                  weights is not None, partials, st.row_limits, handle.topk_idx, st.rank_pos, st.slot_pos,

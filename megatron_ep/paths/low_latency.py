@@ -102,7 +102,7 @@ class _RecvHook:
     def __call__(self) -> None:
         fail(self._launch is not None, "this receive hook was already called", RuntimeError)
         launch, self._launch = self._launch, None
-        self.path.pending[self.set] = None
+        self.path.unreceived[self.set] = None
         launch()
 
 
@@ -113,7 +113,7 @@ class LowLatencyPath:
         self.buf = None
         self.cap: Optional[dict] = None
         self.next_set = 0
-        self.pending = [None, None]  # per set: the call whose receive hook was not called yet
+        self.unreceived = [None, None]  # per set: the call whose receive hook was not called yet
         self.broken: Optional[str] = None
         self.published = False  # this rank told its peers of a failure: some of them may be broken
         self.num_blocks = min(max_num_sms(rt.ranks_per_device, rt.sm_count), self.ext.MAX_BLOCKS)
@@ -169,10 +169,10 @@ class LowLatencyPath:
         """The set this call uses (they alternate; `_launch` moves on only after a launch, so a
         call that raises before it leaves every rank on the same set)."""
         s = self.next_set
-        held = self.pending[s]
+        held = self.unreceived[s]
         fail(held is None, f"{call.describe()}: two low-latency results whose receive hook was not called are in flight "
-                           f"(calls #{self.pending[0]} and #{self.pending[1]}); a third call would overwrite one: call the "
-                           f"hook of call #{held} first", RuntimeError)
+                           f"(calls #{self.unreceived[0]} and #{self.unreceived[1]}); a third call would overwrite one: call "
+                           f"the hook of call #{held} first", RuntimeError)
         return s
 
     def close(self) -> None:
@@ -301,13 +301,13 @@ class LowLatencyPath:
     def _launch(self, call: P.Call, s: int, launch: Callable[[int], None], return_recv_hook: bool) -> Optional[_RecvHook]:
         if not return_recv_hook:
             launch(self.ext.SEND | self.ext.RECV)
-            call.pending = None  # launched: a later failure of this call's host side owes the peers nothing
+            call.settle()  # launched: a later failure of this call's host side owes the peers nothing
             self.next_set = 1 - s
             return None
         launch(self.ext.SEND)
-        call.pending = None
+        call.settle()
         self.next_set = 1 - s
-        self.pending[s] = call.seq
+        self.unreceived[s] = call.seq
         return _RecvHook(self, s, lambda: launch(self.ext.RECV))
 
 
