@@ -119,7 +119,7 @@ class CudaBackend:
                 yield call
             except BaseException as exc:
                 if call.owes:  # the peers' kernels wait for this rank's signals
-                    ll.publish_failure(call, exc)
+                    ll.publish(call, exc)
                 raise
             return
         if self.ranks_per_node < self.num_ranks:  # the in-node calls publish their own failures
@@ -130,7 +130,7 @@ class CudaBackend:
                 yield call
             except BaseException as exc:
                 if call.owes:
-                    self.path.publish_failure(call, exc)
+                    self.path.publish(call, exc)
                 raise
             return
         with self.rt.publishing(call):
