@@ -34,12 +34,14 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
+import torch.distributed as dist
 
 from .. import protocol as P
 from ..checks import FP8_BLOCK, fail
 from ..hosts import host_names
 from ..runtime import CudaRuntime, largest
 from ..types import CombineOutput, DispatchHandle, DispatchOutput, EventOverlap
+from .interface import NormalPath
 from .intranode import IntranodePath, combine_rows, dispatch_rows
 from .nvshmem_path import NvshmemPath, signature_hash
 
@@ -75,15 +77,34 @@ def inner_worst_rows(ranks_per_node: int, N: int, mt: int, K: int, L: int, permu
     return tokens * min(K, L) + L * (align - 1) if permute else tokens
 
 
-class InternodePath(NvshmemPath):
+def node_group(group, rank: int, ranks_per_node: int):
+    """This rank's node as a process group (only its members synchronise to create it)."""
+    first = rank - rank % ranks_per_node
+    ranks = [dist.get_global_rank(group, first + i) for i in range(ranks_per_node)]
+    return dist.new_group(ranks, backend=dist.get_backend(group), use_local_synchronization=True)
+
+
+class WholeGroup:
+    """What the low-latency path needs of a runtime, over the whole group (the internode path's
+    runtime spans one node)."""
+
+    def __init__(self, group, rank: int, num_ranks: int, node_rt: CudaRuntime):
+        self.group, self.rank, self.num_ranks = group, rank, num_ranks
+        self.device, self.ranks_per_device, self.sm_count = node_rt.device, node_rt.ranks_per_device, node_rt.sm_count
+        self.timeout_s, self.new_outputs = node_rt.timeout_s, node_rt.new_outputs
+
+
+class InternodePath(NvshmemPath, NormalPath):
     KIND = "internode"
     SIZE_UP_FRONT = "pass max_tokens_per_rank= and hidden= to Buffer"
     FIT_REMEDY = "create the Buffer with max_tokens_per_rank=, hidden=, max_topk= large enough"
     SENDS = "its RDMA send in"
+    PENDING = P.Pending.RDMA  # until its RDMA send, the same-index peers wait for this rank
 
     def __init__(self, rt: CudaRuntime, group, rank: int, num_ranks: int, ranks_per_node: int, hints: dict):
         super().__init__(group, rank, num_ranks, rt.device, rt.timeout_s)
         self.rt = rt  # the node's runtime (its group: this node's ranks)
+        self.world = WholeGroup(group, rank, num_ranks, rt)
         self.intra = IntranodePath(rt)
         self.ranks_per_node = ranks_per_node
         self.N = num_ranks // ranks_per_node
@@ -95,6 +116,27 @@ class InternodePath(NvshmemPath):
         if hints.get("max_tokens") and hints.get("hidden"):
             self._create(self._agree(self._need(hints["max_tokens"], hints["hidden"], hints.get("dtype_bytes", 2),
                                                 hints.get("combine_bytes", 2), hints.get("max_topk") or 8)))
+
+    @classmethod
+    def open(cls, group, rank: int, num_ranks: int, ranks_per_node: int, hints: dict, num_sms: Optional[int],
+             timeout_s: float) -> "InternodePath":
+        """Collective: the node's runtime (sized for the in-node stage: N * max_tokens forwarded
+        rows with the key column, 1/N of the experts), then the path over the whole group."""
+        N = num_ranks // ranks_per_node
+        num_experts = hints.get("max_experts")
+        node_h = dict(hints, max_experts=None if num_experts is None else num_experts // N)
+        if hints.get("max_tokens") is not None and hints.get("hidden") is not None:
+            node_h.update(node_hints(N, hints["max_tokens"], hints["hidden"], hints["dtype_bytes"], hints["combine_bytes"],
+                                     hints.get("max_topk")))
+        rt = CudaRuntime(node_group(group, rank, ranks_per_node), rank % ranks_per_node, ranks_per_node, hints=node_h,
+                         num_sms=num_sms, timeout_s=timeout_s, device_group=group, kind="internode in-node stage")
+        return cls(rt, group, rank, num_ranks, ranks_per_node, hints)
+
+    def describe(self) -> str:
+        rt = self.rt
+        size = f"{rt.plan['total'] / 2**20:.0f} MiB region" if rt.ready else "sized on first use"
+        return (f"cuda internode, {self.N} nodes x {self.ranks_per_node} ranks, {rt.num_sms} SMs/rank, "
+                f"{rt.ranks_per_device} rank(s)/GPU, {size} per node stage")
 
     # ------------------------------------------------------------------------------ buffer
     @staticmethod
@@ -137,9 +179,25 @@ class InternodePath(NvshmemPath):
     def _sized_for(self, c: dict) -> str:
         return f"max_tokens_per_rank={c['max_tokens']}, {c['x_row']} bytes per row, topk={c['topk']}"
 
+    def close(self) -> None:
+        """Collective: the RDMA buffer (see NvshmemPath.close), then the node's runtime."""
+        super().close()
+        self.rt.close()
+
     def view(self, section: str, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
         nbytes = rows * cols * dtype.itemsize
         return self.buf.view(self.plan[section], nbytes).view(dtype).view(rows, cols)
+
+    # ------------------------------------------------------------------------------ calls
+    def _enter(self, call: P.Call) -> None:
+        # the in-node calls check and publish for themselves; the node's earlier reports first
+        self.rt.check(call)
+        super()._enter(call)
+
+    def synchronize(self) -> None:
+        self.rt.stream.synchronize()
+        self.rt.check()
+        super().synchronize()
 
     # ------------------------------------------------------------------------------ errors
     def _op(self, op: int) -> str:
@@ -225,8 +283,7 @@ class InternodePath(NvshmemPath):
         if num_worst_tokens:
             inner_worst = max(num_worst_tokens, inner_worst_rows(self.ranks_per_node, N, mt, K, L, permute, alignment))
         inner_call = self._inner_call(call, L_node, handle.state.inner.call_seq if handle is not None else 0)
-        with rt.publishing(inner_call):
-            rt.check(inner_call)
+        with self.intra.guard(inner_call):
             if handle is None:
                 inner = self.intra.dispatch(inner_call, (fx, fs), local_idx, fw, L_node, permute, alignment, None, False,
                                             inner_worst)
@@ -328,8 +385,7 @@ class InternodePath(NvshmemPath):
             wi.index_copy_(0, st.perm, weights.contiguous())
         rt.mark("reorder", cur)
         inner_call = self._inner_call(call, handle.num_experts // N, st.inner.call_seq)
-        with rt.publishing(inner_call):
-            rt.check(inner_call)
+        with self.intra.guard(inner_call):
             yf = self.intra.combine(inner_call, xi, st.inner, wi)
         sig = signature_hash(call)
         y_src, w_src = yf.x, yf.weights

@@ -4,12 +4,15 @@ A dispatch is notify (counts, the call exchange, exact row positions) -> [host r
 from mapped memory, grows the region if any rank needs more -- unless outputs are worst-case
 sized] -> stage + pull, or push into pooled outputs. A cached dispatch and a combine start with
 their own exchange (stage, or push, publishes the call record). Kernels run on the runtime's
-communication stream; outputs are allocated on the caller's stream.
+communication stream; outputs are allocated on the caller's stream. The runtime keeps the
+path's failure state: its checks, and the publication of a failure at the handshake the peers
+wait on next (`call.pending`).
 """
 
 from __future__ import annotations
 
 import itertools
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -19,6 +22,7 @@ from .. import protocol as P
 from ..checks import fail, is_fp8_tuple
 from ..runtime import CudaRuntime
 from ..types import CombineOutput, DispatchHandle, DispatchOutput
+from .interface import NormalPath
 
 RI = P.RECV_INFO
 SLOT = P.SLOT
@@ -71,11 +75,44 @@ def max_rank_major_rows(rt: CudaRuntime) -> int:
     return rt.num_ranks * rt.plan["max_tokens"]
 
 
-class IntranodePath:
+class IntranodePath(NormalPath):
     def __init__(self, rt: CudaRuntime):
         self.rt = rt
         self.kernels = rt.ext.intranode
         self.tags = itertools.count(1)
+
+    @classmethod
+    def open(cls, group, rank: int, num_ranks: int, ranks_per_node: int, hints: dict, num_sms: Optional[int],
+             timeout_s: float) -> "IntranodePath":
+        """Collective: the runtime over the whole group (one node), then the path."""
+        return cls(CudaRuntime(group, rank, num_ranks, hints=hints, num_sms=num_sms, timeout_s=timeout_s))
+
+    @property
+    def world(self) -> CudaRuntime:
+        return self.rt  # the runtime spans the whole group
+
+    def describe(self) -> str:
+        rt = self.rt
+        size = f"{rt.plan['total'] / 2**20:.0f} MiB region" if rt.ready else "sized on first use"
+        return f"cuda intranode, {rt.num_sms} SMs/rank, {rt.ranks_per_device} rank(s)/GPU, {size}"
+
+    # ------------------------------------------------------------------------------ calls
+    @contextmanager
+    def guard(self, call: P.Call):
+        # the entry check inside the publication: a call that raises there still tells the peers
+        with self.rt.publishing(call):
+            self.rt.check(call)
+            yield call
+
+    def check(self, call: Optional[P.Call] = None) -> None:
+        self.rt.check(call)
+
+    def synchronize(self) -> None:
+        self.rt.stream.synchronize()
+        self.rt.check()
+
+    def close(self) -> None:
+        self.rt.close()
 
     # ------------------------------------------------------------------------------ dispatch
     def dispatch(self, call: P.Call, x, topk_idx, topk_weights, num_experts, permute, alignment, handle, host_counts,

@@ -89,6 +89,7 @@ class LowLatencyPath(NvshmemPath):
     FIT_REMEDY = "size it up front with Buffer(..., low_latency=dict(num_experts=, max_tokens=, hidden=, topk=, fp8_only=))"
     SENDS = "its launch of"
     SIGNATURE = ": op, call sequence, dtype, hidden, topk, num_experts or max_tokens_per_rank differ"
+    PENDING = P.Pending.LAUNCH
 
     def __init__(self, rt, capacity: Optional[dict] = None):
         super().__init__(rt.group, rt.rank, rt.num_ranks, rt.device, rt.timeout_s)

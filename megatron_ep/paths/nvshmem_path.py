@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import struct
 import zlib
-from abc import ABC, abstractmethod
+from abc import abstractmethod
+from contextlib import contextmanager
 from typing import List, Optional
 
 import torch
@@ -27,6 +28,7 @@ from ..checks import fail
 from ..errors import CallMismatchError, CommTimeoutError, PeerFailedFatalError
 from ..failure_state import FailureState
 from ..runtime import bounded_barrier, gather
+from .interface import Path
 
 
 def signature_hash(call: P.Call) -> int:
@@ -34,7 +36,7 @@ def signature_hash(call: P.Call) -> int:
     return zlib.crc32(struct.pack(f"<{len(call.sig)}q", *call.sig)) & 0x7FFFFFFF
 
 
-class NvshmemPath(FailureState, ABC):
+class NvshmemPath(FailureState, Path):
     """One rank's NVSHMEM path over `group`. Class attributes word its messages."""
 
     KIND = ""  # "internode", "low-latency"
@@ -42,6 +44,7 @@ class NvshmemPath(FailureState, ABC):
     FIT_REMEDY = ""  # how to size it large enough
     SENDS = ""  # what a peer had not done when it failed: "its RDMA send in", "its launch of"
     SIGNATURE = ""  # what the signature hash covers, for a mismatch
+    PENDING = P.Pending.FIRST  # where the peers wait for this rank from the call's entry on
 
     def __init__(self, group, rank: int, num_ranks: int, device: torch.device, timeout_s: float):
         FailureState.__init__(self, self.KIND)
@@ -115,6 +118,26 @@ class NvshmemPath(FailureState, ABC):
     @abstractmethod
     def _sized_for(self, cap: dict) -> str:
         """`cap`, as the error says what the buffer was sized for."""
+
+    # ------------------------------------------------------------------------------ calls
+    @contextmanager
+    def guard(self, call: P.Call):
+        self._enter(call)
+        try:
+            yield call
+        except BaseException as exc:
+            if call.owes:  # the peers' kernels wait for this rank's signals
+                self.publish(call, exc)
+            raise
+
+    def _enter(self, call: P.Call) -> None:
+        self.check(call)
+        call.owe(self.PENDING)
+
+    def synchronize(self) -> None:
+        # the kernels run on the caller's stream (or are ordered with it)
+        torch.cuda.current_stream(self.device).synchronize()
+        self.check()
 
     # ------------------------------------------------------------------------------ errors
     def check(self, call: Optional[P.Call] = None) -> None:
