@@ -1,38 +1,66 @@
-"""Loads the compiled extension `megatron_ep._C`, if it was built.
+"""Loads the compiled extensions, if they were built: `megatron_ep._C` (the runtime and the
+intranode kernels) and `megatron_ep._C_ll` (the NVSHMEM paths: low-latency, and internode's RDMA
+domain). Every path gets its extension here.
 
-Importing it needs the CUDA driver; on a machine without one (the CI machine) the import can
-fail even though the extension compiled and linked, so the reason is kept for error messages.
+Importing one needs the CUDA driver (and `_C_ll` NVSHMEM's host library); on a machine without
+them (the CI machine) the import can fail even though the extension compiled and linked, so the
+reason is kept for error messages.
 """
 
 from __future__ import annotations
 
-_module = None
-_error: str = ""
+import importlib
+
+
+class Extension:
+    """One compiled module of the package, imported at its first use; the reason it is unusable
+    is kept, and named by every later load."""
+
+    def __init__(self, name: str, remedy: str):
+        self.name = name
+        self.remedy = remedy  # what the error tells the user to do
+        self.module = None
+        self.error = ""
+
+    def load(self):
+        """The module, or RuntimeError saying why it is unusable."""
+        if self.module is None and not self.error:
+            try:
+                self.module = importlib.import_module(f"{__package__}.{self.name}")
+            except ImportError as exc:  # not built, or no driver/libraries here
+                self.error = f"{type(exc).__name__}: {exc}"
+        if self.module is None:
+            raise RuntimeError(f"megatron_ep.{self.name} is not usable ({self.error or 'not built'}); {self.remedy}")
+        return self.module
+
+    def available(self) -> bool:
+        try:
+            self.load()
+            return True
+        except RuntimeError:
+            return False
+
+
+CUDA = Extension("_C", "build it with `pip install -e .` on a machine with nvcc, or use backend='torch'")
+NVSHMEM = Extension("_C_ll", "the NVSHMEM paths (low-latency, internode) need it; it is built by setup.py when the "
+                             "pip package nvidia-nvshmem-cu13 is installed (pip install nvidia-nvshmem-cu13, then "
+                             "rebuild), or use backend='torch'")
 
 
 def load():
-    """Return the extension module, or raise RuntimeError saying why it is unusable."""
-    global _module, _error
-    if _module is None and not _error:
-        try:
-            from . import _C  # noqa: F401
+    """`megatron_ep._C`, or RuntimeError saying why it is unusable."""
+    return CUDA.load()
 
-            _module = _C
-        except ImportError as exc:  # not built, or no driver/libraries here
-            _error = f"{type(exc).__name__}: {exc}"
-    if _module is None:
-        raise RuntimeError(f"megatron_ep._C is not usable ({_error}); build it with `pip install -e .` on a machine with nvcc, or use backend='torch'")
-    return _module
+
+def load_nvshmem():
+    """`megatron_ep._C_ll`, or RuntimeError saying why it is unusable."""
+    return NVSHMEM.load()
 
 
 def available() -> bool:
-    try:
-        load()
-        return True
-    except RuntimeError:
-        return False
+    return CUDA.available()
 
 
 def import_error() -> str:
-    available()
-    return _error
+    CUDA.available()
+    return CUDA.error

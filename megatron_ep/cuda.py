@@ -1,27 +1,28 @@
-"""The `cuda` backend: the shared runtime plus the kernel path the group's shape calls for.
+"""The `cuda` backend: the kernel path the group's shape calls for, on its shared runtime.
 
 A group inside one node (one NVLink domain, at most 8 ranks) runs the intranode normal path. A
 group of several nodes -- `ranks_per_node` ranks each, by default the ranks sharing a host;
 smaller values make virtual nodes -- runs the two-level internode path
 (megatron_ep/paths/internode.py): the runtime then spans this rank's node, and NVSHMEM carries
-the RDMA domain. The low-latency path (megatron_ep/paths/low_latency.py, NVSHMEM, extension
-`_C_ll`) spans the whole group; it is created at the first low-latency call, or up front with
-`low_latency=dict(...)`.
+the RDMA domain. The path is picked once, here; afterwards the backend calls it through the
+path protocol (megatron_ep/paths/interface.py). The low-latency path
+(megatron_ep/paths/low_latency.py, NVSHMEM, extension `_C_ll`) spans the whole group; it is
+created at the first low-latency call, or up front with `low_latency=dict(...)`.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Optional
+from typing import Optional, Type
 
 import torch
-import torch.distributed as dist
 
 from . import protocol as P
 from .checks import fail
 from .hosts import host_names
+from .paths.interface import NormalPath, Path
 from .paths.intranode import IntranodePath
-from .runtime import DEFAULT_TIMEOUT_S, CudaRuntime
+from .runtime import DEFAULT_TIMEOUT_S
 from .types import DispatchLayout
 
 _LL_OPS = (P.OP["low_latency_dispatch"], P.OP["low_latency_combine"])
@@ -34,28 +35,20 @@ def node_size(group, num_ranks: int, requested: Optional[int]) -> int:
     if requested is not None:
         return requested
     hosts = host_names(group)
-    P_ = hosts.count(hosts[0])
-    contiguous = all(hosts[r] == hosts[r - r % P_] for r in range(num_ranks)) and num_ranks % P_ == 0
-    fail(contiguous and len(set(hosts)) == num_ranks // P_, "the cuda backend needs the same number of ranks on every "
+    size = hosts.count(hosts[0])
+    contiguous = all(hosts[r] == hosts[r - r % size] for r in range(num_ranks)) and num_ranks % size == 0
+    fail(contiguous and len(set(hosts)) == num_ranks // size, "the cuda backend needs the same number of ranks on every "
          "host, numbered node by node (ranks [n * P, (n + 1) * P) on host n); pass ranks_per_node= to override")
-    return P_
+    return size
 
 
-def node_group(group, rank: int, P_: int):
-    """This rank's node as a process group (only its members synchronise to create it)."""
-    first = rank - rank % P_
-    ranks = [dist.get_global_rank(group, first + i) for i in range(P_)]
-    return dist.new_group(ranks, backend=dist.get_backend(group), use_local_synchronization=True)
+def normal_path_for(num_ranks: int, ranks_per_node: int) -> Type[NormalPath]:
+    """The normal path of a group of `num_ranks` in nodes of `ranks_per_node`."""
+    if ranks_per_node == num_ranks:
+        return IntranodePath
+    from .paths.internode import InternodePath
 
-
-class _WholeGroup:
-    """What the low-latency path needs of a runtime, over the whole group (an internode backend's
-    runtime spans one node)."""
-
-    def __init__(self, group, rank: int, num_ranks: int, node_rt: CudaRuntime):
-        self.group, self.rank, self.num_ranks = group, rank, num_ranks
-        self.device, self.ranks_per_device, self.sm_count = node_rt.device, node_rt.ranks_per_device, node_rt.sm_count
-        self.timeout_s, self.new_outputs = node_rt.timeout_s, node_rt.new_outputs
+    return InternodePath
 
 
 class CudaBackend:
@@ -77,21 +70,9 @@ class CudaBackend:
                      pool_bytes=pool_bytes, max_alignment=max_alignment)
         self.rank, self.num_ranks = rank, num_ranks
         self.ranks_per_node = node_size(group, num_ranks, ranks_per_node)
-        if self.ranks_per_node == num_ranks:
-            self.rt = CudaRuntime(group, rank, num_ranks, hints=hints, num_sms=num_sms, timeout_s=timeout_s)
-            self.path = IntranodePath(self.rt)
-            self.world = self.rt
-        else:
-            from .paths.internode import InternodePath, node_hints
-
-            P_, N = self.ranks_per_node, num_ranks // self.ranks_per_node
-            node_h = dict(hints, max_experts=None if num_experts is None else num_experts // N)
-            if max_tokens_per_rank is not None and hidden is not None:
-                node_h.update(node_hints(N, max_tokens_per_rank, hidden, dtype_bytes, combine_bytes, max_topk))
-            self.rt = CudaRuntime(node_group(group, rank, P_), rank % P_, P_, hints=node_h, num_sms=num_sms,
-                                  timeout_s=timeout_s, device_group=group)
-            self.path = InternodePath(self.rt, group, rank, num_ranks, P_, hints)
-            self.world = _WholeGroup(group, rank, num_ranks, self.rt)
+        self.path: NormalPath = normal_path_for(num_ranks, self.ranks_per_node).open(
+            group, rank, num_ranks, self.ranks_per_node, hints, num_sms, timeout_s)
+        self.rt = self.path.rt
         self._ll = None  # the low-latency path, created on first use (see _low_latency)
         if low_latency is not None:
             self._low_latency(low_latency)
@@ -101,62 +82,31 @@ class CudaBackend:
         return self.rt.num_sms
 
     def describe(self) -> str:
-        rt = self.rt
-        size = f"{rt.plan['total'] / 2**20:.0f} MiB region" if rt.ready else "sized on first use"
-        if self.ranks_per_node < self.num_ranks:
-            return (f"cuda internode, {self.num_ranks // self.ranks_per_node} nodes x {self.ranks_per_node} ranks, "
-                    f"{rt.num_sms} SMs/rank, {rt.ranks_per_device} rank(s)/GPU, {size} per node stage")
-        return f"cuda intranode, {rt.num_sms} SMs/rank, {rt.ranks_per_device} rank(s)/GPU, {size}"
+        return self.path.describe()
+
+    def _path_of(self, call: P.Call) -> Path:
+        return self._low_latency() if call.op in _LL_OPS else self.path
 
     @contextmanager
     def call(self, call: P.Call):
         """Entry check (errors reported since the last call) and, on a failure on this rank,
         its publication to the peers waiting on this call."""
-        if call.op in _LL_OPS:  # no host-side handshake: a failure before the launch is published to the kernels
-            ll = self._low_latency()
-            ll.check(call)
-            try:
-                yield call
-            except BaseException as exc:
-                if call.pending is not None:  # the peers' kernels wait for this rank's signals
-                    ll.publish_failure(call, exc)
-                raise
-            return
-        if self.ranks_per_node < self.num_ranks:  # the in-node calls publish their own failures
-            self.rt.check(call)
-            self.path.check(call)
-            call.pending = "rdma"  # until its RDMA send, the same-index peers wait for this rank
-            try:
-                yield call
-            except BaseException as exc:
-                if call.pending is not None:
-                    self.path.publish_failure(call, exc)
-                raise
-            return
-        with self.rt.publishing(call):
-            self.rt.check(call)
+        with self._path_of(call).guard(call):
             yield call
 
     def destroy(self) -> None:
         if self._ll is not None:
             self._ll.close()
-        if self.ranks_per_node < self.num_ranks:
-            self.path.close()
-        self.rt.close()
-
-    def reserve(self, need: dict) -> None:
-        self.rt.reserve(need)
+        self.path.close()
 
     def synchronize(self) -> None:
         """Wait for this buffer's kernels and raise if any of them reported a failure."""
-        self.rt.stream.synchronize()
-        self.rt.check()
-        if self.ranks_per_node < self.num_ranks:
-            torch.cuda.current_stream(self.rt.device).synchronize()
-            self.path.check()
+        self.path.synchronize()
         if self._ll is not None:  # low-latency kernels run on the caller's stream
-            torch.cuda.current_stream(self.rt.device).synchronize()
-            self._ll.check()
+            self._ll.synchronize()
+
+    def reserve(self, need: dict) -> None:
+        self.rt.reserve(need)
 
     # ------------------------------------------------------------------------------ layout
     def layout(self, topk_idx: torch.Tensor, num_experts: int) -> DispatchLayout:
@@ -180,7 +130,7 @@ class CudaBackend:
         if self._ll is None:
             from .paths.low_latency import LowLatencyPath
 
-            self._ll = LowLatencyPath(self.world, capacity)
+            self._ll = LowLatencyPath(self.path.world, capacity)
         return self._ll
 
     def low_latency_dispatch(self, call, *args, **kwargs):

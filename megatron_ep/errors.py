@@ -29,8 +29,9 @@ class PeerFailedError(MegatronEPError):
 
 class PeerFailedFatalError(PeerFailedError):
     """Another rank failed before it joined this call on a path without host handshakes (the
-    low-latency path) and published it: the waits on it stopped at once instead of timing out,
-    but the path's buffer sets are out of step, so the buffer must be re-created."""
+    NVSHMEM paths: low-latency, internode's RDMA domain) and published it: the waits on it
+    stopped at once instead of timing out, but the path's buffers are out of step, so the buffer
+    must be re-created."""
 
     fatal = True
 

@@ -59,16 +59,3 @@ def parse_size(text: str) -> int:
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
     return int(float(t[:-1] if mult > 1 else t) * mult)
 
-
-def publish_failure(path, seq: int) -> None:
-    """A path over NVSHMEM (`path.buf` its binding; `broken`, `published` its flags) whose rank
-    failed before sending its part of call `seq`: the kernel writes (rank, seq) into the peers'
-    peer_failed word, and their waits for that call stop. `published` makes the path skip the
-    collective free later (the peers it stopped are broken and skip it too)."""
-    if path.buf is None or path.broken:
-        return
-    path.published = True
-    try:
-        path.buf.publish_failure(seq)
-    except Exception:  # noqa: BLE001 - the original error is what the caller must see
-        pass

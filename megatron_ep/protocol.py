@@ -11,6 +11,7 @@ own during a call publishes its message there, and its peers raise `PeerFailedEr
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
@@ -56,16 +57,39 @@ def _dtype_name(code: int) -> str:
     return "none"
 
 
+def op_name(op: int, default: str = "call") -> str:
+    """An op code as messages write it ("low latency dispatch")."""
+    return OP_NAMES.get(op, default).replace("_", " ")
+
+
+class Pending(enum.Enum):
+    """Where this rank's peers wait for it in a call, so where a failure of its host side must be
+    published for them to abort the call instead of waiting."""
+
+    FIRST = "first"  # the call's first exchange (the cuda runtime's call slot, the torch backend's first collective)
+    COMMIT = "commit"  # torch backend: the readiness exchange before the data collective
+    STAGED = "staged"  # cuda intranode, after notify: the staging handshake
+    OUT_LOC = "out_loc"  # cuda intranode, after notify: the push's output-location handshake
+    RDMA = "rdma"  # internode: this rank's RDMA send (its same-index peers wait for it)
+    LAUNCH = "launch"  # low-latency: this rank's kernel launch (the peers' kernels wait for its signals)
+    NOTHING = "nothing"  # every peer learns the call's outcome itself: nothing is owed
+
+    @property
+    def slot(self) -> int:
+        """The runtime handshake a failed call record is written at (FIRST, STAGED, OUT_LOC)."""
+        return SLOT["call"] if self is Pending.FIRST else SLOT[self.value]
+
+
 @dataclass
 class Call:
     """One collective call: its sequence number, its signature, and where this rank must publish
-    a failure so its peers abort the same call instead of waiting (`pending`): "first" until
-    the first exchange, then the handshake the peers wait on next, None once nothing is owed."""
+    a failure so its peers abort the same call instead of waiting (`pending`): FIRST until the
+    first exchange, then the handshake the peers wait on next, NOTHING once nothing is owed."""
 
     op: int
     seq: int
     sig: List[int] = field(default_factory=list)
-    pending: Optional[object] = "first"
+    pending: Pending = Pending.FIRST
 
     def __post_init__(self):
         self.sig = [0] * len(SIG_FIELDS)
@@ -77,9 +101,23 @@ class Call:
             self.sig[FIELD[name]] = int(value)
         return self
 
+    def owe(self, where: Pending) -> None:
+        """From here the peers wait for this rank at `where`."""
+        self.pending = where
+
+    def settle(self) -> None:
+        """From here every peer learns the call's outcome itself (this rank signalled, or the
+        exchange reports a failure to every rank): a later failure owes them nothing."""
+        self.pending = Pending.NOTHING
+
+    @property
+    def owes(self) -> bool:
+        """Whether peers may be waiting for this rank (a failure must be published)."""
+        return self.pending is not Pending.NOTHING
+
     @property
     def name(self) -> str:
-        return OP_NAMES.get(self.op, "call").replace("_", " ")
+        return op_name(self.op)
 
     def describe(self) -> str:
         return f"megatron_ep {self.name} (call #{self.seq})"

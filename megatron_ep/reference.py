@@ -127,9 +127,9 @@ class TorchBackend:
         try:
             yield call
         except BaseException as exc:
-            if call.pending == "first":
+            if call.pending is P.Pending.FIRST:
                 self._exchange(call, failure=exc)
-            elif call.pending == "commit":
+            elif call.pending is P.Pending.COMMIT:
                 self._commit(call, failure=exc)
             raise
 
@@ -146,7 +146,7 @@ class TorchBackend:
         ranks in different calls still meet here). Raises on every rank alike on a mismatch or
         a failed rank; returns the [source, destination] counts."""
         R, F = self.num_ranks, len(P.SIG_FIELDS)
-        call.pending = None
+        call.settle()
         vec = torch.zeros(1 + F + R, dtype=torch.int64)
         vec[1:1 + F] = torch.tensor(call.sig, dtype=torch.int64)
         if counts is not None:
@@ -162,14 +162,14 @@ class TorchBackend:
             # Buffer continue from the furthest
             resync = {"buffer": call.seq - 1, "seq": max(values)}.get(P.SIG_FIELDS[f])
             raise P.mismatch_error(call, f, values, rows[:, 1 + P.FIELD["op"]].tolist(), resync=resync)
-        call.pending = "commit"  # until the data collective: a failure here is published by _commit
+        call.owe(P.Pending.COMMIT)  # until the data collective: a failure here is published by _commit
         return rows[:, 1 + F:]
 
     def _commit(self, call: P.Call, failure: Optional[BaseException] = None) -> None:
         """Right before a call's data collective: every rank says it is ready (its receive
         buffers allocated) or that it failed since the first exchange, so its peers raise
         PeerFailedError instead of waiting in the data collective."""
-        call.pending = None
+        call.settle()
         self._gather_status(call, torch.zeros(1, dtype=torch.int64), failure)
 
     def _gather_status(self, call: P.Call, vec: torch.Tensor, failure: Optional[BaseException]):

@@ -11,7 +11,8 @@ the in-node stage of internode; low-latency uses its group-wide helpers):
   and the publication of a failure on this rank, so peers abort the same call instead of
   waiting (see megatron_ep/protocol.py);
 * errors: the mapped host block's error record, decoded into named exceptions; recoverable
-  aborts (mismatch, peer failure) leave the buffer usable, timeouts break it;
+  aborts (mismatch, peer failure) leave the buffer usable, timeouts break it (the failure state
+  and wording every cuda path shares: megatron_ep/failure_state.py);
 * the SM budget (what the ranks sharing a GPU can keep resident), the communication stream,
   events, and a host wait that backs off instead of spinning a core.
 """
@@ -33,7 +34,8 @@ import torch.distributed as dist
 from . import _ext
 from . import protocol as P
 from .checks import fail
-from .errors import BufferBrokenError, CommTimeoutError, MegatronEPError, PeerFailedError
+from .errors import CommTimeoutError, MegatronEPError, PeerFailedError
+from .failure_state import FailureState
 from .hooks import new_outputs
 from .types import EventOverlap
 
@@ -68,11 +70,13 @@ def max_num_sms(ranks_per_device: int, sm_count: int) -> int:
     return max(1, sm_count // ranks_per_device)
 
 
-class CudaRuntime:
-    """Region, calls and errors of one Buffer's cuda backend (one per rank)."""
+class CudaRuntime(FailureState):
+    """Region, calls and errors of one Buffer's cuda backend (one per rank). `kind` names the
+    path it serves in messages (the intranode path, or internode's in-node stage)."""
 
     def __init__(self, group, rank: int, num_ranks: int, *, hints: Dict[str, Optional[int]], num_sms: Optional[int],
-                 timeout_s: float = DEFAULT_TIMEOUT_S, device_group=None):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, device_group=None, kind: str = "intranode"):
+        FailureState.__init__(self, kind)
         self.ext = _ext.load()
         fail(torch.cuda.is_available(), "backend='cuda' needs a CUDA device", RuntimeError)
         fail(num_ranks <= P.MAX_RANKS, f"the intranode cuda path supports up to {P.MAX_RANKS} ranks, got {num_ranks}")
@@ -105,7 +109,6 @@ class CudaRuntime:
         self.rt = None
         self.plan: Optional[dict] = None
         self.stream = torch.cuda.Stream(device=self.device)
-        self.broken: Optional[str] = None
         self.trace: Optional[list] = None  # benchmarks: (phase, event) pairs on the comm stream
         self._comb_views: list = []  # weak references to zero-copy combine inputs handed out
         self.grown = 0
@@ -244,14 +247,14 @@ class CudaRuntime:
     def publish(self, call: P.Call, exc: BaseException) -> None:
         """`call` failed on this rank with `exc`: if peers may be waiting for it (`call.pending`),
         a failed record at the handshake they wait on next."""
-        if call.pending is None or self.broken or self.closed:
+        if not call.owes or self.broken or self.closed:
             return
         try:
             if self.ready:
-                slot = P.SLOT["call"] if call.pending == "first" else int(call.pending)
+                slot = call.pending.slot
                 with torch.cuda.stream(self.stream):
                     self.rt.fail_call(call.sig, P.failure_message(exc), slot)
-            elif call.pending == "first":  # the peers are sizing the buffer in this call
+            elif call.pending is P.Pending.FIRST:  # the peers are sizing the buffer in this call
                 self.first_use(failure=exc)
         except Exception:  # noqa: BLE001 - the original error matters more
             log.exception("megatron_ep: could not publish a failure to the peers")
@@ -260,8 +263,7 @@ class CudaRuntime:
         """Raise what the kernels reported since the last check: a fatal error breaks the buffer;
         an aborted call (an earlier asynchronous one) is reported once."""
         fail(not self.closed, "this Buffer was destroyed", RuntimeError)
-        if self.broken:
-            raise BufferBrokenError(f"megatron_ep: communication failed earlier and this buffer must be re-created: {self.broken}")
+        self.raise_if_broken()
         if self.rt is None:
             return
         err = self.rt.take_error(clear=False)
@@ -272,8 +274,7 @@ class CudaRuntime:
     def _error(self, err: dict, call: Optional[P.Call]) -> MegatronEPError:
         code = err["code"]
         if P.is_fatal(code):
-            self.broken = self._describe_fatal(err)
-            return CommTimeoutError(f"megatron_ep: {self.broken}; this buffer must be re-created")
+            return self.break_with(CommTimeoutError, self._describe_fatal(err))
         self.rt.take_error(clear=True)
         failed = P.Call(err["ops"][self.rank] if err["ops"] else 0, err["seq"])
         if code == P.ERROR["mismatch"]:
@@ -311,9 +312,8 @@ class CudaRuntime:
                 raise self._error(err, call)
             now = time.monotonic()
             if now > deadline:
-                self.broken = (f"rank {self.rank}: no receive count from the notify kernel of call #{call.seq} within "
-                               f"{self.timeout_s + 5:.0f}s")
-                raise CommTimeoutError(f"megatron_ep: {self.broken}")
+                raise self.break_with(CommTimeoutError, f"rank {self.rank}: no receive count from the notify kernel of "
+                                                        f"call #{call.seq} within {self.timeout_s + 5:.0f}s")
             # A short wait is the common case (the GPU is finishing the work queued before
             # notify): poll for 2 ms, then yield the core for up to 20 ms, then sleep, backing
             # off to 1 ms, so a long wait (a slow peer) does not keep a core busy.

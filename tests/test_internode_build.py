@@ -11,10 +11,10 @@ from megatron_ep.paths import internode as IN
 
 @pytest.fixture(scope="module")
 def ext():
-    from megatron_ep.paths.low_latency import load
+    from megatron_ep._ext import load_nvshmem
 
     try:
-        return load()
+        return load_nvshmem()
     except RuntimeError as exc:
         pytest.skip(f"_C_ll is not built here: {exc}")
 

@@ -10,6 +10,7 @@ import subprocess
 import pytest
 
 import megatron_ep
+from megatron_ep import _ext
 from megatron_ep.paths import low_latency as LL
 
 PKG = os.path.dirname(megatron_ep.__file__)
@@ -55,7 +56,7 @@ def test_links_nvshmem_and_has_device_code(so):
 
 
 def test_imports_without_a_gpu_and_plans(so):
-    ext = LL.load()  # NVSHMEM's host library loads lazily: no GPU or driver needed to import
+    ext = _ext.load_nvshmem()  # NVSHMEM's host library loads lazily: no GPU or driver needed to import
     R, E, mt, H, K = 8, 256, 128, 7168, 8
     plan = ext.plan(R, E, mt, H, K, True)
     msg = 16 + H + H // 128 * 4  # DeepEP's accounting: header + FP8 data + scales
@@ -78,10 +79,10 @@ def test_imports_without_a_gpu_and_plans(so):
 
 
 def test_missing_extension_is_named(monkeypatch):
-    monkeypatch.setattr(LL, "_ext", None)
-    monkeypatch.setattr(LL, "_ext_error", "ImportError: libnvshmem_host.so.3: cannot open shared object file")
+    monkeypatch.setattr(_ext.NVSHMEM, "module", None)
+    monkeypatch.setattr(_ext.NVSHMEM, "error", "ImportError: libnvshmem_host.so.3: cannot open shared object file")
     with pytest.raises(RuntimeError, match="nvidia-nvshmem-cu13") as info:
-        LL.load()
+        _ext.load_nvshmem()
     assert "libnvshmem_host.so.3" in str(info.value)
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_ep import nvshmem
+from megatron_ep import _ext, nvshmem
 from megatron_ep import protocol as P
 from megatron_ep.errors import BufferBrokenError, CallMismatchError, CommTimeoutError
 from megatron_ep.paths import low_latency as LL
@@ -42,12 +42,12 @@ class FakeBuffer:
 @pytest.fixture()
 def path(monkeypatch):
     try:
-        real = LL.load()
+        real = _ext.load_nvshmem()
     except RuntimeError as exc:
         pytest.skip(f"_C_ll not built here ({exc})")
     fake = types.SimpleNamespace(plan=real.plan, MAX_BLOCKS=real.MAX_BLOCKS, MAX_RANKS=real.MAX_RANKS, SEND=real.SEND,
                                  RECV=real.RECV, my_pe=lambda: 0, LowLatencyBuffer=FakeBuffer)
-    monkeypatch.setattr(LL, "_ext", fake)
+    monkeypatch.setattr(_ext.NVSHMEM, "module", fake)
     monkeypatch.setattr(nvshmem, "init", lambda *a: 1 << 40)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     store = dist.HashStore()

@@ -22,7 +22,7 @@ rows past num_worst_tokens after the reordering, so the dropped rows are exactly
 
 All kernels of this path run on the caller's stream or are ordered with it: async_op returns an
 event that is already in the caller's stream order. A rank whose host side raises before its
-RDMA send of a call publishes that into its same-index peers' buffers (`publish_failure`): their
+RDMA send of a call publishes that into its same-index peers' buffers (`publish`): their
 waits for that call stop at once and raise PeerFailedFatalError naming it (their buffers must
 then be re-created). A rank that dies or hangs without publishing leaves them to time out.
 """
@@ -31,20 +31,19 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 
-from .. import nvshmem
 from .. import protocol as P
 from ..checks import FP8_BLOCK, fail
-from ..errors import BufferBrokenError, CallMismatchError, CommTimeoutError, PeerFailedFatalError
 from ..hosts import host_names
-from ..runtime import CudaRuntime, bounded_barrier, gather, largest
+from ..runtime import CudaRuntime, largest
 from ..types import CombineOutput, DispatchHandle, DispatchOutput, EventOverlap
+from .interface import NormalPath
 from .intranode import IntranodePath, combine_rows, dispatch_rows
-from .low_latency import load, signature_hash
+from .nvshmem_path import NvshmemPath, signature_hash
 
 KEY_PAD = 2**31 - 1  # sort key of rows that are not delivered (padding): after every real row
 
@@ -72,24 +71,45 @@ def node_hints(num_nodes: int, max_tokens: int, hidden: int, dtype_bytes: int = 
     return h
 
 
-def inner_worst_rows(P_: int, N: int, mt: int, K: int, L: int, permute: bool, align: int) -> int:
+def inner_worst_rows(ranks_per_node: int, N: int, mt: int, K: int, L: int, permute: bool, align: int) -> int:
     """Rows the in-node stage can deliver to one rank at most (its never-dropping size)."""
-    tokens = P_ * N * mt
+    tokens = ranks_per_node * N * mt
     return tokens * min(K, L) + L * (align - 1) if permute else tokens
 
 
-class InternodePath:
+def node_group(group, rank: int, ranks_per_node: int):
+    """This rank's node as a process group (only its members synchronise to create it)."""
+    first = rank - rank % ranks_per_node
+    ranks = [dist.get_global_rank(group, first + i) for i in range(ranks_per_node)]
+    return dist.new_group(ranks, backend=dist.get_backend(group), use_local_synchronization=True)
+
+
+class WholeGroup:
+    """What the low-latency path needs of a runtime, over the whole group (the internode path's
+    runtime spans one node)."""
+
+    def __init__(self, group, rank: int, num_ranks: int, node_rt: CudaRuntime):
+        self.group, self.rank, self.num_ranks = group, rank, num_ranks
+        self.device, self.ranks_per_device, self.sm_count = node_rt.device, node_rt.ranks_per_device, node_rt.sm_count
+        self.timeout_s, self.new_outputs = node_rt.timeout_s, node_rt.new_outputs
+
+
+class InternodePath(NvshmemPath, NormalPath):
+    KIND = "internode"
+    SIZE_UP_FRONT = "pass max_tokens_per_rank= and hidden= to Buffer"
+    FIT_REMEDY = "create the Buffer with max_tokens_per_rank=, hidden=, max_topk= large enough"
+    SENDS = "its RDMA send in"
+    PENDING = P.Pending.RDMA  # until its RDMA send, the same-index peers wait for this rank
+
     def __init__(self, rt: CudaRuntime, group, rank: int, num_ranks: int, ranks_per_node: int, hints: dict):
-        self.rt = rt  # the node's runtime (its group: this node's P ranks)
+        super().__init__(group, rank, num_ranks, rt.device, rt.timeout_s)
+        self.rt = rt  # the node's runtime (its group: this node's ranks)
+        self.world = WholeGroup(group, rank, num_ranks, rt)
         self.intra = IntranodePath(rt)
-        self.group, self.rank, self.num_ranks, self.P = group, rank, num_ranks, ranks_per_node
+        self.ranks_per_node = ranks_per_node
         self.N = num_ranks // ranks_per_node
         self.node, self.local = rank // ranks_per_node, rank % ranks_per_node
-        self.ext = load()
-        self.buf = None
-        self.cap: Optional[dict] = None
-        self.broken: Optional[str] = None
-        self.published = False  # this rank told its peers of a failure: some of them may be broken
+        self.staged = False  # every RDMA-domain transfer an NVSHMEM put from symmetric staging (set with the buffer)
         self.inner_seq = 0
         self.inner_of = -1  # the (outer) call whose in-node stage call was made last
         self.num_blocks = min(rt.num_sms, self.ext.IN_MAX_BLOCKS)
@@ -97,94 +117,111 @@ class InternodePath:
             self._create(self._agree(self._need(hints["max_tokens"], hints["hidden"], hints.get("dtype_bytes", 2),
                                                 hints.get("combine_bytes", 2), hints.get("max_topk") or 8)))
 
+    @classmethod
+    def open(cls, group, rank: int, num_ranks: int, ranks_per_node: int, hints: dict, num_sms: Optional[int],
+             timeout_s: float) -> "InternodePath":
+        """Collective: the node's runtime (sized for the in-node stage: N * max_tokens forwarded
+        rows with the key column, 1/N of the experts), then the path over the whole group."""
+        N = num_ranks // ranks_per_node
+        num_experts = hints.get("max_experts")
+        node_h = dict(hints, max_experts=None if num_experts is None else num_experts // N)
+        if hints.get("max_tokens") is not None and hints.get("hidden") is not None:
+            node_h.update(node_hints(N, hints["max_tokens"], hints["hidden"], hints["dtype_bytes"], hints["combine_bytes"],
+                                     hints.get("max_topk")))
+        rt = CudaRuntime(node_group(group, rank, ranks_per_node), rank % ranks_per_node, ranks_per_node, hints=node_h,
+                         num_sms=num_sms, timeout_s=timeout_s, device_group=group, kind="internode in-node stage")
+        return cls(rt, group, rank, num_ranks, ranks_per_node, hints)
+
+    def describe(self) -> str:
+        rt = self.rt
+        size = f"{rt.plan['total'] / 2**20:.0f} MiB region" if rt.ready else "sized on first use"
+        return (f"cuda internode, {self.N} nodes x {self.ranks_per_node} ranks, {rt.num_sms} SMs/rank, "
+                f"{rt.ranks_per_device} rank(s)/GPU, {size} per node stage")
+
     # ------------------------------------------------------------------------------ buffer
     @staticmethod
     def _need(T: int, H: int, elem: int, comb_elem: int, K: int) -> dict:
         return dict(max_tokens=int(T), hidden=int(H), x_row=int(H * elem), c_row=int(H * max(2, comb_elem)), topk=int(K))
 
-    def _agree(self, need: dict) -> dict:
-        return largest(gather(need, self.group))
+    def _merge(self, every: List[dict]) -> dict:
+        return largest(every)
 
-    def _create(self, cap: dict) -> None:
-        """Collective over every rank: the RDMA buffer, NVSHMEM (once per process) and the node
-        runtime's region sized for N * max_tokens forwarded rows with the key column."""
-        staged = len(set(host_names(self.group))) > 1 or os.environ.get("MEP_IN_FORCE_PUTS", "0") == "1"
-        scale_cols = (cap["hidden"] + FP8_BLOCK - 1) // FP8_BLOCK
-        plan = self.ext.internode_plan(self.N, cap["max_tokens"], cap["topk"], cap["x_row"], scale_cols, cap["c_row"], staged)
-        pes = nvshmem.pes_for(self.group, self.rank, self.num_ranks, self.rt.device, plan["total"], self.ext,
-                              "the internode buffer")
-        peers = [pes[m * self.P + self.local] for m in range(self.N)]
-        self.buf = self.ext.InternodeBuffer(self.rt.device.index, self.node, self.local, self.P, peers, cap["max_tokens"],
-                                            cap["topk"], cap["x_row"], scale_cols, cap["c_row"], staged, self.rt.timeout_s)
-        dist.barrier(group=self.group)
-        fail(staged or all(self.buf.p2p()), "megatron_ep internode: a same-index peer on this host is not load/store "
-                                            "reachable (no P2P); set MEP_IN_FORCE_PUTS=1 to send everything as NVSHMEM puts",
-             RuntimeError)
-        self.cap, self.plan, self.staged = cap, plan, staged
+    @staticmethod
+    def _scale_cols(cap: dict) -> int:
+        return (cap["hidden"] + FP8_BLOCK - 1) // FP8_BLOCK
+
+    def _plan(self, cap: dict) -> dict:
+        """The RDMA buffer's layout; puts from symmetric staging where a same-index peer is on
+        another host (or when forced)."""
+        self.staged = len(set(host_names(self.group))) > 1 or os.environ.get("MEP_IN_FORCE_PUTS", "0") == "1"
+        return self.ext.internode_plan(self.N, cap["max_tokens"], cap["topk"], cap["x_row"], self._scale_cols(cap),
+                                       cap["c_row"], self.staged)
+
+    def _open(self, cap: dict, plan: dict, pes: list):
+        peers = [pes[m * self.ranks_per_node + self.local] for m in range(self.N)]
+        return self.ext.InternodeBuffer(self.device.index, self.node, self.local, self.ranks_per_node, peers,
+                                        cap["max_tokens"], cap["topk"], cap["x_row"], self._scale_cols(cap), cap["c_row"],
+                                        self.staged, self.timeout_s)
+
+    def _opened(self) -> None:
+        fail(self.staged or all(self.buf.p2p()), "megatron_ep internode: a same-index peer on this host is not load/store "
+                                                 "reachable (no P2P); set MEP_IN_FORCE_PUTS=1 to send everything as NVSHMEM "
+                                                 "puts", RuntimeError)
+
+    def _created(self, cap: dict) -> None:
         # the in-node stage: N * max_tokens rows per forwarder, one more scale column (the key)
         self.rt.reserve(node_hints(self.N, cap["max_tokens"], cap["hidden"], max(1, cap["x_row"] // cap["hidden"]),
                                    cap["c_row"] // cap["hidden"], cap["topk"]))
 
-    def _fit(self, T: int, H: int, elem: int, K: int, comb_elem: int = 2) -> None:
-        if self.buf is None:
-            fail(not torch.cuda.is_current_stream_capturing(), "the first internode call sizes the buffer (a collective): "
-                 "make one call before CUDA-graph capture, or pass max_tokens_per_rank= and hidden= to Buffer", RuntimeError)
-            self._create(self._agree(self._need(T, H, elem, comb_elem, K)))
-        c = self.cap
-        need = self._need(T, H, elem, comb_elem, K)
-        short = [f"{k} {need[k]} > {c[k]}" for k in ("max_tokens", "x_row", "topk") if need[k] > c[k]]
-        fail(not short, f"the internode buffer was sized for max_tokens_per_rank={c['max_tokens']}, {c['x_row']} bytes per row, "
-                        f"topk={c['topk']}; this call does not fit ({', '.join(short)}): create the Buffer with "
-                        f"max_tokens_per_rank=, hidden=, max_topk= large enough")
+    def _short(self, need: dict, cap: dict) -> List[str]:
+        return [f"{k} {need[k]} > {cap[k]}" for k in ("max_tokens", "x_row", "topk") if need[k] > cap[k]]
+
+    def _sized_for(self, c: dict) -> str:
+        return f"max_tokens_per_rank={c['max_tokens']}, {c['x_row']} bytes per row, topk={c['topk']}"
 
     def close(self) -> None:
-        """Collective (nvshmem_free), skipped by a broken path and by one that published a failure:
-        a peer that is broken would never join the free."""
-        if self.buf is not None and not self.broken and not self.published:
-            torch.cuda.synchronize(self.rt.device)
-            bounded_barrier(self.group, self.rt.timeout_s, "destroy")
-            self.buf.close()
-        self.buf = None
+        """Collective: the RDMA buffer (see NvshmemPath.close), then the node's runtime."""
+        super().close()
+        self.rt.close()
 
     def view(self, section: str, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
         nbytes = rows * cols * dtype.itemsize
         return self.buf.view(self.plan[section], nbytes).view(dtype).view(rows, cols)
 
-    # ------------------------------------------------------------------------------ errors
-    def check(self, call: Optional[P.Call] = None) -> None:
-        if self.broken:
-            raise BufferBrokenError(f"megatron_ep: internode communication failed earlier; re-create the Buffer: {self.broken}")
-        err = self.buf.error() if self.buf is not None else None
-        if err is None:
-            return
-        op = P.OP_NAMES.get(err["op"], "call").replace("_", " ")
-        if err["code"] == P.ERROR["peer_failed"]:
-            self.broken = (f"rank {err['peer']} failed before its RDMA send in the internode {op} and told its peers; "
-                           f"rank {self.rank} stopped waiting for it")
-            raise PeerFailedFatalError(f"megatron_ep: {self.broken}; this buffer must be re-created")
-        if err["code"] == P.ERROR["mismatch"]:
-            self.buf.clear_error()
-            raise CallMismatchError(
-                f"megatron_ep {op}: rank {err['peer']} (node {err['node']}) made a different call than rank {self.rank} "
-                f"(signature hash {err['sig_got']:#x} vs {err['sig_expected']:#x}); its rows were discarded"
-                + (f" [reported at call #{call.seq}]" if call else ""))
-        direction = "dispatch" if err["direction"] == 0 else "combine"
-        what = {0: f"waiting for rank {err['peer']} (node {err['node']}) to finish reading this rank's previous {direction} "
-                   f"rows (its release signal)",
-                1: f"waiting for rank {err['peer']}'s (node {err['node']}) {direction} rows (its signal)"}.get(err["what"], "waiting")
-        self.broken = f"rank {self.rank} timed out after {self.rt.timeout_s:.0f}s in the internode {op}, {what}"
-        raise CommTimeoutError(f"megatron_ep: {self.broken}; this buffer must be re-created")
+    # ------------------------------------------------------------------------------ calls
+    def _enter(self, call: P.Call) -> None:
+        # the in-node calls check and publish for themselves; the node's earlier reports first
+        self.rt.check(call)
+        super()._enter(call)
 
-    def publish_failure(self, call: P.Call, exc: BaseException) -> None:
+    def synchronize(self) -> None:
+        self.rt.stream.synchronize()
+        self.rt.check()
+        super().synchronize()
+
+    # ------------------------------------------------------------------------------ errors
+    def _op(self, op: int) -> str:
+        return f"internode {P.op_name(op)}"
+
+    def _peer(self, err: dict) -> str:
+        return f"rank {err['peer']} (node {err['node']})"
+
+    def _waited(self, err: dict) -> str:
+        direction = "dispatch" if err["direction"] == 0 else "combine"
+        return {0: f"waiting for rank {err['peer']} (node {err['node']}) to finish reading this rank's previous {direction} "
+                   f"rows (its release signal)",
+                1: f"waiting for rank {err['peer']}'s (node {err['node']}) {direction} rows (its signal)"}.get(err["what"],
+                                                                                                             "waiting")
+
+    def publish(self, call: P.Call, exc: BaseException) -> None:
         """This rank raised before its RDMA send of `call`: the same-index peers' receives would wait
         for it until their timeout; tell them now (their buffers break). The node's other ranks
         wait for it at the in-node stage's handshake: unless this rank's own in-node call already
         published there, a failed record for the in-node call it will not make (they raise
-        PeerFailedError; the node's buffer stays usable). Nothing of the call left this rank; when
-        every rank failed the same call (an argument error), nobody waited and nothing breaks."""
+        PeerFailedError; the node's buffer stays usable)."""
         if self.inner_of != call.seq:  # (each rank's in-node sequence advances alike)
             self.rt.publish(self._inner_call(call, 0, 0), exc)
-        nvshmem.publish_failure(self, call.seq)
+        super().publish(call, exc)
 
     def _inner_call(self, call: P.Call, num_experts: int, routing: int) -> P.Call:
         """The in-node stage's call: the same signature on the node's own call sequence."""
@@ -210,7 +247,7 @@ class InternodePath:
             topk_idx = topk_idx.contiguous().clone()
         if previous_event is not None and previous_event.event is not None:
             torch.cuda.current_stream(rt.device).wait_event(previous_event.event)
-        self._fit(T, H, elem, K)
+        self._fit(self._need(T, H, elem, 2, K))
         mt, sc = self.cap["max_tokens"], (scales.shape[1] if scales is not None else 0)
         sig = signature_hash(call)
         data = data.contiguous()
@@ -230,7 +267,7 @@ class InternodePath:
                 src_w.copy_(topk_weights)
         self.buf.set_call(call.seq)  # the waits of this call's kernels stop on a peer's publication for it
         self.buf.dispatch_send(src_x, src_s, src_i, src_w, num_experts, sig, self.num_blocks)
-        call.pending = None  # sent: a later failure here owes the peers nothing
+        call.settle()  # sent: a later failure here owes the peers nothing
         local_idx = torch.empty((N * mt, K), dtype=torch.int64, device=rt.device)
         tokens = torch.empty(N, dtype=torch.int32, device=rt.device)
         self.buf.dispatch_recv(K, num_experts, sc, sig, local_idx, tokens, self.num_blocks)
@@ -244,10 +281,9 @@ class InternodePath:
         L = num_experts // self.num_ranks
         inner_worst = 0
         if num_worst_tokens:
-            inner_worst = max(num_worst_tokens, inner_worst_rows(self.P, N, mt, K, L, permute, alignment))
+            inner_worst = max(num_worst_tokens, inner_worst_rows(self.ranks_per_node, N, mt, K, L, permute, alignment))
         inner_call = self._inner_call(call, L_node, handle.state.inner.call_seq if handle is not None else 0)
-        with rt.publishing(inner_call):
-            rt.check(inner_call)
+        with self.intra.guard(inner_call):
             if handle is None:
                 inner = self.intra.dispatch(inner_call, (fx, fs), local_idx, fw, L_node, permute, alignment, None, False,
                                             inner_worst)
@@ -349,8 +385,7 @@ class InternodePath:
             wi.index_copy_(0, st.perm, weights.contiguous())
         rt.mark("reorder", cur)
         inner_call = self._inner_call(call, handle.num_experts // N, st.inner.call_seq)
-        with rt.publishing(inner_call):
-            rt.check(inner_call)
+        with self.intra.guard(inner_call):
             yf = self.intra.combine(inner_call, xi, st.inner, wi)
         sig = signature_hash(call)
         y_src, w_src = yf.x, yf.weights
@@ -362,7 +397,7 @@ class InternodePath:
                 w_src.copy_(yf.weights)
         self.buf.set_call(call.seq)
         self.buf.combine_send(y_src, w_src, st.local_idx, st.tokens, sig, self.num_blocks)
-        call.pending = None
+        call.settle()
         y = torch.empty((T, H), dtype=x.dtype, device=rt.device)
         w_out = torch.empty((T, K), dtype=torch.float32, device=rt.device) if weights is not None else None
         rt.new_outputs((y, w_out))

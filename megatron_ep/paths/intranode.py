@@ -4,12 +4,15 @@ A dispatch is notify (counts, the call exchange, exact row positions) -> [host r
 from mapped memory, grows the region if any rank needs more -- unless outputs are worst-case
 sized] -> stage + pull, or push into pooled outputs. A cached dispatch and a combine start with
 their own exchange (stage, or push, publishes the call record). Kernels run on the runtime's
-communication stream; outputs are allocated on the caller's stream.
+communication stream; outputs are allocated on the caller's stream. The runtime keeps the
+path's failure state: its checks, and the publication of a failure at the handshake the peers
+wait on next (`call.pending`).
 """
 
 from __future__ import annotations
 
 import itertools
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -19,6 +22,7 @@ from .. import protocol as P
 from ..checks import fail, is_fp8_tuple
 from ..runtime import CudaRuntime
 from ..types import CombineOutput, DispatchHandle, DispatchOutput
+from .interface import NormalPath
 
 RI = P.RECV_INFO
 SLOT = P.SLOT
@@ -71,11 +75,44 @@ def max_rank_major_rows(rt: CudaRuntime) -> int:
     return rt.num_ranks * rt.plan["max_tokens"]
 
 
-class IntranodePath:
+class IntranodePath(NormalPath):
     def __init__(self, rt: CudaRuntime):
         self.rt = rt
         self.kernels = rt.ext.intranode
         self.tags = itertools.count(1)
+
+    @classmethod
+    def open(cls, group, rank: int, num_ranks: int, ranks_per_node: int, hints: dict, num_sms: Optional[int],
+             timeout_s: float) -> "IntranodePath":
+        """Collective: the runtime over the whole group (one node), then the path."""
+        return cls(CudaRuntime(group, rank, num_ranks, hints=hints, num_sms=num_sms, timeout_s=timeout_s))
+
+    @property
+    def world(self) -> CudaRuntime:
+        return self.rt  # the runtime spans the whole group
+
+    def describe(self) -> str:
+        rt = self.rt
+        size = f"{rt.plan['total'] / 2**20:.0f} MiB region" if rt.ready else "sized on first use"
+        return f"cuda intranode, {rt.num_sms} SMs/rank, {rt.ranks_per_device} rank(s)/GPU, {size}"
+
+    # ------------------------------------------------------------------------------ calls
+    @contextmanager
+    def guard(self, call: P.Call):
+        # the entry check inside the publication: a call that raises there still tells the peers
+        with self.rt.publishing(call):
+            self.rt.check(call)
+            yield call
+
+    def check(self, call: Optional[P.Call] = None) -> None:
+        self.rt.check(call)
+
+    def synchronize(self) -> None:
+        self.rt.stream.synchronize()
+        self.rt.check()
+
+    def close(self) -> None:
+        self.rt.close()
 
     # ------------------------------------------------------------------------------ dispatch
     def dispatch(self, call: P.Call, x, topk_idx, topk_weights, num_experts, permute, alignment, handle, host_counts,
@@ -100,9 +137,9 @@ class IntranodePath:
         if not rt.ready:
             fail(not capturing, "the first call of a cuda Buffer without sizing hints "
                  "cannot be captured in a CUDA graph (it allocates); run one call before capturing", RuntimeError)
-            call.pending = None  # the sizing exchange reports a failed rank to every rank itself
+            call.settle()  # the sizing exchange reports a failed rank to every rank itself
             rt.first_use(need)
-            call.pending = "first"
+            call.owe(P.Pending.FIRST)
         if sync_free or handle is not None:  # nothing can grow without the host sync: it must fit now
             short = rt.fits({k: v for k, v in need.items() if k != "combine_rows" or num_worst_tokens})
             fail(short is None, f"dispatch does not fit the buffer ({short}) and a "
@@ -131,7 +168,7 @@ class IntranodePath:
                 tag = next(self.tags)
                 self.kernels.notify(rt.rt, call.sig, topk_idx, num_experts, alignment, permute, num_worst_tokens,
                                     st.rank_pos, st.slot_pos, st.recv_info, st.row_limits, tpe, dropped, tag)
-                call.pending = None  # from here every rank learns the exchange's verdict itself
+                call.settle()  # from here every rank learns the exchange's verdict itself
                 rt.mark("notify")
                 if not num_worst_tokens:
                     info = rt.wait_host(call, tag, L)
@@ -141,7 +178,7 @@ class IntranodePath:
                     st_rows_bound = st.num_rows
                 if permute:
                     st.comb_map = torch.empty((st_rows_bound, K), dtype=torch.int32, device=rt.device)
-                call.pending = SLOT["out_loc"] if push else SLOT["staged"]
+                call.owe(P.Pending.OUT_LOC if push else P.Pending.STAGED)
             else:
                 st = handle.state
                 tpe, dropped = st.tokens_per_expert, st.num_dropped  # same routing, same rows
@@ -189,7 +226,7 @@ class IntranodePath:
                                            st.recv_info, out_x, out_s, out_idx, out_w, out_re, st.comb_map, offsets,
                                            rt.push_sms)
                 if permute:
-                    call.pending = None
+                    call.settle()
                     rt.mark("push")
                     if pooled is not None:
                         self.kernels.fanout(rt.rt, call.sig, pooled[0], pooled[1], pooled[2], pooled[3], row_bytes,
@@ -199,11 +236,11 @@ class IntranodePath:
                     pooled = None  # the buffer goes back to the pool once the fan-out ran (stream-ordered)
             else:
                 self._stage(call, slot, data, T, row_bytes, scales, scale_cols, topk_idx, topk_weights, st)
-                call.pending = None  # this rank signalled: a failure can no longer be published in step
+                call.settle()  # this rank signalled: a failure can no longer be published in step
                 self.kernels.dispatch(rt.rt, call.sig, slot, row_bytes, scale_cols, K, num_experts, permute,
                                       topk_weights is not None, out_rows, st.recv_info, out_x, out_s, out_idx, out_w,
                                       out_re, tpe if count_rows else None, st.comb_map, rt.num_sms)
-            call.pending = None
+            call.settle()
             if not (push and permute):
                 rt.mark("push" if push else "pull")
         event = rt.leave(compute, [data, scales, topk_idx, topk_weights, st.rank_pos, st.slot_pos, st.recv_info,
@@ -267,7 +304,7 @@ class IntranodePath:
             else:
                 self.kernels.stage_combine(rt.rt, call.sig, None if zero_copy else x, rows, row_bytes, weights, w_cols,
                                            rt.num_sms)
-            call.pending = None
+            call.settle()
             rt.mark("reduce" if partials else "stage")
             self.kernels.combine(rt.rt, call.sig, T, H, K, handle.num_experts, handle.permute, x.dtype == torch.float32,
                                  weights is not None, partials, st.row_limits, handle.topk_idx, st.rank_pos, st.slot_pos,

@@ -18,49 +18,28 @@ Not checked across ranks on the host (that would be a sync): each call's signatu
 dtype, hidden, top-k, experts, max_tokens_per_rank) travels as a hash in the count signals and
 a receiver that gets a different one raises CallMismatchError at the next call/synchronize.
 A rank whose host side fails before it launches its part of a call publishes the failure into
-every peer's buffer (one word each, `publish_failure`): their waits on it stop at once and raise
+every peer's buffer (one word each, `publish`): their waits on it stop at once and raise
 PeerFailedFatalError naming it (the buffer sets are then out of step: re-create the Buffer). A
 rank that dies or hangs without publishing leaves its peers to time out (CommTimeoutError).
+Sizing, freeing, error decoding and publication: the NVSHMEM paths' base, nvshmem_path.py.
 """
 
 from __future__ import annotations
 
 import os
-import struct
-import zlib
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 import torch
-import torch.distributed as dist
 
-from .. import nvshmem
 from .. import protocol as P
+from .._ext import load_nvshmem
 from ..checks import FP8_BLOCK, FP8_DTYPE, fail, tensor_version
-from ..errors import BufferBrokenError, CallMismatchError, CommTimeoutError, PeerFailedFatalError
-from ..runtime import bounded_barrier, gather, max_num_sms
+from ..runtime import max_num_sms
 from ..types import LowLatencyDispatchOutput, LowLatencyHandle
+from .nvshmem_path import NvshmemPath, signature_hash
 
-_ext = None
-_ext_error = ""
 LIMIT_BYTES = int(os.environ.get("MEP_LL_MAX_BYTES", str(32 << 30)))  # per rank, both sets
-
-
-def load():
-    """megatron_ep._C_ll, or RuntimeError saying why it is unusable."""
-    global _ext, _ext_error
-    if _ext is None and not _ext_error:
-        try:
-            from .. import _C_ll
-
-            _ext = _C_ll
-        except ImportError as exc:
-            _ext_error = f"{type(exc).__name__}: {exc}"
-    if _ext is None:
-        raise RuntimeError(f"the low-latency path needs megatron_ep._C_ll, which is not usable ({_ext_error or 'not built'}); "
-                           f"it is built by setup.py when the pip package nvidia-nvshmem-cu13 is installed "
-                           f"(pip install nvidia-nvshmem-cu13, then rebuild), or use backend='torch'")
-    return _ext
 
 
 def buffer_bytes(num_ranks: int, num_experts: int, max_tokens_per_rank: int, hidden: int, topk: int = 8,
@@ -68,12 +47,7 @@ def buffer_bytes(num_ranks: int, num_experts: int, max_tokens_per_rank: int, hid
     """Size hint: bytes of one rank's symmetric buffer, both sets (dispatch rows per (source rank,
     token), a 16-byte table entry per expert copy, combine slots per (token, top-k slot) and the
     combine's staging); from csrc/low_latency_layout.h."""
-    return int(load().plan(num_ranks, num_experts, max_tokens_per_rank, hidden, topk, use_fp8)["total"])
-
-
-def signature_hash(call: P.Call) -> int:
-    """31 bits of the call's signature, carried by every count signal and flag."""
-    return zlib.crc32(struct.pack(f"<{len(call.sig)}q", *call.sig)) & 0x7FFFFFFF
+    return int(load_nvshmem().plan(num_ranks, num_experts, max_tokens_per_rank, hidden, topk, use_fp8)["total"])
 
 
 @dataclass
@@ -102,20 +76,26 @@ class _RecvHook:
     def __call__(self) -> None:
         fail(self._launch is not None, "this receive hook was already called", RuntimeError)
         launch, self._launch = self._launch, None
-        self.path.pending[self.set] = None
+        self.path.unreceived[self.set] = None
         launch()
 
 
-class LowLatencyPath:
+class LowLatencyPath(NvshmemPath):
+    """`rt`: what the path needs of a runtime, over the whole group (group, rank, num_ranks,
+    device, ranks_per_device, sm_count, timeout_s, new_outputs)."""
+
+    KIND = "low-latency"
+    SIZE_UP_FRONT = "pass Buffer(..., low_latency=dict(...))"
+    FIT_REMEDY = "size it up front with Buffer(..., low_latency=dict(num_experts=, max_tokens=, hidden=, topk=, fp8_only=))"
+    SENDS = "its launch of"
+    SIGNATURE = ": op, call sequence, dtype, hidden, topk, num_experts or max_tokens_per_rank differ"
+    PENDING = P.Pending.LAUNCH
+
     def __init__(self, rt, capacity: Optional[dict] = None):
+        super().__init__(rt.group, rt.rank, rt.num_ranks, rt.device, rt.timeout_s)
         self.rt = rt
-        self.ext = load()
-        self.buf = None
-        self.cap: Optional[dict] = None
         self.next_set = 0
-        self.pending = [None, None]  # per set: the call whose receive hook was not called yet
-        self.broken: Optional[str] = None
-        self.published = False  # this rank told its peers of a failure: some of them may be broken
+        self.unreceived = [None, None]  # per set: the call whose receive hook was not called yet
         self.num_blocks = min(max_num_sms(rt.ranks_per_device, rt.sm_count), self.ext.MAX_BLOCKS)
         if capacity is not None:
             unknown = sorted(set(capacity) - set(_DEFAULTS))
@@ -123,15 +103,13 @@ class LowLatencyPath:
             self._create(self._agree({**_DEFAULTS, **capacity}))
 
     # ------------------------------------------------------------------------------ buffer
-    def _agree(self, need: dict) -> dict:
-        every = gather(need, self.rt.group)
+    def _merge(self, every: List[dict]) -> dict:
         cap = {k: max(int(d[k]) for d in every) for k in ("num_experts", "max_tokens", "hidden", "topk")}
         cap["fp8_only"] = all(d["fp8_only"] for d in every)
         return cap
 
-    def _create(self, cap: dict) -> None:
-        rt = self.rt
-        R = rt.num_ranks
+    def _plan(self, cap: dict) -> dict:
+        R = self.num_ranks
         fail(R <= self.ext.MAX_RANKS, f"the low-latency path supports up to {self.ext.MAX_RANKS} ranks, got {R}")
         fail(cap["num_experts"] <= P.MAX_EXPERTS, f"num_experts={cap['num_experts']} exceeds {P.MAX_EXPERTS}")
         fail(cap["topk"] <= P.MAX_TOPK, f"topk={cap['topk']} exceeds {P.MAX_TOPK}")
@@ -140,92 +118,56 @@ class LowLatencyPath:
              f"the low-latency buffer would take {plan['total'] / 2**30:.2f} GiB per rank (num_experts={cap['num_experts']}, "
              f"max_tokens_per_rank={cap['max_tokens']}, hidden={cap['hidden']}, topk={cap['topk']}), above the limit of "
              f"{LIMIT_BYTES / 2**30:.2f} GiB (MEP_LL_MAX_BYTES); lower max_tokens_per_rank", RuntimeError)
-        my_pe = nvshmem.pes_for(rt.group, rt.rank, R, rt.device, plan["total"], self.ext, "the low-latency buffer")
-        self.buf = self.ext.LowLatencyBuffer(rt.device.index, rt.rank, my_pe, cap["num_experts"], cap["max_tokens"],
-                                             cap["hidden"], cap["topk"], cap["fp8_only"], rt.timeout_s)
-        dist.barrier(group=rt.group)
-        self.cap = cap
+        return plan
 
-    def _fit(self, num_experts: int, max_tokens: int, hidden: int, topk: int, fp8: bool) -> None:
-        """Create the buffer at the first call (collective, agreed over the group), or check the call fits."""
-        if self.buf is None:
-            fail(not torch.cuda.is_current_stream_capturing(),
-                 "the first low-latency call sizes the buffer (a collective): make one call before CUDA-graph capture, "
-                 "or pass Buffer(..., low_latency=dict(...))", RuntimeError)
-            self._create(self._agree(dict(num_experts=num_experts, max_tokens=max_tokens, hidden=hidden, topk=topk,
-                                          fp8_only=fp8)))
-        c = self.cap
-        short = [f"{name} {v} > {c[key]}" for name, key, v in (("num_experts", "num_experts", num_experts),
-                                                              ("max_tokens_per_rank", "max_tokens", max_tokens),
-                                                              ("hidden", "hidden", hidden), ("topk", "topk", topk)) if v > c[key]]
-        if not fp8 and c["fp8_only"]:
+    def _open(self, cap: dict, plan: dict, pes: list):
+        return self.ext.LowLatencyBuffer(self.device.index, self.rank, pes, cap["num_experts"], cap["max_tokens"],
+                                         cap["hidden"], cap["topk"], cap["fp8_only"], self.timeout_s)
+
+    @staticmethod
+    def _need(num_experts: int, max_tokens: int, hidden: int, topk: int, fp8: bool) -> dict:
+        return dict(num_experts=num_experts, max_tokens=max_tokens, hidden=hidden, topk=topk, fp8_only=fp8)
+
+    def _short(self, need: dict, cap: dict) -> List[str]:
+        short = [f"{name} {need[key]} > {cap[key]}" for name, key in (("num_experts", "num_experts"),
+                                                                     ("max_tokens_per_rank", "max_tokens"),
+                                                                     ("hidden", "hidden"), ("topk", "topk"))
+                 if need[key] > cap[key]]
+        if not need["fp8_only"] and cap["fp8_only"]:
             short.append("bf16 rows in a buffer sized for FP8 rows")
-        fail(not short, f"the low-latency buffer was sized for num_experts={c['num_experts']}, max_tokens_per_rank="
-                        f"{c['max_tokens']}, hidden={c['hidden']}, topk={c['topk']}{', FP8 only' if c['fp8_only'] else ''}; "
-                        f"this call does not fit ({', '.join(short)}): size it up front with "
-                        f"Buffer(..., low_latency=dict(num_experts=, max_tokens=, hidden=, topk=, fp8_only=))")
+        return short
+
+    def _sized_for(self, c: dict) -> str:
+        return (f"num_experts={c['num_experts']}, max_tokens_per_rank={c['max_tokens']}, hidden={c['hidden']}, "
+                f"topk={c['topk']}{', FP8 only' if c['fp8_only'] else ''}")
 
     def _free_set(self, call: P.Call) -> int:
         """The set this call uses (they alternate; `_launch` moves on only after a launch, so a
         call that raises before it leaves every rank on the same set)."""
         s = self.next_set
-        held = self.pending[s]
+        held = self.unreceived[s]
         fail(held is None, f"{call.describe()}: two low-latency results whose receive hook was not called are in flight "
-                           f"(calls #{self.pending[0]} and #{self.pending[1]}); a third call would overwrite one: call the "
-                           f"hook of call #{held} first", RuntimeError)
+                           f"(calls #{self.unreceived[0]} and #{self.unreceived[1]}); a third call would overwrite one: call "
+                           f"the hook of call #{held} first", RuntimeError)
         return s
 
-    def close(self) -> None:
-        """Collective (nvshmem_free). A broken path keeps its memory: a peer that timed out or died
-        would never join the free, and waiting for it would turn an error into a hang; neither
-        does a rank that published a failure (the peers it stopped are broken and skip the free)."""
-        if self.buf is not None and not self.broken and not self.published:
-            torch.cuda.synchronize(self.rt.device)
-            bounded_barrier(self.rt.group, self.rt.timeout_s, "destroy")
-            self.buf.close()
-        self.buf = None
-
     # ------------------------------------------------------------------------------ errors
-    def check(self, call: Optional[P.Call] = None) -> None:
-        """Raise what the kernels reported since the last check (a timeout breaks the path)."""
-        if self.broken:
-            raise BufferBrokenError(f"megatron_ep: low-latency communication failed earlier; re-create the Buffer: {self.broken}")
-        err = self.buf.error() if self.buf is not None else None
-        if err is None:
-            return
-        op = P.OP_NAMES.get(err["op"], "low-latency call")
-        if err["code"] == P.ERROR["peer_failed"]:
-            self.broken = (f"rank {err['peer']} failed before joining a {op} and told its peers; rank {self.rt.rank} "
-                           f"stopped waiting for it (buffer set {err['set']})")
-            raise PeerFailedFatalError(f"megatron_ep: {self.broken}; this buffer must be re-created")
-        if err["code"] == P.ERROR["mismatch"]:
-            self.buf.clear_error()
-            raise CallMismatchError(
-                f"megatron_ep {op}: rank {err['peer']} made a different call than rank {self.rt.rank} (signature hash "
-                f"{err['sig_got']:#x} vs {err['sig_expected']:#x}: op, call sequence, dtype, hidden, topk, num_experts or "
-                f"max_tokens_per_rank differ); its results were discarded" + (f" [reported at call #{call.seq}]" if call else ""))
-        self.broken = self._describe_timeout(op, err)
-        raise CommTimeoutError(f"megatron_ep: {self.broken}; this buffer must be re-created")
+    def _op(self, op: int) -> str:
+        return P.op_name(op, "low-latency call")
 
-    def publish_failure(self, call: P.Call, exc: BaseException) -> None:
-        """This rank raised before launching its part of `call`: the peers' kernels would wait for
-        it until their timeout; tell them now (their waits for this call stop and raise
-        PeerFailedFatalError). Nothing of the call left this rank, so it stays usable here: when
-        every rank failed the same call (an argument error), nobody waited and nothing breaks."""
-        nvshmem.publish_failure(self, call.seq)
+    def _where(self, err: dict) -> str:
+        return f" (buffer set {err['set']})"
 
-    def _describe_timeout(self, op: str, err: dict) -> str:
-        me, s, e, peer = self.rt.rank, err["set"], err["expert"], err["peer"]
-        L = self.cap["num_experts"] // self.rt.num_ranks if self.cap else 0
-        head = f"rank {me} timed out after {self.rt.timeout_s:.0f}s in {op}"
-        what = {
+    def _waited(self, err: dict) -> str:
+        me, s, e, peer = self.rank, err["set"], err["expert"], err["peer"]
+        L = self.cap["num_experts"] // self.num_ranks if self.cap else 0
+        return {
             0: f"waiting for rank {peer} to release low-latency buffer set {s} (its receive half of an earlier call on "
                f"that set has not run: a receive hook not called, or the rank stopped)",
             1: f"waiting for rank {peer}'s token count for local expert {e} (global expert {me * L + e}) in buffer set {s}",
             2: f"waiting for rank {peer}'s combined rows of expert {e} in buffer set {s}",
             3: f"waiting for rank {peer}'s merged combine rows in buffer set {s}",
         }.get(err["what"], f"waiting on rank {peer}")
-        return f"{head} {what}"
 
     # ---------------------------------------------------------------------------- dispatch
     def dispatch(self, call: P.Call, x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, max_tokens_per_rank: int,
@@ -239,7 +181,7 @@ class LowLatencyPath:
         fail(x.device == rt.device, f"x is on {x.device}, the buffer on {rt.device}")
         fail(use_fp8 or H % 8 == 0, f"x: hidden size {H} must be a multiple of 8 for bf16 rows (16-byte copies)")
         fail(not use_fp8 or H % FP8_BLOCK == 0, f"x: hidden size {H} must be a multiple of {FP8_BLOCK} for FP8")
-        self._fit(num_experts, max_tokens_per_rank, H, K, use_fp8)
+        self._fit(self._need(num_experts, max_tokens_per_rank, H, K, use_fp8))
         s = self._free_set(call)
         cap = R * max_tokens_per_rank
         dev = x.device
@@ -282,7 +224,8 @@ class LowLatencyPath:
         else:
             fail(isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16 and tuple(out.shape) == (T, H) and out.is_contiguous()
                  and out.device == x.device, f"out must be a contiguous bf16 tensor of shape {(T, H)} on {x.device}")
-        self._fit(handle.num_experts, handle.max_tokens_per_rank, H, handle.topk, True)  # combine rows are bf16 in any buffer
+        # combine rows are bf16 in any buffer
+        self._fit(self._need(handle.num_experts, handle.max_tokens_per_rank, H, handle.topk, True))
         s = self._free_set(call)
         weights = topk_weights.float().contiguous()  # a no-op for fp32 weights
         st: _LLState = handle.state
@@ -301,13 +244,13 @@ class LowLatencyPath:
     def _launch(self, call: P.Call, s: int, launch: Callable[[int], None], return_recv_hook: bool) -> Optional[_RecvHook]:
         if not return_recv_hook:
             launch(self.ext.SEND | self.ext.RECV)
-            call.pending = None  # launched: a later failure of this call's host side owes the peers nothing
+            call.settle()  # launched: a later failure of this call's host side owes the peers nothing
             self.next_set = 1 - s
             return None
         launch(self.ext.SEND)
-        call.pending = None
+        call.settle()
         self.next_set = 1 - s
-        self.pending[s] = call.seq
+        self.unreceived[s] = call.seq
         return _RecvHook(self, s, lambda: launch(self.ext.RECV))
 
 
