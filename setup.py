@@ -1,5 +1,5 @@
 """Build of megatron_ep, its protocol module `megatron_ep._protocol`, its CUDA extension
-`megatron_ep._C` and its low-latency extension `megatron_ep._C_ll` (NVSHMEM).
+`megatron_ep._C` and its NVSHMEM extension `megatron_ep._C_nvshmem` (the internode and low-latency paths).
 
 `_protocol` (csrc/common/protocol_module.cpp: plain C++ and pybind11, no CUDA, no torch) exports the
 region layout and call protocol that the kernels use; it is always built, since both backends
@@ -14,7 +14,7 @@ TORCH_CUDA_ARCH_LIST defaults to 9.0). Switches (environment):
     MEP_DEBUG=1            -G -O0 device code (for cuda-gdb / sanitizer line info)
     MAX_JOBS=N             parallel compile jobs (ninja)
     MEP_BUILD_ONLY=a,b     only these extensions (e.g. _protocol,_C), see below
-`_C_ll` (the NVSHMEM paths: csrc/nvshmem/, csrc/internode/, csrc/low_latency/) is built beside `_C` when
+`_C_nvshmem` (the NVSHMEM paths: csrc/nvshmem/, csrc/internode/, csrc/low_latency/) is built beside `_C` when
 the pip package nvidia-nvshmem-cu13 is installed (torch's CUDA 13 builds depend on it), with
 relocatable device code and a device link against NVSHMEM's static device library; without
 NVSHMEM it is skipped with a printed reason (MEP_REQUIRE_EXTENSION=1 makes that an error too).
@@ -101,8 +101,8 @@ def _low_latency_extension(CUDAExtension, nvcc):
     found, why = nvshmem_home()
     if found is None:
         if os.environ.get("MEP_REQUIRE_EXTENSION", "0") == "1":
-            raise SystemExit(f"megatron_ep: MEP_REQUIRE_EXTENSION=1 but _C_ll cannot be built: {why}")
-        print(f"megatron_ep: {why}; building without the low-latency extension _C_ll")
+            raise SystemExit(f"megatron_ep: MEP_REQUIRE_EXTENSION=1 but _C_nvshmem cannot be built: {why}")
+        print(f"megatron_ep: {why}; building without the NVSHMEM extension _C_nvshmem (internode and low-latency paths)")
         return []
     inc, lib = found
     # NVSHMEM's headers use the half operators torch's default flags hide; its device functions
@@ -111,7 +111,7 @@ def _low_latency_extension(CUDAExtension, nvcc):
     ll_nvcc = [f for f in nvcc] + ["-rdc=true", "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
                                    "-U__CUDA_NO_HALF2_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__"]
     return [CUDAExtension(
-        name="megatron_ep._C_ll",
+        name="megatron_ep._C_nvshmem",
         sources=_sources("nvshmem", "internode", "low_latency"),
         include_dirs=[os.path.join(ROOT, "csrc"), inc],
         extra_compile_args={"cxx": ["-O3", "-std=c++20"], "nvcc": ll_nvcc,

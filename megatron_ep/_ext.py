@@ -1,8 +1,8 @@
 """Loads the compiled extensions, if they were built: `megatron_ep._C` (the runtime and the
-intranode kernels) and `megatron_ep._C_ll` (the NVSHMEM paths: low-latency, and internode's RDMA
+intranode kernels) and `megatron_ep._C_nvshmem` (the NVSHMEM paths: low-latency, and internode's RDMA
 domain). Every path gets its extension here.
 
-Importing one needs the CUDA driver (and `_C_ll` NVSHMEM's host library); on a machine without
+Importing one needs the CUDA driver (and `_C_nvshmem` NVSHMEM's host library); on a machine without
 them (the CI machine) the import can fail even though the extension compiled and linked, so the
 reason is kept for error messages.
 """
@@ -42,7 +42,7 @@ class Extension:
 
 
 CUDA = Extension("_C", "build it with `pip install -e .` on a machine with nvcc, or use backend='torch'")
-NVSHMEM = Extension("_C_ll", "the NVSHMEM paths (low-latency, internode) need it; it is built by setup.py when the "
+NVSHMEM = Extension("_C_nvshmem", "the NVSHMEM paths (low-latency, internode) need it; it is built by setup.py when the "
                              "pip package nvidia-nvshmem-cu13 is installed (pip install nvidia-nvshmem-cu13, then "
                              "rebuild), or use backend='torch'")
 
@@ -53,7 +53,7 @@ def load():
 
 
 def load_nvshmem():
-    """`megatron_ep._C_ll`, or RuntimeError saying why it is unusable."""
+    """`megatron_ep._C_nvshmem`, or RuntimeError saying why it is unusable."""
     return NVSHMEM.load()
 
 

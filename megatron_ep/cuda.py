@@ -6,7 +6,7 @@ smaller values make virtual nodes -- runs the two-level internode path
 (megatron_ep/paths/internode.py): the runtime then spans this rank's node, and NVSHMEM carries
 the RDMA domain. The path is picked once, here; afterwards the backend calls it through the
 path protocol (megatron_ep/paths/interface.py). The low-latency path
-(megatron_ep/paths/low_latency.py, NVSHMEM, extension `_C_ll`) spans the whole group; it is
+(megatron_ep/paths/low_latency.py, NVSHMEM, extension `_C_nvshmem`) spans the whole group; it is
 created at the first low-latency call, or up front with `low_latency=dict(...)`.
 """
 

@@ -1,6 +1,6 @@
 """NVSHMEM for both NVSHMEM paths of the cuda backend (low-latency, and internode's RDMA domain): started
 once per process from a torch group, with the unique-id bootstrap (rank 0's id broadcast over
-that group), from the pip package nvidia-nvshmem-cu13 through the extension `_C_ll`.
+that group), from the pip package nvidia-nvshmem-cu13 through the extension `_C_nvshmem`.
 
 Environment defaults, set only where the user has not: the settings known to work with several
 PEs per GPU under MPS (docs/design.md §5), no InfiniBand probing when every rank is on one host, and a

@@ -56,7 +56,7 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 NGPU=$(nvidia-smi -L | wc -l)
 
-# ---- build: _protocol and _C (intranode) in one build, _C_ll (the NVSHMEM paths) in another at the
+# ---- build: _protocol and _C (intranode) in one build, _C_nvshmem (the NVSHMEM paths) in another at the
 # same time (each with its own build directory); both done before any test (the intranode suite's
 # bad-input cases reach the low-latency path too). MEP_GATE_REUSE_BUILD=1 keeps an extension
 # already built in this tree (e.g. the long mode right after the gate).
@@ -71,7 +71,7 @@ LL_PID=
 if [ "${MEP_GATE_REUSE_BUILD:-0}" = 1 ] && usable; then
   printf 'build\t1\t0\t0\t%s\treused the extension already built here\n' $(( $(date +%s) - t0 )) >> "$RESULTS"
 else
-  build_one _C_ll gate_ll "$LOGS/build_ll.log" &
+  build_one _C_nvshmem gate_ll "$LOGS/build_ll.log" &
   LL_PID=$!
   if build_one _protocol,_C gate_c "$LOGS/build.log" && python3 -c "import megatron_ep as m, sys; sys.exit(0 if m.cuda_backend_available() else 1)"; then
     printf 'build _C\t1\t0\t0\t%s\t\n' $(( $(date +%s) - t0 )) >> "$RESULTS"
@@ -82,17 +82,17 @@ else
     exit 1
   fi
 fi
-wait_ll_build() {  # once: the background _C_ll build's result row
+wait_ll_build() {  # once: the background _C_nvshmem build's result row
   [ -n "$LL_PID" ] || return 0
   local rc=0
   wait "$LL_PID" || rc=$?
   LL_PID=
   cat "$LOGS/build_ll.log" >> "$LOGS/build.log"
   if [ "$rc" = 0 ] && usable; then
-    printf 'build _C_ll\t1\t0\t0\t%s\tbeside the _C build\n' $(( $(date +%s) - t0 )) >> "$RESULTS"
+    printf 'build _C_nvshmem\t1\t0\t0\t%s\tbeside the _C build\n' $(( $(date +%s) - t0 )) >> "$RESULTS"
   else
     status=1; tail -30 "$LOGS/build_ll.log"
-    printf 'build _C_ll\t0\t1\t0\t%s\tnot built or not usable\n' $(( $(date +%s) - t0 )) >> "$RESULTS"
+    printf 'build _C_nvshmem\t0\t1\t0\t%s\tnot built or not usable\n' $(( $(date +%s) - t0 )) >> "$RESULTS"
   fi
   grep -E "Compiling entry|registers|spill" "$LOGS/build.log" | sed 's/ptxas info *: //' > "$LOGS/ptxas.txt"
   tail -1 "$RESULTS"
@@ -187,6 +187,7 @@ else
   done
 fi
 stop_mps
+WHOLE=--whole; [ -n "${MEP_GATE_FILES:-}" ] && WHOLE=  # a run over some files keeps the other files' rows
 python3 scripts/gpu_report.py --mode "$MODE" --results "$RESULTS" --out "$OUT" --elapsed $(( $(date +%s) - GATE_START )) \
-  --gpus "$NGPU" || status=1
+  --gpus "$NGPU" $WHOLE || status=1
 exit $status

@@ -179,6 +179,8 @@ def report(args) -> int:
         print(line + (f" ({r['note']})" if r["note"] else ""))
     text = open(RECORD).read() if os.path.exists(RECORD) else ""
     old = _parse_record(text)
+    if getattr(args, "whole", False):
+        old = {name: cells for name, cells in old.items() if cells[6] != args.mode}
     runs = dict(re.findall(r"^(Gate|Long) run: (.*)$", text, re.M))  # the other mode's line stays
     runs["Gate" if args.mode == "gate" else "Long"] = (
         f"**{'passed' if ok else 'FAILED'}**, commit {sha}, code {code}, {when}, {where}, {args.elapsed} s in all.")
@@ -242,6 +244,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out")
     ap.add_argument("--elapsed", type=int, default=0)
     ap.add_argument("--gpus", type=int, default=0)
+    ap.add_argument("--whole", action="store_true",
+                    help="the run covered its whole mode: the mode's rows from earlier runs are dropped, "
+                         "so a renamed or removed row does not linger")
     args = ap.parse_args(argv)
     if args.files:
         print(file_rows(args))

@@ -58,3 +58,21 @@ def test_rows_per_file_of_one_run(tmp_path, capsys):
     rows = [r.split("\t") for r in capsys.readouterr().out.strip().split("\n")]
     assert rows[0][1:3] == ["1", "0"] and rows[1][1:3] == ["1", "1"] and "running tests/test_b.py::q" in rows[1][5]
     assert rows[2][2] == "1" and "not reached" in rows[2][5]
+
+
+def test_a_whole_run_drops_its_modes_old_rows(tmp_path, monkeypatch):
+    """A row renamed or removed (e.g. a build step) does not linger after a full run of its mode;
+    a run over some files keeps the rows of the others, and the other mode's rows stay."""
+    record = tmp_path / "gpu-status.md"
+    monkeypatch.setattr(gr, "RECORD", str(record))
+    monkeypatch.setenv("MEP_GATE_COMMIT", "abc1234")
+    (tmp_path / "old.tsv").write_text("build _C_old\t1\t0\t0\t5\t\ntests/a.py\t3\t0\t0\t20\t\n")
+    (tmp_path / "long.tsv").write_text("tests/a.py (long)\t1\t0\t0\t50\t\n")
+    (tmp_path / "new.tsv").write_text("build _C_new\t1\t0\t0\t5\t\ntests/a.py\t3\t0\t0\t21\t\n")
+    gr.main(["--mode", "gate", "--results", str(tmp_path / "old.tsv"), "--out", str(tmp_path)])
+    gr.main(["--mode", "long", "--results", str(tmp_path / "long.tsv"), "--out", str(tmp_path)])
+    gr.main(["--mode", "gate", "--results", str(tmp_path / "new.tsv"), "--out", str(tmp_path)])
+    assert "build _C_old" in record.read_text()  # a partial run keeps it
+    gr.main(["--mode", "gate", "--results", str(tmp_path / "new.tsv"), "--out", str(tmp_path), "--whole"])
+    text = record.read_text()
+    assert "build _C_old" not in text and "| build _C_new | passed |" in text and "tests/a.py (long)" in text

@@ -1,5 +1,5 @@
 """The internode path's pieces that need no GPU: its RDMA-domain buffer layout (the one owner of
-the buffer's size, in `_C_ll`), the in-node stage's sizing, and the `ranks_per_node` checks."""
+the buffer's size, in `_C_nvshmem`), the in-node stage's sizing, and the `ranks_per_node` checks."""
 
 import pytest
 import torch
@@ -16,7 +16,7 @@ def ext():
     try:
         return load_nvshmem()
     except RuntimeError as exc:
-        pytest.skip(f"_C_ll is not built here: {exc}")
+        pytest.skip(f"_C_nvshmem is not built here: {exc}")
 
 
 SECTIONS = ["d_x", "d_s", "d_idx", "d_w", "c_y", "c_w", "s_x", "s_s", "s_idx", "s_w", "s_y", "s_cw"]

@@ -1,4 +1,4 @@
-"""The low-latency extension `_C_ll` (NVSHMEM) is built by setup wherever `_C` is and the pip
+"""The low-latency extension `_C_nvshmem` (NVSHMEM) is built by setup wherever `_C` is and the pip
 NVSHMEM is installed, links NVSHMEM's host library and carries its device code, imports without a
 GPU, and its layout (the one owner of the buffer's size) places every section inside the buffer."""
 
@@ -25,7 +25,7 @@ def _nvshmem_installed() -> bool:
 
 
 def _built():
-    return glob.glob(os.path.join(PKG, "_C_ll*.so"))
+    return glob.glob(os.path.join(PKG, "_C_nvshmem*.so"))
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +35,9 @@ def so():
     if not _built() and not (required or cuda_built):
         pytest.skip("no CUDA extension built here (set MEP_REQUIRE_EXTENSION=1 to require it)")
     if not _nvshmem_installed():
-        pytest.skip("nvidia-nvshmem-cu13 is not installed: setup.py skips _C_ll (by design)")
+        pytest.skip("nvidia-nvshmem-cu13 is not installed: setup.py skips _C_nvshmem (by design)")
     built = _built()
-    assert built, f"megatron_ep._C_ll was not built under {PKG} although _C was and NVSHMEM is installed"
+    assert built, f"megatron_ep._C_nvshmem was not built under {PKG} although _C was and NVSHMEM is installed"
     return built[0]
 
 
@@ -45,14 +45,14 @@ def test_links_nvshmem_and_has_device_code(so):
     if shutil.which("ldd"):
         out = subprocess.run(["ldd", so], capture_output=True, text=True).stdout
         line = next((ln for ln in out.splitlines() if "libnvshmem_host" in ln), "")
-        assert line and "not found" not in line, f"_C_ll does not resolve NVSHMEM's host library:\n{out}"
+        assert line and "not found" not in line, f"_C_nvshmem does not resolve NVSHMEM's host library:\n{out}"
     if shutil.which("nm"):  # NVSHMEM's static device library (its init half) was linked in
         syms = subprocess.run(["nm", "-C", so], capture_output=True, text=True).stdout
-        assert "nvshmemi_init_thread" in syms, "_C_ll lacks libnvshmem_device.a's nvshmemi_init_thread"
+        assert "nvshmemi_init_thread" in syms, "_C_nvshmem lacks libnvshmem_device.a's nvshmemi_init_thread"
     cuobjdump = shutil.which("cuobjdump") or os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "cuobjdump")
     if os.path.exists(cuobjdump):
         elf = subprocess.run([cuobjdump, "--list-elf", so], capture_output=True, text=True).stdout
-        assert "sm_90" in elf, f"_C_ll carries no sm_90 device code:\n{elf}"
+        assert "sm_90" in elf, f"_C_nvshmem carries no sm_90 device code:\n{elf}"
 
 
 def test_imports_without_a_gpu_and_plans(so):

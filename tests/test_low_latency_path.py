@@ -17,7 +17,7 @@ from megatron_ep.paths import low_latency as LL
 
 
 class FakeBuffer:
-    """Stands in for _C_ll.LowLatencyBuffer: records launches, reports a settable error."""
+    """Stands in for _C_nvshmem.LowLatencyBuffer: records launches, reports a settable error."""
 
     def __init__(self, device, rank, pes, E, mt, H, K, fp8_only, timeout_s):
         self.cap = (E, mt, H, K, fp8_only)
@@ -44,7 +44,7 @@ def path(monkeypatch):
     try:
         real = _ext.load_nvshmem()
     except RuntimeError as exc:
-        pytest.skip(f"_C_ll not built here ({exc})")
+        pytest.skip(f"_C_nvshmem not built here ({exc})")
     fake = types.SimpleNamespace(plan=real.plan, MAX_BLOCKS=real.MAX_BLOCKS, MAX_RANKS=real.MAX_RANKS, SEND=real.SEND,
                                  RECV=real.RECV, my_pe=lambda: 0, LowLatencyBuffer=FakeBuffer)
     monkeypatch.setattr(_ext.NVSHMEM, "module", fake)

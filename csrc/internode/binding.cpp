@@ -1,4 +1,4 @@
-// The internode path's RDMA-domain buffer for megatron_ep._C_ll (registered by
+// The internode path's RDMA-domain buffer for megatron_ep._C_nvshmem (registered by
 // low_latency/binding.cpp, the module's one PYBIND11_MODULE). Adapts tensors to the launchers
 // of csrc/internode/kernels.cu and holds one rank's symmetric buffer, its same-index peers'
 // addresses and the mapped error record (csrc/nvshmem/symmetric_memory.h). Python (megatron_ep/paths/internode.py) checks every

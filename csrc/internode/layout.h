@@ -1,5 +1,5 @@
 // The internode path's symmetric buffer (the RDMA domain), defined once: `InternodeLayout::plan`
-// sizes it (Python reads the size through megatron_ep._C_ll) and places every section the
+// sizes it (Python reads the size through megatron_ep._C_nvshmem) and places every section the
 // kernels use. Plain C++ for host and device code; no NVSHMEM, no torch.
 //
 // Rank (node n, local l) talks over the RDMA domain only with the ranks of the same local index

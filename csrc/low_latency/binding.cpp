@@ -1,4 +1,4 @@
-// megatron_ep._C_ll: the low-latency path's torch binding. Adapts tensors to the raw-pointer
+// megatron_ep._C_nvshmem: the low-latency path's torch binding. Adapts tensors to the raw-pointer
 // launchers of csrc/low_latency/ and holds one rank's NVSHMEM buffer (its peers'
 // addresses, the mapped error record: csrc/nvshmem/symmetric_memory.h). Python
 // (megatron_ep/paths/low_latency.py) checks every argument first; the checks here only guard

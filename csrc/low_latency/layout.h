@@ -1,5 +1,5 @@
 // The low-latency path's symmetric buffer, defined once: `LowLatencyLayout::plan` both sizes it
-// (the hint Python reads through megatron_ep._C_ll) and places every section the kernels use,
+// (the hint Python reads through megatron_ep._C_nvshmem) and places every section the kernels use,
 // so size and layout cannot drift. Plain C++ usable from host and device code, no NVSHMEM,
 // no torch.
 //

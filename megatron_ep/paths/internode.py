@@ -1,5 +1,5 @@
 """The two-level internode normal path: the RDMA domain (csrc/kernels/internode.cu, NVSHMEM,
-extension `_C_ll`) composed with the intranode path inside each node.
+extension `_C_nvshmem`) composed with the intranode path inside each node.
 
 Rank (node n, local l) of R = N x P ranks:
 

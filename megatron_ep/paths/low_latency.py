@@ -1,5 +1,5 @@
 """The low-latency (decode) path of the cuda backend: csrc/kernels/low_latency.cu through the
-separate extension `megatron_ep._C_ll` (NVSHMEM).
+separate extension `megatron_ep._C_nvshmem` (NVSHMEM).
 
 One kernel per direction on the caller's stream, no host sync after the first call, fixed
 shapes (CUDA-graph capturable). With `return_recv_hook=True` a call launches only its send half
