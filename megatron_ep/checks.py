@@ -9,7 +9,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .protocol import FP8_BLOCK, MAX_ALIGNMENT  # one owner: csrc/protocol.h
+from .protocol import FP8_BLOCK, MAX_ALIGNMENT  # one owner: csrc/common/protocol.h
 from .types import Activation
 
 FP8_DTYPE = torch.float8_e4m3fn

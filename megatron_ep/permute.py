@@ -1,7 +1,7 @@
 """The one owner of the expert-major layout rules: segment alignment, where each (row, local
 expert) pair lands, Megatron's routing map -> top-k slots, and the declared way dispatched rows
 carry their layout to the experts. The torch backend, the Megatron managers and the grouped-GEMM
-experts all import these; the kernels implement the same rules (csrc/kernels/intranode.cu) and
+experts all import these; the kernels implement the same rules (csrc/intranode/) and
 the test oracle re-derives them independently (tests/oracle.py).
 
 Expert-major order: rows grouped by local expert; inside an expert, by source rank, then source

@@ -1,4 +1,4 @@
-"""The call protocol, read from the C++ definition (csrc/protocol.h, csrc/region_layout.h through
+"""The call protocol, read from the C++ definition (csrc/common/protocol.h, csrc/ipc/region_layout.h through
 the small `megatron_ep._protocol` module, which needs neither CUDA nor torch).
 
 Every collective call on a Buffer carries a signature -- the Buffer, op, call sequence number, the routing

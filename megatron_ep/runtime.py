@@ -415,7 +415,7 @@ def largest(needs: list) -> dict:
     return {k: max(d.get(k, 0) or 0 for d in needs) for k in set().union(*needs)}
 
 
-# The keys of a call's need that size the region (the hint names of csrc/region_layout.h).
+# The keys of a call's need that size the region (the hint names of csrc/ipc/region_layout.h).
 _NEED_KEYS = ("max_tokens", "hidden", "dtype_bytes", "combine_bytes", "max_topk", "max_experts")
 _ELEMENT_BYTES_DEFAULT = 2  # RegionHints' dtype_bytes and combine_bytes when a hint leaves them out
 

@@ -1,4 +1,4 @@
-"""The two-level internode normal path: the RDMA domain (csrc/kernels/internode.cu, NVSHMEM,
+"""The two-level internode normal path: the RDMA domain (csrc/internode/kernels.cu, NVSHMEM,
 extension `_C_nvshmem`) composed with the intranode path inside each node.
 
 Rank (node n, local l) of R = N x P ranks:

@@ -1,4 +1,4 @@
-"""The intranode normal path (csrc/kernels/intranode.cu) on the shared runtime.
+"""The intranode normal path (csrc/intranode/) on the shared runtime.
 
 A dispatch is notify (counts, the call exchange, exact row positions) -> [host reads the sizes
 from mapped memory, grows the region if any rank needs more -- unless outputs are worst-case
@@ -32,7 +32,7 @@ SLOT = P.SLOT
 class IntranodeState:
     rank_pos: torch.Tensor  # [T, R] int32: row of each token in each rank's rank-major output (-1: none)
     slot_pos: torch.Tensor  # [T, K] int32: row of each (token, slot) in its rank's expert-major output
-    recv_info: torch.Tensor  # int32, csrc/region_layout.h RecvInfo: N, M, L, dropped, counts, padded, seg starts
+    recv_info: torch.Tensor  # int32, csrc/ipc/region_layout.h RecvInfo: N, M, L, dropped, counts, padded, seg starts
     row_limits: torch.Tensor  # [R] int32: rows each rank delivers at most (its num_worst_tokens, or INT_MAX)
     tokens_per_expert: torch.Tensor  # [L] int64 (what every dispatch along this routing returns)
     num_dropped: torch.Tensor  # 0-d int64

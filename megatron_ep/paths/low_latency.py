@@ -1,4 +1,4 @@
-"""The low-latency (decode) path of the cuda backend: csrc/kernels/low_latency.cu through the
+"""The low-latency (decode) path of the cuda backend: csrc/low_latency/ through the
 separate extension `megatron_ep._C_nvshmem` (NVSHMEM).
 
 One kernel per direction on the caller's stream, no host sync after the first call, fixed
@@ -46,7 +46,7 @@ def buffer_bytes(num_ranks: int, num_experts: int, max_tokens_per_rank: int, hid
                  use_fp8: bool = True) -> int:
     """Size hint: bytes of one rank's symmetric buffer, both sets (dispatch rows per (source rank,
     token), a 16-byte table entry per expert copy, combine slots per (token, top-k slot) and the
-    combine's staging); from csrc/low_latency_layout.h."""
+    combine's staging); from csrc/low_latency/layout.h."""
     return int(load_nvshmem().plan(num_ranks, num_experts, max_tokens_per_rank, hidden, topk, use_fp8)["total"])
 
 
