@@ -1,0 +1,8 @@
+"""``python -m megatron_ep.model``: the report (``--help`` for the flags)."""
+
+import sys
+
+from ..cli import run_main
+from .command import PROG, main
+
+sys.exit(run_main(main, prog=PROG))
