@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .machine import Machine
-from .rates import sms_for
+from .rates import gbps_of, sms_for
 from .route import routing
 from .shape import Shape
 
@@ -48,22 +48,20 @@ def normal_path(shape: Shape, machine: Machine, ep: int, row_bytes: int,
     t = shape.tokens if tokens is None else tokens
     rdma = t * r.rdma_copies * row_bytes
     nvl = t * r.nvlink_copies * row_bytes
-    t_rdma = rdma / (machine.nic_gbps * 1e9)
-    t_nvl = nvl / (machine.nvlink_gbps * 1e9)
+    t_rdma, t_nvl = machine.link_seconds(rdma, nvl)
     time_s = max(t_rdma, t_nvl)
     bound = "RDMA" if t_rdma > t_nvl else "NVLink"
     two = r.nodes > 1
     if time_s == 0:
         return NormalResult(ep, two, row_bytes, 0.0, 0.0, 0.0, bound, 0.0, 0.0, 0, 0)
-    sms_bound = sms_for(machine.nic_gbps if bound == "RDMA" else machine.nvlink_gbps,
-                        machine.sm_rdma_gbps if bound == "RDMA" else machine.sm_nvlink_gbps)
-    sms_all = (sms_for(rdma / time_s / 1e9, machine.sm_rdma_gbps)
-               + sms_for(nvl / time_s / 1e9, machine.sm_nvlink_gbps))
+    sms_bound = sms_for(*machine.rates(bound))
+    sms_all = sum(sms_for(gbps_of(nbytes, time_s), machine.rates(link)[1])
+                  for link, nbytes in (("RDMA", rdma), ("NVLink", nvl)))
     return NormalResult(
         ep=ep, two_level=two, row_bytes=row_bytes, rdma_bytes=rdma, nvlink_bytes=nvl,
         time_us=time_s * 1e6, bound=bound,
-        deepep_rdma_gbps=(t * r.nodes_touched * row_bytes / time_s / 1e9) if two else 0.0,
-        deepep_nvlink_gbps=t * r.ranks_touched * row_bytes / time_s / 1e9,
+        deepep_rdma_gbps=gbps_of(t * r.nodes_touched * row_bytes, time_s) if two else 0.0,
+        deepep_nvlink_gbps=gbps_of(t * r.ranks_touched * row_bytes, time_s),
         sms_bound=sms_bound, sms_all=sms_all)
 
 
@@ -80,10 +78,10 @@ class LowLatencyResult:
 def low_latency(shape: Shape, machine: Machine, ep: int, row_bytes: int,
                 tokens: int | None = None) -> LowLatencyResult:
     """One low-latency dispatch or combine: ``T*k`` copies, fixed latency + max link time."""
-    p = min(ep, machine.gpus_per_node)
+    p = machine.ranks_per_node(ep)
     t = shape.decode_tokens if tokens is None else tokens
     total = t * shape.topk * row_bytes
     rdma = total * (ep - p) / ep
     nvl = total * (p - 1) / ep
-    time_s = max(rdma / (machine.nic_gbps * 1e9), nvl / (machine.nvlink_gbps * 1e9))
+    time_s = max(machine.link_seconds(rdma, nvl))
     return LowLatencyResult(ep, row_bytes, total, rdma, nvl, machine.ll_fixed_us + time_s * 1e6)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..runtime import NVLINK_GBPS, PER_SM_COPY_GBPS
+from .rates import seconds_at
 
 # DeepEP V1's published internode normal-kernel figures, "bottleneck bandwidth" (RDMA) in its
 # accounting, GB/s, (dispatch FP8, combine BF16) per EP: H800 (~160 GB/s NVLink), one CX7
@@ -29,3 +30,15 @@ class Machine:
     sm_nvlink_gbps: float = PER_SM_COPY_GBPS  # measured per-SM copy rate of our kernels
     sm_rdma_gbps: float = PER_SM_COPY_GBPS  # per-SM rate of staging rows for RDMA puts (assumed)
     ll_fixed_us: float = 40.0  # low-latency fixed cost: launch, put latency, completion signal
+
+    def ranks_per_node(self, ep: int) -> int:
+        """Ranks of an EP group of ``ep`` inside one node (the whole group when it fits)."""
+        return min(ep, self.gpus_per_node)
+
+    def rates(self, link: str) -> tuple[float, float]:
+        """(link GB/s, per-SM GB/s) of the ``"RDMA"`` or the ``"NVLink"`` link."""
+        return (self.nic_gbps, self.sm_rdma_gbps) if link == "RDMA" else (self.nvlink_gbps, self.sm_nvlink_gbps)
+
+    def link_seconds(self, rdma_bytes: float, nvlink_bytes: float) -> tuple[float, float]:
+        """Seconds the RDMA and the NVLink share of a transfer take at the links' rates."""
+        return seconds_at(rdma_bytes, self.nic_gbps), seconds_at(nvlink_bytes, self.nvlink_gbps)

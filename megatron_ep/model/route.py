@@ -145,7 +145,7 @@ class Routing:
 def routing(shape: Shape, machine: Machine, ep: int) -> Routing:
     """Fan-out of one token at EP size ``ep`` (``ep`` ranks, ``gpus_per_node`` per node)."""
     shape.check()
-    p = min(ep, machine.gpus_per_node)
+    p = machine.ranks_per_node(ep)
     if ep % p or shape.experts % ep:
         raise ValueError(f"EP {ep}: need EP a multiple of GPUs per node ({machine.gpus_per_node}) "
                          f"when larger, and experts ({shape.experts}) a multiple of EP")

@@ -7,19 +7,26 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .rates import us_at
 from .stages import STAGE_NAMES
+
+
+def _stage_terms(nbytes: float, sms: float, per_sm: float, link_bytes: float | None = None,
+                 link_gbps: float | None = None) -> tuple[float, float]:
+    """(µs on the SMs alone, µs with the link's limit too) of one stage; see ``stage_us``."""
+    if nbytes <= 0:
+        return 0.0, 0.0
+    sm = us_at(nbytes, per_sm, sms) if sms > 0 else math.inf
+    if not link_gbps:
+        return sm, sm
+    return sm, max(sm, us_at(nbytes if link_bytes is None else link_bytes, link_gbps))
 
 
 def stage_us(nbytes: float, sms: float, per_sm: float, link_bytes: float | None = None,
              link_gbps: float | None = None) -> float:
     """One stage on ``sms`` SMs: max(bytes / (SMs x per-SM rate), link bytes / link rate), µs
     (``link_bytes``: what crosses the link, default ``nbytes``; no link term without a rate)."""
-    if nbytes <= 0:
-        return 0.0
-    t = nbytes / (sms * per_sm * 1e9) * 1e6 if sms > 0 else math.inf
-    if link_gbps:
-        t = max(t, (nbytes if link_bytes is None else link_bytes) / (link_gbps * 1e9) * 1e6)
-    return t
+    return _stage_terms(nbytes, sms, per_sm, link_bytes, link_gbps)[1]
 
 
 @dataclass(frozen=True)
@@ -47,9 +54,8 @@ def bounding_stage(rdma_bytes: float, node_bytes: float, rdma_sms: float, node_s
     in-node stage on ``node_sms`` at once: the stage that takes longer (ties: the hop), limited
     by its SMs or, with a link rate given, by its link (``*_link_bytes``: what crosses it, e.g.
     only the remote rows over the NIC)."""
-    sm_r, sm_n = stage_us(rdma_bytes, rdma_sms, rdma_per_sm), stage_us(node_bytes, node_sms, node_per_sm)
-    t_r = stage_us(rdma_bytes, rdma_sms, rdma_per_sm, rdma_link_bytes, nic_gbps)
-    t_n = stage_us(node_bytes, node_sms, node_per_sm, node_link_bytes, nvlink_gbps)
+    sm_r, t_r = _stage_terms(rdma_bytes, rdma_sms, rdma_per_sm, rdma_link_bytes, nic_gbps)
+    sm_n, t_n = _stage_terms(node_bytes, node_sms, node_per_sm, node_link_bytes, nvlink_gbps)
     stage, sm_time, t = ("rdma", sm_r, t_r) if t_r >= t_n else ("node", sm_n, t_n)
     return StageBound(stage, "SMs" if sm_time >= t else "link", t_r, t_n)
 

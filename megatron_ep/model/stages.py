@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .rates import per_sm_gbps, sm_bound_us
+from .rates import gbps_of, us_at
 
 # An internode normal dispatch runs three stages one after the other (paths/internode.py):
 #   rdma   the RDMA-domain hop: every (token, destination node) pair, the own node's included
@@ -121,16 +121,16 @@ def calibrate_stages(work: StageWork, measured: StageTimes) -> StageRates:
         if not (nbytes > 0 and measured.of(stage) > 0):
             raise ValueError(f"calibrate_stages: the {STAGE_NAMES[stage]} needs bytes and a measured time "
                              f"(got {nbytes} B in {measured.of(stage)} µs)")
-    return StageRates(rdma_per_sm=per_sm_gbps(work.rdma_bytes, 1, measured.rdma_us, work.blocks),
-                      node_per_sm=per_sm_gbps(work.node_bytes, 1, measured.node_us, work.sms),
-                      local_gbps=work.local_bytes / (measured.local_us * 1e-6) / 1e9)
+    return StageRates(rdma_per_sm=gbps_of(work.rdma_bytes, measured.rdma_us * 1e-6, work.blocks),
+                      node_per_sm=gbps_of(work.node_bytes, measured.node_us * 1e-6, work.sms),
+                      local_gbps=gbps_of(work.local_bytes, measured.local_us * 1e-6))
 
 
 def predict_stages(work: StageWork, rates: StageRates) -> StageTimes:
     """Each stage's time at the calibrated rates (SM-bound: bytes / (SMs x per-SM rate))."""
-    return StageTimes(rdma_us=sm_bound_us(work.rdma_bytes, 1, work.blocks, rates.rdma_per_sm),
-                      node_us=sm_bound_us(work.node_bytes, 1, work.sms, rates.node_per_sm),
-                      local_us=work.local_bytes / (rates.local_gbps * 1e9) * 1e6, fixed_us=work.fixed_us)
+    return StageTimes(rdma_us=us_at(work.rdma_bytes, rates.rdma_per_sm, work.blocks),
+                      node_us=us_at(work.node_bytes, rates.node_per_sm, work.sms),
+                      local_us=us_at(work.local_bytes, rates.local_gbps), fixed_us=work.fixed_us)
 
 
 def within(ratio: float, tol: float = TIME_TOLERANCE) -> bool:

@@ -3,6 +3,8 @@ paths per EP size, the check against DeepEP V1's published figures and the train
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .kernels import low_latency, normal_path
 from .machine import DEEPEP_V1_INTERNODE, DEEPEP_V1_SOURCE, H800_NVLINK_GBPS, Machine
 from .route import routing
@@ -81,15 +83,13 @@ def report(shape: Shape, machine: Machine, step: StepModel, eps: list[int]) -> s
 def deepep_internode_check(shape: Shape, machine: Machine) -> str:
     """EP16-EP64 two-level predictions in DeepEP's RDMA accounting beside its published figures,
     with DeepEP's test routing (one group per node, min(nodes, 4) per token) and H800 NVLink."""
-    m = Machine(gpus_per_node=machine.gpus_per_node, nvlink_gbps=H800_NVLINK_GBPS, nic_gbps=machine.nic_gbps,
-                sm_nvlink_gbps=machine.sm_nvlink_gbps, sm_rdma_gbps=machine.sm_rdma_gbps)
+    m = replace(machine, nvlink_gbps=H800_NVLINK_GBPS)
     rows = []
     for ep, (pub_d, pub_c) in sorted(DEEPEP_V1_INTERNODE.items()):
         n = ep // m.gpus_per_node
         if ep % m.gpus_per_node or n < 2 or shape.experts % ep or shape.experts % n:
             continue
-        s = Shape(tokens=shape.tokens, hidden=shape.hidden, topk=shape.topk, experts=shape.experts, groups=n,
-                  topk_groups=min(n, 4), fp8_dispatch=True, combine_elem_bytes=2)
+        s = replace(shape, groups=n, topk_groups=min(n, 4), fp8_dispatch=True, combine_elem_bytes=2)
         d, c = normal_path(s, m, ep, s.dispatch_row_bytes), normal_path(s, m, ep, s.combine_row_bytes)
         r = routing(s, m, ep)
         rows.append([str(ep), str(n), f"{r.nodes_touched:.2f}", d.bound, f"{d.deepep_rdma_gbps:.0f}", f"{pub_d:g}",
