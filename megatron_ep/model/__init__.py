@@ -20,12 +20,11 @@ name is importable from ``megatron_ep.model``):
 * ``tables`` / ``command``: the printed report and the command line.
 """
 
-from .counts import LINK_FIELDS, LinkCount, link_count, link_count_from
 from .command import DEFAULT_EPS, build_parser, main
+from .counts import LINK_FIELDS, LinkCount, link_count, link_count_from
 from .kernels import LowLatencyResult, NormalResult, low_latency, normal_path
 from .machine import DEEPEP_V1_INTERNODE, DEEPEP_V1_SOURCE, H800_NVLINK_GBPS, Machine
-from .rates import per_sm_gbps, sm_bound_us, sms_for
-from .tables import deepep_internode_check, report
+from .rates import gbps_of, per_sm_gbps, seconds_at, sm_bound_us, sms_for, us_at
 from .route import (RouteCopies, Routing, expected_units_touched, expected_units_touched_exact, max_units_touched,
                     route_copies, routing)
 from .shape import Shape
@@ -33,16 +32,17 @@ from .sm_split import SmSplit, StageBound, bounding_stage, split_sms, stage_us
 from .stages import (STAGE_NAMES, STAGE_OF_MARK, STAGES, TIME_TOLERANCE, StageRates, StageTimes, StageWork, TimeCheck,
                      calibrate_stages, check_stages, combine_stage_work, dispatch_stage_work, phase_stages,
                      predict_stages, verdict, within)
-from .step import StepModel, StepResult, step_fraction
+from .step import MoeLayerCost, StepModel, StepResult, moe_layer, step_fraction
+from .tables import deepep_internode_check, report
 
 __all__ = [
     "DEEPEP_V1_INTERNODE", "DEEPEP_V1_SOURCE", "DEFAULT_EPS", "H800_NVLINK_GBPS", "LINK_FIELDS", "STAGES",
     "STAGE_NAMES", "STAGE_OF_MARK", "TIME_TOLERANCE",
-    "LinkCount", "LowLatencyResult", "Machine", "NormalResult", "RouteCopies", "Routing", "Shape", "SmSplit",
-    "StageBound", "StageRates", "StageTimes", "StageWork", "StepModel", "StepResult", "TimeCheck",
+    "LinkCount", "LowLatencyResult", "Machine", "MoeLayerCost", "NormalResult", "RouteCopies", "Routing", "Shape",
+    "SmSplit", "StageBound", "StageRates", "StageTimes", "StageWork", "StepModel", "StepResult", "TimeCheck",
     "bounding_stage", "build_parser", "calibrate_stages", "check_stages", "combine_stage_work",
     "deepep_internode_check", "dispatch_stage_work", "expected_units_touched", "expected_units_touched_exact",
-    "link_count", "link_count_from", "low_latency", "main", "max_units_touched", "normal_path", "per_sm_gbps",
-    "phase_stages", "predict_stages", "report", "route_copies", "routing", "sm_bound_us", "sms_for", "split_sms",
-    "stage_us", "step_fraction", "verdict", "within",
+    "gbps_of", "link_count", "link_count_from", "low_latency", "main", "max_units_touched", "moe_layer",
+    "normal_path", "per_sm_gbps", "phase_stages", "predict_stages", "report", "route_copies", "routing",
+    "seconds_at", "sm_bound_us", "sms_for", "split_sms", "stage_us", "step_fraction", "us_at", "verdict", "within",
 ]

@@ -7,6 +7,11 @@ Communication per MoE layer is forward dispatch + combine plus the same two back
 transfers). The main fraction assumes no overlap at all, ``comm / (comm + compute)``: an upper
 bound on the exposed communication under this model; the lower bound (perfect overlap) is
 ``max(comm - compute, 0) / max(comm, compute)``.
+
+A step is composed from per-layer terms: ``moe_layer`` gives one MoE layer's expert GEMMs and its
+communication as separate figures, and ``step_fraction`` decides how much of the communication
+stays exposed (``_exposed_share``: the two bounds above), so a model of the communication running
+under the expert GEMMs on a share of the SMs is one more composition of the same two terms.
 """
 
 from __future__ import annotations
@@ -31,6 +36,15 @@ class StepModel:
 
 
 @dataclass(frozen=True)
+class MoeLayerCost:
+    """One MoE layer per rank and micro-batch, forward + backward."""
+
+    expert_flops: int  # the expert MLP's three GEMMs over T*k rows; backward = 2x forward
+    routed_params: int  # routed-expert parameters one token activates in the layer
+    comm_us: float  # dispatch + combine forward and the same two backward
+
+
+@dataclass(frozen=True)
 class StepResult:
     ep: int
     expert_flops: float  # per rank, all MoE layers, forward + backward
@@ -42,17 +56,27 @@ class StepResult:
     fraction_overlapped: float  # max(comm - compute, 0) / max(comm, compute): perfect overlap
 
 
-def step_fraction(shape: Shape, machine: Machine, step: StepModel) -> StepResult:
-    """Share of a training step spent in dispatch/combine if nothing overlaps (upper bound)."""
+def moe_layer(shape: Shape, machine: Machine, step: StepModel) -> MoeLayerCost:
+    """One MoE layer's expert FLOPs, routed parameters and normal-path communication at ``step.ep``."""
     t, k, h, f = shape.tokens, shape.topk, shape.hidden, step.moe_ffn
     expert_fwd = 2 * t * k * h * f * 3  # gate, up, down GEMMs over T*k rows
-    expert = step.moe_layers * 3 * expert_fwd  # backward = 2x forward
-    routed_params = step.moe_layers * k * 3 * h * f
-    other = 6 * max(step.active_params - routed_params, 0.0) * t
+    comm_us = 2 * (normal_path(shape, machine, step.ep, shape.dispatch_row_bytes).time_us
+                   + normal_path(shape, machine, step.ep, shape.combine_row_bytes).time_us)
+    return MoeLayerCost(expert_flops=3 * expert_fwd, routed_params=k * 3 * h * f, comm_us=comm_us)
+
+
+def _exposed_share(comm_s: float, compute_s: float) -> tuple[float, float]:
+    """The step's share of exposed communication with no overlap (upper bound) and with all of
+    it hidden under the compute (lower bound)."""
+    return comm_s / (comm_s + compute_s), max(comm_s - compute_s, 0.0) / max(comm_s, compute_s)
+
+
+def step_fraction(shape: Shape, machine: Machine, step: StepModel) -> StepResult:
+    """Share of a training step spent in dispatch/combine if nothing overlaps (upper bound)."""
+    layer = moe_layer(shape, machine, step)
+    expert = step.moe_layers * layer.expert_flops
+    other = 6 * max(step.active_params - step.moe_layers * layer.routed_params, 0.0) * shape.tokens
     compute_s = (expert + other) / (step.tflops * 1e12)
-    per_layer_us = 2 * (normal_path(shape, machine, step.ep, shape.dispatch_row_bytes).time_us
-                        + normal_path(shape, machine, step.ep, shape.combine_row_bytes).time_us)
-    comm_s = step.moe_layers * per_layer_us * 1e-6
-    return StepResult(step.ep, expert, other, compute_s * 1e3, comm_s * 1e3, per_layer_us,
-                      comm_s / (comm_s + compute_s),
-                      max(comm_s - compute_s, 0.0) / max(comm_s, compute_s))
+    comm_s = step.moe_layers * layer.comm_us * 1e-6
+    return StepResult(step.ep, expert, other, compute_s * 1e3, comm_s * 1e3, layer.comm_us,
+                      *_exposed_share(comm_s, compute_s))
