@@ -5,4 +5,5 @@ import sys
 from ..cli import run_main
 from .command import PROG, main
 
-sys.exit(run_main(main, prog=PROG))
+if __name__ == "__main__":
+    sys.exit(run_main(main, prog=PROG))

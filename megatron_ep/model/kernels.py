@@ -54,8 +54,8 @@ def normal_path(shape: Shape, machine: Machine, ep: int, row_bytes: int,
     two = r.nodes > 1
     if time_s == 0:
         return NormalResult(ep, two, row_bytes, 0.0, 0.0, 0.0, bound, 0.0, 0.0, 0, 0)
-    sms_bound = sms_for(*machine.rates(bound))
-    sms_all = sum(sms_for(gbps_of(nbytes, time_s), machine.rates(link)[1])
+    sms_bound = sms_for(*machine.link_rates(bound))
+    sms_all = sum(sms_for(gbps_of(nbytes, time_s), machine.link_rates(link)[1])
                   for link, nbytes in (("RDMA", rdma), ("NVLink", nvl)))
     return NormalResult(
         ep=ep, two_level=two, row_bytes=row_bytes, rdma_bytes=rdma, nvlink_bytes=nvl,

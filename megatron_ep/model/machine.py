@@ -35,7 +35,7 @@ class Machine:
         """Ranks of an EP group of ``ep`` inside one node (the whole group when it fits)."""
         return min(ep, self.gpus_per_node)
 
-    def rates(self, link: str) -> tuple[float, float]:
+    def link_rates(self, link: str) -> tuple[float, float]:
         """(link GB/s, per-SM GB/s) of the ``"RDMA"`` or the ``"NVLink"`` link."""
         return (self.nic_gbps, self.sm_rdma_gbps) if link == "RDMA" else (self.nvlink_gbps, self.sm_nvlink_gbps)
 

@@ -3,7 +3,7 @@ paths per EP size, the check against DeepEP V1's published figures and the train
 
 from __future__ import annotations
 
-from dataclasses import replace
+import dataclasses
 
 from .kernels import low_latency, normal_path
 from .machine import DEEPEP_V1_INTERNODE, DEEPEP_V1_SOURCE, H800_NVLINK_GBPS, Machine
@@ -20,6 +20,7 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
 
 
 def report(shape: Shape, machine: Machine, step: StepModel, eps: list[int]) -> str:
+    """The text ``python -m megatron_ep.model`` prints for these inputs and EP sizes."""
     out = []
     d_row, c_row = shape.dispatch_row_bytes, shape.combine_row_bytes
     out.append(
@@ -83,13 +84,13 @@ def report(shape: Shape, machine: Machine, step: StepModel, eps: list[int]) -> s
 def deepep_internode_check(shape: Shape, machine: Machine) -> str:
     """EP16-EP64 two-level predictions in DeepEP's RDMA accounting beside its published figures,
     with DeepEP's test routing (one group per node, min(nodes, 4) per token) and H800 NVLink."""
-    m = replace(machine, nvlink_gbps=H800_NVLINK_GBPS)
+    m = dataclasses.replace(machine, nvlink_gbps=H800_NVLINK_GBPS)
     rows = []
     for ep, (pub_d, pub_c) in sorted(DEEPEP_V1_INTERNODE.items()):
         n = ep // m.gpus_per_node
         if ep % m.gpus_per_node or n < 2 or shape.experts % ep or shape.experts % n:
             continue
-        s = replace(shape, groups=n, topk_groups=min(n, 4), fp8_dispatch=True, combine_elem_bytes=2)
+        s = dataclasses.replace(shape, groups=n, topk_groups=min(n, 4), fp8_dispatch=True, combine_elem_bytes=2)
         d, c = normal_path(s, m, ep, s.dispatch_row_bytes), normal_path(s, m, ep, s.combine_row_bytes)
         r = routing(s, m, ep)
         rows.append([str(ep), str(n), f"{r.nodes_touched:.2f}", d.bound, f"{d.deepep_rdma_gbps:.0f}", f"{pub_d:g}",
