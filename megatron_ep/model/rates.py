@@ -1,0 +1,39 @@
+"""The rate arithmetic every cost term shares: bytes over a bandwidth, rates of measured
+transfers, and the SMs that cover a rate. GB/s = 1e9 bytes/s; a rate of ``units`` SMs (or
+blocks) is ``units`` x the per-unit rate."""
+
+from __future__ import annotations
+
+import math
+
+_EPS = 1e-9  # slack for ceilings of ratios computed in floating point
+
+
+def seconds_at(nbytes: float, gbps: float) -> float:
+    """Seconds ``nbytes`` take at ``gbps``."""
+    return nbytes / (gbps * 1e9)
+
+
+def us_at(nbytes: float, gbps: float, units: float = 1) -> float:
+    """µs ``nbytes`` take on ``units`` SMs (or links) of ``gbps`` each."""
+    return seconds_at(nbytes, units * gbps) * 1e6
+
+
+def gbps_of(nbytes: float, seconds: float, units: float = 1) -> float:
+    """The rate per unit (SM, block) at which ``units`` of them moved ``nbytes`` in ``seconds``, GB/s."""
+    return nbytes / seconds / units / 1e9
+
+
+def per_sm_gbps(rows: float, row_bytes: int, time_us: float, sms: int) -> float:
+    """Measured per-SM rate of a copy stage: rows x row bytes / time / SMs, GB/s."""
+    return gbps_of(rows * row_bytes, time_us * 1e-6, sms)
+
+
+def sm_bound_us(rows: float, row_bytes: int, sms: int, per_sm: float) -> float:
+    """Time of a copy stage bounded by its SMs: rows x row bytes / (SMs x per-SM rate), µs."""
+    return us_at(rows * row_bytes, per_sm, sms)
+
+
+def sms_for(rate_gbps: float, per_sm_gbps: float) -> int:
+    """SMs whose copy rate covers ``rate_gbps``: ceil(rate / per-SM rate)."""
+    return math.ceil(rate_gbps / per_sm_gbps - _EPS) if rate_gbps > 0 else 0
