@@ -56,7 +56,6 @@ import platform
 import resource
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -65,9 +64,11 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # run from a checkout
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path[:0] = [ROOT, HERE]  # run from a checkout; the bench package beside this file
 
+from bench import internals, report  # noqa: E402
 from megatron_ep import cli, resources  # noqa: E402
 from recipes import train_moe  # noqa: E402
 from recipes.comm_timer import CommTimer  # noqa: E402
@@ -354,7 +355,7 @@ def dropped_rows(model, device) -> Optional[int]:
     `num_dropped_rows`, summed over layers and ranks); None when no manager counts drops."""
     counts = []
     for m in model.modules():
-        mgr = getattr(getattr(m, "token_dispatcher", None), "_comm_manager", None)
+        mgr = internals.comm_manager(getattr(m, "token_dispatcher", None))
         n = getattr(mgr, "num_dropped_rows", None)
         if isinstance(n, torch.Tensor):
             counts.append(int(n.sum().item()))
@@ -414,15 +415,10 @@ def machine_description(on_gpu: bool, world: int, virtual_ranks: bool = False) -
 
 
 def git_revision() -> str:
-    try:
-        rev = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10)
-        if rev.returncode:
-            return "unknown"
-        return rev.stdout.strip() + (" + uncommitted changes" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.SubprocessError):
+    rev = report.git_revision(ROOT)
+    if rev is None:
         return "unknown"
+    return rev[0] + (" + uncommitted changes" if rev[1] else "")
 
 
 def command_line(world: int) -> str:
@@ -494,10 +490,10 @@ def format_text_table(rows: List[List[str]]) -> str:
 
 
 def format_markdown_table(rows: List[List[str]]) -> str:
-    out = ["| " + " | ".join(COLUMNS) + " |", "|---|" + "---:|" * (len(COLUMNS) - 1)]
+    out = [report.md_line(COLUMNS), report.md_rule(len(COLUMNS))]
     for r in rows:
         cells = r if len(r) == len(COLUMNS) else [r[0], r[1].replace("|", "\\|")] + [""] * (len(COLUMNS) - 2)
-        out.append("| " + " | ".join(cells) + " |")
+        out.append(report.md_line(cells))
     return "\n".join(out)
 
 
@@ -617,7 +613,7 @@ def main(argv=None) -> int:
         if args.mode == "train":
             say(f"{run.key}: built in {time.perf_counter() - t0:.1f} s: {train_moe.describe(run.state)}")
         else:
-            mgr = getattr(run.state.layer.token_dispatcher, "_comm_manager", None)
+            mgr = internals.comm_manager(run.state.layer.token_dispatcher)
             say(f"{run.key}: built in {time.perf_counter() - t0:.1f} s: "
                 f"{type(mgr).__name__ if mgr else type(run.state.layer.token_dispatcher).__name__}, "
                 f"experts {type(run.state.layer.experts).__name__}")
