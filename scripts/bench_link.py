@@ -83,7 +83,7 @@ __device__ void tma_body(const char* src, char* dst, long long nbytes, int chunk
   }
   asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
-// Our push's pattern (csrc/kernels/intranode.cu, dispatch_push_kernel): a warp per row, U loads
+// Our push's pattern (csrc/intranode/dispatch.cu, dispatch_push_kernel): a warp per row, U loads
 // per lane then the stores to each destination; mode bit 0: also a local copy of the row (the
 // sender's own rank), bit 1: also K 8-byte ids and K 4-byte weights per row and destination.
 extern "C" __global__ void rows_copy(const int4* __restrict__ src, int4* remote, int4* local, long long* ids_r,

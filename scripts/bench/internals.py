@@ -21,7 +21,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-# Trace points of csrc/kernels/low_latency.h (LLTracePoint), in order.
+# Trace points of csrc/low_latency/api.h (LLTracePoint), in order.
 TRACE_POINTS = ("entry", "released", "zero", "cast", "sent", "arrived", "copied", "end", "scanned", "stored")
 
 
@@ -58,7 +58,7 @@ def tracer(buf):
 
 def pool_stats(buf):
     """INTERNAL: `buf._impl.rt.rt.pool_stats()` -- the output pool's (GPU-side waits, host waits,
-    misses) so far (csrc/pool.h), or None when missing."""
+    misses) so far (csrc/ipc/pool.h), or None when missing."""
     rt = getattr(_runtime(buf), "rt", None)
     return getattr(rt, "pool_stats", None)
 
@@ -112,7 +112,7 @@ def low_latency_trace(buf):
     """INTERNAL: `buf._impl._low_latency()` -- the low-latency kernels' trace stamps attached
     for the block: yields a zeroed int64 tensor [2 (dispatch, combine), blocks, len(TRACE_POINTS)]
     the kernels stamp (%globaltimer ns per block and point, 0 where not stamped;
-    csrc/kernels/low_latency.h), detached on exit."""
+    csrc/low_latency/api.h), detached on exit."""
     ll = buf._impl._low_latency()
     trace = torch.zeros(2, ll.ext.MAX_BLOCKS, ll.ext.TRACE_POINTS, dtype=torch.int64, device="cuda")
     ll.buf.set_trace(trace)

@@ -81,7 +81,7 @@ def graph_figures(a, fns, group):
 
 def trace_figures(buf, fns, iters, group):
     """Where our kernels' time goes: each of `fns` ({"dispatch": fn, "combine": fn}) is called
-    `iters` times eagerly with the kernels' trace stamps attached (csrc/kernels/low_latency.h);
+    `iters` times eagerly with the kernels' trace stamps attached (csrc/low_latency/api.h);
     per call, every point's time from the earliest block's entry (latest block, as the kernel
     ends when its last block does), then the mean over calls. Eager: the "wait" span includes the
     ranks' launch skew."""
