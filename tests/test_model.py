@@ -629,3 +629,51 @@ def test_bench_model_check_sm_sweep():
     assert comb.endswith("1080.1 per call: 1.01 (within 25%)")
     # the 16-SM block itself calibrates and predicts at 16 SMs, no sweep line
     assert "SM sweep" not in bench.model_check(args, allres, "16", 2 * CALL1_H, ref_key="16")
+
+
+# Communication under the expert GEMMs (megatron_ep/model/overlap.py)
+def _costs(ep):
+    from megatron_ep.model import Machine, Shape, StepModel, layer_costs
+    return layer_costs(Shape(), Machine(), StepModel(ep=ep))
+
+
+def test_overlap_schedule_bounds():
+    """Every mechanism and piece count lies between the busier stream alone and no overlap plus
+    the SMs it takes; one piece is the same for both mechanisms; fixed costs per chunk make many
+    chunks worse than arrival counters with as many groups."""
+    from megatron_ep.model import layer_times
+    for ep in (2, 8, 64):
+        c = _costs(ep)
+        none = layer_times(c, "none")
+        comm_fwd, comm_bwd = c.dispatch + c.combine, 2 * c.combine
+        assert none.forward_us == pytest.approx(49 + 15 + comm_fwd + c.gemm_fwd)
+        for mode in ("chunks", "arrivals"):
+            for n in (1, 2, 4, 8, 16):
+                t = layer_times(c, mode, n)
+                assert t.forward_us >= max(comm_fwd, c.gemm_fwd) and t.backward_us >= max(comm_bwd, c.gemm_dgrad + c.gemm_wgrad)
+                slowest = none.total_us * c.sms / (c.sms - c.comm_sms) + 2 * n * (49 + 15)
+                assert t.total_us <= slowest
+        assert layer_times(c, "chunks", 1).total_us == pytest.approx(layer_times(c, "arrivals", 1).total_us)
+        assert layer_times(c, "chunks", 16).total_us > layer_times(c, "arrivals", 16).total_us
+
+
+def test_overlap_hides_most_communication_at_ep64():
+    """At EP64 the layer's communication (forward and backward, ~13 ms) is of the order of its
+    GEMMs (~22 ms): the best schedule leaves under a tenth of it exposed."""
+    from megatron_ep.model import best_overlap
+    c = _costs(64)
+    b = best_overlap(c, 16)
+    exposed = b["arrivals"].total_us - 3 * c.gemm_fwd
+    assert exposed < 0.1 * (b["none"].total_us - 3 * c.gemm_fwd)
+    assert b["none"].total_us / b["arrivals"].total_us > 1.4
+
+
+def test_overlap_refuses_bad_arguments():
+    from megatron_ep.model import layer_times
+    c = _costs(8)
+    with pytest.raises(ValueError, match="overlap mode"):
+        layer_times(c, "pipelined", 2)
+    with pytest.raises(ValueError, match="pieces"):
+        layer_times(c, "chunks", 0)
+    with pytest.raises(ValueError, match="pieces"):
+        layer_times(c, "none", 4)

@@ -7,6 +7,7 @@ import argparse
 from ..cli import ArgumentParser
 from ..protocol import FP8_BLOCK
 from .machine import Machine
+from .overlap import OverlapOptions
 from .tables import report
 from .shape import Shape
 from .step import StepModel
@@ -16,7 +17,7 @@ DEFAULT_EPS = (8, 16, 32, 64, 128, 256)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    S, M, T = Shape(), Machine(), StepModel()
+    S, M, T, O = Shape(), Machine(), StepModel(), OverlapOptions()
     p = ArgumentParser(
         prog=PROG,
         description="Analytic model of EP dispatch/combine: bytes per link, time, DeepEP-style "
@@ -53,20 +54,30 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--active-params", type=float, default=T.active_params,
                    help="activated parameters per token (DeepSeek-V3: 37e9)")
     t.add_argument("--tflops", type=float, default=T.tflops, help="achieved TFLOP/s per GPU")
+    o = p.add_argument_group("communication under the expert GEMMs (megatron_ep/model/overlap.py)")
+    o.add_argument("--sms", type=int, default=M.sms, help="SMs per GPU (the GEMMs get what communication leaves)")
+    o.add_argument("--dispatch-fixed-us", type=float, default=O.dispatch_fixed_us,
+                   help="fixed cost of one dispatch call (notify, launches), paid by every chunk")
+    o.add_argument("--combine-fixed-us", type=float, default=O.combine_fixed_us,
+                   help="fixed cost of one combine call (call exchange, launch), paid by every chunk")
+    o.add_argument("--max-pieces", type=int, default=O.max_pieces, help="most chunks or expert groups tried")
     return p
 
 
 def _validate(parser: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     """Sizes and rates the formulas divide by: refused with one line before any arithmetic."""
     for name in ("tokens", "decode_tokens", "hidden", "topk", "experts", "groups", "topk_groups", "gpus_per_node",
-                 "step_ep", "moe_ffn", "moe_layers", "layers"):
+                 "step_ep", "moe_ffn", "moe_layers", "layers", "max_pieces"):
         if getattr(a, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     for name in ("nvlink_gbps", "nic_gbps", "sm_nvlink_gbps", "sm_rdma_gbps", "active_params", "tflops"):
         if not getattr(a, name) > 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(a, name)}")
-    if a.ll_fixed_us < 0:
-        parser.error(f"--ll-fixed-us must be >= 0, got {a.ll_fixed_us}")
+    for name in ("ll_fixed_us", "dispatch_fixed_us", "combine_fixed_us"):
+        if getattr(a, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(a, name)}")
+    if a.sms < 2:
+        parser.error(f"--sms must be >= 2 (communication and GEMMs share them), got {a.sms}")
     bad = [ep for ep in a.ep if ep < 1]
     if bad:
         parser.error(f"--ep sizes must be >= 1, got {bad}")
@@ -86,11 +97,11 @@ def main(argv: list[str] | None = None) -> int:
                   fp8_dispatch=not a.bf16_dispatch)
     machine = Machine(gpus_per_node=a.gpus_per_node, nvlink_gbps=a.nvlink_gbps, nic_gbps=a.nic_gbps,
                       sm_nvlink_gbps=a.sm_nvlink_gbps, sm_rdma_gbps=a.sm_rdma_gbps,
-                      ll_fixed_us=a.ll_fixed_us)
+                      ll_fixed_us=a.ll_fixed_us, sms=a.sms)
     step = StepModel(ep=a.step_ep, moe_ffn=a.moe_ffn, moe_layers=a.moe_layers, layers=a.layers,
                      active_params=a.active_params, tflops=a.tflops)
     try:
-        text = report(shape, machine, step, a.ep)
+        text = report(shape, machine, step, a.ep, OverlapOptions(a.dispatch_fixed_us, a.combine_fixed_us, a.max_pieces))
     except ValueError as e:
         parser.error(str(e))
     print(text)

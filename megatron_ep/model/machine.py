@@ -30,6 +30,7 @@ class Machine:
     sm_nvlink_gbps: float = PER_SM_COPY_GBPS  # measured per-SM copy rate of our kernels
     sm_rdma_gbps: float = PER_SM_COPY_GBPS  # per-SM rate of staging rows for RDMA puts (assumed)
     ll_fixed_us: float = 40.0  # low-latency fixed cost: launch, put latency, completion signal
+    sms: int = 132  # SMs per GPU (H100 / H200 SXM): the GEMMs get what the communication leaves
 
     def ranks_per_node(self, ep: int) -> int:
         """Ranks of an EP group of ``ep`` inside one node (the whole group when it fits)."""

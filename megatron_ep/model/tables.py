@@ -1,5 +1,6 @@
 """The printed report of ``python -m megatron_ep.model``: routing, the normal and low-latency
-paths per EP size, the check against DeepEP V1's published figures and the training step."""
+paths per EP size, the check against DeepEP V1's published figures, the training step and one
+MoE layer with its communication under the expert GEMMs."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import dataclasses
 
 from .kernels import low_latency, normal_path
 from .machine import DEEPEP_V1_INTERNODE, DEEPEP_V1_SOURCE, H800_NVLINK_GBPS, Machine
+from .overlap import OverlapOptions, best_overlap, layer_costs
 from .route import routing
 from .shape import Shape
 from .step import StepModel, step_fraction
@@ -19,7 +21,7 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def report(shape: Shape, machine: Machine, step: StepModel, eps: list[int]) -> str:
+def report(shape: Shape, machine: Machine, step: StepModel, eps: list[int], overlap: OverlapOptions | None = None) -> str:
     """The text ``python -m megatron_ep.model`` prints for these inputs and EP sizes."""
     out = []
     d_row, c_row = shape.dispatch_row_bytes, shape.combine_row_bytes
@@ -78,6 +80,39 @@ def report(shape: Shape, machine: Machine, step: StepModel, eps: list[int]) -> s
     out.append(f"  communication share with no overlap: {100 * s.fraction:.1f}% "
                f"(an upper bound: any overlap lowers it); with perfect overlap "
                f"{100 * s.fraction_overlapped:.1f}% (the lower bound)")
+    out.append(overlap_table(shape, machine, step, overlap or OverlapOptions()))
+    return "\n".join(out)
+
+
+def overlap_table(shape: Shape, machine: Machine, step: StepModel, o: OverlapOptions) -> str:
+    """One MoE layer (forward + backward) with no overlap and under each mechanism of overlap.py,
+    at EP 2, 8 and the step's EP; then the step with the best mechanism."""
+    out = [f"\ncommunication under the expert GEMMs (megatron_ep/model/overlap.py), one MoE layer fwd + bwd per "
+           f"rank and micro-batch, ms; fixed cost {o.dispatch_fixed_us:g} us per dispatch call and "
+           f"{o.combine_fixed_us:g} us per combine call, at most {o.max_pieces} chunks or expert groups, "
+           f"weight gradients deferred"]
+    rows, best_at_step = [], None
+    for ep in sorted({2, 8, step.ep}):
+        st = dataclasses.replace(step, ep=ep)
+        costs = layer_costs(shape, machine, st)
+        b = best_overlap(costs, o.max_pieces, o.dispatch_fixed_us, o.combine_fixed_us)
+        none, chunks, arr = b["none"], b["chunks"], b["arrivals"]
+        best = min(chunks, arr, key=lambda t: t.total_us)
+        rows.append([str(ep), f"{(costs.dispatch + costs.combine) / 1e3:.2f}", f"{3 * costs.gemm_fwd / 1e3:.2f}",
+                     str(costs.comm_sms), f"{none.total_us / 1e3:.2f}",
+                     f"{chunks.total_us / 1e3:.2f} ({chunks.pieces})", f"{arr.total_us / 1e3:.2f} ({arr.pieces})",
+                     f"{none.total_us / best.total_us:.2f}x"])
+        if ep == step.ep:
+            best_at_step = (none, best)
+    out.append(_table(["EP", "D+C fwd", "GEMMs", "comm SMs", "no overlap", "chunks (n)", "arrivals (n)",
+                       "best gain"], rows))
+    s = step_fraction(shape, machine, step)
+    none, best = best_at_step
+    other_ms = s.compute_ms - step.moe_layers * 3 * layer_costs(shape, machine, step).gemm_fwd / 1e3
+    t_none = other_ms + step.moe_layers * none.total_us / 1e3
+    t_best = other_ms + step.moe_layers * best.total_us / 1e3
+    out.append(f"  step at EP{step.ep}: {t_none:.0f} ms with no overlap (backward transfers at BF16 size), "
+               f"{t_best:.0f} ms with {best.mode} ({best.pieces}): {t_none / t_best:.2f}x")
     return "\n".join(out)
 
 
