@@ -142,3 +142,13 @@ def test_reserve(R):
     """Collective sizing ahead of sync-free calls (hybridep's static budget relies on it)."""
     errors = flat(pool_(R).run(cases.run_reserve, dict(seed=9), timeout=300))
     assert not errors, "\n".join(errors[:20])
+
+
+@pytest.mark.parametrize("R", [2, 4, 8])
+def test_chunked_experts(R):
+    """megatron_ep.experts.chunked_expert_mlp on the cuda backend: the pipelined chunks give one
+    round's outputs and gradients (the CPU test's cases)."""
+    import chunked_experts_cases as cc
+
+    errors = flat(pool_(R).run(cc.run_chunked_experts_cases, cc.cases(R), backend="cuda", device="cuda", timeout=300))
+    assert not errors, "\n".join(errors[:20])

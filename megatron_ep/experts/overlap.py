@@ -1,0 +1,81 @@
+"""Routed experts with their communication under the expert GEMMs: the tokens cut into chunks,
+each chunk its own dispatch, expert MLP and combine, issued so that chunk c + 1's dispatch runs
+on the buffer's communication stream while chunk c's GEMMs run on the caller's stream, and chunk
+c's combine while chunk c + 1's GEMMs run (megatron_ep/model/overlap.py, mechanism "chunks":
+every chunk pays a call's fixed cost, in exchange for no kernel change).
+
+Backward overlaps the same way without anything more: the backward of a combine is a cached
+dispatch and the backward of a dispatch a combine (megatron_ep.autograd), each on the buffer's
+stream, and autograd reaches the chunks' nodes interleaved, so one chunk's gradient transfers
+run while another chunk's GEMM backward computes.
+
+The overlap needs the host to issue ahead: a dispatch that must tell the host its row counts
+(no worst-case sizing) waits for its counts before the next GEMM is issued, so the chunks
+overlap fully with ``num_worst_tokens`` (the sync-free budget mode) and partly without.
+
+Every rank must pass the same ``chunks``: each chunk is one collective call. A rank with fewer
+tokens (or none) makes the same calls with smaller (or empty) chunks.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .. import autograd
+from ..checks import check_int, fail
+from .layout import GroupedLayout
+from .mlp import expert_mlp
+
+
+def chunk_bounds(num_tokens: int, chunks: int) -> List[tuple]:
+    """[start, end) of each chunk: ``chunks`` contiguous pieces, sizes differing by at most one."""
+    base, extra = divmod(num_tokens, chunks)
+    bounds, start = [], 0
+    for c in range(chunks):
+        end = start + base + (1 if c < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def chunked_expert_mlp(buffer, x: torch.Tensor, topk_idx: torch.Tensor, probs: torch.Tensor, w1: torch.Tensor,
+                       w2: torch.Tensor, num_experts: int, chunks: int = 4, expert_alignment: int = 1,
+                       activation: Callable = F.gelu, glu: bool = False, backend: Optional[str] = None,
+                       num_worst_tokens: Optional[int] = None) -> torch.Tensor:
+    """MoE experts over ``chunks`` pipelined dispatch / expert MLP / combine rounds.
+
+    x [T, H], topk_idx [T, K] (int64, -1 = unused slot), probs [T, K] (the routing weights,
+    applied inside the experts as Megatron does), w1 [L, F or 2F, H], w2 [L, H, F] for this rank's
+    L local experts -> [T, H]: the same as one round (``chunks=1``) up to the order of
+    floating-point sums in the GEMMs. Differentiable in x, probs, w1 and w2.
+    """
+    check_int("chunks", chunks, 1)
+    fail(x.dim() == 2 and topk_idx.dim() == 2 and topk_idx.shape[0] == x.shape[0],
+         f"x must be [T, H] and topk_idx [T, K] with the same T, got {tuple(x.shape)} and {tuple(topk_idx.shape)}")
+    fail(probs.shape == topk_idx.shape, f"probs must have topk_idx's shape {tuple(topk_idx.shape)}, got "
+         f"{tuple(probs.shape)}")
+    if num_worst_tokens is not None:
+        check_int("num_worst_tokens", num_worst_tokens, 0)
+    options = {} if num_worst_tokens is None else {"num_worst_tokens": num_worst_tokens}
+
+    def dispatch(start: int, end: int):
+        return autograd.dispatch(buffer, x[start:end], topk_idx[start:end], probs[start:end], num_experts=num_experts,
+                                 permute=True, expert_alignment=expert_alignment, **options)
+
+    def experts_and_combine(out) -> torch.Tensor:
+        layout = GroupedLayout.of(out.x, out.tokens_per_expert)
+        y = expert_mlp(out.x, out.topk_weights, w1, w2, layout, activation, glu, backend)
+        return autograd.combine(buffer, y, out.handle).x
+
+    bounds = chunk_bounds(x.shape[0], chunks)
+    ahead = dispatch(*bounds[0])
+    results = []
+    for c in range(chunks):
+        current = ahead
+        # the next chunk's dispatch is issued before this chunk's GEMMs: it runs under them
+        ahead = dispatch(*bounds[c + 1]) if c + 1 < chunks else None
+        results.append(experts_and_combine(current))
+    return torch.cat(results) if chunks > 1 else results[0]

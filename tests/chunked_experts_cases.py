@@ -1,0 +1,74 @@
+"""Worker bodies for megatron_ep.experts.chunked_expert_mlp (run on every rank of a DistPool):
+the chunked pipeline against one round, outputs and the gradients of x, probs, w1 and w2, on
+the torch backend (CPU) and the cuda backend (virtual ranks)."""
+
+from __future__ import annotations
+
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from cases import get_buffer
+from megatron_ep.experts import chunked_expert_mlp
+
+
+def _inputs(cfg: dict, rank: int, device: str):
+    E, K, H, F_ = cfg["E"], cfg["K"], cfg["H"], cfg["F"]
+    R = dist.get_world_size()
+    T = cfg["Ts"][rank]
+    g = torch.Generator().manual_seed(cfg["seed"] + rank)
+    x = torch.randn((T, H), generator=g)
+    if cfg.get("pattern") == "hot":  # every token's first slot on expert 0, the rest unused
+        idx = torch.full((T, K), -1, dtype=torch.int64)
+        idx[:, 0] = 0
+    else:
+        idx = torch.rand((T, E), generator=g).topk(K, dim=1).indices
+        idx = torch.where(torch.rand((T, K), generator=g) < cfg.get("p_drop", 0.0), -1, idx)
+    probs = torch.rand((T, K), generator=g)
+    wg = torch.Generator().manual_seed(cfg["seed"] + 1000 + rank)  # this rank's local experts
+    L = E // R
+    w1 = torch.randn((L, 2 * F_ if cfg.get("glu") else F_, H), generator=wg) / H ** 0.5
+    w2 = torch.randn((L, H, F_), generator=wg) / F_ ** 0.5
+    grad = torch.randn((T, H), generator=g)
+    return [t.to(device) for t in (x, idx, probs, w1, w2, grad)]
+
+
+def run_chunked_experts_case(cfg: dict, backend: str = "torch", device: str = "cpu") -> list:
+    R, rank = dist.get_world_size(), dist.get_rank()
+    tag = f"[chunked experts R={R} rank={rank} seed={cfg['seed']} Ts={cfg['Ts']} chunks={cfg['chunks']}]"
+    try:
+        buf = get_buffer(backend)
+        x, idx, probs, w1, w2, grad = _inputs(cfg, rank, device)
+        act = F.silu if cfg.get("glu") else F.gelu
+        results = []
+        for chunks in (1, cfg["chunks"]):
+            leaves = [t.detach().clone().requires_grad_(True) for t in (x, probs, w1, w2)]
+            y = chunked_expert_mlp(buf, leaves[0], idx, leaves[1], leaves[2], leaves[3], cfg["E"], chunks=chunks,
+                                   expert_alignment=cfg.get("align", 1), activation=act, glu=cfg.get("glu", False))
+            y.backward(grad)
+            results.append([y.detach()] + [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves])
+        errors = []
+        for name, one, many in zip(("output", "grad x", "grad probs", "grad w1", "grad w2"), *results):
+            if one.shape != many.shape or not torch.allclose(one, many, rtol=1e-4, atol=1e-5):
+                diff = (one - many).abs().max().item() if one.shape == many.shape else f"shapes {one.shape} {many.shape}"
+                errors.append(f"{tag} {name}: chunked differs from one round (max abs diff {diff})")
+        if cfg["Ts"][rank] and not results[0][0].abs().sum() > 0:
+            errors.append(f"{tag} the output is all zero: the case checks nothing")
+        return errors
+    except Exception:
+        return [f"{tag} raised:\n{traceback.format_exc()}"]
+
+
+def cases(R: int) -> list:
+    """Uneven token counts with an empty rank, -1 slots, one hot expert, more chunks than some
+    ranks have tokens, SwiGLU with expert alignment."""
+    Ts = [5, 0, 9, 3, 7, 1, 4, 6][:R]
+    return [dict(seed=300 + R, E=2 * R, K=2, H=16, F=8, Ts=Ts, chunks=3, p_drop=0.2),
+            dict(seed=310 + R, E=4 * R, K=3, H=16, F=8, Ts=[8] * R, chunks=4, pattern="hot"),
+            dict(seed=320 + R, E=2 * R, K=2, H=32, F=16, Ts=Ts, chunks=6, glu=True, align=4)]
+
+
+def run_chunked_experts_cases(cfgs: list, backend: str = "torch", device: str = "cpu") -> list:
+    return [e for cfg in cfgs for e in run_chunked_experts_case(cfg, backend, device)]
