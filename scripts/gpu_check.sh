@@ -69,12 +69,12 @@ build_one() {  # build_one NAMES TEMP LOG
     python3 setup.py build_ext --inplace --build-temp "build/$2" > "$3" 2>&1
 }
 t0=$(date +%s)
-LL_PID=
+NVSHMEM_PID=
 if [ "${MEP_GATE_REUSE_BUILD:-0}" = 1 ] && usable; then
   printf 'build\t1\t0\t0\t%s\treused the extension already built here\n' $(( $(date +%s) - t0 )) >> "$RESULTS"
 else
-  build_one _C_nvshmem gate_ll "$LOGS/build_ll.log" &
-  LL_PID=$!
+  build_one _C_nvshmem gate_nvshmem "$LOGS/build_nvshmem.log" &
+  NVSHMEM_PID=$!
   if build_one _protocol,_C gate_c "$LOGS/build.log" && python3 -c "import megatron_ep as m, sys; sys.exit(0 if m.cuda_backend_available() else 1)"; then
     printf 'build _C\t1\t0\t0\t%s\t\n' $(( $(date +%s) - t0 )) >> "$RESULTS"
   else
@@ -84,22 +84,22 @@ else
     exit 1
   fi
 fi
-wait_ll_build() {  # once: the background _C_nvshmem build's result row
-  [ -n "$LL_PID" ] || return 0
+wait_nvshmem_build() {  # once: the background _C_nvshmem build's result row
+  [ -n "$NVSHMEM_PID" ] || return 0
   local rc=0
-  wait "$LL_PID" || rc=$?
-  LL_PID=
-  cat "$LOGS/build_ll.log" >> "$LOGS/build.log"
+  wait "$NVSHMEM_PID" || rc=$?
+  NVSHMEM_PID=
+  cat "$LOGS/build_nvshmem.log" >> "$LOGS/build.log"
   if [ "$rc" = 0 ] && usable; then
     printf 'build _C_nvshmem\t1\t0\t0\t%s\tbeside the _C build\n' $(( $(date +%s) - t0 )) >> "$RESULTS"
   else
-    status=1; tail -30 "$LOGS/build_ll.log"
+    status=1; tail -30 "$LOGS/build_nvshmem.log"
     printf 'build _C_nvshmem\t0\t1\t0\t%s\tnot built or not usable\n' $(( $(date +%s) - t0 )) >> "$RESULTS"
   fi
   grep -E "Compiling entry|registers|spill" "$LOGS/build.log" | sed 's/ptxas info *: //' > "$LOGS/ptxas.txt"
   tail -1 "$RESULTS"
 }
-wait_ll_build
+wait_nvshmem_build
 
 # run_file NAME TIMEOUT_S PYTEST_ARGS...: one pytest run, its summary row (from the junit record;
 # a file killed at its timeout names the test that was running)
