@@ -15,6 +15,8 @@
 #                                      tests/test_sanitizer_pass.py (one pool)
 #   MEP_GATE_BUDGET_S=590              the whole run's wall-clock budget: each file's timeout is cut to
 #                                      what is left of it, so the run ends (and reports) inside it
+#   MEP_GATE_SANITIZER_LOADING=LAZY    module loading of the sanitizer runs (no MPS there; EAGER loads
+#                                      and instruments every kernel of every library)
 #
 # Virtual ranks (R processes on one GPU, CUDA IPC between them) run under MPS, started here; with
 # two GPUs rank r takes GPU r % 2, so R = 2 is one process per GPU. Every test has a time limit
@@ -141,7 +143,11 @@ sanitize() {
   local name=$1 tool=$2 limit; limit=$(left "$3" 15); shift 3
   local log=$LOGS/sanitizer_${tool}_${name//[^A-Za-z0-9_.-]/_}.log t0 rc
   t0=$(date +%s)
-  MEP_TIMEOUT_S=120 timeout -k 10 "$limit" compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 9 \
+  # lazy module loading here (no MPS: a context per rank), so the tool instruments only the kernels
+  # that run, not every kernel of torch's libraries; MEP_GATE_SANITIZER_LOADING=EAGER as before
+  local loading=${MEP_GATE_SANITIZER_LOADING:-LAZY}
+  MEP_TIMEOUT_S=120 MEP_TEST_MODULE_LOADING=$loading CUDA_MODULE_LOADING=$loading \
+    timeout -k 10 "$limit" compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 9 \
     python3 -m pytest -q -x -p no:cacheprovider "$@" > "$log" 2>&1
   rc=$?
   local errs passed
