@@ -4,12 +4,14 @@
 # with DeepEP and NCCL baselines), the low-latency benchmark, the Megatron A/B runs, the NVLink
 # roofline, DeepGEMM's expert tests. Logs go under $OUT. The tests are scripts/gpu_check.sh (the
 # gate); run it first: a figure counts only for code that passed it.
-#   MEP_GPU_STEPS   phases, comma-separated: build,bench,megatron,lowlat,deepgemm,link
+#   MEP_GPU_STEPS   phases, comma-separated: build,bench,megatron,lowlat,overlap,deepgemm,link
 #                   (default build,bench)
 #   link            the NVLink roofline between GPUs 0 and 1 (scripts/bench_link.py MEP_LINK_ARGS: copy
 #                   engine, SM stores, bulk copies; one way and both ways) -> $OUT/link.md
 #   lowlat          scripts/bench_low_latency.py --ranks ${MEP_LL_RANKS:-2} (MEP_LL_BENCH_ARGS) -> $OUT/ll_bench.md
 #   megatron        the Megatron A/B runs of MEP_AB_ARGS (scripts/ab_throughput.py)
+#   overlap         scripts/bench_overlap.py --ranks ${MEP_OVERLAP_RANKS:-2} (MEP_OVERLAP_ARGS): chunked
+#                   experts against one round, the forward timeline, the model -> $OUT/overlap.log
 #   deepgemm        DeepGEMM under our expert glue: waits for .carry/build_deepgemm.sh's build (started
 #                   at the top; MEP_DG_WAIT seconds, default 300), takes /tmp/deepgemm.env (PYTHONPATH,
 #                   DG_JIT_CACHE_DIR, LD_PRELOAD) for this phase only, then under MPS: every GPU test of
@@ -96,6 +98,16 @@ if has lowlat; then
   PYTHONPATH=$llpath timeout "${MEP_LL_BENCH_TIMEOUT:-400}" python3 scripts/bench_low_latency.py --ranks "$llr" ${MEP_LL_BENCH_ARGS:-} \
     --markdown "$OUT/ll_bench.md" --json "$OUT/ll_bench.json" > "$OUT/ll_bench.log" 2>&1 || { status=1; echo "LL bench failed"; }
   grep -v "^\[" "$OUT/ll_bench.log" | tail -30
+  stop_mps
+fi
+if has overlap; then
+  phase overlap
+  ovr=${MEP_OVERLAP_RANKS:-2}
+  [ "$ovr" -gt "$NGPU" ] && start_mps
+  # shellcheck disable=SC2086
+  timeout "${MEP_OVERLAP_TIMEOUT:-300}" python3 scripts/bench_overlap.py --ranks "$ovr" ${MEP_OVERLAP_ARGS:-} \
+    > "$OUT/overlap.log" 2>&1 || { status=1; echo "overlap bench failed"; }
+  tail -30 "$OUT/overlap.log"
   stop_mps
 fi
 if has deepgemm; then

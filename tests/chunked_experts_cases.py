@@ -72,3 +72,15 @@ def cases(R: int) -> list:
 
 def run_chunked_experts_cases(cfgs: list, backend: str = "torch", device: str = "cpu") -> list:
     return [e for cfg in cfgs for e in run_chunked_experts_case(cfg, backend, device)]
+
+
+def run_marks_case(cfg: dict) -> list:
+    """The timeline hook sees each chunk's dispatch issued one chunk ahead of its GEMMs."""
+    R, rank = dist.get_world_size(), dist.get_rank()
+    buf = get_buffer("torch")
+    x, idx, probs, w1, w2, _ = _inputs(cfg, rank, "cpu")
+    seen = []
+    chunked_expert_mlp(buf, x, idx, probs, w1, w2, cfg["E"], chunks=3, mark=lambda point, c: seen.append((point, c)))
+    want = [("dispatched", 0), ("dispatched", 1), ("computed", 0), ("combined", 0), ("dispatched", 2),
+            ("computed", 1), ("combined", 1), ("computed", 2), ("combined", 2)]
+    return [] if seen == want else [f"[marks R={R} rank={rank}] {seen}, expected {want}"]

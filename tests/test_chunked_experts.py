@@ -34,3 +34,25 @@ def test_bad_chunks_raise():
         chunked_expert_mlp(None, x, idx, probs, None, None, 2, chunks=2.0)
     with pytest.raises(ValueError, match="probs must have"):
         chunked_expert_mlp(None, x, idx, torch.zeros(2, 2), None, None, 2)
+
+
+def test_timeline_marks_show_the_pipeline(pools):
+    errors = [e for rank in pools(2).run(cc.run_marks_case, cc.cases(2)[0]) for e in rank]
+    assert not errors, "\n".join(errors)
+
+
+def test_bench_overlap_smoke_and_bad_arguments():
+    """scripts/bench_overlap.py on CPU processes (torch backend): its table, and one-line errors."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "scripts", "bench_overlap.py")
+    run = lambda *args: subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=300)  # noqa: E731
+    ok = run("--ranks", "2", "--cpu", "--tokens", "16", "--hidden", "64", "--ffn", "32", "--experts", "4",
+             "--topk", "2", "--chunks", "2", "--iters", "1", "--warmup", "0")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "not speed claims" in ok.stdout and "\n     2 " in ok.stdout and "\n     1 " in ok.stdout
+    bad = run("--ranks", "3", "--experts", "4", "--cpu")
+    assert bad.returncode == 2 and "must be a multiple of --ranks" in bad.stderr

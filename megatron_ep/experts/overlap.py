@@ -44,13 +44,19 @@ def chunk_bounds(num_tokens: int, chunks: int) -> List[tuple]:
 def chunked_expert_mlp(buffer, x: torch.Tensor, topk_idx: torch.Tensor, probs: torch.Tensor, w1: torch.Tensor,
                        w2: torch.Tensor, num_experts: int, chunks: int = 4, expert_alignment: int = 1,
                        activation: Callable = F.gelu, glu: bool = False, backend: Optional[str] = None,
-                       num_worst_tokens: Optional[int] = None) -> torch.Tensor:
+                       num_worst_tokens: Optional[int] = None,
+                       mark: Optional[Callable[[str, int], None]] = None) -> torch.Tensor:
     """MoE experts over ``chunks`` pipelined dispatch / expert MLP / combine rounds.
 
     x [T, H], topk_idx [T, K] (int64, -1 = unused slot), probs [T, K] (the routing weights,
     applied inside the experts as Megatron does), w1 [L, F or 2F, H], w2 [L, H, F] for this rank's
     L local experts -> [T, H]: the same as one round (``chunks=1``) up to the order of
     floating-point sums in the GEMMs. Differentiable in x, probs, w1 and w2.
+
+    ``mark(point, chunk)``, when given, is called on the host right after each chunk's
+    ``"dispatched"`` (its rows are usable on the caller's stream from here), ``"computed"`` (its
+    expert MLP issued) and ``"combined"`` (its combine issued): a timeline hook, e.g. recording a
+    CUDA event on the current stream (scripts/bench_overlap.py does).
     """
     check_int("chunks", chunks, 1)
     fail(x.dim() == 2 and topk_idx.dim() == 2 and topk_idx.shape[0] == x.shape[0],
@@ -65,17 +71,27 @@ def chunked_expert_mlp(buffer, x: torch.Tensor, topk_idx: torch.Tensor, probs: t
         return autograd.dispatch(buffer, x[start:end], topk_idx[start:end], probs[start:end], num_experts=num_experts,
                                  permute=True, expert_alignment=expert_alignment, **options)
 
-    def experts_and_combine(out) -> torch.Tensor:
+    def note(point: str, c: int) -> None:
+        if mark is not None:
+            mark(point, c)
+
+    def experts_and_combine(out, c: int) -> torch.Tensor:
         layout = GroupedLayout.of(out.x, out.tokens_per_expert)
         y = expert_mlp(out.x, out.topk_weights, w1, w2, layout, activation, glu, backend)
-        return autograd.combine(buffer, y, out.handle).x
+        note("computed", c)
+        y = autograd.combine(buffer, y, out.handle).x
+        note("combined", c)
+        return y
 
     bounds = chunk_bounds(x.shape[0], chunks)
     ahead = dispatch(*bounds[0])
+    note("dispatched", 0)
     results = []
     for c in range(chunks):
         current = ahead
         # the next chunk's dispatch is issued before this chunk's GEMMs: it runs under them
-        ahead = dispatch(*bounds[c + 1]) if c + 1 < chunks else None
-        results.append(experts_and_combine(current))
+        if c + 1 < chunks:
+            ahead = dispatch(*bounds[c + 1])
+            note("dispatched", c + 1)
+        results.append(experts_and_combine(current, c))
     return torch.cat(results) if chunks > 1 else results[0]

@@ -1,0 +1,173 @@
+"""One MoE layer's experts with their communication under the GEMMs: megatron_ep.experts.
+chunked_expert_mlp at several chunk counts, forward and forward + backward, against one round
+(chunks = 1), and a per-chunk timeline of the forward (when each chunk's rows are usable, when
+its GEMMs and its combine end, from CUDA events), next to what the analytic model predicts
+for the same shape (megatron_ep/model/overlap.py).
+
+    python scripts/bench_overlap.py --ranks 2                       # GPUs (one process per GPU)
+    python scripts/bench_overlap.py --ranks 4 --tokens 1024         # virtual ranks (under MPS)
+    python scripts/bench_overlap.py --ranks 2 --cpu --tokens 64 --hidden 256 --ffn 128   # smoke
+
+Ranks sharing a GPU (virtual ranks) test the mechanics only: their times are not speed claims,
+and the script says so in its output. Timing: CUDA events, --warmup untimed runs, the median of
+--iters, every rank released together by a barrier before each run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench import harness  # noqa: E402  (sets the NCCL environment before torch loads)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import megatron_ep as mep  # noqa: E402
+from megatron_ep.cli import ArgumentParser  # noqa: E402
+from megatron_ep.experts import chunked_expert_mlp  # noqa: E402
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = ArgumentParser(prog="scripts/bench_overlap.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, default=2, help="EP ranks (processes)")
+    p.add_argument("--cpu", action="store_true", help="torch backend on CPU processes (a smoke run: no timeline)")
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--ffn", type=int, default=2048, help="expert MLP intermediate size (SwiGLU: 2x in fc1)")
+    p.add_argument("--experts", type=int, default=64, help="routed experts (a multiple of --ranks)")
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8], help="chunk counts to time (1 is the baseline)")
+    p.add_argument("--num-sms", type=int, default=None, help="SMs of the communication kernels (Buffer num_sms)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds before every rank is stopped")
+    a = p.parse_args(argv)
+    for name in ("ranks", "tokens", "hidden", "ffn", "experts", "topk", "iters"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(a, name)}")
+    if a.warmup < 0:
+        p.error(f"--warmup must be >= 0, got {a.warmup}")
+    if a.experts % a.ranks:
+        p.error(f"--experts {a.experts} must be a multiple of --ranks {a.ranks}")
+    if a.topk > a.experts:
+        p.error(f"--topk {a.topk} is more than --experts {a.experts}")
+    if any(c < 1 for c in a.chunks):
+        p.error(f"--chunks must all be >= 1, got {a.chunks}")
+    if 1 not in a.chunks:
+        a.chunks = [1] + a.chunks  # the baseline every ratio is against
+    if not a.cpu and not torch.cuda.is_available():
+        p.error("no CUDA GPU here: pass --cpu for a smoke run on the torch backend")
+    return a
+
+
+def _layer(a, device):
+    rank, R = dist.get_rank(), dist.get_world_size()
+    dtype = torch.float32 if a.cpu else torch.bfloat16
+    g = torch.Generator(device="cpu").manual_seed(1234 + rank)
+    x = torch.randn((a.tokens, a.hidden), generator=g).to(device, dtype)
+    idx = torch.rand((a.tokens, a.experts), generator=g).topk(a.topk, dim=1).indices.to(device)
+    probs = torch.rand((a.tokens, a.topk), generator=g).to(device)
+    L = a.experts // R
+    w1 = (torch.randn((L, 2 * a.ffn, a.hidden), generator=g) / a.hidden ** 0.5).to(device, dtype)
+    w2 = (torch.randn((L, a.hidden, a.ffn), generator=g) / a.ffn ** 0.5).to(device, dtype)
+    return x, idx, probs, w1, w2
+
+
+def _timeline(a, buf, inputs, chunks) -> list:
+    """(point, chunk, ms since the layer's start) of one forward, from CUDA events."""
+    x, idx, probs, w1, w2 = inputs
+    events = []
+    start = torch.cuda.Event(enable_timing=True)
+
+    def mark(point, c):
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        events.append((point, c, ev))
+
+    torch.cuda.synchronize()
+    dist.barrier()
+    start.record()
+    chunked_expert_mlp(buf, x, idx, probs, w1, w2, a.experts, chunks=chunks, activation=F.silu, glu=True, mark=mark)
+    torch.cuda.synchronize()
+    return [(p, c, start.elapsed_time(ev)) for p, c, ev in events]
+
+
+def worker(rank, a, port, queue):
+    try:
+        device = harness.init_rank(rank, a.ranks, port, not a.cpu, cpu_threads=1 if a.cpu else None)
+        buf = mep.Buffer(dist.group.WORLD, backend="torch" if a.cpu else "cuda", num_sms=a.num_sms,
+                         max_tokens_per_rank=a.tokens, hidden=a.hidden, num_experts=a.experts, max_topk=a.topk)
+        inputs = _layer(a, device)
+        x, idx, probs, w1, w2 = inputs
+        leaves = (x.detach().requires_grad_(), idx, probs.detach().requires_grad_(), w1.detach().requires_grad_(),
+                  w2.detach().requires_grad_())
+        timer = harness.Timer(a, not a.cpu)
+        out = {}
+        for chunks in a.chunks:
+            def forward():
+                with torch.no_grad():
+                    chunked_expert_mlp(buf, *inputs, a.experts, chunks=chunks, activation=F.silu, glu=True)
+
+            def forward_backward():
+                y = chunked_expert_mlp(buf, *leaves, a.experts, chunks=chunks, activation=F.silu, glu=True)
+                y.backward(torch.ones_like(y))
+
+            out[chunks] = {"fwd_us": timer.isolated(forward), "fwd_bwd_us": timer.isolated(forward_backward)}
+            if not a.cpu:
+                out[chunks]["timeline"] = _timeline(a, buf, inputs, chunks)
+        buf.destroy()
+        queue.put((rank, out, None))
+    except Exception:  # noqa: BLE001 - reported by the launcher, with the rank
+        import traceback
+
+        queue.put((rank, None, f"rank {rank}: {traceback.format_exc()}"))
+
+
+def _model(a):
+    """The model's prediction for this shape and EP (per rank, us): no overlap vs chunks."""
+    from megatron_ep.model import Machine, Shape, StepModel, layer_costs, layer_times
+
+    shape = Shape(tokens=a.tokens, hidden=a.hidden, topk=a.topk, experts=a.experts, groups=1, topk_groups=1,
+                  fp8_dispatch=False)
+    costs = layer_costs(shape, Machine(), StepModel(ep=a.ranks, moe_ffn=a.ffn))
+    return {n: (layer_times(costs, "none") if n == 1 else layer_times(costs, "chunks", n)) for n in a.chunks}
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    virtual = not a.cpu and harness.ranks_per_gpu(a.ranks) > 1
+    results, why = harness.run_ranks(worker, a.ranks, (a, harness.free_port()), a.timeout)
+    if results is None:
+        print(f"bench_overlap: {why}", file=sys.stderr)
+        return 1
+    where = ("CPU, torch backend (smoke run)" if a.cpu else
+             f"{harness.gpus_used(a.ranks)} GPU(s), {harness.ranks_per_gpu(a.ranks)} rank(s) per GPU")
+    print(f"one MoE layer's routed experts, {a.ranks} ranks, {a.tokens} tokens/rank, hidden {a.hidden}, "
+          f"SwiGLU FFN {a.ffn}, top-{a.topk} of {a.experts} experts; {where}")
+    if virtual or a.cpu:
+        print("  ranks share a GPU (or run on CPU): these times test the mechanics and are not speed claims")
+    model = _model(a)
+    print(f"{'chunks':>6} {'fwd ms':>8} {'fwd+bwd ms':>11} {'vs 1 round':>10} {'model fwd+bwd ms':>17}")
+    for n in a.chunks:
+        fwd = statistics.mean(r[n]["fwd_us"] for r in results) / 1e3
+        fb = statistics.mean(r[n]["fwd_bwd_us"] for r in results) / 1e3
+        ref = statistics.mean(r[1]["fwd_bwd_us"] for r in results) / 1e3
+        print(f"{n:>6} {fwd:>8.3f} {fb:>11.3f} {ref / fb:>9.2f}x {model[n].total_us / 1e3:>17.3f}")
+    if not a.cpu:
+        n = max(a.chunks)
+        print(f"\nforward timeline, {n} chunks, rank 0 (ms since the layer's start; 'dispatched': the chunk's rows "
+              f"are usable on the compute stream)")
+        for point, c, ms in sorted(results[0][n]["timeline"], key=lambda e: e[2]):
+            print(f"  {ms:8.3f}  chunk {c}  {point}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
