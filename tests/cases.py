@@ -871,9 +871,9 @@ def run_lifetime_growth(cfg: dict) -> list:
 
 def run_pool_takeover(cfg: dict) -> list:
     """The output pool holds one rank-major output: a cached dispatch (no host sync) made while the
-    previous output is freed but still read on the device (behind a long kernel) takes its block
-    over with a GPU-side wait and pushes (no host wait, no stage-and-pull); the late reader still
-    sees the old rows."""
+    previous output is freed but still read on the device (behind a long kernel; with
+    `side_stream`, on another stream it is freed on) takes its block over with a GPU-side wait
+    and pushes (no host wait, no stage-and-pull); the late reader still sees the old rows."""
     R, rank = dist.get_world_size(), dist.get_rank()
     E, K, H, T = 4 * R, 3, 256, 64
     chk = Checker(f"[pool takeover R={R} rank={rank}]")
@@ -899,15 +899,22 @@ def run_pool_takeover(cfg: dict) -> list:
             # on the GPU before the sleep: a blocking .cuda() after it would wait for the stream, so
             # the late read and the block's release would be done before the dispatch (no takeover)
             x_new = inp[rank]["x"].cuda()
-            torch.cuda._sleep(100_000_000)  # ~50 ms: the last read below, and so the release, wait for it
-            late_sum = out.x.float().sum()
-            del out  # its block goes back to the pool behind the late read (an event on this stream)
+            # side_stream: the late read runs on another stream, and the output dies there (as a
+            # consumer on Megatron's compute stream frees a dispatch made on its comm stream): the
+            # pool must wait for that stream too, torch's record_stream does not reach it
+            reader = torch.cuda.Stream() if cfg.get("side_stream") else torch.cuda.current_stream()
+            reader.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(reader):
+                torch.cuda._sleep(100_000_000)  # ~50 ms: the last read below, and so the release, wait for it
+                late_sum = out.x.float().sum()
+                del out  # its block goes back to the pool behind the late read (an event on this stream)
             before = stats()
             out = buf.dispatch(x_new, handle=handle)
             d = [b - a for a, b in zip(before, stats())]
             if d != [1, 0, 0]:
                 chk.errors.append(f"{chk.tag} round {i}: pool (GPU-side waits, host waits, misses) moved by {d}, "
                                   "expected one GPU-side takeover")
+            torch.cuda.synchronize()  # the late read may be on another stream
             if float(late_sum) != want_sum:
                 chk.errors.append(f"{chk.tag} round {i}: the previous output read behind the takeover summed to "
                                   f"{float(late_sum)}, expected {want_sum}: the new push overwrote it too early")

@@ -118,6 +118,13 @@ def test_pool_takeover(R):
     assert not errors, "\n".join(errors[:20])
 
 
+def test_pool_takeover_waits_for_the_consumer_stream():
+    """The output read late on another stream and freed there (Megatron's EP overlap: dispatched
+    on its comm stream, consumed and freed on its compute stream): the takeover waits for it."""
+    errors = flat(pool_(2).run(cases.run_pool_takeover, dict(seed=31, rounds=3, side_stream=True), timeout=300))
+    assert not errors, "\n".join(errors[:20])
+
+
 @pytest.mark.parametrize("R", [2])
 def test_soak(R):
     """MEP_SOAK_ITERS (default 600; the gate's long mode: 10000) rounds with changing routing."""

@@ -23,7 +23,10 @@ Pool::Pool(int device, long long begin, long long bytes) : device_(device) {
 
 Pool::~Pool() {
   DeviceGuard g(device_);
-  for (auto& p : pending_) cudaEventDestroy(p.ev);
+  for (auto& p : pending_) {
+    cudaEventDestroy(p.ev);
+    if (p.ev2 != nullptr) cudaEventDestroy(p.ev2);
+  }
   for (auto e : spare_events_) cudaEventDestroy(e);
 }
 
@@ -39,6 +42,7 @@ long long Pool::alloc(long long bytes, cudaStream_t order) {
       // `order` waits for the range's last use on the GPU; the wait binds the event's current
       // record, so the event may be recorded again later
       cudaStreamWaitEvent(order, pending_.front().ev, 0);
+      if (pending_.front().ev2 != nullptr) cudaStreamWaitEvent(order, pending_.front().ev2, 0);
       free_oldest();
       stream_wait = true;
     } else {
@@ -57,21 +61,36 @@ Pool::Stats Pool::stats() {
   return stats_;
 }
 
-void Pool::release(long long offset, long long bytes, cudaStream_t stream) {
-  bytes = block_bytes(bytes);
-  std::lock_guard<std::mutex> lock(mu_);
-  DeviceGuard g(device_);
-  cudaEvent_t ev;
+cudaEvent_t Pool::event() {
+  cudaEvent_t ev = nullptr;
   if (!spare_events_.empty()) {
     ev = spare_events_.back();
     spare_events_.pop_back();
   } else if (cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) != cudaSuccess) {
+    ev = nullptr;
+  }
+  return ev;
+}
+
+void Pool::release(long long offset, long long bytes, cudaStream_t stream, cudaStream_t also) {
+  bytes = block_bytes(bytes);
+  std::lock_guard<std::mutex> lock(mu_);
+  DeviceGuard g(device_);
+  cudaEvent_t ev = event();
+  cudaEvent_t ev2 = (also != nullptr && also != stream && ev != nullptr) ? event() : nullptr;
+  if (ev == nullptr || (also != nullptr && also != stream && ev2 == nullptr)) {
+    if (ev != nullptr) spare_events_.push_back(ev);
     cudaDeviceSynchronize();  // no event: make the range safe the slow way
     insert_free(offset, bytes);
     return;
   }
   cudaEventRecord(ev, stream);
-  pending_.push_back({offset, bytes, ev});
+  if (ev2 != nullptr) cudaEventRecord(ev2, also);
+  pending_.push_back({offset, bytes, ev, ev2});
+}
+
+bool Pool::done(const Pending& p) {
+  return cudaEventQuery(p.ev) == cudaSuccess && (p.ev2 == nullptr || cudaEventQuery(p.ev2) == cudaSuccess);
 }
 
 void Pool::release_now(long long offset, long long bytes) {
@@ -90,8 +109,11 @@ long long Pool::free_bytes() {
 }
 
 void Pool::reap(bool wait_oldest) {
-  if (wait_oldest && !pending_.empty()) cudaEventSynchronize(pending_.front().ev);
-  while (!pending_.empty() && cudaEventQuery(pending_.front().ev) == cudaSuccess) free_oldest();
+  if (wait_oldest && !pending_.empty()) {
+    cudaEventSynchronize(pending_.front().ev);
+    if (pending_.front().ev2 != nullptr) cudaEventSynchronize(pending_.front().ev2);
+  }
+  while (!pending_.empty() && done(pending_.front())) free_oldest();
   cudaGetLastError();  // cudaEventQuery's cudaErrorNotReady is not an error here
 }
 
@@ -100,6 +122,7 @@ void Pool::free_oldest() {
   pending_.pop_front();
   insert_free(p.off, p.size);
   spare_events_.push_back(p.ev);
+  if (p.ev2 != nullptr) spare_events_.push_back(p.ev2);
 }
 
 long long Pool::take(long long bytes) {

@@ -1,8 +1,10 @@
 // A first-fit allocator over a section of the communication region. Dispatch outputs allocated
 // here are ordinary tensors for the caller, but peers can write into them directly (push). A
-// block returns to the pool when its last tensor dies: an event recorded on the stream that
-// used it marks when the memory is really free, and the pool only hands out ranges whose event
-// has completed. When nothing else fits, the oldest pending ranges are taken over: with an
+// block returns to the pool when its last tensor dies: events recorded on the stream it was
+// allocated for and on the stream current where it died mark when the memory is really free
+// (torch's record_stream does not reach this pool: a consumer on another stream, e.g. the expert
+// GEMMs under Megatron's EP overlap, is covered by the stream it frees the tensor on), and the
+// pool only hands out ranges whose events have completed. When nothing else fits, the oldest pending ranges are taken over: with an
 // `order` stream (the one whose kernels write the block first), that stream waits for their
 // events on the GPU (no host wait: a loop of dispatches keeps the host ahead); without one, the
 // host waits for them.
@@ -27,7 +29,9 @@ class Pool {
   Pool(int device, long long begin, long long bytes);
   ~Pool();
   long long alloc(long long bytes, cudaStream_t order = nullptr);  // offset in the region, or -1
-  void release(long long offset, long long bytes, cudaStream_t stream);
+  // `also`: a second stream whose work so far must end before the range is reused (nullptr or
+  // `stream`: none)
+  void release(long long offset, long long bytes, cudaStream_t stream, cudaStream_t also = nullptr);
   // A range whose every use ran on the communication stream, as every later use will: free now
   // (stream order alone keeps the next user behind the last one; no event, no host wait later).
   void release_now(long long offset, long long bytes);
@@ -43,7 +47,10 @@ class Pool {
   struct Pending {
     long long off, size;
     cudaEvent_t ev;
+    cudaEvent_t ev2;  // on the second stream, or nullptr
   };
+  bool done(const Pending& p);  // both events completed
+  cudaEvent_t event();          // a spare event, or a new one (nullptr when none can be created)
   void reap(bool wait_oldest);
   void free_oldest();  // the oldest pending range back to the free list, its event to the spares
   long long take(long long bytes);

@@ -133,10 +133,14 @@ class Runtime {
       Owner(const Owner&) = delete;
       Owner& operator=(const Owner&) = delete;
       ~Owner() {
-        if (comm_only)
+        if (comm_only) {
           pool->release_now(off, bytes);
-        else
-          pool->release(off, bytes, stream);
+        } else {
+          // also the stream current where the last tensor died: a consumer there (record_stream
+          // does not reach this pool) finishes before the block is reused
+          const cudaStream_t now = c10::cuda::getCurrentCUDAStream(region->device()).stream();
+          pool->release(off, bytes, stream, now);
+        }
       }
     };
     auto owner = std::make_shared<Owner>(pool_, region_, off, b.total, reinterpret_cast<cudaStream_t>(stream_ptr), comm_only);
