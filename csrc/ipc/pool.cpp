@@ -72,20 +72,21 @@ cudaEvent_t Pool::event() {
   return ev;
 }
 
-void Pool::release(long long offset, long long bytes, cudaStream_t stream, cudaStream_t also) {
+void Pool::release(long long offset, long long bytes, cudaStream_t stream, const cudaStream_t* also) {
   bytes = block_bytes(bytes);
   std::lock_guard<std::mutex> lock(mu_);
   DeviceGuard g(device_);
+  const bool two = also != nullptr && *also != stream;
   cudaEvent_t ev = event();
-  cudaEvent_t ev2 = (also != nullptr && also != stream && ev != nullptr) ? event() : nullptr;
-  if (ev == nullptr || (also != nullptr && also != stream && ev2 == nullptr)) {
+  cudaEvent_t ev2 = two && ev != nullptr ? event() : nullptr;
+  if (ev == nullptr || (two && ev2 == nullptr)) {
     if (ev != nullptr) spare_events_.push_back(ev);
     cudaDeviceSynchronize();  // no event: make the range safe the slow way
     insert_free(offset, bytes);
     return;
   }
   cudaEventRecord(ev, stream);
-  if (ev2 != nullptr) cudaEventRecord(ev2, also);
+  if (two) cudaEventRecord(ev2, *also);
   pending_.push_back({offset, bytes, ev, ev2});
 }
 

@@ -139,7 +139,7 @@ class Runtime {
           // also the stream current where the last tensor died: a consumer there (record_stream
           // does not reach this pool) finishes before the block is reused
           const cudaStream_t now = c10::cuda::getCurrentCUDAStream(region->device()).stream();
-          pool->release(off, bytes, stream, now);
+          pool->release(off, bytes, stream, &now);
         }
       }
     };
