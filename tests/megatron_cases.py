@@ -402,12 +402,16 @@ def run_moe_layer_case(case):
         ref[0].router.expert_bias.copy_(torch.randn(case["E"], generator=torch.Generator().manual_seed(1)) * 0.1)
     variants = [("alltoall", ref)]
     for backend, experts in case["variants"]:
-        cls = GroupedGemmExperts if experts == "grouped" else None
+        cls = GroupedGemmExperts if experts in ("grouped", "grouped-chunked") else None
         if backend == "alltoall":
             built = build("alltoall", "deepep", cls, "ref")
         else:
             built = build("flex", backend, cls, "ours")
         _copy_weights(ref[0], built[0])
+        if experts == "grouped-chunked":  # dispatch / experts / combine in pipelined token chunks
+            from megatron_ep.megatron.chunked import enable_chunked_experts
+
+            enable_chunked_experts(built[0], case.get("chunks", 3))
         mgr = getattr(built[0].token_dispatcher, "_comm_manager", None)
         if backend != "alltoall" and type(mgr).__module__.split(".")[0] != "megatron_ep":
             return [f"flex {backend} built {type(mgr).__name__}, not megatron_ep's manager"]
@@ -525,4 +529,41 @@ def run_experts_checkpoint_case(case):
                           f"want {want_global} / {want_offset} / {local}")
         if getattr(getattr(mod, name), "allreduce", None) is not False:
             errors.append(f"rank {r} {name}: expert weights must be marked allreduce=False")
+    return errors
+
+
+@guarded
+def run_chunked_refusals_case(case):
+    """enable_chunked_experts names why a layer does not qualify, before changing any layer: the
+    alltoall dispatcher, Megatron's SequentialMLP experts, the static budget; and a bad chunks."""
+    ctx, _ = side(case, "ref")
+    with ctx:
+        _init_megatron()
+    from megatron_ep.experts import GroupedGemmExperts
+    from megatron_ep.megatron.chunked import enable_chunked_experts
+
+    errors = []
+    tries = [("alltoall", "deepep", GroupedGemmExperts, {}, "chunked experts need flex"),
+             ("flex", "hybridep", None, {}, "need megatron_ep.experts.GroupedGemmExperts"),
+             ("flex", "deepep", GroupedGemmExperts, {}, "hybridep manager")]
+    for dispatcher, backend, cls, extra, want in tries:
+        with side(case, "ours")[0]:
+            layer = _build_moe_layer(_moe_config(case, dispatcher, backend, **extra), cls)
+        before = (layer.dispatch, layer.combine)
+        try:
+            enable_chunked_experts(layer, 2)
+            errors.append(f"{dispatcher}/{backend}/{cls}: no error, expected {want!r}")
+        except ValueError as e:
+            if want not in str(e):
+                errors.append(f"{dispatcher}/{backend}/{cls}: {e} (expected {want!r})")
+        if (layer.dispatch, layer.combine) != before:
+            errors.append(f"{dispatcher}/{backend}/{cls}: the layer was changed although it was refused")
+    with side(case, "ours")[0]:
+        layer = _build_moe_layer(_moe_config(case, "flex", "hybridep"), GroupedGemmExperts)
+    for bad, exc in ((0, ValueError), (2.5, TypeError)):
+        try:
+            enable_chunked_experts(layer, bad)
+            errors.append(f"chunks={bad}: no error")
+        except exc:
+            pass
     return errors

@@ -108,3 +108,10 @@ def test_ep_overlap_virtual_ranks():
     from test_megatron_layer import overlap_cases
 
     _run(pool_(2), oc.run_overlap_case, [dict(c, device="virtual", tol=1e-2) for c in overlap_cases(2)])
+
+
+def test_moe_layer_chunked_experts_virtual_ranks():
+    """megatron_ep.megatron.chunked on the cuda backend: dispatch, GroupedGemmExperts and combine
+    in pipelined token chunks inside a real MoELayer, against Megatron's alltoall on CPU."""
+    case = dict(seed=92, E=4, K=2, H=16, F=8, S=6, chunks=3, device="virtual", variants=[("hybridep", "grouped-chunked")])
+    _run(pool_(2), mc.run_moe_layer_case, [case])

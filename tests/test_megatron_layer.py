@@ -21,6 +21,21 @@ def test_moe_layer_flex_matches_alltoall(pools, R):
     assert not errors, "\n".join(errors[:20])
 
 
+@pytest.mark.parametrize("R", [2, 4])
+def test_moe_layer_chunked_experts_match_alltoall(pools, R):
+    """megatron_ep.megatron.chunked: hybridep + GroupedGemmExperts with dispatch, experts and
+    combine in 3 pipelined token chunks, against Megatron's alltoall + SequentialMLP: outputs and
+    the gradients of the input, router, routed and shared experts."""
+    case = dict(seed=90 + R, E=2 * R, K=min(4, R), H=16, F=8, S=6, chunks=3, variants=[("hybridep", "grouped-chunked")])
+    errors = [e for rank in pools(R).run(mc.run_moe_layer_case, case) for e in rank]
+    assert not errors, "\n".join(errors[:20])
+
+
+def test_chunked_experts_refuse_what_they_do_not_support(pools):
+    errors = [e for rank in pools(2).run(mc.run_chunked_refusals_case, dict(E=4, K=2, H=16, F=8)) for e in rank]
+    assert not errors, "\n".join(errors[:20])
+
+
 def test_grouped_experts_checkpoint_sharding(pools):
     errors = [e for rank in pools(2).run(mc.run_experts_checkpoint_case, dict(E=6)) for e in rank]
     assert not errors, "\n".join(errors[:20])

@@ -165,6 +165,26 @@ class MegatronEPHybridEPManager(_DispatchManager):
         if self.buffer is not None and self._last_shape is not None:
             self._reserve(self._budget_rows(self._last_shape[0], self._factor))
 
+    # ------------------------------------------------------------------ chunked experts
+    def chunked_experts(self, hidden_states: torch.Tensor, experts, chunks: int) -> torch.Tensor:
+        """Dispatch, `experts`' MLP and combine of this call's tokens in `chunks` pipelined rounds
+        (megatron_ep.experts.chunked_expert_mlp): what megatron_ep.megatron.chunked puts in place
+        of the layer's dispatch, routed-experts compute and combine. [T, H] -> [T, H]. Dynamic
+        mode only (no static budget, no drop-and-pad): chunked.enable_chunked_experts checks."""
+        from ..experts import chunked_expert_mlp
+
+        self.buffer = get_buffer(self.group, hidden_states, self.num_experts, self.router_topk, self.num_sms,
+                                 expert_major_align=self.align)
+        if self._input_error:
+            fail_dispatch(self.buffer, f"flex hybridep: {self._input_error}")
+        error = routing_map_error(self.routing_map, self.router_topk)
+        if error:
+            fail_dispatch(self.buffer, f"flex hybridep: {error}")
+        idx, weights = self._topk_routing()
+        return chunked_expert_mlp(self.buffer, hidden_states, idx, weights, experts.weight1, experts.weight2,
+                                  self.num_experts, chunks=chunks, expert_alignment=self.align,
+                                  activation=experts.activation, glu=experts.glu, backend=experts.backend)
+
     # ----------------------------------------------------------------------------- dispatch
     def dispatch(self, hidden_states: torch.Tensor, async_finish: bool = True,
                  allocate_on_comm_stream: bool = True) -> torch.Tensor:

@@ -1,0 +1,81 @@
+"""Chunked experts in Megatron's MoELayer (opt-in): the layer's dispatch, routed-experts compute
+and combine become one call of the hybridep manager that runs them in pipelined token chunks
+(megatron_ep.experts.chunked_expert_mlp), so one chunk's communication moves under another
+chunk's expert GEMMs, forward and backward (docs/design.md §4.1).
+
+    from megatron_ep.megatron.chunked import enable_chunked_experts
+    enable_chunked_experts(model, chunks=4)   # every eligible MoELayer of the model
+
+A layer qualifies when its dispatcher is flex with megatron_ep's hybridep manager and its experts
+are megatron_ep's GroupedGemmExperts; not yet with the static budget
+(moe_expert_rank_capacity_factor), drop-and-pad, shared-expert overlap or probs applied on the
+input: those raise naming the setting. Router, shared experts and the layer's postprocess are
+Megatron's, unchanged.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from ..checks import check_int
+
+
+def _eligibility(layer) -> str:
+    """Why `layer` cannot take chunked experts ("" when it can)."""
+    from ..experts.megatron_module import GroupedGemmExperts
+    from .hybridep_manager import MegatronEPHybridEPManager
+
+    mgr = getattr(getattr(layer, "token_dispatcher", None), "_comm_manager", None)
+    if not isinstance(mgr, MegatronEPHybridEPManager):
+        return (f"its dispatcher is {type(getattr(layer, 'token_dispatcher', None)).__name__} with "
+                f"{type(mgr).__name__}: chunked experts need flex with megatron_ep's hybridep manager")
+    if not isinstance(getattr(layer, "experts", None), GroupedGemmExperts):
+        return (f"its experts are {type(getattr(layer, 'experts', None)).__name__}: chunked experts need "
+                "megatron_ep.experts.GroupedGemmExperts")
+    config = layer.config
+    if mgr.moe_expert_rank_capacity_factor is not None:
+        return "moe_expert_rank_capacity_factor (the static budget) is set: not supported with chunked experts yet"
+    if mgr.drop_and_pad:
+        return "moe_pad_expert_input_to_capacity (drop-and-pad) is set: not supported with chunked experts yet"
+    if getattr(layer, "shared_expert_overlap", False):
+        return "moe_shared_expert_overlap is set: the chunks do not run the shared experts inside the dispatch"
+    if getattr(config, "moe_apply_probs_on_input", False):
+        return "moe_apply_probs_on_input is set: chunked experts apply the probs inside the experts"
+    return ""
+
+
+def _dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+    return hidden_states, probs  # the chunks move the tokens themselves
+
+
+def _routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+    out = self.token_dispatcher._comm_manager.chunked_experts(hidden_states, self.experts, self._mep_chunks)
+    return out, None
+
+
+def _combine(self, output: torch.Tensor):
+    return output  # combined chunk by chunk already
+
+
+def enable_chunked_experts(module: torch.nn.Module, chunks: int) -> int:
+    """Give every MoELayer in `module` (or `module` itself) chunked experts with `chunks` chunks;
+    returns how many layers it changed. Raises ValueError naming the first MoELayer that does not
+    qualify, and TypeError / ValueError for a bad `chunks`, before changing any layer."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    check_int("chunks", chunks, 1)
+    layers = [m for m in module.modules() if isinstance(m, MoELayer)]
+    if not layers:
+        raise ValueError(f"enable_chunked_experts: no MoELayer in {type(module).__name__}")
+    for i, layer in enumerate(layers):
+        why = _eligibility(layer)
+        if why:
+            raise ValueError(f"enable_chunked_experts: MoELayer {i} of {len(layers)} cannot take chunked experts: {why}")
+    for layer in layers:
+        layer._mep_chunks = chunks
+        layer.dispatch = types.MethodType(_dispatch, layer)
+        layer.routed_experts_compute = types.MethodType(_routed_experts_compute, layer)
+        layer.combine = types.MethodType(_combine, layer)
+    return len(layers)
