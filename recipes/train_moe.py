@@ -71,6 +71,10 @@ def add_args(p: argparse.ArgumentParser, dispatcher: bool = True) -> argparse.Ar
     p.add_argument("--lr", type=cli.number(0, above=True), default=3e-3, help="AdamW learning rate")
     p.add_argument("--seed", type=cli.integer(0, 2**32 - 1), default=1234, help="seed of the weights and the synthetic data")
     p.add_argument("--no-time-comm", dest="time_comm", action="store_false", help="skip the dispatch/combine timers")
+    p.add_argument("--chunked-experts", type=cli.integer(0), default=0, metavar="CHUNKS",
+                   help="run each MoE layer's dispatch, experts and combine in this many pipelined token chunks "
+                        "(megatron_ep.megatron.chunked; hybridep + grouped experts; 0: off, or "
+                        "MEGATRON_EP_CHUNKED_EXPERTS)")
     p.add_argument("--shared-expert-overlap", action="store_true",
                    help="Megatron's moe_shared_expert_overlap: the shared expert runs on its own CUDA stream while "
                         "dispatch and combine are in flight (GPU only)")
@@ -303,6 +307,9 @@ def build_trainer(args, device, on_gpu: bool) -> Trainer:
     seed_everything(args, dist.get_rank(), on_gpu)
     config = build_config(args, world, on_gpu)
     model = build_model(config, args).to(device)
+    from megatron_ep.megatron.chunked import apply_from_env
+
+    apply_from_env(model, getattr(args, "chunked_experts", 0))
     broadcast_non_expert_params(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     timer = CommTimer(sync_cuda=on_gpu)
@@ -322,7 +329,9 @@ def describe(tr: Trainer) -> str:
     mgr = getattr(dispatcher, "_comm_manager", None)
     backend = choose_backend(tr.device) if mgr is not None else "-"
     return (f"world={tr.world} dispatcher={tr.args.dispatcher} manager={type(mgr).__name__ if mgr else type(dispatcher).__name__} "
-            f"buffer_backend={backend} experts={type(tr.moe_layers[0].experts).__name__} moe_layers={len(tr.moe_layers)} "
+            f"buffer_backend={backend} experts={type(tr.moe_layers[0].experts).__name__}"
+            f"{' chunks=' + str(tr.moe_layers[0]._mep_chunks) if hasattr(tr.moe_layers[0], '_mep_chunks') else ''} "
+            f"moe_layers={len(tr.moe_layers)} "
             f"params/rank={n_params} device={tr.device.type}")
 
 

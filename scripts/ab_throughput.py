@@ -13,6 +13,9 @@ Backends (--backends, comma separated, default all):
   hybridep-budget  the same with a static budget of --budget-factor (1.5) x tokens x topk rows per rank
             (MEGATRON_EP_RANK_CAPACITY_FACTOR): the dispatch never syncs the host; rows past
             the budget are dropped and counted (uniform routing rarely gets near it);
+  hybridep-chunked  hybridep with each MoE layer's dispatch, experts and combine in --chunks (4)
+            pipelined token chunks (megatron_ep.megatron.chunked): communication under the expert
+            GEMMs; its dispatch / combine timers stay empty (the chunks bypass the dispatcher);
   DeepEP    Megatron's flex dispatcher + Megatron's own _DeepepManager (the deep_ep package);
   HybridEP  Megatron's flex dispatcher + Megatron's own _HybridEPManager (deep_ep.HybridEPBuffer).
 --backend picks megatron_ep's Buffer backend (torch reference, cuda kernels, auto) for deepep and
@@ -90,6 +93,9 @@ BACKENDS = {b.key: b for b in (
     BackendSpec("hybridep-budget", "hybridep", True, "flex + megatron_ep hybridep, static budget --budget-factor x T "
                 "x topk rows (no host sync; rows past it dropped and counted)",
                 (("MEGATRON_EP_RANK_CAPACITY_FACTOR", "{budget_factor}"),)),
+    BackendSpec("hybridep-chunked", "hybridep", True, "flex + megatron_ep hybridep, dispatch / experts / combine in "
+                "--chunks pipelined token chunks (megatron_ep.megatron.chunked; grouped experts)",
+                (("MEGATRON_EP_CHUNKED_EXPERTS", "{chunks}"),)),
     BackendSpec("DeepEP", "deepep", False, "flex + Megatron's _DeepepManager on deep_ep"),
     BackendSpec("HybridEP", "hybridep", False, "flex + Megatron's _HybridEPManager on deep_ep"),
 )}
@@ -102,6 +108,7 @@ def build_parser() -> cli.ArgumentParser:
     p = cli.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--budget-factor", type=cli.number(0, above=True), default=1.5,
                    help="hybridep-budget: rows per rank = factor x tokens x topk (default 1.5)")
+    p.add_argument("--chunks", type=cli.integer(), default=4, help="hybridep-chunked: token chunks per MoE layer (default 4)")
     p.add_argument("--mode", choices=("train", "layer"), default="train",
                    help="train: train_moe.py's model and training step; layer: one MoE layer, forward + backward")
     p.add_argument("--backends", default="all", help=f"comma-separated subset of {','.join(BACKENDS)}, or all")
@@ -188,6 +195,10 @@ def unavailable_reason(spec: BackendSpec, args, on_gpu: bool, world: int) -> Opt
             megatron_ep.megatron.compat.check_supported()
         except Exception as e:  # noqa: BLE001 - any import/compat problem means "not here"
             return f"megatron_ep.megatron not usable: {type(e).__name__}: {e}"
+        if spec.key == "hybridep-chunked" and args.experts_impl != "grouped":
+            return "chunked experts run megatron_ep's GroupedGemmExperts (--experts-impl grouped)"
+        if spec.key == "hybridep-chunked" and args.shared_expert_overlap:
+            return "chunked experts do not run the shared expert inside the dispatch (--shared-expert-overlap)"
         if args.backend == "cuda" and not on_gpu:
             return "--backend cuda needs a GPU"
         if args.backend == "cuda" and not cuda_backend_available():
@@ -265,6 +276,9 @@ def build_layer(args, device, on_gpu: bool) -> LayerModel:
     layer = build_module(mlp, config=config, pg_collection=None) if isinstance(mlp, ModuleSpec) else mlp(config=config, pg_collection=None)
     layer.set_layer_number(number)
     layer = layer.to(device)
+    from megatron_ep.megatron.chunked import apply_from_env
+
+    apply_from_env(layer, getattr(args, "chunked_experts", 0))
     train_moe.broadcast_non_expert_params(layer)
     g = torch.Generator().manual_seed(args.seed + 7919 * (rank + 1))
     x = torch.randn(args.seq_len, args.micro_batch, args.hidden, generator=g).to(device=device, dtype=config.params_dtype)
@@ -586,7 +600,7 @@ def main(argv=None) -> int:
         saved_env = {k: os.environ.get(k) for k, _ in run.spec.env}
         try:
             set_managers(run.spec, rank)
-            os.environ.update({k: v.format(budget_factor=args.budget_factor) for k, v in run.spec.env})
+            os.environ.update({k: v.format(budget_factor=args.budget_factor, chunks=args.chunks) for k, v in run.spec.env})
             bargs = copy.copy(args)
             bargs.dispatcher = run.spec.dispatcher
             if args.mode == "train":

@@ -56,3 +56,16 @@ def test_bench_overlap_smoke_and_bad_arguments():
     assert "not speed claims" in ok.stdout and "\n     2 " in ok.stdout and "\n     1 " in ok.stdout
     bad = run("--ranks", "3", "--experts", "4", "--cpu")
     assert bad.returncode == 2 and "must be a multiple of --ranks" in bad.stderr
+
+
+def test_chunk_count_from_the_environment(monkeypatch):
+    from megatron_ep.megatron.chunked import ENV, chunks_from_env
+
+    monkeypatch.delenv(ENV, raising=False)
+    assert chunks_from_env() == 0
+    monkeypatch.setenv(ENV, " 4 ")
+    assert chunks_from_env() == 4
+    for bad in ("four", "0", "-2", "2.5"):
+        monkeypatch.setenv(ENV, bad)
+        with pytest.raises(ValueError, match=ENV):
+            chunks_from_env()

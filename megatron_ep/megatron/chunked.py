@@ -6,6 +6,9 @@ chunk's expert GEMMs, forward and backward (docs/design.md §4.1).
     from megatron_ep.megatron.chunked import enable_chunked_experts
     enable_chunked_experts(model, chunks=4)   # every eligible MoELayer of the model
 
+Or set `MEGATRON_EP_CHUNKED_EXPERTS=<chunks>` for code that calls `apply_from_env(model)` after
+building its model (recipes/train_moe.py and scripts/ab_throughput.py do).
+
 A layer qualifies when its dispatcher is flex with megatron_ep's hybridep manager and its experts
 are megatron_ep's GroupedGemmExperts; not yet with the static budget
 (moe_expert_rank_capacity_factor), drop-and-pad, shared-expert overlap or probs applied on the
@@ -15,6 +18,7 @@ Megatron's, unchanged.
 
 from __future__ import annotations
 
+import os
 import types
 
 import torch
@@ -79,3 +83,27 @@ def enable_chunked_experts(module: torch.nn.Module, chunks: int) -> int:
         layer.routed_experts_compute = types.MethodType(_routed_experts_compute, layer)
         layer.combine = types.MethodType(_combine, layer)
     return len(layers)
+
+
+ENV = "MEGATRON_EP_CHUNKED_EXPERTS"
+
+
+def chunks_from_env() -> int:
+    """MEGATRON_EP_CHUNKED_EXPERTS as a chunk count (0: unset or empty); a bad value raises."""
+    raw = os.environ.get(ENV, "").strip()
+    if not raw:
+        return 0
+    try:
+        chunks = int(raw)
+    except ValueError:
+        raise ValueError(f"{ENV}={raw!r} is not a chunk count (an int >= 1)") from None
+    if chunks < 1:
+        raise ValueError(f"{ENV}={raw!r}: the chunk count must be >= 1")
+    return chunks
+
+
+def apply_from_env(module: torch.nn.Module, chunks: int = 0) -> int:
+    """enable_chunked_experts(module, chunks or MEGATRON_EP_CHUNKED_EXPERTS) when either is set;
+    returns how many layers it changed (0 when neither is set)."""
+    chunks = chunks or chunks_from_env()
+    return enable_chunked_experts(module, chunks) if chunks else 0
