@@ -178,6 +178,21 @@ def resources_needed(args, world: int, on_gpu: bool) -> resources.Need:
 
 
 # ------------------------------------------------------------------------------ availability
+def model_split(args, world: int) -> str:
+    """What the analytic model says of this shape at EP = world (H200 link rates): the SMs the
+    communication kernels need, what the GEMMs keep, and the layer with chunks against without."""
+    from megatron_ep.model import Machine, Shape, StepModel, layer_costs, layer_times
+
+    tokens = args.seq_len * args.micro_batch
+    shape = Shape(tokens=tokens, hidden=args.hidden, topk=args.topk, experts=args.experts, groups=1, topk_groups=1,
+                  fp8_dispatch=False)
+    costs = layer_costs(shape, Machine(), StepModel(ep=world, moe_ffn=args.expert_ffn))
+    none, chunked = layer_times(costs, "none"), layer_times(costs, "chunks", args.chunks)
+    return (f"model (megatron_ep.model, H200 rates, EP {world}): communication needs {costs.comm_sms} of {costs.sms} SMs, "
+            f"the expert GEMMs keep {costs.sms - costs.comm_sms}; one MoE layer fwd + bwd {none.total_us / 1e3:.3f} ms "
+            f"without overlap, {chunked.total_us / 1e3:.3f} ms in {args.chunks} chunks (a prediction, not a measurement)")
+
+
 def unavailable_reason(spec: BackendSpec, args, on_gpu: bool, world: int) -> Optional[str]:
     """Why this backend cannot run here (checked before building), or None."""
     if getattr(args, "virtual_ranks", False) and not spec.ours:
@@ -580,6 +595,8 @@ def main(argv=None) -> int:
     say(f"A/B: {machine}")
     say(f"A/B: {shape}")
     say(f"A/B: {plan}; comm timers {'on (synchronising)' if args.time_comm and on_gpu else 'on' if args.time_comm else 'off'}")
+    if "hybridep-chunked" in args.backend_keys:
+        say(f"A/B: {model_split(args, world)}")
 
     runs = [Run(BACKENDS[k]) for k in args.backend_keys]
     reference_state = None
