@@ -30,12 +30,8 @@ py::dict plan(const py::dict& hints) {
   get("pool_bytes", h.pool_bytes);
   const RegionLayout l = plan_region(h);
   py::dict d;
-#define MEP_FIELD(f) d[#f] = l.f
-  MEP_FIELD(control); MEP_FIELD(counts); MEP_FIELD(scratch); MEP_FIELD(stage_x); MEP_FIELD(stage_scales);
-  MEP_FIELD(stage_idx); MEP_FIELD(stage_w); MEP_FIELD(stage_rpos); MEP_FIELD(stage_spos); MEP_FIELD(comb_x);
-  MEP_FIELD(comb_w); MEP_FIELD(pool); MEP_FIELD(pool_bytes); MEP_FIELD(comb_rows); MEP_FIELD(total);
-  MEP_FIELD(max_tokens); MEP_FIELD(max_topk); MEP_FIELD(max_experts); MEP_FIELD(x_row_bytes);
-  MEP_FIELD(scale_cols); MEP_FIELD(comb_row_bytes); MEP_FIELD(num_ranks);
+#define MEP_FIELD(type, name) d[#name] = l.name;
+  MEP_REGION_LAYOUT_FIELDS(MEP_FIELD)
 #undef MEP_FIELD
   return d;
 }

@@ -122,6 +122,21 @@ struct RegionLayout {
   int max_tokens, max_topk, max_experts, x_row_bytes, scale_cols, comb_row_bytes, num_ranks, pad_;
 };
 
+// RegionLayout's fields, once: the protocol module hands them to Python by name and the binding
+// reads them back by the same names (type, name); the static_assert catches a field added to the
+// struct but not here.
+#define MEP_REGION_LAYOUT_FIELDS(X)                                                                 \
+  X(long long, control) X(long long, counts) X(long long, scratch) X(long long, stage_x)            \
+  X(long long, stage_scales) X(long long, stage_idx) X(long long, stage_w) X(long long, stage_rpos) \
+  X(long long, stage_spos) X(long long, comb_x) X(long long, comb_w) X(long long, pool)             \
+  X(long long, pool_bytes) X(long long, comb_rows) X(long long, total) X(int, max_tokens)           \
+  X(int, max_topk) X(int, max_experts) X(int, x_row_bytes) X(int, scale_cols) X(int, comb_row_bytes) \
+  X(int, num_ranks)
+#define MEP_REGION_FIELD_BYTES(type, name) +sizeof(type)
+static_assert(0 MEP_REGION_LAYOUT_FIELDS(MEP_REGION_FIELD_BYTES) + sizeof(int) /* pad_ */ == sizeof(RegionLayout),
+              "a RegionLayout field is missing from MEP_REGION_LAYOUT_FIELDS");
+#undef MEP_REGION_FIELD_BYTES
+
 constexpr int kCountsInts = kMaxRanks + kMaxExperts + 2;  // per rank, then per expert, then T, num_worst_tokens
 constexpr int kScratchStride = kMaxExperts + kMaxRanks;
 

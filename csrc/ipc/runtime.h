@@ -67,31 +67,13 @@ inline CallArgs make_call(const std::vector<long long>& sig, int status, const s
   return a;
 }
 
+// The region layout Python passes back (megatron_ep._protocol.plan_region's dict), by the field
+// names of MEP_REGION_LAYOUT_FIELDS.
 inline RegionLayout layout_from(const py::dict& d) {
   RegionLayout l{};
-  auto ll = [&](const char* k) { return d[k].cast<long long>(); };
-  l.control = ll("control");
-  l.counts = ll("counts");
-  l.scratch = ll("scratch");
-  l.stage_x = ll("stage_x");
-  l.stage_scales = ll("stage_scales");
-  l.stage_idx = ll("stage_idx");
-  l.stage_w = ll("stage_w");
-  l.stage_rpos = ll("stage_rpos");
-  l.stage_spos = ll("stage_spos");
-  l.comb_x = ll("comb_x");
-  l.comb_w = ll("comb_w");
-  l.pool = ll("pool");
-  l.pool_bytes = ll("pool_bytes");
-  l.comb_rows = ll("comb_rows");
-  l.total = ll("total");
-  l.max_tokens = (int)ll("max_tokens");
-  l.max_topk = (int)ll("max_topk");
-  l.max_experts = (int)ll("max_experts");
-  l.x_row_bytes = (int)ll("x_row_bytes");
-  l.scale_cols = (int)ll("scale_cols");
-  l.comb_row_bytes = (int)ll("comb_row_bytes");
-  l.num_ranks = (int)ll("num_ranks");
+#define MEP_FIELD(type, name) l.name = d[#name].cast<type>();
+  MEP_REGION_LAYOUT_FIELDS(MEP_FIELD)
+#undef MEP_FIELD
   return l;
 }
 
