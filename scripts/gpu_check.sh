@@ -15,8 +15,9 @@
 #                                      tests/test_sanitizer_pass.py (one pool)
 #   MEP_GATE_BUDGET_S=590              the whole run's wall-clock budget: each file's timeout is cut to
 #                                      what is left of it, so the run ends (and reports) inside it
-#   MEP_GATE_SANITIZER_LOADING=LAZY    module loading of the sanitizer runs (no MPS there; EAGER loads
-#                                      and instruments every kernel of every library)
+#   MEP_GATE_SANITIZER_LOADING=LAZY    module loading of the runs without MPS (the no-MPS tests and
+#                                      the sanitizer; EAGER loads, and instruments, every kernel of
+#                                      every library)
 #
 # Virtual ranks (R processes on one GPU, CUDA IPC between them) run under MPS, started here; with
 # two GPUs rank r takes GPU r % 2, so R = 2 is one process per GPU. Every test has a time limit
@@ -170,8 +171,10 @@ if [ "$MODE" = gate ]; then
   FILES=${MEP_GATE_FILES:-tests/test_cuda_intranode.py tests/test_cuda_internode.py tests/test_cuda_low_latency.py tests/test_megatron_gpu.py tests/test_experts.py}
   run_files 560 "$FILES"
   stop_mps
+  # no MPS here either, so lazy module loading (a context per process) unless told otherwise
   # shellcheck disable=SC2086
-  run_file "tests without MPS" 120 -m "gpu and no_mps" $FILES
+  MEP_TEST_MODULE_LOADING=${MEP_GATE_SANITIZER_LOADING:-LAZY} CUDA_MODULE_LOADING=${MEP_GATE_SANITIZER_LOADING:-LAZY} \
+    run_file "tests without MPS" 120 -m "gpu and no_mps" $FILES
   # one small case of each path (R = 2) under memcheck: in one pool (tests/test_sanitizer_pass.py), or
   # with MEP_GATE_SANITIZER=split in each path's own suite (three pools under the tool)
   if [ "${MEP_GATE_SANITIZER:-pool}" = split ]; then
