@@ -9,9 +9,10 @@ dispatch and the backward of a dispatch a combine (megatron_ep.autograd), each o
 stream, and autograd reaches the chunks' nodes interleaved, so one chunk's gradient transfers
 run while another chunk's GEMM backward computes.
 
-The overlap needs the host to issue ahead: a dispatch that must tell the host its row counts
-(no worst-case sizing) waits for its counts before the next GEMM is issued, so the chunks
-overlap fully with ``num_worst_tokens`` (the sync-free budget mode) and partly without.
+The overlap needs the host to issue ahead. Each chunk's dispatch tells the host its row counts
+(a host sync at its notify), so the host issues chunk c's GEMMs only once chunk c + 1's counts
+are in: the chunks overlap partly. Worst-case sized (sync-free) chunks, which would let the host
+run ahead, are not supported yet.
 
 Every rank must pass the same ``chunks``: each chunk is one collective call. A rank with fewer
 tokens (or none) makes the same calls with smaller (or empty) chunks.
@@ -44,7 +45,6 @@ def chunk_bounds(num_tokens: int, chunks: int) -> List[tuple]:
 def chunked_expert_mlp(buffer, x: torch.Tensor, topk_idx: torch.Tensor, probs: torch.Tensor, w1: torch.Tensor,
                        w2: torch.Tensor, num_experts: int, chunks: int = 4, expert_alignment: int = 1,
                        activation: Callable = F.gelu, glu: bool = False, backend: Optional[str] = None,
-                       num_worst_tokens: Optional[int] = None,
                        mark: Optional[Callable[[str, int], None]] = None) -> torch.Tensor:
     """MoE experts over ``chunks`` pipelined dispatch / expert MLP / combine rounds.
 
@@ -63,13 +63,10 @@ def chunked_expert_mlp(buffer, x: torch.Tensor, topk_idx: torch.Tensor, probs: t
          f"x must be [T, H] and topk_idx [T, K] with the same T, got {tuple(x.shape)} and {tuple(topk_idx.shape)}")
     fail(probs.shape == topk_idx.shape, f"probs must have topk_idx's shape {tuple(topk_idx.shape)}, got "
          f"{tuple(probs.shape)}")
-    if num_worst_tokens is not None:
-        check_int("num_worst_tokens", num_worst_tokens, 0)
-    options = {} if num_worst_tokens is None else {"num_worst_tokens": num_worst_tokens}
 
     def dispatch(start: int, end: int):
         return autograd.dispatch(buffer, x[start:end], topk_idx[start:end], probs[start:end], num_experts=num_experts,
-                                 permute=True, expert_alignment=expert_alignment, **options)
+                                 permute=True, expert_alignment=expert_alignment)
 
     def note(point: str, c: int) -> None:
         if mark is not None:
