@@ -16,6 +16,8 @@ Backends (--backends, comma separated, default all):
   hybridep-chunked  hybridep with each MoE layer's dispatch, experts and combine in --chunks (4)
             pipelined token chunks (megatron_ep.megatron.chunked): communication under the expert
             GEMMs; its dispatch / combine timers stay empty (the chunks bypass the dispatcher);
+  hybridep-chunked-budget  the same with the static budget of --budget-factor: every chunk
+            worst-case sized for its share of the tokens, no host sync;
   DeepEP    Megatron's flex dispatcher + Megatron's own _DeepepManager (the deep_ep package);
   HybridEP  Megatron's flex dispatcher + Megatron's own _HybridEPManager (deep_ep.HybridEPBuffer).
 --backend picks megatron_ep's Buffer backend (torch reference, cuda kernels, auto) for deepep and
@@ -96,6 +98,9 @@ BACKENDS = {b.key: b for b in (
     BackendSpec("hybridep-chunked", "hybridep", True, "flex + megatron_ep hybridep, dispatch / experts / combine in "
                 "--chunks pipelined token chunks (megatron_ep.megatron.chunked; grouped experts)",
                 (("MEGATRON_EP_CHUNKED_EXPERTS", "{chunks}"),)),
+    BackendSpec("hybridep-chunked-budget", "hybridep", True, "hybridep-chunked with the static budget: every chunk "
+                "worst-case sized for its share of --budget-factor x T x topk rows (no host sync)",
+                (("MEGATRON_EP_CHUNKED_EXPERTS", "{chunks}"), ("MEGATRON_EP_RANK_CAPACITY_FACTOR", "{budget_factor}"))),
     BackendSpec("DeepEP", "deepep", False, "flex + Megatron's _DeepepManager on deep_ep"),
     BackendSpec("HybridEP", "hybridep", False, "flex + Megatron's _HybridEPManager on deep_ep"),
 )}
@@ -144,7 +149,7 @@ def validate(args, world: int) -> None:
     the run fits this machine, before any process group (option types and ranges are the
     parser's)."""
     train_moe.validate(args, world)
-    if "hybridep-budget" in args.backend_keys:
+    if {"hybridep-budget", "hybridep-chunked-budget"} & set(args.backend_keys):
         rows = args.budget_factor * args.seq_len * args.micro_batch * args.topk
         cli.check(rows >= 1, f"--budget-factor {args.budget_factor:g} gives a budget of {rows:g} rows per rank "
                              "(factor x seq-len x micro-batch x topk): less than one row, so no budget at all")
@@ -172,7 +177,7 @@ def resources_needed(args, world: int, on_gpu: bool) -> resources.Need:
         return spec.ours is None or (world >= 2 and (spec.ours or deep_ep))
 
     models = sum(builds(BACKENDS[k]) for k in args.backend_keys)
-    budget = args.budget_factor if "hybridep-budget" in args.backend_keys else None
+    budget = args.budget_factor if {"hybridep-budget", "hybridep-chunked-budget"} & set(args.backend_keys) else None
     return resources.moe_gpt_need(args, world, on_gpu, mode=args.mode, models=models,
                                   initial_copy=not args.continue_reps, budget_factor=budget)
 
@@ -210,9 +215,9 @@ def unavailable_reason(spec: BackendSpec, args, on_gpu: bool, world: int) -> Opt
             megatron_ep.megatron.compat.check_supported()
         except Exception as e:  # noqa: BLE001 - any import/compat problem means "not here"
             return f"megatron_ep.megatron not usable: {type(e).__name__}: {e}"
-        if spec.key == "hybridep-chunked" and args.experts_impl != "grouped":
+        if spec.key.startswith("hybridep-chunked") and args.experts_impl != "grouped":
             return "chunked experts run megatron_ep's GroupedGemmExperts (--experts-impl grouped)"
-        if spec.key == "hybridep-chunked" and args.shared_expert_overlap:
+        if spec.key.startswith("hybridep-chunked") and args.shared_expert_overlap:
             return "chunked experts do not run the shared expert inside the dispatch (--shared-expert-overlap)"
         if args.backend == "cuda" and not on_gpu:
             return "--backend cuda needs a GPU"
@@ -595,7 +600,7 @@ def main(argv=None) -> int:
     say(f"A/B: {machine}")
     say(f"A/B: {shape}")
     say(f"A/B: {plan}; comm timers {'on (synchronising)' if args.time_comm and on_gpu else 'on' if args.time_comm else 'off'}")
-    if "hybridep-chunked" in args.backend_keys:
+    if any(k.startswith("hybridep-chunked") for k in args.backend_keys):
         say(f"A/B: {model_split(args, world)}")
 
     runs = [Run(BACKENDS[k]) for k in args.backend_keys]

@@ -43,13 +43,17 @@ def run_chunked_experts_case(cfg: dict, backend: str = "torch", device: str = "c
         x, idx, probs, w1, w2, grad = _inputs(cfg, rank, device)
         act = F.silu if cfg.get("glu") else F.gelu
         results = []
-        for chunks in (1, cfg["chunks"]):
+        dropped = []
+        for chunks, worst in ((1, None), (cfg["chunks"], cfg.get("worst"))):
             leaves = [t.detach().clone().requires_grad_(True) for t in (x, probs, w1, w2)]
             y = chunked_expert_mlp(buf, leaves[0], idx, leaves[1], leaves[2], leaves[3], cfg["E"], chunks=chunks,
-                                   expert_alignment=cfg.get("align", 1), activation=act, glu=cfg.get("glu", False))
+                                   expert_alignment=cfg.get("align", 1), activation=act, glu=cfg.get("glu", False),
+                                   num_worst_tokens=worst, on_dispatch=lambda c, out: dropped.append(out.num_dropped))
             y.backward(grad)
             results.append([y.detach()] + [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves])
         errors = []
+        if cfg.get("worst") and int(sum(int(d) for d in dropped if d is not None)) != 0:
+            errors.append(f"{tag} a worst-case size of {cfg['worst']} rows dropped rows: the case checks nothing")
         for name, one, many in zip(("output", "grad x", "grad probs", "grad w1", "grad w2"), *results):
             if one.shape != many.shape or not torch.allclose(one, many, rtol=1e-4, atol=1e-5):
                 diff = (one - many).abs().max().item() if one.shape == many.shape else f"shapes {one.shape} {many.shape}"
@@ -67,7 +71,8 @@ def cases(R: int) -> list:
     Ts = [5, 0, 9, 3, 7, 1, 4, 6][:R]
     return [dict(seed=300 + R, E=2 * R, K=2, H=16, F=8, Ts=Ts, chunks=3, p_drop=0.2),
             dict(seed=310 + R, E=4 * R, K=3, H=16, F=8, Ts=[8] * R, chunks=4, pattern="hot"),
-            dict(seed=320 + R, E=2 * R, K=2, H=32, F=16, Ts=Ts, chunks=6, glu=True, align=4)]
+            dict(seed=320 + R, E=2 * R, K=2, H=32, F=16, Ts=Ts, chunks=6, glu=True, align=4),
+            dict(seed=330 + R, E=2 * R, K=2, H=16, F=8, Ts=Ts, chunks=3, glu=True, align=4, worst=96)]
 
 
 def run_chunked_experts_cases(cfgs: list, backend: str = "torch", device: str = "cpu") -> list:
@@ -84,3 +89,24 @@ def run_marks_case(cfg: dict) -> list:
     want = [("dispatched", 0), ("dispatched", 1), ("computed", 0), ("combined", 0), ("dispatched", 2),
             ("computed", 1), ("combined", 1), ("computed", 2), ("combined", 2)]
     return [] if seen == want else [f"[marks R={R} rank={rank}] {seen}, expected {want}"]
+
+
+def run_worst_case_drops_case(cfg: dict) -> list:
+    """Worst-case sized chunks of one row: rows past it are dropped and counted per chunk (not
+    lost silently), and the output still has every token's row."""
+    R, rank = dist.get_world_size(), dist.get_rank()
+    buf = get_buffer("torch")
+    x, idx, probs, w1, w2, _ = _inputs(dict(cfg, Ts=[8] * R), rank, "cpu")
+    seen = []
+    y = chunked_expert_mlp(buf, x, idx, probs, w1, w2, cfg["E"], chunks=2, num_worst_tokens=1,
+                           on_dispatch=lambda c, out: seen.append((c, int(out.num_dropped), out.x.shape[0])))
+    errors = []
+    if [c for c, _, _ in seen] != [0, 1] or any(rows != 1 for _, _, rows in seen):
+        errors.append(f"[worst-case drops rank {rank}] chunks seen {seen}, expected two of one row each")
+    total = torch.tensor([sum(d for _, d, _ in seen)])
+    dist.all_reduce(total)
+    if int(total) == 0:
+        errors.append(f"[worst-case drops rank {rank}] no row was counted as dropped with one row per chunk")
+    if tuple(y.shape) != tuple(x.shape):
+        errors.append(f"[worst-case drops rank {rank}] output {tuple(y.shape)}, expected {tuple(x.shape)}")
+    return errors

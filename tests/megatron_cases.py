@@ -408,6 +408,9 @@ def run_moe_layer_case(case):
         else:
             built = build("flex", backend, cls, "ours")
         _copy_weights(ref[0], built[0])
+        if case.get("budget_factor") and backend == "hybridep":  # the static budget (0.16 has no config field)
+            m = built[0].token_dispatcher._comm_manager
+            m.moe_expert_rank_capacity_factor = m._factor = case["budget_factor"]
         if experts == "grouped-chunked":  # dispatch / experts / combine in pipelined token chunks
             from megatron_ep.megatron.chunked import enable_chunked_experts
 

@@ -36,6 +36,11 @@ def test_bad_chunks_raise():
         chunked_expert_mlp(None, x, idx, torch.zeros(2, 2), None, None, 2)
 
 
+def test_worst_case_sized_chunks_count_their_drops(pools):
+    errors = [e for rank in pools(2).run(cc.run_worst_case_drops_case, dict(seed=5, E=4, K=2, H=16, F=8)) for e in rank]
+    assert not errors, "\n".join(errors)
+
+
 def test_timeline_marks_show_the_pipeline(pools):
     errors = [e for rank in pools(2).run(cc.run_marks_case, cc.cases(2)[0]) for e in rank]
     assert not errors, "\n".join(errors)

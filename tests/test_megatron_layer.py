@@ -31,6 +31,16 @@ def test_moe_layer_chunked_experts_match_alltoall(pools, R):
     assert not errors, "\n".join(errors[:20])
 
 
+@pytest.mark.parametrize("R", [2, 4])
+def test_moe_layer_chunked_experts_with_budget_match_alltoall(pools, R):
+    """The same with the static budget at the EP-size factor (it never drops): every chunk
+    worst-case sized, no host sync."""
+    case = dict(seed=95 + R, E=2 * R, K=min(4, R), H=16, F=8, S=6, chunks=3, budget_factor=float(R),
+                variants=[("hybridep", "grouped-chunked")])
+    errors = [e for rank in pools(R).run(mc.run_moe_layer_case, case) for e in rank]
+    assert not errors, "\n".join(errors[:20])
+
+
 def test_chunked_experts_refuse_what_they_do_not_support(pools):
     errors = [e for rank in pools(2).run(mc.run_chunked_refusals_case, dict(E=4, K=2, H=16, F=8)) for e in rank]
     assert not errors, "\n".join(errors[:20])

@@ -9,10 +9,11 @@ dispatch and the backward of a dispatch a combine (megatron_ep.autograd), each o
 stream, and autograd reaches the chunks' nodes interleaved, so one chunk's gradient transfers
 run while another chunk's GEMM backward computes.
 
-The overlap needs the host to issue ahead. Each chunk's dispatch tells the host its row counts
-(a host sync at its notify), so the host issues chunk c's GEMMs only once chunk c + 1's counts
-are in: the chunks overlap partly. Worst-case sized (sync-free) chunks, which would let the host
-run ahead, are not supported yet.
+The overlap needs the host to issue ahead. Without ``num_worst_tokens`` each chunk's dispatch
+tells the host its row counts (a host sync at its notify), so the host issues chunk c's GEMMs
+only once chunk c + 1's counts are in: the chunks overlap partly. With ``num_worst_tokens``
+every chunk is worst-case sized (that many rows per rank, pad rows after the real ones, rows past
+it dropped and counted in each chunk's ``num_dropped``): no host sync, the host runs ahead.
 
 Every rank must pass the same ``chunks``: each chunk is one collective call. A rank with fewer
 tokens (or none) makes the same calls with smaller (or empty) chunks.
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 
 from .. import autograd
 from ..checks import check_int, fail
+from ..permute import attach_expert_rows
 from .layout import GroupedLayout
 from .mlp import expert_mlp
 
@@ -45,7 +47,9 @@ def chunk_bounds(num_tokens: int, chunks: int) -> List[tuple]:
 def chunked_expert_mlp(buffer, x: torch.Tensor, topk_idx: torch.Tensor, probs: torch.Tensor, w1: torch.Tensor,
                        w2: torch.Tensor, num_experts: int, chunks: int = 4, expert_alignment: int = 1,
                        activation: Callable = F.gelu, glu: bool = False, backend: Optional[str] = None,
-                       mark: Optional[Callable[[str, int], None]] = None) -> torch.Tensor:
+                       num_worst_tokens: Optional[int] = None,
+                       mark: Optional[Callable[[str, int], None]] = None,
+                       on_dispatch: Optional[Callable[[int, object], None]] = None) -> torch.Tensor:
     """MoE experts over ``chunks`` pipelined dispatch / expert MLP / combine rounds.
 
     x [T, H], topk_idx [T, K] (int64, -1 = unused slot), probs [T, K] (the routing weights,
@@ -56,9 +60,13 @@ def chunked_expert_mlp(buffer, x: torch.Tensor, topk_idx: torch.Tensor, probs: t
     ``mark(point, chunk)``, when given, is called on the host right after each chunk's
     ``"dispatched"`` (its rows are usable on the caller's stream from here), ``"computed"`` (its
     expert MLP issued) and ``"combined"`` (its combine issued): a timeline hook, e.g. recording a
-    CUDA event on the current stream (scripts/bench_overlap.py does).
+    CUDA event on the current stream (scripts/bench_overlap.py does). ``on_dispatch(chunk, out)``
+    sees each chunk's DispatchOutput (e.g. to count ``out.num_dropped`` of a worst-case sized one).
     """
     check_int("chunks", chunks, 1)
+    if num_worst_tokens is not None:
+        check_int("num_worst_tokens", num_worst_tokens, 1)
+    options = {} if num_worst_tokens is None else {"num_worst_tokens": num_worst_tokens}
     fail(x.dim() == 2 and topk_idx.dim() == 2 and topk_idx.shape[0] == x.shape[0],
          f"x must be [T, H] and topk_idx [T, K] with the same T, got {tuple(x.shape)} and {tuple(topk_idx.shape)}")
     fail(probs.shape == topk_idx.shape, f"probs must have topk_idx's shape {tuple(topk_idx.shape)}, got "
@@ -66,14 +74,23 @@ def chunked_expert_mlp(buffer, x: torch.Tensor, topk_idx: torch.Tensor, probs: t
 
     def dispatch(start: int, end: int):
         return autograd.dispatch(buffer, x[start:end], topk_idx[start:end], probs[start:end], num_experts=num_experts,
-                                 permute=True, expert_alignment=expert_alignment)
+                                 permute=True, expert_alignment=expert_alignment, **options)
 
     def note(point: str, c: int) -> None:
         if mark is not None:
             mark(point, c)
 
     def experts_and_combine(out, c: int) -> torch.Tensor:
-        layout = GroupedLayout.of(out.x, out.tokens_per_expert)
+        if on_dispatch is not None:
+            on_dispatch(c, out)
+        tpe = out.tokens_per_expert
+        if num_worst_tokens:
+            # worst-case sized: the GEMMs stop at the real segments, the pad tail (zero probs) is
+            # the last segment's in the layout (the contract of Megatron's experts, as hybridep's)
+            attach_expert_rows(out.x, out.row_expert, expert_alignment, tpe)
+            tpe = tpe.clone()
+            tpe[-1] += out.x.shape[0] - tpe.sum()
+        layout = GroupedLayout.of(out.x, tpe)
         y = expert_mlp(out.x, out.topk_weights, w1, w2, layout, activation, glu, backend)
         note("computed", c)
         y = autograd.combine(buffer, y, out.handle).x

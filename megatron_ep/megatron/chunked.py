@@ -10,9 +10,10 @@ Or set `MEGATRON_EP_CHUNKED_EXPERTS=<chunks>` for code that calls `apply_from_en
 building its model (recipes/train_moe.py and scripts/ab_throughput.py do).
 
 A layer qualifies when its dispatcher is flex with megatron_ep's hybridep manager and its experts
-are megatron_ep's GroupedGemmExperts; not yet with the static budget
-(moe_expert_rank_capacity_factor), drop-and-pad, shared-expert overlap or probs applied on the
-input: those raise naming the setting. Router, shared experts and the layer's postprocess are
+are megatron_ep's GroupedGemmExperts. With the static budget (moe_expert_rank_capacity_factor)
+every chunk is worst-case sized for its share of the tokens: no host sync, so the host runs
+ahead and the chunks overlap fully. Not yet with drop-and-pad, shared-expert overlap or probs
+applied on the input: those raise naming the setting. Router, shared experts and the layer's postprocess are
 Megatron's, unchanged.
 """
 
@@ -39,8 +40,6 @@ def _eligibility(layer) -> str:
         return (f"its experts are {type(getattr(layer, 'experts', None)).__name__}: chunked experts need "
                 "megatron_ep.experts.GroupedGemmExperts")
     config = layer.config
-    if mgr.moe_expert_rank_capacity_factor is not None:
-        return "moe_expert_rank_capacity_factor (the static budget) is set: not supported with chunked experts yet"
     if mgr.drop_and_pad:
         return "moe_pad_expert_input_to_capacity (drop-and-pad) is set: not supported with chunked experts yet"
     if getattr(layer, "shared_expert_overlap", False):

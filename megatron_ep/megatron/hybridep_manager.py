@@ -169,21 +169,42 @@ class MegatronEPHybridEPManager(_DispatchManager):
     def chunked_experts(self, hidden_states: torch.Tensor, experts, chunks: int) -> torch.Tensor:
         """Dispatch, `experts`' MLP and combine of this call's tokens in `chunks` pipelined rounds
         (megatron_ep.experts.chunked_expert_mlp): what megatron_ep.megatron.chunked puts in place
-        of the layer's dispatch, routed-experts compute and combine. [T, H] -> [T, H]. Dynamic
-        mode only (no static budget, no drop-and-pad): chunked.enable_chunked_experts checks."""
+        of the layer's dispatch, routed-experts compute and combine. [T, H] -> [T, H]. With the
+        static budget every chunk is worst-case sized for its share of the agreed token count
+        (no host sync): its drops and real rows are counted as a budgeted dispatch counts them,
+        per chunk, so megatron-core's paged-stash rerun sizes a chunk's receive capacity."""
         from ..experts import chunked_expert_mlp
 
+        factor = self.moe_expert_rank_capacity_factor
         self.buffer = get_buffer(self.group, hidden_states, self.num_experts, self.router_topk, self.num_sms,
                                  expert_major_align=self.align)
         if self._input_error:
             fail_dispatch(self.buffer, f"flex hybridep: {self._input_error}")
-        error = routing_map_error(self.routing_map, self.router_topk)
-        if error:
-            fail_dispatch(self.buffer, f"flex hybridep: {error}")
+        worst, on_dispatch = None, None
+        if factor is None:
+            error = routing_map_error(self.routing_map, self.router_topk)
+            if error:  # before any communication (the dynamic mode syncs the host anyway)
+                fail_dispatch(self.buffer, f"flex hybridep: {error}")
+        else:
+            T = hidden_states.shape[0]
+            self._last_shape = (T, hidden_states.shape[-1], hidden_states.element_size())
+            if not self._bootstrapped:
+                self._bootstrap(hidden_states, factor)
+            chunk_tokens = -(-max(T, self._max_tokens_per_rank or 0) // chunks)
+            worst = self.budget = budget_rows(chunk_tokens, self.config.moe_router_topk, factor, self.num_local_experts,
+                                              self.align, self._recv_capacity_override)
+            # a routing-map row past top-k counts as dropped, as in a budgeted dispatch
+            self._count_drops(routed_past_topk(self.routing_map, self.router_topk).sum())
+
+            def on_dispatch(c, out):
+                self._count_drops(out.num_dropped)
+                self._need((out.row_expert >= 0).sum() + out.num_dropped)
+
         idx, weights = self._topk_routing()
         return chunked_expert_mlp(self.buffer, hidden_states, idx, weights, experts.weight1, experts.weight2,
                                   self.num_experts, chunks=chunks, expert_alignment=self.align,
-                                  activation=experts.activation, glu=experts.glu, backend=experts.backend)
+                                  activation=experts.activation, glu=experts.glu, backend=experts.backend,
+                                  num_worst_tokens=worst, on_dispatch=on_dispatch)
 
     # ----------------------------------------------------------------------------- dispatch
     def dispatch(self, hidden_states: torch.Tensor, async_finish: bool = True,
