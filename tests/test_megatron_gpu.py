@@ -112,6 +112,7 @@ def test_ep_overlap_virtual_ranks():
 
 def test_moe_layer_chunked_experts_virtual_ranks():
     """megatron_ep.megatron.chunked on the cuda backend: dispatch, GroupedGemmExperts and combine
-    in pipelined token chunks inside a real MoELayer, against Megatron's alltoall on CPU."""
+    in pipelined token chunks inside a real MoELayer, against Megatron's alltoall on CPU; then
+    with the static budget at the EP-size factor (every chunk worst-case sized)."""
     case = dict(seed=92, E=4, K=2, H=16, F=8, S=6, chunks=3, device="virtual", variants=[("hybridep", "grouped-chunked")])
-    _run(pool_(2), mc.run_moe_layer_case, [case])
+    _run(pool_(2), mc.run_moe_layer_case, [case, dict(case, seed=93, budget_factor=2.0)])
