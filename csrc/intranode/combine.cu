@@ -4,6 +4,17 @@
 
 namespace mep {
 
+// The end of a combine's staging (stage_combine, combine_reduce): whether weights were staged,
+// then, from the last block to finish, this rank's call record and its signal to every rank.
+__device__ __forceinline__ void finish_combine_stage(const Ctx& c, const CallArgs& call, bool has_weights, bool first) {
+  if (first) ctrl_of(c, c.rank)->comb_has_weights = has_weights;
+  __syncthreads();
+  if (threadIdx.x == 0 && last_block_done(c, kGridStageComb)) {
+    write_record(c, call);
+    signal_all(c, kSlotCall);
+  }
+}
+
 // ----------------------------------------------------------------------------- stage combine
 __global__ void __launch_bounds__(kCopyThreads, 1) stage_combine_kernel(Ctx c, CallArgs call, StageCombineArgs a) {
   const long long gtid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -14,12 +25,7 @@ __global__ void __launch_bounds__(kCopyThreads, 1) stage_combine_kernel(Ctx c, C
     float* dst = at<float>(c, c.rank, c.lay.comb_w);
     for (long long i = gtid; i < (long long)a.rows * a.w_cols; i += nthreads) dst[i] = a.w[i];
   }
-  if (gtid == 0) ctrl_of(c, c.rank)->comb_has_weights = a.w != nullptr;
-  __syncthreads();
-  if (threadIdx.x == 0 && last_block_done(c, kGridStageComb)) {
-    write_record(c, call);
-    signal_all(c, kSlotCall);
-  }
+  finish_combine_stage(c, call, a.w != nullptr, gtid == 0);
 }
 
 void launch_stage_combine(const Ctx& ctx, const CallArgs& call, const StageCombineArgs& args, int num_blocks,
@@ -248,12 +254,7 @@ __global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(Ctx c, Cal
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < a.rows; i += (long long)gridDim.x * blockDim.x)
       dst[i] = a.w[i];
   }
-  if (blockIdx.x == 0 && threadIdx.x == 0) ctrl_of(c, c.rank)->comb_has_weights = a.w != nullptr;
-  __syncthreads();
-  if (threadIdx.x == 0 && last_block_done(c, kGridStageComb)) {
-    write_record(c, call);
-    signal_all(c, kSlotCall);
-  }
+  finish_combine_stage(c, call, a.w != nullptr, blockIdx.x == 0 && threadIdx.x == 0);
 }
 
 void launch_combine_reduce(const Ctx& ctx, const CallArgs& call, const CombineReduceArgs& args, int num_blocks,
