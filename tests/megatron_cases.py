@@ -478,6 +478,10 @@ def run_moe_layer_graph_case(case):
     torch.manual_seed(case["seed"])  # same non-expert weights on every rank
     config = _moe_config(case, "flex", "hybridep", params_dtype=torch.bfloat16, bf16=True)
     layer = _build_moe_layer(config, GroupedGemmExperts).cuda()
+    if case.get("chunks"):  # chunked experts: every chunk worst-case sized under the budget
+        from megatron_ep.megatron.chunked import enable_chunked_experts
+
+        enable_chunked_experts(layer, case["chunks"])
     g = torch.Generator(device="cuda").manual_seed(case["seed"] + r)
     shape = (case["S"], 2, case["H"])
     x_static = torch.randn(shape, device="cuda", generator=g).to(torch.bfloat16)

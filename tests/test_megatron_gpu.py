@@ -58,7 +58,8 @@ def test_moe_layer_virtual_ranks_bf16(R):
 def test_moe_layer_cuda_graph_budget(R):
     """hybridep's sync-free budget mode under CUDA-graph capture of a whole MoELayer forward."""
     case = dict(seed=60 + R, E=4 * R, K=4, H=128, F=64, S=16, rounds=3)
-    _run(pool_(R, MEGATRON_EP_RANK_CAPACITY_FACTOR="2.0"), mc.run_moe_layer_graph_case, [case])
+    # then with chunked experts (megatron_ep.megatron.chunked): the chunks in the same graph
+    _run(pool_(R, MEGATRON_EP_RANK_CAPACITY_FACTOR="2.0"), mc.run_moe_layer_graph_case, [case, dict(case, chunks=2)])
 
 
 @pytest.mark.no_mps
