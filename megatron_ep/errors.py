@@ -1,5 +1,5 @@
 """Errors of collective calls. Every one names the call, the ranks and what they disagreed on or
-waited for; `fatal` says whether the buffer must be re-created (see README, "Failure modes")."""
+waited for; `fatal` says whether the buffer must be re-created (docs/failure-modes.md)."""
 
 from __future__ import annotations
 
