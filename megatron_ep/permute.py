@@ -132,6 +132,17 @@ def attach_expert_rows(x: torch.Tensor, row_expert: torch.Tensor, alignment: int
     return x
 
 
+def worst_case_segments(x: torch.Tensor, row_expert: torch.Tensor, tokens_per_expert: torch.Tensor,
+                        alignment: int) -> torch.Tensor:
+    """A worst-case sized expert-major output `x`: tag it with its real segments (the grouped
+    GEMMs stop there, the pad tail's output is zeroed) and return the segment lengths Megatron's
+    contract wants, which cover every row: the last segment takes the pad tail."""
+    attach_expert_rows(x, row_expert, alignment, tokens_per_expert)
+    full = tokens_per_expert.clone()
+    full[-1] += x.shape[0] - full.sum()
+    return full
+
+
 def expert_rows_of(x: torch.Tensor) -> Optional[ExpertRows]:
     """The layout a dispatcher attached to `x`, if it still matches its row count."""
     rows = getattr(x, _ROWS_ATTR, None)

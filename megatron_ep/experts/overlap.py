@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from .. import autograd
 from ..checks import check_int, fail
-from ..permute import attach_expert_rows
+from ..permute import worst_case_segments
 from .layout import GroupedLayout
 from .mlp import expert_mlp
 
@@ -84,12 +84,8 @@ def chunked_expert_mlp(buffer, x: torch.Tensor, topk_idx: torch.Tensor, probs: t
         if on_dispatch is not None:
             on_dispatch(c, out)
         tpe = out.tokens_per_expert
-        if num_worst_tokens:
-            # worst-case sized: the GEMMs stop at the real segments, the pad tail (zero probs) is
-            # the last segment's in the layout (the contract of Megatron's experts, as hybridep's)
-            attach_expert_rows(out.x, out.row_expert, expert_alignment, tpe)
-            tpe = tpe.clone()
-            tpe[-1] += out.x.shape[0] - tpe.sum()
+        if num_worst_tokens:  # the GEMMs stop at the real segments; the pad tail has zero probs
+            tpe = worst_case_segments(out.x, out.row_expert, tpe, expert_alignment)
         layout = GroupedLayout.of(out.x, tpe)
         y = expert_mlp(out.x, out.topk_weights, w1, w2, layout, activation, glu, backend)
         note("computed", c)

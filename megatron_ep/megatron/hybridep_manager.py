@@ -39,7 +39,8 @@ from megatron.core.transformer.moe.token_dispatcher import _DispatchManager
 
 from .. import autograd as ep
 from ..checks import capturing, check_capacity_factor, routing_inputs_error
-from ..permute import attach_expert_rows, routed_past_topk, routing_map_error, routing_map_to_topk
+from ..permute import (attach_expert_rows, routed_past_topk, routing_map_error, routing_map_to_topk,
+                       worst_case_segments)
 from . import compat
 from .budget import agree_max, budget_rows
 from .buffers import fail_dispatch, get_buffer
@@ -123,8 +124,9 @@ class MegatronEPHybridEPManager(_DispatchManager):
         return routing_map_to_topk(self.routing_map, self.token_probs, self.router_topk)
 
     # ------------------------------------------------------------------------ static budget
-    def _budget_rows(self, num_tokens: int, factor: float) -> int:
-        tokens = max(num_tokens, self._max_tokens_per_rank or 0)
+    def _budget_rows(self, num_tokens: int, factor: float, chunks: int = 1) -> int:
+        """Rows of one budgeted dispatch; with `chunks`, of each chunk's (its share of the tokens)."""
+        tokens = -(-max(num_tokens, self._max_tokens_per_rank or 0) // chunks)
         return budget_rows(tokens, self.config.moe_router_topk, factor, self.num_local_experts, self.align,
                            self._recv_capacity_override)
 
@@ -165,6 +167,36 @@ class MegatronEPHybridEPManager(_DispatchManager):
         if self.buffer is not None and self._last_shape is not None:
             self._reserve(self._budget_rows(self._last_shape[0], self._factor))
 
+    # ------------------------------------------------------------------ a call's set-up
+    def _open(self, hidden_states: torch.Tensor, align: int, check_routing: bool) -> None:
+        """The Buffer for this call, then the routing's errors (a routing-map row past top-k only
+        with `check_routing`: it costs a host sync), raised through the Buffer before any data
+        moves."""
+        self.buffer = get_buffer(self.group, hidden_states, self.num_experts, self.router_topk, self.num_sms,
+                                 expert_major_align=align)
+        if self._input_error:
+            fail_dispatch(self.buffer, f"flex hybridep: {self._input_error}")
+        error = routing_map_error(self.routing_map, self.router_topk) if check_routing else None
+        if error:  # before any communication (the dynamic modes sync the host anyway)
+            fail_dispatch(self.buffer, f"flex hybridep: {error}")
+
+    def _budget(self, hidden_states: torch.Tensor, factor: float, chunks: int = 1) -> int:
+        """The static budget's rows per dispatch of this call (the first budgeted call agrees the
+        token count and sizes the Buffer). A routing-map row past top-k cannot be rejected without
+        a host sync: its extra pairs count as dropped (megatron-core's paged stash then reruns
+        dropless, which rejects it)."""
+        self._last_shape = (hidden_states.shape[0], hidden_states.shape[-1], hidden_states.element_size())
+        if not self._bootstrapped:
+            self._bootstrap(hidden_states, factor)
+        self._count_drops(routed_past_topk(self.routing_map, self.router_topk).sum())
+        self.budget = self._budget_rows(hidden_states.shape[0], factor, chunks)
+        return self.budget
+
+    def _count_budgeted(self, out) -> None:
+        """A budgeted dispatch's drops and the real rows it needed (what a rerun must make room for)."""
+        self._count_drops(out.num_dropped)
+        self._need((out.row_expert >= 0).sum() + out.num_dropped)
+
     # ------------------------------------------------------------------ chunked experts
     def chunked_experts(self, hidden_states: torch.Tensor, experts, chunks: int) -> torch.Tensor:
         """Dispatch, `experts`' MLP and combine of this call's tokens in `chunks` pipelined rounds
@@ -176,29 +208,11 @@ class MegatronEPHybridEPManager(_DispatchManager):
         from ..experts import chunked_expert_mlp
 
         factor = self.moe_expert_rank_capacity_factor
-        self.buffer = get_buffer(self.group, hidden_states, self.num_experts, self.router_topk, self.num_sms,
-                                 expert_major_align=self.align)
-        if self._input_error:
-            fail_dispatch(self.buffer, f"flex hybridep: {self._input_error}")
+        self._open(hidden_states, self.align, check_routing=factor is None)
         worst, on_dispatch = None, None
-        if factor is None:
-            error = routing_map_error(self.routing_map, self.router_topk)
-            if error:  # before any communication (the dynamic mode syncs the host anyway)
-                fail_dispatch(self.buffer, f"flex hybridep: {error}")
-        else:
-            T = hidden_states.shape[0]
-            self._last_shape = (T, hidden_states.shape[-1], hidden_states.element_size())
-            if not self._bootstrapped:
-                self._bootstrap(hidden_states, factor)
-            chunk_tokens = -(-max(T, self._max_tokens_per_rank or 0) // chunks)
-            worst = self.budget = budget_rows(chunk_tokens, self.config.moe_router_topk, factor, self.num_local_experts,
-                                              self.align, self._recv_capacity_override)
-            # a routing-map row past top-k counts as dropped, as in a budgeted dispatch
-            self._count_drops(routed_past_topk(self.routing_map, self.router_topk).sum())
-
-            def on_dispatch(c, out):
-                self._count_drops(out.num_dropped)
-                self._need((out.row_expert >= 0).sum() + out.num_dropped)
+        if factor is not None:  # every chunk worst-case sized for its share of the tokens
+            worst = self._budget(hidden_states, factor, chunks)
+            on_dispatch = lambda c, out: self._count_budgeted(out)  # noqa: E731
 
         idx, weights = self._topk_routing()
         return chunked_expert_mlp(self.buffer, hidden_states, idx, weights, experts.weight1, experts.weight2,
@@ -212,46 +226,32 @@ class MegatronEPHybridEPManager(_DispatchManager):
         factor = self.moe_expert_rank_capacity_factor
         budgeted = factor is not None and not self.drop_and_pad
         align = 1 if self.drop_and_pad else self.align
-        self.buffer = get_buffer(self.group, hidden_states, self.num_experts, self.router_topk, self.num_sms,
-                                 expert_major_align=align)
-        if self._input_error:
-            fail_dispatch(self.buffer, f"flex hybridep: {self._input_error}")
+        self._open(hidden_states, align, check_routing=not budgeted)
         idx, weights = self._topk_routing()
-        error = None if budgeted else routing_map_error(self.routing_map, self.router_topk)
-        if error:  # before any communication (the dynamic modes sync the host anyway)
-            fail_dispatch(self.buffer, f"flex hybridep: {error}")
         # The static budget is the dispatch's own worst-case size: no host sync, rows past it
         # dropped and counted by the dispatch itself.
         worst, self.budget = 0, None
         if budgeted:
-            self._last_shape = (hidden_states.shape[0], hidden_states.shape[-1], hidden_states.element_size())
-            if not self._bootstrapped:
-                self._bootstrap(hidden_states, factor)
-            worst = self.budget = self._budget_rows(hidden_states.shape[0], factor)
+            worst = self._budget(hidden_states, factor)
         out = ep.dispatch(self.buffer, hidden_states, idx, weights, num_experts=self.num_experts,
                           permute=True, expert_alignment=align, num_worst_tokens=worst)
         self.handle = out.handle
         x, probs, row_expert, tpe = out.x, out.topk_weights, out.row_expert, out.tokens_per_expert
         self._static = None
-        real_tpe = None
         if self.drop_and_pad:
             self._static = StaticRows.segments(row_expert, tpe, self.capacity * self.group.size())
             self._count_drops(self._static.dropped(row_expert))
             x, probs = self._static.pack(x), self._static.pack(probs)
             row_expert = self._static.pack(row_expert + 1) - 1  # unfilled rows -> -1
             tpe = self._static.tokens_per_expert
-        elif worst:
-            # a routing-map row past top-k cannot be rejected without a host sync: its extra
-            # pairs count as dropped (megatron-core's paged stash then reruns dropless, which rejects it)
-            self._count_drops(out.num_dropped + routed_past_topk(self.routing_map, self.router_topk).sum())
-            self._need((row_expert >= 0).sum() + out.num_dropped)
-            real_tpe = tpe  # our experts stop here (megatron_ep.experts); the tail's output is zeroed
-            tpe = tpe.clone()  # Megatron's contract: the segments cover every row (the tail is padding)
-            tpe[-1] += worst - tpe.sum()
+        if worst:
+            self._count_budgeted(out)
+            tpe = worst_case_segments(x, row_expert, tpe, self.align)  # also tags x with the real segments
+        else:
+            attach_expert_rows(x, row_expert, 1 if self.drop_and_pad else self.align)
         self.dispatched_probs = probs
         self.tokens_per_expert = tpe
         self.row_expert = row_expert
-        attach_expert_rows(x, row_expert, 1 if self.drop_and_pad else self.align, real_tpe)
         return x
 
     def _on(self, device: torch.device) -> None:
