@@ -186,12 +186,9 @@ def resources_needed(args, world: int, on_gpu: bool) -> resources.Need:
 def model_split(args, world: int) -> str:
     """What the analytic model says of this shape at EP = world (H200 link rates): the SMs the
     communication kernels need, what the GEMMs keep, and the layer with chunks against without."""
-    from megatron_ep.model import Machine, Shape, StepModel, layer_costs, layer_times
+    from megatron_ep.model import costs_of_layer, layer_times
 
-    tokens = args.seq_len * args.micro_batch
-    shape = Shape(tokens=tokens, hidden=args.hidden, topk=args.topk, experts=args.experts, groups=1, topk_groups=1,
-                  fp8_dispatch=False)
-    costs = layer_costs(shape, Machine(), StepModel(ep=world, moe_ffn=args.expert_ffn))
+    costs = costs_of_layer(args.seq_len * args.micro_batch, args.hidden, args.topk, args.experts, world, args.expert_ffn)
     none, chunked = layer_times(costs, "none"), layer_times(costs, "chunks", args.chunks)
     return (f"model (megatron_ep.model, H200 rates, EP {world}): communication needs {costs.comm_sms} of {costs.sms} SMs, "
             f"the expert GEMMs keep {costs.sms - costs.comm_sms}; one MoE layer fwd + bwd {none.total_us / 1e3:.3f} ms "

@@ -132,11 +132,9 @@ def worker(rank, a, port, queue):
 
 def _model(a):
     """The model's prediction for this shape and EP (per rank, us): no overlap vs chunks."""
-    from megatron_ep.model import Machine, Shape, StepModel, layer_costs, layer_times
+    from megatron_ep.model import costs_of_layer, layer_times
 
-    shape = Shape(tokens=a.tokens, hidden=a.hidden, topk=a.topk, experts=a.experts, groups=1, topk_groups=1,
-                  fp8_dispatch=False)
-    costs = layer_costs(shape, Machine(), StepModel(ep=a.ranks, moe_ffn=a.ffn))
+    costs = costs_of_layer(a.tokens, a.hidden, a.topk, a.experts, a.ranks, a.ffn)
     return {n: (layer_times(costs, "none") if n == 1 else layer_times(costs, "chunks", n)) for n in a.chunks}
 
 

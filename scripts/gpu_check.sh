@@ -40,6 +40,10 @@ export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 NVSHMEM_DISABLE_MNNVL=1 TORCH_S
 export CUDA_MODULE_LOADING=EAGER PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/mep-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mep-mps-log
 GATE_START=$(date +%s)
+# module loading of the runs without MPS (the no-MPS tests, the sanitizer tools): lazy, since each
+# process has its own context there (under MPS one context serves every rank, and a kernel loaded
+# lazily could wait behind a peer's spinning one: eager)
+NO_MPS_LOADING=${MEP_GATE_SANITIZER_LOADING:-LAZY}
 BUDGET=${MEP_GATE_BUDGET_S:-590}
 left() { local l=$(( BUDGET - ($(date +%s) - GATE_START) - ${2:-0} )); [ "$l" -lt "$1" ] && echo $(( l > 5 ? l : 5 )) || echo "$1"; }
 RESULTS=$OUT/results.tsv  # file, passed, failed, skipped, seconds, note
@@ -144,10 +148,8 @@ sanitize() {
   local name=$1 tool=$2 limit; limit=$(left "$3" 15); shift 3
   local log=$LOGS/sanitizer_${tool}_${name//[^A-Za-z0-9_.-]/_}.log t0 rc
   t0=$(date +%s)
-  # lazy module loading here (no MPS: a context per rank), so the tool instruments only the kernels
-  # that run, not every kernel of torch's libraries; MEP_GATE_SANITIZER_LOADING=EAGER as before
-  local loading=${MEP_GATE_SANITIZER_LOADING:-LAZY}
-  MEP_TIMEOUT_S=120 MEP_TEST_MODULE_LOADING=$loading CUDA_MODULE_LOADING=$loading \
+  # lazy module loading (NO_MPS_LOADING): the tool instruments only the kernels that run
+  MEP_TIMEOUT_S=120 MEP_TEST_MODULE_LOADING=$NO_MPS_LOADING CUDA_MODULE_LOADING=$NO_MPS_LOADING \
     timeout -k 10 "$limit" compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 9 \
     python3 -m pytest -q -x -p no:cacheprovider "$@" > "$log" 2>&1
   rc=$?
@@ -171,9 +173,8 @@ if [ "$MODE" = gate ]; then
   FILES=${MEP_GATE_FILES:-tests/test_cuda_intranode.py tests/test_cuda_internode.py tests/test_cuda_low_latency.py tests/test_megatron_gpu.py tests/test_experts.py}
   run_files 560 "$FILES"
   stop_mps
-  # no MPS here either, so lazy module loading (a context per process) unless told otherwise
   # shellcheck disable=SC2086
-  MEP_TEST_MODULE_LOADING=${MEP_GATE_SANITIZER_LOADING:-LAZY} CUDA_MODULE_LOADING=${MEP_GATE_SANITIZER_LOADING:-LAZY} \
+  MEP_TEST_MODULE_LOADING=$NO_MPS_LOADING CUDA_MODULE_LOADING=$NO_MPS_LOADING \
     run_file "tests without MPS" 120 -m "gpu and no_mps" $FILES
   # one small case of each path (R = 2) under memcheck: in one pool (tests/test_sanitizer_pass.py), or
   # with MEP_GATE_SANITIZER=split in each path's own suite (three pools under the tool)

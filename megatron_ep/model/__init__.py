@@ -26,7 +26,8 @@ from .command import DEFAULT_EPS, build_parser, main
 from .counts import LINK_FIELDS, LinkCount, link_count, link_count_from
 from .kernels import LowLatencyResult, NormalResult, low_latency, normal_path
 from .machine import DEEPEP_V1_INTERNODE, DEEPEP_V1_SOURCE, H800_NVLINK_GBPS, Machine
-from .overlap import MODES, LayerTimes, OverlapCosts, OverlapOptions, best_overlap, layer_costs, layer_times
+from .overlap import (MODES, LayerTimes, OverlapCosts, OverlapOptions, best_overlap, costs_of_layer, layer_costs,
+                      layer_times)
 from .rates import gbps_of, per_sm_gbps, seconds_at, sm_bound_us, sms_for, us_at
 from .route import (RouteCopies, Routing, expected_units_touched, expected_units_touched_exact, max_units_touched,
                     route_copies, routing)
@@ -41,7 +42,8 @@ from .tables import deepep_internode_check, report
 __all__ = [
     "DEEPEP_V1_INTERNODE", "DEEPEP_V1_SOURCE", "DEFAULT_EPS", "H800_NVLINK_GBPS", "LINK_FIELDS", "STAGES",
     "STAGE_NAMES", "STAGE_OF_MARK", "TIME_TOLERANCE",
-    "MODES", "LayerTimes", "OverlapCosts", "OverlapOptions", "best_overlap", "layer_costs", "layer_times",
+    "MODES", "LayerTimes", "OverlapCosts", "OverlapOptions", "best_overlap", "costs_of_layer", "layer_costs",
+    "layer_times",
     "LinkCount", "LowLatencyResult", "Machine", "MoeLayerCost", "NormalResult", "RouteCopies", "Routing", "Shape",
     "SmSplit", "StageBound", "StageRates", "StageTimes", "StageWork", "StepModel", "StepResult", "TimeCheck",
     "bounding_stage", "build_parser", "calibrate_stages", "check_stages", "combine_stage_work",

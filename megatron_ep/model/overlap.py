@@ -91,6 +91,15 @@ def layer_costs(shape: Shape, machine: Machine, step: StepModel) -> OverlapCosts
                         comm_sms=min(max(d.sms_all, c.sms_all), machine.sms - 1), sms=machine.sms)
 
 
+def costs_of_layer(tokens: int, hidden: int, topk: int, experts: int, ep: int, moe_ffn: int,
+                   machine: Machine | None = None) -> OverlapCosts:
+    """layer_costs for a benchmark's MoE layer: `tokens` per rank, BF16 rows both ways, routing
+    without group limit (what scripts/bench_overlap.py and scripts/ab_throughput.py run)."""
+    shape = Shape(tokens=tokens, hidden=hidden, topk=topk, experts=experts, groups=1, topk_groups=1,
+                  fp8_dispatch=False)
+    return layer_costs(shape, machine or Machine(), StepModel(ep=ep, moe_ffn=moe_ffn))
+
+
 def _schedule(dispatch: list[float], gemm: list[float], combine: list[float],
               gemm_tail: float = 0.0) -> tuple[float, float]:
     """The two-stream schedule (module docstring): dispatch piece i, then GEMM piece i on the
