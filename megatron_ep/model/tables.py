@@ -103,12 +103,12 @@ def overlap_table(shape: Shape, machine: Machine, step: StepModel, o: OverlapOpt
                      f"{chunks.total_us / 1e3:.2f} ({chunks.pieces})", f"{arr.total_us / 1e3:.2f} ({arr.pieces})",
                      f"{none.total_us / best.total_us:.2f}x"])
         if ep == step.ep:
-            best_at_step = (none, best)
+            best_at_step = (none, best, costs)
     out.append(_table(["EP", "D+C fwd", "GEMMs", "comm SMs", "no overlap", "chunks (n)", "arrivals (n)",
                        "best gain"], rows))
     s = step_fraction(shape, machine, step)
-    none, best = best_at_step
-    other_ms = s.compute_ms - step.moe_layers * 3 * layer_costs(shape, machine, step).gemm_fwd / 1e3
+    none, best, costs = best_at_step
+    other_ms = s.compute_ms - step.moe_layers * 3 * costs.gemm_fwd / 1e3
     t_none = other_ms + step.moe_layers * none.total_us / 1e3
     t_best = other_ms + step.moe_layers * best.total_us / 1e3
     out.append(f"  step at EP{step.ep}: {t_none:.0f} ms with no overlap (backward transfers at BF16 size), "
