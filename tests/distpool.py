@@ -81,8 +81,14 @@ def _worker(rank, world_size, port, backend, env, tasks, results):
     torch.set_num_threads(1)
     if env.get("MEP_TEST_CUDA") == "1":  # virtual ranks: every process on the visible GPU(s)
         torch.cuda.set_device(rank % torch.cuda.device_count())
+        torch.empty(1, device="cuda")  # the context (and its module loading) now, while the pool waits for work
     timeout = datetime.timedelta(seconds=float(env.get("MEP_TEST_COLLECTIVE_TIMEOUT", "60")))
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+    for module in filter(None, env.get("MEP_TEST_PRELOAD", "").split(",")):
+        try:  # slow imports (megatron) before the first task; a failure is the task's to report
+            importlib.import_module(module)
+        except Exception:
+            pass
     while True:
         item = tasks.get()
         if item is None:

@@ -10,11 +10,13 @@ import pytest
 import cases
 from case_lists import normal_cases
 from distpool import flat
-from gpu_pools import GPU_MARKS, GpuPools, closing, run_alone
+from gpu_pools import GPU_MARKS, Alone, GpuPools, Shared, closing, run_alone
 
 pytestmark = GPU_MARKS
 
-POOLS = GpuPools(NVSHMEM_DISABLE_MNNVL="1")
+POOLS = GpuPools(ahead={"test_internode_puts": [Shared(4, MEP_IN_FORCE_PUTS="1")],
+                        "test_internode_peer_failure_is_published": [Alone(2, NVSHMEM_DISABLE_MNNVL="1")]},
+                 NVSHMEM_DISABLE_MNNVL="1")
 pool_ = POOLS.get
 _close_pools = closing(POOLS)
 # (ranks, ranks per node): 2 nodes x 1, 2 x 2, 2 x 4, 4 x 2

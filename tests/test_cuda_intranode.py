@@ -11,11 +11,12 @@ import fault_cases
 import hostile_cases
 from case_lists import FUZZ_REGRESSIONS, normal_cases
 from distpool import flat
-from gpu_pools import GPU_MARKS, GpuPools, closing, run_alone
+from gpu_pools import GPU_MARKS, Alone, GpuPools, closing, run_alone
 
 pytestmark = GPU_MARKS
 
-POOLS = GpuPools()
+POOLS = GpuPools(ahead={"test_timeout_names_the_missing_rank": [Alone(2, MEP_TIMEOUT_S="3")],
+                        "test_hostile_timeouts": [Alone(2, MEP_TIMEOUT_S="3")]})
 pool_ = POOLS.get
 _close_pools = closing(POOLS)
 

@@ -12,12 +12,13 @@ import ll_cases
 import megatron_ep
 from case_lists import _token_counts
 from distpool import flat
-from gpu_pools import GPU_MARKS, GpuPools, closing, run_alone
+from gpu_pools import GPU_MARKS, Alone, GpuPools, closing, run_alone
 from megatron_ep.experts.backends import deep_gemm_module
 
 pytestmark = GPU_MARKS
 
-POOLS = GpuPools()
+POOLS = GpuPools(ahead={"test_peer_failure_is_published": [Alone(2)],
+                        "test_timeout_names_the_missing_rank": [Alone(2, MEP_TIMEOUT_S="3")]})
 pool_ = POOLS.get
 _close_pools = closing(POOLS)
 

@@ -13,7 +13,7 @@ import pytest
 import megatron.core  # noqa: F401  (a missing megatron-core must fail, not skip)
 
 import megatron_cases as mc
-from gpu_pools import GPU_MARKS, GpuPools, closing, run_alone
+from gpu_pools import GPU_MARKS, GpuPools, Shared, closing, run_alone
 from test_megatron_dispatchers import flex_cases
 
 pytestmark = GPU_MARKS
@@ -21,7 +21,10 @@ pytestmark = GPU_MARKS
 # TORCHDYNAMO_DISABLE: Megatron's torch.compile'd helpers would compile (Triton, per process) for
 # every new shape; what these tests check is our managers (test_setup_metadata_compiles checks
 # that setup_metadata compiles)
-POOLS = GpuPools(MEGATRON_EP_BACKEND="auto", MEGATRON_EP_MAX_TOKENS_PER_RANK="64", TORCHDYNAMO_DISABLE="1")
+# MEP_TEST_PRELOAD: each rank imports Megatron while it waits for its first task
+POOLS = GpuPools(ahead={"test_moe_layer_cuda_graph_budget": [Shared(2, MEGATRON_EP_RANK_CAPACITY_FACTOR="2.0")]},
+                 MEGATRON_EP_BACKEND="auto", MEGATRON_EP_MAX_TOKENS_PER_RANK="64", TORCHDYNAMO_DISABLE="1",
+                 MEP_TEST_PRELOAD="megatron_cases")
 pool_ = POOLS.get
 _close_pools = closing(POOLS)
 
