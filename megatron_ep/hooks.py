@@ -17,6 +17,11 @@ def set_output_hook(fn: Optional[Callable[[torch.Tensor], None]]) -> None:
     _output_hook = fn
 
 
+def active() -> bool:
+    """Whether an output hook is set: it then writes the outputs first, on the caller's stream."""
+    return _output_hook is not None
+
+
 def new_outputs(tensors: Iterable[Optional[torch.Tensor]]) -> bool:
     """Apply the output hook; True when it ran (a cuda caller's stream must then wait for it)."""
     if _output_hook is None:

@@ -18,6 +18,7 @@ from typing import List, Optional
 
 import torch
 
+from .. import hooks
 from .. import protocol as P
 from ..checks import fail, is_fp8_tuple
 from ..runtime import CudaRuntime
@@ -194,11 +195,12 @@ class IntranodePath(NormalPath):
                           or rt.rt.pool_rank_major(rows, H, data.dtype, row_bytes, scale_cols, K, has_w,
                                                    compute.cuda_stream, True, rt.stream.cuda_stream))
             elif push:
-                # the push kernel (communication stream) is the block's first writer, here and on
-                # the peers (they wait for its start): a block still in use is waited for there
+                # the block's first writer waits for its last use: the push kernel (communication
+                # stream; the peers wait for its start), or an output hook (this stream) before it
+                first_writer = compute if hooks.active() else rt.stream
                 pooled = rt.rt.pool_rank_major(out_rows, H, data.dtype, row_bytes, scale_cols, K,
                                                topk_weights is not None, compute.cuda_stream, False,
-                                               rt.stream.cuda_stream)
+                                               first_writer.cuda_stream)
             offsets = list(pooled[4:]) if pooled is not None else [-1, -1, -1, -1]
             if pooled is not None and not permute:
                 out_x, out_s, out_idx, out_w = pooled[:4]
