@@ -30,7 +30,7 @@ Pool::~Pool() {
   for (auto e : spare_events_) cudaEventDestroy(e);
 }
 
-long long Pool::alloc(long long bytes, cudaStream_t order) {
+long long Pool::alloc(long long bytes, const cudaStream_t* order) {
   bytes = block_bytes(bytes);
   std::lock_guard<std::mutex> lock(mu_);
   DeviceGuard g(device_);
@@ -41,8 +41,8 @@ long long Pool::alloc(long long bytes, cudaStream_t order) {
     if (order != nullptr) {
       // `order` waits for the range's last use on the GPU; the wait binds the event's current
       // record, so the event may be recorded again later
-      cudaStreamWaitEvent(order, pending_.front().ev, 0);
-      if (pending_.front().ev2 != nullptr) cudaStreamWaitEvent(order, pending_.front().ev2, 0);
+      cudaStreamWaitEvent(*order, pending_.front().ev, 0);
+      if (pending_.front().ev2 != nullptr) cudaStreamWaitEvent(*order, pending_.front().ev2, 0);
       free_oldest();
       stream_wait = true;
     } else {

@@ -28,9 +28,11 @@ class Pool {
   }
   Pool(int device, long long begin, long long bytes);
   ~Pool();
-  long long alloc(long long bytes, cudaStream_t order = nullptr);  // offset in the region, or -1
+  // Offset in the region, or -1. `order`, like `also` below, is a pointer: the legacy default
+  // stream is nullptr itself, and a null `order` means the host waits.
+  long long alloc(long long bytes, const cudaStream_t* order = nullptr);
   // `also` (when given and not `stream`): a second stream whose work so far must end before the
-  // range is reused; a pointer, since the legacy default stream is nullptr itself
+  // range is reused
   void release(long long offset, long long bytes, cudaStream_t stream, const cudaStream_t* also = nullptr);
   // A range whose every use ran on the communication stream, as every later use will: free now
   // (stream order alone keeps the next user behind the last one; no event, no host wait later).

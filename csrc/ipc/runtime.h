@@ -102,7 +102,8 @@ class Runtime {
   py::object pool_rank_major(int rows, int hidden, py::object x_dtype, int row_bytes, int scale_cols, int K, bool has_w,
                              long long stream_ptr, bool comm_only, long long order_stream_ptr) {
     const RankMajorBlock b(rows, row_bytes, scale_cols, K, has_w);
-    const long long off = pool_->alloc(b.total, reinterpret_cast<cudaStream_t>(order_stream_ptr));
+    const cudaStream_t order = reinterpret_cast<cudaStream_t>(order_stream_ptr);  // 0: the default stream
+    const long long off = pool_->alloc(b.total, &order);
     if (off < 0) return py::none();
     struct Owner {  // returns the block when the last tensor over it dies (never copied)
       std::shared_ptr<Pool> pool;
