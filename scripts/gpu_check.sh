@@ -159,13 +159,13 @@ sanitize() {
   local note="$tool: $errs reports"
   [ "$rc" = 124 ] || [ "$rc" = 137 ] && note="$tool: timeout after ${limit}s"
   if [ "$rc" = 0 ]; then
-    printf 'sanitizer %s\t%s\t0\t0\t%s\t%s\n' "$name" "$passed" $(( $(date +%s) - t0 )) "$note" >> "$RESULTS"
+    printf '%s %s\t%s\t0\t0\t%s\t%s\n' "$tool" "$name" "$passed" $(( $(date +%s) - t0 )) "$note" >> "$RESULTS"
   else
     status=1
-    printf 'sanitizer %s\t%s\t1\t0\t%s\t%s (exit %s)\n' "$name" "$passed" $(( $(date +%s) - t0 )) "$note" "$rc" >> "$RESULTS"
+    printf '%s %s\t%s\t1\t0\t%s\t%s (exit %s)\n' "$tool" "$name" "$passed" $(( $(date +%s) - t0 )) "$note" "$rc" >> "$RESULTS"
     grep -B2 -A14 -m3 -E "^========= (Invalid|Error|Race|Barrier|Uninitialized)" "$log" | head -60
   fi
-  awk -F"\t" -v n="sanitizer $name" '$1 == n' "$RESULTS" | tail -1
+  awk -F"\t" -v n="$tool $name" '$1 == n' "$RESULTS" | tail -1
 }
 
 start_mps
