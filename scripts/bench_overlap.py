@@ -1,7 +1,8 @@
 """One MoE layer's experts with their communication under the GEMMs: megatron_ep.experts.
 chunked_expert_mlp at several chunk counts, forward and forward + backward, against one round
-(chunks = 1), and a per-chunk timeline of the forward (when each chunk's rows are usable, when
-its GEMMs and its combine end, from CUDA events), next to what the analytic model predicts
+(chunks = 1), and a per-chunk timeline of the forward (when each chunk's rows arrive, when its
+GEMMs start and end, when the layer's output is usable, from CUDA events) with the communication
+it left exposed, next to what the analytic model predicts
 for the same shape (megatron_ep/model/overlap.py).
 
     python scripts/bench_overlap.py --ranks 2                       # GPUs (one process per GPU)
@@ -81,22 +82,45 @@ def _layer(a, device):
 
 
 def _timeline(a, buf, inputs, chunks) -> list:
-    """(point, chunk, ms since the layer's start) of one forward, from CUDA events."""
+    """(point, chunk, ms since the layer's start) of one forward, from CUDA events: "arrived" (the
+    chunk's dispatch finished, seen from an idle side stream waiting for the dispatch's event),
+    "started" and "computed" (its GEMMs start and end on the compute stream), and "end" (the
+    layer's output is usable, every combine waited for)."""
     x, idx, probs, w1, w2 = inputs
     events = []
     start = torch.cuda.Event(enable_timing=True)
+    side = torch.cuda.Stream()
+
+    def timed(point, c, stream=None):
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(stream)
+        events.append((point, c, ev))
+
+    def arrived(c, out):
+        side.wait_event(out.event.event)
+        timed("arrived", c, side)
 
     def mark(point, c):
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
-        events.append((point, c, ev))
+        if point in ("started", "computed"):  # the others are host issue points, not GPU times
+            timed(point, c)
 
     torch.cuda.synchronize()
     dist.barrier()
     start.record()
-    chunked_expert_mlp(buf, x, idx, probs, w1, w2, a.experts, chunks=chunks, activation=F.silu, glu=True, mark=mark)
+    chunked_expert_mlp(buf, x, idx, probs, w1, w2, a.experts, chunks=chunks, activation=F.silu, glu=True, mark=mark,
+                       on_dispatch=arrived)
+    timed("end", -1)
     torch.cuda.synchronize()
     return [(p, c, start.elapsed_time(ev)) for p, c, ev in events]
+
+
+def exposed_ms(timeline: list) -> tuple:
+    """(layer ms, GEMM ms, exposed ms) of a timeline: the compute stream's time not in a chunk's
+    GEMMs is what the communication (and the host) left exposed."""
+    at = {(p, c): ms for p, c, ms in timeline}
+    end = at[("end", -1)]
+    gemm = sum(at[("computed", c)] - at[("started", c)] for p, c, _ in timeline if p == "started")
+    return end, gemm, end - gemm
 
 
 def worker(rank, a, port, queue):
@@ -159,11 +183,19 @@ def main(argv=None) -> int:
         ref = statistics.mean(r[1]["fwd_bwd_us"] for r in results) / 1e3
         print(f"{n:>6} {fwd:>8.3f} {fb:>11.3f} {ref / fb:>9.2f}x {model[n].total_us / 1e3:>17.3f}")
     if not a.cpu:
+        print(f"\nforward, rank 0, one run per chunk count: the compute stream's time outside the chunks' GEMMs "
+              f"is the exposed communication")
+        print(f"{'chunks':>6} {'layer ms':>9} {'GEMMs ms':>9} {'exposed ms':>11} {'hidden vs 1 round':>18}")
+        base = exposed_ms(results[0][1]["timeline"])[2]
+        for n in a.chunks:
+            end, gemm, exposed = exposed_ms(results[0][n]["timeline"])
+            hidden = f"{100 * (1 - exposed / base):.0f}%" if base > 0 else "n/a"
+            print(f"{n:>6} {end:>9.3f} {gemm:>9.3f} {exposed:>11.3f} {hidden:>18}")
         n = max(a.chunks)
-        print(f"\nforward timeline, {n} chunks, rank 0 (ms since the layer's start; 'dispatched': the chunk's rows "
-              f"are usable on the compute stream)")
+        print(f"\nforward timeline, {n} chunks, rank 0 (ms since the layer's start; 'arrived': the chunk's dispatch "
+              f"finished; 'started' / 'computed': its GEMMs on the compute stream; 'end': the output usable)")
         for point, c, ms in sorted(results[0][n]["timeline"], key=lambda e: e[2]):
-            print(f"  {ms:8.3f}  chunk {c}  {point}")
+            print(f"  {ms:8.3f}  {'chunk ' + str(c) if c >= 0 else 'layer':<8}  {point}")
     return 0
 
 

@@ -1,5 +1,6 @@
 """Worker bodies for megatron_ep.experts.chunked_expert_mlp (run on every rank of a DistPool):
-the chunked pipeline against one round, outputs and the gradients of x, probs, w1 and w2, on
+the chunked pipeline (and one chunk of it) against one round of autograd's dispatch, the expert
+MLP and autograd's combine: outputs and the gradients of x, probs, w1 and w2, on
 the torch backend (CPU) and the cuda backend (virtual ranks)."""
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from cases import get_buffer
-from megatron_ep.experts import chunked_expert_mlp
+from megatron_ep import autograd
+from megatron_ep.experts import GroupedLayout, chunked_expert_mlp, expert_mlp
 
 
 def _inputs(cfg: dict, rank: int, device: str):
@@ -35,6 +37,15 @@ def _inputs(cfg: dict, rank: int, device: str):
     return [t.to(device) for t in (x, idx, probs, w1, w2, grad)]
 
 
+def _one_round(buf, leaves, idx, cfg: dict, act) -> torch.Tensor:
+    x, probs, w1, w2 = leaves
+    align = cfg.get("align", 1)
+    out = autograd.dispatch(buf, x, idx, probs, num_experts=cfg["E"], permute=True, expert_alignment=align)
+    layout = GroupedLayout.of(out.x, out.tokens_per_expert)
+    y = expert_mlp(out.x, out.topk_weights, w1, w2, layout, act, cfg.get("glu", False))
+    return autograd.combine(buf, y, out.handle).x
+
+
 def run_chunked_experts_case(cfg: dict, backend: str = "torch", device: str = "cpu") -> list:
     R, rank = dist.get_world_size(), dist.get_rank()
     tag = f"[chunked experts R={R} rank={rank} seed={cfg['seed']} Ts={cfg['Ts']} chunks={cfg['chunks']}]"
@@ -44,20 +55,25 @@ def run_chunked_experts_case(cfg: dict, backend: str = "torch", device: str = "c
         act = F.silu if cfg.get("glu") else F.gelu
         results = []
         dropped = []
-        for chunks, worst in ((1, None), (cfg["chunks"], cfg.get("worst"))):
+        runs = [("one round", None, None), ("one chunk", 1, None), (f"{cfg['chunks']} chunks", cfg["chunks"], cfg.get("worst"))]
+        for _, chunks, worst in runs:
             leaves = [t.detach().clone().requires_grad_(True) for t in (x, probs, w1, w2)]
-            y = chunked_expert_mlp(buf, leaves[0], idx, leaves[1], leaves[2], leaves[3], cfg["E"], chunks=chunks,
-                                   expert_alignment=cfg.get("align", 1), activation=act, glu=cfg.get("glu", False),
-                                   num_worst_tokens=worst, on_dispatch=lambda c, out: dropped.append(out.num_dropped))
+            if chunks is None:  # the non-overlapped path: autograd's dispatch, the MLP, autograd's combine
+                y = _one_round(buf, leaves, idx, cfg, act)
+            else:
+                y = chunked_expert_mlp(buf, leaves[0], idx, leaves[1], leaves[2], leaves[3], cfg["E"], chunks=chunks,
+                                       expert_alignment=cfg.get("align", 1), activation=act, glu=cfg.get("glu", False),
+                                       num_worst_tokens=worst, on_dispatch=lambda c, out: dropped.append(out.num_dropped))
             y.backward(grad)
             results.append([y.detach()] + [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves])
         errors = []
         if cfg.get("worst") and int(sum(int(d) for d in dropped if d is not None)) != 0:
             errors.append(f"{tag} a worst-case size of {cfg['worst']} rows dropped rows: the case checks nothing")
-        for name, one, many in zip(("output", "grad x", "grad probs", "grad w1", "grad w2"), *results):
-            if one.shape != many.shape or not torch.allclose(one, many, rtol=1e-4, atol=1e-5):
-                diff = (one - many).abs().max().item() if one.shape == many.shape else f"shapes {one.shape} {many.shape}"
-                errors.append(f"{tag} {name}: chunked differs from one round (max abs diff {diff})")
+        for (label, _, _), many in zip(runs[1:], results[1:]):
+            for name, one, got in zip(("output", "grad x", "grad probs", "grad w1", "grad w2"), results[0], many):
+                if one.shape != got.shape or not torch.allclose(one, got, rtol=1e-4, atol=1e-5):
+                    diff = (one - got).abs().max().item() if one.shape == got.shape else f"shapes {one.shape} {got.shape}"
+                    errors.append(f"{tag} {name}: {label} differs from one round (max abs diff {diff})")
         if cfg["Ts"][rank] and not results[0][0].abs().sum() > 0:
             errors.append(f"{tag} the output is all zero: the case checks nothing")
         return errors
@@ -86,8 +102,9 @@ def run_marks_case(cfg: dict) -> list:
     x, idx, probs, w1, w2, _ = _inputs(cfg, rank, "cpu")
     seen = []
     chunked_expert_mlp(buf, x, idx, probs, w1, w2, cfg["E"], chunks=3, mark=lambda point, c: seen.append((point, c)))
-    want = [("dispatched", 0), ("dispatched", 1), ("computed", 0), ("combined", 0), ("dispatched", 2),
-            ("computed", 1), ("combined", 1), ("computed", 2), ("combined", 2)]
+    want = [("dispatched", 0), ("dispatched", 1), ("started", 0), ("computed", 0), ("combined", 0),
+            ("dispatched", 2), ("started", 1), ("computed", 1), ("combined", 1), ("started", 2), ("computed", 2),
+            ("combined", 2)]
     return [] if seen == want else [f"[marks R={R} rank={rank}] {seen}, expected {want}"]
 
 
