@@ -55,6 +55,9 @@ PER_SM_COPY_GBPS = 45.0  # bytes one SM moves per second in our pull kernels (do
 # shapes are unmeasured and uncapped. MEP_PUSH_MAX_SMS overrides (benchmarks compare).
 PUSH_MAX_SMS_EP2 = 16
 
+COMM_STREAM_PRIORITY = -1  # torch: lower is higher; the default (compute) streams have 0
+
+
 def default_num_sms(ranks_per_device: int, sm_count: int) -> int:
     """SMs per rank for the copy kernels (see the rule above); even, at least 4, and small
     enough that every rank sharing the GPU keeps all its blocks resident at once."""
@@ -108,7 +111,9 @@ class CudaRuntime(FailureState):
         self.hints["num_ranks"] = num_ranks
         self.rt = None
         self.plan: Optional[dict] = None
-        self.stream = torch.cuda.Stream(device=self.device)
+        # high priority: when SMs free up, the block scheduler places our kernels' blocks (which wait
+        # on peers, and need all of them resident) ahead of those of GEMMs queued beside them
+        self.stream = torch.cuda.Stream(device=self.device, priority=COMM_STREAM_PRIORITY)
         self.trace: Optional[list] = None  # benchmarks: (phase, event) pairs on the comm stream
         self._comb_views: list = []  # weak references to zero-copy combine inputs handed out
         self.grown = 0

@@ -15,7 +15,9 @@ Backends (--backends, comma separated, default all):
             the budget are dropped and counted (uniform routing rarely gets near it);
   hybridep-chunked  hybridep with each MoE layer's dispatch, experts and combine in --chunks (4)
             pipelined token chunks (megatron_ep.megatron.chunked): communication under the expert
-            GEMMs; its dispatch / combine timers stay empty (the chunks bypass the dispatcher);
+            GEMMs, which leave the communication kernels' SMs free; those kernels take the SMs
+            the model's split gives (printed in the header); its dispatch / combine timers stay
+            empty (the chunks bypass the dispatcher);
   hybridep-chunked-budget  the same with the static budget of --budget-factor: every chunk
             worst-case sized for its share of the tokens, no host sync;
   DeepEP    Megatron's flex dispatcher + Megatron's own _DeepepManager (the deep_ep package);
@@ -183,12 +185,19 @@ def resources_needed(args, world: int, on_gpu: bool) -> resources.Need:
 
 
 # ------------------------------------------------------------------------------ availability
+def model_costs(args, world: int):
+    """The analytic model's cost terms of one MoE layer of this shape at EP = world."""
+    from megatron_ep.model import costs_of_layer
+
+    return costs_of_layer(args.seq_len * args.micro_batch, args.hidden, args.topk, args.experts, world, args.expert_ffn)
+
+
 def model_split(args, world: int) -> str:
     """What the analytic model says of this shape at EP = world (H200 link rates): the SMs the
     communication kernels need, what the GEMMs keep, and the layer with chunks against without."""
-    from megatron_ep.model import costs_of_layer, layer_times
+    from megatron_ep.model import layer_times
 
-    costs = costs_of_layer(args.seq_len * args.micro_batch, args.hidden, args.topk, args.experts, world, args.expert_ffn)
+    costs = model_costs(args, world)
     none, chunked = layer_times(costs, "none"), layer_times(costs, "chunks", args.chunks)
     return (f"model (megatron_ep.model, H200 rates, EP {world}): communication needs {costs.comm_sms} of {costs.sms} SMs, "
             f"the expert GEMMs keep {costs.sms - costs.comm_sms}; one MoE layer fwd + bwd {none.total_us / 1e3:.3f} ms "
@@ -287,15 +296,19 @@ def build_layer(args, device, on_gpu: bool) -> LayerModel:
     rank, world = dist.get_rank(), dist.get_world_size()
     train_moe.seed_everything(args, rank, on_gpu)
     config = train_moe.build_config(args, world, on_gpu)
+    from megatron_ep.megatron.chunked import apply_from_env, chunks_from_env
+
+    chunks = getattr(args, "chunked_experts", 0) or chunks_from_env()
+    if chunks:  # chunked experts: the communication kernels take the SMs the model gives them (the header's split)
+        knob = "moe_flex_dispatcher_num_sms" if hasattr(config, "moe_flex_dispatcher_num_sms") else "moe_hybridep_num_sms"
+        setattr(config, knob, model_costs(args, world).comm_sms)
     block = train_moe.decoder_block_spec(config, args)
     number, mlp = next((i + 1, spec.submodules.mlp) for i, spec in enumerate(block.layer_specs)
                        if train_moe.is_moe_spec(spec.submodules.mlp))
     layer = build_module(mlp, config=config, pg_collection=None) if isinstance(mlp, ModuleSpec) else mlp(config=config, pg_collection=None)
     layer.set_layer_number(number)
     layer = layer.to(device)
-    from megatron_ep.megatron.chunked import apply_from_env
-
-    apply_from_env(layer, getattr(args, "chunked_experts", 0))
+    apply_from_env(layer, chunks)
     train_moe.broadcast_non_expert_params(layer)
     g = torch.Generator().manual_seed(args.seed + 7919 * (rank + 1))
     x = torch.randn(args.seq_len, args.micro_batch, args.hidden, generator=g).to(device=device, dtype=config.params_dtype)

@@ -127,3 +127,43 @@ def run_worst_case_drops_case(cfg: dict) -> list:
     if tuple(y.shape) != tuple(x.shape):
         errors.append(f"[worst-case drops rank {rank}] output {tuple(y.shape)}, expected {tuple(x.shape)}")
     return errors
+
+
+class _SeenCarveout(torch.autograd.Function):
+    """An identity that records torch's SM carveout when its forward and backward run: placed
+    between the chunks' GEMMs (as the activation), it sees what the GEMMs beside it saw."""
+
+    @staticmethod
+    def forward(ctx, h, seen):
+        ctx.seen = seen
+        seen.append(("forward", torch._C._get_sm_carveout_experimental()))
+        return h.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.seen.append(("backward", torch._C._get_sm_carveout_experimental()))
+        return g, None
+
+
+def run_carveout_case(cfg: dict) -> list:
+    """The chunks' expert MLPs, forward and backward, run with `comm_sms` SMs left free, and the
+    carveout is restored between them and after (one chunk: none by default)."""
+    R, rank = dist.get_world_size(), dist.get_rank()
+    buf = get_buffer("torch")
+    x, idx, probs, w1, w2, grad = _inputs(dict(cfg, Ts=[8] * R), rank, "cpu")
+    before = torch._C._get_sm_carveout_experimental()
+    errors = []
+    for chunks, comm_sms, want in ((3, 6, 6), (1, None, before)):
+        seen = []
+        leaves = [t.detach().requires_grad_() for t in (x, probs, w1, w2)]
+        y = chunked_expert_mlp(buf, leaves[0], idx, leaves[1], leaves[2], leaves[3], cfg["E"], chunks=chunks,
+                               activation=lambda h: F.gelu(_SeenCarveout.apply(h, seen)), comm_sms=comm_sms)
+        outside = torch._C._get_sm_carveout_experimental()
+        y.backward(grad)
+        got = sorted(set(seen))
+        expect = [("backward", want), ("forward", want)]
+        if got != expect or outside != before or torch._C._get_sm_carveout_experimental() != before:
+            errors.append(f"[carveout R={R} rank={rank} chunks={chunks}] inside the GEMMs {got}, expected {expect}; "
+                          f"between forward and backward {outside}, after {torch._C._get_sm_carveout_experimental()}, "
+                          f"expected {before}")
+    return errors

@@ -124,3 +124,16 @@ def test_ab_budget_reports_drops():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_ab_chunked_backend_reports_the_split():
+    """hybridep-chunked in layer mode: the header prints the model's SM split, and the layer built
+    with chunked experts (its communication SMs set to that split) passes the step-0 loss check."""
+    out = _torchrun("scripts/ab_throughput.py", "--backend", "torch", "--backends", "alltoall,hybridep-chunked",
+                    "--mode", "layer", "--chunks", "2", "--reps", "1", "--warmup", "0", "--steps", "2")
+    log = out.stdout + "\n" + out.stderr[-4000:]
+    assert out.returncode == 0, log
+    assert re.search(r"communication needs \d+ of \d+ SMs, the expert GEMMs keep \d+", out.stdout), log
+    rows = _table(out.stdout)
+    assert "hybridep-chunked" in rows and "status" not in rows["hybridep-chunked"], log
+    assert re.search(r"loss check at step 0 .*hybridep-chunked .*: OK", out.stdout), log

@@ -74,3 +74,18 @@ def test_chunk_count_from_the_environment(monkeypatch):
         monkeypatch.setenv(ENV, bad)
         with pytest.raises(ValueError, match=ENV):
             chunks_from_env()
+
+
+def test_chunked_gemms_leave_the_communication_sms_free(pools):
+    errors = [e for rank in pools(2).run(cc.run_carveout_case, dict(seed=7, E=4, K=2, H=16, F=8)) for e in rank]
+    assert not errors, "\n".join(errors)
+
+
+def test_bad_comm_sms_raise():
+    import torch
+
+    from megatron_ep.experts import chunked_expert_mlp
+
+    x, idx, probs = torch.zeros(2, 4), torch.zeros(2, 1, dtype=torch.int64), torch.zeros(2, 1)
+    with pytest.raises(ValueError, match="comm_sms must be >= 0"):
+        chunked_expert_mlp(None, x, idx, probs, None, None, 2, chunks=2, comm_sms=-1)

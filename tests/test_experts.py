@@ -543,3 +543,32 @@ def test_masked_expert_mlp_cuda_graph(gemm):
             check_masked(y, eager.double().cpu(), mmi, 1e-2 * scale, f"{gemm} replay {i} vs eager")
     if spy is not None:
         assert set(ll_cases.MASKED_GEMMS) <= set(spy.calls), spy.calls
+
+
+def test_sms_left_free_sets_and_restores(monkeypatch):
+    """The carveout (torch's and DeepGEMM's SM count) holds inside and is restored after, also
+    when the body raises; 0 changes nothing."""
+
+    class SmCounter:
+        def __init__(self):
+            self.n = 132
+
+        def get_num_sms(self):
+            return self.n
+
+        def set_num_sms(self, n):
+            self.n = n
+
+    fake = SmCounter()
+    monkeypatch.setattr(B, "_deep_gemm", fake)
+    monkeypatch.setattr(B, "_deep_gemm_checked", True)
+    before = torch._C._get_sm_carveout_experimental()
+    with B.sms_left_free(0):
+        assert torch._C._get_sm_carveout_experimental() == before and fake.n == 132
+    with B.sms_left_free(12):
+        assert torch._C._get_sm_carveout_experimental() == 12 and fake.n == 120
+    assert torch._C._get_sm_carveout_experimental() == before and fake.n == 132
+    with pytest.raises(RuntimeError, match="inside"):
+        with B.sms_left_free(8):
+            raise RuntimeError("inside")
+    assert torch._C._get_sm_carveout_experimental() == before and fake.n == 132

@@ -15,6 +15,7 @@ In order of preference (`MEGATRON_EP_GEMM_BACKEND` = deepgemm | grouped_mm | loo
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from typing import Optional
 
 import torch
@@ -57,6 +58,30 @@ def choose_backend(x: torch.Tensor, requested: Optional[str] = None) -> str:
     if cuda_bf16 and _grouped_mm_fn() is not None and torch.cuda.get_device_capability(x.device)[0] >= 9:
         return "grouped_mm"
     return "loop"
+
+
+@contextmanager
+def sms_left_free(n: int):
+    """The GEMMs issued inside leave `n` of the GPU's SMs unused, for communication kernels that
+    run beside them: torch's SM carveout (cuBLAS and grouped_mm size their grids by it; their
+    persistent kernels would otherwise hold every SM until they end) and DeepGEMM's SM count.
+    Restores both on exit. n = 0, or a torch without the carveout, changes nothing."""
+    set_carveout = getattr(torch._C, "_set_sm_carveout_experimental", None)
+    if not n or set_carveout is None:
+        yield
+        return
+    before = torch._C._get_sm_carveout_experimental()
+    dg = deep_gemm_module()
+    dg_before = dg.get_num_sms() if dg is not None and hasattr(dg, "set_num_sms") else None
+    set_carveout(n)
+    if dg_before is not None:
+        dg.set_num_sms(max(1, dg_before - n))
+    try:
+        yield
+    finally:
+        set_carveout(before)
+        if dg_before is not None:
+            dg.set_num_sms(dg_before)
 
 
 # --------------------------------------------------------------------------------- loop

@@ -13,6 +13,11 @@ stream issued before it (its outputs are allocated there, so a block freed by ea
 written under it): D(c + 1) waits for G(c - 1), C(c) for G(c). So on the communication stream
 C(c - 1) and D(c + 1) run under G(c), and G(c) waits only for D(c).
 
+The chunks' GEMMs leave ``comm_sms`` SMs free (``backends.sms_left_free``): a persistent GEMM
+kernel sizes its grid to the SMs it may take and holds them until it ends, so without the
+carveout a transfer issued beside it waits for SMs instead of running under it. The buffer's
+stream has a high priority for the same reason (megatron_ep/runtime.py).
+
 Backward is one autograd node for the whole layer (``_ChunkedExperts``) that runs the same
 schedule on the gradients: the backward of a combine (a cached dispatch of the output gradient),
 the chunk's MLP backward (data and weight gradients, from the graph its forward kept), the
@@ -43,6 +48,7 @@ import torch.nn.functional as F
 from ..checks import check_int, fail
 from ..permute import worst_case_segments
 from ..types import EventOverlap
+from .backends import sms_left_free
 from .layout import GroupedLayout
 from .mlp import expert_mlp
 
@@ -89,6 +95,7 @@ class _Plan:
     num_worst_tokens: Optional[int]
     mark: Optional[Callable[[str, int], None]]
     on_dispatch: Optional[Callable[[int, object], None]]
+    comm_sms: int  # SMs the GEMMs leave to the communication kernels running beside them
 
     def note(self, point: str, c: int) -> None:
         if self.mark is not None:
@@ -134,7 +141,7 @@ def _forward(plan: _Plan, x, probs, w1, w2, graph: bool) -> tuple:
             if graph:
                 rows, row_probs = rows.detach().requires_grad_(), row_probs.detach().requires_grad_()
                 ch.leaves = [rows, row_probs]
-            with torch.enable_grad() if graph else nullcontext():
+            with torch.enable_grad() if graph else nullcontext(), sms_left_free(plan.comm_sms):
                 ch.y_rows = expert_mlp(rows, row_probs, w1, w2, layout, plan.activation, plan.glu, plan.backend)
             plan.note("computed", c)
         else:
@@ -168,7 +175,8 @@ def _backward(plan: _Plan, chunks: List[_Chunk], grad_y: torch.Tensor, weights: 
             grads = [None, None] + [None] * len(weights)
             inputs = [t for t, w in zip([rows, row_probs, *weights], [True, True, *want_w]) if w]
             if ch.y_rows.requires_grad and inputs:  # (an empty chunk's MLP may not touch its weights)
-                got = iter(torch.autograd.grad(ch.y_rows, inputs, out.x, allow_unused=True))
+                with sms_left_free(plan.comm_sms):
+                    got = iter(torch.autograd.grad(ch.y_rows, inputs, out.x, allow_unused=True))
                 grads = [next(got) if w else None for w in [True, True, *want_w]]
             ch.y_rows = ch.leaves = None
             for i, g in enumerate(grads[2:]):
@@ -215,7 +223,8 @@ def chunked_expert_mlp(buffer, x: torch.Tensor, topk_idx: torch.Tensor, probs: t
                        activation: Callable = F.gelu, glu: bool = False, backend: Optional[str] = None,
                        num_worst_tokens: Optional[int] = None,
                        mark: Optional[Callable[[str, int], None]] = None,
-                       on_dispatch: Optional[Callable[[int, object], None]] = None) -> torch.Tensor:
+                       on_dispatch: Optional[Callable[[int, object], None]] = None,
+                       comm_sms: Optional[int] = None) -> torch.Tensor:
     """MoE experts over ``chunks`` pipelined dispatch / expert MLP / combine rounds.
 
     x [T, H], topk_idx [T, K] (int64, -1 = unused slot), probs [T, K] (the routing weights,
@@ -230,8 +239,15 @@ def chunked_expert_mlp(buffer, x: torch.Tensor, topk_idx: torch.Tensor, probs: t
     e.g. recording a CUDA event on the current stream (scripts/bench_overlap.py does). ``on_dispatch(chunk, out)`` sees each
     chunk's DispatchOutput before its GEMMs (e.g. to count ``out.num_dropped`` of a worst-case
     sized one).
+
+    ``comm_sms``: SMs the chunks' GEMMs (forward and backward) leave free for the communication
+    kernels that run beside them (``experts.backends.sms_left_free``); default: the buffer's
+    ``num_sms`` with more than one chunk, 0 with one chunk or a buffer without SMs (torch).
     """
     check_int("chunks", chunks, 1)
+    if comm_sms is None:
+        comm_sms = (getattr(buffer, "num_sms", None) or 0) if chunks > 1 else 0
+    check_int("comm_sms", comm_sms, 0)
     if num_worst_tokens is not None:
         check_int("num_worst_tokens", num_worst_tokens, 1)
     fail(x.dim() == 2 and topk_idx.dim() == 2 and topk_idx.shape[0] == x.shape[0],
@@ -239,7 +255,7 @@ def chunked_expert_mlp(buffer, x: torch.Tensor, topk_idx: torch.Tensor, probs: t
     fail(probs.shape == topk_idx.shape, f"probs must have topk_idx's shape {tuple(topk_idx.shape)}, got "
          f"{tuple(probs.shape)}")
     plan = _Plan(buffer, topk_idx, chunk_bounds(x.shape[0], chunks), num_experts, expert_alignment, activation, glu,
-                 backend, num_worst_tokens, mark, on_dispatch)
+                 backend, num_worst_tokens, mark, on_dispatch, comm_sms)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, probs, w1, w2)):
         return _ChunkedExperts.apply(plan, x, probs, w1, w2)
     return _forward(plan, x, probs, w1, w2, graph=False)[0]
