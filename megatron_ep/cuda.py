@@ -148,8 +148,8 @@ class CudaBackend:
         rt = self.rt
         fail(rt.ready, "get_dispatch_input needs a sized buffer (sizing hints, or one dispatch first)", RuntimeError)
         nbytes = hidden * dtype.itemsize
-        fail(num_tokens <= rt.plan["max_tokens"] and nbytes <= rt.plan["x_row_bytes"], "dispatch_input larger than the buffer")
-        return rt.view(rt.plan["stage_x"], [num_tokens, hidden], dtype)
+        fail(num_tokens <= rt.plan.max_tokens and nbytes <= rt.plan.x_row_bytes, "dispatch_input larger than the buffer")
+        return rt.view(rt.plan.stage_x, [num_tokens, hidden], dtype)
 
     def combine_input(self, num_rows: int, hidden: int, dtype: torch.dtype = torch.bfloat16, device=None) -> torch.Tensor:
         """A [rows, H] tensor inside this rank's combine area: combining it skips one copy
@@ -157,5 +157,5 @@ class CudaBackend:
         rt = self.rt
         fail(rt.ready, "get_combine_input needs a sized buffer (sizing hints, or one dispatch first)", RuntimeError)
         nbytes = hidden * dtype.itemsize
-        fail(num_rows <= rt.plan["comb_rows"] and nbytes <= rt.plan["comb_row_bytes"], "combine_input larger than the buffer")
+        fail(num_rows <= rt.plan.comb_rows and nbytes <= rt.plan.comb_row_bytes, "combine_input larger than the buffer")
         return rt.combine_view(num_rows, hidden, dtype)

@@ -39,7 +39,9 @@ CALL_FAILED = P.CALL_FAILED
 MSG_BYTES = P.MSG_BYTES
 MAX_RANKS, MAX_TOPK, MAX_EXPERTS, MAX_ALIGNMENT = P.MAX_RANKS, P.MAX_TOPK, P.MAX_EXPERTS, P.MAX_ALIGNMENT
 FP8_BLOCK = P.FP8_BLOCK
-plan_region = P.plan_region
+plan_region = P.plan_region  # -> RegionLayout (typed, read-only attributes)
+RegionLayout = P.RegionLayout
+REGION_LAYOUT_FIELDS: List[str] = list(P.REGION_LAYOUT_FIELDS)
 is_fatal = P.error_is_fatal
 worst_expert_major_rows = P.worst_expert_major_rows
 

@@ -110,7 +110,7 @@ class CudaRuntime(FailureState):
         self.hints = {k: v for k, v in hints.items() if v is not None}
         self.hints["num_ranks"] = num_ranks
         self.rt = None
-        self.plan: Optional[dict] = None
+        self.plan = None  # the region's RegionLayout (megatron_ep._protocol), once created
         # high priority: when SMs free up, the block scheduler places our kernels' blocks (which wait
         # on peers, and need all of them resident) ahead of those of GEMMs queued beside them
         self.stream = torch.cuda.Stream(device=self.device, priority=COMM_STREAM_PRIORITY)
@@ -129,8 +129,8 @@ class CudaRuntime(FailureState):
     def _create(self, hints: dict) -> None:
         """Collective: plan, allocate and open every rank's region."""
         plan = P.plan_region(hints)
-        fail(plan["max_experts"] <= P.MAX_EXPERTS, f"num_experts={plan['max_experts']} exceeds the cuda backend's {P.MAX_EXPERTS}")
-        fail(1 <= plan["max_topk"] <= P.MAX_TOPK, f"max_topk must be in 1..{P.MAX_TOPK}")
+        fail(plan.max_experts <= P.MAX_EXPERTS, f"num_experts={plan.max_experts} exceeds the cuda backend's {P.MAX_EXPERTS}")
+        fail(1 <= plan.max_topk <= P.MAX_TOPK, f"max_topk must be in 1..{P.MAX_TOPK}")
         # the allocation can fail on one rank (memory): every rank still reaches the gather, so
         # the others raise PeerFailedError naming it instead of waiting there
         try:
@@ -151,7 +151,7 @@ class CudaRuntime(FailureState):
         self._fitted: set = set()  # needs known to fit this region
         self.base = rt.base_ptr()
         log.info("megatron_ep cuda buffer on rank %d: %.1f MiB region (tokens %d, row bytes %d, combine rows %d), %d SMs",
-                 self.rank, plan["total"] / 2**20, plan["max_tokens"], plan["x_row_bytes"], plan["comb_rows"], self.num_sms)
+                 self.rank, plan.total / 2**20, plan.max_tokens, plan.x_row_bytes, plan.comb_rows, self.num_sms)
 
     def first_use(self, needs: Optional[dict] = None, failure: Optional[BaseException] = None) -> None:
         """Without sizing hints, the first call sizes the region: every rank's needs, agreed over
@@ -176,22 +176,23 @@ class CudaRuntime(FailureState):
         # token and combine-row counts change every call: compared directly; the rest (row
         # widths, top-k, experts) is planned once per distinct value
         p = self.plan
-        counts_fit = need.get("max_tokens", 0) <= p["max_tokens"] and need.get("combine_rows", 0) <= p["comb_rows"]
+        counts_fit = need.get("max_tokens", 0) <= p.max_tokens and need.get("combine_rows", 0) <= p.comb_rows
         key = tuple(sorted((k, v) for k, v in need.items() if k not in ("max_tokens", "combine_rows")))
         if counts_fit and key in self._fitted:
             return None
         new = self._plan_for(need)
-        short = [f"{k} {new[k]} > {self.plan[k]}" for k in self._CAPACITY if new[k] > self.plan[k]]
+        short = [f"{k} {getattr(new, k)} > {getattr(self.plan, k)}" for k in self._CAPACITY
+                 if getattr(new, k) > getattr(self.plan, k)]
         if not short and len(self._fitted) < 4096:
             self._fitted.add(key)
         return ", ".join(short) or None
 
     def _hints_for(self, need: dict) -> dict:
         h = merge_hints(self.hints, {k: int(v) for k, v in need.items() if k in _NEED_KEYS})
-        h["combine_rows"] = max(self.plan["comb_rows"], int(need.get("combine_rows", 0)))
+        h["combine_rows"] = max(self.plan.comb_rows, int(need.get("combine_rows", 0)))
         return h
 
-    def _plan_for(self, need: dict) -> dict:
+    def _plan_for(self, need: dict):
         return P.plan_region(self._hints_for(need))
 
     def grow_if_needed(self, need: dict) -> bool:
@@ -204,9 +205,9 @@ class CudaRuntime(FailureState):
         h = self._hints_for(need)
         new = P.plan_region(h)
         # headroom, so that a slowly growing need does not re-create the region every few calls
-        if new["max_tokens"] > self.plan["max_tokens"]:
+        if new.max_tokens > self.plan.max_tokens:
             h["max_tokens"] = _round_up(int(h["max_tokens"] * 1.25), 256)
-        if new["comb_rows"] > self.plan["comb_rows"]:
+        if new.comb_rows > self.plan.comb_rows:
             h["combine_rows"] = _round_up(int(h["combine_rows"] * 1.25), 256)
         self._replace(h, short)
         return True
@@ -376,7 +377,7 @@ class CudaRuntime(FailureState):
     def combine_view(self, rows: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
         """A caller's tensor over the combine area (zero-copy combine input); while one is alive
         the area is not lent out as dispatch scratch."""
-        t = self.view(self.plan["comb_x"], [rows, hidden], dtype)
+        t = self.view(self.plan.comb_x, [rows, hidden], dtype)
         self._comb_views = [r for r in self._comb_views if r() is not None] + [weakref.ref(t)]
         return t
 
@@ -388,7 +389,7 @@ class CudaRuntime(FailureState):
         alive or the area is too small (then: the pool)."""
         if any(r() is not None for r in self._comb_views):
             return None
-        return self.rt.rank_major_at(self.plan["comb_x"], self.plan["comb_w"], rows, hidden, dtype, row_bytes,
+        return self.rt.rank_major_at(self.plan.comb_x, self.plan.comb_w, rows, hidden, dtype, row_bytes,
                                      scale_cols, K, has_w)
 
 

@@ -836,9 +836,9 @@ def run_lifetime_growth(cfg: dict) -> list:
     out1 = buf.dispatch(s["x"].cuda(), s["idx"].cuda(), s["w"].cuda(), num_experts=E)
     outp1 = buf.dispatch(s["x"].cuda(), s["idx"].cuda(), s["w"].cuda(), num_experts=E, permute=True, expert_alignment=16)
     rt = buf._impl.rt
-    total0 = rt.plan["total"]
+    total0 = rt.plan.total
     out2 = buf.dispatch(b["x"].cuda(), b["idx"].cuda(), b["w"].cuda(), num_experts=E)
-    if rt.grown < 1 or rt.plan["total"] <= total0:
+    if rt.grown < 1 or rt.plan.total <= total0:
         chk.errors.append(f"{chk.tag} the buffer did not grow for a larger call (grown {rt.grown})")
     chk.equal("first output after growth", out1.x, expected_rank_major(small, rank, R, E)["x"])
     chk.equal("grown output", out2.x, expected_rank_major(big, rank, R, E)["x"])

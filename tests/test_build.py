@@ -33,11 +33,24 @@ def test_protocol_module_plans_regions():
                                      max_alignment=128))
     names = ["control", "counts", "scratch", "stage_x", "stage_scales", "stage_idx", "stage_w", "stage_rpos",
              "stage_spos", "comb_x", "comb_w", "pool"]
-    offs = [plan[n] for n in names]
+    offs = [getattr(plan, n) for n in names]
     assert offs == sorted(offs) and offs[0] == 0 and all(o % 256 == 0 for o in offs)
-    assert plan["pool"] + plan["pool_bytes"] <= plan["total"]
+    assert plan.pool + plan.pool_bytes <= plan.total
     worst = protocol.worst_expert_major_rows(8, 4096, 8, 256, 128)
-    assert worst == 8 * 4096 * 8 + 32 * 127 and plan["comb_rows"] >= worst
-    assert plan["comb_x"] + plan["comb_rows"] * plan["comb_row_bytes"] <= plan["comb_w"]
+    assert worst == 8 * 4096 * 8 + 32 * 127 and plan.comb_rows >= worst
+    assert plan.comb_x + plan.comb_rows * plan.comb_row_bytes <= plan.comb_w
     # the Buffer first: ranks on different Buffers are told so, whatever else differs
     assert protocol.SIG_FIELDS[:3] == ["buffer", "op", "seq"] and protocol.SLOT["call"] == 0
+
+
+def test_region_layout_is_typed_and_read_only():
+    """plan_region returns a RegionLayout: every field of csrc/ipc/region_layout.h an attribute,
+    none writable, none readable by key."""
+    plan = protocol.plan_region(dict(num_ranks=2, max_tokens=16, hidden=256, max_topk=2, max_experts=4))
+    assert type(plan).__name__ == "RegionLayout"
+    assert len(protocol.REGION_LAYOUT_FIELDS) == 22 and all(isinstance(getattr(plan, f), int) for f in protocol.REGION_LAYOUT_FIELDS)
+    assert f"total={plan.total}" in repr(plan)
+    with pytest.raises(AttributeError):
+        plan.total = 0
+    with pytest.raises(TypeError):
+        plan["total"]

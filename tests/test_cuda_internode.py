@@ -14,7 +14,7 @@ from gpu_pools import GPU_MARKS, Alone, GpuPools, Shared, closing, run_alone
 
 pytestmark = GPU_MARKS
 
-POOLS = GpuPools(ahead={"test_internode_puts": [Shared(4, MEP_IN_FORCE_PUTS="1")],
+POOLS = GpuPools(ahead={"test_internode_puts": [Shared(4, MEP_INTERNODE_FORCE_PUTS="1")],
                         "test_internode_peer_failure_is_published": [Alone(2, NVSHMEM_DISABLE_MNNVL="1")]},
                  NVSHMEM_DISABLE_MNNVL="1")
 pool_ = POOLS.get
@@ -51,7 +51,7 @@ def test_internode_puts():
     """The same cases with every RDMA-domain transfer as an NVSHMEM put from symmetric staging
     (the code path InfiniBand takes), here over NVSHMEM's P2P transport."""
     R, P = 4, 2
-    errors = flat(pool_(R, MEP_IN_FORCE_PUTS="1").run(cases.run_normal_cases, _sized(normal_cases(R)[:6], P),
+    errors = flat(pool_(R, MEP_INTERNODE_FORCE_PUTS="1").run(cases.run_normal_cases, _sized(normal_cases(R)[:6], P),
                                                       backend="cuda", device="cuda", timeout=600))
     assert not errors, "\n".join(errors[:20])
 
@@ -78,4 +78,14 @@ def test_internode_peer_failure_is_published(R, P, failing):
     errors = flat(run_alone(R, cases.run_internode_peer_failure_case,
                             dict(seed=61 + R, ranks_per_node=P, failing_rank=failing), timeout=300,
                             NVSHMEM_DISABLE_MNNVL="1"))
+    assert not errors, "\n".join(errors[:20])
+
+
+def test_internode_tracing():
+    """megatron_ep.tracing on the internode path (2 virtual nodes x 2): phase marks and counters;
+    no notify-only kernels there."""
+    import tracing_cases as tc
+
+    cfg = dict(seed=13, internode=True, sizing={"ranks_per_node": 2})
+    errors = flat(pool_(4).run(tc.run_tracing_case, cfg, backend="cuda", device="cuda", timeout=300))
     assert not errors, "\n".join(errors[:20])

@@ -160,3 +160,14 @@ def test_chunked_experts(R):
 
     errors = flat(pool_(R).run(cc.run_chunked_experts_cases, cc.cases(R), backend="cuda", device="cuda", timeout=300))
     assert not errors, "\n".join(errors[:20])
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_tracing(R):
+    """megatron_ep.tracing on the intranode path: each call's phase marks in order from 'start',
+    the counters, the notify kernels alone as collective calls of their own (the buffer's calls
+    go on in step after them)."""
+    import tracing_cases as tc
+
+    errors = flat(pool_(R).run(tc.run_tracing_case, dict(seed=11), backend="cuda", device="cuda", timeout=300))
+    assert not errors, "\n".join(errors[:20])

@@ -24,7 +24,7 @@ def test_a_narrow_wide_element_call_fits_a_wide_narrow_buffer():
                 max_experts=c["E"])
     have, merged = P.plan_region(buffer), P.plan_region(merge_hints(buffer, need))
     for key in ("x_row_bytes", "comb_row_bytes", "scale_cols", "max_tokens", "comb_rows"):
-        assert merged[key] == have[key], key
+        assert getattr(merged, key) == getattr(have, key), key
 
 
 def test_merged_hints_fit_each_of_them():
@@ -45,6 +45,6 @@ def test_merged_hints_fit_each_of_them():
         for h in hints:
             one = P.plan_region(h)
             for key in ("x_row_bytes", "comb_row_bytes", "scale_cols", "max_tokens", "max_topk", "max_experts"):
-                assert plan[key] >= one[key], (key, hints)
+                assert getattr(plan, key) >= getattr(one, key), (key, hints)
         widest = max(_row_bytes(h, "dtype_bytes") for h in hints)
-        assert plan["x_row_bytes"] <= (widest + H + 15) // 16 * 16, hints
+        assert plan.x_row_bytes <= (widest + H + 15) // 16 * 16, hints

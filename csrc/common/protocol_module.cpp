@@ -6,6 +6,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <string>
+
 #include "ipc/region_layout.h"
 
 namespace py = pybind11;
@@ -13,7 +15,7 @@ using namespace mep;
 
 namespace {
 
-py::dict plan(const py::dict& hints) {
+RegionLayout plan(const py::dict& hints) {
   RegionHints h;
   auto get = [&](const char* k, auto& field) {
     if (hints.contains(k) && !hints[k].is_none()) field = hints[k].cast<std::decay_t<decltype(field)>>();
@@ -28,12 +30,7 @@ py::dict plan(const py::dict& hints) {
   get("max_alignment", h.max_alignment);
   get("combine_rows", h.combine_rows);
   get("pool_bytes", h.pool_bytes);
-  const RegionLayout l = plan_region(h);
-  py::dict d;
-#define MEP_FIELD(type, name) d[#name] = l.name;
-  MEP_REGION_LAYOUT_FIELDS(MEP_FIELD)
-#undef MEP_FIELD
-  return d;
+  return plan_region(h);
 }
 
 template <typename F>
@@ -85,6 +82,27 @@ PYBIND11_MODULE(_protocol, m) {
   ri["rows"] = RecvInfo::kRows; ri["perm_rows"] = RecvInfo::kPermRows; ri["local"] = RecvInfo::kLocal;
   ri["dropped"] = RecvInfo::kDropped; ri["header"] = RecvInfo::kHeader;
   m.attr("RECV_INFO") = ri;
+  // The region layout as a typed, read-only object: every field of MEP_REGION_LAYOUT_FIELDS an
+  // attribute (byte offsets and sizes, capacities), so Python reads `layout.comb_x`, not a key.
+  auto layout = py::class_<RegionLayout>(m, "RegionLayout", "One rank's communication region, as plan_region placed it");
+#define MEP_FIELD(type, name) layout.def_readonly(#name, &RegionLayout::name);
+  MEP_REGION_LAYOUT_FIELDS(MEP_FIELD)
+#undef MEP_FIELD
+  layout.def("__repr__", [](const RegionLayout& l) {
+    std::string s = "RegionLayout(";
+#define MEP_FIELD(type, name) s += std::string(#name) + "=" + std::to_string(l.name) + ", ";
+    MEP_REGION_LAYOUT_FIELDS(MEP_FIELD)
+#undef MEP_FIELD
+    s.resize(s.size() - 2);
+    return s + ")";
+  });
+  m.attr("REGION_LAYOUT_FIELDS") = [] {
+    py::list names;
+#define MEP_FIELD(type, name) names.append(#name);
+    MEP_REGION_LAYOUT_FIELDS(MEP_FIELD)
+#undef MEP_FIELD
+    return names;
+  }();
   m.def("plan_region", &plan, py::arg("hints"), "Sizes and offsets of a region planned from these hints");
   m.def("worst_expert_major_rows", &worst_expert_major_rows, py::arg("num_ranks"), py::arg("max_tokens"),
         py::arg("topk"), py::arg("num_experts"), py::arg("alignment"));

@@ -166,9 +166,9 @@ class InternodeBuffer {
 };
 
 void bind_internode(py::module_& m) {
-  m.attr("IN_THREADS") = kInternodeThreads;
-  m.attr("IN_MAX_BLOCKS") = kInternodeMaxBlocks;
-  m.attr("IN_MAX_NODES") = kInternodeMaxNodes;
+  m.attr("INTERNODE_THREADS") = kInternodeThreads;
+  m.attr("INTERNODE_MAX_BLOCKS") = kInternodeMaxBlocks;
+  m.attr("INTERNODE_MAX_NODES") = kInternodeMaxNodes;
   m.def("internode_plan", [](int num_nodes, int max_tokens, int max_topk, long long x_row, long long scale_cols,
                              long long c_row, bool staged) {
     return layout_dict(InternodeLayout::plan(num_nodes, max_tokens, max_topk, x_row, scale_cols, c_row, staged));

@@ -194,7 +194,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("NUM_SIG_FIELDS") = (int)mep::kSigFields;
   m.def("layout", &mep::layout, py::arg("topk_idx"), py::arg("E"), py::arg("R"), py::arg("tokens_per_rank"), py::arg("tokens_per_expert"), py::arg("token_in_rank"));
   py::class_<mep::Runtime>(m, "Runtime")
-      .def(py::init<int, int, int, const py::dict&, double>())
+      .def(py::init<int, int, int, const py::object&, double>(), py::arg("device"), py::arg("rank"),
+           py::arg("num_ranks"), py::arg("layout"), py::arg("timeout_s"))
       .def("ipc_handle", &mep::Runtime::ipc_handle)
       .def("open_peers", &mep::Runtime::open_peers)
       .def("close", &mep::Runtime::close)

@@ -67,11 +67,12 @@ inline CallArgs make_call(const std::vector<long long>& sig, int status, const s
   return a;
 }
 
-// The region layout Python passes back (megatron_ep._protocol.plan_region's dict), by the field
-// names of MEP_REGION_LAYOUT_FIELDS.
-inline RegionLayout layout_from(const py::dict& d) {
+// The region layout Python passes back (megatron_ep._protocol.plan_region's RegionLayout), read
+// by the attribute names of MEP_REGION_LAYOUT_FIELDS: the two modules are built against different
+// pybind11 copies (torch's and the build's), so the type itself does not cross between them.
+inline RegionLayout layout_from(const py::object& o) {
   RegionLayout l{};
-#define MEP_FIELD(type, name) l.name = d[#name].cast<type>();
+#define MEP_FIELD(type, name) l.name = o.attr(#name).cast<type>();
   MEP_REGION_LAYOUT_FIELDS(MEP_FIELD)
 #undef MEP_FIELD
   return l;
@@ -81,7 +82,7 @@ class Runtime {
  public:
   // `layout` comes from megatron_ep._protocol.plan_region (the same C++ routine, so the offsets
   // the kernels use are the ones Python planned with).
-  Runtime(int device, int rank, int num_ranks, const py::dict& layout, double timeout_s) {
+  Runtime(int device, int rank, int num_ranks, const py::object& layout, double timeout_s) {
     TORCH_CHECK(num_ranks >= 1 && num_ranks <= kMaxRanks, "megatron_ep: group size ", num_ranks, " is outside 1..", kMaxRanks);
     lay_ = layout_from(layout);
     TORCH_CHECK(lay_.control == 0, "megatron_ep: the control block must start the region");

@@ -112,7 +112,7 @@ class InternodePath(NvshmemPath, NormalPath):
         self.staged = False  # every RDMA-domain transfer an NVSHMEM put from symmetric staging (set with the buffer)
         self.inner_seq = 0
         self.inner_of = -1  # the (outer) call whose in-node stage call was made last
-        self.num_blocks = min(rt.num_sms, self.ext.IN_MAX_BLOCKS)
+        self.num_blocks = min(rt.num_sms, self.ext.INTERNODE_MAX_BLOCKS)
         if hints.get("max_tokens") and hints.get("hidden"):
             self._create(self._agree(self._need(hints["max_tokens"], hints["hidden"], hints.get("dtype_bytes", 2),
                                                 hints.get("combine_bytes", 2), hints.get("max_topk") or 8)))
@@ -134,7 +134,7 @@ class InternodePath(NvshmemPath, NormalPath):
 
     def describe(self) -> str:
         rt = self.rt
-        size = f"{rt.plan['total'] / 2**20:.0f} MiB region" if rt.ready else "sized on first use"
+        size = f"{rt.plan.total / 2**20:.0f} MiB region" if rt.ready else "sized on first use"
         return (f"cuda internode, {self.N} nodes x {self.ranks_per_node} ranks, {rt.num_sms} SMs/rank, "
                 f"{rt.ranks_per_device} rank(s)/GPU, {size} per node stage")
 
@@ -153,7 +153,7 @@ class InternodePath(NvshmemPath, NormalPath):
     def _plan(self, cap: dict) -> dict:
         """The RDMA buffer's layout; puts from symmetric staging where a same-index peer is on
         another host (or when forced)."""
-        self.staged = len(set(host_names(self.group))) > 1 or os.environ.get("MEP_IN_FORCE_PUTS", "0") == "1"
+        self.staged = len(set(host_names(self.group))) > 1 or os.environ.get("MEP_INTERNODE_FORCE_PUTS", "0") == "1"
         return self.ext.internode_plan(self.N, cap["max_tokens"], cap["topk"], cap["x_row"], self._scale_cols(cap),
                                        cap["c_row"], self.staged)
 
@@ -165,7 +165,7 @@ class InternodePath(NvshmemPath, NormalPath):
 
     def _opened(self) -> None:
         fail(self.staged or all(self.buf.p2p()), "megatron_ep internode: a same-index peer on this host is not load/store "
-                                                 "reachable (no P2P); set MEP_IN_FORCE_PUTS=1 to send everything as NVSHMEM "
+                                                 "reachable (no P2P); set MEP_INTERNODE_FORCE_PUTS=1 to send everything as NVSHMEM "
                                                  "puts", RuntimeError)
 
     def _created(self, cap: dict) -> None:

@@ -73,7 +73,7 @@ def combine_rows(rt: CudaRuntime, x, weights):
 
 def max_rank_major_rows(rt: CudaRuntime) -> int:
     """The most rank-major rows any rank can receive: every rank's tokens (same on every rank)."""
-    return rt.num_ranks * rt.plan["max_tokens"]
+    return rt.num_ranks * rt.plan.max_tokens
 
 
 class IntranodePath(NormalPath):
@@ -94,7 +94,7 @@ class IntranodePath(NormalPath):
 
     def describe(self) -> str:
         rt = self.rt
-        size = f"{rt.plan['total'] / 2**20:.0f} MiB region" if rt.ready else "sized on first use"
+        size = f"{rt.plan.total / 2**20:.0f} MiB region" if rt.ready else "sized on first use"
         return f"cuda intranode, {rt.num_sms} SMs/rank, {rt.ranks_per_device} rank(s)/GPU, {size}"
 
     # ------------------------------------------------------------------------------ calls
@@ -149,7 +149,7 @@ class IntranodePath(NormalPath):
 
         # rows are pushed straight into pooled rank-major buffers when every rank has room: the
         # outputs themselves (rank-major), or what the fan-out spreads into expert segments
-        push = (permute or not num_worst_tokens) and rt.plan["pool_bytes"] > 0 and not capturing
+        push = (permute or not num_worst_tokens) and rt.plan.pool_bytes > 0 and not capturing
         call.set(variant=int(push))
         compute = rt.enter(previous_event)
         first = handle is None
@@ -265,7 +265,7 @@ class IntranodePath(NormalPath):
 
     def _stage(self, call, slot, data, T, row_bytes, scales, scale_cols, topk_idx, topk_weights, st):
         rt = self.rt
-        zero_copy = data.data_ptr() == rt.base + rt.plan["stage_x"]
+        zero_copy = data.data_ptr() == rt.base + rt.plan.stage_x
         self.kernels.stage(rt.rt, call.sig, slot, None if zero_copy else data, T, row_bytes, scales, scale_cols,
                            topk_idx, topk_weights, st.rank_pos, st.slot_pos, rt.num_sms)
         rt.mark("stage")
@@ -275,21 +275,21 @@ class IntranodePath(NormalPath):
         rt = self.rt
         st: IntranodeState = handle.state
         rows, H, row_bytes = combine_rows(rt, x, weights)
-        fail(row_bytes <= rt.plan["comb_row_bytes"], f"combine: rows of {row_bytes} bytes exceed the {rt.plan['comb_row_bytes']} "
+        fail(row_bytes <= rt.plan.comb_row_bytes, f"combine: rows of {row_bytes} bytes exceed the {rt.plan.comb_row_bytes} "
              f"bytes the buffer holds (combine rows wider than any dispatch so far: create the Buffer with hidden= and "
              f"combine_bytes={x.element_size()})")
-        fail(rows <= rt.plan["comb_rows"], f"combine input has {rows} rows; the buffer's combine area holds {rt.plan['comb_rows']} "
+        fail(rows <= rt.plan.comb_rows, f"combine input has {rows} rows; the buffer's combine area holds {rt.plan.comb_rows} "
              f"(Buffer(combine_rows=...))")
         T, K = handle.num_tokens, handle.topk
         w_cols = 1 if handle.permute else K
-        zero_copy = x.data_ptr() == rt.base + rt.plan["comb_x"]
+        zero_copy = x.data_ptr() == rt.base + rt.plan.comb_x
         # expert-major: sum each token's rows per rank locally first, so one fp32 row per
         # (token, rank) crosses the link instead of one per (token, expert). Needs the dispatch's
         # map and room for every rank's partials (the group-wide bound, so the ranks agree) where
         # the input is not; a rank whose input lies there (zero copy) takes the staged kernel,
         # and the signature's variant turns that disagreement into CallMismatchError.
         partials = (handle.permute and st.comb_map is not None and not zero_copy
-                    and max_rank_major_rows(rt) * H * 4 <= rt.plan["comb_rows"] * rt.plan["comb_row_bytes"])
+                    and max_rank_major_rows(rt) * H * 4 <= rt.plan.comb_rows * rt.plan.comb_row_bytes)
         call.set(variant=int(partials))
         compute = rt.enter(previous_event)
         with torch.cuda.stream(compute):

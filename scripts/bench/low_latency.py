@@ -17,8 +17,9 @@ import torch.distributed as dist  # noqa: E402
 import megatron_ep as mep  # noqa: E402
 from megatron_ep.fp8 import per_token_cast_back  # noqa: E402
 
-from bench import deepep, internals, nccl, report  # noqa: E402
-from bench.internals import TRACE_POINTS  # noqa: E402
+from bench import deepep, nccl, report  # noqa: E402
+from megatron_ep import tracing  # noqa: E402
+from megatron_ep.tracing import LOW_LATENCY_POINTS as TRACE_POINTS  # noqa: E402
 from bench.report import md_line, md_rule  # noqa: E402
 
 IMPLS = ("ours", "ours-merged", "torch", "nccl", "deepep")  # ours-merged: the weights given at dispatch
@@ -86,7 +87,7 @@ def trace_figures(buf, fns, iters, group):
     ends when its last block does), then the mean over calls. Eager: the "wait" span includes the
     ranks' launch skew."""
     out = {}
-    with internals.low_latency_trace(buf) as trace:
+    with tracing.low_latency_stamps(buf) as trace:
         for kernel, (name, fn) in enumerate(fns.items()):
             rows, block_rows = [], []
             for _ in range(iters):

@@ -17,6 +17,7 @@ import megatron_ep as mep  # noqa: E402
 from megatron_ep import model as MODEL  # noqa: E402
 
 from bench import baselines, deepep, internals, nccl, normal_report, report  # noqa: E402
+from megatron_ep import tracing  # noqa: E402
 
 FULL = dict(ranks=4, tokens=4096, hidden=7168, experts=256, topk=8, alignment=128, iters=25, warmup=5)
 SMOKE = dict(ranks=2, tokens=64, hidden=256, experts=16, topk=4, alignment=8, iters=3, warmup=1)
@@ -75,17 +76,20 @@ def node_pairs(idx: torch.Tensor, E: int, nodes: int) -> int:
     return int(hit[:, 1:].sum())
 
 
-def phases(tracer, timer, fn, setup=None):
-    """Median time of each kernel phase of one op, from the events of `internals.tracer` (the
-    gaps include waits for peers and for the host); "(loop)" keys: back to back."""
+def phases(buf, timer, fn, setup=None):
+    """Median time of each kernel phase of one op, from the events of `megatron_ep.tracing.phases`
+    (the gaps include waits for peers and for the host); "(loop)" keys: back to back."""
     samples = {}
+    last = []
 
     def traced():
-        tracer.begin()
-        fn()
+        with tracing.phases(buf) as marks:
+            fn()
+        last.append(marks)
 
     def collect():
-        trace = tracer.end()
+        trace = last.pop() if last else None
+        last.clear()
         if trace:
             torch.cuda.synchronize()
             for (_, a), (name, b) in zip(trace, trace[1:]):
@@ -94,7 +98,7 @@ def phases(tracer, timer, fn, setup=None):
             setup()
 
     timer.isolated(traced, setup=collect)
-    tracer.end()
+    last.clear()
     out = {k: statistics.median(v) for k, v in samples.items()}
     if setup is not None:
         return out
@@ -103,9 +107,9 @@ def phases(tracer, timer, fn, setup=None):
     dist.barrier()
     traces = []
     for _ in range(timer.args.iters):
-        tracer.begin()
-        fn()
-        traces.append(tracer.end())
+        with tracing.phases(buf) as marks:
+            fn()
+        traces.append(marks)
     torch.cuda.synchronize()
     for tr in traces:
         for (_, a), (name, b) in zip(tr, tr[1:]):
@@ -127,11 +131,11 @@ def our_runs(args, n, inp, timer, out, first, ref):
     t, ph = out["t"], out["phases"]
     try:
         out["num_sms"] = buf.num_sms
-        out["push_sms"] = internals.push_sms(buf)
+        out["push_sms"] = tracing.counters(buf).get("push_sms")
         out["path"] = repr(buf)
         if args.ranks_per_node and args.ranks_per_node < R:
             out["rdma_rows_sent"] = node_pairs(idx, E, R // args.ranks_per_node)
-            out["rdma_blocks"] = internals.rdma_blocks(buf)
+            out["rdma_blocks"] = tracing.counters(buf).get("rdma_blocks")
         if args.ranks_per_node:  # the model's exact count of this rank's routing (rows; summed in the report)
             lc = MODEL.link_count_from(idx, E, R, args.ranks_per_node, dist.get_rank())
             out["links"] = {f: getattr(lc, f) for f in MODEL.LINK_FIELDS}
@@ -147,10 +151,13 @@ def our_runs(args, n, inp, timer, out, first, ref):
         rm_h, em_h = rm.handle, em.handle
         del rm, em
         t["layout"] = timer(lambda: buf.get_dispatch_layout(idx, E))
-        pool_stats, out["pool"] = internals.pool_stats(buf), {}
+        out["pool"] = {}
+
+        def pool_stats():  # the output pool's counters so far, in tracing.POOL_COUNTERS' order
+            return list(tracing.counters(buf).get("pool", {}).values()) or None
 
         def pooled_timer(key, fn):  # the timing, and what the output pool did meanwhile
-            before = pool_stats() if pool_stats else None
+            before = pool_stats()
             t[key] = timer(fn)
             if before is not None:
                 out["pool"][key] = [b - a for a, b in zip(before, pool_stats())]
@@ -172,13 +179,14 @@ def our_runs(args, n, inp, timer, out, first, ref):
         del zce
         if ref is not None:
             ref.update(rm_y=buf.combine(y_rm, rm_h).x.clone(), em_y=buf.combine(y_em, em_h).x.clone())
-        notify = internals.notify_kernels(buf, idx, E, R)
+        notify_run = tracing.notify_only(buf, idx, E)
+        notify = (lambda: notify_run(idx.shape[0]), lambda: notify_run(0)) if notify_run else None
         t["notify_kernel"] = internals.guarded(lambda: timer(notify[0])) if notify else None
         t["notify_kernel_T0"] = internals.guarded(lambda: timer(notify[1])) if notify else None
         if notify and x.is_cuda:
             out["gpu_bound"] = {"notify_kernel": harness.gpu_bound(notify[0]),
                                 "notify_kernel_T0": harness.gpu_bound(notify[1])}
-        tracer = internals.tracer(buf)
+        traced = bool(tracing.counters(buf))  # the torch backend has no phase marks
         for key, fn, setup in (
             ("dispatch", lambda: buf.dispatch(x, idx, w, num_experts=E), None),
             ("dispatch_cached", lambda: buf.dispatch(x, handle=rm_h), None),
@@ -188,7 +196,7 @@ def our_runs(args, n, inp, timer, out, first, ref):
             ("combine", lambda: buf.combine(y_rm, rm_h), None),
             ("combine_expert", lambda: buf.combine(y_em, em_h), None),
         ):
-            ph[key] = internals.guarded(lambda: phases(tracer, timer, fn, setup)) if tracer is not None else None
+            ph[key] = internals.guarded(lambda: phases(buf, timer, fn, setup)) if traced else None
         if args.profile and x.is_cuda:
             prof = out["profile"]
             for key, fn in (

@@ -1,0 +1,123 @@
+"""What the cuda backend can tell a benchmark or a profiler about a Buffer, without reaching into
+its internals. Every hook works on any Buffer: where the backend (torch) or the path has nothing
+to report it yields an empty list, returns an empty dict or None.
+
+    with tracing.phases(buf) as marks:     # [(phase name, torch.cuda.Event)], in order
+        buf.dispatch(...)                  #   recorded on the buffer's communication stream
+    tracing.counters(buf)                  # {"num_sms", "push_sms", "rdma_blocks", "pool": {...}}
+    run = tracing.notify_only(buf, topk_idx, num_experts)   # the notify kernels alone, or None
+    with tracing.low_latency_stamps(buf) as stamps: ...     # the decode kernels' %globaltimer stamps
+
+Phase marks: each is the end of a kernel phase on the communication stream (the first, "start",
+when the call's first kernel is about to be launched), so the time between two consecutive
+events is that phase, waits for peers and for the host included. Enabling them costs one event
+record per phase; nothing is recorded outside the `with`.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from . import protocol as P
+
+# The output pool's counters (csrc/ipc/pool.h, Pool::Stats), in the order the runtime returns them.
+POOL_COUNTERS = ("stream_waits", "host_waits", "misses")
+# Trace points of csrc/low_latency/api.h (LLTracePoint), in order.
+LOW_LATENCY_POINTS = ("entry", "released", "zero", "cast", "sent", "arrived", "copied", "end", "scanned", "stored")
+
+
+def _runtime(buf):
+    """The cuda runtime (region, stream, marks) of `buf`'s normal path, or None (torch backend)."""
+    return getattr(buf._backend(), "rt", None)
+
+
+@contextmanager
+def phases(buf) -> Iterator[List[Tuple[str, "torch.cuda.Event"]]]:
+    """Within the block, the cuda backend's normal paths append (phase, CUDA event) pairs to the
+    yielded list as they launch their kernels. Read the events after a synchronize."""
+    rt = _runtime(buf)
+    marks: List[Tuple[str, "torch.cuda.Event"]] = []
+    if rt is None:
+        yield marks
+        return
+    before, rt.trace = rt.trace, marks
+    try:
+        yield marks
+    finally:
+        rt.trace = before
+
+
+def counters(buf) -> Dict[str, object]:
+    """SM counts and the output pool's counters so far (monotonic: subtract two readings for what
+    happened in between). {} on the torch backend."""
+    impl = buf._backend()
+    rt = getattr(impl, "rt", None)
+    if rt is None:
+        return {}
+    out: Dict[str, object] = {"num_sms": rt.num_sms, "push_sms": rt.push_sms}
+    blocks = getattr(getattr(impl, "path", None), "num_blocks", None)
+    out["rdma_blocks"] = int(blocks) if isinstance(blocks, int) else None
+    if rt.ready:
+        out["pool"] = dict(zip(POOL_COUNTERS, rt.rt.pool_stats()))
+    return out
+
+
+def notify_only(buf, topk_idx: torch.Tensor, num_experts: int) -> Optional[Callable[[int], None]]:
+    """The intranode path's notify kernels alone (per-rank counts, the call exchange, row
+    positions): what a dispatch pays before any row moves. Returns run(T), which makes one
+    collective call of `buf` (its own call number and signature, so every rank must run it
+    together) over the first T tokens, on the communication stream, the caller's stream waiting
+    for it; None where the buffer has no such kernels (torch backend, other paths)."""
+    from .paths.intranode import IntranodePath
+
+    impl = buf._backend()
+    path, rt = getattr(impl, "path", None), getattr(impl, "rt", None)
+    if not isinstance(path, IntranodePath):
+        return None
+    kernels = path.kernels.notify
+    R = rt.num_ranks
+    T, K = topk_idx.shape
+    L = num_experts // R
+    device = topk_idx.device
+    rank_pos = torch.empty((T, R), dtype=torch.int32, device=device)
+    slot_pos = torch.empty((T, K), dtype=torch.int32, device=device)
+    recv_info = torch.empty(P.RECV_INFO["header"] + 3 * L, dtype=torch.int32, device=device)
+    limits = torch.empty(R, dtype=torch.int32, device=device)
+    tpe = torch.empty(L, dtype=torch.int64, device=device)
+    dropped = torch.empty((), dtype=torch.int64, device=device)
+
+    def run(t: int) -> None:
+        with buf._call("dispatch") as call:
+            call.set(topk=K, num_experts=num_experts, expert_alignment=1)
+            compute = torch.cuda.current_stream()
+            rt.stream.wait_stream(compute)
+            with torch.cuda.stream(rt.stream):
+                kernels(rt.rt, call.sig, topk_idx[:t], num_experts, 1, False, 0, rank_pos[:t], slot_pos[:t], recv_info,
+                        limits, tpe, dropped, 0)
+            call.settle()
+            compute.wait_stream(rt.stream)
+
+    return run
+
+
+@contextmanager
+def low_latency_stamps(buf) -> Iterator[Optional[torch.Tensor]]:
+    """Within the block, the low-latency kernels stamp %globaltimer (ns) per block and point into
+    the yielded int64 tensor [2 (dispatch, combine), blocks, len(LOW_LATENCY_POINTS)] (0 where
+    not stamped; csrc/low_latency/api.h). Yields None on the torch backend. The low-latency path
+    is created (collectively) if it does not exist yet."""
+    impl = buf._backend()
+    make = getattr(impl, "_low_latency", None)
+    if make is None:
+        yield None
+        return
+    ll = make()
+    stamps = torch.zeros(2, ll.ext.MAX_BLOCKS, ll.ext.TRACE_POINTS, dtype=torch.int64, device="cuda")
+    ll.buf.set_trace(stamps)
+    try:
+        yield stamps
+    finally:
+        ll.buf.set_trace(None)
