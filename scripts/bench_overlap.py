@@ -46,6 +46,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8], help="chunk counts to time (1 is the baseline)")
     p.add_argument("--num-sms", type=int, default=None, help="SMs of the communication kernels (Buffer num_sms)")
+    p.add_argument("--comm-sms", type=int, default=None,
+                   help="SMs the chunks' GEMMs leave free (chunked_expert_mlp comm_sms; default the Buffer's num_sms, "
+                        "0: the GEMMs take every SM)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before every rank is stopped")
@@ -55,6 +58,8 @@ def parse(argv=None) -> argparse.Namespace:
             p.error(f"--{name} must be >= 1, got {getattr(a, name)}")
     if a.warmup < 0:
         p.error(f"--warmup must be >= 0, got {a.warmup}")
+    if a.comm_sms is not None and a.comm_sms < 0:
+        p.error(f"--comm-sms must be >= 0, got {a.comm_sms}")
     if a.experts % a.ranks:
         p.error(f"--experts {a.experts} must be a multiple of --ranks {a.ranks}")
     if a.topk > a.experts:
@@ -107,8 +112,8 @@ def _timeline(a, buf, inputs, chunks) -> list:
     torch.cuda.synchronize()
     dist.barrier()
     start.record()
-    chunked_expert_mlp(buf, x, idx, probs, w1, w2, a.experts, chunks=chunks, activation=F.silu, glu=True, mark=mark,
-                       on_dispatch=arrived)
+    chunked_expert_mlp(buf, x, idx, probs, w1, w2, a.experts, chunks=chunks, activation=F.silu, glu=True,
+                       comm_sms=a.comm_sms, mark=mark, on_dispatch=arrived)
     timed("end", -1)
     torch.cuda.synchronize()
     return [(p, c, start.elapsed_time(ev)) for p, c, ev in events]
@@ -133,14 +138,14 @@ def worker(rank, a, port, queue):
         leaves = (x.detach().requires_grad_(), idx, probs.detach().requires_grad_(), w1.detach().requires_grad_(),
                   w2.detach().requires_grad_())
         timer = harness.Timer(a, not a.cpu)
-        out = {}
+        out = {"sms": (buf.num_sms, buf.num_sms if a.comm_sms is None else a.comm_sms)}
         for chunks in a.chunks:
             def forward():
                 with torch.no_grad():
-                    chunked_expert_mlp(buf, *inputs, a.experts, chunks=chunks, activation=F.silu, glu=True)
+                    chunked_expert_mlp(buf, *inputs, a.experts, chunks=chunks, activation=F.silu, glu=True, comm_sms=a.comm_sms)
 
             def forward_backward():
-                y = chunked_expert_mlp(buf, *leaves, a.experts, chunks=chunks, activation=F.silu, glu=True)
+                y = chunked_expert_mlp(buf, *leaves, a.experts, chunks=chunks, activation=F.silu, glu=True, comm_sms=a.comm_sms)
                 y.backward(torch.ones_like(y))
 
             out[chunks] = {"fwd_us": timer.isolated(forward), "fwd_bwd_us": timer.isolated(forward_backward)}
@@ -175,6 +180,9 @@ def main(argv=None) -> int:
           f"SwiGLU FFN {a.ffn}, top-{a.topk} of {a.experts} experts; {where}")
     if virtual or a.cpu:
         print("  ranks share a GPU (or run on CPU): these times test the mechanics and are not speed claims")
+    if not a.cpu:
+        comm, free = results[0]["sms"]
+        print(f"  communication kernels on {comm} SMs per rank; the chunks' GEMMs leave {free} SMs free")
     model = _model(a)
     print(f"{'chunks':>6} {'fwd ms':>8} {'fwd+bwd ms':>11} {'vs 1 round':>10} {'model fwd+bwd ms':>17}")
     for n in a.chunks:
@@ -183,8 +191,8 @@ def main(argv=None) -> int:
         ref = statistics.mean(r[1]["fwd_bwd_us"] for r in results) / 1e3
         print(f"{n:>6} {fwd:>8.3f} {fb:>11.3f} {ref / fb:>9.2f}x {model[n].total_us / 1e3:>17.3f}")
     if not a.cpu:
-        print(f"\nforward, rank 0, one run per chunk count: the compute stream's time outside the chunks' GEMMs "
-              f"is the exposed communication")
+        print("\nforward, rank 0, one run per chunk count: the compute stream's time outside the chunks' GEMMs "
+              "is the exposed communication")
         print(f"{'chunks':>6} {'layer ms':>9} {'GEMMs ms':>9} {'exposed ms':>11} {'hidden vs 1 round':>18}")
         base = exposed_ms(results[0][1]["timeline"])[2]
         for n in a.chunks:
