@@ -17,6 +17,7 @@ and the script says so in its output. Timing: CUDA events, --warmup untimed runs
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -49,6 +50,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--comm-sms", type=int, default=None,
                    help="SMs the chunks' GEMMs leave free (chunked_expert_mlp comm_sms; default the Buffer's num_sms, "
                         "0: the GEMMs take every SM)")
+    p.add_argument("--budget", type=float, default=0.0,
+                   help="static budget: every chunk worst-case sized to this factor x its tokens x top-k rows per "
+                        "rank (no host sync; rows past it dropped and counted); 0: exact sizes (a host sync per chunk)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before every rank is stopped")
@@ -58,6 +62,8 @@ def parse(argv=None) -> argparse.Namespace:
             p.error(f"--{name} must be >= 1, got {getattr(a, name)}")
     if a.warmup < 0:
         p.error(f"--warmup must be >= 0, got {a.warmup}")
+    if a.budget < 0:
+        p.error(f"--budget must be >= 0, got {a.budget}")
     if a.comm_sms is not None and a.comm_sms < 0:
         p.error(f"--comm-sms must be >= 0, got {a.comm_sms}")
     if a.experts % a.ranks:
@@ -86,6 +92,20 @@ def _layer(a, device):
     return x, idx, probs, w1, w2
 
 
+def worst_rows(a, chunks: int) -> int:
+    """--budget: the rows a chunk's worst-case sized dispatch delivers per rank (its share of
+    the tokens x top-k x the factor)."""
+    return math.ceil(a.budget * -(-a.tokens // chunks) * a.topk)
+
+
+def layer_options(a, chunks: int, dropped: list) -> dict:
+    """chunked_expert_mlp's options for this run; with --budget every chunk's drops go to `dropped`."""
+    opts = dict(chunks=chunks, activation=F.silu, glu=True, comm_sms=a.comm_sms)
+    if a.budget:
+        opts.update(num_worst_tokens=worst_rows(a, chunks), on_dispatch=lambda c, out: dropped.append(out.num_dropped))
+    return opts
+
+
 def _timeline(a, buf, inputs, chunks) -> list:
     """(point, chunk, ms since the layer's start) of one forward, from CUDA events: "arrived" (the
     chunk's dispatch finished, seen from an idle side stream waiting for the dispatch's event),
@@ -112,8 +132,8 @@ def _timeline(a, buf, inputs, chunks) -> list:
     torch.cuda.synchronize()
     dist.barrier()
     start.record()
-    chunked_expert_mlp(buf, x, idx, probs, w1, w2, a.experts, chunks=chunks, activation=F.silu, glu=True,
-                       comm_sms=a.comm_sms, mark=mark, on_dispatch=arrived)
+    chunked_expert_mlp(buf, x, idx, probs, w1, w2, a.experts, mark=mark, on_dispatch=arrived,
+                       **{k: v for k, v in layer_options(a, chunks, []).items() if k != "on_dispatch"})
     timed("end", -1)
     torch.cuda.synchronize()
     return [(p, c, start.elapsed_time(ev)) for p, c, ev in events]
@@ -131,24 +151,29 @@ def exposed_ms(timeline: list) -> tuple:
 def worker(rank, a, port, queue):
     try:
         device = harness.init_rank(rank, a.ranks, port, not a.cpu, cpu_threads=1 if a.cpu else None)
+        sizing = {} if a.cpu or not a.budget else {"combine_rows": worst_rows(a, 1)}
         buf = mep.Buffer(dist.group.WORLD, backend="torch" if a.cpu else "cuda", num_sms=a.num_sms,
-                         max_tokens_per_rank=a.tokens, hidden=a.hidden, num_experts=a.experts, max_topk=a.topk)
+                         max_tokens_per_rank=a.tokens, hidden=a.hidden, num_experts=a.experts, max_topk=a.topk,
+                         **sizing)
         inputs = _layer(a, device)
         x, idx, probs, w1, w2 = inputs
         leaves = (x.detach().requires_grad_(), idx, probs.detach().requires_grad_(), w1.detach().requires_grad_(),
                   w2.detach().requires_grad_())
         timer = harness.Timer(a, not a.cpu)
         out = {"sms": (buf.num_sms, buf.num_sms if a.comm_sms is None else a.comm_sms)}
+        dropped = []
         for chunks in a.chunks:
             def forward():
                 with torch.no_grad():
-                    chunked_expert_mlp(buf, *inputs, a.experts, chunks=chunks, activation=F.silu, glu=True, comm_sms=a.comm_sms)
+                    chunked_expert_mlp(buf, *inputs, a.experts, **layer_options(a, chunks, dropped))
 
             def forward_backward():
-                y = chunked_expert_mlp(buf, *leaves, a.experts, chunks=chunks, activation=F.silu, glu=True, comm_sms=a.comm_sms)
+                y = chunked_expert_mlp(buf, *leaves, a.experts, **layer_options(a, chunks, dropped))
                 y.backward(torch.ones_like(y))
 
             out[chunks] = {"fwd_us": timer.isolated(forward), "fwd_bwd_us": timer.isolated(forward_backward)}
+            out[chunks]["dropped"] = int(sum(int(d) for d in dropped))  # (a host sync, after the timing)
+            dropped.clear()
             if not a.cpu:
                 out[chunks]["timeline"] = _timeline(a, buf, inputs, chunks)
         buf.destroy()
@@ -183,6 +208,10 @@ def main(argv=None) -> int:
     if not a.cpu:
         comm, free = results[0]["sms"]
         print(f"  communication kernels on {comm} SMs per rank; the chunks' GEMMs leave {free} SMs free")
+    if a.budget:
+        drops = sum(r[n]["dropped"] for r in results for n in a.chunks)
+        print(f"  static budget: each chunk worst-case sized to {a.budget} x its tokens x top-{a.topk} rows per rank "
+              f"(no host sync); rows dropped over every run: {drops}")
     model = _model(a)
     print(f"{'chunks':>6} {'fwd ms':>8} {'fwd+bwd ms':>11} {'vs 1 round':>10} {'model fwd+bwd ms':>17}")
     for n in a.chunks:
