@@ -53,6 +53,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--budget", type=float, default=0.0,
                    help="static budget: every chunk worst-case sized to this factor x its tokens x top-k rows per "
                         "rank (no host sync; rows past it dropped and counted); 0: exact sizes (a host sync per chunk)")
+    p.add_argument("--profile", action="store_true",
+                   help="GPU: one forward at the largest chunk count under torch.profiler: how long our kernels "
+                        "ran, and how much of it beside a kernel of another stream (the GEMMs)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before every rank is stopped")
@@ -176,6 +179,14 @@ def worker(rank, a, port, queue):
             dropped.clear()
             if not a.cpu:
                 out[chunks]["timeline"] = _timeline(a, buf, inputs, chunks)
+        if a.profile and not a.cpu:
+            n = max(a.chunks)
+
+            def profiled():
+                with torch.no_grad():
+                    chunked_expert_mlp(buf, *inputs, a.experts, **layer_options(a, n, dropped))
+
+            out["profile"] = harness.kernel_streams(profiled)
         buf.destroy()
         queue.put((rank, out, None))
     except Exception:  # noqa: BLE001 - reported by the launcher, with the rank
@@ -228,6 +239,14 @@ def main(argv=None) -> int:
             end, gemm, exposed = exposed_ms(results[0][n]["timeline"])
             hidden = f"{100 * (1 - exposed / base):.0f}%" if base > 0 else "n/a"
             print(f"{n:>6} {end:>9.3f} {gemm:>9.3f} {exposed:>11.3f} {hidden:>18}")
+        if a.profile:
+            print(f"\nkernels of one forward at {max(a.chunks)} chunks (torch.profiler; 'beside': our kernels' time while "
+                  f"a kernel of another stream ran)")
+            for r, res in enumerate(results):
+                p = res["profile"]
+                share = f"{100 * p['beside_us'] / p['ours_us']:.0f}%" if p["ours_us"] else "n/a"
+                print(f"  rank {r}: our kernels {p['ours_us'] / 1e3:.3f} ms, other kernels {p['other_us'] / 1e3:.3f} ms, "
+                      f"ours beside others {p['beside_us'] / 1e3:.3f} ms ({share}); {p['kernels']} kernels")
         n = max(a.chunks)
         print(f"\nforward timeline, {n} chunks, rank 0 (ms since the layer's start; 'arrived': the chunk's dispatch "
               f"finished; 'started' / 'computed': its GEMMs on the compute stream; 'end': the output usable)")

@@ -252,6 +252,63 @@ def kernel_profile(fn, iters):
     return {"host_us_per_call": host, "kernels": kernels}
 
 
+def union_us(intervals) -> list:
+    """[start, end) intervals merged into disjoint ones, in order."""
+    merged = []
+    for s, e in sorted(intervals):
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    return merged
+
+
+def overlap_us(a, b) -> float:
+    """Length of the intersection of two interval sets (each merged first)."""
+    a, b = union_us(a), union_us(b)
+    total, j = 0.0, 0
+    for s, e in a:
+        while j < len(b) and b[j][1] <= s:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < e:
+            total += min(e, b[k][1]) - max(s, b[k][0])
+            k += 1
+    return total
+
+
+def kernel_streams(fn, ours=("mep::",)) -> dict:
+    """One fn() under torch.profiler (CUPTI), its kernels sorted by stream: for our kernels (names
+    containing one of `ours`) and for every other kernel, the busy time (µs, the union of their
+    intervals), and how much of our kernels' busy time ran while another kernel was running on
+    another stream: whether communication and computation shared the GPU, or took turns."""
+    import json
+    import os
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f).get("traceEvents", [])
+    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    mine = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if any(o in e.get("name", "") for o in ours)]
+    mine_streams = {e.get("args", {}).get("stream") for e in kernels if any(o in e.get("name", "") for o in ours)}
+    other = [(e["ts"], e["ts"] + e["dur"]) for e in kernels
+             if not any(o in e.get("name", "") for o in ours) and e.get("args", {}).get("stream") not in mine_streams]
+    ours_busy = sum(e - s for s, e in union_us(mine))
+    return {"ours_us": ours_busy, "other_us": sum(e - s for s, e in union_us(other)),
+            "beside_us": overlap_us(mine, other), "kernels": len(kernels)}
+
+
 def kernel_trace(fn, iters):
     """(name, GPU µs) of every kernel of `iters` eager fn() calls, in launch order (torch.profiler,
     CUPTI): DeepEP's accounting (kernel time, no launch gaps or host work)."""
