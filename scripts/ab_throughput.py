@@ -19,7 +19,8 @@ Backends (--backends, comma separated, default all):
             the model's split gives (printed in the header); its dispatch / combine timers stay
             empty (the chunks bypass the dispatcher);
   hybridep-chunked-budget  the same with the static budget of --budget-factor: every chunk
-            worst-case sized for its share of the tokens, no host sync;
+            worst-case sized for its share of the tokens, no host sync (known issue: its drop
+            count can be read before a chunk's dispatch finished, docs/megatron.md);
   DeepEP    Megatron's flex dispatcher + Megatron's own _DeepepManager (the deep_ep package);
   HybridEP  Megatron's flex dispatcher + Megatron's own _HybridEPManager (deep_ep.HybridEPBuffer).
 --backend picks megatron_ep's Buffer backend (torch reference, cuda kernels, auto) for deepep and
