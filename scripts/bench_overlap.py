@@ -101,17 +101,19 @@ def worst_rows(a, chunks: int) -> int:
     return math.ceil(a.budget * -(-a.tokens // chunks) * a.topk)
 
 
-def layer_options(a, chunks: int, dropped: list) -> dict:
-    """chunked_expert_mlp's options for this run; with --budget every chunk's drops go to `dropped`."""
-    opts = dict(chunks=chunks, activation=F.silu, glu=True, comm_sms=a.comm_sms)
+def layer_options(a, chunks: int, on_dispatch=None) -> dict:
+    """chunked_expert_mlp's options for this run (with --budget, every chunk worst-case sized)."""
+    opts = dict(chunks=chunks, activation=F.silu, glu=True, comm_sms=a.comm_sms, on_dispatch=on_dispatch)
     if a.budget:
-        opts.update(num_worst_tokens=worst_rows(a, chunks), on_dispatch=lambda c, out: dropped.append(out.num_dropped))
+        opts["num_worst_tokens"] = worst_rows(a, chunks)
     return opts
 
 
 def _timeline(a, buf, inputs, chunks) -> list:
     """(point, chunk, ms since the layer's start) of one forward, from CUDA events: "arrived" (the
-    chunk's dispatch finished, seen from an idle side stream waiting for the dispatch's event),
+    chunk's dispatch finished, seen from an idle side stream waiting for the dispatch's event; that
+    wait is issued when the host reaches the chunk's GEMMs, so without --budget, where the host
+    waits for each dispatch's counts, the mark can be late by the host's own wait),
     "started" and "computed" (its GEMMs start and end on the compute stream), and "end" (the
     layer's output is usable, every combine waited for)."""
     x, idx, probs, w1, w2 = inputs
@@ -135,8 +137,7 @@ def _timeline(a, buf, inputs, chunks) -> list:
     torch.cuda.synchronize()
     dist.barrier()
     start.record()
-    chunked_expert_mlp(buf, x, idx, probs, w1, w2, a.experts, mark=mark, on_dispatch=arrived,
-                       **{k: v for k, v in layer_options(a, chunks, []).items() if k != "on_dispatch"})
+    chunked_expert_mlp(buf, x, idx, probs, w1, w2, a.experts, mark=mark, **layer_options(a, chunks, arrived))
     timed("end", -1)
     torch.cuda.synchronize()
     return [(p, c, start.elapsed_time(ev)) for p, c, ev in events]
@@ -165,13 +166,14 @@ def worker(rank, a, port, queue):
         timer = harness.Timer(a, not a.cpu)
         out = {"sms": (buf.num_sms, buf.num_sms if a.comm_sms is None else a.comm_sms)}
         dropped = []
+        count = (lambda c, o: dropped.append(o.num_dropped)) if a.budget else None  # every chunk's drops
         for chunks in a.chunks:
             def forward():
                 with torch.no_grad():
-                    chunked_expert_mlp(buf, *inputs, a.experts, **layer_options(a, chunks, dropped))
+                    chunked_expert_mlp(buf, *inputs, a.experts, **layer_options(a, chunks, count))
 
             def forward_backward():
-                y = chunked_expert_mlp(buf, *leaves, a.experts, **layer_options(a, chunks, dropped))
+                y = chunked_expert_mlp(buf, *leaves, a.experts, **layer_options(a, chunks, count))
                 y.backward(torch.ones_like(y))
 
             out[chunks] = {"fwd_us": timer.isolated(forward), "fwd_bwd_us": timer.isolated(forward_backward)}
@@ -184,7 +186,7 @@ def worker(rank, a, port, queue):
 
             def profiled():
                 with torch.no_grad():
-                    chunked_expert_mlp(buf, *inputs, a.experts, **layer_options(a, n, dropped))
+                    chunked_expert_mlp(buf, *inputs, a.experts, **layer_options(a, n, count))
 
             out["profile"] = harness.kernel_streams(profiled)
         buf.destroy()

@@ -300,10 +300,12 @@ def kernel_streams(fn, ours=("mep::",)) -> dict:
         with open(path) as f:
             events = json.load(f).get("traceEvents", [])
     kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
-    mine = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if any(o in e.get("name", "") for o in ours)]
-    mine_streams = {e.get("args", {}).get("stream") for e in kernels if any(o in e.get("name", "") for o in ours)}
-    other = [(e["ts"], e["ts"] + e["dur"]) for e in kernels
-             if not any(o in e.get("name", "") for o in ours) and e.get("args", {}).get("stream") not in mine_streams]
+    is_ours = [any(o in e.get("name", "") for o in ours) for e in kernels]
+    span = [(e["ts"], e["ts"] + e["dur"]) for e in kernels]
+    stream = [e.get("args", {}).get("stream") for e in kernels]
+    mine_streams = {s for s, o in zip(stream, is_ours) if o}
+    mine = [t for t, o in zip(span, is_ours) if o]
+    other = [t for t, o, s in zip(span, is_ours, stream) if not o and s not in mine_streams]
     ours_busy = sum(e - s for s, e in union_us(mine))
     return {"ours_us": ours_busy, "other_us": sum(e - s for s, e in union_us(other)),
             "beside_us": overlap_us(mine, other), "kernels": len(kernels)}
