@@ -89,3 +89,47 @@ def test_bad_comm_sms_raise():
     x, idx, probs = torch.zeros(2, 4), torch.zeros(2, 1, dtype=torch.int64), torch.zeros(2, 1)
     with pytest.raises(ValueError, match="comm_sms must be >= 0"):
         chunked_expert_mlp(None, x, idx, probs, None, None, 2, chunks=2, comm_sms=-1)
+
+
+def test_on_dispatch_runs_after_the_wait_for_the_rows():
+    """A chunk's on_dispatch (the hybridep manager counts drops there, on the caller's stream)
+    comes after the caller's stream was made to wait for that chunk's dispatch, never before:
+    a fake buffer records the order on the host."""
+    import torch
+
+    from megatron_ep.experts import chunked_expert_mlp
+    from megatron_ep.types import CombineOutput, DispatchOutput
+
+    seen = []
+
+    class Event:
+        def __init__(self, what):
+            self.what = what
+
+        def current_stream_wait(self):
+            seen.append(("wait", self.what))
+
+    class FakeBuffer:
+        num_sms = None
+        calls = 0
+
+        def dispatch(self, x, topk_idx, topk_weights, **kwargs):
+            c = FakeBuffer.calls
+            FakeBuffer.calls += 1
+            rows = x.repeat_interleave(topk_idx.shape[1], 0)
+            tpe = torch.tensor([rows.shape[0]])
+            out = DispatchOutput(rows, None, topk_weights.reshape(-1).float(), None, tpe, None, event=Event(("dispatch", c)))
+            out.handle = ("handle", c, x.shape[0], topk_idx.shape[1])
+            return out
+
+        def combine(self, y, handle, async_op=False):
+            _, c, T, K = handle
+            return CombineOutput(y.reshape(T, K, -1).sum(1), None, Event(("combine", c)))
+
+    x, idx = torch.randn(6, 4), torch.zeros(6, 2, dtype=torch.int64)
+    probs = torch.rand(6, 2)
+    w1, w2 = torch.randn(1, 8, 4), torch.randn(1, 4, 8)
+    chunked_expert_mlp(FakeBuffer(), x, idx, probs, w1, w2, 1, chunks=3,
+                       on_dispatch=lambda c, out: seen.append(("on_dispatch", c)))
+    for c in range(3):
+        assert seen.index(("wait", ("dispatch", c))) < seen.index(("on_dispatch", c)), seen

@@ -129,9 +129,9 @@ def _forward(plan: _Plan, x, probs, w1, w2, graph: bool) -> tuple:
             plan.note("dispatched", c)
         elif op == "compute":
             out, ch.out = ch.out, None
+            _wait(out.event)  # first: on_dispatch may read the outputs on this stream (drop counts)
             if plan.on_dispatch is not None:
                 plan.on_dispatch(c, out)
-            _wait(out.event)
             plan.note("started", c)
             tpe = out.tokens_per_expert
             if plan.num_worst_tokens:  # the GEMMs stop at the real segments; the pad tail has zero probs
@@ -236,9 +236,10 @@ def chunked_expert_mlp(buffer, x: torch.Tensor, topk_idx: torch.Tensor, probs: t
     ``"dispatched"`` (its dispatch issued), ``"started"`` (the caller's stream made to wait for
     its rows: what the stream runs next is its GEMMs), ``"computed"`` (its expert MLP issued) and
     ``"combined"`` (its combine issued), in the order of ``schedule(chunks)``: a timeline hook,
-    e.g. recording a CUDA event on the current stream (scripts/bench_overlap.py does). ``on_dispatch(chunk, out)`` sees each
-    chunk's DispatchOutput before its GEMMs (e.g. to count ``out.num_dropped`` of a worst-case
-    sized one).
+    e.g. recording a CUDA event on the current stream (scripts/bench_overlap.py does).
+    ``on_dispatch(chunk, out)`` sees each chunk's DispatchOutput once the caller's stream waits for
+    it, before its GEMMs: work it queues on the current stream reads the finished outputs (e.g. to
+    count ``out.num_dropped`` of a worst-case sized one).
 
     ``comm_sms``: SMs the chunks' GEMMs (forward and backward) leave free for the communication
     kernels that run beside them (``experts.backends.sms_left_free``); default: the buffer's
