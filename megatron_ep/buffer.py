@@ -4,7 +4,8 @@
 
     call(call) -> context manager   entry check; publishes a failure on this rank to its peers
     reserve(need)                   collective sizing ahead of sync-free calls
-    layout / dispatch / combine / low_latency_dispatch / low_latency_combine
+    layout / dispatch / combine         (dispatch and combine take a checked request: requests.py)
+    low_latency_dispatch / low_latency_combine
     dispatch_input / combine_input  zero-copy inputs (plain tensors where there is no region)
     synchronize / destroy / describe / num_sms
 
@@ -24,6 +25,7 @@ from . import checks as C
 from . import protocol as P
 from .errors import CallMismatchError
 from .reference import TorchBackend
+from .requests import CombineRequest, DispatchRequest
 from .types import (
     Activation,
     CombineOutput,
@@ -248,8 +250,8 @@ class Buffer:
                      row_bytes=H * data.element_size(), topk=K, num_experts=num_experts, permute=permute,
                      expert_alignment=expert_alignment, worst_case_sized=num_worst_tokens > 0,
                      weights=_weights_code(topk_weights))
-            out = impl.dispatch(call, x, topk_idx, topk_weights, num_experts, permute, expert_alignment, handle,
-                                host_counts, num_worst_tokens, async_op=async_op, previous_event=previous_event)
+            out = impl.dispatch(call, DispatchRequest(x, topk_idx, topk_weights, num_experts, permute, expert_alignment,
+                                                      handle, host_counts, num_worst_tokens, async_op, previous_event))
         out.handle.buffer_id = self.id
         return out
 
@@ -276,7 +278,7 @@ class Buffer:
                      row_bytes=x.shape[1] * x.element_size(), topk=handle.topk, num_experts=handle.num_experts,
                      permute=handle.permute, expert_alignment=handle.expert_alignment,
                      worst_case_sized=handle.num_worst_tokens > 0, weights=_weights_code(weights))
-            return self._impl.combine(call, x, handle, weights, async_op=async_op, previous_event=previous_event)
+            return self._impl.combine(call, CombineRequest(x, handle, weights, async_op, previous_event))
 
     # ------------------------------------------------------------------------- low latency
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int,

@@ -118,11 +118,11 @@ class CudaBackend:
         return DispatchLayout(tpr, tpe, tir)
 
     # ---------------------------------------------------------------------- normal path
-    def dispatch(self, call, *args, **kwargs):
-        return self.path.dispatch(call, *args, **kwargs)
+    def dispatch(self, call, req):
+        return self.path.dispatch(call, req)
 
-    def combine(self, call, *args, **kwargs):
-        return self.path.combine(call, *args, **kwargs)
+    def combine(self, call, req):
+        return self.path.combine(call, req)
 
     # ---------------------------------------------------------------------- low latency
     def _low_latency(self, capacity: Optional[dict] = None):

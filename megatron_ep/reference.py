@@ -25,6 +25,7 @@ from . import protocol as P
 from .checks import is_fp8_tuple
 from .fp8 import per_token_cast_to_fp8
 from .hooks import new_outputs
+from .requests import CombineRequest, DispatchRequest
 from .types import (
     CombineOutput,
     DispatchHandle,
@@ -220,9 +221,11 @@ class TorchBackend:
         )
 
     # ------------------------------------------------------------------------------- dispatch
-    def dispatch(self, call: P.Call, x, topk_idx, topk_weights, num_experts: int, permute: bool, alignment: int,
-                 handle: Optional[DispatchHandle], host_counts: bool, num_worst_tokens: int = 0,
-                 async_op: bool = False, previous_event: Optional[EventOverlap] = None) -> DispatchOutput:
+    def dispatch(self, call: P.Call, req: DispatchRequest) -> DispatchOutput:
+        x, topk_idx, topk_weights, num_experts, permute, alignment = (req.x, req.topk_idx, req.topk_weights,
+                                                                      req.num_experts, req.permute, req.alignment)
+        handle, host_counts, num_worst_tokens = req.handle, req.host_counts, req.num_worst_tokens
+        async_op, previous_event = req.async_op, req.previous_event
         R, L = self.num_ranks, num_experts // self.num_ranks
         is_fp8 = is_fp8_tuple(x)
         data, scales = (x[0], x[1]) if is_fp8 else (x, None)
@@ -345,8 +348,8 @@ class TorchBackend:
         state.padded = pl.padded
 
     # -------------------------------------------------------------------------------- combine
-    def combine(self, call: P.Call, x: torch.Tensor, handle: DispatchHandle, weights: Optional[torch.Tensor],
-                async_op: bool = False, previous_event: Optional[EventOverlap] = None) -> CombineOutput:
+    def combine(self, call: P.Call, req: CombineRequest) -> CombineOutput:
+        x, handle, weights, async_op, previous_event = req.x, req.handle, req.weights, req.async_op, req.previous_event
         st: _NormalState = handle.state
         _wait(previous_event)
         self._exchange(call)

@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from typing import ContextManager, Optional
 
 from .. import protocol as P
+from ..requests import CombineRequest, DispatchRequest
 
 
 class Path(ABC):
@@ -51,10 +52,9 @@ class NormalPath(Path):
         """One line for logs and repr(Buffer)."""
 
     @abstractmethod
-    def dispatch(self, call: P.Call, x, topk_idx, topk_weights, num_experts, permute, alignment, handle, host_counts,
-                 num_worst_tokens, async_op=False, previous_event=None):
+    def dispatch(self, call: P.Call, req: DispatchRequest):
         """A dispatch (Buffer checked the contract); returns a DispatchOutput with its handle."""
 
     @abstractmethod
-    def combine(self, call: P.Call, x, handle, weights, async_op=False, previous_event=None):
-        """A combine along `handle`; returns a CombineOutput."""
+    def combine(self, call: P.Call, req: CombineRequest):
+        """A combine along `req.handle`; returns a CombineOutput."""

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from .. import protocol as P
 from ..checks import FP8_BLOCK, fail
 from ..hosts import host_names
+from ..requests import CombineRequest, DispatchRequest
 from ..runtime import CudaRuntime, largest
 from ..types import CombineOutput, DispatchHandle, DispatchOutput, EventOverlap
 from .interface import NormalPath
@@ -233,9 +234,12 @@ class InternodePath(NvshmemPath, NormalPath):
         return inner
 
     # ---------------------------------------------------------------------------- dispatch
-    def dispatch(self, call: P.Call, x, topk_idx, topk_weights, num_experts, permute, alignment, handle, host_counts,
-                 num_worst_tokens, async_op=False, previous_event=None) -> DispatchOutput:
+    def dispatch(self, call: P.Call, req: DispatchRequest) -> DispatchOutput:
         rt, N = self.rt, self.N
+        x, topk_idx, topk_weights, num_experts, permute, alignment = (req.x, req.topk_idx, req.topk_weights,
+                                                                      req.num_experts, req.permute, req.alignment)
+        handle, host_counts, num_worst_tokens = req.handle, req.host_counts, req.num_worst_tokens
+        async_op, previous_event = req.async_op, req.previous_event
         data, scales, T, H, elem, _ = dispatch_rows(rt, x, topk_weights, num_experts)
         fail(num_experts % N == 0, f"num_experts={num_experts} must be a multiple of the {N} nodes")
         if handle is not None:
@@ -285,11 +289,11 @@ class InternodePath(NvshmemPath, NormalPath):
         inner_call = self._inner_call(call, L_node, handle.state.inner.call_seq if handle is not None else 0)
         with self.intra.guard(inner_call):
             if handle is None:
-                inner = self.intra.dispatch(inner_call, (fx, fs), local_idx, fw, L_node, permute, alignment, None, False,
-                                            inner_worst)
+                inner = self.intra.dispatch(inner_call, DispatchRequest((fx, fs), local_idx, fw, L_node, permute, alignment,
+                                                                        num_worst_tokens=inner_worst))
             else:
-                inner = self.intra.dispatch(inner_call, (fx, fs), None, fw, L_node, permute, alignment,
-                                            handle.state.inner, False, inner_worst)
+                inner = self.intra.dispatch(inner_call, DispatchRequest((fx, fs), None, fw, L_node, permute, alignment,
+                                                                        handle.state.inner, num_worst_tokens=inner_worst))
         with torch.cuda.stream(rt.stream):  # the in-node stage has read the receive area: free it
             self.buf.release(0)
         torch.cuda.current_stream(rt.device).wait_stream(rt.stream)  # joined (CUDA-graph capture needs it)
@@ -363,8 +367,9 @@ class InternodePath(NvshmemPath, NormalPath):
         return tpe, dropped.to(torch.int64)
 
     # ----------------------------------------------------------------------------- combine
-    def combine(self, call: P.Call, x, handle: DispatchHandle, weights, async_op=False, previous_event=None) -> CombineOutput:
+    def combine(self, call: P.Call, req: CombineRequest) -> CombineOutput:
         rt, N = self.rt, self.N
+        x, handle, weights, async_op, previous_event = req.x, req.handle, req.weights, req.async_op, req.previous_event
         st: InternodeState = handle.state
         _, H, row_bytes = combine_rows(rt, x, weights)
         fail(row_bytes <= self.cap["c_row"], f"combine: rows of {row_bytes} bytes exceed the "
@@ -386,7 +391,7 @@ class InternodePath(NvshmemPath, NormalPath):
         rt.mark("reorder", cur)
         inner_call = self._inner_call(call, handle.num_experts // N, st.inner.call_seq)
         with self.intra.guard(inner_call):
-            yf = self.intra.combine(inner_call, xi, st.inner, wi)
+            yf = self.intra.combine(inner_call, CombineRequest(xi, st.inner, wi))
         sig = signature_hash(call)
         y_src, w_src = yf.x, yf.weights
         if self.staged:

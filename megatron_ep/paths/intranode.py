@@ -21,6 +21,7 @@ import torch
 from .. import hooks
 from .. import protocol as P
 from ..checks import fail, is_fp8_tuple
+from ..requests import CombineRequest, DispatchRequest
 from ..runtime import CudaRuntime
 from ..types import CombineOutput, DispatchHandle, DispatchOutput
 from .interface import NormalPath
@@ -116,9 +117,12 @@ class IntranodePath(NormalPath):
         self.rt.close()
 
     # ------------------------------------------------------------------------------ dispatch
-    def dispatch(self, call: P.Call, x, topk_idx, topk_weights, num_experts, permute, alignment, handle, host_counts,
-                 num_worst_tokens, async_op=False, previous_event=None) -> DispatchOutput:
+    def dispatch(self, call: P.Call, req: DispatchRequest) -> DispatchOutput:
         rt = self.rt
+        x, topk_idx, topk_weights, num_experts, permute, alignment = (req.x, req.topk_idx, req.topk_weights,
+                                                                      req.num_experts, req.permute, req.alignment)
+        handle, host_counts, num_worst_tokens = req.handle, req.host_counts, req.num_worst_tokens
+        async_op, previous_event = req.async_op, req.previous_event
         R, L = rt.num_ranks, num_experts // rt.num_ranks
         data, scales, T, H, elem, row_bytes = dispatch_rows(rt, x, topk_weights, num_experts)
         if handle is None:
@@ -271,8 +275,9 @@ class IntranodePath(NormalPath):
         rt.mark("stage")
 
     # ------------------------------------------------------------------------------- combine
-    def combine(self, call: P.Call, x, handle: DispatchHandle, weights, async_op=False, previous_event=None) -> CombineOutput:
+    def combine(self, call: P.Call, req: CombineRequest) -> CombineOutput:
         rt = self.rt
+        x, handle, weights, async_op, previous_event = req.x, req.handle, req.weights, req.async_op, req.previous_event
         st: IntranodeState = handle.state
         rows, H, row_bytes = combine_rows(rt, x, weights)
         fail(row_bytes <= rt.plan.comb_row_bytes, f"combine: rows of {row_bytes} bytes exceed the {rt.plan.comb_row_bytes} "

@@ -1,0 +1,37 @@
+"""What `Buffer` hands a backend for one normal call, after it checked every argument: one
+object instead of a dozen positional arguments passed through Buffer, the backend and the path
+(megatron_ep/buffer.py -> reference.py / cuda.py -> paths/). The paths read the fields; none
+changes them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .types import Activation, DispatchHandle, EventOverlap
+
+
+@dataclass(frozen=True)
+class DispatchRequest:
+    x: Activation  # [T, H] bf16/fp32, or an FP8 (rows, scales) pair
+    topk_idx: Optional[torch.Tensor]  # [T, K] int64, -1 = unused slot; None for a cached dispatch
+    topk_weights: Optional[torch.Tensor]  # [T, K] fp32, moved along with the rows
+    num_experts: int
+    permute: bool  # expert-major rows (segments padded to `alignment`) instead of rank-major
+    alignment: int
+    handle: Optional[DispatchHandle] = None  # a cached dispatch: the routing of an earlier one
+    host_counts: bool = False  # also return the per-expert counts as a host list
+    num_worst_tokens: int = 0  # worst-case sized outputs, no host sync
+    async_op: bool = False  # the caller's stream does not wait for the call
+    previous_event: Optional[EventOverlap] = None  # what the communication waits for first
+
+
+@dataclass(frozen=True)
+class CombineRequest:
+    x: torch.Tensor  # [rows the dispatch delivered, H]
+    handle: DispatchHandle
+    weights: Optional[torch.Tensor] = None  # per-row weights, scattered back to [T, K]
+    async_op: bool = False
+    previous_event: Optional[EventOverlap] = None
