@@ -116,6 +116,44 @@ __device__ __forceinline__ void warp_sum_batched(unsigned srcs, unsigned long lo
   }
 }
 
+// The frame both pull-and-sum kernels share. Begin: wait for the call exchange (every rank
+// staged its rows); `st` < 0: this rank's host block says why (return), 0: the call was aborted
+// on every rank (pull nothing), > 0: go. End: the last block to finish marks the call seen and
+// tells every rank that its staging was read.
+struct PullFrame {
+  Control* me;
+  unsigned long long target;
+  int st;
+};
+
+__device__ __forceinline__ PullFrame begin_pull(const Ctx& c) {
+  Control* me = ctrl_of(c, c.rank);
+  const unsigned long long target = me->expected[kSlotCall] + 1;
+  return {me, target, block_wait_call(c, kSlotCall, target, true)};
+}
+
+__device__ __forceinline__ void end_pull(const Ctx& c, const PullFrame& f) {
+  __syncthreads();
+  if (threadIdx.x == 0 && last_block_done(c, kGridCombine)) {
+    f.me->expected[kSlotCall] = f.target;
+    if (f.st > 0) done_exchange(c, kSlotCombDone);
+  }
+}
+
+// Lane k < K: the rank owning token t's slot k (-1: an unused or out-of-range id, or lane >= K).
+__device__ __forceinline__ int slot_owner(const CombineArgs& a, int t, int L) {
+  if (lane_id() >= a.K) return -1;
+  const long long e = a.topk_idx[(long long)t * a.K + lane_id()];
+  return (e >= 0 && e < a.E) ? (int)(e / L) : -1;
+}
+
+// Lane k: slot k's row in its owner's combine staging, -1 when the dispatch did not deliver it.
+__device__ __forceinline__ int slot_row(const CombineArgs& a, int t, int owner) {
+  if (owner < 0) return -1;
+  const int p = a.slot_pos[(long long)t * a.K + lane_id()];
+  return (p >= 0 && p < a.row_limits[owner]) ? p : -1;
+}
+
 // Lane k < K: the weight of token t's slot k back from its owner's combine staging (`pos`: the
 // slot's row there, -1 when not delivered).
 __device__ __forceinline__ void scatter_weight(const Ctx& c, const CombineArgs& a, int t, int owner, int pos) {
@@ -133,25 +171,20 @@ template <bool kFp32>
 __global__ void __launch_bounds__(kCopyThreads, 1) combine_kernel(Ctx c, CombineArgs a) {
   constexpr int kChunks = 4;    // 16-byte chunks per lane per step
   constexpr int kSrcBatch = 4;  // source rows loaded together: 16 loads in flight per lane
-  const int R = c.num_ranks, K = a.K, L = a.E / R;
-  Control* me = ctrl_of(c, c.rank);
-  const unsigned long long target = me->expected[kSlotCall] + 1;
-  const int st = block_wait_call(c, kSlotCall, target, true);
-  if (st < 0) return;
+  const int R = c.num_ranks, L = a.E / R;
+  const PullFrame f = begin_pull(c);
+  if (f.st < 0) return;
 
   const int lane = lane_id();
   const int gw = blockIdx.x * kCopyWarps + (threadIdx.x >> 5), tw = gridDim.x * kCopyWarps;
   const int row_bytes = a.H * (kFp32 ? 4 : 2);
   const int n16 = row_bytes >> 4;
-  for (int t = (st > 0 ? gw : a.T); t < a.T; t += tw) {
+  for (int t = (f.st > 0 ? gw : a.T); t < a.T; t += tw) {
     // lane j describes source row j: rank-major one per rank, expert-major one per slot; only
     // rows the dispatch delivered (valid id, position inside every rank's input) are read
     const char* src = nullptr;
-    int owner = -1, pos = -1;
-    if (lane < K) {
-      const long long e = a.topk_idx[(long long)t * K + lane];
-      if (e >= 0 && e < a.E) owner = (int)(e / L);
-    }
+    const int owner = slot_owner(a, t, L);
+    int pos = -1;
     if (!a.permute) {
       if (lane < R) {
         const int p = a.rank_pos[(long long)t * R + lane];
@@ -161,12 +194,9 @@ __global__ void __launch_bounds__(kCopyThreads, 1) combine_kernel(Ctx c, Combine
         const int p = a.rank_pos[(long long)t * R + owner];
         pos = (p >= 0 && p < a.row_limits[owner]) ? p : -1;
       }
-    } else if (owner >= 0) {
-      const int p = a.slot_pos[(long long)t * K + lane];
-      if (p >= 0 && p < a.row_limits[owner]) {
-        pos = p;
-        src = region(c, owner) + c.lay.comb_x + (long long)p * row_bytes;
-      }
+    } else {
+      pos = slot_row(a, t, owner);
+      if (pos >= 0) src = region(c, owner) + c.lay.comb_x + (long long)pos * row_bytes;
     }
     const unsigned srcs = __ballot_sync(kFull, src != nullptr);
     const unsigned long long src_u = reinterpret_cast<unsigned long long>(src);
@@ -176,12 +206,7 @@ __global__ void __launch_bounds__(kCopyThreads, 1) combine_kernel(Ctx c, Combine
         [&](int i, const Acc<kFp32>& acc) { y[i] = acc.pack(); });
     scatter_weight(c, a, t, owner, pos);
   }
-
-  __syncthreads();
-  if (threadIdx.x == 0 && last_block_done(c, kGridCombine)) {
-    me->expected[kSlotCall] = target;
-    if (st > 0) done_exchange(c, kSlotCombDone);
-  }
+  end_pull(c, f);
 }
 
 // Four channels of a row as fp32: 8 bytes of bf16 or 16 of fp32.
@@ -268,38 +293,24 @@ void launch_combine_reduce(const Ctx& ctx, const CallArgs& call, const CombineRe
 // Second half: y[t] = sum over ranks of the token's fp32 partial there (one row per rank).
 template <bool kOutFp32>
 __global__ void __launch_bounds__(kCopyThreads, 1) combine_partials_kernel(Ctx c, CombineArgs a) {
-  const int R = c.num_ranks, K = a.K, L = a.E / R;
-  Control* me = ctrl_of(c, c.rank);
-  const unsigned long long target = me->expected[kSlotCall] + 1;
-  const int st = block_wait_call(c, kSlotCall, target, true);
-  if (st < 0) return;
+  const int R = c.num_ranks, L = a.E / R;
+  const PullFrame f = begin_pull(c);
+  if (f.st < 0) return;
   const int lane = lane_id();
   const int gw = blockIdx.x * kCopyWarps + (threadIdx.x >> 5), tw = gridDim.x * kCopyWarps;
   const long long out_row = (long long)a.H * (kOutFp32 ? 4 : 2), part_row = (long long)a.H * 4;
-  for (int t = (st > 0 ? gw : a.T); t < a.T; t += tw) {
+  for (int t = (f.st > 0 ? gw : a.T); t < a.T; t += tw) {
     const char* src = nullptr;
     if (lane < R) {  // every rank-major row has a partial (zeros where all its slots were dropped)
       const int p = a.rank_pos[(long long)t * R + lane];
       if (p >= 0) src = region(c, lane) + c.lay.comb_x + p * part_row;
     }
-    int owner = -1, pos = -1;
-    if (lane < K) {
-      const long long e = a.topk_idx[(long long)t * K + lane];
-      if (e >= 0 && e < a.E) {
-        owner = (int)(e / L);
-        const int p = a.slot_pos[(long long)t * K + lane];
-        pos = (p >= 0 && p < a.row_limits[owner]) ? p : -1;
-      }
-    }
+    const int owner = slot_owner(a, t, L), pos = slot_row(a, t, owner);
     warp_sum_rows<true, kOutFp32>(static_cast<char*>(a.y) + t * out_row, __ballot_sync(kFull, src != nullptr),
                                   reinterpret_cast<unsigned long long>(src), a.H);
     scatter_weight(c, a, t, owner, pos);
   }
-  __syncthreads();
-  if (threadIdx.x == 0 && last_block_done(c, kGridCombine)) {
-    me->expected[kSlotCall] = target;
-    if (st > 0) done_exchange(c, kSlotCombDone);
-  }
+  end_pull(c, f);
 }
 
 void launch_combine(const Ctx& ctx, const CombineArgs& args, int num_blocks, cudaStream_t stream) {
