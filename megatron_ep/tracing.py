@@ -24,7 +24,7 @@ import torch
 from . import protocol as P
 
 # The output pool's counters (csrc/ipc/pool.h, Pool::Stats), in the order the runtime returns them.
-POOL_COUNTERS = ("stream_waits", "host_waits", "misses")
+POOL_COUNTERS = ("stream_waits", "misses")
 # Trace points of csrc/low_latency/api.h (LLTracePoint), in order.
 LOW_LATENCY_POINTS = ("entry", "released", "zero", "cast", "sent", "arrived", "copied", "end", "scanned", "stored")
 
@@ -53,12 +53,11 @@ def phases(buf) -> Iterator[List[Tuple[str, "torch.cuda.Event"]]]:
 def counters(buf) -> Dict[str, object]:
     """SM counts and the output pool's counters so far (monotonic: subtract two readings for what
     happened in between). {} on the torch backend."""
-    impl = buf._backend()
-    rt = getattr(impl, "rt", None)
+    rt = _runtime(buf)
     if rt is None:
         return {}
     out: Dict[str, object] = {"num_sms": rt.num_sms, "push_sms": rt.push_sms}
-    blocks = getattr(getattr(impl, "path", None), "num_blocks", None)
+    blocks = getattr(getattr(buf._backend(), "path", None), "num_blocks", None)
     out["rdma_blocks"] = int(blocks) if isinstance(blocks, int) else None
     if rt.ready:
         out["pool"] = dict(zip(POOL_COUNTERS, rt.rt.pool_stats()))

@@ -30,29 +30,23 @@ Pool::~Pool() {
   for (auto e : spare_events_) cudaEventDestroy(e);
 }
 
-long long Pool::alloc(long long bytes, const cudaStream_t* order) {
+long long Pool::alloc(long long bytes, cudaStream_t order) {
   bytes = block_bytes(bytes);
   std::lock_guard<std::mutex> lock(mu_);
   DeviceGuard g(device_);
-  reap(false);
+  reap();
   long long off = take(bytes);
-  bool stream_wait = false, host_wait = false;
+  bool stream_wait = false;
   while (off < 0 && !pending_.empty()) {  // memory pressure: take over the oldest frees
-    if (order != nullptr) {
-      // `order` waits for the range's last use on the GPU; the wait binds the event's current
-      // record, so the event may be recorded again later
-      cudaStreamWaitEvent(*order, pending_.front().ev, 0);
-      if (pending_.front().ev2 != nullptr) cudaStreamWaitEvent(*order, pending_.front().ev2, 0);
-      free_oldest();
-      stream_wait = true;
-    } else {
-      reap(true);
-      host_wait = true;
-    }
+    // `order` waits for the range's last use on the GPU; the wait binds the event's current
+    // record, so the event may be recorded again later
+    cudaStreamWaitEvent(order, pending_.front().ev, 0);
+    if (pending_.front().ev2 != nullptr) cudaStreamWaitEvent(order, pending_.front().ev2, 0);
+    free_oldest();
+    stream_wait = true;
     off = take(bytes);
   }
   stats_.stream_waits += stream_wait;
-  stats_.host_waits += host_wait;
   stats_.misses += off < 0;
   return off;
 }
@@ -103,17 +97,13 @@ void Pool::release_now(long long offset, long long bytes) {
 long long Pool::free_bytes() {
   std::lock_guard<std::mutex> lock(mu_);
   DeviceGuard g(device_);
-  reap(false);  // ranges whose last use has completed count as free
+  reap();  // ranges whose last use has completed count as free
   long long n = 0;
   for (auto& kv : free_) n += kv.second;
   return n;
 }
 
-void Pool::reap(bool wait_oldest) {
-  if (wait_oldest && !pending_.empty()) {
-    cudaEventSynchronize(pending_.front().ev);
-    if (pending_.front().ev2 != nullptr) cudaEventSynchronize(pending_.front().ev2);
-  }
+void Pool::reap() {
   while (!pending_.empty() && done(pending_.front())) free_oldest();
   cudaGetLastError();  // cudaEventQuery's cudaErrorNotReady is not an error here
 }

@@ -4,10 +4,10 @@
 // allocated for and on the stream current where it died mark when the memory is really free
 // (torch's record_stream does not reach this pool: a consumer on another stream, e.g. the expert
 // GEMMs under Megatron's EP overlap, is covered by the stream it frees the tensor on), and the
-// pool only hands out ranges whose events have completed. When nothing else fits, the oldest pending ranges are taken over: with an
-// `order` stream (the one whose kernels write the block first), that stream waits for their
-// events on the GPU (no host wait: a loop of dispatches keeps the host ahead); without one, the
-// host waits for them.
+// pool only hands out ranges whose events have completed. When nothing else fits, the oldest
+// pending ranges are taken over: the `order` stream (the one whose kernels write the block
+// first) waits for their events on the GPU, never the host (a loop of dispatches keeps the host
+// ahead).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -28,9 +28,8 @@ class Pool {
   }
   Pool(int device, long long begin, long long bytes);
   ~Pool();
-  // Offset in the region, or -1. `order`, like `also` below, is a pointer: the legacy default
-  // stream is nullptr itself, and a null `order` means the host waits.
-  long long alloc(long long bytes, const cudaStream_t* order = nullptr);
+  // Offset in the region, or -1. `order` may be the legacy default stream (nullptr itself).
+  long long alloc(long long bytes, cudaStream_t order);
   // `also` (when given and not `stream`): a second stream whose work so far must end before the
   // range is reused
   void release(long long offset, long long bytes, cudaStream_t stream, const cudaStream_t* also = nullptr);
@@ -38,10 +37,10 @@ class Pool {
   // (stream order alone keeps the next user behind the last one; no event, no host wait later).
   void release_now(long long offset, long long bytes);
   long long free_bytes();
-  // Allocations so far that took over pending ranges with a GPU-side wait / a host wait, and
-  // that found no room at all (the caller then stages and pulls).
+  // Allocations so far that took over pending ranges (a GPU-side wait), and that found no room
+  // at all (the caller then stages and pulls).
   struct Stats {
-    long long stream_waits = 0, host_waits = 0, misses = 0;
+    long long stream_waits = 0, misses = 0;
   };
   Stats stats();
 
@@ -53,7 +52,7 @@ class Pool {
   };
   bool done(const Pending& p);  // both events completed
   cudaEvent_t event();          // a spare event, or a new one (nullptr when none can be created)
-  void reap(bool wait_oldest);
+  void reap();  // every pending range whose events completed back to the free list
   void free_oldest();  // the oldest pending range back to the free list, its event to the spares
   long long take(long long bytes);
   void insert_free(long long off, long long size);

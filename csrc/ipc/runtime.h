@@ -104,7 +104,7 @@ class Runtime {
                              long long stream_ptr, bool comm_only, long long order_stream_ptr) {
     const RankMajorBlock b(rows, row_bytes, scale_cols, K, has_w);
     const cudaStream_t order = reinterpret_cast<cudaStream_t>(order_stream_ptr);  // 0: the default stream
-    const long long off = pool_->alloc(b.total, &order);
+    const long long off = pool_->alloc(b.total, order);
     if (off < 0) return py::none();
     struct Owner {  // returns the block when the last tensor over it dies (never copied)
       std::shared_ptr<Pool> pool;
@@ -142,10 +142,10 @@ class Runtime {
   }
 
   long long pool_free_bytes() { return pool_->free_bytes(); }
-  // (stream_waits, host_waits, misses) of the output pool so far (Pool::Stats)
+  // (stream_waits, misses) of the output pool so far (Pool::Stats)
   py::tuple pool_stats() {
     const Pool::Stats s = pool_->stats();
-    return py::make_tuple(s.stream_waits, s.host_waits, s.misses);
+    return py::make_tuple(s.stream_waits, s.misses);
   }
 
   py::bytes ipc_handle() const { return py::bytes(region_->ipc_handle()); }

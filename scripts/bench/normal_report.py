@@ -284,7 +284,7 @@ def markdown(args, allres, base) -> str:
                      f"{cell(copy)} µs; index_select of them into expert order {cell(perm)} µs.")
     pool = {n: r0["sms"][str(n)].get("pool") for n in sms}
     if any(pool.values()):
-        lines.append("* our output pool during each dispatch's timing (rank 0; GPU-side waits / host waits / no room, "
+        lines.append("* our output pool during each dispatch's timing (rank 0; GPU-side waits / no room, "
                      "then staged and pulled): " + "; ".join(
                          f"{n} SMs: " + ", ".join(f"{k} {'/'.join(map(str, v))}" for k, v in pool[n].items())
                          for n in sms if pool[n]) + ".")
