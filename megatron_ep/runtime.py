@@ -348,7 +348,10 @@ class CudaRuntime(FailureState):
     def leave(self, compute, tensors, async_op: bool) -> EventOverlap:
         # Synchronous calls make the caller's stream wait for ours right away, so anything it
         # frees afterwards is reused in stream order; only async callers need record_stream.
-        if async_op and not torch.cuda.is_current_stream_capturing():
+        # Under CUDA-graph capture too: a block freed there goes back to the graph's pool at
+        # once unless it has a use on another stream (the allocator then keeps it until the
+        # capture ends), and a later kernel of the capture could be given it while ours read it.
+        if async_op:
             for t in tensors:
                 if t is not None:
                     t.record_stream(self.stream)

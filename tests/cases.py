@@ -533,7 +533,11 @@ def run_demo(argv: list) -> list:
 
 # ------------------------------------------------------------------------------- cuda only
 def run_cuda_graph_case(cfg: dict) -> list:
-    """Worst-case sized dispatch + combine captured in a CUDA graph, replayed on new inputs."""
+    """Worst-case sized dispatch + combine captured in a CUDA graph, replayed on new inputs.
+    cfg["async"]: both calls asynchronous, and the combine's input freed on the caller's stream
+    right after the call, with an allocation of its size after it: the capture must not hand the
+    freed block to that allocation while the communication stream still reads it (its NaNs would
+    race the combine), so the two addresses must differ."""
     R, rank = dist.get_world_size(), dist.get_rank()
     E, K, H, T, align = cfg["E"], cfg["K"], cfg["H"], cfg["T"], cfg["align"]
     L = E // R
@@ -545,9 +549,23 @@ def run_cuda_graph_case(cfg: dict) -> list:
     idx = inputs[rank]["idx"].cuda()
     w = inputs[rank]["w"].cuda()
 
+    reused = []
+
     def step():
-        out = buf.dispatch(x, idx, w, num_experts=E, permute=True, expert_alignment=align, num_worst_tokens=worst)
-        res = buf.combine(out.x * 2, out.handle, weights=out.topk_weights * 3)
+        if not cfg.get("async"):
+            out = buf.dispatch(x, idx, w, num_experts=E, permute=True, expert_alignment=align, num_worst_tokens=worst)
+            return out, buf.combine(out.x * 2, out.handle, weights=out.topk_weights * 3)
+        out = buf.dispatch(x, idx, w, num_experts=E, permute=True, expert_alignment=align, num_worst_tokens=worst,
+                           async_op=True)
+        out.event.current_stream_wait()
+        rows = out.x * 2
+        res = buf.combine(rows, out.handle, weights=out.topk_weights * 3, async_op=True)
+        freed = rows.data_ptr()
+        del rows
+        poison = torch.full((worst, H), float("nan"), dtype=torch.bfloat16, device=x.device)
+        if torch.cuda.is_current_stream_capturing():
+            reused.append(poison.data_ptr() == freed)
+        res.event.current_stream_wait()
         return out, res
 
     side = torch.cuda.Stream()
@@ -559,6 +577,9 @@ def run_cuda_graph_case(cfg: dict) -> list:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out, res = step()
+    if reused != ([False] if cfg.get("async") else []):
+        chk.errors.append(f"{chk.tag} the capture handed the asynchronous combine's input to a later allocation "
+                          f"while the communication stream read it ({reused})")
     for it in range(4):
         fresh = make_inputs(cfg["seed"] + 17 * (it + 1), R, E, K, H, [T] * R, "bf16", "random", 0.2)
         x.copy_(fresh[rank]["x"])

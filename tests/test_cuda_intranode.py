@@ -48,6 +48,14 @@ def test_cuda_graph(R):
     assert not errors, "\n".join(errors[:20])
 
 
+@pytest.mark.parametrize("R", [2, 4])
+def test_cuda_graph_async(R):
+    cfg = dict(seed=91 + R, E=4 * R, K=4, H=512, T=24, align=16)
+    cfg["async"] = True
+    errors = flat(pool_(R).run(cases.run_cuda_graph_case, cfg, timeout=600))
+    assert not errors, "\n".join(errors[:20])
+
+
 @pytest.mark.parametrize("R", [2, 4, 8])
 def test_repeated_calls(R):
     cfg = dict(seed=5 * R, E=8 * R, K=6, H=256, t_max=40, iters=120)
