@@ -38,12 +38,14 @@ RECV_INFO = dict(P.RECV_INFO)
 CALL_FAILED = P.CALL_FAILED
 MSG_BYTES = P.MSG_BYTES
 MAX_RANKS, MAX_TOPK, MAX_EXPERTS, MAX_ALIGNMENT = P.MAX_RANKS, P.MAX_TOPK, P.MAX_EXPERTS, P.MAX_ALIGNMENT
+MAX_TOKEN_GROUPS = P.MAX_TOKEN_GROUPS  # notify's token groups (DispatchRequest.token_groups)
 FP8_BLOCK = P.FP8_BLOCK
 plan_region = P.plan_region  # -> RegionLayout (typed, read-only attributes)
 RegionLayout = P.RegionLayout
 REGION_LAYOUT_FIELDS: List[str] = list(P.REGION_LAYOUT_FIELDS)
 is_fatal = P.error_is_fatal
 worst_expert_major_rows = P.worst_expert_major_rows
+notify_plan = P.notify_plan  # (num_tokens, groups) -> notify's chunk plan as a dict
 
 _DTYPE_CODES = {getattr(torch, name): code for name, code in P.DTYPE.items()}
 

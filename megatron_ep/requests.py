@@ -26,6 +26,11 @@ class DispatchRequest:
     num_worst_tokens: int = 0  # worst-case sized outputs, no host sync
     async_op: bool = False  # the caller's stream does not wait for the call
     previous_event: Optional[EventOverlap] = None  # what the communication waits for first
+    # the cuda intranode path's notify orders a destination's rows by (expert or rank, group,
+    # source rank, token), the T rows of every rank being this many contiguous groups of T /
+    # token_groups: the internode path's in-node stage sets one per source node (that order is
+    # then the contract's); Buffer leaves it at 1
+    token_groups: int = 1
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,9 @@ PYBIND11_MODULE(_protocol, m) {
   m.attr("MAX_EXPERTS") = kMaxExperts;
   m.attr("MAX_ALIGNMENT") = kMaxAlignment;
   m.attr("MAX_NOTIFY_BLOCKS") = kMaxNotifyBlocks;
+  m.attr("MAX_TOKEN_GROUPS") = kMaxTokenGroups;
+  m.attr("NOTIFY_WARPS") = kNotifyWarps;
+  m.attr("NOTIFY_SCRATCH_ROWS") = kScratchRows;
   m.attr("MSG_BYTES") = kMsgBytes;
   m.attr("FP8_BLOCK") = kFp8Block;
   m.attr("CONTROL_BYTES") = (long long)sizeof(Control);
@@ -107,4 +110,12 @@ PYBIND11_MODULE(_protocol, m) {
   m.def("worst_expert_major_rows", &worst_expert_major_rows, py::arg("num_ranks"), py::arg("max_tokens"),
         py::arg("topk"), py::arg("num_experts"), py::arg("alignment"));
   m.def("error_is_fatal", &error_is_fatal);
+  m.def("notify_plan", [](int T, int groups) {
+    const NotifyPlan p = notify_plan(T, groups);
+    py::dict d;
+    d["groups"] = p.groups, d["blocks"] = p.blocks, d["chunks"] = p.chunks, d["chunk"] = p.chunk;
+    d["scratch_rows"] = notify_scratch_rows(p);
+    return d;
+  }, py::arg("num_tokens"), py::arg("groups"), "notify's chunk plan (csrc/ipc/region_layout.h): blocks, chunks, "
+     "tokens per chunk, scratch rows");
 }

@@ -28,9 +28,13 @@ void launch_fail_call(const Ctx& ctx, const CallArgs& call, int slot, cudaStream
 // the sizes and the group's largest needs in the mapped host block. Three launches: per-chunk
 // counts (grid), exchange (one block), positions (grid). (A one-launch version with grid
 // barriers was measured slower on 2 x H200: its token passes ran on 2 SMs; docs/performance.md.)
+// A destination's rows are ordered (expert or rank, token group, source rank, token): the T
+// tokens of every rank are `groups` contiguous groups of T / groups (1: the intranode Buffer; the
+// internode in-node stage: one per source node, the contract's order without a reorder pass).
 struct NotifyArgs {
   const long long* topk_idx;  // [T, K]
   int T, K, E, align, permute, worst;
+  int groups;  // token groups: 1..kMaxTokenGroups, T % groups == 0, groups * E <= kMaxExperts
   int* rank_pos;   // [T, R] out
   int* slot_pos;   // [T, K] out
   int* recv_info;  // [RecvInfo::size(L)] out

@@ -14,7 +14,7 @@ using Sig = std::vector<long long>;
 
 void notify(Runtime& rt, const Sig& sig, const Tensor& topk_idx, int E, int align, bool permute, int worst,
             Tensor& rank_pos, Tensor& slot_pos, Tensor& recv_info, Tensor& row_limits, Tensor& tpe, Tensor& dropped,
-            long long tag) {
+            long long tag, int groups) {
   check_tensor(topk_idx, "topk_idx", at::kLong);
   check_tensor(rank_pos, "rank_pos", at::kInt);
   check_tensor(slot_pos, "slot_pos", at::kInt);
@@ -26,11 +26,14 @@ void notify(Runtime& rt, const Sig& sig, const Tensor& topk_idx, int E, int alig
   TORCH_CHECK(K >= 1 && K <= kMaxTopk, "megatron_ep: topk ", K, " outside 1..", kMaxTopk);
   TORCH_CHECK(E >= R && E <= kMaxExperts && E % R == 0, "megatron_ep: bad num_experts ", E);
   TORCH_CHECK(align >= 1 && align <= kMaxAlignment, "megatron_ep: bad expert alignment ", align);
+  TORCH_CHECK(groups >= 1 && groups <= kMaxTokenGroups && T % groups == 0 && (long long)groups * E <= kMaxExperts,
+              "megatron_ep: ", groups, " token groups do not fit ", T, " tokens and ", E, " experts");
+  TORCH_CHECK(notify_scratch_rows(notify_plan(T, groups)) <= kScratchRows, "notify plan exceeds the scratch");
   TORCH_CHECK(recv_info.numel() >= RecvInfo::size(E / R), "recv_info too small");
   TORCH_CHECK(rank_pos.numel() >= (int64_t)T * R && slot_pos.numel() >= (int64_t)T * K, "position tensors too small");
   TORCH_CHECK(row_limits.numel() >= R && tpe.numel() >= E / R && dropped.numel() >= 1, "notify outputs too small");
   const CallArgs call = make_call(sig, kCallOk, "");
-  NotifyArgs a{static_cast<const long long*>(topk_idx.data_ptr()), T, K, E, align, permute ? 1 : 0, worst,
+  NotifyArgs a{static_cast<const long long*>(topk_idx.data_ptr()), T, K, E, align, permute ? 1 : 0, worst, groups,
                rank_pos.data_ptr<int>(), slot_pos.data_ptr<int>(), recv_info.data_ptr<int>(), row_limits.data_ptr<int>(),
                reinterpret_cast<long long*>(tpe.data_ptr<int64_t>()), reinterpret_cast<long long*>(dropped.data_ptr<int64_t>()),
                tag};
@@ -211,7 +214,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("pool_free_bytes", &mep::Runtime::pool_free_bytes)
       .def("pool_stats", &mep::Runtime::pool_stats);
   auto intra = m.def_submodule("intranode", "the intranode normal path (csrc/intranode/)");
-  intra.def("notify", &mep::notify, py::arg("rt"), py::arg("sig"), py::arg("topk_idx"), py::arg("E"), py::arg("align"), py::arg("permute"), py::arg("worst"), py::arg("rank_pos"), py::arg("slot_pos"), py::arg("recv_info"), py::arg("row_limits"), py::arg("tpe"), py::arg("dropped"), py::arg("tag"));
+  intra.def("notify", &mep::notify, py::arg("rt"), py::arg("sig"), py::arg("topk_idx"), py::arg("E"), py::arg("align"), py::arg("permute"), py::arg("worst"), py::arg("rank_pos"), py::arg("slot_pos"), py::arg("recv_info"), py::arg("row_limits"), py::arg("tpe"), py::arg("dropped"), py::arg("tag"), py::arg("groups") = 1);
   intra.def("stage", &mep::stage, py::arg("rt"), py::arg("sig"), py::arg("slot"), py::arg("x"), py::arg("T"), py::arg("row_bytes"), py::arg("scales"), py::arg("scale_cols"), py::arg("topk_idx"), py::arg("topk_w"), py::arg("rank_pos"), py::arg("slot_pos"), py::arg("num_blocks"));
   intra.def("dispatch", &mep::dispatch, py::arg("rt"), py::arg("sig"), py::arg("slot"), py::arg("row_bytes"), py::arg("scale_cols"), py::arg("K"), py::arg("E"), py::arg("permute"), py::arg("has_weights"), py::arg("out_rows"), py::arg("recv_info"), py::arg("out_x"), py::arg("out_scales"), py::arg("out_idx"), py::arg("out_w"), py::arg("out_row_expert"), py::arg("out_tpe"), py::arg("comb_map"), py::arg("num_blocks"));
   intra.def("dispatch_push", &mep::dispatch_push, py::arg("rt"), py::arg("sig"), py::arg("slot"), py::arg("x"), py::arg("T"), py::arg("row_bytes"), py::arg("scales"), py::arg("scale_cols"), py::arg("topk_idx"), py::arg("topk_w"), py::arg("rank_pos"), py::arg("slot_pos"), py::arg("E"), py::arg("out_rows"), py::arg("permute"), py::arg("recv_info"), py::arg("out_x"), py::arg("out_scales"), py::arg("out_idx"), py::arg("out_w"), py::arg("out_row_expert"), py::arg("comb_map"), py::arg("offsets"), py::arg("num_blocks"));

@@ -18,40 +18,38 @@
 namespace mep {
 
 constexpr int kExchangeThreads = 1024;
-constexpr int kSteps = 8;            // tokens whose ids a notify warp loads together
-constexpr int kNotifyChunkMin = 16;  // tokens per notify warp, at least: short chains of dependent steps
-constexpr int kNotifyWarps = 8;      // warps per notify block: a block sums its warps' counts in shared memory
+constexpr int kSteps = 8;  // tokens whose ids a notify warp loads together
 
 __device__ __forceinline__ int pad_to(int n, int align) { return (n + align - 1) / align * align; }
 
 // ------------------------------------------------------------------------------------- notify
-// Tokens are cut into chunks, one warp each, in token order. Pass 1 counts per chunk, and a
-// block of kNotifyWarps warps turns its warps' counts into per-chunk prefixes inside the block;
-// the exchange block turns the blocks' totals into exclusive prefixes (a few L2 round trips,
-// not one per chunk), publishes this rank's totals with its call record, checks every rank's
-// record, and computes where each rank's rows start in every destination; pass 2 walks each
+// Tokens are cut into chunks, one warp each, in token order (notify_plan, csrc/ipc/region_layout.h:
+// G token groups of T / G tokens, each cut into blocks of kNotifyWarps chunks, so neither a chunk
+// nor a block straddles a group). Pass 1 counts per chunk, and a block turns its warps' counts
+// into per-chunk prefixes inside the block; the exchange block turns the blocks' totals into
+// exclusive prefixes inside each group (a few L2 round trips, not one per chunk), publishes this
+// rank's per-group totals with its call record, checks every rank's record, and computes where
+// each group's rows of this rank start in every destination: after the rows of every earlier
+// group (all ranks), then after those of the lower ranks in the same group. Pass 2 walks each
 // chunk again in token order and hands out rows. Row order is therefore (destination expert or
-// rank, source rank, source token) with no sort. Short chunks keep each warp's chain of
-// dependent steps short (the 64-token chunks of one warp per block took 12 + 20 us at 4096
-// tokens, count and positions). The scratch rows (int32,
-// kScratchStride each): [0, chunks) each chunk's prefix inside its block, then [chunks, chunks +
-// blocks) each block's totals (the exchange turns them into prefixes over blocks), then one row of
-// bases (where this rank's rows start in each destination).
-struct NotifyPlan {
-  int blocks, chunks, chunk;
-};
-constexpr int kMaxNotifyChunks = (kMaxNotifyBlocks - 1) / (kNotifyWarps + 1) * kNotifyWarps;  // rows fit the scratch
-inline NotifyPlan notify_plan(int T) {
-  int chunks = (T + kNotifyChunkMin - 1) / kNotifyChunkMin;
-  chunks = chunks < 1 ? 1 : (chunks > kMaxNotifyChunks ? kMaxNotifyChunks : chunks);
-  const int blocks = (chunks + kNotifyWarps - 1) / kNotifyWarps;
-  chunks = blocks * kNotifyWarps;
-  const int chunk = (T + chunks - 1) / chunks;
-  return {blocks, chunks, chunk < 1 ? 1 : chunk};
-}
-
+// rank, token group, source rank, source token) with no sort; with one group (the intranode
+// Buffer) that is (destination, source rank, source token). The internode path's in-node stage
+// takes one group per source node, which makes its rows' order the contract's (source node, source
+// rank inside the node, token), so it needs no reorder pass afterwards. Short chunks keep each
+// warp's chain of dependent steps short (the 64-token chunks of one warp per block took 12 + 20
+// us at 4096 tokens, count and positions). The scratch rows: see region_layout.h.
 __device__ __forceinline__ int* scratch_of(const Ctx& c) { return at<int>(c, c.rank, c.lay.scratch); }
 __device__ __forceinline__ int* counts_of(const Ctx& c, int r) { return at<int>(c, r, c.lay.counts); }
+
+// Warp `w` of the grid: its token group and its chunk of tokens [t_begin, t_end) inside it.
+struct ChunkSpan {
+  int group, t_begin, t_end;
+};
+__device__ __forceinline__ ChunkSpan chunk_span(const NotifyArgs& a, const NotifyPlan& p, int w) {
+  const int per_group = p.chunks / p.groups, g = w / per_group, j = w - g * per_group;
+  const int Tg = a.T / p.groups, first = g * Tg;
+  return {g, first + min(Tg, j * p.chunk), first + min(Tg, j * p.chunk + p.chunk)};
+}
 
 // Lane k holds slot k of token t (-1 past the chunk or past K).
 __device__ __forceinline__ long long load_slot(const long long* __restrict__ topk_idx, int t, int t_end, int K) {
@@ -59,19 +57,18 @@ __device__ __forceinline__ long long load_slot(const long long* __restrict__ top
   return (lane < K && t < t_end) ? topk_idx[(long long)t * K + lane] : -1;
 }
 
-__global__ void __launch_bounds__(32 * kNotifyWarps) notify_count_kernel(Ctx c, NotifyArgs a, int chunk) {
+__global__ void __launch_bounds__(32 * kNotifyWarps) notify_count_kernel(Ctx c, NotifyArgs a, NotifyPlan p) {
   extern __shared__ int cnt_all[];  // per warp: [E] experts, then [R] ranks
   const int E = a.E, R = c.num_ranks, L = E / R, K = a.K, lane = lane_id(), warp = threadIdx.x / 32;
-  const int cols = E + R, chunks = gridDim.x * kNotifyWarps;
+  const int cols = E + R;
   int* cnt = cnt_all + warp * cols;
   for (int i = threadIdx.x; i < kNotifyWarps * cols; i += blockDim.x) cnt_all[i] = 0;
   __syncthreads();
-  const int w = blockIdx.x * kNotifyWarps + warp;
-  const int t_begin = min(a.T, w * chunk), t_end = min(a.T, t_begin + chunk);
-  for (int t0 = t_begin; t0 < t_end; t0 += kSteps) {
+  const ChunkSpan span = chunk_span(a, p, blockIdx.x * kNotifyWarps + warp);
+  for (int t0 = span.t_begin; t0 < span.t_end; t0 += kSteps) {
     long long ids[kSteps];  // loaded together: one dependent load per token would stall the warp
 #pragma unroll
-    for (int b = 0; b < kSteps; ++b) ids[b] = load_slot(a.topk_idx, t0 + b, t_end, K);
+    for (int b = 0; b < kSteps; ++b) ids[b] = load_slot(a.topk_idx, t0 + b, span.t_end, K);
 #pragma unroll
     for (int b = 0; b < kSteps; ++b) {
       const bool valid = ids[b] >= 0 && ids[b] < E;  // other ids count as unused slots
@@ -90,60 +87,69 @@ __global__ void __launch_bounds__(32 * kNotifyWarps) notify_count_kernel(Ctx c, 
       scratch[(long long)(blockIdx.x * kNotifyWarps + v) * kScratchStride + i] = run;
       run += cnt_all[v * cols + i];
     }
-    scratch[(long long)(chunks + blockIdx.x) * kScratchStride + i] = run;
+    scratch[(long long)(p.chunks + blockIdx.x) * kScratchStride + i] = run;
   }
 }
 
-int exchange_smem_bytes(int E, int R) { return (E + R + R * E + 3 * E) * (int)sizeof(int); }
+// The exchange block's dynamic shared memory, in ints: every rank's rows per (group, expert)
+// [R][G * E] and their sums over the ranks [G * E]; per expert the total, the padded scan and the
+// segment start [3][E]; every rank's tokens per (group, destination rank) [R][G * R] and their
+// sums over the ranks [G * R].
+constexpr int exchange_smem_ints(int GE, int E, int R, int G) { return R * GE + GE + 3 * E + R * G * R + G * R; }
+int exchange_smem_bytes(int E, int R, int G) { return exchange_smem_ints(G * E, E, R, G) * (int)sizeof(int); }
+// The most any call needs (G * E <= kMaxExperts, E <= kMaxExperts, G <= kMaxTokenGroups).
+constexpr int kExchangeSmemMax = exchange_smem_ints(kMaxExperts, kMaxExperts, kMaxRanks, kMaxTokenGroups) * 4;
 
 __global__ void __launch_bounds__(kExchangeThreads, 1) notify_exchange_kernel(Ctx c, CallArgs call, NotifyArgs a,
-                                                                              int blocks) {
+                                                                              NotifyPlan p) {
   extern __shared__ int smem[];
   const int E = a.E, R = c.num_ranks, rank = c.rank, L = E / R, tid = threadIdx.x;
-  int* tot = smem;             // [E + R]: this rank's totals, then (experts) every rank's
-  int* all_e = tot + E + R;    // [R][E] every rank's per-expert counts
-  int* below = all_e + R * E;  // [E] counts of the ranks below this one
-  int* incl = below + E;       // [E] padded totals, inclusive scan
-  int* seg = incl + E;         // [E] segment start inside the destination's output
-  __shared__ int s_rcnt[kMaxRanks][kMaxRanks];  // [source][destination] tokens
-  __shared__ int s_T[kMaxRanks], s_W[kMaxRanks];
+  const int G = p.groups, GE = G * E, GR = G * R;
+  int* all_e = smem;            // [R][G * E] every rank's rows per (group, expert)
+  int* col_e = all_e + R * GE;  // [G * E] their sums over the ranks
+  int* tot = col_e + GE;        // [E] rows per expert
+  int* incl = tot + E;          // [E] padded totals, inclusive scan
+  int* seg = incl + E;          // [E] segment start inside the destination's output
+  int* all_r = seg + E;         // [R][G * R] every rank's tokens per (group, destination rank)
+  int* col_r = all_r + R * GR;  // [G * R] their sums over the ranks
+  __shared__ int s_T[kMaxRanks], s_W[kMaxRanks], s_rows[kMaxRanks];
   __shared__ int s_dropped;
   int* scratch = scratch_of(c);
   Control* me = ctrl_of(c, rank);
   const unsigned long long target = me->expected[kSlotCall] + 1;
 
-  // the blocks' totals -> exclusive prefixes over blocks (in place), and this rank's totals; loads
-  // batched so a column is not one dependent L2 round trip per block
+  // the blocks' totals -> exclusive prefixes over the blocks of their group (in place), and this
+  // rank's per-group totals into its counts area; loads batched so a column is not one dependent
+  // L2 round trip per block
   constexpr int kBatch = 8;
-  const int chunks = blocks * kNotifyWarps;
-  int* btot = scratch + (long long)chunks * kScratchStride;
-  for (int i = tid; i < E + R; i += blockDim.x) {
+  const int cols = E + R, per_group = p.blocks / G;
+  int* btot = scratch + (long long)p.chunks * kScratchStride;
+  int* mine = counts_of(c, rank);
+  for (int k = tid; k < G * cols; k += blockDim.x) {
+    const int g = k / cols, i = k - g * cols;
+    int* col = btot + (long long)g * per_group * kScratchStride + i;
     int run = 0;
-    for (int b0 = 0; b0 < blocks; b0 += kBatch) {
+    for (int b0 = 0; b0 < per_group; b0 += kBatch) {
       int v[kBatch];
 #pragma unroll
-      for (int j = 0; j < kBatch; ++j) v[j] = b0 + j < blocks ? btot[(long long)(b0 + j) * kScratchStride + i] : 0;
+      for (int j = 0; j < kBatch; ++j) v[j] = b0 + j < per_group ? col[(long long)(b0 + j) * kScratchStride] : 0;
 #pragma unroll
       for (int j = 0; j < kBatch; ++j)
-        if (b0 + j < blocks) {
-          btot[(long long)(b0 + j) * kScratchStride + i] = run;
+        if (b0 + j < per_group) {
+          col[(long long)(b0 + j) * kScratchStride] = run;
           run += v[j];
         }
     }
-    tot[i] = run;
+    mine[i < E ? kCountsExperts + g * E + i : kCountsRanks + g * kMaxRanks + (i - E)] = run;
   }
-  __syncthreads();
 
-  // publish counts, T and the call record; then the exchange
-  int* mine = counts_of(c, rank);
-  for (int e = tid; e < E; e += blockDim.x) mine[kMaxRanks + e] = tot[e];
-  if (tid < R) mine[tid] = tot[E + tid];
+  // publish T and the call record with the counts; then the exchange
   if (tid == 0) {
-    mine[kMaxRanks + kMaxExperts] = a.T;
-    mine[kMaxRanks + kMaxExperts + 1] = a.worst;
+    mine[kCountsT] = a.T;
+    mine[kCountsWorst] = a.worst;
     write_record(c, call);
+    s_dropped = 0;
   }
-  if (tid == 0) s_dropped = 0;
   __threadfence_system();
   __syncthreads();
   if (tid == 0) signal_all(c, kSlotCall);
@@ -167,28 +173,42 @@ __global__ void __launch_bounds__(kExchangeThreads, 1) notify_exchange_kernel(Ct
     return;
   }
 
-  // every rank's counts at once (independent remote loads)
-  for (int i = tid; i < R * E; i += blockDim.x) {
-    const int s = i / E, e = i - s * E;
-    all_e[i] = ld_volatile(counts_of(c, s) + kMaxRanks + e);
+  // every rank's per-group counts at once (independent remote loads)
+  for (int i = tid; i < R * GE; i += blockDim.x) {
+    const int s = i / GE, k = i - s * GE;
+    all_e[i] = ld_volatile(counts_of(c, s) + kCountsExperts + k);
   }
-  for (int i = tid; i < R * R; i += blockDim.x) s_rcnt[i / R][i % R] = ld_volatile(counts_of(c, i / R) + i % R);
+  for (int i = tid; i < R * GR; i += blockDim.x) {
+    const int s = i / GR, k = i - s * GR, g = k / R, d = k - g * R;
+    all_r[i] = ld_volatile(counts_of(c, s) + kCountsRanks + g * kMaxRanks + d);
+  }
   if (tid < R) {
-    s_T[tid] = ld_volatile(counts_of(c, tid) + kMaxRanks + kMaxExperts);
-    s_W[tid] = ld_volatile(counts_of(c, tid) + kMaxRanks + kMaxExperts + 1);
+    s_T[tid] = ld_volatile(counts_of(c, tid) + kCountsT);
+    s_W[tid] = ld_volatile(counts_of(c, tid) + kCountsWorst);
     a.row_limits[tid] = s_W[tid] > 0 ? s_W[tid] : INT_MAX;  // each rank delivers its own worst-case rows
   }
   __syncthreads();
+  for (int k = tid; k < GE; k += blockDim.x) {
+    int t = 0;
+    for (int s = 0; s < R; ++s) t += all_e[s * GE + k];
+    col_e[k] = t;
+  }
+  for (int k = tid; k < GR; k += blockDim.x) {
+    int t = 0;
+    for (int s = 0; s < R; ++s) t += all_r[s * GR + k];
+    col_r[k] = t;
+  }
+  __syncthreads();
   for (int e = tid; e < E; e += blockDim.x) {
-    int t = 0, b = 0;
-    for (int s = 0; s < R; ++s) {
-      const int v = all_e[s * E + e];
-      t += v;
-      b += s < rank ? v : 0;
-    }
+    int t = 0;
+    for (int g = 0; g < G; ++g) t += col_e[g * E + e];
     tot[e] = t;
-    below[e] = b;
     incl[e] = pad_to(t, a.align);
+  }
+  if (tid < R) {
+    int n = 0;
+    for (int g = 0; g < G; ++g) n += col_r[g * R + tid];
+    s_rows[tid] = n;
   }
   __syncthreads();
   for (int off = 1; off < E; off <<= 1) {  // inclusive scan of the padded totals (E <= blockDim)
@@ -219,20 +239,28 @@ __global__ void __launch_bounds__(kExchangeThreads, 1) notify_exchange_kernel(Ct
     }
     c.host->expert_counts[le] = cnt;
   }
-  // base rows for pass 2: expert e -> its segment + lower ranks; rank d -> lower ranks' rows
-  int* base = scratch + (long long)(chunks + blocks) * kScratchStride;
-  for (int e = tid; e < E; e += blockDim.x) base[e] = seg[e] + below[e];
-  if (tid < R) {
+  // base rows for pass 2, one per group: expert e -> its segment + the rows of the earlier groups
+  // (every rank) + the group's rows of the lower ranks; rank d -> the same without a segment
+  int* base = scratch + (long long)(p.chunks + p.blocks) * kScratchStride;
+  for (int k = tid; k < GE; k += blockDim.x) {
+    const int g = k / E, e = k - g * E;
+    int b = seg[e];
+    for (int h = 0; h < g; ++h) b += col_e[h * E + e];
+    for (int s = 0; s < rank; ++s) b += all_e[s * GE + k];
+    base[(long long)g * kScratchStride + e] = b;
+  }
+  for (int k = tid; k < GR; k += blockDim.x) {
+    const int g = k / R, d = k - g * R;
     int b = 0;
-    for (int s = 0; s < rank; ++s) b += s_rcnt[s][tid];
-    base[E + tid] = b;
+    for (int h = 0; h < g; ++h) b += col_r[h * R + d];
+    for (int s = 0; s < rank; ++s) b += all_r[s * GR + k];
+    base[(long long)g * kScratchStride + E + d] = b;
   }
   __syncthreads();
   if (tid == 0) {
     int n_max = 0, m_max = 0, t_max = 0, n_mine = 0, m_mine = 0;
     for (int d = 0; d < R; ++d) {
-      int n = 0;
-      for (int s = 0; s < R; ++s) n += s_rcnt[s][d];
+      const int n = s_rows[d];
       const int m = incl[d * L + L - 1] - (d > 0 ? incl[d * L - 1] : 0);
       n_max = max(n_max, n);
       m_max = max(m_max, m);
@@ -257,22 +285,22 @@ __global__ void __launch_bounds__(kExchangeThreads, 1) notify_exchange_kernel(Ct
   if (tid == 0) c.host->tag = a.tag;  // the CPU may now size the outputs
 }
 
-__global__ void __launch_bounds__(32 * kNotifyWarps) notify_positions_kernel(Ctx c, NotifyArgs a, int chunk,
-                                                                              int blocks) {
+__global__ void __launch_bounds__(32 * kNotifyWarps) notify_positions_kernel(Ctx c, NotifyArgs a, NotifyPlan p) {
   extern __shared__ int run_all[];  // per warp: [E] running row of each expert, then [R] of each rank
   const int E = a.E, R = c.num_ranks, L = E / R, K = a.K, lane = lane_id(), warp = threadIdx.x / 32;
-  const int w = blockIdx.x * kNotifyWarps + warp, chunks = blocks * kNotifyWarps;
+  const int w = blockIdx.x * kNotifyWarps + warp;
   int* run = run_all + warp * (E + R);
-  const int t_begin = min(a.T, w * chunk), t_end = min(a.T, t_begin + chunk);
+  const ChunkSpan span = chunk_span(a, p, w);
+  const int t_begin = span.t_begin, t_end = span.t_end;
   if (call_aborted(c)) {  // no positions: whatever later uses them skips every row
     for (long long i = (long long)t_begin * K + lane; i < (long long)t_end * K; i += 32) a.slot_pos[i] = -1;
     for (long long i = (long long)t_begin * R + lane; i < (long long)t_end * R; i += 32) a.rank_pos[i] = -1;
     return;
   }
   const int* scratch = scratch_of(c);
-  const int* prefix = scratch + (long long)w * kScratchStride;                         // inside the block
-  const int* bprefix = scratch + (long long)(chunks + blockIdx.x) * kScratchStride;   // over the blocks
-  const int* base = scratch + (long long)(chunks + blocks) * kScratchStride;
+  const int* prefix = scratch + (long long)w * kScratchStride;                                  // inside the block
+  const int* bprefix = scratch + (long long)(p.chunks + blockIdx.x) * kScratchStride;           // over the group's blocks
+  const int* base = scratch + (long long)(p.chunks + p.blocks + span.group) * kScratchStride;  // the group's bases
   for (int i = lane; i < E + R; i += 32) run[i] = prefix[i] + bprefix[i] + base[i];
   __syncwarp();
   for (int t0 = t_begin; t0 < t_end; t0 += kSteps) {
@@ -293,12 +321,12 @@ __global__ void __launch_bounds__(32 * kNotifyWarps) notify_positions_kernel(Ctx
 }
 
 void launch_notify(const Ctx& ctx, const CallArgs& call, const NotifyArgs& args, cudaStream_t stream) {
-  const NotifyPlan p = notify_plan(args.T);
+  const NotifyPlan p = notify_plan(args.T, args.groups);
   const int R = ctx.num_ranks;
   const int hist = kNotifyWarps * (args.E + R) * (int)sizeof(int);  // per warp: E + R counters
-  notify_count_kernel<<<p.blocks, 32 * kNotifyWarps, hist, stream>>>(ctx, args, p.chunk);
-  notify_exchange_kernel<<<1, kExchangeThreads, exchange_smem_bytes(args.E, R), stream>>>(ctx, call, args, p.blocks);
-  notify_positions_kernel<<<p.blocks, 32 * kNotifyWarps, hist, stream>>>(ctx, args, p.chunk, p.blocks);
+  notify_count_kernel<<<p.blocks, 32 * kNotifyWarps, hist, stream>>>(ctx, args, p);
+  notify_exchange_kernel<<<1, kExchangeThreads, exchange_smem_bytes(args.E, R, p.groups), stream>>>(ctx, call, args, p);
+  notify_positions_kernel<<<p.blocks, 32 * kNotifyWarps, hist, stream>>>(ctx, args, p);
 }
 
 void prepare_notify_kernels() {
@@ -306,8 +334,7 @@ void prepare_notify_kernels() {
   cudaFuncGetAttributes(&attr, notify_count_kernel);
   cudaFuncGetAttributes(&attr, notify_exchange_kernel);
   cudaFuncGetAttributes(&attr, notify_positions_kernel);
-  cudaFuncSetAttribute(notify_exchange_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                       exchange_smem_bytes(kMaxExperts, kMaxRanks));
+  cudaFuncSetAttribute(notify_exchange_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kExchangeSmemMax);
 }
 
 }  // namespace mep

@@ -105,8 +105,8 @@ inline long long align_up(long long n, long long a) { return (n + a - 1) / a * a
 // Byte offsets inside a region; identical on every rank.
 struct RegionLayout {
   long long control;       // Control
-  long long counts;        // int32: [kMaxRanks] tokens per destination rank, [kMaxExperts] per expert, T, num_worst_tokens
-  long long scratch;       // int32 [kMaxNotifyBlocks][kMaxExperts + kMaxRanks] notify's per-chunk counts (private)
+  long long counts;        // int32 [kCountsInts]: this rank's counts per token group, T, num_worst_tokens (below)
+  long long scratch;       // int32 [kScratchRows][kScratchStride] notify's prefixes and bases (private; below)
   long long stage_x;       // [max_tokens, x_row_bytes] dispatch rows (bf16/fp32/fp8 bytes)
   long long stage_scales;  // [max_tokens, scale_cols] float (FP8 scales)
   long long stage_idx;     // [max_tokens, K] int32 expert ids
@@ -137,8 +137,40 @@ static_assert(0 MEP_REGION_LAYOUT_FIELDS(MEP_REGION_FIELD_BYTES) + sizeof(int) /
               "a RegionLayout field is missing from MEP_REGION_LAYOUT_FIELDS");
 #undef MEP_REGION_FIELD_BYTES
 
-constexpr int kCountsInts = kMaxRanks + kMaxExperts + 2;  // per rank, then per expert, then T, num_worst_tokens
+// The counts area (int32), published by notify's exchange and read by every peer: the tokens of
+// each token group g for each destination rank d at kCountsRanks + g * kMaxRanks + d, the rows of
+// group g for each expert e at kCountsExperts + g * E + e (G * E <= kMaxExperts: the binding
+// checks it), then this call's T and num_worst_tokens.
+constexpr int kCountsRanks = 0;
+constexpr int kCountsExperts = kCountsRanks + kMaxTokenGroups * kMaxRanks;
+constexpr int kCountsT = kCountsExperts + kMaxExperts;
+constexpr int kCountsWorst = kCountsT + 1;
+constexpr int kCountsInts = kCountsWorst + 1;
+
+// notify's scratch (csrc/intranode/notify.cu), rows of kScratchStride int32 (expert columns, then
+// rank columns). The T tokens are G token groups of T / G; each group is cut into blocks of
+// kNotifyWarps chunks (a warp each), so no chunk or block straddles a group. A plan's rows:
+//   [0, chunks)                       each chunk's prefix inside its block
+//   [chunks, chunks + blocks)         each block's totals, turned into its prefix inside its group
+//   [chunks + blocks, ... + groups)   each group's bases (where its rows start in each destination)
+// A plan keeps within kMaxNotifyBlocks rows, but gives every group one block at least.
+constexpr int kNotifyWarps = 8;      // warps per notify block: a block sums its warps' counts in shared memory
+constexpr int kNotifyChunkMin = 16;  // tokens per notify warp, at least: short chains of dependent steps
 constexpr int kScratchStride = kMaxExperts + kMaxRanks;
+constexpr int kScratchRows = std::max(kMaxNotifyBlocks, kMaxTokenGroups * (kNotifyWarps + 2));
+
+struct NotifyPlan {
+  int groups, blocks, chunks, chunk;  // blocks and chunks in all (blocks / groups per group), tokens per chunk
+};
+inline NotifyPlan notify_plan(int T, int groups) {
+  const int G = std::max(groups, 1), Tg = T / G;  // T % G == 0 (the binding checks it)
+  const int per_group = std::max(1, (kMaxNotifyBlocks / G - 1) / (kNotifyWarps + 1));  // blocks a group may have
+  const int chunks = (Tg + kNotifyChunkMin - 1) / kNotifyChunkMin;
+  const int blocks = std::min(std::max((chunks + kNotifyWarps - 1) / kNotifyWarps, 1), per_group);
+  const int chunk = (Tg + blocks * kNotifyWarps - 1) / (blocks * kNotifyWarps);
+  return {G, G * blocks, G * blocks * kNotifyWarps, std::max(chunk, 1)};
+}
+inline int notify_scratch_rows(const NotifyPlan& p) { return p.chunks + p.blocks + p.groups; }
 
 // Rows an expert-major output can hold in the dropless worst case: every rank's tokens all
 // name min(K, L) of this rank's experts, plus each segment's padding.
@@ -171,7 +203,7 @@ inline RegionLayout plan_region(const RegionHints& h) {
   };
   place(lay.control, sizeof(Control));
   place(lay.counts, 4LL * kCountsInts);
-  place(lay.scratch, 4LL * kMaxNotifyBlocks * kScratchStride);
+  place(lay.scratch, 4LL * kScratchRows * kScratchStride);
   place(lay.stage_x, T * lay.x_row_bytes);
   place(lay.stage_scales, T * lay.scale_cols * 4);
   place(lay.stage_idx, T * h.max_topk * 4);

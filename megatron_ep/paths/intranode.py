@@ -125,6 +125,11 @@ class IntranodePath(NormalPath):
         async_op, previous_event = req.async_op, req.previous_event
         R, L = rt.num_ranks, num_experts // rt.num_ranks
         data, scales, T, H, elem, row_bytes = dispatch_rows(rt, x, topk_weights, num_experts)
+        groups = req.token_groups
+        fail(1 <= groups <= P.MAX_TOKEN_GROUPS, f"token_groups={groups} outside 1..{P.MAX_TOKEN_GROUPS}")
+        fail(T % groups == 0, f"{T} tokens are not {groups} equal token groups")
+        fail(groups * num_experts <= P.MAX_EXPERTS, f"{groups} token groups of {num_experts} experts exceed the "
+             f"notify counts' {P.MAX_EXPERTS}")
         if handle is None:
             K = topk_idx.shape[1]
             fail(K <= P.MAX_TOPK, f"topk_idx has K={K}; the cuda backend takes at most {P.MAX_TOPK}")
@@ -172,7 +177,8 @@ class IntranodePath(NormalPath):
                 st_rows_bound = max_rank_major_rows(rt)  # the host learns N below unless sync-free
                 tag = next(self.tags)
                 self.kernels.notify(rt.rt, call.sig, topk_idx, num_experts, alignment, permute, num_worst_tokens,
-                                    st.rank_pos, st.slot_pos, st.recv_info, st.row_limits, tpe, dropped, tag)
+                                    st.rank_pos, st.slot_pos, st.recv_info, st.row_limits, tpe, dropped, tag,
+                                    groups=groups)
                 call.settle()  # from here every rank learns the exchange's verdict itself
                 rt.mark("notify")
                 if not num_worst_tokens:
