@@ -34,9 +34,9 @@ struct InternodeSendArgs {
 };
 
 // Receive half: wait for every source node, then the forwarder's view of its receive area:
-// node-local expert ids (-1 past each source's T or off this node) and each row's sort key.
+// node-local expert ids (-1 past each source's T or off this node).
 struct InternodeRecvArgs {
-  int K, E, scale_cols;
+  int K, E;
   long long sig;
   long long* out_idx;  // [N * mt][K]
   int* out_tokens;     // [N]: tokens each source node sent

@@ -15,12 +15,15 @@
 #include "common/tensor_args.h"
 
 namespace mep {
+// the in-node stage's notify takes one token group per source node
+static_assert(kInternodeMaxNodes <= kMaxTokenGroups, "more nodes than notify token groups");
+
 namespace {
 
 py::dict layout_dict(const InternodeLayout& l) {
   py::dict d;
   d["num_nodes"] = l.num_nodes, d["max_tokens"] = l.max_tokens, d["max_topk"] = l.max_topk, d["staged"] = (bool)l.staged;
-  d["x_row"] = l.x_row, d["s_cols"] = l.s_cols, d["c_row"] = l.c_row;
+  d["x_row"] = l.x_row, d["scale_cols"] = l.scale_cols, d["c_row"] = l.c_row;
   d["d_x"] = l.d_x, d["d_s"] = l.d_s, d["d_idx"] = l.d_idx, d["d_w"] = l.d_w, d["c_y"] = l.c_y, d["c_w"] = l.c_w;
   d["s_x"] = l.s_x, d["s_s"] = l.s_s, d["s_idx"] = l.s_idx, d["s_w"] = l.s_w, d["s_y"] = l.s_y, d["s_cw"] = l.s_cw;
   d["total"] = l.total;
@@ -71,12 +74,12 @@ class InternodeBuffer {
     launch_internode_dispatch_send(ctx_, a, num_blocks, stream());
   }
 
-  void dispatch_recv(int topk, int num_experts, int scale_cols, long long sig, const torch::Tensor& out_idx,
+  void dispatch_recv(int topk, int num_experts, long long sig, const torch::Tensor& out_idx,
                      const torch::Tensor& out_tokens, int num_blocks) {
     live();
     InternodeRecvArgs a{};
-    a.K = topk, a.E = num_experts, a.scale_cols = scale_cols, a.sig = sig;
-    check_call(0, a.K, 16, scale_cols, num_blocks);
+    a.K = topk, a.E = num_experts, a.sig = sig;
+    check_call(0, a.K, 16, 0, num_blocks);
     a.out_idx = reinterpret_cast<long long*>(ptr<int64_t>(out_idx, "out_idx", at::kLong));
     a.out_tokens = ptr<int>(out_tokens, "out_tokens", at::kInt);
     TORCH_CHECK(out_idx.numel() == (long long)ctx_.lay.num_nodes * ctx_.lay.max_tokens * topk, "out_idx must be [N * max_tokens, K]");
@@ -155,7 +158,7 @@ class InternodeBuffer {
   void check_call(int T, int K, long long row_bytes, int scale_cols, int num_blocks) const {
     const InternodeLayout& l = ctx_.lay;
     TORCH_CHECK(T <= l.max_tokens && K <= l.max_topk && K >= 1 && K <= kMaxTopk && row_bytes <= l.x_row &&
-                    row_bytes % 16 == 0 && scale_cols + 1 <= l.s_cols,
+                    row_bytes % 16 == 0 && scale_cols <= l.scale_cols,
                 "megatron_ep internode: the call (T ", T, ", K ", K, ", row bytes ", row_bytes, ", scale columns ",
                 scale_cols, ") exceeds the buffer");
     TORCH_CHECK(num_blocks >= 1 && num_blocks <= kInternodeMaxBlocks, "num_blocks must be in 1..", kInternodeMaxBlocks);
@@ -177,7 +180,7 @@ void bind_internode(py::module_& m) {
       .def(py::init<int, int, int, int, std::vector<int>, int, int, long long, long long, long long, bool, double>())
       .def("view", &InternodeBuffer::view, py::arg("offset"), py::arg("nbytes"))
       .def("dispatch_send", &InternodeBuffer::dispatch_send, py::arg("x"), py::arg("scales"), py::arg("topk_idx"), py::arg("weights"), py::arg("num_experts"), py::arg("sig"), py::arg("num_blocks"))
-      .def("dispatch_recv", &InternodeBuffer::dispatch_recv, py::arg("topk"), py::arg("num_experts"), py::arg("scale_cols"), py::arg("sig"), py::arg("out_idx"), py::arg("out_tokens"), py::arg("num_blocks"))
+      .def("dispatch_recv", &InternodeBuffer::dispatch_recv, py::arg("topk"), py::arg("num_experts"), py::arg("sig"), py::arg("out_idx"), py::arg("out_tokens"), py::arg("num_blocks"))
       .def("release", &InternodeBuffer::release, py::arg("dir"))
       .def("set_call", &InternodeBuffer::set_call, py::arg("seq"))
       .def("publish_failure", &InternodeBuffer::publish_failure, py::arg("seq"))

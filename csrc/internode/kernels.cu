@@ -7,10 +7,11 @@
 // slots are live without a count exchange. Destinations are staggered per token (no incast).
 // After its rows, the last block writes each node's header (token count, call hash) and its
 // signal (calls sent). Receive: wait for every source node's signal, check its hash, and lay
-// out the forwarder's view: node-local expert ids (-1 off this node or past the source's count)
-// and a sort key per row (source rank, token) that restores the contract's row order after the
-// in-node stage. A release kernel, queued after the in-node stage has read the area, tells each
-// sender that its slots are free again; a sender waits for that before its next call.
+// out the forwarder's view: node-local expert ids (-1 off this node or past the source's count).
+// The in-node stage takes the rows as one token group per source node, so it delivers them in
+// the contract's order with no key or sort. A release kernel, queued after the in-node stage has
+// read the area, tells each sender that its slots are free again; a sender waits for that before
+// its next call.
 //
 // Combine is the reverse: each forwarder sends its in-node sum of every token back to the slot
 // (its node, token) of the token's rank, which sums the slots of the nodes the token went to in
@@ -131,7 +132,7 @@ __global__ void __launch_bounds__(kInternodeThreads, 1) dispatch_send_kernel(con
   const long long call = *reinterpret_cast<volatile long long*>(&st->sent[kInternodeDispatch]) + 1;
   const InternodeLayout& lay = c.lay;
   const long long slot0 = (long long)c.node * mt;  // this node's slots in every receiver
-  const int sc = a.scale_cols, sstride = sc + 1;
+  const int sc = a.scale_cols;  // also the stride of the scale rows
 
   if (wait_released(c, kInternodeDispatch, call, kOpDispatch, a.sig)) {
     // ids and weights of every token, to every node: one contiguous block each
@@ -165,12 +166,12 @@ __global__ void __launch_bounds__(kInternodeThreads, 1) dispatch_send_kernel(con
         if (peer != nullptr) {
           warp_copy16_deep<8>(reinterpret_cast<int4*>(peer + lay.d_x + row * a.row_bytes),
                                reinterpret_cast<const int4*>(xs), a.row_bytes / 16);
-          float* ds = reinterpret_cast<float*>(peer + lay.d_s) + row * sstride;
+          float* ds = reinterpret_cast<float*>(peer + lay.d_s) + row * sc;
           for (int j = lane; j < sc; j += 32) ds[j] = a.scales[(long long)t * sc + j];
         } else {
           nvshmemx_putmem_nbi_warp(c.base + lay.d_x + row * a.row_bytes, xs, a.row_bytes, c.pe[n]);
           if (sc > 0)
-            nvshmemx_putmem_nbi_warp(c.base + lay.d_s + row * sstride * 4, a.scales + (long long)t * sc, sc * 4, c.pe[n]);
+            nvshmemx_putmem_nbi_warp(c.base + lay.d_s + row * sc * 4, a.scales + (long long)t * sc, sc * 4, c.pe[n]);
         }
       }
     }
@@ -194,9 +195,8 @@ __global__ void __launch_bounds__(kInternodeThreads, 1) dispatch_recv_kernel(con
   wait_sources(c, kInternodeDispatch, call, kOpDispatch, a.sig, tokens);  // tokens are 0 where it failed
   if (blockIdx.x == 0)
     for (int n = threadIdx.x; n < N; n += blockDim.x) a.out_tokens[n] = tokens[n];
-  const int experts_per_node = a.E / N, first = c.node * experts_per_node, sstride = a.scale_cols + 1;
+  const int experts_per_node = a.E / N, first = c.node * experts_per_node;
   const long long* ids = reinterpret_cast<const long long*>(c.base + lay.d_idx);
-  int* keys = reinterpret_cast<int*>(c.base + lay.d_s);
   const long long total = (long long)N * mt * a.K;
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
     const long long row = i / a.K;
@@ -205,7 +205,6 @@ __global__ void __launch_bounds__(kInternodeThreads, 1) dispatch_recv_kernel(con
     if (t < tokens[n]) {
       const long long g = __ldcg(ids + i);
       if (g >= first && g < first + experts_per_node) v = g - first;
-      if (i % a.K == 0) keys[row * sstride + a.scale_cols] = (n * c.ranks_per_node + c.local) * mt + t;
     }
     a.out_idx[i] = v;
   }

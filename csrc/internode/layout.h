@@ -8,8 +8,7 @@
 // forwarder's rows keep (source node, source token) order:
 //
 //   d_x    [N][mt][row]       dispatch rows (the call's row bytes are the stride)
-//   d_s    [N][mt][sc + 1]    fp32 scales, then one int32 key per row: source rank * mt + token
-//                             (the receiver writes it; the final receiver sorts rows by it)
+//   d_s    [N][mt][sc]        fp32 FP8 scales (the call's scale columns are the stride)
 //   d_idx  [N][mt][K] int64   each source token's global expert ids, every token of the source
 //   d_w    [N][mt][K] fp32    its weights
 //   c_y    [N][mt][crow]      combine: the forwarder's in-node sum of each token's rows
@@ -50,7 +49,7 @@ struct InternodeState {
 struct InternodeLayout {
   // capacity
   int num_nodes, max_tokens, max_topk, staged;
-  long long x_row, s_cols, c_row;  // bytes per dispatch row, fp32 columns per scale row (+ key), bytes per combine row
+  long long x_row, scale_cols, c_row;  // bytes per dispatch row, fp32 columns per scale row, bytes per combine row
   // offsets
   long long d_x, d_s, d_idx, d_w, c_y, c_w, s_x, s_s, s_idx, s_w, s_y, s_cw, head, signal, release, state, total;
 
@@ -58,18 +57,18 @@ struct InternodeLayout {
                               long long c_row, bool staged) {
     InternodeLayout l{};
     l.num_nodes = num_nodes, l.max_tokens = max_tokens, l.max_topk = max_topk, l.staged = staged;
-    l.x_row = sym_align(x_row, 16), l.s_cols = scale_cols + 1, l.c_row = sym_align(c_row, 16);
+    l.x_row = sym_align(x_row, 16), l.scale_cols = scale_cols, l.c_row = sym_align(c_row, 16);
     const long long slots = (long long)num_nodes * max_tokens, mine = staged ? max_tokens : 0;
     long long o = 0;
     l.d_x = o, o = sym_align(o + slots * l.x_row);
-    l.d_s = o, o = sym_align(o + slots * l.s_cols * 4);
+    l.d_s = o, o = sym_align(o + slots * l.scale_cols * 4);
     l.d_idx = o, o = sym_align(o + slots * max_topk * 8);
     l.d_w = o, o = sym_align(o + slots * max_topk * 4);
     l.c_y = o, o = sym_align(o + slots * l.c_row);
     l.c_w = o, o = sym_align(o + slots * max_topk * 4);
     // staging: this rank's own tokens (dispatch), and what it forwards back (combine)
     l.s_x = o, o = sym_align(o + mine * l.x_row);
-    l.s_s = o, o = sym_align(o + mine * l.s_cols * 4);
+    l.s_s = o, o = sym_align(o + mine * l.scale_cols * 4);
     l.s_idx = o, o = sym_align(o + mine * max_topk * 8);
     l.s_w = o, o = sym_align(o + mine * max_topk * 4);
     l.s_y = o, o = sym_align(o + (staged ? slots : 0) * l.c_row);

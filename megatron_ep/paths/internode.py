@@ -8,17 +8,21 @@ dispatch  1. RDMA send: each token once to rank (m, l) of every node m owning on
           2. RDMA receive: wait for every node, then the forwarder's view of its receive area:
              N * max_tokens rows, node-local expert ids (-1 where a token has none on this node).
           3. In-node stage: the intranode path over the node's P ranks dispatches those rows to
-             the ranks owning their experts (NVLink), fused permute included.
-          4. Order: the in-node stage delivers rows by (forwarder, source node, token); a sort key
-             that rides in an extra scale column (source rank * max_tokens + token) restores the
-             contract's (source rank, token) order, inside each expert segment when permuted.
-combine   the inverse order, the in-node combine (each forwarder sums a token's rows of its
+             the ranks owning their experts (NVLink), fused permute included, straight into the
+             outputs. Its notify takes one token group per source node (the forwarder's rows are
+             N groups of max_tokens), so a destination's rows come in the order (expert or rank,
+             source node, forwarder = source rank inside the node, token): the contract's
+             (source rank, token) order, inside each expert segment when permuted, with no
+             reorder afterwards (sorting per-row keys and gathering every output costs a sort
+             plus a full extra HBM pass over the rows: 84 of 462 us of a cached rank-major
+             dispatch at 24 SMs on 2 x H200 with virtual nodes).
+combine   the in-node combine of the caller's rows (each forwarder sums a token's rows of its
           node), then the RDMA hop back and a sum over the token's nodes in fp32.
 
 Sizes: the RDMA buffer has one slot per (source node, token) up to `max_tokens_per_rank` (a
 Buffer hint, or the first call's largest T over the group; later calls must fit). Worst-case
-sized calls (num_worst_tokens) run the in-node stage at its never-dropping size and drop the
-rows past num_worst_tokens after the reordering, so the dropped rows are exactly the contract's.
+sized calls (num_worst_tokens) pass it to the in-node stage, whose rows past it are then
+exactly the contract's dropped rows (its order is the contract's).
 
 All kernels of this path run on the caller's stream or are ordered with it: async_op returns an
 event that is already in the caller's stream order. A rank whose host side raises before its
@@ -46,36 +50,22 @@ from .interface import NormalPath
 from .intranode import IntranodePath, combine_rows, dispatch_rows
 from .nvshmem_path import NvshmemPath, signature_hash
 
-KEY_PAD = 2**31 - 1  # sort key of rows that are not delivered (padding): after every real row
-
 
 @dataclass
 class InternodeState:
-    inner: DispatchHandle  # the in-node stage's handle (rows in forwarder order)
+    inner: DispatchHandle  # the in-node stage's handle (its rows are the contract's, in its order)
     local_idx: torch.Tensor  # [N * mt, K] int64 node-local ids of the forwarder's rows
     tokens: torch.Tensor  # [N] int32 tokens each source node sent to this forwarder
-    perm: torch.Tensor  # [rows] int64: contract row j is in-node row perm[j]
-    rows: int  # contract rows (num_worst_tokens, or the rows delivered)
-    inner_rows: int  # in-node rows (>= rows)
-    tokens_per_expert: torch.Tensor  # [L] int64 of the contract's rows
-    num_dropped: torch.Tensor  # 0-d int64: delivered by the in-node stage, past the contract's rows
 
 
 def node_hints(num_nodes: int, max_tokens: int, hidden: int, dtype_bytes: int = 2, combine_bytes: int = 2,
                topk: Optional[int] = None) -> dict:
     """Sizing of the node runtime's region for the in-node stage: every forwarder handles
-    N * max_tokens rows, and its scale rows carry one more column (the sort key)."""
-    h = dict(max_tokens=num_nodes * max_tokens, hidden=hidden + FP8_BLOCK, dtype_bytes=dtype_bytes,
-             combine_bytes=combine_bytes)
+    N * max_tokens rows."""
+    h = dict(max_tokens=num_nodes * max_tokens, hidden=hidden, dtype_bytes=dtype_bytes, combine_bytes=combine_bytes)
     if topk:
         h["max_topk"] = topk
     return h
-
-
-def inner_worst_rows(ranks_per_node: int, N: int, mt: int, K: int, L: int, permute: bool, align: int) -> int:
-    """Rows the in-node stage can deliver to one rank at most (its never-dropping size)."""
-    tokens = ranks_per_node * N * mt
-    return tokens * min(K, L) + L * (align - 1) if permute else tokens
 
 
 def node_group(group, rank: int, ranks_per_node: int):
@@ -122,7 +112,7 @@ class InternodePath(NvshmemPath, NormalPath):
     def open(cls, group, rank: int, num_ranks: int, ranks_per_node: int, hints: dict, num_sms: Optional[int],
              timeout_s: float) -> "InternodePath":
         """Collective: the node's runtime (sized for the in-node stage: N * max_tokens forwarded
-        rows with the key column, 1/N of the experts), then the path over the whole group."""
+        rows, 1/N of the experts), then the path over the whole group."""
         N = num_ranks // ranks_per_node
         num_experts = hints.get("max_experts")
         node_h = dict(hints, max_experts=None if num_experts is None else num_experts // N)
@@ -170,7 +160,7 @@ class InternodePath(NvshmemPath, NormalPath):
                                                  "puts", RuntimeError)
 
     def _created(self, cap: dict) -> None:
-        # the in-node stage: N * max_tokens rows per forwarder, one more scale column (the key)
+        # the in-node stage: N * max_tokens rows per forwarder
         self.rt.reserve(node_hints(self.N, cap["max_tokens"], cap["hidden"], max(1, cap["x_row"] // cap["hidden"]),
                                    cap["c_row"] // cap["hidden"], cap["topk"]))
 
@@ -257,7 +247,7 @@ class InternodePath(NvshmemPath, NormalPath):
         data = data.contiguous()
         src_x, src_s, src_i, src_w = data, scales, topk_idx, topk_weights
         cur = torch.cuda.current_stream(rt.device)
-        rt.mark("start", cur)  # benchmarks' phases: rdma, the in-node stage's, reorder
+        rt.mark("start", cur)  # benchmarks' phases: rdma, the in-node stage's
         if self.staged:  # puts read symmetric memory
             src_x = self.view("s_x", T, H, data.dtype)
             src_x.copy_(data)
@@ -274,97 +264,41 @@ class InternodePath(NvshmemPath, NormalPath):
         call.settle()  # sent: a later failure here owes the peers nothing
         local_idx = torch.empty((N * mt, K), dtype=torch.int64, device=rt.device)
         tokens = torch.empty(N, dtype=torch.int32, device=rt.device)
-        self.buf.dispatch_recv(K, num_experts, sc, sig, local_idx, tokens, self.num_blocks)
+        self.buf.dispatch_recv(K, num_experts, sig, local_idx, tokens, self.num_blocks)
         rt.mark("rdma", cur)
 
-        # the in-node stage over the forwarder's rows (scales carry the key column)
+        # the in-node stage over the forwarder's rows, one token group per source node: it delivers
+        # them in the contract's order, straight into the outputs
         fx = self.view("d_x", N * mt, H, data.dtype)
-        fs = self.view("d_s", N * mt, sc + 1, torch.float32)
+        rows = (fx, self.view("d_s", N * mt, sc, torch.float32)) if scales is not None else fx
         fw = self.view("d_w", N * mt, K, torch.float32) if topk_weights is not None else None
         L_node = num_experts // N
-        L = num_experts // self.num_ranks
-        inner_worst = 0
-        if num_worst_tokens:
-            inner_worst = max(num_worst_tokens, inner_worst_rows(self.ranks_per_node, N, mt, K, L, permute, alignment))
         inner_call = self._inner_call(call, L_node, handle.state.inner.call_seq if handle is not None else 0)
         with self.intra.guard(inner_call):
-            if handle is None:
-                inner = self.intra.dispatch(inner_call, DispatchRequest((fx, fs), local_idx, fw, L_node, permute, alignment,
-                                                                        num_worst_tokens=inner_worst))
-            else:
-                inner = self.intra.dispatch(inner_call, DispatchRequest((fx, fs), None, fw, L_node, permute, alignment,
-                                                                        handle.state.inner, num_worst_tokens=inner_worst))
+            inner = self.intra.dispatch(inner_call, DispatchRequest(
+                rows, local_idx if handle is None else None, fw, L_node, permute, alignment,
+                handle.state.inner if handle is not None else None, host_counts=host_counts,
+                num_worst_tokens=num_worst_tokens, token_groups=N))
         with torch.cuda.stream(rt.stream):  # the in-node stage has read the receive area: free it
             self.buf.release(0)
         torch.cuda.current_stream(rt.device).wait_stream(rt.stream)  # joined (CUDA-graph capture needs it)
         self.check(call)
 
-        ix, iscale = inner.x
         if handle is None:
-            perm, rows = self._order(inner, iscale[:, sc], permute, num_worst_tokens)
-        else:
-            perm, rows = st.perm, st.rows
-        out_x = ix.index_select(0, perm)
-        out_s = iscale[:, :sc].index_select(0, perm) if scales is not None else None
-        out_w = inner.topk_weights.index_select(0, perm) if inner.topk_weights is not None else None
-        if permute:
-            out_idx = None
-            out_re = inner.row_expert.index_select(0, perm)
-        else:
-            out_re = None
-            out_idx = inner.topk_idx.index_select(0, perm)
-        rt.mark("reorder", cur)
-        if handle is None:
-            tpe, dropped = self._counts(inner, out_idx, out_re, rows, permute, L)
-            st = InternodeState(inner=inner.handle, local_idx=local_idx, tokens=tokens, perm=perm, rows=rows,
-                                inner_rows=ix.shape[0], tokens_per_expert=tpe, num_dropped=dropped)
+            st = InternodeState(inner=inner.handle, local_idx=local_idx, tokens=tokens)
             handle = DispatchHandle(backend="cuda", num_ranks=self.num_ranks, rank=self.rank, num_experts=num_experts,
                                     num_tokens=T, topk=K, permute=permute, expert_alignment=alignment,
-                                    num_recv_rows=rows, tokens_per_expert=tpe, topk_idx=topk_idx,
-                                    num_worst_tokens=num_worst_tokens, state=st, call_seq=call.seq)
+                                    num_recv_rows=inner.handle.num_recv_rows, tokens_per_expert=inner.tokens_per_expert,
+                                    topk_idx=topk_idx, num_worst_tokens=num_worst_tokens, state=st, call_seq=call.seq)
         else:
             st.local_idx, st.tokens = local_idx, tokens  # the same values: the routing did not change
         event = EventOverlap(torch.cuda.Event())
         event.event.record(torch.cuda.current_stream(rt.device))
-        out = DispatchOutput((out_x, out_s) if scales is not None else out_x, out_idx, out_w, out_re,
-                             st.tokens_per_expert, None, event=event if async_op else None, num_dropped=st.num_dropped)
+        out = DispatchOutput(inner.x, inner.topk_idx, inner.topk_weights, inner.row_expert, inner.tokens_per_expert, None,
+                             event=event if async_op else None, num_dropped=inner.num_dropped)
         out.handle = handle
-        if host_counts:
-            out.tokens_per_expert_host = st.tokens_per_expert.tolist()
+        out.tokens_per_expert_host = inner.tokens_per_expert_host
         return out
-
-    def _order(self, inner: DispatchOutput, keys_f32: torch.Tensor, permute: bool, num_worst_tokens: int):
-        """The contract's row order over the in-node stage's rows: (source rank, token), inside
-        each expert segment when permuted; rows that are not delivered last. Returns the
-        permutation (first `rows` entries) and the contract's row count."""
-        keys = keys_f32.contiguous().view(torch.int32).to(torch.int64)
-        n_inner = keys.shape[0]
-        if permute:
-            live = inner.row_expert >= 0
-            ends = torch.cumsum(inner.tokens_per_expert, 0)
-            seg = torch.searchsorted(ends, torch.arange(n_inner, device=keys.device), right=True)
-            composite = seg * (2**32) + torch.where(live, keys, torch.full_like(keys, KEY_PAD))
-        else:
-            live = (inner.topk_idx >= 0).any(1)
-            composite = torch.where(live, keys, torch.full_like(keys, KEY_PAD))
-        perm = torch.sort(composite, stable=True).indices
-        rows = num_worst_tokens if num_worst_tokens else n_inner
-        return perm[:rows].contiguous(), rows
-
-    @staticmethod
-    def _counts(inner, out_idx, out_re, rows, permute, L):
-        """tokens_per_expert of the contract's rows and the rows dropped past them (device)."""
-        dev = inner.tokens_per_expert.device
-        if permute:
-            ends = torch.cumsum(inner.tokens_per_expert, 0)
-            starts = ends - inner.tokens_per_expert
-            tpe = ends.clamp(max=rows) - starts.clamp(max=rows)
-            dropped = (inner.row_expert >= 0).sum() - (out_re >= 0).sum()
-        else:
-            ids = out_idx.flatten()
-            tpe = torch.zeros(L, dtype=torch.int64, device=dev).scatter_add_(0, ids.clamp(min=0), (ids >= 0).long())
-            dropped = (inner.topk_idx >= 0).any(1).sum() - (out_idx >= 0).any(1).sum()
-        return tpe, dropped.to(torch.int64)
 
     # ----------------------------------------------------------------------------- combine
     def combine(self, call: P.Call, req: CombineRequest) -> CombineOutput:
@@ -378,20 +312,11 @@ class InternodePath(NvshmemPath, NormalPath):
             torch.cuda.current_stream(rt.device).wait_event(previous_event.event)
         T, K = handle.num_tokens, handle.topk
         cur = torch.cuda.current_stream(rt.device)
-        rt.mark("start", cur)  # benchmarks' phases: reorder, the in-node stage's, rdma
-        # contract order -> the in-node stage's rows (rows it delivered past the contract's: zero)
-        full = st.inner_rows == st.rows
-        xi = x.new_zeros((st.inner_rows, H)) if not full else torch.empty((st.inner_rows, H), dtype=x.dtype, device=x.device)
-        xi.index_copy_(0, st.perm, x.contiguous())
-        wi = None
-        if weights is not None:
-            wshape = (st.inner_rows,) if handle.permute else (st.inner_rows, K)
-            wi = weights.new_zeros(wshape)
-            wi.index_copy_(0, st.perm, weights.contiguous())
-        rt.mark("reorder", cur)
+        rt.mark("start", cur)  # benchmarks' phases: the in-node stage's, rdma
+        # the caller's rows are the in-node stage's (same order, same count)
         inner_call = self._inner_call(call, handle.num_experts // N, st.inner.call_seq)
         with self.intra.guard(inner_call):
-            yf = self.intra.combine(inner_call, CombineRequest(xi, st.inner, wi))
+            yf = self.intra.combine(inner_call, CombineRequest(x, st.inner, weights))
         sig = signature_hash(call)
         y_src, w_src = yf.x, yf.weights
         if self.staged:
