@@ -458,14 +458,33 @@ def test_phase_stages_map_the_internode_marks():
 
 def test_stage_work_bytes():
     d = M.dispatch_stage_work(10, 20, 100, 4, 8)
-    assert (d.rdma_bytes, d.node_bytes, d.local_bytes, d.blocks, d.sms) == (1000, 2000, 4000, 4, 8)
+    assert (d.rdma_bytes, d.node_bytes, d.local_bytes, d.blocks, d.sms) == (1000, 2000, 0, 4, 8)  # no local work
+    assert M.dispatch_stage_work(10, 20, 100, 4, 8, reorder=True).local_bytes == 4000  # a reorder: 2 x rows
     e = M.dispatch_stage_work(10, 20, 100, 4, 8, expert_rows=50, fixed_us=3.0)
-    assert e.local_bytes == (20 + 3 * 50) * 100 and e.fixed_us == 3.0  # fan-out reads 20, writes 50; reorder 2 x 50
+    assert e.local_bytes == (20 + 50) * 100 and e.fixed_us == 3.0  # fan-out reads 20, writes 50
+    er = M.dispatch_stage_work(10, 20, 100, 4, 8, expert_rows=50, reorder=True)
+    assert er.local_bytes == (20 + 3 * 50) * 100  # and a reorder 2 x 50
     c = M.combine_stage_work(10, 20, 64, 4, 8)
-    assert (c.rdma_bytes, c.node_bytes, c.local_bytes) == (1280, 2560, 5120)
-    ce = M.combine_stage_work(10, 20, 64, 4, 8, expert_rows=50)
+    assert (c.rdma_bytes, c.node_bytes, c.local_bytes) == (1280, 2560, 0)
+    assert M.combine_stage_work(10, 20, 64, 4, 8, reorder=True).local_bytes == 5120
+    ce = M.combine_stage_work(10, 20, 64, 4, 8, expert_rows=50, reorder=True)
     assert (ce.rdma_bytes, ce.node_bytes, ce.local_bytes) == (1280, 20 * 256, 2 * 50 * 128)  # fp32 partials
+    assert M.combine_stage_work(10, 20, 64, 4, 8, expert_rows=50).local_bytes == 0
     assert M.combine_stage_work(10, 20, 64, 4, 8, expert_rows=50, partials=False).node_bytes == 50 * 128
+
+
+def test_stages_without_local_work():
+    """The path without a reorder: a rank-major op calibrates no local rate, predicts rank-major
+    ops, and refuses to predict local work (the fan-out) without a rate."""
+    work = M.dispatch_stage_work(100, 200, 1000, 4, 8)
+    rates = M.calibrate_stages(work, M.StageTimes(rdma_us=10.0, node_us=20.0))
+    assert rates.local_gbps is None
+    again = M.predict_stages(work, rates)
+    assert (round(again.rdma_us, 6), round(again.node_us, 6), again.local_us) == (10.0, 20.0, 0.0)
+    with pytest.raises(ValueError, match="no local rate"):
+        M.predict_stages(M.dispatch_stage_work(100, 200, 1000, 4, 8, expert_rows=400), rates)
+    with pytest.raises(ValueError, match="local work needs bytes"):
+        M.calibrate_stages(work, M.StageTimes(rdma_us=10.0, node_us=20.0, local_us=5.0))
 
 
 def test_calibrate_and_predict_hand_computed():
@@ -513,39 +532,40 @@ def test_sm_split_both_finish_together():
 
 
 def test_call1_predictions_on_paper():
-    # Rates from the bf16 cached rank-major dispatch's own marks; the other ops predicted.
+    # Rates from the bf16 cached rank-major dispatch's own marks; the other ops predicted. The
+    # figures are of code that reordered after the in-node stage (reorder=True).
     H, N, Q, E = CALL1_H, CALL1_ROWS, CALL1_PAIRS, CALL1_EXPERT_ROWS
     bf16, fp8 = 2 * H, H + H // 128 * 4
     cal = M.phase_stages(CALL1_PHASES["dispatch_cached"])
-    r = M.calibrate_stages(M.dispatch_stage_work(Q, N, bf16, 24, 24), cal)
+    r = M.calibrate_stages(M.dispatch_stage_work(Q, N, bf16, 24, 24, reorder=True), cal)
     assert r.rdma_per_sm == pytest.approx(22.0, abs=0.05)  # 8168 x 14336 B / 221.8 us / 24
     assert r.node_per_sm == pytest.approx(31.2, abs=0.05)
     assert r.local_gbps == pytest.approx(2788, abs=1)  # 2 x 117.1 MB / 84 us
-    fp = M.check_stages("fp8", M.dispatch_stage_work(Q, N, fp8, 24, 24), r, CALL1_CALLS["dispatch_fp8_cached"])
+    fp = M.check_stages("fp8", M.dispatch_stage_work(Q, N, fp8, 24, 24, reorder=True), r, CALL1_CALLS["dispatch_fp8_cached"])
     assert fp.predicted.total_us == pytest.approx(462.4 * fp8 / bf16)  # the same rows at 7392 of 14336 B
     assert round(fp.ratio, 2) == 0.77 and fp.within
     notify = M.phase_stages(CALL1_PHASES["dispatch"])
-    nt = M.check_stages("notify", M.dispatch_stage_work(Q, N, bf16, 24, 24, fixed_us=notify.fixed_us), r,
+    nt = M.check_stages("notify", M.dispatch_stage_work(Q, N, bf16, 24, 24, fixed_us=notify.fixed_us, reorder=True), r,
                         CALL1_CALLS["dispatch"], notify)
     assert nt.predicted.total_us == pytest.approx(462.4 + 69.0)
     assert round(nt.ratio, 2) == 0.59 and not nt.within  # the first call's sort and host sync: no model term
     assert round(nt.stage_ratio("local"), 2) == 0.43 and round(nt.stage_ratio("rdma"), 2) == 0.96
     assert nt.outside_marks_us == pytest.approx(895.8 - 694.0)
-    em = M.check_stages("expert", M.dispatch_stage_work(Q, N, bf16, 24, 24, expert_rows=E), r,
+    em = M.check_stages("expert", M.dispatch_stage_work(Q, N, bf16, 24, 24, expert_rows=E, reorder=True), r,
                         CALL1_CALLS["dispatch_expert_cached"], M.phase_stages(CALL1_PHASES["dispatch_expert_cached"]))
     assert round(em.ratio, 2) == 1.10 and em.within and round(em.stage_ratio("local"), 2) == 1.20
-    em8 = M.check_stages("expert fp8", M.dispatch_stage_work(Q, N, fp8, 24, 24, expert_rows=E), r,
+    em8 = M.check_stages("expert fp8", M.dispatch_stage_work(Q, N, fp8, 24, 24, expert_rows=E, reorder=True), r,
                          CALL1_CALLS["dispatch_expert_fp8_cached"])
     assert round(em8.ratio, 2) == 0.95
     # combine: rates from the rank-major combine, the expert-major one predicted
-    rc = M.calibrate_stages(M.combine_stage_work(Q, N, H, 24, 24), M.phase_stages(CALL1_PHASES["combine"]))
+    rc = M.calibrate_stages(M.combine_stage_work(Q, N, H, 24, 24, reorder=True), M.phase_stages(CALL1_PHASES["combine"]))
     assert rc.rdma_per_sm == pytest.approx(8.2, abs=0.05) and rc.node_per_sm == pytest.approx(15.5, abs=0.05)
-    ce = M.check_stages("combine expert", M.combine_stage_work(Q, N, H, 24, 24, expert_rows=E), rc,
+    ce = M.check_stages("combine expert", M.combine_stage_work(Q, N, H, 24, 24, expert_rows=E, reorder=True), rc,
                         CALL1_CALLS["combine_expert"], M.phase_stages(CALL1_PHASES["combine_expert"]))
     assert [round(ce.stage_ratio(s), 2) for s in ("rdma", "node", "local")] == [0.99, 1.06, 1.03]
     assert round(ce.ratio, 2) == 1.03 and ce.within
     # fused on 24 SMs: 14 / 10, no faster than the two stages one after the other (both SM-bound)
-    w = M.dispatch_stage_work(Q, N, bf16, 24, 24)
+    w = M.dispatch_stage_work(Q, N, bf16, 24, 24, reorder=True)
     s = M.split_sms(24, w.rdma_bytes, w.node_bytes, r.rdma_per_sm, r.node_per_sm)
     assert (s.rdma_sms, s.node_sms, s.bound.stage, s.bound.limited_by) == (14, 10, "rdma", "SMs")
     assert s.ideal_us == pytest.approx(221.8 + 156.6)
@@ -613,6 +633,26 @@ def test_bench_model_check_prints_the_call1_verdicts(capsys):
     assert "SM sweep" not in text  # one SM count
 
 
+def test_bench_model_check_without_a_reorder():
+    """Phases of the path that writes the contract's order in its in-node stage (no 'reorder'
+    mark): the rank-major ops have no local work, and the expert-major dispatch takes its local
+    rate from its own fan-out phase."""
+    bench = _load_bench()
+    args = bench.parse(["--ranks", "2", "--ranks-per-node", "1", "--num-sms", "24", "--no-deepep"])
+    allres = _call1_allres()
+    for r in allres:
+        for o in r["sms"].values():
+            o["phases"] = {op: {m: v for m, v in marks.items() if not m.startswith("reorder")}
+                           for op, marks in o["phases"].items()}
+    text = bench.model_check(args, allres, "24", 2 * CALL1_H, ref_key="24")
+    assert "reorders after its in-node stage" not in text
+    assert "local none (no local work)" in text
+    line = lambda start: next(ln for ln in text.splitlines() if ln.strip().startswith(start))  # noqa: E731
+    assert "its local rate from its own fan-out phase" in line("cached, expert-major")
+    assert "n/a" in line("FP8 cached, expert-major")  # not traced in that run: no fan-out phase of its own
+    assert "reorder of the expert rows" not in line("expert-major (")
+
+
 def test_bench_model_check_sm_sweep():
     # rates of 16 SMs predict 24 SMs: built so that they do exactly (hop and in-node stage 24/16 slower at 16)
     bench = _load_bench()
@@ -622,10 +662,10 @@ def test_bench_model_check_sm_sweep():
     assert "SM sweep: rates calibrated at 16 SMs (16 blocks) predict 24 SMs (24 blocks)" in text
     sweep = text.split("SM sweep")[1].splitlines()
     disp = next(ln for ln in sweep if ln.strip().startswith("cached dispatch, rank-major"))
-    assert "predicted RDMA hop 221.8 + in-node stage 156.6 + local reorder 84.0 = 462.4" in disp
+    assert "predicted RDMA hop 221.8 + in-node stage 156.6 + local work 84.0 = 462.4" in disp
     assert disp.endswith("455.7 per call: 1.01 (within 25%)")
     comb = next(ln for ln in sweep if ln.strip().startswith("combine, rank-major"))
-    assert "predicted RDMA hop 594.9 + in-node stage 314.2 + local reorder 178.3 = 1087.4" in comb
+    assert "predicted RDMA hop 594.9 + in-node stage 314.2 + local work 178.3 = 1087.4" in comb
     assert comb.endswith("1080.1 per call: 1.01 (within 25%)")
     # the 16-SM block itself calibrates and predicts at 16 SMs, no sweep line
     assert "SM sweep" not in bench.model_check(args, allres, "16", 2 * CALL1_H, ref_key="16")

@@ -4,6 +4,8 @@ a time check: per-SM rates calibrated on one measured op per direction predict t
 
 from __future__ import annotations
 
+import dataclasses
+
 from megatron_ep import model as MODEL
 
 from bench.harness import fp8_row_bytes, mean_over_ranks
@@ -90,7 +92,7 @@ def _check_lines(chk, note="") -> list:
 
 
 def _model_times(args, allres, key, ref_key, lc) -> list:
-    """The time check: per-SM rates of the RDMA hop, the in-node stage and the local reorder
+    """The time check: per-SM rates of the RDMA hop, the in-node stage and the local work
     calibrated on ONE measured operation per direction (its phase marks) predict the others
     from this run's exact rows (megatron_ep.model's stages); rates calibrated at the first SM
     count predict the others; the SM split if the two copy stages ran at once."""
@@ -114,15 +116,31 @@ def _model_times(args, allres, key, ref_key, lc) -> list:
                 "on recorded GPU figures)"]
     out = [f"    times (µs per call and rank, loop mode, mean over ranks; megatron_ep.model's stages): RDMA hop on "
            f"{blocks} blocks{'' if known else ' (assumed = SMs: internal hook n/a)'}, in-node stage on {sms} SMs, local "
-           f"reorder / fan-out on the rank's GPU share; rates calibrated on ONE op per direction, the rest predicted "
+           f"work (fan-out) on the rank's GPU share; rates calibrated on ONE op per direction, the rest predicted "
            f"from this run's rows x row bytes"]
     checks, rates_of = [], {}
-    dw = lambda row, sk=sms, bk=blocks, **kw: MODEL.dispatch_stage_work(pairs, rows, row, bk, sk, **kw)  # noqa: E731
-    cw = lambda sk=sms, bk=blocks, **kw: MODEL.combine_stage_work(pairs, rows, H, bk, sk, **kw)  # noqa: E731
+    # code that reordered after the in-node stage (a "reorder" mark) had local work on every op
+    ph0 = _phase_means(allres, key, "dispatch_cached") or {}
+    reorder = "reorder" in ph0
+    if reorder:
+        out.append("    (the measured path reorders after its in-node stage: a 'reorder' phase; modelled as local work)")
+    dw = lambda row, sk=sms, bk=blocks, **kw: MODEL.dispatch_stage_work(pairs, rows, row, bk, sk, reorder=reorder, **kw)  # noqa: E731
+    cw = lambda sk=sms, bk=blocks, **kw: MODEL.combine_stage_work(pairs, rows, H, bk, sk, reorder=reorder, **kw)  # noqa: E731
 
     def measured(op, k=key):
         ph = _phase_means(allres, k, op)
         return None if ph is None else MODEL.phase_stages(ph)
+
+    def with_local(rates, op, work, k=key):
+        """The rates, with a local rate from `op`'s own local phase where the calibrating op had none
+        (its local work is then measured, not predicted)."""
+        if rates.local_gbps is not None or work is None or work.local_bytes == 0:
+            return rates, ""
+        m = measured(op, k)
+        if m is None or m.local_us <= 0:
+            return None, ""
+        return (dataclasses.replace(rates, local_gbps=work.local_bytes / (m.local_us * 1e-6) / 1e9),
+                "; its local rate from its own fan-out phase")
 
     def calibrate(label, op, what, work, unit_rows):
         m, c = measured(op), call(op)
@@ -138,14 +156,17 @@ def _model_times(args, allres, key, ref_key, lc) -> list:
         out.append(f"    {label}: calibrated on the {what} (its phases {_stages_text(m, ', ')}; call "
                    f"{c:.1f}): RDMA hop {r.rdma_per_sm:.1f} GB/s per block ((token, node) pairs x {unit_rows} B), "
                    f"in-node stage {r.node_per_sm:.1f} GB/s per SM (rank-major rows x {unit_rows} B), local "
-                   f"{r.local_gbps:.0f} GB/s (bytes read + written)")
+                   + (f"{r.local_gbps:.0f} GB/s (bytes read + written)" if r.local_gbps is not None
+                      else "none (no local work)"))
         return r
 
     def predict(name, op, work, rates, note="", k=key):
         c = call(op, k)
-        if c is None or work is None:
-            out.append(f"      {name}: n/a (not measured)")
+        rates, how = with_local(rates, op, work, k)
+        if c is None or work is None or rates is None:
+            out.append(f"      {name}: n/a (not measured{'' if rates is not None else ', or no local phase'})")
             return
+        note += how
         chk = MODEL.check_stages(name, work, rates, c, measured(op, k))
         checks.append(chk)
         out.extend(_check_lines(chk, note))
@@ -155,17 +176,18 @@ def _model_times(args, allres, key, ref_key, lc) -> list:
         notify = measured("dispatch")
         predict("FP8 cached, rank-major", "dispatch_fp8_cached", dw(fp8), rd, f" (same rows, {fp8} B)")
         predict("incl. notify, rank-major", "dispatch", dw(bf16, fixed_us=notify.fixed_us) if notify else None, rd,
-                " (the first call also sorts the order keys and syncs with the host: no model term)")
+                " (the first call also " + ("sorts the order keys and " if reorder else "") + "syncs with the host: "
+                "no model term)")
         predict("cached, expert-major", "dispatch_expert_cached", dw(bf16, expert_rows=erows), rd,
-                f" (fan-out + reorder of {erows:.0f} rows)")
+                f" (fan-out{' + reorder' if reorder else ''} of {erows:.0f} rows)")
         predict("FP8 cached, expert-major", "dispatch_expert_fp8_cached", dw(fp8, expert_rows=erows), rd)
     rc = calibrate("combine", "combine", "bf16 rank-major combine", cw(), bf16)
     if rc is not None:
         em = _phase_means(allres, key, "combine_expert")
         partials = em is None or "reduce" in em
         predict("expert-major", "combine_expert", cw(expert_rows=erows, partials=partials), rc,
-                " (reorder of the expert rows; " + ("fp32 partials cross the in-node stage)" if partials
-                                                   else "every expert row crosses the in-node stage)"))
+                (" (reorder of the expert rows; " if reorder else " (") + ("fp32 partials cross the in-node stage)"
+                                                                           if partials else "every expert row crosses the in-node stage)"))
     if ref_key is not None and ref_key != key:
         rsms, rblocks, _ = sizes(ref_key)
         out.append(f"    SM sweep: rates calibrated at {rsms} SMs ({rblocks} blocks) predict {sms} SMs ({blocks} blocks); "
@@ -210,5 +232,5 @@ def _model_times(args, allres, key, ref_key, lc) -> list:
                "SM-bound at their per-SM rates (virtual nodes: NVSHMEM P2P over NVLink, no NIC); local work at one "
                "per-GPU rate per direction (bytes read + written, independent of --num-sms); the expert-major combine's "
                "pre-reduction takes the staging copy's place (its read of the expert rows has no term); the first "
-               "call's sort and host sync, and metadata, have no term")
+               "call's host sync (and, with a reorder, its sort), and metadata, have no term")
     return out
