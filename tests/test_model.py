@@ -431,21 +431,21 @@ def test_bench_normal_smoke_model_check():
 # The two-level time check: per-SM rates calibrated on one measured op predict the others
 # (megatron_ep.model's stages; scripts/bench_normal.py prints them in its model check)
 
-# The 2 x H200 run of 2026-11-30 (/tmp/in_bench_call1.log): `python3 scripts/bench_normal.py
+# The 2 x H200 run of 2026-11-30 (commit 410d2a2): `python3 scripts/bench_normal.py
 # --ranks 2 --ranks-per-node 1 --num-sms 24 --no-deepep`, 4096 tokens, H 7168, top-8 of 256.
 # Loop-mode µs per call and per phase mark (mean over ranks), as that run printed them.
-CALL1_H = 7168
-CALL1_CALLS = {"layout": 41.8, "dispatch": 895.8, "dispatch_cached": 455.7, "dispatch_fp8_cached": 309.6,
+NOV30_H = 7168
+NOV30_CALLS = {"layout": 41.8, "dispatch": 895.8, "dispatch_cached": 455.7, "dispatch_fp8_cached": 309.6,
                "dispatch_expert": 1256.3, "dispatch_expert_cached": 951.4, "dispatch_expert_fp8_cached": 572.9,
                "combine": 1080.1, "combine_expert": 2051.7, "intra_dispatch_cached": 342.8, "intra_combine": 327.7}
-CALL1_PHASES = {  # the FP8 ops were not traced in that run
+NOV30_PHASES = {  # the FP8 ops were not traced in that run
     "dispatch": {"rdma": 230.0, "notify": 69.0, "push": 201.0, "reorder": 194.0},
     "dispatch_cached": {"rdma": 221.8, "push": 156.6, "reorder": 84.0},
     "dispatch_expert_cached": {"rdma": 223.0, "push": 165.0, "fanout": 217.0, "reorder": 345.0},
     "combine": {"reorder": 178.3, "stage": 113.2, "pull": 201.0, "rdma": 594.9},
     "combine_expert": {"reorder": 864.0, "reduce": 305.0, "pull": 286.0, "rdma": 603.0},
 }
-CALL1_ROWS, CALL1_PAIRS, CALL1_EXPERT_ROWS = 8168, 8168, 40832  # per rank (mean): rank-major, (token, node), expert-major
+NOV30_ROWS, NOV30_PAIRS, NOV30_EXPERT_ROWS = 8168, 8168, 40832  # per rank (mean): rank-major, (token, node), expert-major
 
 
 def test_phase_stages_map_the_internode_marks():
@@ -531,37 +531,37 @@ def test_sm_split_both_finish_together():
         M.split_sms(1, 1e6, 1e6, 1.0, 1.0)
 
 
-def test_call1_predictions_on_paper():
+def test_nov30_predictions_on_paper():
     # Rates from the bf16 cached rank-major dispatch's own marks; the other ops predicted. The
     # figures are of code that reordered after the in-node stage (reorder=True).
-    H, N, Q, E = CALL1_H, CALL1_ROWS, CALL1_PAIRS, CALL1_EXPERT_ROWS
+    H, N, Q, E = NOV30_H, NOV30_ROWS, NOV30_PAIRS, NOV30_EXPERT_ROWS
     bf16, fp8 = 2 * H, H + H // 128 * 4
-    cal = M.phase_stages(CALL1_PHASES["dispatch_cached"])
+    cal = M.phase_stages(NOV30_PHASES["dispatch_cached"])
     r = M.calibrate_stages(M.dispatch_stage_work(Q, N, bf16, 24, 24, reorder=True), cal)
     assert r.rdma_per_sm == pytest.approx(22.0, abs=0.05)  # 8168 x 14336 B / 221.8 us / 24
     assert r.node_per_sm == pytest.approx(31.2, abs=0.05)
     assert r.local_gbps == pytest.approx(2788, abs=1)  # 2 x 117.1 MB / 84 us
-    fp = M.check_stages("fp8", M.dispatch_stage_work(Q, N, fp8, 24, 24, reorder=True), r, CALL1_CALLS["dispatch_fp8_cached"])
+    fp = M.check_stages("fp8", M.dispatch_stage_work(Q, N, fp8, 24, 24, reorder=True), r, NOV30_CALLS["dispatch_fp8_cached"])
     assert fp.predicted.total_us == pytest.approx(462.4 * fp8 / bf16)  # the same rows at 7392 of 14336 B
     assert round(fp.ratio, 2) == 0.77 and fp.within
-    notify = M.phase_stages(CALL1_PHASES["dispatch"])
+    notify = M.phase_stages(NOV30_PHASES["dispatch"])
     nt = M.check_stages("notify", M.dispatch_stage_work(Q, N, bf16, 24, 24, fixed_us=notify.fixed_us, reorder=True), r,
-                        CALL1_CALLS["dispatch"], notify)
+                        NOV30_CALLS["dispatch"], notify)
     assert nt.predicted.total_us == pytest.approx(462.4 + 69.0)
     assert round(nt.ratio, 2) == 0.59 and not nt.within  # the first call's sort and host sync: no model term
     assert round(nt.stage_ratio("local"), 2) == 0.43 and round(nt.stage_ratio("rdma"), 2) == 0.96
     assert nt.outside_marks_us == pytest.approx(895.8 - 694.0)
     em = M.check_stages("expert", M.dispatch_stage_work(Q, N, bf16, 24, 24, expert_rows=E, reorder=True), r,
-                        CALL1_CALLS["dispatch_expert_cached"], M.phase_stages(CALL1_PHASES["dispatch_expert_cached"]))
+                        NOV30_CALLS["dispatch_expert_cached"], M.phase_stages(NOV30_PHASES["dispatch_expert_cached"]))
     assert round(em.ratio, 2) == 1.10 and em.within and round(em.stage_ratio("local"), 2) == 1.20
     em8 = M.check_stages("expert fp8", M.dispatch_stage_work(Q, N, fp8, 24, 24, expert_rows=E, reorder=True), r,
-                         CALL1_CALLS["dispatch_expert_fp8_cached"])
+                         NOV30_CALLS["dispatch_expert_fp8_cached"])
     assert round(em8.ratio, 2) == 0.95
     # combine: rates from the rank-major combine, the expert-major one predicted
-    rc = M.calibrate_stages(M.combine_stage_work(Q, N, H, 24, 24, reorder=True), M.phase_stages(CALL1_PHASES["combine"]))
+    rc = M.calibrate_stages(M.combine_stage_work(Q, N, H, 24, 24, reorder=True), M.phase_stages(NOV30_PHASES["combine"]))
     assert rc.rdma_per_sm == pytest.approx(8.2, abs=0.05) and rc.node_per_sm == pytest.approx(15.5, abs=0.05)
     ce = M.check_stages("combine expert", M.combine_stage_work(Q, N, H, 24, 24, expert_rows=E, reorder=True), rc,
-                        CALL1_CALLS["combine_expert"], M.phase_stages(CALL1_PHASES["combine_expert"]))
+                        NOV30_CALLS["combine_expert"], M.phase_stages(NOV30_PHASES["combine_expert"]))
     assert [round(ce.stage_ratio(s), 2) for s in ("rdma", "node", "local")] == [0.99, 1.06, 1.03]
     assert round(ce.ratio, 2) == 1.03 and ce.within
     # fused on 24 SMs: 14 / 10, no faster than the two stages one after the other (both SM-bound)
@@ -580,16 +580,16 @@ def _load_bench():
     return mod
 
 
-def _call1_allres(sweep: bool = False):
-    """allres as bench_normal's workers gather it, with the call-1 figures on both ranks (loop =
+def _nov30_allres(sweep: bool = False):
+    """allres as bench_normal's workers gather it, with the 2026-11-30 figures on both ranks (loop =
     isolated), 2 virtual nodes x 1 rank. `sweep`: also 16 SMs, the hop and in-node phases
     24/16 longer (the per-SM rates of 24 SMs) and the local work unchanged."""
     rdma_sent, deepep, recv = [4083, 4086], [8167, 8169], [8170, 8166]  # consistent: recv = own pairs + landed
 
     def at(sms, scale):
-        t = {k: (v * (scale if k in ("dispatch_cached", "combine") else 1), v, 0, True) for k, v in CALL1_CALLS.items()}
+        t = {k: (v * (scale if k in ("dispatch_cached", "combine") else 1), v, 0, True) for k, v in NOV30_CALLS.items()}
         ph = {}
-        for op, marks in CALL1_PHASES.items():
+        for op, marks in NOV30_PHASES.items():
             ph[op] = {f"{m}(loop)": v * (scale if M.STAGE_OF_MARK.get(m, "node") in ("rdma", "node") else 1)
                       for m, v in marks.items()}
         if scale != 1:
@@ -611,10 +611,10 @@ def _call1_allres(sweep: bool = False):
     return allres
 
 
-def test_bench_model_check_prints_the_call1_verdicts(capsys):
+def test_bench_model_check_prints_the_nov30_verdicts(capsys):
     bench = _load_bench()
     args = bench.parse(["--ranks", "2", "--ranks-per-node", "1", "--num-sms", "24", "--no-deepep"])
-    text = bench.model_check(args, _call1_allres(), "24", 2 * CALL1_H, ref_key="24")
+    text = bench.model_check(args, _nov30_allres(), "24", 2 * NOV30_H, ref_key="24")
     print(text)
     assert "equal on every rank" in text and "equal to the count on every rank" in text
     assert "calibrated on the bf16 cached rank-major dispatch" in text
@@ -639,12 +639,12 @@ def test_bench_model_check_without_a_reorder():
     rate from its own fan-out phase."""
     bench = _load_bench()
     args = bench.parse(["--ranks", "2", "--ranks-per-node", "1", "--num-sms", "24", "--no-deepep"])
-    allres = _call1_allres()
+    allres = _nov30_allres()
     for r in allres:
         for o in r["sms"].values():
             o["phases"] = {op: {m: v for m, v in marks.items() if not m.startswith("reorder")}
                            for op, marks in o["phases"].items()}
-    text = bench.model_check(args, allres, "24", 2 * CALL1_H, ref_key="24")
+    text = bench.model_check(args, allres, "24", 2 * NOV30_H, ref_key="24")
     assert "reorders after its in-node stage" not in text
     assert "local none (no local work)" in text
     line = lambda start: next(ln for ln in text.splitlines() if ln.strip().startswith(start))  # noqa: E731
@@ -657,8 +657,8 @@ def test_bench_model_check_sm_sweep():
     # rates of 16 SMs predict 24 SMs: built so that they do exactly (hop and in-node stage 24/16 slower at 16)
     bench = _load_bench()
     args = bench.parse(["--ranks", "2", "--ranks-per-node", "1", "--num-sms", "16,24", "--no-deepep"])
-    allres = _call1_allres(sweep=True)
-    text = bench.model_check(args, allres, "24", 2 * CALL1_H, ref_key="16")
+    allres = _nov30_allres(sweep=True)
+    text = bench.model_check(args, allres, "24", 2 * NOV30_H, ref_key="16")
     assert "SM sweep: rates calibrated at 16 SMs (16 blocks) predict 24 SMs (24 blocks)" in text
     sweep = text.split("SM sweep")[1].splitlines()
     disp = next(ln for ln in sweep if ln.strip().startswith("cached dispatch, rank-major"))
@@ -668,7 +668,7 @@ def test_bench_model_check_sm_sweep():
     assert "predicted RDMA hop 594.9 + in-node stage 314.2 + local work 178.3 = 1087.4" in comb
     assert comb.endswith("1080.1 per call: 1.01 (within 25%)")
     # the 16-SM block itself calibrates and predicts at 16 SMs, no sweep line
-    assert "SM sweep" not in bench.model_check(args, allres, "16", 2 * CALL1_H, ref_key="16")
+    assert "SM sweep" not in bench.model_check(args, allres, "16", 2 * NOV30_H, ref_key="16")
 
 
 # Communication under the expert GEMMs (megatron_ep/model/overlap.py)
