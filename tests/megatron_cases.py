@@ -542,7 +542,9 @@ def run_experts_checkpoint_case(case):
 @guarded
 def run_chunked_refusals_case(case):
     """enable_chunked_experts names why a layer does not qualify, before changing any layer: the
-    alltoall dispatcher, Megatron's SequentialMLP experts, the static budget; and a bad chunks."""
+    alltoall dispatcher, Megatron's SequentialMLP experts, the deepep manager, Megatron's combined
+    1F1B schedule with fp8 (set on the built layer's config: Megatron's fp8 needs
+    TransformerEngine); and a bad chunks."""
     ctx, _ = side(case, "ref")
     with ctx:
         _init_megatron()
@@ -550,12 +552,16 @@ def run_chunked_refusals_case(case):
     from megatron_ep.megatron.chunked import enable_chunked_experts
 
     errors = []
-    tries = [("alltoall", "deepep", GroupedGemmExperts, {}, "chunked experts need flex"),
-             ("flex", "hybridep", None, {}, "need megatron_ep.experts.GroupedGemmExperts"),
-             ("flex", "deepep", GroupedGemmExperts, {}, "hybridep manager")]
-    for dispatcher, backend, cls, extra, want in tries:
+    tries = [("alltoall", "deepep", GroupedGemmExperts, {}, {}, "chunked experts need flex"),
+             ("flex", "hybridep", None, {}, {}, "need megatron_ep.experts.GroupedGemmExperts"),
+             ("flex", "deepep", GroupedGemmExperts, {}, {}, "hybridep manager"),
+             ("flex", "hybridep", GroupedGemmExperts, {}, dict(overlap_moe_expert_parallel_comm=True, fp8="e4m3"),
+              "overlap_moe_expert_parallel_comm is set with fp8")]
+    for dispatcher, backend, cls, extra, after, want in tries:
         with side(case, "ours")[0]:
             layer = _build_moe_layer(_moe_config(case, dispatcher, backend, **extra), cls)
+        for k, v in after.items():
+            setattr(layer.config, k, v)
         before = (layer.dispatch, layer.combine)
         try:
             enable_chunked_experts(layer, 2)

@@ -114,6 +114,15 @@ def test_ep_overlap_virtual_ranks():
     _run(pool_(2), oc.run_overlap_case, [dict(c, device="virtual", tol=1e-2) for c in overlap_cases(2)])
 
 
+def test_ep_overlap_chunked_experts_virtual_ranks():
+    """The same with chunked experts in the MoE layer (hybridep + GroupedGemmExperts, 3 chunks),
+    dynamic and with the static budget: both schedules agree, and match the unchunked model."""
+    import megatron_overlap_cases as oc
+    from test_megatron_layer import chunked_overlap_case
+
+    _run(pool_(2), oc.run_overlap_case, [dict(chunked_overlap_case(b), device="virtual", tol=1e-2) for b in (None, 2.0)])
+
+
 def test_moe_layer_chunked_experts_virtual_ranks():
     """megatron_ep.megatron.chunked on the cuda backend: dispatch, GroupedGemmExperts and combine
     in pipelined token chunks inside a real MoELayer, against Megatron's alltoall on CPU; then

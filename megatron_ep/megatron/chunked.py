@@ -15,6 +15,16 @@ every chunk is worst-case sized for its share of the tokens: no host sync, so th
 ahead and the chunks overlap fully. Not yet with drop-and-pad, shared-expert overlap or probs
 applied on the input: those raise naming the setting. Router, shared experts and the layer's postprocess are
 Megatron's, unchanged.
+
+Megatron's combined 1F1B schedule (`overlap_moe_expert_parallel_comm`) runs the layer's dispatch,
+routed-experts compute and combine as separate schedule nodes, each on detached inputs: the
+dispatch and combine nodes pass their tokens through, the experts node runs the whole chunked
+pipeline with the probs it is handed (their gradient goes back through the dispatch node to the
+router), so the layer's communication hides under its own chunks there, not under the other
+micro-batch. Same losses and gradients as the ordinary schedule (CPU, megatron-core 0.16.1 and
+0.19.2: tests/test_megatron_layer.py::test_ep_overlap_schedule_with_chunked_experts_matches). Not
+with fp8 / fp4 there (refused): megatron-core 0.19's schedule then frees the experts node's input,
+here the layer's normalized tokens, which the router and shared experts still need.
 """
 
 from __future__ import annotations
@@ -46,15 +56,28 @@ def _eligibility(layer) -> str:
         return "moe_shared_expert_overlap is set: the chunks do not run the shared experts inside the dispatch"
     if getattr(config, "moe_apply_probs_on_input", False):
         return "moe_apply_probs_on_input is set: chunked experts apply the probs inside the experts"
+    low_precision = [f for f in ("fp8", "fp4") if getattr(config, f, None) is not None]
+    if getattr(config, "overlap_moe_expert_parallel_comm", False) and low_precision:
+        return (f"overlap_moe_expert_parallel_comm is set with {'/'.join(low_precision)}: the combined 1F1B "
+                "schedule's experts node then frees its input after the forward (megatron-core 0.19), and with "
+                "chunked experts that input is the layer's own normalized tokens (the dispatch passes them "
+                "through), which the router and shared experts still need in the backward")
     return ""
 
 
 def _dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-    return hidden_states, probs  # the chunks move the tokens themselves
+    # The chunks move the tokens themselves. In the combined 1F1B schedule these are the
+    # dispatch node's own (detached) inputs: its backward accumulates the experts node's
+    # gradients of them straight into those inputs, which is what the node hands back.
+    return hidden_states, probs
 
 
 def _routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-    out = self.token_dispatcher._comm_manager.chunked_experts(hidden_states, self.experts, self._mep_chunks)
+    # `probs` (what dispatch passed on): the same tensor as the manager's token_probs in the
+    # ordinary forward; in the combined 1F1B schedule the moe node's detached copy, whose
+    # gradient the dispatch node hands back to the router.
+    out = self.token_dispatcher._comm_manager.chunked_experts(hidden_states, self.experts, self._mep_chunks,
+                                                              probs=probs)
     return out, None
 
 

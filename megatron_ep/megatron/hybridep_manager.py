@@ -117,11 +117,13 @@ class MegatronEPHybridEPManager(_DispatchManager):
             self.capacity = get_capacity(num_tokens=num_tokens * self.config.moe_router_topk,
                                          num_experts=self.num_experts, capacity_factor=self.capacity_factor)
 
-    def _topk_routing(self):
-        """Routing map -> top-k indices and their probs (megatron_ep.permute's rule). Derived
-        here rather than in setup_metadata so a CUDA-graph replay of the preprocess, which
-        restores only routing_map / token_probs, still dispatches correctly."""
-        return routing_map_to_topk(self.routing_map, self.token_probs, self.router_topk)
+    def _topk_routing(self, probs: Optional[torch.Tensor] = None):
+        """Routing map -> top-k indices and their probs (megatron_ep.permute's rule), the probs
+        taken from `probs` [T, num_experts] when given, else from token_probs. Derived here rather
+        than in setup_metadata so a CUDA-graph replay of the preprocess, which restores only
+        routing_map / token_probs, still dispatches correctly."""
+        probs = self.token_probs if probs is None else probs.reshape(self.routing_map.shape)
+        return routing_map_to_topk(self.routing_map, probs, self.router_topk)
 
     # ------------------------------------------------------------------------ static budget
     def _budget_rows(self, num_tokens: int, factor: float, chunks: int = 1) -> int:
@@ -198,10 +200,15 @@ class MegatronEPHybridEPManager(_DispatchManager):
         self._need((out.row_expert >= 0).sum() + out.num_dropped)
 
     # ------------------------------------------------------------------ chunked experts
-    def chunked_experts(self, hidden_states: torch.Tensor, experts, chunks: int) -> torch.Tensor:
+    def chunked_experts(self, hidden_states: torch.Tensor, experts, chunks: int,
+                        probs: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Dispatch, `experts`' MLP and combine of this call's tokens in `chunks` pipelined rounds
         (megatron_ep.experts.chunked_expert_mlp): what megatron_ep.megatron.chunked puts in place
-        of the layer's dispatch, routed-experts compute and combine. [T, H] -> [T, H]. With the
+        of the layer's dispatch, routed-experts compute and combine. [T, H] -> [T, H]. `probs`
+        [T, num_experts]: the routing probs whose top-k entries weight the experts' outputs (their
+        gradient goes to this tensor); None: token_probs. The layer passes what its dispatch
+        passed on: token_probs itself in the ordinary forward, the experts node's detached copy in
+        Megatron's combined 1F1B schedule (whose dispatch node hands that gradient back). With the
         static budget every chunk is worst-case sized for its share of the agreed token count
         (no host sync): its drops and real rows are counted as a budgeted dispatch counts them,
         per chunk, so megatron-core's paged-stash rerun sizes a chunk's receive capacity."""
@@ -214,7 +221,7 @@ class MegatronEPHybridEPManager(_DispatchManager):
             worst = self._budget(hidden_states, factor, chunks)
             on_dispatch = lambda c, out: self._count_budgeted(out)  # noqa: E731
 
-        idx, weights = self._topk_routing()
+        idx, weights = self._topk_routing(probs)
         return chunked_expert_mlp(self.buffer, hidden_states, idx, weights, experts.weight1, experts.weight2,
                                   self.num_experts, chunks=chunks, expert_alignment=self.align,
                                   activation=experts.activation, glu=experts.glu, backend=experts.backend,
