@@ -167,3 +167,75 @@ def run_carveout_case(cfg: dict) -> list:
                           f"between forward and backward {outside}, after {torch._C._get_sm_carveout_experimental()}, "
                           f"expected {before}")
     return errors
+
+
+def _bf16(inputs: list) -> list:
+    """x, w1, w2 and the output gradient in bf16 (idx and probs as they are): the GEMMs then run
+    on the device-side offsets of torch's grouped_mm, with no host sync (fp32 rows take the
+    per-expert loop, which reads the counts on the host and cannot be captured)."""
+    return [t.to(torch.bfloat16) if i in (0, 3, 4, 5) else t.clone() for i, t in enumerate(inputs)]
+
+
+def run_chunked_graph_case(cfg: dict) -> list:
+    """Worst-case sized chunks (no host sync anywhere) on the cuda backend, forward and backward
+    (autograd.grad of the layer's output) captured in one CUDA graph: replays on new tokens,
+    routing and output gradients equal the eager layer on the same inputs, and a rank with no
+    tokens replays its empty chunks in step with the others."""
+    R, rank = dist.get_world_size(), dist.get_rank()
+    tag = f"[chunked graph R={R} rank={rank} chunks={cfg['chunks']}]"
+    errors = []  # kept when a later replay raises
+    try:
+        buf = get_buffer("cuda")
+        E, align, act = cfg["E"], cfg.get("align", 1), (F.silu if cfg.get("glu") else F.gelu)
+        statics = _bf16(_inputs(cfg, rank, "cuda"))  # x, idx, probs, w1, w2, grad
+        leaves = [statics[i].requires_grad_() for i in (0, 2, 3, 4)]
+
+        def step(x, idx, probs, w1, w2, grad):
+            y = chunked_expert_mlp(buf, x, idx, probs, w1, w2, E, chunks=cfg["chunks"], expert_alignment=align,
+                                   activation=act, glu=cfg.get("glu", False), num_worst_tokens=cfg["worst"])
+            grads = torch.autograd.grad(y, (x, probs, w1, w2), grad, allow_unused=True)
+            return [y] + [g if g is not None else torch.zeros_like(t) for g, t in zip(grads, (x, probs, w1, w2))]
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up outside the capture (allocator, first launches)
+            for _ in range(2):
+                step(*statics)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = step(*statics)
+        for it in range(3):
+            fresh = _bf16(_inputs(dict(cfg, seed=cfg["seed"] + 97 * (it + 1)), rank, "cuda"))
+            with torch.no_grad():
+                for s, f in zip(statics, fresh):
+                    s.copy_(f)
+            graph.replay()
+            want = step(*[f.requires_grad_() if i in (0, 2, 3, 4) else f for i, f in enumerate(fresh)])
+            torch.cuda.synchronize()
+            for name, g, w in zip(("output", "grad x", "grad probs", "grad w1", "grad w2"), got, want):
+                g, w = g.float(), w.float()  # within bf16 rounding of the eager layer's
+                scale = w.abs().max().item() if w.numel() else 1.0  # a rank without tokens has empty ones
+                if g.shape != w.shape or not torch.allclose(g, w, rtol=1e-2, atol=1e-2 * max(scale, 1e-6)):
+                    diff = f"{(g - w).abs().max().item():.3g}" if g.shape == w.shape else f"shapes {tuple(g.shape)}"
+                    errors.append(f"{tag} replay {it} {name}: max abs diff {diff} from eager")
+            if cfg["Ts"][rank] and not want[0].abs().sum() > 0:
+                errors.append(f"{tag} replay {it}: the output is all zero: the case checks nothing")
+        dist.barrier()
+        del leaves
+        return errors
+    except Exception:
+        return errors + [f"{tag} raised:\n{traceback.format_exc()}"]
+
+
+def graph_cases(R: int) -> list:
+    """An empty rank, -1 slots and SwiGLU with alignment; the worst case covers any routing."""
+    Ts = [5, 0, 9, 3, 7, 1, 4, 6][:R]
+    worst = R * max(Ts) * 2 + 2 * 2 * 4  # R * T * min(K, L) + L * (align - 1), rounded up
+    return [dict(seed=340 + R, E=2 * R, K=2, H=32, F=16, Ts=Ts, chunks=3, glu=True, align=4, p_drop=0.2,
+                 worst=worst)]
+
+
+def run_chunked_graph_cases(cfgs: list) -> list:
+    return [e for cfg in cfgs for e in run_chunked_graph_case(cfg)]

@@ -171,6 +171,16 @@ def test_chunked_experts(R):
 
 
 @pytest.mark.parametrize("R", [2, 4])
+def test_chunked_experts_cuda_graph(R):
+    """chunked_expert_mlp worst-case sized, forward and backward in one CUDA graph, replayed on new
+    inputs, equals the eager layer."""
+    import chunked_experts_cases as cc
+
+    errors = flat(pool_(R).run(cc.run_chunked_graph_cases, cc.graph_cases(R), timeout=300))
+    assert not errors, "\n".join(errors[:20])
+
+
+@pytest.mark.parametrize("R", [2, 4])
 def test_tracing(R):
     """megatron_ep.tracing on the intranode path: each call's phase marks in order from 'start',
     the counters, the notify kernels alone as collective calls of their own (the buffer's calls
