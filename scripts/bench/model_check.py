@@ -139,7 +139,7 @@ def _model_times(args, allres, key, ref_key, lc) -> list:
         m = measured(op, k)
         if m is None or m.local_us <= 0:
             return None, ""
-        return (dataclasses.replace(rates, local_gbps=work.local_bytes / (m.local_us * 1e-6) / 1e9),
+        return (dataclasses.replace(rates, local_gbps=MODEL.gbps_of(work.local_bytes, m.local_us * 1e-6)),
                 "; its local rate from its own fan-out phase")
 
     def calibrate(label, op, what, work, unit_rows):
