@@ -3,7 +3,7 @@ backend of the same API and Megatron-core flex-dispatcher integration."""
 
 from .autograd import combine, dispatch
 from .buffer import Buffer, cuda_backend_available
-from .errors import (BufferBrokenError, CallMismatchError, CommTimeoutError, MegatronEPError, PeerFailedError,
+from .errors import (BufferBrokenError, BufferBusyError, CallMismatchError, CommTimeoutError, MegatronEPError, PeerFailedError,
                      PeerFailedFatalError)
 from .fp8 import per_token_cast_back, per_token_cast_to_fp8
 from .types import (
@@ -26,6 +26,7 @@ if _os.environ.get("MEGATRON_EP_INSTALL") == "1":  # a launcher can activate the
 __all__ = [
     "Buffer",
     "BufferBrokenError",
+    "BufferBusyError",
     "CallMismatchError",
     "CommTimeoutError",
     "MegatronEPError",

@@ -3,6 +3,11 @@
 The backward of dispatch is combine along the same handle, and the backward of combine is a
 cached dispatch: the symmetry every EP library keeps. Gradients flow to x and to the routing
 weights (the per-row weights of a dispatch come back to [T, K] through combine's weight path).
+Both are linear maps, each the other's adjoint, so each backward is itself the differentiable
+other: second derivatives (double backward, gradgradcheck) are exact.
+
+FP8 x carries no gradient; its topk_weights still do (their backward is a combine of the
+weights alone, with narrow zero rows instead of the rows' width).
 """
 
 from __future__ import annotations
@@ -15,6 +20,10 @@ from .buffer import Buffer
 from .checks import is_fp8_tuple
 from .types import CombineOutput, DispatchHandle, DispatchOutput
 
+# The rows of a weights-only combine (the weights' gradient of an FP8 dispatch): zero rows of 16
+# bytes (the kernels' narrowest row), so it costs a call's fixed price, not the rows' width.
+_NARROW = (8, torch.bfloat16)
+
 
 def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
@@ -25,22 +34,27 @@ def _contig(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 class _Dispatch(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, buf: Buffer, box: dict, kwargs: dict, x, topk_weights):
-        out = buf.dispatch(x, topk_weights=topk_weights, **kwargs)
-        ctx.buf, ctx.handle = buf, out.handle
-        ctx.rows_meta = (out.x.shape, out.x.dtype, out.x.device)
-        ctx.has_weights = topk_weights is not None
-        box["out"] = out
-        return out.x, out.topk_weights
+    """Outputs (rows, row weights); with FP8 x (passed in `box`, x None) the row weights alone.
+    Undefined output gradients arrive as zeros (autograd's default): every rank then makes the
+    same backward call whatever its graph used."""
 
     @staticmethod
-    def backward(ctx, grad_x, grad_w):
-        if grad_x is None:
-            shape, dtype, device = ctx.rows_meta
-            grad_x = torch.zeros(shape, dtype=dtype, device=device)
-        w = _contig(grad_w) if ctx.has_weights and grad_w is not None else None
-        res = ctx.buf.combine(grad_x.contiguous(), ctx.handle, weights=w)
+    def forward(ctx, buf: Buffer, box: dict, kwargs: dict, x, topk_weights):
+        fp8 = x is None
+        out = buf.dispatch(box.pop("fp8") if fp8 else x, topk_weights=topk_weights, **kwargs)
+        ctx.buf, ctx.handle, ctx.fp8 = buf, out.handle, fp8
+        ctx.has_weights = topk_weights is not None
+        box["out"] = out
+        return out.topk_weights if fp8 else (out.x, out.topk_weights)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if ctx.fp8:  # the weights alone, along zero rows
+            (grad_w,) = grads
+            rows = torch.zeros((ctx.handle.num_recv_rows, _NARROW[0]), dtype=_NARROW[1], device=grad_w.device)
+            return None, None, None, None, combine(ctx.buf, rows, ctx.handle, weights=grad_w.contiguous()).weights
+        grad_rows, grad_w = grads
+        res = combine(ctx.buf, grad_rows.contiguous(), ctx.handle, weights=_contig(grad_w) if ctx.has_weights else None)
         return None, None, None, res.x, (res.weights if ctx.has_weights else None)
 
 
@@ -49,39 +63,68 @@ class _Combine(torch.autograd.Function):
     def forward(ctx, buf: Buffer, handle: DispatchHandle, x, weights):
         res = buf.combine(x, handle, weights=weights)
         ctx.buf, ctx.handle, ctx.has_weights = buf, handle, weights is not None
-        ctx.y_meta = (res.x.shape, res.x.dtype, res.x.device)
         return res.x, res.weights
 
     @staticmethod
     def backward(ctx, grad_y, grad_w):
-        if grad_y is None:
-            shape, dtype, device = ctx.y_meta
-            grad_y = torch.zeros(shape, dtype=dtype, device=device)
-        w = _contig(grad_w) if ctx.has_weights and grad_w is not None else None
-        d = ctx.buf.dispatch(grad_y.contiguous(), handle=ctx.handle, topk_weights=w)
-        grad_weights = d.topk_weights if ctx.has_weights else None
-        return None, None, d.x, grad_weights
+        w = _contig(grad_w) if ctx.has_weights else None
+        d = dispatch(ctx.buf, grad_y.contiguous(), handle=ctx.handle, topk_weights=w)
+        return None, None, d.x, (d.topk_weights if ctx.has_weights else None)
 
 
 def dispatch(buf: Buffer, x, topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
              num_experts: Optional[int] = None, permute: Optional[bool] = None,
              expert_alignment: Optional[int] = None, handle: Optional[DispatchHandle] = None,
              **options) -> DispatchOutput:
-    """`buf.dispatch` with autograd: differentiable in x and topk_weights (FP8 x is not)."""
+    """`buf.dispatch` with autograd: differentiable in x and topk_weights, to any order (FP8 x
+    carries no gradient; its topk_weights do)."""
     kwargs = dict(topk_idx=topk_idx, num_experts=num_experts, permute=permute,
                   expert_alignment=expert_alignment, handle=handle, **options)
-    if is_fp8_tuple(x) or not _needs_grad(x, topk_weights):
+    fp8 = is_fp8_tuple(x)
+    if not _needs_grad(None if fp8 else x, topk_weights):
         return buf.dispatch(x, topk_weights=topk_weights, **kwargs)
-    box: dict = {}
-    out_x, out_w = _Dispatch.apply(buf, box, kwargs, x, topk_weights)
+    box: dict = {"fp8": x} if fp8 else {}
+    res = _Dispatch.apply(buf, box, kwargs, None if fp8 else x, topk_weights)
     out = box["out"]
-    out.x, out.topk_weights = out_x, out_w
+    if fp8:
+        out.topk_weights = res
+    else:
+        out.x, out.topk_weights = res
     return out
 
 
 def combine(buf: Buffer, x: torch.Tensor, handle: DispatchHandle, weights: Optional[torch.Tensor] = None) -> CombineOutput:
-    """`buf.combine` with autograd: differentiable in x and weights."""
+    """`buf.combine` with autograd: differentiable in x and weights, to any order."""
     if not _needs_grad(x, weights):
         return buf.combine(x, handle, weights=weights)
     y, w = _Combine.apply(buf, handle, x, weights)
     return CombineOutput(y, w, None)
+
+
+class _SecondDerivativeRefused(torch.autograd.Function):
+    """Identity on gradients whose own backward raises: what a backward that is not itself
+    differentiable returns under create_graph=True, so a second derivative through it fails
+    loudly instead of coming out without that node's part."""
+
+    @staticmethod
+    def forward(ctx, what: str, *grads):
+        ctx.what = what
+        return tuple(g.view_as(g) for g in grads)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(f"{ctx.what}: second derivatives are not supported (its backward is one node that is "
+                           f"not itself differentiable); a double backward through it would miss that node's part")
+
+
+def refuse_second_derivative(what: str, grads):
+    """`grads` (tensors or None) as gradients whose differentiation raises, naming `what`."""
+    present = [i for i, g in enumerate(grads) if g is not None]
+    if not present:
+        return tuple(grads)
+    leaves = [grads[i].detach().requires_grad_() for i in present]
+    guarded = _SecondDerivativeRefused.apply(what, *leaves)
+    out = list(grads)
+    for i, g in zip(present, guarded):
+        out[i] = g
+    return tuple(out)

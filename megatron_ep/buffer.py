@@ -15,6 +15,7 @@ so `Buffer` never branches on a backend's name.
 from __future__ import annotations
 
 import logging
+import threading
 from contextlib import contextmanager
 from typing import Optional
 
@@ -23,7 +24,7 @@ import torch.distributed as dist
 
 from . import checks as C
 from . import protocol as P
-from .errors import CallMismatchError
+from .errors import BufferBusyError, CallMismatchError
 from .reference import TorchBackend
 from .requests import CombineRequest, DispatchRequest
 from .types import (
@@ -125,6 +126,9 @@ class Buffer:
                    f"ranks_per_node={ranks_per_node!r} must divide the group's {self.num_ranks} ranks")
         self.id = next(_ids)
         self._seq = 0
+        # one call at a time per process: (thread name, op) of the call in progress
+        self._busy_lock = threading.Lock()
+        self._busy: Optional[tuple] = None
         self._destroyed = False
         requested = backend
         if backend == "auto":
@@ -151,8 +155,9 @@ class Buffer:
         A later call on this Buffer raises, and tells its peers (they raise PeerFailedError)."""
         impl = getattr(self, "_impl", None)
         if impl is not None and not self._destroyed:
-            self._destroyed = True
-            impl.destroy()
+            with self._exclusive("destroy"):
+                self._destroyed = True
+                impl.destroy()
 
     def __enter__(self):
         return self
@@ -165,22 +170,42 @@ class Buffer:
         return self._impl
 
     @contextmanager
+    def _exclusive(self, op: str):
+        """The host side of one call, alone: a second thread's call meanwhile raises
+        BufferBusyError at once, before it sends anything, naming both callers."""
+        me = threading.current_thread().name
+        if not self._busy_lock.acquire(blocking=False):
+            thread, busy_op = self._busy or ("another thread", "a call")
+            raise BufferBusyError(
+                f"{op} from thread {me!r} on Buffer #{self.ordinal} (rank {self.rank}/{self.num_ranks}, backend "
+                f"{self.backend}) while thread {thread!r} is inside its {busy_op}: one rank's calls on a Buffer are "
+                f"one sequence, matched call by call with its peers'; issue them from one thread at a time (this "
+                f"call was not made; the other goes on)")
+        self._busy = (me, op)
+        try:
+            yield
+        finally:
+            self._busy = None
+            self._busy_lock.release()
+
+    @contextmanager
     def _call(self, op: str):
         """One collective call: a sequence number, a signature (filled by the caller), and the
         backend's entry check and failure publication around the whole host side -- also for a
         destroyed Buffer, whose call raises inside it, so the peers learn of it instead of
         waiting."""
         impl = self._impl
-        self._seq += 1
-        call = P.Call(P.OP[op], self._seq).set(buffer=self.ordinal)
-        try:
-            with impl.call(call):
-                self._backend()
-                yield call
-        except CallMismatchError as exc:
-            if getattr(exc, "resync", None) is not None:  # the backend realigned the call numbers
-                self._seq = exc.resync
-            raise
+        with self._exclusive(op):
+            self._seq += 1
+            call = P.Call(P.OP[op], self._seq).set(buffer=self.ordinal)
+            try:
+                with impl.call(call):
+                    self._backend()
+                    yield call
+            except CallMismatchError as exc:
+                if getattr(exc, "resync", None) is not None:  # the backend realigned the call numbers
+                    self._seq = exc.resync
+                raise
 
     # ------------------------------------------------------------------------------ layout
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> DispatchLayout:
@@ -223,6 +248,7 @@ class Buffer:
             C.check_bool("permute", permute, allow_none=True)
             C.check_bool("host_counts", host_counts)
             C.check_bool("async_op", async_op)
+            C.check_event("previous_event", previous_event)
             if handle is not None:
                 self._check_handle(handle, DispatchHandle)
                 C.fail(topk_idx is None, "cached dispatch (handle given) takes its routing from the handle: pass topk_idx=None")
@@ -264,6 +290,7 @@ class Buffer:
         with self._call("combine") as call:
             self._check_handle(handle, DispatchHandle)
             C.check_bool("async_op", async_op)
+            C.check_event("previous_event", previous_event)
             C.check_activation("x", x)
             C.fail(not C.is_fp8_tuple(x), "combine takes bf16/fp32 rows, not FP8", TypeError)
             C.fail(x.shape[0] == handle.num_recv_rows, f"x has {x.shape[0]} rows but the dispatch delivered {handle.num_recv_rows}")
@@ -358,7 +385,8 @@ class Buffer:
         (a worst-case sized dispatch's num_worst_tokens). Nothing to do on the torch backend."""
         need = dict(max_tokens=max_tokens, hidden=hidden, dtype_bytes=dtype_bytes, combine_bytes=max(2, dtype_bytes or 2),
                     max_topk=topk, max_experts=num_experts, combine_rows=combine_rows)
-        self._backend().reserve({k: int(v) for k, v in need.items() if v is not None})
+        with self._exclusive("reserve"):
+            self._backend().reserve({k: int(v) for k, v in need.items() if v is not None})
 
     def synchronize(self) -> None:
         """Wait for this buffer's communication and raise if a kernel reported a failure

@@ -10,7 +10,7 @@ from typing import Optional, Tuple
 import torch
 
 from .protocol import FP8_BLOCK, MAX_ALIGNMENT  # one owner: csrc/common/protocol.h
-from .types import Activation
+from .types import Activation, EventOverlap
 
 FP8_DTYPE = torch.float8_e4m3fn
 ACT_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
@@ -39,6 +39,12 @@ def check_bool(name: str, value, allow_none: bool = False) -> Optional[bool]:
     fail(isinstance(value, bool) or (allow_none and value is None),
          f"{name} must be a bool{' or None' if allow_none else ''}, got {type(value).__name__} {value!r}", TypeError)
     return value
+
+
+def check_event(name: str, event) -> None:
+    """None or an EventOverlap (what an asynchronous call returns as `.event`)."""
+    fail(event is None or isinstance(event, EventOverlap), f"{name} must be an EventOverlap (the .event of an "
+         f"asynchronous call) or None, got {type(event).__name__}", TypeError)
 
 
 def is_fp8_tuple(x) -> bool:
@@ -180,8 +186,21 @@ def routing_inputs_error(routing_map, probs, num_experts: int) -> Optional[str]:
     if not isinstance(probs, torch.Tensor) or not probs.is_floating_point():
         kind = probs.dtype if isinstance(probs, torch.Tensor) else type(probs).__name__
         return f"probs must be a floating-point tensor shaped like routing_map, got {kind}"
-    if probs.numel() != routing_map.numel():
+    if tuple(probs.shape) != tuple(routing_map.shape):  # [E, T] for [T, E] has the right size, every value misplaced
         return f"probs has shape {tuple(probs.shape)} but routing_map has {tuple(routing_map.shape)}: they must match"
+    return None
+
+
+def routing_tokens_error(hidden_states, routing_map) -> Optional[str]:
+    """A manager's dispatch: the hidden states must be the tokens its routing map routes."""
+    if routing_map is None:
+        return None
+    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2:
+        what = tuple(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else type(hidden_states).__name__
+        return f"hidden_states must be a 2-D [tokens, hidden] tensor, got {what}"
+    if hidden_states.shape[0] != routing_map.shape[0]:
+        return (f"hidden_states has {hidden_states.shape[0]} tokens but the routing_map given to setup_metadata has "
+                f"{routing_map.shape[0]} rows: they must be the same tokens")
     return None
 
 

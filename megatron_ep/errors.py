@@ -43,6 +43,13 @@ class CommTimeoutError(MegatronEPError):
     fatal = True
 
 
+class BufferBusyError(MegatronEPError):
+    """A call on a Buffer while another thread of the same process is inside a call on it. One
+    rank's calls on a Buffer are one sequence, matched call by call with its peers' sequences:
+    they must come from one thread at a time. Raised at once, before anything is sent (the peers
+    see nothing of it); the call in progress goes on and the buffer stays usable."""
+
+
 class BufferBrokenError(MegatronEPError):
     """An earlier fatal error left this buffer unusable; re-create it."""
 

@@ -312,6 +312,11 @@ class TorchBackend:
                 num_worst_tokens=num_worst_tokens, state=state, call_seq=call.seq,
             )
         out.handle = handle
+        # the outputs are the caller's: what the handle keeps (the routing's ids, counts and row
+        # experts, which a cached dispatch returns again) goes out as copies
+        out.tokens_per_expert = out.tokens_per_expert.clone()
+        out.topk_idx = None if out.topk_idx is None else out.topk_idx.clone()
+        out.row_expert = None if out.row_expert is None else out.row_expert.clone()
         if host_counts:
             out.tokens_per_expert_host = out.tokens_per_expert.tolist()
         if async_op:

@@ -390,19 +390,20 @@ def run_low_latency_cases(cfgs: list, backend: str = "torch", device: str = "cpu
 class _GatherSame(torch.autograd.Function):
     """all_gather whose backward keeps this rank's slice of a gradient that every rank holds
     identically: it turns the distributed dispatch->f->combine into one global function that
-    every rank evaluates in lock step, which is what gradcheck needs."""
+    every rank evaluates in lock step, which is what gradcheck needs. It and _SliceSame are each
+    other's adjoints, and each backward is the other (so gradgradcheck sees through both)."""
 
     @staticmethod
     def forward(ctx, t):
-        R, rank = dist.get_world_size(), dist.get_rank()
-        ctx.rank, ctx.n = rank, t.shape[0]
+        R = dist.get_world_size()
+        ctx.n = t.shape[0]
         parts = [torch.empty_like(t) for _ in range(R)]
         dist.all_gather(parts, t.contiguous())
         return torch.cat(parts)
 
     @staticmethod
     def backward(ctx, g):
-        return g[ctx.rank * ctx.n:(ctx.rank + 1) * ctx.n]
+        return _SliceSame.apply(g, ctx.n)
 
 
 class _SliceSame(torch.autograd.Function):
@@ -416,9 +417,7 @@ class _SliceSame(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        parts = [torch.empty_like(g) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, g.contiguous())
-        return torch.cat(parts), None
+        return _GatherSame.apply(g), None
 
 
 def _per_row(out, permute):
@@ -430,7 +429,9 @@ def _per_row(out, permute):
     return out.x * (1 + rw.sum(1, keepdim=True)) ** 2, rw * 3
 
 
-def run_gradcheck(cfg: dict, backend: str = "torch") -> list:
+def run_gradcheck(cfg: dict, backend: str = "torch", order: int = 1) -> list:
+    """torch.autograd.gradcheck (order 1) or gradgradcheck (order 2) of dispatch -> a nonlinear
+    per-row function -> combine, as one global function every rank evaluates in lock step."""
     from oracle import _routing
 
     R, rank = dist.get_world_size(), dist.get_rank()
@@ -449,11 +450,13 @@ def run_gradcheck(cfg: dict, backend: str = "torch") -> list:
         res = mep.combine(buf, f, out.handle, weights=cw)
         return _GatherSame.apply(res.x), _GatherSame.apply(res.weights)
 
+    check = torch.autograd.gradcheck if order == 1 else torch.autograd.gradgradcheck
+    tag = f"[{check.__name__} R={R} rank={rank} {cfg}]"
     try:
-        ok = torch.autograd.gradcheck(F, (X, W), eps=1e-6, atol=1e-6, rtol=1e-4, raise_exception=True)
+        ok = check(F, (X, W), eps=1e-6, atol=1e-6, rtol=1e-4, raise_exception=True)
     except Exception as exc:
-        return [f"[gradcheck R={R} rank={rank} {cfg}] {exc}"]
-    return [] if ok else [f"[gradcheck R={R} rank={rank} {cfg}] failed"]
+        return [f"{tag} {exc}"]
+    return [] if ok else [f"{tag} failed"]
 
 
 # ------------------------------------------------------------------------------- bad inputs

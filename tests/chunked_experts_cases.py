@@ -239,3 +239,92 @@ def graph_cases(R: int) -> list:
 
 def run_chunked_graph_cases(cfgs: list) -> list:
     return [e for cfg in cfgs for e in run_chunked_graph_case(cfg)]
+
+
+def _chunked(buf, leaves, idx, cfg, **options):
+    x, probs, w1, w2 = leaves
+    return chunked_expert_mlp(buf, x, idx, probs, w1, w2, cfg["E"], chunks=cfg["chunks"], **options)
+
+
+def run_chunked_edges_case(cfg: dict, backend: str = "torch", device: str = "cpu") -> list:
+    """What a chunked layer must not get silently wrong: a second derivative through it raises
+    (naming it) instead of missing its part; a second backward after retain_graph=True raises
+    instead of failing inside; bf16 router probs are taken and their gradient comes back in bf16,
+    equal to the fp32 probs' gradient rounded; on the torch backend an fp64 probs gradient keeps
+    fp64 precision (against one round); probs of the wrong kind raise naming `probs`. Each check
+    runs on its own (an exception in one is reported, the next still runs: every rank makes the
+    same calls)."""
+    R, rank = dist.get_world_size(), dist.get_rank()
+    tag = f"[chunked edges R={R} rank={rank} {backend}]"
+    buf = get_buffer(backend)
+    x, idx, probs, w1, w2, grad = _inputs(cfg, rank, device)
+
+    def leaves(dtype=None, probs_dtype=None):
+        ts = [t.detach().clone() for t in (x, probs, w1, w2)]
+        if dtype is not None:
+            ts = [t.to(dtype) for t in ts]
+        if probs_dtype is not None:
+            ts[1] = ts[1].to(probs_dtype)
+        return [t.requires_grad_(True) for t in ts]
+
+    def double_backward():
+        lv = leaves()
+        y = _chunked(buf, lv, idx, cfg)
+        gx = torch.autograd.grad((y * grad).sum(), lv[0], create_graph=True)[0]
+        try:
+            (gx * gx).sum().backward()
+            return ["a double backward through the chunked layer raised nothing"]
+        except RuntimeError as e:
+            if "chunked_expert_mlp" not in str(e) or "second derivatives" not in str(e):
+                return [f"double backward: {e!r} does not say what is unsupported"]
+        return []
+
+    def second_backward():
+        lv = leaves()
+        y = _chunked(buf, lv, idx, cfg)
+        y.backward(grad, retain_graph=True)
+        try:
+            y.backward(grad)
+            return ["a second backward through the chunked layer raised nothing"]
+        except RuntimeError as e:
+            if "second backward" not in str(e):
+                return [f"second backward: {e!r} does not say a second backward is not supported"]
+        return []
+
+    def bf16_probs():
+        got = {}
+        for name, pd in (("fp32", None), ("bf16", torch.bfloat16)):
+            lv = leaves(probs_dtype=pd)
+            _chunked(buf, lv, idx, cfg).backward(grad)
+            got[name] = lv[1].grad
+        if got["bf16"].dtype != torch.bfloat16:
+            return [f"bf16 probs got a {got['bf16'].dtype} gradient"]
+        if not torch.allclose(got["bf16"].float(), got["fp32"], rtol=2e-2, atol=1e-2):
+            return [f"bf16 probs' gradient differs from fp32's by {(got['bf16'].float() - got['fp32']).abs().max().item():.3g}"]
+        return []
+
+    def fp64_probs():  # the torch backend moves fp64 weights; the cuda backend takes fp32
+        lv = leaves(dtype=torch.float64)
+        _chunked(buf, lv, idx, cfg).backward(grad.double())
+        one = leaves(dtype=torch.float64)
+        _one_round(buf, one, idx, cfg, F.gelu).backward(grad.double())
+        err = (lv[1].grad - one[1].grad).abs().max().item() if lv[1].grad.numel() else 0.0
+        if lv[1].grad.dtype != torch.float64 or err > 1e-12:
+            return [f"fp64 probs' gradient: {lv[1].grad.dtype}, {err:.3g} from one round"]
+        return []
+
+    def integer_probs():
+        try:
+            _chunked(buf, [x, idx.clone(), w1, w2], idx, cfg)
+            return ["integer probs were accepted"]
+        except TypeError as e:
+            return [] if "probs" in str(e) else [f"integer probs: {e!r} does not name probs"]
+
+    errors = []
+    for check in (double_backward, second_backward, bf16_probs) + ((fp64_probs,) if backend == "torch" else ()) + (integer_probs,):
+        try:
+            errors += [f"{tag} {e}" for e in check()]
+        except Exception:
+            errors.append(f"{tag} {check.__name__} raised:\n{traceback.format_exc()}")
+        dist.barrier()
+    return errors

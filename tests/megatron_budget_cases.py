@@ -86,8 +86,10 @@ def _budget_errors(tag, got, want, flag, ndrop, align, r):
         errors.append(f"{tag} tokens_per_expert {got['tpe'].tolist()} != {want['tpe'].tolist()}")
     if any(c % align for c in got["tpe"].tolist()):
         errors.append(f"{tag} tokens_per_expert {got['tpe'].tolist()} not multiples of {align}")
-    if flag != (want["dropped"][r] > 0) or ndrop != want["dropped"][r]:
-        errors.append(f"{tag} over_budget={flag} num_dropped_rows={ndrop}, want {want['dropped'][r] > 0} / {want['dropped'][r]}")
+    # over_budget is the group's (any rank dropped); num_dropped_rows this rank's own drops
+    any_drop = any(n > 0 for n in want["dropped"].values())
+    if flag != any_drop or ndrop != want["dropped"][r]:
+        errors.append(f"{tag} over_budget={flag} num_dropped_rows={ndrop}, want {any_drop} / {want['dropped'][r]}")
     for name, a, b in (("output", got["y"], want["y"]), ("grad hidden", got["gx"], want["gx"]), ("grad probs", got["gp"], want["gp"])):
         if not torch.allclose(a.double(), b, rtol=1e-5, atol=1e-5):
             errors.append(f"{tag} {name}: max abs diff {(a.double() - b).abs().max().item():.3g}")
@@ -305,7 +307,8 @@ def run_overfull_routing_case(case):
     row of case["bad_ranks"]' maps, "all" marks every expert of every row there). The dynamic
     managers reject it before any communication: the bad ranks raise ValueError naming the row,
     the others PeerFailedError, and the next dispatch works (checked against alltoall). The
-    budget mode, which cannot sync, counts the extra pairs as dropped and raises over_budget."""
+    budget mode, which cannot sync, counts the extra pairs as dropped and raises over_budget on
+    every rank."""
     from megatron_ep.errors import PeerFailedError
 
     R, r = dist.get_world_size(), dist.get_rank()
@@ -348,8 +351,11 @@ def run_overfull_routing_case(case):
             if outcome is not None:
                 errors.append(f"{tag} the budget mode raised {type(outcome).__name__}: {outcome}")
             ndrop, flag = int(mgr.num_dropped_rows.item()), bool(mgr.over_budget.item())
-            if ndrop != excess or flag != (excess > 0):
-                errors.append(f"{tag} num_dropped_rows={ndrop} over_budget={flag}, want the {excess} pairs past top-k")
+            group = torch.tensor([excess])
+            dist.all_reduce(group)  # over_budget is the group's: raised on every rank when any rank dropped
+            if ndrop != excess or flag != (int(group) > 0):
+                errors.append(f"{tag} num_dropped_rows={ndrop} over_budget={flag}, want the {excess} pairs past top-k "
+                              f"(the group's {int(group)})")
             dist.barrier()
             return errors + check_cuda_buffers(case, tag)
         got = run(disp, good_map, dev)  # the Buffer stays usable: the valid routing, against alltoall
@@ -370,8 +376,9 @@ def run_overfull_routing_case(case):
 
 @guarded
 def run_bad_routing_inputs_case(case):
-    """A manager given a routing map that is not a bool map, or probs shaped unlike it, raises a
-    ValueError naming them at its dispatch, on every rank alike, and then works (against
+    """A manager given a routing map that is not a bool map, probs shaped unlike it (transposed
+    included), or hidden states that are not the routed tokens, raises a ValueError naming what
+    the caller passed at its dispatch, on every rank alike, and then works (against
     alltoall); a rank capacity factor of NaN, inf, 0 or below is refused when the manager is
     built (0 and negative ones used to switch the budget off silently)."""
     R, r = dist.get_world_size(), dist.get_rank()
@@ -389,12 +396,18 @@ def run_bad_routing_inputs_case(case):
     with ctx:
         disp = _make_dispatcher(case["backend"], E, K, H)
         mgr = disp._comm_manager
-        for name, rmap, p, text in [("float routing map", good_map.float(), probs, "routing_map must be a torch.bool"),
-                                    ("int routing map", good_map.long(), probs, "routing_map must be a torch.bool"),
-                                    ("probs shape", good_map, probs[:, :-1], "probs has shape")]:
+        T = x.shape[0]
+        for name, rmap, p, h, text in [
+                ("float routing map", good_map.float(), probs, x, "routing_map must be a torch.bool"),
+                ("int routing map", good_map.long(), probs, x, "routing_map must be a torch.bool"),
+                ("probs shape", good_map, probs[:, :-1], x, "probs has shape"),
+                # [E, T] probs for [T, E] have the right size and every value in the wrong place
+                ("probs transposed", good_map, probs.t().contiguous(), x, f"probs has shape {(E, T)}"),
+                ("fewer hidden states", good_map, probs, x[:-1], f"hidden_states has {T - 1} tokens but the "
+                                                                   f"routing_map given to setup_metadata has {T} rows")]:
             try:
                 mgr.setup_metadata(rmap.to(dev), p)
-                mgr.dispatch(x)
+                mgr.dispatch(h)
                 errors.append(f"{tag} {name}: no error")
             except ValueError as e:
                 if text not in str(e):
@@ -444,3 +457,43 @@ def _with_factor(config, f):
             os.environ.pop(key, None)
         else:
             os.environ[key] = before
+
+
+@guarded
+def run_budget_growth_case(case):
+    """A rank's token count grows past the one agreed at the first budgeted dispatch (rank 0: 4
+    tokens, then 40; the others keep 4), with a factor equal to the EP size: the others' budgets
+    are too small for rank 0's rows and drop some. Every rank must then report it: over_budget
+    raised on every rank, group_dropped_rows the sum of every rank's num_dropped_rows (> 0),
+    while a step that drops nothing leaves every flag down."""
+    with side(case, "ref")[0]:
+        _init_megatron()
+    R, r = dist.get_world_size(), dist.get_rank()
+    E, K, H = case["E"], case["K"], case["H"]
+    L = E // R
+    ctx, dev = side(case, "ours")
+    errors, tag = [], f"[budget growth R={R} rank={r}]"
+    with ctx:
+        disp, mgr = _budget_dispatcher(case, float(R))
+        for step, Ts in enumerate(case["steps"]):
+            inputs, W, upstream, probs_full = _global_problem(dict(case, Ts=Ts, seed=case["seed"] + step))
+            mgr.over_budget.zero_()  # what reset_over_budget() does between steps
+            group_rows = lambda: int(getattr(mgr, "group_dropped_rows", mgr.num_dropped_rows).sum())  # noqa: E731
+            before = int(mgr.num_dropped_rows.sum()), group_rows()
+            _run_dispatcher(disp, inputs[r]["x"].to(dev).requires_grad_(True), _routing_map(inputs[r]["idx"], E).to(dev),
+                            probs_full[r].to(dev).requires_grad_(True), W[r * L:(r + 1) * L].to(dev), upstream[r].to(dev))
+            mine = int(mgr.num_dropped_rows.sum()) - before[0]
+            group = group_rows() - before[1]
+            seen = torch.tensor([int(mgr.over_budget.item()), mine, group])
+            every = [torch.zeros_like(seen) for _ in range(R)]
+            dist.all_gather(every, seen)
+            total = sum(int(e[1]) for e in every)
+            for q, e in enumerate(every):
+                if int(e[2]) != total or bool(e[0]) != (total > 0):
+                    errors.append(f"{tag} step {step} (Ts={Ts}): rank {q} reports over_budget={bool(e[0])}, "
+                                  f"group_dropped_rows={int(e[2])}; the ranks dropped {total} rows in all")
+            if step == 0 and total:
+                errors.append(f"{tag} step 0 dropped {total} rows at a factor equal to the EP size")
+            if step == 1 and not total:
+                errors.append(f"{tag} step 1 dropped nothing: the case checks nothing")
+    return errors

@@ -133,3 +133,10 @@ def test_on_dispatch_runs_after_the_wait_for_the_rows():
                        on_dispatch=lambda c, out: seen.append(("on_dispatch", c)))
     for c in range(3):
         assert seen.index(("wait", ("dispatch", c))) < seen.index(("on_dispatch", c)), seen
+
+
+@pytest.mark.parametrize("R", [2, 3])
+def test_chunked_edges(pools, R):
+    cfg = dict(seed=350 + R, E=2 * R, K=2, H=16, F=8, Ts=[5, 0, 7][:R], chunks=3, p_drop=0.2)
+    errors = [e for rank in pools(R).run(cc.run_chunked_edges_case, cfg) for e in rank]
+    assert not errors, "\n".join(errors[:20])

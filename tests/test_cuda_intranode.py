@@ -91,12 +91,32 @@ def test_hostile_use(R):
     assert not errors, "\n".join(errors[:30])
 
 
+@pytest.mark.parametrize("R", [2, 4])
+def test_edges(R):
+    """tests/edge_cases.py on the cuda backend: a cached dispatch's outputs are the caller's, an
+    FP8 dispatch's weights' gradient (a weights-only combine of narrow rows), previous_event of
+    the wrong kind, two threads on one Buffer."""
+    import edge_cases
+
+    errors = flat(pool_(R).run(edge_cases.run_all, backend="cuda", device="cuda", timeout=300))
+    assert not errors, "\n".join(errors[:30])
+
+
+@pytest.mark.parametrize("R", [2])
+def test_double_backward(R):
+    """First and second derivatives of dispatch -> f -> combine equal the torch backend's (whose
+    gradgradcheck passes on CPU), both layouts."""
+    import edge_cases
+
+    errors = flat(pool_(R).run(edge_cases.run_double_backward_matches_reference, timeout=300))
+    assert not errors, "\n".join(errors[:20])
+
+
 def test_hostile_timeouts():
     """Calls on different Buffers, and a destroy on one rank only: CommTimeoutError on every rank
     within the (short) timeout, no hang (fresh processes: the Buffers end broken)."""
     errors = flat(run_alone(2, hostile_cases.run_cuda_timeouts, None, timeout=150, MEP_TIMEOUT_S="3"))
     assert not errors, "\n".join(errors[:20])
-
 
 
 @pytest.mark.parametrize("R", [2, 4])
@@ -167,6 +187,17 @@ def test_chunked_experts(R):
     import chunked_experts_cases as cc
 
     errors = flat(pool_(R).run(cc.run_chunked_experts_cases, cc.cases(R), backend="cuda", device="cuda", timeout=300))
+    assert not errors, "\n".join(errors[:20])
+
+
+@pytest.mark.parametrize("R", [2])
+def test_chunked_edges(R):
+    """A second derivative or a second backward through a chunked layer raises naming it; bf16
+    probs are taken, their gradient bf16; probs of the wrong kind are named."""
+    import chunked_experts_cases as cc
+
+    cfg = dict(seed=352, E=2 * R, K=2, H=16, F=8, Ts=[5, 0], chunks=3, p_drop=0.2)
+    errors = flat(pool_(R).run(cc.run_chunked_edges_case, cfg, backend="cuda", device="cuda", timeout=300))
     assert not errors, "\n".join(errors[:20])
 
 

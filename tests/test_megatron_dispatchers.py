@@ -122,6 +122,16 @@ def test_routing_map_past_topk(pools):
     _run(pools(2), bc.run_overfull_routing_case, overfull_routing_cases(2))
 
 
+@pytest.mark.parametrize("R", [2, 3])
+def test_hybridep_budget_growth_is_seen_by_every_rank(pools, R):
+    """Rank 0's token count grows tenfold after the budget was agreed: the drops this causes on
+    the other ranks raise over_budget on every rank, rank 0 (whose rows come back wrong)
+    included."""
+    steps = [[4] * R, [40] + [4] * (R - 1)]
+    _run(pools(R), bc.run_budget_growth_case, [dict(seed=360 + R, E=2 * R, K=3, H=8, steps=steps, align=1, p_drop=0.0,
+                                                    pattern="random")])
+
+
 def budget_rerun_cases(R):
     return [dict(seed=340 + R, E=2 * R, K=3, H=8, Ts=[8] * R, factor=0.4, align=2, p_drop=0.0)]
 

@@ -45,7 +45,8 @@ from typing import Callable, List, Optional
 import torch
 import torch.nn.functional as F
 
-from ..checks import check_int, fail
+from ..autograd import refuse_second_derivative
+from ..checks import WEIGHT_DTYPES, check_int, fail
 from ..permute import worst_case_segments
 from ..types import EventOverlap
 from .backends import sms_left_free
@@ -184,7 +185,7 @@ def _backward(plan: _Plan, chunks: List[_Chunk], grad_y: torch.Tensor, weights: 
                     grad_w[i] = g if grad_w[i] is None else grad_w[i] + g
             g_rows = grads[0] if grads[0] is not None else torch.zeros_like(rows)
             g_probs = grads[1] if grads[1] is not None else torch.zeros_like(row_probs)
-            ch.out = (g_rows.contiguous(), g_probs.float().contiguous())  # referenced until waited for
+            ch.out = (g_rows.contiguous(), g_probs.contiguous())  # referenced until waited for; probs' dtype kept
         else:
             g_rows, g_probs = ch.out
             ch.result = plan.buffer.combine(g_rows, ch.handle, weights=g_probs if want_probs else None,
@@ -209,13 +210,19 @@ class _ChunkedExperts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
+        fail(ctx.chunks is not None, "chunked_expert_mlp: this layer's backward already ran; a second backward "
+             "through it (retain_graph=True) is not supported: its chunks' graphs are freed as the first one "
+             "pipelines them. Run the layer's forward again", RuntimeError)
         _, want_x, want_probs, want_w1, want_w2 = ctx.needs_input_grad
         grad_x, grad_probs, (g1, g2) = _backward(ctx.plan, ctx.chunks, grad_y.contiguous(), ctx.weights,
                                                  (want_x, want_probs, (want_w1, want_w2)))
         ctx.chunks = ctx.weights = None  # one backward: the chunks' graphs are spent
         if grad_probs is not None:
             grad_probs = grad_probs.to(ctx.probs_dtype)
-        return None, grad_x, grad_probs, g1, g2
+        grads = (grad_x, grad_probs, g1, g2)
+        if torch.is_grad_enabled():  # create_graph=True: no second derivative may come out silently wrong
+            grads = refuse_second_derivative("chunked_expert_mlp", grads)
+        return (None,) + grads
 
 
 def chunked_expert_mlp(buffer, x: torch.Tensor, topk_idx: torch.Tensor, probs: torch.Tensor, w1: torch.Tensor,
@@ -255,6 +262,11 @@ def chunked_expert_mlp(buffer, x: torch.Tensor, topk_idx: torch.Tensor, probs: t
          f"x must be [T, H] and topk_idx [T, K] with the same T, got {tuple(x.shape)} and {tuple(topk_idx.shape)}")
     fail(probs.shape == topk_idx.shape, f"probs must have topk_idx's shape {tuple(topk_idx.shape)}, got "
          f"{tuple(probs.shape)}")
+    fail(probs.is_floating_point(), f"probs must be a floating-point tensor, got {probs.dtype}", TypeError)
+    fail(probs.device == x.device and topk_idx.device == x.device, f"x, topk_idx and probs must be on one device, got "
+         f"{x.device}, {topk_idx.device} and {probs.device}")
+    if probs.dtype not in WEIGHT_DTYPES:  # bf16 / fp16 router probs travel as fp32; their gradient comes back cast
+        probs = probs.float()
     plan = _Plan(buffer, topk_idx, chunk_bounds(x.shape[0], chunks), num_experts, expert_alignment, activation, glu,
                  backend, num_worst_tokens, mark, on_dispatch, comm_sms)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, probs, w1, w2)):

@@ -20,7 +20,7 @@ import torch
 from megatron.core.transformer.moe.token_dispatcher import _DispatchManager
 
 from .. import autograd as ep
-from ..checks import routing_inputs_error
+from ..checks import routing_inputs_error, routing_tokens_error
 from ..permute import routing_map_error, routing_map_to_topk
 from . import compat
 from .buffers import fail_dispatch, get_buffer
@@ -70,7 +70,7 @@ class MegatronEPDeepepManager(_DispatchManager):
                  allocate_on_comm_stream: bool = False) -> torch.Tensor:
         self.buffer = get_buffer(self.group, hidden_states, self.num_experts, self.router_topk, self.num_sms)
         # before any communication (this dispatch syncs the host anyway)
-        error = self._input_error
+        error = self._input_error or routing_tokens_error(hidden_states, self.routing_map)
         if error is None and self.routing_map is not None:
             error = routing_map_error(self.routing_map, self.router_topk)
         if error:

@@ -17,9 +17,14 @@ Static shapes (no host sync in the manager):
   larger of this rank's tokens and the group's largest token count, agreed once (with the
   Buffer's sizing) at the first budgeted dispatch, so every rank budgets alike and a rank
   without tokens still receives. A factor equal to the EP size then never drops. Rows past the
-  budget are dropped by the dispatch, `over_budget` is raised and `num_dropped_rows` counts them;
+  budget are dropped by the dispatch and `num_dropped_rows` counts the ones this rank dropped;
+  each budgeted call then sums its drops over the EP group (one all-reduce on the device, no host
+  sync), so `over_budget` is raised on every rank whenever any rank dropped (a rank whose rows
+  another rank dropped gets them back wrong: it must know) and `group_dropped_rows` counts them;
   `required_recv` keeps the most real rows a dispatch needed (device tensors). Megatron's
-  paged-stash rerun (main) reads `required_recv` and calls `grow_recv_capacity`.
+  paged-stash rerun (main) reads `required_recv` and calls `grow_recv_capacity`. A rank whose
+  token count grows past the agreed one makes the budgets of the others too small for it: their
+  drops raise `over_budget` everywhere, and the rerun (`invalidate_ep_bootstrap()`) agrees anew.
 * `moe_pad_expert_input_to_capacity`: each local expert gets exactly capacity * group_size rows
   (the router already dropped tokens over capacity per source rank).
 A routing-map row with more than top-k experts is rejected before any communication (the
@@ -33,12 +38,13 @@ import os
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from megatron.core.transformer.moe.moe_utils import get_capacity
 from megatron.core.transformer.moe.token_dispatcher import _DispatchManager
 
 from .. import autograd as ep
-from ..checks import capturing, check_capacity_factor, routing_inputs_error
+from ..checks import capturing, check_capacity_factor, routing_inputs_error, routing_tokens_error
 from ..permute import (attach_expert_rows, routed_past_topk, routing_map_error, routing_map_to_topk,
                        worst_case_segments)
 from . import compat
@@ -81,7 +87,9 @@ class MegatronEPHybridEPManager(_DispatchManager):
         # required_recv are what megatron-core's reset_over_budget() zeroes; num_dropped_rows
         # counts from the manager's creation.
         self.over_budget = torch.zeros(1, dtype=torch.bool)
-        self.num_dropped_rows = torch.zeros(1, dtype=torch.int64)
+        self.num_dropped_rows = torch.zeros(1, dtype=torch.int64)  # rows this rank dropped
+        self.group_dropped_rows = torch.zeros(1, dtype=torch.int64)  # rows any rank of the group dropped
+        self._call_drops: Optional[torch.Tensor] = None  # this call's drops on this rank, until shared
         self.required_recv = torch.zeros(1, dtype=torch.int64)  # most real rows one dispatch needed
         self._recv_capacity_override = 0  # real rows grow_recv_capacity() asked room for
         # False until a budgeted dispatch agreed the token count and sized the Buffer;
@@ -176,8 +184,9 @@ class MegatronEPHybridEPManager(_DispatchManager):
         moves."""
         self.buffer = get_buffer(self.group, hidden_states, self.num_experts, self.router_topk, self.num_sms,
                                  expert_major_align=align)
-        if self._input_error:
-            fail_dispatch(self.buffer, f"flex hybridep: {self._input_error}")
+        error = self._input_error or routing_tokens_error(hidden_states, self.routing_map)
+        if error:
+            fail_dispatch(self.buffer, f"flex hybridep: {error}")
         error = routing_map_error(self.routing_map, self.router_topk) if check_routing else None
         if error:  # before any communication (the dynamic modes sync the host anyway)
             fail_dispatch(self.buffer, f"flex hybridep: {error}")
@@ -190,6 +199,7 @@ class MegatronEPHybridEPManager(_DispatchManager):
         self._last_shape = (hidden_states.shape[0], hidden_states.shape[-1], hidden_states.element_size())
         if not self._bootstrapped:
             self._bootstrap(hidden_states, factor)
+        self._call_drops = torch.zeros(1, dtype=torch.int64, device=hidden_states.device)
         self._count_drops(routed_past_topk(self.routing_map, self.router_topk).sum())
         self.budget = self._budget_rows(hidden_states.shape[0], factor, chunks)
         return self.budget
@@ -198,6 +208,26 @@ class MegatronEPHybridEPManager(_DispatchManager):
         """A budgeted dispatch's drops and the real rows it needed (what a rerun must make room for)."""
         self._count_drops(out.num_dropped)
         self._need((out.row_expert >= 0).sum() + out.num_dropped)
+
+    def _share_drops(self) -> None:
+        """End of a budgeted call: its drops summed over the EP group raise `over_budget` on every
+        rank (a rank whose rows another dropped gets them back wrong). One all-reduce on the
+        device with NCCL (no host sync, CUDA-graph capturable); through the host with gloo, which
+        cannot run inside a CUDA-graph capture: there (virtual ranks only) each rank keeps its own."""
+        drops, self._call_drops = self._call_drops, None
+        if drops is None:
+            return
+        if "nccl" in str(dist.get_backend(self.group)).lower():
+            dist.all_reduce(drops, op=dist.ReduceOp.SUM, group=self.group)
+        elif not capturing():
+            host = drops.cpu()
+            dist.all_reduce(host, op=dist.ReduceOp.SUM, group=self.group)
+            drops = host.to(drops.device)
+        else:
+            return
+        self._on(drops.device)
+        self.group_dropped_rows += drops
+        self.over_budget |= drops > 0
 
     # ------------------------------------------------------------------ chunked experts
     def chunked_experts(self, hidden_states: torch.Tensor, experts, chunks: int,
@@ -222,10 +252,12 @@ class MegatronEPHybridEPManager(_DispatchManager):
             on_dispatch = lambda c, out: self._count_budgeted(out)  # noqa: E731
 
         idx, weights = self._topk_routing(probs)
-        return chunked_expert_mlp(self.buffer, hidden_states, idx, weights, experts.weight1, experts.weight2,
-                                  self.num_experts, chunks=chunks, expert_alignment=self.align,
-                                  activation=experts.activation, glu=experts.glu, backend=experts.backend,
-                                  num_worst_tokens=worst, on_dispatch=on_dispatch)
+        y = chunked_expert_mlp(self.buffer, hidden_states, idx, weights, experts.weight1, experts.weight2,
+                               self.num_experts, chunks=chunks, expert_alignment=self.align,
+                               activation=experts.activation, glu=experts.glu, backend=experts.backend,
+                               num_worst_tokens=worst, on_dispatch=on_dispatch)
+        self._share_drops()
+        return y
 
     # ----------------------------------------------------------------------------- dispatch
     def dispatch(self, hidden_states: torch.Tensor, async_finish: bool = True,
@@ -253,6 +285,7 @@ class MegatronEPHybridEPManager(_DispatchManager):
             tpe = self._static.tokens_per_expert
         if worst:
             self._count_budgeted(out)
+            self._share_drops()
             tpe = worst_case_segments(x, row_expert, tpe, self.align)  # also tags x with the real segments
         else:
             attach_expert_rows(x, row_expert, 1 if self.drop_and_pad else self.align)
@@ -265,12 +298,15 @@ class MegatronEPHybridEPManager(_DispatchManager):
         if self.over_budget.device != device:
             self.over_budget = self.over_budget.to(device)
             self.num_dropped_rows = self.num_dropped_rows.to(device)
+            self.group_dropped_rows = self.group_dropped_rows.to(device)
             self.required_recv = self.required_recv.to(device)
 
     def _count_drops(self, dropped: torch.Tensor) -> None:
         self._on(dropped.device)
         self.num_dropped_rows += dropped
         self.over_budget |= dropped > 0
+        if self._call_drops is not None:
+            self._call_drops += dropped.reshape(1).to(torch.int64)
 
     def _need(self, real_rows: torch.Tensor) -> None:
         self._on(real_rows.device)

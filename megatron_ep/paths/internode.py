@@ -288,7 +288,7 @@ class InternodePath(NvshmemPath, NormalPath):
             st = InternodeState(inner=inner.handle, local_idx=local_idx, tokens=tokens)
             handle = DispatchHandle(backend="cuda", num_ranks=self.num_ranks, rank=self.rank, num_experts=num_experts,
                                     num_tokens=T, topk=K, permute=permute, expert_alignment=alignment,
-                                    num_recv_rows=inner.handle.num_recv_rows, tokens_per_expert=inner.tokens_per_expert,
+                                    num_recv_rows=inner.handle.num_recv_rows, tokens_per_expert=inner.handle.tokens_per_expert,
                                     topk_idx=topk_idx, num_worst_tokens=num_worst_tokens, state=st, call_seq=call.seq)
         else:
             st.local_idx, st.tokens = local_idx, tokens  # the same values: the routing did not change

@@ -162,9 +162,10 @@ class IntranodePath(NormalPath):
         call.set(variant=int(push))
         compute = rt.enter(previous_event)
         first = handle is None
-        if first:  # what the caller gets back is allocated on its stream (see rt.leave)
-            tpe = torch.empty(L, dtype=torch.int64, device=rt.device)
-            dropped = torch.empty((), dtype=torch.int64, device=rt.device)
+        # what the caller gets back is allocated on its stream (see rt.leave); a cached dispatch
+        # returns copies of the counts its handle keeps (the caller's outputs are its own)
+        tpe = torch.empty(L, dtype=torch.int64, device=rt.device)
+        dropped = torch.empty((), dtype=torch.int64, device=rt.device)
         with torch.cuda.stream(rt.stream):
             rt.mark("start", first=True)
             if first:
@@ -192,7 +193,6 @@ class IntranodePath(NormalPath):
                 call.owe(P.Pending.OUT_LOC if push else P.Pending.STAGED)
             else:
                 st = handle.state
-                tpe, dropped = st.tokens_per_expert, st.num_dropped  # same routing, same rows
             valid = st.num_perm_rows if permute else st.num_rows
             out_rows = num_worst_tokens or valid
 
@@ -255,6 +255,11 @@ class IntranodePath(NormalPath):
             call.settle()
             if not (push and permute):
                 rt.mark("push" if push else "pull")
+            if first:  # the handle keeps its own counts (the pull may have written tpe)
+                st.tokens_per_expert, st.num_dropped = tpe.clone(), dropped.clone()
+            else:  # same routing, same rows
+                tpe.copy_(st.tokens_per_expert)
+                dropped.copy_(st.num_dropped)
         event = rt.leave(compute, [data, scales, topk_idx, topk_weights, st.rank_pos, st.slot_pos, st.recv_info,
                                    st.row_limits, st.comb_map, out_x, out_s, out_idx, out_w, out_re, tpe, dropped], async_op)
 
@@ -263,13 +268,14 @@ class IntranodePath(NormalPath):
         if first:
             handle = DispatchHandle(backend="cuda", num_ranks=R, rank=rt.rank, num_experts=num_experts,
                                     num_tokens=T, topk=K, permute=permute, expert_alignment=alignment,
-                                    num_recv_rows=out_rows, tokens_per_expert=tpe, topk_idx=topk_idx,
+                                    num_recv_rows=out_rows, tokens_per_expert=st.tokens_per_expert, topk_idx=topk_idx,
                                     num_worst_tokens=num_worst_tokens, state=st, call_seq=call.seq)
         out.handle = handle
         if host_counts:
             if st.counts is not None and not num_worst_tokens:
                 out.tokens_per_expert_host = [(c + alignment - 1) // alignment * alignment for c in st.counts] if permute else list(st.counts)
             else:
+                event.synchronize()  # an asynchronous call's counts are written on our stream
                 out.tokens_per_expert_host = tpe.tolist()
         return out
 
