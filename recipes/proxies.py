@@ -71,14 +71,17 @@ PRESETS: Dict[str, Preset] = {
 
 def command(name: str, nproc: Optional[int] = None, steps: Optional[int] = None,
             extra: List[str] = ()) -> tuple:
-    """(environment additions, argv) of a preset. Later train_moe.py flags override earlier
-    ones (argparse keeps the last), so `extra` and `steps` win over the preset's values."""
+    """(environment additions, argv) of a preset. `steps` replaces the preset's step count (the
+    printed command holds one --steps); `extra` comes last, and train_moe.py's argparse keeps the
+    last of a repeated flag, so it wins over the preset's values."""
     preset = PRESETS[name]
     n = preset.nproc if nproc is None else nproc
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
-            TRAIN_MOE, *preset.args]
+    args = list(preset.args)
     if steps is not None:
-        argv += ["--steps", str(steps)]
+        i = args.index("--steps")
+        args[i + 1] = str(steps)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
+            TRAIN_MOE, *args]
     argv += list(extra)
     return dict(preset.env or {}), argv
 

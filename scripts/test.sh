@@ -3,4 +3,6 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 source "$ROOT/scripts/setup_env.sh"
-cd "$ROOT" && python -m pytest -q tests "$@"
+echo "test suite: about 10-12 minutes on 2 cores (each file's name is printed as it starts; some take minutes)" >&2
+# default verbosity: one line per test file, its name first, so a long file shows which one it is
+cd "$ROOT" && python -m pytest tests "$@"
