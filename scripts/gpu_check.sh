@@ -8,6 +8,11 @@
 #   bash scripts/gpu_check.sh long     the long runs: MEP_FUZZ_CASES (default 1000) fuzz seeds per
 #                                      R = 2, 4, 8, the MEP_SOAK_ITERS (default 10000) soak, and the
 #                                      racecheck and synccheck on the intranode case
+#   bash scripts/gpu_check.sh e2e      Megatron-LM's pretrain_gpt.py on our managers, experts and
+#                                      chunks against alltoall (tests/test_megatron_lm.py), from the
+#                                      trees MEGATRON_LM_DIR (default .carry/megatron-lm-main) and
+#                                      MEGATRON_LM_R019_DIR (.carry/megatron-lm-r0.19); the runs' logs
+#                                      and numbers land under $OUT/e2e
 #   MEP_GATE_COMMIT=<sha>              the commit under test, for the record (else git rev-parse HEAD)
 #   MEP_GATE_FILES="a.py b.py"         only these test files (the record then names only them)
 #   MEP_GATE_PYTEST="..."              extra pytest arguments for every file
@@ -29,9 +34,9 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 MODE=${1:-gate}
 case "$MODE" in
-  gate|long) ;;
+  gate|long|e2e) ;;
   -h|--help) sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | grep '^#' | sed 's/^# \{0,1\}//'; exit 0 ;;
-  *) echo "usage: $0 [gate|long] (--help says more)" >&2; exit 2 ;;
+  *) echo "usage: $0 [gate|long|e2e] (--help says more)" >&2; exit 2 ;;
 esac
 OUT=${OUT:-$ROOT/.gpu_out}
 LOGS=/tmp/mep-gate-logs  # packed into $OUT/logs.tar.gz at the end (a device call brings few files back)
@@ -189,6 +194,14 @@ if [ "$MODE" = gate ]; then
     sanitize "intranode, internode, low-latency" memcheck 240 -m gpu tests/test_sanitizer_pass.py
   fi
   wait "$NO_MPS_PID" || status=1
+elif [ "$MODE" = e2e ]; then
+  wait_nvshmem_build
+  mkdir -p "$OUT/e2e"
+  MEGATRON_LM_DIR=${MEGATRON_LM_DIR:-$ROOT/.carry/megatron-lm-main} \
+  MEGATRON_LM_R019_DIR=${MEGATRON_LM_R019_DIR:-$ROOT/.carry/megatron-lm-r0.19} MEP_E2E_OUT=$OUT/e2e \
+  MEP_E2E_TIMEOUT_S=$(left 420 60) \
+    run_file "tests/test_megatron_lm.py" 540 -m gpu tests/test_megatron_lm.py
+  tar -czf "$OUT/e2e_logs.tar.gz" -C "$OUT/e2e" . && find "$OUT/e2e" -name '*.log' -delete
 else
   export MEP_FUZZ_CASES=${MEP_FUZZ_CASES:-1000} MEP_SOAK_ITERS=${MEP_SOAK_ITERS:-10000}
   MEP_GPU_TEST_LIMIT_S=420 run_file "tests/test_cuda_intranode.py (long)" 540 -m gpu tests/test_cuda_intranode.py -k "fuzz or soak"

@@ -3,7 +3,7 @@
 
     gpu_report.py --row NAME --junit X --log L --rc N --seconds S --limit T   one TSV summary row
     gpu_report.py --files "A B" --junit X --log L --rc N --limit T            a row per file of one run
-    gpu_report.py --mode gate|long --results TSV --out DIR --elapsed S        summary lines, and
+    gpu_report.py --mode gate|long|e2e --results TSV --out DIR --elapsed S        summary lines, and
                   DIR/gpu-status.md: docs/gpu-status.md with the rows of this run replaced
     gpu_report.py hash                                                        the code hash
     gpu_report.py verify                                                      is the working
@@ -148,7 +148,8 @@ def commit() -> str:
 HEADER = """# GPU record
 
 Written by `scripts/gpu_check.sh` (CONTRIBUTING.md): the last run of each mode (the gate; `long`:
-the long fuzz, soak and sanitizer tools) and, for each GPU test file, its last run,
+the long fuzz, soak and sanitizer tools; `e2e`: Megatron-LM's pretrain_gpt.py) and, for each GPU
+test file, its last run,
 at which commit and code hash (`python3 scripts/gpu_report.py hash`: csrc/, megatron_ep/, tests/),
 on which machine, and its summary. `python3 scripts/gpu_report.py verify` says whether the working
 tree's code is the code of the last gate run. Do not edit by hand: commit the copy the gate writes
@@ -181,8 +182,9 @@ def report(args) -> int:
     old = _parse_record(text)
     if getattr(args, "whole", False):
         old = {name: cells for name, cells in old.items() if cells[6] != args.mode}
-    runs = dict(re.findall(r"^(Gate|Long) run: (.*)$", text, re.M))  # the other mode's line stays
-    runs["Gate" if args.mode == "gate" else "Long"] = (
+    titles = {"gate": "Gate", "long": "Long", "e2e": "End-to-end"}
+    runs = dict(re.findall(r"^(Gate|Long|End-to-end) run: (.*)$", text, re.M))  # the other modes' lines stay
+    runs[titles[args.mode]] = (
         f"**{'passed' if ok else 'FAILED'}**, commit {sha}, code {code}, {when}, {where}, {args.elapsed} s in all.")
     for r in rows:
         result = "passed" if int(r["failed"]) == 0 else "FAILED"
@@ -190,7 +192,7 @@ def report(args) -> int:
         if r["note"]:
             summary += f"; {r['note']}"
         old[r["file"]] = [r["file"], result, sha, code, when, where, args.mode, summary]
-    lines = [HEADER] + [f"{mode} run: {runs[mode]}\n" for mode in ("Gate", "Long") if mode in runs] + [
+    lines = [HEADER] + [f"{mode} run: {runs[mode]}\n" for mode in titles.values() if mode in runs] + [
              "| test file | result | commit | code | date | machine | mode | summary |",
              "|---|---|---|---|---|---|---|---|"]
     lines += ["| " + " | ".join(cells) + " |" for _, cells in sorted(old.items())]

@@ -6,7 +6,9 @@ default "auto" = "cuda" when the tokens live on a GPU and the extension is built
 "torch"). The cuda Buffer sizes its communication region at the first dispatch (agreed over the
 group) and grows it collectively when a later dispatch needs more; growing never invalidates
 tensors or handles that earlier layers keep for backward. `MEGATRON_EP_MAX_TOKENS_PER_RANK`
-sizes it up front (and becomes a hard limit), `MEGATRON_EP_COMBINE_ROWS` fixes its combine area.
+sizes it up front (and becomes a hard limit), `MEGATRON_EP_COMBINE_ROWS` fixes its combine area,
+`MEGATRON_EP_RANKS_PER_NODE` sets the ranks per NVLink domain (default: the ranks sharing a host;
+fewer makes virtual nodes: the two-level internode path on one machine, for tests).
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ def get_buffer(group, x: torch.Tensor, num_experts: int, topk: int, num_sms: Opt
             buf = Buffer(group, backend="cuda", max_tokens_per_rank=_env_int("MEGATRON_EP_MAX_TOKENS_PER_RANK"),
                          hidden=x.shape[-1], num_experts=num_experts, max_topk=topk, num_sms=num_sms,
                          check_inputs=check, dtype_bytes=x.element_size(), combine_bytes=max(2, x.element_size()),
-                         combine_rows=_env_int("MEGATRON_EP_COMBINE_ROWS"), max_alignment=max(1, expert_major_align))
+                         combine_rows=_env_int("MEGATRON_EP_COMBINE_ROWS"), max_alignment=max(1, expert_major_align),
+                         ranks_per_node=_env_int("MEGATRON_EP_RANKS_PER_NODE"))
         _BUFFERS[key] = buf
     if buf.max_tokens_per_rank is not None and x.shape[0] > buf.max_tokens_per_rank:
         raise ValueError(f"MoE layer got {x.shape[0]} tokens on this rank but MEGATRON_EP_MAX_TOKENS_PER_RANK is "

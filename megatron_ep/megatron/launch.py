@@ -1,20 +1,33 @@
 """Run a Megatron training script with megatron_ep's flex managers installed.
 
-    torchrun --nproc-per-node 8 -m megatron_ep.megatron.launch pretrain_gpt.py \\
+    torchrun --nproc-per-node 8 -m megatron_ep.megatron.launch [OPTIONS] pretrain_gpt.py \\
         --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep ...
 
-Installs, then runs the script as `__main__` with the remaining arguments (Megatron's code and
-flags unchanged). The script's directory goes first on sys.path, as `python script.py` would
-put it: a Megatron-LM checkout's own megatron.core is then the one patched and used, even where
-a megatron-core wheel is installed.
+Installs, applies the options, then runs the script as `__main__` with the remaining arguments
+(Megatron's code and flags unchanged). The script's directory goes first on sys.path, as `python
+script.py` would put it: a Megatron-LM checkout's own megatron.core is then the one patched and
+used, even where a megatron-core wheel is installed.
 
-Arguments: SCRIPT [SCRIPT ARGUMENTS ...]; every argument after SCRIPT is the script's.
+Options (before SCRIPT; every argument after SCRIPT is the script's):
+  --ep-experts {megatron,grouped}  the MoE layers' experts: the spec's own (default), or
+                                   megatron_ep's GroupedGemmExperts (grouped GEMMs straight on the
+                                   expert-major layout; DeepGEMM, torch grouped_mm or a loop)
+  --ep-gemm {auto,deepgemm,grouped_mm,loop}  GroupedGemmExperts' GEMMs (default auto)
+  --ep-chunks N                    chunked experts on every MoE layer: dispatch, experts and combine
+                                   in N pipelined token chunks (needs --ep-experts grouped and
+                                   --moe-flex-dispatcher-backend hybridep)
+  --ep-budget F                    the hybridep static budget (moe_expert_rank_capacity_factor F,
+                                   where the script's config leaves it unset): no host sync
+  --ep-backend {auto,cuda,torch}   MEGATRON_EP_BACKEND (default: the environment's, else auto)
+
 Environment: MEGATRON_EP_BACKEND (auto | torch | cuda; see docs/megatron.md),
 MEP_DEBUG_TRACEBACK=1 (the traceback of a failure to install, not just one line). The script's
 own errors are reported by the script, as without this launcher."""
 
 from __future__ import annotations
 
+import argparse
+import logging
 import os
 import runpy
 import sys
@@ -22,17 +35,55 @@ import sys
 PROG = "python -m megatron_ep.megatron.launch"
 
 
-def _prepare(script: str) -> None:
+def _parser() -> argparse.ArgumentParser:
     from megatron_ep import cli
 
-    cli.check(os.path.isfile(script), f"no such script: {script} (the first argument is the training script, "
-                                      "e.g. $MEGATRON_LM_DIR/pretrain_gpt.py)")
+    from .layer_options import EXPERTS
+
+    p = cli.ArgumentParser(prog=PROG, add_help=False, debug=False)
+    p.add_argument("--ep-experts", choices=EXPERTS, default="megatron")
+    p.add_argument("--ep-gemm", choices=("auto", "deepgemm", "grouped_mm", "loop"), default="auto")
+    p.add_argument("--ep-chunks", type=cli.integer(1), default=0)
+    p.add_argument("--ep-budget", type=cli.number(0.0, above=True), default=None)
+    p.add_argument("--ep-backend", choices=("auto", "cuda", "torch"), default=None)
+    return p
+
+
+def split_argv(argv):
+    """(our options, [SCRIPT, its arguments]): ours are the --ep-* words before the first other one."""
+    i = 0
+    while i < len(argv) and argv[i].startswith("--ep-"):
+        i += 1 if "=" in argv[i] else 2
+    return argv[:i], argv[i:]
+
+
+def _prepare(script: str, options) -> None:
+    from megatron_ep import cli
+
+    cli.check(os.path.isfile(script), f"no such script: {script} (the first argument after the options is the training "
+                                      "script, e.g. $MEGATRON_LM_DIR/pretrain_gpt.py)")
+    cli.check(not options.ep_chunks or options.ep_experts == "grouped",
+              "--ep-chunks needs --ep-experts grouped (chunked experts run megatron_ep's experts)")
+    if options.ep_backend is not None:
+        os.environ["MEGATRON_EP_BACKEND"] = options.ep_backend
+    if options.ep_budget is not None:
+        os.environ["MEGATRON_EP_RANK_CAPACITY_FACTOR"] = repr(options.ep_budget)
     # As `python script.py` would, and before install(): the script's own tree (a Megatron-LM
     # checkout) then provides megatron.core even where a megatron-core wheel is installed.
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     from . import install
+    from .layer_options import describe, use_in_moe_layers
 
     install()
+    log = logging.getLogger("megatron_ep")  # the Buffer's one line naming its backend, on rank 0
+    if not log.handlers:
+        log.addHandler(logging.StreamHandler(sys.stdout))
+        log.setLevel(logging.INFO)
+    use_in_moe_layers(options.ep_experts, None if options.ep_gemm == "auto" else options.ep_gemm, options.ep_chunks)
+    if os.environ.get("RANK", "0") == "0":
+        budget = f", static budget {options.ep_budget}" if options.ep_budget is not None else ""
+        print(f"megatron_ep.megatron.launch: managers installed; {describe()}{budget}; "
+              f"MEGATRON_EP_BACKEND={os.environ.get('MEGATRON_EP_BACKEND', 'auto')}", flush=True)
 
 
 def main(argv=None) -> int:
@@ -42,15 +93,22 @@ def main(argv=None) -> int:
         return 0
     from megatron_ep import cli
 
-    if not argv:
-        print(f"{PROG}: error: the training script is missing (usage: {PROG} SCRIPT [ARGS ...]; --help)",
+    ours, rest = split_argv(argv)
+    if not rest:
+        print(f"{PROG}: error: the training script is missing (usage: {PROG} [OPTIONS] SCRIPT [ARGS ...]; --help)",
               file=sys.stderr)
         return 2
-    code = cli.run_main(lambda _: _prepare(argv[0]), [], prog=PROG, hint=f"{cli.DEBUG_ENV}=1 shows the traceback")
+    holder = {}
+
+    def prepare(_):
+        holder["options"] = _parser().parse_args(ours)
+        _prepare(rest[0], holder["options"])
+
+    code = cli.run_main(prepare, [], prog=PROG, hint=f"{cli.DEBUG_ENV}=1 shows the traceback")
     if code:
         return code
-    sys.argv = argv
-    runpy.run_path(argv[0], run_name="__main__")
+    sys.argv = rest
+    runpy.run_path(rest[0], run_name="__main__")
     return 0
 
 

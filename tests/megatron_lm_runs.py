@@ -1,0 +1,156 @@
+"""Megatron-LM's own pretrain_gpt.py on virtual ranks (tests/megatron_lm_virtual.py), through
+megatron_ep.megatron.launch: the runs tests/test_megatron_lm.py compares, their command lines,
+running them side by side, and reading each iteration's lm loss and grad norm from the log.
+
+Every run is a small GPT-MoE (2 layers, hidden 256, 8 experts top-2, sequence 128, bf16, mock
+data, dropout 0, constant learning rate, seed 1234) for 20 iterations; runs that are compared
+differ only in what is compared (dispatcher, experts, a checkpoint in the middle).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional, Tuple
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+ITERS = 20
+
+BASE_ARGS = [
+    "--num-layers", "2", "--hidden-size", "256", "--ffn-hidden-size", "512", "--num-attention-heads", "4",
+    "--seq-length", "128", "--max-position-embeddings", "128", "--micro-batch-size", "2",
+    "--lr", "3e-4", "--lr-decay-style", "constant", "--min-lr", "3e-4", "--weight-decay", "0.01", "--clip-grad", "1.0",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "4096",
+    "--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "256",
+    "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-2",
+    "--transformer-impl", "local", "--bf16", "--distributed-backend", "gloo",
+    "--seed", "1234", "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "100000",
+    "--hidden-dropout", "0", "--attention-dropout", "0", "--disable-bias-linear",
+    "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
+    "--no-bias-dropout-fusion", "--no-persist-layer-norm", "--attention-softmax-in-fp32",
+    "--num-workers", "1", "--timing-log-level", "0",
+]
+
+
+@dataclasses.dataclass
+class Run:
+    name: str
+    version: str  # "main" | "r0.19": which Megatron-LM tree
+    ranks: int
+    dispatcher: str  # "alltoall" | "deepep" | "hybridep"
+    ranks_per_node: Optional[int] = None  # virtual nodes (the two-level internode path)
+    options: Tuple[str, ...] = ()  # megatron_ep.megatron.launch's own, before the script
+    extra: Tuple[str, ...] = ()  # more pretrain_gpt.py arguments
+    iters: int = ITERS
+    after: Optional[str] = None  # a run that must end first (a resume after its save)
+
+    def args(self, ckpt_root: str) -> List[str]:
+        out = BASE_ARGS + ["--global-batch-size", str(2 * self.ranks), "--expert-model-parallel-size",
+                           str(self.ranks), "--train-iters", str(self.iters)]
+        if self.dispatcher == "alltoall":
+            out += ["--moe-token-dispatcher-type", "alltoall"]
+        else:
+            out += ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", self.dispatcher]
+        return out + [a.replace("{ckpt}", ckpt_root) for a in self.extra]
+
+
+def runs() -> List[Run]:
+    """Each dispatcher against alltoall at EP 2, EP 4 and 2 virtual nodes x 2 ranks (Megatron-LM
+    main; EP 2 on core_r0.19.0 too); megatron_ep's experts, chunked experts and the static budget
+    from the launcher; a checkpoint saved at iteration 10 and resumed."""
+    out = []
+    for version, shapes in (("main", ((2, None), (4, None), (4, 2))), ("r0.19", ((2, None),))):
+        for R, P in shapes:
+            shape = f"ep{R}" + (f"-{R // P}x{P}" if P else "")
+            for d in ("alltoall", "deepep", "hybridep"):
+                out.append(Run(f"{version}-{shape}-{d}", version, R, d, P))
+    grouped = ("--ep-experts", "grouped")
+    out += [
+        Run("main-ep2-hybridep-grouped", "main", 2, "hybridep", options=grouped),
+        Run("main-ep2-hybridep-chunked", "main", 2, "hybridep", options=grouped + ("--ep-chunks", "2")),
+        Run("main-ep2-hybridep-chunked-budget", "main", 2, "hybridep",
+            options=grouped + ("--ep-chunks", "2", "--ep-budget", "2.0")),
+        Run("main-ep2-hybridep-grouped-save", "main", 2, "hybridep", options=grouped, iters=10,
+            extra=("--save", "{ckpt}/grouped", "--save-interval", "10", "--ckpt-format", "torch_dist")),
+        Run("main-ep2-hybridep-grouped-resume", "main", 2, "hybridep", options=grouped,
+            extra=("--load", "{ckpt}/grouped", "--ckpt-format", "torch_dist"), after="main-ep2-hybridep-grouped-save"),
+    ]
+    return out
+
+
+_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?lm loss: ([0-9.Ee+-]+).*?grad norm: ([0-9.Ee+-]+)")
+
+
+def parse(log: str) -> Dict[int, Tuple[float, float]]:
+    """iteration -> (lm loss, grad norm) from Megatron's training log."""
+    return {int(m.group(1)): (float(m.group(2)), float(m.group(3))) for m in _LINE.finditer(log)}
+
+
+def command(run: Run, lm_dir: str, ckpt_root: str) -> Tuple[List[str], dict]:
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(run.ranks),
+            os.path.join(HERE, "megatron_lm_virtual.py"), *run.options, os.path.join(lm_dir, "pretrain_gpt.py"),
+            *run.args(ckpt_root)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
+               CUDA_DEVICE_MAX_CONNECTIONS="1", MEGATRON_EP_BACKEND="cuda", PYTHONUNBUFFERED="1",
+               NCCL_NVLS_ENABLE="0", NVSHMEM_DISABLE_NVLS="1", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+    if run.ranks_per_node:
+        env["MEGATRON_EP_RANKS_PER_NODE"] = str(run.ranks_per_node)
+    return argv, env
+
+
+def run_all(selected: List[Run], lm_dirs: Dict[str, str], parallel: int, timeout_s: float,
+            log_dir: Optional[str] = None) -> Dict[str, dict]:
+    """Run `selected` side by side (`parallel` at a time, each after its `after`); returns per run
+    its exit status, seconds, log and parsed iterations. A run past `timeout_s` is killed."""
+    ckpt_root = tempfile.mkdtemp(prefix="mep-megatron-lm-ckpt-")
+    pending, live, results = list(selected), {}, {}
+    start = time.monotonic()
+    try:
+        while pending or live:
+            for run in list(pending):
+                if len(live) >= parallel:
+                    break
+                if run.after and run.after not in results:
+                    continue
+                pending.remove(run)
+                if run.version not in lm_dirs:
+                    results[run.name] = dict(rc=None, skipped=f"no Megatron-LM {run.version} tree", log="", iters={})
+                    continue
+                argv, env = command(run, lm_dirs[run.version], ckpt_root)
+                log = tempfile.TemporaryFile(mode="w+")
+                live[run.name] = (subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                                   start_new_session=True), log, time.monotonic())
+            for name, (proc, log, t0) in list(live.items()):
+                late = time.monotonic() - start > timeout_s
+                if proc.poll() is None and not late:
+                    continue
+                if proc.poll() is None:
+                    os.killpg(proc.pid, 9)
+                    proc.wait()
+                log.seek(0)
+                text = log.read()
+                log.close()
+                del live[name]
+                results[name] = dict(rc=proc.returncode, seconds=round(time.monotonic() - t0, 1), log=text,
+                                     iters=parse(text), killed=late)
+                if log_dir:
+                    with open(os.path.join(log_dir, f"{name}.log"), "w") as f:
+                        f.write(text)
+            time.sleep(0.5)
+    finally:
+        shutil.rmtree(ckpt_root, ignore_errors=True)
+    return results
+
+
+def summary(results: Dict[str, dict]) -> str:
+    """JSON of every run's iterations (the numbers docs/megatron.md's table quotes)."""
+    return json.dumps({n: dict(rc=r["rc"], seconds=r.get("seconds"), iters=r["iters"]) for n, r in results.items()},
+                      indent=1, sort_keys=True)
