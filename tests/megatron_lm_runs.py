@@ -23,6 +23,11 @@ from typing import Dict, List, Optional, Tuple
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 ITERS = 20
+# Runs side by side on one GPU: at most MAX_RANKS processes at once, each rank's kernels on
+# SMS_PER_RANK SMs, so every run's blocks fit together (12 x 8 = 96 of the H200's 132 SMs; more
+# spinning blocks than SMs starve a run's peer and stall it), started STAGGER_S apart (MPS turns
+# away clients that connect all at once).
+MAX_RANKS, SMS_PER_RANK, STAGGER_S = 12, 8, 2.0
 
 BASE_ARGS = [
     "--num-layers", "2", "--hidden-size", "256", "--ffn-hidden-size", "512", "--num-attention-heads", "4",
@@ -57,33 +62,33 @@ class Run:
                            str(self.ranks), "--train-iters", str(self.iters)]
         if self.dispatcher == "alltoall":
             out += ["--moe-token-dispatcher-type", "alltoall"]
-        else:
-            out += ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", self.dispatcher]
+        else:  # SMs: the runs side by side share one GPU, and our kernels' blocks must all be resident
+            out += ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", self.dispatcher,
+                    "--moe-flex-dispatcher-num-sms", str(SMS_PER_RANK)]
         return out + [a.replace("{ckpt}", ckpt_root) for a in self.extra]
 
 
 def runs() -> List[Run]:
     """Each dispatcher against alltoall at EP 2, EP 4 and 2 virtual nodes x 2 ranks (Megatron-LM
     main; EP 2 on core_r0.19.0 too); megatron_ep's experts, chunked experts and the static budget
-    from the launcher; a checkpoint saved at iteration 10 and resumed."""
-    out = []
-    for version, shapes in (("main", ((2, None), (4, None), (4, 2))), ("r0.19", ((2, None),))):
-        for R, P in shapes:
-            shape = f"ep{R}" + (f"-{R // P}x{P}" if P else "")
-            for d in ("alltoall", "deepep", "hybridep"):
-                out.append(Run(f"{version}-{shape}-{d}", version, R, d, P))
+    from the launcher; a checkpoint saved at iteration 10 and resumed. In the order they start."""
+    def trio(version, R, P=None):
+        shape = f"ep{R}" + (f"-{R // P}x{P}" if P else "")
+        return [Run(f"{version}-{shape}-{d}", version, R, d, P) for d in ("alltoall", "deepep", "hybridep")]
+
     grouped = ("--ep-experts", "grouped")
-    out += [
+    return trio("main", 2) + [
         Run("main-ep2-hybridep-grouped", "main", 2, "hybridep", options=grouped),
+        # the same 20-iteration schedule as the uninterrupted run (the scheduler checks it), cut at 10
+        Run("main-ep2-hybridep-grouped-save", "main", 2, "hybridep", options=grouped,
+            extra=("--save", "{ckpt}/grouped", "--save-interval", "10", "--exit-interval", "10",
+                   "--ckpt-format", "torch_dist")),
         Run("main-ep2-hybridep-chunked", "main", 2, "hybridep", options=grouped + ("--ep-chunks", "2")),
         Run("main-ep2-hybridep-chunked-budget", "main", 2, "hybridep",
             options=grouped + ("--ep-chunks", "2", "--ep-budget", "2.0")),
-        Run("main-ep2-hybridep-grouped-save", "main", 2, "hybridep", options=grouped, iters=10,
-            extra=("--save", "{ckpt}/grouped", "--save-interval", "10", "--ckpt-format", "torch_dist")),
         Run("main-ep2-hybridep-grouped-resume", "main", 2, "hybridep", options=grouped,
             extra=("--load", "{ckpt}/grouped", "--ckpt-format", "torch_dist"), after="main-ep2-hybridep-grouped-save"),
-    ]
-    return out
+    ] + trio("main", 4) + trio("main", 4, 2) + trio("r0.19", 2)
 
 
 _LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?lm loss: ([0-9.Ee+-]+).*?grad norm: ([0-9.Ee+-]+)")
@@ -106,17 +111,19 @@ def command(run: Run, lm_dir: str, ckpt_root: str) -> Tuple[List[str], dict]:
     return argv, env
 
 
-def run_all(selected: List[Run], lm_dirs: Dict[str, str], parallel: int, timeout_s: float,
+def run_all(selected: List[Run], lm_dirs: Dict[str, str], max_ranks: int, timeout_s: float,
             log_dir: Optional[str] = None) -> Dict[str, dict]:
-    """Run `selected` side by side (`parallel` at a time, each after its `after`); returns per run
-    its exit status, seconds, log and parsed iterations. A run past `timeout_s` is killed."""
+    """Run `selected` side by side (at most `max_ranks` processes at once, in order, each after
+    its `after`); returns per run its exit status, seconds, log and parsed iterations. Runs still
+    going after `timeout_s` are killed."""
     ckpt_root = tempfile.mkdtemp(prefix="mep-megatron-lm-ckpt-")
     pending, live, results = list(selected), {}, {}
     start = time.monotonic()
     try:
         while pending or live:
             for run in list(pending):
-                if len(live) >= parallel:
+                busy = sum(r.ranks for r in selected if r.name in live)
+                if busy and busy + run.ranks > max_ranks:
                     break
                 if run.after and run.after not in results:
                     continue
@@ -128,6 +135,7 @@ def run_all(selected: List[Run], lm_dirs: Dict[str, str], parallel: int, timeout
                 log = tempfile.TemporaryFile(mode="w+")
                 live[run.name] = (subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                                                    start_new_session=True), log, time.monotonic())
+                time.sleep(STAGGER_S)
             for name, (proc, log, t0) in list(live.items()):
                 late = time.monotonic() - start > timeout_s
                 if proc.poll() is None and not late:

@@ -41,7 +41,7 @@ def _trees():
 @pytest.fixture(scope="module")
 def results():
     out_dir = os.environ.get("MEP_E2E_OUT")
-    got = mr.run_all(mr.runs(), _trees(), parallel=int(os.environ.get("MEP_E2E_PARALLEL", "6")),
+    got = mr.run_all(mr.runs(), _trees(), max_ranks=int(os.environ.get("MEP_E2E_MAX_RANKS", mr.MAX_RANKS)),
                      timeout_s=float(os.environ.get("MEP_E2E_TIMEOUT_S", "420")), log_dir=out_dir)
     if out_dir:
         with open(os.path.join(out_dir, "megatron_lm_runs.json"), "w") as f:
