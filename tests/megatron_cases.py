@@ -580,3 +580,41 @@ def run_chunked_refusals_case(case):
         except exc:
             pass
     return errors
+
+
+def run_layer_options_case(case):
+    """What `launch --ep-experts grouped --ep-chunks 2` puts in place: every MoELayer built after
+    use_in_moe_layers() has GroupedGemmExperts (Megatron's spec unchanged) and chunked experts; a
+    layer that cannot take chunks (deepep) stops its construction naming why; use_in_moe_layers
+    ("megatron") restores the spec's experts. MoELayer.__init__ is restored at the end."""
+    ctx, _ = side(case, "ref")
+    with ctx:
+        _init_megatron()
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from megatron_ep.experts import GroupedGemmExperts
+    from megatron_ep.megatron import layer_options
+
+    errors, original = [], MoELayer.__init__
+    try:
+        with side(case, "ours")[0]:
+            layer_options.use_in_moe_layers("grouped", chunks=2)
+            layer = _build_moe_layer(_moe_config(case, "flex", "hybridep"))
+            if not isinstance(layer.experts, GroupedGemmExperts):
+                errors.append(f"experts are {type(layer.experts).__name__}, not GroupedGemmExperts")
+            if getattr(layer, "_mep_chunks", None) != 2:
+                errors.append("the layer did not get chunked experts x2")
+            try:
+                _build_moe_layer(_moe_config(case, "flex", "deepep"))
+                errors.append("a deepep layer took chunked experts")
+            except ValueError as e:
+                if "hybridep manager" not in str(e):
+                    errors.append(f"deepep layer: {e} does not say why")
+            layer_options.use_in_moe_layers("megatron")
+            layer = _build_moe_layer(_moe_config(case, "flex", "hybridep"))
+            if isinstance(layer.experts, GroupedGemmExperts) or hasattr(layer, "_mep_chunks"):
+                errors.append("use_in_moe_layers('megatron') left megatron_ep's experts in place")
+    finally:
+        MoELayer.__init__ = original
+        layer_options._STATE.clear()
+    return errors

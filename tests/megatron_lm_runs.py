@@ -118,6 +118,11 @@ def run_all(selected: List[Run], lm_dirs: Dict[str, str], max_ranks: int, timeou
     going after `timeout_s` are killed."""
     ckpt_root = tempfile.mkdtemp(prefix="mep-megatron-lm-ckpt-")
     pending, live, results = list(selected), {}, {}
+    # Megatron builds its dataset helpers (a C++ module) inside the tree at start-up, one build per
+    # run: runs side by side on one tree raced there ("helpers_cpp...so: file too short", one
+    # H200, 2026-12-03). Built once here, before any run.
+    for tree in {lm_dirs[r.version] for r in selected if r.version in lm_dirs}:
+        subprocess.run(["make", "-C", os.path.join(tree, "megatron", "core", "datasets")], capture_output=True)
     start = time.monotonic()
     try:
         while pending or live:

@@ -58,6 +58,12 @@ BAD_ARGUMENTS = [
      ["--ep 3", "256 experts"]),
     ("Megatron launcher: script", [PY, "-m", "megatron_ep.megatron.launch", "no_such_pretrain_gpt.py"],
      ["no such script: no_such_pretrain_gpt.py"]),
+    ("Megatron launcher: chunks without our experts", [PY, "-m", "megatron_ep.megatron.launch", "--ep-chunks", "2",
+                                                       "README.md"], ["--ep-chunks needs --ep-experts grouped"]),
+    ("Megatron launcher: budget 0", [PY, "-m", "megatron_ep.megatron.launch", "--ep-budget", "0", "README.md"],
+     ["argument --ep-budget: must be a finite number > 0, got '0'"]),
+    ("Megatron launcher: experts", [PY, "-m", "megatron_ep.megatron.launch", "--ep-experts", "te", "README.md"],
+     ["argument --ep-experts: invalid choice: 'te'"]),
     ("model: FP8 hidden", [PY, "-m", "megatron_ep.model", "--hidden", "100"], ["--hidden 100", "multiple of 128"]),
     # what no machine runs is refused before a process starts (the estimate's own tests:
     # test_resources.py, against given machines)
@@ -308,3 +314,12 @@ def test_every_numeric_option_is_range_checked(name, capsys):
             assert e.value.code == 2 and len(err.splitlines()) == 1 and f"argument {flag}: must be" in err, (flag, value, err)
         checked += 1
     assert checked >= {"demo": 8, "train_moe": 14, "ab_throughput": 17}[name], checked
+
+
+def test_megatron_launcher_help_lists_its_options():
+    """The launcher's --help names every option it takes before the script."""
+    code, lines = _finish(_start([PY, "-m", "megatron_ep.megatron.launch", "--help"]))
+    text = "\n".join(lines)
+    assert code == 0
+    for option in ("--ep-experts", "--ep-gemm", "--ep-chunks", "--ep-budget", "--ep-backend"):
+        assert option in text, f"the launcher's --help does not list {option}"

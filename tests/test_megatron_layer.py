@@ -78,3 +78,10 @@ def test_ep_overlap_schedule_with_chunked_experts_matches(pools, budget):
     order)."""
     errors = [e for rank in pools(2).run(oc.run_overlap_case, chunked_overlap_case(budget)) for e in rank]
     assert not errors, "\n".join(errors[:20])
+
+
+def test_launcher_layer_options(pools):
+    """`launch --ep-experts grouped --ep-chunks 2`: GroupedGemmExperts and chunked experts in every
+    MoELayer built afterwards, Megatron's spec unchanged; a layer that cannot take chunks says why."""
+    errors = [e for rank in pools(2).run(mc.run_layer_options_case, dict(E=4, K=2, H=16, F=8)) for e in rank]
+    assert not errors, "\n".join(errors[:20])

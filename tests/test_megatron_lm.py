@@ -59,7 +59,7 @@ def _ok(results, name):
     return r
 
 
-def _compare(results, name, ref, loss_tol, gnorm_tol, first=1):
+def _compare(results, name, ref, loss_tol, gnorm_tol, first=1, resumed=False):
     got, want = _ok(results, name), _ok(results, ref)
     bad = []
     for i in range(first, max(want["iters"]) + 1):
@@ -67,6 +67,12 @@ def _compare(results, name, ref, loss_tol, gnorm_tol, first=1):
             bad.append(f"iteration {i} missing")
             continue
         (l1, g1), (l0, g0) = got["iters"][i], want["iters"][i]
+        if resumed and i == first + 1 and i - 1 in want["iters"]:
+            # The second log line after a resume prints the mean loss of the resumed iteration and
+            # this one (Megatron's log accumulator keeps the first): 8.087898 = (7.966307 +
+            # 8.209489) / 2 at iteration 12 on one H200, 2026-12-03, grad norms and every later
+            # loss equal. That mean is what the uninterrupted run's losses must give.
+            l0 = (want["iters"][i - 1][0] + l0) / 2
         if abs(l1 - l0) > loss_tol(i) * abs(l0):
             bad.append(f"it {i}: lm loss {l1:.6f} vs {l0:.6f} ({abs(l1 - l0) / l0:.2e} > {loss_tol(i):.2e})")
         if gnorm_tol is not None and abs(g1 - g0) > gnorm_tol(i) * abs(g0) + 1e-3:
@@ -91,7 +97,8 @@ def test_flex_matches_alltoall(results, name, ref):
     """deepep and hybridep on megatron_ep's cuda backend against Megatron's alltoall: lm loss and
     grad norm at every one of 20 iterations; the log names the cuda backend."""
     _compare(results, name, ref, _loss_tol, _gnorm_tol)
-    assert "backend=cuda" in results[name]["log"], f"{name}: the log does not name megatron_ep's cuda backend"
+    path = "cuda internode" if "x2-" in name else "cuda intranode"
+    assert f"backend=cuda: {path}" in results[name]["log"], f"{name}: the log does not name megatron_ep's {path} path"
 
 
 @pytest.mark.parametrize("name", ["main-ep2-hybridep-grouped", "main-ep2-hybridep-chunked",
@@ -115,5 +122,5 @@ def test_checkpoint_resume(results):
     r = _ok(results, "main-ep2-hybridep-grouped-resume")
     assert min(r["iters"]) == 11, f"the resumed run started at iteration {min(r['iters'])}, not 11"
     _compare(results, "main-ep2-hybridep-grouped-resume", "main-ep2-hybridep-grouped", lambda i: 1e-5,
-             lambda i: 1e-3, first=11)
+             lambda i: 1e-3, first=11, resumed=True)
 

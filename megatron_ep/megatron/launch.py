@@ -79,6 +79,7 @@ def _prepare(script: str, options) -> None:
     if not log.handlers:
         log.addHandler(logging.StreamHandler(sys.stdout))
         log.setLevel(logging.INFO)
+        log.propagate = False  # once, whatever handlers the script gives the root logger
     use_in_moe_layers(options.ep_experts, None if options.ep_gemm == "auto" else options.ep_gemm, options.ep_chunks)
     if os.environ.get("RANK", "0") == "0":
         budget = f", static budget {options.ep_budget}" if options.ep_budget is not None else ""
