@@ -6,13 +6,13 @@ of the wrong kind, two threads calling one Buffer at once. Each body returns err
 from __future__ import annotations
 
 import threading
-import traceback
 
 import torch
 import torch.distributed as dist
 
 import megatron_ep as mep
 from cases import _per_row, get_buffer, make_buffer
+from megatron_cases import guarded
 from megatron_ep import hooks
 from megatron_ep.errors import BufferBusyError
 from oracle import _routing, make_inputs, num_destinations, split_x
@@ -20,17 +20,6 @@ from oracle import _routing, make_inputs, num_destinations, split_x
 
 def _tag(what: str) -> str:
     return f"[{what} R={dist.get_world_size()} rank={dist.get_rank()}]"
-
-
-def _guarded(fn):
-    def run(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except Exception:
-            return [f"{_tag(fn.__name__)} raised:\n{traceback.format_exc()}"]
-
-    run.__name__ = fn.__name__
-    return run
 
 
 # ------------------------------------------------------------- a cached dispatch's outputs
@@ -41,7 +30,7 @@ def _meta(out) -> dict:
     return {k: (None if getattr(out, k) is None else getattr(out, k).clone()) for k in _META}
 
 
-@_guarded
+@guarded
 def run_cached_outputs_are_the_callers(backend: str = "torch", device: str = "cpu") -> list:
     """Outputs of a call are the caller's: a caller that edits the first dispatch's routing
     outputs in place, then the cached dispatch's, still gets the routing's own values from every
@@ -91,7 +80,7 @@ def _second_order(buf, x, idx, w, E, permute, u, v):
     return [t.detach().cpu().double() for t in first + second]
 
 
-@_guarded
+@guarded
 def run_double_backward_matches_reference(device: str = "cuda") -> list:
     """The cuda backend's first and second derivatives against the torch backend's (on CPU, the
     one gradgradcheck verifies) for the same fp32 problem, both layouts."""
@@ -119,7 +108,7 @@ def run_double_backward_matches_reference(device: str = "cuda") -> list:
 
 
 # ---------------------------------------------------------------- FP8 x, weights' gradient
-@_guarded
+@guarded
 def run_fp8_weights_gradient(backend: str = "torch", device: str = "cpu") -> list:
     """An FP8 dispatch whose topk_weights require grad: its row weights carry a graph and the
     weights' gradient equals a bf16 dispatch's with the same routing (it depends on the routing
@@ -150,7 +139,7 @@ def run_fp8_weights_gradient(backend: str = "torch", device: str = "cpu") -> lis
 
 
 # ------------------------------------------------------------------------ previous_event
-@_guarded
+@guarded
 def run_previous_event_of_the_wrong_kind(backend: str = "torch", device: str = "cpu") -> list:
     """A previous_event that is not an EventOverlap raises a TypeError naming it, on every rank,
     before anything is sent; the buffer works afterwards."""
@@ -177,7 +166,7 @@ def run_previous_event_of_the_wrong_kind(backend: str = "torch", device: str = "
 
 
 # ------------------------------------------------------------------- two threads, one Buffer
-@_guarded
+@guarded
 def run_two_threads_one_buffer(backend: str = "torch", device: str = "cpu") -> list:
     """Thread A's dispatch is held inside the call (its output hook waits) while thread B calls
     the same Buffer: B's call raises BufferBusyError at once, naming the Buffer and both threads,

@@ -25,11 +25,25 @@ def budget_rows(tokens: int, topk: int, factor: float, num_local_experts: int, a
     return max(rows, alignment)
 
 
+def reduces_on_device(group, device: torch.device) -> bool:
+    """Whether `group` all-reduces tensors on `device` itself (NCCL and a GPU): no host sync, and
+    capturable in a CUDA graph; otherwise the values go through the host."""
+    return device.type == "cuda" and "nccl" in str(dist.get_backend(group)).lower()
+
+
+def all_reduce_small(group, t: torch.Tensor, op) -> torch.Tensor:
+    """A small tensor all-reduced over `group`, on t's device where the group can (see
+    reduces_on_device), else through the host (one sync); returned on t's device."""
+    if reduces_on_device(group, t.device):
+        dist.all_reduce(t, op=op, group=group)
+        return t
+    host = t.cpu()
+    dist.all_reduce(host, op=op, group=group)
+    return host.to(t.device)
+
+
 def agree_max(group, value: int, device: torch.device) -> int:
     """The largest `value` over `group` (one all-reduce and one host sync: call it where the
     ranks meet anyway, outside CUDA-graph capture)."""
-    backend = str(dist.get_backend(group)).lower()
-    on = device if (device.type == "cuda" and "nccl" in backend) else torch.device("cpu")
-    t = torch.tensor([int(value)], dtype=torch.int64, device=on)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return int(t.item())
+    t = torch.tensor([int(value)], dtype=torch.int64, device=device)
+    return int(all_reduce_small(group, t, dist.ReduceOp.MAX).item())

@@ -48,7 +48,7 @@ from ..checks import capturing, check_capacity_factor, routing_inputs_error, rou
 from ..permute import (attach_expert_rows, routed_past_topk, routing_map_error, routing_map_to_topk,
                        worst_case_segments)
 from . import compat
-from .budget import agree_max, budget_rows
+from .budget import agree_max, all_reduce_small, budget_rows, reduces_on_device
 from .buffers import fail_dispatch, get_buffer
 from .layouts import StaticRows
 
@@ -215,16 +215,9 @@ class MegatronEPHybridEPManager(_DispatchManager):
         device with NCCL (no host sync, CUDA-graph capturable); through the host with gloo, which
         cannot run inside a CUDA-graph capture: there (virtual ranks only) each rank keeps its own."""
         drops, self._call_drops = self._call_drops, None
-        if drops is None:
+        if drops is None or (capturing() and not reduces_on_device(self.group, drops.device)):
             return
-        if "nccl" in str(dist.get_backend(self.group)).lower():
-            dist.all_reduce(drops, op=dist.ReduceOp.SUM, group=self.group)
-        elif not capturing():
-            host = drops.cpu()
-            dist.all_reduce(host, op=dist.ReduceOp.SUM, group=self.group)
-            drops = host.to(drops.device)
-        else:
-            return
+        drops = all_reduce_small(self.group, drops, dist.ReduceOp.SUM)
         self._on(drops.device)
         self.group_dropped_rows += drops
         self.over_budget |= drops > 0
