@@ -3,7 +3,8 @@ megatron_ep.megatron.launch: the runs tests/test_megatron_lm.py compares, their 
 running them side by side, and reading each iteration's lm loss and grad norm from the log.
 
 Every run is a small GPT-MoE (2 layers, hidden 256, 8 experts top-2, sequence 128, bf16, mock
-data, dropout 0, constant learning rate, seed 1234) for 20 iterations; runs that are compared
+data, dropout 0, constant learning rate, seed 1234) for 20 iterations, except the two runs of the
+DeepSeek-V3 EP64 recipe's `--preset tiny` (its own flags, 4 ranks); runs that are compared
 differ only in what is compared (dispatcher, experts, a checkpoint in the middle).
 """
 
@@ -56,8 +57,11 @@ class Run:
     extra: Tuple[str, ...] = ()  # more pretrain_gpt.py arguments
     iters: int = ITERS
     after: Optional[str] = None  # a run that must end first (a resume after its save)
+    preset: Optional[str] = None  # the DeepSeek-V3 recipe's preset: its flags replace BASE_ARGS
 
     def args(self, ckpt_root: str) -> List[str]:
+        if self.preset:
+            return recipe_args(self.preset, self.dispatcher)[1]
         out = BASE_ARGS + ["--global-batch-size", str(2 * self.ranks), "--expert-model-parallel-size",
                            str(self.ranks), "--train-iters", str(self.iters)]
         if self.dispatcher == "alltoall":
@@ -66,6 +70,27 @@ class Run:
             out += ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", self.dispatcher,
                     "--moe-flex-dispatcher-num-sms", str(SMS_PER_RANK)]
         return out + [a.replace("{ckpt}", ckpt_root) for a in self.extra]
+
+
+def recipe_args(preset: str, dispatcher: str) -> Tuple[List[str], List[str]]:
+    """(launcher options, pretrain_gpt.py arguments) of recipes/deepseek_v3_ep64's `preset`, as its
+    launch.sh builds them, with `dispatcher` (alltoall: Megatron's own in place of flex) and what
+    virtual ranks need: gloo groups, no evaluation, the seed, SMS_PER_RANK SMs per rank."""
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    from recipes.deepseek_v3_ep64 import launch as recipe
+
+    args = recipe.parse_args(["--preset", preset, "--dry-run"] + ([] if dispatcher == "alltoall" else ["--dispatcher", dispatcher]))
+    argv = recipe.megatron_args(args)
+    if dispatcher == "alltoall":
+        i = argv.index("--moe-flex-dispatcher-backend")
+        del argv[i:i + 2]
+        argv[argv.index("--moe-token-dispatcher-type") + 1] = "alltoall"
+    else:
+        argv += ["--moe-flex-dispatcher-num-sms", str(SMS_PER_RANK)]
+    argv += ["--distributed-backend", "gloo", "--seed", "1234", "--eval-iters", "0", "--num-workers", "1",
+             "--timing-log-level", "0"]
+    return list(recipe.PRESETS[preset].launcher), argv
 
 
 def runs() -> List[Run]:
@@ -77,7 +102,9 @@ def runs() -> List[Run]:
         return [Run(f"{version}-{shape}-{d}", version, R, d, P) for d in ("alltoall", "deepep", "hybridep")]
 
     grouped = ("--ep-experts", "grouped")
-    return trio("main", 2) + [
+    tiny = [Run(f"main-recipe-tiny-{d}", "main", 4, d, options=tuple(recipe_args("tiny", d)[0]), preset="tiny")
+            for d in ("alltoall", "hybridep")]
+    return tiny + trio("main", 2) + [
         Run("main-ep2-hybridep-grouped", "main", 2, "hybridep", options=grouped),
         # the same 20-iteration schedule as the uninterrupted run (the scheduler checks it), cut at 10
         Run("main-ep2-hybridep-grouped-save", "main", 2, "hybridep", options=grouped,
@@ -167,3 +194,49 @@ def summary(results: Dict[str, dict]) -> str:
     """JSON of every run's iterations (the numbers docs/megatron.md's table quotes)."""
     return json.dumps({n: dict(rc=r["rc"], seconds=r.get("seconds"), iters=r["iters"]) for n, r in results.items()},
                       indent=1, sort_keys=True)
+
+
+def reference(name: str) -> Optional[str]:
+    """The run `name` is compared with in tests/test_megatron_lm.py (None: none)."""
+    if name.endswith("-alltoall") or name.endswith("-save"):
+        return None
+    if name.endswith("-resume"):
+        return name[:-len("-resume")]
+    if "-grouped" in name or "-chunked" in name:
+        return "main-ep2-hybridep"
+    return name.rsplit("-", 1)[0] + "-alltoall"
+
+
+def table(results: Dict[str, dict]) -> str:
+    """docs/megatron.md's table of the runs: each compared run's loss at its last iteration and
+    its largest relative loss / grad-norm difference against its reference."""
+    by_name = {r.name: r for r in runs()}
+    rows = ["| run | Megatron-LM | EP (ranks) | dispatcher / launcher options | iterations | lm loss at the last (ref) "
+            "| largest loss / grad-norm difference against |", "|---|---|---|---|---|---|---|"]
+    for name in sorted(results):
+        ref, got, run = reference(name), results[name], by_name.get(name)
+        if ref is None or run is None:
+            continue
+        shape = f"ep{run.ranks}" + (f" as {run.ranks // run.ranks_per_node} nodes x {run.ranks_per_node}"
+                                    if run.ranks_per_node else "")
+        what = " ".join((run.dispatcher,) + tuple(run.options)) + (f" (recipe --preset {run.preset})" if run.preset else "")
+        its = got["iters"]
+        if got.get("rc") != 0 or not its:
+            rows.append(f"| {name} | {run.version} | {shape} | {what} | - | failed (exit {got.get('rc')}) | - |")
+            continue
+        last = max(its)
+        want = results.get(ref, {}).get("iters") or {}
+        common = [i for i in its if i in want]
+        if not common:
+            rows.append(f"| {name} | {run.version} | {shape} | {what} | {len(its)} | {its[last][0]:.6f} (-) | - ({ref} did not run) |")
+            continue
+        def ref_loss_at(i):  # after a resume the second log line is a mean of two iterations (tests/test_megatron_lm.py)
+            if name.endswith("-resume") and i == min(its) + 1 and i - 1 in want:
+                return (want[i - 1][0] + want[i][0]) / 2
+            return want[i][0]
+        dl = max(abs(its[i][0] - ref_loss_at(i)) / abs(ref_loss_at(i)) for i in common)
+        dg = max(abs(its[i][1] - want[i][1]) / max(abs(want[i][1]), 1e-12) for i in common)
+        ref_loss = f"{want[last][0]:.6f}" if last in want else "-"
+        rows.append(f"| {name} | {run.version} | {shape} | {what} | {len(its)} | {its[last][0]:.6f} ({ref_loss}) "
+                    f"| {dl:.1e} / {dg:.1e} ({ref}) |")
+    return "\n".join(rows) + "\n"

@@ -52,6 +52,10 @@ MAPPED = {
     "--disable-bias-linear": "add_bias_linear",
     # transformer_config.py A 430 / B 567
     "--fp8-format": "fp8",
+    # A 2030 / B 2750 (store_false, dest='masked_softmax_fusion'): --preset tiny
+    "--no-masked-softmax-fusion": "masked_softmax_fusion",
+    # A 2083 / B 2807 (store_false, dest='gradient_accumulation_fusion'): --preset tiny
+    "--no-gradient-accumulation-fusion": "gradient_accumulation_fusion",
 }
 
 # Flags of Megatron-LM's training loop / model builder, not megatron-core config fields.
@@ -92,6 +96,7 @@ VARIANTS = {
                           "--data-path", "0.7", "/data/a_text_document", "0.3", "/data/b_text_document",
                           "--checkpoint-dir", "/ckpt", "--tensorboard-dir", "/tb"],
     "no-offload": ["--dry-run", "--no-optimizer-offload", "--recompute", "none", "--layers", "8"],
+    "tiny": ["--dry-run", "--preset", "tiny"],
 }
 
 
@@ -247,6 +252,36 @@ def test_launcher_refuses_what_cannot_run():
     out = _dry_run([sys.executable, py, "--dry-run", "--ep", "32", "--gpus-per-node", "6", "--global-batch-size", "960"],
                    {"NNODES": "16"})
     assert out.returncode == 2 and "must fill whole nodes" in out.stderr, out.stderr
+
+
+def test_tiny_preset():
+    """--preset tiny: DeepSeek-V3's features without Transformer Engine at 4 GPUs, megatron_ep's
+    experts from the launcher, every replaced flag printed by --dry-run with its replacement, and
+    the options Transformer Engine or Megatron would refuse refused first."""
+    py = os.path.join(ROOT, "recipes", "deepseek_v3_ep64", "launch.py")
+    out = _dry_run([sys.executable, py, "--dry-run", "--preset", "tiny"], {})
+    assert out.returncode == 0, out.stderr
+    (words,) = _node_commands(out.stdout)
+    m = words.index("-m")
+    assert words[m + 1:m + 4] == ["megatron_ep.megatron.launch", "--ep-experts", "grouped"], words[m:m + 5]
+    for switch in ("--multi-latent-attention", "--moe-router-enable-expert-bias", "--use-distributed-optimizer",
+                   "--overlap-grad-reduce", "--overlap-moe-expert-parallel-comm", "--no-gradient-accumulation-fusion"):
+        assert switch in words, switch
+    for gone in ("--moe-grouped-gemm", "--use-precision-aware-optimizer", "--optimizer-cpu-offload", "--recompute-granularity"):
+        assert gone not in words, gone
+    assert _value(words, "--transformer-impl") == "local" and _value(words, "--expert-model-parallel-size") == "4"
+    assert _value(words, "--moe-router-load-balancing-type") == "seq_aux_loss" and _value(words, "--mtp-num-layers") == "1"
+    assert _value(words, "--nproc-per-node") == "4" and _value(words, "--moe-router-num-groups") == "4"
+    replaced = [ln for ln in out.stdout.splitlines() if ln.startswith("# replaces ")]
+    assert len(replaced) == len(launch.TINY_REPLACES) and any("--moe-grouped-gemm  ->  megatron_ep" in ln for ln in replaced)
+    for flag in ("--fp8", "--optimizer-offload"):
+        bad = _dry_run([sys.executable, py, "--dry-run", "--preset", "tiny", flag], {})
+        assert bad.returncode == 2 and "--preset tiny" in bad.stderr and "Transformer Engine" in bad.stderr, bad.stderr
+    bad = _dry_run([sys.executable, py, "--dry-run", "--preset", "tiny", "--recompute", "full"], {})
+    assert bad.returncode == 2 and "overlap-moe-expert-parallel-comm" in bad.stderr, bad.stderr
+    full = _dry_run([sys.executable, py, "--dry-run"], {})  # the full recipe is unchanged by the preset's defaults
+    assert "# replaces" not in full.stdout and _value(_node_commands(full.stdout)[0], "--num-layers") == "61"
+    assert "--preset {full,tiny}" in subprocess.run([sys.executable, py, "--help"], capture_output=True, text=True).stdout
 
 
 def test_dry_run_backend_choices():

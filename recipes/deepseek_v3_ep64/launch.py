@@ -7,6 +7,14 @@ Run once per node (same arguments everywhere, NODE_RANK differs):
     bash recipes/deepseek_v3_ep64/launch.sh [options] [-- extra pretrain_gpt.py arguments]
 
     bash recipes/deepseek_v3_ep64/launch.sh --dry-run   # every node's command; no GPU, no Megatron-LM
+    bash recipes/deepseek_v3_ep64/launch.sh --preset tiny --dry-run   # the same features at bring-up size
+
+`--preset tiny` keeps every DeepSeek-V3 feature that runs without Transformer Engine or apex
+(multi-latent attention, group-limited routing, sigmoid scores with expert bias, seq_aux_loss, a
+shared expert, MTP, megatron_ep's grouped-GEMM experts, the distributed optimizer with overlapped
+gradient reduce and parameter gather, --overlap-moe-expert-parallel-comm) at the size of one node
+of 4 GPUs (EP 4, 3 layers, hidden 256, 16 experts top-4 in 4 groups); `--dry-run` prints each flag
+of the full recipe it replaces and with what.
 
 Rendezvous from the environment: MASTER_ADDR, MASTER_PORT (29500), NNODES (8), NODE_RANK,
 GPUS_PER_NODE (8). Each node runs
@@ -31,6 +39,7 @@ tests/test_recipes.py. Standard library only: it must run where megatron_ep is n
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import shlex
@@ -68,6 +77,8 @@ MODEL = {
     "--moe-router-dtype": "fp32",
     "--mtp-num-layers": 1,
     "--mtp-loss-scaling-factor": 0.3,                # lambda of the first 10T tokens
+    "--hidden-dropout": 0.0,                         # DeepSeek-V3 trains without dropout (Megatron's default: 0.1)
+    "--attention-dropout": 0.0,
 }
 MODEL_SWITCHES = [
     "--multi-latent-attention", "--qk-layernorm", "--swiglu", "--disable-bias-linear",
@@ -79,10 +90,63 @@ ROPE = ["--normalization", "RMSNorm", "--position-embedding-type", "rope", "--ro
 VOCAB = 129280                           # DeepSeek-V3 tokenizer
 DEFAULT_TOKENIZER = "deepseek-ai/DeepSeek-V3"
 
+# --preset tiny: the same features at the size of one node of 4 GPUs (EP 4): 16 experts in 4
+# groups of 4 (one group per rank, as one per node at EP64), top-4 within 2 groups.
+TINY_MODEL = {
+    "--hidden-size": 256, "--ffn-hidden-size": 512, "--num-attention-heads": 4,
+    "--q-lora-rank": 64, "--kv-lora-rank": 32, "--qk-head-dim": 32, "--qk-pos-emb-head-dim": 16, "--v-head-dim": 32,
+    "--num-experts": 16, "--moe-ffn-hidden-size": 128, "--moe-shared-expert-intermediate-size": 128,
+    "--moe-router-topk": 4, "--moe-router-num-groups": 4, "--moe-router-group-topk": 2,
+}
+# What the tiny preset passes in place of the full recipe's flags that need Transformer Engine
+# or apex (or that Megatron refuses beside a feature the preset adds): (the full recipe's,
+# the preset's, why). `--dry-run --preset tiny` prints them.
+TINY_REPLACES = [
+    ("--transformer-impl transformer_engine (Megatron's default)", "--transformer-impl local",
+     "Transformer Engine's layers -> Megatron-core's own"),
+    ("--moe-grouped-gemm", "megatron_ep.megatron.launch --ep-experts grouped",
+     "Transformer Engine's grouped GEMM -> megatron_ep's GroupedGemmExperts (DeepGEMM where built, else torch grouped_mm)"),
+    ("--use-precision-aware-optimizer --main-grads-dtype bf16 --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16", "(dropped)",
+     "Transformer Engine's FusedAdam -> Megatron's Adam with fp32 main gradients and moments"),
+    ("--optimizer-cpu-offload --optimizer-offload-fraction 1.0 --overlap-cpu-optimizer-d2h-h2d", "(dropped)",
+     "needs the precision-aware optimizer: the Adam states stay on the GPU"),
+    ("gradient-accumulation fusion (Megatron's default)", "--no-gradient-accumulation-fusion",
+     "Megatron-core's own linear layers need apex's fused_weight_gradient_mlp_cuda for it"),
+    ("masked-softmax fusion (Megatron's default)", "--no-masked-softmax-fusion",
+     "Megatron-core's own attention needs apex's scaled_masked_softmax_cuda for it"),
+    ("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1", "(dropped)",
+     "Megatron refuses full recomputation beside --overlap-moe-expert-parallel-comm, which the preset adds"),
+]
+TINY_SWITCHES = ["--transformer-impl", "local", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+                 "--overlap-moe-expert-parallel-comm"]
 
-def moe_layer_pattern(layers: int) -> str:
-    """Megatron's --moe-layer-freq list syntax: the first 3 layers dense, the rest MoE."""
-    return f"([0]*{DENSE_LAYERS}+[1]*{layers - DENSE_LAYERS})"
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    model: dict
+    switches: tuple
+    dense_layers: int
+    vocab: int
+    launcher: tuple  # megatron_ep.megatron.launch's own options, before the script
+    defaults: dict   # option -> value where the command line and the environment give none
+
+
+PRESETS = {
+    "full": Preset(MODEL, tuple(MODEL_SWITCHES), DENSE_LAYERS, VOCAB, (), dict(
+        nnodes=8, gpus_per_node=8, layers=61, ep=64, seq_length=4096, micro_batch_size=1, global_batch_size=1024,
+        train_iters=100000, warmup_iters=2000, save_interval=1000, recompute="full", optimizer_offload=True)),
+    # 2 micro-batches per step: the EP overlap interleaves one micro-batch's communication with
+    # another's computation
+    "tiny": Preset({**MODEL, **TINY_MODEL}, tuple(s for s in MODEL_SWITCHES if s != "--moe-grouped-gemm") +
+                   tuple(TINY_SWITCHES), 1, 4096, ("--ep-experts", "grouped"), dict(
+        nnodes=1, gpus_per_node=4, layers=3, ep=4, seq_length=128, micro_batch_size=2, global_batch_size=16,
+        train_iters=20, warmup_iters=2, save_interval=10, recompute="none", optimizer_offload=False)),
+}
+
+
+def moe_layer_pattern(layers: int, dense: int = DENSE_LAYERS) -> str:
+    """Megatron's --moe-layer-freq list syntax: the first `dense` layers dense, the rest MoE."""
+    return f"([0]*{dense}+[1]*{layers - dense})"
 
 
 def _env_int(name: str, default):
@@ -111,13 +175,23 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpF
         return action.help if action.default is None else super()._get_help_string(action)
 
 
+def _dflt(name: str) -> str:
+    full, tiny = PRESETS["full"].defaults[name], PRESETS["tiny"].defaults[name]
+    show = {True: "on", False: "off"}
+    return f" (default: {show.get(full, full)} / {show.get(tiny, tiny)})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="launch.sh", description=__doc__.split("\n\n")[0],
                 epilog="Arguments after `--` go to pretrain_gpt.py as given.", formatter_class=_Help)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="full",
+                   help="full: DeepSeek-V3 671B; tiny: every feature that runs without Transformer Engine or apex, at the "
+                        "size of one node of 4 GPUs (--dry-run lists the flags it replaces). Options left unset take the "
+                        "preset's defaults, shown as 'full / tiny'")
     g = p.add_argument_group("cluster (defaults from the environment)")
-    g.add_argument("--nnodes", type=int, default=_env_int("NNODES", 8), help="NNODES")
+    g.add_argument("--nnodes", type=int, default=_env_int("NNODES", None), help="NNODES" + _dflt("nnodes"))
     g.add_argument("--node-rank", type=int, default=_env_int("NODE_RANK", None), help="NODE_RANK; required unless --dry-run")
-    g.add_argument("--gpus-per-node", type=int, default=_env_int("GPUS_PER_NODE", 8), help="GPUS_PER_NODE")
+    g.add_argument("--gpus-per-node", type=int, default=_env_int("GPUS_PER_NODE", None), help="GPUS_PER_NODE" + _dflt("gpus_per_node"))
     g.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR"), help="MASTER_ADDR; required unless --dry-run")
     g.add_argument("--master-port", type=int, default=_env_int("MASTER_PORT", 29500), help="MASTER_PORT")
     g.add_argument("--megatron-lm", default=os.environ.get("MEGATRON_LM_DIR"),
@@ -143,29 +217,32 @@ def build_parser() -> argparse.ArgumentParser:
                         "the puts one QP may have in flight")
 
     g = p.add_argument_group("model and parallelism")
-    g.add_argument("--layers", type=int, default=61, help="decoder layers (first 3 dense); fewer for bring-up")
+    g.add_argument("--layers", type=int, help="decoder layers (the first 3 dense; tiny: 1)" + _dflt("layers"))
     g.add_argument("--tp", type=int, default=1, help="tensor parallel size of the dense part (experts: ETP 1)")
     g.add_argument("--pp", type=int, default=1, help="pipeline stages (EP x PP must divide the world size)")
-    g.add_argument("--ep", type=int, default=64, help="expert parallel size")
+    g.add_argument("--ep", type=int, help="expert parallel size" + _dflt("ep"))
     g.add_argument("--fp8", action="store_true", help="FP8 GEMMs: e4m3, blockwise scaling (DeepSeek-V3's 1x128 / 128x128; Hopper, TransformerEngine)")
-    g.add_argument("--recompute", choices=("full", "selective", "none"), default="full",
-                   help="activation recomputation: full (every layer, uniform, 1 layer per checkpoint), selective, none")
-    g.add_argument("--optimizer-offload", action=argparse.BooleanOptionalAction, default=True,
-                   help="Adam states on the CPU (see docs/megatron.md: 61 layers at EP64 on 64 GPUs do not fit otherwise)")
+    g.add_argument("--recompute", choices=("full", "selective", "none"),
+                   help="activation recomputation: full (every layer, uniform, 1 layer per checkpoint), selective, none"
+                        + _dflt("recompute"))
+    g.add_argument("--optimizer-offload", action=argparse.BooleanOptionalAction,
+                   help="Adam states on the CPU (see docs/megatron.md: 61 layers at EP64 on 64 GPUs do not fit otherwise)"
+                        + _dflt("optimizer_offload"))
 
     g = p.add_argument_group("data and training")
     g.add_argument("--data-path", nargs="+", default=None, help="Megatron indexed-dataset prefixes (blend weights allowed); none = --mock-data")
     g.add_argument("--tokenizer-model", default=DEFAULT_TOKENIZER, help="HuggingFace tokenizer for real data")
-    g.add_argument("--seq-length", type=int, default=4096, help="sequence length (and max position embeddings)")
-    g.add_argument("--micro-batch-size", type=int, default=1, help="sequences per GPU per micro-batch")
-    g.add_argument("--global-batch-size", type=int, default=1024,
-                   help="sequences per step (a multiple of micro batch x data parallel size)")
-    g.add_argument("--train-iters", type=int, default=100000, help="training steps (the cosine decay spans them)")
+    g.add_argument("--seq-length", type=int, help="sequence length (and max position embeddings)" + _dflt("seq_length"))
+    g.add_argument("--micro-batch-size", type=int, help="sequences per GPU per micro-batch" + _dflt("micro_batch_size"))
+    g.add_argument("--global-batch-size", type=int,
+                   help="sequences per step (a multiple of micro batch x data parallel size)" + _dflt("global_batch_size"))
+    g.add_argument("--train-iters", type=int, help="training steps (the cosine decay spans them)" + _dflt("train_iters"))
     g.add_argument("--lr", type=float, default=2.2e-4, help="peak learning rate")
     g.add_argument("--min-lr", type=float, default=2.2e-5, help="learning rate at the end of the cosine decay")
-    g.add_argument("--warmup-iters", type=int, default=2000, help="linear warm-up steps")
+    g.add_argument("--warmup-iters", type=int, help="linear warm-up steps" + _dflt("warmup_iters"))
     g.add_argument("--checkpoint-dir", default=None, help="--save / --load directory (none: no checkpoints)")
-    g.add_argument("--save-interval", type=int, default=1000, help="steps between checkpoints (with --checkpoint-dir)")
+    g.add_argument("--save-interval", type=int,
+                   help="steps between checkpoints (with --checkpoint-dir)" + _dflt("save_interval"))
     g.add_argument("--tensorboard-dir", default=None, help="TensorBoard log directory (none: no TensorBoard)")
     return p
 
@@ -179,6 +256,9 @@ def parse_args(argv=None):
     p = build_parser()
     args = p.parse_args(argv)
     args.extra = extra
+    for name, value in PRESETS[args.preset].defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     validate(p, args)
     return args
 
@@ -191,10 +271,19 @@ def validate(p, args):
     if args.warmup_iters < 0 or args.lr <= 0 or args.min_lr < 0:
         p.error("--warmup-iters and --min-lr must be >= 0, --lr > 0")
     world = args.nnodes * args.gpus_per_node
-    if args.layers <= DENSE_LAYERS:
-        p.error(f"--layers must be more than the {DENSE_LAYERS} dense layers")
-    if NUM_EXPERTS % args.ep:
-        p.error(f"--ep {args.ep} must divide the {NUM_EXPERTS} experts")
+    preset = PRESETS[args.preset]
+    experts = preset.model["--num-experts"]
+    if args.layers <= preset.dense_layers:
+        p.error(f"--layers must be more than the {preset.dense_layers} dense layers")
+    if experts % args.ep:
+        p.error(f"--ep {args.ep} must divide the {experts} experts")
+    if args.preset == "tiny":
+        for bad, why in ((args.fp8, "--fp8 needs Transformer Engine"),
+                         (args.optimizer_offload, "--optimizer-offload needs Transformer Engine's precision-aware optimizer"),
+                         (args.recompute == "full", "--recompute full: Megatron refuses it beside "
+                                                    "--overlap-moe-expert-parallel-comm (use selective or none)")):
+            if bad:
+                p.error(f"--preset tiny: {why}")
     if world % (args.ep * args.pp) or world % (args.tp * args.pp):
         p.error(f"world size {world} (NNODES x GPUS_PER_NODE) must be a multiple of EP x PP = {args.ep * args.pp} and TP x PP = {args.tp * args.pp}")
     dp = world // (args.tp * args.pp)
@@ -228,8 +317,9 @@ def _kv(d) -> list:
 
 def megatron_args(args) -> list:
     """pretrain_gpt.py's arguments (without the extra ones after `--`)."""
-    a = ["--num-layers", str(args.layers), "--moe-layer-freq", moe_layer_pattern(args.layers)]
-    a += _kv(MODEL) + MODEL_SWITCHES + ROPE
+    preset = PRESETS[args.preset]
+    a = ["--num-layers", str(args.layers), "--moe-layer-freq", moe_layer_pattern(args.layers, preset.dense_layers)]
+    a += _kv(preset.model) + list(preset.switches) + ROPE
     a += ["--seq-length", str(args.seq_length), "--max-position-embeddings", str(args.seq_length)]
     # megatron_ep through Megatron's flex dispatcher
     a += ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", args.dispatcher]
@@ -265,7 +355,7 @@ def megatron_args(args) -> list:
         a += ["--data-path", *args.data_path, "--split", "99,1,0",
               "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", args.tokenizer_model]
     else:
-        a += ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB)]
+        a += ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(preset.vocab)]
     # logging, evaluation, checkpoints
     a += ["--log-interval", "1", "--log-throughput", "--eval-interval", "1000", "--eval-iters", "10",
           "--distributed-timeout-minutes", "60"]
@@ -320,7 +410,7 @@ def node_command(args, node_rank: int):
     argv = shlex.split(args.torchrun) + [
         "--nnodes", str(args.nnodes), "--node-rank", str(node_rank), "--nproc-per-node", str(args.gpus_per_node),
         "--master-addr", args.master_addr or "$MASTER_ADDR", "--master-port", str(args.master_port),
-        "-m", "megatron_ep.megatron.launch", megatron_lm + "/pretrain_gpt.py",
+        "-m", "megatron_ep.megatron.launch", *PRESETS[args.preset].launcher, megatron_lm + "/pretrain_gpt.py",
     ] + megatron_args(args) + args.extra
     return env, argv
 
@@ -341,9 +431,13 @@ def render(env, argv) -> str:
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.dry_run:
-        print(f"# DeepSeek-V3 on {args.nnodes} nodes x {args.gpus_per_node} GPUs: EP{args.ep} TP{args.tp} PP{args.pp}, "
+        print(f"# DeepSeek-V3{' (preset tiny)' if args.preset == 'tiny' else ''} on {args.nnodes} nodes x "
+              f"{args.gpus_per_node} GPUs: EP{args.ep} TP{args.tp} PP{args.pp}, "
               f"{args.layers} layers, flex/{args.dispatcher}, megatron_ep backend {args.ep_backend}"
               + (", FP8 blockwise" if args.fp8 else ", bf16"))
+        if args.preset == "tiny":
+            for full, tiny, why in TINY_REPLACES:
+                print(f"# replaces {full}  ->  {tiny}: {why}")
         nv = nvshmem_env(args)
         print("# NVSHMEM: " + (" ".join(f"{k}={v}" for k, v in nv.items()) if nv else "its own defaults"))
         for rank in range(args.nnodes):
