@@ -102,7 +102,7 @@ def runs() -> List[Run]:
         return [Run(f"{version}-{shape}-{d}", version, R, d, P) for d in ("alltoall", "deepep", "hybridep")]
 
     grouped = ("--ep-experts", "grouped")
-    tiny = [Run(f"main-recipe-tiny-{d}", "main", 4, d, options=tuple(recipe_args("tiny", d)[0]), preset="tiny")
+    tiny = [Run(f"r0.19-recipe-tiny-{d}", "r0.19", 4, d, options=tuple(recipe_args("tiny", d)[0]), preset="tiny")
             for d in ("alltoall", "hybridep")]
     return tiny + trio("main", 2) + [
         Run("main-ep2-hybridep-grouped", "main", 2, "hybridep", options=grouped),

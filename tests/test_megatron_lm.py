@@ -129,12 +129,12 @@ def test_checkpoint_resume(results):
 
 
 def test_recipe_tiny_preset(results):
-    """The DeepSeek-V3 EP64 recipe's --preset tiny (multi-latent attention, group-limited sigmoid
+    """The DeepSeek-V3 EP64 recipe's --preset tiny on core_v0.19.0 (group-limited sigmoid
     routing with expert bias, seq_aux_loss, a shared expert, MTP, megatron_ep's experts, the
     distributed optimizer with overlapped reduce and gather, --overlap-moe-expert-parallel-comm) at
     EP 4 for 20 iterations on hybridep: the loss finite and falling, and within the bf16 tolerance
     of the same preset on Megatron's alltoall at every iteration."""
-    name, ref = "main-recipe-tiny-hybridep", "main-recipe-tiny-alltoall"
+    name, ref = "r0.19-recipe-tiny-hybridep", "r0.19-recipe-tiny-alltoall"
     r = _ok(results, name)
     losses = [r["iters"][i][0] for i in sorted(r["iters"])]
     assert len(losses) == mr.ITERS and all(l == l and abs(l) != float("inf") for l in losses), losses

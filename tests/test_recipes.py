@@ -56,6 +56,8 @@ MAPPED = {
     "--no-masked-softmax-fusion": "masked_softmax_fusion",
     # A 2083 / B 2807 (store_false, dest='gradient_accumulation_fusion'): --preset tiny
     "--no-gradient-accumulation-fusion": "gradient_accumulation_fusion",
+    # A 2078 / B 2802 (store_true; Megatron-LM passes persist_layer_norm = not it): --preset tiny
+    "--no-persist-layer-norm": "persist_layer_norm",
 }
 
 # Flags of Megatron-LM's training loop / model builder, not megatron-core config fields.
@@ -264,10 +266,11 @@ def test_tiny_preset():
     (words,) = _node_commands(out.stdout)
     m = words.index("-m")
     assert words[m + 1:m + 4] == ["megatron_ep.megatron.launch", "--ep-experts", "grouped"], words[m:m + 5]
-    for switch in ("--multi-latent-attention", "--moe-router-enable-expert-bias", "--use-distributed-optimizer",
+    for switch in ("--moe-router-enable-expert-bias", "--use-distributed-optimizer", "--mtp-num-layers",
                    "--overlap-grad-reduce", "--overlap-moe-expert-parallel-comm", "--no-gradient-accumulation-fusion"):
         assert switch in words, switch
-    for gone in ("--moe-grouped-gemm", "--use-precision-aware-optimizer", "--optimizer-cpu-offload", "--recompute-granularity"):
+    for gone in ("--moe-grouped-gemm", "--use-precision-aware-optimizer", "--optimizer-cpu-offload", "--recompute-granularity",
+                 "--multi-latent-attention", "--q-lora-rank"):
         assert gone not in words, gone
     assert _value(words, "--transformer-impl") == "local" and _value(words, "--expert-model-parallel-size") == "4"
     assert _value(words, "--moe-router-load-balancing-type") == "seq_aux_loss" and _value(words, "--mtp-num-layers") == "1"

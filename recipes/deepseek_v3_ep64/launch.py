@@ -10,11 +10,12 @@ Run once per node (same arguments everywhere, NODE_RANK differs):
     bash recipes/deepseek_v3_ep64/launch.sh --preset tiny --dry-run   # the same features at bring-up size
 
 `--preset tiny` keeps every DeepSeek-V3 feature that runs without Transformer Engine or apex
-(multi-latent attention, group-limited routing, sigmoid scores with expert bias, seq_aux_loss, a
+(group-limited routing, sigmoid scores with expert bias, seq_aux_loss, a
 shared expert, MTP, megatron_ep's grouped-GEMM experts, the distributed optimizer with overlapped
 gradient reduce and parameter gather, --overlap-moe-expert-parallel-comm) at the size of one node
 of 4 GPUs (EP 4, 3 layers, hidden 256, 16 experts top-4 in 4 groups); `--dry-run` prints each flag
-of the full recipe it replaces and with what.
+of the full recipe it replaces and with what (multi-latent attention among them: Megatron runs it
+on Transformer Engine's attention only).
 
 Rendezvous from the environment: MASTER_ADDR, MASTER_PORT (29500), NNODES (8), NODE_RANK,
 GPUS_PER_NODE (8). Each node runs
@@ -94,14 +95,17 @@ DEFAULT_TOKENIZER = "deepseek-ai/DeepSeek-V3"
 # groups of 4 (one group per rank, as one per node at EP64), top-4 within 2 groups.
 TINY_MODEL = {
     "--hidden-size": 256, "--ffn-hidden-size": 512, "--num-attention-heads": 4,
-    "--q-lora-rank": 64, "--kv-lora-rank": 32, "--qk-head-dim": 32, "--qk-pos-emb-head-dim": 16, "--v-head-dim": 32,
     "--num-experts": 16, "--moe-ffn-hidden-size": 128, "--moe-shared-expert-intermediate-size": 128,
     "--moe-router-topk": 4, "--moe-router-num-groups": 4, "--moe-router-group-topk": 2,
 }
 # What the tiny preset passes in place of the full recipe's flags that need Transformer Engine
 # or apex (or that Megatron refuses beside a feature the preset adds): (the full recipe's,
 # the preset's, why). `--dry-run --preset tiny` prints them.
+MLA_FLAGS = ("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim")
 TINY_REPLACES = [
+    ("--multi-latent-attention and its sizes (" + " ".join(MLA_FLAGS) + ")", "standard attention (4 heads of 64)",
+     "MLA's core attention takes other head sizes for q / k and v, which only Transformer Engine's DotProductAttention "
+     "accepts (Megatron-core's own raises on k_channels, main and core_r0.19.0)"),
     ("--transformer-impl transformer_engine (Megatron's default)", "--transformer-impl local",
      "Transformer Engine's layers -> Megatron-core's own"),
     ("--moe-grouped-gemm", "megatron_ep.megatron.launch --ep-experts grouped",
@@ -114,11 +118,13 @@ TINY_REPLACES = [
      "Megatron-core's own linear layers need apex's fused_weight_gradient_mlp_cuda for it"),
     ("masked-softmax fusion (Megatron's default)", "--no-masked-softmax-fusion",
      "Megatron-core's own attention needs apex's scaled_masked_softmax_cuda for it"),
+    ("persistent layer norm (Megatron's default)", "--no-persist-layer-norm",
+     "apex's kernel; Megatron-core's own norm (torch RMSNorm) refuses it"),
     ("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1", "(dropped)",
      "Megatron refuses full recomputation beside --overlap-moe-expert-parallel-comm, which the preset adds"),
 ]
 TINY_SWITCHES = ["--transformer-impl", "local", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
-                 "--overlap-moe-expert-parallel-comm"]
+                 "--no-persist-layer-norm", "--overlap-moe-expert-parallel-comm"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +143,8 @@ PRESETS = {
         train_iters=100000, warmup_iters=2000, save_interval=1000, recompute="full", optimizer_offload=True)),
     # 2 micro-batches per step: the EP overlap interleaves one micro-batch's communication with
     # another's computation
-    "tiny": Preset({**MODEL, **TINY_MODEL}, tuple(s for s in MODEL_SWITCHES if s != "--moe-grouped-gemm") +
+    "tiny": Preset({k: v for k, v in {**MODEL, **TINY_MODEL}.items() if k not in MLA_FLAGS},
+                   tuple(s for s in MODEL_SWITCHES if s not in ("--moe-grouped-gemm", "--multi-latent-attention")) +
                    tuple(TINY_SWITCHES), 1, 4096, ("--ep-experts", "grouped"), dict(
         nnodes=1, gpus_per_node=4, layers=3, ep=4, seq_length=128, micro_batch_size=2, global_batch_size=16,
         train_iters=20, warmup_iters=2, save_interval=10, recompute="none", optimizer_offload=False)),
