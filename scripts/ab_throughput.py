@@ -69,15 +69,21 @@ import time
 import traceback
 from typing import Callable, List, Optional
 
-import torch
-import torch.distributed as dist
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path[:0] = [ROOT, HERE]  # run from a checkout; the bench package beside this file
 
+from megatron_ep import cli  # noqa: E402
+
+PROG = "scripts/ab_throughput.py"
+if __name__ == "__main__":
+    cli.require("torch", "megatron.core", prog=PROG)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
 from bench import internals, report  # noqa: E402
-from megatron_ep import cli, resources  # noqa: E402
+from megatron_ep import resources  # noqa: E402
 from recipes import train_moe  # noqa: E402
 from recipes.comm_timer import CommTimer  # noqa: E402
 
@@ -107,9 +113,6 @@ BACKENDS = {b.key: b for b in (
     BackendSpec("DeepEP", "deepep", False, "flex + Megatron's _DeepepManager on deep_ep"),
     BackendSpec("HybridEP", "hybridep", False, "flex + Megatron's _HybridEPManager on deep_ep"),
 )}
-
-
-PROG = "scripts/ab_throughput.py"
 
 
 def build_parser() -> cli.ArgumentParser:
@@ -588,7 +591,7 @@ def main(argv=None) -> int:
     on_gpu = train_moe.init_distributed(args.virtual_ranks)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    os.environ["MEGATRON_EP_BACKEND"] = args.backend
+    train_moe.use_backend(args)
 
     def say(*text):
         if rank == 0:
