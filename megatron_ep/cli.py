@@ -10,6 +10,11 @@
 * `launch(nprocs, cmd)`: runs a command line as `nprocs` local ranks with torchrun's
   environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...); the caller validates its
   arguments first, and a failing rank comes back as one line, not a multi-process traceback.
+* `require(*modules)`: a command run by an interpreter that cannot import torch (a system python
+  outside the project's `.venv`) exits with one line saying so and how to enter the
+  environment, instead of an import traceback. This module imports only the standard library,
+  and `import megatron_ep` loads torch only on first use of its API, so commands call it first.
+* `note(line)`: an informational line, printed by rank 0 only.
 * `quiet()`: filters third-party warnings that say nothing about a run of our scripts
   (Apex / TransformerEngine absent, torch's "No CUDA runtime is found" on CPU machines, ...).
   Only our scripts call it; importing the library changes no filter.
@@ -18,6 +23,8 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
 import logging
 import math
 import os
@@ -171,6 +178,22 @@ def _report(line: str, usage: bool) -> None:
         else:
             line = f"[rank {rank}] {line}"
     print(line, file=sys.stderr, flush=True)
+    _tell_torchrun(line)
+
+
+def _tell_torchrun(line: str) -> None:
+    """Under torchrun, also leave the line in the error file torchrun reads from a failed rank
+    (TORCHELASTIC_ERROR_FILE, the file torch's @record writes): the failure report that torchrun
+    prints after it then names the problem instead of pointing at how to get a traceback."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass  # the report then says what it says without it; the line was printed
 
 
 def run_main(main: Callable[[List[str]], Optional[int]], argv: Optional[Sequence[str]] = None, *,
@@ -198,6 +221,44 @@ def run_main(main: Callable[[List[str]], Optional[int]], argv: Optional[Sequence
     if code and launched_by_us():
         _report("", usage=False)  # the rank reported its failure itself: the launcher adds nothing
     return code
+
+
+# ---------------------------------------------------------------------------- environment
+ENV_HINT = "run `source .venv/bin/activate` in the repository first (`bash scripts/setup_env.sh` creates .venv)"
+
+
+def missing_modules(names: Sequence[str]) -> List[str]:
+    """The modules among `names` that this interpreter cannot import. Looked up (find_spec), not
+    imported: torch is not loaded here."""
+    missing = []
+    for name in names:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # a dotted name whose parent package is missing
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
+def require(*modules: str, prog: str, alternative: str = "") -> None:
+    """Exit with status 2 and one line when a module this command needs is not importable, e.g.
+    under a system python outside the project's environment, where Python's own answer is a
+    traceback ending in ModuleNotFoundError. Commands call it before they import torch.
+    `alternative`: another way to run the command, appended to the advice."""
+    missing = missing_modules(modules)
+    if missing:
+        names = " and ".join(missing) + (" is" if len(missing) == 1 else " are")
+        print(f"{prog}: error: {names} not importable by {sys.executable}: {ENV_HINT}"
+              + (f", or {alternative}" if alternative else ""), file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def note(line: str) -> None:
+    """Print an informational line on rank 0 only (or outside a launcher): said once per run
+    when every rank comes to it."""
+    if (_env_int("RANK") or 0) == 0:
+        print(line, flush=True)
 
 
 # ------------------------------------------------------------------------------- launching

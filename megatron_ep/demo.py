@@ -17,14 +17,17 @@ import os
 import sys
 import time
 
-import torch
-import torch.distributed as dist
-
-import megatron_ep as mep
-from megatron_ep import cli, resources
-
+from megatron_ep import cli
 
 PROG = "python -m megatron_ep.demo"
+if __name__ == "__main__":
+    cli.require("torch", prog=PROG, alternative="`bash scripts/run_demo.sh`, which sets it up and runs the demo")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import megatron_ep as mep  # noqa: E402
+from megatron_ep import resources  # noqa: E402
 
 
 def build_parser() -> cli.ArgumentParser:
@@ -58,15 +61,16 @@ def validate(args, world: int) -> None:
               "the same number of experts")
     cli.check(args.topk <= args.experts, f"--topk {args.topk} is more than the {args.experts} experts (--experts)")
     if args.backend == "cuda":
-        cli.check(cli.world_size_from_env() is not None,
-                  "--backend cuda: the demo's own processes keep their tokens on the CPU (gloo); launch it with "
-                  "torchrun (NCCL, one GPU per rank): torchrun --nproc-per-node N -m megatron_ep.demo --backend cuda")
+        # what this machine lacks first: torchrun is suggested only where the cuda backend can run
         cli.check(torch.cuda.is_available(), "--backend cuda needs a CUDA GPU (none is visible); use --backend torch")
         major, minor = torch.cuda.get_device_capability()
         cli.check(major == 9, f"--backend cuda: megatron_ep's kernels are built for Hopper (sm_90) only; this GPU is "
                               f"sm_{major}{minor}: use --backend torch")
         cli.check(mep.cuda_backend_available(), "--backend cuda: megatron_ep's CUDA extension is not built here (see the "
                                                 "README, 'Use it in your own environment'); use --backend torch")
+        cli.check(cli.world_size_from_env() is not None,
+                  "--backend cuda: the demo's own processes keep their tokens on the CPU (gloo); launch it with "
+                  "torchrun (NCCL, one GPU per rank): torchrun --nproc-per-node N -m megatron_ep.demo --backend cuda")
     # the demo's own ranks are gloo on the CPU; under torchrun, NCCL on GPUs unless --backend torch
     on_gpu = cli.world_size_from_env() is not None and args.backend != "torch" and torch.cuda.is_available()
     resources.refuse_unless_fits(resources.demo_need(args, world, on_gpu), force=args.force)

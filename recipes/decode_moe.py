@@ -19,15 +19,18 @@ from __future__ import annotations
 import os
 import sys
 
-import torch
-import torch.distributed as dist
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from megatron_ep import cli  # noqa: E402
-from recipes import train_moe  # noqa: E402
 
 PROG = "recipes/decode_moe.py"
+if __name__ == "__main__":
+    cli.require("torch", "megatron.core", prog=PROG)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from recipes import train_moe  # noqa: E402
 
 
 def build_parser() -> cli.ArgumentParser:
@@ -65,7 +68,7 @@ def main(argv=None) -> int:
     on_gpu = train_moe.init_distributed(args.virtual_ranks)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    os.environ["MEGATRON_EP_BACKEND"] = args.backend
+    train_moe.use_backend(args)
 
     from megatron.core import parallel_state as ps
     from megatron.core.inference.contexts import StaticInferenceContext

@@ -90,6 +90,7 @@ def _check(name: str, nproc: int, extra: List[str]) -> None:
     """Refuse, before starting processes, what would fail inside them (cli.UsageError)."""
     from megatron_ep import cli
 
+    cli.require("torch", "megatron.core", prog=PROG)  # --list and --dry-run run without them
     preset = PRESETS[name]
     cli.check(nproc >= 1, f"--nproc must be >= 1, got {nproc}")
     args = _train_moe_args(preset.args + tuple(extra))

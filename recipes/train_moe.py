@@ -13,9 +13,9 @@ layout. Parallelism: EP = data parallel = world size (TP = PP = 1).
 
 --dispatcher: alltoall (Megatron's own), deepep or hybridep (Megatron's flex dispatcher with
 megatron_ep's managers installed). --backend: megatron_ep's Buffer backend (torch reference,
-cuda kernels, auto). Runs on CPU with gloo (reference backend) and on GPUs with NCCL.
-Prints per step: loss, step time, tokens/s, dispatch and combine time (fwd + bwd, summed over
-layers, max over ranks).
+cuda kernels, auto; default MEGATRON_EP_BACKEND, else auto). Runs on CPU with gloo (reference
+backend) and on GPUs with NCCL. Prints per step: loss, step time, tokens/s, dispatch and
+combine time (fwd + bwd, summed over layers, max over ranks).
 """
 
 from __future__ import annotations
@@ -27,16 +27,20 @@ import os
 import sys
 import time
 
-import torch
-import torch.distributed as dist
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from megatron_ep import cli, resources  # noqa: E402
-from recipes.comm_timer import CommTimer  # noqa: E402
-
+from megatron_ep import cli  # noqa: E402
 
 PROG = "recipes/train_moe.py"
+if __name__ == "__main__":
+    cli.require("torch", "megatron.core", prog=PROG)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megatron_ep import resources  # noqa: E402
+from megatron_ep.megatron import backend as backend_env  # noqa: E402
+from recipes.comm_timer import CommTimer  # noqa: E402
 
 
 def add_args(p: argparse.ArgumentParser, dispatcher: bool = True) -> argparse.ArgumentParser:
@@ -49,9 +53,10 @@ def add_args(p: argparse.ArgumentParser, dispatcher: bool = True) -> argparse.Ar
     p.add_argument("--nproc-per-node", type=cli.integer(), default=2,
                    help="ranks to start on this machine when run with plain python (as torchrun --nproc-per-node "
                         "would; one GPU each where there are GPUs); ignored under torchrun")
-    p.add_argument("--backend", choices=("auto", "torch", "cuda"), default="auto",
+    p.add_argument("--backend", choices=backend_env.BACKENDS, default=None,
                    help="megatron_ep Buffer backend: torch (reference), cuda (our kernels: Hopper GPUs, extension "
-                        "built), auto (cuda where it can run, else torch)")
+                        f"built), auto (cuda where it can run, else torch); default: {backend_env.ENV}, else auto "
+                        "(the option wins over the variable)")
     p.add_argument("--experts-impl", choices=("grouped", "sequential"), default="grouped",
                    help="megatron_ep GroupedGemmExperts, or Megatron's SequentialMLP")
     p.add_argument("--steps", type=cli.integer(), default=6, help="training steps")
@@ -95,6 +100,25 @@ def parse_args(argv=None):
     return build_parser().parse_args(argv)
 
 
+def backend_choice(args):
+    """(megatron_ep's Buffer backend for this run, the line saying that --backend overrides a
+    different MEGATRON_EP_BACKEND, or None): --backend, else the variable, else auto. A bad value
+    of the variable is refused (cli.UsageError, one line)."""
+    try:
+        return backend_env.resolve(args.backend, "--backend")
+    except ValueError as e:
+        raise cli.UsageError(str(e)) from None
+
+
+def use_backend(args) -> None:
+    """In a rank: MEGATRON_EP_BACKEND (which the flex managers read) and args.backend set to the
+    run's backend; rank 0 says when --backend overrides the variable."""
+    args.backend, overridden = backend_choice(args)
+    if overridden:
+        cli.note(overridden)
+    os.environ[backend_env.ENV] = args.backend
+
+
 def validate(args, world: int) -> None:
     """Refuse, before any process group or model exists, what would fail later inside
     Megatron or the ranks (cli.UsageError, one line). `world`: the number of ranks."""
@@ -123,11 +147,12 @@ def validate(args, world: int) -> None:
                   f"{megatron.core.__version__}, whose config accepts moe_shared_expert_overlap with alltoall only)")
         cli.check(torch.cuda.is_available(),
                   "--shared-expert-overlap needs a CUDA GPU (Megatron runs the shared expert on its own CUDA stream)")
-    if args.backend == "cuda":
+    backend, _ = backend_choice(args)
+    if backend == "cuda":
         from megatron_ep.buffer import cuda_backend_available
 
-        cli.check(torch.cuda.is_available(), "--backend cuda needs a CUDA GPU (none is visible); use --backend torch")
-        cli.check(cuda_backend_available(), "--backend cuda: megatron_ep's CUDA extension is not built here "
+        cli.check(torch.cuda.is_available(), "the cuda backend needs a CUDA GPU (none is visible); use --backend torch")
+        cli.check(cuda_backend_available(), "the cuda backend: megatron_ep's CUDA extension is not built here "
                                             "(README, 'Use it in your own environment'); use --backend torch")
     if world == 1 and dispatcher in ("deepep", "hybridep"):
         import megatron.core
@@ -392,7 +417,7 @@ def main(argv=None) -> int:
     on_gpu = init_distributed(args.virtual_ranks)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    os.environ["MEGATRON_EP_BACKEND"] = args.backend
+    use_backend(args)
 
     from megatron.core import parallel_state as ps
 

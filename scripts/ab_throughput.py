@@ -16,8 +16,8 @@ Backends (--backends, comma separated, default all):
   hybridep-chunked  hybridep with each MoE layer's dispatch, experts and combine in --chunks (4)
             pipelined token chunks (megatron_ep.megatron.chunked): communication under the expert
             GEMMs, which leave the communication kernels' SMs free; those kernels take the SMs
-            the model's split gives (printed in the header); its dispatch / combine timers stay
-            empty (the chunks bypass the dispatcher);
+            the model's split gives (printed in the header); its dispatch / combine are not
+            measured (the chunks bypass the dispatcher calls the timers wrap; the table says "-");
   hybridep-chunked-budget  the same with the static budget of --budget-factor: every chunk
             worst-case sized for its share of the tokens, no host sync (known issue: its drop
             count can be read before a chunk's dispatch finished, docs/megatron.md);
@@ -69,15 +69,21 @@ import time
 import traceback
 from typing import Callable, List, Optional
 
-import torch
-import torch.distributed as dist
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path[:0] = [ROOT, HERE]  # run from a checkout; the bench package beside this file
 
+from megatron_ep import cli  # noqa: E402
+
+PROG = "scripts/ab_throughput.py"
+if __name__ == "__main__":
+    cli.require("torch", "megatron.core", prog=PROG)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
 from bench import internals, report  # noqa: E402
-from megatron_ep import cli, resources  # noqa: E402
+from megatron_ep import resources  # noqa: E402
 from recipes import train_moe  # noqa: E402
 from recipes.comm_timer import CommTimer  # noqa: E402
 
@@ -89,7 +95,15 @@ class BackendSpec:
     ours: Optional[bool]  # flex: True = megatron_ep's manager, False = Megatron's own (deep_ep); None: alltoall
     about: str
     env: tuple = ()  # (name, value) pairs set while the model is built (read by the managers)
+    untimed: str = ""  # why the comm timers cannot see its dispatch / combine ("": they can)
 
+    @property
+    def budget(self) -> bool:
+        """Whether it runs under a static budget (and so may drop rows)."""
+        return any(name == "MEGATRON_EP_RANK_CAPACITY_FACTOR" for name, _ in self.env)
+
+
+CHUNKS_UNTIMED = "the chunks move the tokens inside the experts' call, past the dispatcher calls that the timers wrap"
 
 BACKENDS = {b.key: b for b in (
     BackendSpec("alltoall", "alltoall", None, "Megatron alltoall dispatcher"),
@@ -100,16 +114,14 @@ BACKENDS = {b.key: b for b in (
                 (("MEGATRON_EP_RANK_CAPACITY_FACTOR", "{budget_factor}"),)),
     BackendSpec("hybridep-chunked", "hybridep", True, "flex + megatron_ep hybridep, dispatch / experts / combine in "
                 "--chunks pipelined token chunks (megatron_ep.megatron.chunked; grouped experts)",
-                (("MEGATRON_EP_CHUNKED_EXPERTS", "{chunks}"),)),
+                (("MEGATRON_EP_CHUNKED_EXPERTS", "{chunks}"),), CHUNKS_UNTIMED),
     BackendSpec("hybridep-chunked-budget", "hybridep", True, "hybridep-chunked with the static budget: every chunk "
                 "worst-case sized for its share of --budget-factor x T x topk rows (no host sync)",
-                (("MEGATRON_EP_CHUNKED_EXPERTS", "{chunks}"), ("MEGATRON_EP_RANK_CAPACITY_FACTOR", "{budget_factor}"))),
+                (("MEGATRON_EP_CHUNKED_EXPERTS", "{chunks}"), ("MEGATRON_EP_RANK_CAPACITY_FACTOR", "{budget_factor}")),
+                CHUNKS_UNTIMED),
     BackendSpec("DeepEP", "deepep", False, "flex + Megatron's _DeepepManager on deep_ep"),
     BackendSpec("HybridEP", "hybridep", False, "flex + Megatron's _HybridEPManager on deep_ep"),
 )}
-
-
-PROG = "scripts/ab_throughput.py"
 
 
 def build_parser() -> cli.ArgumentParser:
@@ -152,7 +164,7 @@ def validate(args, world: int) -> None:
     the run fits this machine, before any process group (option types and ranges are the
     parser's)."""
     train_moe.validate(args, world)
-    if {"hybridep-budget", "hybridep-chunked-budget"} & set(args.backend_keys):
+    if any(BACKENDS[k].budget for k in args.backend_keys):
         rows = args.budget_factor * args.seq_len * args.micro_batch * args.topk
         cli.check(rows >= 1, f"--budget-factor {args.budget_factor:g} gives a budget of {rows:g} rows per rank "
                              "(factor x seq-len x micro-batch x topk): less than one row, so no budget at all")
@@ -180,7 +192,7 @@ def resources_needed(args, world: int, on_gpu: bool) -> resources.Need:
         return spec.ours is None or (world >= 2 and (spec.ours or deep_ep))
 
     models = sum(builds(BACKENDS[k]) for k in args.backend_keys)
-    budget = args.budget_factor if {"hybridep-budget", "hybridep-chunked-budget"} & set(args.backend_keys) else None
+    budget = args.budget_factor if any(BACKENDS[k].budget for k in args.backend_keys) else None
     return resources.moe_gpt_need(args, world, on_gpu, mode=args.mode, models=models,
                                   initial_copy=not args.continue_reps, budget_factor=budget)
 
@@ -495,6 +507,60 @@ def reproducibility_note(runs: List[Run]) -> str:
             "deterministically): " + ", ".join(parts))
 
 
+def comm_not_measured(run: Run) -> Optional[str]:
+    """Why the run's dispatch / combine times (timers on) are no measurement, else None: its
+    backend moves the tokens past the timers, or the timers saw no call (a total of 0 s)."""
+    if run.spec.untimed:
+        return run.spec.untimed
+    if not any(run.rep_dispatch_s) and not any(run.rep_combine_s):
+        return "the timers saw no dispatch or combine call"
+    return None
+
+
+def comm_ms(run: Run) -> Optional[tuple]:
+    """(dispatch ms, combine ms): medians over repetitions, None where not measured."""
+    if comm_not_measured(run):
+        return None
+    return statistics.median(run.rep_dispatch_s) * 1e3, statistics.median(run.rep_combine_s) * 1e3
+
+
+def comm_cells(run: Run, time_comm: bool) -> List[str]:
+    """The table's dispatch and combine ms: "-" with the timers off or where they measured
+    nothing (comm_note says why), never a 0.00 that reads as a time."""
+    ms = comm_ms(run) if time_comm else None
+    return [f"{ms[0]:.2f}", f"{ms[1]:.2f}"] if ms else ["-", "-"]
+
+
+def comm_progress(run: Run) -> str:
+    """The dispatch / combine part of a repetition's progress line (timers on)."""
+    why = comm_not_measured(run)
+    if why:
+        return f", dispatch / combine not measured ({why})"
+    return f", dispatch {run.rep_dispatch_s[-1] * 1e3:.2f} ms, combine {run.rep_combine_s[-1] * 1e3:.2f} ms"
+
+
+def comm_note(runs: List[Run]) -> Optional[str]:
+    """The note naming the measured backends whose dispatch / combine cells are "-", and why."""
+    why = {}
+    for r in runs:
+        reason = comm_not_measured(r) if r.rep_step_s else None
+        if reason:
+            why.setdefault(reason, []).append(r.key)
+    if not why:
+        return None
+    return "dispatch / combine ms not measured (-): " + "; ".join(f"{', '.join(keys)}: {reason}"
+                                                                  for reason, keys in why.items())
+
+
+def dropped_note(runs: List[Run]) -> Optional[str]:
+    """Rows dropped by the backends that run under a static budget (the others drop none)."""
+    budgets = [r for r in runs if r.spec.budget and r.dropped is not None]
+    if not budgets:
+        return None
+    return "rows dropped by static budgets (forward dispatches, summed over ranks and MoE layers): " + ", ".join(
+        f"{r.key} {r.dropped0} at step 0, {r.dropped} over all {r.steps_total} steps" for r in budgets)
+
+
 def table_rows(runs: List[Run], args, loss_ref: Optional[Run]) -> List[List[str]]:
     base = next((r for r in runs if r.key == "alltoall" and r.status == "ok" and r.rep_step_s), None)
     base_tps = base.tokens_per_s if base else None
@@ -508,8 +574,7 @@ def table_rows(runs: List[Run], args, loss_ref: Optional[Run]) -> List[List[str]
             continue
         step = statistics.median(r.rep_step_s)
         spread = (max(r.rep_step_s) - min(r.rep_step_s)) / step * 100
-        comm = [f"{statistics.median(r.rep_dispatch_s) * 1e3:.2f}", f"{statistics.median(r.rep_combine_s) * 1e3:.2f}"] \
-            if args.time_comm else ["-", "-"]
+        comm = comm_cells(r, args.time_comm)
         ratio = f"{r.tokens_per_s / base_tps:.3f}" if base_tps else "-"
         loss = "-" if r.loss0 is None else f"{r.loss0:.7g}"
         if r.loss0 is not None and loss_ref is not None and r is not loss_ref:
@@ -549,25 +614,36 @@ def write_png(path: str, runs: List[Run], args, title: str) -> None:
     import matplotlib.pyplot as plt
 
     ran = [r for r in runs if r.rep_step_s]
-    names = [r.key for r in ran]
     base = next((r.tokens_per_s for r in ran if r.key == "alltoall"), None)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    bars = ax1.bar(names, [r.tokens_per_s for r in ran], color="tab:blue")
+    # Horizontal bars: the backend names (up to 23 characters) read along the y axis; as x labels
+    # of vertical bars they overlapped in both panels.
+    rows = list(range(len(ran)))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 1.6 + 0.5 * len(ran)), sharey=True)
+    bars = ax1.barh(rows, [r.tokens_per_s for r in ran], color="tab:blue")
     for bar, r in zip(bars, ran):
-        label = f"{r.tokens_per_s:.0f}" + (f"\n{r.tokens_per_s / base:.2f}x" if base else "")
-        ax1.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
-    ax1.set_ylabel("tokens/s (median)")
+        label = f" {r.tokens_per_s:.0f}" + (f" ({r.tokens_per_s / base:.2f}x)" if base else "")
+        ax1.annotate(label, (bar.get_width(), bar.get_y() + bar.get_height() / 2), va="center", fontsize=8)
+    ax1.set_yticks(rows, [r.key for r in ran])
+    ax1.invert_yaxis()  # top to bottom in the table's order (the panels share the axis)
+    ax1.set_xlabel("tokens/s (median)")
     ax1.set_title("throughput" + (" (ratio to alltoall)" if base else ""))
-    ax1.margins(y=0.2)
+    ax1.margins(x=0.3)
     series = [("step", [statistics.median(r.rep_step_s) * 1e3 for r in ran])]
     if args.time_comm:
-        series += [("dispatch", [statistics.median(r.rep_dispatch_s) * 1e3 for r in ran]),
-                   ("combine", [statistics.median(r.rep_combine_s) * 1e3 for r in ran])]
-    width = 0.8 / len(series)
-    for i, (label, values) in enumerate(series):
-        ax2.bar([x + (i - (len(series) - 1) / 2) * width for x in range(len(ran))], values, width, label=label)
-    ax2.set_xticks(range(len(ran)), names)
-    ax2.set_ylabel("ms per step (median)")
+        comm = [comm_ms(r) for r in ran]
+        series += [("dispatch", [None if c is None else c[0] for c in comm]),
+                   ("combine", [None if c is None else c[1] for c in comm])]
+    height = 0.8 / len(series)
+    offsets = [(i - (len(series) - 1) / 2) * height for i in range(len(series))]
+    for offset, (label, values) in zip(offsets, series):
+        drawn = [(y + offset, v) for y, v in zip(rows, values) if v is not None]
+        ax2.barh([y for y, _ in drawn], [v for _, v in drawn], height, label=label)
+    if args.time_comm:  # no bar of 0 ms where the timers measured nothing: say so in its place
+        for y, c in zip(rows, comm):
+            if c is None:
+                ax2.annotate(" dispatch / combine not measured", (0, y + (offsets[1] + offsets[2]) / 2), va="center",
+                             fontsize=7, color="dimgray")
+    ax2.set_xlabel("ms per step (median)")
     ax2.set_title("step / dispatch / combine time")
     ax2.legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
@@ -588,7 +664,7 @@ def main(argv=None) -> int:
     on_gpu = train_moe.init_distributed(args.virtual_ranks)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    os.environ["MEGATRON_EP_BACKEND"] = args.backend
+    train_moe.use_backend(args)
 
     def say(*text):
         if rank == 0:
@@ -713,8 +789,7 @@ def main(argv=None) -> int:
             run.rep_dispatch_s.append(statistics.median(s.dispatch_s for s in timed))
             run.rep_combine_s.append(statistics.median(s.combine_s for s in timed))
             run.rep_loss.append(float(timed[-1].loss))
-            comm = (f", dispatch {run.rep_dispatch_s[-1] * 1e3:.2f} ms, combine {run.rep_combine_s[-1] * 1e3:.2f} ms"
-                    if args.time_comm else "")
+            comm = comm_progress(run) if args.time_comm else ""
             say(f"rep {rep + 1}/{args.reps} {run.key:>9}: step {run.rep_step_s[-1] * 1e3:.2f} ms "
                 f"({st.tokens_per_step / run.rep_step_s[-1]:.0f} tok/s){comm}, loss {timed[-1].loss:.5g}")
 
@@ -754,13 +829,11 @@ def main(argv=None) -> int:
     notes = [loss_check, mem_note, "spread: (max - min) / median of the per-repetition step times"]
     if not args.continue_reps and args.reps > 1:
         notes.append(reproducibility_note(runs))
-    budgets = [r for r in runs if r.dropped is not None]
-    if budgets:
-        notes.append("rows dropped by static budgets (forward dispatches, summed over ranks and MoE layers): " + ", ".join(
-            f"{r.key} {r.dropped0} at step 0, {r.dropped} over all {r.steps_total} steps" for r in budgets))
+    notes += filter(None, [dropped_note(runs)])
     if args.time_comm:
         notes.append("dispatch / combine ms: forward + backward, summed over MoE layers, max over ranks (recipes/comm_timer.py"
                      + ("; it synchronises the GPU around each call, which also lengthens the step)" if on_gpu else ")"))
+        notes += filter(None, [comm_note(runs)])
     rows = table_rows(runs, args, loss_ref)
     failed = [r for r in runs if r.status == "failed"]
     measured = [r for r in runs if r.rep_step_s]

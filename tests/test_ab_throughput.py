@@ -137,3 +137,55 @@ def test_ab_chunked_backend_reports_the_split():
     rows = _table(out.stdout)
     assert "hybridep-chunked" in rows and "status" not in rows["hybridep-chunked"], log
     assert re.search(r"loss check at step 0 .*hybridep-chunked .*: OK", out.stdout), log
+
+
+def _ab():
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import ab_throughput
+
+    return ab_throughput
+
+
+def _run(ab, key, dispatch_s, combine_s, dropped=None):
+    r = ab.Run(ab.BACKENDS[key])
+    r.rep_step_s, r.rep_dispatch_s, r.rep_combine_s = [0.010, 0.012], dispatch_s, combine_s
+    r.tokens_per_s, r.peak_mib, r.steps_total = 1000.0, 10.0, 4
+    r.dropped0 = r.dropped = dropped
+    return r
+
+
+def test_ab_report_says_not_measured_instead_of_zeros(tmp_path):
+    """Pure report functions: a backend whose dispatch / combine the timers cannot see (chunked)
+    or did not see (0 s) shows "-" in the table, "not measured" with the reason in its progress
+    line and a note; never 0.00. The chart draws no bar for them."""
+    import argparse
+
+    ab = _ab()
+    timed = _run(ab, "hybridep", [0.002, 0.003], [0.001, 0.001], dropped=0)
+    chunked = _run(ab, "hybridep-chunked", [0.0, 0.0], [0.0, 0.0], dropped=0)
+    silent = _run(ab, "deepep", [0.0, 0.0], [0.0, 0.0])
+    assert ab.comm_cells(timed, True) == ["2.50", "1.00"] and ab.comm_cells(timed, False) == ["-", "-"]
+    assert ab.comm_cells(chunked, True) == ["-", "-"] and ab.comm_cells(silent, True) == ["-", "-"]
+    assert ab.comm_progress(timed) == ", dispatch 3.00 ms, combine 1.00 ms"
+    assert ab.comm_progress(chunked) == f", dispatch / combine not measured ({ab.CHUNKS_UNTIMED})"
+    rows = ab.table_rows([timed, chunked, silent], argparse.Namespace(time_comm=True), None)
+    assert [r[4:6] for r in rows] == [["2.50", "1.00"], ["-", "-"], ["-", "-"]], rows
+    assert ab.comm_note([timed, chunked, silent]) == (
+        f"dispatch / combine ms not measured (-): hybridep-chunked: {ab.CHUNKS_UNTIMED}; "
+        "deepep: the timers saw no dispatch or combine call")
+    assert ab.comm_note([timed]) is None
+    png = tmp_path / "ab.png"
+    ab.write_png(str(png), [timed, chunked], argparse.Namespace(time_comm=True), "test")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_ab_drop_note_lists_budgeted_backends_only():
+    ab = _ab()
+    plain = _run(ab, "hybridep", [0.002], [0.001], dropped=0)  # its manager counts drops too: always 0
+    budget = _run(ab, "hybridep-budget", [0.002], [0.001], dropped=3)
+    both = _run(ab, "hybridep-chunked-budget", [0.0], [0.0], dropped=0)
+    assert [k for k, spec in ab.BACKENDS.items() if spec.budget] == ["hybridep-budget", "hybridep-chunked-budget"]
+    assert ab.dropped_note([plain, budget, both]) == (
+        "rows dropped by static budgets (forward dispatches, summed over ranks and MoE layers): "
+        "hybridep-budget 3 at step 0, 3 over all 4 steps, hybridep-chunked-budget 0 at step 0, 0 over all 4 steps")
+    assert ab.dropped_note([plain]) is None

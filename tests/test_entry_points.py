@@ -323,3 +323,116 @@ def test_megatron_launcher_help_lists_its_options():
     assert code == 0
     for option in ("--ep-experts", "--ep-gemm", "--ep-chunks", "--ep-budget", "--ep-backend"):
         assert option in text, f"the launcher's --help does not list {option}"
+
+
+# ------------------------------------------------------------------- outside the environment
+# (prog, argv after the interpreter)
+ENTRY_POINTS = [
+    ("python -m megatron_ep.demo", ["-m", "megatron_ep.demo"]),
+    ("python -m megatron_ep.megatron.launch", ["-m", "megatron_ep.megatron.launch", "pretrain_gpt.py"]),
+    ("recipes/train_moe.py", ["recipes/train_moe.py"]),
+    ("recipes/decode_moe.py", ["recipes/decode_moe.py"]),
+    ("python -m recipes.proxies", ["-m", "recipes.proxies", "--preset", "cpu-toy"]),
+    ("scripts/ab_throughput.py", ["scripts/ab_throughput.py"]),
+]
+
+
+def test_without_torch_each_entry_point_says_so_in_one_line():
+    """`python -S` does not load the site module, so this interpreter sees no site-packages: no
+    torch, as a system python outside .venv. Each entry point answers one line naming torch and
+    how to enter the environment, not an import traceback."""
+    procs = [(prog, _start([PY, "-S", *argv])) for prog, argv in ENTRY_POINTS]
+    for prog, proc in procs:
+        code, lines = _finish(proc)
+        assert code == 2 and len(lines) == 1, (prog, lines)
+        assert lines[0].startswith(f"{prog}: error: torch") and "not importable by" in lines[0], lines
+        assert "source .venv/bin/activate" in lines[0] and "scripts/setup_env.sh" in lines[0], lines
+    # --dry-run prints the command without running it: no torch needed
+    code, lines = _finish(_start([PY, "-S", "-m", "recipes.proxies", "--preset", "cpu-toy", "--dry-run"]))
+    assert code == 0 and "recipes/train_moe.py" in lines[0], lines
+
+
+def test_the_missing_module_check_loads_no_torch():
+    """cli (where require lives) and `import megatron_ep` load torch only on first use of the API."""
+    code = ("import sys, megatron_ep, megatron_ep.cli as cli; assert 'torch' not in sys.modules, 'torch loaded'; "
+            "assert cli.missing_modules(['torch', 'no_such_module_xyz', 'no_such_pkg_xyz.core']) == "
+            "['no_such_module_xyz', 'no_such_pkg_xyz.core']; "
+            "assert megatron_ep.Buffer.__name__ == 'Buffer' and 'torch' in sys.modules")
+    out = subprocess.run([PY, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
+# ------------------------------------------------------------------------- no GPU, torchrun
+def test_demo_backend_cuda_without_a_gpu_says_so_before_torchrun():
+    """Without a GPU the demo names the missing GPU at once, and does not send the user to
+    torchrun (whose failure report would follow)."""
+    code, lines = _finish(_start([PY, "-m", "megatron_ep.demo", "--backend", "cuda"]))
+    assert code == 2 and lines == ["python -m megatron_ep.demo: error: --backend cuda needs a CUDA GPU (none is "
+                                   "visible); use --backend torch"], lines
+
+
+def test_under_torchrun_the_failure_report_names_the_cause():
+    """torchrun prints its own report after a failed rank; the rank's one line comes first and is
+    the report's root cause (not a pointer to how to get a traceback)."""
+    torchrun = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
+    want = "python -m megatron_ep.megatron.launch: error: no such script: nosuch.py"
+    code, lines = _finish(_start([*torchrun, "-m", "megatron_ep.megatron.launch", "nosuch.py"]))
+    ours = [i for i, ln in enumerate(lines) if ln.startswith(want)]
+    assert code != 0 and ours, lines
+    report = lines[ours[0] + 1:]
+    assert any(ln.strip().startswith("traceback : " + want) for ln in report), lines
+    assert not any("To enable traceback" in ln for ln in report), lines
+
+
+# ------------------------------------------------------------------------ MEGATRON_EP_BACKEND
+def test_a_bad_backend_variable_is_refused_in_one_line():
+    env = {"MEGATRON_EP_BACKEND": "cdua"}
+    procs = [(argv, _start([PY, *argv], env)) for argv in (
+        ["recipes/train_moe.py"], ["recipes/train_moe.py", "--backend", "torch"], ["scripts/ab_throughput.py"],
+        ["recipes/decode_moe.py"], ["-m", "megatron_ep.megatron.launch", "README.md"])]
+    for argv, proc in procs:
+        code, lines = _finish(proc)
+        assert code == 2 and len(lines) == 1, (argv, lines)
+        assert "error: MEGATRON_EP_BACKEND='cdua' names no backend: use one of torch, cuda, auto" in lines[0], lines
+
+
+def test_backend_option_wins_over_the_variable(monkeypatch):
+    from megatron_ep.megatron import backend
+
+    monkeypatch.setenv("MEGATRON_EP_BACKEND", " Torch ")
+    assert backend.resolve(None, "--backend") == ("torch", None)  # without the option the variable applies
+    assert backend.resolve("torch", "--backend") == ("torch", None)
+    assert backend.resolve("cuda", "--backend") == (
+        "cuda", "--backend cuda overrides MEGATRON_EP_BACKEND=torch (the command's option wins)")
+    monkeypatch.setenv("MEGATRON_EP_BACKEND", "")
+    assert backend.resolve(None, "--backend") == ("auto", None)
+    monkeypatch.delenv("MEGATRON_EP_BACKEND")
+    assert backend.resolve(None, "--backend") == ("auto", None)
+
+
+def test_recipe_says_once_that_its_backend_option_wins():
+    """A run: the ranks use --backend, and rank 0 alone says that it overrides the variable."""
+    code, lines = _finish(_start([PY, "recipes/train_moe.py", "--nproc-per-node", "2", "--steps", "1", "--backend",
+                                  "torch"], {"MEGATRON_EP_BACKEND": "auto"}), timeout=300)
+    text = "\n".join(lines)
+    assert code == 0, text
+    assert lines.count("--backend torch overrides MEGATRON_EP_BACKEND=auto (the command's option wins)") == 1, text
+    assert "buffer_backend=torch" in text, text
+
+
+def test_launcher_backend_variable_and_option(tmp_path):
+    """The launcher passes the variable on when --ep-backend is absent, and says so when the
+    option overrides it."""
+    script = tmp_path / "train.py"
+    script.write_text("import os\nprint('SCRIPT SEES', os.environ['MEGATRON_EP_BACKEND'])\n")
+    runs = [_start([PY, "-m", "megatron_ep.megatron.launch", *opt, str(script)], {"MEGATRON_EP_BACKEND": "torch"})
+            for opt in ([], ["--ep-backend", "auto"])]
+    (c0, plain), (c1, overridden) = (_finish(p) for p in runs)
+
+    def said(lines):  # the launcher's line (megatron-core's import warnings may come first)
+        return next(ln for ln in lines if ln.startswith("megatron_ep.megatron.launch: managers installed"))
+
+    assert c0 == 0 and "SCRIPT SEES torch" in plain and said(plain).endswith("MEGATRON_EP_BACKEND=torch"), plain
+    assert c1 == 0 and "SCRIPT SEES auto" in overridden, overridden
+    assert said(overridden).endswith("MEGATRON_EP_BACKEND=auto; --ep-backend auto overrides MEGATRON_EP_BACKEND=torch "
+                                     "(the command's option wins)"), overridden

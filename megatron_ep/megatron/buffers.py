@@ -1,12 +1,13 @@
 """One megatron_ep.Buffer per communication group, shared by every MoE layer (as Megatron's
 DeepEP integration shares one deep_ep.Buffer).
 
-Backend choice: the `MEGATRON_EP_BACKEND` environment variable ("torch", "cuda", "auto";
-default "auto" = "cuda" when the tokens live on a GPU and the extension is built, else
-"torch"). The cuda Buffer sizes its communication region at the first dispatch (agreed over the
-group) and grows it collectively when a later dispatch needs more; growing never invalidates
-tensors or handles that earlier layers keep for backward. `MEGATRON_EP_MAX_TOKENS_PER_RANK`
-sizes it up front (and becomes a hard limit), `MEGATRON_EP_COMBINE_ROWS` fixes its combine area,
+Backend choice: the `MEGATRON_EP_BACKEND` environment variable ("torch", "cuda", "auto"; read and
+checked by backend.py, a bad value is an error; default "auto" = "cuda" when the tokens live on a
+GPU and the extension is built, else "torch"). The cuda Buffer sizes its communication region at
+the first dispatch (agreed over the group) and grows it collectively when a later dispatch needs
+more; growing never invalidates tensors or handles that earlier layers keep for backward.
+`MEGATRON_EP_MAX_TOKENS_PER_RANK` sizes it up front (and becomes a hard limit),
+`MEGATRON_EP_COMBINE_ROWS` fixes its combine area,
 `MEGATRON_EP_RANKS_PER_NODE` sets the ranks per NVLink domain (default: the ranks sharing a host;
 fewer makes virtual nodes: the two-level internode path on one machine, for tests).
 """
@@ -19,14 +20,13 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from ..buffer import Buffer, cuda_backend_available
+from . import backend as backend_env
 
 _BUFFERS: Dict[Tuple[object, str], Buffer] = {}  # (group, backend); keeps the group alive
 
 
 def choose_backend(device: torch.device) -> str:
-    backend = os.environ.get("MEGATRON_EP_BACKEND", "auto").strip().lower()
-    if backend not in ("torch", "cuda", "auto"):
-        raise ValueError(f"MEGATRON_EP_BACKEND must be torch, cuda or auto, got {backend!r}")
+    backend = backend_env.from_env() or "auto"
     if backend == "auto":
         backend = "cuda" if device.type == "cuda" and cuda_backend_available() else "torch"
     if backend == "cuda" and device.type != "cuda":

@@ -20,7 +20,8 @@ Options (before SCRIPT; every argument after SCRIPT is the script's):
                                    where the script's config leaves it unset): no host sync
   --ep-backend {auto,cuda,torch}   MEGATRON_EP_BACKEND (default: the environment's, else auto)
 
-Environment: MEGATRON_EP_BACKEND (auto | torch | cuda; see docs/megatron.md),
+Environment: MEGATRON_EP_BACKEND (auto | torch | cuda; see docs/megatron.md; a bad value is refused,
+and --ep-backend wins over it),
 MEP_DEBUG_TRACEBACK=1 (the traceback of a failure to install, not just one line). The script's
 own errors are reported by the script, as without this launcher."""
 
@@ -38,6 +39,7 @@ PROG = "python -m megatron_ep.megatron.launch"
 def _parser() -> argparse.ArgumentParser:
     from megatron_ep import cli
 
+    from .backend import BACKENDS
     from .layer_options import EXPERTS
 
     p = cli.ArgumentParser(prog=PROG, add_help=False, debug=False)
@@ -45,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ep-gemm", choices=("auto", "deepgemm", "grouped_mm", "loop"), default="auto")
     p.add_argument("--ep-chunks", type=cli.integer(1), default=0)
     p.add_argument("--ep-budget", type=cli.number(0.0, above=True), default=None)
-    p.add_argument("--ep-backend", choices=("auto", "cuda", "torch"), default=None)
+    p.add_argument("--ep-backend", choices=BACKENDS, default=None)
     return p
 
 
@@ -57,6 +59,22 @@ def split_argv(argv):
     return argv[:i], argv[i:]
 
 
+def _use_backend(option):
+    """MEGATRON_EP_BACKEND set to --ep-backend, else to the variable's own value, else auto (a bad
+    value of the variable is refused here, before the script runs); returns the line saying that
+    --ep-backend overrides a different value of the variable, or None."""
+    from megatron_ep import cli
+
+    from .backend import ENV, resolve
+
+    try:
+        backend, overridden = resolve(option, "--ep-backend")
+    except ValueError as e:
+        raise cli.UsageError(str(e)) from None
+    os.environ[ENV] = backend
+    return overridden
+
+
 def _prepare(script: str, options) -> None:
     from megatron_ep import cli
 
@@ -64,8 +82,7 @@ def _prepare(script: str, options) -> None:
                                       "script, e.g. $MEGATRON_LM_DIR/pretrain_gpt.py)")
     cli.check(not options.ep_chunks or options.ep_experts == "grouped",
               "--ep-chunks needs --ep-experts grouped (chunked experts run megatron_ep's experts)")
-    if options.ep_backend is not None:
-        os.environ["MEGATRON_EP_BACKEND"] = options.ep_backend
+    overridden = _use_backend(options.ep_backend)
     if options.ep_budget is not None:
         os.environ["MEGATRON_EP_RANK_CAPACITY_FACTOR"] = repr(options.ep_budget)
     # As `python script.py` would, and before install(): the script's own tree (a Megatron-LM
@@ -84,7 +101,8 @@ def _prepare(script: str, options) -> None:
     if os.environ.get("RANK", "0") == "0":
         budget = f", static budget {options.ep_budget}" if options.ep_budget is not None else ""
         print(f"megatron_ep.megatron.launch: managers installed; {describe()}{budget}; "
-              f"MEGATRON_EP_BACKEND={os.environ.get('MEGATRON_EP_BACKEND', 'auto')}", flush=True)
+              f"MEGATRON_EP_BACKEND={os.environ['MEGATRON_EP_BACKEND']}" + (f"; {overridden}" if overridden else ""),
+              flush=True)
 
 
 def main(argv=None) -> int:
@@ -94,6 +112,7 @@ def main(argv=None) -> int:
         return 0
     from megatron_ep import cli
 
+    cli.require("torch", prog=PROG)
     ours, rest = split_argv(argv)
     if not rest:
         print(f"{PROG}: error: the training script is missing (usage: {PROG} [OPTIONS] SCRIPT [ARGS ...]; --help)",
