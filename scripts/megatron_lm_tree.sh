@@ -7,10 +7,15 @@
 #   e.g. bash scripts/megatron_lm_tree.sh ~/Megatron-LM d98e8a64dd .carry/megatron-lm-main
 #        bash scripts/megatron_lm_tree.sh ~/Megatron-LM core_v0.19.0 .carry/megatron-lm-r0.19
 set -euo pipefail
+case ${1:-} in -h|--help) sed -n '2,8p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
 [ $# -eq 3 ] || { echo "usage: $0 GIT_DIR REV DEST" >&2; exit 2; }
 GIT_DIR=$1 REV=$2 DEST=$3
 paths=$(git -C "$GIT_DIR" ls-tree --name-only "$REV" | grep -E '^(megatron|pretrain_gpt\.py|gpt_builders\.py|model_provider\.py)$')
-rm -rf "$DEST"; mkdir -p "$DEST"
+# DEST is replaced only when it is empty or an earlier tree of this script (REVISION and megatron/)
+if [ -e "$DEST" ] && [ -n "$(ls -A "$DEST" 2>/dev/null)" ] && ! { [ -f "$DEST/REVISION" ] && [ -d "$DEST/megatron" ]; }; then
+  echo "$0: $DEST exists and is not a tree of this script: give a new or empty directory" >&2; exit 2
+fi
+rm -rf -- "$DEST"; mkdir -p "$DEST"
 # shellcheck disable=SC2086
 git -C "$GIT_DIR" archive "$REV" $paths | tar -x -C "$DEST"
 echo "$(git -C "$GIT_DIR" rev-parse "$REV")" > "$DEST/REVISION"
