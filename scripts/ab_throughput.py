@@ -19,8 +19,8 @@ Backends (--backends, comma separated, default all):
             the model's split gives (printed in the header); its dispatch / combine are not
             measured (the chunks bypass the dispatcher calls the timers wrap; the table says "-");
   hybridep-chunked-budget  the same with the static budget of --budget-factor: every chunk
-            worst-case sized for its share of the tokens, no host sync (known issue: its drop
-            count can be read before a chunk's dispatch finished, docs/megatron.md);
+            worst-case sized for its share of the tokens, no host sync (its drop count is read
+            after each chunk's dispatch has finished);
   DeepEP    Megatron's flex dispatcher + Megatron's own _DeepepManager (the deep_ep package);
   HybridEP  Megatron's flex dispatcher + Megatron's own _HybridEPManager (deep_ep.HybridEPBuffer).
 --backend picks megatron_ep's Buffer backend (torch reference, cuda kernels, auto) for deepep and
