@@ -151,7 +151,7 @@ PRESETS = {
 }
 
 
-def moe_layer_pattern(layers: int, dense: int = DENSE_LAYERS) -> str:
+def moe_layer_pattern(layers: int, dense: int) -> str:
     """Megatron's --moe-layer-freq list syntax: the first `dense` layers dense, the rest MoE."""
     return f"([0]*{dense}+[1]*{layers - dense})"
 
