@@ -33,9 +33,4 @@ def __dir__():
 
 __version__ = "0.1.0"
 
-import os as _os
-
-if _os.environ.get("MEGATRON_EP_INSTALL") == "1":  # a launcher can activate the Megatron plugin by env
-    from . import megatron as _megatron  # noqa: F401  (importing it installs, see megatron_ep/megatron)
-
 __all__ = list(_PUBLIC)

@@ -92,8 +92,9 @@ class Buffer:
             max_alignment: cuda sizing hints. Without them the region is sized by the first
             dispatch (agreed over the group) and grows collectively when a synchronous dispatch
             needs more; sync-free calls (num_worst_tokens, CUDA graphs) must fit what exists.
-        num_sms: SMs per rank for the cuda kernels (None: an analytic default; bounded by what
-            the ranks sharing a GPU can keep resident).
+        num_sms: SMs per rank for the normal paths' cuda kernels (None: an analytic default;
+            bounded by what the ranks sharing a GPU can keep resident). The low-latency kernels
+            take every SM those ranks leave this rank, whatever num_sms says (as DeepEP's).
         check_inputs: also check expert-id ranges and duplicates (one device->host sync on
             GPU; skipped automatically under CUDA graph capture). Unchecked ids outside
             [0, num_experts) are treated as unused slots by both backends.

@@ -38,6 +38,8 @@ import traceback
 import warnings
 from typing import Callable, List, Optional, Sequence
 
+from . import envs
+
 DEBUG_ENV = "MEP_DEBUG_TRACEBACK"
 _ERRORS_ENV = "MEP_RANK_ERRORS"  # set by launch(): the directory where ranks leave their one line
 DEBUG_HINT = f"--debug or {DEBUG_ENV}=1 shows the traceback"
@@ -127,7 +129,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def debug_requested(argv: Optional[Sequence[str]] = None) -> bool:
     argv = sys.argv[1:] if argv is None else argv
-    return "--debug" in argv or os.environ.get(DEBUG_ENV, "0").lower() in ("1", "true", "yes")
+    return "--debug" in argv or envs.flag(DEBUG_ENV)
 
 
 # ------------------------------------------------------------------------------- failures

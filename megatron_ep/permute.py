@@ -19,9 +19,22 @@ import torch
 _ROWS_ATTR = "_mep_expert_rows"
 
 
+# The expert-major layout's padding rule, for every caller (permute, experts, managers, budget):
+# an expert's segment is its row count rounded up to a multiple of the alignment. The kernels
+# apply the same rule on the device (csrc/intranode/notify.cu).
+def round_up(n: int, alignment: int) -> int:
+    """`n` rounded up to a multiple of `alignment`."""
+    return -(-n // alignment) * alignment
+
+
 def padded_counts(counts: torch.Tensor, alignment: int) -> torch.Tensor:
     """Segment lengths: each count rounded up to a multiple of `alignment`."""
     return (counts + alignment - 1) // alignment * alignment
+
+
+def padded_host_counts(counts: List[int], alignment: int) -> List[int]:
+    """padded_counts of counts held on the host."""
+    return [round_up(int(c), alignment) for c in counts]
 
 
 @dataclass
@@ -47,7 +60,7 @@ def place(local_idx: torch.Tensor, num_local_experts: int, alignment: int,
     rows, slots, experts = rows[order], slots[order], experts[order]
     if host_counts is not None:
         counts = torch.tensor(host_counts, dtype=torch.int64, device=device)
-        num_rows = sum(-(-c // alignment) * alignment for c in host_counts)
+        num_rows = sum(padded_host_counts(host_counts, alignment))
     else:
         counts = torch.bincount(experts, minlength=num_local_experts)
         num_rows = None

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import socket
 import time
 import weakref
@@ -31,6 +30,7 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
+from . import envs
 from . import _ext
 from . import protocol as P
 from .checks import fail
@@ -41,7 +41,7 @@ from .types import EventOverlap
 
 log = logging.getLogger("megatron_ep")
 
-DEFAULT_TIMEOUT_S = float(os.environ.get("MEP_TIMEOUT_S", "60"))
+DEFAULT_TIMEOUT_S = envs.number("MEP_TIMEOUT_S", 60.0, above=0)
 
 # The SM budget rule. A copy kernel is limited by the slower of the link that carries the rows
 # and the rate at which its SMs can move them; give it enough SMs that their copy rate covers
@@ -106,7 +106,7 @@ class CudaRuntime(FailureState):
         # rank's share of the GPU, as the permute they replace would
         self.local_sms = limit
         cap = PUSH_MAX_SMS_EP2 if num_ranks == 2 and self.ranks_per_device == 1 else self.num_sms
-        self.push_sms = max(1, min(self.num_sms, int(os.environ.get("MEP_PUSH_MAX_SMS", cap))))
+        self.push_sms = min(self.num_sms, envs.integer("MEP_PUSH_MAX_SMS", cap, minimum=1))
         self.hints = {k: v for k, v in hints.items() if v is not None}
         self.hints["num_ranks"] = num_ranks
         self.rt = None
@@ -120,6 +120,14 @@ class CudaRuntime(FailureState):
         self.closed = False
         if "max_tokens" in self.hints and "hidden" in self.hints:
             self._create(self.hints)
+
+    def blocks(self, path_max: int, latency_bound: bool = False) -> int:
+        """Blocks of a path's kernels, decided here for every path: the rank's SM budget
+        (Buffer(num_sms=), else the default split) for the normal paths' copy kernels; every SM
+        this rank may keep resident for the latency-bound low-latency kernels, whatever num_sms
+        says (as DeepEP's low-latency kernels ignore its num_sms: a decode step has no GEMM
+        beside it to leave SMs to); at most `path_max`, what the path's kernels take."""
+        return max(1, min(self.local_sms if latency_bound else self.num_sms, path_max))
 
     # ------------------------------------------------------------------------------ region
     @property

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..permute import padded_counts
+from ..permute import padded_counts, padded_host_counts, round_up
 from .layout import GroupedLayout
 
 BACKENDS = ("deepgemm", "grouped_mm", "loop")
@@ -138,7 +138,7 @@ class _AlignedRows:
         G, M = layout.num_groups, layout.num_rows
         padded = padded_counts(tpe, align)
         rows = M + G * (align - 1)
-        self.num_rows = (rows + align - 1) // align * align
+        self.num_rows = round_up(rows, align)
         seg = layout.m_indices(device).long()
         seg_of_row = torch.repeat_interleave(torch.arange(G, device=device), tpe, output_size=M)
         start = torch.cumsum(tpe, 0) - tpe
@@ -201,7 +201,7 @@ def deepgemm_linear(x: torch.Tensor, w: torch.Tensor, layout: GroupedLayout) -> 
     re = _AlignedRows(layout, align, x.device)
     counts = None
     if not x.is_cuda:  # (CPU emulation in tests) per-segment lengths of the re-laid rows
-        padded = [-(-c // align) * align for c in layout.host_counts()]
+        padded = padded_host_counts(layout.host_counts(), align)
         counts = padded[:-1] + [re.num_rows - sum(padded[:-1])]
     y = _DeepGemmLinear.apply(re.pack(x), w, re.m_indices, re.offsets, counts)
     return re.unpack(y)

@@ -18,8 +18,8 @@ Install before the model is built: dispatchers constructed earlier keep the mana
 from __future__ import annotations
 
 import logging
-import os
 
+from .. import envs
 from . import compat
 
 logger = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ def __getattr__(name):  # lazy: importing this package must not import megatron-
     raise AttributeError(name)
 
 
-if os.environ.get("MEGATRON_EP_INSTALL", "").strip().lower() in ("1", "true", "yes", "on"):
+if envs.flag("MEGATRON_EP_INSTALL"):
     install()
 
 __all__ = ["install", "uninstall", "is_installed", "compat", "MegatronEPDeepepManager", "MegatronEPHybridEPManager"]

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..permute import round_up
+
 
 def budget_rows(tokens: int, topk: int, factor: float, num_local_experts: int, alignment: int,
                 min_real_rows: int = 0) -> int:
@@ -20,9 +22,7 @@ def budget_rows(tokens: int, topk: int, factor: float, num_local_experts: int, a
     rows plus `alignment - 1` pad rows per local expert, rounded up to the alignment, and at least
     one alignment: a budgeted dispatch is then worst-case sized on every rank, T = 0 included."""
     real = max(int(tokens * topk * factor), int(min_real_rows))
-    rows = real + num_local_experts * (alignment - 1)
-    rows += -rows % alignment
-    return max(rows, alignment)
+    return max(round_up(real + num_local_experts * (alignment - 1), alignment), alignment)
 
 
 def reduces_on_device(group, device: torch.device) -> bool:

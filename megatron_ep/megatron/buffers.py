@@ -14,11 +14,11 @@ fewer makes virtual nodes: the two-level internode path on one machine, for test
 
 from __future__ import annotations
 
-import os
 from typing import Dict, Optional, Tuple
 
 import torch
 
+from .. import envs
 from ..buffer import Buffer, cuda_backend_available
 from . import backend as backend_env
 
@@ -34,11 +34,6 @@ def choose_backend(device: torch.device) -> str:
     return backend
 
 
-def _env_int(name: str) -> Optional[int]:
-    value = os.environ.get(name)
-    return int(value) if value else None
-
-
 def get_buffer(group, x: torch.Tensor, num_experts: int, topk: int, num_sms: Optional[int],
                expert_major_align: int = 0) -> Buffer:
     """The group's Buffer, created on first use (a collective for the cuda backend).
@@ -50,12 +45,12 @@ def get_buffer(group, x: torch.Tensor, num_experts: int, topk: int, num_sms: Opt
         if backend == "torch":
             buf = Buffer(group, backend="torch")
         else:
-            check = os.environ.get("MEGATRON_EP_CHECK_INPUTS", "0") == "1"  # costs a host sync
-            buf = Buffer(group, backend="cuda", max_tokens_per_rank=_env_int("MEGATRON_EP_MAX_TOKENS_PER_RANK"),
+            check = envs.flag("MEGATRON_EP_CHECK_INPUTS")  # costs a host sync
+            buf = Buffer(group, backend="cuda", max_tokens_per_rank=envs.integer("MEGATRON_EP_MAX_TOKENS_PER_RANK", None, 1),
                          hidden=x.shape[-1], num_experts=num_experts, max_topk=topk, num_sms=num_sms,
                          check_inputs=check, dtype_bytes=x.element_size(), combine_bytes=max(2, x.element_size()),
-                         combine_rows=_env_int("MEGATRON_EP_COMBINE_ROWS"), max_alignment=max(1, expert_major_align),
-                         ranks_per_node=_env_int("MEGATRON_EP_RANKS_PER_NODE"))
+                         combine_rows=envs.integer("MEGATRON_EP_COMBINE_ROWS", None, 1), max_alignment=max(1, expert_major_align),
+                         ranks_per_node=envs.integer("MEGATRON_EP_RANKS_PER_NODE", None, 1))
         _BUFFERS[key] = buf
     if buf.max_tokens_per_rank is not None and x.shape[0] > buf.max_tokens_per_rank:
         raise ValueError(f"MoE layer got {x.shape[0]} tokens on this rank but MEGATRON_EP_MAX_TOKENS_PER_RANK is "

@@ -29,11 +29,11 @@ here the layer's normalized tokens, which the router and shared experts still ne
 
 from __future__ import annotations
 
-import os
 import types
 
 import torch
 
+from .. import envs
 from ..checks import check_int
 
 
@@ -112,16 +112,7 @@ ENV = "MEGATRON_EP_CHUNKED_EXPERTS"
 
 def chunks_from_env() -> int:
     """MEGATRON_EP_CHUNKED_EXPERTS as a chunk count (0: unset or empty); a bad value raises."""
-    raw = os.environ.get(ENV, "").strip()
-    if not raw:
-        return 0
-    try:
-        chunks = int(raw)
-    except ValueError:
-        raise ValueError(f"{ENV}={raw!r} is not a chunk count (an int >= 1)") from None
-    if chunks < 1:
-        raise ValueError(f"{ENV}={raw!r}: the chunk count must be >= 1")
-    return chunks
+    return envs.integer(ENV, 0, minimum=1)
 
 
 def apply_from_env(module: torch.nn.Module, chunks: int = 0) -> int:

@@ -21,7 +21,7 @@ from megatron.core.transformer.moe.token_dispatcher import _DispatchManager
 
 from .. import autograd as ep
 from ..checks import routing_inputs_error, routing_tokens_error
-from ..permute import routing_map_error, routing_map_to_topk
+from ..permute import padded_host_counts, routing_map_error, routing_map_to_topk
 from . import compat
 from .buffers import fail_dispatch, get_buffer
 from .layouts import LocalPermute
@@ -93,8 +93,7 @@ class MegatronEPDeepepManager(_DispatchManager):
         self._permute = LocalPermute(self.dispatched_indices, self.num_local_experts, self.align, self.host_counts)
         hidden_states, permuted_probs = self._permute.permute(hidden_states, self.dispatched_probs)
         if self.align > 1:
-            a = self.align
-            self.tokens_per_expert = torch.tensor([-(-c // a) * a for c in self.host_counts], dtype=torch.int64)
+            self.tokens_per_expert = torch.tensor(padded_host_counts(self.host_counts, self.align), dtype=torch.int64)
         if self.router_dtype == "fp64":
             permuted_probs = permuted_probs.to(torch.float64)
         return hidden_states, permuted_probs

@@ -34,7 +34,6 @@ dynamic modes sync the host anyway); in the budget mode, which cannot sync, its 
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -43,6 +42,7 @@ import torch.distributed as dist
 from megatron.core.transformer.moe.moe_utils import get_capacity
 from megatron.core.transformer.moe.token_dispatcher import _DispatchManager
 
+from .. import envs
 from .. import autograd as ep
 from ..checks import capturing, check_capacity_factor, routing_inputs_error, routing_tokens_error
 from ..permute import (attach_expert_rows, routed_past_topk, routing_map_error, routing_map_to_topk,
@@ -77,8 +77,8 @@ class MegatronEPHybridEPManager(_DispatchManager):
         # (None) for a rerun and back on through this attribute. Where the config has no such
         # field (0.16) or leaves it unset, MEGATRON_EP_RANK_CAPACITY_FACTOR sets it.
         self.moe_expert_rank_capacity_factor = compat.rank_capacity_factor(config)
-        if self.moe_expert_rank_capacity_factor is None and os.environ.get("MEGATRON_EP_RANK_CAPACITY_FACTOR"):
-            self.moe_expert_rank_capacity_factor = float(os.environ["MEGATRON_EP_RANK_CAPACITY_FACTOR"])
+        if self.moe_expert_rank_capacity_factor is None:
+            self.moe_expert_rank_capacity_factor = envs.number("MEGATRON_EP_RANK_CAPACITY_FACTOR", None)
         self.moe_expert_rank_capacity_factor = check_capacity_factor(
             "moe_expert_rank_capacity_factor (or MEGATRON_EP_RANK_CAPACITY_FACTOR)", self.moe_expert_rank_capacity_factor)
         check_capacity_factor("moe_expert_capacity_factor", self.capacity_factor)

@@ -33,13 +33,13 @@ then be re-created). A rank that dies or hangs without publishing leaves them to
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 
+from .. import envs
 from .. import protocol as P
 from ..checks import FP8_BLOCK, fail
 from ..hosts import host_names
@@ -83,6 +83,7 @@ class WholeGroup:
         self.group, self.rank, self.num_ranks = group, rank, num_ranks
         self.device, self.ranks_per_device, self.sm_count = node_rt.device, node_rt.ranks_per_device, node_rt.sm_count
         self.timeout_s, self.new_outputs = node_rt.timeout_s, node_rt.new_outputs
+        self.blocks = node_rt.blocks  # the node runtime decides every path's block count
 
 
 class InternodePath(NvshmemPath, NormalPath):
@@ -103,7 +104,7 @@ class InternodePath(NvshmemPath, NormalPath):
         self.staged = False  # every RDMA-domain transfer an NVSHMEM put from symmetric staging (set with the buffer)
         self.inner_seq = 0
         self.inner_of = -1  # the (outer) call whose in-node stage call was made last
-        self.num_blocks = min(rt.num_sms, self.ext.INTERNODE_MAX_BLOCKS)
+        self.num_blocks = rt.blocks(self.ext.INTERNODE_MAX_BLOCKS)
         if hints.get("max_tokens") and hints.get("hidden"):
             self._create(self._agree(self._need(hints["max_tokens"], hints["hidden"], hints.get("dtype_bytes", 2),
                                                 hints.get("combine_bytes", 2), hints.get("max_topk") or 8)))
@@ -144,7 +145,7 @@ class InternodePath(NvshmemPath, NormalPath):
     def _plan(self, cap: dict) -> dict:
         """The RDMA buffer's layout; puts from symmetric staging where a same-index peer is on
         another host (or when forced)."""
-        self.staged = len(set(host_names(self.group))) > 1 or os.environ.get("MEP_INTERNODE_FORCE_PUTS", "0") == "1"
+        self.staged = len(set(host_names(self.group))) > 1 or envs.flag("MEP_INTERNODE_FORCE_PUTS")
         return self.ext.internode_plan(self.N, cap["max_tokens"], cap["topk"], cap["x_row"], self._scale_cols(cap),
                                        cap["c_row"], self.staged)
 

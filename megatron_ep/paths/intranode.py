@@ -21,6 +21,7 @@ import torch
 from .. import hooks
 from .. import protocol as P
 from ..checks import fail, is_fp8_tuple
+from ..permute import padded_host_counts
 from ..requests import CombineRequest, DispatchRequest
 from ..runtime import CudaRuntime
 from ..types import CombineOutput, DispatchHandle, DispatchOutput
@@ -273,7 +274,7 @@ class IntranodePath(NormalPath):
         out.handle = handle
         if host_counts:
             if st.counts is not None and not num_worst_tokens:
-                out.tokens_per_expert_host = [(c + alignment - 1) // alignment * alignment for c in st.counts] if permute else list(st.counts)
+                out.tokens_per_expert_host = padded_host_counts(st.counts, alignment) if permute else list(st.counts)
             else:
                 event.synchronize()  # an asynchronous call's counts are written on our stream
                 out.tokens_per_expert_host = tpe.tolist()

@@ -26,7 +26,6 @@ Sizing, freeing, error decoding and publication: the NVSHMEM paths' base, nvshme
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
@@ -34,12 +33,11 @@ import torch
 
 from .. import protocol as P
 from .._ext import load_nvshmem
-from ..checks import FP8_BLOCK, FP8_DTYPE, fail, tensor_version
-from ..runtime import max_num_sms
+from ..checks import FP8_BLOCK, FP8_DTYPE, MAX_LOW_LATENCY_BYTES, fail, tensor_version
 from ..types import LowLatencyDispatchOutput, LowLatencyHandle
 from .nvshmem_path import NvshmemPath, signature_hash
 
-LIMIT_BYTES = int(os.environ.get("MEP_LL_MAX_BYTES", str(32 << 30)))  # per rank, both sets
+LIMIT_BYTES = MAX_LOW_LATENCY_BYTES  # per rank, both sets (checks.py owns it)
 
 
 def buffer_bytes(num_ranks: int, num_experts: int, max_tokens_per_rank: int, hidden: int, topk: int = 8,
@@ -96,7 +94,7 @@ class LowLatencyPath(NvshmemPath):
         self.rt = rt
         self.next_set = 0
         self.unreceived = [None, None]  # per set: the call whose receive hook was not called yet
-        self.num_blocks = min(max_num_sms(rt.ranks_per_device, rt.sm_count), self.ext.MAX_BLOCKS)
+        self.num_blocks = rt.blocks(self.ext.MAX_BLOCKS, latency_bound=True)
         if capacity is not None:
             unknown = sorted(set(capacity) - set(_DEFAULTS))
             fail(not unknown, f"low_latency=dict(...) takes {sorted(_DEFAULTS)}, got unknown keys {unknown}", TypeError)
