@@ -57,7 +57,7 @@ def cuda_backend_available() -> bool:
     """True when the extension is built, importable, and a Hopper (or newer) GPU is visible."""
     if not torch.cuda.is_available():
         return False
-    from . import _ext
+    from .cuda import extension as _ext
 
     return _ext.available() and torch.cuda.get_device_capability()[0] >= 9
 
@@ -65,7 +65,7 @@ def cuda_backend_available() -> bool:
 def _why_not_cuda() -> str:
     if not torch.cuda.is_available():
         return "no CUDA device"
-    from . import _ext
+    from .cuda import extension as _ext
 
     if not _ext.available():
         return f"the extension is not usable ({_ext.import_error()})"
@@ -139,7 +139,7 @@ class Buffer:
             C.fail(not backend_options, f"unknown Buffer options for the torch backend: {sorted(backend_options)}", TypeError)
             self._impl = TorchBackend(group, self.num_ranks, self.rank)
         else:
-            from .cuda import CudaBackend
+            from .cuda.backend import CudaBackend
 
             self._impl = CudaBackend(group, self.rank, self.num_ranks, max_tokens_per_rank=max_tokens_per_rank,
                                      hidden=hidden, num_experts=num_experts, max_topk=max_topk, num_sms=num_sms,

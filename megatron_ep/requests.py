@@ -1,6 +1,6 @@
 """What `Buffer` hands a backend for one normal call, after it checked every argument: one
 object instead of a dozen positional arguments passed through Buffer, the backend and the path
-(megatron_ep/buffer.py -> reference.py / cuda.py -> paths/). The paths read the fields; none
+(megatron_ep/buffer.py -> reference.py / cuda/backend.py -> cuda/paths/). The paths read the fields; none
 changes them."""
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ def notify_only(buf, topk_idx: torch.Tensor, num_experts: int) -> Optional[Calla
     collective call of `buf` (its own call number and signature, so every rank must run it
     together) over the first T tokens, on the communication stream, the caller's stream waiting
     for it; None where the buffer has no such kernels (torch backend, other paths)."""
-    from .paths.intranode import IntranodePath
+    from .cuda.paths.intranode import IntranodePath
 
     impl = buf._backend()
     path, rt = getattr(impl, "path", None), getattr(impl, "rt", None)

@@ -7,7 +7,8 @@ import os
 import pytest
 
 import megatron_ep
-from megatron_ep import _ext, protocol
+from megatron_ep import protocol
+from megatron_ep.cuda import extension as _ext
 
 PKG = os.path.dirname(megatron_ep.__file__)
 

@@ -6,12 +6,12 @@ import torch
 import torch.distributed as dist
 
 import megatron_ep as mep
-from megatron_ep.paths import internode as IN
+from megatron_ep.cuda.paths import internode as IN
 
 
 @pytest.fixture(scope="module")
 def ext():
-    from megatron_ep._ext import load_nvshmem
+    from megatron_ep.cuda.extension import load_nvshmem
 
     try:
         return load_nvshmem()
@@ -76,8 +76,8 @@ def test_ranks_per_node_on_the_torch_backend(group):
 def _start_up_collectives():
     """On every rank: the start-up helpers the cuda paths share (runtime.gather / largest, the
     cached host names)."""
-    from megatron_ep import hosts
-    from megatron_ep.runtime import gather, largest
+    from megatron_ep.cuda import hosts
+    from megatron_ep.cuda.runtime import gather, largest
 
     rank = dist.get_rank()
     errors = []

@@ -10,8 +10,8 @@ import subprocess
 import pytest
 
 import megatron_ep
-from megatron_ep import _ext
-from megatron_ep.paths import low_latency as LL
+from megatron_ep.cuda import extension as _ext
+from megatron_ep.cuda.paths import low_latency as LL
 
 PKG = os.path.dirname(megatron_ep.__file__)
 

@@ -1,4 +1,4 @@
-"""The host side of the cuda low-latency path (megatron_ep/paths/low_latency.py) on CPU, with the
+"""The host side of the cuda low-latency path (megatron_ep/cuda/paths/low_latency.py) on CPU, with the
 extension's buffer replaced by a recorder: buffer-set alternation, the recv-hook bookkeeping
 (two results in flight, a third refused before anything launches), capacity errors, and the
 decoding of what the kernels report (timeouts name the rank and the wait; mismatches clear)."""
@@ -10,11 +10,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_ep import _ext, nvshmem
+from megatron_ep.cuda import extension as _ext
+from megatron_ep.cuda import nvshmem
 from megatron_ep import protocol as P
 from megatron_ep.errors import BufferBrokenError, CallMismatchError, CommTimeoutError
-from megatron_ep.paths import low_latency as LL
-from megatron_ep.runtime import CudaRuntime, default_num_sms, max_num_sms
+from megatron_ep.cuda.paths import low_latency as LL
+from megatron_ep.cuda.runtime import CudaRuntime, default_num_sms, max_num_sms
 
 
 class FakeBuffer:

@@ -274,7 +274,7 @@ def test_token_groups_limit_is_the_protocols():
     assert protocol.MAX_TOKEN_GROUPS == P.MAX_TOKEN_GROUPS and protocol.notify_plan(64, 4) == P.notify_plan(64, 4)
     assert P.NOTIFY_SCRATCH_ROWS == max(P.MAX_NOTIFY_BLOCKS, P.MAX_TOKEN_GROUPS * (WARPS + 2))
     try:  # the internode path takes one group per node
-        from megatron_ep._ext import load_nvshmem
+        from megatron_ep.cuda.extension import load_nvshmem
 
         assert load_nvshmem().INTERNODE_MAX_NODES <= P.MAX_TOKEN_GROUPS
     except RuntimeError:

@@ -1,10 +1,10 @@
-"""The SM budget of the cuda kernels, decided in one place (megatron_ep/runtime.py): the default
+"""The SM budget of the cuda kernels, decided in one place (megatron_ep/cuda/runtime.py): the default
 split, the resident limit, and the block count each path's kernels get from CudaRuntime.blocks.
 Runs without a GPU: the rule is arithmetic on the runtime's fields."""
 
 import pytest
 
-from megatron_ep.runtime import CudaRuntime, default_num_sms, max_num_sms
+from megatron_ep.cuda.runtime import CudaRuntime, default_num_sms, max_num_sms
 
 
 def _runtime(num_sms, ranks_per_device=1, sm_count=132):

@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="practical NVLink bandwidth: ~370 H100/H200 (of 450), ~160 H800")
     m.add_argument("--nic-gbps", type=float, default=M.nic_gbps, help="NIC bandwidth (400 Gb/s IB = 50)")
     m.add_argument("--sm-nvlink-gbps", type=float, default=M.sm_nvlink_gbps,
-                   help="bytes/s one SM copies (measured, megatron_ep.runtime.PER_SM_COPY_GBPS)")
+                   help="bytes/s one SM copies (measured, megatron_ep.model.rates.PER_SM_COPY_GBPS)")
     m.add_argument("--sm-rdma-gbps", type=float, default=M.sm_rdma_gbps,
                    help="bytes/s one SM stages and issues as RDMA puts (assumed = the copy rate)")
     m.add_argument("--ll-fixed-us", type=float, default=M.ll_fixed_us,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..runtime import NVLINK_GBPS, PER_SM_COPY_GBPS
+from .rates import NVLINK_GBPS, PER_SM_COPY_GBPS
 from .rates import seconds_at
 
 # DeepEP V1's published internode normal-kernel figures, "bottleneck bandwidth" (RDMA) in its

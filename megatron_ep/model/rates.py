@@ -8,6 +8,13 @@ import math
 
 _EPS = 1e-9  # slack for ceilings of ratios computed in floating point
 
+# Hardware rates the model and the cuda runtime's SM budget share (one owner: here).
+NVLINK_GBPS = 370.0  # practical NVLink 4 bandwidth per GPU (docs/design.md §6)
+HBM_COPY_GBPS = 4300.0  # measured H200 device-to-device copy, read + write
+PER_SM_COPY_GBPS = 45.0  # bytes one SM moves per second in our pull kernels (docs/performance.md)
+# A copy kernel gets the SMs whose copy rate covers the link it feeds, with this headroom.
+COPY_HEADROOM = 1.25
+
 
 def seconds_at(nbytes: float, gbps: float) -> float:
     """Seconds ``nbytes`` take at ``gbps``."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from .rates import gbps_of, us_at
 
-# An internode normal dispatch runs three stages one after the other (paths/internode.py):
+# An internode normal dispatch runs three stages one after the other (cuda/paths/internode.py):
 #   rdma   the RDMA-domain hop: every (token, destination node) pair, the own node's included
 #          (the same kernels copy it locally), on the path's RDMA blocks;
 #   node   the in-node stage (the intranode path over the node's ranks): the rank-major rows it
@@ -33,7 +33,7 @@ from .rates import gbps_of, us_at
 TIME_TOLERANCE = 0.25  # predicted/measured within 1 +- this: "within 25%"
 STAGES = ("rdma", "node", "local", "fixed")
 STAGE_NAMES = {"rdma": "RDMA hop", "node": "in-node stage", "local": "local work", "fixed": "notify"}
-# The internode path's phase marks (Runtime.mark in paths/internode.py and paths/intranode.py) ->
+# The internode path's phase marks (Runtime.mark in cuda/paths/internode.py and cuda/paths/intranode.py) ->
 # stage. "reduce" (expert-major combine) takes the place of the staging copy ("stage"): both
 # write the rows that cross the in-node stage into the combine area. "fanout" spreads the
 # received rank-major rows into expert segments on the local SMs; "reorder" is the local reorder

@@ -26,7 +26,7 @@ class Extension:
         """The module, or RuntimeError saying why it is unusable."""
         if self.module is None and not self.error:
             try:
-                self.module = importlib.import_module(f"{__package__}.{self.name}")
+                self.module = importlib.import_module(f"megatron_ep.{self.name}")  # built at the package root (setup.py)
             except ImportError as exc:  # not built, or no driver/libraries here
                 self.error = f"{type(exc).__name__}: {exc}"
         if self.module is None:

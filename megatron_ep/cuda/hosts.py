@@ -1,6 +1,6 @@
 """Which host each rank of a group runs on, gathered once per group.
 
-Start-up needs it three times (the node size in cuda.py, the internode transport in
+Start-up needs it three times (the node size in backend.py, the internode transport in
 paths/internode.py, NVSHMEM's transport in nvshmem.py); the answer cannot change while the group
 lives, so the first call gathers and the later ones read the cache. Every rank reaches these
 calls at the same points of start-up (each is collective), so every rank finds the cache filled

@@ -22,10 +22,11 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from .. import _ext, nvshmem
-from .. import protocol as P
-from ..checks import fail
-from ..errors import CallMismatchError, CommTimeoutError, PeerFailedFatalError
+from .. import extension as _ext
+from .. import nvshmem
+from ... import protocol as P
+from ...checks import fail
+from ...errors import CallMismatchError, CommTimeoutError, PeerFailedFatalError
 from ..failure_state import FailureState
 from ..runtime import bounded_barrier, gather
 from .interface import Path

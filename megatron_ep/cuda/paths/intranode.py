@@ -18,13 +18,13 @@ from typing import List, Optional
 
 import torch
 
-from .. import hooks
-from .. import protocol as P
-from ..checks import fail, is_fp8_tuple
-from ..permute import padded_host_counts
-from ..requests import CombineRequest, DispatchRequest
+from ... import hooks
+from ... import protocol as P
+from ...checks import fail, is_fp8_tuple
+from ...permute import padded_host_counts
+from ...requests import CombineRequest, DispatchRequest
 from ..runtime import CudaRuntime
-from ..types import CombineOutput, DispatchHandle, DispatchOutput
+from ...types import CombineOutput, DispatchHandle, DispatchOutput
 from .interface import NormalPath
 
 RI = P.RECV_INFO

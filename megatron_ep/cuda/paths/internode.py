@@ -39,13 +39,13 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from .. import envs
-from .. import protocol as P
-from ..checks import FP8_BLOCK, fail
+from ... import envs
+from ... import protocol as P
+from ...checks import FP8_BLOCK, fail
 from ..hosts import host_names
-from ..requests import CombineRequest, DispatchRequest
+from ...requests import CombineRequest, DispatchRequest
 from ..runtime import CudaRuntime, largest
-from ..types import CombineOutput, DispatchHandle, DispatchOutput, EventOverlap
+from ...types import CombineOutput, DispatchHandle, DispatchOutput, EventOverlap
 from .interface import NormalPath
 from .intranode import IntranodePath, combine_rows, dispatch_rows
 from .nvshmem_path import NvshmemPath, signature_hash

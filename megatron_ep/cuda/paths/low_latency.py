@@ -9,7 +9,7 @@ run can be in flight; a third raises before anything is sent. On the device a se
 per receiver, until that receiver released the set after its previous receive half on it, so a
 slow peer is never overwritten.
 
-NVSHMEM is initialised once per process (megatron_ep/nvshmem.py) from the first group that uses
+NVSHMEM is initialised once per process (megatron_ep/cuda/nvshmem.py) from the first group that uses
 it; the group must span every PE (nvshmem_malloc is collective).
 The buffer is sized by `Buffer(..., low_latency=dict(...))` up front, or by the first call
 (the largest of every rank's needs); later calls must fit, or raise naming what does not.
@@ -31,10 +31,10 @@ from typing import Callable, List, Optional
 
 import torch
 
-from .. import protocol as P
-from .._ext import load_nvshmem
-from ..checks import FP8_BLOCK, FP8_DTYPE, MAX_LOW_LATENCY_BYTES, fail, tensor_version
-from ..types import LowLatencyDispatchOutput, LowLatencyHandle
+from ... import protocol as P
+from ..extension import load_nvshmem
+from ...checks import FP8_BLOCK, FP8_DTYPE, MAX_LOW_LATENCY_BYTES, fail, tensor_version
+from ...types import LowLatencyDispatchOutput, LowLatencyHandle
 from .nvshmem_path import NvshmemPath, signature_hash
 
 LIMIT_BYTES = MAX_LOW_LATENCY_BYTES  # per rank, both sets (checks.py owns it)

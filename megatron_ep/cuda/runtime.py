@@ -1,4 +1,4 @@
-"""The cuda backend's runtime, shared by the kernel paths in megatron_ep/paths/ (intranode, and
+"""The cuda backend's runtime, shared by the kernel paths in megatron_ep/cuda/paths/ (intranode, and
 the in-node stage of internode; low-latency uses its group-wide helpers):
 
 * the communication region of each rank (control block, handshake counters, staging, combine
@@ -12,7 +12,7 @@ the in-node stage of internode; low-latency uses its group-wide helpers):
   waiting (see megatron_ep/protocol.py);
 * errors: the mapped host block's error record, decoded into named exceptions; recoverable
   aborts (mismatch, peer failure) leave the buffer usable, timeouts break it (the failure state
-  and wording every cuda path shares: megatron_ep/failure_state.py);
+  and wording every cuda path shares: megatron_ep/cuda/failure_state.py);
 * the SM budget (what the ranks sharing a GPU can keep resident), the communication stream,
   events, and a host wait that backs off instead of spinning a core.
 """
@@ -20,7 +20,6 @@ the in-node stage of internode; low-latency uses its group-wide helpers):
 from __future__ import annotations
 
 import logging
-import math
 import socket
 import time
 import weakref
@@ -30,14 +29,15 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
-from . import envs
-from . import _ext
-from . import protocol as P
-from .checks import fail
-from .errors import CommTimeoutError, MegatronEPError, PeerFailedError
+from .. import envs
+from . import extension as _ext
+from .. import protocol as P
+from ..checks import fail
+from ..model.rates import COPY_HEADROOM, HBM_COPY_GBPS, NVLINK_GBPS, PER_SM_COPY_GBPS, sms_for
+from ..errors import CommTimeoutError, MegatronEPError, PeerFailedError
 from .failure_state import FailureState
-from .hooks import new_outputs
-from .types import EventOverlap
+from ..hooks import new_outputs
+from ..types import EventOverlap
 
 log = logging.getLogger("megatron_ep")
 
@@ -45,10 +45,8 @@ DEFAULT_TIMEOUT_S = envs.number("MEP_TIMEOUT_S", 60.0, above=0)
 
 # The SM budget rule. A copy kernel is limited by the slower of the link that carries the rows
 # and the rate at which its SMs can move them; give it enough SMs that their copy rate covers
-# the link with 25% headroom. Virtual ranks (several processes on one GPU) share that GPU's HBM.
-NVLINK_GBPS = 370.0  # practical NVLink 4 bandwidth per GPU (docs/design.md §6)
-HBM_COPY_GBPS = 4300.0  # measured H200 device-to-device copy, read + write
-PER_SM_COPY_GBPS = 45.0  # bytes one SM moves per second in our pull kernels (docs/performance.md)
+# the link with COPY_HEADROOM (the rates: megatron_ep/model/rates.py). Virtual ranks (several
+# processes on one GPU) share that GPU's HBM.
 # The push kernel (a warp per token, its row to every destination) ran 209 us at 16 SMs and 239 at
 # 24 on 2 x H200 (2026-11-30, commit 38ff6cf; 4096 tokens, H 7168, bf16; docs/performance-history.md):
 # past what the link needs, more blocks only contend. Capped there at EP 2 with one rank per GPU; other
@@ -62,7 +60,7 @@ def default_num_sms(ranks_per_device: int, sm_count: int) -> int:
     """SMs per rank for the copy kernels (see the rule above); even, at least 4, and small
     enough that every rank sharing the GPU keeps all its blocks resident at once."""
     link = HBM_COPY_GBPS / ranks_per_device if ranks_per_device > 1 else NVLINK_GBPS
-    n = math.ceil(1.25 * link / PER_SM_COPY_GBPS)
+    n = sms_for(COPY_HEADROOM * link, PER_SM_COPY_GBPS)
     n += n % 2
     return max(4, min(n, max_num_sms(ranks_per_device, sm_count)))
 

@@ -1,10 +1,10 @@
-"""What the cuda backend (megatron_ep/cuda.py) calls on its kernel paths, so that it picks the
+"""What the cuda backend (megatron_ep/cuda/backend.py) calls on its kernel paths, so that it picks the
 normal path once, from the group's shape, and never branches on the topology afterwards.
 
 `Path`: every path (intranode, internode, low-latency) guards a call's host side, reports what
 its kernels reported, waits for them, and frees its memory. `NormalPath`: a path of the normal
 dispatch / combine (intranode or internode), built with its runtime by `open`; the low-latency
-path is a `Path` with calls of its own (megatron_ep/paths/low_latency.py).
+path is a `Path` with calls of its own (megatron_ep/cuda/paths/low_latency.py).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import ContextManager, Optional
 
-from .. import protocol as P
-from ..requests import CombineRequest, DispatchRequest
+from ... import protocol as P
+from ...requests import CombineRequest, DispatchRequest
 
 
 class Path(ABC):

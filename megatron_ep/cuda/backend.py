@@ -3,10 +3,10 @@
 A group inside one node (one NVLink domain, at most 8 ranks) runs the intranode normal path. A
 group of several nodes -- `ranks_per_node` ranks each, by default the ranks sharing a host;
 smaller values make virtual nodes -- runs the two-level internode path
-(megatron_ep/paths/internode.py): the runtime then spans this rank's node, and NVSHMEM carries
+(megatron_ep/cuda/paths/internode.py): the runtime then spans this rank's node, and NVSHMEM carries
 the RDMA domain. The path is picked once, here; afterwards the backend calls it through the
-path protocol (megatron_ep/paths/interface.py). The low-latency path
-(megatron_ep/paths/low_latency.py, NVSHMEM, extension `_C_nvshmem`) spans the whole group; it is
+path protocol (megatron_ep/cuda/paths/interface.py). The low-latency path
+(megatron_ep/cuda/paths/low_latency.py, NVSHMEM, extension `_C_nvshmem`) spans the whole group; it is
 created at the first low-latency call, or up front with `low_latency=dict(...)`.
 """
 
@@ -17,13 +17,13 @@ from typing import Optional, Type
 
 import torch
 
-from . import protocol as P
-from .checks import fail
+from .. import protocol as P
+from ..checks import fail
 from .hosts import host_names
 from .paths.interface import NormalPath, Path
 from .paths.intranode import IntranodePath
 from .runtime import DEFAULT_TIMEOUT_S
-from .types import DispatchLayout
+from ..types import DispatchLayout
 
 _LL_OPS = (P.OP["low_latency_dispatch"], P.OP["low_latency_combine"])
 

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from .checks import fail
+from ..checks import fail
 from .hosts import host_names
 from .runtime import gather
 

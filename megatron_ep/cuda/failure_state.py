@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Optional, Type
 
-from .errors import BufferBrokenError, MegatronEPError
+from ..errors import BufferBrokenError, MegatronEPError
 
 
 class FailureState:
