@@ -64,3 +64,19 @@ def test_import_installs_nothing(monkeypatch):
 def test_one_padding_rule():
     assert [round_up(n, 128) for n in (0, 1, 127, 128, 129)] == [0, 128, 128, 128, 256]
     assert padded_host_counts([0, 3, 16, 17], 16) == [0, 16, 16, 32]
+
+
+def test_extension_loads_after_torch():
+    """megatron_ep.cuda.extension loads torch before an extension (they link libc10): loading
+    _C_nvshmem first in a fresh process failed with 'libc10.so: cannot open shared object file'
+    once `import megatron_ep` stopped loading torch (scripts/gpu_check.sh's check, one H200,
+    2026-12-03). A subprocess, so no earlier import of torch hides it."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys, megatron_ep.cuda.extension as ext; assert 'torch' in sys.modules; "
+            "print(ext.NVSHMEM.error or 'loaded' if ext.NVSHMEM.available() else ext.NVSHMEM.error)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=dict(os.environ))
+    assert out.returncode == 0, out.stderr
+    assert "libc10" not in out.stdout, out.stdout

@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import importlib
 
+# The extensions link against torch's libraries (libc10, libtorch), which the dynamic loader
+# finds only once torch is loaded, and `import megatron_ep` alone does not load it.
+import torch  # noqa: F401
+
 
 class Extension:
     """One compiled module of the package, imported at its first use; the reason it is unusable
