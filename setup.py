@@ -1,7 +1,7 @@
 """Build of megatron_ep, its protocol module `megatron_ep._protocol`, its CUDA extension
 `megatron_ep._C` and its NVSHMEM extension `megatron_ep._C_nvshmem` (the internode and low-latency paths).
 
-`_protocol` (csrc/common/protocol_module.cpp: plain C++ and pybind11, no CUDA, no torch) exports the
+`_protocol` (csrc/protocol/module.cpp: plain C++ and pybind11, no CUDA, no torch) exports the
 region layout and call protocol that the kernels use; it is always built, since both backends
 read their call signature from it.
 
@@ -129,7 +129,7 @@ def _protocol_extension():
         raise RuntimeError("megatron_ep needs pybind11 to build its _protocol module (pip install pybind11)") from exc
     return Extension(
         "megatron_ep._protocol",
-        sources=["csrc/common/protocol_module.cpp"],
+        sources=["csrc/protocol/module.cpp"],
         include_dirs=[os.path.join(ROOT, "csrc"), pybind11.get_include()],
         extra_compile_args=["-O2", "-std=c++17"],
         language="c++",

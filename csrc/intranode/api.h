@@ -4,6 +4,7 @@
 
 #include <cuda_runtime.h>
 
+#include "ipc/api.h"
 #include "ipc/context.h"
 
 namespace mep {
@@ -13,13 +14,6 @@ namespace mep {
 // expert, token_in_rank [T, R]. Ids outside [0, E) count as unused. Outputs zeroed by the caller.
 void launch_layout(const long long* topk_idx, int T, int K, int E, int R, long long* tokens_per_rank,
                    long long* tokens_per_expert, bool* token_in_rank, cudaStream_t stream);
-
-// ---- runtime.cu ------------------------------------------------------------------------------
-// A rank that fails on the host during a call publishes it at the handshake its peers wait on
-// next (`slot`; kSlotCall before the call's first exchange, with the full record), then takes
-// part in that handshake, so every rank aborts the call at the same point and the counters stay
-// in step. Does nothing when the call was already aborted on the device.
-void launch_fail_call(const Ctx& ctx, const CallArgs& call, int slot, cudaStream_t stream);
 
 // ---- intranode.cu ----------------------------------------------------------------------------
 // notify: counts, the call exchange (records + counts with every peer), prefix sums, and for
@@ -149,13 +143,12 @@ void launch_combine(const Ctx& ctx, const CombineArgs& args, int num_blocks, cud
 
 // Resolve every kernel now (module loading is lazy by default, and a first launch that has to
 // wait behind a spinning kernel of the same process would deadlock) and raise smem limits:
-// prepare_kernels() runs each file's part (notify.cu, dispatch.cu, combine.cu, layout.cu,
-// ipc/fail_call.cu).
+// prepare_kernels() runs each file's part (notify.cu, dispatch.cu, combine.cu, layout.cu, and
+// the runtime's: ipc/api.h); the binding calls it when it creates a Runtime.
 void prepare_kernels();
 void prepare_notify_kernels();
 void prepare_dispatch_kernels();
 void prepare_combine_kernels();
 void prepare_layout_kernels();
-void prepare_runtime_kernels();
 
 }  // namespace mep

@@ -4,6 +4,7 @@
 // kernel arguments and launches on the current stream (the caller makes that the buffer's
 // communication stream). The only translation unit of _C that sees torch.
 
+#include "intranode/api.h"
 #include "ipc/runtime.h"
 
 namespace mep {
@@ -197,8 +198,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("NUM_SIG_FIELDS") = (int)mep::kSigFields;
   m.def("layout", &mep::layout, py::arg("topk_idx"), py::arg("E"), py::arg("R"), py::arg("tokens_per_rank"), py::arg("tokens_per_expert"), py::arg("token_in_rank"));
   py::class_<mep::Runtime>(m, "Runtime")
-      .def(py::init<int, int, int, const py::object&, double>(), py::arg("device"), py::arg("rank"),
-           py::arg("num_ranks"), py::arg("layout"), py::arg("timeout_s"))
+      .def(py::init([](int device, int rank, int num_ranks, const py::object& layout, double timeout_s) {
+             auto rt = std::make_unique<mep::Runtime>(device, rank, num_ranks, layout, timeout_s);
+             c10::cuda::CUDAGuard guard(device);
+             mep::prepare_kernels();  // every intranode kernel resolved before the first call
+             return rt;
+           }),
+           py::arg("device"), py::arg("rank"), py::arg("num_ranks"), py::arg("layout"), py::arg("timeout_s"))
       .def("ipc_handle", &mep::Runtime::ipc_handle)
       .def("open_peers", &mep::Runtime::open_peers)
       .def("close", &mep::Runtime::close)

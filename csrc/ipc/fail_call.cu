@@ -1,7 +1,7 @@
 // Path-agnostic kernels of the runtime: publishing a host-side failure to the peers.
 
 #include "ipc/handshake.cuh"
-#include "intranode/api.h"
+#include "ipc/api.h"
 
 namespace mep {
 

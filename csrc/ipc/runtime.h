@@ -13,7 +13,7 @@
 #include <cstring>
 #include <memory>
 
-#include "intranode/api.h"
+#include "ipc/api.h"
 #include "ipc/pool.h"
 #include "ipc/region.h"
 
@@ -92,7 +92,7 @@ class Runtime {
     c10::cuda::CUDAGuard guard(device);
     region_ = std::make_shared<Region>(device, lay_.total);
     pool_ = std::make_shared<Pool>(device, lay_.pool, lay_.pool_bytes);
-    prepare_kernels();
+    prepare_runtime_kernels();  // the paths' kernels: their binding prepares them (intranode/api.h)
   }
 
   // Rank-major dispatch outputs for `rows` rows in the pool: (x, scales, idx, w, offsets...),

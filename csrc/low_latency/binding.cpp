@@ -147,13 +147,7 @@ class LowLatencyBuffer {
   SymmetricMemory mem_{"low-latency"};
 };
 
-void bind_internode(py::module_& m);  // csrc/internode/binding.cpp
-
-}  // namespace mep
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "megatron_ep NVSHMEM paths: low-latency (csrc/low_latency/), internode RDMA domain (csrc/internode/kernels.cu)";
-  mep::bind_internode(m);
+void bind_low_latency(py::module_& m) {
   m.attr("THREADS") = mep::kLLThreads;
   m.attr("MAX_BLOCKS") = mep::kLLMaxBlocks;
   m.attr("MAX_RANKS") = mep::kLLMaxRanks;
@@ -164,10 +158,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("plan", [](int num_ranks, int num_experts, int max_tokens, int hidden, int max_topk, bool fp8_only) {
     return mep::layout_dict(mep::LowLatencyLayout::plan(num_ranks, num_experts, max_tokens, hidden, max_topk, fp8_only));
   }, "The buffer layout and size (bytes, both sets) for this capacity; no GPU needed.");
-  m.def("unique_id", [] { return py::bytes(mep::sym_unique_id()); });
-  m.def("init", [](py::bytes uid, int rank, int nranks, int device) { mep::sym_init(std::string(uid), rank, nranks, device); });
-  m.def("my_pe", &mep::sym_my_pe);
-  m.def("n_pes", &mep::sym_n_pes);
   py::class_<mep::LowLatencyBuffer>(m, "LowLatencyBuffer")
       .def(py::init<int, int, std::vector<int>, int, int, int, int, bool, double>())
       .def("dispatch", &mep::LowLatencyBuffer::dispatch, py::arg("x"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("fp8"), py::arg("round_scale"), py::arg("set"), py::arg("phases"), py::arg("sig"), py::arg("seq"), py::arg("out_x"), py::arg("out_scales"), py::arg("out_count"), py::arg("out_range"), py::arg("out_src"), py::arg("out_slot"), py::arg("weights"), py::arg("out_w"), py::arg("out_pairs"), py::arg("num_blocks"))
@@ -180,3 +170,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("layout", &mep::LowLatencyBuffer::layout)
       .def("close", &mep::LowLatencyBuffer::close);
 }
+
+}  // namespace mep
