@@ -22,15 +22,22 @@ def flag(name: str) -> bool:
     raise ValueError(f"{name}={raw!r} is not a switch: use 1 or 0 (true/false, yes/no, on/off)")
 
 
-def integer(name: str, default: Optional[int], minimum: Optional[int] = None) -> Optional[int]:
-    """The integer `name` holds (`default` when unset or empty), at least `minimum`."""
+def _parsed(name: str, convert, what: str):
+    """`convert` of the value of `name`; None when it is unset or empty."""
     raw = os.environ.get(name, "").strip()
     if not raw:
-        return default
+        return None
     try:
-        value = int(raw)
+        return convert(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer") from None
+        raise ValueError(f"{name}={raw!r} is not {what}") from None
+
+
+def integer(name: str, default: Optional[int], minimum: Optional[int] = None) -> Optional[int]:
+    """The integer `name` holds (`default` when unset or empty), at least `minimum`."""
+    value = _parsed(name, int, "an integer")
+    if value is None:
+        return default
     if minimum is not None and value < minimum:
         raise ValueError(f"{name}={value} must be at least {minimum}")
     return value
@@ -38,13 +45,9 @@ def integer(name: str, default: Optional[int], minimum: Optional[int] = None) ->
 
 def number(name: str, default: Optional[float], above: Optional[float] = None) -> Optional[float]:
     """The number `name` holds (`default` when unset or empty), greater than `above`."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
+    value = _parsed(name, float, "a number")
+    if value is None:
         return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number") from None
     if above is not None and not value > above:
         raise ValueError(f"{name}={value} must be greater than {above}")
     return value

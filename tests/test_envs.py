@@ -80,3 +80,12 @@ def test_extension_loads_after_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=dict(os.environ))
     assert out.returncode == 0, out.stderr
     assert "libc10" not in out.stdout, out.stdout
+
+
+def test_default_is_not_range_checked(monkeypatch):
+    """An unset variable gives its default, even one outside the range a set value must keep
+    (MEGATRON_EP_CHUNKED_EXPERTS: 0 = off, a set value >= 1)."""
+    from megatron_ep.megatron import chunked
+
+    monkeypatch.delenv(chunked.ENV, raising=False)
+    assert chunked.chunks_from_env() == 0 and envs.integer("MEP_TEST_UNSET", 0, minimum=1) == 0
