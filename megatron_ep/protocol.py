@@ -12,12 +12,14 @@ own during a call publishes its message there, and its peers raise `PeerFailedEr
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
-
-import torch
+from typing import TYPE_CHECKING, List, Optional, Sequence
 
 from .errors import CallMismatchError, PeerFailedError
+
+if TYPE_CHECKING:
+    import torch
 
 try:
     from . import _protocol as P
@@ -47,15 +49,21 @@ is_fatal = P.error_is_fatal
 worst_expert_major_rows = P.worst_expert_major_rows
 notify_plan = P.notify_plan  # (num_tokens, groups) -> notify's chunk plan as a dict
 
-_DTYPE_CODES = {getattr(torch, name): code for name, code in P.DTYPE.items()}
+@functools.lru_cache(maxsize=None)
+def _dtype_codes() -> dict:
+    # torch loaded at the first call, not at import: the analytic model (megatron_ep.model) reads
+    # this module's constants and runs without torch
+    import torch
+
+    return {getattr(torch, name): code for name, code in P.DTYPE.items()}
 
 
 def dtype_code(dtype: torch.dtype) -> int:
-    return _DTYPE_CODES.get(dtype, 0)
+    return _dtype_codes().get(dtype, 0)
 
 
 def _dtype_name(code: int) -> str:
-    for dt, c in _DTYPE_CODES.items():
+    for dt, c in _dtype_codes().items():
         if c == code:
             return str(dt).replace("torch.", "")
     return "none"

@@ -352,6 +352,13 @@ def test_without_torch_each_entry_point_says_so_in_one_line():
     assert code == 0 and "recipes/train_moe.py" in lines[0], lines
 
 
+def test_model_runs_without_torch():
+    """The analytic model (`python -m megatron_ep.model`) is arithmetic on the protocol's constants:
+    it runs under `python -S` (no site-packages, no torch), as under a system python."""
+    code, lines = _finish(_start([PY, "-S", "-m", "megatron_ep.model"]))
+    assert code == 0 and any(line.startswith("EP ") for line in lines), lines[-5:]
+
+
 def test_the_missing_module_check_loads_no_torch():
     """cli (where require lives) and `import megatron_ep` load torch only on first use of the API."""
     code = ("import sys, megatron_ep, megatron_ep.cli as cli; assert 'torch' not in sys.modules, 'torch loaded'; "
