@@ -23,8 +23,6 @@ import torch
 
 from . import protocol as P
 
-# The output pool's counters (csrc/ipc/pool.h, Pool::Stats), in the order the runtime returns them.
-POOL_COUNTERS = ("stream_waits", "misses")
 # Trace points of csrc/low_latency/api.h (LLTracePoint), in order.
 LOW_LATENCY_POINTS = ("entry", "released", "zero", "cast", "sent", "arrived", "copied", "end", "scanned", "stored")
 
@@ -60,7 +58,7 @@ def counters(buf) -> Dict[str, object]:
     blocks = getattr(getattr(buf._backend(), "path", None), "num_blocks", None)
     out["rdma_blocks"] = int(blocks) if isinstance(blocks, int) else None
     if rt.ready:
-        out["pool"] = dict(zip(POOL_COUNTERS, rt.rt.pool_stats()))
+        out["pool"] = dict(rt.rt.pool_stats())  # named by the runtime (csrc/ipc/runtime.h)
     return out
 
 

@@ -142,10 +142,13 @@ class Runtime {
   }
 
   long long pool_free_bytes() { return pool_->free_bytes(); }
-  // (stream_waits, misses) of the output pool so far (Pool::Stats)
-  py::tuple pool_stats() {
+  // The output pool's counters so far, by name (Pool::Stats: the one list of them)
+  py::dict pool_stats() {
     const Pool::Stats s = pool_->stats();
-    return py::make_tuple(s.stream_waits, s.misses);
+    py::dict d;
+    d["stream_waits"] = s.stream_waits;
+    d["misses"] = s.misses;
+    return d;
   }
 
   py::bytes ipc_handle() const { return py::bytes(region_->ipc_handle()); }

@@ -153,14 +153,15 @@ def our_runs(args, n, inp, timer, out, first, ref):
         t["layout"] = timer(lambda: buf.get_dispatch_layout(idx, E))
         out["pool"] = {}
 
-        def pool_stats():  # the output pool's counters so far, in tracing.POOL_COUNTERS' order
-            return list(tracing.counters(buf).get("pool", {}).values()) or None
+        def pool_stats():  # the output pool's counters so far, by name (the runtime's order: waits, misses)
+            return tracing.counters(buf).get("pool") or None
 
         def pooled_timer(key, fn):  # the timing, and what the output pool did meanwhile
             before = pool_stats()
             t[key] = timer(fn)
             if before is not None:
-                out["pool"][key] = [b - a for a, b in zip(before, pool_stats())]
+                after = pool_stats()
+                out["pool"][key] = [after[name] - before[name] for name in before]  # waits, misses
 
         pooled_timer("dispatch", lambda: buf.dispatch(x, idx, w, num_experts=E))
         pooled_timer("dispatch_cached", lambda: buf.dispatch(x, handle=rm_h))
