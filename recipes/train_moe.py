@@ -104,10 +104,7 @@ def backend_choice(args):
     """(megatron_ep's Buffer backend for this run, the line saying that --backend overrides a
     different MEGATRON_EP_BACKEND, or None): --backend, else the variable, else auto. A bad value
     of the variable is refused (cli.UsageError, one line)."""
-    try:
-        return backend_env.resolve(args.backend, "--backend")
-    except ValueError as e:
-        raise cli.UsageError(str(e)) from None
+    return backend_env.resolve(args.backend, "--backend")
 
 
 def use_backend(args) -> None:

@@ -30,8 +30,14 @@ def from_env() -> Optional[str]:
 def resolve(option: Optional[str], option_name: str) -> Tuple[str, Optional[str]]:
     """A command's own backend option against the variable: (the backend, the line to say when
     the option overrides a different value of the variable, else None). The option wins; without
-    it the variable, else "auto". A bad value of the variable is refused even under the option."""
-    env = from_env()
+    it the variable, else "auto". A bad value of the variable is refused even under the option, as
+    a command's usage error (one line)."""
+    from ..cli import UsageError
+
+    try:
+        env = from_env()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if option is None:
         return env or "auto", None
     overridden = None

@@ -63,14 +63,9 @@ def _use_backend(option):
     """MEGATRON_EP_BACKEND set to --ep-backend, else to the variable's own value, else auto (a bad
     value of the variable is refused here, before the script runs); returns the line saying that
     --ep-backend overrides a different value of the variable, or None."""
-    from megatron_ep import cli
-
     from .backend import ENV, resolve
 
-    try:
-        backend, overridden = resolve(option, "--ep-backend")
-    except ValueError as e:
-        raise cli.UsageError(str(e)) from None
+    backend, overridden = resolve(option, "--ep-backend")
     os.environ[ENV] = backend
     return overridden
 
@@ -118,13 +113,7 @@ def main(argv=None) -> int:
         print(f"{PROG}: error: the training script is missing (usage: {PROG} [OPTIONS] SCRIPT [ARGS ...]; --help)",
               file=sys.stderr)
         return 2
-    holder = {}
-
-    def prepare(_):
-        holder["options"] = _parser().parse_args(ours)
-        _prepare(rest[0], holder["options"])
-
-    code = cli.run_main(prepare, [], prog=PROG, hint=f"{cli.DEBUG_ENV}=1 shows the traceback")
+    code = cli.run_main(lambda _: _prepare(rest[0], _parser().parse_args(ours)), [], prog=PROG, hint=f"{cli.DEBUG_ENV}=1 shows the traceback")
     if code:
         return code
     sys.argv = rest
