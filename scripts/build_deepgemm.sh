@@ -18,6 +18,8 @@
 # nvrtc.h / cublasLt.h / libnvrtc.so missing from CUDA_HOME are taken from pip's nvidia packages
 # (nvidia/cu13/..., nvidia/cuda_nvrtc/..., nvidia/cublas/...) through CPATH, LIBRARY_PATH and an rpath.
 set -euo pipefail
+case ${1:-} in -h|--help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | grep '^#' | sed 's/^# \{0,1\}//'; exit 0 ;;
+  -*) echo "build_deepgemm.sh: unknown option '$1' (--help says more)" >&2; exit 2 ;; esac
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 DIR=${1:-$ROOT/.carry/deepgemm}
 PREFIX=${2:-/tmp/deepgemm-site}

@@ -17,6 +17,8 @@
 # include/cutlass (setup.py copies both into the package for the JIT), LICENSE.txt. From {fmt}:
 # include/fmt (the C++ file's formatting), LICENSE. DIR/REVISION lists the three commits.
 set -euo pipefail
+case ${1:-} in -h|--help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | grep '^#' | sed 's/^# \{0,1\}//'; exit 0 ;;
+  -*) echo "deepgemm_tree.sh: unknown option '$1' (--help says more)" >&2; exit 2 ;; esac
 DEST=${1:-.carry/deepgemm}
 DG_GIT=${DEEPGEMM_GIT:-/work/.mirror/deepseek-ai+DeepGEMM/repo}
 DG_REV=${DEEPGEMM_REV:-54e22612409371d6364144b69086735beb54e98b}
@@ -42,7 +44,11 @@ CUTLASS_REV=$(gitlink cutlass) FMT_REV=$(gitlink fmt)
 have "$CUTLASS_GIT" "$CUTLASS_REV" || die "no CUTLASS commit $CUTLASS_REV (DeepGEMM's pin) in $CUTLASS_GIT (fetch github:NVIDIA/cutlass, or set CUTLASS_GIT)"
 have "$FMT_GIT" "$FMT_REV" || die "no {fmt} commit $FMT_REV (DeepGEMM's pin) in $FMT_GIT (fetch github:fmtlib/fmt, or set FMT_GIT)"
 
-rm -rf "$DEST"; mkdir -p "$DEST/third-party/cutlass" "$DEST/third-party/fmt"
+# DEST is replaced only when it is empty or an earlier tree of this script (its REVISION file)
+if [ -e "$DEST" ] && [ -n "$(ls -A "$DEST" 2>/dev/null)" ] && ! grep -q '^deepgemm ' "$DEST/REVISION" 2>/dev/null; then
+  die "$DEST exists and is not a tree of this script (no REVISION file): give a new or empty directory"
+fi
+rm -rf -- "$DEST"; mkdir -p "$DEST/third-party/cutlass" "$DEST/third-party/fmt"
 export_ "$DG_GIT" "$DG_REV" "$DEST" setup.py LICENSE csrc deep_gemm scripts/generate_pyi.py
 export_ "$FMT_GIT" "$FMT_REV" "$DEST/third-party/fmt" include/fmt LICENSE
 if [ "$MODE" = full ]; then
