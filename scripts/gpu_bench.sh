@@ -12,7 +12,7 @@
 #   megatron        the Megatron A/B runs of MEP_AB_ARGS (scripts/ab_throughput.py)
 #   overlap         scripts/bench_overlap.py --ranks ${MEP_OVERLAP_RANKS:-2} (MEP_OVERLAP_ARGS): chunked
 #                   experts against one round, the forward timeline, the model -> $OUT/overlap.log
-#   deepgemm        DeepGEMM under our expert glue: waits for .carry/build_deepgemm.sh's build (started
+#   deepgemm        DeepGEMM under our expert glue: waits for scripts/build_deepgemm.sh's build of .carry/deepgemm (started
 #                   at the top; MEP_DG_WAIT seconds, default 300), takes /tmp/deepgemm.env (PYTHONPATH,
 #                   DG_JIT_CACHE_DIR, LD_PRELOAD) for this phase only, then under MPS: every GPU test of
 #                   tests/test_experts.py (masked bf16/FP8 GEMMs, the decode experts in a CUDA graph,
@@ -26,7 +26,7 @@
 # Wheels under .whl/ (megatron-core for Python 3.12, carried) are installed to /tmp/site first.
 # If .carry/build_deepep.sh exists (a peer library built on the GPU machine from a fetched
 # snapshot, never part of this repository), DeepEP's intranode build starts in the background
-# and the bench phase waits for it; likewise .carry/build_deepgemm.sh for the deepgemm phase.
+# and the bench phase waits for it; likewise the DeepGEMM build for the deepgemm phase.
 set -uo pipefail
 case "${1:-}" in -h|--help) sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | grep '^#' | sed 's/^# \{0,1\}//'; exit 0 ;; esac
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -56,8 +56,10 @@ fi
 if [ -f .carry/build_deepep.sh ] && has lowlat; then  # DeepEP against the pip NVSHMEM: its LL kernels
   OUT=/tmp bash .carry/build_deepep.sh full > /tmp/deepep_full_start.log 2>&1
 fi
-if [ -f .carry/build_deepgemm.sh ] && has deepgemm; then  # one C++ file, beside the build phase
-  OUT=/tmp bash .carry/build_deepgemm.sh > /tmp/deepgemm_start.log 2>&1
+if [ -d .carry/deepgemm ] && has deepgemm; then  # one C++ file, beside the build phase
+  ( bash scripts/build_deepgemm.sh .carry/deepgemm /tmp/deepgemm-site > /tmp/deepgemm_build.log 2>&1 \
+      && cp /tmp/deepgemm-site/env.sh /tmp/deepgemm.env && touch /tmp/deepgemm.ok
+    tail -1 /tmp/deepgemm_build.log > /tmp/deepgemm.done ) &
 fi
 
 if has build; then
@@ -113,7 +115,7 @@ fi
 if has deepgemm; then
   phase deepgemm
   dglog=$OUT/deepgemm_tests.log
-  if [ -f .carry/build_deepgemm.sh ]; then
+  if [ -d .carry/deepgemm ]; then
     for _ in $(seq "${MEP_DG_WAIT:-300}"); do [ -e /tmp/deepgemm.done ] && break; sleep 1; done
     echo "DeepGEMM build: $(cat /tmp/deepgemm.done 2>/dev/null || echo 'not finished')" | tee -a "$dglog"
     [ -e /tmp/deepgemm.ok ] || { status=1; tail -30 /tmp/deepgemm_build.log 2>/dev/null | tee -a "$dglog"; }

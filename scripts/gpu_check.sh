@@ -27,7 +27,10 @@
 # Virtual ranks (R processes on one GPU, CUDA IPC between them) run under MPS, started here; with
 # two GPUs rank r takes GPU r % 2, so R = 2 is one process per GPU. Every test has a time limit
 # (tests/conftest.py) and every file a timeout here, so nothing can hang the run. Benchmarks are
-# scripts/gpu_bench.sh. Wheels under .whl/ (megatron-core for the GPU image's Python) are
+# scripts/gpu_bench.sh. A DeepGEMM tree at .carry/deepgemm (scripts/deepgemm_tree.sh; MEP_GATE_DEEPGEMM=DIR
+# for another) is built beside the extension (scripts/build_deepgemm.sh, its kernels' JIT cache inside
+# the run) and the gate's tests run with it importable; without one DeepGEMM's cases skip, and the
+# record's "build deepgemm" row says why. Wheels under .whl/ (megatron-core for the GPU image's Python) are
 # installed to /tmp/site first.
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -80,6 +83,15 @@ build_one() {  # build_one NAMES TEMP LOG
     python3 setup.py build_ext --inplace --build-temp "build/$2" > "$3" 2>&1
 }
 t0=$(date +%s)
+DG_PID=
+if [ "$MODE" = gate ] && [ -f "${MEP_GATE_DEEPGEMM:-$ROOT/.carry/deepgemm}/setup.py" ]; then
+  # DG_JIT_CACHE_DIR inside the run: the kernels' first-use compile time counts in the tests' time
+  ( s0=$(date +%s); rm -rf /tmp/mep-deepgemm-jit
+    DG_JIT_CACHE_DIR=/tmp/mep-deepgemm-jit MAX_JOBS=4 bash scripts/build_deepgemm.sh \
+      "${MEP_GATE_DEEPGEMM:-$ROOT/.carry/deepgemm}" /tmp/mep-deepgemm-site > "$LOGS/build_deepgemm.log" 2>&1
+    rc=$?; echo $(( $(date +%s) - s0 )) > /tmp/mep-dg-seconds; exit $rc ) &
+  DG_PID=$!
+fi
 NVSHMEM_PID=
 if [ "${MEP_GATE_REUSE_BUILD:-0}" = 1 ] && usable; then
   printf 'build\t1\t0\t0\t%s\treused the extension already built here\n' $(( $(date +%s) - t0 )) >> "$RESULTS"
@@ -111,6 +123,26 @@ wait_nvshmem_build() {  # once: the background _C_nvshmem build's result row
   tail -1 "$RESULTS"
 }
 wait_nvshmem_build
+
+# ---- DeepGEMM: built beside the extension builds above (one C++ file), waited for here
+DG_TREE=${MEP_GATE_DEEPGEMM:-$ROOT/.carry/deepgemm}
+DG_SITE=/tmp/mep-deepgemm-site
+if [ "$MODE" = gate ]; then
+  if [ -f "$DG_TREE/setup.py" ]; then
+    wait "$DG_PID"; dg_rc=$?
+    if [ "$dg_rc" = 0 ] && [ -f "$DG_SITE/env.sh" ]; then
+      # shellcheck disable=SC1091
+      . "$DG_SITE/env.sh"
+      printf 'build deepgemm\t1\t0\t0\t%s\tDeepGEMM from %s, beside the extension builds\n' "$(cat /tmp/mep-dg-seconds)" "$DG_TREE" >> "$RESULTS"
+    else
+      status=1; tail -20 "$LOGS/build_deepgemm.log"
+      printf 'build deepgemm\t0\t1\t0\t%s\tscripts/build_deepgemm.sh failed: DeepGEMM cases skip\n' "$(cat /tmp/mep-dg-seconds 2>/dev/null || echo 0)" >> "$RESULTS"
+    fi
+  else
+    printf 'build deepgemm\t0\t0\t1\t0\tno DeepGEMM tree at %s (scripts/deepgemm_tree.sh): DeepGEMM cases skip\n' "$DG_TREE" >> "$RESULTS"
+  fi
+  tail -1 "$RESULTS"
+fi
 
 # run_file NAME TIMEOUT_S PYTEST_ARGS...: one pytest run, its summary row (from the junit record;
 # a file killed at its timeout names the test that was running)
