@@ -365,10 +365,11 @@ MASKED_GEMMS = ("m_grouped_fp8_gemm_nt_masked", "m_grouped_bf16_gemm_nt_masked")
 
 
 class DeepGemmSpy:
-    """The real deep_gemm module, recording the name of every grouped GEMM our glue calls on it."""
+    """The real deep_gemm module, recording the name of every grouped GEMM our glue calls on it,
+    the operands it passed (`args`) and DeepGEMM's SM count at the call (`sms`)."""
 
     def __init__(self, module):
-        self.module, self.calls = module, []
+        self.module, self.calls, self.args, self.sms = module, [], [], []
 
     def __getattr__(self, name):
         attr = getattr(self.module, name)
@@ -377,6 +378,8 @@ class DeepGemmSpy:
 
         def call(*args, **kwargs):
             self.calls.append(name)
+            self.args.append(args)
+            self.sms.append(self.module.get_num_sms())
             return attr(*args, **kwargs)
 
         return call

@@ -20,41 +20,11 @@ import torch
 import torch.nn.functional as F
 
 import ll_cases
+from deepgemm_cases import FakeDeepGemm
 import megatron_ep.experts as X
 from megatron_ep.experts import backends as B
 from megatron_ep.experts import masked as M
 from megatron_ep.fp8 import per_token_cast_back, per_token_cast_to_fp8
-
-
-class FakeDeepGemm:
-    """d[i] = a[i] @ b[m[i]]^T (nt) or a[i] @ b[m[i]] (nn) for m[i] >= 0; rows with m[i] = -1
-    are left untouched; every 128-row block must belong to one expert (or be all -1)."""
-
-    ALIGN = 128
-
-    def __init__(self):
-        self.calls = []
-
-    def get_mk_alignment_for_contiguous_layout(self):
-        return self.ALIGN
-
-    def _check(self, a, m):
-        assert a.shape[0] % self.ALIGN == 0, f"M={a.shape[0]} is not a multiple of {self.ALIGN}"
-        for blk in m.view(-1, self.ALIGN):
-            ids = set(blk.tolist()) - {-1}
-            assert len(ids) <= 1, f"a {self.ALIGN}-row block mixes experts {sorted(ids)}"
-
-    def m_grouped_bf16_gemm_nt_contiguous(self, a, b, d, m_indices):
-        self._check(a, m_indices)
-        self.calls.append("nt")
-        for i in (m_indices >= 0).nonzero().flatten().tolist():
-            d[i] = a[i] @ b[int(m_indices[i])].t()
-
-    def m_grouped_bf16_gemm_nn_contiguous(self, a, b, d, m_indices):
-        self._check(a, m_indices)
-        self.calls.append("nn")
-        for i in (m_indices >= 0).nonzero().flatten().tolist():
-            d[i] = a[i] @ b[int(m_indices[i])]
 
 
 @pytest.fixture
@@ -572,3 +542,26 @@ def test_sms_left_free_sets_and_restores(monkeypatch):
         with B.sms_left_free(8):
             raise RuntimeError("inside")
     assert torch._C._get_sm_carveout_experimental() == before and fake.n == 132
+
+
+
+@pytest.mark.parametrize("R", [2])
+def test_fp8_dispatch_into_deepgemm_glue(pools, R):
+    """The FP8 dispatch -> DeepGEMM FP8 contiguous case of tests/test_deepgemm.py on the torch
+    backend against the emulator (the glue, the routing checks and the case itself on CPU)."""
+    import deepgemm_cases as dc
+
+    errors = [e for rank in pools(R).run(dc.run_fp8_dispatch_into_deepgemm_cases, dc.fp8_cases(R), backend="torch",
+                                         device="cpu") for e in rank]
+    assert not errors, "\n".join(errors[:20])
+
+
+@pytest.mark.parametrize("R", [2])
+def test_chunked_experts_on_deepgemm_glue(pools, R):
+    """The chunked-experts-on-DeepGEMM case of tests/test_deepgemm.py on the torch backend
+    against the emulator (SM count lowered by comm_sms inside the GEMMs, restored after)."""
+    import deepgemm_cases as dc
+
+    errors = [e for rank in pools(R).run(dc.run_chunked_on_deepgemm_cases, dc.chunked_cases(R), backend="torch",
+                                         device="cpu") for e in rank]
+    assert not errors, "\n".join(errors[:20])
