@@ -4,7 +4,7 @@
 # with DeepEP and NCCL baselines), the low-latency benchmark, the Megatron A/B runs, the NVLink
 # roofline, DeepGEMM's expert tests. Logs go under $OUT. The tests are scripts/gpu_check.sh (the
 # gate); run it first: a figure counts only for code that passed it.
-#   MEP_GPU_STEPS   phases, comma-separated: build,bench,megatron,lowlat,overlap,deepgemm,link
+#   MEP_GPU_STEPS   phases, comma-separated: build,bench,megatron,lowlat,overlap,gemm,deepgemm,link
 #                   (default build,bench)
 #   link            the NVLink roofline between GPUs 0 and 1 (scripts/bench_link.py MEP_LINK_ARGS: copy
 #                   engine, SM stores, bulk copies; one way and both ways) -> $OUT/link.md
@@ -12,15 +12,19 @@
 #   megatron        the Megatron A/B runs of MEP_AB_ARGS (scripts/ab_throughput.py)
 #   overlap         scripts/bench_overlap.py --ranks ${MEP_OVERLAP_RANKS:-2} (MEP_OVERLAP_ARGS): chunked
 #                   experts against one round, the forward timeline, the model -> $OUT/overlap.log
-#   deepgemm        DeepGEMM under our expert glue: waits for scripts/build_deepgemm.sh's build of .carry/deepgemm (started
+#   deepgemm        DeepGEMM under our expert glue (the gate runs the same tests): waits for scripts/build_deepgemm.sh's build of .carry/deepgemm (started
 #                   at the top; MEP_DG_WAIT seconds, default 300), takes /tmp/deepgemm.env (PYTHONPATH,
 #                   DG_JIT_CACHE_DIR, LD_PRELOAD) for this phase only, then under MPS: every GPU test of
 #                   tests/test_experts.py (masked bf16/FP8 GEMMs, the decode experts in a CUDA graph,
-#                   contiguous GEMMs) and the decode layer in one CUDA graph from
+#                   contiguous GEMMs), tests/test_deepgemm.py (FP8 dispatch into DeepGEMM, chunked experts
+#                   on DeepGEMM) and the decode layer in one CUDA graph from
 #                   tests/test_cuda_low_latency.py (needs the build phase's extension)
 #                   -> $OUT/deepgemm_tests.log (MEP_DG_TEST_ARGS; MEP_DG_TEST_TIMEOUT, default 300 s, for
 #                   each of the two pytest runs). Without a usable deep_gemm the DeepGEMM cases skip,
 #                   the fallback's run, and the phase fails
+#   gemm            the routed-expert GEMMs on one GPU (scripts/bench_expert_gemm.py MEP_GEMM_ARGS, default
+#                   --jit-jobs 6: DeepGEMM's kernels compiled in 6 processes first), waits for the DeepGEMM
+#                   build like the deepgemm phase -> $OUT/gemm.md, $OUT/gemm.json
 #   MEP_BENCH_ARGS  bench_normal.py arguments (default: --ranks 2 --num-sms 8,16,24)
 #   MEP_RECIPE_ARGS the recipe's model flags for the Megatron step table
 # Wheels under .whl/ (megatron-core for Python 3.12, carried) are installed to /tmp/site first.
@@ -56,7 +60,7 @@ fi
 if [ -f .carry/build_deepep.sh ] && has lowlat; then  # DeepEP against the pip NVSHMEM: its LL kernels
   OUT=/tmp bash .carry/build_deepep.sh full > /tmp/deepep_full_start.log 2>&1
 fi
-if [ -d .carry/deepgemm ] && has deepgemm; then  # one C++ file, beside the build phase
+if [ -d .carry/deepgemm ] && { has deepgemm || has gemm; }; then  # one C++ file, beside the build phase
   ( bash scripts/build_deepgemm.sh .carry/deepgemm /tmp/deepgemm-site > /tmp/deepgemm_build.log 2>&1 \
       && cp /tmp/deepgemm-site/env.sh /tmp/deepgemm.env && touch /tmp/deepgemm.ok
     tail -1 /tmp/deepgemm_build.log > /tmp/deepgemm.done ) &
@@ -112,18 +116,32 @@ if has overlap; then
   tail -30 "$OUT/overlap.log"
   stop_mps
 fi
+wait_deepgemm() {  # wait_deepgemm LOG: the background DeepGEMM build's end, said in LOG
+  if [ -d .carry/deepgemm ]; then
+    for _ in $(seq "${MEP_DG_WAIT:-300}"); do [ -e /tmp/deepgemm.done ] && break; sleep 1; done
+    echo "DeepGEMM build: $(cat /tmp/deepgemm.done 2>/dev/null || echo 'not finished')" | tee -a "$1"
+    [ -e /tmp/deepgemm.ok ] || { status=1; tail -30 /tmp/deepgemm_build.log 2>/dev/null | tee -a "$1"; }
+  fi
+}
+if has gemm; then
+  phase gemm
+  wait_deepgemm "$OUT/gemm.log"
+  (
+    if [ -e /tmp/deepgemm.ok ]; then . /tmp/deepgemm.env; fi
+    # shellcheck disable=SC2086
+    MEP_DEEPGEMM_REVISION=$(cat .carry/deepgemm/REVISION 2>/dev/null | head -1) exec timeout "${MEP_GEMM_TIMEOUT:-360}" \
+      python3 scripts/bench_expert_gemm.py ${MEP_GEMM_ARGS:---jit-jobs 6} --markdown "$OUT/gemm.md" --json "$OUT/gemm.json"
+  ) >> "$OUT/gemm.log" 2>&1 || { status=1; echo "expert GEMM bench failed"; }
+  grep -v '^{' "$OUT/gemm.log" | tail -50
+fi
 if has deepgemm; then
   phase deepgemm
   dglog=$OUT/deepgemm_tests.log
-  if [ -d .carry/deepgemm ]; then
-    for _ in $(seq "${MEP_DG_WAIT:-300}"); do [ -e /tmp/deepgemm.done ] && break; sleep 1; done
-    echo "DeepGEMM build: $(cat /tmp/deepgemm.done 2>/dev/null || echo 'not finished')" | tee -a "$dglog"
-    [ -e /tmp/deepgemm.ok ] || { status=1; tail -30 /tmp/deepgemm_build.log 2>/dev/null | tee -a "$dglog"; }
-  fi
+  wait_deepgemm "$dglog"
   start_mps
   eval "dgargs=(${MEP_DG_TEST_ARGS:-})"
   # two runs, so a crash in the single-process GEMM tests still leaves the decode-layer run
-  for dgtests in "tests/test_experts.py" \
+  for dgtests in "tests/test_experts.py tests/test_deepgemm.py" \
       "tests/test_cuda_low_latency.py::test_decode_layer tests/test_cuda_low_latency.py::test_decode_layer_one_graph"; do
     (
       if [ -e /tmp/deepgemm.ok ]; then . /tmp/deepgemm.env; fi
