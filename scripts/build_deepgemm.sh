@@ -8,7 +8,9 @@
 #   DG_JIT_CACHE_DIR    compiled kernels (default /tmp/deepgemm-jit; DeepGEMM's own default is ~/.deep_gemm)
 #   LD_PRELOAD          the build compiler's libstdc++, when newer than the one python loads with torch
 #                       (the GPU image's /opt/gcc against the process's older libstdc++ made DeepGEMM's
-#                       first call segfault in its config printer, 2026-11-29); DG_PRELOAD_LIBSTDCXX=1
+#                       first call segfault in its config printer, 2026-11-29, and in its include
+#                       parser's std::regex, 2026-12-03: the locale facets of two libstdc++ builds
+#                       mixed); the compiler is the one the build log shows; DG_PRELOAD_LIBSTDCXX=1
 #                       always, 0 never
 # then checks `import deep_gemm` under env.sh. One C++ file (csrc/python_api.cpp, g++, no nvcc at build
 # time); the kernels compile at their first call (nvcc, seconds to a minute each).
@@ -112,7 +114,10 @@ echo "built in $(($(date +%s) - t0)) s: $PREFIX/deep_gemm ($(du -sh "$PREFIX/dee
 preload= mode=${DG_PRELOAD_LIBSTDCXX:-auto}
 if [ "$mode" != 0 ]; then
   cxxlib=
-  for c in "${CXX:-}" c++ g++; do
+  # the compiler that built _C (setuptools takes python's configured one, e.g. the GPU image's
+  # /opt/gcc/bin/g++, which need not be the c++ on PATH), then CXX, c++, g++
+  built_with=$(sed -n 's/^\([^ ]*\) .* -c csrc\/python_api.cpp .*/\1/p' "$log" | head -1)
+  for c in "$built_with" "${CXX:-}" c++ g++; do
     [ -n "$c" ] && command -v "$c" > /dev/null || continue
     p=$("$c" -print-file-name=libstdc++.so.6 2>/dev/null) || continue
     [[ $p == /* ]] && [ -e "$p" ] && { cxxlib=$(readlink -f "$p"); break; }
@@ -123,7 +128,7 @@ if [ "$mode" != 0 ]; then
   if [ -n "$cxxlib" ] && { [ "$mode" = 1 ] || { [ "$cxxlib" != "$loaded" ] && [ "$(minor "$cxxlib")" -gt "$(minor "$loaded")" ]; }; }; then
     preload=$cxxlib
   fi
-  echo "libstdc++: the compiler's ${cxxlib:-unknown}, python's with torch ${loaded:-unknown}: $([ -n "$preload" ] && echo preloaded || echo "not preloaded")"
+  echo "libstdc++: the compiler's (${built_with:-${CXX:-c++}}) ${cxxlib:-unknown}, python's with torch ${loaded:-unknown}: $([ -n "$preload" ] && echo preloaded || echo "not preloaded")"
 fi
 {
   echo "# DeepGEMM built by scripts/build_deepgemm.sh from $DIR ($(head -1 "$DIR/REVISION" 2>/dev/null))"
