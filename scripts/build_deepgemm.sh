@@ -6,12 +6,13 @@
 #   PYTHONPATH          PREFIX first
 #   CUDA_HOME           the toolkit the JIT's nvcc comes from (DeepGEMM runs CUDA_HOME/bin/nvcc)
 #   DG_JIT_CACHE_DIR    compiled kernels (default /tmp/deepgemm-jit; DeepGEMM's own default is ~/.deep_gemm)
-#   LD_PRELOAD          the build compiler's libstdc++, when newer than the one python loads with torch
-#                       (the GPU image's /opt/gcc against the process's older libstdc++ made DeepGEMM's
-#                       first call segfault in its config printer, 2026-11-29, and in its include
-#                       parser's std::regex, 2026-12-03: the locale facets of two libstdc++ builds
-#                       mixed); the compiler is the one the build log shows; DG_PRELOAD_LIBSTDCXX=1
-#                       always, 0 never
+#   LD_PRELOAD          libstdc++: the build compiler's when newer than the one python loads with
+#                       torch, else that one. Without it, on the GPU image (python and _C built by
+#                       /opt/gcc/bin/g++, the system libstdc++.so.6.0.33 in the process) DeepGEMM's
+#                       first call segfaulted in its config printer (2026-11-29) and in its include
+#                       parser's std::regex (2026-12-03, cuda-gdb: collate<char>::transform landed in a
+#                       codecvt facet): _C's references to the locale facets' ids did not bind to
+#                       libstdc++'s own. DG_PRELOAD_LIBSTDCXX=0: no preload
 # then checks `import deep_gemm` under env.sh. One C++ file (csrc/python_api.cpp, g++, no nvcc at build
 # time); the kernels compile at their first call (nvcc, seconds to a minute each).
 #   bash scripts/build_deepgemm.sh [DIR] [PREFIX]
@@ -125,8 +126,12 @@ if [ "$mode" != 0 ]; then
   loaded=$("$PY" -c "import torch; print(next((l.split()[-1] for l in open('/proc/self/maps') if 'libstdc++.so' in l), ''))")
   loaded=$(readlink -f "$loaded" 2>/dev/null || true)
   minor() { local v=${1##*/libstdc++.so.6.0.}; [[ $v =~ ^[0-9]+$ ]] && echo "$v" || echo 0; }
-  if [ -n "$cxxlib" ] && { [ "$mode" = 1 ] || { [ "$cxxlib" != "$loaded" ] && [ "$(minor "$cxxlib")" -gt "$(minor "$loaded")" ]; }; }; then
+  # the newer of the two; the one python loads anyway is preloaded too: in the global scope,
+  # _C's references to libstdc++'s locale facets bind to libstdc++'s own definitions
+  if [ -n "$cxxlib" ] && [ "$cxxlib" != "$loaded" ] && [ "$(minor "$cxxlib")" -gt "$(minor "$loaded")" ]; then
     preload=$cxxlib
+  else
+    preload=${loaded:-$cxxlib}
   fi
   echo "libstdc++: the compiler's (${built_with:-${CXX:-c++}}) ${cxxlib:-unknown}, python's with torch ${loaded:-unknown}: $([ -n "$preload" ] && echo preloaded || echo "not preloaded")"
 fi
