@@ -17,7 +17,8 @@
 # time); the kernels compile at their first call (nvcc, seconds to a minute each).
 #   bash scripts/build_deepgemm.sh [DIR] [PREFIX]
 # Environment: PYTHON (python3), CUDA_HOME (else /usr/local/cuda, else the directory above nvcc's bin/),
-#   DG_JIT_CACHE_DIR, DG_BUILD_DIR (scratch, default /tmp/deepgemm-build), MAX_JOBS (default nproc).
+#   DG_JIT_CACHE_DIR, DG_BUILD_DIR (scratch, default /tmp/deepgemm-build), MAX_JOBS (default nproc),
+#   DG_CXX / DG_CC (the compiler; default /usr/bin/g++ where present: see below).
 # nvrtc.h / cublasLt.h / libnvrtc.so missing from CUDA_HOME are taken from pip's nvidia packages
 # (nvidia/cu13/..., nvidia/cuda_nvrtc/..., nvidia/cublas/...) through CPATH, LIBRARY_PATH and an rpath.
 set -euo pipefail
@@ -42,6 +43,19 @@ if [ -z "${CUDA_HOME:-}" ]; then
 fi
 [ -x "$CUDA_HOME/bin/nvcc" ] || die "no $CUDA_HOME/bin/nvcc (set CUDA_HOME to the CUDA toolkit)"
 export CUDA_HOME
+
+# The C++ compiler: DG_CXX, else the system's /usr/bin/g++ where there is one, not an inherited
+# CC / CXX. The GPU image's CXX (/opt/gcc/bin/g++, a wrapper of the same GCC 13) links part of
+# libstdc++ into the module (its nm shows std::locale::id::_M_id defined in _C): a second locale
+# registry beside the process's libstdc++, and DeepGEMM's std::regex and iostreams crashed on it
+# (2026-12-03, one H200). The system g++ left none.
+cxx=${DG_CXX:-}
+if [ -z "$cxx" ]; then
+  if [ -x /usr/bin/g++ ]; then cxx=/usr/bin/g++; else cxx=${CXX:-c++}; fi
+fi
+cc=${DG_CC:-$(dirname "$cxx")/gcc}
+[ -x "$cc" ] || cc=$cxx
+export CC=$cc CXX=$cxx LDSHARED="$cxx -shared" LDCXXSHARED="$cxx -shared"
 
 rm -rf "$BUILD"; mkdir -p "$BUILD/lib"
 log=$BUILD/build.log
@@ -108,6 +122,9 @@ if ! (cd "$BUILD/src" && DG_USE_LOCAL_VERSION=0 DG_FORCE_BUILD=1 DG_JIT_CACHE_DI
   die "setup.py build failed after $(($(date +%s) - t0)) s (log: $log)"
 fi
 compgen -G "$BUILD/out/deep_gemm/_C*.so" > /dev/null || die "setup.py build made no deep_gemm/_C*.so (log: $log)"
+if command -v nm > /dev/null && nm -C --defined-only "$BUILD"/out/deep_gemm/_C*.so 2>/dev/null | grep -q "std::locale::id::_M_id"; then
+  echo "warning: $cxx linked libstdc++'s locale code into _C (a second locale registry): set DG_CXX to a plain g++" >&2
+fi
 rm -rf "$PREFIX/deep_gemm"; cp -a "$BUILD/out/deep_gemm" "$PREFIX/"
 echo "built in $(($(date +%s) - t0)) s: $PREFIX/deep_gemm ($(du -sh "$PREFIX/deep_gemm" | cut -f1))"
 
