@@ -41,6 +41,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench import harness  # noqa: E402  (sets the NCCL environment before torch loads)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -113,22 +116,17 @@ def case_id(c) -> str:
 
 
 def timed(fn, warmup: int, iters: int, device) -> float:
-    """Median µs of fn over iters calls (CUDA events; wall clock on CPU)."""
+    """Median µs of fn over iters calls: the benchmarks' CUDA-event timer on a GPU, the wall
+    clock on CPU (a smoke run)."""
+    if device.type == "cuda":
+        return harness.median_us(fn, iters, warmup)
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
-        if device.type == "cuda":
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e) * 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e6)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
     return statistics.median(times)
 
 
