@@ -84,11 +84,13 @@ build_one() {  # build_one NAMES TEMP LOG
 }
 t0=$(date +%s)
 DG_PID=
-if [ "$MODE" = gate ] && [ -f "${MEP_GATE_DEEPGEMM:-$ROOT/.carry/deepgemm}/setup.py" ]; then
+DG_TREE=${MEP_GATE_DEEPGEMM:-$ROOT/.carry/deepgemm}
+DG_SITE=/tmp/mep-deepgemm-site
+if [ "$MODE" = gate ] && [ -f "$DG_TREE/setup.py" ]; then
   # DG_JIT_CACHE_DIR inside the run: the kernels' first-use compile time counts in the tests' time
   ( s0=$(date +%s); rm -rf /tmp/mep-deepgemm-jit
     DG_JIT_CACHE_DIR=/tmp/mep-deepgemm-jit MAX_JOBS=4 bash scripts/build_deepgemm.sh \
-      "${MEP_GATE_DEEPGEMM:-$ROOT/.carry/deepgemm}" /tmp/mep-deepgemm-site > "$LOGS/build_deepgemm.log" 2>&1
+      "$DG_TREE" "$DG_SITE" > "$LOGS/build_deepgemm.log" 2>&1
     rc=$?; echo $(( $(date +%s) - s0 )) > /tmp/mep-dg-seconds; exit $rc ) &
   DG_PID=$!
 fi
@@ -144,8 +146,6 @@ print(f"its first GEMM (bf16 grouped, {jit}) right: relative error {err:.1e}")
 PY
   ) >> "$LOGS/deepgemm_smoke.log" 2>&1 || { echo "exit $? $(grep -v '^\s*$' "$LOGS/deepgemm_smoke.log" | tail -1 | cut -c1-200)" >> "$LOGS/deepgemm_smoke.log"; return 1; }
 }
-DG_TREE=${MEP_GATE_DEEPGEMM:-$ROOT/.carry/deepgemm}
-DG_SITE=/tmp/mep-deepgemm-site
 if [ "$MODE" = gate ]; then
   if [ -f "$DG_TREE/setup.py" ]; then
     wait "$DG_PID"; dg_rc=$?
