@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence
 
 from .errors import CallMismatchError, PeerFailedError
 
@@ -121,6 +121,15 @@ class Call:
         """From here every peer learns the call's outcome itself (this rank signalled, or the
         exchange reports a failure to every rank): a later failure owes them nothing."""
         self.pending = Pending.NOTHING
+
+    def sends(self, launch: Callable[..., Any], *args, **kwargs) -> Any:
+        """Queue `launch(*args, **kwargs)`, a kernel in which this rank signals its peers for this
+        call (a handshake, or an exchange that reports a failed rank to every rank): once it is
+        queued the peers learn the call's outcome from it, so the publication is settled here,
+        by the launch itself, instead of by a call placed beside it."""
+        out = launch(*args, **kwargs)
+        self.settle()
+        return out
 
     @property
     def owes(self) -> bool:

@@ -92,9 +92,8 @@ def notify_only(buf, topk_idx: torch.Tensor, num_experts: int) -> Optional[Calla
             compute = torch.cuda.current_stream()
             rt.stream.wait_stream(compute)
             with torch.cuda.stream(rt.stream):
-                kernels(rt.rt, call.sig, topk_idx[:t], num_experts, 1, False, 0, rank_pos[:t], slot_pos[:t], recv_info,
-                        limits, tpe, dropped, 0)
-            call.settle()
+                call.sends(kernels, rt.rt, call.sig, topk_idx[:t], num_experts, 1, False, 0, rank_pos[:t], slot_pos[:t],
+                           recv_info, limits, tpe, dropped, 0)
             compute.wait_stream(rt.stream)
 
     return run

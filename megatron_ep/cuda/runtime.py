@@ -174,6 +174,14 @@ class CudaRuntime(FailureState):
             raise P.peer_failed_error(P.Call(P.OP["dispatch"], 1), failed[0], every[failed[0]]["failed"])
         self._create(merge_hints(*every))
 
+    def first_use_in(self, call: P.Call, needs: dict) -> None:
+        """`first_use` inside `call`, before the call's own first exchange: the sizing exchange
+        reports a failed rank to every rank itself (nothing is owed while it runs); after it, the
+        peers wait for this rank at the call's first exchange again."""
+        call.settle()
+        self.first_use(needs)
+        call.owe(P.Pending.FIRST)
+
     _CAPACITY = ("max_tokens", "x_row_bytes", "scale_cols", "max_topk", "max_experts", "comb_rows", "comb_row_bytes")
 
     def fits(self, need: dict) -> Optional[str]:

@@ -261,8 +261,7 @@ class InternodePath(NvshmemPath, NormalPath):
                 src_w = self.view("s_w", T, K, torch.float32)
                 src_w.copy_(topk_weights)
         self.buf.set_call(call.seq)  # the waits of this call's kernels stop on a peer's publication for it
-        self.buf.dispatch_send(src_x, src_s, src_i, src_w, num_experts, sig, self.num_blocks)
-        call.settle()  # sent: a later failure here owes the peers nothing
+        call.sends(self.buf.dispatch_send, src_x, src_s, src_i, src_w, num_experts, sig, self.num_blocks)
         local_idx = torch.empty((N * mt, K), dtype=torch.int64, device=rt.device)
         tokens = torch.empty(N, dtype=torch.int32, device=rt.device)
         self.buf.dispatch_recv(K, num_experts, sig, local_idx, tokens, self.num_blocks)
@@ -327,8 +326,7 @@ class InternodePath(NvshmemPath, NormalPath):
                 w_src = self.view("s_cw", yf.weights.shape[0], K, torch.float32)
                 w_src.copy_(yf.weights)
         self.buf.set_call(call.seq)
-        self.buf.combine_send(y_src, w_src, st.local_idx, st.tokens, sig, self.num_blocks)
-        call.settle()
+        call.sends(self.buf.combine_send, y_src, w_src, st.local_idx, st.tokens, sig, self.num_blocks)
         y = torch.empty((T, H), dtype=x.dtype, device=rt.device)
         w_out = torch.empty((T, K), dtype=torch.float32, device=rt.device) if weights is not None else None
         rt.new_outputs((y, w_out))

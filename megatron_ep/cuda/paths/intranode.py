@@ -45,6 +45,44 @@ class IntranodeState:
     comb_map: Optional[torch.Tensor] = None  # expert-major: [>= N, K] int32 row of each (rank-major row, slot)
 
 
+@dataclass
+class DispatchPlan:
+    """What a dispatch decided before any kernel runs (IntranodePath._plan)."""
+
+    data: torch.Tensor  # the rows (FP8 data, or bf16 / fp32)
+    scales: Optional[torch.Tensor]  # FP8: [T, scale_cols] fp32
+    topk_idx: torch.Tensor  # the routing the handle keeps (a copy of the caller's, or the handle's)
+    topk_weights: Optional[torch.Tensor]
+    num_experts: int
+    permute: bool
+    alignment: int
+    num_worst_tokens: int
+    groups: int
+    T: int
+    H: int
+    K: int
+    L: int  # local experts
+    row_bytes: int
+    scale_cols: int
+    need: dict  # the region's needs (hint keys) of this call
+    first: bool  # a new routing: notify runs (else a cached dispatch on the handle's state)
+    push: bool  # rows pushed into pooled outputs (else staged here and pulled by the receivers)
+
+
+@dataclass
+class DispatchTensors:
+    """A dispatch's outputs (IntranodePath._outputs)."""
+
+    x: torch.Tensor
+    scales: Optional[torch.Tensor]
+    topk_idx: Optional[torch.Tensor]  # rank-major only
+    weights: Optional[torch.Tensor]
+    row_expert: Optional[torch.Tensor]  # expert-major only
+    pooled: Optional[tuple]  # push: the pooled rank-major rows (the outputs, or the fan-out's source) and their offsets
+    offsets: list
+    hooked: bool  # an output hook ran on the caller's stream: the communication stream waits for it
+
+
 def dispatch_rows(rt: CudaRuntime, x, topk_weights, num_experts: int):
     """The cuda backend's own checks of a dispatch's inputs (Buffer checked the contract);
     returns (data, scales, T, H, element bytes, row bytes)."""
@@ -119,173 +157,189 @@ class IntranodePath(NormalPath):
 
     # ------------------------------------------------------------------------------ dispatch
     def dispatch(self, call: P.Call, req: DispatchRequest) -> DispatchOutput:
+        """plan (every decision, before any kernel) -> notify (a new routing) -> outputs -> move
+        the rows (push [+ fan-out], or stage + pull) -> the caller's DispatchOutput."""
         rt = self.rt
-        x, topk_idx, topk_weights, num_experts, permute, alignment = (req.x, req.topk_idx, req.topk_weights,
-                                                                      req.num_experts, req.permute, req.alignment)
-        handle, host_counts, num_worst_tokens = req.handle, req.host_counts, req.num_worst_tokens
-        async_op, previous_event = req.async_op, req.previous_event
-        R, L = rt.num_ranks, num_experts // rt.num_ranks
-        data, scales, T, H, elem, row_bytes = dispatch_rows(rt, x, topk_weights, num_experts)
+        plan = self._plan(call, req)
+        compute = rt.enter(req.previous_event)
+        # what the caller gets back is allocated on its stream (see rt.leave); a cached dispatch
+        # returns copies of the counts its handle keeps (the caller's outputs are its own)
+        tpe = torch.empty(plan.L, dtype=torch.int64, device=rt.device)
+        dropped = torch.empty((), dtype=torch.int64, device=rt.device)
+        with torch.cuda.stream(rt.stream):
+            rt.mark("start", first=True)
+            st = self._notify(call, plan, tpe, dropped) if plan.first else req.handle.state
+        out_rows = plan.num_worst_tokens or (st.num_perm_rows if plan.permute else st.num_rows)
+        with torch.cuda.stream(compute):  # outputs live on the caller's stream (record_stream ties them to ours when async)
+            out = self._outputs(plan, st, out_rows, compute)
+        with torch.cuda.stream(rt.stream):
+            if out.hooked:
+                rt.stream.wait_stream(compute)
+            self._move(call, plan, st, out, out_rows)
+            if plan.first:  # the handle keeps its own counts (the pull may have written tpe)
+                st.tokens_per_expert, st.num_dropped = tpe.clone(), dropped.clone()
+            else:  # same routing, same rows
+                tpe.copy_(st.tokens_per_expert)
+                dropped.copy_(st.num_dropped)
+        event = rt.leave(compute, [plan.data, plan.scales, plan.topk_idx, plan.topk_weights, st.rank_pos, st.slot_pos,
+                                   st.recv_info, st.row_limits, st.comb_map, out.x, out.scales, out.topk_idx,
+                                   out.weights, out.row_expert, tpe, dropped], req.async_op)
+        return self._result(call, req, plan, st, out, out_rows, tpe, dropped, event)
+
+    def _plan(self, call: P.Call, req: DispatchRequest) -> "DispatchPlan":
+        """The cuda checks of the inputs, the first call's sizing, whether the call fits as the
+        region is, and push or stage: everything decided before a kernel runs."""
+        rt = self.rt
+        num_experts, handle, num_worst_tokens = req.num_experts, req.handle, req.num_worst_tokens
+        data, scales, T, H, elem, row_bytes = dispatch_rows(rt, req.x, req.topk_weights, num_experts)
         groups = req.token_groups
         fail(1 <= groups <= P.MAX_TOKEN_GROUPS, f"token_groups={groups} outside 1..{P.MAX_TOKEN_GROUPS}")
         fail(T % groups == 0, f"{T} tokens are not {groups} equal token groups")
         fail(groups * num_experts <= P.MAX_EXPERTS, f"{groups} token groups of {num_experts} experts exceed the "
              f"notify counts' {P.MAX_EXPERTS}")
         if handle is None:
-            K = topk_idx.shape[1]
+            K = req.topk_idx.shape[1]
             fail(K <= P.MAX_TOPK, f"topk_idx has K={K}; the cuda backend takes at most {P.MAX_TOPK}")
-            topk_idx = topk_idx.clone()  # the handle keeps its own routing (the caller may reuse theirs)
+            topk_idx = req.topk_idx.clone()  # the handle keeps its own routing (the caller may reuse theirs)
         else:
-            K = handle.topk
-            topk_idx = handle.topk_idx
-        scale_cols = scales.shape[1] if scales is not None else 0
+            K, topk_idx = handle.topk, handle.topk_idx
         need = dict(max_tokens=T, hidden=H, dtype_bytes=elem, combine_bytes=max(2, elem), max_topk=K,
-                    max_experts=num_experts, combine_rows=max(R * T, num_worst_tokens))
+                    max_experts=num_experts, combine_rows=max(rt.num_ranks * T, num_worst_tokens))
         capturing = torch.cuda.is_current_stream_capturing()
         fail(not capturing or num_worst_tokens or handle is not None, "a dispatch captured in a CUDA graph needs "
              "num_worst_tokens= (or a handle): exact output sizes need a host sync, which capture forbids", RuntimeError)
-        sync_free = bool(num_worst_tokens) or capturing
         if not rt.ready:
             fail(not capturing, "the first call of a cuda Buffer without sizing hints "
                  "cannot be captured in a CUDA graph (it allocates); run one call before capturing", RuntimeError)
-            call.settle()  # the sizing exchange reports a failed rank to every rank itself
-            rt.first_use(need)
-            call.owe(P.Pending.FIRST)
-        if sync_free or handle is not None:  # nothing can grow without the host sync: it must fit now
+            rt.first_use_in(call, need)
+        if num_worst_tokens or capturing or handle is not None:  # nothing can grow without the host sync: it must fit now
             short = rt.fits({k: v for k, v in need.items() if k != "combine_rows" or num_worst_tokens})
             fail(short is None, f"dispatch does not fit the buffer ({short}) and a "
                  f"{'cached' if handle is not None else 'worst-case sized'} dispatch cannot grow it (no host sync): create "
                  f"the Buffer with max_tokens_per_rank=, hidden=, combine_rows= large enough, or run one ordinary dispatch first")
-
         # rows are pushed straight into pooled rank-major buffers when every rank has room: the
         # outputs themselves (rank-major), or what the fan-out spreads into expert segments
-        push = (permute or not num_worst_tokens) and rt.plan.pool_bytes > 0 and not capturing
+        push = (req.permute or not num_worst_tokens) and rt.plan.pool_bytes > 0 and not capturing
         call.set(variant=int(push))
-        compute = rt.enter(previous_event)
-        first = handle is None
-        # what the caller gets back is allocated on its stream (see rt.leave); a cached dispatch
-        # returns copies of the counts its handle keeps (the caller's outputs are its own)
-        tpe = torch.empty(L, dtype=torch.int64, device=rt.device)
-        dropped = torch.empty((), dtype=torch.int64, device=rt.device)
-        with torch.cuda.stream(rt.stream):
-            rt.mark("start", first=True)
-            if first:
-                st = IntranodeState(
-                    rank_pos=torch.empty((T, R), dtype=torch.int32, device=rt.device),
-                    slot_pos=torch.empty((T, K), dtype=torch.int32, device=rt.device),
-                    recv_info=torch.empty(RI["header"] + 3 * L, dtype=torch.int32, device=rt.device),
-                    row_limits=torch.empty(R, dtype=torch.int32, device=rt.device),
-                    tokens_per_expert=tpe, num_dropped=dropped, num_rows=None, num_perm_rows=None, counts=None)
-                st_rows_bound = max_rank_major_rows(rt)  # the host learns N below unless sync-free
-                tag = next(self.tags)
-                self.kernels.notify(rt.rt, call.sig, topk_idx, num_experts, alignment, permute, num_worst_tokens,
-                                    st.rank_pos, st.slot_pos, st.recv_info, st.row_limits, tpe, dropped, tag,
-                                    groups=groups)
-                call.settle()  # from here every rank learns the exchange's verdict itself
-                rt.mark("notify")
-                if not num_worst_tokens:
-                    info = rt.wait_host(call, tag, L)
-                    st.num_rows, st.num_perm_rows, st.counts = info["num_rows"], info["num_perm_rows"], info["counts"]
-                    rt.grow_if_needed(dict(need, max_tokens=info["need_tokens"],
-                                           combine_rows=info["need_perm_rows"] if permute else info["need_rows"]))
-                    st_rows_bound = st.num_rows
-                if permute:
-                    st.comb_map = torch.empty((st_rows_bound, K), dtype=torch.int32, device=rt.device)
-                call.owe(P.Pending.OUT_LOC if push else P.Pending.STAGED)
-            else:
-                st = handle.state
-            valid = st.num_perm_rows if permute else st.num_rows
-            out_rows = num_worst_tokens or valid
+        return DispatchPlan(data=data, scales=scales, topk_idx=topk_idx, topk_weights=req.topk_weights,
+                            num_experts=num_experts, permute=req.permute, alignment=req.alignment,
+                            num_worst_tokens=num_worst_tokens, groups=groups, T=T, H=H, K=K,
+                            L=num_experts // rt.num_ranks, row_bytes=row_bytes,
+                            scale_cols=scales.shape[1] if scales is not None else 0, need=need,
+                            first=handle is None, push=push)
 
-        # outputs live on the caller's stream (record_stream ties them to ours when async)
-        with torch.cuda.stream(compute):
-            pooled = None
-            if push and permute:  # a rank-major buffer for the fan-out (N rows, or the bound)
-                rows, has_w = max(1, st.comb_map.shape[0]), topk_weights is not None
-                pooled = (rt.comb_scratch(rows, H, data.dtype, row_bytes, scale_cols, K, has_w)
-                          or rt.rt.pool_rank_major(rows, H, data.dtype, row_bytes, scale_cols, K, has_w,
-                                                   compute.cuda_stream, True, rt.stream.cuda_stream))
-            elif push:
-                # the block's first writer waits for its last use: the push kernel (communication
-                # stream; the peers wait for its start), or an output hook (this stream) before it
-                first_writer = compute if hooks.active() else rt.stream
-                pooled = rt.rt.pool_rank_major(out_rows, H, data.dtype, row_bytes, scale_cols, K,
-                                               topk_weights is not None, compute.cuda_stream, False,
-                                               first_writer.cuda_stream)
-            offsets = list(pooled[4:]) if pooled is not None else [-1, -1, -1, -1]
-            if pooled is not None and not permute:
-                out_x, out_s, out_idx, out_w = pooled[:4]
-            else:
-                out_x = torch.empty((out_rows, H), dtype=data.dtype, device=rt.device)
-                out_s = torch.empty((out_rows, scale_cols), dtype=torch.float32, device=rt.device) if scales is not None else None
-                out_idx = None if permute else torch.empty((out_rows, K), dtype=torch.int64, device=rt.device)
-                out_w = None
-                if topk_weights is not None:
-                    out_w = torch.empty((out_rows,) if permute else (out_rows, K), dtype=torch.float32, device=rt.device)
-            out_re = torch.empty(out_rows, dtype=torch.int32, device=rt.device) if permute else None
-            # rank-major, worst-case sized: the pull counts the rows it delivers (notify zeroed tpe)
-            count_rows = first and bool(num_worst_tokens) and not permute
-            hooked = rt.new_outputs((out_x, out_s, out_idx, out_w, out_re))
-        with torch.cuda.stream(rt.stream):
-            if hooked:
-                rt.stream.wait_stream(compute)
-            # the first exchange of a cached dispatch is its stage (or push); after notify, the next
-            # handshake. Outputs were allocated first: a failure there is published before this
-            # rank signals anything, so the peers abort at the handshake they are waiting on.
-            slot = SLOT["call"] if not first else (SLOT["out_loc"] if push else SLOT["staged"])
-            if push:
-                self.kernels.dispatch_push(rt.rt, call.sig, slot, data, T, row_bytes, scales, scale_cols, topk_idx,
-                                           topk_weights, st.rank_pos, st.slot_pos, num_experts, out_rows, permute,
-                                           st.recv_info, out_x, out_s, out_idx, out_w, out_re, st.comb_map, offsets,
-                                           rt.push_sms)
-                if permute:
-                    call.settle()
-                    rt.mark("push")
-                    if pooled is not None:
-                        self.kernels.fanout(rt.rt, call.sig, pooled[0], pooled[1], pooled[2], pooled[3], row_bytes,
-                                            scale_cols, K, num_experts, topk_weights is not None, out_rows,
-                                            st.recv_info, out_x, out_s, out_w, out_re, st.comb_map, rt.local_sms)
-                    rt.mark("fanout")
-                    pooled = None  # the buffer goes back to the pool once the fan-out ran (stream-ordered)
-            else:
-                self._stage(call, slot, data, T, row_bytes, scales, scale_cols, topk_idx, topk_weights, st)
-                call.settle()  # this rank signalled: a failure can no longer be published in step
-                self.kernels.dispatch(rt.rt, call.sig, slot, row_bytes, scale_cols, K, num_experts, permute,
-                                      topk_weights is not None, out_rows, st.recv_info, out_x, out_s, out_idx, out_w,
-                                      out_re, tpe if count_rows else None, st.comb_map, rt.num_sms)
-            call.settle()
-            if not (push and permute):
-                rt.mark("push" if push else "pull")
-            if first:  # the handle keeps its own counts (the pull may have written tpe)
-                st.tokens_per_expert, st.num_dropped = tpe.clone(), dropped.clone()
-            else:  # same routing, same rows
-                tpe.copy_(st.tokens_per_expert)
-                dropped.copy_(st.num_dropped)
-        event = rt.leave(compute, [data, scales, topk_idx, topk_weights, st.rank_pos, st.slot_pos, st.recv_info,
-                                   st.row_limits, st.comb_map, out_x, out_s, out_idx, out_w, out_re, tpe, dropped], async_op)
+    def _notify(self, call: P.Call, plan: "DispatchPlan", tpe: torch.Tensor, dropped: torch.Tensor) -> IntranodeState:
+        """A new routing's counts, exchange and row positions; unless sync-free, the host reads
+        the sizes and the region grows if any rank needs more. After it the peers wait for this
+        rank at the rows' first handshake (the push's output locations, or the staging)."""
+        rt, R, T, K = self.rt, self.rt.num_ranks, plan.T, plan.K
+        st = IntranodeState(
+            rank_pos=torch.empty((T, R), dtype=torch.int32, device=rt.device),
+            slot_pos=torch.empty((T, K), dtype=torch.int32, device=rt.device),
+            recv_info=torch.empty(RI["header"] + 3 * plan.L, dtype=torch.int32, device=rt.device),
+            row_limits=torch.empty(R, dtype=torch.int32, device=rt.device),
+            tokens_per_expert=tpe, num_dropped=dropped, num_rows=None, num_perm_rows=None, counts=None)
+        rows_bound = max_rank_major_rows(rt)  # the host learns N below unless sync-free
+        tag = next(self.tags)
+        call.sends(self.kernels.notify, rt.rt, call.sig, plan.topk_idx, plan.num_experts, plan.alignment, plan.permute,
+                   plan.num_worst_tokens, st.rank_pos, st.slot_pos, st.recv_info, st.row_limits, tpe, dropped, tag,
+                   groups=plan.groups)
+        rt.mark("notify")
+        if not plan.num_worst_tokens:
+            info = rt.wait_host(call, tag, plan.L)
+            st.num_rows, st.num_perm_rows, st.counts = info["num_rows"], info["num_perm_rows"], info["counts"]
+            rt.grow_if_needed(dict(plan.need, max_tokens=info["need_tokens"],
+                                   combine_rows=info["need_perm_rows"] if plan.permute else info["need_rows"]))
+            rows_bound = st.num_rows
+        if plan.permute:
+            st.comb_map = torch.empty((rows_bound, K), dtype=torch.int32, device=rt.device)
+        call.owe(P.Pending.OUT_LOC if plan.push else P.Pending.STAGED)
+        return st
 
-        out = DispatchOutput((out_x, out_s) if scales is not None else out_x, out_idx, out_w, out_re, tpe, None,
-                             event=event if async_op else None, num_dropped=dropped)
-        if first:
-            handle = DispatchHandle(backend="cuda", num_ranks=R, rank=rt.rank, num_experts=num_experts,
-                                    num_tokens=T, topk=K, permute=permute, expert_alignment=alignment,
-                                    num_recv_rows=out_rows, tokens_per_expert=st.tokens_per_expert, topk_idx=topk_idx,
-                                    num_worst_tokens=num_worst_tokens, state=st, call_seq=call.seq)
-        out.handle = handle
-        if host_counts:
-            if st.counts is not None and not num_worst_tokens:
-                out.tokens_per_expert_host = padded_host_counts(st.counts, alignment) if permute else list(st.counts)
+    def _outputs(self, plan: "DispatchPlan", st: IntranodeState, out_rows: int, compute) -> "DispatchTensors":
+        """The call's output tensors on the caller's stream: pooled rank-major rows when pushing
+        (the outputs themselves, or the fan-out's source), else new tensors."""
+        rt, H, K, has_w = self.rt, plan.H, plan.K, plan.topk_weights is not None
+        dtype, row_bytes, scale_cols = plan.data.dtype, plan.row_bytes, plan.scale_cols
+        pooled = None
+        if plan.push and plan.permute:  # a rank-major buffer for the fan-out (N rows, or the bound)
+            rows = max(1, st.comb_map.shape[0])
+            pooled = (rt.comb_scratch(rows, H, dtype, row_bytes, scale_cols, K, has_w)
+                      or rt.rt.pool_rank_major(rows, H, dtype, row_bytes, scale_cols, K, has_w,
+                                               compute.cuda_stream, True, rt.stream.cuda_stream))
+        elif plan.push:
+            # the block's first writer waits for its last use: the push kernel (communication
+            # stream; the peers wait for its start), or an output hook (this stream) before it
+            first_writer = compute if hooks.active() else rt.stream
+            pooled = rt.rt.pool_rank_major(out_rows, H, dtype, row_bytes, scale_cols, K, has_w, compute.cuda_stream,
+                                           False, first_writer.cuda_stream)
+        if pooled is not None and not plan.permute:
+            x, scales, idx, w = pooled[:4]
+        else:
+            x = torch.empty((out_rows, H), dtype=dtype, device=rt.device)
+            scales = (torch.empty((out_rows, scale_cols), dtype=torch.float32, device=rt.device)
+                      if plan.scales is not None else None)
+            idx = None if plan.permute else torch.empty((out_rows, K), dtype=torch.int64, device=rt.device)
+            w = (torch.empty((out_rows,) if plan.permute else (out_rows, K), dtype=torch.float32, device=rt.device)
+                 if has_w else None)
+        row_expert = torch.empty(out_rows, dtype=torch.int32, device=rt.device) if plan.permute else None
+        hooked = rt.new_outputs((x, scales, idx, w, row_expert))
+        return DispatchTensors(x, scales, idx, w, row_expert, pooled=pooled,
+                               offsets=list(pooled[4:]) if pooled is not None else [-1, -1, -1, -1], hooked=hooked)
+
+    def _move(self, call: P.Call, plan: "DispatchPlan", st: IntranodeState, out: "DispatchTensors", out_rows: int) -> None:
+        """The rows, on the communication stream: push (+ fan-out into expert segments), or
+        stage + pull. The first exchange of a cached dispatch is its stage (or push); after
+        notify, the next handshake. Outputs were allocated first: a failure there is published
+        before this rank signals anything, so the peers abort at the handshake they wait on."""
+        rt, K, E, has_w = self.rt, plan.K, plan.num_experts, plan.topk_weights is not None
+        slot = SLOT["call"] if not plan.first else (SLOT["out_loc"] if plan.push else SLOT["staged"])
+        if plan.push:
+            call.sends(self.kernels.dispatch_push, rt.rt, call.sig, slot, plan.data, plan.T, plan.row_bytes, plan.scales,
+                       plan.scale_cols, plan.topk_idx, plan.topk_weights, st.rank_pos, st.slot_pos, E, out_rows,
+                       plan.permute, st.recv_info, out.x, out.scales, out.topk_idx, out.weights, out.row_expert,
+                       st.comb_map, out.offsets, rt.push_sms)
+            rt.mark("push")
+            if plan.permute:
+                if out.pooled is not None:
+                    p = out.pooled
+                    self.kernels.fanout(rt.rt, call.sig, p[0], p[1], p[2], p[3], plan.row_bytes, plan.scale_cols, K, E,
+                                        has_w, out_rows, st.recv_info, out.x, out.scales, out.weights, out.row_expert,
+                                        st.comb_map, rt.local_sms)
+                rt.mark("fanout")
+                out.pooled = None  # the buffer goes back to the pool once the fan-out ran (stream-ordered)
+            return
+        zero_copy = plan.data.data_ptr() == rt.base + rt.plan.stage_x
+        call.sends(self.kernels.stage, rt.rt, call.sig, slot, None if zero_copy else plan.data, plan.T, plan.row_bytes,
+                   plan.scales, plan.scale_cols, plan.topk_idx, plan.topk_weights, st.rank_pos, st.slot_pos, rt.num_sms)
+        rt.mark("stage")
+        # rank-major, worst-case sized: the pull counts the rows it delivers (notify zeroed tpe)
+        count_rows = plan.first and bool(plan.num_worst_tokens) and not plan.permute
+        self.kernels.dispatch(rt.rt, call.sig, slot, plan.row_bytes, plan.scale_cols, K, E, plan.permute, has_w,
+                              out_rows, st.recv_info, out.x, out.scales, out.topk_idx, out.weights, out.row_expert,
+                              st.tokens_per_expert if count_rows else None, st.comb_map, rt.num_sms)
+        rt.mark("pull")
+
+    def _result(self, call: P.Call, req: DispatchRequest, plan: "DispatchPlan", st: IntranodeState,
+                out: "DispatchTensors", out_rows: int, tpe, dropped, event) -> DispatchOutput:
+        res = DispatchOutput((out.x, out.scales) if plan.scales is not None else out.x, out.topk_idx, out.weights,
+                             out.row_expert, tpe, None, event=event if req.async_op else None, num_dropped=dropped)
+        handle = req.handle
+        if plan.first:
+            handle = DispatchHandle(backend="cuda", num_ranks=self.rt.num_ranks, rank=self.rt.rank,
+                                    num_experts=plan.num_experts, num_tokens=plan.T, topk=plan.K, permute=plan.permute,
+                                    expert_alignment=plan.alignment, num_recv_rows=out_rows,
+                                    tokens_per_expert=st.tokens_per_expert, topk_idx=plan.topk_idx,
+                                    num_worst_tokens=plan.num_worst_tokens, state=st, call_seq=call.seq)
+        res.handle = handle
+        if req.host_counts:
+            if st.counts is not None and not plan.num_worst_tokens:
+                res.tokens_per_expert_host = (padded_host_counts(st.counts, plan.alignment) if plan.permute
+                                              else list(st.counts))
             else:
                 event.synchronize()  # an asynchronous call's counts are written on our stream
-                out.tokens_per_expert_host = tpe.tolist()
-        return out
-
-    def _stage(self, call, slot, data, T, row_bytes, scales, scale_cols, topk_idx, topk_weights, st):
-        rt = self.rt
-        zero_copy = data.data_ptr() == rt.base + rt.plan.stage_x
-        self.kernels.stage(rt.rt, call.sig, slot, None if zero_copy else data, T, row_bytes, scales, scale_cols,
-                           topk_idx, topk_weights, st.rank_pos, st.slot_pos, rt.num_sms)
-        rt.mark("stage")
+                res.tokens_per_expert_host = tpe.tolist()
+        return res
 
     # ------------------------------------------------------------------------------- combine
     def combine(self, call: P.Call, req: CombineRequest) -> CombineOutput:
@@ -319,12 +373,11 @@ class IntranodePath(NormalPath):
                 rt.stream.wait_stream(compute)
             rt.mark("start", first=True)
             if partials:
-                self.kernels.combine_reduce(rt.rt, call.sig, x, rows, H, x.dtype == torch.float32, st.comb_map,
-                                            st.recv_info, weights, rt.local_sms)
+                call.sends(self.kernels.combine_reduce, rt.rt, call.sig, x, rows, H, x.dtype == torch.float32,
+                           st.comb_map, st.recv_info, weights, rt.local_sms)
             else:
-                self.kernels.stage_combine(rt.rt, call.sig, None if zero_copy else x, rows, row_bytes, weights, w_cols,
-                                           rt.num_sms)
-            call.settle()
+                call.sends(self.kernels.stage_combine, rt.rt, call.sig, None if zero_copy else x, rows, row_bytes,
+                           weights, w_cols, rt.num_sms)
             rt.mark("reduce" if partials else "stage")
             self.kernels.combine(rt.rt, call.sig, T, H, K, handle.num_experts, handle.permute, x.dtype == torch.float32,
                                  weights is not None, partials, st.row_limits, handle.topk_idx, st.rank_pos, st.slot_pos,

@@ -241,12 +241,10 @@ class LowLatencyPath(NvshmemPath):
 
     def _launch(self, call: P.Call, s: int, launch: Callable[[int], None], return_recv_hook: bool) -> Optional[_RecvHook]:
         if not return_recv_hook:
-            launch(self.ext.SEND | self.ext.RECV)
-            call.settle()  # launched: a later failure of this call's host side owes the peers nothing
+            call.sends(launch, self.ext.SEND | self.ext.RECV)
             self.next_set = 1 - s
             return None
-        launch(self.ext.SEND)
-        call.settle()
+        call.sends(launch, self.ext.SEND)
         self.next_set = 1 - s
         self.unreceived[s] = call.seq
         return _RecvHook(self, s, lambda: launch(self.ext.RECV))
