@@ -187,7 +187,9 @@ def report(args) -> int:
     runs[titles[args.mode]] = (
         f"**{'passed' if ok else 'FAILED'}**, commit {sha}, code {code}, {when}, {where}, {args.elapsed} s in all.")
     for r in rows:
-        result = "passed" if int(r["failed"]) == 0 else "FAILED"
+        # a row that ran nothing (e.g. an optional build that failed, its cases skipped) is not a pass
+        result = ("FAILED" if int(r["failed"]) else
+                  "skipped" if int(r["passed"]) == 0 and int(r["skipped"]) > 0 else "passed")
         summary = f"{r['passed']} passed, {r['failed']} failed, {r['skipped']} skipped, {r['seconds']} s"
         if r["note"]:
             summary += f"; {r['note']}"

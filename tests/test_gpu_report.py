@@ -76,3 +76,15 @@ def test_a_whole_run_drops_its_modes_old_rows(tmp_path, monkeypatch):
     gr.main(["--mode", "gate", "--results", str(tmp_path / "new.tsv"), "--out", str(tmp_path), "--whole"])
     text = record.read_text()
     assert "build _C_old" not in text and "| build _C_new | passed |" in text and "tests/a.py (long)" in text
+
+
+def test_a_row_that_ran_nothing_is_recorded_as_skipped(tmp_path, monkeypatch):
+    """An optional build that failed (its cases skip, the gate goes on) reads 'skipped', not
+    'passed', in the record; the gate's own verdict is unchanged."""
+    record = tmp_path / "gpu-status.md"
+    monkeypatch.setattr(gr, "RECORD", str(record))
+    monkeypatch.setenv("MEP_GATE_COMMIT", "abc1234")
+    (tmp_path / "g.tsv").write_text("build deepgemm\t0\t0\t1\t90\tits first GEMM failed\ntests/a.py\t3\t0\t2\t20\t\n")
+    assert gr.main(["--mode", "gate", "--results", str(tmp_path / "g.tsv"), "--out", str(tmp_path), "--elapsed", "30"]) == 0
+    text = record.read_text()
+    assert "| build deepgemm | skipped |" in text and "| tests/a.py | passed |" in text and "Gate run: **passed**" in text
