@@ -222,8 +222,8 @@ class TorchBackend:
 
     # ------------------------------------------------------------------------------- dispatch
     def dispatch(self, call: P.Call, req: DispatchRequest) -> DispatchOutput:
-        x, topk_idx, topk_weights, num_experts, permute, alignment = (req.x, req.topk_idx, req.topk_weights,
-                                                                      req.num_experts, req.permute, req.alignment)
+        x, topk_idx, topk_weights, num_experts, permute, expert_alignment = (
+            req.x, req.topk_idx, req.topk_weights, req.num_experts, req.permute, req.expert_alignment)
         handle, host_counts, num_worst_tokens = req.handle, req.host_counts, req.num_worst_tokens
         async_op, previous_event = req.async_op, req.previous_event
         R, L = self.num_ranks, num_experts // self.num_ranks
@@ -267,7 +267,7 @@ class TorchBackend:
         if handle is None:
             state = _NormalState(send_tok, send_slot_local, send_counts, recv_counts, recv_topk_idx)
             if permute:
-                self._plan_permute(state, L, alignment, device)
+                self._plan_permute(state, L, expert_alignment, device)
             if num_worst_tokens:
                 N = recv_topk_idx.shape[0]
                 state.kept = (state.perm_pos < num_worst_tokens) if permute else (torch.arange(N, device=device) < num_worst_tokens)
@@ -307,7 +307,7 @@ class TorchBackend:
         if handle is None:
             handle = DispatchHandle(
                 backend=self.name, num_ranks=R, rank=self.rank, num_experts=num_experts,
-                num_tokens=data.shape[0], topk=K, permute=permute, expert_alignment=alignment,
+                num_tokens=data.shape[0], topk=K, permute=permute, expert_alignment=expert_alignment,
                 num_recv_rows=num_rows, tokens_per_expert=out.tokens_per_expert, topk_idx=topk_idx,
                 num_worst_tokens=num_worst_tokens, state=state, call_seq=call.seq,
             )

@@ -19,8 +19,8 @@ class DispatchRequest:
     topk_idx: Optional[torch.Tensor]  # [T, K] int64, -1 = unused slot; None for a cached dispatch
     topk_weights: Optional[torch.Tensor]  # [T, K] fp32, moved along with the rows
     num_experts: int
-    permute: bool  # expert-major rows (segments padded to `alignment`) instead of rank-major
-    alignment: int
+    permute: bool  # expert-major rows (segments padded to `expert_alignment`) instead of rank-major
+    expert_alignment: int
     handle: Optional[DispatchHandle] = None  # a cached dispatch: the routing of an earlier one
     host_counts: bool = False  # also return the per-expert counts as a host list
     num_worst_tokens: int = 0  # worst-case sized outputs, no host sync

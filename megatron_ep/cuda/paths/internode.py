@@ -227,8 +227,8 @@ class InternodePath(NvshmemPath, NormalPath):
     # ---------------------------------------------------------------------------- dispatch
     def dispatch(self, call: P.Call, req: DispatchRequest) -> DispatchOutput:
         rt, N = self.rt, self.N
-        x, topk_idx, topk_weights, num_experts, permute, alignment = (req.x, req.topk_idx, req.topk_weights,
-                                                                      req.num_experts, req.permute, req.alignment)
+        x, topk_idx, topk_weights, num_experts, permute, expert_alignment = (
+            req.x, req.topk_idx, req.topk_weights, req.num_experts, req.permute, req.expert_alignment)
         handle, host_counts, num_worst_tokens = req.handle, req.host_counts, req.num_worst_tokens
         async_op, previous_event = req.async_op, req.previous_event
         data, scales, T, H, elem, _ = dispatch_rows(rt, x, topk_weights, num_experts)
@@ -276,7 +276,7 @@ class InternodePath(NvshmemPath, NormalPath):
         inner_call = self._inner_call(call, L_node, handle.state.inner.call_seq if handle is not None else 0)
         with self.intra.guard(inner_call):
             inner = self.intra.dispatch(inner_call, DispatchRequest(
-                rows, local_idx if handle is None else None, fw, L_node, permute, alignment,
+                rows, local_idx if handle is None else None, fw, L_node, permute, expert_alignment,
                 handle.state.inner if handle is not None else None, host_counts=host_counts,
                 num_worst_tokens=num_worst_tokens, token_groups=N))
         with torch.cuda.stream(rt.stream):  # the in-node stage has read the receive area: free it
@@ -287,7 +287,7 @@ class InternodePath(NvshmemPath, NormalPath):
         if handle is None:
             st = InternodeState(inner=inner.handle, local_idx=local_idx, tokens=tokens)
             handle = DispatchHandle(backend="cuda", num_ranks=self.num_ranks, rank=self.rank, num_experts=num_experts,
-                                    num_tokens=T, topk=K, permute=permute, expert_alignment=alignment,
+                                    num_tokens=T, topk=K, permute=permute, expert_alignment=expert_alignment,
                                     num_recv_rows=inner.handle.num_recv_rows, tokens_per_expert=inner.handle.tokens_per_expert,
                                     topk_idx=topk_idx, num_worst_tokens=num_worst_tokens, state=st, call_seq=call.seq)
         else:

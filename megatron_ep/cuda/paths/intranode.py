@@ -55,7 +55,7 @@ class DispatchPlan:
     topk_weights: Optional[torch.Tensor]
     num_experts: int
     permute: bool
-    alignment: int
+    expert_alignment: int
     num_worst_tokens: int
     groups: int
     T: int
@@ -222,7 +222,7 @@ class IntranodePath(NormalPath):
         push = (req.permute or not num_worst_tokens) and rt.plan.pool_bytes > 0 and not capturing
         call.set(variant=int(push))
         return DispatchPlan(data=data, scales=scales, topk_idx=topk_idx, topk_weights=req.topk_weights,
-                            num_experts=num_experts, permute=req.permute, alignment=req.alignment,
+                            num_experts=num_experts, permute=req.permute, expert_alignment=req.expert_alignment,
                             num_worst_tokens=num_worst_tokens, groups=groups, T=T, H=H, K=K,
                             L=num_experts // rt.num_ranks, row_bytes=row_bytes,
                             scale_cols=scales.shape[1] if scales is not None else 0, need=need,
@@ -241,9 +241,10 @@ class IntranodePath(NormalPath):
             tokens_per_expert=tpe, num_dropped=dropped, num_rows=None, num_perm_rows=None, counts=None)
         rows_bound = max_rank_major_rows(rt)  # the host learns N below unless sync-free
         tag = next(self.tags)
-        call.sends(self.kernels.notify, rt.rt, call.sig, plan.topk_idx, plan.num_experts, plan.alignment, plan.permute,
-                   plan.num_worst_tokens, st.rank_pos, st.slot_pos, st.recv_info, st.row_limits, tpe, dropped, tag,
-                   groups=plan.groups)
+        call.sends(self.kernels.notify, rt=rt.rt, sig=call.sig, topk_idx=plan.topk_idx, num_experts=plan.num_experts,
+                   expert_alignment=plan.expert_alignment, permute=plan.permute, num_worst_tokens=plan.num_worst_tokens,
+                   rank_pos=st.rank_pos, slot_pos=st.slot_pos, recv_info=st.recv_info, row_limits=st.row_limits,
+                   tokens_per_expert=tpe, num_dropped=dropped, tag=tag, token_groups=plan.groups)
         rt.mark("notify")
         if not plan.num_worst_tokens:
             info = rt.wait_host(call, tag, plan.L)
@@ -295,29 +296,38 @@ class IntranodePath(NormalPath):
         rt, K, E, has_w = self.rt, plan.K, plan.num_experts, plan.topk_weights is not None
         slot = SLOT["call"] if not plan.first else (SLOT["out_loc"] if plan.push else SLOT["staged"])
         if plan.push:
-            call.sends(self.kernels.dispatch_push, rt.rt, call.sig, slot, plan.data, plan.T, plan.row_bytes, plan.scales,
-                       plan.scale_cols, plan.topk_idx, plan.topk_weights, st.rank_pos, st.slot_pos, E, out_rows,
-                       plan.permute, st.recv_info, out.x, out.scales, out.topk_idx, out.weights, out.row_expert,
-                       st.comb_map, out.offsets, rt.push_sms)
+            call.sends(self.kernels.dispatch_push, rt=rt.rt, sig=call.sig, slot=slot, x=plan.data, num_tokens=plan.T,
+                       row_bytes=plan.row_bytes, scales=plan.scales, scale_cols=plan.scale_cols, topk_idx=plan.topk_idx,
+                       topk_weights=plan.topk_weights, rank_pos=st.rank_pos, slot_pos=st.slot_pos, num_experts=E,
+                       out_rows=out_rows, permute=plan.permute, recv_info=st.recv_info, out_x=out.x,
+                       out_scales=out.scales, out_topk_idx=out.topk_idx, out_weights=out.weights,
+                       out_row_expert=out.row_expert, comb_map=st.comb_map, offsets=out.offsets, num_blocks=rt.push_sms)
             rt.mark("push")
             if plan.permute:
                 if out.pooled is not None:
                     p = out.pooled
-                    self.kernels.fanout(rt.rt, call.sig, p[0], p[1], p[2], p[3], plan.row_bytes, plan.scale_cols, K, E,
-                                        has_w, out_rows, st.recv_info, out.x, out.scales, out.weights, out.row_expert,
-                                        st.comb_map, rt.local_sms)
+                    self.kernels.fanout(rt=rt.rt, sig=call.sig, x=p[0], scales=p[1], topk_idx=p[2], topk_weights=p[3],
+                                        row_bytes=plan.row_bytes, scale_cols=plan.scale_cols, topk=K, num_experts=E,
+                                        has_weights=has_w, out_rows=out_rows, recv_info=st.recv_info, out_x=out.x,
+                                        out_scales=out.scales, out_weights=out.weights, out_row_expert=out.row_expert,
+                                        comb_map=st.comb_map, num_blocks=rt.local_sms)
                 rt.mark("fanout")
                 out.pooled = None  # the buffer goes back to the pool once the fan-out ran (stream-ordered)
             return
         zero_copy = plan.data.data_ptr() == rt.base + rt.plan.stage_x
-        call.sends(self.kernels.stage, rt.rt, call.sig, slot, None if zero_copy else plan.data, plan.T, plan.row_bytes,
-                   plan.scales, plan.scale_cols, plan.topk_idx, plan.topk_weights, st.rank_pos, st.slot_pos, rt.num_sms)
+        call.sends(self.kernels.stage, rt=rt.rt, sig=call.sig, slot=slot, x=None if zero_copy else plan.data,
+                   num_tokens=plan.T, row_bytes=plan.row_bytes, scales=plan.scales, scale_cols=plan.scale_cols,
+                   topk_idx=plan.topk_idx, topk_weights=plan.topk_weights, rank_pos=st.rank_pos, slot_pos=st.slot_pos,
+                   num_blocks=rt.num_sms)
         rt.mark("stage")
         # rank-major, worst-case sized: the pull counts the rows it delivers (notify zeroed tpe)
         count_rows = plan.first and bool(plan.num_worst_tokens) and not plan.permute
-        self.kernels.dispatch(rt.rt, call.sig, slot, plan.row_bytes, plan.scale_cols, K, E, plan.permute, has_w,
-                              out_rows, st.recv_info, out.x, out.scales, out.topk_idx, out.weights, out.row_expert,
-                              st.tokens_per_expert if count_rows else None, st.comb_map, rt.num_sms)
+        self.kernels.dispatch(rt=rt.rt, sig=call.sig, slot=slot, row_bytes=plan.row_bytes, scale_cols=plan.scale_cols,
+                              topk=K, num_experts=E, permute=plan.permute, has_weights=has_w, out_rows=out_rows,
+                              recv_info=st.recv_info, out_x=out.x, out_scales=out.scales, out_topk_idx=out.topk_idx,
+                              out_weights=out.weights, out_row_expert=out.row_expert,
+                              out_tokens_per_expert=st.tokens_per_expert if count_rows else None, comb_map=st.comb_map,
+                              num_blocks=rt.num_sms)
         rt.mark("pull")
 
     def _result(self, call: P.Call, req: DispatchRequest, plan: "DispatchPlan", st: IntranodeState,
@@ -328,13 +338,13 @@ class IntranodePath(NormalPath):
         if plan.first:
             handle = DispatchHandle(backend="cuda", num_ranks=self.rt.num_ranks, rank=self.rt.rank,
                                     num_experts=plan.num_experts, num_tokens=plan.T, topk=plan.K, permute=plan.permute,
-                                    expert_alignment=plan.alignment, num_recv_rows=out_rows,
+                                    expert_alignment=plan.expert_alignment, num_recv_rows=out_rows,
                                     tokens_per_expert=st.tokens_per_expert, topk_idx=plan.topk_idx,
                                     num_worst_tokens=plan.num_worst_tokens, state=st, call_seq=call.seq)
         res.handle = handle
         if req.host_counts:
             if st.counts is not None and not plan.num_worst_tokens:
-                res.tokens_per_expert_host = (padded_host_counts(st.counts, plan.alignment) if plan.permute
+                res.tokens_per_expert_host = (padded_host_counts(st.counts, plan.expert_alignment) if plan.permute
                                               else list(st.counts))
             else:
                 event.synchronize()  # an asynchronous call's counts are written on our stream
@@ -373,15 +383,17 @@ class IntranodePath(NormalPath):
                 rt.stream.wait_stream(compute)
             rt.mark("start", first=True)
             if partials:
-                call.sends(self.kernels.combine_reduce, rt.rt, call.sig, x, rows, H, x.dtype == torch.float32,
-                           st.comb_map, st.recv_info, weights, rt.local_sms)
+                call.sends(self.kernels.combine_reduce, rt=rt.rt, sig=call.sig, x=x, rows=rows, hidden=H,
+                           is_fp32=x.dtype == torch.float32, comb_map=st.comb_map, recv_info=st.recv_info, weights=weights,
+                           num_blocks=rt.local_sms)
             else:
-                call.sends(self.kernels.stage_combine, rt.rt, call.sig, None if zero_copy else x, rows, row_bytes,
-                           weights, w_cols, rt.num_sms)
+                call.sends(self.kernels.stage_combine, rt=rt.rt, sig=call.sig, x=None if zero_copy else x, rows=rows,
+                           row_bytes=row_bytes, weights=weights, weight_cols=w_cols, num_blocks=rt.num_sms)
             rt.mark("reduce" if partials else "stage")
-            self.kernels.combine(rt.rt, call.sig, T, H, K, handle.num_experts, handle.permute, x.dtype == torch.float32,
-                                 weights is not None, partials, st.row_limits, handle.topk_idx, st.rank_pos, st.slot_pos,
-                                 y, w_out, rt.num_sms)
+            self.kernels.combine(rt=rt.rt, sig=call.sig, num_tokens=T, hidden=H, topk=K, num_experts=handle.num_experts,
+                                 permute=handle.permute, is_fp32=x.dtype == torch.float32, has_weights=weights is not None,
+                                 partials=partials, row_limits=st.row_limits, topk_idx=handle.topk_idx,
+                                 rank_pos=st.rank_pos, slot_pos=st.slot_pos, y=y, out_weights=w_out, num_blocks=rt.num_sms)
             rt.mark("pull")
         event = rt.leave(compute, [x, weights, y, w_out, handle.topk_idx, st.rank_pos, st.slot_pos, st.row_limits,
                                    st.comb_map, st.recv_info], async_op)

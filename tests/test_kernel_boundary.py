@@ -1,0 +1,68 @@
+"""The intranode kernels are called by name: every call in megatron_ep/cuda/paths/intranode.py
+passes each argument by the name its binding gives it (csrc/intranode/binding.cpp), all of them,
+so an argument added, removed or reordered on one side cannot silently land in another's place.
+Read from the sources (no GPU, no build needed)."""
+
+import ast
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def binding_arguments() -> dict:
+    """name -> (argument names in order, names with a default), from the pybind11 definitions."""
+    src = (ROOT / "csrc" / "intranode" / "binding.cpp").read_text()
+    out = {}
+    for name, body in re.findall(r'intra\.def\("(\w+)", &mep::\w+, (.*?)\);', src, re.S):
+        args = re.findall(r'py::arg\("(\w+)"\)( = [^,)]+)?', body)
+        out[name] = ([a for a, _ in args], {a for a, d in args if d})
+    return out
+
+
+def kernel_calls() -> list:
+    """(kernel name, keyword names, positional count, line) of every intranode kernel call, direct
+    (`self.kernels.NAME(...)`) or through `call.sends(self.kernels.NAME, ...)`."""
+    tree = ast.parse((ROOT / "megatron_ep" / "cuda" / "paths" / "intranode.py").read_text())
+
+    def kernel(node):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+                and node.value.attr == "kernels"):
+            return node.attr
+        return None
+
+    calls = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        name, positional = kernel(node.func), len(node.args)
+        if name is None and isinstance(node.func, ast.Attribute) and node.func.attr == "sends" and node.args:
+            name, positional = kernel(node.args[0]), len(node.args) - 1
+        if name is not None:
+            calls.append((name, [k.arg for k in node.keywords], positional, node.lineno))
+    return calls
+
+
+def test_every_intranode_kernel_call_names_all_its_arguments():
+    bound = binding_arguments()
+    assert set(bound) >= {"notify", "stage", "dispatch", "dispatch_push", "fanout", "combine_reduce", "stage_combine",
+                          "combine"}, sorted(bound)
+    calls = kernel_calls()
+    assert {c[0] for c in calls} == set(bound), f"kernels bound but never called, or called but not bound: {calls}"
+    for name, keywords, positional, line in calls:
+        names, defaults = bound[name]
+        assert positional == 0, f"intranode.py:{line}: {name} gets {positional} positional arguments"
+        unknown = [k for k in keywords if k not in names]
+        missing = [a for a in names if a not in keywords and a not in defaults]
+        assert not unknown and not missing, f"intranode.py:{line}: {name}: unknown {unknown}, missing {missing}"
+
+
+def test_one_name_for_the_expert_alignment_from_request_to_kernel():
+    """Buffer.dispatch(expert_alignment=) -> DispatchRequest.expert_alignment -> the notify kernel's
+    expert_alignment: the same name at every step."""
+    from megatron_ep.requests import DispatchRequest
+
+    assert "expert_alignment" in DispatchRequest.__dataclass_fields__
+    assert "expert_alignment" in binding_arguments()["notify"][0]
+    src = (ROOT / "megatron_ep" / "cuda" / "paths" / "intranode.py").read_text()
+    assert not re.search(r"\balignment\b", src), "intranode.py names the expert alignment otherwise"
