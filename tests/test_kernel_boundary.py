@@ -1,7 +1,9 @@
-"""The intranode kernels are called by name: every call in megatron_ep/cuda/paths/intranode.py
-passes each argument by the name its binding gives it (csrc/intranode/binding.cpp), all of them,
-so an argument added, removed or reordered on one side cannot silently land in another's place.
-Read from the sources (no GPU, no build needed)."""
+"""The normal paths' kernels are called by name: every call in megatron_ep/cuda/paths/intranode.py
+and internode.py passes each argument by the name its binding gives it (csrc/intranode/binding.cpp,
+csrc/internode/binding.cpp), all of them, so an argument added, removed or reordered on one side
+cannot silently land in another's place. Read from the sources (no GPU, no build needed). The
+low-latency kernels keep positional calls: pybind11 matches keywords by name at every call, host
+time a decode step cannot spare."""
 
 import ast
 import pathlib
@@ -10,24 +12,25 @@ import re
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def binding_arguments() -> dict:
+def binding_arguments(path: str = "intranode") -> dict:
     """name -> (argument names in order, names with a default), from the pybind11 definitions."""
-    src = (ROOT / "csrc" / "intranode" / "binding.cpp").read_text()
+    src = (ROOT / "csrc" / path / "binding.cpp").read_text()
+    pattern = r'intra\.def\("(\w+)", &mep::\w+, (.*?)\);' if path == "intranode" else r'\.def\("(\w+)", &\w+::\w+, (py::arg.*?)\)\n'
     out = {}
-    for name, body in re.findall(r'intra\.def\("(\w+)", &mep::\w+, (.*?)\);', src, re.S):
+    for name, body in re.findall(pattern, src, re.S):
         args = re.findall(r'py::arg\("(\w+)"\)( = [^,)]+)?', body)
         out[name] = ([a for a, _ in args], {a for a, d in args if d})
     return out
 
 
-def kernel_calls() -> list:
-    """(kernel name, keyword names, positional count, line) of every intranode kernel call, direct
-    (`self.kernels.NAME(...)`) or through `call.sends(self.kernels.NAME, ...)`."""
-    tree = ast.parse((ROOT / "megatron_ep" / "cuda" / "paths" / "intranode.py").read_text())
+def kernel_calls(path: str = "intranode", holder: str = "kernels") -> list:
+    """(kernel name, keyword names, positional count, line) of every kernel call in a path's module,
+    direct (`self.HOLDER.NAME(...)`) or through `call.sends(self.HOLDER.NAME, ...)`."""
+    tree = ast.parse((ROOT / "megatron_ep" / "cuda" / "paths" / f"{path}.py").read_text())
 
     def kernel(node):
         if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
-                and node.value.attr == "kernels"):
+                and node.value.attr == holder):
             return node.attr
         return None
 
@@ -55,6 +58,20 @@ def test_every_intranode_kernel_call_names_all_its_arguments():
         unknown = [k for k in keywords if k not in names]
         missing = [a for a in names if a not in keywords and a not in defaults]
         assert not unknown and not missing, f"intranode.py:{line}: {name}: unknown {unknown}, missing {missing}"
+
+
+def test_every_internode_kernel_call_names_all_its_arguments():
+    bound = binding_arguments("internode")
+    kernels = {"dispatch_send", "dispatch_recv", "combine_send", "combine_recv"}
+    assert kernels <= set(bound), sorted(bound)
+    calls = [c for c in kernel_calls("internode", "buf") if c[0] in kernels]
+    assert {c[0] for c in calls} == kernels, calls
+    for name, keywords, positional, line in calls:
+        names, defaults = bound[name]
+        unknown = [k for k in keywords if k not in names]
+        missing = [a for a in names if a not in keywords and a not in defaults]
+        assert positional == 0 and not unknown and not missing, \
+            f"internode.py:{line}: {name}: {positional} positional, unknown {unknown}, missing {missing}"
 
 
 def test_one_name_for_the_expert_alignment_from_request_to_kernel():

@@ -261,10 +261,12 @@ class InternodePath(NvshmemPath, NormalPath):
                 src_w = self.view("s_w", T, K, torch.float32)
                 src_w.copy_(topk_weights)
         self.buf.set_call(call.seq)  # the waits of this call's kernels stop on a peer's publication for it
-        call.sends(self.buf.dispatch_send, src_x, src_s, src_i, src_w, num_experts, sig, self.num_blocks)
+        call.sends(self.buf.dispatch_send, x=src_x, scales=src_s, topk_idx=src_i, weights=src_w, num_experts=num_experts,
+                   sig=sig, num_blocks=self.num_blocks)
         local_idx = torch.empty((N * mt, K), dtype=torch.int64, device=rt.device)
         tokens = torch.empty(N, dtype=torch.int32, device=rt.device)
-        self.buf.dispatch_recv(K, num_experts, sig, local_idx, tokens, self.num_blocks)
+        self.buf.dispatch_recv(topk=K, num_experts=num_experts, sig=sig, out_idx=local_idx, out_tokens=tokens,
+                               num_blocks=self.num_blocks)
         rt.mark("rdma", cur)
 
         # the in-node stage over the forwarder's rows, one token group per source node: it delivers
@@ -326,11 +328,13 @@ class InternodePath(NvshmemPath, NormalPath):
                 w_src = self.view("s_cw", yf.weights.shape[0], K, torch.float32)
                 w_src.copy_(yf.weights)
         self.buf.set_call(call.seq)
-        call.sends(self.buf.combine_send, y_src, w_src, st.local_idx, st.tokens, sig, self.num_blocks)
+        call.sends(self.buf.combine_send, y=y_src, w=w_src, local_idx=st.local_idx, tokens=st.tokens, sig=sig,
+                   num_blocks=self.num_blocks)
         y = torch.empty((T, H), dtype=x.dtype, device=rt.device)
         w_out = torch.empty((T, K), dtype=torch.float32, device=rt.device) if weights is not None else None
         rt.new_outputs((y, w_out))
-        self.buf.combine_recv(handle.topk_idx, handle.num_experts, sig, y, w_out, self.num_blocks)
+        self.buf.combine_recv(topk_idx=handle.topk_idx, num_experts=handle.num_experts, sig=sig, y=y, w=w_out,
+                              num_blocks=self.num_blocks)
         rt.mark("rdma", cur)
         self.check(call)
         event = EventOverlap(torch.cuda.Event())
