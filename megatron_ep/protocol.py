@@ -45,6 +45,7 @@ FP8_BLOCK = P.FP8_BLOCK
 plan_region = P.plan_region  # -> RegionLayout (typed, read-only attributes)
 RegionLayout = P.RegionLayout
 REGION_LAYOUT_FIELDS: List[str] = list(P.REGION_LAYOUT_FIELDS)
+REGION_HINTS: dict = dict(P.REGION_HINTS)  # every sizing hint's name and default (RegionHints, region_layout.h)
 is_fatal = P.error_is_fatal
 worst_expert_major_rows = P.worst_expert_major_rows
 notify_plan = P.notify_plan  # (num_tokens, groups) -> notify's chunk plan as a dict

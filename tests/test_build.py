@@ -55,3 +55,22 @@ def test_region_layout_is_typed_and_read_only():
         plan.total = 0
     with pytest.raises(TypeError):
         plan["total"]
+
+
+def test_region_hints_have_one_owner():
+    """The sizing hints and their defaults come from csrc/ipc/region_layout.h (RegionHints) through
+    _protocol: planning with every default spelled out equals planning with none, and the cuda
+    backend's default arguments are those defaults."""
+    import inspect
+
+    from megatron_ep.cuda.backend import CudaBackend
+
+    hints = dict(protocol.REGION_HINTS)
+    assert {"max_tokens", "hidden", "dtype_bytes", "combine_bytes", "max_alignment"} <= set(hints)
+    given = dict(hints, num_ranks=4, max_tokens=64, hidden=256)
+    spelled, implied = protocol.plan_region(given), protocol.plan_region(dict(num_ranks=4, max_tokens=64, hidden=256))
+    assert [getattr(spelled, f) for f in protocol.REGION_LAYOUT_FIELDS] == \
+        [getattr(implied, f) for f in protocol.REGION_LAYOUT_FIELDS]
+    params = inspect.signature(CudaBackend.__init__).parameters
+    for name in ("dtype_bytes", "combine_bytes", "max_alignment"):
+        assert params[name].default == hints[name], name

@@ -15,21 +15,26 @@ using namespace mep;
 
 namespace {
 
+// Every sizing hint by its Python name: plan() reads them, REGION_HINTS gives each one's default.
+template <typename F>
+void for_each_hint(RegionHints& h, F f) {
+  f("num_ranks", h.num_ranks);
+  f("max_tokens", h.max_tokens);
+  f("hidden", h.hidden);
+  f("max_topk", h.max_topk);
+  f("max_experts", h.max_experts);
+  f("dtype_bytes", h.dtype_bytes);
+  f("combine_bytes", h.combine_bytes);
+  f("max_alignment", h.max_alignment);
+  f("combine_rows", h.combine_rows);
+  f("pool_bytes", h.pool_bytes);
+}
+
 RegionLayout plan(const py::dict& hints) {
   RegionHints h;
-  auto get = [&](const char* k, auto& field) {
+  for_each_hint(h, [&](const char* k, auto& field) {
     if (hints.contains(k) && !hints[k].is_none()) field = hints[k].cast<std::decay_t<decltype(field)>>();
-  };
-  get("num_ranks", h.num_ranks);
-  get("max_tokens", h.max_tokens);
-  get("hidden", h.hidden);
-  get("max_topk", h.max_topk);
-  get("max_experts", h.max_experts);
-  get("dtype_bytes", h.dtype_bytes);
-  get("combine_bytes", h.combine_bytes);
-  get("max_alignment", h.max_alignment);
-  get("combine_rows", h.combine_rows);
-  get("pool_bytes", h.pool_bytes);
+  });
   return plan_region(h);
 }
 
@@ -105,6 +110,12 @@ PYBIND11_MODULE(_protocol, m) {
     MEP_REGION_LAYOUT_FIELDS(MEP_FIELD)
 #undef MEP_FIELD
     return names;
+  }();
+  m.attr("REGION_HINTS") = [] {
+    RegionHints h;
+    py::dict d;
+    for_each_hint(h, [&](const char* k, auto& v) { d[k] = v; });
+    return d;
   }();
   m.def("plan_region", &plan, py::arg("hints"), "Sizes and offsets of a region planned from these hints");
   m.def("worst_expert_major_rows", &worst_expert_major_rows, py::arg("num_ranks"), py::arg("max_tokens"),

@@ -56,8 +56,9 @@ class CudaBackend:
 
     def __init__(self, group, rank: int, num_ranks: int, *, max_tokens_per_rank: Optional[int] = None,
                  hidden: Optional[int] = None, num_experts: Optional[int] = None, max_topk: Optional[int] = None,
-                 num_sms: Optional[int] = None, dtype_bytes: int = 2, combine_bytes: int = 2,
-                 combine_rows: Optional[int] = None, pool_bytes: Optional[int] = None, max_alignment: int = 128,
+                 num_sms: Optional[int] = None, dtype_bytes: int = P.REGION_HINTS["dtype_bytes"],
+                 combine_bytes: int = P.REGION_HINTS["combine_bytes"], combine_rows: Optional[int] = None,
+                 pool_bytes: Optional[int] = None, max_alignment: int = P.REGION_HINTS["max_alignment"],
                  timeout_s: float = DEFAULT_TIMEOUT_S, low_latency: Optional[dict] = None,
                  ranks_per_node: Optional[int] = None):
         if num_experts is not None:

@@ -440,7 +440,6 @@ def largest(needs: list) -> dict:
 
 # The keys of a call's need that size the region (the hint names of csrc/ipc/region_layout.h).
 _NEED_KEYS = ("max_tokens", "hidden", "dtype_bytes", "combine_bytes", "max_topk", "max_experts")
-_ELEMENT_BYTES_DEFAULT = 2  # RegionHints' dtype_bytes and combine_bytes when a hint leaves them out
 
 
 def merge_hints(*hints: dict) -> dict:
@@ -453,7 +452,7 @@ def merge_hints(*hints: dict) -> dict:
     hidden = merged.get("hidden", 0)
     if hidden:
         for key in ("dtype_bytes", "combine_bytes"):
-            widest = max((h.get("hidden", 0) or 0) * (h.get(key) or _ELEMENT_BYTES_DEFAULT) for h in hints)
+            widest = max((h.get("hidden", 0) or 0) * (h.get(key) or P.REGION_HINTS[key]) for h in hints)
             merged[key] = max(1, -(-widest // hidden))
     return merged
 
