@@ -23,8 +23,12 @@ import torch
 
 from . import protocol as P
 
-# Trace points of csrc/low_latency/api.h (LLTracePoint), in order.
-LOW_LATENCY_POINTS = ("entry", "released", "zero", "cast", "sent", "arrived", "copied", "end", "scanned", "stored")
+def low_latency_points() -> Tuple[str, ...]:
+    """The low-latency kernels' trace points, in order (LLTracePoint and its names in
+    csrc/low_latency/api.h, read from the built extension)."""
+    from .cuda import extension
+
+    return tuple(extension.load_nvshmem().TRACE_POINT_NAMES)
 
 
 def _runtime(buf):
@@ -102,7 +106,7 @@ def notify_only(buf, topk_idx: torch.Tensor, num_experts: int) -> Optional[Calla
 @contextmanager
 def low_latency_stamps(buf) -> Iterator[Optional[torch.Tensor]]:
     """Within the block, the low-latency kernels stamp %globaltimer (ns) per block and point into
-    the yielded int64 tensor [2 (dispatch, combine), blocks, len(LOW_LATENCY_POINTS)] (0 where
+    the yielded int64 tensor [2 (dispatch, combine), blocks, len(low_latency_points())] (0 where
     not stamped; csrc/low_latency/api.h). Yields None on the torch backend. The low-latency path
     is created (collectively) if it does not exist yet."""
     impl = buf._backend()

@@ -32,6 +32,9 @@ enum LLTracePoint : int {
                           // counter bump and the signal
   kLLTracePoints = 10
 };
+// Their names, in order: Python reads them from here (_C_nvshmem.TRACE_POINT_NAMES).
+constexpr const char* kLLTraceNames[kLLTracePoints] = {"entry", "released", "zero",    "cast", "sent",
+                                                       "arrived", "copied", "end", "scanned", "stored"};
 
 // Fixed per buffer.
 struct LLCtx {

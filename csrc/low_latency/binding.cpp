@@ -155,6 +155,11 @@ void bind_low_latency(py::module_& m) {
   m.attr("SEND") = (int)mep::kLLSend;
   m.attr("RECV") = (int)mep::kLLRecv;
   m.attr("TRACE_POINTS") = (int)mep::kLLTracePoints;
+  m.attr("TRACE_POINT_NAMES") = [] {
+    py::tuple names((size_t)mep::kLLTracePoints);
+    for (int i = 0; i < mep::kLLTracePoints; ++i) names[i] = mep::kLLTraceNames[i];
+    return names;
+  }();
   m.def("plan", [](int num_ranks, int num_experts, int max_tokens, int hidden, int max_topk, bool fp8_only) {
     return mep::layout_dict(mep::LowLatencyLayout::plan(num_ranks, num_experts, max_tokens, hidden, max_topk, fp8_only));
   }, "The buffer layout and size (bytes, both sets) for this capacity; no GPU needed.");

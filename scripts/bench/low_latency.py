@@ -19,7 +19,7 @@ from megatron_ep.fp8 import per_token_cast_back  # noqa: E402
 
 from bench import deepep, nccl, report  # noqa: E402
 from megatron_ep import tracing  # noqa: E402
-from megatron_ep.tracing import LOW_LATENCY_POINTS as TRACE_POINTS  # noqa: E402
+from megatron_ep.tracing import low_latency_points  # noqa: E402
 from bench.report import md_line, md_rule  # noqa: E402
 
 IMPLS = ("ours", "ours-merged", "torch", "nccl", "deepep")  # ours-merged: the weights given at dispatch
@@ -100,13 +100,13 @@ def trace_figures(buf, fns, iters, group):
                 t = t[used]
                 start = t[:, 0].min()
                 rows.append([float((t[:, p][t[:, p] > 0] - start).max()) / 1e3 if (t[:, p] > 0).any() else float("nan")
-                             for p in range(len(TRACE_POINTS))])
+                             for p in range(len(low_latency_points()))])
                 # the median block, each from its own entry: a block's own latency, without the
                 # spread of the blocks' start times and the slowest block's contention
                 block_rows.append([float((t[:, p][t[:, p] > 0] - t[:, 0][t[:, p] > 0]).median()) / 1e3
-                                   if (t[:, p] > 0).any() else float("nan") for p in range(len(TRACE_POINTS))])
-            out[name] = [statistics.fmean(r[p] for r in rows) for p in range(len(TRACE_POINTS))]
-            out[name + " block"] = [statistics.fmean(r[p] for r in block_rows) for p in range(len(TRACE_POINTS))]
+                                   if (t[:, p] > 0).any() else float("nan") for p in range(len(low_latency_points()))])
+            out[name] = [statistics.fmean(r[p] for r in rows) for p in range(len(low_latency_points()))]
+            out[name + " block"] = [statistics.fmean(r[p] for r in block_rows) for p in range(len(low_latency_points()))]
     return out
 
 
@@ -116,7 +116,7 @@ def trace_table(a, res) -> str:
     lines = ["", "Kernel trace (ours, eager, mean of --trace calls; µs from the first block's entry to each point "
              "(latest block; 'block' rows: the median block from its own entry); in brackets the span since the "
              "latest earlier point):", "",
-             md_line(["tokens/rank", "kernel", *TRACE_POINTS[1:]]), md_rule(1 + len(TRACE_POINTS), right_aligned=False)]
+             md_line(["tokens/rank", "kernel", *low_latency_points()[1:]]), md_rule(1 + len(low_latency_points()), right_aligned=False)]
     for T in a.tokens:
         for kernel in ("dispatch", "dispatch block", "combine", "combine block"):
             pts = res[T].get("trace", {}).get(kernel)
