@@ -89,6 +89,21 @@ def _sync(device: str):
         torch.cuda.synchronize()
 
 
+def _on_deepgemm(body, cfg: dict, backend: str, device: str, tag: str) -> list:
+    """A case's errors: body(cfg, backend, device, tag, R, rank, dg, align) with the DeepGEMM
+    `device` calls for (deep_gemm_for) and its M alignment; a deep_gemm that does not import, or a
+    raise, is the case's error."""
+    try:
+        with deep_gemm_for(device):
+            dg = B.deep_gemm_module()
+            if dg is None:
+                return [f"{tag} deep_gemm does not import in this rank's process"]
+            return body(cfg, backend, device, tag, dist.get_world_size(), dist.get_rank(), dg,
+                        B.deep_gemm_alignment(dg))
+    except Exception:
+        return [f"{tag} raised:\n{traceback.format_exc()}"]
+
+
 def _routing(cfg: dict, T: int, g: torch.Generator) -> torch.Tensor:
     E, K = cfg["E"], cfg["K"]
     if cfg.get("pattern") == "hot":  # every token's first slot on expert 0, the rest unused
@@ -115,18 +130,10 @@ def run_fp8_dispatch_into_deepgemm(cfg: dict, backend: str = "cuda", device: str
     the tokens its senders routed to it (nothing lost or duplicated on the way)."""
     R, rank = dist.get_world_size(), dist.get_rank()
     tag = f"[fp8 dispatch -> DeepGEMM R={R} rank={rank} seed={cfg['seed']} {backend}]"
-    try:
-        with deep_gemm_for(device):
-            return _fp8_dispatch_into_deepgemm(cfg, backend, device, tag, R, rank)
-    except Exception:
-        return [f"{tag} raised:\n{traceback.format_exc()}"]
+    return _on_deepgemm(_fp8_dispatch_into_deepgemm, cfg, backend, device, tag)
 
 
-def _fp8_dispatch_into_deepgemm(cfg, backend, device, tag, R, rank) -> list:
-    dg = B.deep_gemm_module()
-    if dg is None:
-        return [f"{tag} deep_gemm does not import in this rank's process"]
-    align = B.deep_gemm_alignment(dg)
+def _fp8_dispatch_into_deepgemm(cfg, backend, device, tag, R, rank, dg, align) -> list:
     E, H, N = cfg["E"], cfg["H"], cfg["N"]
     L = E // R
     T = cfg["Ts"][rank]
@@ -212,18 +219,10 @@ def run_chunked_on_deepgemm(cfg: dict, backend: str = "cuda", device: str = "cud
     equals the same round on torch's grouped_mm."""
     R, rank = dist.get_world_size(), dist.get_rank()
     tag = f"[chunked experts on DeepGEMM R={R} rank={rank} chunks={cfg['chunks']} {backend}]"
-    try:
-        with deep_gemm_for(device):
-            return _chunked_on_deepgemm(cfg, backend, device, tag, R, rank)
-    except Exception:
-        return [f"{tag} raised:\n{traceback.format_exc()}"]
+    return _on_deepgemm(_chunked_on_deepgemm, cfg, backend, device, tag)
 
 
-def _chunked_on_deepgemm(cfg, backend, device, tag, R, rank) -> list:
-    dg = B.deep_gemm_module()
-    if dg is None:
-        return [f"{tag} deep_gemm does not import in this rank's process"]
-    align = B.deep_gemm_alignment(dg)
+def _chunked_on_deepgemm(cfg, backend, device, tag, R, rank, dg, align) -> list:
     E, K, H, F_ = cfg["E"], cfg["K"], cfg["H"], cfg["F"]
     L, T = E // R, cfg["Ts"][rank]
     g = torch.Generator().manual_seed(cfg["seed"] + rank)
