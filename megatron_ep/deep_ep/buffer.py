@@ -1,0 +1,221 @@
+"""DeepEP V1's Buffer (deep_ep/buffer.py at deepseek-ai/DeepEP 567632d) on megatron_ep's Buffer:
+the same arguments, defaults, return tuples and dtypes for the normal mode (get_dispatch_layout,
+dispatch, cached dispatch, combine). What differs is listed in docs/deep-ep.md."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from .. import buffer as _mep
+from ..types import DispatchHandle
+from .config import COMBINE_CONFIGS, DISPATCH_CONFIGS, Config
+from .utils import EventOverlap, from_ours, to_ours
+
+log = logging.getLogger("megatron_ep.deep_ep")
+
+RANKS_PER_NODE = 8  # DeepEP's fixed node size: num_tokens_per_rdma_rank counts by rank // 8
+
+
+class Handle(tuple):
+    """A normal dispatch's handle: DeepEP's intranode 6-tuple `(rank_prefix_matrix,
+    channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank,
+    send_head)` with the entries our kernels have no counterpart of (per-channel matrices, the
+    ring-buffer heads) as None; `ours` is megatron_ep's handle, which combine and a cached
+    dispatch use."""
+
+    ours: DispatchHandle
+
+    def __new__(cls, ours: DispatchHandle, rank_prefix_matrix, recv_src_idx, is_token_in_rank):
+        h = super().__new__(cls, (rank_prefix_matrix, None, None, recv_src_idx, is_token_in_rank, None))
+        h.ours = ours
+        return h
+
+
+def _unpack_bias(bias) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    if isinstance(bias, torch.Tensor):
+        return bias, None
+    if isinstance(bias, tuple):
+        assert len(bias) == 2
+        return bias
+    return None, None
+
+
+class Buffer:
+    """DeepEP's Buffer. `group` is a torch.distributed group; the backend is megatron_ep's
+    (MEGATRON_EP_DEEP_EP_BACKEND: auto, cuda or torch; auto picks cuda where it is built and a
+    Hopper GPU is visible). The byte counts are checked as DeepEP checks them and otherwise
+    unused: our Buffer sizes its own memory."""
+
+    num_sms: int = 20
+
+    def __init__(self, group: Optional[dist.ProcessGroup], num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
+                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False, use_fabric: bool = False,
+                 explicitly_destroy: bool = False, enable_shrink: bool = False, comm=None) -> None:
+        if group is None and comm is None:
+            raise ValueError("Either 'group' or 'comm' must be provided.")
+        if group is None:
+            raise NotImplementedError("megatron_ep.deep_ep.Buffer(comm=...): an mpi4py communicator is not supported; "
+                                      "pass a torch.distributed group")
+        if enable_shrink:
+            raise NotImplementedError("megatron_ep.deep_ep.Buffer(enable_shrink=True): the low-latency rank mask is "
+                                      "not built yet")
+        assert num_nvl_bytes % 128 == 0 and num_rdma_bytes % 128 == 0
+        self.rank, self.group, self.group_size = dist.get_rank(group), group, dist.get_world_size(group)
+        assert self.group_size < 8 or self.group_size % 8 == 0
+        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
+        self.low_latency_mode, self.explicitly_destroy, self.enable_shrink = low_latency_mode, explicitly_destroy, enable_shrink
+        if low_latency_mode or self.group_size > RANKS_PER_NODE:
+            self.nvshmem_qp_depth = int(os.environ.get("NVSHMEM_QP_DEPTH", "1024"))
+        backend = os.environ.get("MEGATRON_EP_DEEP_EP_BACKEND", "auto")
+        self.runtime = _mep.Buffer(group, backend=backend)
+        if self.rank == 0:
+            log.info("megatron_ep.deep_ep: DeepEP's Buffer API on megatron_ep (%s backend, %d ranks)",
+                     self.runtime.backend, self.group_size)
+
+    # ------------------------------------------------------------------------- lifecycle
+    def destroy(self) -> None:
+        assert self.explicitly_destroy, "`explicitly_destroy` flag must be set"
+        self.runtime.destroy()
+        self.runtime = None
+
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        return _mep.cuda_backend_available()
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        assert new_num_sms % 2 == 0, "The SM count must be even"
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        from .utils import EventHandle
+
+        return EventOverlap(EventHandle())
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        assert num_ranks in DISPATCH_CONFIGS, f"Unsupported number of EP ranks: {num_ranks}"
+        return Config(Buffer.num_sms, *DISPATCH_CONFIGS[num_ranks])
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        assert num_ranks in COMBINE_CONFIGS, f"Unsupported number of EP ranks: {num_ranks}"
+        return Config(Buffer.num_sms, *COMBINE_CONFIGS[num_ranks])
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        """DeepEP's formula (two buffer halves of send, receive and signalling areas)."""
+        T, H, E = num_max_dispatch_tokens_per_rank, hidden, num_experts
+        S = H // 128
+        d = 16 + max(2 * H, H + 4 * S)
+        c = 4 * S + 2 * H
+        send, recv = max(T * d, E * T * c), max(E * T * d, E * T * c)
+        total = 2 * send + 2 * recv + 2 * ((4 * E + 127) // 128 * 128)
+        return (total + 128) // 128 * 128
+
+    # ------------------------------------------------------------------------ normal mode
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event: Optional[EventOverlap] = None,
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False) -> \
+            Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor, EventOverlap]:
+        """(num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank [R / 8] int32 or None for at
+        most 8 ranks, num_tokens_per_expert [E] int32, is_token_in_rank [N, R] bool, event).
+        Computed on the caller's stream (no communication)."""
+        _check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
+        if previous_event is not None:
+            previous_event.current_stream_wait()
+        lay = self.runtime.get_dispatch_layout(topk_idx, num_experts)
+        per_rdma = None
+        if self.group_size > RANKS_PER_NODE:
+            nodes = self.group_size // RANKS_PER_NODE
+            per_rdma = lay.token_in_rank.view(-1, nodes, RANKS_PER_NODE).any(dim=2).sum(0).to(torch.int32)
+        return (lay.tokens_per_rank.to(torch.int32), per_rdma, lay.tokens_per_expert.to(torch.int32), lay.token_in_rank,
+                EventOverlap(None))
+
+    def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]], handle: Optional[Tuple] = None,
+                 num_tokens_per_rank: Optional[torch.Tensor] = None, num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+                 is_token_in_rank: Optional[torch.Tensor] = None, num_tokens_per_expert: Optional[torch.Tensor] = None,
+                 topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
+                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False) -> \
+            Tuple[Union[Tuple[torch.Tensor, torch.Tensor], torch.Tensor], Optional[torch.Tensor],
+                  Optional[torch.Tensor], Optional[List[int]], Optional[Tuple], EventOverlap]:
+        """Rank-major dispatch: rows ordered by source rank, then source token; received top-k
+        ids local (-1 where the expert is on another rank, whose weight is 0); the per-expert
+        counts a list rounded up to `expert_alignment` ([] with num_worst_tokens > 0). With a
+        handle (cached dispatch) only the rows move and the list and handle come back None."""
+        _check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
+        prev = to_ours(previous_event)
+        if handle is not None:
+            assert topk_idx is None and topk_weights is None
+            assert isinstance(handle, Handle), "handle must come from megatron_ep.deep_ep's dispatch"
+            out = self.runtime.dispatch(x, handle=handle.ours, async_op=async_finish, previous_event=prev)
+            return out.x, None, None, None, None, from_ours(out.event)
+        assert num_tokens_per_rank is not None and is_token_in_rank is not None and num_tokens_per_expert is not None
+        if topk_idx is None:
+            raise NotImplementedError("megatron_ep.deep_ep dispatch without topk_idx (routing by is_token_in_rank "
+                                      "alone) is not supported: pass topk_idx (and topk_weights)")
+        E = num_tokens_per_expert.numel()
+        assert E % self.group_size == 0
+        out = self.runtime.dispatch(x, topk_idx, topk_weights, num_experts=E, permute=False,
+                                    num_worst_tokens=num_worst_tokens, host_counts=not num_worst_tokens,
+                                    async_op=async_finish, previous_event=prev)
+        counts: List[int] = []
+        if not num_worst_tokens:
+            a = expert_alignment
+            counts = [(c + a - 1) // a * a for c in out.tokens_per_expert_host]
+        rank_prefix = self._rank_prefix_matrix(num_tokens_per_rank, sync_free=bool(num_worst_tokens))
+        h = Handle(out.handle, rank_prefix, None, is_token_in_rank)
+        return out.x, out.topk_idx, out.topk_weights, counts, h, from_ours(out.event)
+
+    def combine(self, x: torch.Tensor, handle: Tuple, topk_weights: Optional[torch.Tensor] = None,
+                bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None, config: Optional[Config] = None,
+                previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor], EventOverlap]:
+        """combined_x[t] = the sum of the rows token t's dispatch delivered (one per rank it went
+        to; unweighted, fp32 accumulation) + the biases; combined_topk_weights [N, K] the
+        received weights put back (their sum over the ranks: each selected expert's weight comes
+        from the one rank that holds it, the others being 0)."""
+        _check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
+        assert isinstance(handle, Handle), "handle must come from megatron_ep.deep_ep's dispatch"
+        out = self.runtime.combine(x, handle.ours, topk_weights, async_op=async_finish, previous_event=to_ours(previous_event))
+        y = out.x
+        b0, b1 = _unpack_bias(bias)
+        if b0 is not None or b1 is not None:
+            if out.event is not None:
+                out.event.current_stream_wait()
+            acc = y.float()
+            for b in (b0, b1):
+                if b is not None:
+                    assert b.shape == y.shape and b.dtype == y.dtype
+                    acc = acc + b.float()
+            y = acc.to(y.dtype)
+        return y, out.weights, from_ours(out.event)
+
+    # ---------------------------------------------------------------------------- helpers
+    def _rank_prefix_matrix(self, num_tokens_per_rank: torch.Tensor, sync_free: bool) -> Optional[torch.Tensor]:
+        """[R, R] int32: [i][j] = tokens ranks 0..i send to rank j (inclusive prefix over sources),
+        gathered from every rank's num_tokens_per_rank; None for a sync-free dispatch on a group
+        whose backend cannot gather device tensors without a host round trip."""
+        counts = num_tokens_per_rank.to(torch.int64)
+        nccl = dist.get_backend(self.group) == "nccl"
+        if counts.is_cuda and not nccl:
+            if sync_free:
+                return None
+            counts = counts.cpu()
+        every = [torch.empty_like(counts) for _ in range(self.group_size)]
+        dist.all_gather(every, counts.contiguous(), group=self.group)
+        return torch.cumsum(torch.stack(every), dim=0).to(torch.int32).to(num_tokens_per_rank.device)
+
+
+def _check_stream_args(previous_event, async_finish: bool, allocate_on_comm_stream: bool) -> None:
+    if allocate_on_comm_stream:
+        assert previous_event is not None and async_finish

@@ -1,0 +1,118 @@
+"""Worker bodies for megatron_ep.deep_ep (DeepEP's Python API on our Buffer), run on every rank of
+a DistPool: each call against an oracle of DeepEP's documented semantics built from every rank's
+inputs (each rank regenerates all of them from the seeds, so the oracle needs no communication)."""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import torch
+import torch.distributed as dist
+
+
+def _inputs(cfg: dict, rank: int):
+    E, K, H = cfg["E"], cfg["K"], cfg["H"]
+    T = cfg["Ts"][rank]
+    g = torch.Generator().manual_seed(cfg["seed"] + rank)
+    x = torch.randn((T, H), generator=g)
+    if cfg.get("pattern") == "hot":
+        idx = torch.full((T, K), -1, dtype=torch.int64)
+        idx[:, 0] = 0
+    else:
+        idx = torch.rand((T, E), generator=g).topk(K, dim=1).indices
+        idx = torch.where(torch.rand((T, K), generator=g) < cfg.get("p_drop", 0.0), -1, idx)
+    w = torch.rand((T, K), generator=g)
+    return x, idx, w
+
+
+def _expected(cfg: dict, me: int, R: int):
+    """DeepEP's dispatch on rank `me`: rows by (source rank, source token), one per token with an
+    expert here; local ids, -1 (weight 0) for experts elsewhere."""
+    L = cfg["E"] // R
+    xs, ids, ws = [], [], []
+    sent = torch.zeros((R, R), dtype=torch.int64)  # [source, destination] tokens
+    for src in range(R):
+        x, idx, w = _inputs(cfg, src)
+        owner = torch.where(idx >= 0, idx // L, -1)
+        for dst in range(R):
+            sent[src, dst] = int((owner == dst).any(dim=1).sum())
+        here = (owner == me).any(dim=1)
+        local = torch.where(owner == me, idx - me * L, -1)[here]
+        xs.append(x[here])
+        ids.append(local)
+        ws.append(torch.where(local >= 0, w[here], 0.0))
+    return torch.cat(xs), torch.cat(ids), torch.cat(ws), sent
+
+
+def run_deep_ep_normal_case(cfg: dict) -> list:
+    R, rank = dist.get_world_size(), dist.get_rank()
+    tag = f"[deep_ep normal R={R} rank={rank} seed={cfg['seed']}]"
+    try:
+        os.environ["MEGATRON_EP_DEEP_EP_BACKEND"] = "torch"
+        from megatron_ep import deep_ep
+
+        errors = []
+        E, L, a = cfg["E"], cfg["E"] // R, cfg.get("align", 1)
+        buf = deep_ep.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 20)
+        x, idx, w = _inputs(cfg, rank)
+        per_rank, per_rdma, per_expert, in_rank, ev = buf.get_dispatch_layout(idx, E)
+        owner = torch.where(idx >= 0, idx // L, -1)
+        want_in_rank = torch.stack([(owner == r).any(dim=1) for r in range(R)], dim=1)
+        if not (torch.equal(in_rank, want_in_rank) and per_rank.dtype == torch.int32 and per_expert.dtype == torch.int32
+                and per_rank.tolist() == want_in_rank.sum(0).tolist() and per_rdma is None and ev.event is None
+                and per_expert.tolist() == [int((idx == e).sum()) for e in range(E)]):
+            errors.append(f"{tag} get_dispatch_layout differs from DeepEP's: {per_rank.tolist()} {per_expert.tolist()}")
+        rx, rid, rw, counts, handle, ev = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                       num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w,
+                                                       expert_alignment=a)
+        ex, eid, ew, sent = _expected(cfg, rank, R)
+        for name, got, want in (("recv_x", rx, ex), ("recv_topk_idx", rid, eid), ("recv_topk_weights", rw, ew)):
+            if got.shape != want.shape or not torch.equal(got, want.to(got.dtype)):
+                errors.append(f"{tag} {name}: {tuple(got.shape)} differs from DeepEP's {tuple(want.shape)}")
+        want_counts = [(int((eid == e).sum()) + a - 1) // a * a for e in range(L)]
+        if counts != want_counts:
+            errors.append(f"{tag} num_recv_tokens_per_expert_list {counts}, DeepEP's {want_counts}")
+        if not (isinstance(handle, tuple) and len(handle) == 6 and torch.equal(handle[0], torch.cumsum(sent, 0).to(torch.int32))
+                and handle[4] is in_rank):
+            errors.append(f"{tag} handle[0] (rank_prefix_matrix) {handle[0]} or handle[4] differ from DeepEP's")
+        # cached dispatch (the backward of combine): the same rows, no list, no handle
+        again = buf.dispatch(x * 2, handle=handle)
+        if not (torch.equal(again[0], ex * 2) and again[1:5] == (None, None, None, None)):
+            errors.append(f"{tag} cached dispatch differs from DeepEP's")
+        # combine: the plain sum of the rows each token's dispatch delivered (one per rank)
+        y, yw, ev = buf.combine(rx * (rank + 1), handle, topk_weights=rw)
+        scale = sum((r + 1) * want_in_rank[:, r].double() for r in range(R))
+        want_y = x.double() * scale.unsqueeze(1)
+        if not torch.allclose(y.double(), want_y, rtol=1e-5, atol=1e-5):
+            errors.append(f"{tag} combined_x differs from DeepEP's sum (max diff {(y.double() - want_y).abs().max():.3g})")
+        want_w = torch.where(idx >= 0, w, 0.0)
+        if not torch.allclose(yw, want_w, rtol=0, atol=1e-7):
+            errors.append(f"{tag} combined_topk_weights differ from the original weights of the selected experts")
+        bias = torch.randn(x.shape, generator=torch.Generator().manual_seed(7 + rank))
+        yb, _, _ = buf.combine(rx, handle, bias=(bias, bias))
+        want_b = x.double() * want_in_rank.sum(1, keepdim=True).double() + 2 * bias.double()
+        if not torch.allclose(yb.double(), want_b, rtol=1e-5, atol=1e-5):
+            errors.append(f"{tag} combine with a bias pair differs from DeepEP's")
+        # worst-case sized: exactly num_worst_tokens rows, the real ones first, an empty list
+        worst = cfg["worst"]
+        wx, wid, _, wcounts, _, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                 num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w,
+                                                 num_worst_tokens=worst)
+        n = ex.shape[0]
+        if not (wx.shape[0] == worst and wcounts == [] and torch.equal(wx[:n], ex) and torch.all(wid[n:] == -1)):
+            errors.append(f"{tag} num_worst_tokens={worst}: {wx.shape[0]} rows, list {wcounts}")
+        return errors
+    except Exception:
+        return [f"{tag} raised:\n{traceback.format_exc()}"]
+
+
+def normal_cases(R: int) -> list:
+    """Uneven token counts with an empty rank and -1 slots; every token on one expert; an alignment."""
+    Ts = [6, 0, 9, 3, 7, 1, 4, 5][:R]
+    return [dict(seed=600 + R, E=2 * R, K=3, H=16, Ts=Ts, p_drop=0.2, worst=R * 9, align=3),
+            dict(seed=610 + R, E=4 * R, K=2, H=32, Ts=[5] * R, pattern="hot", worst=R * 5, align=4)]
+
+
+def run_deep_ep_normal_cases(cfgs: list) -> list:
+    return [e for cfg in cfgs for e in run_deep_ep_normal_case(cfg)]
