@@ -116,3 +116,88 @@ def normal_cases(R: int) -> list:
 
 def run_deep_ep_normal_cases(cfgs: list) -> list:
     return [e for cfg in cfgs for e in run_deep_ep_normal_case(cfg)]
+
+
+def run_deep_ep_low_latency_case(cfg: dict) -> list:
+    """low_latency_dispatch (bf16, then FP8) and low_latency_combine against DeepEP's semantics:
+    per local expert, count[e] rows, blocks per source rank as layout_range says (begin << 32 |
+    count), src_info the source token of each row, the rows the source's (FP8: its per-128 cast);
+    the combine the weighted sum over the token's experts; unsupported arguments named."""
+    R, rank = dist.get_world_size(), dist.get_rank()
+    tag = f"[deep_ep low latency R={R} rank={rank} seed={cfg['seed']}]"
+    try:
+        os.environ["MEGATRON_EP_DEEP_EP_BACKEND"] = "torch"
+        from megatron_ep import deep_ep
+        from megatron_ep.fp8 import per_token_cast_to_fp8
+
+        errors = []
+        E, L, T, H = cfg["E"], cfg["E"] // R, cfg["T"], cfg["H"]
+        buf = deep_ep.Buffer(dist.group.WORLD, num_rdma_bytes=deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, R, E),
+                             low_latency_mode=True)
+        x, idx, w = _inputs(cfg, rank)
+        x = x.to(torch.bfloat16)
+        srcs = [_inputs(cfg, j) for j in range(R)]
+        for use_fp8 in (False, True):
+            recv, count, handle, ev, hook = buf.low_latency_dispatch(x, idx, T, E, use_fp8=use_fp8, return_recv_hook=True)
+            hook()
+            data = recv[0] if use_fp8 else recv
+            src_info, layout = handle[0], handle[1]
+            if not (len(handle) == 5 and handle[2:] == (T, H, E) and data.shape == (L, R * T, H)
+                    and count.dtype == torch.int32 and layout.dtype == torch.int64 and layout.shape == (L, R)):
+                errors.append(f"{tag} fp8={use_fp8}: shapes or handle differ from DeepEP's")
+                continue
+            for e in range(L):
+                g = rank * L + e
+                want_count = sum(int((sj[1] == g).any(dim=1).sum()) for sj in srcs)
+                if int(count[e]) != want_count:
+                    errors.append(f"{tag} fp8={use_fp8} expert {e}: count {int(count[e])}, DeepEP's {want_count}")
+                    continue
+                for j, (xj, idxj, _) in enumerate(srcs):
+                    begin, n = int(layout[e, j]) >> 32, int(layout[e, j]) & 0xFFFFFFFF
+                    tokens = src_info[e, begin:begin + n].tolist()
+                    want = (idxj == g).any(dim=1).nonzero().flatten().tolist()
+                    if sorted(tokens) != want:
+                        errors.append(f"{tag} fp8={use_fp8} expert {e} from rank {j}: tokens {tokens}, DeepEP's {want}")
+                        continue
+                    rows = xj.to(torch.bfloat16)[tokens]
+                    if use_fp8:
+                        q, s = per_token_cast_to_fp8(rows)
+                        ok = torch.equal(recv[0][e, begin:begin + n].view(torch.uint8), q.view(torch.uint8)) and \
+                            torch.equal(recv[1][e, begin:begin + n], s)
+                    else:
+                        ok = torch.equal(recv[e, begin:begin + n], rows)
+                    if not ok:
+                        errors.append(f"{tag} fp8={use_fp8} expert {e} from rank {j}: rows differ from the source's")
+        # combine: expert g returns its rows times (g + 1); the sum is weighted by topk_weights
+        recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+        scaled = torch.stack([recv[e].float() * (rank * L + e + 1) for e in range(L)]).to(torch.bfloat16)
+        y, ev, hook = buf.low_latency_combine(scaled, idx, w, handle)
+        factor = (torch.where(idx >= 0, w * (idx + 1).float(), 0.0)).sum(1, keepdim=True).double()
+        want_y = x.double() * factor
+        if not torch.allclose(y.double(), want_y, rtol=2e-2, atol=2e-2):
+            errors.append(f"{tag} low_latency_combine differs from DeepEP's weighted sum "
+                          f"(max diff {(y.double() - want_y).abs().max():.3g})")
+        for kwargs, name in ((dict(use_logfmt=True), "use_logfmt"), (dict(zero_copy=True), "zero_copy")):
+            try:
+                buf.low_latency_combine(scaled, idx, w, handle, **kwargs)
+                errors.append(f"{tag} {name}=True was accepted")
+            except NotImplementedError as exc:
+                if name not in str(exc):
+                    errors.append(f"{tag} the error for {name} does not name it: {exc}")
+        try:
+            buf.low_latency_dispatch(x, idx, T, E, round_scale=True, use_ue8m0=True)
+            errors.append(f"{tag} use_ue8m0=True was accepted")
+        except NotImplementedError as exc:
+            if "use_ue8m0" not in str(exc):
+                errors.append(f"{tag} the error for use_ue8m0 does not name it: {exc}")
+        return errors
+    except Exception:
+        return [f"{tag} raised:\n{traceback.format_exc()}"]
+
+
+def low_latency_cases(R: int) -> list:
+    return [dict(seed=700 + R, E=2 * R, K=3, H=256, T=8, Ts=[8, 0, 5, 3][:R], p_drop=0.2)]
+
+
+def run_deep_ep_low_latency_cases(cfgs: list) -> list:
+    return [e for cfg in cfgs for e in run_deep_ep_low_latency_case(cfg)]

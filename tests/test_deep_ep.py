@@ -36,3 +36,9 @@ def test_event_overlap_without_an_event():
 def test_normal_mode_matches_deepep(pools, R):
     errors = [e for rank in pools(R).run(dc.run_deep_ep_normal_cases, dc.normal_cases(R)) for e in rank]
     assert not errors, "\n".join(errors[:20])
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_low_latency_mode_matches_deepep(pools, R):
+    errors = [e for rank in pools(R).run(dc.run_deep_ep_low_latency_cases, dc.low_latency_cases(R)) for e in rank]
+    assert not errors, "\n".join(errors[:20])

@@ -36,6 +36,25 @@ class Handle(tuple):
         return h
 
 
+class LowLatencyHandle(tuple):
+    """DeepEP's low-latency handle `(src_info, layout_range, num_max_dispatch_tokens_per_rank,
+    hidden, num_experts)`; `ours` is megatron_ep's handle, which the combine uses."""
+
+    ours: object
+
+    def __new__(cls, ours, src_info, layout_range, T: int, H: int, E: int):
+        h = super().__new__(cls, (src_info, layout_range, T, H, E))
+        h.ours = ours
+        return h
+
+
+def _unsupported(**given) -> None:
+    """One clear error naming each DeepEP argument our kernels do not serve yet."""
+    for name, value in given.items():
+        if value is not None and value is not False:
+            raise NotImplementedError(f"megatron_ep.deep_ep: {name} is not supported yet (docs/deep-ep.md, 'Not yet here')")
+
+
 def _unpack_bias(bias) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     if isinstance(bias, torch.Tensor):
         return bias, None
@@ -200,6 +219,58 @@ class Buffer:
             y = acc.to(y.dtype)
         return y, out.weights, from_ours(out.event)
 
+    # ----------------------------------------------------------------------- low latency
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
+                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False):
+        """(recv_x [L, R*T, H] bf16, or (FP8 rows, fp32 scales [L, R*T, H/128]), recv_count [L]
+        int32, handle (src_info [L, R*T] int32, layout_range [L, R] int64 = begin << 32 | count,
+        T, H, E), event, hook). With return_recv_hook the outputs are valid after hook()."""
+        assert self.low_latency_mode
+        assert not (async_finish and return_recv_hook)
+        assert not use_ue8m0 or round_scale
+        _unsupported(use_ue8m0=use_ue8m0, cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
+                     dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats)
+        hooked = return_recv_hook and self.runtime.backend == "cuda"
+        out = self.runtime.low_latency_dispatch(x, topk_idx, num_experts, max_tokens_per_rank=num_max_dispatch_tokens_per_rank,
+                                                use_fp8=use_fp8, round_scale=round_scale,
+                                                **({"return_recv_hook": True} if hooked else {}))
+        ours = out.handle
+        lr = ours.layout_range
+        packed = (lr[..., 0].to(torch.int64) << 32) | lr[..., 1].to(torch.int64)
+        handle = LowLatencyHandle(ours, ours.src_token, packed, num_max_dispatch_tokens_per_rank, x.shape[1], num_experts)
+        hook = None
+        if return_recv_hook:
+            hook = out.hook if hooked else (lambda: None)  # the torch backend has received already
+        return out.x, out.count, handle, _finished(out.event, async_finish, x), hook
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: tuple,
+                            use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
+                            return_recv_hook: bool = False, out: Optional[torch.Tensor] = None,
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None):
+        """(combined_x [M, H]: sum over k of topk_weights[t, k] x the row expert topk_idx[t, k]
+        computed for token t, event, hook)."""
+        assert self.low_latency_mode
+        assert not (async_finish and return_recv_hook)
+        assert isinstance(handle, LowLatencyHandle), "handle must come from megatron_ep.deep_ep's low_latency_dispatch"
+        _unsupported(use_logfmt=use_logfmt, zero_copy=zero_copy, combine_wait_recv_cost_stats=combine_wait_recv_cost_stats)
+        cuda = self.runtime.backend == "cuda"
+        kwargs = {}
+        if cuda and return_recv_hook:
+            kwargs["return_recv_hook"] = True
+        if cuda and out is not None:
+            kwargs["out"] = out
+        res = self.runtime.low_latency_combine(x, topk_idx, topk_weights, handle.ours, **kwargs)
+        y, hook = res if (cuda and return_recv_hook) else (res, None)
+        if out is not None and not cuda:
+            out.copy_(y)
+            y = out
+        if return_recv_hook and hook is None:
+            hook = lambda: None  # noqa: E731 - the torch backend has combined already
+        return y, _finished(None, async_finish, x), hook
+
     # ---------------------------------------------------------------------------- helpers
     def _rank_prefix_matrix(self, num_tokens_per_rank: torch.Tensor, sync_free: bool) -> Optional[torch.Tensor]:
         """[R, R] int32: [i][j] = tokens ranks 0..i send to rank j (inclusive prefix over sources),
@@ -214,6 +285,17 @@ class Buffer:
         every = [torch.empty_like(counts) for _ in range(self.group_size)]
         dist.all_gather(every, counts.contiguous(), group=self.group)
         return torch.cumsum(torch.stack(every), dim=0).to(torch.int32).to(num_tokens_per_rank.device)
+
+
+def _finished(ours, async_finish: bool, like: torch.Tensor) -> EventOverlap:
+    """The event DeepEP returns: ours when the call gave one; with async_finish on a GPU, one
+    recorded on the caller's stream after the call (our low-latency kernels run on it)."""
+    ev = from_ours(ours)
+    if ev.event is None and async_finish and like.is_cuda:
+        from .utils import EventHandle
+
+        ev = EventOverlap(EventHandle())
+    return ev
 
 
 def _check_stream_args(previous_event, async_finish: bool, allocate_on_comm_stream: bool) -> None:
