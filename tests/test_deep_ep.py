@@ -42,3 +42,25 @@ def test_normal_mode_matches_deepep(pools, R):
 def test_low_latency_mode_matches_deepep(pools, R):
     errors = [e for rank in pools(R).run(dc.run_deep_ep_low_latency_cases, dc.low_latency_cases(R)) for e in rank]
     assert not errors, "\n".join(errors[:20])
+
+
+def test_import_deep_ep_through_the_shim(tmp_path):
+    """With the shim's folder on PYTHONPATH, unmodified `import deep_ep` code (Megatron's
+    fused_a2a imports deep_ep.utils' EventHandle and EventOverlap) gets megatron_ep's, and the
+    import says so, naming a DeepEP install it shadows."""
+    import os
+    import subprocess
+    import sys
+
+    shim = subprocess.run([sys.executable, "-m", "megatron_ep.deep_ep", "--path"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    real = tmp_path / "deep_ep"
+    real.mkdir()
+    (real / "__init__.py").write_text("raise ImportError('the real DeepEP must not be imported')\n")
+    code = ("import deep_ep\nfrom deep_ep.utils import EventHandle, EventOverlap\n"
+            "print(deep_ep.Buffer.__module__, deep_ep.topk_idx_t)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([shim, str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["megatron_ep.deep_ep.buffer", "torch.int64"], r.stdout
+    assert "megatron_ep's implementation" in r.stderr and f"shadows the DeepEP at {real}" in r.stderr, r.stderr
