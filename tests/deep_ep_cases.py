@@ -201,3 +201,30 @@ def low_latency_cases(R: int) -> list:
 
 def run_deep_ep_low_latency_cases(cfgs: list) -> list:
     return [e for cfg in cfgs for e in run_deep_ep_low_latency_case(cfg)]
+
+
+def run_deep_ep_clean_case(cfg: dict) -> list:
+    """clean_low_latency_buffer is collective and needs low_latency_mode, as DeepEP's; the next
+    dispatch after it works."""
+    R, rank = dist.get_world_size(), dist.get_rank()
+    tag = f"[deep_ep clean R={R} rank={rank}]"
+    try:
+        os.environ["MEGATRON_EP_DEEP_EP_BACKEND"] = "torch"
+        from megatron_ep import deep_ep
+
+        errors = []
+        normal = deep_ep.Buffer(dist.group.WORLD)
+        try:
+            normal.clean_low_latency_buffer(8, 256, 2 * R)
+            errors.append(f"{tag} a normal-mode Buffer cleaned a low-latency buffer")
+        except AssertionError:
+            pass
+        buf = deep_ep.Buffer(dist.group.WORLD, low_latency_mode=True)
+        buf.clean_low_latency_buffer(8, 256, 2 * R)
+        x, idx, _ = _inputs(dict(cfg, Ts=[4] * R), rank)
+        _, count, _, _, _ = buf.low_latency_dispatch(x.to(torch.bfloat16), idx, 8, cfg["E"], use_fp8=False)
+        if int(count.sum()) != sum(int((_inputs(dict(cfg, Ts=[4] * R), j)[1] // (cfg["E"] // R) == rank).sum()) for j in range(R)):
+            errors.append(f"{tag} the dispatch after a clean received {int(count.sum())} copies")
+        return errors
+    except Exception:
+        return [f"{tag} raised:\n{traceback.format_exc()}"]

@@ -64,3 +64,8 @@ def test_import_deep_ep_through_the_shim(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["megatron_ep.deep_ep.buffer", "torch.int64"], r.stdout
     assert "megatron_ep's implementation" in r.stderr and f"shadows the DeepEP at {real}" in r.stderr, r.stderr
+
+
+def test_clean_low_latency_buffer(pools):
+    errors = [e for rank in pools(2).run(dc.run_deep_ep_clean_case, dict(seed=9, E=4, K=2, H=256)) for e in rank]
+    assert not errors, "\n".join(errors[:20])

@@ -246,6 +246,13 @@ class Buffer:
             hook = out.hook if hooked else (lambda: None)  # the torch backend has received already
         return out.x, out.count, handle, _finished(out.event, async_finish, x), hook
 
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Collective, as DeepEP's. Our low-latency buffers need no cleaning (each call's last
+        block clears the signal words it used, and the normal paths use other memory), so this
+        is the group's barrier."""
+        assert self.low_latency_mode
+        dist.barrier(group=self.group)
+
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: tuple,
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
                             return_recv_hook: bool = False, out: Optional[torch.Tensor] = None,
