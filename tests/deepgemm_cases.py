@@ -27,7 +27,8 @@ class FakeDeepGemm:
     """CPU emulator of the DeepGEMM kernels our glue calls, per their documented contract:
     d[i] = a[i] @ b[m[i]]^T (nt) or a[i] @ b[m[i]] (nn) for m[i] >= 0, FP8 operands multiplied
     back out per block; rows with m[i] = -1 are left untouched; every 128-row block must belong to
-    one expert (or be all -1). Records "nt" / "nn" / "fp8 nt" calls; an SM count to set and read."""
+    one expert (or be all -1); K a multiple of 64 (bf16) or 128 (FP8). Records "nt" / "nn" /
+    "fp8 nt" calls; an SM count to set and read."""
 
     ALIGN = 128
 
@@ -44,8 +45,9 @@ class FakeDeepGemm:
     def set_num_sms(self, n):
         self.num_sms = n
 
-    def _check(self, a, m):
+    def _check(self, a, m, k_step=64):
         assert a.shape[0] % self.ALIGN == 0, f"M={a.shape[0]} is not a multiple of {self.ALIGN}"
+        assert a.shape[1] % k_step == 0, f"k % {k_step} == 0"  # DeepGEMM's Hopper kernels assert it
         for blk in m.view(-1, self.ALIGN):
             ids = set(blk.tolist()) - {-1}
             assert len(ids) <= 1, f"a {self.ALIGN}-row block mixes experts {sorted(ids)}"
@@ -64,7 +66,7 @@ class FakeDeepGemm:
 
     def m_grouped_fp8_gemm_nt_contiguous(self, a, b, d, m_indices):
         (q, s), (wq, ws) = a, b
-        self._check(q, m_indices)
+        self._check(q, m_indices, k_step=128)
         assert s.shape == (q.shape[0], q.shape[1] // 128) and ws.shape[1:] == (-(-wq.shape[1] // 128), wq.shape[2] // 128)
         self.calls.append("fp8 nt")
         x = per_token_cast_back(q, s, torch.float32)

@@ -109,17 +109,39 @@ def test_grouped_linear_bf16(backend):
 
 @pytest.mark.parametrize("counts,align", LAYOUTS)
 def test_grouped_linear_deepgemm_glue(fake_deep_gemm, counts, align):
-    _check_linear("deepgemm", counts, align, torch.float32, mark_pad=True, tol=1e-5)
+    _check_linear("deepgemm", counts, align, torch.float32, mark_pad=True, tol=1e-4, H=64, N=128)  # fp32 sums over up to 256 rows
     if sum(counts):
         assert fake_deep_gemm.calls[:1] == ["nt"] and "nn" in fake_deep_gemm.calls
 
 
 def test_deepgemm_uses_dispatch_alignment_without_relayout(fake_deep_gemm, monkeypatch):
     """A layout already aligned to 128 by the dispatch goes to DeepGEMM as is."""
-    x, row_expert, layout = make_layout([100, 3], 128, 16, torch.float32, seed=1)
+    x, row_expert, layout = make_layout([100, 3], 128, 64, torch.float32, seed=1)
     monkeypatch.setattr(B, "_AlignedRows", None)  # would raise if the re-layout ran
-    w = torch.randn((2, 8, 16))
+    w = torch.randn((2, 64, 64))
     torch.testing.assert_close(X.grouped_linear(x, w, layout, "deepgemm").double(), dense_rows(x, w, row_expert), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("K,N,fp8,why", [(7168, 2048, False, None), (2048, 7168, True, None), (16, 64, False, "K=16"),
+                                          (64, 24, False, "N=24"), (192, 64, True, "K=192"), (128, 20, True, "N=20")])
+def test_deepgemm_shape_rule(K, N, fp8, why):
+    got = B.deep_gemm_shape_error(K, N, fp8)
+    assert (got is None) if why is None else (why in got)
+
+
+def test_deepgemm_refuses_shapes_it_cannot_take(fake_deep_gemm):
+    """Asked for by name, DeepGEMM with a K or N its kernels cannot read raises naming the shape,
+    before any GEMM (DeepGEMM itself would stop on an assertion inside its C++)."""
+    x, _, layout = make_layout([5, 3], 128, 16, torch.float32, seed=2)
+    with pytest.raises(ValueError, match="K=16 is not a multiple of 64"):
+        X.grouped_linear(x, torch.randn((2, 64, 16)), layout, "deepgemm")
+    x, _, layout = make_layout([5, 3], 128, 64, torch.float32, seed=2)
+    with pytest.raises(ValueError, match="N=24 is not a multiple of 64"):
+        X.grouped_linear(x, torch.randn((2, 24, 64)), layout, "deepgemm")
+    x, _, layout = make_layout([5, 3], 128, 128, torch.float32, seed=2)
+    with pytest.raises(ValueError, match="N=20 is not a multiple of 8"):
+        X.grouped_linear_fp8(per_token_cast_to_fp8(x), torch.randn((2, 20, 128)), layout, backend="deepgemm")
+    assert fake_deep_gemm.calls == []
 
 
 def test_auto_backend_on_cpu_is_loop(monkeypatch):
@@ -416,7 +438,10 @@ def test_grouped_linear_cuda_bf16(backend, counts, align):
 def test_auto_backend_on_hopper_is_grouped(monkeypatch):
     monkeypatch.delenv("MEGATRON_EP_GEMM_BACKEND", raising=False)
     want = "deepgemm" if B.deep_gemm_module() is not None else "grouped_mm"
-    assert X.choose_backend(torch.zeros(2, 2, dtype=torch.bfloat16, device="cuda")) == want
+    assert X.choose_backend(torch.zeros(2, 64, dtype=torch.bfloat16, device="cuda"), n=128) == want
+    # shapes DeepGEMM's kernels cannot read go to grouped_mm, whether DeepGEMM is there or not
+    assert X.choose_backend(torch.zeros(2, 16, dtype=torch.bfloat16, device="cuda"), n=128) == "grouped_mm"
+    assert X.choose_backend(torch.zeros(2, 64, dtype=torch.bfloat16, device="cuda"), n=24) == "grouped_mm"
 
 
 def _masked_gemms():

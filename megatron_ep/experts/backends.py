@@ -46,14 +46,31 @@ def _grouped_mm_fn():
     return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
-def choose_backend(x: torch.Tensor, requested: Optional[str] = None) -> str:
+def deep_gemm_shape_error(K: int, N: int, fp8: bool = False) -> Optional[str]:
+    """Why DeepGEMM's contiguous kernels refuse y = x @ w^T with x [M, K], w [G, N, K], or None.
+    They read K in blocks: 64 for bf16 (asserted by DeepGEMM's Hopper kernel, and our dgrad is the
+    nn kernel with N as its K), 128 for FP8 (one scale per 128 channels); the output rows must be
+    16-byte aligned for TMA."""
+    step = 128 if fp8 else 64
+    if K % step:
+        return f"K={K} is not a multiple of {step}"
+    if not fp8 and N % 64:
+        return f"N={N} is not a multiple of 64 (the backward's nn GEMM reads N as its K)"
+    if N % 8:
+        return f"N={N} is not a multiple of 8"
+    return None
+
+
+def choose_backend(x: torch.Tensor, requested: Optional[str] = None, n: Optional[int] = None) -> str:
+    """The backend for x [M, K] times weights with `n` output channels (None: not known yet, only K
+    is checked): the requested one, else the first of BACKENDS that takes these operands."""
     requested = requested or os.environ.get("MEGATRON_EP_GEMM_BACKEND") or "auto"
     if requested != "auto":
         if requested not in BACKENDS:
             raise ValueError(f"grouped GEMM backend must be one of {BACKENDS} or auto, got {requested!r}")
         return requested
     cuda_bf16 = x.is_cuda and x.dtype == torch.bfloat16
-    if cuda_bf16 and deep_gemm_module() is not None:
+    if cuda_bf16 and deep_gemm_module() is not None and deep_gemm_shape_error(x.shape[-1], 64 if n is None else n) is None:
         return "deepgemm"
     if cuda_bf16 and _grouped_mm_fn() is not None and torch.cuda.get_device_capability(x.device)[0] >= 9:
         return "grouped_mm"
@@ -191,6 +208,10 @@ def deepgemm_linear(x: torch.Tensor, w: torch.Tensor, layout: GroupedLayout) -> 
     dg = deep_gemm_module()
     if dg is None:
         raise RuntimeError("grouped GEMM backend 'deepgemm' requested but deep_gemm is not importable")
+    why = deep_gemm_shape_error(x.shape[1], w.shape[1])
+    if why is not None:
+        raise ValueError(f"grouped GEMM backend 'deepgemm' cannot take x {tuple(x.shape)}, w {tuple(w.shape)}: {why}; "
+                         f"use 'grouped_mm' or 'loop', or leave the backend to auto")
     if x.shape[0] == 0 or layout.num_groups == 0:
         return loop_linear(x, w, layout)
     align = deep_gemm_alignment(dg)
@@ -214,7 +235,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, layout: GroupedLayout, back
         raise ValueError(f"weight must be [G={layout.num_groups}, N, K={x.shape[-1]}], got {tuple(w.shape)}")
     if x.shape[0] != layout.num_rows:
         raise ValueError(f"x has {x.shape[0]} rows but the layout has {layout.num_rows}")
-    name = choose_backend(x, backend)
+    name = choose_backend(x, backend, w.shape[1])
     y = {"deepgemm": deepgemm_linear, "grouped_mm": grouped_mm_linear, "loop": loop_linear}[name](x, w, layout)
     mask = layout.pad_mask(x.device)
     return y if mask is None else torch.where(mask, y, torch.zeros_like(y))

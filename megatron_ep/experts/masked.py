@@ -69,7 +69,9 @@ def deep_gemm_takes_masked(x: Union[torch.Tensor, Fp8], w: torch.Tensor) -> bool
     else:
         ok = data.dtype == torch.bfloat16 and K % 64 == 0
     if ok and data.is_cuda:
-        ok = torch.cuda.get_device_capability(data.device)[0] in (9, 10)
+        # Blackwell's FP8 kernels take UE8M0 (power-of-two) scales: handed our fp32 scales, DeepGEMM
+        # rounds them to powers of two and the rows are read back wrong; its bf16 kernels run there
+        ok = torch.cuda.get_device_capability(data.device)[0] in ((9,) if is_fp8 else (9, 10))
     return ok
 
 
@@ -123,9 +125,15 @@ def grouped_linear_fp8(x: Fp8, w: torch.Tensor, layout: GroupedLayout, backend: 
     dg = deep_gemm_module()
     # auto: DeepGEMM on the GPU; asked for by name, also on CPU tensors (its emulator in tests)
     if dg is not None and (backend == "deepgemm" or (backend is None and data.is_cuda)):
-        from .backends import deep_gemm_alignment
+        from .backends import deep_gemm_alignment, deep_gemm_shape_error
 
-        if layout.alignment % deep_gemm_alignment(dg) == 0:
+        why = deep_gemm_shape_error(data.shape[1], w.shape[1], fp8=True)
+        if why is None and data.is_cuda and torch.cuda.get_device_capability(data.device)[0] != 9:
+            why = "DeepGEMM's FP8 kernels off Hopper take UE8M0 scales, not the dispatch's fp32 ones"
+        if why is not None and backend == "deepgemm":
+            raise ValueError(f"grouped GEMM backend 'deepgemm' cannot take FP8 rows {tuple(data.shape)}, "
+                             f"w {tuple(w.shape)}: {why}")
+        if why is None and layout.alignment % deep_gemm_alignment(dg) == 0:
             out = torch.zeros((data.shape[0], w.shape[1]), dtype=torch.bfloat16, device=data.device)
             dg.m_grouped_fp8_gemm_nt_contiguous((data, scales), per_block_cast_to_fp8(w), out, layout.m_indices(data.device))
             return out
