@@ -312,8 +312,19 @@ class Buffer:
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int,
                              max_tokens_per_rank: int = 128, use_fp8: bool = True,
                              round_scale: bool = False, topk_weights: Optional[torch.Tensor] = None,
+                             use_ue8m0: bool = False, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
+                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None,
                              **kwargs) -> LowLatencyDispatchOutput:
         """Every (token, expert) copy to its expert's fixed receive area (docs/design.md §2).
+
+        `use_ue8m0` (with `use_fp8` and `round_scale`, hidden a multiple of 512, num_ranks *
+        max_tokens_per_rank a multiple of 4): the scales come as int32 [L, R*T, H/512], each
+        scale's exponent byte packed four to an int32 along hidden, stored column-major per
+        expert, the layout DeepGEMM's FP8 GEMMs read (fp8.pack_ue8m0 owns the format).
+        `cumulative_local_expert_recv_stats` ([L] int32) gets each local expert's received rows
+        added; `dispatch_wait_recv_cost_stats` ([R] int64) the SM clock cycles the receive half
+        waited for each source rank's rows (cuda backend; the torch backend has no such waits
+        and leaves it as it is).
 
         `topk_weights` ([T, K], optional): the weights the combine will take. Given here, they
         travel with the copies, and a combine passed the same tensor (unchanged since) sends one
@@ -329,6 +340,20 @@ class Buffer:
             C.check_token_limit(T, max_tokens_per_rank)
             if use_fp8:
                 C.fail(H % C.FP8_BLOCK == 0, f"x: hidden size {H} must be a multiple of {C.FP8_BLOCK} for FP8")
+            C.check_bool("use_ue8m0", use_ue8m0)
+            if use_ue8m0:
+                C.fail(use_fp8 and round_scale, "use_ue8m0 needs use_fp8=True and round_scale=True (power-of-two scales)")
+                C.fail(H % (C.FP8_BLOCK * 4) == 0, f"x: hidden size {H} must be a multiple of {C.FP8_BLOCK * 4} for UE8M0 "
+                                                  f"scales (four per int32)")
+                C.fail(self.num_ranks * max_tokens_per_rank % 4 == 0,
+                       f"use_ue8m0: num_ranks * max_tokens_per_rank = {self.num_ranks * max_tokens_per_rank} must be a "
+                       f"multiple of 4 (the column-major scales are TMA-aligned)")
+            C.check_stats("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
+                          num_experts // self.num_ranks, torch.int32, x.device, "local expert")
+            C.check_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, self.num_ranks, torch.int64,
+                          x.device, "rank")
+            kwargs.update(use_ue8m0=use_ue8m0, recv_stats=cumulative_local_expert_recv_stats,
+                          wait_stats=dispatch_wait_recv_cost_stats)
             K = C.check_topk_idx(topk_idx, T, x.device)
             if self.check_inputs:
                 C.check_topk_values(topk_idx, num_experts)
@@ -345,8 +370,11 @@ class Buffer:
         return out
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                            handle: LowLatencyHandle, **kwargs) -> torch.Tensor:
-        """y[t] = sum_k w[t, k] * x[e_k][row(t, e_k)] over valid slots (fp32 accumulation)."""
+                            handle: LowLatencyHandle, combine_wait_recv_cost_stats: Optional[torch.Tensor] = None,
+                            **kwargs) -> torch.Tensor:
+        """y[t] = sum_k w[t, k] * x[e_k][row(t, e_k)] over valid slots (fp32 accumulation).
+        `combine_wait_recv_cost_stats` ([R] int64): the SM clock cycles the receive half waited
+        for each rank's rows are added (cuda backend; the torch backend leaves it as it is)."""
         with self._call("low_latency_combine") as call:
             self._check_handle(handle, LowLatencyHandle)
             C.fail(isinstance(x, torch.Tensor), "x must be a tensor", TypeError)
@@ -359,6 +387,10 @@ class Buffer:
             if self.check_inputs:
                 C.check_same_routing(topk_idx, handle.topk_idx, handle.topk_idx_version)
             C.check_topk_weights(topk_weights, handle.num_tokens, K, x.device)
+            C.check_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, self.num_ranks, torch.int64,
+                          x.device, "rank")
+            if combine_wait_recv_cost_stats is not None:
+                kwargs["wait_stats"] = combine_wait_recv_cost_stats
             call.set(routing=handle.call_seq, dtype=P.dtype_code(x.dtype), hidden=handle.hidden,
                      row_bytes=handle.hidden * x.element_size(), topk=K, num_experts=handle.num_experts,
                      max_tokens_per_rank=handle.max_tokens_per_rank)

@@ -215,3 +215,14 @@ def check_capacity_factor(name: str, value) -> Optional[float]:
                                                                             f"{type(value).__name__}", TypeError)
     fail(math.isfinite(value) and value > 0, f"{name} must be a finite number > 0 (or unset), got {value}")
     return float(value)
+
+
+def check_stats(name: str, stats, length: int, dtype: torch.dtype, device: torch.device, what: str) -> None:
+    """A statistics tensor a call adds to: [length] of dtype, contiguous, on the call's device."""
+    if stats is None:
+        return
+    fail(isinstance(stats, torch.Tensor), f"{name} must be a tensor", TypeError)
+    fail(stats.dtype == dtype, f"{name} must be {dtype}, got {stats.dtype}", TypeError)
+    fail(tuple(stats.shape) == (length,), f"{name} must have shape ({length},) (one entry per {what}), got {tuple(stats.shape)}")
+    fail(stats.is_contiguous(), f"{name} must be contiguous")
+    fail(stats.device == device, f"{name} is on {stats.device}, x on {device}")

@@ -48,3 +48,32 @@ def per_token_cast_back(x_fp8: torch.Tensor, scales: torch.Tensor, dtype: torch.
     fail(tuple(scales.shape) == tuple(x_fp8.shape[:-1]) + (H // FP8_BLOCK,), f"scales must have shape {tuple(x_fp8.shape[:-1]) + (H // FP8_BLOCK,)}, got {tuple(scales.shape)}")
     blocks = x_fp8.float().view(*x_fp8.shape[:-1], H // FP8_BLOCK, FP8_BLOCK)
     return (blocks * scales.float().unsqueeze(-1)).view(x_fp8.shape).to(dtype)
+
+
+UE8M0_PACK = 4  # scales per int32: DeepGEMM's UE8M0 layout packs four exponent bytes along hidden
+
+
+def pack_ue8m0(scales: torch.Tensor) -> torch.Tensor:
+    """Power-of-two fp32 scales [..., n] (n % 4 == 0; round_scale=True makes them so) -> int32
+    [..., n/4]: each scale's exponent byte (UE8M0: 2 ** (byte - 127)), scale j in byte j % 4 of
+    int32 j / 4 (little-endian)."""
+    fail(scales.dtype == torch.float32, f"scales must be float32, got {scales.dtype}", TypeError)
+    n = scales.shape[-1]
+    fail(n % UE8M0_PACK == 0, f"scales: {n} per row, must be a multiple of {UE8M0_PACK}")
+    bits = scales.contiguous().view(torch.int32)
+    fail(bool(((bits & 0x807FFFFF) == 0).all()), "scales must be positive powers of two (round_scale=True)")
+    exp = (bits >> 23).to(torch.uint8)
+    return exp.view(*scales.shape[:-1], n // UE8M0_PACK, UE8M0_PACK).view(torch.int32).view(*scales.shape[:-1], n // UE8M0_PACK)
+
+
+def unpack_ue8m0(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [..., m] of packed exponent bytes -> fp32 scales [..., 4m] (inverse of pack_ue8m0)."""
+    fail(packed.dtype == torch.int32, f"packed scales must be int32, got {packed.dtype}", TypeError)
+    exp = packed.contiguous().view(torch.uint8).to(torch.int32)
+    return (exp << 23).view(torch.float32).view(*packed.shape[:-1], packed.shape[-1] * UE8M0_PACK)
+
+
+def column_major(t: torch.Tensor) -> torch.Tensor:
+    """[L, rows, n] with the same values, stored column-major per L ([L, n, rows] underneath,
+    the TMA-aligned layout DeepGEMM reads scales in)."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from . import permute as PM
 from . import protocol as P
 from .checks import is_fp8_tuple
-from .fp8 import per_token_cast_to_fp8
+from .fp8 import column_major, pack_ue8m0, per_token_cast_to_fp8
 from .hooks import new_outputs
 from .requests import CombineRequest, DispatchRequest
 from .types import (
@@ -395,7 +395,10 @@ class TorchBackend:
     # ---------------------------------------------------------------------------- low latency
     def low_latency_dispatch(self, call: P.Call, x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int,
                              max_tokens_per_rank: int, use_fp8: bool, round_scale: bool,
-                             topk_weights: Optional[torch.Tensor] = None) -> LowLatencyDispatchOutput:
+                             topk_weights: Optional[torch.Tensor] = None, use_ue8m0: bool = False,
+                             recv_stats: Optional[torch.Tensor] = None,
+                             wait_stats: Optional[torch.Tensor] = None) -> LowLatencyDispatchOutput:
+        # wait_stats: this backend exchanges with collectives and measures no per-rank waits
         # topk_weights: accepted for the API; the reference combine always weights at the source
         R, L = self.num_ranks, num_experts // self.num_ranks
         T, K = topk_idx.shape
@@ -447,12 +450,16 @@ class TorchBackend:
             layout_range=torch.stack([begin, per], dim=-1).to(torch.int32), src_token=src_token,
             state=_LowLatencyState(tok, slot, send_counts, recv_counts, le, pos), call_seq=call.seq,
         )
-        out_x = (outs[0], outs[1]) if use_fp8 else outs[0]
+        out_x = outs[0]
+        if use_fp8:
+            out_x = (outs[0], column_major(pack_ue8m0(outs[1])) if use_ue8m0 else outs[1])
+        if recv_stats is not None:
+            recv_stats += count.to(torch.int32)
         return LowLatencyDispatchOutput(out_x, count.to(torch.int32), handle, None, None)
 
     def low_latency_combine(self, call: P.Call, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                            handle: LowLatencyHandle) -> torch.Tensor:
-        st: _LowLatencyState = handle.state
+                            handle: LowLatencyHandle, wait_stats: Optional[torch.Tensor] = None) -> torch.Tensor:
+        st: _LowLatencyState = handle.state  # (wait_stats: no per-rank waits measured here)
         self._exchange(call)
         rows = x[st.recv_expert, st.recv_pos]  # back in arrival order, i.e. each source's send order
         back = unpack_rows(self._exchange_rows(call, pack_rows([rows]), st.recv_counts, st.send_counts), [(x.dtype, (x.shape[-1],))])[0]

@@ -325,15 +325,25 @@ def run_low_latency_case(cfg: dict, backend: str = "torch", device: str = "cpu")
     # merged: the weights go with the dispatch, and the combine given that same tensor sends a
     # token's copies per rank as one row (cuda backend)
     merged = cfg.get("merged", False)
+    ue8m0 = cfg.get("ue8m0", False)
     w = me["w"].to(device)
+    # the statistics are added to: start from values already there
+    recv_stats = torch.arange(L, dtype=torch.int32, device=device) * 1000 + 7
+    recv_stats_before = recv_stats.clone()
+    wait_stats = [torch.zeros(R, dtype=torch.int64, device=device) for _ in range(2)]  # dispatch, combine
     out = buf.low_latency_dispatch(me["x"].to(device), me["idx"].to(device), num_experts=E, max_tokens_per_rank=mt,
-                                   use_fp8=use_fp8, round_scale=round_scale, topk_weights=w if merged else None)
+                                   use_fp8=use_fp8, round_scale=round_scale, topk_weights=w if merged else None,
+                                   use_ue8m0=ue8m0, cumulative_local_expert_recv_stats=recv_stats,
+                                   dispatch_wait_recv_cost_stats=wait_stats[0])
     if merged and backend == "cuda" and not out.handle.state.merges(w):
         chk.errors.append("merged case: the combine would not merge (the dispatch kept no weights)")
     exp = expected_low_latency(inputs, rank, R, E, mt, use_fp8)
     if round_scale:
         ll_cases.round_scale_expected_(exp, inputs, R)
     got_x, got_s = split_x(out.x)
+    if ue8m0:
+        got_s = ll_cases.ue8m0_scales(chk, got_s, L, R * mt, H)
+    chk.equal("cumulative_local_expert_recv_stats", recv_stats, recv_stats_before + exp["count"].to(device))
     chk.equal("count", out.count, exp["count"])
     chk.equal("layout_range", out.handle.layout_range, exp["layout_range"])
     for e in range(L):
@@ -350,7 +360,9 @@ def run_low_latency_case(cfg: dict, backend: str = "torch", device: str = "cpu")
     rows = (rows.double().cpu() * scale[ge].view(L, 1, 1) + bias[ge].view(L, 1, 1)).to(torch.bfloat16)
     for e in range(L):
         rows[e, int(exp["count"][e]):] = 3000.0
-    y = buf.low_latency_combine(rows.to(device), me["idx"].to(device), w, out.handle)
+    y = buf.low_latency_combine(rows.to(device), me["idx"].to(device), w, out.handle,
+                                combine_wait_recv_cost_stats=wait_stats[1])
+    ll_cases.check_wait_stats(chk, backend, wait_stats, me["idx"], E, R)
     # a different weights tensor (even equal values): one row per copy, weighted here
     ys = [("low-latency combine", y)] + ([("combine, weights not the dispatch's", buf.low_latency_combine(
         rows.to(device), me["idx"].to(device), w.clone(), out.handle))] if merged else [])

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import megatron_ep as mep
 from megatron_ep.errors import BufferBrokenError, CallMismatchError, CommTimeoutError, PeerFailedFatalError
-from megatron_ep.fp8 import per_token_cast_back, per_token_cast_to_fp8
+from megatron_ep.fp8 import per_token_cast_back, per_token_cast_to_fp8, unpack_ue8m0
 from oracle import expected_low_latency, make_inputs, split_x
 
 # One low-latency buffer per process fits every case (E <= 32 per rank at R = 8, T <= 128, K <= 9).
@@ -69,6 +69,37 @@ def round_scale_expected_(exp: dict, inputs, R: int) -> None:
             tok = exp["src_token"][e, b:b + n].long()
             exp["x"][e, b:b + n] = casts[s][0][tok]
             exp["scales"][e, b:b + n] = casts[s][1][tok]
+
+
+def ue8m0_scales(chk, packed: torch.Tensor, L: int, rows: int, H: int) -> torch.Tensor:
+    """UE8M0 scales as DeepEP and DeepGEMM take them (int32 [L, rows, H/512], column-major per
+    expert), unpacked to fp32 [L, rows, H/128] for the value checks."""
+    n = H // 512
+    if packed.dtype != torch.int32 or tuple(packed.shape) != (L, rows, n):
+        chk.errors.append(f"UE8M0 scales: {packed.dtype} {tuple(packed.shape)}, expected int32 {(L, rows, n)}")
+        return torch.zeros((L, rows, H // 128))
+    if not packed.transpose(1, 2).is_contiguous():
+        chk.errors.append(f"UE8M0 scales: strides {packed.stride()}, expected column-major {(n * rows, 1, rows)}")
+    return unpack_ue8m0(packed.cpu())
+
+
+def check_wait_stats(chk, backend: str, stats: list, idx: torch.Tensor, E: int, R: int) -> None:
+    """The wait-cost statistics ([R] int64, dispatch then combine, from zero): on the cuda backend
+    every source of the dispatch counts (each local expert waits for every rank's count), and the
+    combine counts exactly the ranks this rank's tokens went to; the torch backend measures no
+    waits and leaves both as they were."""
+    d, c = (t.cpu() for t in stats)
+    if backend != "cuda":
+        if d.any() or c.any():
+            chk.errors.append(f"wait-cost stats changed on the {backend} backend: {d.tolist()}, {c.tolist()}")
+        return
+    ids = idx[(idx >= 0) & (idx < E)]
+    sent_to = torch.zeros(R, dtype=torch.bool)
+    sent_to[ids // (E // R)] = True
+    if not (d > 0).all():
+        chk.errors.append(f"dispatch wait-cost stats {d.tolist()}: every source must count")
+    if not torch.equal(c > 0, sent_to):
+        chk.errors.append(f"combine wait-cost stats {c.tolist()}: nonzero exactly for the ranks tokens went to {sent_to.tolist()}")
 
 
 def _dequant(x):

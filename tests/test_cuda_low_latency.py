@@ -25,7 +25,7 @@ _close_pools = closing(POOLS)
 
 def ll_cases_for(R):
     """Both wire formats, -1 slots, empty ranks, 1 to 128 tokens, the decode shape, power-of-two
-    scales and FP8 edge values; the merged combine (weights given at dispatch) on half of them,
+    scales, UE8M0 scales and FP8 edge values (every case also checks the receive statistics); the merged combine (weights given at dispatch) on half of them,
     including 9 copies of a token on one rank and the decode shape."""
     out = []
     for i, (epr, K, H, fp8, pattern, t_max, extra) in enumerate([
@@ -35,6 +35,8 @@ def ll_cases_for(R):
         (32, 9, 128, False, "same_rank", 40, {"merged": True}),
         (8, 8, 1024, True, "hot", 64, {"round_scale": True, "merged": True}),
         (4, 4, 512, True, "random", 14, {"x_edge": True}),
+        # UE8M0 scales (packed exponents, column-major) with edge values
+        (4, 4, 1024, True, "random", 14, {"x_edge": True, "round_scale": True, "ue8m0": True}),
         (16, 8, 2048, True, "random", 1, {"Ts": [1] * R}),
         # the decode shape (E = 256, H = 7168); 128 tokens at R = 2, 32 with virtual ranks (the oracle's
         # host copies of every rank's [E/R, R*mt, H] outputs grow with E * mt)
@@ -43,6 +45,8 @@ def ll_cases_for(R):
         seed = 7000 * R + i
         Ts = extra.pop("Ts", None) or _token_counts(seed, R, t_max)
         mt = max(Ts) if t_max == 128 else max(Ts) + 3
+        if extra.get("ue8m0"):
+            mt = -(-mt // 4) * 4  # R * mt a multiple of 4 (TMA-aligned column-major scales)
         out.append(dict(seed=seed, E=epr * R, K=K, H=H, fp8=fp8, pattern=pattern, Ts=Ts, max_tokens=mt, **extra))
     return out
 

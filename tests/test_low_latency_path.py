@@ -30,7 +30,7 @@ class FakeBuffer:
     def dispatch(self, x, idx, E, fp8, round_scale, s, phases, sig, *outs_and_blocks):
         self.launches.append(("dispatch", s, phases))
 
-    def combine(self, x, rng, src, slot, idx, w, E, s, phases, sig, seq, y, pairs, row_w, num_blocks):
+    def combine(self, x, rng, src, slot, idx, w, E, s, phases, sig, seq, y, pairs, row_w, wait_stats, num_blocks):
         self.launches.append(("combine", s, phases))
         self.merged = pairs is not None
 

@@ -16,13 +16,17 @@ def low_latency_cases(R):
         (1, 2, 128, True, "one_expert"),
         (32, 8, 7168, True, "random"),
         (32, 9, 128, False, "same_rank"),
+        (4, 4, 512, True, "random"),  # UE8M0 scales
     ]):
         seed = 3000 * R + i
         t_max = 6 if H >= 7168 else 20
         Ts = _token_counts(seed, R, t_max)
         # odd cases give the weights at dispatch too (the API the cuda backend merges with)
-        out.append(dict(seed=seed, E=epr * R, K=K, H=H, fp8=fp8, pattern=pattern, Ts=Ts, max_tokens=max(Ts) + 3,
-                        merged=i % 2 == 1))
+        ue8m0 = i == 5
+        mt = max(Ts) + 3
+        out.append(dict(seed=seed, E=epr * R, K=K, H=H, fp8=fp8, pattern=pattern, Ts=Ts,
+                        max_tokens=-(-mt // 4) * 4 if ue8m0 else mt, merged=i % 2 == 1,
+                        **({"round_scale": True, "ue8m0": True} if ue8m0 else {})))
     return out
 
 

@@ -56,7 +56,10 @@ struct LLDispatchArgs {
   long long sig;              // this call's signature hash (31 bits), checked against every sender
   long long seq;              // this call's sequence number (peers' failure publications name it)
   void* out_x;                // [L, R*mt, H] fp8 or bf16 (mt = the buffer's capacity, see out_cap)
-  float* out_scales;          // [L, R*mt, H/128] (fp8)
+  float* out_scales;          // [L, R*mt, H/128] (fp8 with fp32 scales), else null
+  // fp8 with UE8M0 scales instead (round_scale): each scale's exponent byte, four per int32 along
+  // hidden, stored column-major per expert ([L, H/512, out_cap] int32, as DeepGEMM reads them)
+  int* out_ue8m0;
   int* out_count;             // [L]
   int* out_range;             // [L, R, 2] (begin, count)
   int* out_src;               // [L, R*mt] source token, -1 past the count
@@ -69,6 +72,10 @@ struct LLDispatchArgs {
   const float* weights;       // null: no merged combine for this dispatch
   float* out_w;               // [L, R*mt] the row's top-k weight
   int* out_pairs;             // [R, mt, K] row of copy (source, token, slot) here
+  // Statistics, each optional and added to (never reset here): the rows each local expert
+  // received [L], and the SM clock cycles the receive half waited for each source's counts [R]
+  int* recv_stats;
+  long long* wait_stats;
 };
 
 struct LLCombineArgs {
@@ -85,6 +92,7 @@ struct LLCombineArgs {
   int T, K, E, H, out_cap, set, phases;
   long long sig, seq;
   void* y;                    // [T, H] bf16
+  long long* wait_stats;      // optional [R]: SM clock cycles the receive half waited for each rank's rows (added to)
 };
 
 void launch_ll_dispatch(const LLCtx& c, const LLDispatchArgs& a, int num_blocks, cudaStream_t stream);

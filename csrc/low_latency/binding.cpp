@@ -50,7 +50,9 @@ class LowLatencyBuffer {
                 int set, int phases, long long sig, long long seq, const torch::Tensor& out_x, const c10::optional<torch::Tensor>& out_scales,
                 const torch::Tensor& out_count, const torch::Tensor& out_range, const torch::Tensor& out_src,
                 const torch::Tensor& out_slot, const c10::optional<torch::Tensor>& weights,
-                const c10::optional<torch::Tensor>& out_w, const c10::optional<torch::Tensor>& out_pairs, int num_blocks) {
+                const c10::optional<torch::Tensor>& out_w, const c10::optional<torch::Tensor>& out_pairs,
+                const c10::optional<torch::Tensor>& out_ue8m0, const c10::optional<torch::Tensor>& recv_stats,
+                const c10::optional<torch::Tensor>& wait_stats, int num_blocks) {
     live();
     LLDispatchArgs a{};
     a.x = ptr<at::BFloat16>(x, "x", at::kBFloat16);
@@ -60,7 +62,14 @@ class LowLatencyBuffer {
     check_call(a.T, a.K, a.E, a.H, set, num_blocks);
     a.out_x = out_x.data_ptr();
     TORCH_CHECK(out_x.is_contiguous() && out_x.dim() == 3 && out_x.size(2) == a.H, "out_x must be [L, cap, H]");
-    a.out_scales = fp8 ? ptr<float>(out_scales.value(), "out_scales", at::kFloat) : nullptr;
+    TORCH_CHECK(!(out_scales.has_value() && out_ue8m0.has_value()), "out_scales and out_ue8m0 are exclusive");
+    TORCH_CHECK(!fp8 || out_scales.has_value() || (out_ue8m0.has_value() && round_scale && a.H % 512 == 0),
+                "fp8 needs out_scales, or out_ue8m0 with round_scale and H % 512 == 0");
+    a.out_scales = fp8 && out_scales.has_value() ? ptr<float>(*out_scales, "out_scales", at::kFloat) : nullptr;
+    if (fp8 && out_ue8m0.has_value()) {  // [L, H/512, cap] int32 storage (the column-major view's)
+      TORCH_CHECK(out_ue8m0->numel() == out_x.size(0) * (a.H / 512) * out_x.size(1), "out_ue8m0 must have L * H/512 * cap elements");
+      a.out_ue8m0 = ptr<int>(*out_ue8m0, "out_ue8m0", at::kInt);
+    }
     a.out_count = ptr<int>(out_count, "out_count", at::kInt);
     a.out_range = ptr<int>(out_range, "out_range", at::kInt);
     a.out_src = ptr<int>(out_src, "out_src", at::kInt);
@@ -75,13 +84,18 @@ class LowLatencyBuffer {
       a.out_w = ptr<float>(*out_w, "out_w", at::kFloat);
       a.out_pairs = ptr<int>(*out_pairs, "out_pairs", at::kInt);
     }
+    if (recv_stats.has_value()) {
+      TORCH_CHECK(recv_stats->numel() == out_x.size(0), "recv_stats must have one entry per local expert");
+      a.recv_stats = ptr<int>(*recv_stats, "cumulative_local_expert_recv_stats", at::kInt);
+    }
+    a.wait_stats = rank_stats(wait_stats, "dispatch_wait_recv_cost_stats");
     launch_ll_dispatch(ctx_, a, num_blocks, c10::cuda::getCurrentCUDAStream().stream());
   }
 
   void combine(const torch::Tensor& x, const torch::Tensor& range, const torch::Tensor& src, const torch::Tensor& slot,
                const torch::Tensor& topk_idx, const torch::Tensor& weights, int num_experts, int set, int phases,
                long long sig, long long seq, const torch::Tensor& y, const c10::optional<torch::Tensor>& pairs,
-               const c10::optional<torch::Tensor>& row_w, int num_blocks) {
+               const c10::optional<torch::Tensor>& row_w, const c10::optional<torch::Tensor>& wait_stats, int num_blocks) {
     live();
     LLCombineArgs a{};
     a.x = ptr<at::BFloat16>(x, "x", at::kBFloat16);
@@ -101,6 +115,7 @@ class LowLatencyBuffer {
       a.pairs = ptr<int>(*pairs, "pairs", at::kInt);
       a.row_w = ptr<float>(*row_w, "row_w", at::kFloat);
     }
+    a.wait_stats = rank_stats(wait_stats, "combine_wait_recv_cost_stats");
     launch_ll_combine(ctx_, a, num_blocks, c10::cuda::getCurrentCUDAStream().stream());
   }
 
@@ -134,6 +149,12 @@ class LowLatencyBuffer {
 
  private:
   void live() const { mem_.live(); }
+  // An optional [R] int64 statistics tensor the kernel adds to, or null.
+  long long* rank_stats(const c10::optional<torch::Tensor>& t, const char* name) const {
+    if (!t.has_value()) return nullptr;
+    TORCH_CHECK(t->numel() == ctx_.num_ranks, name, " must have one entry per rank");
+    return reinterpret_cast<long long*>(ptr<int64_t>(*t, name, at::kLong));
+  }
   void check_call(int T, int K, int E, int H, int set, int num_blocks) const {
     const LowLatencyLayout& l = ctx_.lay;
     TORCH_CHECK(T <= l.max_tokens && K <= l.max_topk && E <= l.num_experts && E % l.num_ranks == 0 && H <= l.hidden,
@@ -165,8 +186,8 @@ void bind_low_latency(py::module_& m) {
   }, "The buffer layout and size (bytes, both sets) for this capacity; no GPU needed.");
   py::class_<mep::LowLatencyBuffer>(m, "LowLatencyBuffer")
       .def(py::init<int, int, std::vector<int>, int, int, int, int, bool, double>())
-      .def("dispatch", &mep::LowLatencyBuffer::dispatch, py::arg("x"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("fp8"), py::arg("round_scale"), py::arg("set"), py::arg("phases"), py::arg("sig"), py::arg("seq"), py::arg("out_x"), py::arg("out_scales"), py::arg("out_count"), py::arg("out_range"), py::arg("out_src"), py::arg("out_slot"), py::arg("weights"), py::arg("out_w"), py::arg("out_pairs"), py::arg("num_blocks"))
-      .def("combine", &mep::LowLatencyBuffer::combine, py::arg("x"), py::arg("range"), py::arg("src"), py::arg("slot"), py::arg("topk_idx"), py::arg("weights"), py::arg("num_experts"), py::arg("set"), py::arg("phases"), py::arg("sig"), py::arg("seq"), py::arg("y"), py::arg("pairs"), py::arg("row_w"), py::arg("num_blocks"))
+      .def("dispatch", &mep::LowLatencyBuffer::dispatch, py::arg("x"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("fp8"), py::arg("round_scale"), py::arg("set"), py::arg("phases"), py::arg("sig"), py::arg("seq"), py::arg("out_x"), py::arg("out_scales"), py::arg("out_count"), py::arg("out_range"), py::arg("out_src"), py::arg("out_slot"), py::arg("weights"), py::arg("out_w"), py::arg("out_pairs"), py::arg("out_ue8m0"), py::arg("recv_stats"), py::arg("wait_stats"), py::arg("num_blocks"))
+      .def("combine", &mep::LowLatencyBuffer::combine, py::arg("x"), py::arg("range"), py::arg("src"), py::arg("slot"), py::arg("topk_idx"), py::arg("weights"), py::arg("num_experts"), py::arg("set"), py::arg("phases"), py::arg("sig"), py::arg("seq"), py::arg("y"), py::arg("pairs"), py::arg("row_w"), py::arg("wait_stats"), py::arg("num_blocks"))
       .def("publish_failure", &mep::LowLatencyBuffer::publish_failure, py::arg("seq"))
       .def("error", &mep::LowLatencyBuffer::error)
       .def("clear_error", &mep::LowLatencyBuffer::clear_error)

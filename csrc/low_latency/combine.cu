@@ -177,8 +177,11 @@ __global__ void __launch_bounds__(kLLThreads, 1) combine_kernel(const LLCtx c, c
       if (word >= 0) {
         const int what = merged ? kLLWaitRankFlag : kLLWaitFlag, peer = merged ? word : e / L;
         long long v;
+        const long long t0 = clock64();
         ok = wait_word(c, flags + word, [](long long x) { return x != 0; }, v, kOpLowLatencyCombine, what, word, peer, set,
                        a.sig);
+        if (a.wait_stats != nullptr)
+          atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + peer), (unsigned long long)(clock64() - t0));
         if (ok && decoded_sig(v) != a.sig)
           report(c, kErrMismatch, kOpLowLatencyCombine, what, word, peer, set, a.sig, decoded_sig(v));
       }

@@ -279,8 +279,13 @@ __global__ void __launch_bounds__(kLLThreads, 1) dispatch_kernel(const LLCtx c, 
     bool ok = true;
     for (int r = lane; r < R; r += 32) {
       long long v;
+      const long long t0 = clock64();
       ok &= wait_word(c, counts + (long long)e * R + r, [](long long x) { return x != 0; }, v, kOpLowLatencyDispatch,
                       kLLWaitCount, e, r, set, a.sig);
+      // every unit waits for all sources (its rows go after theirs); the wait charged to source s
+      // is the one of the unit that copies s's rows, so each (expert, source) counts once
+      if (a.wait_stats != nullptr && g == 0 && r == s)
+        atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + s), (unsigned long long)(clock64() - t0));
       int n = ok ? decoded_count(v) : 0;
       if (ok && decoded_sig(v) != a.sig) {
         if (g == 0 && s == 0) report(c, kErrMismatch, kOpLowLatencyDispatch, kLLWaitCount, e, r, set, a.sig, decoded_sig(v));
@@ -298,7 +303,10 @@ __global__ void __launch_bounds__(kLLThreads, 1) dispatch_kernel(const LLCtx c, 
     if (g == 0 && lane == 0) {
       a.out_range[((long long)e * R + s) * 2] = before;
       a.out_range[((long long)e * R + s) * 2 + 1] = mine;
-      if (s == 0) a.out_count[e] = total;
+      if (s == 0) {
+        a.out_count[e] = total;
+        if (a.recv_stats != nullptr) atomicAdd(a.recv_stats + e, total);
+      }
     }
     if (g == 0 && s == 0)
       for (int i = total + lane; i < a.out_cap; i += 32) a.out_src[(long long)e * a.out_cap + i] = -1;
@@ -324,10 +332,18 @@ __global__ void __launch_bounds__(kLLThreads, 1) dispatch_kernel(const LLCtx c, 
         if (lane + r * 32 < nsc) sc_reg[r] = __ldcg(sc + lane + r * 32);
       warp_copy16_deep<16>(reinterpret_cast<int4*>(static_cast<char*>(a.out_x) + row * data_bytes),
                            reinterpret_cast<const int4*>(slot + kLLHeader), data_bytes / 16);
+      const auto put_scale = [&](int j, float v) {
+        if (a.out_ue8m0 == nullptr) {
+          a.out_scales[row * nsc + j] = v;
+        } else {  // the exponent byte (v is a power of two: round_scale), byte j % 4 of int32 (e, j / 4, row)
+          const long long word = ((long long)e * (nsc / 4) + j / 4) * a.out_cap + (row - (long long)e * a.out_cap);
+          reinterpret_cast<uint8_t*>(a.out_ue8m0)[word * 4 + j % 4] = (uint8_t)(__float_as_uint(v) >> 23);
+        }
+      };
 #pragma unroll
       for (int r = 0; r < kLLScaleRegs; ++r)
-        if (lane + r * 32 < nsc) a.out_scales[row * nsc + lane + r * 32] = sc_reg[r];
-      for (int j = lane + kLLScaleRegs * 32; j < nsc; j += 32) a.out_scales[row * nsc + j] = __ldcg(sc + j);
+        if (lane + r * 32 < nsc) put_scale(lane + r * 32, sc_reg[r]);
+      for (int j = lane + kLLScaleRegs * 32; j < nsc; j += 32) put_scale(j, __ldcg(sc + j));
       if (lane == 0) {
         a.out_src[row] = ent.z;
         a.out_slot[row] = ent.y;

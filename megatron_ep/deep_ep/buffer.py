@@ -93,6 +93,7 @@ class Buffer:
             self.nvshmem_qp_depth = int(os.environ.get("NVSHMEM_QP_DEPTH", "1024"))
         backend = os.environ.get("MEGATRON_EP_DEEP_EP_BACKEND", "auto")
         self.runtime = _mep.Buffer(group, backend=backend)
+        self._combine_buffers, self._next_combine = _CombineBuffers(), 0  # the zero-copy combine's
         if self.rank == 0:
             log.info("megatron_ep.deep_ep: DeepEP's Buffer API on megatron_ep (%s backend, %d ranks)",
                      self.runtime.backend, self.group_size)
@@ -231,11 +232,11 @@ class Buffer:
         assert self.low_latency_mode
         assert not (async_finish and return_recv_hook)
         assert not use_ue8m0 or round_scale
-        _unsupported(use_ue8m0=use_ue8m0, cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
-                     dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats)
         hooked = return_recv_hook and self.runtime.backend == "cuda"
         out = self.runtime.low_latency_dispatch(x, topk_idx, num_experts, max_tokens_per_rank=num_max_dispatch_tokens_per_rank,
-                                                use_fp8=use_fp8, round_scale=round_scale,
+                                                use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
+                                                cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
+                                                dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats,
                                                 **({"return_recv_hook": True} if hooked else {}))
         ours = out.handle
         lr = ours.layout_range
@@ -262,9 +263,14 @@ class Buffer:
         assert self.low_latency_mode
         assert not (async_finish and return_recv_hook)
         assert isinstance(handle, LowLatencyHandle), "handle must come from megatron_ep.deep_ep's low_latency_dispatch"
-        _unsupported(use_logfmt=use_logfmt, zero_copy=zero_copy, combine_wait_recv_cost_stats=combine_wait_recv_cost_stats)
+        _unsupported(use_logfmt=use_logfmt)
+        if zero_copy:  # the expert outputs were written into the buffer get_next_low_latency_combine_buffer gave
+            x = self._combine_buffers.get(_combine_shape(handle, self.group_size), self._next_combine)
+        self._next_combine ^= 1
         cuda = self.runtime.backend == "cuda"
         kwargs = {}
+        if combine_wait_recv_cost_stats is not None:
+            kwargs["combine_wait_recv_cost_stats"] = combine_wait_recv_cost_stats
         if cuda and return_recv_hook:
             kwargs["return_recv_hook"] = True
         if cuda and out is not None:
@@ -277,6 +283,15 @@ class Buffer:
         if return_recv_hook and hook is None:
             hook = lambda: None  # noqa: E731 - the torch backend has combined already
         return y, _finished(None, async_finish, x), hook
+
+    def get_next_low_latency_combine_buffer(self, handle: tuple) -> torch.Tensor:
+        """The [L, R*T, H] bf16 tensor the next low_latency_combine(zero_copy=True) reads its
+        expert outputs from. Our combine reads expert outputs in place (it has no send buffer
+        to copy them into), so these are two tensors of this Buffer taken in turn by successive
+        combines, as DeepEP alternates its two buffers: two combines in flight never share one."""
+        assert self.low_latency_mode
+        assert isinstance(handle, LowLatencyHandle), "handle must come from megatron_ep.deep_ep's low_latency_dispatch"
+        return self._combine_buffers.get(_combine_shape(handle, self.group_size), self._next_combine, handle[0].device)
 
     # ---------------------------------------------------------------------------- helpers
     def _rank_prefix_matrix(self, num_tokens_per_rank: torch.Tensor, sync_free: bool) -> Optional[torch.Tensor]:
@@ -292,6 +307,28 @@ class Buffer:
         every = [torch.empty_like(counts) for _ in range(self.group_size)]
         dist.all_gather(every, counts.contiguous(), group=self.group)
         return torch.cumsum(torch.stack(every), dim=0).to(torch.int32).to(num_tokens_per_rank.device)
+
+
+def _combine_shape(handle: tuple, num_ranks: int) -> Tuple[int, int, int]:
+    _, _, T, H, E = handle
+    return E // num_ranks, num_ranks * T, H
+
+
+class _CombineBuffers:
+    """The zero-copy combine's two bf16 buffers (made on first use, remade for another shape)."""
+
+    def __init__(self):
+        self._bufs: List[Optional[torch.Tensor]] = [None, None]
+
+    def get(self, shape: Tuple[int, int, int], i: int, device: Optional[torch.device] = None) -> torch.Tensor:
+        b = self._bufs[i]
+        if device is None:  # the combine: the buffer the caller filled
+            assert b is not None and tuple(b.shape) == shape, \
+                "zero_copy=True needs get_next_low_latency_combine_buffer(handle) filled before this combine"
+            return b
+        if b is None or tuple(b.shape) != shape or b.device != device:
+            b = self._bufs[i] = torch.empty(shape, dtype=torch.bfloat16, device=device)
+        return b
 
 
 def _rows(x) -> torch.Tensor:

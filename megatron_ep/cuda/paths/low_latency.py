@@ -34,6 +34,7 @@ import torch
 from ... import protocol as P
 from ..extension import load_nvshmem
 from ...checks import FP8_BLOCK, FP8_DTYPE, MAX_LOW_LATENCY_BYTES, fail, tensor_version
+from ...fp8 import UE8M0_PACK
 from ...types import LowLatencyDispatchOutput, LowLatencyHandle
 from .nvshmem_path import NvshmemPath, signature_hash
 
@@ -170,7 +171,9 @@ class LowLatencyPath(NvshmemPath):
     # ---------------------------------------------------------------------------- dispatch
     def dispatch(self, call: P.Call, x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, max_tokens_per_rank: int,
                  use_fp8: bool, round_scale: bool, return_recv_hook: bool = False,
-                 topk_weights: Optional[torch.Tensor] = None) -> LowLatencyDispatchOutput:
+                 topk_weights: Optional[torch.Tensor] = None, use_ue8m0: bool = False,
+                 recv_stats: Optional[torch.Tensor] = None,
+                 wait_stats: Optional[torch.Tensor] = None) -> LowLatencyDispatchOutput:
         rt = self.rt
         R, L = rt.num_ranks, num_experts // rt.num_ranks
         T, H = x.shape
@@ -184,7 +187,9 @@ class LowLatencyPath(NvshmemPath):
         cap = R * max_tokens_per_rank
         dev = x.device
         out_x = torch.empty((L, cap, H), dtype=FP8_DTYPE if use_fp8 else torch.bfloat16, device=dev)
-        out_s = torch.empty((L, cap, H // FP8_BLOCK), dtype=torch.float32, device=dev) if use_fp8 else None
+        out_s = torch.empty((L, cap, H // FP8_BLOCK), dtype=torch.float32, device=dev) if use_fp8 and not use_ue8m0 else None
+        # UE8M0: the kernel writes [L, H/512, cap] int32; the caller gets its column-major view
+        ue8m0 = torch.empty((L, H // (FP8_BLOCK * UE8M0_PACK), cap), dtype=torch.int32, device=dev) if use_ue8m0 else None
         count = torch.empty(L, dtype=torch.int32, device=dev)
         layout_range = torch.empty((L, R, 2), dtype=torch.int32, device=dev)
         src = torch.empty((L, cap), dtype=torch.int32, device=dev)
@@ -195,22 +200,24 @@ class LowLatencyPath(NvshmemPath):
             row_w = torch.empty((L, cap), dtype=torch.float32, device=dev)
             pairs = torch.empty((R, max_tokens_per_rank, K), dtype=torch.int32, device=dev)  # stale entries are checked
         state = _LLState(slot, s, topk_weights, None if w is None else tensor_version(topk_weights), row_w, pairs)
-        rt.new_outputs([out_x, out_s, count, layout_range, src, slot, row_w, pairs])  # test poisoning, on this stream
+        rt.new_outputs([out_x, out_s, ue8m0, count, layout_range, src, slot, row_w, pairs])  # test poisoning, on this stream
         sig = signature_hash(call)
 
         def launch(phases: int) -> None:
             self.buf.dispatch(x, topk_idx, num_experts, use_fp8, round_scale, s, phases, sig, call.seq, out_x, out_s, count,
-                              layout_range, src, slot, w, row_w, pairs, self.num_blocks)
+                              layout_range, src, slot, w, row_w, pairs, ue8m0, recv_stats, wait_stats, self.num_blocks)
 
         hook = self._launch(call, s, launch, return_recv_hook)
         handle = LowLatencyHandle(backend="cuda", num_ranks=R, rank=rt.rank, num_experts=num_experts, num_tokens=T, topk=K,
                                   max_tokens_per_rank=max_tokens_per_rank, hidden=H, layout_range=layout_range,
                                   src_token=src, state=state, call_seq=call.seq)
-        return LowLatencyDispatchOutput((out_x, out_s) if use_fp8 else out_x, count, handle, None, hook)
+        scales = ue8m0.transpose(1, 2) if use_ue8m0 else out_s
+        return LowLatencyDispatchOutput((out_x, scales) if use_fp8 else out_x, count, handle, None, hook)
 
     # ----------------------------------------------------------------------------- combine
     def combine(self, call: P.Call, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                handle: LowLatencyHandle, return_recv_hook: bool = False, out: Optional[torch.Tensor] = None):
+                handle: LowLatencyHandle, return_recv_hook: bool = False, out: Optional[torch.Tensor] = None,
+                wait_stats: Optional[torch.Tensor] = None):
         """y [T, H] bf16; with return_recv_hook, (y, hook): y is valid once the hook ran."""
         rt = self.rt
         fail(handle.backend == "cuda" and isinstance(handle.state, _LLState), "the handle is not from a cuda low-latency dispatch")
@@ -234,7 +241,7 @@ class LowLatencyPath(NvshmemPath):
 
         def launch(phases: int) -> None:
             self.buf.combine(x, handle.layout_range, handle.src_token, st.src_slot, topk_idx, weights, handle.num_experts,
-                             s, phases, sig, call.seq, out, pairs, row_w, self.num_blocks)
+                             s, phases, sig, call.seq, out, pairs, row_w, wait_stats, self.num_blocks)
 
         hook = self._launch(call, s, launch, return_recv_hook)
         return (out, hook) if return_recv_hook else out
