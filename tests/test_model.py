@@ -431,8 +431,8 @@ def test_bench_normal_smoke_model_check():
 # The two-level time check: per-SM rates calibrated on one measured op predict the others
 # (megatron_ep.model's stages; scripts/bench_normal.py prints them in its model check)
 
-# The 2 x H200 run of 2026-11-30 (commit 410d2a2): `python3 scripts/bench_normal.py
-# --ranks 2 --ranks-per-node 1 --num-sms 24 --no-deepep`, 4096 tokens, H 7168, top-8 of 256.
+# One recorded run of `python3 scripts/bench_normal.py --ranks 2 --ranks-per-node 1 --num-sms 24
+# --no-deepep` on two GPUs (docs/performance-history.md), 4096 tokens, H 7168, top-8 of 256.
 # Loop-mode µs per call and per phase mark (mean over ranks), as that run printed them.
 NOV30_H = 7168
 NOV30_CALLS = {"layout": 41.8, "dispatch": 895.8, "dispatch_cached": 455.7, "dispatch_fp8_cached": 309.6,
@@ -581,7 +581,7 @@ def _load_bench():
 
 
 def _nov30_allres(sweep: bool = False):
-    """allres as bench_normal's workers gather it, with the 2026-11-30 figures on both ranks (loop =
+    """allres as bench_normal's workers gather it, with the recorded run's figures on both ranks (loop =
     isolated), 2 virtual nodes x 1 rank. `sweep`: also 16 SMs, the hop and in-node phases
     24/16 longer (the per-SM rates of 24 SMs) and the local work unchanged."""
     rdma_sent, deepep, recv = [4083, 4086], [8167, 8169], [8170, 8166]  # consistent: recv = own pairs + landed
