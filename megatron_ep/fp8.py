@@ -5,7 +5,11 @@ The arithmetic is fixed so that our CUDA kernels reproduce it bit for bit:
     scale = amax / 448                      (IEEE fp32 division)
     scale = 2 ** ceil(log2(scale))           only with round_scale=True (exact, via frexp)
     q     = e4m3(x / scale)                  (IEEE fp32 division, round to nearest even)
-so that x ~= q * scale.
+so that x ~= q * scale. x is taken in fp32 (float64 rounded to fp32 first, to nearest even).
+
+The cast runs over chunks of whole rows (CAST_CHUNK_ELEMS elements each): a token's blocks lie
+in its row, so each chunk's fp32 copy, maxima and quotients are those of the whole-tensor formula,
+and no fp32 copy of the whole activation is made.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from .checks import FP8_BLOCK, FP8_DTYPE, check_activation, fail
 
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4
+CAST_CHUNK_ELEMS = 1 << 22  # elements of x one chunk of the cast takes to fp32 (16 MiB)
 
 
 def round_scale_pow2(scale: torch.Tensor) -> torch.Tensor:
@@ -31,13 +36,19 @@ def per_token_cast_to_fp8(x: torch.Tensor, round_scale: bool = False) -> Tuple[t
     T, H, is_fp8 = check_activation("x", x)
     fail(not is_fp8, "x is already FP8", TypeError)
     fail(H % FP8_BLOCK == 0, f"x: hidden size {H} must be a multiple of {FP8_BLOCK} for FP8")
-    blocks = x.float().view(T, H // FP8_BLOCK, FP8_BLOCK)
-    amax = blocks.abs().amax(dim=-1).clamp(min=AMAX_FLOOR)
-    scale = amax / FP8_MAX
-    if round_scale:
-        scale = round_scale_pow2(scale)
-    q = (blocks / scale.unsqueeze(-1)).to(FP8_DTYPE)
-    return q.view(T, H), scale.contiguous()
+    blocks = x.view(T, H // FP8_BLOCK, FP8_BLOCK)
+    q = torch.empty((T, H // FP8_BLOCK, FP8_BLOCK), dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty((T, H // FP8_BLOCK), dtype=torch.float32, device=x.device)
+    step = max(1, CAST_CHUNK_ELEMS // H)
+    for r0 in range(0, T, step):
+        r1 = min(T, r0 + step)
+        xf = blocks[r0:r1].float()
+        scale = xf.abs().amax(dim=-1).clamp(min=AMAX_FLOOR) / FP8_MAX
+        if round_scale:
+            scale = round_scale_pow2(scale)
+        q[r0:r1] = (xf / scale.unsqueeze(-1)).to(FP8_DTYPE)
+        scales[r0:r1] = scale
+    return q.view(T, H), scales
 
 
 def per_token_cast_back(x_fp8: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

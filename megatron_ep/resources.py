@@ -9,11 +9,10 @@ a run that cannot fit ends as one line (cli.UsageError) naming the figure, the l
 The estimates are read off the model shape, assuming balanced (uniform) routing: what the run
 certainly allocates (weights, gradients, optimiser state, the largest activations) and, for
 processes this command starts, this process's own private memory each (they import what it
-imported). Allocator slack, temporaries, CUDA contexts and communication buffers are left out:
-on CPU runs of the demo and of train_moe.py at a few shapes (2026-12-01) they came to between
-half of and about a rank's measured peak resident memory (the demo up to 1.05x: its routing is
-not quite uniform). A refused run would not have fitted, or only just; one let through may
-still run out.
+imported). Allocator slack, temporaries, CUDA contexts and communication buffers are left out,
+so the estimates come to between half of and about a rank's peak resident memory on CPU runs of
+the demo and of train_moe.py (the demo's up to 1.05x: its routing is not quite uniform). A
+refused run would not have fitted, or only just; one let through may still run out.
 """
 
 from __future__ import annotations

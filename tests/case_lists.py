@@ -60,7 +60,8 @@ def normal_cases(R: int, t_max: int = 24, big_t_max: int = 10):
 # Seeds of tests/cases.fuzz_config that once failed on the GPU: each runs first in test_fuzz.
 FUZZ_REGRESSIONS: list = [
     # R = 8: E 16, K 6, H 256, fp32, worst-case sized (388 rows), on a buffer sized for H 7168 bf16.
-    # The sizing merged the largest hidden size with the largest element size (7168 x 4 bytes) and
-    # refused the sync-free call, which fits 14336-byte rows (2026-12-01, c3f38b9).
+    # The sizing merges row widths by bytes: the sync-free call fits the buffer's 14336-byte rows,
+    # which a sizing that paired the largest hidden size with the largest element size (7168 x 4
+    # bytes) would refuse.
     800000,
 ]

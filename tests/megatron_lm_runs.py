@@ -146,8 +146,8 @@ def run_all(selected: List[Run], lm_dirs: Dict[str, str], max_ranks: int, timeou
     ckpt_root = tempfile.mkdtemp(prefix="mep-megatron-lm-ckpt-")
     pending, live, results = list(selected), {}, {}
     # Megatron builds its dataset helpers (a C++ module) inside the tree at start-up, one build per
-    # run: runs side by side on one tree raced there ("helpers_cpp...so: file too short", one
-    # H200, 2026-12-03). Built once here, before any run.
+    # run: runs side by side on one tree race there ("helpers_cpp...so: file too short"). Built
+    # once here, before any run.
     for tree in {lm_dirs[r.version] for r in selected if r.version in lm_dirs}:
         subprocess.run(["make", "-C", os.path.join(tree, "megatron", "core", "datasets")], capture_output=True)
     start = time.monotonic()
@@ -210,8 +210,8 @@ def reference(name: str) -> Optional[str]:
 def reference_loss(want: Dict[int, Tuple[float, float]], i: int, resumed_at: Optional[int] = None) -> float:
     """The reference run's lm loss that iteration `i` of a run must give. After a resume at
     iteration `resumed_at`, the second log line prints the mean loss of the resumed iteration and
-    this one (Megatron's log accumulator keeps the first): 8.087898 = (7.966307 + 8.209489) / 2 at
-    iteration 12 on one H200, 2026-12-03, grad norms and every later loss equal."""
+    this one (Megatron's log accumulator keeps the first); its grad norm and every later loss are
+    the reference run's own."""
     if resumed_at is not None and i == resumed_at + 1 and i - 1 in want:
         return (want[i - 1][0] + want[i][0]) / 2
     return want[i][0]

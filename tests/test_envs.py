@@ -67,10 +67,10 @@ def test_one_padding_rule():
 
 
 def test_extension_loads_after_torch():
-    """megatron_ep.cuda.extension loads torch before an extension (they link libc10): loading
-    _C_nvshmem first in a fresh process failed with 'libc10.so: cannot open shared object file'
-    once `import megatron_ep` stopped loading torch (scripts/gpu_check.sh's check, one H200,
-    2026-12-03). A subprocess, so no earlier import of torch hides it."""
+    """megatron_ep.cuda.extension loads torch before an extension (they link libc10): `import
+    megatron_ep` does not load torch, and loading _C_nvshmem first in a fresh process without torch
+    fails with 'libc10.so: cannot open shared object file'. A subprocess, so no earlier import of
+    torch hides it."""
     import os
     import subprocess
     import sys

@@ -68,8 +68,8 @@ def test_moe_layer_cuda_graph_budget(R):
 @pytest.mark.no_mps
 def test_moe_layer_ep1_nccl_grouped_experts():
     """One process with its own NCCL group, as a user runs EP 1: outside MPS (the gate runs the
-    no_mps tests after it stops the MPS daemon) and in a fresh pool closed after it. Under MPS,
-    beside the other tests' pools, it never finished (one H200, 2026-12-01, c3f38b9)."""
+    no_mps tests after it stops the MPS daemon) and in a fresh pool closed after it: under MPS,
+    beside the other tests' pools, it does not finish."""
     case = dict(seed=8, E=8, K=4, H=256, F=128, S=64, device="cuda", dtype="bf16", tol=3e-2,
                 variants=[("alltoall", "grouped")])
     errors = [e for rank in run_alone(1, mc.run_moe_layer_case, case, timeout=180, backend="nccl",

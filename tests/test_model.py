@@ -191,7 +191,8 @@ def test_step_fraction():
     assert s.expert_flops == 58 * 18 * 4096 * 8 * 7168 * 2048  # 3 GEMMs fwd, 2x bwd
     routed = 58 * 8 * 3 * 7168 * 2048
     assert s.other_flops == pytest.approx(6 * (37e9 - routed) * 4096)
-    assert s.compute_ms == pytest.approx((s.expert_flops + s.other_flops) / 400e12 * 1e3)
+    # the routed experts at the measured grouped GEMM rate, the rest at the assumed dense rate
+    assert s.compute_ms == pytest.approx((s.expert_flops / 510e12 + s.other_flops / 400e12) * 1e3)
     d = M.normal_path(M.Shape(), M.Machine(), 64, 7392).time_us
     c = M.normal_path(M.Shape(), M.Machine(), 64, 14336).time_us
     assert s.comm_ms == pytest.approx(58 * 2 * (d + c) / 1e3)
@@ -199,6 +200,36 @@ def test_step_fraction():
     assert 0.15 < s.fraction < 0.30 and s.fraction_overlapped == 0.0
     slow = M.step_fraction(M.Shape(), M.Machine(nic_gbps=5.0), M.StepModel())
     assert slow.fraction > s.fraction and slow.fraction_overlapped > 0
+
+
+def test_expert_gemm_rate_defaults_to_the_measured_one():
+    """The routed experts' GEMMs run at rates.EXPERT_GEMM_TFLOPS (510: docs/performance.md's
+    "Expert GEMMs, one H200") unless `expert_tflops` says otherwise, in the step and in the
+    overlap model's layer; `tflops` times only the rest of the model."""
+    assert M.EXPERT_GEMM_TFLOPS == 510.0 and M.StepModel().expert_tflops == M.EXPERT_GEMM_TFLOPS
+    shape, mach = M.Shape(), M.Machine()
+    fwd_flops = M.moe_layer(shape, mach, M.StepModel()).expert_flops / 3
+    assert M.layer_costs(shape, mach, M.StepModel()).gemm_fwd == pytest.approx(fwd_flops / 510e12 * 1e6)
+    assert M.layer_costs(shape, mach, M.StepModel(tflops=100.0)).gemm_fwd == pytest.approx(fwd_flops / 510e12 * 1e6)
+    assert M.layer_costs(shape, mach, M.StepModel(expert_tflops=255.0)).gemm_fwd == pytest.approx(fwd_flops / 255e12 * 1e6)
+    same = M.step_fraction(shape, mach, M.StepModel(expert_tflops=400.0))  # one rate for all compute
+    assert same.compute_ms == pytest.approx((same.expert_flops + same.other_flops) / 400e12 * 1e3)
+    assert same.compute_ms > M.step_fraction(shape, mach, M.StepModel()).compute_ms
+
+
+def test_cli_expert_tflops(capsys):
+    assert M.main(["--ep", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "expert GEMMs 510 TFLOP/s, the rest 400 TFLOP/s" in out
+    gemms = {ln.split()[0]: ln.split()[2] for ln in out.splitlines() if ln.split()[:1] in (["2"], ["64"])}
+    assert gemms == {"2": "16.98", "64": "16.98"}  # fwd + bwd GEMMs of one layer, ms, at 510
+    assert M.main(["--ep", "8", "--expert-tflops", "400", "--tflops", "300"]) == 0
+    out = capsys.readouterr().out
+    assert "expert GEMMs 400 TFLOP/s, the rest 300 TFLOP/s" in out
+    assert [ln.split()[2] for ln in out.splitlines() if ln.split()[:1] == ["64"]][-1] == "21.65"
+    with pytest.raises(SystemExit) as e:
+        M.main(["--expert-tflops", "0"])
+    assert e.value.code == 2 and "--expert-tflops must be > 0" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------
@@ -431,8 +462,8 @@ def test_bench_normal_smoke_model_check():
 # The two-level time check: per-SM rates calibrated on one measured op predict the others
 # (megatron_ep.model's stages; scripts/bench_normal.py prints them in its model check)
 
-# The 2 x H200 run of 2026-11-30 (commit 410d2a2): `python3 scripts/bench_normal.py
-# --ranks 2 --ranks-per-node 1 --num-sms 24 --no-deepep`, 4096 tokens, H 7168, top-8 of 256.
+# One recorded run of `python3 scripts/bench_normal.py --ranks 2 --ranks-per-node 1 --num-sms 24
+# --no-deepep` on two GPUs (docs/performance-history.md), 4096 tokens, H 7168, top-8 of 256.
 # Loop-mode µs per call and per phase mark (mean over ranks), as that run printed them.
 NOV30_H = 7168
 NOV30_CALLS = {"layout": 41.8, "dispatch": 895.8, "dispatch_cached": 455.7, "dispatch_fp8_cached": 309.6,
@@ -581,7 +612,7 @@ def _load_bench():
 
 
 def _nov30_allres(sweep: bool = False):
-    """allres as bench_normal's workers gather it, with the 2026-11-30 figures on both ranks (loop =
+    """allres as bench_normal's workers gather it, with the recorded run's figures on both ranks (loop =
     isolated), 2 virtual nodes x 1 rank. `sweep`: also 16 SMs, the hop and in-node phases
     24/16 longer (the per-SM rates of 24 SMs) and the local work unchanged."""
     rdma_sent, deepep, recv = [4083, 4086], [8167, 8169], [8170, 8166]  # consistent: recv = own pairs + landed
@@ -697,14 +728,16 @@ def test_overlap_schedule_bounds():
         assert layer_times(c, "chunks", 16).total_us > layer_times(c, "arrivals", 16).total_us
 
 
-def test_overlap_hides_most_communication_at_ep64():
+@pytest.mark.parametrize("expert_tflops, share", [(510.0, 0.2), (400.0, 0.1)])
+def test_overlap_hides_most_communication_at_ep64(expert_tflops, share):
     """At EP64 the layer's communication (forward and backward, ~13 ms) is of the order of its
-    GEMMs (~22 ms): the best schedule leaves under a tenth of it exposed."""
-    from megatron_ep.model import best_overlap
-    c = _costs(64)
+    GEMMs (~17 ms at the measured expert rate, ~22 ms at 400 TFLOP/s): the best schedule leaves
+    under a fifth of it exposed, under a tenth with the slower GEMMs."""
+    from megatron_ep.model import Machine, Shape, StepModel, best_overlap, layer_costs
+    c = layer_costs(Shape(), Machine(), StepModel(ep=64, expert_tflops=expert_tflops))
     b = best_overlap(c, 16)
     exposed = b["arrivals"].total_us - 3 * c.gemm_fwd
-    assert exposed < 0.1 * (b["none"].total_us - 3 * c.gemm_fwd)
+    assert exposed < share * (b["none"].total_us - 3 * c.gemm_fwd)
     assert b["none"].total_us / b["arrivals"].total_us > 1.4
 
 

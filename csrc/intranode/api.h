@@ -21,7 +21,7 @@ void launch_layout(const long long* topk_idx, int T, int K, int E, int R, long l
 // expert-major output; this rank's receive layout (RecvInfo) on the device and, with `tag` last,
 // the sizes and the group's largest needs in the mapped host block. Three launches: per-chunk
 // counts (grid), exchange (one block), positions (grid). (A one-launch version with grid
-// barriers was measured slower on 2 x H200: its token passes ran on 2 SMs; docs/performance.md.)
+// barriers is slower: its token passes run on 2 SMs; docs/performance.md.)
 // A destination's rows are ordered (expert or rank, token group, source rank, token): the T
 // tokens of every rank are `groups` contiguous groups of T / groups (1: the intranode Buffer; the
 // internode in-node stage: one per source node, the contract's order without a reorder pass).

@@ -86,12 +86,11 @@ __global__ void __launch_bounds__(kLLThreads, 1) dispatch_kernel(const LLCtx c, 
     // every copy's expert (-1: unused slot) once per block, and the copies per expert: the
     // prefix counts below scan the ids up to their copy, the counts answer "how many" at once
     // and per token the mask of its receiving ranks (R <= 64): a row's position scan then tests
-    // one bit per earlier token instead of dividing K ids by L (2 x H200, 2026-11-30, --trace at
-    // 8b50ae5: ~3.8 us of scans per block at 128 tokens, most of it integer divisions)
+    // one bit per earlier token instead of dividing K ids by L (the integer divisions would
+    // dominate the scans)
     // A thread's first kIdsAhead ids are loaded here and stored after the cast below, so their
-    // loads and the cast's overlap (two memory round trips were one after the other: ~4 us from
-    // entry to the cast's end, 2 x H200, 2026-11-30, --trace at 410d2a2, median block); 2 per
-    // thread cover T*K <= 1024, the decode shape.
+    // loads and the cast's overlap instead of being two memory round trips one after the other
+    // at the kernel's start; 2 per thread cover T*K <= 1024, the decode shape.
     constexpr int kIdsAhead = 2;
     int* s_cnt = s_ids + TK;
     long long ahead[kIdsAhead];

@@ -47,9 +47,9 @@ DEFAULT_TIMEOUT_S = envs.number("MEP_TIMEOUT_S", 60.0, above=0)
 # and the rate at which its SMs can move them; give it enough SMs that their copy rate covers
 # the link with COPY_HEADROOM (the rates: megatron_ep/model/rates.py). Virtual ranks (several
 # processes on one GPU) share that GPU's HBM.
-# The push kernel (a warp per token, its row to every destination) ran 209 us at 16 SMs and 239 at
-# 24 on 2 x H200 (2026-11-30, commit 38ff6cf; 4096 tokens, H 7168, bf16; docs/performance-history.md):
-# past what the link needs, more blocks only contend. Capped there at EP 2 with one rank per GPU; other
+# The push kernel (a warp per token, its row to every destination) is faster at 16 SMs than at 24
+# at EP 2 with one rank per GPU (4096 tokens, H 7168, bf16; docs/performance-history.md): past what
+# the link needs, more blocks only contend. Capped there at EP 2 with one rank per GPU; other
 # shapes are unmeasured and uncapped. MEP_PUSH_MAX_SMS overrides (benchmarks compare).
 PUSH_MAX_SMS_EP2 = 16
 

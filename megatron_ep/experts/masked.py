@@ -27,7 +27,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from ..fp8 import FP8_MAX, per_token_cast_back
+from ..fp8 import CAST_CHUNK_ELEMS, FP8_MAX, per_token_cast_back
 from .backends import deep_gemm_module, grouped_linear
 from .layout import GroupedLayout
 
@@ -39,15 +39,30 @@ def _valid_rows(masked_m: torch.Tensor, max_m: int, device) -> torch.Tensor:
 
 
 def per_block_cast_to_fp8(w: torch.Tensor, block: int = 128) -> Fp8:
-    """w [G, N, K] -> (fp8 [G, N, K], scales [G, ceil(N/128), ceil(K/128)] fp32), 128x128 blocks."""
+    """w [G, N, K] -> (fp8 [G, N, K], scales [G, ceil(N/128), ceil(K/128)] fp32), 128x128 blocks:
+    amax = max(|w|) of the block in fp32 (float64 rounded to fp32 first), floored at 1e-4, scale =
+    amax / 448, fp8 = e4m3(w / scale), both fp32 divisions. The fp32 copy (zero-padded to whole
+    blocks) is made for a bounded chunk of whole blocks at a time (experts, or 128-row groups of
+    one expert), never for all of w."""
     G, N, K = w.shape
-    pn, pk = -N % block, -K % block
-    wp = torch.nn.functional.pad(w.float(), (0, pk, 0, pn))
-    blocks = wp.view(G, (N + pn) // block, block, (K + pk) // block, block)
-    amax = blocks.abs().amax(dim=(2, 4), keepdim=True).clamp(min=1e-4)
-    scale = amax / FP8_MAX
-    q = (blocks / scale).to(torch.float8_e4m3fn).view(G, N + pn, K + pk)[:, :N, :K].contiguous()
-    return q, scale.view(G, (N + pn) // block, (K + pk) // block)
+    nb, kb = -(-N // block), -(-K // block)
+    q = torch.empty((G, N, K), dtype=torch.float8_e4m3fn, device=w.device)
+    scale = torch.empty((G, nb, kb), dtype=torch.float32, device=w.device)
+    one = nb * block * kb * block  # one expert's padded elements
+    gs = max(1, CAST_CHUNK_ELEMS // one) if one else G
+    rows = nb * block if one <= CAST_CHUNK_ELEMS else block * max(1, CAST_CHUNK_ELEMS // (block * kb * block))
+    for g0 in range(0, G, gs):
+        g1 = min(G, g0 + gs)
+        for r0 in range(0, max(N, 1), rows):
+            r1 = min(N, r0 + rows)
+            pn = -(r1 - r0) % block
+            wp = torch.nn.functional.pad(w[g0:g1, r0:r1].float(), (0, kb * block - K, 0, pn))
+            blocks = wp.view(g1 - g0, (r1 - r0 + pn) // block, block, kb, block)
+            amax = blocks.abs().amax(dim=(2, 4), keepdim=True).clamp(min=1e-4)
+            s = amax / FP8_MAX
+            q[g0:g1, r0:r1] = (blocks / s).to(torch.float8_e4m3fn).view(g1 - g0, r1 - r0 + pn, kb * block)[:, :r1 - r0, :K]
+            scale[g0:g1, r0 // block:r0 // block + blocks.shape[1]] = s.view(g1 - g0, -1, kb)
+    return q, scale
 
 
 DEEP_GEMM_MASKED_ROWS = 128  # max_m is padded to a multiple of the masked kernels' largest BLOCK_M

@@ -28,7 +28,7 @@ from .kernels import LowLatencyResult, NormalResult, low_latency, normal_path
 from .machine import DEEPEP_V1_INTERNODE, DEEPEP_V1_SOURCE, H800_NVLINK_GBPS, Machine
 from .overlap import (MODES, LayerTimes, OverlapCosts, OverlapOptions, best_overlap, costs_of_layer, layer_costs,
                       layer_times)
-from .rates import gbps_of, per_sm_gbps, seconds_at, sm_bound_us, sms_for, us_at
+from .rates import EXPERT_GEMM_TFLOPS, gbps_of, per_sm_gbps, seconds_at, sm_bound_us, sms_for, us_at
 from .route import (RouteCopies, Routing, expected_units_touched, expected_units_touched_exact, max_units_touched,
                     route_copies, routing)
 from .shape import Shape
@@ -40,7 +40,7 @@ from .step import MoeLayerCost, StepModel, StepResult, moe_layer, step_fraction
 from .tables import deepep_internode_check, report
 
 __all__ = [
-    "DEEPEP_V1_INTERNODE", "DEEPEP_V1_SOURCE", "DEFAULT_EPS", "H800_NVLINK_GBPS", "LINK_FIELDS", "STAGES",
+    "DEEPEP_V1_INTERNODE", "DEEPEP_V1_SOURCE", "DEFAULT_EPS", "EXPERT_GEMM_TFLOPS", "H800_NVLINK_GBPS", "LINK_FIELDS", "STAGES",
     "STAGE_NAMES", "STAGE_OF_MARK", "TIME_TOLERANCE",
     "MODES", "LayerTimes", "OverlapCosts", "OverlapOptions", "best_overlap", "costs_of_layer", "layer_costs",
     "layer_times",

@@ -53,7 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--layers", type=int, default=T.layers, help="transformer layers in all")
     t.add_argument("--active-params", type=float, default=T.active_params,
                    help="activated parameters per token (DeepSeek-V3: 37e9)")
-    t.add_argument("--tflops", type=float, default=T.tflops, help="achieved TFLOP/s per GPU")
+    t.add_argument("--tflops", type=float, default=T.tflops,
+                   help="achieved dense TFLOP/s per GPU outside the routed experts (assumed)")
+    t.add_argument("--expert-tflops", type=float, default=T.expert_tflops,
+                   help="the routed experts' grouped GEMM rate, bf16 forward + backward (measured on one "
+                        "H200: docs/performance.md, \"Expert GEMMs, one H200\")")
     o = p.add_argument_group("communication under the expert GEMMs (megatron_ep/model/overlap.py)")
     o.add_argument("--sms", type=int, default=M.sms, help="SMs per GPU (the GEMMs get what communication leaves)")
     o.add_argument("--dispatch-fixed-us", type=float, default=O.dispatch_fixed_us,
@@ -70,7 +74,8 @@ def _validate(parser: argparse.ArgumentParser, a: argparse.Namespace) -> None:
                  "step_ep", "moe_ffn", "moe_layers", "layers", "max_pieces"):
         if getattr(a, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
-    for name in ("nvlink_gbps", "nic_gbps", "sm_nvlink_gbps", "sm_rdma_gbps", "active_params", "tflops"):
+    for name in ("nvlink_gbps", "nic_gbps", "sm_nvlink_gbps", "sm_rdma_gbps", "active_params", "tflops",
+                 "expert_tflops"):
         if not getattr(a, name) > 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(a, name)}")
     for name in ("ll_fixed_us", "dispatch_fixed_us", "combine_fixed_us"):
@@ -99,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                       sm_nvlink_gbps=a.sm_nvlink_gbps, sm_rdma_gbps=a.sm_rdma_gbps,
                       ll_fixed_us=a.ll_fixed_us, sms=a.sms)
     step = StepModel(ep=a.step_ep, moe_ffn=a.moe_ffn, moe_layers=a.moe_layers, layers=a.layers,
-                     active_params=a.active_params, tflops=a.tflops)
+                     active_params=a.active_params, tflops=a.tflops, expert_tflops=a.expert_tflops)
     try:
         text = report(shape, machine, step, a.ep, OverlapOptions(a.dispatch_fixed_us, a.combine_fixed_us, a.max_pieces))
     except ValueError as e:

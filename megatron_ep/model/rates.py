@@ -14,6 +14,11 @@ HBM_COPY_GBPS = 4300.0  # measured H200 device-to-device copy, read + write
 PER_SM_COPY_GBPS = 45.0  # bytes one SM moves per second in our pull kernels (docs/performance.md)
 # A copy kernel gets the SMs whose copy rate covers the link it feeds, with this headroom.
 COPY_HEADROOM = 1.25
+# The routed experts' grouped GEMMs (the expert MLP over the expert-major rows), bf16 forward +
+# backward on one H200: docs/performance.md, "Expert GEMMs, one H200" (DeepGEMM bf16 505-531
+# TFLOP/s at G 4 / 8 / 32, torch grouped_mm 513-524 at G 4 / 8, balanced and skewed routing);
+# about the low end of both.
+EXPERT_GEMM_TFLOPS = 510.0
 
 
 def seconds_at(nbytes: float, gbps: float) -> float:

@@ -1,8 +1,10 @@
 """A training step: the share of it spent in dispatch and combine.
 
 Per rank and micro-batch, expert FLOPs per MoE layer are ``2 * T * k * hidden * moe_ffn * 3``
-forward (three GEMMs of the expert MLP) and twice that backward; the rest of the model is
-``6 * (active params - routed-expert active params)`` per token (attention-score FLOPs left out).
+forward (three GEMMs of the expert MLP) and twice that backward, at the routed experts' grouped
+GEMM rate (``StepModel.expert_tflops``, measured: ``rates.EXPERT_GEMM_TFLOPS``); the rest of the
+model is ``6 * (active params - routed-expert active params)`` per token (attention-score FLOPs
+left out) at the dense rate (``StepModel.tflops``, assumed).
 Communication per MoE layer is forward dispatch + combine plus the same two backward (4
 transfers). The main fraction assumes no overlap at all, ``comm / (comm + compute)``: an upper
 bound on the exposed communication under this model; the lower bound (perfect overlap) is
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 
 from .kernels import normal_path
 from .machine import Machine
+from .rates import EXPERT_GEMM_TFLOPS
 from .shape import Shape
 
 
@@ -32,7 +35,8 @@ class StepModel:
     moe_layers: int = 58
     layers: int = 61
     active_params: float = 37e9  # activated parameters per token (DeepSeek-V3)
-    tflops: float = 400.0  # achieved dense TFLOP/s per GPU
+    tflops: float = 400.0  # achieved dense TFLOP/s per GPU outside the routed experts (assumed)
+    expert_tflops: float = EXPERT_GEMM_TFLOPS  # the routed experts' grouped GEMMs, bf16 fwd + bwd
 
 
 @dataclass(frozen=True)
@@ -76,7 +80,7 @@ def step_fraction(shape: Shape, machine: Machine, step: StepModel) -> StepResult
     layer = moe_layer(shape, machine, step)
     expert = step.moe_layers * layer.expert_flops
     other = 6 * max(step.active_params - step.moe_layers * layer.routed_params, 0.0) * shape.tokens
-    compute_s = (expert + other) / (step.tflops * 1e12)
+    compute_s = expert / (step.expert_tflops * 1e12) + other / (step.tflops * 1e12)
     comm_s = step.moe_layers * layer.comm_us * 1e-6
     return StepResult(step.ep, expert, other, compute_s * 1e3, comm_s * 1e3, layer.comm_us,
                       *_exposed_share(comm_s, compute_s))

@@ -14,8 +14,8 @@ dispatch  1. RDMA send: each token once to rank (m, l) of every node m owning on
              source node, forwarder = source rank inside the node, token): the contract's
              (source rank, token) order, inside each expert segment when permuted, with no
              reorder afterwards (sorting per-row keys and gathering every output costs a sort
-             plus a full extra HBM pass over the rows: 84 of 462 us of a cached rank-major
-             dispatch at 24 SMs on 2 x H200 with virtual nodes).
+             plus a full extra HBM pass over the rows, about a sixth of a cached rank-major
+             dispatch's time; docs/performance.md).
 combine   the in-node combine of the caller's rows (each forwarder sums a token's rows of its
           node), then the RDMA hop back and a sum over the token's nodes in fp32.
 
