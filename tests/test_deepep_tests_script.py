@@ -1,0 +1,162 @@
+"""scripts/deepep_tests.py on CPU: the launch-glue edits of DeepEP's tests/utils.py apply exactly
+once, an edit that does not match stops the script naming it, --extract writes only the test
+files, the test runs with megatron_ep's deep_ep first on the path (one process per virtual node),
+and --help answers without torch. DeepEP's own files are checked too where a git mirror of
+DeepEP is on this machine."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "deepep_tests.py")
+SHIM = os.path.join(ROOT, "megatron_ep", "deep_ep", "shim")
+MIRROR = "/work/.mirror/deepseek-ai+DeepEP/repo"  # a DeepEP git mirror, where one is fetched
+FILES = ("tests/test_intranode.py", "tests/test_internode.py", "tests/test_low_latency.py", "tests/utils.py")
+
+# The launch glue of tests/utils.py's init_dist at deepseek-ai/DeepEP 567632d, the text the
+# script edits (the rest of DeepEP's files is never copied here).
+INIT_DIST = """\
+    sig = inspect.signature(dist.init_process_group)
+    params = {
+        'backend': 'nccl',
+        'init_method': f'tcp://{ip}:{port}',
+        'world_size': num_nodes * num_local_ranks,
+        'rank': node_rank * num_local_ranks + local_rank,
+    }
+    if 'device_id' in sig.parameters:
+        # noinspection PyTypeChecker
+        params['device_id'] = torch.device(f'cuda:{local_rank}')
+    dist.init_process_group(**params)
+    torch.set_default_dtype(torch.bfloat16)
+    torch.set_default_device('cuda')
+    torch.cuda.set_device(local_rank)
+"""
+
+# A stand-in test file: says where `deep_ep` would be imported from, its arguments and the
+# variables init_dist reads, and exits with status 3.
+FAKE_TEST = """\
+import importlib.util, os, sys
+spec = importlib.util.find_spec('deep_ep')
+print('deep_ep from', os.path.dirname(os.path.dirname(spec.origin)))
+print('args', ' '.join(sys.argv[1:]))
+print('node', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], 'port', os.environ['MASTER_PORT'])
+sys.exit(3)
+"""
+
+
+def _checkout(path, utils=INIT_DIST, test=FAKE_TEST):
+    os.makedirs(path / "tests")
+    for rel in FILES:
+        (path / rel).write_text(("def init_dist(local_rank, num_local_ranks):\n" + utils) if rel.endswith("utils.py")
+                                else test)
+    return path
+
+
+def _run(*args, env=None):
+    env = {**os.environ, **(env or {})}
+    for k in ("RANK", "WORLD_SIZE", "MASTER_PORT", "MEP_DEBUG_TRACEBACK"):
+        env.pop(k, None)
+    p = subprocess.run([sys.executable, SCRIPT, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    return p.returncode, p.stdout + p.stderr
+
+
+def test_edits_apply_once_and_keep_the_rest(tmp_path):
+    src, work = _checkout(tmp_path / "deepep"), tmp_path / "work"
+    rc, out = _run("--checkout", str(src), "--test", "low_latency", "--workdir", str(work), "--dry-run", "--",
+                   "--num-tokens", "64")
+    assert rc == 0, out
+    assert "tests/test_low_latency.py --num-processes 2 --num-tokens 64" in out, out
+    assert f"PYTHONPATH={SHIM}{os.pathsep}" in out, out
+    patched = (work / "tests" / "utils.py").read_text()
+    for new in ("'backend': 'gloo',", "    torch.cuda.set_device(local_rank % torch.cuda.device_count())\n",
+                "    dist.all_gather_into_tensor = lambda output, input, group=None, async_op=False: "
+                "dist.all_gather(\n",
+                "# no device_id"):
+        assert patched.count(new) == 1, (new, patched)
+    assert "'nccl'" not in patched and "params['device_id']" not in patched
+    # every other line of init_dist is kept as it was
+    kept = [ln for ln in INIT_DIST.splitlines() if "nccl" not in ln and "device_id" not in ln
+            and "noinspection" not in ln and "set_device" not in ln]
+    assert all(ln in patched.splitlines() for ln in kept)
+    for rel in FILES[:3]:  # the test files themselves are copied unchanged
+        assert (work / rel).read_text() == FAKE_TEST
+
+
+@pytest.mark.parametrize("how", ["missing", "twice"])
+def test_an_edit_that_does_not_match_once_stops_the_run_naming_it(tmp_path, how):
+    utils = (INIT_DIST.replace("'backend': 'nccl',", "'backend': 'mpi',") if how == "missing"
+             else INIT_DIST + "    torch.cuda.set_device(local_rank)\n")
+    edit = "backend gloo" if how == "missing" else "device of the rank"
+    src, work = _checkout(tmp_path / "deepep", utils=utils), tmp_path / "work"
+    rc, out = _run("--checkout", str(src), "--test", "intranode", "--workdir", str(work))
+    assert rc == 2, out
+    assert f"tests/utils.py: edit '{edit}' matches {0 if how == 'missing' else 2} times" in out, out
+    assert not work.exists()  # nothing written, nothing run
+
+
+def test_the_test_runs_with_the_shim_first_and_its_status_comes_back(tmp_path):
+    src = _checkout(tmp_path / "deepep")
+    rc, out = _run("--checkout", str(src), "--test", "intranode", "--", "--num-tokens", "128")
+    assert rc == 3, out
+    assert f"deep_ep from {SHIM}" in out and "node 0 of 1" in out, out
+    assert "args --num-processes 2 --num-tokens 128" in out, out
+    assert "deepep_tests.py: error: test_intranode.py exited with status 3" in out, out
+    rc, out = _run("--checkout", str(src), "--test", "internode", "--num-nodes", "2")
+    assert rc == 3, out
+    assert "node 0 of 2" in out and "node 1 of 2" in out and "args --num-processes 8" in out, out
+    ports = {ln.split()[-1] for ln in out.splitlines() if ln.startswith("node ")}
+    assert len(ports) == 1, out  # the nodes meet at one rendezvous
+
+
+def test_extract_writes_only_the_test_files_unpatched(tmp_path):
+    src, dest = _checkout(tmp_path / "deepep"), tmp_path / "carry"
+    (src / "tests" / "test_other.py").write_text("x = 1\n")
+    (src / "setup.py").write_text("x = 1\n")
+    rc, out = _run("--checkout", str(src), "--extract", str(dest))
+    assert rc == 0, out
+    got = sorted(os.path.relpath(os.path.join(d, f), dest) for d, _, fs in os.walk(dest) for f in fs)
+    assert got == sorted(FILES)
+    assert (dest / "tests" / "utils.py").read_text() == (src / "tests" / "utils.py").read_text()
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+def test_extract_from_a_git_directory_at_a_revision(tmp_path):
+    src, dest = _checkout(tmp_path / "deepep"), tmp_path / "carry"
+    git = ["git", "-C", str(src), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git + ["init", "-q"], check=True)
+    subprocess.run(git + ["add", "."], check=True)
+    subprocess.run(git + ["commit", "-q", "-m", "one"], check=True)
+    (src / "tests" / "utils.py").write_text("changed after the commit\n")
+    rc, out = _run("--git", str(src), "--rev", "HEAD", "--extract", str(dest))
+    assert rc == 0, out
+    assert (dest / "tests" / "utils.py").read_text().endswith(INIT_DIST)
+    rc, out = _run("--git", str(src), "--rev", "no-such-rev", "--extract", str(dest))
+    assert rc == 2 and "no commit 'no-such-rev'" in out, out
+
+
+def test_help_answers_without_torch():
+    code = ("import runpy, sys; sys.modules['torch'] = None; sys.argv = [sys.argv[1], '--help']; "
+            "runpy.run_path(sys.argv[0], run_name='__main__')")
+    p = subprocess.run([sys.executable, "-c", code, SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    for option in ("--checkout", "--git", "--rev", "--extract", "--test", "--num-processes", "--num-nodes",
+                   "--dry-run"):
+        assert option in p.stdout, option
+
+
+@pytest.mark.skipif(not os.path.isdir(MIRROR), reason=f"no DeepEP git mirror at {MIRROR} (CI has none)")
+def test_deepep_567632d_files_take_every_edit(tmp_path):
+    work = tmp_path / "work"
+    for test in ("intranode", "low_latency"):
+        rc, out = _run("--git", MIRROR, "--rev", "567632d", "--test", test, "--workdir", str(work), "--dry-run")
+        assert rc == 0, out
+    rc, out = _run("--git", MIRROR, "--rev", "567632d", "--test", "internode", "--workdir", str(work), "--dry-run")
+    assert rc == 0 and "tests/test_internode.py --num-processes 8" in out, out
+    real = subprocess.run(["git", "-C", MIRROR, "show", "567632d:tests/utils.py"], capture_output=True, text=True,
+                          check=True).stdout
+    assert INIT_DIST in real  # the fixture above is DeepEP's text
+    assert "'backend': 'gloo'" in (work / "tests" / "utils.py").read_text()
