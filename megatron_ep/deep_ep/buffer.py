@@ -201,13 +201,21 @@ class Buffer:
                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                 allocate_on_comm_stream: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor], EventOverlap]:
         """combined_x[t] = the sum of the rows token t's dispatch delivered (one per rank it went
-        to; unweighted, fp32 accumulation) + the biases; combined_topk_weights [N, K] the
-        received weights put back (their sum over the ranks: each selected expert's weight comes
-        from the one rank that holds it, the others being 0)."""
+        to; unweighted, fp32 accumulation) + the biases; combined_topk_weights [N, K] the sum of
+        the K weights each of those ranks passes for the token, as DeepEP sums them (the
+        weights a dispatch returned are 0 for experts elsewhere, so that sum gives back the
+        selected experts' weights)."""
         _check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
         assert isinstance(handle, Handle), "handle must come from megatron_ep.deep_ep's dispatch"
-        out = self.runtime.combine(x, handle.ours, topk_weights, async_op=async_finish, previous_event=to_ours(previous_event))
+        out = self.runtime.combine(x, handle.ours, async_op=async_finish, previous_event=to_ours(previous_event))
         y = out.x
+        weights = None
+        if topk_weights is not None:  # a second combine, of the weight rows (fp32, padded to 16 bytes)
+            K = topk_weights.shape[1]
+            rows = torch.zeros((topk_weights.shape[0], -(-K // 4) * 4), dtype=torch.float32, device=topk_weights.device)
+            rows[:, :K] = topk_weights
+            back = self.runtime.combine(rows, handle.ours, async_op=async_finish, previous_event=out.event)
+            weights, out = back.x[:, :K], back
         b0, b1 = _unpack_bias(bias)
         if b0 is not None or b1 is not None:
             if out.event is not None:
@@ -218,7 +226,7 @@ class Buffer:
                     assert b.shape == y.shape and b.dtype == y.dtype
                     acc = acc + b.float()
             y = acc.to(y.dtype)
-        return y, out.weights, _finished(out.event, async_finish, x)
+        return y, weights, _finished(out.event, async_finish, x)
 
     # ----------------------------------------------------------------------- low latency
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
