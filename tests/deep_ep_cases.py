@@ -26,6 +26,12 @@ def _inputs(cfg: dict, rank: int):
     return x, idx, w
 
 
+def _in_rank(idx: torch.Tensor, L: int, R: int) -> torch.Tensor:
+    """[T, R] bool: the ranks holding at least one of each token's experts (rank r: r*L ..)."""
+    owner = torch.where(idx >= 0, idx // L, -1)
+    return torch.stack([(owner == r).any(dim=1) for r in range(R)], dim=1)
+
+
 def _expected(cfg: dict, me: int, R: int):
     """DeepEP's dispatch on rank `me`: rows by (source rank, source token), one per token with an
     expert here; local ids, -1 (weight 0) for experts elsewhere."""
@@ -57,8 +63,7 @@ def run_deep_ep_normal_case(cfg: dict) -> list:
         buf = deep_ep.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 20)
         x, idx, w = _inputs(cfg, rank)
         per_rank, per_rdma, per_expert, in_rank, ev = buf.get_dispatch_layout(idx, E)
-        owner = torch.where(idx >= 0, idx // L, -1)
-        want_in_rank = torch.stack([(owner == r).any(dim=1) for r in range(R)], dim=1)
+        want_in_rank = _in_rank(idx, L, R)
         if not (torch.equal(in_rank, want_in_rank) and per_rank.dtype == torch.int32 and per_expert.dtype == torch.int32
                 and per_rank.tolist() == want_in_rank.sum(0).tolist() and per_rdma is None and ev.event is None
                 and per_expert.tolist() == [int((idx == e).sum()) for e in range(E)]):
@@ -116,6 +121,42 @@ def normal_cases(R: int) -> list:
 
 def run_deep_ep_normal_cases(cfgs: list) -> list:
     return [e for cfg in cfgs for e in run_deep_ep_normal_case(cfg)]
+
+
+def run_deep_ep_cpu_event_case(cfg: dict) -> list:
+    """On a process without CUDA, EventHandle() holds no event and waiting on it does nothing, so
+    the asynchronous calls run as Megatron's fused_a2a makes them: an EventOverlap(EventHandle())
+    as previous_event, async_finish and allocate_on_comm_stream, then current_stream_wait() on
+    the returned events."""
+    R, rank = dist.get_world_size(), dist.get_rank()
+    tag = f"[deep_ep CPU events R={R} rank={rank}]"
+    try:
+        os.environ["MEGATRON_EP_DEEP_EP_BACKEND"] = "torch"
+        from megatron_ep import deep_ep
+
+        errors = []
+        if torch.cuda.is_initialized():
+            return [f"{tag} CUDA is initialized in this worker: the case needs a process without it"]
+        handle = deep_ep.EventHandle()
+        if handle.event is not None:
+            errors.append(f"{tag} EventHandle() holds {handle.event!r} on a process without CUDA")
+        handle.current_stream_wait()
+        buf = deep_ep.Buffer(dist.group.WORLD)
+        x, idx, w = _inputs(cfg, rank)
+        kw = dict(async_finish=True, allocate_on_comm_stream=True)
+        per_rank, per_rdma, per_expert, in_rank, ev = buf.get_dispatch_layout(
+            idx, cfg["E"], previous_event=deep_ep.EventOverlap(deep_ep.EventHandle()), **kw)
+        rx, _, rw, _, h, ev = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                           num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w,
+                                           previous_event=ev, **kw)
+        ev.current_stream_wait()
+        y, _, ev = buf.combine(rx, h, previous_event=deep_ep.EventOverlap(deep_ep.EventHandle()), **kw)
+        ev.current_stream_wait()
+        if not torch.allclose(y, x * _in_rank(idx, cfg["E"] // R, R).sum(1, keepdim=True), rtol=1e-5, atol=1e-5):
+            errors.append(f"{tag} the asynchronous dispatch and combine differ from DeepEP's sum")
+        return errors
+    except Exception:
+        return [f"{tag} raised:\n{traceback.format_exc()}"]
 
 
 def run_deep_ep_low_latency_case(cfg: dict) -> list:

@@ -44,6 +44,13 @@ def test_low_latency_mode_matches_deepep(pools, R):
     assert not errors, "\n".join(errors[:20])
 
 
+def test_events_on_cpu_processes(pools):
+    """EventHandle without CUDA holds no event; the asynchronous calls work on CPU ranks."""
+    errors = [e for rank in pools(2).run(dc.run_deep_ep_cpu_event_case, dict(seed=5, E=4, K=2, H=16, Ts=[5, 3]))
+              for e in rank]
+    assert not errors, "\n".join(errors[:20])
+
+
 def test_import_deep_ep_through_the_shim(tmp_path):
     """With the shim's folder on PYTHONPATH, unmodified `import deep_ep` code (Megatron's
     fused_a2a imports deep_ep.utils' EventHandle and EventOverlap) gets megatron_ep's, and the

@@ -156,7 +156,7 @@ class Buffer:
             nodes = self.group_size // RANKS_PER_NODE
             per_rdma = lay.token_in_rank.view(-1, nodes, RANKS_PER_NODE).any(dim=2).sum(0).to(torch.int32)
         return (lay.tokens_per_rank.to(torch.int32), per_rdma, lay.tokens_per_expert.to(torch.int32), lay.token_in_rank,
-                _finished(None, async_finish, topk_idx))
+                _finished(None, async_finish))
 
     def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]], handle: Optional[Tuple] = None,
                  num_tokens_per_rank: Optional[torch.Tensor] = None, num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
@@ -177,7 +177,7 @@ class Buffer:
             assert topk_idx is None and topk_weights is None
             assert isinstance(handle, Handle), "handle must come from megatron_ep.deep_ep's dispatch"
             out = self.runtime.dispatch(x, handle=handle.ours, async_op=async_finish, previous_event=prev)
-            return out.x, None, None, None, None, _finished(out.event, async_finish, _rows(x))
+            return out.x, None, None, None, None, _finished(out.event, async_finish)
         assert num_tokens_per_rank is not None and is_token_in_rank is not None and num_tokens_per_expert is not None
         if topk_idx is None:
             raise NotImplementedError("megatron_ep.deep_ep dispatch without topk_idx (routing by is_token_in_rank "
@@ -193,7 +193,7 @@ class Buffer:
             counts = [(c + a - 1) // a * a for c in out.tokens_per_expert_host]
         rank_prefix = self._rank_prefix_matrix(num_tokens_per_rank, sync_free=bool(num_worst_tokens))
         h = Handle(out.handle, rank_prefix, None, is_token_in_rank)
-        return out.x, out.topk_idx, out.topk_weights, counts, h, _finished(out.event, async_finish, _rows(x))
+        return out.x, out.topk_idx, out.topk_weights, counts, h, _finished(out.event, async_finish)
 
     def combine(self, x: torch.Tensor, handle: Tuple, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None, config: Optional[Config] = None,
@@ -217,7 +217,7 @@ class Buffer:
                     assert b.shape == y.shape and b.dtype == y.dtype
                     acc = acc + b.float()
             y = acc.to(y.dtype)
-        return y, out.weights, _finished(out.event, async_finish, x)
+        return y, out.weights, _finished(out.event, async_finish)
 
     # ----------------------------------------------------------------------- low latency
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
@@ -244,7 +244,7 @@ class Buffer:
         hook = None
         if return_recv_hook:
             hook = out.hook if hooked else (lambda: None)  # the torch backend has received already
-        return out.x, out.count, handle, _finished(out.event, async_finish, x), hook
+        return out.x, out.count, handle, _finished(out.event, async_finish), hook
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Collective, as DeepEP's. Our low-latency buffers need no cleaning (each call's last
@@ -276,7 +276,7 @@ class Buffer:
             y = out
         if return_recv_hook and hook is None:
             hook = lambda: None  # noqa: E731 - the torch backend has combined already
-        return y, _finished(None, async_finish, x), hook
+        return y, _finished(None, async_finish), hook
 
     # ---------------------------------------------------------------------------- helpers
     def _rank_prefix_matrix(self, num_tokens_per_rank: torch.Tensor, sync_free: bool) -> Optional[torch.Tensor]:
@@ -294,17 +294,14 @@ class Buffer:
         return torch.cumsum(torch.stack(every), dim=0).to(torch.int32).to(num_tokens_per_rank.device)
 
 
-def _rows(x) -> torch.Tensor:
-    return x[0] if isinstance(x, tuple) else x
-
-
-def _finished(ours, async_finish: bool, like: torch.Tensor) -> EventOverlap:
-    """The event DeepEP returns: ours when the call gave one; with async_finish on a GPU where
-    the call gave none (it finished on the caller's stream: the torch backend, our low-latency
-    kernels), one recorded on the caller's stream after it, so `current_stream_wait()` works as
-    DeepEP's callers expect; None without async_finish, as DeepEP."""
+def _finished(ours, async_finish: bool) -> EventOverlap:
+    """The event DeepEP returns: ours when the call gave one; with async_finish where the call
+    gave none (it finished on the caller's stream: the torch backend, our low-latency kernels),
+    an EventHandle made after it (on the caller's stream; none on a process without CUDA), so
+    `current_stream_wait()` works as DeepEP's callers expect; None without async_finish, as
+    DeepEP."""
     ev = from_ours(ours)
-    if ev.event is None and async_finish and like.is_cuda:
+    if ev.event is None and async_finish:
         from .utils import EventHandle
 
         ev = EventOverlap(EventHandle())
