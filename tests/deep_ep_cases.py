@@ -123,6 +123,107 @@ def run_deep_ep_normal_cases(cfgs: list) -> list:
     return [e for cfg in cfgs for e in run_deep_ep_normal_case(cfg)]
 
 
+def _by_rank_inputs(cfg: dict, rank: int):
+    """A dispatch without topk_idx: (x, is_token_in_rank, num_tokens_per_expert). "layout": both
+    from the tokens' top-k experts (as DeepEP's tests build them); "random": a random mask and
+    random per-expert counts, unrelated to it (DeepEP's list is the sum of what the callers pass)."""
+    R, E = cfg["R"], cfg["E"]
+    x, idx, _ = _inputs(cfg, rank)
+    if cfg["mask"] == "layout":
+        return x, _in_rank(idx, E // R, R), torch.stack([(idx == e).sum() for e in range(E)]).to(torch.int32)
+    g = torch.Generator().manual_seed(cfg["seed"] + 100 + rank)
+    return x, torch.rand((x.shape[0], R), generator=g) < 0.5, torch.randint(0, 9, (E,), generator=g, dtype=torch.int32)
+
+
+def run_deep_ep_by_rank_case(cfg: dict) -> list:
+    """dispatch without topk_idx (routing by is_token_in_rank alone) against DeepEP's semantics:
+    the rows by source rank then source token, one per token marked for this rank; recv_topk_idx
+    and recv_topk_weights None; the list every rank's num_tokens_per_expert summed for this
+    rank's experts, aligned; the handle's rank prefix matrix; cached dispatch and combine. With
+    several experts per rank, a stand-in id sent to any expert but one of the marked rank's
+    delivers rows elsewhere and fails the row check. FP8 input with DeepEP's column-major scales."""
+    R, rank = dist.get_world_size(), dist.get_rank()
+    tag = f"[deep_ep by rank R={R} rank={rank} seed={cfg['seed']} {cfg['mask']}]"
+    try:
+        os.environ["MEGATRON_EP_DEEP_EP_BACKEND"] = "torch"
+        from megatron_ep import deep_ep
+        from megatron_ep.fp8 import per_token_cast_to_fp8
+
+        errors = []
+        cfg = dict(cfg, R=R)
+        E, L, a = cfg["E"], cfg["E"] // R, cfg["align"]
+        buf = deep_ep.Buffer(dist.group.WORLD)
+        x, in_rank, per_expert = _by_rank_inputs(cfg, rank)
+        per_rank = in_rank.sum(0).to(torch.int32)
+        rx, rid, rw, counts, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                      num_tokens_per_expert=per_expert, expert_alignment=a)
+        every = [_by_rank_inputs(cfg, src) for src in range(R)]
+        want_x = torch.cat([xs[m[:, rank]] for xs, m, _ in every])
+        sent = torch.stack([m.sum(0) for _, m, _ in every]).to(torch.int64)  # [source, destination]
+        total = torch.stack([pe for _, _, pe in every]).sum(0)[rank * L:(rank + 1) * L]
+        want_counts = [(int(c) + a - 1) // a * a for c in total]
+        if rx.shape != want_x.shape or not torch.equal(rx, want_x):
+            errors.append(f"{tag} recv_x {tuple(rx.shape)} differs from DeepEP's rows {tuple(want_x.shape)}")
+        if rid is not None or rw is not None:
+            errors.append(f"{tag} recv_topk_idx / recv_topk_weights are not None without topk_idx")
+        if counts != want_counts:
+            errors.append(f"{tag} num_recv_tokens_per_expert_list {counts}, DeepEP's {want_counts}")
+        if not torch.equal(handle[0], torch.cumsum(sent, 0).to(torch.int32)) or handle[4] is not in_rank:
+            errors.append(f"{tag} handle[0] (rank_prefix_matrix) {handle[0]} or handle[4] differ from DeepEP's")
+        again = buf.dispatch(x * 2, handle=handle)
+        if not torch.equal(again[0], want_x * 2):
+            errors.append(f"{tag} cached dispatch differs from DeepEP's")
+        y, yw, _ = buf.combine(rx * (rank + 1), handle)
+        want_y = x.double() * sum((r + 1) * in_rank[:, r].double() for r in range(R)).unsqueeze(1)
+        if yw is not None or not torch.allclose(y.double(), want_y, rtol=1e-5, atol=1e-5):
+            errors.append(f"{tag} combine differs from DeepEP's sum over the marked ranks")
+        # FP8 as DeepEP's tests pass it: scales a column-major view (x_scales.T.contiguous().T)
+        q, scales = per_token_cast_to_fp8(x)
+        strided = scales.T.contiguous().T
+        if x.shape[0] > 1 and strided.is_contiguous():
+            errors.append(f"{tag} the FP8 case does not exercise strided scales")
+        (rq, rs), *_ = buf.dispatch((q, strided), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                    num_tokens_per_expert=per_expert)
+        want_q = torch.cat([per_token_cast_to_fp8(xs)[0][m[:, rank]] for xs, m, _ in every])
+        want_s = torch.cat([per_token_cast_to_fp8(xs)[1][m[:, rank]] for xs, m, _ in every])
+        if not (torch.equal(rq.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(rs, want_s)):
+            errors.append(f"{tag} FP8 rows or scales differ from the sources'")
+        errors += _by_rank_refusals(buf, x, q, scales, per_rank, in_rank, per_expert, tag)
+        return errors
+    except Exception:
+        return [f"{tag} raised:\n{traceback.format_exc()}"]
+
+
+def _by_rank_refusals(buf, x, q, scales, per_rank, in_rank, per_expert, tag) -> list:
+    """What DeepEP refuses, or we do not serve, each raises naming its argument."""
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    errors = []
+    for args, kwargs, exc, name in (
+            ((x,), dict(topk_weights=torch.ones((x.shape[0], 1))), ValueError, "topk_weights"),
+            ((x,), dict(num_worst_tokens=64), ValueError, "num_worst_tokens"),
+            ((x,), dict(is_token_in_rank=in_rank.int()), ValueError, "is_token_in_rank"),
+            (((q, scales.view(torch.int32)),), {}, NotImplementedError, "x_scales")):
+        try:
+            buf.dispatch(*args, **{**layout, **kwargs})
+            errors.append(f"{tag} {name}: accepted")
+        except exc as e:
+            if name not in str(e):
+                errors.append(f"{tag} the error for {name} does not name it: {e}")
+    return errors
+
+
+def by_rank_cases(R: int) -> list:
+    """Three experts per rank (a stand-in on the wrong expert lands on another rank), uneven
+    token counts with an empty rank; H = 256 gives two FP8 scale columns."""
+    Ts = [6, 0, 9, 3][:R]
+    return [dict(seed=800 + R, E=3 * R, K=2, H=256, Ts=Ts, mask="layout", align=4),
+            dict(seed=810 + R, E=3 * R, K=2, H=256, Ts=Ts, mask="random", align=1)]
+
+
+def run_deep_ep_by_rank_cases(cfgs: list) -> list:
+    return [e for cfg in cfgs for e in run_deep_ep_by_rank_case(cfg)]
+
+
 def run_deep_ep_cpu_event_case(cfg: dict) -> list:
     """On a process without CUDA, EventHandle() holds no event and waiting on it does nothing, so
     the asynchronous calls run as Megatron's fused_a2a makes them: an EventOverlap(EventHandle())

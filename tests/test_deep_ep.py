@@ -39,6 +39,14 @@ def test_normal_mode_matches_deepep(pools, R):
 
 
 @pytest.mark.parametrize("R", [2, 4])
+def test_dispatch_by_is_token_in_rank_matches_deepep(pools, R):
+    """dispatch without topk_idx (and FP8 input with column-major scales) against DeepEP's rows,
+    list and handle."""
+    errors = [e for rank in pools(R).run(dc.run_deep_ep_by_rank_cases, dc.by_rank_cases(R)) for e in rank]
+    assert not errors, "\n".join(errors[:20])
+
+
+@pytest.mark.parametrize("R", [2, 4])
 def test_low_latency_mode_matches_deepep(pools, R):
     errors = [e for rank in pools(R).run(dc.run_deep_ep_low_latency_cases, dc.low_latency_cases(R)) for e in rank]
     assert not errors, "\n".join(errors[:20])
