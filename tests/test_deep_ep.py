@@ -69,6 +69,7 @@ def test_import_deep_ep_through_the_shim(tmp_path):
 
     shim = subprocess.run([sys.executable, "-m", "megatron_ep.deep_ep", "--path"], capture_output=True, text=True,
                           check=True).stdout.strip()
+    assert shim == deep_ep.SHIM_DIR
     real = tmp_path / "deep_ep"
     real.mkdir()
     (real / "__init__.py").write_text("raise ImportError('the real DeepEP must not be imported')\n")
@@ -84,3 +85,17 @@ def test_import_deep_ep_through_the_shim(tmp_path):
 def test_clean_low_latency_buffer(pools):
     errors = [e for rank in pools(2).run(dc.run_deep_ep_clean_case, dict(seed=9, E=4, K=2, H=256)) for e in rank]
     assert not errors, "\n".join(errors[:20])
+
+
+def test_entry_point_help_and_its_required_option():
+    """`python -m megatron_ep.deep_ep --help` answers through the project's parser; without
+    --path it says in one line that --path is required."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "megatron_ep.deep_ep"]
+    helped = subprocess.run(cmd + ["--help"], capture_output=True, text=True, timeout=120)
+    assert helped.returncode == 0 and "--path" in helped.stdout and "--debug" in helped.stdout, helped.stdout + helped.stderr
+    bare = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    lines = bare.stderr.strip().splitlines()
+    assert bare.returncode == 2 and len(lines) == 1 and "required: --path" in lines[0], bare.stderr
