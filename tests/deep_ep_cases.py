@@ -26,6 +26,23 @@ def _inputs(cfg: dict, rank: int):
     return x, idx, w
 
 
+def _on(cfg: dict, *ts):
+    """The case's tensors on its device (cfg "device", default CPU; the expected values stay on CPU)."""
+    dev = cfg.get("device", "cpu")
+    return tuple(t.to(dev) for t in ts)
+
+
+def _backend(cfg: dict) -> None:
+    """The backend megatron_ep.deep_ep's Buffer serves the case with (cfg "backend", default torch)."""
+    os.environ["MEGATRON_EP_DEEP_EP_BACKEND"] = cfg.get("backend", "torch")
+
+
+def _in_rank(idx: torch.Tensor, L: int, R: int) -> torch.Tensor:
+    """[T, R] bool: the ranks holding at least one of each token's experts (rank r: r*L ..)."""
+    owner = torch.where(idx >= 0, idx // L, -1)
+    return torch.stack([(owner == r).any(dim=1) for r in range(R)], dim=1)
+
+
 def _expected(cfg: dict, me: int, R: int):
     """DeepEP's dispatch on rank `me`: rows by (source rank, source token), one per token with an
     expert here; local ids, -1 (weight 0) for experts elsewhere."""
@@ -49,16 +66,15 @@ def run_deep_ep_normal_case(cfg: dict) -> list:
     R, rank = dist.get_world_size(), dist.get_rank()
     tag = f"[deep_ep normal R={R} rank={rank} seed={cfg['seed']}]"
     try:
-        os.environ["MEGATRON_EP_DEEP_EP_BACKEND"] = "torch"
+        _backend(cfg)
         from megatron_ep import deep_ep
 
         errors = []
         E, L, a = cfg["E"], cfg["E"] // R, cfg.get("align", 1)
         buf = deep_ep.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 20)
-        x, idx, w = _inputs(cfg, rank)
+        x, idx, w = _on(cfg, *_inputs(cfg, rank))
         per_rank, per_rdma, per_expert, in_rank, ev = buf.get_dispatch_layout(idx, E)
-        owner = torch.where(idx >= 0, idx // L, -1)
-        want_in_rank = torch.stack([(owner == r).any(dim=1) for r in range(R)], dim=1)
+        want_in_rank = _in_rank(idx, L, R)
         if not (torch.equal(in_rank, want_in_rank) and per_rank.dtype == torch.int32 and per_expert.dtype == torch.int32
                 and per_rank.tolist() == want_in_rank.sum(0).tolist() and per_rdma is None and ev.event is None
                 and per_expert.tolist() == [int((idx == e).sum()) for e in range(E)]):
@@ -68,17 +84,17 @@ def run_deep_ep_normal_case(cfg: dict) -> list:
                                                        expert_alignment=a)
         ex, eid, ew, sent = _expected(cfg, rank, R)
         for name, got, want in (("recv_x", rx, ex), ("recv_topk_idx", rid, eid), ("recv_topk_weights", rw, ew)):
-            if got.shape != want.shape or not torch.equal(got, want.to(got.dtype)):
+            if got.shape != want.shape or not torch.equal(got.cpu(), want.to(got.dtype)):
                 errors.append(f"{tag} {name}: {tuple(got.shape)} differs from DeepEP's {tuple(want.shape)}")
         want_counts = [(int((eid == e).sum()) + a - 1) // a * a for e in range(L)]
         if counts != want_counts:
             errors.append(f"{tag} num_recv_tokens_per_expert_list {counts}, DeepEP's {want_counts}")
-        if not (isinstance(handle, tuple) and len(handle) == 6 and torch.equal(handle[0], torch.cumsum(sent, 0).to(torch.int32))
+        if not (isinstance(handle, tuple) and len(handle) == 6 and torch.equal(handle[0].cpu(), torch.cumsum(sent, 0).to(torch.int32))
                 and handle[4] is in_rank):
             errors.append(f"{tag} handle[0] (rank_prefix_matrix) {handle[0]} or handle[4] differ from DeepEP's")
         # cached dispatch (the backward of combine): the same rows, no list, no handle
         again = buf.dispatch(x * 2, handle=handle)
-        if not (torch.equal(again[0], ex * 2) and again[1:5] == (None, None, None, None)):
+        if not (torch.equal(again[0].cpu(), ex * 2) and again[1:5] == (None, None, None, None)):
             errors.append(f"{tag} cached dispatch differs from DeepEP's")
         # combine: the plain sum of the rows each token's dispatch delivered (one per rank)
         y, yw, ev = buf.combine(rx * (rank + 1), handle, topk_weights=rw)
@@ -89,7 +105,14 @@ def run_deep_ep_normal_case(cfg: dict) -> list:
         want_w = torch.where(idx >= 0, w, 0.0)
         if not torch.allclose(yw, want_w, rtol=0, atol=1e-7):
             errors.append(f"{tag} combined_topk_weights differ from the original weights of the selected experts")
-        bias = torch.randn(x.shape, generator=torch.Generator().manual_seed(7 + rank))
+        # DeepEP sums all K weights each receiving rank passes (its test fills the -1 slots, then
+        # divides by the receiving ranks): every other receiving rank adds its fill to a slot
+        fill = 0.5
+        _, yw2, _ = buf.combine(rx, handle, topk_weights=torch.where(rid >= 0, rw, fill))
+        others = want_in_rank.sum(1, keepdim=True).double() - (idx >= 0).double()
+        if not torch.allclose(yw2.double(), want_w.double() + fill * others, rtol=0, atol=1e-6):
+            errors.append(f"{tag} combined_topk_weights are not DeepEP's sum over the receiving ranks")
+        bias, = _on(cfg, torch.randn(x.shape, generator=torch.Generator().manual_seed(7 + rank)))
         yb, _, _ = buf.combine(rx, handle, bias=(bias, bias))
         want_b = x.double() * want_in_rank.sum(1, keepdim=True).double() + 2 * bias.double()
         if not torch.allclose(yb.double(), want_b, rtol=1e-5, atol=1e-5):
@@ -100,7 +123,7 @@ def run_deep_ep_normal_case(cfg: dict) -> list:
                                                  num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w,
                                                  num_worst_tokens=worst)
         n = ex.shape[0]
-        if not (wx.shape[0] == worst and wcounts == [] and torch.equal(wx[:n], ex) and torch.all(wid[n:] == -1)):
+        if not (wx.shape[0] == worst and wcounts == [] and torch.equal(wx[:n].cpu(), ex) and torch.all(wid[n:] == -1)):
             errors.append(f"{tag} num_worst_tokens={worst}: {wx.shape[0]} rows, list {wcounts}")
         return errors
     except Exception:
@@ -118,6 +141,143 @@ def run_deep_ep_normal_cases(cfgs: list) -> list:
     return [e for cfg in cfgs for e in run_deep_ep_normal_case(cfg)]
 
 
+def _by_rank_inputs(cfg: dict, rank: int):
+    """A dispatch without topk_idx: (x, is_token_in_rank, num_tokens_per_expert). "layout": both
+    from the tokens' top-k experts (as DeepEP's tests build them); "random": a random mask and
+    random per-expert counts, unrelated to it (DeepEP's list is the sum of what the callers pass)."""
+    R, E = cfg["R"], cfg["E"]
+    x, idx, _ = _inputs(cfg, rank)
+    if cfg["mask"] == "layout":
+        return x, _in_rank(idx, E // R, R), torch.stack([(idx == e).sum() for e in range(E)]).to(torch.int32)
+    g = torch.Generator().manual_seed(cfg["seed"] + 100 + rank)
+    return x, torch.rand((x.shape[0], R), generator=g) < 0.5, torch.randint(0, 9, (E,), generator=g, dtype=torch.int32)
+
+
+def run_deep_ep_by_rank_case(cfg: dict) -> list:
+    """dispatch without topk_idx (routing by is_token_in_rank alone) against DeepEP's semantics:
+    the rows by source rank then source token, one per token marked for this rank; recv_topk_idx
+    and recv_topk_weights None; the list every rank's num_tokens_per_expert summed for this
+    rank's experts, aligned; the handle's rank prefix matrix; cached dispatch and combine. With
+    several experts per rank, a stand-in id sent to any expert but one of the marked rank's
+    delivers rows elsewhere and fails the row check. FP8 input with DeepEP's column-major scales."""
+    R, rank = dist.get_world_size(), dist.get_rank()
+    tag = f"[deep_ep by rank R={R} rank={rank} seed={cfg['seed']} {cfg['mask']}]"
+    try:
+        os.environ["MEGATRON_EP_DEEP_EP_BACKEND"] = "torch"
+        from megatron_ep import deep_ep
+        from megatron_ep.fp8 import per_token_cast_to_fp8
+
+        errors = []
+        cfg = dict(cfg, R=R)
+        E, L, a = cfg["E"], cfg["E"] // R, cfg["align"]
+        buf = deep_ep.Buffer(dist.group.WORLD)
+        x, in_rank, per_expert = _by_rank_inputs(cfg, rank)
+        per_rank = in_rank.sum(0).to(torch.int32)
+        rx, rid, rw, counts, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                      num_tokens_per_expert=per_expert, expert_alignment=a)
+        every = [_by_rank_inputs(cfg, src) for src in range(R)]
+        want_x = torch.cat([xs[m[:, rank]] for xs, m, _ in every])
+        sent = torch.stack([m.sum(0) for _, m, _ in every]).to(torch.int64)  # [source, destination]
+        total = torch.stack([pe for _, _, pe in every]).sum(0)[rank * L:(rank + 1) * L]
+        want_counts = [(int(c) + a - 1) // a * a for c in total]
+        if rx.shape != want_x.shape or not torch.equal(rx, want_x):
+            errors.append(f"{tag} recv_x {tuple(rx.shape)} differs from DeepEP's rows {tuple(want_x.shape)}")
+        if rid is not None or rw is not None:
+            errors.append(f"{tag} recv_topk_idx / recv_topk_weights are not None without topk_idx")
+        if counts != want_counts:
+            errors.append(f"{tag} num_recv_tokens_per_expert_list {counts}, DeepEP's {want_counts}")
+        if not torch.equal(handle[0], torch.cumsum(sent, 0).to(torch.int32)) or handle[4] is not in_rank:
+            errors.append(f"{tag} handle[0] (rank_prefix_matrix) {handle[0]} or handle[4] differ from DeepEP's")
+        again = buf.dispatch(x * 2, handle=handle)
+        if not torch.equal(again[0], want_x * 2):
+            errors.append(f"{tag} cached dispatch differs from DeepEP's")
+        y, yw, _ = buf.combine(rx * (rank + 1), handle)
+        want_y = x.double() * sum((r + 1) * in_rank[:, r].double() for r in range(R)).unsqueeze(1)
+        if yw is not None or not torch.allclose(y.double(), want_y, rtol=1e-5, atol=1e-5):
+            errors.append(f"{tag} combine differs from DeepEP's sum over the marked ranks")
+        # FP8 as DeepEP's tests pass it: scales a column-major view (x_scales.T.contiguous().T)
+        q, scales = per_token_cast_to_fp8(x)
+        strided = scales.T.contiguous().T
+        if x.shape[0] > 1 and strided.is_contiguous():
+            errors.append(f"{tag} the FP8 case does not exercise strided scales")
+        (rq, rs), *_ = buf.dispatch((q, strided), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                    num_tokens_per_expert=per_expert)
+        want_q = torch.cat([per_token_cast_to_fp8(xs)[0][m[:, rank]] for xs, m, _ in every])
+        want_s = torch.cat([per_token_cast_to_fp8(xs)[1][m[:, rank]] for xs, m, _ in every])
+        if not (torch.equal(rq.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(rs, want_s)):
+            errors.append(f"{tag} FP8 rows or scales differ from the sources'")
+        errors += _by_rank_refusals(buf, x, q, scales, per_rank, in_rank, per_expert, tag)
+        return errors
+    except Exception:
+        return [f"{tag} raised:\n{traceback.format_exc()}"]
+
+
+def _by_rank_refusals(buf, x, q, scales, per_rank, in_rank, per_expert, tag) -> list:
+    """What DeepEP refuses, or we do not serve, each raises naming its argument."""
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    errors = []
+    for args, kwargs, exc, name in (
+            ((x,), dict(topk_weights=torch.ones((x.shape[0], 1))), ValueError, "topk_weights"),
+            ((x,), dict(num_worst_tokens=64), ValueError, "num_worst_tokens"),
+            ((x,), dict(is_token_in_rank=in_rank.int()), ValueError, "is_token_in_rank"),
+            (((q, scales.view(torch.int32)),), {}, NotImplementedError, "x_scales")):
+        try:
+            buf.dispatch(*args, **{**layout, **kwargs})
+            errors.append(f"{tag} {name}: accepted")
+        except exc as e:
+            if name not in str(e):
+                errors.append(f"{tag} the error for {name} does not name it: {e}")
+    return errors
+
+
+def by_rank_cases(R: int) -> list:
+    """Three experts per rank (a stand-in on the wrong expert lands on another rank), uneven
+    token counts with an empty rank; H = 256 gives two FP8 scale columns."""
+    Ts = [6, 0, 9, 3][:R]
+    return [dict(seed=800 + R, E=3 * R, K=2, H=256, Ts=Ts, mask="layout", align=4),
+            dict(seed=810 + R, E=3 * R, K=2, H=256, Ts=Ts, mask="random", align=1)]
+
+
+def run_deep_ep_by_rank_cases(cfgs: list) -> list:
+    return [e for cfg in cfgs for e in run_deep_ep_by_rank_case(cfg)]
+
+
+def run_deep_ep_cpu_event_case(cfg: dict) -> list:
+    """On a process without CUDA, EventHandle() holds no event and waiting on it does nothing, so
+    the asynchronous calls run as Megatron's fused_a2a makes them: an EventOverlap(EventHandle())
+    as previous_event, async_finish and allocate_on_comm_stream, then current_stream_wait() on
+    the returned events."""
+    R, rank = dist.get_world_size(), dist.get_rank()
+    tag = f"[deep_ep CPU events R={R} rank={rank}]"
+    try:
+        os.environ["MEGATRON_EP_DEEP_EP_BACKEND"] = "torch"
+        from megatron_ep import deep_ep
+
+        errors = []
+        if torch.cuda.is_initialized():
+            return [f"{tag} CUDA is initialized in this worker: the case needs a process without it"]
+        handle = deep_ep.EventHandle()
+        if handle.event is not None:
+            errors.append(f"{tag} EventHandle() holds {handle.event!r} on a process without CUDA")
+        handle.current_stream_wait()
+        buf = deep_ep.Buffer(dist.group.WORLD)
+        x, idx, w = _inputs(cfg, rank)
+        kw = dict(async_finish=True, allocate_on_comm_stream=True)
+        per_rank, per_rdma, per_expert, in_rank, ev = buf.get_dispatch_layout(
+            idx, cfg["E"], previous_event=deep_ep.EventOverlap(deep_ep.EventHandle()), **kw)
+        rx, _, rw, _, h, ev = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                           num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w,
+                                           previous_event=ev, **kw)
+        ev.current_stream_wait()
+        y, _, ev = buf.combine(rx, h, previous_event=deep_ep.EventOverlap(deep_ep.EventHandle()), **kw)
+        ev.current_stream_wait()
+        if not torch.allclose(y, x * _in_rank(idx, cfg["E"] // R, R).sum(1, keepdim=True), rtol=1e-5, atol=1e-5):
+            errors.append(f"{tag} the asynchronous dispatch and combine differ from DeepEP's sum")
+        return errors
+    except Exception:
+        return [f"{tag} raised:\n{traceback.format_exc()}"]
+
+
 def run_deep_ep_low_latency_case(cfg: dict) -> list:
     """low_latency_dispatch (bf16, then FP8) and low_latency_combine against DeepEP's semantics:
     per local expert, count[e] rows, blocks per source rank as layout_range says (begin << 32 |
@@ -126,7 +286,7 @@ def run_deep_ep_low_latency_case(cfg: dict) -> list:
     R, rank = dist.get_world_size(), dist.get_rank()
     tag = f"[deep_ep low latency R={R} rank={rank} seed={cfg['seed']}]"
     try:
-        os.environ["MEGATRON_EP_DEEP_EP_BACKEND"] = "torch"
+        _backend(cfg)
         from megatron_ep import deep_ep
         from megatron_ep.fp8 import per_token_cast_to_fp8, unpack_ue8m0
 
@@ -134,11 +294,11 @@ def run_deep_ep_low_latency_case(cfg: dict) -> list:
         E, L, T, H = cfg["E"], cfg["E"] // R, cfg["T"], cfg["H"]
         buf = deep_ep.Buffer(dist.group.WORLD, num_rdma_bytes=deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, R, E),
                              low_latency_mode=True)
-        x, idx, w = _inputs(cfg, rank)
+        x, idx, w = _on(cfg, *_inputs(cfg, rank))
         x = x.to(torch.bfloat16)
         srcs = [_inputs(cfg, j) for j in range(R)]
         for use_fp8 in (False, True):
-            stats = torch.zeros(L, dtype=torch.int32)
+            stats = torch.zeros(L, dtype=torch.int32, device=x.device)
             recv, count, handle, ev, hook = buf.low_latency_dispatch(x, idx, T, E, use_fp8=use_fp8, return_recv_hook=True,
                                                                      cumulative_local_expert_recv_stats=stats)
             hook()
@@ -166,10 +326,10 @@ def run_deep_ep_low_latency_case(cfg: dict) -> list:
                     rows = xj.to(torch.bfloat16)[tokens]
                     if use_fp8:
                         q, s = per_token_cast_to_fp8(rows)
-                        ok = torch.equal(recv[0][e, begin:begin + n].view(torch.uint8), q.view(torch.uint8)) and \
-                            torch.equal(recv[1][e, begin:begin + n], s)
+                        ok = torch.equal(recv[0][e, begin:begin + n].view(torch.uint8).cpu(), q.view(torch.uint8)) and \
+                            torch.equal(recv[1][e, begin:begin + n].cpu(), s)
                     else:
-                        ok = torch.equal(recv[e, begin:begin + n], rows)
+                        ok = torch.equal(recv[e, begin:begin + n].cpu(), rows)
                     if not ok:
                         errors.append(f"{tag} fp8={use_fp8} expert {e} from rank {j}: rows differ from the source's")
         # combine: expert g returns its rows times (g + 1); the sum is weighted by topk_weights

@@ -42,9 +42,13 @@ def side(case, which):
     "cpu" (default): both sides on CPU under the shims;
     "virtual": Megatron's reference on CPU under the shims, megatron_ep on the GPU (virtual
       ranks: R processes on one GPU with a gloo group, the cuda backend's own transport);
-    "cuda": both on the GPU, no shims (a real NCCL group, e.g. EP 1)."""
+    "cuda": both on the GPU, no shims (a real NCCL group, e.g. EP 1).
+    case["manager"] == "megatron" (Megatron's own _DeepepManager on megatron_ep.deep_ep): that
+    side runs without the shims."""
     mode = case.get("device", "cpu")
     on_gpu = mode == "cuda" or (mode == "virtual" and which == "ours")
+    if which == "ours" and case.get("manager") == "megatron":
+        return contextlib.nullcontext(), "cuda" if on_gpu else "cpu"  # Megatron's _DeepepManager on CPU needs no shim
     return (contextlib.nullcontext() if on_gpu else cpu_shims()), ("cuda" if on_gpu else "cpu")
 
 
@@ -77,15 +81,29 @@ def _routing_map(idx, E):
     return routing_map
 
 
-def _init_megatron():
-    """Megatron's parallel state on the pool's gloo world: TP = PP = 1, EP = world size."""
+def _init_megatron(install: bool = True):
+    """Megatron's parallel state on the pool's gloo world: TP = PP = 1, EP = world size; our
+    flex managers installed unless `install` is False (Megatron's own managers)."""
     from megatron.core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(expert_model_parallel_size=dist.get_world_size())
-    import megatron_ep.megatron as mep_megatron
+    if install:
+        import megatron_ep.megatron as mep_megatron
 
-    mep_megatron.install()
+        mep_megatron.install()
+
+
+def deep_ep_shim_first():
+    """megatron_ep's `deep_ep` folder first on sys.path (what `export PYTHONPATH=$(python -m
+    megatron_ep.deep_ep --path)` does), so Megatron's fused_a2a, imported after this, imports
+    megatron_ep.deep_ep as `deep_ep`."""
+    import sys
+
+    from megatron_ep.deep_ep import SHIM_DIR
+
+    if sys.path[0] != SHIM_DIR:
+        sys.path.insert(0, SHIM_DIR)
 
 
 def _pg_collection():
@@ -197,9 +215,12 @@ def _grad(t):
 @guarded
 def run_flex_vs_alltoall(case):
     """Flex (deepep | hybridep on megatron_ep) against Megatron's alltoall dispatcher."""
+    megatrons_own = case.get("manager") == "megatron"  # Megatron's _DeepepManager on `import deep_ep`
+    if megatrons_own:
+        deep_ep_shim_first()
     ctx, _ = side(case, "ref")
     with ctx:
-        _init_megatron()
+        _init_megatron(install=not megatrons_own)
     R, r = dist.get_world_size(), dist.get_rank()
     E, K, H = case["E"], case["K"], case["H"]
     L = E // R
@@ -219,7 +240,11 @@ def run_flex_vs_alltoall(case):
         ctx, dev = side(case, "ref" if kind == "alltoall" else "ours")
         with ctx:
             disp = _make_dispatcher(kind, E, K, H, **extra)
-            if kind != "alltoall":
+            if kind != "alltoall" and megatrons_own:
+                problem = _not_megatrons_deepep(disp._comm_manager)
+                if problem:
+                    return [problem]
+            elif kind != "alltoall":
                 mgr = disp._comm_manager
                 if type(mgr).__module__.split(".")[0] != "megatron_ep":
                     return [f"flex {kind} built {type(mgr).__name__}, not megatron_ep's manager: install() had no effect"]
@@ -288,6 +313,21 @@ def run_flex_vs_alltoall(case):
             if torch.any(got["perm_x"][~keep] != 0) or torch.any(got["perm_p"][~keep] != 0):
                 errors.append(f"{tag} pad rows are not zero")
     return errors
+
+
+def _not_megatrons_deepep(mgr):
+    """Why the flex dispatcher does not run Megatron's own _DeepepManager on megatron_ep.deep_ep
+    (None when it does)."""
+    from megatron.core.transformer.moe import fused_a2a
+    from megatron.core.transformer.moe import token_dispatcher as td
+    from megatron_ep import deep_ep
+
+    if type(mgr).__module__ != td.__name__ or type(mgr).__name__ != "_DeepepManager":
+        return f"flex deepep built {type(mgr).__module__}.{type(mgr).__name__}, not Megatron's own _DeepepManager"
+    if getattr(fused_a2a, "Buffer", None) is not deep_ep.Buffer:
+        return (f"Megatron's fused_a2a uses Buffer {getattr(fused_a2a, 'Buffer', None)!r}, not megatron_ep.deep_ep's "
+                "(was it imported before the shim folder was on sys.path?)")
+    return None
 
 
 @guarded

@@ -39,8 +39,23 @@ def test_normal_mode_matches_deepep(pools, R):
 
 
 @pytest.mark.parametrize("R", [2, 4])
+def test_dispatch_by_is_token_in_rank_matches_deepep(pools, R):
+    """dispatch without topk_idx (and FP8 input with column-major scales) against DeepEP's rows,
+    list and handle."""
+    errors = [e for rank in pools(R).run(dc.run_deep_ep_by_rank_cases, dc.by_rank_cases(R)) for e in rank]
+    assert not errors, "\n".join(errors[:20])
+
+
+@pytest.mark.parametrize("R", [2, 4])
 def test_low_latency_mode_matches_deepep(pools, R):
     errors = [e for rank in pools(R).run(dc.run_deep_ep_low_latency_cases, dc.low_latency_cases(R)) for e in rank]
+    assert not errors, "\n".join(errors[:20])
+
+
+def test_events_on_cpu_processes(pools):
+    """EventHandle without CUDA holds no event; the asynchronous calls work on CPU ranks."""
+    errors = [e for rank in pools(2).run(dc.run_deep_ep_cpu_event_case, dict(seed=5, E=4, K=2, H=16, Ts=[5, 3]))
+              for e in rank]
     assert not errors, "\n".join(errors[:20])
 
 
@@ -54,6 +69,7 @@ def test_import_deep_ep_through_the_shim(tmp_path):
 
     shim = subprocess.run([sys.executable, "-m", "megatron_ep.deep_ep", "--path"], capture_output=True, text=True,
                           check=True).stdout.strip()
+    assert shim == deep_ep.SHIM_DIR
     real = tmp_path / "deep_ep"
     real.mkdir()
     (real / "__init__.py").write_text("raise ImportError('the real DeepEP must not be imported')\n")
@@ -69,3 +85,17 @@ def test_import_deep_ep_through_the_shim(tmp_path):
 def test_clean_low_latency_buffer(pools):
     errors = [e for rank in pools(2).run(dc.run_deep_ep_clean_case, dict(seed=9, E=4, K=2, H=256)) for e in rank]
     assert not errors, "\n".join(errors[:20])
+
+
+def test_entry_point_help_and_its_required_option():
+    """`python -m megatron_ep.deep_ep --help` answers through the project's parser; without
+    --path it says in one line that --path is required."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "megatron_ep.deep_ep"]
+    helped = subprocess.run(cmd + ["--help"], capture_output=True, text=True, timeout=120)
+    assert helped.returncode == 0 and "--path" in helped.stdout and "--debug" in helped.stdout, helped.stdout + helped.stderr
+    bare = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    lines = bare.stderr.strip().splitlines()
+    assert bare.returncode == 2 and len(lines) == 1 and "required: --path" in lines[0], bare.stderr

@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 
 from .. import buffer as _mep
+from ..protocol import MAX_TOPK
 from ..types import DispatchHandle
-from .config import COMBINE_CONFIGS, DISPATCH_CONFIGS, Config
+from .config import COMBINE_CONFIGS, DISPATCH_CONFIGS, Config, _align_up
 from .utils import EventOverlap, from_ours, to_ours
 
 log = logging.getLogger("megatron_ep.deep_ep")
@@ -157,7 +158,7 @@ class Buffer:
             nodes = self.group_size // RANKS_PER_NODE
             per_rdma = lay.token_in_rank.view(-1, nodes, RANKS_PER_NODE).any(dim=2).sum(0).to(torch.int32)
         return (lay.tokens_per_rank.to(torch.int32), per_rdma, lay.tokens_per_expert.to(torch.int32), lay.token_in_rank,
-                _finished(None, async_finish, topk_idx))
+                _finished(None, async_finish))
 
     def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]], handle: Optional[Tuple] = None,
                  num_tokens_per_rank: Optional[torch.Tensor] = None, num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
@@ -170,31 +171,61 @@ class Buffer:
                   Optional[torch.Tensor], Optional[List[int]], Optional[Tuple], EventOverlap]:
         """Rank-major dispatch: rows ordered by source rank, then source token; received top-k
         ids local (-1 where the expert is on another rank, whose weight is 0); the per-expert
-        counts a list rounded up to `expert_alignment` ([] with num_worst_tokens > 0). With a
-        handle (cached dispatch) only the rows move and the list and handle come back None."""
+        counts a list rounded up to `expert_alignment` ([] with num_worst_tokens > 0). Without
+        topk_idx the tokens go where is_token_in_rank says and the received top-k are None. With
+        a handle (cached dispatch) only the rows move and the list and handle come back None."""
         _check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
         prev = to_ours(previous_event)
+        x = _row_major_scales(x)
         if handle is not None:
             assert topk_idx is None and topk_weights is None
             assert isinstance(handle, Handle), "handle must come from megatron_ep.deep_ep's dispatch"
             out = self.runtime.dispatch(x, handle=handle.ours, async_op=async_finish, previous_event=prev)
-            return out.x, None, None, None, None, _finished(out.event, async_finish, _rows(x))
+            return out.x, None, None, None, None, _finished(out.event, async_finish)
         assert num_tokens_per_rank is not None and is_token_in_rank is not None and num_tokens_per_expert is not None
-        if topk_idx is None:
-            raise NotImplementedError("megatron_ep.deep_ep dispatch without topk_idx (routing by is_token_in_rank "
-                                      "alone) is not supported: pass topk_idx (and topk_weights)")
         E = num_tokens_per_expert.numel()
         assert E % self.group_size == 0
-        out = self.runtime.dispatch(x, topk_idx, topk_weights, num_experts=E, permute=False,
-                                    num_worst_tokens=num_worst_tokens, host_counts=not num_worst_tokens,
-                                    async_op=async_finish, previous_event=prev)
-        counts: List[int] = []
-        if not num_worst_tokens:
-            a = expert_alignment
-            counts = [(c + a - 1) // a * a for c in out.tokens_per_expert_host]
+        if topk_idx is None:
+            out = self._dispatch_by_rank(x, is_token_in_rank, E, topk_weights, num_worst_tokens, async_finish, prev)
+            counts = self._recv_per_expert(num_tokens_per_expert, expert_alignment)
+            recv_idx = recv_w = None  # DeepEP returns none without topk_idx
+        else:
+            out = self.runtime.dispatch(x, topk_idx, topk_weights, num_experts=E, permute=False,
+                                        num_worst_tokens=num_worst_tokens, host_counts=not num_worst_tokens,
+                                        async_op=async_finish, previous_event=prev)
+            counts = [] if num_worst_tokens else [_align_up(c, expert_alignment) for c in out.tokens_per_expert_host]
+            recv_idx, recv_w = out.topk_idx, out.topk_weights
         rank_prefix = self._rank_prefix_matrix(num_tokens_per_rank, sync_free=bool(num_worst_tokens))
         h = Handle(out.handle, rank_prefix, None, is_token_in_rank)
-        return out.x, out.topk_idx, out.topk_weights, counts, h, _finished(out.event, async_finish, _rows(x))
+        return out.x, recv_idx, recv_w, counts, h, _finished(out.event, async_finish)
+
+    def _dispatch_by_rank(self, x, is_token_in_rank: torch.Tensor, num_experts: int, topk_weights, num_worst_tokens: int,
+                          async_finish: bool, prev):
+        """DeepEP's dispatch without topk_idx: each token goes to the ranks is_token_in_rank marks.
+        Our kernels route by expert id, so each marked rank gets a stand-in id (_stand_in_topk);
+        the rows are DeepEP's: one per token and marked rank, by source rank then token."""
+        if topk_weights is not None:
+            raise ValueError("megatron_ep.deep_ep dispatch: topk_weights given without topk_idx "
+                             "(DeepEP takes both or neither)")
+        if num_worst_tokens:
+            raise ValueError(f"megatron_ep.deep_ep dispatch: num_worst_tokens={num_worst_tokens} needs topk_idx and "
+                             "topk_weights, as in DeepEP")
+        T, R = _rows(x).shape[0], self.group_size
+        if not (isinstance(is_token_in_rank, torch.Tensor) and is_token_in_rank.dtype == torch.bool
+                and tuple(is_token_in_rank.shape) == (T, R)):
+            raise ValueError(f"megatron_ep.deep_ep dispatch: is_token_in_rank must be a [{T}, {R}] torch.bool tensor "
+                             f"(num_tokens, num_ranks), got {getattr(is_token_in_rank, 'dtype', type(is_token_in_rank))} "
+                             f"{tuple(getattr(is_token_in_rank, 'shape', ()))}")
+        idx = _stand_in_topk(is_token_in_rank, num_experts // R)
+        return self.runtime.dispatch(x, idx, None, num_experts=num_experts, permute=False, async_op=async_finish,
+                                     previous_event=prev)
+
+    def _recv_per_expert(self, num_tokens_per_expert: torch.Tensor, expert_alignment: int) -> List[int]:
+        """DeepEP's num_recv_tokens_per_expert_list (its notify_dispatch): every rank's
+        num_tokens_per_expert summed, this rank's experts, each rounded up to expert_alignment."""
+        L = num_tokens_per_expert.numel() // self.group_size
+        total = self._gathered(num_tokens_per_expert).sum(0)[self.rank * L:(self.rank + 1) * L]
+        return [_align_up(int(c), expert_alignment) for c in total.tolist()]
 
     def combine(self, x: torch.Tensor, handle: Tuple, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None, config: Optional[Config] = None,
@@ -226,7 +257,7 @@ class Buffer:
                     assert b.shape == y.shape and b.dtype == y.dtype
                     acc = acc + b.float()
             y = acc.to(y.dtype)
-        return y, weights, _finished(out.event, async_finish, x)
+        return y, weights, _finished(out.event, async_finish)
 
     # ----------------------------------------------------------------------- low latency
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
@@ -253,7 +284,7 @@ class Buffer:
         hook = None
         if return_recv_hook:
             hook = out.hook if hooked else (lambda: None)  # the torch backend has received already
-        return out.x, out.count, handle, _finished(out.event, async_finish, x), hook
+        return out.x, out.count, handle, _finished(out.event, async_finish), hook
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Collective, as DeepEP's. Our low-latency buffers need no cleaning (each call's last
@@ -290,7 +321,7 @@ class Buffer:
             y = out
         if return_recv_hook and hook is None:
             hook = lambda: None  # noqa: E731 - the torch backend has combined already
-        return y, _finished(None, async_finish, x), hook
+        return y, _finished(None, async_finish), hook
 
     def get_next_low_latency_combine_buffer(self, handle: tuple) -> torch.Tensor:
         """The [L, R*T, H] bf16 tensor the next low_latency_combine(zero_copy=True) reads its
@@ -306,15 +337,35 @@ class Buffer:
         """[R, R] int32: [i][j] = tokens ranks 0..i send to rank j (inclusive prefix over sources),
         gathered from every rank's num_tokens_per_rank; None for a sync-free dispatch on a group
         whose backend cannot gather device tensors without a host round trip."""
-        counts = num_tokens_per_rank.to(torch.int64)
-        nccl = dist.get_backend(self.group) == "nccl"
-        if counts.is_cuda and not nccl:
-            if sync_free:
-                return None
-            counts = counts.cpu()
-        every = [torch.empty_like(counts) for _ in range(self.group_size)]
-        dist.all_gather(every, counts.contiguous(), group=self.group)
-        return torch.cumsum(torch.stack(every), dim=0).to(torch.int32).to(num_tokens_per_rank.device)
+        if sync_free and num_tokens_per_rank.is_cuda and dist.get_backend(self.group) != "nccl":
+            return None
+        return torch.cumsum(self._gathered(num_tokens_per_rank), dim=0).to(torch.int32)
+
+    def _gathered(self, counts: torch.Tensor) -> torch.Tensor:
+        """[R, *counts.shape] int64 on counts' device: every rank's counts (through the host
+        where the group cannot gather device tensors: gloo with CUDA tensors)."""
+        local = counts.to(torch.int64)
+        if local.is_cuda and dist.get_backend(self.group) != "nccl":
+            local = local.cpu()
+        every = [torch.empty_like(local) for _ in range(self.group_size)]
+        dist.all_gather(every, local.contiguous(), group=self.group)
+        return torch.stack(every).to(counts.device)
+
+
+def _stand_in_topk(is_token_in_rank: torch.Tensor, experts_per_rank: int) -> torch.Tensor:
+    """[N, K] int64 expert ids that send each token to exactly the ranks it is marked for: the
+    first expert of each marked rank (rank r holds experts r * L ..), marked ranks first, -1
+    after them. K = R up to our kernels' top-k limit: the same on every rank, as our calls
+    require of K."""
+    N, R = is_token_in_rank.shape
+    K = min(R, MAX_TOPK)
+    if K < R and N and int(is_token_in_rank.sum(1).max()) > K:
+        raise ValueError(f"megatron_ep.deep_ep dispatch: is_token_in_rank marks a token for more than {K} ranks; "
+                         f"without topk_idx our kernels send a token to at most {K}")
+    first = torch.arange(R, dtype=torch.int64, device=is_token_in_rank.device) * experts_per_rank
+    ids = torch.where(is_token_in_rank, first, torch.full_like(first, -1))
+    marked_first = torch.sort((~is_token_in_rank).to(torch.int8), dim=1, stable=True).indices[:, :K]
+    return ids.gather(1, marked_first).contiguous()
 
 
 def _combine_shape(handle: tuple, num_ranks: int) -> Tuple[int, int, int]:
@@ -343,17 +394,31 @@ def _rows(x) -> torch.Tensor:
     return x[0] if isinstance(x, tuple) else x
 
 
-def _finished(ours, async_finish: bool, like: torch.Tensor) -> EventOverlap:
-    """The event DeepEP returns: ours when the call gave one; with async_finish on a GPU where
-    the call gave none (it finished on the caller's stream: the torch backend, our low-latency
-    kernels), one recorded on the caller's stream after it, so `current_stream_wait()` works as
-    DeepEP's callers expect; None without async_finish, as DeepEP."""
+def _finished(ours, async_finish: bool) -> EventOverlap:
+    """The event DeepEP returns: ours when the call gave one; with async_finish where the call
+    gave none (it finished on the caller's stream: the torch backend, our low-latency kernels),
+    an EventHandle made after it (on the caller's stream; none on a process without CUDA), so
+    `current_stream_wait()` works as DeepEP's callers expect; None without async_finish, as
+    DeepEP."""
     ev = from_ours(ours)
-    if ev.event is None and async_finish and like.is_cuda:
+    if ev.event is None and async_finish:
         from .utils import EventHandle
 
         ev = EventOverlap(EventHandle())
     return ev
+
+
+def _row_major_scales(x):
+    """An FP8 pair with its scales row-major: DeepEP reads the scales through their strides (its
+    tests pass a column-major view, `x_scales.T.contiguous().T`); our kernels read [T, H/128]
+    rows. int32 scales (UE8M0, four packed per word) are not served."""
+    if not isinstance(x, tuple) or len(x) != 2 or not isinstance(x[1], torch.Tensor):
+        return x  # a plain tensor, or a malformed pair our Buffer's checks name
+    data, scales = x
+    if scales.dtype == torch.int32:
+        raise NotImplementedError("megatron_ep.deep_ep dispatch: int32 x_scales (UE8M0-packed) are not supported yet; "
+                                  "pass float32 scales [num_tokens, hidden // 128]")
+    return data, scales.contiguous()
 
 
 def _check_stream_args(previous_event, async_finish: bool, allocate_on_comm_stream: bool) -> None:

@@ -11,16 +11,20 @@ from ..types import EventOverlap as _OurEvent
 
 
 class EventHandle:
-    """A CUDA event recorded on the current stream when made (DeepEP's deep_ep_cpp.EventHandle)."""
+    """A CUDA event recorded on the current stream when made (DeepEP's deep_ep_cpp.EventHandle).
+    In a process that has not initialized CUDA (CPU gloo ranks) no stream has queued work to
+    order against, so it holds no event (`event` None) and `current_stream_wait()` does
+    nothing: callers such as Megatron's fused_a2a run unchanged there."""
 
     def __init__(self, event: Optional["torch.cuda.Event"] = None):
-        if event is None:
+        if event is None and torch.cuda.is_initialized():
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream())
         self.event = event
 
     def current_stream_wait(self) -> None:
-        torch.cuda.current_stream().wait_event(self.event)
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
 
 
 class EventOverlap:
@@ -51,6 +55,6 @@ def from_ours(ev: Optional[_OurEvent]) -> EventOverlap:
 
 
 def to_ours(ev: Optional[EventOverlap]) -> Optional[_OurEvent]:
-    """A DeepEP `previous_event` as megatron_ep's (None stays None)."""
+    """A DeepEP `previous_event` as megatron_ep's (None, or one holding no CUDA event: None)."""
     handle = getattr(ev, "event", None)
-    return None if handle is None else _OurEvent(handle.event)
+    return None if handle is None or handle.event is None else _OurEvent(handle.event)

@@ -8,12 +8,11 @@ import importlib.machinery
 import os
 import sys
 
-_shim = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_rest = [p for p in sys.path if os.path.abspath(p or os.curdir) != _shim]
-_real = importlib.machinery.PathFinder.find_spec("deep_ep", _rest)
+from megatron_ep.deep_ep import SHIM_DIR, Buffer, Config, EventHandle, EventOverlap, topk_idx_t
+from megatron_ep.deep_ep import buffer, utils
 
-from megatron_ep.deep_ep import Buffer, Config, EventHandle, EventOverlap, topk_idx_t  # noqa: E402
-from megatron_ep.deep_ep import buffer, utils  # noqa: E402
+_rest = [p for p in sys.path if os.path.abspath(p or os.curdir) != SHIM_DIR]
+_real = importlib.machinery.PathFinder.find_spec("deep_ep", _rest)
 
 sys.modules[__name__ + ".utils"] = utils
 sys.modules[__name__ + ".buffer"] = buffer
