@@ -77,10 +77,10 @@ def ue8m0_scales(chk, packed: torch.Tensor, L: int, rows: int, H: int) -> torch.
     n = H // 512
     if packed.dtype != torch.int32 or tuple(packed.shape) != (L, rows, n):
         chk.errors.append(f"UE8M0 scales: {packed.dtype} {tuple(packed.shape)}, expected int32 {(L, rows, n)}")
-        return torch.zeros((L, rows, H // 128))
+        return torch.zeros((L, rows, H // 128), device=packed.device)
     if not packed.transpose(1, 2).is_contiguous():
         chk.errors.append(f"UE8M0 scales: strides {packed.stride()}, expected column-major {(n * rows, 1, rows)}")
-    return unpack_ue8m0(packed.cpu())
+    return unpack_ue8m0(packed)  # on the rows' device: the combine below scales them
 
 
 def check_wait_stats(chk, backend: str, stats: list, idx: torch.Tensor, E: int, R: int) -> None:
