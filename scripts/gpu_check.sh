@@ -47,6 +47,7 @@ rm -rf "$LOGS"; mkdir -p "$OUT" "$LOGS"
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 NVSHMEM_DISABLE_MNNVL=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export CUDA_MODULE_LOADING=EAGER PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/mep-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mep-mps-log
+export MEP_DEEPEP_OUT=${MEP_DEEPEP_OUT:-$OUT/deepep}  # DeepEP's own test files' output (tests/test_deepep_suite.py)
 GATE_START=$(date +%s)
 # module loading of the runs without MPS (the no-MPS tests, the sanitizer tools): lazy, since each
 # process has its own context there (under MPS one context serves every rank, and a kernel loaded

@@ -1,0 +1,33 @@
+"""megatron_ep.deep_ep on the cuda backend (our kernels), R = 2 and 4 virtual ranks: the normal
+mode (intranode kernels) and the low-latency mode (statistics, UE8M0 scales, the zero-copy
+combine) against the same oracle of DeepEP's semantics as the torch backend's CPU cases
+(tests/deep_ep_cases.py, tests/test_deep_ep.py)."""
+
+import pytest
+
+import deep_ep_cases as dc
+from distpool import flat
+from gpu_pools import GPU_MARKS, GpuPools, closing
+
+pytestmark = GPU_MARKS
+# short kernel waits and a bounded run: a rank that stops (an error on one rank only) fails the
+# case within the test's limit, with each silent rank's stack, instead of running past it
+POOLS = GpuPools(MEP_TIMEOUT_S="10")
+RUN_S = 120
+pool_ = POOLS.get
+_close_pools = closing(POOLS)
+
+ON_CUDA = dict(backend="cuda", device="cuda")
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_normal_mode_on_our_kernels(R):
+    errors = flat(pool_(R).run(dc.run_deep_ep_normal_cases, [dict(c, **ON_CUDA) for c in dc.normal_cases(R)], timeout=RUN_S))
+    assert not errors, "\n".join(errors[:20])
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_low_latency_mode_on_our_kernels(R):
+    errors = flat(pool_(R).run(dc.run_deep_ep_low_latency_cases, [dict(c, **ON_CUDA) for c in dc.low_latency_cases(R)],
+                               timeout=RUN_S))
+    assert not errors, "\n".join(errors[:20])

@@ -1,0 +1,56 @@
+"""DeepEP's own test files (deepseek-ai/DeepEP 567632d: tests/test_intranode.py and
+tests/test_low_latency.py) on megatron_ep.deep_ep, on 2 virtual ranks of one GPU, through
+scripts/deepep_tests.py: only their launch glue is edited, every assertion of theirs is kept.
+
+The files are DeepEP's, so they are never committed: extract them into .carry/deepep
+(CONTRIBUTING.md, "DeepEP's own tests") or name another folder with MEP_DEEPEP_TESTS. Without
+them these tests skip saying so. MEP_DEEPEP_OUT=DIR keeps each run's output (DeepEP's prints:
+its checks and timings, which on virtual ranks are not speed figures)."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from gpu_pools import GPU_MARKS
+
+pytestmark = GPU_MARKS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHECKOUT = os.environ.get("MEP_DEEPEP_TESTS", os.path.join(ROOT, ".carry", "deepep"))
+
+# Sizes that keep each file within its time limit on 2 virtual ranks; the shapes stay DeepEP's
+# defaults where they matter to the kernels (hidden 7168, top-8, low-latency 288 experts).
+CASES = [
+    ("intranode", ["--num-tokens", "1024", "--num-experts", "64"]),
+    ("low_latency", []),
+]
+
+
+@pytest.mark.limit(230)
+@pytest.mark.parametrize("test,args", CASES, ids=[c[0] for c in CASES])
+def test_deepep_own_test_file(test, args):
+    path = os.path.join(CHECKOUT, "tests", f"test_{test}.py")
+    if not os.path.exists(path):
+        pytest.skip(f"DeepEP's test files are not at {CHECKOUT} (python scripts/deepep_tests.py --extract, "
+                    f"CONTRIBUTING.md)")
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "deepep_tests.py"), "--checkout", CHECKOUT, "--test", test,
+           "--num-processes", "2", "--", *args]
+    # a session of its own: a file that runs past its limit is killed with the ranks it spawned
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=210)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        out += "\n(killed after 210 s)"
+    keep = os.environ.get("MEP_DEEPEP_OUT")
+    if keep:
+        os.makedirs(keep, exist_ok=True)
+        with open(os.path.join(keep, f"test_{test}.log"), "w") as f:
+            f.write(out)
+    assert p.returncode == 0, f"DeepEP's tests/test_{test}.py failed on megatron_ep.deep_ep (exit {p.returncode}):\n" \
+                              f"{out[-6000:]}"
