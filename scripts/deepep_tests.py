@@ -1,0 +1,294 @@
+"""DeepEP's own test files (tests/test_intranode.py, test_internode.py, test_low_latency.py and
+their tests/utils.py) run on megatron_ep.deep_ep, on virtual ranks: several processes sharing one
+GPU (run them under MPS, docs/design.md §5).
+
+The files come from a DeepEP checkout (--checkout DIR: a folder holding tests/) or from a git
+directory at a revision (--git GITDIR --rev REV; `git show`). They are never part of this
+repository: --extract DEST only writes the four files, unpatched, into DEST/tests (e.g.
+.carry/deepep, git-ignored, to carry to a GPU machine without network).
+
+With --test, the files are copied into a work folder and only the launch glue of utils.py's
+init_dist is edited; every assertion of the tests stays:
+  * the process group is gloo (NCCL refuses two ranks on one GPU; gloo serves one rank per GPU
+    as well), with no device_id= argument;
+  * torch.cuda.set_device(local_rank % torch.cuda.device_count()): rank r on GPU r % GPUs;
+  * on gloo, dist.all_gather_into_tensor gathers into the output's R slices through
+    dist.all_gather: gloo refuses the stacked output form ([R, N, ...] for an input [N, ...])
+    that test_low_latency.py uses.
+Each edit replaces an exact text that must occur exactly once (the text of DeepEP 567632d's
+init_dist); where one does not, nothing runs and the error names the file and the edit.
+
+The test then runs as `python tests/test_X.py --num-processes N ...` with megatron_ep's
+`deep_ep` first on PYTHONPATH and NVLink multicast off (NCCL_NVLS_ENABLE=0,
+NVSHMEM_DISABLE_NVLS=1, TORCH_SYMM_MEM_DISABLE_MULTICAST=1; CUDA_MODULE_LOADING=EAGER unless
+set, as the project's GPU tests run). --num-processes is the test's own
+option: the ranks its torch.multiprocessing.spawn starts. The internode test needs 8 of them per
+node and at least 2 nodes: --num-nodes M runs M copies of the file on this machine (RANK = node,
+WORLD_SIZE = M, the variables its init_dist reads). Arguments after `--` go to the test file. The
+exit status is the test's.
+
+    python scripts/deepep_tests.py --git /work/.mirror/deepseek-ai+DeepEP/repo --rev 567632d --extract .carry/deepep
+    python scripts/deepep_tests.py --checkout .carry/deepep --test intranode --num-processes 2 -- --num-tokens 1024
+    python scripts/deepep_tests.py --checkout .carry/deepep --test internode --num-nodes 2 --num-processes 8
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from megatron_ep.cli import ArgumentParser, UsageError, check, integer, require, run_main  # noqa: E402
+
+PROG = "deepep_tests.py"
+DEFAULT_REV = "567632d"  # the DeepEP commit megatron_ep.deep_ep reproduces
+FILES = ("tests/test_intranode.py", "tests/test_internode.py", "tests/test_low_latency.py", "tests/utils.py")
+TESTS = ("intranode", "internode", "low_latency")
+SHIM = os.path.join(ROOT, "megatron_ep", "deep_ep", "shim")  # what `python -m megatron_ep.deep_ep --path` prints
+ENV = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+
+# (name, file, exact text at DeepEP 567632d, replacement): launch glue of init_dist only.
+EDITS: Tuple[Tuple[str, str, str, str], ...] = (
+    ("backend gloo", "tests/utils.py",
+     "        'backend': 'nccl',\n",
+     "        'backend': 'gloo',  # virtual ranks: NCCL refuses two ranks on one GPU\n"),
+    ("no device_id", "tests/utils.py",
+     "    if 'device_id' in sig.parameters:\n"
+     "        # noinspection PyTypeChecker\n"
+     "        params['device_id'] = torch.device(f'cuda:{local_rank}')\n",
+     "    # no device_id: virtual ranks share a GPU\n"),
+    ("gloo all_gather_into_tensor", "tests/utils.py",
+     "    dist.init_process_group(**params)\n",
+     "    dist.init_process_group(**params)\n"
+     "    # gloo refuses the stacked output form ([R, N, ...] for an input [N, ...]): gather into its R slices\n"
+     "    dist.all_gather_into_tensor = lambda output, input, group=None, async_op=False: dist.all_gather(\n"
+     "        list(output.view(dist.get_world_size(group), *input.shape).unbind(0)), input, group=group,\n"
+     "        async_op=async_op)\n"),
+    ("device of the rank", "tests/utils.py",
+     "    torch.cuda.set_device(local_rank)\n",
+     "    torch.cuda.set_device(local_rank % torch.cuda.device_count())\n"),
+)
+
+
+class EditError(UsageError):
+    """An edit whose text does not occur exactly once: a DeepEP whose init_dist differs."""
+
+
+# ------------------------------------------------------------------------------- sources
+def read_checkout(checkout: str) -> Dict[str, str]:
+    texts = {}
+    for rel in FILES:
+        path = os.path.join(checkout, rel)
+        check(os.path.isfile(path),
+              f"{checkout}: no {rel} (--checkout takes a DeepEP checkout: a folder holding tests/)")
+        with open(path, encoding="utf-8") as f:
+            texts[rel] = f.read()
+    return texts
+
+
+def read_git(gitdir: str, rev: str) -> Tuple[Dict[str, str], str]:
+    """The files at `rev` of the git directory, and the full commit."""
+    check(shutil.which("git") is not None, "git is not on PATH (--git needs it; --checkout does not)")
+    check(os.path.isdir(gitdir), f"--git {gitdir}: no such directory")
+    got = subprocess.run(["git", "-C", gitdir, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
+                         capture_output=True, text=True)
+    check(got.returncode == 0, f"--git {gitdir}: no commit {rev!r} there")
+    commit = got.stdout.strip()
+    texts = {}
+    for rel in FILES:
+        got = subprocess.run(["git", "-C", gitdir, "show", f"{commit}:{rel}"], capture_output=True, text=True)
+        check(got.returncode == 0, f"--git {gitdir}: no {rel} at {rev}")
+        texts[rel] = got.stdout
+    return texts, commit
+
+
+def write(texts: Dict[str, str], dest: str) -> None:
+    for rel, text in texts.items():
+        path = os.path.join(dest, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+
+
+# ---------------------------------------------------------------------------------- patch
+def patch(texts: Dict[str, str]) -> Dict[str, str]:
+    """The files with every edit applied; EditError naming the file and the edit where one's text
+    does not occur exactly once (checked before anything is written)."""
+    out = dict(texts)
+    for name, rel, old, new in EDITS:
+        n = out[rel].count(old)
+        if n != 1:
+            raise EditError(f"{rel}: edit '{name}' matches {n} times, expected exactly once (its text is init_dist's "
+                            f"at DeepEP {DEFAULT_REV}; this DeepEP differs, so nothing runs): {old.strip()!r}")
+        out[rel] = out[rel].replace(old, new)
+    return out
+
+
+# ------------------------------------------------------------------------------------ run
+def command(test: str, num_processes: int, extra: Sequence[str]) -> List[str]:
+    return [sys.executable, f"tests/test_{test}.py", "--num-processes", str(num_processes), *extra]
+
+
+def environment() -> Dict[str, str]:
+    """This process's environment with megatron_ep's deep_ep first on PYTHONPATH (then this
+    checkout, for megatron_ep itself), NVLink multicast off, and the rendezvous init_dist reads
+    (MASTER_ADDR, a free MASTER_PORT)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [SHIM, ROOT, os.environ.get("PYTHONPATH")]))
+    env.update(ENV)
+    env.setdefault("CUDA_MODULE_LOADING", "EAGER")  # virtual ranks under MPS: docs/design.md §5
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    return env
+
+
+def run_nodes(cmd: Sequence[str], num_nodes: int, env: Dict[str, str], cwd: str, grace_s: float = 10.0) -> int:
+    """`cmd` once per node (RANK = node, WORLD_SIZE = nodes), each in a process group of its own.
+    When one fails, the others get `grace_s`, then their groups (the test's spawned ranks too) are
+    stopped. Returns the first failing node's exit status, else 0."""
+    procs = [subprocess.Popen(list(cmd), cwd=cwd, env={**env, "RANK": str(n), "WORLD_SIZE": str(num_nodes)},
+                              start_new_session=True) for n in range(num_nodes)]
+    first, deadline = None, None
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            for n, c in enumerate(codes):
+                if c not in (None, 0) and first is None:
+                    first, deadline = (n, c), time.monotonic() + grace_s
+            if all(c is not None for c in codes) or (deadline is not None and time.monotonic() > deadline):
+                break
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        _stop(procs, signal.SIGINT)
+        return 130
+    _stop(procs)
+    if first is None:
+        return 0
+    node, code = first
+    where = f"node {node} of {num_nodes}: " if num_nodes > 1 else ""
+    how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+    print(f"{PROG}: error: {where}{os.path.basename(cmd[1])} {how}", file=sys.stderr, flush=True)
+    return code if code > 0 else 1
+
+
+def _stop(procs, sig=signal.SIGTERM, wait_s: float = 5.0) -> None:
+    """Signal the process group of each node still running (or whose ranks outlive it), then kill."""
+    for p in procs:
+        try:
+            os.killpg(p.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+    end = time.monotonic() + wait_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        p.wait()
+
+
+def parse(argv: Optional[Sequence[str]] = None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: List[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    p = ArgumentParser(prog=PROG, description=__doc__)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkout", metavar="DIR",
+                     help="a DeepEP checkout: a folder holding tests/test_*.py and tests/utils.py")
+    src.add_argument("--git", metavar="GITDIR", help="a DeepEP git directory (bare or not); the files at --rev")
+    p.add_argument("--rev", default=DEFAULT_REV,
+                   help="the revision to take with --git (the commit megatron_ep.deep_ep reproduces)")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--extract", metavar="DEST", help="only write the files, unpatched, into DEST/tests")
+    what.add_argument("--test", choices=TESTS, help="run DeepEP's tests/test_<TEST>.py on megatron_ep.deep_ep")
+    p.add_argument("--num-processes", type=integer(1), default=None,
+                   help="the test file's --num-processes: the ranks it spawns (per node); "
+                        "default 8 for internode (its only value), else 2")
+    p.add_argument("--num-nodes", type=integer(1), default=None,
+                   help="nodes on this machine (copies of the test file, RANK = node, WORLD_SIZE = nodes); "
+                        "internode: 2 unless given, at least 2; the other tests: 1")
+    p.add_argument("--workdir", metavar="DIR", default=None,
+                   help="the folder for the patched copy (default: a new temporary folder, removed after the run)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="patch and print the command, run nothing (the work folder is kept)")
+    args = p.parse_args(argv)
+    args.extra = extra
+    if args.rev != DEFAULT_REV and not args.git:
+        p.error("--rev goes with --git")
+    if args.extract is not None:
+        for name in ("workdir", "num_nodes", "num_processes"):
+            if getattr(args, name) is not None:
+                p.error(f"--{name.replace('_', '-')} goes with --test, not --extract")
+        if extra or args.dry_run:
+            p.error("--extract takes no test arguments and no --dry-run")
+        return args
+    if args.num_nodes is None:
+        args.num_nodes = 2 if args.test == "internode" else 1
+    if args.num_processes is None:
+        args.num_processes = 8 if args.test == "internode" else 2
+    if args.test == "internode":
+        if args.num_nodes < 2 or args.num_processes != 8:
+            p.error("test_internode.py asserts 8 ranks per node and more than 8 ranks: "
+                    "--num-processes 8 and --num-nodes 2 or more")
+    elif args.num_nodes != 1:
+        p.error(f"--num-nodes goes with --test internode (test_{args.test}.py runs on one node)")
+    if any(a == "--num-processes" or a.startswith("--num-processes=") for a in extra):
+        p.error("give --num-processes before `--` (it is passed to the test file)")
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse(argv)
+    if args.git:
+        texts, commit = read_git(args.git, args.rev)
+        origin = f"{args.git} at {commit[:12]}"
+    else:
+        texts, origin = read_checkout(args.checkout), args.checkout
+    if args.extract is not None:
+        write(texts, args.extract)
+        print(f"{PROG}: wrote {', '.join(FILES)} ({sum(len(t.encode()) for t in texts.values())} bytes) from {origin} "
+              f"into {args.extract}", flush=True)
+        return 0
+    patched = patch(texts)  # before anything is written or run
+    if not args.dry_run:
+        require("torch", "numpy", prog=PROG)
+    work = tempfile.mkdtemp(prefix="deepep-tests-") if args.workdir is None else args.workdir
+    temporary = args.workdir is None and not args.dry_run  # a dry run leaves its folder to be read
+    try:
+        write(patched, work)
+        cmd = command(args.test, args.num_processes, args.extra)
+        env = environment()
+        nodes = f"RANK=0..{args.num_nodes - 1}" if args.num_nodes > 1 else "RANK=0"
+        shown = {"PYTHONPATH": env["PYTHONPATH"], **ENV,
+                 **{k: env[k] for k in ("CUDA_MODULE_LOADING", "MASTER_ADDR", "MASTER_PORT")},
+                 "WORLD_SIZE": str(args.num_nodes)}
+        print(f"+ cd {shlex.quote(work)} && " + " ".join(f"{k}={shlex.quote(v)}" for k, v in shown.items())
+              + f" {nodes} " + shlex.join(cmd), flush=True)
+        if args.dry_run:
+            return 0
+        return run_nodes(cmd, args.num_nodes, env, work)
+    finally:
+        if temporary:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main, prog=PROG))
