@@ -76,7 +76,10 @@ def run_deep_ep_normal_case(cfg: dict) -> list:
         per_rank, per_rdma, per_expert, in_rank, ev = buf.get_dispatch_layout(idx, E)
         want_in_rank = _in_rank(idx, L, R)
         if not (torch.equal(in_rank, want_in_rank) and per_rank.dtype == torch.int32 and per_expert.dtype == torch.int32
-                and per_rank.tolist() == want_in_rank.sum(0).tolist() and per_rdma is None and ev.event is None
+                and per_rank.tolist() == want_in_rank.sum(0).tolist() and ev.event is None
+                # per node of 8 ranks past 8 (DeepEP's RDMA ranks), else None
+                and (per_rdma is None if R <= 8 else
+                     per_rdma.tolist() == want_in_rank.view(-1, R // 8, 8).any(dim=2).sum(0).tolist())
                 and per_expert.tolist() == [int((idx == e).sum()) for e in range(E)]):
             errors.append(f"{tag} get_dispatch_layout differs from DeepEP's: {per_rank.tolist()} {per_expert.tolist()}")
         rx, rid, rw, counts, handle, ev = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
@@ -89,9 +92,14 @@ def run_deep_ep_normal_case(cfg: dict) -> list:
         want_counts = [(int((eid == e).sum()) + a - 1) // a * a for e in range(L)]
         if counts != want_counts:
             errors.append(f"{tag} num_recv_tokens_per_expert_list {counts}, DeepEP's {want_counts}")
-        if not (isinstance(handle, tuple) and len(handle) == 6 and torch.equal(handle[0].cpu(), torch.cumsum(sent, 0).to(torch.int32))
-                and handle[4] is in_rank):
+        prefix = torch.cumsum(sent, 0).to(torch.int32)
+        if R <= 8 and not (isinstance(handle, tuple) and len(handle) == 6 and torch.equal(handle[0].cpu(), prefix)
+                           and handle[4] is in_rank):
             errors.append(f"{tag} handle[0] (rank_prefix_matrix) {handle[0]} or handle[4] differ from DeepEP's")
+        # past 8 ranks DeepEP's internode handle: is_token_in_rank first, recv_gbl_rank_prefix_sum at -4
+        if R > 8 and not (isinstance(handle, tuple) and len(handle) == 10 and handle[0] is in_rank
+                          and torch.equal(handle[-4].cpu(), prefix[:, rank])):
+            errors.append(f"{tag} the internode handle's is_token_in_rank or recv_gbl_rank_prefix_sum differ from DeepEP's")
         # cached dispatch (the backward of combine): the same rows, no list, no handle
         again = buf.dispatch(x * 2, handle=handle)
         if not (torch.equal(again[0].cpu(), ex * 2) and again[1:5] == (None, None, None, None)):
@@ -132,7 +140,7 @@ def run_deep_ep_normal_case(cfg: dict) -> list:
 
 def normal_cases(R: int) -> list:
     """Uneven token counts with an empty rank and -1 slots; every token on one expert; an alignment."""
-    Ts = [6, 0, 9, 3, 7, 1, 4, 5][:R]
+    Ts = ([6, 0, 9, 3, 7, 1, 4, 5] * 2)[:R]
     return [dict(seed=600 + R, E=2 * R, K=3, H=16, Ts=Ts, p_drop=0.2, worst=R * 9, align=3),
             dict(seed=610 + R, E=4 * R, K=2, H=32, Ts=[5] * R, pattern="hot", worst=R * 5, align=4)]
 

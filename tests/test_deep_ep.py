@@ -46,6 +46,13 @@ def test_dispatch_by_is_token_in_rank_matches_deepep(pools, R):
     assert not errors, "\n".join(errors[:20])
 
 
+def test_internode_handle_past_eight_ranks(pools):
+    """16 ranks (2 nodes of 8, as DeepEP's internode_dispatch): the normal cases with DeepEP's
+    10-entry internode handle."""
+    errors = [e for rank in pools(16).run(dc.run_deep_ep_normal_cases, dc.normal_cases(16)[:1]) for e in rank]
+    assert not errors, "\n".join(errors[:20])
+
+
 @pytest.mark.parametrize("R", [2, 4])
 def test_low_latency_mode_matches_deepep(pools, R):
     errors = [e for rank in pools(R).run(dc.run_deep_ep_low_latency_cases, dc.low_latency_cases(R)) for e in rank]

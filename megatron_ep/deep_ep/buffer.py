@@ -37,6 +37,22 @@ class Handle(tuple):
         return h
 
 
+class InternodeHandle(Handle):
+    """A normal dispatch's handle on a group of more than 8 ranks: DeepEP's internode 10-tuple
+    `(is_token_in_rank, rdma_channel_prefix_matrix, gbl_channel_prefix_matrix,
+    recv_rdma_channel_prefix_matrix, recv_rdma_rank_prefix_sum, recv_gbl_channel_prefix_matrix,
+    recv_gbl_rank_prefix_sum, recv_src_meta, send_rdma_head, send_nvl_head)` with
+    `is_token_in_rank` and `recv_gbl_rank_prefix_sum` ([R] int32: tokens ranks 0..i send to this
+    rank, inclusive) filled and the entries of DeepEP's channels, RDMA forwarding and heads None;
+    `rank_prefix_matrix` (the column of which that prefix sum is) is kept as an attribute."""
+
+    def __new__(cls, ours: DispatchHandle, rank_prefix_matrix, is_token_in_rank, rank: int):
+        gbl = None if rank_prefix_matrix is None else rank_prefix_matrix[:, rank].contiguous()
+        h = tuple.__new__(cls, (is_token_in_rank, None, None, None, None, None, gbl, None, None, None))
+        h.ours, h.rank_prefix_matrix = ours, rank_prefix_matrix
+        return h
+
+
 class LowLatencyHandle(tuple):
     """DeepEP's low-latency handle `(src_info, layout_range, num_max_dispatch_tokens_per_rank,
     hidden, num_experts)`; `ours` is megatron_ep's handle, which the combine uses."""
@@ -93,7 +109,9 @@ class Buffer:
         if low_latency_mode or self.group_size > RANKS_PER_NODE:
             self.nvshmem_qp_depth = int(os.environ.get("NVSHMEM_QP_DEPTH", "1024"))
         backend = os.environ.get("MEGATRON_EP_DEEP_EP_BACKEND", "auto")
-        self.runtime = _mep.Buffer(group, backend=backend)
+        # past 8 ranks DeepEP runs its internode kernels over nodes of 8: ours the two-level path
+        nodes = dict(ranks_per_node=RANKS_PER_NODE) if self.group_size > RANKS_PER_NODE else {}
+        self.runtime = _mep.Buffer(group, backend=backend, **nodes)
         self._combine_buffers, self._next_combine = _CombineBuffers(), 0  # the zero-copy combine's
         if self.rank == 0:
             log.info("megatron_ep.deep_ep: DeepEP's Buffer API on megatron_ep (%s backend, %d ranks)",
@@ -196,7 +214,10 @@ class Buffer:
             counts = [] if num_worst_tokens else [_align_up(c, expert_alignment) for c in out.tokens_per_expert_host]
             recv_idx, recv_w = out.topk_idx, out.topk_weights
         rank_prefix = self._rank_prefix_matrix(num_tokens_per_rank, sync_free=bool(num_worst_tokens))
-        h = Handle(out.handle, rank_prefix, None, is_token_in_rank)
+        if self.group_size > RANKS_PER_NODE:  # DeepEP's internode_dispatch and its handle
+            h = InternodeHandle(out.handle, rank_prefix, is_token_in_rank, self.rank)
+        else:
+            h = Handle(out.handle, rank_prefix, None, is_token_in_rank)
         return out.x, recv_idx, recv_w, counts, h, _finished(out.event, async_finish)
 
     def _dispatch_by_rank(self, x, is_token_in_rank: torch.Tensor, num_experts: int, topk_weights, num_worst_tokens: int,
