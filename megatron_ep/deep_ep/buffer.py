@@ -113,6 +113,7 @@ class Buffer:
         nodes = dict(ranks_per_node=RANKS_PER_NODE) if self.group_size > RANKS_PER_NODE else {}
         self.runtime = _mep.Buffer(group, backend=backend, **nodes)
         self._combine_buffers, self._next_combine = _CombineBuffers(), 0  # the zero-copy combine's
+        self._worst_reserved = 0  # the largest num_worst_tokens the buffer was reserved for
         if self.rank == 0:
             log.info("megatron_ep.deep_ep: DeepEP's Buffer API on megatron_ep (%s backend, %d ranks)",
                      self.runtime.backend, self.group_size)
@@ -208,6 +209,8 @@ class Buffer:
             counts = self._recv_per_expert(num_tokens_per_expert, expert_alignment)
             recv_idx = recv_w = None  # DeepEP returns none without topk_idx
         else:
+            if num_worst_tokens > self._worst_reserved:
+                self._reserve_worst(x, topk_idx, E, num_worst_tokens)
             out = self.runtime.dispatch(x, topk_idx, topk_weights, num_experts=E, permute=False,
                                         num_worst_tokens=num_worst_tokens, host_counts=not num_worst_tokens,
                                         async_op=async_finish, previous_event=prev)
@@ -219,6 +222,18 @@ class Buffer:
         else:
             h = Handle(out.handle, rank_prefix, None, is_token_in_rank)
         return out.x, recv_idx, recv_w, counts, h, _finished(out.event, async_finish)
+
+    def _reserve_worst(self, x, topk_idx: torch.Tensor, num_experts: int, num_worst_tokens: int) -> None:
+        """DeepEP sizes its buffer from num_nvl_bytes, so callers pass num_worst_tokens freely; our
+        buffer sizes itself from the calls it sees, and a worst-case sized dispatch (no host sync)
+        cannot grow it. So the first such dispatch with a larger num_worst_tokens reserves room
+        for it first: a collective, decided on num_worst_tokens alone, which DeepEP requires to be
+        the same on every rank (a decision on this rank's own fit could leave it alone in the
+        collective). Not under CUDA-graph capture: make one such call before capturing."""
+        rows = _rows(x)
+        self.runtime.reserve(max_tokens=rows.shape[0], hidden=rows.shape[1], dtype_bytes=rows.element_size(),
+                             topk=topk_idx.shape[1], num_experts=num_experts, combine_rows=num_worst_tokens)
+        self._worst_reserved = num_worst_tokens
 
     def _dispatch_by_rank(self, x, is_token_in_rank: torch.Tensor, num_experts: int, topk_weights, num_worst_tokens: int,
                           async_finish: bool, prev):
