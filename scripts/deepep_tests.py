@@ -38,17 +38,16 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megatron_ep.cli import ArgumentParser, UsageError, check, integer, require, run_main  # noqa: E402
+from megatron_ep.cli.launching import first_failure, free_port, how_it_ended, stop  # noqa: E402
 
 PROG = "deepep_tests.py"
 DEFAULT_REV = "567632d"  # the DeepEP commit megatron_ep.deep_ep reproduces
@@ -147,10 +146,7 @@ def environment() -> Dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [SHIM, ROOT, os.environ.get("PYTHONPATH")]))
     env.update(ENV)
     env.setdefault("CUDA_MODULE_LOADING", "EAGER")  # virtual ranks under MPS: docs/design.md §5
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     return env
 
 
@@ -160,47 +156,18 @@ def run_nodes(cmd: Sequence[str], num_nodes: int, env: Dict[str, str], cwd: str,
     stopped. Returns the first failing node's exit status, else 0."""
     procs = [subprocess.Popen(list(cmd), cwd=cwd, env={**env, "RANK": str(n), "WORLD_SIZE": str(num_nodes)},
                               start_new_session=True) for n in range(num_nodes)]
-    first, deadline = None, None
     try:
-        while True:
-            codes = [p.poll() for p in procs]
-            for n, c in enumerate(codes):
-                if c not in (None, 0) and first is None:
-                    first, deadline = (n, c), time.monotonic() + grace_s
-            if all(c is not None for c in codes) or (deadline is not None and time.monotonic() > deadline):
-                break
-            time.sleep(0.1)
+        first = first_failure(procs, grace_s, poll_s=0.1)
     except KeyboardInterrupt:
-        _stop(procs, signal.SIGINT)
+        stop(procs, signal.SIGINT, groups=True)
         return 130
-    _stop(procs)
+    stop(procs, groups=True)  # the nodes past the grace, and ranks that outlive their node
     if first is None:
         return 0
     node, code = first
     where = f"node {node} of {num_nodes}: " if num_nodes > 1 else ""
-    how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
-    print(f"{PROG}: error: {where}{os.path.basename(cmd[1])} {how}", file=sys.stderr, flush=True)
+    print(f"{PROG}: error: {where}{os.path.basename(cmd[1])} {how_it_ended(code)}", file=sys.stderr, flush=True)
     return code if code > 0 else 1
-
-
-def _stop(procs, sig=signal.SIGTERM, wait_s: float = 5.0) -> None:
-    """Signal the process group of each node still running (or whose ranks outlive it), then kill."""
-    for p in procs:
-        try:
-            os.killpg(p.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-    end = time.monotonic() + wait_s
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        p.wait()
 
 
 def parse(argv: Optional[Sequence[str]] = None):

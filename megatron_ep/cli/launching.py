@@ -9,14 +9,34 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Sequence
+from typing import Optional, Sequence, Tuple
 
 from .failures import _ERRORS_ENV
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host now (a rendezvous for local processes)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def first_failure(procs: Sequence[subprocess.Popen], grace_s: float, poll_s: float = 0.05) -> Optional[Tuple[int, int]]:
+    """Wait until every process ended, or until `grace_s` after the first one failed; return
+    (index, exit status) of the first that failed, or None. Stopping the rest is the caller's."""
+    first, deadline = None, None
+    while True:
+        codes = [p.poll() for p in procs]
+        for i, c in enumerate(codes):
+            if c not in (None, 0) and first is None:
+                first, deadline = (i, c), time.monotonic() + grace_s
+        if all(c is not None for c in codes) or (deadline is not None and time.monotonic() > deadline):
+            return first
+        time.sleep(poll_s)
+
+
+def how_it_ended(code: int) -> str:
+    """A nonzero exit status in words ("was killed by signal SIGKILL", "exited with status 2")."""
+    return f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
 
 
 def _package_root() -> str:
@@ -30,7 +50,7 @@ def launch(nprocs: int, cmd: Sequence[str], *, prog: str, grace_s: float = 5.0) 
     fails, the others get `grace_s` to finish, then SIGTERM; the first failure's one line is
     printed here (without a rank when every failing rank said the same). Returns the first
     failing rank's exit status, else 0."""
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory(prefix="mep-ranks-") as errors:
         base = dict(os.environ)
         base.update(WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
@@ -41,22 +61,12 @@ def launch(nprocs: int, cmd: Sequence[str], *, prog: str, grace_s: float = 5.0) 
         procs = []
         for r in range(nprocs):
             procs.append(subprocess.Popen(list(cmd), env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}))
-        first, deadline = None, None
         try:
-            while True:
-                codes = [p.poll() for p in procs]
-                for r, c in enumerate(codes):
-                    if c not in (None, 0) and first is None:
-                        first, deadline = (r, c), time.monotonic() + grace_s
-                if all(c is not None for c in codes):
-                    break
-                if deadline is not None and time.monotonic() > deadline:
-                    _stop(procs)
-                    break
-                time.sleep(0.05)
+            first = first_failure(procs, grace_s)
         except KeyboardInterrupt:
-            _stop(procs, signal.SIGINT)
+            stop(procs, signal.SIGINT)
             return 130
+        stop(procs)  # the ranks still running past the grace (a no-op for ended ones)
         if first is None:
             return 0
         rank, code = first
@@ -72,21 +82,33 @@ def launch(nprocs: int, cmd: Sequence[str], *, prog: str, grace_s: float = 5.0) 
             if line and len({text for _, text in said.values() if text}) > 1:
                 line = line.replace(f"{prog}: error: ", f"{prog}: error: rank {r0}: ", 1)
         else:
-            how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
-            line = f"{prog}: error: rank {rank} {how} without a message"
+            line = f"{prog}: error: rank {rank} {how_it_ended(code)} without a message"
         if line:
             print(line, file=sys.stderr, flush=True)
         return code if code > 0 else 1
 
 
-def _stop(procs, sig=signal.SIGTERM, wait_s: float = 5.0) -> None:
+def stop(procs: Sequence[subprocess.Popen], sig=signal.SIGTERM, wait_s: float = 5.0, groups: bool = False) -> None:
+    """Signal each process still running, give them `wait_s` together, then kill. `groups`: the
+    processes were started with start_new_session=True and their process groups (what they
+    spawned too) are signalled and killed, whether or not the leader still runs."""
+    def send(p, s):
+        try:
+            if groups:
+                os.killpg(p.pid, s)
+            elif p.poll() is None:
+                p.send_signal(s)
+        except (ProcessLookupError, PermissionError):
+            pass
+
     for p in procs:
-        if p.poll() is None:
-            p.send_signal(sig)
+        send(p, sig)
     end = time.monotonic() + wait_s
     for p in procs:
         try:
             p.wait(timeout=max(0.1, end - time.monotonic()))
         except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+            pass
+        if groups or p.poll() is None:
+            send(p, signal.SIGKILL)
+        p.wait()
