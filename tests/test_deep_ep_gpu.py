@@ -3,6 +3,8 @@ mode (intranode kernels) and the low-latency mode (statistics, UE8M0 scales, the
 combine) against the same oracle of DeepEP's semantics as the torch backend's CPU cases
 (tests/deep_ep_cases.py, tests/test_deep_ep.py)."""
 
+import os
+
 import pytest
 
 import deep_ep_cases as dc
@@ -13,7 +15,7 @@ pytestmark = GPU_MARKS
 # short kernel waits and a bounded run: a rank that stops (an error on one rank only) fails the
 # case within the test's limit, with each silent rank's stack, instead of running past it
 POOLS = GpuPools(MEP_TIMEOUT_S="10")
-RUN_S = 120
+RUN_S = float(os.environ.get("MEP_DEEP_EP_RUN_S", "120"))
 pool_ = POOLS.get
 _close_pools = closing(POOLS)
 

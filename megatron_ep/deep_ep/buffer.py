@@ -315,11 +315,15 @@ class Buffer:
                                                 **({"return_recv_hook": True} if hooked else {}))
         ours = out.handle
         lr = ours.layout_range
-        packed = (lr[..., 0].to(torch.int64) << 32) | lr[..., 1].to(torch.int64)
+        packed = torch.empty(lr.shape[:-1], dtype=torch.int64, device=lr.device)
         handle = LowLatencyHandle(ours, ours.src_token, packed, num_max_dispatch_tokens_per_rank, x.shape[1], num_experts)
         hook = None
-        if return_recv_hook:
-            hook = out.hook if hooked else (lambda: None)  # the torch backend has received already
+        if hooked:  # the layout exists once the receive half ran: packed after it, on the hook's stream
+            hook = _then(out.hook, lambda: _pack_layout(lr, packed))
+        else:
+            _pack_layout(lr, packed)
+            if return_recv_hook:
+                hook = lambda: None  # noqa: E731 - the torch backend has received already
         return out.x, out.count, handle, _finished(out.event, async_finish), hook
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
@@ -402,6 +406,19 @@ def _stand_in_topk(is_token_in_rank: torch.Tensor, experts_per_rank: int) -> tor
     ids = torch.where(is_token_in_rank, first, torch.full_like(first, -1))
     marked_first = torch.sort((~is_token_in_rank).to(torch.int8), dim=1, stable=True).indices[:, :K]
     return ids.gather(1, marked_first).contiguous()
+
+
+def _pack_layout(layout_range: torch.Tensor, packed: torch.Tensor) -> None:
+    """DeepEP's layout_range [L, R] int64 (begin << 32 | count) from ours ([L, R, 2] int32)."""
+    torch.bitwise_or(layout_range[..., 0].to(torch.int64) << 32, layout_range[..., 1].to(torch.int64), out=packed)
+
+
+def _then(hook, after):
+    """A receive hook that runs `after` once the receive half is launched (same stream)."""
+    def run() -> None:
+        hook()
+        after()
+    return run
 
 
 def _combine_shape(handle: tuple, num_ranks: int) -> Tuple[int, int, int]:
