@@ -80,7 +80,9 @@ def pack_ue8m0(scales: torch.Tensor) -> torch.Tensor:
 def unpack_ue8m0(packed: torch.Tensor) -> torch.Tensor:
     """int32 [..., m] of packed exponent bytes -> fp32 scales [..., 4m] (inverse of pack_ue8m0)."""
     fail(packed.dtype == torch.int32, f"packed scales must be int32, got {packed.dtype}", TypeError)
-    exp = packed.contiguous().view(torch.uint8).to(torch.int32)
+    # reshape(-1), not contiguous(): a [n, 1] column-major slice counts as contiguous with a last
+    # stride > 1, which a byte view refuses
+    exp = packed.reshape(-1).view(torch.uint8).to(torch.int32)
     return (exp << 23).view(torch.float32).view(*packed.shape[:-1], packed.shape[-1] * UE8M0_PACK)
 
 

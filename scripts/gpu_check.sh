@@ -236,7 +236,7 @@ sanitize() {
 
 start_mps
 if [ "$MODE" = gate ]; then
-  FILES=${MEP_GATE_FILES:-tests/test_cuda_intranode.py tests/test_cuda_internode.py tests/test_cuda_low_latency.py tests/test_megatron_gpu.py tests/test_experts.py tests/test_deepgemm.py}
+  FILES=${MEP_GATE_FILES:-tests/test_cuda_intranode.py tests/test_cuda_internode.py tests/test_cuda_low_latency.py tests/test_megatron_gpu.py tests/test_experts.py tests/test_deepgemm.py tests/test_deep_ep_gpu.py tests/test_deepep_suite.py}
   run_files 560 "$FILES"
   stop_mps
   # the tests without MPS beside the sanitizer run (both outside MPS, each process its own context,

@@ -40,3 +40,15 @@ def test_column_major_keeps_values():
     t = torch.arange(2 * 6 * 3, dtype=torch.int32).view(2, 6, 3)
     c = column_major(t)
     assert torch.equal(c, t) and c.transpose(1, 2).is_contiguous()
+
+
+@pytest.mark.parametrize("n", [4, 16])  # one int32 per row (hidden 512), and four
+def test_unpack_reads_column_major_slices(n):
+    """The dispatch hands scales column-major per expert ([L, rows, n/4] over [L, n/4, rows]):
+    a slice of one expert's first rows unpacks as the rows' own scales, also with one int32 per
+    row: torch counts that slice as contiguous with a last stride above 1, and some torch
+    versions (2.11) refuse to view it as bytes."""
+    s = _pow2_scales(rows=6, n=n, seed=2).view(2, 3, n)
+    packed = column_major(pack_ue8m0(s))
+    for e in range(2):
+        assert torch.equal(unpack_ue8m0(packed[e, :2]), s[e, :2])
