@@ -413,3 +413,79 @@ def run_deep_ep_clean_case(cfg: dict) -> list:
         return errors
     except Exception:
         return [f"{tag} raised:\n{traceback.format_exc()}"]
+
+
+SLEEP_CYCLES = 50_000_000  # about 25 ms of the caller's stream at the H200's clock
+
+
+def run_deep_ep_stream_order_case(cfg: dict) -> list:
+    """previous_event marks the inputs ready while the caller's stream is still busy (a sleep
+    kernel queued after the event): each call with async_finish then returns what the same call
+    returns without an event. Anything the module or our Buffer queues on the caller's stream
+    during the call (the handle's copy of topk_idx, the stand-in ids of a dispatch without
+    topk_idx, row-major copies of column-major FP8 scales, the combine's weight rows) must be
+    waited for by our kernels; a kernel that waits only for the event reads it unwritten."""
+    R, rank = dist.get_world_size(), dist.get_rank()
+    tag = f"[deep_ep stream order R={R} rank={rank} seed={cfg['seed']}]"
+    try:
+        _backend(cfg)
+        from megatron_ep import deep_ep
+        from megatron_ep.fp8 import per_token_cast_to_fp8
+
+        errors = []
+        E = cfg["E"]
+        buf = deep_ep.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 20)
+        x, idx, w = _on(cfg, *_inputs(cfg, rank))
+        x = x.to(torch.bfloat16)
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        kw = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+
+        def busy():
+            ev = deep_ep.Buffer.capture()  # the inputs are ready here
+            torch.cuda._sleep(SLEEP_CYCLES)
+            return ev
+
+        def same(name, got, want):
+            for i, (g, wt) in enumerate(zip(got, want)):
+                if isinstance(wt, torch.Tensor):
+                    if not (g.shape == wt.shape and torch.equal(_bits(g), _bits(wt))):
+                        errors.append(f"{tag} {name}: output {i} differs from the same call without previous_event")
+                elif g != wt:
+                    errors.append(f"{tag} {name}: output {i} is {g}, without previous_event {wt}")
+
+        # the handle's copy of topk_idx (our Buffer's dispatch)
+        want = buf.dispatch(x, topk_idx=idx, topk_weights=w, **kw)
+        got = buf.dispatch(x, topk_idx=idx, topk_weights=w, previous_event=busy(), async_finish=True, **kw)
+        got[5].current_stream_wait()
+        same("dispatch with topk_idx", got[:4], want[:4])
+        # the stand-in ids of a dispatch without topk_idx
+        want_r = buf.dispatch(x, **kw)
+        got_r = buf.dispatch(x, previous_event=busy(), async_finish=True, **kw)
+        got_r[5].current_stream_wait()
+        same("dispatch without topk_idx", got_r[:1] + got_r[3:4], want_r[:1] + want_r[3:4])
+        # a cached FP8 dispatch with column-major scales (DeepEP's tests pass them so)
+        q, s = per_token_cast_to_fp8(x)
+        want_c = buf.dispatch((q, s), handle=want[4])
+        got_c = buf.dispatch((q, s.T.contiguous().T), handle=want[4], previous_event=busy(), async_finish=True)
+        got_c[5].current_stream_wait()
+        same("cached FP8 dispatch", list(got_c[0]), list(want_c[0]))
+        # the combine's weight rows
+        want_y = buf.combine(want[0], want[4], topk_weights=want[2])
+        got_y = buf.combine(want[0], want[4], topk_weights=want[2], previous_event=busy(), async_finish=True)
+        got_y[2].current_stream_wait()
+        same("combine with topk_weights", got_y[:2], want_y[:2])
+        return errors
+    except Exception:
+        return [f"{tag} raised:\n{traceback.format_exc()}"]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def stream_order_cases(R: int) -> list:
+    return [dict(seed=800 + R, E=4 * R, K=4, H=256, Ts=([96, 40, 128, 7] * 2)[:R], p_drop=0.1)]
+
+
+def run_deep_ep_stream_order_cases(cfgs: list) -> list:
+    return [e for cfg in cfgs for e in run_deep_ep_stream_order_case(cfg)]

@@ -36,3 +36,10 @@ def test_low_latency_mode_on_our_kernels(R):
     errors = flat(pool.run(dc.run_deep_ep_low_latency_cases, [dict(c, **ON_CUDA) for c in dc.low_latency_cases(R)],
                            timeout=RUN_S))
     assert not errors, "\n".join(errors[:20])
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_previous_event_with_the_callers_stream_busy(R):
+    errors = flat(pool_(R).run(dc.run_deep_ep_stream_order_cases, [dict(c, **ON_CUDA) for c in dc.stream_order_cases(R)],
+                               timeout=RUN_S))
+    assert not errors, "\n".join(errors[:20])

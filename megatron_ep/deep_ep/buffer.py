@@ -195,6 +195,11 @@ class Buffer:
         a handle (cached dispatch) only the rows move and the list and handle come back None."""
         _check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
         prev = to_ours(previous_event)
+        if _needs_row_major_copy(x) or (handle is None and topk_idx is None):
+            # the wrapper's own work on this stream (the scales' copy, the stand-in ids) must come
+            # after previous_event, and our kernels after that work: this stream waits for the
+            # event, then ours for this stream
+            prev = _join(previous_event)
         x = _row_major_scales(x)
         if handle is not None:
             assert topk_idx is None and topk_weights is None
@@ -252,7 +257,7 @@ class Buffer:
             raise ValueError(f"megatron_ep.deep_ep dispatch: is_token_in_rank must be a [{T}, {R}] torch.bool tensor "
                              f"(num_tokens, num_ranks), got {getattr(is_token_in_rank, 'dtype', type(is_token_in_rank))} "
                              f"{tuple(getattr(is_token_in_rank, 'shape', ()))}")
-        idx = _stand_in_topk(is_token_in_rank, num_experts // R)
+        idx = _stand_in_topk(is_token_in_rank, num_experts // R)  # after the caller's join (dispatch)
         return self.runtime.dispatch(x, idx, None, num_experts=num_experts, permute=False, async_op=async_finish,
                                      previous_event=prev)
 
@@ -278,10 +283,13 @@ class Buffer:
         y = out.x
         weights = None
         if topk_weights is not None:  # a second combine, of the weight rows (fp32, padded to 16 bytes)
+            _join(previous_event)  # the rows below read topk_weights on this stream: after the event
             K = topk_weights.shape[1]
             rows = torch.zeros((topk_weights.shape[0], -(-K // 4) * 4), dtype=torch.float32, device=topk_weights.device)
             rows[:, :K] = topk_weights
-            back = self.runtime.combine(rows, handle.ours, async_op=async_finish, previous_event=out.event)
+            # previous_event None: our stream waits for the caller's, where `rows` was just written
+            # (the first combine's event would not cover it); our stream runs that combine first
+            back = self.runtime.combine(rows, handle.ours, async_op=async_finish, previous_event=None)
             weights, out = back.x[:, :K], back
         b0, b1 = _unpack_bias(bias)
         if b0 is not None or b1 is not None:
@@ -472,6 +480,20 @@ def _row_major_scales(x):
         raise NotImplementedError("megatron_ep.deep_ep dispatch: int32 x_scales (UE8M0-packed) are not supported yet; "
                                   "pass float32 scales [num_tokens, hidden // 128]")
     return data, scales.contiguous()
+
+
+def _needs_row_major_copy(x) -> bool:
+    return (isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], torch.Tensor) and x[1].dtype != torch.int32
+            and not x[1].is_contiguous())
+
+
+def _join(previous_event: Optional[EventOverlap]) -> None:
+    """The caller's stream waits for previous_event (DeepEP's: when the inputs are ready, on any
+    stream); returns the previous_event for our Buffer's call: None, so our kernels wait for the
+    caller's stream, which now covers both the event and what the wrapper queued after it."""
+    if getattr(previous_event, "event", None) is not None:
+        previous_event.current_stream_wait()
+    return None
 
 
 def _check_stream_args(previous_event, async_finish: bool, allocate_on_comm_stream: bool) -> None:

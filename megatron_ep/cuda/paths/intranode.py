@@ -162,6 +162,12 @@ class IntranodePath(NormalPath):
         rt = self.rt
         plan = self._plan(call, req)
         compute = rt.enter(req.previous_event)
+        if plan.first:
+            # the handle's own routing (the caller may reuse theirs), copied on our stream: given a
+            # previous_event, our stream waits for that event only, so a copy on the caller's
+            # stream (queued after the event) could still be unwritten when notify reads it
+            with torch.cuda.stream(rt.stream):
+                plan.topk_idx = plan.topk_idx.clone()
         # what the caller gets back is allocated on its stream (see rt.leave); a cached dispatch
         # returns copies of the counts its handle keeps (the caller's outputs are its own)
         tpe = torch.empty(plan.L, dtype=torch.int64, device=rt.device)
@@ -200,7 +206,7 @@ class IntranodePath(NormalPath):
         if handle is None:
             K = req.topk_idx.shape[1]
             fail(K <= P.MAX_TOPK, f"topk_idx has K={K}; the cuda backend takes at most {P.MAX_TOPK}")
-            topk_idx = req.topk_idx.clone()  # the handle keeps its own routing (the caller may reuse theirs)
+            topk_idx = req.topk_idx  # the handle keeps its own copy, made in dispatch() after rt.enter
         else:
             K, topk_idx = handle.topk, handle.topk_idx
         need = dict(max_tokens=T, hidden=H, dtype_bytes=elem, combine_bytes=max(2, elem), max_topk=K,
