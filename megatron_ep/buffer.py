@@ -269,6 +269,10 @@ class Buffer:
                 C.check_alignment(expert_alignment)
                 K = C.check_topk_idx(topk_idx, T, device)
                 if self.check_inputs:
+                    if getattr(previous_event, "event", None) is not None:
+                        # the ids are ready at previous_event (maybe on another stream); the check
+                        # reads them on this one, and syncs the host anyway
+                        previous_event.event.synchronize()
                     C.check_topk_values(topk_idx, num_experts)
             if topk_weights is not None:
                 C.check_topk_weights(topk_weights, T, K, device)
