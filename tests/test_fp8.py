@@ -119,10 +119,10 @@ def test_token_cast_refuses_fp16_as_before():
                                             (5, 130, 129, 1 << 22), (1, 513, 256, 128 * 256), (0, 128, 128, 1 << 22)])
 def test_block_cast_bytes_equal_the_whole_tensor_formula(monkeypatch, dtype, G, N, K, chunk):
     """Whole experts per chunk, 128-row groups of one expert per chunk, partial blocks on both dims."""
-    from megatron_ep.experts import masked
-    monkeypatch.setattr(masked, "CAST_CHUNK_ELEMS", chunk)
+    from megatron_ep.experts import fp8_weights
+    monkeypatch.setattr(fp8_weights, "CAST_CHUNK_ELEMS", chunk)
     w = _hard_values((G, N, K), dtype, seed=G * N + K)
-    q, s = masked.per_block_cast_to_fp8(w)
+    q, s = fp8_weights.per_block_cast_to_fp8(w)
     q_ref, s_ref = _whole_tensor_block_cast(w)
     assert q.shape == (G, N, K) and s.shape == (G, -(-N // 128), -(-K // 128)) and q.is_contiguous()
     assert torch.equal(_bits(q), _bits(q_ref)) and torch.equal(_bits(s), _bits(s_ref))
@@ -132,7 +132,7 @@ def test_casts_make_no_full_size_fp32_copy(monkeypatch):
     """Every fp32 tensor the casts produce (aten ops recorded under a dispatch mode) is at most
     one chunk of their input; the whole-tensor formulas make several of the input's size."""
     from torch.utils._python_dispatch import TorchDispatchMode
-    from megatron_ep.experts import masked
+    from megatron_ep.experts import fp8_weights
 
     class Largest(TorchDispatchMode):
         def __init__(self):
@@ -153,10 +153,10 @@ def test_casts_make_no_full_size_fp32_copy(monkeypatch):
 
     chunk = 4 * 1024
     monkeypatch.setattr(mep.fp8, "CAST_CHUNK_ELEMS", chunk)
-    monkeypatch.setattr(masked, "CAST_CHUNK_ELEMS", 128 * 256)
+    monkeypatch.setattr(fp8_weights, "CAST_CHUNK_ELEMS", 128 * 256)
     x = torch.randn((64, 1024)).to(torch.bfloat16)
     assert largest(mep.per_token_cast_to_fp8, x) <= chunk
     assert largest(_whole_tensor_token_cast, x, False) >= x.numel()
     w = torch.randn((4, 256, 256)).to(torch.bfloat16)
-    assert largest(masked.per_block_cast_to_fp8, w) <= 128 * 256
+    assert largest(fp8_weights.per_block_cast_to_fp8, w) <= 128 * 256
     assert largest(_whole_tensor_block_cast, w) >= w.numel()

@@ -11,7 +11,8 @@
 
 from .backends import BACKENDS, choose_backend, grouped_linear
 from .layout import GroupedLayout
-from .masked import grouped_linear_fp8, grouped_linear_masked, per_block_cast_to_fp8
+from .fp8_weights import per_block_cast_to_fp8
+from .masked import grouped_linear_fp8, grouped_linear_masked
 from .mlp import expert_mlp, expert_mlp_masked
 from .overlap import chunk_bounds, chunked_expert_mlp
 

@@ -6,7 +6,7 @@ DeepGEMM's `m_grouped_{bf16,fp8}_gemm_nt_masked` when importable on CUDA (forwar
 else a batched matmul with the invalid rows zeroed (differentiable).
 
 FP8 inputs are the dispatch's (x_fp8, per-128-channel scales) tuples. With DeepGEMM the weights
-are cast per 128x128 block and the FP8 GEMM runs; otherwise the input is cast back to bf16 and
+are cast per 128x128 block (once per weight value: fp8_weights.py) and the FP8 GEMM runs; otherwise the input is cast back to bf16 and
 the bf16 path runs (same result up to the weights' FP8 rounding).
 
 DeepGEMM's masked kernels (54e2261, SM90; `m_grouped_{fp8,bf16}_gemm_nt_masked(a, b, d,
@@ -23,46 +23,19 @@ a GPU other than SM90/SM100) take the batched-matmul path instead of failing in 
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import Optional, Union
 
 import torch
 
-from ..fp8 import CAST_CHUNK_ELEMS, FP8_MAX, per_token_cast_back
+from ..fp8 import per_token_cast_back
 from .backends import deep_gemm_module, grouped_linear
+from .fp8_weights import Fp8, fp8_weights, per_block_cast_to_fp8  # noqa: F401 (per_block_cast_to_fp8: re-exported)
 from .layout import GroupedLayout
 
-Fp8 = Tuple[torch.Tensor, torch.Tensor]
 
 
 def _valid_rows(masked_m: torch.Tensor, max_m: int, device) -> torch.Tensor:
     return torch.arange(max_m, device=device).unsqueeze(0) < masked_m.to(device).unsqueeze(1)  # [G, max_m]
-
-
-def per_block_cast_to_fp8(w: torch.Tensor, block: int = 128) -> Fp8:
-    """w [G, N, K] -> (fp8 [G, N, K], scales [G, ceil(N/128), ceil(K/128)] fp32), 128x128 blocks:
-    amax = max(|w|) of the block in fp32 (float64 rounded to fp32 first), floored at 1e-4, scale =
-    amax / 448, fp8 = e4m3(w / scale), both fp32 divisions. The fp32 copy (zero-padded to whole
-    blocks) is made for a bounded chunk of whole blocks at a time (experts, or 128-row groups of
-    one expert), never for all of w."""
-    G, N, K = w.shape
-    nb, kb = -(-N // block), -(-K // block)
-    q = torch.empty((G, N, K), dtype=torch.float8_e4m3fn, device=w.device)
-    scale = torch.empty((G, nb, kb), dtype=torch.float32, device=w.device)
-    one = nb * block * kb * block  # one expert's padded elements
-    gs = max(1, CAST_CHUNK_ELEMS // one) if one else G
-    rows = nb * block if one <= CAST_CHUNK_ELEMS else block * max(1, CAST_CHUNK_ELEMS // (block * kb * block))
-    for g0 in range(0, G, gs):
-        g1 = min(G, g0 + gs)
-        for r0 in range(0, max(N, 1), rows):
-            r1 = min(N, r0 + rows)
-            pn = -(r1 - r0) % block
-            wp = torch.nn.functional.pad(w[g0:g1, r0:r1].float(), (0, kb * block - K, 0, pn))
-            blocks = wp.view(g1 - g0, (r1 - r0 + pn) // block, block, kb, block)
-            amax = blocks.abs().amax(dim=(2, 4), keepdim=True).clamp(min=1e-4)
-            s = amax / FP8_MAX
-            q[g0:g1, r0:r1] = (blocks / s).to(torch.float8_e4m3fn).view(g1 - g0, r1 - r0 + pn, kb * block)[:, :r1 - r0, :K]
-            scale[g0:g1, r0 // block:r0 // block + blocks.shape[1]] = s.view(g1 - g0, -1, kb)
-    return q, scale
 
 
 DEEP_GEMM_MASKED_ROWS = 128  # max_m is padded to a multiple of the masked kernels' largest BLOCK_M
@@ -109,7 +82,7 @@ def deep_gemm_masked(dg, x: Union[torch.Tensor, Fp8], w: torch.Tensor, masked_m:
     d = torch.empty((G, rows, w.shape[1]), dtype=torch.bfloat16, device=data.device)
     m = masked_m.to(device=data.device, dtype=torch.int32).contiguous()
     if is_fp8:
-        dg.m_grouped_fp8_gemm_nt_masked((rows_of(data), rows_of(x[1])), per_block_cast_to_fp8(w), d, m, int(expected_m))
+        dg.m_grouped_fp8_gemm_nt_masked((rows_of(data), rows_of(x[1])), fp8_weights(w), d, m, int(expected_m))
     else:
         dg.m_grouped_bf16_gemm_nt_masked(rows_of(data), w.to(torch.bfloat16).contiguous(), d, m, int(expected_m))
     valid = _valid_rows(m, max_m, data.device).unsqueeze(-1)
@@ -150,6 +123,6 @@ def grouped_linear_fp8(x: Fp8, w: torch.Tensor, layout: GroupedLayout, backend: 
                              f"w {tuple(w.shape)}: {why}")
         if why is None and layout.alignment % deep_gemm_alignment(dg) == 0:
             out = torch.zeros((data.shape[0], w.shape[1]), dtype=torch.bfloat16, device=data.device)
-            dg.m_grouped_fp8_gemm_nt_contiguous((data, scales), per_block_cast_to_fp8(w), out, layout.m_indices(data.device))
+            dg.m_grouped_fp8_gemm_nt_contiguous((data, scales), fp8_weights(w), out, layout.m_indices(data.device))
             return out
     return grouped_linear(per_token_cast_back(data, scales, w.dtype), w, layout, None if backend == "deepgemm" else backend)
