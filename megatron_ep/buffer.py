@@ -435,6 +435,13 @@ class Buffer:
     def num_sms(self) -> Optional[int]:
         return getattr(self._impl, "num_sms", None)
 
+    @property
+    def comm_stream(self):
+        """The CUDA stream the normal-mode kernels run on (cuda backend; the low-latency kernels
+        run on the caller's stream); None on the torch backend, which communicates on the
+        caller's stream."""
+        return getattr(self._impl, "comm_stream", None)
+
     # ----------------------------------------------------------------------------- helpers
     def _check_handle(self, handle, cls) -> None:
         C.fail(isinstance(handle, cls), f"handle must be a {cls.__name__}, got {type(handle).__name__}", TypeError)

@@ -72,6 +72,12 @@ def run_deep_ep_normal_case(cfg: dict) -> list:
         errors = []
         E, L, a = cfg["E"], cfg["E"] // R, cfg.get("align", 1)
         buf = deep_ep.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 20)
+        stream = buf.get_comm_stream()  # ours on our kernels; the caller's on the torch backend, None without CUDA
+        if cfg.get("backend") == "cuda":
+            if not (isinstance(stream, torch.cuda.Stream) and stream != torch.cuda.current_stream()):
+                errors.append(f"{tag} get_comm_stream() is {stream!r}, not our kernels' stream")
+        elif stream != (torch.cuda.current_stream() if torch.cuda.is_available() else None):
+            errors.append(f"{tag} get_comm_stream() on the torch backend is {stream!r}")
         x, idx, w = _on(cfg, *_inputs(cfg, rank))
         per_rank, per_rdma, per_expert, in_rank, ev = buf.get_dispatch_layout(idx, E)
         want_in_rank = _in_rank(idx, L, R)

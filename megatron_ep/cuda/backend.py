@@ -82,6 +82,10 @@ class CudaBackend:
     def num_sms(self) -> int:
         return self.rt.num_sms
 
+    @property
+    def comm_stream(self) -> torch.cuda.Stream:
+        return self.rt.stream
+
     def describe(self) -> str:
         return self.path.describe()
 

@@ -371,6 +371,15 @@ class Buffer:
             hook = lambda: None  # noqa: E731 - the torch backend has combined already
         return y, _finished(None, async_finish), hook
 
+    def get_comm_stream(self) -> Optional[torch.cuda.Stream]:
+        """The stream our normal-mode kernels run on: what `async_finish` calls overlap with and
+        `allocate_on_comm_stream` refers to. The torch backend communicates on the caller's stream:
+        that one where CUDA is present, else None (CPU processes)."""
+        stream = self.runtime.comm_stream
+        if stream is None and torch.cuda.is_available():
+            stream = torch.cuda.current_stream()
+        return stream
+
     def get_next_low_latency_combine_buffer(self, handle: tuple) -> torch.Tensor:
         """The [L, R*T, H] bf16 tensor the next low_latency_combine(zero_copy=True) reads its
         expert outputs from. Our combine reads expert outputs in place (it has no send buffer
