@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from . import checks as C
+from . import logfmt
 from . import protocol as P
 from .errors import BufferBusyError, CallMismatchError
 from .reference import TorchBackend
@@ -375,10 +376,12 @@ class Buffer:
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, combine_wait_recv_cost_stats: Optional[torch.Tensor] = None,
-                            **kwargs) -> torch.Tensor:
+                            use_logfmt: bool = False, **kwargs) -> torch.Tensor:
         """y[t] = sum_k w[t, k] * x[e_k][row(t, e_k)] over valid slots (fp32 accumulation).
         `combine_wait_recv_cost_stats` ([R] int64): the SM clock cycles the receive half waited
-        for each rank's rows are added (cuda backend; the torch backend leaves it as it is)."""
+        for each rank's rows are added (cuda backend; the torch backend leaves it as it is).
+        `use_logfmt` (bf16 x, every rank alike): the rows travel as LogFMT-10 where a 128-channel
+        block allows, and the sum adds their decoded values (megatron_ep.logfmt says how close)."""
         with self._call("low_latency_combine") as call:
             self._check_handle(handle, LowLatencyHandle)
             C.fail(isinstance(x, torch.Tensor), "x must be a tensor", TypeError)
@@ -395,9 +398,16 @@ class Buffer:
                           x.device, "rank")
             if combine_wait_recv_cost_stats is not None:
                 kwargs["wait_stats"] = combine_wait_recv_cost_stats
+            C.check_bool("use_logfmt", use_logfmt)
+            if use_logfmt:
+                C.fail(x.dtype == torch.bfloat16, f"use_logfmt encodes bf16 expert outputs, got {x.dtype}", TypeError)
+                C.fail(handle.hidden % logfmt.BLOCK == 0,
+                       f"use_logfmt: hidden size {handle.hidden} must be a multiple of {logfmt.BLOCK}")
+                kwargs["use_logfmt"] = True
             call.set(routing=handle.call_seq, dtype=P.dtype_code(x.dtype), hidden=handle.hidden,
                      row_bytes=handle.hidden * x.element_size(), topk=K, num_experts=handle.num_experts,
-                     max_tokens_per_rank=handle.max_tokens_per_rank)
+                     max_tokens_per_rank=handle.max_tokens_per_rank,
+                     variant=P.LL_COMBINE_LOGFMT if use_logfmt else 0)
             return self._impl.low_latency_combine(call, x, topk_idx, topk_weights, handle, **kwargs)
 
     # --------------------------------------------------------------------- zero-copy inputs

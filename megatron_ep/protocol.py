@@ -49,6 +49,10 @@ REGION_HINTS: dict = dict(P.REGION_HINTS)  # every sizing hint's name and defaul
 is_fatal = P.error_is_fatal
 worst_expert_major_rows = P.worst_expert_major_rows
 notify_plan = P.notify_plan  # (num_tokens, groups) -> notify's chunk plan as a dict
+# the low-latency combine's signature `variant`: what its wire and flags look like (each rank's
+# sender writes what the others' receivers read, so every rank must use the same)
+LL_COMBINE_LOGFMT = 1  # rows sent as LogFMT-10 where a block allows (megatron_ep.logfmt)
+LL_COMBINE_MERGED = 2  # one row per (token, rank), weighted by the sender, one flag per rank
 
 @functools.lru_cache(maxsize=None)
 def _dtype_codes() -> dict:
@@ -114,6 +118,9 @@ class Call:
             self.sig[FIELD[name]] = int(value)
         return self
 
+    def get(self, name: str) -> int:
+        return self.sig[FIELD[name]]
+
     def owe(self, where: Pending) -> None:
         """From here the peers wait for this rank at `where`."""
         self.pending = where
@@ -152,13 +159,16 @@ def failure_message(exc: BaseException) -> str:
     return raw.decode("utf-8", "ignore")
 
 
-def _value(field_name: str, v: int) -> str:
+def _value(field_name: str, v: int, op: Optional[int] = None) -> str:
     if field_name == "op":
         return OP_NAMES.get(v, str(v))
     if field_name in ("dtype", "weights"):
         return _dtype_name(v)
     if field_name == "permute":
         return str(bool(v))
+    if field_name == "variant" and op == OP["low_latency_combine"]:
+        return ("use_logfmt" if v & LL_COMBINE_LOGFMT else "bf16 rows") + (
+            ", weights given at dispatch (merged)" if v & LL_COMBINE_MERGED else "")
     if field_name == "variant":
         return {0: "stage+pull", 1: "push"}.get(v, str(v))
     return str(v)
@@ -171,7 +181,7 @@ def mismatch_error(call: Call, field_index: int, values: Sequence[int], ops: Opt
     -- calls of different Buffers, or a rank a call behind -- and the backend can realign them;
     without it a disagreement on call numbers stays (the Buffer must be re-created)."""
     name = SIG_FIELDS[field_index]
-    per_rank = ", ".join(f"rank {r} = {_value(name, v)}" for r, v in enumerate(values))
+    per_rank = ", ".join(f"rank {r} = {_value(name, v, call.op)}" for r, v in enumerate(values))
     what = {"buffer": "called different Buffers (numbered in the order each rank created them on the group)",
             "op": "called different operations",
             "seq": "are at different calls of this buffer (a rank skipped or repeated a call)",

@@ -20,6 +20,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from . import logfmt
 from . import permute as PM
 from . import protocol as P
 from .checks import is_fp8_tuple
@@ -458,14 +459,17 @@ class TorchBackend:
         return LowLatencyDispatchOutput(out_x, count.to(torch.int32), handle, None, None)
 
     def low_latency_combine(self, call: P.Call, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                            handle: LowLatencyHandle, wait_stats: Optional[torch.Tensor] = None) -> torch.Tensor:
+                            handle: LowLatencyHandle, wait_stats: Optional[torch.Tensor] = None,
+                            use_logfmt: bool = False) -> torch.Tensor:
         st: _LowLatencyState = handle.state  # (wait_stats: no per-rank waits measured here)
         self._exchange(call)
         rows = x[st.recv_expert, st.recv_pos]  # back in arrival order, i.e. each source's send order
         back = unpack_rows(self._exchange_rows(call, pack_rows([rows]), st.recv_counts, st.send_counts), [(x.dtype, (x.shape[-1],))])[0]
+        # LogFMT: each row as the receiver decodes it (the bf16 rows travel here, their decoding is the same)
+        back = logfmt.roundtrip(back) if use_logfmt else back.float()
         w = topk_weights[st.send_tok, st.send_slot].float().unsqueeze(1)
         y = torch.zeros((handle.num_tokens, x.shape[-1]), dtype=torch.float32, device=x.device)
-        y.index_add_(0, st.send_tok, back.float() * w)
+        y.index_add_(0, st.send_tok, back * w)
         return y.to(x.dtype)
 
 

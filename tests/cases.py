@@ -358,14 +358,18 @@ def run_low_latency_case(cfg: dict, backend: str = "torch", device: str = "cpu")
     rows = got_x.float() if not use_fp8 else (got_x.float().view(L, -1, H // 128, 128) * got_s.unsqueeze(-1)).view(L, -1, H)
     ge = torch.arange(L) + rank * L
     rows = (rows.double().cpu() * scale[ge].view(L, 1, 1) + bias[ge].view(L, 1, 1)).to(torch.bfloat16)
+    logfmt = cfg.get("logfmt", False)
+    if logfmt:  # magnitudes below 1 and a zero per 128 channels: every block encodes, at its widest step
+        rows = ll_cases.logfmt_rows(rows)
     for e in range(L):
         rows[e, int(exp["count"][e]):] = 3000.0
     y = buf.low_latency_combine(rows.to(device), me["idx"].to(device), w, out.handle,
-                                combine_wait_recv_cost_stats=wait_stats[1])
+                                combine_wait_recv_cost_stats=wait_stats[1], use_logfmt=logfmt)
     ll_cases.check_wait_stats(chk, backend, wait_stats, me["idx"], E, R)
     # a different weights tensor (even equal values): one row per copy, weighted here
-    ys = [("low-latency combine", y)] + ([("combine, weights not the dispatch's", buf.low_latency_combine(
-        rows.to(device), me["idx"].to(device), w.clone(), out.handle))] if merged else [])
+    ys = [("low-latency combine", y, merged and backend == "cuda")] + (
+        [("combine, weights not the dispatch's", buf.low_latency_combine(
+            rows.to(device), me["idx"].to(device), w.clone(), out.handle, use_logfmt=logfmt), False)] if merged else [])
 
     # oracle: the value each (token, expert) row held on its expert's rank, weighted and summed
     from oracle import fp8_cast
@@ -374,17 +378,28 @@ def run_low_latency_case(cfg: dict, backend: str = "torch", device: str = "cpu")
     if use_fp8:
         q, s = ll_cases.pow2_cast(x) if round_scale else fp8_cast(x)
         x = (q.float().view(-1, H // 128, 128) * s.unsqueeze(-1)).view(-1, H)
+    def row_of(t, e):  # the bf16 row expert e returned for token t
+        row = (x[t].double() * scale[e] + bias[e]).to(torch.bfloat16)
+        return ll_cases.logfmt_rows(row) if logfmt else row
+
     y_ref = torch.zeros((x.shape[0], H), dtype=torch.float64)
     for t in range(x.shape[0]):
         for k in range(K):
             e = int(me["idx"][t, k])
             if e >= 0:
-                row = (x[t].double() * scale[e] + bias[e]).to(torch.bfloat16).double()
-                y_ref[t] += float(me["w"][t, k]) * row
-    for name, got in ys:
-        chk.close(name, got, y_ref, 2e-2)
-        if got.dtype != torch.bfloat16:
-            chk.errors.append(f"{name} returned {got.dtype}")
+                y_ref[t] += float(me["w"][t, k]) * row_of(t, e).double()
+    if not logfmt:
+        for name, got, _ in ys:
+            chk.close(name, got, y_ref, 2e-2)
+            if got.dtype != torch.bfloat16:
+                chk.errors.append(f"{name} returned {got.dtype}")
+        return chk.errors
+    # LogFMT: the sum of the rows as a receiver decodes them; merged, a rank's rows of one token
+    # travel as their weighted sum (bf16), encoded once
+    for name, got, was_merged in ys:
+        want = ll_cases.logfmt_combine_ref(me["idx"], me["w"], row_of, E // R, H, merged=was_merged)
+        chk.close(name, got, want, 1e-2)
+        ll_cases.check_closer_than_bf16(chk, name, got, want, y_ref)
     return chk.errors
 
 

@@ -302,6 +302,7 @@ def run_deep_ep_low_latency_case(cfg: dict) -> list:
     try:
         _backend(cfg)
         from megatron_ep import deep_ep
+        from megatron_ep import logfmt
         from megatron_ep.fp8 import per_token_cast_to_fp8, unpack_ue8m0
 
         errors = []
@@ -364,12 +365,24 @@ def run_deep_ep_low_latency_case(cfg: dict) -> list:
             y_zc, _, _ = buf.low_latency_combine(torch.zeros_like(scaled), idx, w, handle, zero_copy=True)
             if not torch.equal(y_zc, y):
                 errors.append(f"{tag} the zero-copy combine differs from the combine of the same rows")
-        try:
-            buf.low_latency_combine(scaled, idx, w, handle, use_logfmt=True)
-            errors.append(f"{tag} use_logfmt=True was accepted")
-        except NotImplementedError as exc:
-            if "use_logfmt" not in str(exc):
-                errors.append(f"{tag} the error for use_logfmt does not name it: {exc}")
+        # LogFMT: rows below magnitude 1 (scaled by 2^-8, exact in bf16) travel encoded; the sum is
+        # that of the rows as decoded (megatron_ep.logfmt), and not the bf16 sum
+        small = (scaled.float() * 2.0 ** -8).to(torch.bfloat16)
+        y_fmt, _, _ = buf.low_latency_combine(small, idx, w, handle, use_logfmt=True)
+        y_plain, _, _ = buf.low_latency_combine(small, idx, w, handle)
+        want_fmt = torch.zeros((x.shape[0], H), dtype=torch.float64)
+        for t in range(x.shape[0]):
+            for k in range(idx.shape[1]):
+                g = int(idx[t, k])
+                if g >= 0:
+                    row = ((x[t].float() * (g + 1)).to(torch.bfloat16).float() * 2.0 ** -8).to(torch.bfloat16)
+                    want_fmt[t] += float(w[t, k]) * logfmt.roundtrip(row.cpu().unsqueeze(0))[0].double()
+        if x.shape[0]:  # (a rank without tokens combines nothing)
+            err = (y_fmt.cpu().double() - want_fmt).abs().max().item()
+            if err > 1e-2 * (want_fmt.abs().max().item() + 1e-6):
+                errors.append(f"{tag} use_logfmt: the combine differs from the LogFMT sum by {err:.3g}")
+        if x.shape[0] and torch.equal(y_fmt, y_plain):
+            errors.append(f"{tag} use_logfmt: the combine equals the bf16 one (the rows did not travel as LogFMT)")
         # UE8M0: the same call's power-of-two scales, packed four to an int32, column-major
         (q8, s32), _, _, _, _ = buf.low_latency_dispatch(x, idx, T, E, round_scale=True)
         (q_u, s_u), _, _, _, _ = buf.low_latency_dispatch(x, idx, T, E, round_scale=True, use_ue8m0=True)

@@ -102,6 +102,61 @@ def check_wait_stats(chk, backend: str, stats: list, idx: torch.Tensor, E: int, 
         chk.errors.append(f"combine wait-cost stats {c.tolist()}: nonzero exactly for the ranks tokens went to {sent_to.tolist()}")
 
 
+LOGFMT_SHRINK = 2.0 ** -7  # exact in bf16: the combine rows' magnitudes (below ~100 here) fall below 1
+
+
+def logfmt_rows(rows: torch.Tensor) -> torch.Tensor:
+    """bf16 rows (any leading shape) that LogFMT encodes block by block at its widest step: scaled by
+    a power of two below magnitude 1, and one zero per 128 channels (the block's amin clips to
+    2^-32 of its amax). Exact bf16 operations, so the oracle repeats them."""
+    out = (rows.float() * LOGFMT_SHRINK).to(torch.bfloat16)
+    out[..., ::128] = 0
+    return out
+
+
+def logfmt_combine_ref(idx, w, row_of, L: int, H: int, merged: bool) -> torch.Tensor:
+    """float64 [T, H]: the combine of LogFMT rows as the receiver sums them. Per copy: w x the
+    decoded row. Merged (the dispatch carried the weights): a rank holding one copy of the token
+    sends the row itself (weighted here); holding several, their fp32 weighted sum (k ascending)
+    rounded to bf16, encoded once."""
+    from megatron_ep import logfmt
+
+    T, K = idx.shape
+    out = []
+    for t in range(T):
+        acc = None
+        by_rank = {}
+        for k in range(K):
+            e = int(idx[t, k])
+            if e >= 0:
+                by_rank.setdefault(e // L, []).append((k, e))
+        for r, copies in sorted(by_rank.items()):
+            if merged and len(copies) > 1:
+                s = torch.zeros_like(row_of(t, copies[0][1]).float())
+                for k, e in copies:
+                    s = s + float(w[t, k]) * row_of(t, e).float()
+                part = logfmt.roundtrip(s.to(torch.bfloat16).unsqueeze(0))[0].double()
+            else:
+                part = sum(float(w[t, k]) * logfmt.roundtrip(row_of(t, e).unsqueeze(0))[0].double() for k, e in copies)
+            acc = part if acc is None else acc + part
+        out.append(acc if acc is not None else torch.zeros(H, dtype=torch.float64))
+    return torch.stack(out) if out else torch.zeros((0, H), dtype=torch.float64)
+
+
+def check_closer_than_bf16(chk, name: str, got: torch.Tensor, want: torch.Tensor, want_bf16: torch.Tensor) -> None:
+    """The LogFMT combine is the LogFMT sum, not the bf16 one: its rms distance to the LogFMT
+    oracle is well below the two oracles' (the rows' LogFMT error at the widest step is about 1%
+    rms, the bf16 output's rounding about 0.1%)."""
+    if want.numel() == 0:
+        return
+    got = got.cpu().double()
+    d_got = (got - want).pow(2).mean().sqrt().item()
+    d_fmt = (want_bf16 - want).pow(2).mean().sqrt().item()
+    if not d_got < 0.3 * d_fmt:
+        chk.errors.append(f"{chk.tag} {name}: rms distance {d_got:.3g} to the LogFMT sum, {d_fmt:.3g} between it "
+                          f"and the bf16 sum: the rows did not travel as LogFMT")
+
+
 def _dequant(x):
     data, scales = split_x(x)
     return per_token_cast_back(data, scales) if scales is not None else data
@@ -514,3 +569,34 @@ def run_ll_decode_layer_case(cfg: dict, backend: str = "cuda", device: str = "cu
     if spy is not None and not set(MASKED_GEMMS) <= set(spy.calls):
         chk.errors.append(f"{chk.tag} DeepGEMM's masked GEMMs were not both called: {sorted(set(spy.calls))}")
     return chk.errors
+
+
+def run_ll_logfmt_mismatch_case(backend: str = "torch", device: str = "cpu") -> list:
+    """use_logfmt on rank 0 only: the ranks' combines would disagree on the wire format, so every
+    rank raises CallMismatchError naming use_logfmt (the torch backend at the call, the cuda one
+    from its kernels' signature check at synchronize) and the buffer takes the next combine."""
+    R, rank = dist.get_world_size(), dist.get_rank()
+    tag = f"[LL LogFMT mismatch R={R} rank={rank}]"
+    buf = ll_buffer() if backend == "cuda" else mep.Buffer(dist.group.WORLD, backend=backend)
+    E, T, H = 2 * R, 4, 256
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn((T, H), generator=g) * 0.01).to(torch.bfloat16).to(device)
+    idx = torch.stack([torch.arange(T) % E, (torch.arange(T) + 1) % E], dim=1).to(device)
+    w = torch.full((T, 2), 0.5, device=device)
+    out = buf.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=T, use_fp8=False)
+    errors = []
+    try:
+        buf.low_latency_combine(out.x, idx, w, out.handle, use_logfmt=rank == 0)
+        buf.synchronize()
+        errors.append(f"{tag} combines with and without use_logfmt did not raise")
+    except CallMismatchError as exc:
+        if "use_logfmt" not in str(exc):
+            errors.append(f"{tag} the mismatch error does not name use_logfmt: {exc}")
+    try:
+        y = buf.low_latency_combine(out.x, idx, w, out.handle, use_logfmt=True)
+        buf.synchronize()
+        if y.shape != (T, H):
+            errors.append(f"{tag} the next combine returned {tuple(y.shape)}")
+    except Exception as exc:  # noqa: BLE001 - any error here is the finding
+        errors.append(f"{tag} the combine after the mismatch raised {type(exc).__name__}: {exc}")
+    return errors

@@ -25,7 +25,7 @@ _close_pools = closing(POOLS)
 
 def ll_cases_for(R):
     """Both wire formats, -1 slots, empty ranks, 1 to 128 tokens, the decode shape, power-of-two
-    scales, UE8M0 scales and FP8 edge values (every case also checks the receive statistics); the merged combine (weights given at dispatch) on half of them,
+    scales, UE8M0 scales, FP8 edge values, the LogFMT combine (every case also checks the receive statistics); the merged combine (weights given at dispatch) on half of them,
     including 9 copies of a token on one rank and the decode shape."""
     out = []
     for i, (epr, K, H, fp8, pattern, t_max, extra) in enumerate([
@@ -38,6 +38,9 @@ def ll_cases_for(R):
         # UE8M0 scales (packed exponents, column-major) with edge values
         (4, 4, 1024, True, "random", 14, {"x_edge": True, "round_scale": True, "ue8m0": True}),
         (16, 8, 2048, True, "random", 1, {"Ts": [1] * R}),
+        # LogFMT combine: one row per copy, and merged (several copies of a token per rank)
+        (4, 4, 512, False, "random", 14, {"logfmt": True}),
+        (8, 6, 384, False, "same_rank", 20, {"logfmt": True, "merged": True}),
         # the decode shape (E = 256, H = 7168); 128 tokens at R = 2, 32 with virtual ranks (the oracle's
         # host copies of every rank's [E/R, R*mt, H] outputs grow with E * mt)
         (256 // R, 8, 7168, True, "random", 128, {"Ts": [128 if R == 2 else 32] * R, "merged": True}),
@@ -78,6 +81,12 @@ def test_hook_and_buffer_sets(R):
 @pytest.mark.parametrize("R", [2])
 def test_signature_mismatch(R):
     errors = flat(pool_(R).run(ll_cases.run_ll_mismatch_case, timeout=300))
+    assert not errors, "\n".join(errors[:20])
+
+
+@pytest.mark.parametrize("R", [2])
+def test_logfmt_must_match_on_every_rank(R):
+    errors = flat(pool_(R).run(ll_cases.run_ll_logfmt_mismatch_case, backend="cuda", device="cuda", timeout=300))
     assert not errors, "\n".join(errors[:20])
 
 

@@ -30,9 +30,9 @@ class FakeBuffer:
     def dispatch(self, x, idx, E, fp8, round_scale, s, phases, sig, *outs_and_blocks):
         self.launches.append(("dispatch", s, phases))
 
-    def combine(self, x, rng, src, slot, idx, w, E, s, phases, sig, seq, y, pairs, row_w, wait_stats, num_blocks):
+    def combine(self, x, rng, src, slot, idx, w, E, s, phases, sig, seq, y, pairs, row_w, wait_stats, use_logfmt, num_blocks):
         self.launches.append(("combine", s, phases))
-        self.merged = pairs is not None
+        self.merged, self.logfmt = pairs is not None, use_logfmt
 
     def error(self):
         return self.err
@@ -182,3 +182,19 @@ def test_combine_merges_only_with_the_dispatchs_weights(path):
     with torch.inference_mode():  # no version counter: the same tensor still merges
         wi = w.clone()
     assert merged(wi, wi)
+
+
+def test_the_combine_signature_carries_logfmt_and_the_merge(path):
+    """Every rank's sender writes what the others' receivers read: use_logfmt and the merged
+    combine go into the call's signature (`variant`), so ranks that differ abort instead of
+    reading each other's rows in the wrong format; use_logfmt reaches the kernel."""
+    x, idx, w = _inputs()
+    rows = torch.zeros((8, 16, 256), dtype=torch.bfloat16)
+    variants = []
+    for seq, (dispatch_w, logfmt) in enumerate([(None, False), (None, True), (w, False), (w, True)]):
+        out = path.dispatch(_call("low_latency_dispatch", 2 * seq + 1), x, idx, 8, 16, True, False, topk_weights=dispatch_w)
+        call = _call("low_latency_combine", 2 * seq + 2).set(variant=P.LL_COMBINE_LOGFMT if logfmt else 0)
+        path.combine(call, rows, idx, w, out.handle, use_logfmt=logfmt)
+        assert path.buf.logfmt == logfmt
+        variants.append(call.get("variant"))
+    assert variants == [0, P.LL_COMBINE_LOGFMT, P.LL_COMBINE_MERGED, P.LL_COMBINE_LOGFMT | P.LL_COMBINE_MERGED]

@@ -17,6 +17,7 @@ def low_latency_cases(R):
         (32, 8, 7168, True, "random"),
         (32, 9, 128, False, "same_rank"),
         (4, 4, 512, True, "random"),  # UE8M0 scales
+        (8, 6, 384, False, "same_rank"),  # LogFMT combine (several copies of a token per rank)
     ]):
         seed = 3000 * R + i
         t_max = 6 if H >= 7168 else 20
@@ -26,7 +27,7 @@ def low_latency_cases(R):
         mt = max(Ts) + 3
         out.append(dict(seed=seed, E=epr * R, K=K, H=H, fp8=fp8, pattern=pattern, Ts=Ts,
                         max_tokens=-(-mt // 4) * 4 if ue8m0 else mt, merged=i % 2 == 1,
-                        **({"round_scale": True, "ue8m0": True} if ue8m0 else {})))
+                        **({"round_scale": True, "ue8m0": True} if ue8m0 else {}), **({"logfmt": True} if i == 6 else {})))
     return out
 
 
@@ -48,3 +49,10 @@ def test_gradcheck(pools, R, permute):
 def test_bad_inputs(pools, R):
     errors = flat(pools(R).run(cases.run_bad_inputs))
     assert not errors, "\n".join(errors[:40])
+
+
+def test_low_latency_logfmt_must_match_on_every_rank(pools):
+    import ll_cases
+
+    errors = flat(pools(2).run(ll_cases.run_ll_logfmt_mismatch_case))
+    assert not errors, "\n".join(errors[:20])

@@ -90,6 +90,7 @@ struct LLCombineArgs {
   const int* pairs;           // [R, mt, K] from the dispatch (out_pairs), or null: one row per copy
   const float* row_w;         // [L, out_cap] from the dispatch (out_w)
   int T, K, E, H, out_cap, set, phases;
+  int use_logfmt;             // rows travel as LogFMT-10 where a block allows (low_latency/logfmt.cuh)
   long long sig, seq;
   void* y;                    // [T, H] bf16
   long long* wait_stats;      // optional [R]: SM clock cycles the receive half waited for each rank's rows (added to)

@@ -95,7 +95,8 @@ class LowLatencyBuffer {
   void combine(const torch::Tensor& x, const torch::Tensor& range, const torch::Tensor& src, const torch::Tensor& slot,
                const torch::Tensor& topk_idx, const torch::Tensor& weights, int num_experts, int set, int phases,
                long long sig, long long seq, const torch::Tensor& y, const c10::optional<torch::Tensor>& pairs,
-               const c10::optional<torch::Tensor>& row_w, const c10::optional<torch::Tensor>& wait_stats, int num_blocks) {
+               const c10::optional<torch::Tensor>& row_w, const c10::optional<torch::Tensor>& wait_stats, bool use_logfmt,
+               int num_blocks) {
     live();
     LLCombineArgs a{};
     a.x = ptr<at::BFloat16>(x, "x", at::kBFloat16);
@@ -107,7 +108,9 @@ class LowLatencyBuffer {
     a.y = ptr<at::BFloat16>(y, "out", at::kBFloat16);
     a.T = (int)topk_idx.size(0), a.K = (int)topk_idx.size(1), a.E = num_experts, a.H = (int)x.size(2);
     a.out_cap = (int)x.size(1), a.set = set, a.phases = phases, a.sig = sig, a.seq = seq;
+    a.use_logfmt = use_logfmt ? 1 : 0;
     check_call(a.T, a.K, a.E, a.H, set, num_blocks);
+    TORCH_CHECK(!use_logfmt || a.H % 128 == 0, "use_logfmt: hidden must be a multiple of 128");
     TORCH_CHECK(y.size(0) == a.T && y.size(1) == a.H, "out must be [T, H]");
     if (pairs.has_value()) {  // merged: the dispatch carried the weights
       TORCH_CHECK(row_w.has_value() && pairs->numel() == (int64_t)a.out_cap * a.K && row_w->numel() == src.numel(),
@@ -187,7 +190,7 @@ void bind_low_latency(py::module_& m) {
   py::class_<mep::LowLatencyBuffer>(m, "LowLatencyBuffer")
       .def(py::init<int, int, std::vector<int>, int, int, int, int, bool, double>())
       .def("dispatch", &mep::LowLatencyBuffer::dispatch, py::arg("x"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("fp8"), py::arg("round_scale"), py::arg("set"), py::arg("phases"), py::arg("sig"), py::arg("seq"), py::arg("out_x"), py::arg("out_scales"), py::arg("out_count"), py::arg("out_range"), py::arg("out_src"), py::arg("out_slot"), py::arg("weights"), py::arg("out_w"), py::arg("out_pairs"), py::arg("out_ue8m0"), py::arg("recv_stats"), py::arg("wait_stats"), py::arg("num_blocks"))
-      .def("combine", &mep::LowLatencyBuffer::combine, py::arg("x"), py::arg("range"), py::arg("src"), py::arg("slot"), py::arg("topk_idx"), py::arg("weights"), py::arg("num_experts"), py::arg("set"), py::arg("phases"), py::arg("sig"), py::arg("seq"), py::arg("y"), py::arg("pairs"), py::arg("row_w"), py::arg("wait_stats"), py::arg("num_blocks"))
+      .def("combine", &mep::LowLatencyBuffer::combine, py::arg("x"), py::arg("range"), py::arg("src"), py::arg("slot"), py::arg("topk_idx"), py::arg("weights"), py::arg("num_experts"), py::arg("set"), py::arg("phases"), py::arg("sig"), py::arg("seq"), py::arg("y"), py::arg("pairs"), py::arg("row_w"), py::arg("wait_stats"), py::arg("use_logfmt"), py::arg("num_blocks"))
       .def("publish_failure", &mep::LowLatencyBuffer::publish_failure, py::arg("seq"))
       .def("error", &mep::LowLatencyBuffer::error)
       .def("clear_error", &mep::LowLatencyBuffer::clear_error)

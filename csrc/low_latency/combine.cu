@@ -1,6 +1,7 @@
 // The low-latency combine kernel (send and receive halves), the failure publication kernel and
 // their launchers (the path's design: dispatch.cu).
 #include "low_latency/device.cuh"
+#include "low_latency/logfmt.cuh"
 
 namespace mep {
 namespace low_latency {
@@ -29,6 +30,31 @@ __device__ __noinline__ void merge_rows(int4* dst, const int4* __restrict__ x, c
   }
 }
 
+// Merged send's part of a row with LogFMT: the copy, or the copies' weighted sum, in this warp's
+// staging row first (`stage_row`, the slot's layout); then its blocks encoded into the slot of a
+// reachable peer, or in place in the staging row and put (the blocks, then their meta words).
+// Not inlined: it would push the combine kernel into spills.
+__device__ __noinline__ void merged_send_logfmt(const LLCtx& c, int s, long long slot_off, char* stage_row, const int4* x,
+                                                const int* rows, const float* w, int n, int n16, int b16, int m16, int H) {
+  const int lane = threadIdx.x & 31;
+  char* peer = c.peer_base[s];
+  char* stage = stage_row + (long long)b16 * 16;
+  const char* src_row = n == 1 ? reinterpret_cast<const char*>(x + (long long)rows[0] * n16) : stage_row;
+  if (n > 1) merge_rows(reinterpret_cast<int4*>(stage), x, rows, w, n, n16, b16, m16);
+  __syncwarp();
+  logfmt_encode_blocks(peer != nullptr ? peer + slot_off : stage_row, src_row, H, b16 / 16, (b16 + m16) / 16);
+  __syncwarp();
+  if (peer != nullptr) return;
+  send_row(c, s, slot_off + (long long)b16 * 16, stage, m16 * 16);
+  // the meta words (4 bytes each): send_row moves whole int4 words
+  const long long moff = 2LL * H + b16 / 16 * 4;
+  if (lane == 0) __threadfence_system();
+  __syncwarp();
+  nvshmemx_putmem_nbi_warp(c.base + slot_off + moff, stage_row + moff, m16 / 16 * 4, c.pe[s]);
+  if (lane == 0) nvshmem_quiet();
+  __syncwarp();
+}
+
 // Merged send (the dispatch carried the weights): a warp per (source rank, token) unit, or a
 // channel share of one (`msplit` warps per unit), finds the token's copies here through the
 // dispatch's `pairs` (each entry checked against src / slot / range: entries of copies elsewhere
@@ -37,6 +63,7 @@ __device__ __noinline__ void merge_rows(int4* dst, const int4* __restrict__ x, c
 // k ascending, rounded to bf16. At EP 2, top-8 of 256, that is ~1 row per token instead of ~4.
 // Each rank then sends every source one flag (c_flag word `rank`) once all its units for that
 // source are done.
+template <bool kLogfmt>
 __device__ __forceinline__ void merged_send(const LLCtx& c, const LLCombineArgs& a, int gw, int num_warps) {
   __shared__ int s_mrow[kLLWarps][kMaxTopk];  // the unit's copies here, k ascending
   __shared__ float s_mw[kLLWarps][kMaxTopk];
@@ -46,8 +73,10 @@ __device__ __forceinline__ void merged_send(const LLCtx& c, const LLCombineArgs&
   const LowLatencyLayout& lay = c.lay;
   LowLatencyState* st = state_of(c);
   const int n16 = a.H / 8, units = R * mt;  // 16-byte words of a bf16 row
-  // every warp busy, each with at least 64 words of the row
-  const int msplit = max(1, min(num_warps / max(1, units), n16 / 64)), chunk = (n16 + msplit - 1) / msplit;
+  // every warp busy, each with at least 64 words of the row; LogFMT: whole 128-channel blocks (16 words)
+  const int msplit = max(1, min(num_warps / max(1, units), n16 / 64));
+  int chunk = (n16 + msplit - 1) / msplit;
+  if (kLogfmt) chunk = (chunk + 15) / 16 * 16;
   const long long rows_total = (long long)L * a.out_cap;
   const int4* x = static_cast<const int4*>(a.x);
   int cur = -1;
@@ -83,20 +112,29 @@ __device__ __forceinline__ void merged_send(const LLCtx& c, const LLCombineArgs&
     const int b16 = min(g * chunk, n16), m16 = min(chunk, n16 - b16);
     char* peer = c.peer_base[s];
     const long long off = lay.c_slot(set, t, k1) + (long long)b16 * 16;
-    char* stage = c.base + lay.set_offset(set) + lay.c_stage + (long long)gw * lay.c_row + (long long)b16 * 16;
-    int4* dst = reinterpret_cast<int4*>(peer != nullptr ? peer + off : stage);  // puts read symmetric memory
-    if (n == 1) {
-      warp_copy16(dst, x + (long long)s_mrow[warp][0] * n16 + b16, m16);
+    char* stage_row = c.base + lay.set_offset(set) + lay.c_stage + (long long)gw * lay.c_row;
+    char* stage = stage_row + (long long)b16 * 16;
+    if constexpr (kLogfmt) {
+      if (m16 > 0)
+        merged_send_logfmt(c, s, lay.c_slot(set, t, k1), stage_row, x, s_mrow[warp], s_mw[warp], n, n16, b16, m16, a.H);
     } else {
-      merge_rows(dst, x, s_mrow[warp], s_mw[warp], n, n16, b16, m16);
+      int4* dst = reinterpret_cast<int4*>(peer != nullptr ? peer + off : stage);  // puts read symmetric memory
+      if (n == 1) {
+        warp_copy16(dst, x + (long long)s_mrow[warp][0] * n16 + b16, m16);
+      } else {
+        merge_rows(dst, x, s_mrow[warp], s_mw[warp], n, n16, b16, m16);
+      }
+      __syncwarp();
+      if (peer == nullptr) send_row(c, s, off, stage, m16 * 16);
     }
-    __syncwarp();
-    if (peer == nullptr) send_row(c, s, off, stage, m16 * 16);
     __syncwarp();  // s_mrow / s_mw are rewritten for the warp's next unit
   }
   if (cur >= 0) flush();
 }
 
+// kLogfmt: the rows travel as LogFMT-10 (low_latency/logfmt.cuh); an instantiation of its own, so the
+// plain kernel keeps its registers
+template <bool kLogfmt>
 __global__ void __launch_bounds__(kLLThreads, 1) combine_kernel(const LLCtx c, const LLCombineArgs a) {
   const int warp = threadIdx.x / 32;
   const int R = c.num_ranks, L = a.E / R, set = a.set;
@@ -111,7 +149,7 @@ __global__ void __launch_bounds__(kLLThreads, 1) combine_kernel(const LLCtx c, c
     if (wait_released(c, set, kOpLowLatencyCombine, a.sig)) {
       stamp(c, 1, kLLTraceReleased);
       if (merged) {
-        merged_send(c, a, gw, num_warps);
+        merged_send<kLogfmt>(c, a, gw, num_warps);
       } else {
         // (local expert, token rank) pairs, each split over `split` warps by row; the pair's last
         // warp to finish sends its flag
@@ -124,12 +162,20 @@ __global__ void __launch_bounds__(kLLThreads, 1) combine_kernel(const LLCtx c, c
             const int t = a.src[row], k = a.slot[row];
             const char* xrow = static_cast<const char*>(a.x) + row * row_bytes;
             const char* from = xrow;
-            if (c.peer_base[s] == nullptr) {  // puts read symmetric memory: stage the row
+            if constexpr (kLogfmt) {  // encoded straight into a reachable peer's slot, else into the staging row
               char* stage = c.base + lay.set_offset(set) + lay.c_stage + (long long)gw * lay.c_row;
-              warp_copy16(reinterpret_cast<int4*>(stage), reinterpret_cast<const int4*>(xrow), row_bytes / 16);
-              from = stage;
+              char* peer = c.peer_base[s];
+              logfmt_encode_blocks(peer != nullptr ? peer + lay.c_slot(set, t, k) : stage, xrow, a.H, 0, a.H / 128);
+              __syncwarp();
+              if (peer == nullptr) send_row(c, s, lay.c_slot(set, t, k), stage, row_bytes + (int)ll_logfmt_meta_bytes(a.H));
+            } else {
+              if (c.peer_base[s] == nullptr) {  // puts read symmetric memory: stage the row
+                char* stage = c.base + lay.set_offset(set) + lay.c_stage + (long long)gw * lay.c_row;
+                warp_copy16(reinterpret_cast<int4*>(stage), reinterpret_cast<const int4*>(xrow), row_bytes / 16);
+                from = stage;
+              }
+              send_row(c, s, lay.c_slot(set, t, k), from, row_bytes);
             }
-            send_row(c, s, lay.c_slot(set, t, k), from, row_bytes);
           }
           stamp(c, 1, kLLTraceStored, true);
           count_sent(c, (threadIdx.x & 31) == 0, &st->c_finish[set][e * R + s], 1, split, s,
@@ -188,23 +234,28 @@ __global__ void __launch_bounds__(kLLThreads, 1) combine_kernel(const LLCtx c, c
     }
     if (!__syncthreads_and(ok)) break;  // timed out (reported): every later wait returns at once
     if (t == blockIdx.x) stamp(c, 1, kLLTraceArrived);
-    for (int v = threadIdx.x; v < a.H / 8; v += blockDim.x) {
-      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      for (int k0 = 0; k0 < a.K; k0 += kBatch) {
-        int4 raw[kBatch];
+    if constexpr (kLogfmt) {
+      logfmt_reduce_token(c.base + lay.c_slot(set, t, 0), lay.c_row, s_w, s_on, a.K, a.H,
+                          reinterpret_cast<int4*>(a.y) + (long long)t * (a.H / 8));
+    } else {
+      for (int v = threadIdx.x; v < a.H / 8; v += blockDim.x) {
+        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (int k0 = 0; k0 < a.K; k0 += kBatch) {
+          int4 raw[kBatch];
 #pragma unroll
-        for (int b = 0; b < kBatch; ++b) {
-          const int k = k0 + b;
-          raw[b] = k < a.K && s_on[k] ? __ldcg(reinterpret_cast<const int4*>(c.base + lay.c_slot(set, t, k)) + v)
-                                      : make_int4(0, 0, 0, 0);
-        }
+          for (int b = 0; b < kBatch; ++b) {
+            const int k = k0 + b;
+            raw[b] = k < a.K && s_on[k] ? __ldcg(reinterpret_cast<const int4*>(c.base + lay.c_slot(set, t, k)) + v)
+                                        : make_int4(0, 0, 0, 0);
+          }
 #pragma unroll
-        for (int b = 0; b < kBatch; ++b) {
-          if (k0 + b >= a.K || !s_on[k0 + b]) continue;
-          axpy_bf16x8(acc, s_w[k0 + b], raw[b]);
+          for (int b = 0; b < kBatch; ++b) {
+            if (k0 + b >= a.K || !s_on[k0 + b]) continue;
+            axpy_bf16x8(acc, s_w[k0 + b], raw[b]);
+          }
         }
+        reinterpret_cast<int4*>(a.y)[(long long)t * (a.H / 8) + v] = pack_bf16x8(acc);
       }
-      reinterpret_cast<int4*>(a.y)[(long long)t * (a.H / 8) + v] = pack_bf16x8(acc);
     }
     __syncthreads();  // s_w, s_on are rewritten for the next token
   }
@@ -229,7 +280,11 @@ __global__ void publish_failure_kernel(const LLCtx c, long long seq) {
 void launch_ll_combine(const LLCtx& c, const LLCombineArgs& a, int num_blocks, cudaStream_t stream) {
   LLCtx cs = c;
   cs.seq = a.seq;
-  low_latency::combine_kernel<<<num_blocks, kLLThreads, 0, stream>>>(cs, a);
+  if (a.use_logfmt) {
+    low_latency::combine_kernel<true><<<num_blocks, kLLThreads, 0, stream>>>(cs, a);
+  } else {
+    low_latency::combine_kernel<false><<<num_blocks, kLLThreads, 0, stream>>>(cs, a);
+  }
   low_latency::check(cudaGetLastError(), "combine launch");
 }
 
@@ -242,7 +297,8 @@ void ll_touch_combine_kernels() {
   cudaFuncAttributes attr;
   low_latency::check(cudaFuncGetAttributes(&attr, low_latency::publish_failure_kernel),
                      "loading the failure publication kernel");
-  low_latency::check(cudaFuncGetAttributes(&attr, low_latency::combine_kernel), "loading the combine kernel");
+  low_latency::check(cudaFuncGetAttributes(&attr, low_latency::combine_kernel<false>), "loading the combine kernel");
+  low_latency::check(cudaFuncGetAttributes(&attr, low_latency::combine_kernel<true>), "loading the LogFMT combine kernel");
 }
 
 void ll_touch_kernels() {

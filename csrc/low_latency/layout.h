@@ -15,7 +15,8 @@
 //     d_table [L][R][mt][16]           dispatch receive table: entry (local expert, source, position) =
 //                                      (row position in d_rows, top-k slot, token): which row is that copy
 //     c_stage [warps][c_row]           combine staging for puts (one row per warp in flight)
-//     c_recv  [mt][K][c_row]           combine receive area: slot (token, top-k slot)
+//     c_recv  [mt][K][c_row]           combine receive area: slot (token, top-k slot); a row is the
+//                                      bf16 row, then LogFMT's meta words (low_latency/logfmt.cuh)
 //     d_count [L][R] int64             count signals (dispatch): -1 - (count | sig << 32)
 //     c_flag  [E] int64                arrival flags (combine), one per global expert (merged: one per
 //                                      sending rank, words [0, R))
@@ -68,6 +69,9 @@ constexpr MEP_HD long long ll_dispatch_msg_bytes(long long hidden, bool fp8) {
   return kLLHeader + (fp8 ? hidden + hidden / 128 * 4 : hidden * 2);
 }
 
+// Bytes after a combine row for LogFMT's meta words (one per 128 channels), whole int4 words.
+constexpr MEP_HD long long ll_logfmt_meta_bytes(long long hidden) { return (hidden / 128 * 4 + 15) / 16 * 16; }
+
 struct LowLatencyLayout {
   // capacity
   int num_ranks, num_experts, max_tokens, hidden, max_topk, fp8_only;
@@ -85,7 +89,8 @@ struct LowLatencyLayout {
     const long long L = num_experts / num_ranks;
     // 16-byte multiples: every message and row is copied in int4 words
     l.d_msg = sym_align(ll_dispatch_msg_bytes(hidden, fp8_only), 16);  // a bf16 message is the larger
-    l.c_row = sym_align(2LL * hidden, 16);
+    // a bf16 row, then (LogFMT) one meta word per 128 channels (low_latency/logfmt.cuh)
+    l.c_row = sym_align(2LL * hidden + ll_logfmt_meta_bytes(hidden), 16);
     long long o = 0;
     l.d_send = o, o = sym_align(o + (long long)max_tokens * l.d_msg);
     l.d_meta = o, o = sym_align(o + (long long)max_tokens * max_topk * kLLEntry);

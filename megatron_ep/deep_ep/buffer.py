@@ -350,7 +350,7 @@ class Buffer:
         assert self.low_latency_mode
         assert not (async_finish and return_recv_hook)
         assert isinstance(handle, LowLatencyHandle), "handle must come from megatron_ep.deep_ep's low_latency_dispatch"
-        _unsupported(use_logfmt=use_logfmt)
+        assert not (zero_copy and use_logfmt), "zero_copy and use_logfmt are exclusive, as in DeepEP"
         if zero_copy:  # the expert outputs were written into the buffer get_next_low_latency_combine_buffer gave
             x = self._combine_buffers.get(_combine_shape(handle, self.group_size), self._next_combine)
         self._next_combine ^= 1
@@ -358,6 +358,8 @@ class Buffer:
         kwargs = {}
         if combine_wait_recv_cost_stats is not None:
             kwargs["combine_wait_recv_cost_stats"] = combine_wait_recv_cost_stats
+        if use_logfmt:
+            kwargs["use_logfmt"] = True
         if cuda and return_recv_hook:
             kwargs["return_recv_hook"] = True
         if cuda and out is not None:

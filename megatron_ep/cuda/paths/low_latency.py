@@ -87,7 +87,8 @@ class LowLatencyPath(NvshmemPath):
     SIZE_UP_FRONT = "pass Buffer(..., low_latency=dict(...))"
     FIT_REMEDY = "size it up front with Buffer(..., low_latency=dict(num_experts=, max_tokens=, hidden=, topk=, fp8_only=))"
     SENDS = "its launch of"
-    SIGNATURE = ": op, call sequence, dtype, hidden, topk, num_experts or max_tokens_per_rank differ"
+    SIGNATURE = (": op, call sequence, dtype, hidden, topk, num_experts, max_tokens_per_rank, use_logfmt or the merged "
+                 "combine (weights given at dispatch) differ")
     PENDING = P.Pending.LAUNCH
 
     def __init__(self, rt, capacity: Optional[dict] = None):
@@ -217,7 +218,7 @@ class LowLatencyPath(NvshmemPath):
     # ----------------------------------------------------------------------------- combine
     def combine(self, call: P.Call, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 handle: LowLatencyHandle, return_recv_hook: bool = False, out: Optional[torch.Tensor] = None,
-                wait_stats: Optional[torch.Tensor] = None):
+                wait_stats: Optional[torch.Tensor] = None, use_logfmt: bool = False):
         """y [T, H] bf16; with return_recv_hook, (y, hook): y is valid once the hook ran."""
         rt = self.rt
         fail(handle.backend == "cuda" and isinstance(handle.state, _LLState), "the handle is not from a cuda low-latency dispatch")
@@ -236,12 +237,14 @@ class LowLatencyPath(NvshmemPath):
         st: _LLState = handle.state
         merged = st.merges(topk_weights)  # else one row per copy, weighted here
         pairs, row_w = (st.pairs, st.row_w) if merged else (None, None)
+        if merged:  # the receivers wait for one flag per rank: every rank must merge, or none
+            call.set(variant=call.get("variant") | P.LL_COMBINE_MERGED)
         sig = signature_hash(call)
         rt.new_outputs([out])
 
         def launch(phases: int) -> None:
             self.buf.combine(x, handle.layout_range, handle.src_token, st.src_slot, topk_idx, weights, handle.num_experts,
-                             s, phases, sig, call.seq, out, pairs, row_w, wait_stats, self.num_blocks)
+                             s, phases, sig, call.seq, out, pairs, row_w, wait_stats, use_logfmt, self.num_blocks)
 
         hook = self._launch(call, s, launch, return_recv_hook)
         return (out, hook) if return_recv_hook else out
