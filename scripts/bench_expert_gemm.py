@@ -173,17 +173,13 @@ def run_mlp(a, G: int, skew: str, backend: str, device) -> dict:
         # DeepGEMM re-lays the per-token scales (ours: row-major [M, K/128]) into MN-major, TMA-aligned
         res["scale_relayout_us"] = timed(lambda: dg.get_mn_major_tma_aligned_tensor(xq[1]), a.warmup, a.iters, device)
         res["activation_cast_us"] = timed(lambda: per_token_cast_to_fp8(h), a.warmup, a.iters, device)
-        # fc1 through our glue (megatron_ep.experts.grouped_linear_fp8): the weights' FP8 cast is made at the
-        # first call and reused while they keep their values (experts.fp8_weights), as between optimizer steps;
-        # and with the cache off, the cast at every call
-        res["glue_fc1_us"] = timed(lambda: grouped_linear_fp8(xq, w1, layout, "deepgemm"), a.warmup, a.iters, device)
-        fp8_weights.enabled = False
-        try:
-            res["glue_fc1_uncached_us"] = timed(lambda: grouped_linear_fp8(xq, w1, layout, "deepgemm"), a.warmup, a.iters,
-                                                device)
-        finally:
-            fp8_weights.enabled = True
-            fp8_weights.clear()
+        # fc1 through our glue (megatron_ep.experts.grouped_linear_fp8): inside fp8_weights.frozen() the weights'
+        # FP8 cast is made at the first call and reused (decode, micro-batches between optimizer steps); by
+        # default it is made at every call
+        with fp8_weights.frozen():
+            res["glue_fc1_us"] = timed(lambda: grouped_linear_fp8(xq, w1, layout, "deepgemm"), a.warmup, a.iters, device)
+        res["glue_fc1_uncached_us"] = timed(lambda: grouped_linear_fp8(xq, w1, layout, "deepgemm"), a.warmup, a.iters,
+                                            device)
         res["fc1_us"] = timed(lambda: dg.m_grouped_fp8_gemm_nt_contiguous(xq, w1q, d1, m_idx), a.warmup, a.iters, device)
     else:
         if backend == "deepgemm" and B.deep_gemm_module() is None:
@@ -308,7 +304,7 @@ def table(meta: dict, rows: list) -> str:
         out += ["", "deepgemm-fp8 is the two forward GEMMs alone; beside them, per call: "
                 + "; ".join(f"G {r['G']} {r['skew']}: DeepGEMM's re-layout of our scales {r['scale_relayout_us']:.1f} µs, "
                             f"the torch cast of fc2's input {r['activation_cast_us']:.0f} µs, "
-                            f"fc1 through grouped_linear_fp8 {r['glue_fc1_us']:.0f} µs (its weights' cast cached; "
+                            f"fc1 through grouped_linear_fp8 {r['glue_fc1_us']:.0f} µs (its weights' cast cached: fp8_weights.frozen(); "
                             f"{r.get('glue_fc1_uncached_us', 0):.0f} µs casting them at each call) against "
                             f"{r['fc1_us']:.0f} µs for its GEMM"
                             for r in fp8) + "."]
@@ -321,7 +317,7 @@ def table(meta: dict, rows: list) -> str:
             alone = f"{r['gemm_us']:.0f} | {r['gemm_tflops']:.0f}" if r.get("gemm_us") else "- | -"
             out.append(f"| {r['G']} ({r['ep']}) | {r['max_m']} | {r['masked_m']} | {r['backend']} | {r['fwd_us']:.0f} | "
                        f"{r['fwd_tflops']:.0f} | {alone} |")
-        out += ["", "grouped_linear_masked is our glue (FP8: the weights' 128x128-block cast is made once and cached; "
+        out += ["", "grouped_linear_masked is our glue (FP8: it casts the weights per 128x128 block at each call; "
                 "rows past masked_m zeroed); the GEMM alone is DeepGEMM's masked kernel with the weights cast beforehand."]
     failed = [r for r in rows if "error" in r]
     if failed:

@@ -1,8 +1,10 @@
-"""The FP8 weight cache (megatron_ep.experts.fp8_weights): a weight's cast is reused only while the
-weight holds the values it was cast from, and is the cast per_block_cast_to_fp8 makes."""
+"""The FP8 weight cache (megatron_ep.experts.fp8_weights): off unless asked for (frozen(), or
+enabled); then a weight's cast is reused while the weight visibly holds the values it was cast
+from, and is the cast per_block_cast_to_fp8 makes."""
 
 import gc
 
+import pytest
 import torch
 
 from megatron_ep.experts import fp8_weights as F
@@ -10,6 +12,15 @@ from megatron_ep.experts import fp8_weights as F
 
 def _w(seed=0, G=2, N=256, K=384):
     return torch.randn((G, N, K), generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+@pytest.fixture(autouse=True)
+def _on():
+    F.clear()
+    F.enabled = True
+    yield
+    F.enabled = False
+    F.clear()
 
 
 def _same(a, b):
@@ -59,11 +70,8 @@ def test_entries_go_with_the_weight_and_can_be_turned_off():
     gc.collect()
     assert F.cached_bytes() == 0
     F.enabled = False
-    try:
-        w = _w(6)
-        assert F.fp8_weights(w) is not F.fp8_weights(w) and F.cached_bytes() == 0
-    finally:
-        F.enabled = True
+    w = _w(6)
+    assert F.fp8_weights(w) is not F.fp8_weights(w) and F.cached_bytes() == 0
 
 
 def test_inference_tensors_are_cast_every_time():
@@ -71,3 +79,19 @@ def test_inference_tensors_are_cast_every_time():
     with torch.inference_mode():
         w = _w(7)
     assert _same(F.fp8_weights(w), F.per_block_cast_to_fp8(w)) and F.cached_bytes() == 0
+
+
+def test_off_by_default_and_frozen_scopes_it():
+    """Off unless asked for: a write through another tensor sharing the weight's memory (as
+    Megatron's optimizers write parameters) moves neither its version nor its pointer."""
+    F.enabled = False
+    w = torch.nn.Parameter(_w(8), requires_grad=True)
+    alias = w.data
+    first = F.fp8_weights(w)
+    with torch.no_grad():
+        alias.mul_(2.0)  # invisible to w's version counter
+    assert _same(F.fp8_weights(w), F.per_block_cast_to_fp8(w)) and F.cached_bytes() == 0
+    with F.frozen():
+        inside = F.fp8_weights(w)
+        assert F.fp8_weights(w) is inside and F.cached_bytes() > 0
+    assert not F.enabled and F.cached_bytes() == 0 and first is not inside

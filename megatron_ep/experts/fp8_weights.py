@@ -1,28 +1,33 @@
-"""FP8 copies of the expert weights for DeepGEMM's FP8 GEMMs, cast once per weight value.
+"""FP8 copies of the expert weights for DeepGEMM's FP8 GEMMs: the 128x128-block cast, and a cache
+of it for weights that do not change.
 
 DeepGEMM's FP8 grouped GEMMs take the weights as FP8 with one fp32 scale per 128x128 block
 (`per_block_cast_to_fp8`). Casting them at every call costs more than the GEMM itself (on one
-H200, fc1's cast at 32 local experts takes tens of milliseconds against 1.5 ms for its GEMM), and
-the weights change only at the optimizer step: between steps every micro-batch, and every decode
-step, casts the same values. So the cast is kept and reused while the weight holds the same values.
+H200, fc1's cast at 32 local experts takes tens of milliseconds against 1.5 ms for its GEMM).
+Where the weights do not change across calls (decode steps, the micro-batches between two
+optimizer steps), the cast can be kept and reused:
 
-An entry is reused only if all of these still hold:
-* the same tensor: entries hang off the weight's base tensor (weakly: they go with the parameter)
-  and its view (storage offset, shape, strides, dtype);
-* the same values: torch bumps a tensor's version counter, shared by all its views, at every
-  in-place write (the optimizer's step, `copy_`, `add_` under no_grad), and the entry keeps the
-  version it was cast at;
-* the same memory: `param.data = other` swaps the storage without a version bump, so the entry
-  also keeps the data pointer.
-Not cached: weights under CUDA-graph capture (a cast made there belongs to the graph's memory
-pool), and tensors without a version counter (inference-mode tensors). Memory: one FP8 copy (half
-a bf16 weight) per weight tensor cast, held until the weight is freed, its values change, or
-`clear()`; `enabled = False` turns the cache off.
+    with fp8_weights.frozen():      # the caller promises: no weight changes inside
+        for step in decode_steps: ...
+
+Off by default, because torch cannot tell reliably whether a weight changed: Megatron's
+optimizers write parameters through other tensors that share their memory (`param.data.copy_`,
+the contiguous parameter buffers of its distributed optimizer), and such writes move neither the
+parameter's version counter nor its data pointer. Inside `frozen()` (or with `enabled = True`,
+`clear()` after every weight update) an entry is still dropped when the weight visibly changes:
+* another tensor or view: entries hang off the weight's base tensor (weakly: they go with the
+  parameter) and its view (storage offset, shape, strides, dtype);
+* an in-place write through the weight or a view of it (its version counter, shared by views);
+* new storage (`param.data = other`: its data pointer).
+Never cached: weights under CUDA-graph capture (a cast made there belongs to the graph's memory
+pool) and tensors without a version counter (inference-mode tensors). Memory: one FP8 copy (half
+a bf16 weight) per weight tensor cast, until `clear()` (which `frozen()` calls at its end).
 """
 
 from __future__ import annotations
 
 import weakref
+from contextlib import contextmanager
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -59,7 +64,7 @@ def per_block_cast_to_fp8(w: torch.Tensor, block: int = 128) -> Fp8:
     return q, scale
 
 
-enabled = True
+enabled = False  # frozen() turns it on for a scope
 
 # id(base) -> (weakref to base, {view key: (version, data_ptr, (fp8, scales))})
 _entries: Dict[int, Tuple[weakref.ref, dict]] = {}
@@ -93,6 +98,20 @@ def fp8_weights(w: torch.Tensor) -> Fp8:
     cast = per_block_cast_to_fp8(w)
     views[view] = (version, w.data_ptr(), cast)
     return cast
+
+
+@contextmanager
+def frozen():
+    """Reuse weight casts inside the scope (the caller's promise: no weight changes there); drop
+    them at its end."""
+    global enabled
+    before = enabled
+    enabled = True
+    try:
+        yield
+    finally:
+        enabled = before
+        clear()
 
 
 def clear() -> None:
