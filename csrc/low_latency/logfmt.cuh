@@ -31,7 +31,7 @@ struct LogfmtScale {
 
 __device__ __forceinline__ LogfmtScale logfmt_scale(float amax, float amin) {
   LogfmtScale s{false, 0.f, 1.f};
-  if (!(amax > 0.f)) return s;  // an all-zero block stays bf16
+  if (!(amax > 0.f)) return s;  // an all-zero block stays bf16, as does one with a NaN
   const float log_amax = log2f(amax);
   s.log_amin = amin > 0.f ? fmaxf(log2f(amin), log_amax - kLogfmtClip) : log_amax - kLogfmtClip;
   s.on = log_amax < kLogfmtThreshold && s.log_amin < log_amax;
@@ -61,7 +61,9 @@ __device__ __noinline__ void logfmt_encode_blocks(char* dst, const char* src, in
       amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
       amin = fminf(amin, __shfl_xor_sync(0xffffffffu, amin, o));
     }
-    // the meta carries them as bf16: exact, they are bf16 magnitudes
+    // fmaxf drops NaN: a block holding one stays bf16 on both sides (its amax sent as NaN)
+    if (__any_sync(0xffffffffu, isnan(a[0]) || isnan(a[1]) || isnan(a[2]) || isnan(a[3]))) amax = NAN;
+    // the meta carries them as bf16: exact, they are bf16 magnitudes (NaN's top half is a bf16 NaN)
     const uint32_t m = (__float_as_uint(amax) >> 16) | (__float_as_uint(amin) & 0xffff0000u);
     if (lane == 0) meta[b] = m;
     const LogfmtScale s = logfmt_scale(amax, amin);
