@@ -191,8 +191,8 @@ def test_step_fraction():
     assert s.expert_flops == 58 * 18 * 4096 * 8 * 7168 * 2048  # 3 GEMMs fwd, 2x bwd
     routed = 58 * 8 * 3 * 7168 * 2048
     assert s.other_flops == pytest.approx(6 * (37e9 - routed) * 4096)
-    # the routed experts at the measured grouped GEMM rate, the rest at the assumed dense rate
-    assert s.compute_ms == pytest.approx((s.expert_flops / 510e12 + s.other_flops / 400e12) * 1e3)
+    # the routed experts at the grouped GEMM rate measured at EP64's 8192 rows per expert, the rest at the assumed dense rate
+    assert s.compute_ms == pytest.approx((s.expert_flops / 531e12 + s.other_flops / 400e12) * 1e3)
     d = M.normal_path(M.Shape(), M.Machine(), 64, 7392).time_us
     c = M.normal_path(M.Shape(), M.Machine(), 64, 14336).time_us
     assert s.comm_ms == pytest.approx(58 * 2 * (d + c) / 1e3)
@@ -203,14 +203,19 @@ def test_step_fraction():
 
 
 def test_expert_gemm_rate_defaults_to_the_measured_one():
-    """The routed experts' GEMMs run at rates.EXPERT_GEMM_TFLOPS (510: docs/performance.md's
-    "Expert GEMMs, one H200") unless `expert_tflops` says otherwise, in the step and in the
-    overlap model's layer; `tflops` times only the rest of the model."""
-    assert M.EXPERT_GEMM_TFLOPS == 510.0 and M.StepModel().expert_tflops == M.EXPERT_GEMM_TFLOPS
-    shape, mach = M.Shape(), M.Machine()
+    """The routed experts' GEMMs run at the rate measured at each EP's rows per expert
+    (rates.expert_gemm_tflops: docs/performance.md's "Expert GEMMs, one H200", DeepGEMM bf16 416 /
+    507 / 528 / 531 TFLOP/s at 256 / 1024 / 4096 / 8192 rows) unless `expert_tflops` fixes it, in
+    the step and in the overlap model's layer; `tflops` times only the rest of the model."""
+    assert M.expert_gemm_tflops(8192) == 531.0 and M.expert_gemm_tflops(256) == 416.0
+    assert M.expert_gemm_tflops(100) == 416.0 and M.expert_gemm_tflops(1e6) == 531.0  # the nearest point outside
+    assert M.expert_gemm_tflops(512) == pytest.approx((416.0 + 507.0) / 2)  # linear in log2(rows)
+    shape, mach = M.Shape(), M.Machine()  # 4096 tokens x top-8 over 256 experts: 128 x EP rows per expert
+    assert M.StepModel(ep=64).expert_rate(shape) == 531.0 and M.StepModel(ep=2).expert_rate(shape) == 416.0
     fwd_flops = M.moe_layer(shape, mach, M.StepModel()).expert_flops / 3
-    assert M.layer_costs(shape, mach, M.StepModel()).gemm_fwd == pytest.approx(fwd_flops / 510e12 * 1e6)
-    assert M.layer_costs(shape, mach, M.StepModel(tflops=100.0)).gemm_fwd == pytest.approx(fwd_flops / 510e12 * 1e6)
+    assert M.layer_costs(shape, mach, M.StepModel()).gemm_fwd == pytest.approx(fwd_flops / 531e12 * 1e6)
+    assert M.layer_costs(shape, mach, M.StepModel(tflops=100.0)).gemm_fwd == pytest.approx(fwd_flops / 531e12 * 1e6)
+    assert M.layer_costs(shape, mach, M.StepModel(ep=8)).gemm_fwd == pytest.approx(fwd_flops / 507e12 * 1e6)
     assert M.layer_costs(shape, mach, M.StepModel(expert_tflops=255.0)).gemm_fwd == pytest.approx(fwd_flops / 255e12 * 1e6)
     same = M.step_fraction(shape, mach, M.StepModel(expert_tflops=400.0))  # one rate for all compute
     assert same.compute_ms == pytest.approx((same.expert_flops + same.other_flops) / 400e12 * 1e3)
@@ -220,9 +225,9 @@ def test_expert_gemm_rate_defaults_to_the_measured_one():
 def test_cli_expert_tflops(capsys):
     assert M.main(["--ep", "8"]) == 0
     out = capsys.readouterr().out
-    assert "expert GEMMs 510 TFLOP/s, the rest 400 TFLOP/s" in out
+    assert "expert GEMMs 531 TFLOP/s (measured, by rows per expert), the rest 400 TFLOP/s" in out  # EP64
     gemms = {ln.split()[0]: ln.split()[2] for ln in out.splitlines() if ln.split()[:1] in (["2"], ["64"])}
-    assert gemms == {"2": "16.98", "64": "16.98"}  # fwd + bwd GEMMs of one layer, ms, at 510
+    assert gemms == {"2": "20.81", "64": "16.31"}  # fwd + bwd GEMMs of one layer, ms: 416 / 531 TFLOP/s
     assert M.main(["--ep", "8", "--expert-tflops", "400", "--tflops", "300"]) == 0
     out = capsys.readouterr().out
     assert "expert GEMMs 400 TFLOP/s, the rest 300 TFLOP/s" in out

@@ -28,7 +28,7 @@ from .kernels import LowLatencyResult, NormalResult, low_latency, normal_path
 from .machine import DEEPEP_V1_INTERNODE, DEEPEP_V1_SOURCE, H800_NVLINK_GBPS, Machine
 from .overlap import (MODES, LayerTimes, OverlapCosts, OverlapOptions, best_overlap, costs_of_layer, layer_costs,
                       layer_times)
-from .rates import EXPERT_GEMM_TFLOPS, gbps_of, per_sm_gbps, seconds_at, sm_bound_us, sms_for, us_at
+from .rates import EXPERT_GEMM_TFLOPS_BY_ROWS, expert_gemm_tflops, gbps_of, per_sm_gbps, seconds_at, sm_bound_us, sms_for, us_at
 from .route import (RouteCopies, Routing, expected_units_touched, expected_units_touched_exact, max_units_touched,
                     route_copies, routing)
 from .shape import Shape
@@ -40,7 +40,7 @@ from .step import MoeLayerCost, StepModel, StepResult, moe_layer, step_fraction
 from .tables import deepep_internode_check, report
 
 __all__ = [
-    "DEEPEP_V1_INTERNODE", "DEEPEP_V1_SOURCE", "DEFAULT_EPS", "EXPERT_GEMM_TFLOPS", "H800_NVLINK_GBPS", "LINK_FIELDS", "STAGES",
+    "DEEPEP_V1_INTERNODE", "DEEPEP_V1_SOURCE", "DEFAULT_EPS", "EXPERT_GEMM_TFLOPS_BY_ROWS", "H800_NVLINK_GBPS", "LINK_FIELDS", "STAGES",
     "STAGE_NAMES", "STAGE_OF_MARK", "TIME_TOLERANCE",
     "MODES", "LayerTimes", "OverlapCosts", "OverlapOptions", "best_overlap", "costs_of_layer", "layer_costs",
     "layer_times",
@@ -48,7 +48,7 @@ __all__ = [
     "SmSplit", "StageBound", "StageRates", "StageTimes", "StageWork", "StepModel", "StepResult", "TimeCheck",
     "bounding_stage", "build_parser", "calibrate_stages", "check_stages", "combine_stage_work",
     "deepep_internode_check", "dispatch_stage_work", "expected_units_touched", "expected_units_touched_exact",
-    "gbps_of", "link_count", "link_count_from", "low_latency", "main", "max_units_touched", "moe_layer",
+    "expert_gemm_tflops", "gbps_of", "link_count", "link_count_from", "low_latency", "main", "max_units_touched", "moe_layer",
     "normal_path", "per_sm_gbps", "phase_stages", "predict_stages", "report", "route_copies", "routing",
     "seconds_at", "sm_bound_us", "sms_for", "split_sms", "stage_us", "step_fraction", "us_at", "verdict", "within",
 ]

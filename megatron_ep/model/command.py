@@ -56,8 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--tflops", type=float, default=T.tflops,
                    help="achieved dense TFLOP/s per GPU outside the routed experts (assumed)")
     t.add_argument("--expert-tflops", type=float, default=T.expert_tflops,
-                   help="the routed experts' grouped GEMM rate, bf16 forward + backward (measured on one "
-                        "H200: docs/performance.md, \"Expert GEMMs, one H200\")")
+                   help="the routed experts' grouped GEMM rate, bf16 forward + backward (default: the rate "
+                        "measured on one H200 at each EP's rows per expert, docs/performance.md, "
+                        "\"Expert GEMMs, one H200\")")
     o = p.add_argument_group("communication under the expert GEMMs (megatron_ep/model/overlap.py)")
     o.add_argument("--sms", type=int, default=M.sms, help="SMs per GPU (the GEMMs get what communication leaves)")
     o.add_argument("--dispatch-fixed-us", type=float, default=O.dispatch_fixed_us,
@@ -76,7 +77,7 @@ def _validate(parser: argparse.ArgumentParser, a: argparse.Namespace) -> None:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     for name in ("nvlink_gbps", "nic_gbps", "sm_nvlink_gbps", "sm_rdma_gbps", "active_params", "tflops",
                  "expert_tflops"):
-        if not getattr(a, name) > 0:
+        if getattr(a, name) is not None and not getattr(a, name) > 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(a, name)}")
     for name in ("ll_fixed_us", "dispatch_fixed_us", "combine_fixed_us"):
         if getattr(a, name) < 0:

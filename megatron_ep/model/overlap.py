@@ -86,7 +86,7 @@ def layer_costs(shape: Shape, machine: Machine, step: StepModel) -> OverlapCosts
     d = normal_path(shape, machine, step.ep, shape.dispatch_row_bytes)
     c = normal_path(shape, machine, step.ep, shape.combine_row_bytes)
     fwd_flops = moe_layer(shape, machine, step).expert_flops / 3  # the layer's figure is fwd + bwd = 3x fwd
-    g = fwd_flops / (step.expert_tflops * 1e12) * 1e6
+    g = fwd_flops / (step.expert_rate(shape) * 1e12) * 1e6
     return OverlapCosts(dispatch=d.time_us, combine=c.time_us, gemm_fwd=g, gemm_dgrad=g, gemm_wgrad=g,
                         comm_sms=min(max(d.sms_all, c.sms_all), machine.sms - 1), sms=machine.sms)
 

@@ -15,10 +15,23 @@ PER_SM_COPY_GBPS = 45.0  # bytes one SM moves per second in our pull kernels (do
 # A copy kernel gets the SMs whose copy rate covers the link it feeds, with this headroom.
 COPY_HEADROOM = 1.25
 # The routed experts' grouped GEMMs (the expert MLP over the expert-major rows), bf16 forward +
-# backward on one H200: docs/performance.md, "Expert GEMMs, one H200" (DeepGEMM bf16 505-531
-# TFLOP/s at G 4 / 8 / 32, torch grouped_mm 513-524 at G 4 / 8, balanced and skewed routing);
-# about the low end of both.
-EXPERT_GEMM_TFLOPS = 510.0
+# backward on one H200, by rows per local expert: docs/performance.md, "Expert GEMMs, one H200"
+# (DeepGEMM bf16, balanced routing, 4096 tokens x top-8 over G = 4 / 8 / 32 / 128 experts; torch
+# grouped_mm within 3% of it; Zipf-skewed routing 3-7% lower).
+EXPERT_GEMM_TFLOPS_BY_ROWS = ((256, 416.0), (1024, 507.0), (4096, 528.0), (8192, 531.0))
+
+
+def expert_gemm_tflops(rows_per_expert: float) -> float:
+    """The measured expert GEMM rate at this many rows per expert: linear in log2(rows) between the
+    measured points, the nearest point's rate outside them."""
+    pts = EXPERT_GEMM_TFLOPS_BY_ROWS
+    if rows_per_expert <= pts[0][0]:
+        return pts[0][1]
+    for (r0, t0), (r1, t1) in zip(pts, pts[1:]):
+        if rows_per_expert <= r1:
+            f = (math.log2(rows_per_expert) - math.log2(r0)) / (math.log2(r1) - math.log2(r0))
+            return t0 + f * (t1 - t0)
+    return pts[-1][1]
 
 
 def seconds_at(nbytes: float, gbps: float) -> float:

@@ -2,7 +2,8 @@
 
 Per rank and micro-batch, expert FLOPs per MoE layer are ``2 * T * k * hidden * moe_ffn * 3``
 forward (three GEMMs of the expert MLP) and twice that backward, at the routed experts' grouped
-GEMM rate (``StepModel.expert_tflops``, measured: ``rates.EXPERT_GEMM_TFLOPS``); the rest of the
+GEMM rate (``StepModel.expert_rate``: measured, by rows per expert, ``rates.expert_gemm_tflops``,
+unless ``expert_tflops`` fixes it); the rest of the
 model is ``6 * (active params - routed-expert active params)`` per token (attention-score FLOPs
 left out) at the dense rate (``StepModel.tflops``, assumed).
 Communication per MoE layer is forward dispatch + combine plus the same two backward (4
@@ -19,10 +20,11 @@ under the expert GEMMs on a share of the SMs is one more composition of the same
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from .kernels import normal_path
 from .machine import Machine
-from .rates import EXPERT_GEMM_TFLOPS
+from .rates import expert_gemm_tflops
 from .shape import Shape
 
 
@@ -36,7 +38,16 @@ class StepModel:
     layers: int = 61
     active_params: float = 37e9  # activated parameters per token (DeepSeek-V3)
     tflops: float = 400.0  # achieved dense TFLOP/s per GPU outside the routed experts (assumed)
-    expert_tflops: float = EXPERT_GEMM_TFLOPS  # the routed experts' grouped GEMMs, bf16 fwd + bwd
+    # the routed experts' grouped GEMMs, bf16 fwd + bwd; None: the rate measured at this EP's rows
+    # per expert (rates.expert_gemm_tflops)
+    expert_tflops: Optional[float] = None
+
+    def expert_rate(self, shape: Shape) -> float:
+        """TFLOP/s of the routed experts' GEMMs: `expert_tflops`, else the measured rate at the
+        rows each local expert gets with balanced routing (tokens x top-k x EP / experts)."""
+        if self.expert_tflops is not None:
+            return self.expert_tflops
+        return expert_gemm_tflops(shape.tokens * shape.topk * self.ep / shape.experts)
 
 
 @dataclass(frozen=True)
@@ -80,7 +91,7 @@ def step_fraction(shape: Shape, machine: Machine, step: StepModel) -> StepResult
     layer = moe_layer(shape, machine, step)
     expert = step.moe_layers * layer.expert_flops
     other = 6 * max(step.active_params - step.moe_layers * layer.routed_params, 0.0) * shape.tokens
-    compute_s = expert / (step.expert_tflops * 1e12) + other / (step.tflops * 1e12)
+    compute_s = expert / (step.expert_rate(shape) * 1e12) + other / (step.tflops * 1e12)
     comm_s = step.moe_layers * layer.comm_us * 1e-6
     return StepResult(step.ep, expert, other, compute_s * 1e3, comm_s * 1e3, layer.comm_us,
                       *_exposed_share(comm_s, compute_s))

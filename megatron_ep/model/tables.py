@@ -73,7 +73,8 @@ def report(shape: Shape, machine: Machine, step: StepModel, eps: list[int], over
     out.append(
         f"\ntraining step at EP{s.ep} ({step.moe_layers} MoE of {step.layers} layers, expert FFN "
         f"{step.moe_ffn}, {step.active_params / 1e9:g}B active params, expert GEMMs "
-        f"{step.expert_tflops:g} TFLOP/s, the rest {step.tflops:g} TFLOP/s), "
+        f"{step.expert_rate(shape):.0f} TFLOP/s{'' if step.expert_tflops is not None else ' (measured, by rows per expert)'}, "
+        f"the rest {step.tflops:g} TFLOP/s), "
         f"per rank and micro-batch:")
     out.append(f"  compute {s.compute_ms:.0f} ms (experts {s.expert_flops / 1e12:.0f} TFLOP, "
                f"rest {s.other_flops / 1e12:.0f} TFLOP); dispatch+combine fwd+bwd "
