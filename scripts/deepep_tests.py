@@ -41,6 +41,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from typing import Dict, List, Optional, Sequence, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -150,18 +151,35 @@ def environment() -> Dict[str, str]:
     return env
 
 
+def _forward(pipe, lock: threading.Lock) -> None:
+    """A node's output onto ours a whole line at a time, so lines of different nodes never mix
+    (an unbuffered print writes its pieces one by one)."""
+    for line in iter(pipe.readline, b""):
+        with lock:
+            sys.stdout.buffer.write(line)
+            sys.stdout.buffer.flush()
+    pipe.close()
+
+
 def run_nodes(cmd: Sequence[str], num_nodes: int, env: Dict[str, str], cwd: str, grace_s: float = 10.0) -> int:
     """`cmd` once per node (RANK = node, WORLD_SIZE = nodes), each in a process group of its own.
     When one fails, the others get `grace_s`, then their groups (the test's spawned ranks too) are
     stopped. Returns the first failing node's exit status, else 0."""
     procs = [subprocess.Popen(list(cmd), cwd=cwd, env={**env, "RANK": str(n), "WORLD_SIZE": str(num_nodes)},
-                              start_new_session=True) for n in range(num_nodes)]
+                              start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for n in range(num_nodes)]
+    lock = threading.Lock()
+    readers = [threading.Thread(target=_forward, args=(p.stdout, lock), daemon=True) for p in procs]
+    for r in readers:
+        r.start()
     try:
         first = first_failure(procs, grace_s, poll_s=0.1)
     except KeyboardInterrupt:
         stop(procs, signal.SIGINT, groups=True)
         return 130
     stop(procs, groups=True)  # the nodes past the grace, and ranks that outlive their node
+    for r in readers:  # their pipes close with the stopped groups
+        r.join(timeout=5.0)
     if first is None:
         return 0
     node, code = first
