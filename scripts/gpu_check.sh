@@ -20,6 +20,8 @@
 #                                      tests/test_sanitizer_pass.py (one pool)
 #   MEP_GATE_BUDGET_S=590              the whole run's wall-clock budget: each file's timeout is cut to
 #                                      what is left of it, so the run ends (and reports) inside it
+#   MEP_GATE_RESERVE_S=120             of that budget, what the test files leave for the steps after
+#                                      them (the no-MPS tests beside memcheck: about 90 s on one H200)
 #   MEP_GATE_SANITIZER_LOADING=LAZY    module loading of the runs without MPS (the no-MPS tests and
 #                                      the sanitizer; EAGER loads, and instruments, every kernel of
 #                                      every library)
@@ -196,7 +198,7 @@ run_file() {
 # run_files TIMEOUT_S "FILES": one pytest process over the files under MPS (one start-up and collection
 # instead of one per file), a summary row per file
 run_files() {
-  local limit; limit=$(left "$1" 120)
+  local limit; limit=$(left "$1" "${MEP_GATE_RESERVE_S:-120}")
   local log=$LOGS/gpu_tests.log xml=/tmp/mep-junit-gpu_tests.xml t0 rc
   rm -f "$xml"
   t0=$(date +%s)
