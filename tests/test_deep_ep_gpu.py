@@ -30,8 +30,8 @@ def test_normal_mode_on_our_kernels(R):
 
 @pytest.mark.parametrize("R", [2, 4])
 def test_low_latency_mode_on_our_kernels(R):
-    # pools of its own: the first NVSHMEM buffer of a process that holds no intranode buffer yet
-    # (the normal-mode test's pools keep theirs)
+    # pools of its own: processes that hold no normal-mode buffer, as DeepEP's low-latency callers
+    # run (the normal-mode test's pools keep theirs)
     pool = pool_(R, MEP_DEEP_EP_POOL="low_latency")
     errors = flat(pool.run(dc.run_deep_ep_low_latency_cases, [dict(c, **ON_CUDA) for c in dc.low_latency_cases(R)],
                            timeout=RUN_S))

@@ -36,7 +36,6 @@ __device__ __noinline__ void merge_rows(int4* dst, const int4* __restrict__ x, c
 // Not inlined: it would push the combine kernel into spills.
 __device__ __noinline__ void merged_send_logfmt(const LLCtx& c, int s, long long slot_off, char* stage_row, const int4* x,
                                                 const int* rows, const float* w, int n, int n16, int b16, int m16, int H) {
-  const int lane = threadIdx.x & 31;
   char* peer = c.peer_base[s];
   char* stage = stage_row + (long long)b16 * 16;
   const char* src_row = n == 1 ? reinterpret_cast<const char*>(x + (long long)rows[0] * n16) : stage_row;
@@ -46,13 +45,8 @@ __device__ __noinline__ void merged_send_logfmt(const LLCtx& c, int s, long long
   __syncwarp();
   if (peer != nullptr) return;
   send_row(c, s, slot_off + (long long)b16 * 16, stage, m16 * 16);
-  // the meta words (4 bytes each): send_row moves whole int4 words
-  const long long moff = 2LL * H + b16 / 16 * 4;
-  if (lane == 0) __threadfence_system();
-  __syncwarp();
-  nvshmemx_putmem_nbi_warp(c.base + slot_off + moff, stage_row + moff, m16 / 16 * 4, c.pe[s]);
-  if (lane == 0) nvshmem_quiet();
-  __syncwarp();
+  const long long moff = 2LL * H + b16 / 16 * 4;  // then the blocks' meta words (a put: any byte count)
+  send_row(c, s, slot_off + moff, stage_row + moff, m16 / 16 * 4);
 }
 
 // Merged send (the dispatch carried the weights): a warp per (source rank, token) unit, or a
