@@ -54,7 +54,7 @@ enum GridCounter : int {
 // What a call does. Ranks must call the same op with the same arguments (below) in the same order.
 enum Op : int {
   kOpNone = 0, kOpDispatch = 1, kOpCachedDispatch = 2, kOpCombine = 3, kOpLowLatencyDispatch = 4,
-  kOpLowLatencyCombine = 5
+  kOpLowLatencyCombine = 5, kOpLowLatencyBarrier = 6
 };
 inline const char* op_name(long long op) {
   switch (op) {
@@ -63,6 +63,7 @@ inline const char* op_name(long long op) {
     case kOpCombine: return "combine";
     case kOpLowLatencyDispatch: return "low_latency_dispatch";
     case kOpLowLatencyCombine: return "low_latency_combine";
+    case kOpLowLatencyBarrier: return "low_latency_barrier";
     default: return "none";
   }
 }

@@ -13,6 +13,7 @@ namespace mep {
 void ll_touch_kernels();            // load every kernel now (lazy loading deadlocks spinning kernels)
 void ll_touch_dispatch_kernel();     // dispatch.cu's part of it
 void ll_touch_combine_kernels();     // combine.cu's part of it
+void ll_touch_mask_kernels();        // rank_mask.cu's part of it
 
 enum LLPhase : int { kLLSend = 1, kLLRecv = 2 };
 
@@ -47,6 +48,7 @@ struct LLCtx {
   unsigned long long timeout_ns;
   unsigned long long* trace;  // null, or [2 kernels][kLLMaxBlocks][kLLTracePoints] globaltimer stamps (a bench's probe)
   long long seq;              // the call a launch serves (set per launch from its args): matches peers' failure publications
+  int shrink;                 // the rank mask is on (LowLatencyState::mask): waits mask a peer instead of failing
 };
 
 struct LLDispatchArgs {
@@ -100,5 +102,13 @@ void launch_ll_dispatch(const LLCtx& c, const LLDispatchArgs& a, int num_blocks,
 void launch_ll_combine(const LLCtx& c, const LLCombineArgs& a, int num_blocks, cudaStream_t stream);
 // This rank failed before joining call `seq`: tell every peer (their peer_failed word).
 void launch_ll_publish_failure(const LLCtx& c, long long seq, cudaStream_t stream);
+
+// The rank mask (c.shrink). A barrier over the ranks this rank does not mask, which also resets
+// the buffer sets' protocol state on every rank (see barrier_kernel); a rank that does not enter
+// it within the timeout is masked.
+void launch_ll_barrier(const LLCtx& c, cudaStream_t stream);
+enum LLMaskOp : int { kLLMaskSet = 0, kLLMaskQuery = 1, kLLMaskClear = 2 };
+// kLLMaskSet: mask[rank] = value; kLLMaskQuery: out[r] = mask[r] for every r; kLLMaskClear: all 0.
+void launch_ll_mask(const LLCtx& c, int op, int rank, int value, int* out, cudaStream_t stream);
 
 }  // namespace mep

@@ -33,14 +33,16 @@ class LowLatencyBuffer {
  public:
   // Collective over every PE: allocates the symmetric buffer (plan: num_experts, max_tokens,
   // hidden, max_topk, fp8_only) and maps each rank's PE id to a load/store address when reachable.
+  // shrink: the rank mask is on (a wait that times out masks its peer instead of failing).
   LowLatencyBuffer(int device, int rank, std::vector<int> pes, int num_experts, int max_tokens, int hidden,
-                   int max_topk, bool fp8_only, double timeout_s) {
+                   int max_topk, bool fp8_only, double timeout_s, bool shrink) {
     const int R = (int)pes.size();
     TORCH_CHECK(R >= 1 && R <= kLLMaxRanks, "megatron_ep low-latency: ", R, " ranks; at most ", kLLMaxRanks);
     cuda_ok(cudaSetDevice(device), "low-latency", "cudaSetDevice");
     ctx_.lay = LowLatencyLayout::plan(R, num_experts, max_tokens, hidden, max_topk, fp8_only);
     ctx_.rank = rank, ctx_.num_ranks = R;
     ctx_.timeout_ns = (unsigned long long)(timeout_s * 1e9);
+    ctx_.shrink = shrink ? 1 : 0;
     ll_touch_kernels();
     mem_.open((size_t)ctx_.lay.total, pes, true);
     mem_.point(ctx_);
@@ -129,6 +131,31 @@ class LowLatencyBuffer {
     mem_.publish_aside([&](cudaStream_t s) { launch_ll_publish_failure(ctx_, seq, s); });
   }
 
+  // The rank mask (a buffer made with shrink), on the current stream.
+  void barrier() {
+    live();
+    needs_mask();
+    launch_ll_barrier(ctx_, c10::cuda::getCurrentCUDAStream().stream());
+  }
+  void set_mask(int rank, bool masked) {
+    live();
+    needs_mask();
+    TORCH_CHECK(rank >= 0 && rank < ctx_.num_ranks, "rank ", rank, " outside the group's ", ctx_.num_ranks, " ranks");
+    launch_ll_mask(ctx_, kLLMaskSet, rank, masked ? 1 : 0, nullptr, c10::cuda::getCurrentCUDAStream().stream());
+  }
+  void query_mask(const torch::Tensor& out) {
+    live();
+    needs_mask();
+    TORCH_CHECK(out.is_cuda() && out.numel() == ctx_.num_ranks, "mask_status must have one entry per rank on the GPU");
+    launch_ll_mask(ctx_, kLLMaskQuery, -1, 0, ptr<int>(out, "mask_status", at::kInt),
+                   c10::cuda::getCurrentCUDAStream().stream());
+  }
+  void clear_mask() {
+    live();
+    needs_mask();
+    launch_ll_mask(ctx_, kLLMaskClear, -1, 0, nullptr, c10::cuda::getCurrentCUDAStream().stream());
+  }
+
   // The kernels' first unread error, or None.
   py::object error() const { return mem_.error("expert", "set"); }
   void clear_error() { mem_.clear_error(); }
@@ -152,6 +179,7 @@ class LowLatencyBuffer {
 
  private:
   void live() const { mem_.live(); }
+  void needs_mask() const { TORCH_CHECK(ctx_.shrink, "megatron_ep low-latency: this buffer was made without the rank mask"); }
   // An optional [R] int64 statistics tensor the kernel adds to, or null.
   long long* rank_stats(const c10::optional<torch::Tensor>& t, const char* name) const {
     if (!t.has_value()) return nullptr;
@@ -188,10 +216,14 @@ void bind_low_latency(py::module_& m) {
     return mep::layout_dict(mep::LowLatencyLayout::plan(num_ranks, num_experts, max_tokens, hidden, max_topk, fp8_only));
   }, "The buffer layout and size (bytes, both sets) for this capacity; no GPU needed.");
   py::class_<mep::LowLatencyBuffer>(m, "LowLatencyBuffer")
-      .def(py::init<int, int, std::vector<int>, int, int, int, int, bool, double>())
+      .def(py::init<int, int, std::vector<int>, int, int, int, int, bool, double, bool>())
       .def("dispatch", &mep::LowLatencyBuffer::dispatch, py::arg("x"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("fp8"), py::arg("round_scale"), py::arg("set"), py::arg("phases"), py::arg("sig"), py::arg("seq"), py::arg("out_x"), py::arg("out_scales"), py::arg("out_count"), py::arg("out_range"), py::arg("out_src"), py::arg("out_slot"), py::arg("weights"), py::arg("out_w"), py::arg("out_pairs"), py::arg("out_ue8m0"), py::arg("recv_stats"), py::arg("wait_stats"), py::arg("num_blocks"))
       .def("combine", &mep::LowLatencyBuffer::combine, py::arg("x"), py::arg("range"), py::arg("src"), py::arg("slot"), py::arg("topk_idx"), py::arg("weights"), py::arg("num_experts"), py::arg("set"), py::arg("phases"), py::arg("sig"), py::arg("seq"), py::arg("y"), py::arg("pairs"), py::arg("row_w"), py::arg("wait_stats"), py::arg("use_logfmt"), py::arg("num_blocks"))
       .def("publish_failure", &mep::LowLatencyBuffer::publish_failure, py::arg("seq"))
+      .def("barrier", &mep::LowLatencyBuffer::barrier)
+      .def("set_mask", &mep::LowLatencyBuffer::set_mask, py::arg("rank"), py::arg("masked"))
+      .def("query_mask", &mep::LowLatencyBuffer::query_mask, py::arg("out"))
+      .def("clear_mask", &mep::LowLatencyBuffer::clear_mask)
       .def("error", &mep::LowLatencyBuffer::error)
       .def("clear_error", &mep::LowLatencyBuffer::clear_error)
       .def("set_trace", &mep::LowLatencyBuffer::set_trace, py::arg("trace").none(true))

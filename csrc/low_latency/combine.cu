@@ -57,7 +57,7 @@ __device__ __noinline__ void merged_send_logfmt(const LLCtx& c, int s, long long
 // k ascending, rounded to bf16. At EP 2, top-8 of 256, that is ~1 row per token instead of ~4.
 // Each rank then sends every source one flag (c_flag word `rank`) once all its units for that
 // source are done.
-template <bool kLogfmt>
+template <bool kLogfmt, int kS>
 __device__ __forceinline__ void merged_send(const LLCtx& c, const LLCombineArgs& a, int gw, int num_warps) {
   __shared__ int s_mrow[kLLWarps][kMaxTopk];  // the unit's copies here, k ascending
   __shared__ float s_mw[kLLWarps][kMaxTopk];
@@ -84,6 +84,7 @@ __device__ __forceinline__ void merged_send(const LLCtx& c, const LLCombineArgs&
   for (int u = gw; u < units * msplit; u += num_warps) {
     const int unit = u / msplit, g = u % msplit, s = unit / mt, t = unit % mt;
     if (s != cur) flush(), cur = s;
+    if (gone<kS>(s)) continue;  // masked: nothing for it (no rows, no flag)
     ++done;
     int row = -1;
     float w = 0.f;
@@ -126,10 +127,12 @@ __device__ __forceinline__ void merged_send(const LLCtx& c, const LLCombineArgs&
   if (cur >= 0) flush();
 }
 
-// kLogfmt: the rows travel as LogFMT-10 (low_latency/logfmt.cuh); an instantiation of its own, so the
-// plain kernel keeps its registers
-template <bool kLogfmt>
+// kLogfmt: the rows travel as LogFMT-10 (low_latency/logfmt.cuh); kShrink: the rank mask is on
+// (c.shrink). Each an instantiation of its own, so the plain kernel keeps its registers (the
+// mask's waits alone pushed it into spills).
+template <bool kLogfmt, bool kShrink>
 __global__ void __launch_bounds__(kLLThreads, 1) combine_kernel(const LLCtx c, const LLCombineArgs a) {
+  constexpr int kS = kShrink ? 1 : 0;  // every helper's mask test known at compile time
   const int warp = threadIdx.x / 32;
   const int R = c.num_ranks, L = a.E / R, set = a.set;
   const int num_warps = gridDim.x * kLLWarps, gw = blockIdx.x * kLLWarps + warp;
@@ -137,19 +140,25 @@ __global__ void __launch_bounds__(kLLThreads, 1) combine_kernel(const LLCtx c, c
   LowLatencyState* st = state_of(c);
   const int row_bytes = a.H * 2;
   const bool merged = a.pairs != nullptr;  // the dispatch carried the weights (merged_send)
+  // the rank mask: ranks masked here get no rows and are not waited for (their experts' slots
+  // drop out of the sum, not renormalised)
+  take_mask<kS>(c);
   stamp(c, 1, kLLTraceEntry);
 
   if (a.phases & kLLSend) {
-    if (wait_released(c, set, kOpLowLatencyCombine, a.sig)) {
+    const bool released = wait_released<kS>(c, set, kOpLowLatencyCombine, a.sig);
+    take_mask<kS>(c);  // with the receivers a release wait masked
+    if (released) {
       stamp(c, 1, kLLTraceReleased);
       if (merged) {
-        merged_send<kLogfmt>(c, a, gw, num_warps);
+        merged_send<kLogfmt, kS>(c, a, gw, num_warps);
       } else {
         // (local expert, token rank) pairs, each split over `split` warps by row; the pair's last
         // warp to finish sends its flag
         const int pairs = L * R, split = num_warps > pairs ? num_warps / pairs : 1;
         for (int u = gw; u < pairs * split; u += num_warps) {
           const int e = u / split / R, s = u / split % R, g = u % split;
+          if (gone<kS>(s)) continue;  // masked: nothing for it (no rows, no flag)
           const int begin = a.range[((long long)e * R + s) * 2], n = a.range[((long long)e * R + s) * 2 + 1];
           for (int i = g; i < n; i += split) {
             const long long row = (long long)e * a.out_cap + begin + i;
@@ -197,6 +206,7 @@ __global__ void __launch_bounds__(kLLThreads, 1) combine_kernel(const LLCtx c, c
     int e = -1;
     if (threadIdx.x < a.K) {
       e = valid_id(a.topk_idx[(long long)t * a.K + threadIdx.x], a.E);
+      if (e >= 0 && gone<kS>(e / L)) e = -1;  // a masked rank's experts: the slot drops out
       s_rank[threadIdx.x] = e >= 0 ? e / L : -1;
     }
     if (merged) __syncthreads();
@@ -217,13 +227,23 @@ __global__ void __launch_bounds__(kLLThreads, 1) combine_kernel(const LLCtx c, c
       if (word >= 0) {
         const int what = merged ? kLLWaitRankFlag : kLLWaitFlag, peer = merged ? word : e / L;
         long long v;
+        bool is_gone;
         const long long t0 = clock64();
-        ok = wait_word(c, flags + word, [](long long x) { return x != 0; }, v, kOpLowLatencyCombine, what, word, peer, set,
-                       a.sig);
+        if constexpr (kShrink) {
+          ok = wait_peer<kS>(c, flags + word, [](long long x) { return x != 0; }, v, is_gone, kOpLowLatencyCombine, what,
+                         word, peer, set, a.sig);
+        } else {
+          ok = wait_word<kS>(c, flags + word, [](long long x) { return x != 0; }, v, kOpLowLatencyCombine, what, word, peer,
+                         set, a.sig);
+          is_gone = false;
+        }
         if (a.wait_stats != nullptr)
           atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + peer), (unsigned long long)(clock64() - t0));
-        if (ok && decoded_sig(v) != a.sig)
+        if (is_gone) {
+          s_on[k] = false;  // masked during this wait: its rows drop out
+        } else if (ok && decoded_sig(v) != a.sig) {
           report(c, kErrMismatch, kOpLowLatencyCombine, what, word, peer, set, a.sig, decoded_sig(v));
+        }
       }
     }
     if (!__syncthreads_and(ok)) break;  // timed out (reported): every later wait returns at once
@@ -255,9 +275,9 @@ __global__ void __launch_bounds__(kLLThreads, 1) combine_kernel(const LLCtx c, c
   }
   stamp(c, 1, kLLTraceCopied, true);
   if (merged) {
-    finish_receive(c, set, lay.c_flag, lay.num_experts, R, 1, a.sig, kLLWaitRankFlag);
+    finish_receive<kS>(c, set, lay.c_flag, lay.num_experts, R, 1, a.sig, kLLWaitRankFlag);
   } else {
-    finish_receive(c, set, lay.c_flag, lay.num_experts, a.E, L, a.sig);
+    finish_receive<kS>(c, set, lay.c_flag, lay.num_experts, a.E, L, a.sig);
   }
   stamp(c, 1, kLLTraceEnd);
 }
@@ -274,10 +294,11 @@ __global__ void publish_failure_kernel(const LLCtx c, long long seq) {
 void launch_ll_combine(const LLCtx& c, const LLCombineArgs& a, int num_blocks, cudaStream_t stream) {
   LLCtx cs = c;
   cs.seq = a.seq;
+  const auto launch = [&](auto kernel) { kernel<<<num_blocks, kLLThreads, 0, stream>>>(cs, a); };
   if (a.use_logfmt) {
-    low_latency::combine_kernel<true><<<num_blocks, kLLThreads, 0, stream>>>(cs, a);
+    c.shrink ? launch(low_latency::combine_kernel<true, true>) : launch(low_latency::combine_kernel<true, false>);
   } else {
-    low_latency::combine_kernel<false><<<num_blocks, kLLThreads, 0, stream>>>(cs, a);
+    c.shrink ? launch(low_latency::combine_kernel<false, true>) : launch(low_latency::combine_kernel<false, false>);
   }
   low_latency::check(cudaGetLastError(), "combine launch");
 }
@@ -291,12 +312,18 @@ void ll_touch_combine_kernels() {
   cudaFuncAttributes attr;
   low_latency::check(cudaFuncGetAttributes(&attr, low_latency::publish_failure_kernel),
                      "loading the failure publication kernel");
-  low_latency::check(cudaFuncGetAttributes(&attr, low_latency::combine_kernel<false>), "loading the combine kernel");
-  low_latency::check(cudaFuncGetAttributes(&attr, low_latency::combine_kernel<true>), "loading the LogFMT combine kernel");
+  low_latency::check(cudaFuncGetAttributes(&attr, low_latency::combine_kernel<false, false>), "loading the combine kernel");
+  low_latency::check(cudaFuncGetAttributes(&attr, low_latency::combine_kernel<true, false>),
+                     "loading the LogFMT combine kernel");
+  low_latency::check(cudaFuncGetAttributes(&attr, low_latency::combine_kernel<false, true>),
+                     "loading the rank-mask combine kernel");
+  low_latency::check(cudaFuncGetAttributes(&attr, low_latency::combine_kernel<true, true>),
+                     "loading the rank-mask LogFMT combine kernel");
 }
 
 void ll_touch_kernels() {
   ll_touch_combine_kernels();
+  ll_touch_mask_kernels();
   ll_touch_dispatch_kernel();
 }
 

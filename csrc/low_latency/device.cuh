@@ -24,9 +24,47 @@ constexpr int kLLScaleRegs = 2;  // a lane's FP8 scales held in registers during
 __device__ __forceinline__ LowLatencyState* state_of(const LLCtx& c) {
   return reinterpret_cast<LowLatencyState*>(c.base + c.lay.state);
 }
+// Whether the rank mask is on. kS: -1 reads c.shrink at run time; a kernel instantiated per mode
+// passes 0 or 1 to every helper below that takes it, and their mask tests fold away in the plain
+// mode (the combine's registers: the mask's run-time tests alone pushed it into spills).
+template <int kS = -1>
+__device__ __forceinline__ bool shrink_on(const LLCtx& c) { return kS < 0 ? c.shrink != 0 : kS != 0; }
+
+template <int kS = -1>
 __device__ __forceinline__ sym::Waiter waiter(const LLCtx& c) {
   LowLatencyState* st = state_of(c);
-  return {c.err, &st->failed, &st->err_claims, c.timeout_ns, &st->peer_failed, c.seq};
+  return {c.err, &st->failed, &st->err_claims, c.timeout_ns, &st->peer_failed, c.seq, shrink_on<kS>(c) ? st->mask : nullptr};
+}
+
+// The rank mask as this block saw it last (`take_mask`): bit r set = rank r masked (0 without
+// the mask). In shared memory, not a register: the kernels are at their register limit.
+static __shared__ unsigned long long s_ll_mask;  // (static: one per file, -rdc links the files)
+
+// Block-wide (a barrier on each side): the mask snapshot the kernel's decisions about whom it
+// sends to or waits for use, so all warps of a block agree; all blocks agree too, since the mask
+// only grows inside a kernel by a timed-out wait, and each snapshot is taken where every block
+// has passed the same waits (kernel entry, after the release waits).
+template <int kS = -1>
+__device__ __forceinline__ void take_mask(const LLCtx& c) {
+  if (kS == 0) return;  // gone<0> is false
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    unsigned long long bits = 0;
+    if (shrink_on<kS>(c)) {
+      const int* m = state_of(c)->mask;
+      for (int r = threadIdx.x; r < c.num_ranks; r += 32) bits |= (unsigned long long)(ld_volatile(m + r) != 0) << r;
+      for (int o = 16; o; o >>= 1) bits |= __shfl_xor_sync(0xffffffffu, bits, o);
+    }
+    if (threadIdx.x == 0) s_ll_mask = bits;
+  }
+  __syncthreads();
+}
+template <int kS = -1>
+__device__ __forceinline__ bool gone(int r) { return kS != 0 && ((s_ll_mask >> r) & 1ull); }
+// Rank r is masked now (a wait on it may have just masked it).
+template <int kS = -1>
+__device__ __forceinline__ bool masked_now(const LLCtx& c, int r) {
+  return shrink_on<kS>(c) && ld_volatile(state_of(c)->mask + r) != 0;
 }
 
 // A trace stamp (LLTracePoint) when the buffer has a trace attached: thread 0's time, or with
@@ -46,21 +84,33 @@ __device__ __forceinline__ void report(const LLCtx& c, int code, int op, int wha
                                        long long sig, long long got) {
   sym::report(waiter(c), code, op, what, expert, peer, set, sig, got);
 }
-template <typename Load, typename Done>
+template <int kS = -1, typename Load, typename Done>
 __device__ __forceinline__ bool spin(const LLCtx& c, Load load, Done done, long long& v, int op, int what,
                                      int expert, int peer, int set, long long sig) {
-  return sym::spin(waiter(c), load, done, v, op, what, expert, peer, set, sig);
+  return sym::spin(waiter<kS>(c), load, done, v, op, what, expert, peer, set, sig);
 }
 
 // Wait until done(*p), p a signal word another rank writes (relaxed polls, one acquire after).
-template <typename Done>
+template <int kS = -1, typename Done>
 __device__ __forceinline__ bool wait_word(const LLCtx& c, const long long* p, Done done, long long& v, int op, int what,
                                           int expert, int peer, int set, long long sig) {
-  const bool ok = spin(c, [&] { return ld_relaxed_sys(p); }, done, v, op, what, expert, peer, set, sig);
+  const bool ok = spin<kS>(c, [&] { return ld_relaxed_sys(p); }, done, v, op, what, expert, peer, set, sig);
   // one acquire load of the word once seen (it only moves forward until this rank clears it):
   // cheaper than a system fence, which also drains this thread's outstanding stores
   if (ok) v = ld_acquire_sys(p);
   return ok;
+}
+
+// wait_word on a word rank `peer` writes; under the rank mask a masked peer ends the wait too:
+// true when the word arrived (`is_gone` false) or the peer is masked (`is_gone` true; nothing of
+// it is used), false on a failure (reported).
+template <int kS = -1, typename Done>
+__device__ __forceinline__ bool wait_peer(const LLCtx& c, const long long* p, Done done, long long& v, bool& is_gone,
+                                          int op, int what, int expert, int peer, int set, long long sig) {
+  is_gone = false;
+  if (wait_word<kS>(c, p, done, v, op, what, expert, peer, set, sig)) return true;
+  is_gone = masked_now<kS>(c, peer);
+  return is_gone;
 }
 
 // Write a 64-bit signal word at `off` in rank dst's buffer (after the caller's fence; see
@@ -105,14 +155,19 @@ __device__ __forceinline__ void count_sent(const LLCtx& c, bool mine, unsigned* 
 }
 
 // Block-wide: threads r < R wait until receiver r released this set after its last receive half
-// on it (its completed calls on the set reached ours), so its slots are free again.
+// on it (its completed calls on the set reached ours), so its slots are free again. Ranks
+// masked in the block's snapshot are not waited for.
+template <int kS = -1>
 __device__ __forceinline__ bool wait_released(const LLCtx& c, int set, int op, long long sig) {
   bool ok = true;
   const long long target = *reinterpret_cast<volatile long long*>(&state_of(c)->set_calls[set]);
   const long long* release = reinterpret_cast<const long long*>(c.base + c.lay.set_offset(set) + c.lay.release);
   for (int r = threadIdx.x; r < c.num_ranks; r += blockDim.x) {
+    if (gone<kS>(r)) continue;
     long long v;
-    ok &= wait_word(c, release + r, [&](long long x) { return x >= target; }, v, op, kLLWaitRelease, -1, r, set, sig);
+    bool is_gone;
+    ok &= wait_peer<kS>(c, release + r, [&](long long x) { return x >= target; }, v, is_gone, op, kLLWaitRelease, -1, r, set,
+                    sig);
   }
   return __syncthreads_and(ok);
 }
@@ -122,6 +177,7 @@ __device__ __forceinline__ bool wait_released(const LLCtx& c, int set, int op, l
 // combine: this call's E per-expert flags, L experts per rank), the flags nobody waited on
 // (experts no local token used) are first waited for, so a late one cannot leak into the set's
 // next call.
+template <int kS = -1>
 __device__ __forceinline__ void finish_receive(const LLCtx& c, int set, long long clear_off, int n, int wait_n = 0,
                                                int L = 1, long long sig = 0, int what = kLLWaitFlag) {
   __shared__ bool last;
@@ -136,10 +192,14 @@ __device__ __forceinline__ void finish_receive(const LLCtx& c, int set, long lon
   if (wait_n > 0) {
     bool ok = true;
     for (int i = threadIdx.x; i < wait_n; i += blockDim.x) {
+      if (masked_now<kS>(c, i / L)) continue;
       long long v;
-      ok &= wait_word(c, words + i, [](long long x) { return x != 0; }, v, kOpLowLatencyCombine, what, i, i / L, set,
-                      sig);
-      if (ok && decoded_sig(v) != sig) report(c, kErrMismatch, kOpLowLatencyCombine, what, i, i / L, set, sig, decoded_sig(v));
+      bool is_gone;
+      const bool arrived = wait_peer<kS>(c, words + i, [](long long x) { return x != 0; }, v, is_gone, kOpLowLatencyCombine,
+                                     what, i, i / L, set, sig);
+      ok &= arrived;
+      if (arrived && !is_gone && decoded_sig(v) != sig)
+        report(c, kErrMismatch, kOpLowLatencyCombine, what, i, i / L, set, sig, decoded_sig(v));
     }
     if (!__syncthreads_and(ok)) {  // timed out: the path is broken, the set stays held
       if (threadIdx.x == 0) st->grid_done[set] = 0;
@@ -156,7 +216,8 @@ __device__ __forceinline__ void finish_receive(const LLCtx& c, int set, long lon
     // one system fence (the block's reads of the set and its clears are ordered before it by the
     // barrier), then relaxed stores: a release store per rank would be a fence per rank
     __threadfence_system();
-    for (int r = 0; r < c.num_ranks; ++r) put_signal(c, r, off, done, false);
+    for (int r = 0; r < c.num_ranks; ++r)
+      if (!masked_now<kS>(c, r)) put_signal(c, r, off, done, false);  // (a masked rank's words are reset by the barrier)
   }
 }
 

@@ -80,6 +80,8 @@ __global__ void __launch_bounds__(kLLThreads, 1) dispatch_kernel(const LLCtx c, 
   // staging slot and the receive slot are d_msg = 16 + that many bytes, see the layout)
   const int payload = (data_bytes + (a.fp8 ? a.H / 128 * 4 : 0) + 15) / 16 * 16;
   const int TK = a.T * a.K;
+  // the rank mask: ranks masked here are neither sent to nor waited for (0 tokens from them)
+  take_mask(c);
   stamp(c, 0, kLLTraceEntry);
 
   if (a.phases & kLLSend) {
@@ -162,7 +164,9 @@ __global__ void __launch_bounds__(kLLThreads, 1) dispatch_kernel(const LLCtx c, 
       fill_ids();
     }
     if (blockIdx.x < a.T) stamp(c, 0, kLLTraceCast, true);
-    if (wait_released(c, set, kOpLowLatencyDispatch, a.sig)) {  // (a block barrier: s_ids and staging are filled)
+    const bool released = wait_released(c, set, kOpLowLatencyDispatch, a.sig);  // (a block barrier: s_ids and staging are filled)
+    take_mask(c);  // with the receivers a release wait masked
+    if (released) {
       stamp(c, 0, kLLTraceReleased);
       // experts this rank sends nothing to: their count (0) first, before this warp has stores in
       // flight (a release store then waits for none); by the blocks without a token when there
@@ -171,7 +175,8 @@ __global__ void __launch_bounds__(kLLThreads, 1) dispatch_kernel(const LLCtx c, 
       const int zw = idle_warps > 0 ? gw - a.T * kLLWarps : num_warps - 1 - gw;
       const int zstride = idle_warps > 0 ? idle_warps : num_warps;
       for (int e = zw; zw >= 0 && e < a.E; e += zstride)
-        if (copies_to(e) == 0 && lane == 0) put_signal(c, e / L, count_offset(e), encode(0, a.sig), false);  // orders nothing
+        if (!gone(e / L) && copies_to(e) == 0 && lane == 0)
+          put_signal(c, e / L, count_offset(e), encode(0, a.sig), false);  // orders nothing
       stamp(c, 0, kLLTraceZero, true);
       // the warps of one row: a fixed number for the whole call (a copy's count closes after
       // copies x `per` parts), enough for min(K, R) destinations to use every warp
@@ -181,7 +186,7 @@ __global__ void __launch_bounds__(kLLThreads, 1) dispatch_kernel(const LLCtx c, 
         // this token's receiving ranks, each once, in slot order
         if (warp == 0) {
           const int e = lane < a.K ? id(t * a.K + lane) : -1;
-          const int d = e >= 0 ? e / L : -1;
+          const int d = e >= 0 && !gone(e / L) ? e / L : -1;
           bool first = d >= 0;
           for (int k = 0; k < a.K; ++k) {
             const int dk = __shfl_sync(0xffffffffu, d, k);
@@ -277,16 +282,20 @@ __global__ void __launch_bounds__(kLLThreads, 1) dispatch_kernel(const LLCtx c, 
     int before = 0, total = 0, mine = 0;
     bool ok = true;
     for (int r = lane; r < R; r += 32) {
+      if (gone(r)) continue;  // a masked source sends nothing
       long long v;
+      bool is_gone;
       const long long t0 = clock64();
-      ok &= wait_word(c, counts + (long long)e * R + r, [](long long x) { return x != 0; }, v, kOpLowLatencyDispatch,
-                      kLLWaitCount, e, r, set, a.sig);
+      const bool arrived = wait_peer(c, counts + (long long)e * R + r, [](long long x) { return x != 0; }, v, is_gone,
+                                     kOpLowLatencyDispatch, kLLWaitCount, e, r, set, a.sig);
+      ok &= arrived;
       // every unit waits for all sources (its rows go after theirs); the wait charged to source s
       // is the one of the unit that copies s's rows, so each (expert, source) counts once
       if (a.wait_stats != nullptr && g == 0 && r == s)
         atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + s), (unsigned long long)(clock64() - t0));
-      int n = ok ? decoded_count(v) : 0;
-      if (ok && decoded_sig(v) != a.sig) {
+      if (!arrived || is_gone) continue;  // masked during this wait: 0 tokens from it
+      int n = decoded_count(v);
+      if (decoded_sig(v) != a.sig) {
         if (g == 0 && s == 0) report(c, kErrMismatch, kOpLowLatencyDispatch, kLLWaitCount, e, r, set, a.sig, decoded_sig(v));
         n = 0;  // a different call: nothing of it is delivered
       }

@@ -45,7 +45,7 @@ constexpr int kLLMaskTokens = 1024;    // dispatch: per-token receiving-rank mas
 constexpr int kLLHeader = 16;          // dispatch message header bytes (DeepEP's accounting too)
 constexpr int kLLEntry = 16;           // dispatch table entry: int4 (row position, top-k slot, token, 0)
 
-// Local counters (in the same allocation; peers write only `peer_failed`).
+// Local counters (in the same allocation; peers write only `peer_failed` and `sync`).
 struct LowLatencyState {
   long long peer_failed;                 // rank + 1 of a peer that failed before joining a call (0: none)
   unsigned int d_finish[2][1024];        // [set][global expert]: copies sent (dispatch)
@@ -54,6 +54,12 @@ struct LowLatencyState {
   long long set_calls[2];                // [set]: calls this rank completed on the set
   int failed;                            // a wait timed out: every later wait returns at once
   int err_claims;                        // error records claimed (the host counts its clears)
+  // The rank mask (a Buffer made with rank_mask: DeepEP's shrink mode). mask[r] = 1: rank r is
+  // skipped by every kernel of this rank (no rows, signals or waits), set by the host or by a wait
+  // on r that timed out. Written only by this rank (its kernels and its host's mask kernel).
+  int mask[kLLMaxRanks];
+  long long barriers;                    // barriers this rank entered (each is two rounds)
+  long long sync[kLLMaxRanks];           // written by rank r: its `barriers` count (barrier_kernel)
 };
 
 // What a low-latency wait names in the error record (SymmetricError::what).
@@ -61,7 +67,8 @@ enum LLWhat : int {
   kLLWaitRelease = 0,   // the send half waited for a receiver to release the buffer set
   kLLWaitCount = 1,     // dispatch receive waited for (local expert, source)'s count signal
   kLLWaitFlag = 2,      // combine receive waited for a global expert's rows from its owner
-  kLLWaitRankFlag = 3   // merged combine receive waited for a rank's rows (`expert` = that rank)
+  kLLWaitRankFlag = 3,  // merged combine receive waited for a rank's rows (`expert` = that rank)
+  kLLWaitBarrier = 4    // the barrier waited for a rank to enter it
 };
 
 // Bytes of one dispatch message for a call (header + data + scales).

@@ -19,6 +19,9 @@ namespace sym {
 // claimed so far), and `peer_failed`, the one word of that state other ranks write: (rank + 1)
 // << 32 | call sequence number of a peer that failed before joining that call (publish_failure).
 // `seq`: the call the waiting kernel serves (< 0: none; such waits ignore publications).
+// `mask` (low-latency rank mask; null: none): a wait on a masked peer stops, and a wait that
+// times out, or whose peer published a failure, masks that peer instead of reporting; the
+// caller tells a masked peer from a failure by reading the mask.
 struct Waiter {
   SymmetricError* err;
   int* failed;
@@ -26,6 +29,7 @@ struct Waiter {
   unsigned long long timeout_ns;
   const long long* peer_failed;
   long long seq;
+  int* mask = nullptr;
 };
 __host__ __device__ constexpr long long failure_word(int rank, long long seq) {
   return ((long long)(rank + 1) << 32) | (seq & 0xffffffffLL);
@@ -52,11 +56,16 @@ __device__ __forceinline__ bool spin(const Waiter& w, Load load, Done done, long
     v = load();
     if (done(v)) return true;
     if ((i & 127) == 127) {
+      if (w.mask != nullptr && peer >= 0 && *reinterpret_cast<volatile int*>(w.mask + peer)) return false;
       if (*reinterpret_cast<volatile int*>(w.failed)) return false;
       // a peer published that it failed before joining this call: it will never signal, so stop
       // now, naming it (a publication for another call, e.g. one every rank failed, is ignored)
       const long long pf = *reinterpret_cast<const volatile long long*>(w.peer_failed);
       if (w.seq >= 0 && pf != 0 && (pf & 0xffffffffLL) == (w.seq & 0xffffffffLL)) {
+        if (w.mask != nullptr) {  // masked from now on; this wait goes on unless it was that peer's
+          atomicExch(w.mask + (int)(pf >> 32) - 1, 1);
+          continue;
+        }
         report(w, kErrPeerFailed, op, what, expert, (int)(pf >> 32) - 1, set, sig, v);
         return false;
       }
@@ -64,6 +73,10 @@ __device__ __forceinline__ bool spin(const Waiter& w, Load load, Done done, long
       if (start == 0) {
         start = now;
       } else if (now - start > w.timeout_ns) {
+        if (w.mask != nullptr && peer >= 0) {
+          atomicExch(w.mask + peer, 1);
+          return false;
+        }
         report(w, kErrTimeout, op, what, expert, peer, set, sig, v);
         return false;
       }

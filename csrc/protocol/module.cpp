@@ -68,7 +68,7 @@ PYBIND11_MODULE(_protocol, m) {
     return l;
   }();
   m.attr("SLOTS") = names(kNumSlots + 1, slot_name);
-  m.attr("OPS") = names(kOpLowLatencyCombine + 1, [](int i) { return op_name(i); });
+  m.attr("OPS") = names(kOpLowLatencyBarrier + 1, [](int i) { return op_name(i); });
   py::dict slots;
   slots["call"] = (int)kSlotCall; slots["staged"] = (int)kSlotStaged; slots["dispatch_done"] = (int)kSlotDispatchDone;
   slots["combine_done"] = (int)kSlotCombDone; slots["out_loc"] = (int)kSlotOutLoc; slots["push_done"] = (int)kSlotPushDone;
@@ -76,6 +76,7 @@ PYBIND11_MODULE(_protocol, m) {
   py::dict ops;
   ops["dispatch"] = (int)kOpDispatch; ops["cached_dispatch"] = (int)kOpCachedDispatch; ops["combine"] = (int)kOpCombine;
   ops["low_latency_dispatch"] = (int)kOpLowLatencyDispatch; ops["low_latency_combine"] = (int)kOpLowLatencyCombine;
+  ops["low_latency_barrier"] = (int)kOpLowLatencyBarrier;
   m.attr("OP") = ops;
   py::dict dtypes;
   dtypes["bfloat16"] = (int)kDtypeBf16; dtypes["float32"] = (int)kDtypeFp32; dtypes["float8_e4m3fn"] = (int)kDtypeFp8;
