@@ -100,6 +100,10 @@ class Buffer:
             GPU; skipped automatically under CUDA graph capture). Unchecked ids outside
             [0, num_experts) are treated as unused slots by both backends.
         timeout_s (cuda): how long a kernel waits for a peer before it reports (MEP_TIMEOUT_S).
+        low_latency (cuda): dict(num_experts=, max_tokens=, hidden=, topk=, fp8_only=) sizes the
+            low-latency buffer now (collectively) instead of at its first call; rank_mask=True
+            (every rank alike) turns on the rank mask (low_latency_mask and the methods after
+            it), mask_timeout_s= how long its waits last before they mask a peer.
         ranks_per_node: ranks per NVLink domain (None: the ranks sharing a host). A group of
             several nodes runs the cuda backend's two-level path (RDMA to the same-index rank
             of each node, then NVLink inside it); a smaller value makes virtual nodes. The torch
@@ -409,6 +413,46 @@ class Buffer:
                      max_tokens_per_rank=handle.max_tokens_per_rank,
                      variant=P.LL_COMBINE_LOGFMT if use_logfmt else 0)
             return self._impl.low_latency_combine(call, x, topk_idx, topk_weights, handle, **kwargs)
+
+    # ---------------------------------------------------------------------------- rank mask
+    # Elastic EP on the low-latency path (DeepEP's shrink mode), cuda backend, a Buffer made with
+    # low_latency=dict(..., rank_mask=True[, mask_timeout_s=]): a rank masked here is skipped by
+    # this rank's low-latency kernels (its tokens count as 0, its experts' slots drop out of the
+    # combine's sum), and a wait longer than mask_timeout_s masks the rank it waited for instead
+    # of raising. docs/low-latency.md, "The rank mask".
+    def _mask_path(self, what: str):
+        impl = self._backend()
+        path = impl.low_latency_path() if hasattr(impl, "low_latency_path") else None
+        C.fail(path is not None and path.rank_mask, f"{what} needs the cuda backend and a Buffer made with "
+                                                    f"low_latency=dict(..., rank_mask=True)", RuntimeError)
+        return path
+
+    def low_latency_mask(self, rank: int, masked: bool = True) -> None:
+        """Mask (masked=False: unmask) `rank` for this rank's later low-latency calls (stream-ordered
+        on the current stream; no communication: each rank keeps its own mask)."""
+        with self._exclusive("low_latency_mask"):
+            self._mask_path("low_latency_mask").set_mask(rank, masked)
+
+    def low_latency_mask_status(self, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """int32 [R] on this device, 1 where a rank is masked here (written on the current stream)."""
+        with self._exclusive("low_latency_mask_status"):
+            path = self._mask_path("low_latency_mask_status")
+            if out is None:
+                out = torch.empty(self.num_ranks, dtype=torch.int32, device=path.device)
+            return path.mask_status(out)
+
+    def low_latency_clear_mask(self) -> None:
+        """Unmask every rank (here, on the current stream). A rank rejoins at the next barrier."""
+        with self._exclusive("low_latency_clear_mask"):
+            self._mask_path("low_latency_clear_mask").clear_mask()
+
+    def low_latency_barrier(self) -> None:
+        """Collective over the ranks not masked here, on the current stream: a GPU barrier (a rank
+        that does not enter within mask_timeout_s is masked) that also restarts the low-latency
+        buffer sets' bookkeeping, so ranks unmasked on every rank before it rejoin after it. No
+        receive hook may be pending."""
+        with self._exclusive("low_latency_barrier"):
+            self._mask_path("low_latency_barrier").barrier()
 
     # --------------------------------------------------------------------- zero-copy inputs
     def get_dispatch_input(self, num_tokens: int, hidden: int, dtype: torch.dtype = torch.bfloat16,

@@ -429,6 +429,20 @@ def run_deep_ep_clean_case(cfg: dict) -> list:
         _, count, _, _, _ = buf.low_latency_dispatch(x.to(torch.bfloat16), idx, 8, cfg["E"], use_fp8=False)
         if int(count.sum()) != sum(int((_inputs(dict(cfg, Ts=[4] * R), j)[1] // (cfg["E"] // R) == rank).sum()) for j in range(R)):
             errors.append(f"{tag} the dispatch after a clean received {int(count.sum())} copies")
+        # the rank mask is the cuda kernels': on the torch backend each entry raises naming why
+        for make, exc, words in (
+                (lambda: deep_ep.Buffer(dist.group.WORLD, low_latency_mode=True, enable_shrink=True), NotImplementedError,
+                 "torch backend"),
+                (lambda: deep_ep.Buffer(dist.group.WORLD, enable_shrink=True), ValueError, "low_latency_mode=True"),
+                (lambda: buf.low_latency_update_mask_buffer(0, True), RuntimeError, "rank_mask=True"),
+                (lambda: buf.low_latency_query_mask_buffer(torch.zeros(R, dtype=torch.int32)), RuntimeError, "rank_mask"),
+                (lambda: buf.low_latency_clean_mask_buffer(), RuntimeError, "rank_mask")):
+            try:
+                make()
+                errors.append(f"{tag} no {exc.__name__} naming {words!r}")
+            except exc as e:
+                if words not in str(e):
+                    errors.append(f"{tag} {exc.__name__} without {words!r}: {e}")
         return errors
     except Exception:
         return [f"{tag} raised:\n{traceback.format_exc()}"]

@@ -600,3 +600,87 @@ def run_ll_logfmt_mismatch_case(backend: str = "torch", device: str = "cpu") -> 
     except Exception as exc:  # noqa: BLE001 - any error here is the finding
         errors.append(f"{tag} the combine after the mismatch raised {type(exc).__name__}: {exc}")
     return errors
+
+
+# ---------------------------------------------------------------------------------- rank mask
+def _blocked_inputs(inputs, viewer: int, masked_at, R: int, E: int):
+    """The inputs as rank `viewer` should see them under the rank mask: a copy of source s to
+    `viewer` is dropped when either side masks the other (masked_at[r]: the ranks r masks), and
+    `viewer`'s own slots on a rank it masks drop out of its combine."""
+    L = E // R
+    out = []
+    for s, inp in enumerate(inputs):
+        idx = inp["idx"].clone()
+        owner = torch.where(idx >= 0, idx // L, torch.full_like(idx, -1))
+        if s != viewer and (s in masked_at[viewer] or viewer in masked_at[s]):
+            idx[owner == viewer] = -1
+        if s == viewer:
+            for r in masked_at[viewer]:
+                idx[owner == r] = -1
+        out.append({**inp, "idx": idx})
+    return out
+
+
+def run_ll_rank_mask_case(cfg: dict) -> list:
+    """The rank mask (low_latency=dict(..., rank_mask=True)): (1) the last rank masks every other
+    rank and they mask it: dispatch and combine exact for what each rank still talks to, the
+    mask status as set; (2) the masks cleared and the barrier passed, the next round exact on
+    every rank (the barrier's reset of the buffer sets lets the rank rejoin); (3) the last rank
+    stops before a dispatch: the others' waits mask it after mask_timeout_s, and their dispatch
+    and combine stay exact for the remaining ranks."""
+    from cases import Checker
+
+    R, rank = dist.get_world_size(), dist.get_rank()
+    E, K, H, mt, T = cfg["E"], cfg["K"], cfg["H"], cfg["max_tokens"], cfg["T"]
+    victim = R - 1
+    chk = Checker(f"[LL rank mask R={R} rank={rank}]")
+    buf = mep.Buffer(dist.group.WORLD, backend="cuda",
+                     low_latency={**LL_SIZING, "rank_mask": True, "mask_timeout_s": cfg["mask_timeout_s"]})
+
+    def round_(tag, seed, masked_at, skip=False):
+        inputs = make_inputs(seed, R, E, K, H, [T] * R, "bf16", "random", 0.2)
+        if skip:
+            return
+        me = {k: v.cuda() for k, v in inputs[rank].items()}
+        out = buf.low_latency_dispatch(me["x"], me["idx"], num_experts=E, max_tokens_per_rank=mt, use_fp8=False)
+        y = buf.low_latency_combine(out.x, me["idx"], me["w"], out.handle)
+        buf.synchronize()
+        seen = _blocked_inputs(inputs, rank, masked_at, R, E)
+        _check_dispatch(chk, tag, out, seen, rank, R, E, mt, False)
+        chk.close(f"{tag} combine", y, _y_ref(seen[rank], False), 2e-2)
+
+    def status(tag, want):
+        got = buf.low_latency_mask_status()
+        torch.cuda.synchronize()
+        exp = torch.zeros(R, dtype=torch.int32)
+        exp[sorted(want)] = 1
+        chk.equal(f"{tag} mask status", got.cpu(), exp)
+
+    none = [set() for _ in range(R)]
+    round_("unmasked", cfg["seed"], none)
+    # (1) masked on purpose, every rank making every call
+    masked_at = [set(range(R)) - {victim} if r == victim else {victim} for r in range(R)]
+    for r in sorted(masked_at[rank]):
+        buf.low_latency_mask(r)
+    status("masked", masked_at[rank])
+    round_("masked", cfg["seed"] + 1, masked_at)
+    round_("masked again", cfg["seed"] + 2, masked_at)
+    # (2) unmasked everywhere, the barrier, a full round
+    buf.low_latency_clear_mask()
+    buf.low_latency_barrier()
+    status("cleared", set())
+    round_("rejoined", cfg["seed"] + 3, none)
+    round_("rejoined again", cfg["seed"] + 4, none)
+    # (3) the last rank stops: the others mask it when their waits time out
+    stopped = [set() if r == victim else {victim} for r in range(R)]
+    round_("after a stop", cfg["seed"] + 5, stopped, skip=rank == victim)
+    if rank != victim:
+        status("after a stop", {victim})
+        round_("after a stop, next call", cfg["seed"] + 6, stopped)
+    try:
+        buf.low_latency_mask(R)
+        chk.errors.append("low_latency_mask(R) did not raise")
+    except ValueError:
+        pass
+    buf.destroy()
+    return chk.errors

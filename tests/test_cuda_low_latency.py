@@ -109,6 +109,16 @@ def test_timeout_names_the_missing_rank():
 
 
 @pytest.mark.parametrize("R", [2, 4])
+def test_rank_mask(R):
+    """Masked ranks skipped both ways, exact for the rest; unmask + barrier rejoins; a stopped rank
+    masked by the others' timed-out waits (fresh processes: the stopped rank's buffer is left
+    behind out of step)."""
+    cfg = dict(seed=300 + R, E=4 * R, K=4, H=256, T=24, max_tokens=32, mask_timeout_s=3.0)
+    errors = flat(run_alone(R, ll_cases.run_ll_rank_mask_case, cfg, timeout=200))
+    assert not errors, "\n".join(errors[:20])
+
+
+@pytest.mark.parametrize("R", [2, 4])
 def test_decode_layer(R):
     """LL dispatch -> masked grouped GEMM -> LL combine against a dense reference, eager and graph
     (DeepGEMM's masked GEMMs when deep_gemm imports, else the fallback; R = 2 has 64 rows per

@@ -1,6 +1,7 @@
 """DeepEP's own test files (deepseek-ai/DeepEP 567632d: tests/test_intranode.py and
-tests/test_low_latency.py) on megatron_ep.deep_ep, on 2 virtual ranks of one GPU, through
-scripts/deepep_tests.py: only their launch glue is edited, every assertion of theirs is kept.
+tests/test_low_latency.py) on megatron_ep.deep_ep, on 2 virtual ranks of one GPU (the
+low-latency file's --shrink-test on 8), through scripts/deepep_tests.py: only their launch glue
+is edited, every assertion of theirs is kept.
 
 The files are DeepEP's, so they are never committed: extract them into .carry/deepep
 (CONTRIBUTING.md, "DeepEP's own tests") or name another folder with MEP_DEEPEP_TESTS. Without
@@ -23,24 +24,27 @@ CHECKOUT = os.environ.get("MEP_DEEPEP_TESTS", os.path.join(ROOT, ".carry", "deep
 
 # Sizes that keep each file within its time limit on 2 virtual ranks; the shapes stay DeepEP's
 # defaults where they matter to the kernels (hidden 7168, top-8, low-latency 288 experts).
+# The shrink test runs at 8 ranks (its ranks 1, 3 and 5 stop at their first dispatch, combine
+# and clean; the others mask them when a wait passes MEP_MASK_TIMEOUT_S).
 CASES = [
-    ("intranode", ["--num-tokens", "1024", "--num-experts", "64"]),
-    ("low_latency", []),
+    ("intranode", ["--num-tokens", "1024", "--num-experts", "64"], 2, {}),
+    ("low_latency", [], 2, {}),
+    ("low_latency", ["--shrink-test"], 8, {"MEP_MASK_TIMEOUT_S": "4"}),
 ]
 
 
 @pytest.mark.limit(230)
-@pytest.mark.parametrize("test,args", CASES, ids=[c[0] for c in CASES])
-def test_deepep_own_test_file(test, args):
+@pytest.mark.parametrize("test,args,ranks,env", CASES, ids=["intranode", "low_latency", "low_latency_shrink"])
+def test_deepep_own_test_file(test, args, ranks, env):
     path = os.path.join(CHECKOUT, "tests", f"test_{test}.py")
     if not os.path.exists(path):
         pytest.skip(f"DeepEP's test files are not at {CHECKOUT} (python scripts/deepep_tests.py --extract, "
                     f"CONTRIBUTING.md)")
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "deepep_tests.py"), "--checkout", CHECKOUT, "--test", test,
-           "--num-processes", "2", "--", *args]
+           "--num-processes", str(ranks), "--", *args]
     # a session of its own: a file that runs past its limit is killed with the ranks it spawned
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True)
+                         start_new_session=True, env={**os.environ, **env})
     try:
         out, _ = p.communicate(timeout=210)
     except subprocess.TimeoutExpired:
@@ -50,7 +54,7 @@ def test_deepep_own_test_file(test, args):
     keep = os.environ.get("MEP_DEEPEP_OUT")
     if keep:
         os.makedirs(keep, exist_ok=True)
-        with open(os.path.join(keep, f"test_{test}.log"), "w") as f:
+        with open(os.path.join(keep, f"test_{test}{'_shrink' if '--shrink-test' in args else ''}.log"), "w") as f:
             f.write(out)
     assert p.returncode == 0, f"DeepEP's tests/test_{test}.py failed on megatron_ep.deep_ep (exit {p.returncode}):\n" \
                               f"{out[-6000:]}"

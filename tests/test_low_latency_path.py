@@ -21,9 +21,10 @@ from megatron_ep.cuda.runtime import CudaRuntime, default_num_sms, max_num_sms
 class FakeBuffer:
     """Stands in for _C_nvshmem.LowLatencyBuffer: records launches, reports a settable error."""
 
-    def __init__(self, device, rank, pes, E, mt, H, K, fp8_only, timeout_s):
+    def __init__(self, device, rank, pes, E, mt, H, K, fp8_only, timeout_s, shrink):
         self.cap = (E, mt, H, K, fp8_only)
-        self.launches = []  # (op, set, phases)
+        self.timeout_s, self.shrink = timeout_s, shrink
+        self.launches = []  # (op, set, phases), ("mask", ...), ("barrier",)
         self.err = None
         self.cleared = 0
 
@@ -33,6 +34,18 @@ class FakeBuffer:
     def combine(self, x, rng, src, slot, idx, w, E, s, phases, sig, seq, y, pairs, row_w, wait_stats, use_logfmt, num_blocks):
         self.launches.append(("combine", s, phases))
         self.merged, self.logfmt = pairs is not None, use_logfmt
+
+    def set_mask(self, rank, masked):
+        self.launches.append(("mask", rank, masked))
+
+    def query_mask(self, out):
+        self.launches.append(("query",))
+
+    def clear_mask(self):
+        self.launches.append(("clear",))
+
+    def barrier(self):
+        self.launches.append(("barrier",))
 
     def error(self):
         return self.err
@@ -198,3 +211,34 @@ def test_the_combine_signature_carries_logfmt_and_the_merge(path):
         assert path.buf.logfmt == logfmt
         variants.append(call.get("variant"))
     assert variants == [0, P.LL_COMBINE_LOGFMT, P.LL_COMBINE_MERGED, P.LL_COMBINE_LOGFMT | P.LL_COMBINE_MERGED]
+
+
+def test_rank_mask_entries(path):
+    """The rank mask's host side: off unless asked for (each entry raises naming the option); on,
+    the kernels get mask_timeout_s (the host keeps its timeout), the entries check their
+    arguments, and the barrier refuses while a receive hook is pending and restarts at set 0."""
+    with pytest.raises(RuntimeError, match="rank_mask=True"):
+        path.set_mask(0, True)
+    with pytest.raises(ValueError, match="mask_timeout_s needs rank_mask=True"):
+        LL.LowLatencyPath(path.rt, dict(num_experts=8, max_tokens=16, hidden=256, topk=4, mask_timeout_s=2))
+    p = LL.LowLatencyPath(path.rt, dict(num_experts=8, max_tokens=16, hidden=256, topk=4, rank_mask=True,
+                                        mask_timeout_s=2))
+    assert p.buf.shrink and p.buf.timeout_s == 2.0 and p.timeout_s == 5.0
+    assert not path.buf.shrink and path.buf.timeout_s == 5.0
+    with pytest.raises(ValueError, match=r"rank must be an int in \[0, 1\)"):
+        p.set_mask(1, True)
+    with pytest.raises(ValueError, match="int32 tensor of 1 elements"):
+        p.mask_status(torch.zeros(1, dtype=torch.int64))
+    p.set_mask(0, True)
+    p.mask_status(torch.zeros(1, dtype=torch.int32))
+    p.clear_mask()
+    x, idx, w = _inputs()
+    out = p.dispatch(_call("low_latency_dispatch", 1), x, idx, 8, 16, False, False, return_recv_hook=True)
+    assert p.next_set == 1
+    with pytest.raises(RuntimeError, match=r"receive hooks of calls \[1\] were not called"):
+        p.barrier()
+    out.hook()
+    p.barrier()
+    assert p.next_set == 0
+    assert p.buf.launches == [("mask", 0, True), ("query",), ("clear",), ("dispatch", 0, p.ext.SEND),
+                              ("dispatch", 0, p.ext.RECV), ("barrier",)]

@@ -76,3 +76,48 @@ def test_decode_recipe_runs():
                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "\nOK" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
     assert "2 MoE layers on the low-latency path" in out.stdout, out.stdout[-3000:]
+
+
+def test_stacked_expert_weights_follow_optimizer_writes():
+    """A SequentialMLP's stacked decode weights follow a write that leaves the parameters' address
+    and version as they were (what Megatron's optimizers do: `param.data.copy_`, or a write into
+    a buffer the parameter views); with keep_weights they follow refresh_decode_weights' in-place
+    re-stack, and stay the kept tensors."""
+    import types
+
+    import torch
+
+    from megatron_ep.megatron.decode import DecodeState
+
+    L, H, F = 2, 8, 4
+    flat_buf = torch.randn(L * (2 * F * H + H * F))  # the optimizer's buffer the parameters view
+    views, at = [], 0
+    for shape in [(2 * F, H)] * L + [(H, F)] * L:
+        n = shape[0] * shape[1]
+        views.append(flat_buf[at:at + n].view(shape))
+        at += n
+    params = [torch.nn.Parameter(v) for v in views]  # share flat_buf's memory, as the buffer views do
+    lin = lambda w: types.SimpleNamespace(weight=w, bias=None)  # noqa: E731
+    experts = types.SimpleNamespace(num_local_experts=L, local_experts=[
+        types.SimpleNamespace(linear_fc1=lin(params[e]), linear_fc2=lin(params[L + e])) for e in range(L)])
+    layer = types.SimpleNamespace(experts=experts, config=types.SimpleNamespace(hidden_size=H))
+
+    def now():
+        return torch.stack([p.detach() for p in params[:L]]), torch.stack([p.detach() for p in params[L:]])
+
+    for keep in (False, True):
+        st = DecodeState(16, False, None, None, None, keep_weights=keep)
+        w1, w2 = st.weights(layer)
+        assert torch.equal(w1, now()[0]) and torch.equal(w2, now()[1])
+        before = [(p.data_ptr(), p._version) for p in params]
+        params[0].data.copy_(torch.randn(2 * F, H))  # as an optimizer step writes
+        flat_buf.mul_(0.5)                            # and through the buffer the parameters view
+        assert [(p.data_ptr(), p._version) for p in params] == before  # nothing a key could see
+        if keep:
+            assert st.weights(layer)[0] is w1 and not torch.equal(w1, now()[0])  # kept: stale until refreshed
+            st.refresh(layer)
+            k1, k2 = st.weights(layer)
+            assert k1 is w1 and k2 is w2, "the refresh must write into the kept tensors (CUDA graphs read them)"
+        else:
+            k1, k2 = st.weights(layer)
+        assert torch.equal(k1, now()[0]) and torch.equal(k2, now()[1]), f"keep_weights={keep}: stale decode weights"

@@ -138,6 +138,10 @@ class CudaBackend:
             self._ll = LowLatencyPath(self.path.world, capacity)
         return self._ll
 
+    def low_latency_path(self):
+        """The low-latency path, or None before its first call (the rank mask's methods need it)."""
+        return self._ll
+
     def low_latency_dispatch(self, call, *args, **kwargs):
         """kwargs: return_recv_hook (the output's `hook` launches the receive half)."""
         return self._low_latency().dispatch(call, *args, **kwargs)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import List, Optional, Tuple, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,11 @@ from .utils import EventOverlap, from_ours, to_ours
 log = logging.getLogger("megatron_ep.deep_ep")
 
 RANKS_PER_NODE = 8  # DeepEP's fixed node size: num_tokens_per_rdma_rank counts by rank // 8
+
+# What each get_low_latency_rdma_size_hint answer of this process was asked for: bytes ->
+# (num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts). An enable_shrink Buffer is
+# sized at creation from the shape its num_rdma_bytes came from (see Buffer.__init__).
+_HINTS: Dict[int, Tuple[int, int, int, int]] = {}
 
 
 class Handle(tuple):
@@ -98,9 +103,6 @@ class Buffer:
         if group is None:
             raise NotImplementedError("megatron_ep.deep_ep.Buffer(comm=...): an mpi4py communicator is not supported; "
                                       "pass a torch.distributed group")
-        if enable_shrink:
-            raise NotImplementedError("megatron_ep.deep_ep.Buffer(enable_shrink=True): the low-latency rank mask is "
-                                      "not built yet")
         assert num_nvl_bytes % 128 == 0 and num_rdma_bytes % 128 == 0
         self.rank, self.group, self.group_size = dist.get_rank(group), group, dist.get_world_size(group)
         assert self.group_size < 8 or self.group_size % 8 == 0
@@ -111,12 +113,35 @@ class Buffer:
         backend = os.environ.get("MEGATRON_EP_DEEP_EP_BACKEND", "auto")
         # past 8 ranks DeepEP runs its internode kernels over nodes of 8: ours the two-level path
         nodes = dict(ranks_per_node=RANKS_PER_NODE) if self.group_size > RANKS_PER_NODE else {}
+        if enable_shrink:
+            nodes["low_latency"] = self._shrink_capacity(backend, low_latency_mode, num_rdma_bytes)
         self.runtime = _mep.Buffer(group, backend=backend, **nodes)
         self._combine_buffers, self._next_combine = _CombineBuffers(), 0  # the zero-copy combine's
         self._worst_reserved = 0  # the largest num_worst_tokens the buffer was reserved for
         if self.rank == 0:
             log.info("megatron_ep.deep_ep: DeepEP's Buffer API on megatron_ep (%s backend, %d ranks)",
                      self.runtime.backend, self.group_size)
+
+    def _shrink_capacity(self, backend: str, low_latency_mode: bool, num_rdma_bytes: int) -> dict:
+        """enable_shrink: our rank mask, with the low-latency buffer sized now. Our first low-latency
+        call would otherwise size it collectively, and a rank that stopped would never join that."""
+        if not low_latency_mode:
+            raise ValueError("megatron_ep.deep_ep.Buffer(enable_shrink=True) needs low_latency_mode=True (the rank mask "
+                             "is the low-latency kernels')")
+        if backend == "torch" or (backend == "auto" and not _mep.cuda_backend_available()):
+            raise NotImplementedError("megatron_ep.deep_ep.Buffer(enable_shrink=True): the rank mask is in the cuda "
+                                      "backend's kernels; the torch backend has none")
+        shape = _HINTS.get(num_rdma_bytes)
+        if shape is None or shape[2] != self.group_size:
+            raise ValueError(f"megatron_ep.deep_ep.Buffer(enable_shrink=True): num_rdma_bytes={num_rdma_bytes} is not a "
+                             f"Buffer.get_low_latency_rdma_size_hint(...) answer for {self.group_size} ranks in this "
+                             f"process; pass one, so the buffer can be sized at creation for its tokens, hidden and experts")
+        T, H, _, E = shape
+        cap = dict(num_experts=E, max_tokens=T, hidden=H, topk=MAX_TOPK, fp8_only=False, rank_mask=True)
+        timeout = os.environ.get("MEP_MASK_TIMEOUT_S")
+        if timeout:
+            cap["mask_timeout_s"] = float(timeout)
+        return cap
 
     # ------------------------------------------------------------------------- lifecycle
     def destroy(self) -> None:
@@ -159,7 +184,9 @@ class Buffer:
         c = 4 * S + 2 * H
         send, recv = max(T * d, E * T * c), max(E * T * d, E * T * c)
         total = 2 * send + 2 * recv + 2 * ((4 * E + 127) // 128 * 128)
-        return (total + 128) // 128 * 128
+        size = (total + 128) // 128 * 128
+        _HINTS[size] = (T, H, num_ranks, E)  # (an enable_shrink Buffer is sized from it)
+        return size
 
     # ------------------------------------------------------------------------ normal mode
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event: Optional[EventOverlap] = None,
@@ -337,9 +364,26 @@ class Buffer:
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Collective, as DeepEP's. Our low-latency buffers need no cleaning (each call's last
         block clears the signal words it used, and the normal paths use other memory), so this
-        is the group's barrier."""
+        is the group's barrier; with enable_shrink the GPU barrier over the unmasked ranks (a rank
+        that does not join in time is masked), which also lets ranks unmasked since rejoin."""
         assert self.low_latency_mode
-        dist.barrier(group=self.group)
+        if self.enable_shrink:
+            self.runtime.low_latency_barrier()
+        else:
+            dist.barrier(group=self.group)
+
+    # ------------------------------------------------------------------ elastic EP (shrink)
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mask (mask=True) or unmask a rank for this rank's low-latency dispatch, combine and clean."""
+        self.runtime.low_latency_mask(rank_to_mask, mask)
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """mask_status ([num_ranks] torch.int on this GPU) = 1 where a rank is masked, else 0."""
+        self.runtime.low_latency_mask_status(mask_status)
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmask every rank."""
+        self.runtime.low_latency_clear_mask()
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: tuple,
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,

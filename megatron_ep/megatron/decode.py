@@ -36,8 +36,14 @@ A module in training mode always takes its normal path.
 
 Expert weights (this rank's local experts, `[L, F or 2F, H]` and `[L, H, F]`): read in place
 from megatron_ep's `GroupedGemmExperts` and 0.16's legacy `GroupedMLP` (views); stacked from
-`SequentialMLP` (`local_experts[i].linear_fc{1,2}.weight`) and `TEGroupedMLP` (`weight{i}`),
-one extra copy of the local experts, re-stacked when a weight's storage or version changes.
+`SequentialMLP` (`local_experts[i].linear_fc{1,2}.weight`) and `TEGroupedMLP` (`weight{i}`):
+one extra copy of the local experts, made at every decode forward by default. A key such as
+(address, `_version`) cannot tell when to re-stack: Megatron's optimizers write the new weights
+through tensors that share the parameter's memory (`param.data.copy_`, the distributed
+optimizer's buffer views), which changes neither, so a train-then-decode loop (RL rollouts)
+would decode with the previous step's weights. `enable_decode(keep_weights=True)` keeps the stack
+(static weights, e.g. a serving process); `refresh_decode_weights(model)` then re-stacks it in
+place after the weights change (in place, so a captured CUDA graph sees the new weights).
 Not supported (raise naming the setting): expert tensor parallelism, attention TP > 1, expert
 biases, MoE latent projections, `glu_linear_offset`, `activation_func_clamp_value`,
 `transformer_impl="inference_optimized"`.
@@ -48,7 +54,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import torch
@@ -134,16 +140,24 @@ class DecodeState:
     group: object
     decode_calls: int = 0
     normal_calls: int = 0
+    keep_weights: bool = False
     _weights: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
-    _weights_key: Optional[tuple] = field(default=None, repr=False)
 
     def weights(self, layer) -> Tuple[torch.Tensor, torch.Tensor]:
-        _, params = _params_of(layer.experts)
-        key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in params)
-        if self._weights is None or key != self._weights_key:
+        """w1, w2 for this forward: views of the parameters where the module stores them stacked;
+        otherwise a fresh stack, or the kept one under keep_weights (see the module docstring)."""
+        if not self.keep_weights or self._weights is None:
             self._weights = expert_weights(layer.experts, layer.config.hidden_size)
-            self._weights_key = key
         return self._weights
+
+    def refresh(self, layer) -> None:
+        """Re-stack the kept weights in place (the same tensors: CUDA graphs follow)."""
+        if self._weights is None:
+            return
+        w1, w2 = expert_weights(layer.experts, layer.config.hidden_size)
+        for kept, new in ((self._weights[0], w1), (self._weights[1], w2)):
+            if kept.data_ptr() != new.data_ptr():
+                kept.copy_(new)
 
 
 def check_layer(layer) -> None:
@@ -225,13 +239,17 @@ def moe_layers(model: torch.nn.Module) -> list:
 
 
 def enable_decode(model: torch.nn.Module, *, max_tokens_per_rank: int = 128, use_fp8: bool = False,
-                  expected_m: Optional[int] = None, follow_inference_context: bool = True, agree: bool = True) -> list:
+                  expected_m: Optional[int] = None, follow_inference_context: bool = True, agree: bool = True,
+                  keep_weights: bool = False) -> list:
     """Wrap every MoELayer in `model` (idempotent); returns them.
 
     max_tokens_per_rank: the low-latency capacity (tokens per rank in a decode step);
     use_fp8: FP8 dispatch (per-128-channel scales; H a multiple of 128), else the layer's bf16;
     expected_m: DeepGEMM's masked-GEMM hint of rows per expert (default from the capacity);
-    follow_inference_context / agree: see the module docstring."""
+    follow_inference_context / agree: see the module docstring;
+    keep_weights: keep the stacked expert weights of SequentialMLP / TEGroupedMLP between decode
+    forwards instead of stacking them at each one; call `refresh_decode_weights(model)` after
+    every change of the weights (an optimizer step), or decode runs on the old ones."""
     fail(isinstance(max_tokens_per_rank, int) and max_tokens_per_rank >= 1,
          f"max_tokens_per_rank must be a positive int, got {max_tokens_per_rank!r}")
     layers = moe_layers(model)
@@ -241,9 +259,11 @@ def enable_decode(model: torch.nn.Module, *, max_tokens_per_rank: int = 128, use
         if isinstance(getattr(layer, "megatron_ep_decode", None), DecodeState):
             st = layer.megatron_ep_decode
             st.max_tokens_per_rank, st.use_fp8, st.expected_m = max_tokens_per_rank, use_fp8, expected_m
+            if st.keep_weights != keep_weights:
+                st.keep_weights, st._weights = keep_weights, None
             continue
         layer.megatron_ep_decode = DecodeState(max_tokens_per_rank, use_fp8, expected_m, layer.forward,
-                                               layer.token_dispatcher.ep_group)
+                                               layer.token_dispatcher.ep_group, keep_weights=keep_weights)
         layer.forward = types.MethodType(_wrapped_forward, layer)
     if follow_inference_context and getattr(model, "_megatron_ep_decode_hooks", None) is None:
         params = inspect.signature(model.forward).parameters
@@ -254,6 +274,15 @@ def enable_decode(model: torch.nn.Module, *, max_tokens_per_rank: int = 128, use
             post = model.register_forward_hook(_context_post_hook, always_call=True)  # also when forward raises
             model._megatron_ep_decode_hooks = (pre, post)
     return layers
+
+
+def refresh_decode_weights(model: torch.nn.Module) -> None:
+    """After the expert weights changed (an optimizer step), re-stack the weights that
+    `enable_decode(keep_weights=True)` keeps, in place. Without keep_weights there is nothing kept."""
+    for layer in moe_layers(model):
+        st = getattr(layer, "megatron_ep_decode", None)
+        if isinstance(st, DecodeState):
+            st.refresh(layer)
 
 
 def disable_decode(model: torch.nn.Module) -> None:
@@ -304,4 +333,4 @@ def _context_post_hook(module, args, output):
 
 
 __all__ = ["DecodeState", "check_layer", "decode_forward", "decode_step", "disable_decode", "enable_decode",
-           "expert_weights", "is_decode_step", "moe_layers", "set_decode_step"]
+           "expert_weights", "is_decode_step", "moe_layers", "refresh_decode_weights", "set_decode_step"]

@@ -22,6 +22,16 @@ every peer's buffer (one word each, `publish`): their waits on it stop at once a
 PeerFailedFatalError naming it (the buffer sets are then out of step: re-create the Buffer). A
 rank that dies or hangs without publishing leaves its peers to time out (CommTimeoutError).
 Sizing, freeing, error decoding and publication: the NVSHMEM paths' base, nvshmem_path.py.
+
+The rank mask (`low_latency=dict(..., rank_mask=True)`, DeepEP's shrink mode, for elastic EP):
+a rank masked here is skipped by this rank's kernels (nothing sent to it, nothing waited for,
+its tokens count as 0 and its experts' slots drop out of the combine's sum, not renormalised),
+and a wait that exceeds `mask_timeout_s` masks the peer it waited for instead of raising: the
+others go on, exact for the remaining ranks. The mask is this rank's own (set, queried and
+cleared on the current stream, no communication); `barrier()` is a GPU barrier over the ranks
+this rank does not mask, which also restarts the buffer sets' bookkeeping on every rank, so a
+rank unmasked everywhere before it rejoins. Such a buffer is sized up front (its first call
+cannot be a collective that a stopped rank would never join).
 """
 
 from __future__ import annotations
@@ -97,13 +107,27 @@ class LowLatencyPath(NvshmemPath):
         self.next_set = 0
         self.unreceived = [None, None]  # per set: the call whose receive hook was not called yet
         self.num_blocks = rt.blocks(self.ext.MAX_BLOCKS, latency_bound=True)
+        self.rank_mask = False
+        self.mask_timeout_s = self.timeout_s  # the kernels' waits under the rank mask (host waits keep timeout_s)
         if capacity is not None:
-            unknown = sorted(set(capacity) - set(_DEFAULTS))
-            fail(not unknown, f"low_latency=dict(...) takes {sorted(_DEFAULTS)}, got unknown keys {unknown}", TypeError)
-            self._create(self._agree({**_DEFAULTS, **capacity}))
+            capacity = dict(capacity)
+            unknown = sorted(set(capacity) - set(_DEFAULTS) - set(_MASK_OPTIONS))
+            fail(not unknown, f"low_latency=dict(...) takes {sorted(_DEFAULTS) + sorted(_MASK_OPTIONS)}, got unknown keys "
+                              f"{unknown}", TypeError)
+            self.rank_mask = bool(capacity.pop("rank_mask", False))
+            mask_timeout = capacity.pop("mask_timeout_s", None)
+            if mask_timeout is not None:
+                fail(isinstance(mask_timeout, (int, float)) and mask_timeout > 0,
+                     f"mask_timeout_s must be a positive number of seconds, got {mask_timeout!r}")
+                fail(self.rank_mask, "mask_timeout_s needs rank_mask=True")
+                self.mask_timeout_s = float(mask_timeout)
+            self._create(self._agree({**_DEFAULTS, **capacity, "rank_mask": self.rank_mask}))
 
     # ------------------------------------------------------------------------------ buffer
     def _merge(self, every: List[dict]) -> dict:
+        masks = [bool(d.get("rank_mask", False)) for d in every]
+        fail(all(masks) or not any(masks), f"rank_mask must be the same on every rank; ranks "
+                                           f"{[r for r, m in enumerate(masks) if m]} passed rank_mask=True, the others not")
         cap = {k: max(int(d[k]) for d in every) for k in ("num_experts", "max_tokens", "hidden", "topk")}
         cap["fp8_only"] = all(d["fp8_only"] for d in every)
         return cap
@@ -122,7 +146,8 @@ class LowLatencyPath(NvshmemPath):
 
     def _open(self, cap: dict, plan: dict, pes: list):
         return self.ext.LowLatencyBuffer(self.device.index, self.rank, pes, cap["num_experts"], cap["max_tokens"],
-                                         cap["hidden"], cap["topk"], cap["fp8_only"], self.timeout_s)
+                                         cap["hidden"], cap["topk"], cap["fp8_only"],
+                                         self.mask_timeout_s if self.rank_mask else self.timeout_s, self.rank_mask)
 
     @staticmethod
     def _need(num_experts: int, max_tokens: int, hidden: int, topk: int, fp8: bool) -> dict:
@@ -167,6 +192,7 @@ class LowLatencyPath(NvshmemPath):
             1: f"waiting for rank {peer}'s token count for local expert {e} (global expert {me * L + e}) in buffer set {s}",
             2: f"waiting for rank {peer}'s combined rows of expert {e} in buffer set {s}",
             3: f"waiting for rank {peer}'s merged combine rows in buffer set {s}",
+            4: f"waiting for rank {peer} to enter the low-latency barrier",
         }.get(err["what"], f"waiting on rank {peer}")
 
     # ---------------------------------------------------------------------------- dispatch
@@ -249,6 +275,42 @@ class LowLatencyPath(NvshmemPath):
         hook = self._launch(call, s, launch, return_recv_hook)
         return (out, hook) if return_recv_hook else out
 
+    # --------------------------------------------------------------------------- rank mask
+    def _needs_mask(self, what: str) -> None:
+        fail(self.buf is not None and self.rank_mask,
+             f"{what} needs the rank mask: Buffer(..., low_latency=dict(..., rank_mask=True))", RuntimeError)
+
+    def set_mask(self, rank: int, masked: bool) -> None:
+        """Mask (or unmask) `rank` for this rank's later low-latency kernels (current stream)."""
+        self._needs_mask("low_latency_mask")
+        fail(isinstance(rank, int) and 0 <= rank < self.num_ranks,
+             f"rank must be an int in [0, {self.num_ranks}), got {rank!r}")
+        self.raise_if_broken()
+        self.buf.set_mask(rank, bool(masked))
+
+    def mask_status(self, out: torch.Tensor) -> torch.Tensor:
+        """out[r] = 1 where rank r is masked here (int32 [R] on this device; current stream)."""
+        self._needs_mask("low_latency_mask_status")
+        fail(isinstance(out, torch.Tensor) and out.dtype == torch.int32 and out.numel() == self.num_ranks
+             and out.device == self.device and out.is_contiguous(),
+             f"mask_status must be a contiguous int32 tensor of {self.num_ranks} elements on {self.device}")
+        self.buf.query_mask(out)
+        return out
+
+    def clear_mask(self) -> None:
+        self._needs_mask("low_latency_clear_mask")
+        self.buf.clear_mask()
+
+    def barrier(self) -> None:
+        """Collective over the unmasked ranks, on the current stream: see the module docstring."""
+        self._needs_mask("low_latency_barrier")
+        held = [seq for seq in self.unreceived if seq is not None]
+        fail(not held, f"low_latency_barrier: the receive hooks of calls {held} were not called; call them first",
+             RuntimeError)
+        self.raise_if_broken()
+        self.buf.barrier()
+        self.next_set = 0  # every rank restarts at set 0 (the kernel reset the sets' counts)
+
     def _launch(self, call: P.Call, s: int, launch: Callable[[int], None], return_recv_hook: bool) -> Optional[_RecvHook]:
         if not return_recv_hook:
             call.sends(launch, self.ext.SEND | self.ext.RECV)
@@ -261,3 +323,5 @@ class LowLatencyPath(NvshmemPath):
 
 
 _DEFAULTS = dict(num_experts=256, max_tokens=128, hidden=7168, topk=8, fp8_only=False)
+# the rank mask's options (not capacity: not agreed over the group, each rank its own)
+_MASK_OPTIONS = ("rank_mask", "mask_timeout_s")
