@@ -22,7 +22,9 @@ from megatron_ep import tracing  # noqa: E402
 from megatron_ep.tracing import low_latency_points  # noqa: E402
 from bench.report import md_line, md_rule  # noqa: E402
 
-IMPLS = ("ours", "ours-merged", "torch", "nccl", "deepep")  # ours-merged: the weights given at dispatch
+# ours-merged: the weights given at dispatch; ours-mask: the rank mask on (nobody masked), the
+# kernels' rank-mask mode against the plain one
+IMPLS = ("ours", "ours-merged", "ours-mask", "torch", "nccl", "deepep")
 
 
 def parse(argv=None, description=None):
@@ -141,10 +143,12 @@ def rows_of(x):
 
 
 # ------------------------------------------------------------------------------ impls
-def bench_ours(a, T, x, idx, w, E, K, H, gloo, merged=False):
+def bench_ours(a, T, x, idx, w, E, K, H, gloo, merged=False, rank_mask=False):
     """merged: the weights go with the dispatch, so the combine sends a token's copies on a rank
-    as one row (megatron_ep's API extension; DeepEP's dispatch takes no weights)."""
-    buf = mep.Buffer(gloo, backend="cuda", low_latency=dict(num_experts=E, max_tokens=max(a.tokens), hidden=H, topk=K, fp8_only=a.fp8))
+    as one row (megatron_ep's API extension; DeepEP's dispatch takes no weights). rank_mask: the
+    buffer made with the rank mask (DeepEP's shrink mode), no rank masked."""
+    buf = mep.Buffer(gloo, backend="cuda", low_latency=dict(num_experts=E, max_tokens=max(a.tokens), hidden=H, topk=K,
+                                                            fp8_only=a.fp8, rank_mask=rank_mask))
     mt = max(a.tokens)
     dw = w if merged else None
     out = buf.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=mt, use_fp8=a.fp8, topk_weights=dw)
@@ -220,6 +224,7 @@ def worker(rank, a, impl, queue):
                 res = {"dispatch": 0.0, "combine": 0.0, "both": 0.0}
             else:
                 res = {"ours": lambda: bench_ours(*args_, gloo), "ours-merged": lambda: bench_ours(*args_, gloo, merged=True),
+                       "ours-mask": lambda: bench_ours(*args_, gloo, rank_mask=True),
                        "torch": lambda: bench_torch(*args_, nccl_group),
                        "nccl": lambda: nccl.low_latency_runs(*args_, nccl_group),
                        "deepep": lambda: deepep.low_latency(*args_, nccl_group)}[impl]()
@@ -297,7 +302,7 @@ def main(a) -> int:
         print(table(a, {impl: results[impl]}), flush=True)  # now: a later impl may crash the run
     md = (f"Low latency, {a.ranks} ranks on {max(ngpu, 1)} GPU(s), H {a.hidden}, top-{a.topk} of {a.experts}, {'FP8' if a.fp8 else 'bf16'} dispatch, "
           f"bf16 combine; median of {a.reps} x {a.loop} back-to-back calls; slowest rank\n\n" + table(a, results))
-    for impl in ("ours", "ours-merged"):
+    for impl in ("ours", "ours-merged", "ours-mask"):
         if a.trace and results.get(impl, (None,))[0]:
             md += f"\n{impl}:\n" + trace_table(a, results[impl][0])
     print(md)
