@@ -96,7 +96,9 @@ def test_stacked_expert_weights_follow_optimizer_writes():
         n = shape[0] * shape[1]
         views.append(flat_buf[at:at + n].view(shape))
         at += n
-    params = [torch.nn.Parameter(v) for v in views]  # share flat_buf's memory, as the buffer views do
+    params = [torch.nn.Parameter(torch.empty(v.shape)) for v in views]
+    for p, v in zip(params, views):
+        p.data = v  # as Megatron's DDP points each parameter into its contiguous buffer
     lin = lambda w: types.SimpleNamespace(weight=w, bias=None)  # noqa: E731
     experts = types.SimpleNamespace(num_local_experts=L, local_experts=[
         types.SimpleNamespace(linear_fc1=lin(params[e]), linear_fc2=lin(params[L + e])) for e in range(L)])
