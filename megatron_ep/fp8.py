@@ -64,15 +64,17 @@ def per_token_cast_back(x_fp8: torch.Tensor, scales: torch.Tensor, dtype: torch.
 UE8M0_PACK = 4  # scales per int32: DeepGEMM's UE8M0 layout packs four exponent bytes along hidden
 
 
-def pack_ue8m0(scales: torch.Tensor) -> torch.Tensor:
+def pack_ue8m0(scales: torch.Tensor, checked: bool = True) -> torch.Tensor:
     """Power-of-two fp32 scales [..., n] (n % 4 == 0; round_scale=True makes them so) -> int32
     [..., n/4]: each scale's exponent byte (UE8M0: 2 ** (byte - 127)), scale j in byte j % 4 of
-    int32 j / 4 (little-endian)."""
+    int32 j / 4 (little-endian). `checked=False` skips the power-of-two check (a host sync on
+    GPU) for scales known to be exponents only, e.g. unpack_ue8m0's."""
     fail(scales.dtype == torch.float32, f"scales must be float32, got {scales.dtype}", TypeError)
     n = scales.shape[-1]
     fail(n % UE8M0_PACK == 0, f"scales: {n} per row, must be a multiple of {UE8M0_PACK}")
     bits = scales.contiguous().view(torch.int32)
-    fail(bool(((bits & 0x807FFFFF) == 0).all()), "scales must be positive powers of two (round_scale=True)")
+    if checked:
+        fail(bool(((bits & 0x807FFFFF) == 0).all()), "scales must be positive powers of two (round_scale=True)")
     exp = (bits >> 23).to(torch.uint8)
     return exp.view(*scales.shape[:-1], n // UE8M0_PACK, UE8M0_PACK).view(torch.int32).view(*scales.shape[:-1], n // UE8M0_PACK)
 

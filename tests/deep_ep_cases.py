@@ -173,13 +173,15 @@ def run_deep_ep_by_rank_case(cfg: dict) -> list:
     and recv_topk_weights None; the list every rank's num_tokens_per_expert summed for this
     rank's experts, aligned; the handle's rank prefix matrix; cached dispatch and combine. With
     several experts per rank, a stand-in id sent to any expert but one of the marked rank's
-    delivers rows elsewhere and fails the row check. FP8 input with DeepEP's column-major scales."""
+    delivers rows elsewhere and fails the row check. FP8 input with DeepEP's column-major scales,
+    and with UE8M0 scales packed in int32 words. On cfg's backend and device (torch on CPU by
+    default); the expected values are computed on CPU."""
     R, rank = dist.get_world_size(), dist.get_rank()
-    tag = f"[deep_ep by rank R={R} rank={rank} seed={cfg['seed']} {cfg['mask']}]"
+    tag = f"[deep_ep by rank R={R} rank={rank} seed={cfg['seed']} {cfg['mask']} {cfg.get('backend', 'torch')}]"
     try:
-        os.environ["MEGATRON_EP_DEEP_EP_BACKEND"] = "torch"
+        _backend(cfg)
         from megatron_ep import deep_ep
-        from megatron_ep.fp8 import per_token_cast_to_fp8
+        from megatron_ep.fp8 import pack_ue8m0, per_token_cast_to_fp8
 
         errors = []
         cfg = dict(cfg, R=R)
@@ -187,40 +189,56 @@ def run_deep_ep_by_rank_case(cfg: dict) -> list:
         buf = deep_ep.Buffer(dist.group.WORLD)
         x, in_rank, per_expert = _by_rank_inputs(cfg, rank)
         per_rank = in_rank.sum(0).to(torch.int32)
-        rx, rid, rw, counts, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                                      num_tokens_per_expert=per_expert, expert_alignment=a)
+        xd, in_rank_d, per_expert_d, per_rank_d = _on(cfg, x, in_rank, per_expert, per_rank)
+        layout = dict(num_tokens_per_rank=per_rank_d, is_token_in_rank=in_rank_d, num_tokens_per_expert=per_expert_d)
+        rx, rid, rw, counts, handle, _ = buf.dispatch(xd, expert_alignment=a, **layout)
         every = [_by_rank_inputs(cfg, src) for src in range(R)]
         want_x = torch.cat([xs[m[:, rank]] for xs, m, _ in every])
         sent = torch.stack([m.sum(0) for _, m, _ in every]).to(torch.int64)  # [source, destination]
         total = torch.stack([pe for _, _, pe in every]).sum(0)[rank * L:(rank + 1) * L]
         want_counts = [(int(c) + a - 1) // a * a for c in total]
-        if rx.shape != want_x.shape or not torch.equal(rx, want_x):
+        if rx.shape != want_x.shape or not torch.equal(rx.cpu(), want_x):
             errors.append(f"{tag} recv_x {tuple(rx.shape)} differs from DeepEP's rows {tuple(want_x.shape)}")
         if rid is not None or rw is not None:
             errors.append(f"{tag} recv_topk_idx / recv_topk_weights are not None without topk_idx")
         if counts != want_counts:
             errors.append(f"{tag} num_recv_tokens_per_expert_list {counts}, DeepEP's {want_counts}")
-        if not torch.equal(handle[0], torch.cumsum(sent, 0).to(torch.int32)) or handle[4] is not in_rank:
+        if not torch.equal(handle[0].cpu(), torch.cumsum(sent, 0).to(torch.int32)) or handle[4] is not in_rank_d:
             errors.append(f"{tag} handle[0] (rank_prefix_matrix) {handle[0]} or handle[4] differ from DeepEP's")
-        again = buf.dispatch(x * 2, handle=handle)
-        if not torch.equal(again[0], want_x * 2):
+        again = buf.dispatch(xd * 2, handle=handle)
+        if not torch.equal(again[0].cpu(), want_x * 2):
             errors.append(f"{tag} cached dispatch differs from DeepEP's")
         y, yw, _ = buf.combine(rx * (rank + 1), handle)
         want_y = x.double() * sum((r + 1) * in_rank[:, r].double() for r in range(R)).unsqueeze(1)
-        if yw is not None or not torch.allclose(y.double(), want_y, rtol=1e-5, atol=1e-5):
+        if yw is not None or not torch.allclose(y.cpu().double(), want_y, rtol=1e-5, atol=1e-5):
             errors.append(f"{tag} combine differs from DeepEP's sum over the marked ranks")
         # FP8 as DeepEP's tests pass it: scales a column-major view (x_scales.T.contiguous().T)
-        q, scales = per_token_cast_to_fp8(x)
+        q, scales = _on(cfg, *per_token_cast_to_fp8(x))
         strided = scales.T.contiguous().T
         if x.shape[0] > 1 and strided.is_contiguous():
             errors.append(f"{tag} the FP8 case does not exercise strided scales")
-        (rq, rs), *_ = buf.dispatch((q, strided), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                    num_tokens_per_expert=per_expert)
+        (rq, rs), *_ = buf.dispatch((q, strided), **layout)
         want_q = torch.cat([per_token_cast_to_fp8(xs)[0][m[:, rank]] for xs, m, _ in every])
         want_s = torch.cat([per_token_cast_to_fp8(xs)[1][m[:, rank]] for xs, m, _ in every])
-        if not (torch.equal(rq.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(rs, want_s)):
+        if not (torch.equal(rq.cpu().view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(rs.cpu(), want_s)):
             errors.append(f"{tag} FP8 rows or scales differ from the sources'")
-        errors += _by_rank_refusals(buf, x, q, scales, per_rank, in_rank, per_expert, tag)
+
+        # UE8M0 x_scales (int32, four exponent bytes per word, H 512): the words arrive as sent
+        def ue8m0_of(xs):
+            q8, s8 = per_token_cast_to_fp8(torch.cat([xs, -xs], dim=1), round_scale=True)
+            return q8, pack_ue8m0(s8)
+
+        q8, w8 = _on(cfg, *ue8m0_of(x))
+        (rq8, rw8), *_ = buf.dispatch((q8, w8), **layout)
+        want_w8 = torch.cat([ue8m0_of(xs)[1][m[:, rank]] for xs, m, _ in every])
+        want_q8 = torch.cat([ue8m0_of(xs)[0][m[:, rank]] for xs, m, _ in every])
+        if rw8.dtype != torch.int32 or not torch.equal(rw8.cpu(), want_w8) or \
+                not torch.equal(rq8.cpu().view(torch.uint8), want_q8.view(torch.uint8)):
+            errors.append(f"{tag} UE8M0 x_scales: got {rw8.dtype} {tuple(rw8.shape)}, not the sources' packed words")
+        (_, cw8), *_ = buf.dispatch((q8, w8), handle=handle)
+        if not torch.equal(cw8.cpu(), want_w8):
+            errors.append(f"{tag} cached dispatch with UE8M0 x_scales differs from the sources' words")
+        errors += _by_rank_refusals(buf, xd, q, scales, per_rank_d, in_rank_d, per_expert_d, tag)
         return errors
     except Exception:
         return [f"{tag} raised:\n{traceback.format_exc()}"]
@@ -231,10 +249,10 @@ def _by_rank_refusals(buf, x, q, scales, per_rank, in_rank, per_expert, tag) -> 
     layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
     errors = []
     for args, kwargs, exc, name in (
-            ((x,), dict(topk_weights=torch.ones((x.shape[0], 1))), ValueError, "topk_weights"),
+            ((x,), dict(topk_weights=torch.ones((x.shape[0], 1), device=x.device)), ValueError, "topk_weights"),
             ((x,), dict(num_worst_tokens=64), ValueError, "num_worst_tokens"),
             ((x,), dict(is_token_in_rank=in_rank.int()), ValueError, "is_token_in_rank"),
-            (((q, scales.view(torch.int32)),), {}, NotImplementedError, "x_scales")):
+            (((q, scales.view(torch.int32)),), {}, ValueError, "x_scales")):  # H 256: no whole int32 of four
         try:
             buf.dispatch(*args, **{**layout, **kwargs})
             errors.append(f"{tag} {name}: accepted")

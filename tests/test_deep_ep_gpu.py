@@ -43,3 +43,12 @@ def test_previous_event_with_the_callers_stream_busy(R):
     errors = flat(pool_(R).run(dc.run_deep_ep_stream_order_cases, [dict(c, **ON_CUDA) for c in dc.stream_order_cases(R)],
                                timeout=RUN_S))
     assert not errors, "\n".join(errors[:20])
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_dispatch_by_is_token_in_rank_on_our_kernels(R):
+    """dispatch without topk_idx, FP8 with column-major and with UE8M0 int32 scales, cached
+    dispatch and combine on our kernels, against DeepEP's rows, list and handle."""
+    errors = flat(pool_(R).run(dc.run_deep_ep_by_rank_cases, [dict(c, **ON_CUDA) for c in dc.by_rank_cases(R)],
+                               timeout=RUN_S))
+    assert not errors, "\n".join(errors[:20])

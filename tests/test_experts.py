@@ -381,6 +381,32 @@ def test_deep_gemm_masked_glue(fp8, masked_m, max_m):
     assert fake.calls == ["fp8" if fp8 else "bf16"] and y.dtype == torch.bfloat16
     want = masked_reference(xin, ll_cases.block_cast_back(w) if fp8 else w, mm)
     check_masked(y, want, mm, 2e-2, "fp8" if fp8 else "bf16")
+    if fp8:  # the weights' cast kept by the caller: used as given, the same result
+        kept = M.per_block_cast_to_fp8(w)
+        y2 = M.deep_gemm_masked(fake, xin, w, mm, 7, w_fp8=(kept[0], kept[1] * 2))
+        check_masked(y2, masked_reference(xin, ll_cases.block_cast_back(w).double() * 2, mm), mm, 2e-2, "fp8 kept")
+
+
+def test_decode_layer_keeps_and_refreshes_its_fp8_weights():
+    """DecodeMoELayer(keep_fp8_weights=True) casts w1 once; refresh_fp8_weights() re-casts it into
+    the same tensors (a captured graph reads those) after w1 changed."""
+    import types
+
+    from megatron_ep.experts.decode_layer import DecodeMoELayer
+
+    w1, w2 = torch.randn(2, 256, 128).to(torch.bfloat16), torch.randn(2, 128, 128).to(torch.bfloat16)
+    plain = DecodeMoELayer(types.SimpleNamespace(num_ranks=1), 2, w1.clone(), w2)
+    assert plain.w1_fp8 is None
+    layer = DecodeMoELayer(types.SimpleNamespace(num_ranks=1), 2, w1.clone(), w2, keep_fp8_weights=True)
+    q, s = layer.w1_fp8
+    want = M.per_block_cast_to_fp8(w1)
+    assert torch.equal(q.view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(s, want[1])
+    layer.w1.data.mul_(0.5)  # as an optimizer writes: the kept cast is stale until refreshed
+    assert torch.equal(layer.w1_fp8[1], want[1])
+    layer.refresh_fp8_weights()
+    assert layer.w1_fp8[0] is q and layer.w1_fp8[1] is s
+    want = M.per_block_cast_to_fp8(w1 * 0.5)
+    assert torch.equal(q.view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(s, want[1])
 
 
 def test_masked_kernel_tiles_spill_without_padding():

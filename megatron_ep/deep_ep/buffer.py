@@ -4,6 +4,7 @@ dispatch, cached dispatch, combine). What differs is listed in docs/deep-ep.md."
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Dict, List, Optional, Tuple, Union
@@ -12,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .. import buffer as _mep
+from ..fp8 import UE8M0_PACK, pack_ue8m0, unpack_ue8m0
 from ..protocol import MAX_TOPK
 from ..types import DispatchHandle
 from .config import COMBINE_CONFIGS, DISPATCH_CONFIGS, Config, _align_up
@@ -227,11 +229,13 @@ class Buffer:
             # after previous_event, and our kernels after that work: this stream waits for the
             # event, then ours for this stream
             prev = _join(previous_event)
+        x, packed = _unpacked_scales(x)
         x = _row_major_scales(x)
         if handle is not None:
             assert topk_idx is None and topk_weights is None
             assert isinstance(handle, Handle), "handle must come from megatron_ep.deep_ep's dispatch"
-            out = self.runtime.dispatch(x, handle=handle.ours, async_op=async_finish, previous_event=prev)
+            out = self._repacked(self.runtime.dispatch(x, handle=handle.ours, async_op=async_finish, previous_event=prev),
+                                 packed)
             return out.x, None, None, None, None, _finished(out.event, async_finish)
         assert num_tokens_per_rank is not None and is_token_in_rank is not None and num_tokens_per_expert is not None
         E = num_tokens_per_expert.numel()
@@ -248,12 +252,33 @@ class Buffer:
                                         async_op=async_finish, previous_event=prev)
             counts = [] if num_worst_tokens else [_align_up(c, expert_alignment) for c in out.tokens_per_expert_host]
             recv_idx, recv_w = out.topk_idx, out.topk_weights
+        out = self._repacked(out, packed)
         rank_prefix = self._rank_prefix_matrix(num_tokens_per_rank, sync_free=bool(num_worst_tokens))
         if self.group_size > RANKS_PER_NODE:  # DeepEP's internode_dispatch and its handle
             h = InternodeHandle(out.handle, rank_prefix, is_token_in_rank, self.rank)
         else:
             h = Handle(out.handle, rank_prefix, None, is_token_in_rank)
         return out.x, recv_idx, recv_w, counts, h, _finished(out.event, async_finish)
+
+    def _repacked(self, out, packed: bool):
+        """int32 UE8M0 x_scales came in: the received fp32 scales packed back, where the rows are
+        ready -- after the dispatch's event on our communication stream for an async call (the
+        returned event then follows the packing), else on the caller's stream. No host sync."""
+        if not packed or not isinstance(out.x, tuple):
+            return out
+        data, scales = out.x
+        ev = getattr(out.event, "event", None)
+        stream = self.runtime.comm_stream if ev is not None else None
+        if stream is None:
+            return dataclasses.replace(out, x=(data, pack_ue8m0(scales, checked=False)))
+        caller = torch.cuda.current_stream()
+        with torch.cuda.stream(stream):
+            stream.wait_event(ev)
+            words = pack_ue8m0(scales, checked=False)
+            done = torch.cuda.Event()
+            done.record(stream)
+        words.record_stream(caller)  # the caller's stream uses it after the event
+        return dataclasses.replace(out, x=(data, words), event=type(out.event)(done))
 
     def _reserve_worst(self, x, topk_idx: torch.Tensor, num_experts: int, num_worst_tokens: int) -> None:
         """DeepEP sizes its buffer from num_nvl_bytes, so callers pass num_worst_tokens freely; our
@@ -524,22 +549,36 @@ def _finished(ours, async_finish: bool) -> EventOverlap:
     return ev
 
 
+def _unpacked_scales(x):
+    """(x, True) with int32 UE8M0 x_scales ([T, H/512]: each 128-channel block's power-of-two scale
+    as its exponent byte, four to an int32 along hidden, as DeepGEMM takes them) unpacked into the
+    fp32 scales they stand for (exact; packed back after the dispatch); (x, False) otherwise."""
+    if not (isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], torch.Tensor) and x[1].dtype == torch.int32):
+        return x, False
+    data, words = x
+    T, H = (data.shape[0], data.shape[1]) if data.dim() == 2 else (-1, -1)
+    want = (T, H // (128 * UE8M0_PACK))
+    if data.dim() != 2 or H % (128 * UE8M0_PACK) or tuple(words.shape) != want:
+        raise ValueError(f"megatron_ep.deep_ep dispatch: int32 x_scales must be UE8M0 exponents packed four to an int32, "
+                         f"[num_tokens, hidden // 512] = {list(want)} for x {list(data.shape)} (hidden a multiple of "
+                         f"512), got {list(words.shape)}; or pass float32 scales [num_tokens, hidden // 128]")
+    return (data, unpack_ue8m0(words)), True
+
+
 def _row_major_scales(x):
     """An FP8 pair with its scales row-major: DeepEP reads the scales through their strides (its
     tests pass a column-major view, `x_scales.T.contiguous().T`); our kernels read [T, H/128]
-    rows. int32 scales (UE8M0, four packed per word) are not served."""
+    rows."""
     if not isinstance(x, tuple) or len(x) != 2 or not isinstance(x[1], torch.Tensor):
         return x  # a plain tensor, or a malformed pair our Buffer's checks name
     data, scales = x
-    if scales.dtype == torch.int32:
-        raise NotImplementedError("megatron_ep.deep_ep dispatch: int32 x_scales (UE8M0-packed) are not supported yet; "
-                                  "pass float32 scales [num_tokens, hidden // 128]")
     return data, scales.contiguous()
 
 
 def _needs_row_major_copy(x) -> bool:
-    return (isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], torch.Tensor) and x[1].dtype != torch.int32
-            and not x[1].is_contiguous())
+    """The wrapper makes the scales row-major (a copy) or unpacks int32 ones on the caller's stream."""
+    return (isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], torch.Tensor)
+            and (x[1].dtype == torch.int32 or not x[1].is_contiguous()))
 
 
 def _join(previous_event: Optional[EventOverlap]) -> None:

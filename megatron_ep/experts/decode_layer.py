@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..checks import fail
+from .fp8_weights import Fp8, per_block_cast_to_fp8
 from .mlp import expert_mlp_masked
 
 
@@ -26,11 +27,16 @@ class DecodeMoELayer(torch.nn.Module):
         w1: [E/R, F or 2F (GLU), H] this rank's fc1 weights; w2: [E/R, H, F].
         max_tokens_per_rank: the low-latency capacity (every call's T must fit).
         use_fp8: FP8 dispatch (the experts see per-128-channel FP8 inputs) or bf16.
+        keep_fp8_weights: with use_fp8, keep fc1's 128x128-block FP8 cast of w1 (what DeepGEMM's
+            FP8 GEMM takes) instead of casting it at every call -- also inside a captured CUDA
+            graph, where the cast is otherwise replayed each step (milliseconds per layer at
+            DeepSeek-V3's sizes). Off by default: a write to w1 (an optimizer step, a checkpoint
+            load) is not seen until `refresh_fp8_weights()`.
     """
 
     def __init__(self, buffer, num_experts: int, w1: torch.Tensor, w2: torch.Tensor, *, max_tokens_per_rank: int = 128,
                  activation: Callable = F.silu, glu: bool = True, use_fp8: bool = True,
-                 expected_m: Optional[int] = None):
+                 expected_m: Optional[int] = None, keep_fp8_weights: bool = False):
         super().__init__()
         R = buffer.num_ranks
         fail(num_experts % R == 0, f"num_experts={num_experts} is not divisible by the group size {R}")
@@ -42,26 +48,38 @@ class DecodeMoELayer(torch.nn.Module):
         self.w1, self.w2 = torch.nn.Parameter(w1, requires_grad=False), torch.nn.Parameter(w2, requires_grad=False)
         self.max_tokens_per_rank, self.activation, self.glu, self.use_fp8 = max_tokens_per_rank, activation, glu, use_fp8
         self.expected_m = expected_m
+        self.w1_fp8: Optional[Fp8] = per_block_cast_to_fp8(self.w1.detach()) if keep_fp8_weights and use_fp8 else None
+
+    @torch.no_grad()
+    def refresh_fp8_weights(self) -> None:
+        """Re-cast the kept FP8 w1 after w1 changed, in place (a captured graph reads the same tensors)."""
+        if self.w1_fp8 is None:
+            return
+        q, s = per_block_cast_to_fp8(self.w1.detach())
+        self.w1_fp8[0].copy_(q)
+        self.w1_fp8[1].copy_(s)
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x [T, H] bf16, topk_idx [T, K] int64 (-1: unused), topk_weights [T, K] fp32 -> [T, H] bf16."""
         return decode_moe(self.buffer, x, topk_idx, topk_weights, self.w1, self.w2, num_experts=self.num_experts,
                           max_tokens_per_rank=self.max_tokens_per_rank, activation=self.activation, glu=self.glu,
-                          use_fp8=self.use_fp8, expected_m=self.expected_m)
+                          use_fp8=self.use_fp8, expected_m=self.expected_m, w1_fp8=self.w1_fp8)
 
 
 @torch.no_grad()
 def decode_moe(buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1: torch.Tensor,
                w2: torch.Tensor, *, num_experts: int, max_tokens_per_rank: int, activation: Callable = F.silu,
-               glu: bool = True, use_fp8: bool = True, expected_m: Optional[int] = None) -> torch.Tensor:
+               glu: bool = True, use_fp8: bool = True, expected_m: Optional[int] = None,
+               w1_fp8: Optional[Fp8] = None) -> torch.Tensor:
     """DecodeMoELayer's computation as a function (megatron_ep.megatron.decode calls it with a
     Megatron layer's own expert weights): LL dispatch -> masked expert MLP -> LL combine.
-    The expert outputs go to combine in x's dtype (bf16; fp32 on the torch backend only)."""
+    The expert outputs go to combine in x's dtype (bf16; fp32 on the torch backend only).
+    `w1_fp8`: w1's block FP8 cast kept by the caller (DecodeMoELayer(keep_fp8_weights=True))."""
     # the weights go with the dispatch: the combine (same tensor) sends one row per token and rank
     out = buffer.low_latency_dispatch(x, topk_idx, num_experts=num_experts, max_tokens_per_rank=max_tokens_per_rank,
                                       use_fp8=use_fp8, topk_weights=topk_weights)
     # DeepGEMM's hint of the rows per expert (a tuning value, not a bound)
     expected = expected_m or max(1, buffer.num_ranks * max_tokens_per_rank * topk_idx.shape[1] // num_experts)
-    h = expert_mlp_masked(out.x, w1, w2, out.count, activation, glu, expected)
+    h = expert_mlp_masked(out.x, w1, w2, out.count, activation, glu, expected, w1_fp8 if use_fp8 else None)
     return buffer.low_latency_combine(h.to(x.dtype).contiguous(), topk_idx, topk_weights, out.handle)

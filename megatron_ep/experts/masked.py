@@ -12,8 +12,10 @@ the bf16 path runs (same result up to the weights' FP8 rounding).
 DeepGEMM's masked kernels (54e2261, SM90; `m_grouped_{fp8,bf16}_gemm_nt_masked(a, b, d,
 masked_m, expected_m)`, masked_m int32 read on the device: no host sync, capturable) compute
 whole BLOCK_M-row tiles (64 or 128) and address `[G, max_m]` as G * max_m flat rows, so:
-* rows of a group's last tile past masked_m are written with whatever the input holds there:
-  we zero every row past masked_m afterwards;
+* rows of a group's last tile past masked_m are written with whatever the input holds there,
+  and no tile past it is written (its scheduler runs ceil(masked_m / BLOCK_M) tiles per group):
+  the output starts zeroed and only each group's last-tile rows past masked_m are zeroed after
+  (a fill of at most 128 rows per group, instead of a select over the whole output);
 * with max_m not a multiple of the tile, a full group's last tile would run into the next
   group's first rows: the input is then copied into [G, max_m rounded up to 128, K] first
   (low-latency capacities R * max_tokens_per_rank are usually multiples of 128 already).
@@ -63,10 +65,22 @@ def deep_gemm_takes_masked(x: Union[torch.Tensor, Fp8], w: torch.Tensor) -> bool
     return ok
 
 
+def _zero_tile_tails_(d: torch.Tensor, m: torch.Tensor, G: int, rows: int) -> None:
+    """Zero the rows masked_m[g] .. the end of its last DEEP_GEMM_MASKED_ROWS-row tile of each group
+    of d [G * rows + 1, N] (flat; the extra last row takes the indices past a tile's end). No host
+    sync: the indices are made on the device."""
+    j = torch.arange(DEEP_GEMM_MASKED_ROWS, device=d.device)
+    r = m.long().unsqueeze(1) + j  # [G, 128] rows from masked_m on
+    end = (-(-m.long() // DEEP_GEMM_MASKED_ROWS) * DEEP_GEMM_MASKED_ROWS).clamp(max=rows).unsqueeze(1)
+    flat = torch.arange(G, device=d.device).unsqueeze(1) * rows + r
+    d.index_fill_(0, torch.where(r < end, flat, torch.full_like(flat, G * rows)).view(-1), 0)
+
+
 def deep_gemm_masked(dg, x: Union[torch.Tensor, Fp8], w: torch.Tensor, masked_m: torch.Tensor,
-                     expected_m: int) -> torch.Tensor:
+                     expected_m: int, w_fp8: Optional[Fp8] = None) -> torch.Tensor:
     """One `m_grouped_{fp8,bf16}_gemm_nt_masked` call (rules in the module docstring) -> bf16
-    [G, max_m, N], zero past masked_m. Operands must pass `deep_gemm_takes_masked`."""
+    [G, max_m, N], zero past masked_m. Operands must pass `deep_gemm_takes_masked`. `w_fp8`: w's
+    128x128-block FP8 cast, made by the caller (kept across calls), else cast here."""
     is_fp8 = isinstance(x, tuple)
     data = x[0] if is_fp8 else x
     G, max_m, K = data.shape
@@ -79,27 +93,31 @@ def deep_gemm_masked(dg, x: Union[torch.Tensor, Fp8], w: torch.Tensor, masked_m:
         out[:, :max_m].copy_(t)
         return out
 
-    d = torch.empty((G, rows, w.shape[1]), dtype=torch.bfloat16, device=data.device)
+    N = w.shape[1]
+    flat = torch.zeros((G * rows + 1, N), dtype=torch.bfloat16, device=data.device)  # + one row for the fill
+    d = flat[:G * rows].view(G, rows, N)
     m = masked_m.to(device=data.device, dtype=torch.int32).contiguous()
     if is_fp8:
-        dg.m_grouped_fp8_gemm_nt_masked((rows_of(data), rows_of(x[1])), fp8_weights(w), d, m, int(expected_m))
+        dg.m_grouped_fp8_gemm_nt_masked((rows_of(data), rows_of(x[1])), w_fp8 if w_fp8 is not None else fp8_weights(w),
+                                        d, m, int(expected_m))
     else:
         dg.m_grouped_bf16_gemm_nt_masked(rows_of(data), w.to(torch.bfloat16).contiguous(), d, m, int(expected_m))
-    valid = _valid_rows(m, max_m, data.device).unsqueeze(-1)
-    return torch.where(valid, d[:, :max_m], d.new_zeros(()))
+    _zero_tile_tails_(flat, m, G, rows)
+    return d[:, :max_m]
 
 
 def grouped_linear_masked(x: Union[torch.Tensor, Fp8], w: torch.Tensor, masked_m: torch.Tensor,
-                          expected_m: Optional[int] = None) -> torch.Tensor:
+                          expected_m: Optional[int] = None, w_fp8: Optional[Fp8] = None) -> torch.Tensor:
     """x [G, max_m, K] (or an FP8 tuple with scales [G, max_m, K/128]), w [G, N, K] -> [G, max_m, N]
-    (bf16 from DeepGEMM; x's dtype, or w's for FP8 x, from the fallback)."""
+    (bf16 from DeepGEMM; x's dtype, or w's for FP8 x, from the fallback). `w_fp8`: w's block FP8
+    cast kept by the caller (DeepGEMM's FP8 path uses it instead of casting w)."""
     is_fp8 = isinstance(x, tuple)
     data = x[0] if is_fp8 else x
     G, max_m, _ = data.shape
     dg = deep_gemm_module()
     needs_grad = torch.is_grad_enabled() and (w.requires_grad or (not is_fp8 and x.requires_grad))
     if dg is not None and data.is_cuda and not needs_grad and deep_gemm_takes_masked(x, w):
-        return deep_gemm_masked(dg, x, w, masked_m, expected_m or max(1, max_m // 4))
+        return deep_gemm_masked(dg, x, w, masked_m, expected_m or max(1, max_m // 4), w_fp8)
     if is_fp8:
         data = per_token_cast_back(x[0], x[1], w.dtype)
     valid = _valid_rows(masked_m, max_m, data.device).unsqueeze(-1)

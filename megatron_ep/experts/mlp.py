@@ -31,9 +31,11 @@ def expert_mlp(x: torch.Tensor, probs: torch.Tensor, w1: torch.Tensor, w2: torch
 
 
 def expert_mlp_masked(x, w1: torch.Tensor, w2: torch.Tensor, masked_m: torch.Tensor,
-                      activation: Callable = F.gelu, glu: bool = False, expected_m: Optional[int] = None) -> torch.Tensor:
+                      activation: Callable = F.gelu, glu: bool = False, expected_m: Optional[int] = None,
+                      w1_fp8=None) -> torch.Tensor:
     """Low-latency layout: x [G, max_m, H] (or FP8 tuple) -> [G, max_m, H], zero past masked_m.
-    No probs here: low-latency combine applies the routing weights itself."""
-    h = grouped_linear_masked(x, w1, masked_m, expected_m)
+    No probs here: low-latency combine applies the routing weights itself. `w1_fp8`: w1's block
+    FP8 cast kept by the caller (FP8 x on DeepGEMM; fc2's input is bf16)."""
+    h = grouped_linear_masked(x, w1, masked_m, expected_m, w1_fp8)
     h = _activate(h, activation, glu).to(w2.dtype)
     return grouped_linear_masked(h, w2, masked_m, expected_m)
