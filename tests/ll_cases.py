@@ -514,7 +514,9 @@ def run_ll_decode_layer_case(cfg: dict, backend: str = "cuda", device: str = "cu
     routings, each replay also against the eager layer on the same inputs (those eager calls run
     before the capture). On the torch backend (CPU) it checks the layer's own logic.
     cfg: seed, E, K, H, F, T, max_tokens; replays (3); gemm: 'deepgemm' | 'torch' | None
-    (masked_gemm; with 'deepgemm' both masked GEMMs must have been called)."""
+    (masked_gemm; with 'deepgemm' both masked GEMMs must have been called); keep_fp8: the layer
+    keeps fc1's FP8 cast, and after the replays w1 is halved in place (as an optimizer writes),
+    the cast refreshed, and one more replay must follow the new weights."""
     from cases import Checker, get_buffer
     from megatron_ep.experts import backends
     from megatron_ep.experts.decode_layer import DecodeMoELayer
@@ -529,7 +531,8 @@ def run_ll_decode_layer_case(cfg: dict, backend: str = "cuda", device: str = "cu
     w2 = (torch.randn((E, H, F), generator=g) / F ** 0.5).to(torch.bfloat16)
     buf = ll_buffer() if backend == "cuda" else get_buffer(backend)
     layer = DecodeMoELayer(buf, E, w1[rank * L:(rank + 1) * L].to(device), w2[rank * L:(rank + 1) * L].to(device),
-                           max_tokens_per_rank=mt, use_fp8=True)
+                           max_tokens_per_rank=mt, use_fp8=True, keep_fp8_weights=cfg.get("keep_fp8", False))
+    scale1 = [1.0]  # w1's factor since the start (the refresh check halves it)
 
     def inputs_for(i):
         return make_inputs(cfg["seed"] + i, R, E, K, H, [T] * R, "bf16", "random", 0.2)
@@ -542,7 +545,7 @@ def run_ll_decode_layer_case(cfg: dict, backend: str = "cuda", device: str = "cu
             y = torch.zeros((T, H), dtype=torch.float64)
             for e in me["idx"][me["idx"] >= 0].unique().tolist():
                 t, k = (me["idx"] == e).nonzero(as_tuple=True)
-                a, b = (xq[t] @ fc1[e].T).chunk(2, dim=-1)
+                a, b = (xq[t] @ (fc1[e] * scale1[0]).T).chunk(2, dim=-1)
                 h = torch.nn.functional.silu(a) * b
                 y.index_add_(0, t, (me["w"][t, k].unsqueeze(1) * (h @ w2[e].float().T)).double())
             return y
@@ -565,6 +568,13 @@ def run_ll_decode_layer_case(cfg: dict, backend: str = "cuda", device: str = "cu
             torch.cuda.synchronize()
             chk.close(f"replay {it}", y, reference(f[rank]), 5e-2)
             chk.close(f"replay {it} vs eager", y, eager[it], 1e-2)
+        if cfg.get("keep_fp8"):
+            layer.w1.data.mul_(0.5)  # exact in bf16, and the block cast's scales halve exactly
+            scale1[0] = 0.5
+            layer.refresh_fp8_weights()
+            graph.replay()
+            torch.cuda.synchronize()
+            chk.close("replay after refresh_fp8_weights", y, reference(fresh[-1][rank]), 5e-2)
         layer.buffer.synchronize()
     if spy is not None and not set(MASKED_GEMMS) <= set(spy.calls):
         chk.errors.append(f"{chk.tag} DeepGEMM's masked GEMMs were not both called: {sorted(set(spy.calls))}")

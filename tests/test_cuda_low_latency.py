@@ -138,8 +138,9 @@ def test_decode_layer_one_graph(gemm):
     called), or the same with the batched-matmul fallback ('torch'). Replayed on 4 fresh sets of
     tokens and routings, each against the eager layer on the same inputs and the dense reference.
     max_m = R * 64 = 128 rows per expert: DeepGEMM's tile, no padding copy (test_decode_layer's
-    R = 2 case, 64 rows, takes the padded path)."""
-    cfg = dict(seed=41, E=8, K=4, H=512, F=256, T=48, max_tokens=64, replays=4, gemm=gemm)
+    R = 2 case, 64 rows, takes the padded path). fc1's FP8 cast is kept by the layer; after the
+    replays w1 is halved in place, the cast refreshed, and a last replay must follow."""
+    cfg = dict(seed=41, E=8, K=4, H=512, F=256, T=48, max_tokens=64, replays=4, gemm=gemm, keep_fp8=True)
     # a short answer time: a rank that crashes in DeepGEMM must not hold the 'torch' case back
     errors = flat(pool_(2).run(ll_cases.run_ll_decode_layer_case, cfg, timeout=180))
     assert not errors, "\n".join(errors[:20])
