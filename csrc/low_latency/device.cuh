@@ -61,6 +61,17 @@ __device__ __forceinline__ void take_mask(const LLCtx& c) {
 }
 template <int kS = -1>
 __device__ __forceinline__ bool gone(int r) { return kS != 0 && ((s_ll_mask >> r) & 1ull); }
+// Bit r set: rank r masked now. One thread: its R loads are issued together (predicated, unrolled),
+// one round trip instead of one per rank. Not inlined: the kernels are at their register limit.
+static __device__ __noinline__ unsigned long long mask_bits_now(const int* mask, int num_ranks) {
+  int v[kLLMaxRanks];
+#pragma unroll
+  for (int r = 0; r < kLLMaxRanks; ++r) v[r] = r < num_ranks ? ld_volatile(mask + r) : 0;
+  unsigned long long bits = 0;
+#pragma unroll
+  for (int r = 0; r < kLLMaxRanks; ++r) bits |= (unsigned long long)(v[r] != 0) << r;
+  return bits;
+}
 // Rank r is masked now (a wait on it may have just masked it).
 template <int kS = -1>
 __device__ __forceinline__ bool masked_now(const LLCtx& c, int r) {
@@ -213,11 +224,12 @@ __device__ __forceinline__ void finish_receive(const LLCtx& c, int set, long lon
     if (*reinterpret_cast<volatile int*>(&st->failed)) return;  // broken: leave the set held
     const long long done = ++st->set_calls[set];
     const long long off = c.lay.set_offset(set) + c.lay.release + (long long)c.rank * 8;
+    const unsigned long long masked = shrink_on<kS>(c) ? mask_bits_now(st->mask, c.num_ranks) : 0;
     // one system fence (the block's reads of the set and its clears are ordered before it by the
     // barrier), then relaxed stores: a release store per rank would be a fence per rank
     __threadfence_system();
     for (int r = 0; r < c.num_ranks; ++r)
-      if (!masked_now<kS>(c, r)) put_signal(c, r, off, done, false);  // (a masked rank's words are reset by the barrier)
+      if (!((masked >> r) & 1ull)) put_signal(c, r, off, done, false);  // (a masked rank's words are reset by the barrier)
   }
 }
 
