@@ -35,11 +35,12 @@ THRESHOLD = 0.0  # blocks with log2(amax) at or above it stay bf16
 ENCODED_BLOCK_BYTES = BLOCK * BITS // 8  # 160
 
 
-def block_encoded(amax: torch.Tensor, amin: torch.Tensor) -> torch.Tensor:
-    """Whether blocks with these fp32 magnitudes' max / min are sent encoded (bool, same shape)."""
+def block_scale(amax: torch.Tensor, amin: torch.Tensor):
+    """(log2 amax, log2 amin clipped to CLIP below it, whether the block is sent encoded) of blocks
+    with these fp32 magnitudes' max / min (same shapes)."""
     log_amax = torch.log2(amax)
     log_amin = torch.maximum(torch.log2(amin), log_amax - CLIP)
-    return (log_amax < THRESHOLD) & (log_amin < log_amax)
+    return log_amax, log_amin, (log_amax < THRESHOLD) & (log_amin < log_amax)
 
 
 def roundtrip(x: torch.Tensor) -> torch.Tensor:
@@ -49,11 +50,7 @@ def roundtrip(x: torch.Tensor) -> torch.Tensor:
     fail(H % BLOCK == 0, f"LogFMT: hidden size {H} must be a multiple of {BLOCK}")
     v = x.float().reshape(-1, H // BLOCK, BLOCK)
     a = v.abs()
-    amax = a.amax(dim=-1, keepdim=True)
-    amin = a.amin(dim=-1, keepdim=True)
-    log_amax = torch.log2(amax)
-    log_amin = torch.maximum(torch.log2(amin), log_amax - CLIP)
-    on = (log_amax < THRESHOLD) & (log_amin < log_amax)
+    log_amax, log_amin, on = block_scale(a.amax(dim=-1, keepdim=True), a.amin(dim=-1, keepdim=True))
     # blocks that stay bf16 get a harmless step (their indices are not used)
     step = torch.where(on, (log_amax - log_amin) / (LEVELS - 2), torch.ones_like(log_amax))
     rounding = 2.0 - torch.log2((1.0 + torch.exp2(step)) * 0.5) / step

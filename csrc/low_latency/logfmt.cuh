@@ -101,13 +101,7 @@ __device__ __forceinline__ void logfmt_axpy8(float* acc, float w, const char* sl
   const uint32_t m = __ldcg(reinterpret_cast<const unsigned*>(slot + 2LL * H) + b);
   const LogfmtScale s = logfmt_scale(__uint_as_float(m << 16), __uint_as_float(m & 0xffff0000u));
   if (!s.on) {
-    const int4 raw = __ldcg(reinterpret_cast<const int4*>(slot) + v);
-    const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = __bfloat1622float2(p[i]);
-      acc[2 * i] += w * f.x, acc[2 * i + 1] += w * f.y;
-    }
+    axpy_bf16x8(acc, w, __ldcg(reinterpret_cast<const int4*>(slot) + v));
     return;
   }
   // codes j0 .. j0 + 7: bits [10 j0, 10 j0 + 80) of the block, inside words q .. q + 3
