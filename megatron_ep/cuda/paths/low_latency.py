@@ -323,5 +323,6 @@ class LowLatencyPath(NvshmemPath):
 
 
 _DEFAULTS = dict(num_experts=256, max_tokens=128, hidden=7168, topk=8, fp8_only=False)
-# the rank mask's options (not capacity: not agreed over the group, each rank its own)
+# the rank mask's options, not capacity: rank_mask must be equal on every rank (checked in _merge),
+# mask_timeout_s is each rank's own
 _MASK_OPTIONS = ("rank_mask", "mask_timeout_s")
