@@ -6,7 +6,7 @@ changes them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -31,6 +31,9 @@ class DispatchRequest:
     # token_groups: the internode path's in-node stage sets one per source node (that order is
     # then the contract's); Buffer leaves it at 1
     token_groups: int = 1
+    # the cuda intranode path's cached push is not launched but handed to this callable as its
+    # launch record: the internode path's fused dispatch runs it inside its own kernel
+    fused: Optional[Callable] = None
 
 
 @dataclass(frozen=True)
@@ -40,3 +43,7 @@ class CombineRequest:
     weights: Optional[torch.Tensor] = None  # per-row weights, scattered back to [T, K]
     async_op: bool = False
     previous_event: Optional[EventOverlap] = None
+    # the cuda intranode path's combine is not launched but handed to `fused(record, y, weights)`
+    # (the internode path's fused combine runs it), writing into `out` (y, weights) when given
+    fused: Optional[Callable] = None
+    out: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = None

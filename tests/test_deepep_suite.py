@@ -1,7 +1,9 @@
-"""DeepEP's own test files (deepseek-ai/DeepEP 567632d: tests/test_intranode.py and
-tests/test_low_latency.py) on megatron_ep.deep_ep, on 2 virtual ranks of one GPU (the
-low-latency file's --shrink-test on 8), through scripts/deepep_tests.py: only their launch glue
-is edited, every assertion of theirs is kept.
+"""DeepEP's own test files (deepseek-ai/DeepEP 567632d: tests/test_intranode.py,
+tests/test_internode.py and tests/test_low_latency.py) on megatron_ep.deep_ep, on virtual ranks
+of one GPU (2; the internode file on 2 virtual nodes of 8, the low-latency file's --shrink-test
+on 8), through scripts/deepep_tests.py: only their launch glue is edited, every assertion of
+theirs is kept (the internode file's benchmark asserts one dispatch / combine kernel and one
+notify kernel per cached call: csrc/internode/fused.cu).
 
 The files are DeepEP's, so they are never committed: extract them into .carry/deepep
 (CONTRIBUTING.md, "DeepEP's own tests") or name another folder with MEP_DEEPEP_TESTS. Without
@@ -26,31 +28,35 @@ CHECKOUT = os.environ.get("MEP_DEEPEP_TESTS", os.path.join(ROOT, ".carry", "deep
 # defaults where they matter to the kernels (hidden 7168, top-8, low-latency 288 experts).
 # The shrink test runs at 8 ranks (its ranks 1, 3 and 5 stop at their first dispatch, combine
 # and clean; the others mask them when a wait passes MEP_MASK_TIMEOUT_S).
+# The internode file runs 2 virtual nodes of 8 ranks (16 processes of 8 SMs on one H200), 512
+# tokens per rank: its correctness checks, then its tuning sweep of 218 profiled calls.
 CASES = [
-    ("intranode", ["--num-tokens", "1024", "--num-experts", "64"], 2, {}),
-    ("low_latency", [], 2, {}),
-    ("low_latency", ["--shrink-test"], 8, {"MEP_MASK_TIMEOUT_S": "4"}),
+    ("intranode", ["--num-tokens", "1024", "--num-experts", "64"], ["--num-processes", "2"], {}),
+    ("internode", ["--num-tokens", "512"], ["--num-nodes", "2", "--num-processes", "8"], {}),
+    ("low_latency", [], ["--num-processes", "2"], {}),
+    ("low_latency", ["--shrink-test"], ["--num-processes", "8"], {"MEP_MASK_TIMEOUT_S": "4"}),
 ]
+LIMIT_S = {"internode": 420}  # the run's own timeout; the test's limit is 20 s more
 
 
-@pytest.mark.limit(230)
-@pytest.mark.parametrize("test,args,ranks,env", CASES, ids=["intranode", "low_latency", "low_latency_shrink"])
-def test_deepep_own_test_file(test, args, ranks, env):
+@pytest.mark.limit(440)
+@pytest.mark.parametrize("test,args,launch,env", CASES, ids=["intranode", "internode", "low_latency", "low_latency_shrink"])
+def test_deepep_own_test_file(test, args, launch, env):
     path = os.path.join(CHECKOUT, "tests", f"test_{test}.py")
     if not os.path.exists(path):
         pytest.skip(f"DeepEP's test files are not at {CHECKOUT} (python scripts/deepep_tests.py --extract, "
                     f"CONTRIBUTING.md)")
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "deepep_tests.py"), "--checkout", CHECKOUT, "--test", test,
-           "--num-processes", str(ranks), "--", *args]
+           *launch, "--", *args]
     # a session of its own: a file that runs past its limit is killed with the ranks it spawned
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True, env={**os.environ, **env})
     try:
-        out, _ = p.communicate(timeout=210)
+        out, _ = p.communicate(timeout=LIMIT_S.get(test, 210))
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
         out, _ = p.communicate()
-        out += "\n(killed after 210 s)"
+        out += f"\n(killed after {LIMIT_S.get(test, 210)} s)"
     keep = os.environ.get("MEP_DEEPEP_OUT")
     if keep:
         os.makedirs(keep, exist_ok=True)

@@ -49,7 +49,7 @@ def kernel_calls(path: str = "intranode", holder: str = "kernels") -> list:
 def test_every_intranode_kernel_call_names_all_its_arguments():
     bound = binding_arguments()
     assert set(bound) >= {"notify", "stage", "dispatch", "dispatch_push", "fanout", "combine_reduce", "stage_combine",
-                          "combine"}, sorted(bound)
+                          "combine", "push_record", "combine_record"}, sorted(bound)
     calls = kernel_calls()
     assert {c[0] for c in calls} == set(bound), f"kernels bound but never called, or called but not bound: {calls}"
     for name, keywords, positional, line in calls:
@@ -62,7 +62,7 @@ def test_every_intranode_kernel_call_names_all_its_arguments():
 
 def test_every_internode_kernel_call_names_all_its_arguments():
     bound = binding_arguments("internode")
-    kernels = {"dispatch_send", "dispatch_recv", "combine_send", "combine_recv"}
+    kernels = {"dispatch_send", "dispatch_recv", "dispatch_cached", "combine"}
     assert kernels <= set(bound), sorted(bound)
     calls = [c for c in kernel_calls("internode", "buf") if c[0] in kernels]
     assert {c[0] for c in calls} == kernels, calls

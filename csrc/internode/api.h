@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include "internode/layout.h"
+#include "intranode/api.h"  // InnodeDispatch, InnodeCombine: the in-node stage a fused kernel runs
 
 namespace mep {
 
@@ -30,6 +31,7 @@ struct InternodeSendArgs {
   const long long* topk_idx;  // [T][K] global expert ids (others: unused slots)
   const float* weights;       // [T][K] or null
   int T, K, E, row_bytes, scale_cols;
+  int ids;                    // send the ids too (a new routing; a cached dispatch's receivers keep theirs)
   long long sig;              // the call's signature hash (31 bits)
 };
 
@@ -64,8 +66,17 @@ struct InternodeCombineRecvArgs {
 void launch_internode_dispatch_send(const InternodeCtx& c, const InternodeSendArgs& a, int num_blocks, cudaStream_t stream);
 void launch_internode_dispatch_recv(const InternodeCtx& c, const InternodeRecvArgs& a, int num_blocks, cudaStream_t stream);
 void launch_internode_release(const InternodeCtx& c, int dir, cudaStream_t stream);
-void launch_internode_combine_send(const InternodeCtx& c, const InternodeCombineSendArgs& a, int num_blocks, cudaStream_t stream);
-void launch_internode_combine_recv(const InternodeCtx& c, const InternodeCombineRecvArgs& a, int num_blocks, cudaStream_t stream);
+// A cached dispatch in two launches (fused.cu): cached_notify (the RDMA send's release wait, and
+// the in-node push's announcement of where this rank's outputs lie) then one dispatch kernel
+// (the RDMA send, the wait for every source node, the in-node push of what arrived, the release).
+void launch_internode_cached_dispatch(const InternodeCtx& c, const InternodeSendArgs& s, const InnodeDispatch& in,
+                                      int num_blocks, cudaStream_t stream);
+// A combine in two launches (fused.cu): cached_notify (the RDMA send's release wait) then one
+// combine kernel (the in-node combine into the forwarder's rows, a grid barrier, the RDMA send of
+// those sums, the receive and sum over nodes, the release).
+void launch_internode_combine(const InternodeCtx& c, const InternodeCombineSendArgs& s, const InternodeCombineRecvArgs& r,
+                              const InnodeCombine& in, int num_blocks, cudaStream_t stream);
+void internode_touch_fused_kernels();
 // This rank failed before its RDMA send of call `seq`: tell every same-index peer (their peer_failed word).
 void launch_internode_publish_failure(const InternodeCtx& c, long long seq, cudaStream_t stream);
 

@@ -7,6 +7,8 @@
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
+#include <cstring>
+#include <string>
 #include <vector>
 
 #include "internode/api.h"
@@ -60,18 +62,18 @@ class InternodeBuffer {
   void dispatch_send(const torch::Tensor& x, const c10::optional<torch::Tensor>& scales, const torch::Tensor& topk_idx,
                      const c10::optional<torch::Tensor>& weights, int num_experts, long long sig, int num_blocks) {
     live();
-    InternodeSendArgs a{};
-    TORCH_CHECK(x.is_cuda() && x.is_contiguous() && x.dim() == 2, "x must be a contiguous [T, H] CUDA tensor");
-    a.x = static_cast<const char*>(x.data_ptr());
-    a.T = (int)x.size(0), a.row_bytes = (int)(x.size(1) * x.element_size());
-    a.topk_idx = reinterpret_cast<const long long*>(ptr<int64_t>(topk_idx, "topk_idx", at::kLong));
-    a.K = (int)topk_idx.size(1), a.E = num_experts, a.sig = sig;
-    a.scales = scales ? ptr<float>(*scales, "scales", at::kFloat) : nullptr;
-    a.scale_cols = scales ? (int)scales->size(1) : 0;
-    a.weights = weights ? ptr<float>(*weights, "topk_weights", at::kFloat) : nullptr;
-    check_call(a.T, a.K, a.row_bytes, a.scale_cols, num_blocks);
-    TORCH_CHECK(topk_idx.size(0) == a.T, "topk_idx rows differ from x's");
+    const InternodeSendArgs a = send_args(x, scales, topk_idx, weights, num_experts, sig, num_blocks, true);
     launch_internode_dispatch_send(ctx_, a, num_blocks, stream());
+  }
+
+  // A cached dispatch in one data kernel (csrc/internode/fused.cu): the RDMA send of x, then the
+  // in-node push of what arrives, whose launch record `innode` _C's intranode.push_record built.
+  void dispatch_cached(const py::bytes& innode, const torch::Tensor& x, const c10::optional<torch::Tensor>& scales,
+                       const torch::Tensor& topk_idx, const c10::optional<torch::Tensor>& weights, int num_experts,
+                       long long sig, int num_blocks) {
+    live();
+    const InternodeSendArgs a = send_args(x, scales, topk_idx, weights, num_experts, sig, num_blocks, false);
+    launch_internode_cached_dispatch(ctx_, a, record<InnodeDispatch>(innode), num_blocks, stream());
   }
 
   void dispatch_recv(int topk, int num_experts, long long sig, const torch::Tensor& out_idx,
@@ -103,40 +105,40 @@ class InternodeBuffer {
     launch_internode_release(ctx_, dir, stream());
   }
 
-  void combine_send(const torch::Tensor& y, const c10::optional<torch::Tensor>& w, const torch::Tensor& local_idx,
-                    const torch::Tensor& tokens, long long sig, int num_blocks) {
+  // A combine in one data kernel (csrc/internode/fused.cu): the in-node combine whose launch
+  // record `innode` _C's intranode.combine_record built (its output: y_in, w_in, the forwarder's
+  // rows), the RDMA send of those rows, then the sum over nodes into y (and w).
+  void combine(const py::bytes& innode, const torch::Tensor& y_in, const c10::optional<torch::Tensor>& w_in,
+               const torch::Tensor& local_idx, const torch::Tensor& tokens, const torch::Tensor& topk_idx, int num_experts,
+               long long sig, const torch::Tensor& y, const c10::optional<torch::Tensor>& w, int num_blocks) {
     live();
-    InternodeCombineSendArgs a{};
-    TORCH_CHECK(y.is_cuda() && y.is_contiguous() && y.dim() == 2, "y must be a contiguous CUDA matrix");
+    InternodeCombineSendArgs s{};
+    TORCH_CHECK(y_in.is_cuda() && y_in.is_contiguous() && y_in.dim() == 2, "y_in must be a contiguous CUDA matrix");
     const long long rows = (long long)ctx_.lay.num_nodes * ctx_.lay.max_tokens;
-    TORCH_CHECK(y.size(0) == rows && local_idx.size(0) == rows, "y and local_idx must have N * max_tokens rows");
-    a.y = static_cast<const char*>(y.data_ptr());
-    a.row_bytes = (int)(y.size(1) * y.element_size());
-    a.local_idx = reinterpret_cast<const long long*>(ptr<int64_t>(local_idx, "local_idx", at::kLong));
-    a.K = (int)local_idx.size(1);
-    a.w = w ? ptr<float>(*w, "weights", at::kFloat) : nullptr;
-    a.tokens = ptr<int>(tokens, "tokens", at::kInt);
-    a.sig = sig;
-    TORCH_CHECK(a.row_bytes % 16 == 0 && a.row_bytes <= ctx_.lay.c_row, "combine rows of ", a.row_bytes, " bytes do not fit");
-    check_call(0, a.K, 16, 0, num_blocks);
-    launch_internode_combine_send(ctx_, a, num_blocks, stream());
-  }
+    TORCH_CHECK(y_in.size(0) == rows && local_idx.size(0) == rows, "y_in and local_idx must have N * max_tokens rows");
+    s.y = static_cast<const char*>(y_in.data_ptr());
+    s.row_bytes = (int)(y_in.size(1) * y_in.element_size());
+    s.local_idx = reinterpret_cast<const long long*>(ptr<int64_t>(local_idx, "local_idx", at::kLong));
+    s.K = (int)local_idx.size(1);
+    s.w = w_in ? ptr<float>(*w_in, "w_in", at::kFloat) : nullptr;
+    s.tokens = ptr<int>(tokens, "tokens", at::kInt);
+    s.sig = sig;
+    TORCH_CHECK(s.row_bytes % 16 == 0 && s.row_bytes <= ctx_.lay.c_row, "combine rows of ", s.row_bytes, " bytes do not fit");
+    check_call(0, s.K, 16, 0, num_blocks);
 
-  void combine_recv(const torch::Tensor& topk_idx, int num_experts, long long sig, const torch::Tensor& y,
-                    const c10::optional<torch::Tensor>& w, int num_blocks) {
-    live();
-    InternodeCombineRecvArgs a{};
-    a.topk_idx = reinterpret_cast<const long long*>(ptr<int64_t>(topk_idx, "topk_idx", at::kLong));
-    a.T = (int)topk_idx.size(0), a.K = (int)topk_idx.size(1), a.E = num_experts, a.sig = sig;
-    TORCH_CHECK(y.is_cuda() && y.is_contiguous() && y.size(0) == a.T, "y must be a contiguous [T, H] CUDA tensor");
+    InternodeCombineRecvArgs r{};
+    r.topk_idx = reinterpret_cast<const long long*>(ptr<int64_t>(topk_idx, "topk_idx", at::kLong));
+    r.T = (int)topk_idx.size(0), r.K = (int)topk_idx.size(1), r.E = num_experts, r.sig = sig;
+    TORCH_CHECK(y.is_cuda() && y.is_contiguous() && y.size(0) == r.T, "y must be a contiguous [T, H] CUDA tensor");
     TORCH_CHECK(y.scalar_type() == at::kBFloat16 || y.scalar_type() == at::kFloat, "y must be bf16 or fp32");
-    a.fp32 = y.scalar_type() == at::kFloat;
-    a.H = (int)y.size(1);
-    a.y = y.data_ptr();
-    a.w = w ? ptr<float>(*w, "weights", at::kFloat) : nullptr;
-    TORCH_CHECK((long long)a.H * y.element_size() <= ctx_.lay.c_row && a.H % 8 == 0, "combine rows do not fit");
-    check_call(a.T, a.K, 16, 0, num_blocks);
-    launch_internode_combine_recv(ctx_, a, num_blocks, stream());
+    TORCH_CHECK(y.scalar_type() == y_in.scalar_type() && y.size(1) == y_in.size(1), "y and y_in differ in dtype or width");
+    r.fp32 = y.scalar_type() == at::kFloat;
+    r.H = (int)y.size(1);
+    r.y = y.data_ptr();
+    r.w = w ? ptr<float>(*w, "weights", at::kFloat) : nullptr;
+    TORCH_CHECK((long long)r.H * y.element_size() <= ctx_.lay.c_row && r.H % 8 == 0, "combine rows do not fit");
+    check_call(r.T, r.K, 16, 0, num_blocks);
+    launch_internode_combine(ctx_, s, r, record<InnodeCombine>(innode), num_blocks, stream());
   }
 
   // The kernels' first unread error, or None (the record's expert and set: node and direction).
@@ -155,6 +157,32 @@ class InternodeBuffer {
   }
   static cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
   void live() const { mem_.live(); }
+  InternodeSendArgs send_args(const torch::Tensor& x, const c10::optional<torch::Tensor>& scales, const torch::Tensor& topk_idx,
+                              const c10::optional<torch::Tensor>& weights, int num_experts, long long sig, int num_blocks,
+                              bool ids) const {
+    InternodeSendArgs a{};
+    TORCH_CHECK(x.is_cuda() && x.is_contiguous() && x.dim() == 2, "x must be a contiguous [T, H] CUDA tensor");
+    a.x = static_cast<const char*>(x.data_ptr());
+    a.T = (int)x.size(0), a.row_bytes = (int)(x.size(1) * x.element_size());
+    a.topk_idx = reinterpret_cast<const long long*>(ptr<int64_t>(topk_idx, "topk_idx", at::kLong));
+    a.K = (int)topk_idx.size(1), a.E = num_experts, a.sig = sig, a.ids = ids ? 1 : 0;
+    a.scales = scales ? ptr<float>(*scales, "scales", at::kFloat) : nullptr;
+    a.scale_cols = scales ? (int)scales->size(1) : 0;
+    a.weights = weights ? ptr<float>(*weights, "topk_weights", at::kFloat) : nullptr;
+    check_call(a.T, a.K, a.row_bytes, a.scale_cols, num_blocks);
+    TORCH_CHECK(topk_idx.size(0) == a.T, "topk_idx rows differ from x's");
+    return a;
+  }
+  // An in-node launch record from _C (both extensions compile csrc/intranode/api.h).
+  template <typename R>
+  static R record(const py::bytes& b) {
+    const std::string raw = b;
+    TORCH_CHECK(raw.size() == sizeof(R), "megatron_ep internode: an in-node launch record of ", raw.size(),
+                " bytes, expected ", sizeof(R), " (_C and _C_nvshmem built from different sources?)");
+    R r;
+    std::memcpy(&r, raw.data(), sizeof(R));
+    return r;
+  }
   void check_call(int T, int K, long long row_bytes, int scale_cols, int num_blocks) const {
     const InternodeLayout& l = ctx_.lay;
     TORCH_CHECK(T <= l.max_tokens && K <= l.max_topk && K >= 1 && K <= kMaxTopk && row_bytes <= l.x_row &&
@@ -172,6 +200,8 @@ void bind_internode(py::module_& m) {
   m.attr("INTERNODE_THREADS") = kInternodeThreads;
   m.attr("INTERNODE_MAX_BLOCKS") = kInternodeMaxBlocks;
   m.attr("INTERNODE_MAX_NODES") = kInternodeMaxNodes;
+  m.attr("INNODE_DISPATCH_BYTES") = (long long)sizeof(InnodeDispatch);
+  m.attr("INNODE_COMBINE_BYTES") = (long long)sizeof(InnodeCombine);
   m.def("internode_plan", [](int num_nodes, int max_tokens, int max_topk, long long x_row, long long scale_cols,
                              long long c_row, bool staged) {
     return layout_dict(InternodeLayout::plan(num_nodes, max_tokens, max_topk, x_row, scale_cols, c_row, staged));
@@ -184,8 +214,8 @@ void bind_internode(py::module_& m) {
       .def("release", &InternodeBuffer::release, py::arg("dir"))
       .def("set_call", &InternodeBuffer::set_call, py::arg("seq"))
       .def("publish_failure", &InternodeBuffer::publish_failure, py::arg("seq"))
-      .def("combine_send", &InternodeBuffer::combine_send, py::arg("y"), py::arg("w"), py::arg("local_idx"), py::arg("tokens"), py::arg("sig"), py::arg("num_blocks"))
-      .def("combine_recv", &InternodeBuffer::combine_recv, py::arg("topk_idx"), py::arg("num_experts"), py::arg("sig"), py::arg("y"), py::arg("w"), py::arg("num_blocks"))
+      .def("dispatch_cached", &InternodeBuffer::dispatch_cached, py::arg("innode"), py::arg("x"), py::arg("scales"), py::arg("topk_idx"), py::arg("weights"), py::arg("num_experts"), py::arg("sig"), py::arg("num_blocks"))
+      .def("combine", &InternodeBuffer::combine, py::arg("innode"), py::arg("y_in"), py::arg("w_in"), py::arg("local_idx"), py::arg("tokens"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("sig"), py::arg("y"), py::arg("w"), py::arg("num_blocks"))
       .def("error", &InternodeBuffer::error)
       .def("clear_error", &InternodeBuffer::clear_error)
       .def("p2p", &InternodeBuffer::p2p)

@@ -33,7 +33,8 @@ constexpr int kInternodeMaxBlocks = 132;
 enum InternodeDir : int { kInternodeDispatch = 0, kInternodeCombine = 1 };
 enum InternodeWhat : int {
   kInternodeWaitRelease = 0,  // a sender waited for a destination node to finish reading its last call
-  kInternodeWaitSignal = 1    // a receiver waited for a source node's rows
+  kInternodeWaitSignal = 1,   // a receiver waited for a source node's rows
+  kInternodeWaitGrid = 2      // a block of the fused combine waited for this rank's other blocks
 };
 
 // Local counters (in the same allocation, never written by peers).
@@ -42,6 +43,7 @@ struct InternodeState {
   long long sent[2];      // [direction]: calls this rank sent
   long long received[2];  // [direction]: calls this rank received
   unsigned grid_done[4];  // last-block counters: dispatch send, dispatch recv, combine send, combine recv
+  unsigned bar_count, bar_gen;  // the fused combine's grid barrier: arrivals, generation
   int failed;             // a wait timed out: every later wait returns at once
   int err_claims;         // error records claimed (the host counts its clears)
 };

@@ -141,6 +141,27 @@ struct CombineArgs {
 };
 void launch_combine(const Ctx& ctx, const CombineArgs& args, int num_blocks, cudaStream_t stream);
 
+// ---- the in-node stage of the internode path's fused kernels ----------------------------------
+// An in-node push or combine that the internode path runs inside its own fused launch
+// (csrc/internode/fused.cu, extension _C_nvshmem) instead of the launches above: the context and
+// arguments _C's binding builds, handed across the two extensions as bytes (both compile this
+// header; the receiver checks the size).
+struct InnodeDispatch {
+  Ctx ctx;
+  CallArgs call;
+  int slot;  // kSlotCall: a cached dispatch's first exchange
+  PushArgs push;
+};
+
+struct InnodeCombine {
+  Ctx ctx;
+  CallArgs call;
+  int partials;              // expert-major pre-reduction (reduce + partial sums), else stage + pull-and-sum
+  StageCombineArgs stage;    // !partials
+  CombineReduceArgs reduce;  // partials
+  CombineArgs comb;          // out: the in-node sums, one row per forwarded token
+};
+
 // Resolve every kernel now (module loading is lazy by default, and a first launch that has to
 // wait behind a spinning kernel of the same process would deadlock) and raise smem limits:
 // prepare_kernels() runs each file's part (notify.cu, dispatch.cu, combine.cu, layout.cu, and

@@ -93,16 +93,19 @@ void dispatch(Runtime& rt, const Sig& sig, int slot, int row_bytes, int scale_co
   check_launch("dispatch");
 }
 
-void dispatch_push(Runtime& rt, const Sig& sig, int slot, const Tensor& x, int T, int row_bytes,
-                   const c10::optional<Tensor>& scales, int scale_cols, const Tensor& topk_idx,
-                   const c10::optional<Tensor>& topk_w, const Tensor& rank_pos, const Tensor& slot_pos, int E,
-                   int out_rows, bool permute, const Tensor& recv_info, Tensor& out_x,
-                   const c10::optional<Tensor>& out_scales, const c10::optional<Tensor>& out_idx,
-                   const c10::optional<Tensor>& out_w, const c10::optional<Tensor>& out_row_expert,
-                   const c10::optional<Tensor>& comb_map, std::vector<long long> offsets, int num_blocks) {
+InnodeDispatch push_launch(Runtime& rt, const Sig& sig, int slot, const Tensor& x, int T, int row_bytes,
+                           const c10::optional<Tensor>& scales, int scale_cols, const Tensor& topk_idx,
+                           const c10::optional<Tensor>& topk_w, const Tensor& rank_pos, const Tensor& slot_pos, int E,
+                           int out_rows, bool permute, const Tensor& recv_info, Tensor& out_x,
+                           const c10::optional<Tensor>& out_scales, const c10::optional<Tensor>& out_idx,
+                           const c10::optional<Tensor>& out_w, const c10::optional<Tensor>& out_row_expert,
+                           const c10::optional<Tensor>& comb_map, const std::vector<long long>& offsets) {
   TORCH_CHECK(offsets.size() == 4, "offsets: x, scales, idx, w");
-  const CallArgs call = make_call(sig, kCallOk, "");
-  PushArgs a;
+  InnodeDispatch d{};
+  d.call = make_call(sig, kCallOk, "");
+  d.ctx = rt.ctx(d.call.sig[kSigSeq]);
+  d.slot = slot;
+  PushArgs& a = d.push;
   a.in = stage_args(rt, x, T, row_bytes, scales, scale_cols, topk_idx, topk_w, rank_pos, slot_pos);
   const int K = a.in.K;
   a.out = dispatch_args(row_bytes, scale_cols, K, E, permute, topk_w.has_value(), out_rows, recv_info, out_x, out_scales,
@@ -111,8 +114,39 @@ void dispatch_push(Runtime& rt, const Sig& sig, int slot, const Tensor& x, int T
   a.out_s_off = offsets[1];
   a.out_idx_off = offsets[2];
   a.out_w_off = offsets[3];
-  launch_dispatch_push(rt.ctx(call.sig[kSigSeq]), call, slot, a, num_blocks, stream());
+  return d;
+}
+
+void dispatch_push(Runtime& rt, const Sig& sig, int slot, const Tensor& x, int T, int row_bytes,
+                   const c10::optional<Tensor>& scales, int scale_cols, const Tensor& topk_idx,
+                   const c10::optional<Tensor>& topk_w, const Tensor& rank_pos, const Tensor& slot_pos, int E,
+                   int out_rows, bool permute, const Tensor& recv_info, Tensor& out_x,
+                   const c10::optional<Tensor>& out_scales, const c10::optional<Tensor>& out_idx,
+                   const c10::optional<Tensor>& out_w, const c10::optional<Tensor>& out_row_expert,
+                   const c10::optional<Tensor>& comb_map, std::vector<long long> offsets, int num_blocks) {
+  const InnodeDispatch d = push_launch(rt, sig, slot, x, T, row_bytes, scales, scale_cols, topk_idx, topk_w, rank_pos,
+                                       slot_pos, E, out_rows, permute, recv_info, out_x, out_scales, out_idx, out_w,
+                                       out_row_expert, comb_map, offsets);
+  launch_dispatch_push(d.ctx, d.call, d.slot, d.push, num_blocks, stream());
   check_launch("dispatch_push");
+}
+
+template <typename T>
+py::bytes as_bytes(const T& v) {
+  return py::bytes(reinterpret_cast<const char*>(&v), sizeof(T));
+}
+
+// The same push for the internode path's fused dispatch: its launch record, not launched.
+py::bytes push_record(Runtime& rt, const Sig& sig, int slot, const Tensor& x, int T, int row_bytes,
+                      const c10::optional<Tensor>& scales, int scale_cols, const Tensor& topk_idx,
+                      const c10::optional<Tensor>& topk_w, const Tensor& rank_pos, const Tensor& slot_pos, int E,
+                      int out_rows, bool permute, const Tensor& recv_info, Tensor& out_x,
+                      const c10::optional<Tensor>& out_scales, const c10::optional<Tensor>& out_idx,
+                      const c10::optional<Tensor>& out_w, const c10::optional<Tensor>& out_row_expert,
+                      const c10::optional<Tensor>& comb_map, std::vector<long long> offsets) {
+  return as_bytes(push_launch(rt, sig, slot, x, T, row_bytes, scales, scale_cols, topk_idx, topk_w, rank_pos, slot_pos, E,
+                              out_rows, permute, recv_info, out_x, out_scales, out_idx, out_w, out_row_expert, comb_map,
+                              offsets));
 }
 
 // The pooled rank-major rows of an expert-major push (pool_rank_major's tensors; its int64 index
@@ -134,44 +168,83 @@ void fanout(Runtime& rt, const Sig& sig, const Tensor& rows, const c10::optional
 }
 
 // Expert-major combine, first half: the local pre-reduction into fp32 partials (replaces stage_combine).
-void combine_reduce(Runtime& rt, const Sig& sig, const Tensor& x, int rows, int H, bool is_fp32, const Tensor& comb_map,
-                    const Tensor& recv_info, const c10::optional<Tensor>& w, int num_blocks) {
+CombineReduceArgs combine_reduce_args(Runtime& rt, const Tensor& x, int rows, int H, bool is_fp32, const Tensor& comb_map,
+                                      const Tensor& recv_info, const c10::optional<Tensor>& w) {
   const RegionLayout& l = rt.lay();
   check_tensor(comb_map, "comb_map", at::kInt);
   TORCH_CHECK(x.is_contiguous() && x.size(0) == rows && x.size(1) == H, "combine_reduce: bad x");
   TORCH_CHECK(H % 4 == 0, "combine_reduce: hidden must be a multiple of 4");
   TORCH_CHECK(rows <= l.comb_rows, "megatron_ep: combine input has ", rows, " rows; the region holds ", l.comb_rows);
   TORCH_CHECK(comb_map.size(0) * H * 4 <= l.comb_rows * l.comb_row_bytes, "combine_reduce: the partials exceed the combine area");
+  return CombineReduceArgs{x.data_ptr(), rows, H, is_fp32 ? 1 : 0, comb_map.data_ptr<int>(), recv_info.data_ptr<int>(),
+                           (int)comb_map.size(1), ptr_or_null<const float>(w)};
+}
+
+void combine_reduce(Runtime& rt, const Sig& sig, const Tensor& x, int rows, int H, bool is_fp32, const Tensor& comb_map,
+                    const Tensor& recv_info, const c10::optional<Tensor>& w, int num_blocks) {
+  const CombineReduceArgs a = combine_reduce_args(rt, x, rows, H, is_fp32, comb_map, recv_info, w);
   const CallArgs call = make_call(sig, kCallOk, "");
-  CombineReduceArgs a{x.data_ptr(), rows, H, is_fp32 ? 1 : 0, comb_map.data_ptr<int>(), recv_info.data_ptr<int>(),
-                      (int)comb_map.size(1), ptr_or_null<const float>(w)};
   launch_combine_reduce(rt.ctx(call.sig[kSigSeq]), call, a, num_blocks, stream());
   check_launch("combine_reduce");
 }
 
-void stage_combine(Runtime& rt, const Sig& sig, const c10::optional<Tensor>& x, int rows, int row_bytes,
-                   const c10::optional<Tensor>& w, int w_cols, int num_blocks) {
+StageCombineArgs stage_combine_args(Runtime& rt, const c10::optional<Tensor>& x, int rows, int row_bytes,
+                                    const c10::optional<Tensor>& w, int w_cols) {
   const RegionLayout& l = rt.lay();
   TORCH_CHECK(rows <= l.comb_rows, "megatron_ep: combine input has ", rows, " rows; the region holds ", l.comb_rows);
   TORCH_CHECK(row_bytes <= l.comb_row_bytes && row_bytes % 16 == 0, "megatron_ep: bad combine row size ", row_bytes);
   TORCH_CHECK(w_cols <= l.max_topk, "megatron_ep: combine weight columns exceed the region's");
+  return StageCombineArgs{x.has_value() ? x->data_ptr() : nullptr, rows, row_bytes, ptr_or_null<const float>(w), w_cols};
+}
+
+void stage_combine(Runtime& rt, const Sig& sig, const c10::optional<Tensor>& x, int rows, int row_bytes,
+                   const c10::optional<Tensor>& w, int w_cols, int num_blocks) {
+  const StageCombineArgs a = stage_combine_args(rt, x, rows, row_bytes, w, w_cols);
   const CallArgs call = make_call(sig, kCallOk, "");
-  StageCombineArgs a{x.has_value() ? x->data_ptr() : nullptr, rows, row_bytes, ptr_or_null<const float>(w), w_cols};
   launch_stage_combine(rt.ctx(call.sig[kSigSeq]), call, a, num_blocks, stream());
   check_launch("stage_combine");
+}
+
+CombineArgs combine_args(int T, int H, int K, int E, bool permute, bool is_fp32, bool has_weights, bool partials,
+                         const Tensor& row_limits, const Tensor& topk_idx, const Tensor& rank_pos, const Tensor& slot_pos,
+                         Tensor& y, const c10::optional<Tensor>& w_out) {
+  check_tensor(topk_idx, "topk_idx", at::kLong);
+  check_tensor(row_limits, "row_limits", at::kInt);
+  TORCH_CHECK(y.is_contiguous() && y.size(0) == T && y.size(1) == H, "y has the wrong shape");
+  return CombineArgs{T, H, K, E, permute ? 1 : 0, is_fp32 ? 1 : 0, has_weights ? 1 : 0, partials ? 1 : 0,
+                     row_limits.data_ptr<int>(), static_cast<const long long*>(topk_idx.data_ptr()),
+                     rank_pos.data_ptr<int>(), slot_pos.data_ptr<int>(), y.data_ptr(), ptr_or_null<float>(w_out)};
 }
 
 void combine(Runtime& rt, const Sig& sig, int T, int H, int K, int E, bool permute, bool is_fp32, bool has_weights,
              bool partials, const Tensor& row_limits, const Tensor& topk_idx, const Tensor& rank_pos, const Tensor& slot_pos, Tensor& y,
              const c10::optional<Tensor>& w_out, int num_blocks) {
-  check_tensor(topk_idx, "topk_idx", at::kLong);
-  check_tensor(row_limits, "row_limits", at::kInt);
-  TORCH_CHECK(y.is_contiguous() && y.size(0) == T && y.size(1) == H, "y has the wrong shape");
-  CombineArgs a{T, H, K, E, permute ? 1 : 0, is_fp32 ? 1 : 0, has_weights ? 1 : 0, partials ? 1 : 0, row_limits.data_ptr<int>(),
-                static_cast<const long long*>(topk_idx.data_ptr()), rank_pos.data_ptr<int>(),
-                slot_pos.data_ptr<int>(), y.data_ptr(), ptr_or_null<float>(w_out)};
+  const CombineArgs a = combine_args(T, H, K, E, permute, is_fp32, has_weights, partials, row_limits, topk_idx, rank_pos,
+                                     slot_pos, y, w_out);
   launch_combine(rt.ctx(sig.at(kSigSeq)), a, num_blocks, stream());
   check_launch("combine");
+}
+
+// A whole in-node combine (its first half: stage, or the pre-reduction with `partials`; then the
+// pull-and-sum into y) for the internode path's fused combine: its launch record, not launched.
+py::bytes combine_record(Runtime& rt, const Sig& sig, const c10::optional<Tensor>& x, int rows, int row_bytes,
+                         const c10::optional<Tensor>& weights, int weight_cols, bool partials,
+                         const c10::optional<Tensor>& comb_map, const Tensor& recv_info, int T, int H, int K, int E,
+                         bool permute, bool is_fp32, bool has_weights, const Tensor& row_limits, const Tensor& topk_idx,
+                         const Tensor& rank_pos, const Tensor& slot_pos, Tensor& y, const c10::optional<Tensor>& w_out) {
+  InnodeCombine d{};
+  d.call = make_call(sig, kCallOk, "");
+  d.ctx = rt.ctx(d.call.sig[kSigSeq]);
+  d.partials = partials ? 1 : 0;
+  if (partials) {
+    TORCH_CHECK(comb_map.has_value() && x.has_value(), "combine_record: partials need x and comb_map");
+    d.reduce = combine_reduce_args(rt, *x, rows, H, is_fp32, *comb_map, recv_info, weights);
+  } else {
+    d.stage = stage_combine_args(rt, x, rows, row_bytes, weights, weight_cols);
+  }
+  d.comb = combine_args(T, H, K, E, permute, is_fp32, has_weights, partials, row_limits, topk_idx, rank_pos, slot_pos, y,
+                        w_out);
+  return as_bytes(d);
 }
 
 void layout(const Tensor& topk_idx, int E, int R, Tensor& tokens_per_rank, Tensor& tokens_per_expert,
@@ -226,6 +299,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   intra.def("dispatch", &mep::dispatch, py::arg("rt"), py::arg("sig"), py::arg("slot"), py::arg("row_bytes"), py::arg("scale_cols"), py::arg("topk"), py::arg("num_experts"), py::arg("permute"), py::arg("has_weights"), py::arg("out_rows"), py::arg("recv_info"), py::arg("out_x"), py::arg("out_scales"), py::arg("out_topk_idx"), py::arg("out_weights"), py::arg("out_row_expert"), py::arg("out_tokens_per_expert"), py::arg("comb_map"), py::arg("num_blocks"));
   intra.def("dispatch_push", &mep::dispatch_push, py::arg("rt"), py::arg("sig"), py::arg("slot"), py::arg("x"), py::arg("num_tokens"), py::arg("row_bytes"), py::arg("scales"), py::arg("scale_cols"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("rank_pos"), py::arg("slot_pos"), py::arg("num_experts"), py::arg("out_rows"), py::arg("permute"), py::arg("recv_info"), py::arg("out_x"), py::arg("out_scales"), py::arg("out_topk_idx"), py::arg("out_weights"), py::arg("out_row_expert"), py::arg("comb_map"), py::arg("offsets"), py::arg("num_blocks"));
   intra.def("fanout", &mep::fanout, py::arg("rt"), py::arg("sig"), py::arg("x"), py::arg("scales"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("row_bytes"), py::arg("scale_cols"), py::arg("topk"), py::arg("num_experts"), py::arg("has_weights"), py::arg("out_rows"), py::arg("recv_info"), py::arg("out_x"), py::arg("out_scales"), py::arg("out_weights"), py::arg("out_row_expert"), py::arg("comb_map"), py::arg("num_blocks"));
+  intra.def("push_record", &mep::push_record, py::arg("rt"), py::arg("sig"), py::arg("slot"), py::arg("x"), py::arg("num_tokens"), py::arg("row_bytes"), py::arg("scales"), py::arg("scale_cols"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("rank_pos"), py::arg("slot_pos"), py::arg("num_experts"), py::arg("out_rows"), py::arg("permute"), py::arg("recv_info"), py::arg("out_x"), py::arg("out_scales"), py::arg("out_topk_idx"), py::arg("out_weights"), py::arg("out_row_expert"), py::arg("comb_map"), py::arg("offsets"));
+  intra.def("combine_record", &mep::combine_record, py::arg("rt"), py::arg("sig"), py::arg("x"), py::arg("rows"), py::arg("row_bytes"), py::arg("weights"), py::arg("weight_cols"), py::arg("partials"), py::arg("comb_map"), py::arg("recv_info"), py::arg("num_tokens"), py::arg("hidden"), py::arg("topk"), py::arg("num_experts"), py::arg("permute"), py::arg("is_fp32"), py::arg("has_weights"), py::arg("row_limits"), py::arg("topk_idx"), py::arg("rank_pos"), py::arg("slot_pos"), py::arg("y"), py::arg("out_weights"));
+  intra.attr("INNODE_DISPATCH_BYTES") = (long long)sizeof(mep::InnodeDispatch);
+  intra.attr("INNODE_COMBINE_BYTES") = (long long)sizeof(mep::InnodeCombine);
   intra.def("combine_reduce", &mep::combine_reduce, py::arg("rt"), py::arg("sig"), py::arg("x"), py::arg("rows"), py::arg("hidden"), py::arg("is_fp32"), py::arg("comb_map"), py::arg("recv_info"), py::arg("weights"), py::arg("num_blocks"));
   intra.def("stage_combine", &mep::stage_combine, py::arg("rt"), py::arg("sig"), py::arg("x"), py::arg("rows"), py::arg("row_bytes"), py::arg("weights"), py::arg("weight_cols"), py::arg("num_blocks"));
   intra.def("combine", &mep::combine, py::arg("rt"), py::arg("sig"), py::arg("num_tokens"), py::arg("hidden"), py::arg("topk"), py::arg("num_experts"), py::arg("permute"), py::arg("is_fp32"), py::arg("has_weights"), py::arg("partials"), py::arg("row_limits"), py::arg("topk_idx"), py::arg("rank_pos"), py::arg("slot_pos"), py::arg("y"), py::arg("out_weights"), py::arg("num_blocks"));

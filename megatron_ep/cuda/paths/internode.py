@@ -261,13 +261,19 @@ class InternodePath(NvshmemPath, NormalPath):
                 src_w = self.view("s_w", T, K, torch.float32)
                 src_w.copy_(topk_weights)
         self.buf.set_call(call.seq)  # the waits of this call's kernels stop on a peer's publication for it
-        call.sends(self.buf.dispatch_send, x=src_x, scales=src_s, topk_idx=src_i, weights=src_w, num_experts=num_experts,
-                   sig=sig, num_blocks=self.num_blocks)
-        local_idx = torch.empty((N * mt, K), dtype=torch.int64, device=rt.device)
-        tokens = torch.empty(N, dtype=torch.int32, device=rt.device)
-        self.buf.dispatch_recv(topk=K, num_experts=num_experts, sig=sig, out_idx=local_idx, out_tokens=tokens,
-                               num_blocks=self.num_blocks)
-        rt.mark("rdma", cur)
+        fused = None
+        if handle is None:  # a new routing: RDMA send and receive, then the in-node stage's own launches
+            call.sends(self.buf.dispatch_send, x=src_x, scales=src_s, topk_idx=src_i, weights=src_w,
+                       num_experts=num_experts, sig=sig, num_blocks=self.num_blocks)
+            local_idx = torch.empty((N * mt, K), dtype=torch.int64, device=rt.device)
+            tokens = torch.empty(N, dtype=torch.int32, device=rt.device)
+            self.buf.dispatch_recv(topk=K, num_experts=num_experts, sig=sig, out_idx=local_idx, out_tokens=tokens,
+                                   num_blocks=self.num_blocks)
+            rt.mark("rdma", cur)
+        else:  # cached: the RDMA send and the in-node push in one kernel (csrc/internode/fused.cu), the ids kept
+            def fused(innode: bytes) -> None:
+                call.sends(self.buf.dispatch_cached, innode=innode, x=src_x, scales=src_s, topk_idx=src_i,
+                           weights=src_w, num_experts=num_experts, sig=sig, num_blocks=self.num_blocks)
 
         # the in-node stage over the forwarder's rows, one token group per source node: it delivers
         # them in the contract's order, straight into the outputs
@@ -280,9 +286,10 @@ class InternodePath(NvshmemPath, NormalPath):
             inner = self.intra.dispatch(inner_call, DispatchRequest(
                 rows, local_idx if handle is None else None, fw, L_node, permute, expert_alignment,
                 handle.state.inner if handle is not None else None, host_counts=host_counts,
-                num_worst_tokens=num_worst_tokens, token_groups=N))
-        with torch.cuda.stream(rt.stream):  # the in-node stage has read the receive area: free it
-            self.buf.release(0)
+                num_worst_tokens=num_worst_tokens, token_groups=N, fused=fused))
+        if handle is None:
+            with torch.cuda.stream(rt.stream):  # the in-node stage has read the receive area: free it
+                self.buf.release(0)
         torch.cuda.current_stream(rt.device).wait_stream(rt.stream)  # joined (CUDA-graph capture needs it)
         self.check(call)
 
@@ -292,8 +299,6 @@ class InternodePath(NvshmemPath, NormalPath):
                                     num_tokens=T, topk=K, permute=permute, expert_alignment=expert_alignment,
                                     num_recv_rows=inner.handle.num_recv_rows, tokens_per_expert=inner.handle.tokens_per_expert,
                                     topk_idx=topk_idx, num_worst_tokens=num_worst_tokens, state=st, call_seq=call.seq)
-        else:
-            st.local_idx, st.tokens = local_idx, tokens  # the same values: the routing did not change
         event = EventOverlap(torch.cuda.Event())
         event.event.record(torch.cuda.current_stream(rt.device))
         out = DispatchOutput(inner.x, inner.topk_idx, inner.topk_weights, inner.row_expert, inner.tokens_per_expert, None,
@@ -314,27 +319,29 @@ class InternodePath(NvshmemPath, NormalPath):
             torch.cuda.current_stream(rt.device).wait_event(previous_event.event)
         T, K = handle.num_tokens, handle.topk
         cur = torch.cuda.current_stream(rt.device)
-        rt.mark("start", cur)  # benchmarks' phases: the in-node stage's, rdma
-        # the caller's rows are the in-node stage's (same order, same count)
-        inner_call = self._inner_call(call, handle.num_experts // N, st.inner.call_seq)
-        with self.intra.guard(inner_call):
-            yf = self.intra.combine(inner_call, CombineRequest(x, st.inner, weights))
-        sig = signature_hash(call)
-        y_src, w_src = yf.x, yf.weights
-        if self.staged:
-            y_src = self.view("s_y", yf.x.shape[0], H, x.dtype)
-            y_src.copy_(yf.x)
-            if yf.weights is not None:
-                w_src = self.view("s_cw", yf.weights.shape[0], K, torch.float32)
-                w_src.copy_(yf.weights)
-        self.buf.set_call(call.seq)
-        call.sends(self.buf.combine_send, y=y_src, w=w_src, local_idx=st.local_idx, tokens=st.tokens, sig=sig,
-                   num_blocks=self.num_blocks)
+        rt.mark("start", cur)  # benchmarks' phases: the whole call (one kernel)
         y = torch.empty((T, H), dtype=x.dtype, device=rt.device)
         w_out = torch.empty((T, K), dtype=torch.float32, device=rt.device) if weights is not None else None
         rt.new_outputs((y, w_out))
-        self.buf.combine_recv(topk_idx=handle.topk_idx, num_experts=handle.num_experts, sig=sig, y=y, w=w_out,
-                              num_blocks=self.num_blocks)
+        # the in-node combine writes the forwarder's rows where the RDMA send reads them: symmetric
+        # staging when every transfer is a put, else a tensor it allocates
+        out = None
+        if self.staged:
+            rows = st.inner.num_tokens
+            out = (self.view("s_y", rows, H, x.dtype),
+                   self.view("s_cw", rows, K, torch.float32) if weights is not None else None)
+        sig = signature_hash(call)
+        self.buf.set_call(call.seq)
+
+        def fused(innode: bytes, y_in: torch.Tensor, w_in: Optional[torch.Tensor]) -> None:
+            # one kernel (csrc/internode/fused.cu): the in-node combine, the RDMA hop, the sum over nodes
+            call.sends(self.buf.combine, innode=innode, y_in=y_in, w_in=w_in, local_idx=st.local_idx, tokens=st.tokens,
+                       topk_idx=handle.topk_idx, num_experts=handle.num_experts, sig=sig, y=y, w=w_out,
+                       num_blocks=self.num_blocks)
+
+        inner_call = self._inner_call(call, handle.num_experts // N, st.inner.call_seq)
+        with self.intra.guard(inner_call):  # synchronous: this stream waits for the kernel's stream
+            self.intra.combine(inner_call, CombineRequest(x, st.inner, weights, fused=fused, out=out))
         rt.mark("rdma", cur)
         self.check(call)
         event = EventOverlap(torch.cuda.Event())

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -67,6 +67,7 @@ class DispatchPlan:
     need: dict  # the region's needs (hint keys) of this call
     first: bool  # a new routing: notify runs (else a cached dispatch on the handle's state)
     push: bool  # rows pushed into pooled outputs (else staged here and pulled by the receivers)
+    fused: Optional[Callable] = None  # the internode path runs the push in its own kernel (DispatchRequest.fused)
 
 
 @dataclass
@@ -226,13 +227,14 @@ class IntranodePath(NormalPath):
         # rows are pushed straight into pooled rank-major buffers when every rank has room: the
         # outputs themselves (rank-major), or what the fan-out spreads into expert segments
         push = (req.permute or not num_worst_tokens) and rt.plan.pool_bytes > 0 and not capturing
+        fail(req.fused is None or handle is not None, "a fused in-node dispatch needs a handle (cached dispatch)", RuntimeError)
         call.set(variant=int(push))
         return DispatchPlan(data=data, scales=scales, topk_idx=topk_idx, topk_weights=req.topk_weights,
                             num_experts=num_experts, permute=req.permute, expert_alignment=req.expert_alignment,
                             num_worst_tokens=num_worst_tokens, groups=groups, T=T, H=H, K=K,
                             L=num_experts // rt.num_ranks, row_bytes=row_bytes,
                             scale_cols=scales.shape[1] if scales is not None else 0, need=need,
-                            first=handle is None, push=push)
+                            first=handle is None, push=push, fused=req.fused)
 
     def _notify(self, call: P.Call, plan: "DispatchPlan", tpe: torch.Tensor, dropped: torch.Tensor) -> IntranodeState:
         """A new routing's counts, exchange and row positions; unless sync-free, the host reads
@@ -301,13 +303,25 @@ class IntranodePath(NormalPath):
         before this rank signals anything, so the peers abort at the handshake they wait on."""
         rt, K, E, has_w = self.rt, plan.K, plan.num_experts, plan.topk_weights is not None
         slot = SLOT["call"] if not plan.first else (SLOT["out_loc"] if plan.push else SLOT["staged"])
-        if plan.push:
+        if plan.fused is not None:
+            # the push's launch record for the internode path's fused dispatch; where the outputs
+            # are not pooled (no push) the same kernel stages and pulls (offsets -1)
+            rec = self.kernels.push_record(rt=rt.rt, sig=call.sig, slot=slot, x=plan.data, num_tokens=plan.T,
+                                           row_bytes=plan.row_bytes, scales=plan.scales, scale_cols=plan.scale_cols,
+                                           topk_idx=plan.topk_idx, topk_weights=plan.topk_weights, rank_pos=st.rank_pos,
+                                           slot_pos=st.slot_pos, num_experts=E, out_rows=out_rows, permute=plan.permute,
+                                           recv_info=st.recv_info, out_x=out.x, out_scales=out.scales,
+                                           out_topk_idx=out.topk_idx, out_weights=out.weights,
+                                           out_row_expert=out.row_expert, comb_map=st.comb_map, offsets=out.offsets)
+            call.sends(plan.fused, rec)
+        elif plan.push:
             call.sends(self.kernels.dispatch_push, rt=rt.rt, sig=call.sig, slot=slot, x=plan.data, num_tokens=plan.T,
                        row_bytes=plan.row_bytes, scales=plan.scales, scale_cols=plan.scale_cols, topk_idx=plan.topk_idx,
                        topk_weights=plan.topk_weights, rank_pos=st.rank_pos, slot_pos=st.slot_pos, num_experts=E,
                        out_rows=out_rows, permute=plan.permute, recv_info=st.recv_info, out_x=out.x,
                        out_scales=out.scales, out_topk_idx=out.topk_idx, out_weights=out.weights,
                        out_row_expert=out.row_expert, comb_map=st.comb_map, offsets=out.offsets, num_blocks=rt.push_sms)
+        if plan.push or plan.fused is not None:
             rt.mark("push")
             if plan.permute:
                 if out.pooled is not None:
@@ -381,25 +395,42 @@ class IntranodePath(NormalPath):
         call.set(variant=int(partials))
         compute = rt.enter(previous_event)
         with torch.cuda.stream(compute):
-            y = torch.empty((T, H), dtype=x.dtype, device=rt.device)
-            w_out = torch.empty((T, K), dtype=torch.float32, device=rt.device) if weights is not None else None
+            if req.out is not None:
+                y, w_out = req.out
+                fail(tuple(y.shape) == (T, H) and y.dtype == x.dtype and (w_out is None) == (weights is None),
+                     "combine: the given outputs do not match the call", RuntimeError)
+            else:
+                y = torch.empty((T, H), dtype=x.dtype, device=rt.device)
+                w_out = torch.empty((T, K), dtype=torch.float32, device=rt.device) if weights is not None else None
             hooked = rt.new_outputs((y, w_out))
         with torch.cuda.stream(rt.stream):
             if hooked:
                 rt.stream.wait_stream(compute)
             rt.mark("start", first=True)
-            if partials:
+            if req.fused is not None:
+                # the whole in-node combine as one launch record, for the internode path's fused combine
+                rec = self.kernels.combine_record(
+                    rt=rt.rt, sig=call.sig, x=None if zero_copy else x, rows=rows, row_bytes=row_bytes, weights=weights,
+                    weight_cols=w_cols, partials=partials, comb_map=st.comb_map, recv_info=st.recv_info, num_tokens=T,
+                    hidden=H, topk=K, num_experts=handle.num_experts, permute=handle.permute,
+                    is_fp32=x.dtype == torch.float32, has_weights=weights is not None, row_limits=st.row_limits,
+                    topk_idx=handle.topk_idx, rank_pos=st.rank_pos, slot_pos=st.slot_pos, y=y, out_weights=w_out)
+                call.sends(req.fused, rec, y, w_out)
+            elif partials:
                 call.sends(self.kernels.combine_reduce, rt=rt.rt, sig=call.sig, x=x, rows=rows, hidden=H,
                            is_fp32=x.dtype == torch.float32, comb_map=st.comb_map, recv_info=st.recv_info, weights=weights,
                            num_blocks=rt.local_sms)
             else:
                 call.sends(self.kernels.stage_combine, rt=rt.rt, sig=call.sig, x=None if zero_copy else x, rows=rows,
                            row_bytes=row_bytes, weights=weights, weight_cols=w_cols, num_blocks=rt.num_sms)
-            rt.mark("reduce" if partials else "stage")
-            self.kernels.combine(rt=rt.rt, sig=call.sig, num_tokens=T, hidden=H, topk=K, num_experts=handle.num_experts,
-                                 permute=handle.permute, is_fp32=x.dtype == torch.float32, has_weights=weights is not None,
-                                 partials=partials, row_limits=st.row_limits, topk_idx=handle.topk_idx,
-                                 rank_pos=st.rank_pos, slot_pos=st.slot_pos, y=y, out_weights=w_out, num_blocks=rt.num_sms)
+            if req.fused is None:
+                rt.mark("reduce" if partials else "stage")
+                self.kernels.combine(rt=rt.rt, sig=call.sig, num_tokens=T, hidden=H, topk=K,
+                                     num_experts=handle.num_experts, permute=handle.permute,
+                                     is_fp32=x.dtype == torch.float32, has_weights=weights is not None,
+                                     partials=partials, row_limits=st.row_limits, topk_idx=handle.topk_idx,
+                                     rank_pos=st.rank_pos, slot_pos=st.slot_pos, y=y, out_weights=w_out,
+                                     num_blocks=rt.num_sms)
             rt.mark("pull")
         event = rt.leave(compute, [x, weights, y, w_out, handle.topk_idx, st.rank_pos, st.slot_pos, st.row_limits,
                                    st.comb_map, st.recv_info], async_op)

@@ -1,0 +1,305 @@
+// The intranode combine's steps as device functions: stage, pull-and-sum, the expert-major
+// pre-reduction and the partial sums. combine.cu's kernels run them; the internode path's fused
+// combine (csrc/internode/fused.cu) runs them inside its own launch before the RDMA hop.
+#pragma once
+
+#include "intranode/common.cuh"
+
+namespace mep {
+
+// The end of a combine's staging (stage_combine, combine_reduce): whether weights were staged,
+// then, from the last block to finish, this rank's call record and its signal to every rank.
+__device__ __forceinline__ void finish_combine_stage(const Ctx& c, const CallArgs& call, bool has_weights, bool first) {
+  if (first) ctrl_of(c, c.rank)->comb_has_weights = has_weights;
+  __syncthreads();
+  if (threadIdx.x == 0 && last_block_done(c, kGridStageComb)) {
+    write_record(c, call);
+    signal_all(c, kSlotCall);
+  }
+}
+
+__device__ __forceinline__ void stage_combine_step(const Ctx& c, const CallArgs& call, const StageCombineArgs& a) {
+  const long long gtid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const long long nthreads = (long long)gridDim.x * blockDim.x;
+  if (a.x != nullptr)
+    grid_copy16<8>(at<int4>(c, c.rank, c.lay.comb_x), reinterpret_cast<const int4*>(a.x), (long long)a.rows * a.row_bytes / 16);
+  if (a.w != nullptr) {
+    float* dst = at<float>(c, c.rank, c.lay.comb_w);
+    for (long long i = gtid; i < (long long)a.rows * a.w_cols; i += nthreads) dst[i] = a.w[i];
+  }
+  finish_combine_stage(c, call, a.w != nullptr, gtid == 0);
+}
+
+// ---------------------------------------------------------------------------------- combine
+template <bool kFp32>
+struct Acc;
+
+template <>
+struct Acc<false> {  // 8 bf16 per 16 bytes
+  float v[8];
+  __device__ __forceinline__ void zero() {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = 0.f;
+  }
+  __device__ __forceinline__ void add(const int4& x) { add_bf16x8(v, x); }
+  __device__ __forceinline__ int4 pack() const { return pack_bf16x8(v); }
+};
+
+template <>
+struct Acc<true> {  // 4 fp32 per 16 bytes
+  float v[4];
+  __device__ __forceinline__ void zero() {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = 0.f;
+  }
+  __device__ __forceinline__ void add(const int4& x) {
+    const float* f = reinterpret_cast<const float*>(&x);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] += f[i];
+  }
+  __device__ __forceinline__ int4 pack() const {
+    int4 out;
+    float* f = reinterpret_cast<float*>(&out);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) f[i] = v[i];
+    return out;
+  }
+};
+
+// Warp: sums rows that the lanes in `srcs` point at (lane l's row: `src` shuffled from lane l, as a Row pointer),
+// in lane order, word by word; `n_words` words per row, kSteps words per lane per step, and the
+// loads of kSrcBatch rows x kSteps words issued before any add (16 loads in flight per lane:
+// remote rows pay a link round trip each). `load(row, base, j)` reads word base + 32 j of a row
+// as a Word (callers keep their own address arithmetic),
+// Acc accumulates Words (zero(), add()), `store(i, acc)` writes word i of the sum.
+template <int kSteps, int kSrcBatch, typename Row, typename Word, typename Acc, typename Load, typename Store>
+__device__ __forceinline__ void warp_sum_batched(unsigned srcs, unsigned long long src, int n_words, Load load,
+                                                 Store store) {
+  const int lane = lane_id();
+  for (int it = 0; it * 32 * kSteps < n_words; ++it) {  // uniform trip count: shuffles inside
+    const int base = it * 32 * kSteps + lane;
+    Acc acc[kSteps];
+#pragma unroll
+    for (int j = 0; j < kSteps; ++j) acc[j].zero();
+    for (unsigned m = srcs; m;) {
+      Row row[kSrcBatch];
+#pragma unroll
+      for (int b = 0; b < kSrcBatch; ++b) {  // warp-uniform: every lane sees the same m
+        row[b] = nullptr;
+        if (m) {
+          row[b] = reinterpret_cast<Row>(__shfl_sync(kFull, src, __ffs(m) - 1));
+          m &= m - 1;
+        }
+      }
+      Word v[kSrcBatch][kSteps];
+#pragma unroll
+      for (int b = 0; b < kSrcBatch; ++b)
+        if (row[b] != nullptr) {
+#pragma unroll
+          for (int j = 0; j < kSteps; ++j)
+            if (base + j * 32 < n_words) v[b][j] = load(row[b], base, j);
+        }
+#pragma unroll
+      for (int b = 0; b < kSrcBatch; ++b)
+        if (row[b] != nullptr) {
+#pragma unroll
+          for (int j = 0; j < kSteps; ++j)
+            if (base + j * 32 < n_words) acc[j].add(v[b][j]);
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < kSteps; ++j)
+      if (base + j * 32 < n_words) store(base + j * 32, acc[j]);
+  }
+}
+
+// The frame both pull-and-sum kernels share. Begin: wait for the call exchange (every rank
+// staged its rows); `st` < 0: this rank's host block says why (return), 0: the call was aborted
+// on every rank (pull nothing), > 0: go. End: the last block to finish marks the call seen and
+// tells every rank that its staging was read.
+struct PullFrame {
+  Control* me;
+  unsigned long long target;
+  int st;
+};
+
+__device__ __forceinline__ PullFrame begin_pull(const Ctx& c) {
+  Control* me = ctrl_of(c, c.rank);
+  const unsigned long long target = me->expected[kSlotCall] + 1;
+  return {me, target, block_wait_call(c, kSlotCall, target, true)};
+}
+
+__device__ __forceinline__ void end_pull(const Ctx& c, const PullFrame& f) {
+  __syncthreads();
+  if (threadIdx.x == 0 && last_block_done(c, kGridCombine)) {
+    f.me->expected[kSlotCall] = f.target;
+    if (f.st > 0) done_exchange(c, kSlotCombDone);
+  }
+}
+
+// Lane k < K: the rank owning token t's slot k (-1: an unused or out-of-range id, or lane >= K).
+__device__ __forceinline__ int slot_owner(const CombineArgs& a, int t, int L) {
+  if (lane_id() >= a.K) return -1;
+  const long long e = a.topk_idx[(long long)t * a.K + lane_id()];
+  return (e >= 0 && e < a.E) ? (int)(e / L) : -1;
+}
+
+// Lane k: slot k's row in its owner's combine staging, -1 when the dispatch did not deliver it.
+__device__ __forceinline__ int slot_row(const CombineArgs& a, int t, int owner) {
+  if (owner < 0) return -1;
+  const int p = a.slot_pos[(long long)t * a.K + lane_id()];
+  return (p >= 0 && p < a.row_limits[owner]) ? p : -1;
+}
+
+// Lane k < K: the weight of token t's slot k back from its owner's combine staging (`pos`: the
+// slot's row there, -1 when not delivered).
+__device__ __forceinline__ void scatter_weight(const Ctx& c, const CombineArgs& a, int t, int owner, int pos) {
+  const int lane = lane_id(), K = a.K;
+  if (a.w_out == nullptr || lane >= K) return;
+  float w = 0.f;
+  if (pos >= 0 && a.has_weights) {
+    const float* wsrc = at<const float>(c, owner, c.lay.comb_w);
+    w = __ldcg(a.permute ? wsrc + pos : wsrc + (long long)pos * K + lane);
+  }
+  a.w_out[(long long)t * K + lane] = w;
+}
+
+template <bool kFp32>
+__device__ __forceinline__ void combine_step(const Ctx& c, const CombineArgs& a) {
+  constexpr int kChunks = 4;    // 16-byte chunks per lane per step
+  constexpr int kSrcBatch = 4;  // source rows loaded together: 16 loads in flight per lane
+  const int R = c.num_ranks, L = a.E / R;
+  const PullFrame f = begin_pull(c);
+  if (f.st < 0) return;
+
+  const int lane = lane_id();
+  const int gw = blockIdx.x * kCopyWarps + (threadIdx.x >> 5), tw = gridDim.x * kCopyWarps;
+  const int row_bytes = a.H * (kFp32 ? 4 : 2);
+  const int n16 = row_bytes >> 4;
+  for (int t = (f.st > 0 ? gw : a.T); t < a.T; t += tw) {
+    // lane j describes source row j: rank-major one per rank, expert-major one per slot; only
+    // rows the dispatch delivered (valid id, position inside every rank's input) are read
+    const char* src = nullptr;
+    const int owner = slot_owner(a, t, L);
+    int pos = -1;
+    if (!a.permute) {
+      if (lane < R) {
+        const int p = a.rank_pos[(long long)t * R + lane];
+        if (p >= 0 && p < a.row_limits[lane]) src = region(c, lane) + c.lay.comb_x + (long long)p * row_bytes;
+      }
+      if (owner >= 0) {
+        const int p = a.rank_pos[(long long)t * R + owner];
+        pos = (p >= 0 && p < a.row_limits[owner]) ? p : -1;
+      }
+    } else {
+      pos = slot_row(a, t, owner);
+      if (pos >= 0) src = region(c, owner) + c.lay.comb_x + (long long)pos * row_bytes;
+    }
+    const unsigned srcs = __ballot_sync(kFull, src != nullptr);
+    const unsigned long long src_u = reinterpret_cast<unsigned long long>(src);
+    int4* y = reinterpret_cast<int4*>(static_cast<char*>(a.y) + (long long)t * row_bytes);
+    warp_sum_batched<kChunks, kSrcBatch, const int4*, int4, Acc<kFp32>>(
+        srcs, src_u, n16, [](const int4* row, int base, int j) { return __ldcg(row + base + j * 32); },
+        [&](int i, const Acc<kFp32>& acc) { y[i] = acc.pack(); });
+    scatter_weight(c, a, t, owner, pos);
+  }
+  end_pull(c, f);
+}
+
+
+template <bool kFp32>
+__device__ __forceinline__ float4 load4(const char* row, int i) {
+  if constexpr (kFp32) {
+    return __ldcg(reinterpret_cast<const float4*>(row) + i);
+  } else {
+    const uint2 u = __ldcg(reinterpret_cast<const uint2*>(row) + i);
+    const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
+    const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
+    return make_float4(lo.x, lo.y, hi.x, hi.y);
+  }
+}
+
+template <bool kFp32>
+__device__ __forceinline__ void store4(char* row, int i, const float4& v) {
+  if constexpr (kFp32) {
+    reinterpret_cast<float4*>(row)[i] = v;
+  } else {
+    __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
+    uint2 u;
+    u.x = *reinterpret_cast<unsigned*>(&lo);
+    u.y = *reinterpret_cast<unsigned*>(&hi);
+    reinterpret_cast<uint2*>(row)[i] = u;
+  }
+}
+
+// Sum the rows that lanes in `srcs` point at (lane order), four channels per lane per step, into
+// `dst` (fp32 or bf16). Loads of kSrcBatch rows x kUnroll steps are issued before any add, so a
+// lane keeps 16 loads in flight (remote rows pay a link round trip each).
+struct Sum4 {  // four fp32 channels
+  float4 v;
+  __device__ __forceinline__ void zero() { v = make_float4(0.f, 0.f, 0.f, 0.f); }
+  __device__ __forceinline__ void add(const float4& x) {
+    v.x += x.x;
+    v.y += x.y;
+    v.z += x.z;
+    v.w += x.w;
+  }
+};
+
+template <bool kInFp32, bool kOutFp32>
+__device__ __forceinline__ void warp_sum_rows(char* dst, unsigned srcs, unsigned long long src, int H) {
+  warp_sum_batched<4, 4, const char*, float4, Sum4>(
+      srcs, src, H >> 2, [](const char* row, int base, int j) { return load4<kInFp32>(row, base + j * 32); },
+      [&](int i, const Sum4& acc) { store4<kOutFp32>(dst, i, acc.v); });
+}
+
+// Local pre-reduction of an expert-major combine: partial[n] = sum of rank-major row n's expert
+// rows (fp32, into this rank's combine area), weights staged; then the call exchange.
+template <bool kInFp32>
+__device__ __forceinline__ void combine_reduce_step(const Ctx& c, const CallArgs& call, const CombineReduceArgs& a) {
+  const int K = a.K, lane = lane_id();
+  const int gw = blockIdx.x * kCopyWarps + (threadIdx.x >> 5), tw = gridDim.x * kCopyWarps;
+  const long long in_row = (long long)a.H * (kInFp32 ? 4 : 2), out_row = (long long)a.H * 4;
+  const int N = a.recv_info[RecvInfo::kRows];
+  char* partials = region(c, c.rank) + c.lay.comb_x;
+  for (int n = gw; n < N; n += tw) {
+    const char* src = nullptr;
+    if (lane < K) {
+      const int p = a.map[(long long)n * K + lane];
+      if (p >= 0 && p < a.rows) src = static_cast<const char*>(a.x) + p * in_row;
+    }
+    warp_sum_rows<kInFp32, true>(partials + n * out_row, __ballot_sync(kFull, src != nullptr),
+                                 reinterpret_cast<unsigned long long>(src), a.H);
+  }
+  if (a.w != nullptr) {
+    float* dst = at<float>(c, c.rank, c.lay.comb_w);
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < a.rows; i += (long long)gridDim.x * blockDim.x)
+      dst[i] = a.w[i];
+  }
+  finish_combine_stage(c, call, a.w != nullptr, blockIdx.x == 0 && threadIdx.x == 0);
+}
+
+// Second half: y[t] = sum over ranks of the token's fp32 partial there (one row per rank).
+template <bool kOutFp32>
+__device__ __forceinline__ void combine_partials_step(const Ctx& c, const CombineArgs& a) {
+  const int R = c.num_ranks, L = a.E / R;
+  const PullFrame f = begin_pull(c);
+  if (f.st < 0) return;
+  const int lane = lane_id();
+  const int gw = blockIdx.x * kCopyWarps + (threadIdx.x >> 5), tw = gridDim.x * kCopyWarps;
+  const long long out_row = (long long)a.H * (kOutFp32 ? 4 : 2), part_row = (long long)a.H * 4;
+  for (int t = (f.st > 0 ? gw : a.T); t < a.T; t += tw) {
+    const char* src = nullptr;
+    if (lane < R) {  // every rank-major row has a partial (zeros where all its slots were dropped)
+      const int p = a.rank_pos[(long long)t * R + lane];
+      if (p >= 0) src = region(c, lane) + c.lay.comb_x + p * part_row;
+    }
+    const int owner = slot_owner(a, t, L), pos = slot_row(a, t, owner);
+    warp_sum_rows<true, kOutFp32>(static_cast<char*>(a.y) + t * out_row, __ballot_sync(kFull, src != nullptr),
+                                  reinterpret_cast<unsigned long long>(src), a.H);
+    scatter_weight(c, a, t, owner, pos);
+  }
+  end_pull(c, f);
+}
+
+}  // namespace mep
