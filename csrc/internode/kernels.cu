@@ -17,6 +17,10 @@
 // (its node, token) of the token's rank, which sums the slots of the nodes the token went to in
 // fp32 and releases them at once.
 //
+// These are the separate launches of a new routing's dispatch (send, receive, release); a cached
+// dispatch and every combine run the same steps (internode/steps.cuh) in one kernel each, with
+// the in-node stage inside it (fused.cu).
+//
 // Transport as in the low-latency kernels (csrc/low_latency/): stores through nvshmem_ptr when the peer is load/store
 // reachable (NVLink, the same GPU), else NVSHMEM puts from symmetric staging (IBGDA/IB across
 // nodes) completed with nvshmem_quiet before the signal. Every wait is bounded (sym::spin).

@@ -16,8 +16,13 @@ dispatch  1. RDMA send: each token once to rank (m, l) of every node m owning on
              reorder afterwards (sorting per-row keys and gathering every output costs a sort
              plus a full extra HBM pass over the rows, about a sixth of a cached rank-major
              dispatch's time; docs/performance.md).
+          A cached dispatch (handle=) keeps the ids the receivers laid out and runs as two kernels
+          (csrc/internode/fused.cu): cached_notify (the send's release wait, the in-node push's
+          announcement), then one dispatch kernel doing 1 and 3 with the wait between them inside.
 combine   the in-node combine of the caller's rows (each forwarder sums a token's rows of its
-          node), then the RDMA hop back and a sum over the token's nodes in fp32.
+          node), then the RDMA hop back and a sum over the token's nodes in fp32: cached_notify,
+          then one combine kernel for all of it (a grid barrier between the in-node sums and the
+          hop).
 
 Sizes: the RDMA buffer has one slot per (source node, token) up to `max_tokens_per_rank` (a
 Buffer hint, or the first call's largest T over the group; later calls must fit). Worst-case
