@@ -4,7 +4,7 @@
 # with DeepEP and NCCL baselines), the low-latency benchmark, the Megatron A/B runs, the NVLink
 # roofline, DeepGEMM's expert tests. Logs go under $OUT. The tests are scripts/gpu_check.sh (the
 # gate); run it first: a figure counts only for code that passed it.
-#   MEP_GPU_STEPS   phases, comma-separated: build,bench,megatron,lowlat,overlap,gemm,deepgemm,link
+#   MEP_GPU_STEPS   phases, comma-separated: build,bench,megatron,lowlat,overlap,deepep,gemm,deepgemm,link
 #                   (default build,bench)
 #   link            the NVLink roofline between GPUs 0 and 1 (scripts/bench_link.py MEP_LINK_ARGS: copy
 #                   engine, SM stores, bulk copies; one way and both ways) -> $OUT/link.md
@@ -22,6 +22,12 @@
 #                   -> $OUT/deepgemm_tests.log (MEP_DG_TEST_ARGS; MEP_DG_TEST_TIMEOUT, default 300 s, for
 #                   each of the two pytest runs). Without a usable deep_gemm the DeepGEMM cases skip,
 #                   the fallback's run, and the phase fails
+#   deepep          DeepEP's own test files (.carry/deepep, CONTRIBUTING.md) on megatron_ep.deep_ep at each of
+#                   MEP_DEEPEP_RANKS (default 2,4,8) virtual ranks: tests/test_intranode.py (--num-tokens 1024
+#                   --num-experts 64) and tests/test_low_latency.py (its defaults), each run's whole output
+#                   under a header in $OUT/deepep_runs.log and their result and figure lines in
+#                   $OUT/deepep_prints.txt (MEP_DEEPEP_TIMEOUT, default 300 s, per run). One GPU's virtual
+#                   ranks share it: correctness and the prints' shape, not speed figures
 #   gemm            the routed-expert GEMMs on one GPU (scripts/bench_expert_gemm.py MEP_GEMM_ARGS, default
 #                   --jit-jobs 6: DeepGEMM's kernels compiled in 6 processes first), waits for the DeepGEMM
 #                   build like the deepgemm phase -> $OUT/gemm.md, $OUT/gemm.json
@@ -115,6 +121,30 @@ if has overlap; then
     > "$OUT/overlap.log" 2>&1 || { status=1; echo "overlap bench failed"; }
   tail -30 "$OUT/overlap.log"
   stop_mps
+fi
+if has deepep; then
+  phase deepep
+  if [ ! -f .carry/deepep/tests/test_intranode.py ]; then
+    echo "no DeepEP test files at .carry/deepep (CONTRIBUTING.md, \"DeepEP's own tests\")"; status=1
+  else
+    start_mps
+    : > "$OUT/deepep_runs.log"; : > "$OUT/deepep_prints.txt"
+    ranks=${MEP_DEEPEP_RANKS:-2,4,8}
+    for r in ${ranks//,/ }; do
+      for t in intranode low_latency; do
+        args=(); [ "$t" = intranode ] && args=(--num-tokens 1024 --num-experts 64)
+        echo "=== tests/test_$t.py, $r virtual ranks" | tee -a "$OUT/deepep_prints.txt" >> "$OUT/deepep_runs.log"
+        timeout -k 10 "${MEP_DEEPEP_TIMEOUT:-300}" python3 scripts/deepep_tests.py --checkout .carry/deepep --test "$t" \
+          --num-processes "$r" -- "${args[@]}" > /tmp/mep-deepep-run.log 2>&1
+        rc=$?
+        cat /tmp/mep-deepep-run.log >> "$OUT/deepep_runs.log"
+        grep -E "Best|bandwidth|send/recv time|Kernel performance" /tmp/mep-deepep-run.log >> "$OUT/deepep_prints.txt"
+        echo "exit $rc, $(grep -c 'passed' /tmp/mep-deepep-run.log) passed lines" | tee -a "$OUT/deepep_prints.txt"
+        [ "$rc" = 0 ] || status=1
+      done
+    done
+    stop_mps
+  fi
 fi
 wait_deepgemm() {  # wait_deepgemm LOG: the background DeepGEMM build's end, said in LOG
   if [ -d .carry/deepgemm ]; then
