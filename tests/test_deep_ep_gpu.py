@@ -52,3 +52,15 @@ def test_dispatch_by_is_token_in_rank_on_our_kernels(R):
     errors = flat(pool_(R).run(dc.run_deep_ep_by_rank_cases, [dict(c, **ON_CUDA) for c in dc.by_rank_cases(R)],
                                timeout=RUN_S))
     assert not errors, "\n".join(errors[:20])
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_serving_managers_call_sequences_on_our_kernels(R):
+    """The call sequences of SGLang's and vLLM's DeepEP managers (tests/deep_ep_callers.py): a normal
+    prefill, low-latency decode with the receive hook, two micro-batches in flight."""
+    import deep_ep_callers as cc
+
+    cfg = dict(cc.caller_cases(R)[0], **ON_CUDA)
+    errors = flat(pool_(R).run(cc.run_prefill_case, cfg, timeout=RUN_S))
+    errors += flat(pool_(R, MEP_DEEP_EP_POOL="low_latency").run(cc.run_decode_case, cfg, timeout=RUN_S))
+    assert not errors, "\n".join(errors[:20])
