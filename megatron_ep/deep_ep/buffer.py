@@ -451,6 +451,15 @@ class Buffer:
             stream = torch.cuda.current_stream()
         return stream
 
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
+                                use_rdma_buffer: bool = False) -> torch.Tensor:
+        """DeepEP hands out its raw NVLink (or RDMA) buffer. Ours is laid out for our kernels, which
+        own its bytes between calls, so a view of it would differ from DeepEP's in silence: this
+        raises, naming the call."""
+        raise NotImplementedError("megatron_ep.deep_ep: get_local_buffer_tensor is not supported: our communication "
+                                  "buffer's layout is not DeepEP's and our kernels own its bytes between calls "
+                                  "(docs/deep-ep.md, 'Not yet here')")
+
     def get_next_low_latency_combine_buffer(self, handle: tuple) -> torch.Tensor:
         """The [L, R*T, H] bf16 tensor the next low_latency_combine(zero_copy=True) reads its
         expert outputs from. Our combine reads expert outputs in place (it has no send buffer

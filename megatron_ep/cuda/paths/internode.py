@@ -207,7 +207,9 @@ class InternodePath(NvshmemPath, NormalPath):
         direction = "dispatch" if err["direction"] == 0 else "combine"
         return {0: f"waiting for rank {err['peer']} (node {err['node']}) to finish reading this rank's previous {direction} "
                    f"rows (its release signal)",
-                1: f"waiting for rank {err['peer']}'s (node {err['node']}) {direction} rows (its signal)"}.get(err["what"],
+                1: f"waiting for rank {err['peer']}'s (node {err['node']}) {direction} rows (its signal)",
+                2: f"waiting for this rank's other blocks at the fused {direction}'s grid barrier (after the in-node "
+                   f"stage)"}.get(err["what"],
                                                                                                              "waiting")
 
     def publish(self, call: P.Call, exc: BaseException) -> None:
