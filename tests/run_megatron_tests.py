@@ -3,6 +3,11 @@ backend), as `torchrun --nproc-per-node 8 -m pytest ...` would on 8 GPUs:
 
     python tests/run_megatron_tests.py /path/to/Megatron-LM               # TestFlexDispatcher
     python tests/run_megatron_tests.py /path/to/Megatron-LM -k "TestFlexDispatcher and hybridep"
+    python tests/run_megatron_tests.py /path/to/Megatron-LM --deep-ep -k "TestFlexDispatcher and deepep"
+
+`--deep-ep`: Megatron's own `_DeepepManager` instead of ours, its `fused_a2a` importing
+megatron_ep.deep_ep (the shim folder first on PYTHONPATH) in place of DeepEP; HybridEP stays
+missing, so Megatron skips its hybridep cases.
 
 The checkout's `megatron` is the one imported (its directory goes first on PYTHONPATH) and
 megatron_ep comes from this repository. Each rank runs pytest on the test file
@@ -58,11 +63,20 @@ def pytest_configure(config):
     from recipes import cpu_shims
 
     cpu_shims.apply()
-    import megatron_ep.megatron as mep_megatron
     from megatron.core.transformer.moe import fused_a2a
 
-    feats = mep_megatron.install()
-    fused_a2a.HAVE_DEEP_EP = fused_a2a.HAVE_HYBRIDEP = True
+    if os.environ.get("MEP_RUN_DEEP_EP") == "1":  # Megatron's own manager on our deep_ep module
+        import deep_ep
+
+        assert deep_ep.Buffer.__module__.startswith("megatron_ep.deep_ep"), deep_ep.__file__
+        assert fused_a2a.HAVE_DEEP_EP, "fused_a2a did not import deep_ep"
+        what = f"Megatron's own _DeepepManager on {deep_ep.Buffer.__module__}"
+    else:
+        import megatron_ep.megatron as mep_megatron
+
+        feats = mep_megatron.install()
+        fused_a2a.HAVE_DEEP_EP = fused_a2a.HAVE_HYBRIDEP = True
+        what = f"megatron_ep managers installed into megatron-core {feats.version}"
     from tests.unit_tests.test_utilities import Utils
 
     def initialize_distributed():
@@ -74,7 +88,7 @@ def pytest_configure(config):
         Utils.inited = True
 
     Utils.initialize_distributed = staticmethod(initialize_distributed)
-    print(f"megatron_ep managers installed into megatron-core {feats.version} (rank {Utils.rank})")
+    print(f"{what} (rank {Utils.rank})")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -103,6 +117,8 @@ def main(argv=None) -> int:
     p.add_argument("--file", default=DEFAULT_FILE, help=f"test file inside the checkout (default: {DEFAULT_FILE})")
     p.add_argument("--nproc", type=int, default=8, help="ranks (Megatron's tests assume 8)")
     p.add_argument("--timeout", type=int, default=3000, help="seconds before the ranks are stopped")
+    p.add_argument("--deep-ep", action="store_true",
+                   help="Megatron's own _DeepepManager on megatron_ep.deep_ep (not our managers)")
     args = p.parse_args(argv)
     checkout = os.path.abspath(args.checkout)
     if not os.path.isfile(os.path.join(checkout, args.file)):
@@ -110,7 +126,9 @@ def main(argv=None) -> int:
         return 2
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(args.nproc),
                CUDA_VISIBLE_DEVICES="", MEGATRON_EP_BACKEND="torch",
-               PYTHONPATH=os.pathsep.join(filter(None, [checkout, ROOT, HERE, os.environ.get("PYTHONPATH")])))
+               MEGATRON_EP_DEEP_EP_BACKEND="torch", MEP_RUN_DEEP_EP="1" if args.deep_ep else "0",
+               PYTHONPATH=os.pathsep.join(filter(None, [os.path.join(ROOT, "megatron_ep", "deep_ep", "shim") if args.deep_ep
+                                                        else None, checkout, ROOT, HERE, os.environ.get("PYTHONPATH")])))
     cmd = [sys.executable, "-m", "pytest", "-p", "run_megatron_tests", "-q", "-p", "no:cacheprovider",
            "-o", "addopts=", "-rs", args.file, "-k", args.k]
     procs = []
