@@ -9,7 +9,9 @@
 #                                      R = 2, 4, 8, the MEP_SOAK_ITERS (default 10000) soak, and the
 #                                      racecheck and synccheck on the intranode case
 #   bash scripts/gpu_check.sh e2e      Megatron-LM's pretrain_gpt.py on our managers, experts and
-#                                      chunks against alltoall (tests/test_megatron_lm.py), from the
+#                                      chunks against alltoall (tests/test_megatron_lm.py), then its
+#                                      TestFlexDispatcher on megatron_ep.deep_ep and our kernels
+#                                      (tests/test_megatron_lm_dispatcher.py), from the
 #                                      trees MEGATRON_LM_DIR (default .carry/megatron-lm-main) and
 #                                      MEGATRON_LM_R019_DIR (.carry/megatron-lm-r0.19); the runs' logs
 #                                      and numbers land under $OUT/e2e
@@ -268,6 +270,9 @@ elif [ "$MODE" = e2e ]; then
   MEGATRON_LM_R019_DIR=${MEGATRON_LM_R019_DIR:-$ROOT/.carry/megatron-lm-r0.19} MEP_E2E_OUT=$OUT/e2e \
   MEP_E2E_TIMEOUT_S=$(left 420 60) \
     run_file "tests/test_megatron_lm.py" 540 -m gpu tests/test_megatron_lm.py
+  # Megatron's own dispatcher tests on megatron_ep.deep_ep and our kernels (the tree's test files)
+  MEGATRON_LM_DIR=${MEGATRON_LM_DIR:-$ROOT/.carry/megatron-lm-main} \
+    run_file "tests/test_megatron_lm_dispatcher.py" 600 -m gpu tests/test_megatron_lm_dispatcher.py
   tar -czf "$OUT/e2e_logs.tar.gz" -C "$OUT/e2e" . && find "$OUT/e2e" -name '*.log' -delete
 else
   export MEP_FUZZ_CASES=${MEP_FUZZ_CASES:-1000} MEP_SOAK_ITERS=${MEP_SOAK_ITERS:-10000}

@@ -22,8 +22,10 @@ loaded as a plugin, which changes only what a CPU run needs, before collection:
 * `Utils.initialize_distributed` joins a gloo group (RANK / WORLD_SIZE from this launcher)
   instead of NCCL, and the unit-test data download is skipped (no test here reads it);
 * `typing.override` (Python 3.12) comes from typing_extensions on older Pythons.
-Megatron-LM's tests also import click and requests (its data downloader): put them on
-PYTHONPATH if the environment lacks them. Nothing of Megatron-LM is copied or changed. Exit
+Megatron-LM's conftest imports its data downloader (click, requests): where those are missing,
+a stand-in downloader whose download raises takes its place (no test here reads that data).
+`--gpu` runs the ranks as virtual ranks of the visible GPU (every rank on cuda:0, under MPS, gloo
+groups as tests/megatron_lm_virtual.py makes them) with our CUDA kernels. Nothing of Megatron-LM is copied or changed. Exit
 status: 0 when every rank passed; each rank's pytest summary line is printed.
 """
 
@@ -52,17 +54,61 @@ def _typing_override() -> None:
         typing.override = typing_extensions.override
 
 
-def pytest_configure(config):
+def _without_downloader() -> None:
+    """Megatron's unit-test conftest imports its data downloader, which imports click and
+    requests; no dispatcher test reads that data. Where those packages are missing (a GPU image),
+    a stand-in module takes the downloader's place, its download raising, so the conftest loads;
+    this runs when pytest loads the plugin, before the conftest."""
+    try:
+        import click  # noqa: F401
+        import requests  # noqa: F401
+        return
+    except ImportError:
+        pass
+    import types
+
+    def download_and_extract_asset(*args, **kwargs):
+        raise ImportError("unit-test data not downloaded (click and requests are missing)")
+
+    parts = "tests.test_utils.python_scripts.download_unit_tests_dataset".split(".")
+    for i in range(2, len(parts) + 1):
+        name = ".".join(parts[:i])
+        sys.modules.setdefault(name, types.ModuleType(name))
+    sys.modules[".".join(parts)].download_and_extract_asset = download_and_extract_asset
+
+
+def _on_cpu() -> None:
     import torch
 
     torch.Tensor.cuda = lambda self, *a, **k: self
     torch.nn.Module.cuda = lambda self, *a, **k: self
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.set_device = lambda *a, **k: None
-    sys.path.insert(0, ROOT)
     from recipes import cpu_shims
 
     cpu_shims.apply()
+
+
+def _on_one_gpu() -> None:
+    """Virtual ranks (several processes on one GPU, under MPS): every rank on cuda:0, and gloo
+    groups with Megatron's collectives over them (NCCL refuses two ranks on one GPU;
+    megatron_lm_virtual.py)."""
+    import torch
+
+    import megatron_lm_virtual
+
+    set_device = torch.cuda.set_device
+    torch.cuda.set_device = lambda *a, **k: set_device(0)
+    set_device(0)
+    megatron_lm_virtual._patch_collectives()
+
+
+def pytest_configure(config):
+    sys.path.insert(0, ROOT)
+    if os.environ.get("MEP_RUN_GPU") == "1":
+        _on_one_gpu()
+    else:
+        _on_cpu()
     from megatron.core.transformer.moe import fused_a2a
 
     if os.environ.get("MEP_RUN_DEEP_EP") == "1":  # Megatron's own manager on our deep_ep module
@@ -98,6 +144,8 @@ def pytest_collection_modifyitems(config, items):
             raise ImportError("unit-test data not downloaded (CPU run of the dispatcher tests)")
 
         conftest.download_and_extract_asset = no_download
+    if os.environ.get("MEP_RUN_GPU") == "1":
+        return
     for item in items:
         item.own_markers = [m for m in item.own_markers
                             if not (m.name == "skipif" and "CUDA not available" in str(m.kwargs.get("reason", "")))]
@@ -119,16 +167,22 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=int, default=3000, help="seconds before the ranks are stopped")
     p.add_argument("--deep-ep", action="store_true",
                    help="Megatron's own _DeepepManager on megatron_ep.deep_ep (not our managers)")
+    p.add_argument("--gpu", action="store_true",
+                   help="on the visible GPU (every rank on cuda:0, under MPS: start it first) with our CUDA kernels, "
+                        "instead of CPU processes and the torch backend")
     args = p.parse_args(argv)
     checkout = os.path.abspath(args.checkout)
     if not os.path.isfile(os.path.join(checkout, args.file)):
         print(f"run_megatron_tests: error: {os.path.join(checkout, args.file)} does not exist", file=sys.stderr)
         return 2
+    backend = "cuda" if args.gpu else "torch"
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(args.nproc),
-               CUDA_VISIBLE_DEVICES="", MEGATRON_EP_BACKEND="torch",
-               MEGATRON_EP_DEEP_EP_BACKEND="torch", MEP_RUN_DEEP_EP="1" if args.deep_ep else "0",
+               MEGATRON_EP_BACKEND=backend, MEGATRON_EP_DEEP_EP_BACKEND=backend, MEP_RUN_GPU="1" if args.gpu else "0",
+               MEP_RUN_DEEP_EP="1" if args.deep_ep else "0",
                PYTHONPATH=os.pathsep.join(filter(None, [os.path.join(ROOT, "megatron_ep", "deep_ep", "shim") if args.deep_ep
                                                         else None, checkout, ROOT, HERE, os.environ.get("PYTHONPATH")])))
+    if not args.gpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     cmd = [sys.executable, "-m", "pytest", "-p", "run_megatron_tests", "-q", "-p", "no:cacheprovider",
            "-o", "addopts=", "-rs", args.file, "-k", args.k]
     procs = []
@@ -159,3 +213,4 @@ if __name__ == "__main__":
     sys.exit(main())
 else:
     _typing_override()
+    _without_downloader()
