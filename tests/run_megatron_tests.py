@@ -181,7 +181,9 @@ def main(argv=None) -> int:
                MEP_RUN_DEEP_EP="1" if args.deep_ep else "0",
                PYTHONPATH=os.pathsep.join(filter(None, [os.path.join(ROOT, "megatron_ep", "deep_ep", "shim") if args.deep_ep
                                                         else None, checkout, ROOT, HERE, os.environ.get("PYTHONPATH")])))
-    if not args.gpu:
+    if args.gpu:  # Megatron's EP groups split the ranks; our buffers split the GPU's SMs over all of them
+        env["MEP_DEVICE_SHARERS"] = str(args.nproc)
+    else:
         env["CUDA_VISIBLE_DEVICES"] = ""
     cmd = [sys.executable, "-m", "pytest", "-p", "run_megatron_tests", "-q", "-p", "no:cacheprovider",
            "-o", "addopts=", "-rs", args.file, "-k", args.k]

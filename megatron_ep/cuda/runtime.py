@@ -92,7 +92,10 @@ class CudaRuntime(FailureState):
         me = (socket.gethostname(), str(getattr(props, "uuid", self.device.index)))
         # (device_group: every rank that may share it, when this runtime spans only a node of them)
         peers = gather(me, device_group or group)
-        self.ranks_per_device = sum(p == me for p in peers)
+        # MEP_DEVICE_SHARERS: processes on this GPU outside the group too (virtual ranks of several
+        # groups, e.g. Megatron's EP groups of a test on one GPU): every one of them needs its
+        # blocks resident at once, so the SM budget is split over all of them
+        self.ranks_per_device = max(sum(p == me for p in peers), envs.integer("MEP_DEVICE_SHARERS", 0, minimum=1) or 0)
         self.sm_count = props.multi_processor_count
         limit = max_num_sms(self.ranks_per_device, self.sm_count)
         if num_sms is not None:
