@@ -10,6 +10,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from refusals import refusals
+
 
 def _inputs(cfg: dict, rank: int):
     E, K, H = cfg["E"], cfg["K"], cfg["H"]
@@ -247,19 +249,16 @@ def run_deep_ep_by_rank_case(cfg: dict) -> list:
 def _by_rank_refusals(buf, x, q, scales, per_rank, in_rank, per_expert, tag) -> list:
     """What DeepEP refuses, or we do not serve, each raises naming its argument."""
     layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
-    errors = []
-    for args, kwargs, exc, name in (
-            ((x,), dict(topk_weights=torch.ones((x.shape[0], 1), device=x.device)), ValueError, "topk_weights"),
-            ((x,), dict(num_worst_tokens=64), ValueError, "num_worst_tokens"),
-            ((x,), dict(is_token_in_rank=in_rank.int()), ValueError, "is_token_in_rank"),
-            (((q, scales.view(torch.int32)),), {}, ValueError, "x_scales")):  # H 256: no whole int32 of four
-        try:
-            buf.dispatch(*args, **{**layout, **kwargs})
-            errors.append(f"{tag} {name}: accepted")
-        except exc as e:
-            if name not in str(e):
-                errors.append(f"{tag} the error for {name} does not name it: {e}")
-    return errors
+
+    def dispatch(*args, **kwargs):
+        return lambda: buf.dispatch(*args, **{**layout, **kwargs})
+
+    return refusals([
+        ("topk_weights", dispatch(x, topk_weights=torch.ones((x.shape[0], 1), device=x.device)), ValueError, "topk_weights"),
+        ("num_worst_tokens", dispatch(x, num_worst_tokens=64), ValueError, "num_worst_tokens"),
+        ("is_token_in_rank", dispatch(x, is_token_in_rank=in_rank.int()), ValueError, "is_token_in_rank"),
+        ("x_scales", dispatch((q, scales.view(torch.int32))), ValueError, "x_scales"),  # H 256: no whole int32 of four
+    ], f"{tag} ")
 
 
 def by_rank_cases(R: int) -> list:
@@ -448,21 +447,18 @@ def run_deep_ep_clean_case(cfg: dict) -> list:
         if int(count.sum()) != sum(int((_inputs(dict(cfg, Ts=[4] * R), j)[1] // (cfg["E"] // R) == rank).sum()) for j in range(R)):
             errors.append(f"{tag} the dispatch after a clean received {int(count.sum())} copies")
         # the rank mask is the cuda kernels': on the torch backend each entry raises naming why
-        for make, exc, words in (
-                (lambda: deep_ep.Buffer(dist.group.WORLD, low_latency_mode=True, enable_shrink=True), NotImplementedError,
-                 "torch backend"),
-                (lambda: deep_ep.Buffer(dist.group.WORLD, enable_shrink=True), ValueError, "low_latency_mode=True"),
-                (lambda: buf.low_latency_update_mask_buffer(0, True), RuntimeError, "rank_mask=True"),
-                (lambda: buf.low_latency_query_mask_buffer(torch.zeros(R, dtype=torch.int32)), RuntimeError, "rank_mask"),
-                (lambda: buf.low_latency_clean_mask_buffer(), RuntimeError, "rank_mask"),
-                # DeepEP's raw buffer: ours is laid out for our kernels, so it is refused, named
-                (lambda: buf.get_local_buffer_tensor(torch.bfloat16), NotImplementedError, "get_local_buffer_tensor")):
-            try:
-                make()
-                errors.append(f"{tag} no {exc.__name__} naming {words!r}")
-            except exc as e:
-                if words not in str(e):
-                    errors.append(f"{tag} {exc.__name__} without {words!r}: {e}")
+        errors += refusals([
+            ("enable_shrink", lambda: deep_ep.Buffer(dist.group.WORLD, low_latency_mode=True, enable_shrink=True),
+             NotImplementedError, "torch backend"),
+            ("enable_shrink, normal mode", lambda: deep_ep.Buffer(dist.group.WORLD, enable_shrink=True), ValueError,
+             "low_latency_mode=True"),
+            ("update mask", lambda: buf.low_latency_update_mask_buffer(0, True), RuntimeError, "rank_mask=True"),
+            ("query mask", lambda: buf.low_latency_query_mask_buffer(torch.zeros(R, dtype=torch.int32)), RuntimeError,
+             "rank_mask"),
+            ("clean mask", lambda: buf.low_latency_clean_mask_buffer(), RuntimeError, "rank_mask"),
+            # DeepEP's raw buffer: ours is laid out for our kernels, so it is refused, named
+            ("get_local_buffer_tensor", lambda: buf.get_local_buffer_tensor(torch.bfloat16), NotImplementedError,
+             "get_local_buffer_tensor")], f"{tag} ")
         return errors
     except Exception:
         return [f"{tag} raised:\n{traceback.format_exc()}"]
