@@ -76,12 +76,7 @@ __global__ void __launch_bounds__(kInternodeThreads, 1) dispatch_kernel(const In
   // the host's check turns into the call's error
   wait_sources(c, kInternodeDispatch, got, kOpDispatch, s.sig, tokens);
   if (!call_aborted(in.ctx)) push_rows<true>(in.ctx, in.slot, in.push);
-  if (!last_block(&st->grid_done[1])) return;
-  if (threadIdx.x == 0) st->received[kInternodeDispatch] = got;
-  if (failed(c)) return;  // broken: leave the slots held
-  __threadfence_system();
-  for (int n = threadIdx.x; n < c.lay.num_nodes; n += blockDim.x)  // read: the senders may write again
-    sym::put_signal(c.peer_base[n], c.base, c.pe[n], c.lay.release_at(kInternodeDispatch, c.node), got);
+  finish_receive(c, kInternodeDispatch, got, &st->grid_done[1], true);  // the in-node stage has read the area
 }
 
 template <bool kFp32, bool kPartials>

@@ -61,18 +61,12 @@ __global__ void __launch_bounds__(kInternodeThreads, 1) dispatch_recv_kernel(con
     }
     a.out_idx[i] = v;
   }
-  if (!last_block(&st->grid_done[1])) return;
-  if (threadIdx.x == 0) st->received[kInternodeDispatch] = call;
+  finish_receive(c, kInternodeDispatch, call, &st->grid_done[1], false);  // released after the in-node stage
 }
 
 // One block: tell every sender of `dir` that this rank finished reading its last call.
 __global__ void release_kernel(const InternodeCtx c, int dir) {
-  InternodeState* st = state_of(c);
-  if (failed(c)) return;  // broken: leave the slots held
-  const long long done = *reinterpret_cast<volatile long long*>(&st->received[dir]);
-  __threadfence_system();
-  for (int n = threadIdx.x; n < c.lay.num_nodes; n += blockDim.x)
-    sym::put_signal(c.peer_base[n], c.base, c.pe[n], c.lay.release_at(dir, c.node), done);
+  release_senders(c, dir, *reinterpret_cast<volatile long long*>(&state_of(c)->received[dir]));
 }
 
 

@@ -115,6 +115,24 @@ __device__ __forceinline__ void finish_send(const InternodeCtx& c, int dir, long
   if (threadIdx.x == 0) state_of(c)->sent[dir] = call;
 }
 
+// Tell every sender of `dir` that this rank finished reading its call `done` (they may write
+// again); nothing when the path is broken (the slots stay held). Every thread of the block.
+__device__ __forceinline__ void release_senders(const InternodeCtx& c, int dir, long long done) {
+  if (failed(c)) return;
+  __threadfence_system();
+  for (int n = threadIdx.x; n < c.lay.num_nodes; n += blockDim.x)
+    sym::put_signal(c.peer_base[n], c.base, c.pe[n], c.lay.release_at(dir, c.node), done);
+}
+
+// The receive's end (grid): the last block to finish counts the call received and, with
+// `release`, releases the slots to their senders at once.
+__device__ __forceinline__ void finish_receive(const InternodeCtx& c, int dir, long long call, unsigned* counter,
+                                               bool release) {
+  if (!last_block(counter)) return;
+  if (threadIdx.x == 0) state_of(c)->received[dir] = call;
+  if (release) release_senders(c, dir, call);
+}
+
 // ------------------------------------------------------------------------------------ dispatch
 // Send half (grid), after the release wait: with `a.ids`, the ids and weights of every token to
 // every node (one contiguous block each; a cached dispatch sends its weights only, its receivers
@@ -264,12 +282,7 @@ __device__ __forceinline__ void combine_recv_sum(const InternodeCtx& c, const In
       a.w[(long long)t * a.K + lane] = s;
     }
   }
-  if (!last_block(counter)) return;
-  if (threadIdx.x == 0) st->received[kInternodeCombine] = call;
-  if (failed(c)) return;
-  __threadfence_system();
-  for (int n = threadIdx.x; n < N; n += blockDim.x)  // read: the forwarders may write again
-    sym::put_signal(c.peer_base[n], c.base, c.pe[n], c.lay.release_at(kInternodeCombine, c.node), call);
+  finish_receive(c, kInternodeCombine, call, counter, true);
 }
 
 }  // namespace internode
