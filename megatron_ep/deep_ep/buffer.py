@@ -72,13 +72,6 @@ class LowLatencyHandle(tuple):
         return h
 
 
-def _unsupported(**given) -> None:
-    """One clear error naming each DeepEP argument our kernels do not serve yet."""
-    for name, value in given.items():
-        if value is not None and value is not False:
-            raise NotImplementedError(f"megatron_ep.deep_ep: {name} is not supported yet (docs/deep-ep.md, 'Not yet here')")
-
-
 def _unpack_bias(bias) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     if isinstance(bias, torch.Tensor):
         return bias, None
