@@ -1,0 +1,248 @@
+"""The host cost of every call: how long the host spends issuing one call, and one call's share of
+a loop of back-to-back calls, for each implementation in its own set of processes:
+
+  ours     megatron_ep.Buffer (the native API)
+  deep_ep  megatron_ep.deep_ep (our DeepEP V1 drop-in) on our kernels
+  deepep   DeepEP V1 itself, when `deep_ep` from a DeepEP build imports (never part of this
+           repository; each implementation starts NVSHMEM once per process, hence the process sets)
+
+Ops, each with T tokens per rank, hidden H, top-K of E experts (uniform random routing, distinct
+experts per token), bf16 rows:
+
+  dispatch          a new routing: the layout where the API needs one, then the dispatch
+  cached_dispatch   the same routing again (its handle)
+  combine           back along that handle
+  ll_dispatch       low-latency dispatch (FP8 cast in the call), eager
+  ll_combine        low-latency combine, eager
+
+Figures, median over --reps repetitions of --loop back-to-back calls after --warmup calls:
+"issue" is host time per call until the loop's last call returns, "loop" is time per call until
+the device finished them (torch.cuda.synchronize). Where a call syncs the host itself (a new
+routing's counts), issue and loop agree. --profile adds cProfile's top functions of one call
+of each op (host time by function, after the warm-up): where the host time goes.
+
+Only same-run ratios count: absolute host times move between runs of the same machine kind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from bench import harness
+
+IMPLS = ("ours", "deep_ep", "deepep")
+OPS = ("dispatch", "cached_dispatch", "combine", "ll_dispatch", "ll_combine")
+
+
+def parse(argv=None, description=None):
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--ranks", type=int, default=2, help="processes (rank r on GPU r %% visible; default 2)")
+    p.add_argument("--tokens", type=lambda s: [int(v) for v in s.split(",")], default=[128, 4096],
+                   help="tokens per rank, a comma list (default 128,4096)")
+    p.add_argument("--hidden", type=int, default=7168, help="default 7168")
+    p.add_argument("--experts", type=int, default=256, help="default 256")
+    p.add_argument("--topk", type=int, default=8, help="default 8")
+    p.add_argument("--loop", type=int, default=20, help="back-to-back calls per timed repetition (default 20)")
+    p.add_argument("--reps", type=int, default=15, help="repetitions; the median is reported (default 15)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed calls first (default 5)")
+    p.add_argument("--impls", default=",".join(IMPLS), help=f"a comma list of {', '.join(IMPLS)} (default all)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="the N functions with the most cumulative host time in one call of each op (default 0: none)")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per implementation (default 900)")
+    p.add_argument("--cpu", action="store_true",
+                   help="CPU processes on the torch backend at a small shape: checks the script (figures mean nothing)")
+    a = p.parse_args(argv)
+    a.impls = [i for i in a.impls.split(",") if i]
+    bad = [i for i in a.impls if i not in IMPLS]
+    if bad:
+        p.error(f"--impls: unknown {bad}; choose from {', '.join(IMPLS)}")
+    if a.cpu:
+        a.tokens, a.hidden, a.experts, a.topk, a.loop, a.reps, a.warmup = [4, 16], 256, 16, 4, 3, 3, 1
+        a.impls = [i for i in a.impls if i != "deepep"]
+    return a
+
+
+def routing(T, E, K, H, seed, device):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    x = torch.randn((T, H), generator=g).to(torch.bfloat16)
+    w = torch.rand((T, K), generator=g) + 0.5
+    return x.to(device), idx.to(device), w.to(device)
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_op(fn, a, device, group) -> dict:
+    """{"issue": µs, "loop": µs} per call, medians over a.reps loops of a.loop calls (the ranks
+    start each loop together: a barrier on the control group, outside the timing)."""
+    for _ in range(a.warmup):
+        fn()
+    _sync(device)
+    issue, loop = [], []
+    for _ in range(a.reps):
+        dist.barrier(group)
+        t0 = time.perf_counter()
+        for _ in range(a.loop):
+            fn()
+        t1 = time.perf_counter()
+        _sync(device)
+        t2 = time.perf_counter()
+        issue.append((t1 - t0) / a.loop * 1e6)
+        loop.append((t2 - t0) / a.loop * 1e6)
+    return {"issue": statistics.median(issue), "loop": statistics.median(loop)}
+
+
+def profile_op(fn, top: int, device) -> str:
+    """cProfile of one call of `fn`: its `top` functions by cumulative time."""
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    prof.disable()
+    _sync(device)
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(top)
+    return out.getvalue()
+
+
+# ---------------------------------------------------------------------------------- the calls
+def ops_ours(a, T, device, x, idx, w):
+    import megatron_ep as mep
+
+    E = a.experts
+    buf = mep.Buffer(backend="torch" if device.type == "cpu" else "cuda")
+    state = {}
+
+    def dispatch():
+        state["out"] = buf.dispatch(x, idx, w, num_experts=E)
+
+    dispatch()
+    h = state["out"].handle
+    rows = state["out"].x.clone()
+    ll = buf.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=T, use_fp8=True)
+    ll_rows = _dequantized(ll.x)
+    fns = {"dispatch": dispatch,
+           "cached_dispatch": lambda: buf.dispatch(x, handle=h),
+           "combine": lambda: buf.combine(rows, h),
+           "ll_dispatch": lambda: buf.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=T, use_fp8=True),
+           "ll_combine": lambda: buf.low_latency_combine(ll_rows, idx, w, ll.handle)}
+    return fns, buf.destroy
+
+
+def ops_deep_ep(a, T, device, x, idx, w, module=None):
+    """DeepEP V1's API: `module` is megatron_ep.deep_ep (ours) or DeepEP's own deep_ep."""
+    if module is None:
+        from megatron_ep import deep_ep as module
+    E, R = a.experts, dist.get_world_size()
+    rdma = module.Buffer.get_low_latency_rdma_size_hint(T, a.hidden, R, E)
+    buf = module.Buffer(dist.group.WORLD, int(1e9), rdma, low_latency_mode=True, num_qps_per_rank=max(1, E // R),
+                        explicitly_destroy=True)
+
+    def dispatch():
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        return buf.dispatch(x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                            num_tokens_per_expert=per_expert)
+
+    recv_x, _, _, _, handle, _ = dispatch()
+    recv_x = recv_x.clone()
+    ll_x, _, ll_handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=True)
+    ll_rows = _dequantized(ll_x)
+    fns = {"dispatch": dispatch,
+           "cached_dispatch": lambda: buf.dispatch(x, handle=handle),
+           "combine": lambda: buf.combine(recv_x, handle),
+           "ll_dispatch": lambda: buf.low_latency_dispatch(x, idx, T, E, use_fp8=True),
+           "ll_combine": lambda: buf.low_latency_combine(ll_rows, idx, w, ll_handle)}
+    return fns, buf.destroy
+
+
+def _dequantized(x):
+    """bf16 rows [L, R*T, H] from a low-latency dispatch's FP8 tuple (the experts' stand-in output)."""
+    if not isinstance(x, tuple):
+        return x.contiguous()
+    data, scales = x
+    H = data.shape[-1]
+    s = scales.float()
+    if s.shape[-1] != H // 128:  # column-major views of [.., H/128]: make them row-major first
+        s = s.transpose(-1, -2)
+    return (data.float().view(*data.shape[:-1], H // 128, 128) * s.contiguous().unsqueeze(-1)).view(data.shape).to(
+        torch.bfloat16).contiguous()
+
+
+def _deepep_module():
+    import deep_ep
+
+    return deep_ep
+
+
+def worker(rank, a, impl, port, queue):
+    try:
+        device = harness.init_rank(rank, a.ranks, port, not a.cpu, cpu_threads=1)
+        res = {}
+        for T in a.tokens:
+            x, idx, w = routing(T, a.experts, a.topk, a.hidden, 100 + rank, device)
+            if impl == "ours":
+                fns, close = ops_ours(a, T, device, x, idx, w)
+            else:
+                fns, close = ops_deep_ep(a, T, device, x, idx, w, _deepep_module() if impl == "deepep" else None)
+            for op in OPS:
+                res[(T, op)] = time_op(fns[op], a, device, dist.group.WORLD)
+                if a.profile:  # every rank makes the call (it is collective); rank 0's profile is shown
+                    text = profile_op(fns[op], a.profile, device)
+                    if rank == 0:
+                        res[(T, op, "profile")] = text
+            dist.barrier()
+            close()
+        queue.put((rank, res, None))
+    except Exception as exc:  # noqa: BLE001 - reported by run_ranks, the other implementations go on
+        import traceback
+
+        queue.put((rank, None, f"rank {rank} ({impl}): {type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def table(a, results: dict) -> str:
+    """Markdown: one row per (T, op), an issue / loop column pair per implementation, rank 0's
+    figures (the ranks run in step)."""
+    impls = [i for i in a.impls if i in results]
+    head = "| T | op | " + " | ".join(f"{i} loop (issue) µs" for i in impls) + " |"
+    rows = [head, "|" + "---|" * (2 + len(impls))]
+    for T in a.tokens:
+        for op in OPS:
+            cells = []
+            for i in impls:
+                r = results[i].get((T, op)) if isinstance(results[i], dict) else None
+                cells.append(f"{r['loop']:.0f} ({r['issue']:.0f})" if r else "-")
+            rows.append(f"| {T} | {op} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def main(a) -> int:
+    if not a.cpu and not torch.cuda.is_available():
+        print("bench_host: no CUDA GPU here; --cpu checks the script on CPU processes (figures mean nothing)")
+        return 2
+    print(f"host cost per call: ranks {a.ranks}, tokens {a.tokens}, hidden {a.hidden}, top-{a.topk} of {a.experts}, "
+          f"loop {a.loop} x reps {a.reps} (warm-up {a.warmup}); implementations {', '.join(a.impls)}", flush=True)
+    results, failed = {}, {}
+    for impl in a.impls:
+        got, why = harness.run_ranks(worker, a.ranks, (a, impl, harness.free_port()), a.timeout)
+        if got is None:
+            failed[impl] = why
+            print(f"{impl}: not measured: {why.splitlines()[0] if why else '?'}", flush=True)
+            continue
+        results[impl] = got[0]
+        print(f"{impl}: measured", flush=True)
+    print(table(a, results))
+    for impl, res in results.items():
+        for key, text in res.items():
+            if len(key) == 3:
+                print(f"\n--- profile: {impl}, T={key[0]}, {key[1]} ---\n{text}")
+    return 1 if failed and not results else 0

@@ -1,0 +1,30 @@
+"""Host cost of every call of every path (a script, not a test): per-call host issue time and
+loop time at 128 and 4096 tokens per rank, natively (megatron_ep.Buffer), through
+megatron_ep.deep_ep, and for DeepEP V1 itself when `deep_ep` from a DeepEP build imports, each in
+its own set of processes; --profile N adds where one call's host time goes (cProfile).
+
+    python3 scripts/bench_host.py --ranks 2                  # one GPU under MPS, or two GPUs
+    python3 scripts/bench_host.py --ranks 2 --profile 25     # with each op's top 25 functions
+    python3 scripts/bench_host.py --cpu                      # CPU: checks the script
+"""
+
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE]  # this checkout's megatron_ep, the bench package beside this file
+
+from megatron_ep import cli  # noqa: E402
+
+if __name__ == "__main__":
+    cli.require("torch", prog="scripts/bench_host.py")
+
+from bench import host  # noqa: E402
+
+
+def main():
+    sys.exit(host.main(host.parse(description=__doc__.split("\n")[0])))
+
+
+if __name__ == "__main__":
+    main()
