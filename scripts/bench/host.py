@@ -36,7 +36,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from bench import harness
+from bench import deepep, harness
+from bench.low_latency import routing, rows_of
 
 IMPLS = ("ours", "deep_ep", "deepep")
 OPS = ("dispatch", "cached_dispatch", "combine", "ll_dispatch", "ll_combine")
@@ -68,14 +69,6 @@ def parse(argv=None, description=None):
         a.tokens, a.hidden, a.experts, a.topk, a.loop, a.reps, a.warmup = [4, 16], 256, 16, 4, 3, 3, 1
         a.impls = [i for i in a.impls if i != "deepep"]
     return a
-
-
-def routing(T, E, K, H, seed, device):
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
-    x = torch.randn((T, H), generator=g).to(torch.bfloat16)
-    w = torch.rand((T, K), generator=g) + 0.5
-    return x.to(device), idx.to(device), w.to(device)
 
 
 def _sync(device) -> None:
@@ -130,7 +123,7 @@ def ops_ours(a, T, device, x, idx, w):
     h = state["out"].handle
     rows = state["out"].x.clone()
     ll = buf.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=T, use_fp8=True)
-    ll_rows = _dequantized(ll.x)
+    ll_rows = rows_of(ll.x)
     fns = {"dispatch": dispatch,
            "cached_dispatch": lambda: buf.dispatch(x, handle=h),
            "combine": lambda: buf.combine(rows, h),
@@ -156,32 +149,13 @@ def ops_deep_ep(a, T, device, x, idx, w, module=None):
     recv_x, _, _, _, handle, _ = dispatch()
     recv_x = recv_x.clone()
     ll_x, _, ll_handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=True)
-    ll_rows = _dequantized(ll_x)
+    ll_rows = rows_of(ll_x)
     fns = {"dispatch": dispatch,
            "cached_dispatch": lambda: buf.dispatch(x, handle=handle),
            "combine": lambda: buf.combine(recv_x, handle),
            "ll_dispatch": lambda: buf.low_latency_dispatch(x, idx, T, E, use_fp8=True),
            "ll_combine": lambda: buf.low_latency_combine(ll_rows, idx, w, ll_handle)}
     return fns, buf.destroy
-
-
-def _dequantized(x):
-    """bf16 rows [L, R*T, H] from a low-latency dispatch's FP8 tuple (the experts' stand-in output)."""
-    if not isinstance(x, tuple):
-        return x.contiguous()
-    data, scales = x
-    H = data.shape[-1]
-    s = scales.float()
-    if s.shape[-1] != H // 128:  # column-major views of [.., H/128]: make them row-major first
-        s = s.transpose(-1, -2)
-    return (data.float().view(*data.shape[:-1], H // 128, 128) * s.contiguous().unsqueeze(-1)).view(data.shape).to(
-        torch.bfloat16).contiguous()
-
-
-def _deepep_module():
-    import deep_ep
-
-    return deep_ep
 
 
 def worker(rank, a, impl, port, queue):
@@ -193,7 +167,12 @@ def worker(rank, a, impl, port, queue):
             if impl == "ours":
                 fns, close = ops_ours(a, T, device, x, idx, w)
             else:
-                fns, close = ops_deep_ep(a, T, device, x, idx, w, _deepep_module() if impl == "deepep" else None)
+                module = None
+                if impl == "deepep":
+                    module, exc = deepep.load()
+                    if module is None:
+                        raise exc
+                fns, close = ops_deep_ep(a, T, device, x, idx, w, module)
             for op in OPS:
                 res[(T, op)] = time_op(fns[op], a, device, dist.group.WORLD)
                 if a.profile:  # every rank makes the call (it is collective); rank 0's profile is shown
