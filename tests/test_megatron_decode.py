@@ -123,3 +123,22 @@ def test_stacked_expert_weights_follow_optimizer_writes():
         else:
             k1, k2 = st.weights(layer)
         assert torch.equal(k1, now()[0]) and torch.equal(k2, now()[1]), f"keep_weights={keep}: stale decode weights"
+
+
+@pytest.mark.limit(120)
+def test_decode_refusals_reach_every_rank(pools):
+    """A decode step that a rank refuses (gradients on, more tokens than max_tokens_per_rank) or
+    that only some ranks take: every rank raises within seconds (the refusing rank its own error,
+    the others PeerFailedError or CallMismatchError), none waits for a peer; the layer works after."""
+    case = dict(seed=95, E=8, K=2, H=16, F=8, max_tokens=8)
+    errors = flat(pools(2).run(dc.run_decode_refusals, case))
+    assert not errors, "\n".join(errors[:20])
+
+
+def test_decode_follows_replaced_and_recast_weights(pools):
+    """keep_weights=True with GroupedGemmExperts and SequentialMLP: replaced Parameters, a dtype
+    change and an in-place update (then refresh_decode_weights) are each decoded as the layer's
+    own forward computes them."""
+    case = dict(seed=97, E=8, K=2, H=16, F=8, max_tokens=8)
+    errors = flat(pools(2).run(dc.run_decode_weight_changes, case))
+    assert not errors, "\n".join(errors[:20])

@@ -58,12 +58,19 @@ def get_buffer(group, x: torch.Tensor, num_experts: int, topk: int, num_sms: Opt
     return buf
 
 
+def fail_call(buf: Buffer, op: str, error: BaseException) -> None:
+    """Raise `error` as this rank's failure of its next `op` call on `buf` ("dispatch",
+    "low_latency_dispatch", ...), before any communication: the failure is published to the
+    peers, which raise PeerFailedError naming it instead of waiting for a call this rank never
+    makes (the Buffer stays usable). Every refusal a layer makes after its peers may already be
+    inside the call goes through here."""
+    with buf._call(op):
+        raise error
+
+
 def fail_dispatch(buf: Buffer, message: str) -> None:
-    """Raise ValueError(message) as this rank's failure of its next dispatch on `buf`, before any
-    communication: the failure is published to the peers, which raise PeerFailedError naming it
-    instead of waiting for a dispatch this rank never makes (the Buffer stays usable)."""
-    with buf._call("dispatch"):
-        raise ValueError(message)
+    """`fail_call` of a dispatch with ValueError(message)."""
+    fail_call(buf, "dispatch", ValueError(message))
 
 
 def reset_buffers() -> None:
