@@ -429,7 +429,7 @@ def run_moe_layer_case(case):
     S, B, H = case["S"], 2, case["H"]
     x0 = torch.randn((S, B, H), generator=g)
     upstream = torch.randn((S, B, H), generator=g)
-    cfg_extra = dict(params_dtype=dtype, bf16=dtype == torch.bfloat16)
+    cfg_extra = dict(params_dtype=dtype, bf16=dtype == torch.bfloat16, **case.get("config", {}))
 
     def build(dispatcher, backend, experts_cls, which):
         ctx, dev = side(case, which)
