@@ -39,6 +39,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megatron_ep import resources  # noqa: E402
+from megatron_ep.experts.overlap import MAX_CHUNKS  # noqa: E402
 from megatron_ep.megatron import backend as backend_env  # noqa: E402
 from recipes.comm_timer import CommTimer  # noqa: E402
 
@@ -76,7 +77,7 @@ def add_args(p: argparse.ArgumentParser, dispatcher: bool = True) -> argparse.Ar
     p.add_argument("--lr", type=cli.number(0, above=True), default=3e-3, help="AdamW learning rate")
     p.add_argument("--seed", type=cli.integer(0, 2**32 - 1), default=1234, help="seed of the weights and the synthetic data")
     p.add_argument("--no-time-comm", dest="time_comm", action="store_false", help="skip the dispatch/combine timers")
-    p.add_argument("--chunked-experts", type=cli.integer(0), default=0, metavar="CHUNKS",
+    p.add_argument("--chunked-experts", type=cli.integer(0, MAX_CHUNKS), default=0, metavar="CHUNKS",
                    help="run each MoE layer's dispatch, experts and combine in this many pipelined token chunks "
                         "(megatron_ep.megatron.chunked; hybridep + grouped experts; 0: off, or "
                         "MEGATRON_EP_CHUNKED_EXPERTS)")

@@ -54,6 +54,14 @@ from .layout import GroupedLayout
 from .mlp import expert_mlp
 
 
+# The most chunks a layer may take. Each chunk pays a dispatch's and a combine's fixed price (the
+# calls' launches and their handshakes with every peer, also for an empty chunk), while what the
+# chunks hide is at most the layer's communication: past a handful of chunks the fixed prices grow
+# faster than the hidden time shrinks (megatron_ep.model.overlap searches 1..16 pieces for the
+# same reason), so a larger count only costs.
+MAX_CHUNKS = 16
+
+
 def chunk_bounds(num_tokens: int, chunks: int) -> List[tuple]:
     """[start, end) of each chunk: ``chunks`` contiguous pieces, sizes differing by at most one."""
     base, extra = divmod(num_tokens, chunks)
@@ -252,7 +260,7 @@ def chunked_expert_mlp(buffer, x: torch.Tensor, topk_idx: torch.Tensor, probs: t
     kernels that run beside them (``experts.backends.sms_left_free``); default: the buffer's
     ``num_sms`` with more than one chunk, 0 with one chunk or a buffer without SMs (torch).
     """
-    check_int("chunks", chunks, 1)
+    check_int("chunks", chunks, 1, MAX_CHUNKS)
     if comm_sms is None:
         comm_sms = (getattr(buffer, "num_sms", None) or 0) if chunks > 1 else 0
     check_int("comm_sms", comm_sms, 0)

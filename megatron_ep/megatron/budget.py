@@ -13,7 +13,22 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .. import envs
 from ..permute import round_up
+
+ENV = "MEGATRON_EP_RANK_CAPACITY_FACTOR"  # the launcher's --ep-budget sets it
+
+
+def env_factor(backend: str):
+    """MEGATRON_EP_RANK_CAPACITY_FACTOR for a flex manager of `backend` (None when unset): the
+    static budget is the hybridep manager's, so another backend refuses a set value rather than
+    run without the budget the user asked for."""
+    factor = envs.number(ENV, None)
+    if factor is not None and backend != "hybridep":
+        raise ValueError(f"{ENV}={factor} (the launcher's --ep-budget) sets the hybridep manager's static budget, "
+                         f"but this MoE layer's flex backend is {backend}, which has none: use "
+                         f"--moe-flex-dispatcher-backend hybridep, or unset it")
+    return factor
 
 
 def budget_rows(tokens: int, topk: int, factor: float, num_local_experts: int, alignment: int,

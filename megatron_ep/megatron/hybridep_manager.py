@@ -44,13 +44,12 @@ import torch.distributed as dist
 from megatron.core.transformer.moe.moe_utils import get_capacity
 from megatron.core.transformer.moe.token_dispatcher import _DispatchManager
 
-from .. import envs
 from .. import autograd as ep
 from ..checks import capturing, check_capacity_factor, routing_inputs_error, routing_tokens_error
 from ..permute import (attach_expert_rows, routed_pairs, routed_past_topk, routing_map_error,
                        routing_map_to_topk, worst_case_segments)
 from . import compat
-from .budget import agree_max, all_reduce_small, budget_rows, reduces_on_device
+from .budget import agree_max, all_reduce_small, budget_rows, env_factor, reduces_on_device
 from .buffers import fail_dispatch, get_buffer
 from .layouts import StaticRows
 
@@ -80,7 +79,7 @@ class MegatronEPHybridEPManager(_DispatchManager):
         # field (0.16) or leaves it unset, MEGATRON_EP_RANK_CAPACITY_FACTOR sets it.
         self.moe_expert_rank_capacity_factor = compat.rank_capacity_factor(config)
         if self.moe_expert_rank_capacity_factor is None:
-            self.moe_expert_rank_capacity_factor = envs.number("MEGATRON_EP_RANK_CAPACITY_FACTOR", None)
+            self.moe_expert_rank_capacity_factor = env_factor("hybridep")
         self.moe_expert_rank_capacity_factor = check_capacity_factor(
             "moe_expert_rank_capacity_factor (or MEGATRON_EP_RANK_CAPACITY_FACTOR)", self.moe_expert_rank_capacity_factor)
         check_capacity_factor("moe_expert_capacity_factor", self.capacity_factor)
