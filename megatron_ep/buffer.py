@@ -380,8 +380,9 @@ class Buffer:
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, combine_wait_recv_cost_stats: Optional[torch.Tensor] = None,
-                            use_logfmt: bool = False, **kwargs) -> torch.Tensor:
+                            use_logfmt: bool = False, out: Optional[torch.Tensor] = None, **kwargs) -> torch.Tensor:
         """y[t] = sum_k w[t, k] * x[e_k][row(t, e_k)] over valid slots (fp32 accumulation).
+        `out` ([T, H], x's dtype and device, contiguous): written and returned instead of a new y.
         `combine_wait_recv_cost_stats` ([R] int64): the SM clock cycles the receive half waited
         for each rank's rows are added (cuda backend; the torch backend leaves it as it is).
         `use_logfmt` (bf16 x, every rank alike): the rows travel as LogFMT-10 where a 128-channel
@@ -402,6 +403,15 @@ class Buffer:
                           x.device, "rank")
             if combine_wait_recv_cost_stats is not None:
                 kwargs["wait_stats"] = combine_wait_recv_cost_stats
+            if out is not None:
+                C.fail(isinstance(out, torch.Tensor), f"out must be a tensor, got {type(out).__name__}", TypeError)
+                want = (handle.num_tokens, handle.hidden)
+                C.fail(tuple(out.shape) == want, f"out must have shape {want} (the dispatch's tokens x hidden), got "
+                                                 f"{tuple(out.shape)}")
+                C.fail(out.dtype == x.dtype, f"out must have x's dtype {x.dtype}, got {out.dtype}", TypeError)
+                C.fail(out.device == x.device, f"out is on {out.device} but x is on {x.device}")
+                C.fail(out.is_contiguous(), "out must be contiguous")
+                kwargs["out"] = out
             C.check_bool("use_logfmt", use_logfmt)
             if use_logfmt:
                 C.fail(x.dtype == torch.bfloat16, f"use_logfmt encodes bf16 expert outputs, got {x.dtype}", TypeError)

@@ -460,7 +460,7 @@ class TorchBackend:
 
     def low_latency_combine(self, call: P.Call, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, wait_stats: Optional[torch.Tensor] = None,
-                            use_logfmt: bool = False) -> torch.Tensor:
+                            use_logfmt: bool = False, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         st: _LowLatencyState = handle.state  # (wait_stats: no per-rank waits measured here)
         self._exchange(call)
         rows = x[st.recv_expert, st.recv_pos]  # back in arrival order, i.e. each source's send order
@@ -470,7 +470,7 @@ class TorchBackend:
         w = topk_weights[st.send_tok, st.send_slot].float().unsqueeze(1)
         y = torch.zeros((handle.num_tokens, x.shape[-1]), dtype=torch.float32, device=x.device)
         y.index_add_(0, st.send_tok, back * w)
-        return y.to(x.dtype)
+        return y.to(x.dtype) if out is None else out.copy_(y)
 
 
 def _valid_ids(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:

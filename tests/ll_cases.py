@@ -415,6 +415,53 @@ def run_ll_mismatch_case(_cfg=None) -> list:
     return errors + chk.errors
 
 
+def run_ll_combine_out_case(backend: str = "torch", device: str = "cpu") -> list:
+    """low_latency_combine(out=...) on our Buffer and through megatron_ep.deep_ep, either backend:
+    an `out` of the wrong shape (the low-latency area's [max_tokens, H], or [T + 1, H]), dtype or
+    kind is refused naming `out` on every rank before anything moves; a right one is written and
+    returned, equal to the combine without it."""
+    import os
+
+    from megatron_ep import Buffer, deep_ep
+
+    R, rank = dist.get_world_size(), dist.get_rank()
+    E, T, H, mt = 2 * R, 3, 128, 8
+    g = torch.Generator().manual_seed(40 + rank)
+    x = torch.randn((T, H), generator=g).to(device=device, dtype=torch.bfloat16)
+    idx = torch.randint(0, E, (T, 1), generator=g)
+    idx = torch.cat([idx, (idx + 1) % E], dim=1).to(device)
+    w = torch.rand((T, 2), generator=g).to(device)
+    os.environ["MEGATRON_EP_DEEP_EP_BACKEND"] = backend
+    ours = Buffer(backend=backend)
+    theirs = deep_ep.Buffer(dist.group.WORLD, num_rdma_bytes=deep_ep.Buffer.get_low_latency_rdma_size_hint(mt, H, R, E),
+                            low_latency_mode=True, explicitly_destroy=True)
+    a = ours.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=mt, use_fp8=False)
+    recv, _, handle, _, _ = theirs.low_latency_dispatch(x, idx, mt, E, use_fp8=False)
+    calls = {"Buffer": lambda o: ours.low_latency_combine(a.x, idx, w, a.handle, out=o),
+             "deep_ep.Buffer": lambda o: theirs.low_latency_combine(recv, idx, w, handle, out=o)[0]}
+    errors = []
+    for name, call in calls.items():
+        errors += refusals([
+            ("out [max_tokens, H]", lambda: call(torch.empty((mt, H), dtype=x.dtype, device=device)), ValueError,
+             "out must have shape"),
+            ("out [T + 1, H]", lambda: call(torch.empty((T + 1, H), dtype=x.dtype, device=device)), ValueError,
+             "out must have shape"),
+            ("out fp32", lambda: call(torch.empty((T, H), dtype=torch.float32, device=device)), TypeError,
+             "out must have x's dtype"),
+            ("out a list", lambda: call([0.0] * T), TypeError, "out must be a tensor"),
+        ], tag=f"[{backend} rank={rank} {name}] ")
+        want = call(None)
+        out = torch.full((T, H), float("nan"), dtype=x.dtype, device=device)
+        got = call(out)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if got.data_ptr() != out.data_ptr() or not torch.equal(out, want):
+            errors.append(f"[{backend} rank={rank} {name}] combine(out=) did not write the combine into out")
+    theirs.destroy()
+    ours.destroy()
+    return errors
+
+
 def run_ll_bad_inputs(_cfg=None) -> list:
     """cuda-only refusals, raised on every rank before anything is sent."""
     R = dist.get_world_size()

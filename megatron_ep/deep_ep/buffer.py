@@ -424,13 +424,10 @@ class Buffer:
             kwargs["use_logfmt"] = True
         if cuda and return_recv_hook:
             kwargs["return_recv_hook"] = True
-        if cuda and out is not None:
+        if out is not None:  # checked (shape, dtype, device) by our Buffer on both backends
             kwargs["out"] = out
         res = self.runtime.low_latency_combine(x, topk_idx, topk_weights, handle.ours, **kwargs)
         y, hook = res if (cuda and return_recv_hook) else (res, None)
-        if out is not None and not cuda:
-            out.copy_(y)
-            y = out
         if return_recv_hook and hook is None:
             hook = lambda: None  # noqa: E731 - the torch backend has combined already
         return y, _finished(None, async_finish), hook
