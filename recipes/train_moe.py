@@ -171,6 +171,10 @@ def check_resources(args, world: int) -> None:
 def init_distributed(virtual_ranks: bool = False):
     on_gpu = torch.cuda.is_available()
     if on_gpu:
+        if virtual_ranks:  # before CUDA starts: the ranks share one GPU (megatron_ep/cuda/sharing.py)
+            from megatron_ep.cuda import sharing
+
+            sharing.prepare_shared_gpu()
         local = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local % torch.cuda.device_count() if virtual_ranks else local)
     dist.init_process_group("nccl" if on_gpu and not virtual_ranks else "gloo", timeout=datetime.timedelta(minutes=5))
