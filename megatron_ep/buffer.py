@@ -230,7 +230,7 @@ class Buffer:
                  permute: Optional[bool] = None, expert_alignment: Optional[int] = None,
                  handle: Optional[DispatchHandle] = None, *, host_counts: bool = False,
                  num_worst_tokens: int = 0, async_op: bool = False,
-                 previous_event: Optional[EventOverlap] = None) -> DispatchOutput:
+                 previous_event: Optional[EventOverlap] = None, on_overflow: str = "drop") -> DispatchOutput:
         """Send each token to the ranks owning its experts (docs/design.md §2).
 
         permute=False (default): rank-major rows; permute=True: expert-major rows, each
@@ -242,7 +242,13 @@ class Buffer:
         position falls past it are not delivered: `out.num_dropped` (a device scalar) counts
         them on the receiving rank, tokens_per_expert covers only delivered rows, and combine
         skips them. R * T_max rank-major, or R * T_max * min(topk, local experts) + local
-        experts * (alignment - 1) expert-major, never drops.
+        experts * (alignment - 1) expert-major, never drops. on_overflow="raise" (rank-major)
+        makes such rows a caller error instead: where the backend learns every rank's counts on
+        the host before the rows move (the torch backend, at its count exchange), every rank
+        raises WorstCaseOverflowError naming each rank that would receive more rows than its
+        num_worst_tokens, and nothing moves. The cuda backend's worst-case sized dispatch keeps
+        the counts on the GPU (that is what makes it sync-free), so there such rows are dropped
+        and counted as with "drop".
         """
         op = "dispatch" if handle is None else "cached_dispatch"
         with self._call(op) as call:
@@ -282,12 +288,14 @@ class Buffer:
             if topk_weights is not None:
                 C.check_topk_weights(topk_weights, T, K, device)
             data = x[0] if is_fp8 else x
+            C.fail(on_overflow in ("drop", "raise"), f"on_overflow must be 'drop' or 'raise', got {on_overflow!r}")
             call.set(routing=handle.call_seq if handle is not None else 0, dtype=P.dtype_code(data.dtype), hidden=H,
                      row_bytes=H * data.element_size(), topk=K, num_experts=num_experts, permute=permute,
                      expert_alignment=expert_alignment, worst_case_sized=num_worst_tokens > 0,
                      weights=_weights_code(topk_weights))
             out = impl.dispatch(call, DispatchRequest(x, topk_idx, topk_weights, num_experts, permute, expert_alignment,
-                                                      handle, host_counts, num_worst_tokens, async_op, previous_event))
+                                                      handle, host_counts, num_worst_tokens, async_op, previous_event,
+                                                      on_overflow=on_overflow))
         out.handle.buffer_id = self.id
         return out
 
@@ -301,6 +309,8 @@ class Buffer:
             self._check_handle(handle, DispatchHandle)
             C.check_bool("async_op", async_op)
             C.check_event("previous_event", previous_event)
+                C.fail(on_overflow == "drop" or not permute, "on_overflow='raise' is for rank-major dispatches "
+                       "(permute=False): the counts exchanged before the rows move are per rank, not per expert")
             C.check_activation("x", x)
             C.fail(not C.is_fp8_tuple(x), "combine takes bf16/fp32 rows, not FP8", TypeError)
             C.fail(x.shape[0] == handle.num_recv_rows, f"x has {x.shape[0]} rows but the dispatch delivered {handle.num_recv_rows}")

@@ -106,3 +106,18 @@ def test_entry_point_help_and_its_required_option():
     bare = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     lines = bare.stderr.strip().splitlines()
     assert bare.returncode == 2 and len(lines) == 1 and "required: --path" in lines[0], bare.stderr
+
+
+# ------------------------------------------------------------------------ hostile use of the module
+HOSTILE = dict(seed=31, E=4, K=2, H=16, Ts=[3, 4])
+
+
+def _clean(per_rank) -> None:
+    errors = [e for rank in per_rank for e in rank]
+    assert not errors, "\n".join(errors[:20])
+
+
+def test_num_worst_tokens_below_what_a_rank_receives_raises_on_every_rank(pools):
+    """Every token goes to rank 0 (7 rows there); num_worst_tokens=5 is refused on both ranks,
+    naming the rank and its count, instead of returning 5 rows of which 7 should have come."""
+    _clean(pools(2).run(dc.run_deep_ep_worst_overflow_case, dict(HOSTILE, pattern="hot"), timeout=120))

@@ -242,7 +242,7 @@ class Buffer:
                 self._reserve_worst(x, topk_idx, E, num_worst_tokens)
             out = self.runtime.dispatch(x, topk_idx, topk_weights, num_experts=E, permute=False,
                                         num_worst_tokens=num_worst_tokens, host_counts=not num_worst_tokens,
-                                        async_op=async_finish, previous_event=prev)
+                                        async_op=async_finish, previous_event=prev, on_overflow="raise")
             counts = [] if num_worst_tokens else [_align_up(c, expert_alignment) for c in out.tokens_per_expert_host]
             recv_idx, recv_w = out.topk_idx, out.topk_weights
         out = self._repacked(out, packed)
@@ -312,6 +312,7 @@ class Buffer:
         L = num_tokens_per_expert.numel() // self.group_size
         total = self._gathered(num_tokens_per_expert).sum(0)[self.rank * L:(self.rank + 1) * L]
         return [_align_up(int(c), expert_alignment) for c in total.tolist()]
+            # DeepEP's num_worst_tokens is a precondition: rows past it are an error on every rank, not drops
 
     def combine(self, x: torch.Tensor, handle: Tuple, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None, config: Optional[Config] = None,
