@@ -135,6 +135,7 @@ class Buffer:
         # one call at a time per process: (thread name, op) of the call in progress
         self._busy_lock = threading.Lock()
         self._busy: Optional[tuple] = None
+        self._entered = 0  # calls entered (_call, refuse): before_call tells whether one began
         self._destroyed = False
         requested = backend
         if backend == "auto":
@@ -203,6 +204,7 @@ class Buffer:
         impl = self._impl
         with self._exclusive(op):
             self._seq += 1
+            self._entered += 1
             call = P.Call(P.OP[op], self._seq).set(buffer=self.ordinal)
             try:
                 with impl.call(call):
@@ -212,6 +214,35 @@ class Buffer:
                 if getattr(exc, "resync", None) is not None:  # the backend realigned the call numbers
                     self._seq = exc.resync
                 raise
+
+    def refuse(self, op: str, exc: BaseException) -> None:
+        """Fail this rank's call `op` (a key of protocol.OP) with `exc` where its peers wait for it:
+        for a layer above Buffer (megatron_ep.deep_ep) whose own check fails before it reaches
+        Buffer's call. The failure is published at the call's first exchange, as a failure inside
+        one of Buffer's calls is (the peers raise PeerFailedError with its message instead of
+        waiting), then `exc` is raised here. It counts as a call on every rank, as theirs does."""
+        C.fail(op in P.OP, f"op must be one of {sorted(P.OP)}, got {op!r}")
+        with self._exclusive(op):
+            self._seq += 1
+            self._entered += 1
+            call = P.Call(P.OP[op], self._seq).set(buffer=self.ordinal)
+            with self._impl.call(call):
+                raise exc
+
+    @contextmanager
+    def before_call(self, op: str):
+        """The body of a layer's collective method whose first collective is one of Buffer's calls
+        (`op`): a failure in it before that call began (the layer's own checks) is published as
+        refuse() publishes it, so the peers waiting in that call raise PeerFailedError instead of
+        waiting for this rank; once one of Buffer's calls began, it published its own outcome and
+        nothing more is owed."""
+        entered = self._entered
+        try:
+            yield
+        except Exception as exc:
+            if self._entered == entered:
+                self.refuse(op, exc)
+            raise
 
     # ------------------------------------------------------------------------------ layout
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> DispatchLayout:
@@ -257,6 +288,7 @@ class Buffer:
             device = C.act_device(x)
             C.check_token_limit(T, self.max_tokens_per_rank)
             C.check_int("num_worst_tokens", num_worst_tokens, 0, C.MAX_ROWS)
+            C.fail(on_overflow in ("drop", "raise"), f"on_overflow must be 'drop' or 'raise', got {on_overflow!r}")
             C.check_bool("permute", permute, allow_none=True)
             C.check_bool("host_counts", host_counts)
             C.check_bool("async_op", async_op)
@@ -276,6 +308,8 @@ class Buffer:
                 C.fail(num_experts is not None, "dispatch needs num_experts", TypeError)
                 C.check_num_experts(num_experts, self.num_ranks)
                 permute = bool(permute)
+                C.fail(on_overflow == "drop" or not permute, "on_overflow='raise' is for rank-major dispatches "
+                       "(permute=False): the counts exchanged before the rows move are per rank, not per expert")
                 expert_alignment = 1 if expert_alignment is None else expert_alignment
                 C.check_alignment(expert_alignment)
                 K = C.check_topk_idx(topk_idx, T, device)
@@ -288,7 +322,6 @@ class Buffer:
             if topk_weights is not None:
                 C.check_topk_weights(topk_weights, T, K, device)
             data = x[0] if is_fp8 else x
-            C.fail(on_overflow in ("drop", "raise"), f"on_overflow must be 'drop' or 'raise', got {on_overflow!r}")
             call.set(routing=handle.call_seq if handle is not None else 0, dtype=P.dtype_code(data.dtype), hidden=H,
                      row_bytes=H * data.element_size(), topk=K, num_experts=num_experts, permute=permute,
                      expert_alignment=expert_alignment, worst_case_sized=num_worst_tokens > 0,
@@ -309,8 +342,6 @@ class Buffer:
             self._check_handle(handle, DispatchHandle)
             C.check_bool("async_op", async_op)
             C.check_event("previous_event", previous_event)
-                C.fail(on_overflow == "drop" or not permute, "on_overflow='raise' is for rank-major dispatches "
-                       "(permute=False): the counts exchanged before the rows move are per rank, not per expert")
             C.check_activation("x", x)
             C.fail(not C.is_fp8_tuple(x), "combine takes bf16/fp32 rows, not FP8", TypeError)
             C.fail(x.shape[0] == handle.num_recv_rows, f"x has {x.shape[0]} rows but the dispatch delivered {handle.num_recv_rows}")
