@@ -135,6 +135,7 @@ class Buffer:
         # one call at a time per process: (thread name, op) of the call in progress
         self._busy_lock = threading.Lock()
         self._busy: Optional[tuple] = None
+        self._entered = 0  # calls entered (_call, refuse): before_call tells whether one began
         self._destroyed = False
         requested = backend
         if backend == "auto":
@@ -203,6 +204,7 @@ class Buffer:
         impl = self._impl
         with self._exclusive(op):
             self._seq += 1
+            self._entered += 1
             call = P.Call(P.OP[op], self._seq).set(buffer=self.ordinal)
             try:
                 with impl.call(call):
@@ -212,6 +214,35 @@ class Buffer:
                 if getattr(exc, "resync", None) is not None:  # the backend realigned the call numbers
                     self._seq = exc.resync
                 raise
+
+    def refuse(self, op: str, exc: BaseException) -> None:
+        """Fail this rank's call `op` (a key of protocol.OP) with `exc` where its peers wait for it:
+        for a layer above Buffer (megatron_ep.deep_ep) whose own check fails before it reaches
+        Buffer's call. The failure is published at the call's first exchange, as a failure inside
+        one of Buffer's calls is (the peers raise PeerFailedError with its message instead of
+        waiting), then `exc` is raised here. It counts as a call on every rank, as theirs does."""
+        C.fail(op in P.OP, f"op must be one of {sorted(P.OP)}, got {op!r}")
+        with self._exclusive(op):
+            self._seq += 1
+            self._entered += 1
+            call = P.Call(P.OP[op], self._seq).set(buffer=self.ordinal)
+            with self._impl.call(call):
+                raise exc
+
+    @contextmanager
+    def before_call(self, op: str):
+        """The body of a layer's collective method whose first collective is one of Buffer's calls
+        (`op`): a failure in it before that call began (the layer's own checks) is published as
+        refuse() publishes it, so the peers waiting in that call raise PeerFailedError instead of
+        waiting for this rank; once one of Buffer's calls began, it published its own outcome and
+        nothing more is owed."""
+        entered = self._entered
+        try:
+            yield
+        except Exception as exc:
+            if self._entered == entered:
+                self.refuse(op, exc)
+            raise
 
     # ------------------------------------------------------------------------------ layout
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> DispatchLayout:
@@ -230,7 +261,7 @@ class Buffer:
                  permute: Optional[bool] = None, expert_alignment: Optional[int] = None,
                  handle: Optional[DispatchHandle] = None, *, host_counts: bool = False,
                  num_worst_tokens: int = 0, async_op: bool = False,
-                 previous_event: Optional[EventOverlap] = None) -> DispatchOutput:
+                 previous_event: Optional[EventOverlap] = None, on_overflow: str = "drop") -> DispatchOutput:
         """Send each token to the ranks owning its experts (docs/design.md §2).
 
         permute=False (default): rank-major rows; permute=True: expert-major rows, each
@@ -242,7 +273,13 @@ class Buffer:
         position falls past it are not delivered: `out.num_dropped` (a device scalar) counts
         them on the receiving rank, tokens_per_expert covers only delivered rows, and combine
         skips them. R * T_max rank-major, or R * T_max * min(topk, local experts) + local
-        experts * (alignment - 1) expert-major, never drops.
+        experts * (alignment - 1) expert-major, never drops. on_overflow="raise" (rank-major)
+        makes such rows a caller error instead: where the backend learns every rank's counts on
+        the host before the rows move (the torch backend, at its count exchange), every rank
+        raises WorstCaseOverflowError naming each rank that would receive more rows than its
+        num_worst_tokens, and nothing moves. The cuda backend's worst-case sized dispatch keeps
+        the counts on the GPU (that is what makes it sync-free), so there such rows are dropped
+        and counted as with "drop".
         """
         op = "dispatch" if handle is None else "cached_dispatch"
         with self._call(op) as call:
@@ -251,6 +288,7 @@ class Buffer:
             device = C.act_device(x)
             C.check_token_limit(T, self.max_tokens_per_rank)
             C.check_int("num_worst_tokens", num_worst_tokens, 0, C.MAX_ROWS)
+            C.fail(on_overflow in ("drop", "raise"), f"on_overflow must be 'drop' or 'raise', got {on_overflow!r}")
             C.check_bool("permute", permute, allow_none=True)
             C.check_bool("host_counts", host_counts)
             C.check_bool("async_op", async_op)
@@ -270,6 +308,8 @@ class Buffer:
                 C.fail(num_experts is not None, "dispatch needs num_experts", TypeError)
                 C.check_num_experts(num_experts, self.num_ranks)
                 permute = bool(permute)
+                C.fail(on_overflow == "drop" or not permute, "on_overflow='raise' is for rank-major dispatches "
+                       "(permute=False): the counts exchanged before the rows move are per rank, not per expert")
                 expert_alignment = 1 if expert_alignment is None else expert_alignment
                 C.check_alignment(expert_alignment)
                 K = C.check_topk_idx(topk_idx, T, device)
@@ -287,7 +327,8 @@ class Buffer:
                      expert_alignment=expert_alignment, worst_case_sized=num_worst_tokens > 0,
                      weights=_weights_code(topk_weights))
             out = impl.dispatch(call, DispatchRequest(x, topk_idx, topk_weights, num_experts, permute, expert_alignment,
-                                                      handle, host_counts, num_worst_tokens, async_op, previous_event))
+                                                      handle, host_counts, num_worst_tokens, async_op, previous_event,
+                                                      on_overflow=on_overflow))
         out.handle.buffer_id = self.id
         return out
 
