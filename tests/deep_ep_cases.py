@@ -542,13 +542,13 @@ def run_deep_ep_stream_order_cases(cfgs: list) -> list:
 
 # ---------------------------------------------------------------------- hostile use of the module
 def _hostile_setup(cfg: dict, **kwargs):
-    """A torch-backend Buffer with the case's inputs and their layout on this rank."""
-    os.environ["MEGATRON_EP_DEEP_EP_BACKEND"] = "torch"
+    """A Buffer (cfg "backend", default torch) with the case's inputs and their layout on this rank."""
+    _backend(cfg)
     from megatron_ep import deep_ep
 
     R, rank = dist.get_world_size(), dist.get_rank()
     buf = deep_ep.Buffer(dist.group.WORLD, **kwargs)
-    x, idx, w = _inputs(cfg, rank)
+    x, idx, w = _on(cfg, *_inputs(cfg, rank))
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, cfg["E"])
     layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                   topk_idx=idx, topk_weights=w)
@@ -556,23 +556,35 @@ def _hostile_setup(cfg: dict, **kwargs):
 
 
 def run_deep_ep_worst_overflow_case(cfg: dict) -> list:
-    """num_worst_tokens below the rows a rank receives (DeepEP's precondition): every rank raises
-    a ValueError (megatron_ep.errors.WorstCaseOverflowError) naming num_worst_tokens, the rank and
-    its count, at once, before any row moves; the Buffer works afterwards."""
+    """num_worst_tokens below the rows a rank receives (DeepEP's precondition). Torch backend:
+    every rank raises a ValueError (megatron_ep.errors.WorstCaseOverflowError) naming
+    num_worst_tokens, the rank and its count, at once, before any row moves. Cuda backend (a
+    worst-case sized dispatch keeps its counts on the GPU and cannot stop before its rows move):
+    the receiving rank's next call raises it naming the dispatch and the rows dropped, its peers
+    PeerFailedError with that message. The Buffer works afterwards."""
     from hostile_cases import raises
+    from megatron_ep.errors import PeerFailedError, WorstCaseOverflowError
 
     R, rank = dist.get_world_size(), dist.get_rank()
-    tag = f"[deep_ep num_worst_tokens overflow R={R} rank={rank}]"
+    tag = f"[deep_ep num_worst_tokens overflow R={R} rank={rank} {cfg.get('backend', 'torch')}]"
     try:
         deep_ep, buf, x, idx, w, layout, R, rank = _hostile_setup(cfg)
         received = [sum(int((_inputs(cfg, src)[1] // (cfg["E"] // R) == r).any(dim=1).sum()) for src in range(R))
                     for r in range(R)]
         worst, hot = max(received), received.index(max(received))
-        errors = raises(f"{tag} num_worst_tokens={worst - 2}",
-                        lambda: buf.dispatch(x, num_worst_tokens=worst - 2, **layout), ValueError,
-                        f"rank {hot} receives {worst} rows, its num_worst_tokens={worst - 2}")
+        if cfg.get("backend", "torch") == "torch":
+            errors = raises(f"{tag} num_worst_tokens={worst - 2}",
+                            lambda: buf.dispatch(x, num_worst_tokens=worst - 2, **layout), ValueError,
+                            f"rank {hot} receives {worst} rows, its num_worst_tokens={worst - 2}")
+        else:
+            buf.dispatch(x, num_worst_tokens=worst - 2, **layout)
+            text = "had 2 more rows for this rank than num_worst_tokens"
+            errors = raises(f"{tag} the call after num_worst_tokens={worst - 2}",
+                            lambda: buf.dispatch(x, num_worst_tokens=worst, **layout),
+                            WorstCaseOverflowError if rank == hot else PeerFailedError, text, limit_s=15.0)
         rx, *_ = buf.dispatch(x, num_worst_tokens=worst, **layout)  # the precondition met: DeepEP's rows
         want = _expected(cfg, rank, R)[0]
+        rx = rx.cpu()
         if not (rx.shape[0] == worst and torch.equal(rx[:want.shape[0]], want)):
             errors.append(f"{tag} the dispatch after the refused one differs from DeepEP's rows")
         return errors

@@ -64,3 +64,13 @@ def test_serving_managers_call_sequences_on_our_kernels(R):
     errors = flat(pool_(R).run(cc.run_prefill_case, cfg, timeout=RUN_S))
     errors += flat(pool_(R, MEP_DEEP_EP_POOL="low_latency").run(cc.run_decode_case, cfg, timeout=RUN_S))
     assert not errors, "\n".join(errors[:20])
+
+
+@pytest.mark.parametrize("R", [2])
+def test_num_worst_tokens_below_what_a_rank_receives_raises_at_the_next_call(R):
+    """On our kernels a worst-case sized dispatch cannot stop before its rows move: the rows past
+    num_worst_tokens are dropped and the receiving rank's next call raises
+    WorstCaseOverflowError (its peers PeerFailedError); the Buffer works afterwards."""
+    cfg = dict(seed=31, E=4, K=2, H=16, Ts=[3, 4], pattern="hot", **ON_CUDA)
+    errors = flat(pool_(R).run(dc.run_deep_ep_worst_overflow_case, cfg, timeout=RUN_S))
+    assert not errors, "\n".join(errors[:20])
