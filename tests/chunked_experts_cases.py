@@ -10,6 +10,7 @@ import traceback
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.autograd.gradcheck import GradcheckError
 
 from cases import get_buffer
 from megatron_ep import autograd
@@ -328,3 +329,94 @@ def run_chunked_edges_case(cfg: dict, backend: str = "torch", device: str = "cpu
             errors.append(f"{tag} {check.__name__} raised:\n{traceback.format_exc()}")
         dist.barrier()
     return errors
+
+
+def _exact_or_refused(tag: str, what: str, got, want, scale_of=None) -> list:
+    """`got` (a list of tensors, or the exception a derivative raised) is `want` (the exact
+    derivative) or the RuntimeError that names `what` and says second derivatives are
+    unsupported; anything else (another error, a GradcheckError, a wrong value) is reported."""
+    if isinstance(got, BaseException):
+        if isinstance(got, GradcheckError) or not isinstance(got, RuntimeError):
+            return [f"{tag}: {str(got)[:300]!r}"]
+        if what not in str(got) or "second derivatives" not in str(got):
+            return [f"{tag}: {got!r} does not say that second derivatives through {what} are unsupported"]
+        return []
+    if isinstance(want, BaseException):
+        return [f"{tag}: the exact reference raised {want!r}"]
+    errors = []
+    for i, (g, w) in enumerate(zip(got, want)):
+        g = torch.zeros_like(w) if g is None else g
+        if g.shape != w.shape or not torch.allclose(g, w, rtol=1e-9, atol=1e-9):
+            err = (g - w).abs().max().item() if g.shape == w.shape else f"shapes {tuple(g.shape)} {tuple(w.shape)}"
+            errors.append(f"{tag}: input {i}'s second derivative is neither refused nor exact (max error {err})")
+    return errors
+
+
+def second_derivative(layer, inputs: list, wanted: list, grad: torch.Tensor, how: str):
+    """d/dv of sum(d/dv [(layer(v) * grad).sum() + (v ** 3).sum()]) over the inputs v marked in
+    `wanted` (the others need no grad), taken by `torch.autograd.grad(..., inputs)` ("grad") or
+    by `.backward()`: the tensors, or the exception it raised."""
+    lv = [t.detach().clone().requires_grad_(w) for t, w in zip(inputs, wanted)]
+    ins = [t for t, w in zip(lv, wanted) if w]
+    y = layer(*lv)
+    first = torch.autograd.grad((y * grad).sum() + sum((t ** 3).sum() for t in ins), ins, create_graph=True)
+    total = sum(g.sum() for g in first)
+    try:
+        if how == "grad":
+            return list(torch.autograd.grad(total, ins, allow_unused=True))
+        total.backward()
+        return [t.grad for t in ins]
+    except Exception as e:
+        return e
+
+
+def run_second_derivative_case(cfg: dict) -> list:
+    """A second derivative through chunked_expert_mlp is exact (one round's, whose dispatch and
+    combine are differentiable to any order) or raises naming the layer: for every subset of x,
+    probs, w1, w2 that requires grad, taken by autograd.grad(..., inputs) and by .backward(), with a
+    term outside the layer (each input cubed) that a derivative missing the layer's part still has."""
+    R, rank = dist.get_world_size(), dist.get_rank()
+    buf = get_buffer("torch")
+    x, idx, probs, w1, w2, grad = [t.double() if t.is_floating_point() else t for t in _inputs(cfg, rank, "cpu")]
+    E = cfg["E"]
+
+    def chunked(x, probs, w1, w2):
+        return chunked_expert_mlp(buf, x, idx, probs, w1, w2, E, chunks=cfg["chunks"])
+
+    def one_round(x, probs, w1, w2):
+        return _one_round(buf, [x, probs, w1, w2], idx, cfg, F.gelu)
+
+    errors = []
+    for mask in range(1, 16):
+        wanted = [bool(mask >> i & 1) for i in range(4)]
+        names = "+".join(n for n, w in zip(("x", "probs", "w1", "w2"), wanted) if w)
+        for how in ("grad", "backward"):
+            tag = f"[second derivative R={R} rank={rank} inputs {names}, {how}]"
+            try:
+                want = second_derivative(one_round, [x, probs, w1, w2], wanted, grad, how)
+                got = second_derivative(chunked, [x, probs, w1, w2], wanted, grad, how)
+                errors += _exact_or_refused(tag, "chunked_expert_mlp", got, want)
+                if mask == 1 and not isinstance(want, BaseException) and torch.allclose(want[0], 6 * x):
+                    errors.append(f"{tag}: the layer adds nothing to the reference: the case checks nothing")
+            except Exception:
+                errors.append(f"{tag} raised:\n{traceback.format_exc()}")
+            dist.barrier()
+    return errors
+
+
+def run_gradgradcheck_case(cfg: dict) -> list:
+    """torch.autograd.gradgradcheck of a small fp64 chunked layer (one rank: the numerical
+    derivative perturbs only this rank's inputs) passes or raises naming the layer."""
+    rank = dist.get_rank()
+    buf = get_buffer("torch")
+    x, idx, probs, w1, w2, grad = [t.double() if t.is_floating_point() else t for t in _inputs(cfg, rank, "cpu")]
+    leaves = [t.requires_grad_() for t in (x, probs, w1, w2)]
+
+    def layer(x, probs, w1, w2):
+        return chunked_expert_mlp(buf, x, idx, probs, w1, w2, cfg["E"], chunks=cfg["chunks"])
+
+    try:
+        got = torch.autograd.gradgradcheck(layer, leaves, (grad,), raise_exception=True)
+    except Exception as e:
+        got = e
+    return _exact_or_refused(f"[gradgradcheck rank={rank}]", "chunked_expert_mlp", got, None) if isinstance(got, BaseException) else []
