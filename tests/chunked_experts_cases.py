@@ -10,9 +10,9 @@ import traceback
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.autograd.gradcheck import GradcheckError
 
 from cases import get_buffer
+from refusals import derivative, exact_or_refused
 from megatron_ep import autograd
 from megatron_ep.experts import GroupedLayout, chunked_expert_mlp, expert_mlp
 
@@ -331,43 +331,7 @@ def run_chunked_edges_case(cfg: dict, backend: str = "torch", device: str = "cpu
     return errors
 
 
-def _exact_or_refused(tag: str, what: str, got, want, scale_of=None) -> list:
-    """`got` (a list of tensors, or the exception a derivative raised) is `want` (the exact
-    derivative) or the RuntimeError that names `what` and says second derivatives are
-    unsupported; anything else (another error, a GradcheckError, a wrong value) is reported."""
-    if isinstance(got, BaseException):
-        if isinstance(got, GradcheckError) or not isinstance(got, RuntimeError):
-            return [f"{tag}: {str(got)[:300]!r}"]
-        if what not in str(got) or "second derivatives" not in str(got):
-            return [f"{tag}: {got!r} does not say that second derivatives through {what} are unsupported"]
-        return []
-    if isinstance(want, BaseException):
-        return [f"{tag}: the exact reference raised {want!r}"]
-    errors = []
-    for i, (g, w) in enumerate(zip(got, want)):
-        g = torch.zeros_like(w) if g is None else g
-        if g.shape != w.shape or not torch.allclose(g, w, rtol=1e-9, atol=1e-9):
-            err = (g - w).abs().max().item() if g.shape == w.shape else f"shapes {tuple(g.shape)} {tuple(w.shape)}"
-            errors.append(f"{tag}: input {i}'s second derivative is neither refused nor exact (max error {err})")
-    return errors
-
-
-def second_derivative(layer, inputs: list, wanted: list, grad: torch.Tensor, how: str):
-    """d/dv of sum(d/dv [(layer(v) * grad).sum() + (v ** 3).sum()]) over the inputs v marked in
-    `wanted` (the others need no grad), taken by `torch.autograd.grad(..., inputs)` ("grad") or
-    by `.backward()`: the tensors, or the exception it raised."""
-    lv = [t.detach().clone().requires_grad_(w) for t, w in zip(inputs, wanted)]
-    ins = [t for t, w in zip(lv, wanted) if w]
-    y = layer(*lv)
-    first = torch.autograd.grad((y * grad).sum() + sum((t ** 3).sum() for t in ins), ins, create_graph=True)
-    total = sum(g.sum() for g in first)
-    try:
-        if how == "grad":
-            return list(torch.autograd.grad(total, ins, allow_unused=True))
-        total.backward()
-        return [t.grad for t in ins]
-    except Exception as e:
-        return e
+REFUSED = ("chunked_expert_mlp", "second derivatives")  # what its refusal must say
 
 
 def run_second_derivative_case(cfg: dict) -> list:
@@ -393,9 +357,9 @@ def run_second_derivative_case(cfg: dict) -> list:
         for how in ("grad", "backward"):
             tag = f"[second derivative R={R} rank={rank} inputs {names}, {how}]"
             try:
-                want = second_derivative(one_round, [x, probs, w1, w2], wanted, grad, how)
-                got = second_derivative(chunked, [x, probs, w1, w2], wanted, grad, how)
-                errors += _exact_or_refused(tag, "chunked_expert_mlp", got, want)
+                want = derivative(one_round, [x, probs, w1, w2], wanted, grad, how)
+                got = derivative(chunked, [x, probs, w1, w2], wanted, grad, how)
+                errors += exact_or_refused(tag, got, want, REFUSED)
                 if mask == 1 and not isinstance(want, BaseException) and torch.allclose(want[0], 6 * x):
                     errors.append(f"{tag}: the layer adds nothing to the reference: the case checks nothing")
             except Exception:
@@ -419,4 +383,4 @@ def run_gradgradcheck_case(cfg: dict) -> list:
         got = torch.autograd.gradgradcheck(layer, leaves, (grad,), raise_exception=True)
     except Exception as e:
         got = e
-    return _exact_or_refused(f"[gradgradcheck rank={rank}]", "chunked_expert_mlp", got, None) if isinstance(got, BaseException) else []
+    return exact_or_refused(f"[gradgradcheck rank={rank}]", got, None, REFUSED) if isinstance(got, BaseException) else []
