@@ -106,9 +106,10 @@ class _Refused(torch.autograd.Function):
     that the identity's outputs lead back to them. Any backward that reaches this node raises
     `message`: what stands for a graph that was not recorded (a backward that is not itself
     differentiable, a call outside autograd) then fails loudly instead of leaving its part out.
-    The anchors must be the tensors the outputs really depend on (or views of them): a
-    derivative taken with `torch.autograd.grad(..., inputs)` runs only the nodes on a path from
-    its outputs to its inputs, so an anchor off that path (a fresh leaf) is never visited."""
+    The anchors must be the tensors the outputs really depend on (or tensors whose graph leads
+    to them): a derivative taken with `torch.autograd.grad(..., inputs)` runs only the nodes on a
+    path from its outputs to its inputs, so an anchor off that path (a fresh leaf) is never
+    visited."""
 
     @staticmethod
     def forward(ctx, message: str, n: int, *tensors):
