@@ -73,6 +73,37 @@ def _why_not_cuda() -> str:
     return f"the GPU is sm_{''.join(map(str, torch.cuda.get_device_capability()))}, the kernels need sm_90"
 
 
+def _tensors(a) -> tuple:
+    return tuple(a) if isinstance(a, (tuple, list)) else (a,)
+
+
+def _needs_refusal(*inputs) -> bool:
+    """A call outside autograd whose inputs require grad, with grad mode on: its outputs would
+    carry none of it (the cheap test every call makes; the refusal itself is rare)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for a in inputs for t in _tensors(a))
+
+
+def _refusing(op: str, outputs, inputs):
+    """`outputs` (tensors, FP8 tuples or None) tied to the graph of `inputs` through a node whose
+    backward raises: a Buffer call is not differentiable, so a gradient through its outputs would
+    silently leave out its part (the call under an autograd function's backward with
+    create_graph=True, e.g. Megatron's fused_a2a on megatron_ep.deep_ep, or called directly)."""
+    from .autograd import refuse_gradient
+
+    message = (f"Buffer.{op} is not differentiable (its outputs carry no gradient to its inputs), so a "
+               f"derivative through it would leave its part out: use megatron_ep.dispatch / megatron_ep.combine, "
+               f"which are differentiable to any order, or call it under torch.no_grad()")
+    anchors = [t for a in inputs if a is not None for t in _tensors(a)]
+    out = []
+    for o in outputs:
+        if o is None:
+            out.append(None)
+        else:
+            guarded = refuse_gradient(message, _tensors(o), anchors)
+            out.append(guarded if isinstance(o, tuple) else guarded[0])
+    return out
+
+
 def _weights_code(w: Optional[torch.Tensor]) -> int:
     """Signature field "weights": their dtype (it sets the bytes on the wire), 0 without."""
     return P.dtype_code(w.dtype) if w is not None else 0
@@ -331,6 +362,9 @@ class Buffer:
                                                       handle, host_counts, num_worst_tokens, async_op, previous_event,
                                                       on_overflow=on_overflow))
         out.handle.buffer_id = self.id
+        if _needs_refusal(x, topk_weights):  # each output on the graph of the input it moves
+            (out.x,) = _refusing(op, [out.x], [x])
+            (out.topk_weights,) = _refusing(op, [out.topk_weights], [topk_weights])
         return out
 
     # ----------------------------------------------------------------------------- combine
@@ -357,7 +391,11 @@ class Buffer:
                      row_bytes=x.shape[1] * x.element_size(), topk=handle.topk, num_experts=handle.num_experts,
                      permute=handle.permute, expert_alignment=handle.expert_alignment,
                      worst_case_sized=handle.num_worst_tokens > 0, weights=_weights_code(weights))
-            return self._impl.combine(call, CombineRequest(x, handle, weights, async_op, previous_event))
+            out = self._impl.combine(call, CombineRequest(x, handle, weights, async_op, previous_event))
+        if _needs_refusal(x, weights):
+            (out.x,) = _refusing("combine", [out.x], [x])
+            (out.weights,) = _refusing("combine", [out.weights], [weights])
+        return out
 
     # ------------------------------------------------------------------------- low latency
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int,
@@ -418,6 +456,8 @@ class Buffer:
                                                   round_scale, **kwargs)
         out.handle.buffer_id = self.id
         out.handle.topk_idx, out.handle.topk_idx_version = topk_idx, C.tensor_version(topk_idx)  # combine checks it
+        if _needs_refusal(x):  # (topk_weights ride along for the combine: the rows do not depend on them)
+            (out.x,) = _refusing("low_latency_dispatch", [out.x], [x])
         return out
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -464,7 +504,8 @@ class Buffer:
                      row_bytes=handle.hidden * x.element_size(), topk=K, num_experts=handle.num_experts,
                      max_tokens_per_rank=handle.max_tokens_per_rank,
                      variant=P.LL_COMBINE_LOGFMT if use_logfmt else 0)
-            return self._impl.low_latency_combine(call, x, topk_idx, topk_weights, handle, **kwargs)
+            y = self._impl.low_latency_combine(call, x, topk_idx, topk_weights, handle, **kwargs)
+        return _refusing("low_latency_combine", [y], [x, topk_weights])[0] if _needs_refusal(x, topk_weights) else y
 
     # ---------------------------------------------------------------------------- rank mask
     # Elastic EP on the low-latency path (DeepEP's shrink mode), cuda backend, a Buffer made with

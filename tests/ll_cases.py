@@ -548,6 +548,34 @@ def block_cast_back(w: torch.Tensor) -> torch.Tensor:
     return q.float() * s.repeat_interleave(128, -2).repeat_interleave(128, -1)[..., :N, :K]
 
 
+def run_decode_layer_refuses_gradients(cfg: dict) -> list:
+    """DecodeMoELayer runs without autograd: with grad on and x or the routing weights requiring
+    grad, a derivative through its output raises naming it, by autograd.grad(..., inputs) and by
+    .backward(), instead of coming out without the layer's part (torch backend)."""
+    from cases import get_buffer
+    from megatron_ep.experts.decode_layer import DecodeMoELayer
+    from refusals import derivative, exact_or_refused
+
+    R, rank = dist.get_world_size(), dist.get_rank()
+    E, K, H, F, T, mt = cfg["E"], cfg["K"], cfg["H"], cfg["F"], cfg["T"], cfg["max_tokens"]
+    L = E // R
+    g = torch.Generator().manual_seed(cfg["seed"])
+    w1 = (torch.randn((E, 2 * F, H), generator=g) / H ** 0.5).to(torch.bfloat16)
+    w2 = (torch.randn((E, H, F), generator=g) / F ** 0.5).to(torch.bfloat16)
+    layer = DecodeMoELayer(get_buffer("torch"), E, w1[rank * L:(rank + 1) * L], w2[rank * L:(rank + 1) * L],
+                           max_tokens_per_rank=mt)
+    me = make_inputs(cfg["seed"] + 1, R, E, K, H, [T] * R, "bf16", "random", 0.2)[rank]
+    grad = torch.randn((T, H), generator=g).to(torch.bfloat16)
+    errors = []
+    for wanted in ([True, False], [False, True], [True, True]):
+        for how in ("grad", "backward"):
+            got = derivative(lambda x, w: layer(x, me["idx"], w), [me["x"], me["w"]], wanted, grad, how, order=1)
+            errors += exact_or_refused(f"[decode layer gradient R={R} rank={rank} {wanted} {how}]", got, None,
+                                       ("decode_moe", "not differentiable"))
+            dist.barrier()
+    return errors
+
+
 def run_ll_decode_layer_case(cfg: dict, backend: str = "cuda", device: str = "cuda") -> list:
     """DecodeMoELayer (LL dispatch -> masked expert MLP -> LL combine) against a dense fp32
     reference with the same FP8 inputs and bf16 weights (fc1's cast to FP8 per 128x128 block when
