@@ -27,8 +27,11 @@ PY=${PYTHON:-python3}
 _mep_say() { echo "set-up: $*" >&2; }
 _mep_since() { local s=$((SECONDS - $1)); printf '%dm%02ds' $((s / 60)) $((s % 60)); }
 _mep_start=$SECONDS
-# the switches, through the library's own parser (one rule; a bad value: one line, status 2)
-_mep_flags=$("$PY" "$ROOT/megatron_ep/envs.py" --prog set-up flag MEP_CPU_ONLY MEP_SKIP_CUDA MEP_REQUIRE_EXTENSION) \
+# the switches, through the library's own parser (one rule; a bad value: one line, status 2),
+# run by PYTHON, else the environment's python once it exists, else python3
+_mep_parse_py=${PYTHON:-python3}
+if [ -z "${PYTHON:-}" ] && [ -x "$VENV/bin/python" ]; then _mep_parse_py=$VENV/bin/python; fi
+_mep_flags=$("$_mep_parse_py" "$ROOT/megatron_ep/envs.py" --prog set-up flag MEP_CPU_ONLY MEP_SKIP_CUDA MEP_REQUIRE_EXTENSION) \
   || exit 2
 { read -r _mep_cpu_only; read -r _mep_skip_cuda; read -r _mep_require; } <<< "$_mep_flags"
 if [ "$_mep_cpu_only" = "1" ]; then _mep_skip_cuda=1; export MEP_SKIP_CUDA=1; fi
