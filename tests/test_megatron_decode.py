@@ -78,6 +78,28 @@ def test_decode_recipe_runs():
     assert "2 MoE layers on the low-latency path" in out.stdout, out.stdout[-3000:]
 
 
+def test_decode_recipe_fp8_passes_its_own_default_tolerance():
+    """recipes/decode_moe.py --fp8 at a hidden size FP8 takes: its default tolerance counts FP8's
+    rounding (2^-4 for e4m3), and the run passes it; a tolerance below what FP8 rounding does
+    fails, in one line that names the command once."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, os.path.join(root, "recipes", "decode_moe.py"), "--fp8", "--hidden", "128"]
+    out = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "\nOK" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+    diff, tol = map(float, re.search(r"over ranks = (\S+) \(tolerance (\S+)\)", out.stdout).groups())
+    assert tol == 1e-4 + 2 ** -4 and 1e-4 < diff < tol, out.stdout  # FP8 moved the logits past fp32's tolerance
+    out = subprocess.run(cmd + ["--tol", f"{diff / 2:g}"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stderr.strip() == ("recipes/decode_moe.py: error: the decode step differs from Megatron's forward by "
+                                  "more than the tolerance"), out.stderr
+
+
 def test_stacked_expert_weights_follow_optimizer_writes():
     """A SequentialMLP's stacked decode weights follow a write that leaves the parameters' address
     and version as they were (what Megatron's optimizers do: `param.data.copy_`, or a write into

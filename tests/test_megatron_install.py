@@ -216,3 +216,29 @@ def test_deepep_manager_refuses_a_static_budget(monkeypatch):
     monkeypatch.setenv("MEGATRON_EP_RANK_CAPACITY_FACTOR", "1.5")
     with pytest.raises(ValueError, match="MEGATRON_EP_RANK_CAPACITY_FACTOR=1.5 .*flex backend is deepep"):
         MegatronEPDeepepManager(None, 2, 2, 4, cfg)
+
+
+BAD_ENVIRONMENT = [  # every variable the managers, their Buffers and chunked experts read after install()
+    ("MEGATRON_EP_BACKEND", "xyz", "names no backend"),
+    ("MEGATRON_EP_CHECK_INPUTS", "maybe", "is not a switch"),
+    ("MEGATRON_EP_MAX_TOKENS_PER_RANK", "lots", "is not an integer"),
+    ("MEGATRON_EP_COMBINE_ROWS", "0", "must be at least 1"),
+    ("MEGATRON_EP_RANKS_PER_NODE", "-8", "must be at least 1"),
+    ("MEGATRON_EP_RANK_CAPACITY_FACTOR", "0", "must be a finite number > 0"),
+    ("MEGATRON_EP_CHUNKED_EXPERTS", "99", "must be at most 16"),
+    ("MEGATRON_EP_GEMM_BACKEND", "cublas", "names no grouped GEMM backend"),
+]
+
+
+@pytest.mark.parametrize("name,value,why", BAD_ENVIRONMENT, ids=[b[0] for b in BAD_ENVIRONMENT])
+def test_install_refuses_a_bad_variable(monkeypatch, name, value, why):
+    """install() reads each variable the managers read later, through the same readers: a bad
+    value raises there, naming it, and nothing is rebound (not at the first dispatch, deep in a
+    training run)."""
+    mm.uninstall()
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"{name}.*{why}"):
+        mm.install()
+    assert not mm.is_installed()
+    monkeypatch.delenv(name)
+    mm.install()  # as the other tests of this file leave it

@@ -67,10 +67,22 @@ def deep_gemm_shape_error(K: int, N: int, fp8: bool = False) -> Optional[str]:
     return None
 
 
+GEMM_ENV = "MEGATRON_EP_GEMM_BACKEND"
+
+
+def gemm_backend_from_env() -> str:
+    """MEGATRON_EP_GEMM_BACKEND ("auto" when unset or empty); a value that names no backend raises."""
+    raw = os.environ.get(GEMM_ENV, "")
+    value = raw.strip() or "auto"
+    if value != "auto" and value not in BACKENDS:
+        raise ValueError(f"{GEMM_ENV}={raw!r} names no grouped GEMM backend: use one of {', '.join(BACKENDS)} or auto")
+    return value
+
+
 def choose_backend(x: torch.Tensor, requested: Optional[str] = None, n: Optional[int] = None) -> str:
     """The backend for x [M, K] times weights with `n` output channels (None: not known yet, only K
     is checked): the requested one, else the first of BACKENDS that takes these operands."""
-    requested = requested or os.environ.get("MEGATRON_EP_GEMM_BACKEND") or "auto"
+    requested = requested or gemm_backend_from_env()
     if requested != "auto":
         if requested not in BACKENDS:
             raise ValueError(f"grouped GEMM backend must be one of {BACKENDS} or auto, got {requested!r}")

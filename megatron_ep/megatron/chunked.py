@@ -113,7 +113,7 @@ ENV = "MEGATRON_EP_CHUNKED_EXPERTS"
 
 def chunks_from_env() -> int:
     """MEGATRON_EP_CHUNKED_EXPERTS as a chunk count (0: unset or empty); a bad value raises."""
-    return envs.integer(ENV, 0, minimum=1)
+    return envs.integer(ENV, 0, minimum=1, maximum=MAX_CHUNKS)
 
 
 def apply_from_env(module: torch.nn.Module, chunks: int = 0) -> int:

@@ -22,9 +22,11 @@ Options (before SCRIPT; every argument after SCRIPT is the script's):
   --ep-backend {auto,cuda,torch}   MEGATRON_EP_BACKEND (default: the environment's, else auto)
 
 Environment: MEGATRON_EP_BACKEND (auto | torch | cuda; see docs/megatron.md; a bad value is refused,
-and --ep-backend wins over it),
-MEP_DEBUG_TRACEBACK=1 (the traceback of a failure to install, not just one line). The script's
-own errors are reported by the script, as without this launcher."""
+and --ep-backend wins over it), the other MEGATRON_EP_* variables the managers read (a bad value
+is refused before the script runs), MEP_DEBUG_TRACEBACK=1 (the traceback of a failure to
+install, not just one line). The script's own errors are reported by the script, as without
+this launcher; megatron-core's notes that Apex / Transformer Engine are not installed are hidden,
+as in our other commands."""
 
 from __future__ import annotations
 
@@ -115,6 +117,12 @@ def _prepare(script: str, options, script_args=()) -> None:
     overridden = _use_backend(options.ep_backend)
     if options.ep_budget is not None:
         os.environ["MEGATRON_EP_RANK_CAPACITY_FACTOR"] = repr(options.ep_budget)
+    from . import check_environment
+
+    try:  # what install() checks too, here as one usage line before the script runs
+        check_environment()
+    except ValueError as e:
+        raise cli.UsageError(str(e)) from None
     # As `python script.py` would, and before install(): the script's own tree (a Megatron-LM
     # checkout) then provides megatron.core even where a megatron-core wheel is installed.
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
@@ -143,6 +151,7 @@ def main(argv=None) -> int:
     from megatron_ep import cli
 
     cli.require("torch", prog=PROG)
+    cli.quiet()  # megatron-core's notes about Apex / Transformer Engine, as our other commands
     ours, rest = split_argv(argv)
     if not rest:
         print(f"{PROG}: error: the training script is missing (usage: {PROG} [OPTIONS] SCRIPT [ARGS ...]; --help)",
