@@ -124,9 +124,9 @@ class CudaBackend:
     # published to the peers as any failure at a call's entry. Not under CUDA-graph capture,
     # where the rows past the budget are dropped and counted (out.num_dropped) only.
     def _watch_overflow(self, call: P.Call, req, out) -> None:
-        if req.on_overflow != "raise" or not req.num_worst_tokens or capturing():
+        if req.on_overflow != "raise" or not req.num_worst_tokens or out.num_dropped is None or capturing():
             return
-        host = torch.empty(1, dtype=torch.int64, pin_memory=True)
+        host = torch.empty(1, dtype=torch.int64, device="cpu", pin_memory=True)  # (callers may set a cuda default device)
         done = torch.cuda.Event()
         with torch.cuda.stream(self.rt.stream):  # where the dispatch wrote num_dropped
             host.copy_(out.num_dropped.reshape(1), non_blocking=True)

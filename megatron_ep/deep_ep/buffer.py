@@ -354,8 +354,10 @@ class Buffer:
         the same on every rank (a decision on this rank's own fit could leave it alone in the
         collective). Not under CUDA-graph capture: make one such call before capturing."""
         rows = _rows(x)
+        # the combine area holds a rank-major dispatch's R x T rows as well as num_worst_tokens
         self.runtime.reserve(max_tokens=rows.shape[0], hidden=rows.shape[1], dtype_bytes=rows.element_size(),
-                             topk=topk_idx.shape[1], num_experts=num_experts, combine_rows=num_worst_tokens)
+                             topk=topk_idx.shape[1], num_experts=num_experts,
+                             combine_rows=max(num_worst_tokens, self.group_size * rows.shape[0]))
         self._worst_reserved = num_worst_tokens
 
     def _dispatch_by_rank(self, x, is_token_in_rank: torch.Tensor, num_experts: int, topk_weights, num_worst_tokens: int,
