@@ -309,9 +309,8 @@ class Buffer:
         the host before the rows move (the torch backend, at its count exchange), every rank
         raises WorstCaseOverflowError naming each rank that would receive more rows than its
         num_worst_tokens, and nothing moves. The cuda backend's worst-case sized dispatch keeps
-        the counts on the GPU (that is what makes it sync-free): such rows are dropped and
-        counted as with "drop", and the receiving rank's next call on this Buffer (or
-        synchronize()) raises WorstCaseOverflowError naming the dispatch (not under capture).
+        the counts on the GPU (that is what makes it sync-free), so there such rows are dropped
+        and counted as with "drop".
         """
         op = "dispatch" if handle is None else "cached_dispatch"
         with self._call(op) as call:

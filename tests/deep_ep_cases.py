@@ -556,38 +556,51 @@ def _hostile_setup(cfg: dict, **kwargs):
 
 
 def run_deep_ep_worst_overflow_case(cfg: dict) -> list:
-    """num_worst_tokens below the rows a rank receives (DeepEP's precondition). Torch backend:
-    every rank raises a ValueError (megatron_ep.errors.WorstCaseOverflowError) naming
-    num_worst_tokens, the rank and its count, at once, before any row moves. Cuda backend (a
-    worst-case sized dispatch keeps its counts on the GPU and cannot stop before its rows move):
-    the receiving rank's next call raises it naming the dispatch and the rows dropped, its peers
-    PeerFailedError with that message. The Buffer works afterwards."""
+    """num_worst_tokens below the rows a rank receives (DeepEP's precondition): every rank raises
+    a ValueError (megatron_ep.errors.WorstCaseOverflowError) naming num_worst_tokens, the rank and
+    its count, at once, before any row moves; the Buffer works afterwards."""
     from hostile_cases import raises
-    from megatron_ep.errors import PeerFailedError, WorstCaseOverflowError
 
     R, rank = dist.get_world_size(), dist.get_rank()
-    tag = f"[deep_ep num_worst_tokens overflow R={R} rank={rank} {cfg.get('backend', 'torch')}]"
+    tag = f"[deep_ep num_worst_tokens overflow R={R} rank={rank}]"
     try:
         deep_ep, buf, x, idx, w, layout, R, rank = _hostile_setup(cfg)
         received = [sum(int((_inputs(cfg, src)[1] // (cfg["E"] // R) == r).any(dim=1).sum()) for src in range(R))
                     for r in range(R)]
         worst, hot = max(received), received.index(max(received))
-        if cfg.get("backend", "torch") == "torch":
-            errors = raises(f"{tag} num_worst_tokens={worst - 2}",
-                            lambda: buf.dispatch(x, num_worst_tokens=worst - 2, **layout), ValueError,
-                            f"rank {hot} receives {worst} rows, its num_worst_tokens={worst - 2}")
-        else:
-            buf.dispatch(x, num_worst_tokens=worst - 2, **layout)
-            text = "had 2 more rows for this rank than num_worst_tokens"
-            errors = raises(f"{tag} the call after num_worst_tokens={worst - 2}",
-                            lambda: buf.dispatch(x, num_worst_tokens=worst, **layout),
-                            WorstCaseOverflowError if rank == hot else PeerFailedError, text, limit_s=15.0)
-        rx, *_ = buf.dispatch(x, num_worst_tokens=worst, **layout)  # the precondition met: DeepEP's rows
-        want = _expected(cfg, rank, R)[0]
-        rx = rx.cpu()
-        if not (rx.shape[0] == worst and torch.equal(rx[:want.shape[0]], want)):
-            errors.append(f"{tag} the dispatch after the refused one differs from DeepEP's rows")
-        return errors
+        errors = raises(f"{tag} num_worst_tokens={worst - 2}",
+                        lambda: buf.dispatch(x, num_worst_tokens=worst - 2, **layout), ValueError,
+                        f"rank {hot} receives {worst} rows, its num_worst_tokens={worst - 2}")
+        return errors + _worst_below_r_times_t(cfg, buf, x, layout, worst, tag)
+    except Exception:
+        return [f"{tag} raised:\n{traceback.format_exc()}"]
+
+
+def _worst_below_r_times_t(cfg: dict, buf, x, layout: dict, worst: int, tag: str) -> list:
+    """A worst-case sized dispatch whose num_worst_tokens is what the busiest rank receives, below
+    R x T (the rank-major rows a rank could receive): DeepEP's rows on every rank."""
+    R, rank = dist.get_world_size(), dist.get_rank()
+    if worst >= R * max(cfg["Ts"]):
+        return [f"{tag} the case does not put num_worst_tokens={worst} below R x T = {R * max(cfg['Ts'])}"]
+    rx, *_ = buf.dispatch(x, num_worst_tokens=worst, **layout)
+    want = _expected(cfg, rank, R)[0]
+    rx = rx.cpu()
+    if not (rx.shape[0] == worst and torch.equal(rx[:want.shape[0]], want)):
+        return [f"{tag} the dispatch with num_worst_tokens={worst} differs from DeepEP's rows"]
+    return []
+
+
+def run_deep_ep_worst_below_rt_case(cfg: dict) -> list:
+    """On our kernels (a worst-case sized dispatch cannot grow the buffer): num_worst_tokens below
+    R x T, as DeepEP's callers may pass it, fits (megatron_ep.deep_ep reserves R x T combine rows
+    too) and delivers DeepEP's rows."""
+    R, rank = dist.get_world_size(), dist.get_rank()
+    tag = f"[deep_ep num_worst_tokens below R x T R={R} rank={rank} {cfg.get('backend', 'torch')}]"
+    try:
+        deep_ep, buf, x, idx, w, layout, R, rank = _hostile_setup(cfg)
+        received = [sum(int((_inputs(cfg, src)[1] // (cfg["E"] // R) == r).any(dim=1).sum()) for src in range(R))
+                    for r in range(R)]
+        return _worst_below_r_times_t(cfg, buf, x, layout, max(received), tag)
     except Exception:
         return [f"{tag} raised:\n{traceback.format_exc()}"]
 

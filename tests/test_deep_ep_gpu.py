@@ -67,10 +67,9 @@ def test_serving_managers_call_sequences_on_our_kernels(R):
 
 
 @pytest.mark.parametrize("R", [2])
-def test_num_worst_tokens_below_what_a_rank_receives_raises_at_the_next_call(R):
-    """On our kernels a worst-case sized dispatch cannot stop before its rows move: the rows past
-    num_worst_tokens are dropped and the receiving rank's next call raises
-    WorstCaseOverflowError (its peers PeerFailedError); the Buffer works afterwards."""
+def test_num_worst_tokens_below_r_times_t_on_our_kernels(R):
+    """num_worst_tokens = what the busiest rank receives, below R x T: the worst-case sized dispatch
+    fits the buffer megatron_ep.deep_ep reserved for it and delivers DeepEP's rows."""
     cfg = dict(seed=31, E=4, K=2, H=16, Ts=[3, 4], pattern="hot", **ON_CUDA)
-    errors = flat(pool_(R).run(dc.run_deep_ep_worst_overflow_case, cfg, timeout=RUN_S))
+    errors = flat(pool_(R).run(dc.run_deep_ep_worst_below_rt_case, cfg, timeout=RUN_S))
     assert not errors, "\n".join(errors[:20])

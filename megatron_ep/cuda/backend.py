@@ -18,8 +18,7 @@ from typing import Optional, Type
 import torch
 
 from .. import protocol as P
-from ..checks import capturing, fail
-from ..errors import WorstCaseOverflowError
+from ..checks import fail
 from .hosts import host_names
 from .paths.interface import NormalPath, Path
 from .paths.intranode import IntranodePath
@@ -76,7 +75,6 @@ class CudaBackend:
             group, rank, num_ranks, self.ranks_per_node, hints, num_sms, timeout_s)
         self.rt = self.path.rt
         self._ll = None  # the low-latency path, created on first use (see _low_latency)
-        self._overflows: list = []  # _OverflowWatch of worst-case dispatches with on_overflow="raise"
         if low_latency is not None:
             self._low_latency(low_latency)
 
@@ -96,11 +94,9 @@ class CudaBackend:
 
     @contextmanager
     def call(self, call: P.Call):
-        """Entry check (errors reported since the last call, and rows an earlier worst-case
-        dispatch dropped where its caller asked to fail) and, on a failure on this rank, its
-        publication to the peers waiting on this call."""
+        """Entry check (errors reported since the last call) and, on a failure on this rank,
+        its publication to the peers waiting on this call."""
         with self._path_of(call).guard(call):
-            self._raise_overflows(call)
             yield call
 
     def destroy(self) -> None:
@@ -109,45 +105,10 @@ class CudaBackend:
         self.path.close()
 
     def synchronize(self) -> None:
-        """Wait for this buffer's kernels and raise if any of them reported a failure (or
-        dropped rows a caller asked to fail on)."""
+        """Wait for this buffer's kernels and raise if any of them reported a failure."""
         self.path.synchronize()
         if self._ll is not None:  # low-latency kernels run on the caller's stream
             self._ll.synchronize()
-        self._raise_overflows(None, wait=True)
-
-    # ------------------------------------------------------- worst-case overflow (on_overflow)
-    # A worst-case sized dispatch keeps its counts on the GPU (that is what makes it sync-free),
-    # so it cannot stop before its rows move. With on_overflow="raise" its drop count is copied
-    # to pinned host memory behind the dispatch, and the first call on this Buffer that finds the
-    # copy done (or synchronize(), which waits for it) raises WorstCaseOverflowError on this rank,
-    # published to the peers as any failure at a call's entry. Not under CUDA-graph capture,
-    # where the rows past the budget are dropped and counted (out.num_dropped) only.
-    def _watch_overflow(self, call: P.Call, req, out) -> None:
-        if req.on_overflow != "raise" or not req.num_worst_tokens or out.num_dropped is None or capturing():
-            return
-        host = torch.empty(1, dtype=torch.int64, device="cpu", pin_memory=True)  # (callers may set a cuda default device)
-        done = torch.cuda.Event()
-        with torch.cuda.stream(self.rt.stream):  # where the dispatch wrote num_dropped
-            host.copy_(out.num_dropped.reshape(1), non_blocking=True)
-            done.record(self.rt.stream)
-        self._overflows.append((call.seq, req.num_worst_tokens, host, done))
-
-    def _raise_overflows(self, call: Optional[P.Call], wait: bool = False) -> None:
-        while self._overflows:
-            seq, worst, host, done = self._overflows[0]
-            if not wait and not done.query():
-                return  # later watches were queued behind it on the same stream
-            done.synchronize()
-            self._overflows.pop(0)
-            dropped = int(host[0])
-            if dropped > 0:
-                raise WorstCaseOverflowError(
-                    f"rank {self.rank}: the worst-case sized dispatch of call #{seq} (num_worst_tokens={worst}) had "
-                    f"{dropped} more rows for this rank than num_worst_tokens; they were dropped (a worst-case "
-                    f"sized dispatch keeps its counts on the GPU and cannot stop before its rows move), so its "
-                    f"outputs are incomplete on this rank: pass a num_worst_tokens of at least what a rank receives"
-                    + (f" [reported at call #{call.seq}]" if call is not None else ""))
 
     def reserve(self, need: dict) -> None:
         self.rt.reserve(need)
@@ -163,9 +124,7 @@ class CudaBackend:
 
     # ---------------------------------------------------------------------- normal path
     def dispatch(self, call, req):
-        out = self.path.dispatch(call, req)
-        self._watch_overflow(call, req, out)
-        return out
+        return self.path.dispatch(call, req)
 
     def combine(self, call, req):
         return self.path.combine(call, req)
