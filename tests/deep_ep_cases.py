@@ -565,8 +565,7 @@ def run_deep_ep_worst_overflow_case(cfg: dict) -> list:
     tag = f"[deep_ep num_worst_tokens overflow R={R} rank={rank}]"
     try:
         deep_ep, buf, x, idx, w, layout, R, rank = _hostile_setup(cfg)
-        received = [sum(int((_inputs(cfg, src)[1] // (cfg["E"] // R) == r).any(dim=1).sum()) for src in range(R))
-                    for r in range(R)]
+        received = _received(cfg, R)
         worst, hot = max(received), received.index(max(received))
         errors = raises(f"{tag} num_worst_tokens={worst - 2}",
                         lambda: buf.dispatch(x, num_worst_tokens=worst - 2, **layout), ValueError,
@@ -574,6 +573,12 @@ def run_deep_ep_worst_overflow_case(cfg: dict) -> list:
         return errors + _worst_below_r_times_t(cfg, buf, x, layout, worst, tag)
     except Exception:
         return [f"{tag} raised:\n{traceback.format_exc()}"]
+
+
+def _received(cfg: dict, R: int) -> list:
+    """Rows each rank receives in the case's rank-major dispatch (one per token with an expert there)."""
+    return [sum(int((_inputs(cfg, src)[1] // (cfg["E"] // R) == r).any(dim=1).sum()) for src in range(R))
+            for r in range(R)]
 
 
 def _worst_below_r_times_t(cfg: dict, buf, x, layout: dict, worst: int, tag: str) -> list:
@@ -598,9 +603,7 @@ def run_deep_ep_worst_below_rt_case(cfg: dict) -> list:
     tag = f"[deep_ep num_worst_tokens below R x T R={R} rank={rank} {cfg.get('backend', 'torch')}]"
     try:
         deep_ep, buf, x, idx, w, layout, R, rank = _hostile_setup(cfg)
-        received = [sum(int((_inputs(cfg, src)[1] // (cfg["E"] // R) == r).any(dim=1).sum()) for src in range(R))
-                    for r in range(R)]
-        return _worst_below_r_times_t(cfg, buf, x, layout, max(received), tag)
+        return _worst_below_r_times_t(cfg, buf, x, layout, max(_received(cfg, R)), tag)
     except Exception:
         return [f"{tag} raised:\n{traceback.format_exc()}"]
 
