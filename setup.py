@@ -6,7 +6,8 @@ region layout and call protocol that the kernels use; it is always built, since 
 read their call signature from it.
 
 The extension is built whenever a CUDA build of torch and nvcc are present (no GPU needed:
-TORCH_CUDA_ARCH_LIST defaults to 9.0). Switches (environment):
+TORCH_CUDA_ARCH_LIST defaults to 9.0). Switches (environment; 1/true/yes/on or 0/false/no/off, as every
+switch of megatron_ep: megatron_ep/envs.py parses them, another value is an error):
     MEP_SKIP_CUDA=1        build the pure-Python package only (wins over MEP_REQUIRE_EXTENSION)
     MEP_REQUIRE_EXTENSION=1  fail, saying why, when the extension cannot be built (instead of a
                            pure-Python install that pip reports only with -v); CI sets it
@@ -23,6 +24,7 @@ seconds; the one translation unit that includes torch is the binding (csrc/intra
 """
 
 import glob
+import importlib.util
 import os
 
 from setuptools import find_packages, setup
@@ -30,16 +32,33 @@ from setuptools import find_packages, setup
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
+def _load_envs():
+    """megatron_ep/envs.py by its path (standard library only; the package is not built yet): the
+    switches above take the values the library's do (1/true/yes/on, 0/false/no/off, unset)."""
+    spec = importlib.util.spec_from_file_location("_mep_build_envs", os.path.join(ROOT, "megatron_ep", "envs.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _flag(name):
+    """The switch `name`; a value that is neither on nor off ends the build in one line."""
+    try:
+        return _load_envs().flag(name)
+    except ValueError as e:
+        raise SystemExit(f"megatron_ep: {e}") from None
+
+
 def _without_extension(reason):
     """No extension: an error when the user asked for one, else a note (pip shows it with -v)."""
-    if os.environ.get("MEP_REQUIRE_EXTENSION", "0") == "1":
-        raise SystemExit(f"megatron_ep: MEP_REQUIRE_EXTENSION=1 but the CUDA extension cannot be built: {reason}")
+    if _flag("MEP_REQUIRE_EXTENSION"):
+        raise SystemExit(f"megatron_ep: MEP_REQUIRE_EXTENSION is on but the CUDA extension cannot be built: {reason}")
     print(f"megatron_ep: {reason}; building without the CUDA extension (MEP_REQUIRE_EXTENSION=1 makes this an error)")
     return [], {}
 
 
 def _cuda_extensions():
-    if os.environ.get("MEP_SKIP_CUDA", "0") == "1":
+    if _flag("MEP_SKIP_CUDA"):
         return [], {}
     if "CUDA_HOME" not in os.environ and os.path.exists("/usr/local/cuda/bin/nvcc"):
         os.environ["CUDA_HOME"] = "/usr/local/cuda"  # torch would otherwise guess /usr/local
@@ -54,7 +73,7 @@ def _cuda_extensions():
     if CUDA_HOME is None:
         return _without_extension("no nvcc found (set CUDA_HOME to the CUDA toolkit, e.g. /usr/local/cuda)")
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
-    debug = os.environ.get("MEP_DEBUG", "0") == "1"
+    debug = _flag("MEP_DEBUG")
     nvcc = [
         "-std=c++17",
         "-gencode=arch=compute_90,code=sm_90",
@@ -64,7 +83,7 @@ def _cuda_extensions():
     ]
     if debug:
         nvcc.append("-G")
-    if os.environ.get("MEP_PTXAS_VERBOSE", "0") == "1":
+    if _flag("MEP_PTXAS_VERBOSE"):
         nvcc.append("-Xptxas=-v")
     sources = _sources("ipc", "intranode")
 
@@ -100,8 +119,8 @@ def nvshmem_home():
 def _low_latency_extension(CUDAExtension, nvcc):
     found, why = nvshmem_home()
     if found is None:
-        if os.environ.get("MEP_REQUIRE_EXTENSION", "0") == "1":
-            raise SystemExit(f"megatron_ep: MEP_REQUIRE_EXTENSION=1 but _C_nvshmem cannot be built: {why}")
+        if _flag("MEP_REQUIRE_EXTENSION"):
+            raise SystemExit(f"megatron_ep: MEP_REQUIRE_EXTENSION is on but _C_nvshmem cannot be built: {why}")
         print(f"megatron_ep: {why}; building without the NVSHMEM extension _C_nvshmem (internode and low-latency paths)")
         return []
     inc, lib = found

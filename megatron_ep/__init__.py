@@ -11,7 +11,7 @@ _PUBLIC = {
     "Buffer": "buffer", "cuda_backend_available": "buffer",
     "BufferBrokenError": "errors", "BufferBusyError": "errors", "CallMismatchError": "errors",
     "CommTimeoutError": "errors", "MegatronEPError": "errors", "PeerFailedError": "errors",
-    "PeerFailedFatalError": "errors",
+    "PeerFailedFatalError": "errors", "WorstCaseOverflowError": "errors",
     "per_token_cast_back": "fp8", "per_token_cast_to_fp8": "fp8",
     "CombineOutput": "types", "DispatchHandle": "types", "DispatchLayout": "types", "DispatchOutput": "types",
     "EventOverlap": "types", "LowLatencyDispatchOutput": "types", "LowLatencyHandle": "types",

@@ -101,30 +101,47 @@ def combine(buf: Buffer, x: torch.Tensor, handle: DispatchHandle, weights: Optio
     return CombineOutput(y, w, None)
 
 
-class _SecondDerivativeRefused(torch.autograd.Function):
-    """Identity on gradients whose own backward raises: what a backward that is not itself
-    differentiable returns under create_graph=True, so a second derivative through it fails
-    loudly instead of coming out without that node's part."""
+class _Refused(torch.autograd.Function):
+    """Identity on the first `n` tensors; the rest (anchors) only put this node on the graph, so
+    that the identity's outputs lead back to them. Any backward that reaches this node raises
+    `message`: what stands for a graph that was not recorded (a backward that is not itself
+    differentiable, a call outside autograd) then fails loudly instead of leaving its part out.
+    The anchors must be the tensors the outputs really depend on (or tensors whose graph leads
+    to them): a derivative taken with `torch.autograd.grad(..., inputs)` runs only the nodes on a
+    path from its outputs to its inputs, so an anchor off that path (a fresh leaf) is never
+    visited."""
 
     @staticmethod
-    def forward(ctx, what: str, *grads):
-        ctx.what = what
-        return tuple(g.view_as(g) for g in grads)
+    def forward(ctx, message: str, n: int, *tensors):
+        ctx.message = message
+        return tuple(t.view_as(t) for t in tensors[:n])
 
     @staticmethod
     def backward(ctx, *_):
-        raise RuntimeError(f"{ctx.what}: second derivatives are not supported (its backward is one node that is "
-                           f"not itself differentiable); a double backward through it would miss that node's part")
+        raise RuntimeError(ctx.message)
 
 
-def refuse_second_derivative(what: str, grads):
-    """`grads` (tensors or None) as gradients whose differentiation raises, naming `what`."""
-    present = [i for i, g in enumerate(grads) if g is not None]
-    if not present:
-        return tuple(grads)
-    leaves = [grads[i].detach().requires_grad_() for i in present]
-    guarded = _SecondDerivativeRefused.apply(what, *leaves)
-    out = list(grads)
+def refuse_gradient(message: str, tensors, anchors):
+    """`tensors` (tensors or None) as views whose differentiation raises `message`, on the graph
+    through every anchor that requires grad (None allowed). Unchanged with grad mode off or no
+    such anchor: nothing then can differentiate them."""
+    anchors = [a for a in anchors if a is not None and a.requires_grad]
+    present = [i for i, t in enumerate(tensors) if t is not None]
+    if not (present and anchors and torch.is_grad_enabled()):
+        return tuple(tensors)
+    guarded = _Refused.apply(message, len(present), *(tensors[i] for i in present), *anchors)
+    out = list(tensors)
     for i, g in zip(present, guarded):
         out[i] = g
     return tuple(out)
+
+
+def refuse_second_derivative(what: str, grads, anchors):
+    """What a backward that is not itself differentiable returns under create_graph=True: its
+    gradients (tensors or None), tied to `anchors` (tensors whose graph reaches the node's inputs,
+    and its incoming gradients), so a second derivative through it raises naming `what`,
+    whether taken by `.backward()` or by `torch.autograd.grad(..., inputs)`."""
+    return refuse_gradient(f"{what}: second derivatives are not supported (its backward is one node that is not "
+                           f"itself differentiable); a double backward through it would miss that node's part",
+                           grads, anchors)
+

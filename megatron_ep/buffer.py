@@ -73,6 +73,37 @@ def _why_not_cuda() -> str:
     return f"the GPU is sm_{''.join(map(str, torch.cuda.get_device_capability()))}, the kernels need sm_90"
 
 
+def _tensors(a) -> tuple:
+    return tuple(a) if isinstance(a, (tuple, list)) else (a,)
+
+
+def _needs_refusal(*inputs) -> bool:
+    """A call outside autograd whose inputs require grad, with grad mode on: its outputs would
+    carry none of it (the cheap test every call makes; the refusal itself is rare)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for a in inputs for t in _tensors(a))
+
+
+def _refusing(op: str, outputs, inputs):
+    """`outputs` (tensors, FP8 tuples or None) tied to the graph of `inputs` through a node whose
+    backward raises: a Buffer call is not differentiable, so a gradient through its outputs would
+    silently leave out its part (the call under an autograd function's backward with
+    create_graph=True, e.g. Megatron's fused_a2a on megatron_ep.deep_ep, or called directly)."""
+    from .autograd import refuse_gradient
+
+    message = (f"Buffer.{op} is not differentiable (its outputs carry no gradient to its inputs), so a "
+               f"derivative through it would leave its part out: use megatron_ep.dispatch / megatron_ep.combine, "
+               f"which are differentiable to any order, or call it under torch.no_grad()")
+    anchors = [t for a in inputs if a is not None for t in _tensors(a)]
+    out = []
+    for o in outputs:
+        if o is None:
+            out.append(None)
+        else:
+            guarded = refuse_gradient(message, _tensors(o), anchors)
+            out.append(guarded if isinstance(o, tuple) else guarded[0])
+    return out
+
+
 def _weights_code(w: Optional[torch.Tensor]) -> int:
     """Signature field "weights": their dtype (it sets the bytes on the wire), 0 without."""
     return P.dtype_code(w.dtype) if w is not None else 0
@@ -135,6 +166,7 @@ class Buffer:
         # one call at a time per process: (thread name, op) of the call in progress
         self._busy_lock = threading.Lock()
         self._busy: Optional[tuple] = None
+        self._entered = 0  # calls entered (_call, refuse): before_call tells whether one began
         self._destroyed = False
         requested = backend
         if backend == "auto":
@@ -203,6 +235,7 @@ class Buffer:
         impl = self._impl
         with self._exclusive(op):
             self._seq += 1
+            self._entered += 1
             call = P.Call(P.OP[op], self._seq).set(buffer=self.ordinal)
             try:
                 with impl.call(call):
@@ -212,6 +245,35 @@ class Buffer:
                 if getattr(exc, "resync", None) is not None:  # the backend realigned the call numbers
                     self._seq = exc.resync
                 raise
+
+    def refuse(self, op: str, exc: BaseException) -> None:
+        """Fail this rank's call `op` (a key of protocol.OP) with `exc` where its peers wait for it:
+        for a layer above Buffer (megatron_ep.deep_ep) whose own check fails before it reaches
+        Buffer's call. The failure is published at the call's first exchange, as a failure inside
+        one of Buffer's calls is (the peers raise PeerFailedError with its message instead of
+        waiting), then `exc` is raised here. It counts as a call on every rank, as theirs does."""
+        C.fail(op in P.OP, f"op must be one of {sorted(P.OP)}, got {op!r}")
+        with self._exclusive(op):
+            self._seq += 1
+            self._entered += 1
+            call = P.Call(P.OP[op], self._seq).set(buffer=self.ordinal)
+            with self._impl.call(call):
+                raise exc
+
+    @contextmanager
+    def before_call(self, op: str):
+        """The body of a layer's collective method whose first collective is one of Buffer's calls
+        (`op`): a failure in it before that call began (the layer's own checks) is published as
+        refuse() publishes it, so the peers waiting in that call raise PeerFailedError instead of
+        waiting for this rank; once one of Buffer's calls began, it published its own outcome and
+        nothing more is owed."""
+        entered = self._entered
+        try:
+            yield
+        except Exception as exc:
+            if self._entered == entered:
+                self.refuse(op, exc)
+            raise
 
     # ------------------------------------------------------------------------------ layout
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> DispatchLayout:
@@ -230,7 +292,7 @@ class Buffer:
                  permute: Optional[bool] = None, expert_alignment: Optional[int] = None,
                  handle: Optional[DispatchHandle] = None, *, host_counts: bool = False,
                  num_worst_tokens: int = 0, async_op: bool = False,
-                 previous_event: Optional[EventOverlap] = None) -> DispatchOutput:
+                 previous_event: Optional[EventOverlap] = None, on_overflow: str = "drop") -> DispatchOutput:
         """Send each token to the ranks owning its experts (docs/design.md §2).
 
         permute=False (default): rank-major rows; permute=True: expert-major rows, each
@@ -242,7 +304,13 @@ class Buffer:
         position falls past it are not delivered: `out.num_dropped` (a device scalar) counts
         them on the receiving rank, tokens_per_expert covers only delivered rows, and combine
         skips them. R * T_max rank-major, or R * T_max * min(topk, local experts) + local
-        experts * (alignment - 1) expert-major, never drops.
+        experts * (alignment - 1) expert-major, never drops. on_overflow="raise" (rank-major)
+        makes such rows a caller error instead: where the backend learns every rank's counts on
+        the host before the rows move (the torch backend, at its count exchange), every rank
+        raises WorstCaseOverflowError naming each rank that would receive more rows than its
+        num_worst_tokens, and nothing moves. The cuda backend's worst-case sized dispatch keeps
+        the counts on the GPU (that is what makes it sync-free), so there such rows are dropped
+        and counted as with "drop".
         """
         op = "dispatch" if handle is None else "cached_dispatch"
         with self._call(op) as call:
@@ -251,6 +319,7 @@ class Buffer:
             device = C.act_device(x)
             C.check_token_limit(T, self.max_tokens_per_rank)
             C.check_int("num_worst_tokens", num_worst_tokens, 0, C.MAX_ROWS)
+            C.fail(on_overflow in ("drop", "raise"), f"on_overflow must be 'drop' or 'raise', got {on_overflow!r}")
             C.check_bool("permute", permute, allow_none=True)
             C.check_bool("host_counts", host_counts)
             C.check_bool("async_op", async_op)
@@ -270,6 +339,8 @@ class Buffer:
                 C.fail(num_experts is not None, "dispatch needs num_experts", TypeError)
                 C.check_num_experts(num_experts, self.num_ranks)
                 permute = bool(permute)
+                C.fail(on_overflow == "drop" or not permute, "on_overflow='raise' is for rank-major dispatches "
+                       "(permute=False): the counts exchanged before the rows move are per rank, not per expert")
                 expert_alignment = 1 if expert_alignment is None else expert_alignment
                 C.check_alignment(expert_alignment)
                 K = C.check_topk_idx(topk_idx, T, device)
@@ -287,8 +358,12 @@ class Buffer:
                      expert_alignment=expert_alignment, worst_case_sized=num_worst_tokens > 0,
                      weights=_weights_code(topk_weights))
             out = impl.dispatch(call, DispatchRequest(x, topk_idx, topk_weights, num_experts, permute, expert_alignment,
-                                                      handle, host_counts, num_worst_tokens, async_op, previous_event))
+                                                      handle, host_counts, num_worst_tokens, async_op, previous_event,
+                                                      on_overflow=on_overflow))
         out.handle.buffer_id = self.id
+        if _needs_refusal(x, topk_weights):  # each output on the graph of the input it moves
+            (out.x,) = _refusing(op, [out.x], [x])
+            (out.topk_weights,) = _refusing(op, [out.topk_weights], [topk_weights])
         return out
 
     # ----------------------------------------------------------------------------- combine
@@ -315,7 +390,11 @@ class Buffer:
                      row_bytes=x.shape[1] * x.element_size(), topk=handle.topk, num_experts=handle.num_experts,
                      permute=handle.permute, expert_alignment=handle.expert_alignment,
                      worst_case_sized=handle.num_worst_tokens > 0, weights=_weights_code(weights))
-            return self._impl.combine(call, CombineRequest(x, handle, weights, async_op, previous_event))
+            out = self._impl.combine(call, CombineRequest(x, handle, weights, async_op, previous_event))
+        if _needs_refusal(x, weights):
+            (out.x,) = _refusing("combine", [out.x], [x])
+            (out.weights,) = _refusing("combine", [out.weights], [weights])
+        return out
 
     # ------------------------------------------------------------------------- low latency
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int,
@@ -376,12 +455,15 @@ class Buffer:
                                                   round_scale, **kwargs)
         out.handle.buffer_id = self.id
         out.handle.topk_idx, out.handle.topk_idx_version = topk_idx, C.tensor_version(topk_idx)  # combine checks it
+        if _needs_refusal(x):  # (topk_weights ride along for the combine: the rows do not depend on them)
+            (out.x,) = _refusing("low_latency_dispatch", [out.x], [x])
         return out
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, combine_wait_recv_cost_stats: Optional[torch.Tensor] = None,
-                            use_logfmt: bool = False, **kwargs) -> torch.Tensor:
+                            use_logfmt: bool = False, out: Optional[torch.Tensor] = None, **kwargs) -> torch.Tensor:
         """y[t] = sum_k w[t, k] * x[e_k][row(t, e_k)] over valid slots (fp32 accumulation).
+        `out` ([T, H], x's dtype and device, contiguous): written and returned instead of a new y.
         `combine_wait_recv_cost_stats` ([R] int64): the SM clock cycles the receive half waited
         for each rank's rows are added (cuda backend; the torch backend leaves it as it is).
         `use_logfmt` (bf16 x, every rank alike): the rows travel as LogFMT-10 where a 128-channel
@@ -402,6 +484,15 @@ class Buffer:
                           x.device, "rank")
             if combine_wait_recv_cost_stats is not None:
                 kwargs["wait_stats"] = combine_wait_recv_cost_stats
+            if out is not None:
+                C.fail(isinstance(out, torch.Tensor), f"out must be a tensor, got {type(out).__name__}", TypeError)
+                want = (handle.num_tokens, handle.hidden)
+                C.fail(tuple(out.shape) == want, f"out must have shape {want} (the dispatch's tokens x hidden), got "
+                                                 f"{tuple(out.shape)}")
+                C.fail(out.dtype == x.dtype, f"out must have x's dtype {x.dtype}, got {out.dtype}", TypeError)
+                C.fail(out.device == x.device, f"out is on {out.device} but x is on {x.device}")
+                C.fail(out.is_contiguous(), "out must be contiguous")
+                kwargs["out"] = out
             C.check_bool("use_logfmt", use_logfmt)
             if use_logfmt:
                 C.fail(x.dtype == torch.bfloat16, f"use_logfmt encodes bf16 expert outputs, got {x.dtype}", TypeError)
@@ -412,7 +503,8 @@ class Buffer:
                      row_bytes=handle.hidden * x.element_size(), topk=K, num_experts=handle.num_experts,
                      max_tokens_per_rank=handle.max_tokens_per_rank,
                      variant=P.LL_COMBINE_LOGFMT if use_logfmt else 0)
-            return self._impl.low_latency_combine(call, x, topk_idx, topk_weights, handle, **kwargs)
+            y = self._impl.low_latency_combine(call, x, topk_idx, topk_weights, handle, **kwargs)
+        return _refusing("low_latency_combine", [y], [x, topk_weights])[0] if _needs_refusal(x, topk_weights) else y
 
     # ---------------------------------------------------------------------------- rank mask
     # Elastic EP on the low-latency path (DeepEP's shrink mode), cuda backend, a Buffer made with

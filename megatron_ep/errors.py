@@ -36,6 +36,17 @@ class PeerFailedFatalError(PeerFailedError):
     fatal = True
 
 
+class WorstCaseOverflowError(MegatronEPError, ValueError):
+    """A worst-case sized dispatch (`num_worst_tokens`) that asked to fail rather than drop rows
+    (`on_overflow="raise"`, as megatron_ep.deep_ep does: DeepEP's num_worst_tokens is a
+    precondition) would deliver more rows to a rank than its num_worst_tokens. Every rank raises
+    it alike, naming each such rank and its count, before any row moves; the buffer stays
+    usable. `received` holds every rank's row count, `limits` every rank's num_worst_tokens."""
+
+    received = None
+    limits = None
+
+
 class CommTimeoutError(MegatronEPError):
     """A wait exceeded its timeout (a rank died, hung, or never made the call). The handshakes
     are out of step: the buffer must be re-created."""

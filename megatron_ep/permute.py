@@ -101,6 +101,17 @@ def routing_map_to_topk(routing_map: torch.Tensor, probs: torch.Tensor, topk: in
     return idx.masked_fill(~valid, -1), weights
 
 
+def routed_pairs(routing_map: torch.Tensor, probs: torch.Tensor, drop_and_pad: bool) -> torch.Tensor:
+    """The (token, expert) pairs a dispatch delivers, from Megatron's router output [T, E]: the
+    routing map, less -- in drop-and-pad mode (moe_pad_expert_input_to_capacity) -- the pairs the
+    router added to fill every expert to its capacity. Those carry probability 0 (the router
+    multiplies the map into the probs): they add 0 x the expert's output to their token and their
+    gradient reaches no parameter, so leaving them out gives the same outputs and gradients as
+    Megatron's alltoall, which computes them. Megatron's own _DeepepManager reads such a map the
+    same way (a 0 prob is a -1 slot). Shape-static (no host sync)."""
+    return routing_map & (probs != 0) if drop_and_pad else routing_map
+
+
 def routed_past_topk(routing_map: torch.Tensor, topk: int) -> torch.Tensor:
     """[T] int64: how many routed experts each row has past the first `topk` (0 on a valid map;
     shape-static, no host sync)."""

@@ -16,7 +16,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence
 
-from .errors import CallMismatchError, PeerFailedError
+from .errors import CallMismatchError, PeerFailedError, WorstCaseOverflowError
 
 if TYPE_CHECKING:
     import torch
@@ -200,6 +200,21 @@ def mismatch_error(call: Call, field_index: int, values: Sequence[int], ops: Opt
     err = CallMismatchError(f"{call.describe()}: the ranks {what}: {per_rank}{ops_text}; the call was aborted on "
                             f"every rank before anything was sent; {after}")
     err.field, err.values, err.resync = name, list(values), resync
+    return err
+
+
+def worst_overflow_error(call: Call, received: Sequence[int], limits: Sequence[int]) -> WorstCaseOverflowError:
+    """The error every rank raises for a worst-case sized dispatch that would deliver more rows to
+    a rank than its num_worst_tokens, where the call asked to fail rather than drop them."""
+    over = ", ".join(f"rank {r} receives {n} rows, its num_worst_tokens={w}"
+                     for r, (n, w) in enumerate(zip(received, limits)) if w and n > w)
+    every = ", ".join(f"rank {r} = {n}" for r, n in enumerate(received))
+    err = WorstCaseOverflowError(
+        f"{call.describe()}: num_worst_tokens is below the rows a rank receives ({over}; rows each rank receives: "
+        f"{every}); a worst-case sized dispatch sizes its outputs to num_worst_tokens rows, so pass at least "
+        f"{max(received)} on every rank. The call was aborted on every rank before any row moved; the buffer "
+        f"stays usable")
+    err.received, err.limits = list(received), list(limits)
     return err
 
 

@@ -142,17 +142,21 @@ class TorchBackend:
         return torch.empty((num_rows, hidden), dtype=dtype, device=device)
 
     # ---------------------------------------------------------------------------- collectives
-    def _exchange(self, call: P.Call, counts: Optional[torch.Tensor] = None, failure: Optional[BaseException] = None):
-        """The first collective of every call: each rank's status, signature and (dispatch) row
-        counts per destination, gathered everywhere (one fixed-size vector, whatever the op, so
-        ranks in different calls still meet here). Raises on every rank alike on a mismatch or
-        a failed rank; returns the [source, destination] counts."""
+    def _exchange(self, call: P.Call, counts: Optional[torch.Tensor] = None, failure: Optional[BaseException] = None,
+                  limit: int = 0):
+        """The first collective of every call: each rank's status, signature, (dispatch) row
+        counts per destination and the most rows it takes (`limit`: a rank-major dispatch's
+        num_worst_tokens with on_overflow="raise", else 0), gathered everywhere (one fixed-size
+        vector, whatever the op, so ranks in different calls still meet here). Raises on every
+        rank alike on a mismatch, a failed rank, or a rank whose limit is below the rows sent
+        to it; returns the [source, destination] counts."""
         R, F = self.num_ranks, len(P.SIG_FIELDS)
         call.settle()
-        vec = torch.zeros(1 + F + R, dtype=torch.int64)
+        vec = torch.zeros(1 + F + R + 1, dtype=torch.int64)
         vec[1:1 + F] = torch.tensor(call.sig, dtype=torch.int64)
         if counts is not None:
-            vec[1 + F:] = counts.to(torch.int64).cpu()
+            vec[1 + F:1 + F + R] = counts.to(torch.int64).cpu()
+        vec[-1] = limit
         rows = self._gather_status(call, vec, failure)
         if rows is None:
             return None  # this rank failed: the caller re-raises its own error
@@ -164,8 +168,12 @@ class TorchBackend:
             # Buffer continue from the furthest
             resync = {"buffer": call.seq - 1, "seq": max(values)}.get(P.SIG_FIELDS[f])
             raise P.mismatch_error(call, f, values, rows[:, 1 + P.FIELD["op"]].tolist(), resync=resync)
+        counts_all, limits = rows[:, 1 + F:1 + F + R], rows[:, -1]
+        received = counts_all.sum(0)
+        if bool(((limits > 0) & (received > limits)).any()):  # every rank sees the same rows: all raise alike
+            raise P.worst_overflow_error(call, received.tolist(), limits.tolist())
         call.owe(P.Pending.COMMIT)  # until the data collective: a failure here is published by _commit
-        return rows[:, 1 + F:]
+        return counts_all
 
     def _commit(self, call: P.Call, failure: Optional[BaseException] = None) -> None:
         """Right before a call's data collective: every rank says it is ready (its receive
@@ -242,7 +250,8 @@ class TorchBackend:
             send_rank, send_tok = lay.token_in_rank.t().nonzero(as_tuple=True)  # by (rank, token)
             send_slot_local = dst[send_tok] == send_rank.unsqueeze(1)
             send_counts = lay.tokens_per_rank.tolist()
-            recv_counts = self._exchange(call, counts=lay.tokens_per_rank)[:, self.rank].tolist()
+            limit = num_worst_tokens if req.on_overflow == "raise" and not permute else 0
+            recv_counts = self._exchange(call, counts=lay.tokens_per_rank, limit=limit)[:, self.rank].tolist()
             local_idx = torch.where(send_slot_local, topk_idx[send_tok] - send_rank.unsqueeze(1) * L, -1)
             meta = [local_idx.to(torch.int32)]
         else:
@@ -460,7 +469,7 @@ class TorchBackend:
 
     def low_latency_combine(self, call: P.Call, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, wait_stats: Optional[torch.Tensor] = None,
-                            use_logfmt: bool = False) -> torch.Tensor:
+                            use_logfmt: bool = False, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         st: _LowLatencyState = handle.state  # (wait_stats: no per-rank waits measured here)
         self._exchange(call)
         rows = x[st.recv_expert, st.recv_pos]  # back in arrival order, i.e. each source's send order
@@ -470,7 +479,7 @@ class TorchBackend:
         w = topk_weights[st.send_tok, st.send_slot].float().unsqueeze(1)
         y = torch.zeros((handle.num_tokens, x.shape[-1]), dtype=torch.float32, device=x.device)
         y.index_add_(0, st.send_tok, back * w)
-        return y.to(x.dtype)
+        return y.to(x.dtype) if out is None else out.copy_(y)
 
 
 def _valid_ids(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -34,6 +34,9 @@ class DispatchRequest:
     # the cuda intranode path's cached push is not launched but handed to this callable as its
     # launch record: the internode path's fused dispatch runs it inside its own kernel
     fused: Optional[Callable] = None
+    # rows past num_worst_tokens: "drop" (counted in num_dropped) or "raise" (every rank raises
+    # WorstCaseOverflowError before any row moves, where the backend learns the counts on the host)
+    on_overflow: str = "drop"
 
 
 @dataclass(frozen=True)

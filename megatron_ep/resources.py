@@ -1,8 +1,9 @@
 """What a run needs, checked before any process starts: processes on this machine and memory
 per rank (host memory, or its GPU's), against the machine's cores, memory and GPUs.
 
-The demo, recipes/train_moe.py and scripts/ab_throughput.py each describe their run with a
-`Need` (`demo_need`, `moe_gpt_need`) and call `refuse_unless_fits(need, force=args.force)`:
+The demo, recipes/train_moe.py, recipes/decode_moe.py, scripts/ab_throughput.py and
+scripts/bench_overlap.py each describe their run with a `Need` (`demo_need`, `moe_gpt_need`,
+`expert_layer_need`) and call `refuse_unless_fits(need, force=args.force)`:
 a run that cannot fit ends as one line (cli.UsageError) naming the figure, the limit and
 `--force`, which skips the estimates (the GPU count is a fact and is not skipped).
 
@@ -216,3 +217,20 @@ def moe_gpt_need(args, world: int, on_gpu: bool, *, mode: str = "train", models:
     processes, starting = local_processes(world)
     return Need(processes, parts, on_gpu=on_gpu, share_gpus=bool(getattr(args, "virtual_ranks", False)),
                 starting=starting)
+
+
+def expert_layer_need(args, world: int, on_gpu: bool) -> Need:
+    """scripts/bench_overlap.py: one MoE layer's routed experts (chunked_expert_mlp) per rank,
+    forward and backward, with b = 2 B (bf16, GPUs) or 4 B (fp32, CPU), T = --tokens, E/W local
+    experts (ranks may share GPUs: virtual ranks):
+      weights      b x 2 x E/W 3 H F                 (SwiGLU w1 [2F, H], w2 [H, F]; their gradients)
+      activations  b x 2 x (T K (2 H + 3 F) + 3 T H) (balanced routing: T K rows arrive, each row's
+                   input, SwiGLU hidden and output; the layer's input, output and input gradient;
+                   forward and backward)"""
+    b = 2 if on_gpu else 4
+    T, H, F, K = args.tokens, args.hidden, args.ffn, args.topk
+    local = args.experts // world
+    processes, starting = local_processes(world)
+    parts = {"expert weights and gradients": b * 2 * local * 3 * H * F,
+             "activations": b * 2 * (T * K * (2 * H + 3 * F) + 3 * T * H)}
+    return Need(processes, parts, on_gpu=on_gpu, share_gpus=True, starting=starting)

@@ -3,7 +3,7 @@ presets that expand to `torchrun ... recipes/train_moe.py ...` (torchrun = `pyth
 torch.distributed.run`, the interpreter running this module).
 
     python -m recipes.proxies --list
-    python -m recipes.proxies --preset cpu-toy --dry-run        # print the command
+    python -m recipes.proxies --preset cpu-toy --dry-run        # check and print the command
     python -m recipes.proxies --preset cpu-toy                  # run it (4 gloo processes)
     python -m recipes.proxies --preset cpu-toy --nproc 2 --steps 2
     python -m recipes.proxies --preset gpu-8 -- --dispatcher deepep   # after `--`: train_moe.py flags
@@ -90,19 +90,25 @@ def _check(name: str, nproc: int, extra: List[str]) -> None:
     """Refuse, before starting processes, what would fail inside them (cli.UsageError)."""
     from megatron_ep import cli
 
-    cli.require("torch", "megatron.core", prog=PROG)  # --list and --dry-run run without them
+    cli.require("torch", "megatron.core", prog=PROG)  # --list runs without them
     preset = PRESETS[name]
-    cli.check(nproc >= 1, f"--nproc must be >= 1, got {nproc}")
     args = _train_moe_args(preset.args + tuple(extra))
     if preset.device == "gpu":
         import torch
 
         have = torch.cuda.device_count()
-        cli.check(have >= nproc, f"preset {name} needs {nproc} GPUs, {have} visible (one process per GPU: NCCL refuses "
-                                 "several ranks on one GPU)")
+        cli.check(have >= nproc, f"preset {name} needs {_count(nproc, 'GPU')}, {have} visible (one process per GPU: "
+                                 "NCCL refuses several ranks on one GPU)")
+    from megatron_ep import resources
     from recipes.train_moe import validate
 
     validate(args, nproc)
+    need = resources.moe_gpt_need(args, nproc, on_gpu=preset.device == "gpu")
+    resources.refuse_unless_fits(need, force=args.force)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def _train_moe_args(argv):
@@ -126,9 +132,11 @@ def build_parser():
                            epilog="Arguments after `--` go to recipes/train_moe.py (its --help lists them).")
     p.add_argument("--list", action="store_true", help="list the presets and their commands")
     p.add_argument("--preset", choices=sorted(PRESETS), help="the preset to run (or print with --dry-run)")
-    p.add_argument("--nproc", type=int, default=None, help="processes (= EP size); default: the preset's")
-    p.add_argument("--steps", type=int, default=None, help="training steps; default: the preset's")
-    p.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
+    p.add_argument("--nproc", type=cli.integer(), default=None, help="processes (= EP size); default: the preset's")
+    p.add_argument("--steps", type=cli.integer(), default=None, help="training steps; default: the preset's")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check the command as a run would, print it, run nothing (needs torch and megatron-core, as the "
+                        "run does)")
     return p
 
 
@@ -149,11 +157,11 @@ def main(argv=None) -> int:
         p.error("--preset or --list is required")
     nproc = PRESETS[args.preset].nproc if args.nproc is None else args.nproc
     env, cmd = command(args.preset, nproc, args.steps, extra)
-    if args.dry_run:
-        print(render(env, cmd))
-        return 0
+    # the dry run prints only a command the run would start: the same checks first
     _check(args.preset, nproc, extra + (["--steps", str(args.steps)] if args.steps is not None else []))
     print(render(env, cmd), flush=True)
+    if args.dry_run:
+        return 0
     if args.debug:
         env = {**env, "MEP_DEBUG_TRACEBACK": "1"}
     # torchrun's default (1 thread per process), set here so that it does not print its notice about it

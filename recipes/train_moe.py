@@ -39,13 +39,21 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megatron_ep import resources  # noqa: E402
+from megatron_ep.experts.overlap import MAX_CHUNKS  # noqa: E402
 from megatron_ep.megatron import backend as backend_env  # noqa: E402
 from recipes.comm_timer import CommTimer  # noqa: E402
 
 
-def add_args(p: argparse.ArgumentParser, dispatcher: bool = True) -> argparse.ArgumentParser:
+# Options that act on training only (steps, optimiser, timers, chunked experts, shared-expert
+# overlap), and their values for a command that runs no training (add_args(training=False)).
+TRAINING_ONLY = {"steps": 6, "lr": 3e-3, "time_comm": True, "chunked_experts": 0, "shared_expert_overlap": False}
+
+
+def add_args(p: argparse.ArgumentParser, dispatcher: bool = True, training: bool = True) -> argparse.ArgumentParser:
     """The recipe's options (model size, backend, steps, seed); `dispatcher=False` leaves out
-    --dispatcher for tools that pick dispatchers themselves (scripts/ab_throughput.py)."""
+    --dispatcher for tools that pick dispatchers themselves (scripts/ab_throughput.py);
+    `training=False` leaves out TRAINING_ONLY's options (recipes/decode_moe.py) and sets their
+    values."""
     if dispatcher:
         p.add_argument("--dispatcher", choices=("alltoall", "deepep", "hybridep"), default="hybridep",
                        help="alltoall: Megatron's own dispatcher; deepep / hybridep: Megatron's flex dispatcher with "
@@ -59,7 +67,8 @@ def add_args(p: argparse.ArgumentParser, dispatcher: bool = True) -> argparse.Ar
                         "(the option wins over the variable)")
     p.add_argument("--experts-impl", choices=("grouped", "sequential"), default="grouped",
                    help="megatron_ep GroupedGemmExperts, or Megatron's SequentialMLP")
-    p.add_argument("--steps", type=cli.integer(), default=6, help="training steps")
+    if training:
+        p.add_argument("--steps", type=cli.integer(), default=TRAINING_ONLY["steps"], help="training steps")
     p.add_argument("--layers", type=cli.integer(2), default=3, help="transformer layers: the first dense, the rest MoE (at least 2)")
     p.add_argument("--hidden", type=cli.integer(), default=64, help="hidden size (a multiple of --heads)")
     p.add_argument("--heads", type=cli.integer(), default=4, help="attention heads")
@@ -73,21 +82,29 @@ def add_args(p: argparse.ArgumentParser, dispatcher: bool = True) -> argparse.Ar
     p.add_argument("--vocab", type=cli.integer(), default=256, help="vocabulary size of the synthetic tokens")
     p.add_argument("--seq-len", type=cli.integer(), default=32, help="sequence length")
     p.add_argument("--micro-batch", type=cli.integer(), default=2, help="sequences per rank and step")
-    p.add_argument("--lr", type=cli.number(0, above=True), default=3e-3, help="AdamW learning rate")
     p.add_argument("--seed", type=cli.integer(0, 2**32 - 1), default=1234, help="seed of the weights and the synthetic data")
+    if not training:
+        p.set_defaults(**TRAINING_ONLY)
+        _add_virtual_ranks(p)
+        return p
+    p.add_argument("--lr", type=cli.number(0, above=True), default=TRAINING_ONLY["lr"], help="AdamW learning rate")
     p.add_argument("--no-time-comm", dest="time_comm", action="store_false", help="skip the dispatch/combine timers")
-    p.add_argument("--chunked-experts", type=cli.integer(0), default=0, metavar="CHUNKS",
+    p.add_argument("--chunked-experts", type=cli.integer(0, MAX_CHUNKS), default=0, metavar="CHUNKS",
                    help="run each MoE layer's dispatch, experts and combine in this many pipelined token chunks "
                         "(megatron_ep.megatron.chunked; hybridep + grouped experts; 0: off, or "
                         "MEGATRON_EP_CHUNKED_EXPERTS)")
     p.add_argument("--shared-expert-overlap", action="store_true",
                    help="Megatron's moe_shared_expert_overlap: the shared expert runs on its own CUDA stream while "
                         "dispatch and combine are in flight (GPU only)")
+    _add_virtual_ranks(p)
+    return p
+
+
+def _add_virtual_ranks(p: argparse.ArgumentParser) -> None:
     p.add_argument("--virtual-ranks", action="store_true",
                    help="several processes share the GPU(s) (virtual EP on one GPU; run under MPS): gloo carries "
                         "Megatron's own collectives, megatron_ep's CUDA IPC transport the MoE tokens; flex dispatchers only "
                         "(NCCL refuses several ranks on one GPU, gloo has no GPU all-to-all)")
-    return p
 
 
 def build_parser() -> cli.ArgumentParser:
@@ -119,6 +136,12 @@ def use_backend(args) -> None:
 def validate(args, world: int) -> None:
     """Refuse, before any process group or model exists, what would fail later inside
     Megatron or the ranks (cli.UsageError, one line). `world`: the number of ranks."""
+    from megatron_ep.megatron import check_environment
+
+    try:  # the variables the managers read later (install() checks them again, inside the ranks)
+        check_environment()
+    except ValueError as e:
+        raise cli.UsageError(str(e)) from None
     cli.check(args.hidden % args.heads == 0, f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
     cli.check(args.experts % world == 0,
               f"--experts {args.experts} must be a multiple of the world size {world}: each rank owns the same "
@@ -170,6 +193,10 @@ def check_resources(args, world: int) -> None:
 def init_distributed(virtual_ranks: bool = False):
     on_gpu = torch.cuda.is_available()
     if on_gpu:
+        if virtual_ranks:  # before CUDA starts: the ranks share one GPU (megatron_ep/cuda/sharing.py)
+            from megatron_ep.cuda import sharing
+
+            sharing.prepare_shared_gpu()
         local = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local % torch.cuda.device_count() if virtual_ranks else local)
     dist.init_process_group("nccl" if on_gpu and not virtual_ranks else "gloo", timeout=datetime.timedelta(minutes=5))

@@ -84,6 +84,7 @@ import torch.distributed as dist  # noqa: E402
 
 from bench import internals, report  # noqa: E402
 from megatron_ep import resources  # noqa: E402
+from megatron_ep.experts.overlap import MAX_CHUNKS  # noqa: E402
 from recipes import train_moe  # noqa: E402
 from recipes.comm_timer import CommTimer  # noqa: E402
 
@@ -127,8 +128,8 @@ BACKENDS = {b.key: b for b in (
 def build_parser() -> cli.ArgumentParser:
     p = cli.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--budget-factor", type=cli.number(0, above=True), default=1.5,
-                   help="hybridep-budget: rows per rank = factor x tokens x topk (default 1.5)")
-    p.add_argument("--chunks", type=cli.integer(), default=4, help="hybridep-chunked: token chunks per MoE layer (default 4)")
+                   help="hybridep-budget: rows per rank = factor x tokens x topk")
+    p.add_argument("--chunks", type=cli.integer(1, MAX_CHUNKS), default=4, help="hybridep-chunked: token chunks per MoE layer")
     p.add_argument("--mode", choices=("train", "layer"), default="train",
                    help="train: train_moe.py's model and training step; layer: one MoE layer, forward + backward")
     p.add_argument("--backends", default="all", help=f"comma-separated subset of {','.join(BACKENDS)}, or all")

@@ -2,16 +2,20 @@
 chunked_expert_mlp at several chunk counts, forward and forward + backward, against one round
 (chunks = 1), and a per-chunk timeline of the forward (when each chunk's rows arrive, when its
 GEMMs start and end, when the layer's output is usable, from CUDA events) with the communication
-it left exposed, next to what the analytic model predicts
-for the same shape (megatron_ep/model/overlap.py).
+it left exposed, next to what the analytic model predicts for the same shape
+(megatron_ep/model/overlap.py).
 
     python scripts/bench_overlap.py --ranks 2                       # GPUs (one process per GPU)
     python scripts/bench_overlap.py --ranks 4 --tokens 1024         # virtual ranks (under MPS)
-    python scripts/bench_overlap.py --ranks 2 --cpu --tokens 64 --hidden 256 --ffn 128   # smoke
+    python scripts/bench_overlap.py --cpu                           # smoke run: CPU processes, small sizes
 
 Ranks sharing a GPU (virtual ranks) test the mechanics only: their times are not speed claims,
 and the script says so in its output. Timing: CUDA events, --warmup untimed runs, the median of
---iters, every rank released together by a barrier before each run.
+--iters, every rank released together by a barrier before each run. `--cpu` runs the torch
+backend on CPU processes at small default sizes (a smoke run of the mechanics, no timeline):
+seconds, with a line per chunk count as it finishes. Before any process starts, the run's
+processes and memory are estimated (megatron_ep/resources.py) and refused in one line when they
+exceed this machine (--force skips the estimate).
 """
 
 from __future__ import annotations
@@ -21,9 +25,16 @@ import math
 import os
 import statistics
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from megatron_ep import cli  # noqa: E402  (standard library only: before torch)
+
+PROG = "scripts/bench_overlap.py"
+if __name__ == "__main__":
+    cli.require("torch", prog=PROG)
 
 from bench import harness  # noqa: E402  (sets the NCCL environment before torch loads)
 
@@ -32,53 +43,66 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import megatron_ep as mep  # noqa: E402
-from megatron_ep.cli import ArgumentParser  # noqa: E402
+from megatron_ep import resources  # noqa: E402
 from megatron_ep.experts import chunked_expert_mlp  # noqa: E402
+from megatron_ep.experts.overlap import MAX_CHUNKS  # noqa: E402
+
+# Sizes on GPUs (one DeepSeek-V3-like layer's share per rank) and in a --cpu smoke run.
+GPU_SIZES = dict(tokens=4096, hidden=7168, ffn=2048, experts=64, topk=8, chunks=[1, 2, 4, 8], warmup=3, iters=10)
+CPU_SIZES = dict(tokens=64, hidden=256, ffn=128, experts=16, topk=4, chunks=[1, 2, 4], warmup=1, iters=3)
 
 
-def parse(argv=None) -> argparse.Namespace:
-    p = ArgumentParser(prog="scripts/bench_overlap.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--ranks", type=int, default=2, help="EP ranks (processes)")
-    p.add_argument("--cpu", action="store_true", help="torch backend on CPU processes (a smoke run: no timeline)")
-    p.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--ffn", type=int, default=2048, help="expert MLP intermediate size (SwiGLU: 2x in fc1)")
-    p.add_argument("--experts", type=int, default=64, help="routed experts (a multiple of --ranks)")
-    p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8], help="chunk counts to time (1 is the baseline)")
-    p.add_argument("--num-sms", type=int, default=None, help="SMs of the communication kernels (Buffer num_sms)")
-    p.add_argument("--comm-sms", type=int, default=None,
-                   help="SMs the chunks' GEMMs leave free (chunked_expert_mlp comm_sms; default the Buffer's num_sms, "
+def _sizes(name: str) -> str:
+    show = lambda v: " ".join(map(str, v)) if isinstance(v, list) else str(v)  # noqa: E731
+    return f"(default: {show(GPU_SIZES[name])} on GPUs, {show(CPU_SIZES[name])} with --cpu)"
+
+
+def build_parser() -> cli.ArgumentParser:
+    p = cli.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=cli.integer(), default=2, help="EP ranks (processes)")
+    p.add_argument("--cpu", action="store_true",
+                   help="torch backend on CPU processes: a smoke run at small sizes (no timeline, no speed claim)")
+    p.add_argument("--tokens", type=cli.integer(), default=None, help=f"tokens per rank {_sizes('tokens')}")
+    p.add_argument("--hidden", type=cli.integer(), default=None, help=f"hidden size {_sizes('hidden')}")
+    p.add_argument("--ffn", type=cli.integer(), default=None,
+                   help=f"expert MLP intermediate size (SwiGLU: 2x in fc1) {_sizes('ffn')}")
+    p.add_argument("--experts", type=cli.integer(), default=None,
+                   help=f"routed experts (a multiple of --ranks) {_sizes('experts')}")
+    p.add_argument("--topk", type=cli.integer(), default=None, help=f"experts per token {_sizes('topk')}")
+    p.add_argument("--chunks", type=cli.integer(1, MAX_CHUNKS), nargs="+", default=None,
+                   help=f"chunk counts to time (1, the baseline, is always added) {_sizes('chunks')}")
+    p.add_argument("--num-sms", type=cli.integer(), default=None,
+                   help="SMs of the communication kernels (Buffer num_sms; default: the Buffer's own choice)")
+    p.add_argument("--comm-sms", type=cli.integer(0), default=None,
+                   help="SMs the chunks' GEMMs leave free (chunked_expert_mlp comm_sms; default: the Buffer's num_sms; "
                         "0: the GEMMs take every SM)")
-    p.add_argument("--budget", type=float, default=0.0,
+    p.add_argument("--budget", type=cli.number(0), default=0.0,
                    help="static budget: every chunk worst-case sized to this factor x its tokens x top-k rows per "
                         "rank (no host sync; rows past it dropped and counted); 0: exact sizes (a host sync per chunk)")
     p.add_argument("--profile", action="store_true",
                    help="GPU: one forward at the largest chunk count under torch.profiler: how long our kernels "
                         "ran, and how much of it beside a kernel of another stream (the GEMMs)")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds before every rank is stopped")
-    a = p.parse_args(argv)
-    for name in ("ranks", "tokens", "hidden", "ffn", "experts", "topk", "iters"):
-        if getattr(a, name) < 1:
-            p.error(f"--{name} must be >= 1, got {getattr(a, name)}")
-    if a.warmup < 0:
-        p.error(f"--warmup must be >= 0, got {a.warmup}")
-    if a.budget < 0:
-        p.error(f"--budget must be >= 0, got {a.budget}")
-    if a.comm_sms is not None and a.comm_sms < 0:
-        p.error(f"--comm-sms must be >= 0, got {a.comm_sms}")
-    if a.experts % a.ranks:
-        p.error(f"--experts {a.experts} must be a multiple of --ranks {a.ranks}")
-    if a.topk > a.experts:
-        p.error(f"--topk {a.topk} is more than --experts {a.experts}")
-    if any(c < 1 for c in a.chunks):
-        p.error(f"--chunks must all be >= 1, got {a.chunks}")
+    p.add_argument("--warmup", type=cli.integer(0), default=None, help=f"untimed runs before each timing {_sizes('warmup')}")
+    p.add_argument("--iters", type=cli.integer(), default=None, help=f"timed runs (their median) {_sizes('iters')}")
+    p.add_argument("--timeout", type=cli.number(0, above=True), default=600.0, help="seconds before every rank is stopped")
+    resources.add_force(p)
+    return p
+
+
+def parse(argv=None) -> argparse.Namespace:
+    """The options, sizes filled in for the device (GPU_SIZES, or CPU_SIZES with --cpu), checked
+    (cli.UsageError, one line) before any process starts."""
+    a = build_parser().parse_args(argv)
+    for name, value in (CPU_SIZES if a.cpu else GPU_SIZES).items():
+        if getattr(a, name) is None:
+            setattr(a, name, list(value) if isinstance(value, list) else value)
+    cli.check(a.experts % a.ranks == 0, f"--experts {a.experts} must be a multiple of --ranks {a.ranks}")
+    cli.check(a.topk <= a.experts, f"--topk {a.topk} is more than --experts {a.experts}")
     if 1 not in a.chunks:
         a.chunks = [1] + a.chunks  # the baseline every ratio is against
-    if not a.cpu and not torch.cuda.is_available():
-        p.error("no CUDA GPU here: pass --cpu for a smoke run on the torch backend")
+    cli.check(a.cpu or torch.cuda.is_available(),
+              "no CUDA GPU here: --cpu runs a smoke run on CPU processes (torch backend, small sizes)")
+    resources.refuse_unless_fits(resources.expert_layer_need(a, a.ranks, on_gpu=not a.cpu), force=a.force)
     return a
 
 
@@ -167,6 +191,7 @@ def worker(rank, a, port, queue):
         out = {"sms": (buf.num_sms, buf.num_sms if a.comm_sms is None else a.comm_sms)}
         dropped = []
         count = (lambda c, o: dropped.append(o.num_dropped)) if a.budget else None  # every chunk's drops
+        start = time.monotonic()
         for chunks in a.chunks:
             def forward():
                 with torch.no_grad():
@@ -179,6 +204,9 @@ def worker(rank, a, port, queue):
             out[chunks] = {"fwd_us": timer.isolated(forward), "fwd_bwd_us": timer.isolated(forward_backward)}
             out[chunks]["dropped"] = int(sum(int(d) for d in dropped))  # (a host sync, after the timing)
             dropped.clear()
+            if rank == 0:  # progress: a run can take minutes at GPU sizes
+                print(f"  chunks {chunks}: timed on rank 0 (fwd {out[chunks]['fwd_us'] / 1e3:.3f} ms, fwd+bwd "
+                      f"{out[chunks]['fwd_bwd_us'] / 1e3:.3f} ms; {time.monotonic() - start:.0f} s so far)", flush=True)
             if not a.cpu:
                 out[chunks]["timeline"] = _timeline(a, buf, inputs, chunks)
         if a.profile and not a.cpu:
@@ -208,9 +236,12 @@ def _model(a):
 def main(argv=None) -> int:
     a = parse(argv)
     virtual = not a.cpu and harness.ranks_per_gpu(a.ranks) > 1
+    print(f"{PROG}: starting {a.ranks} ranks ({'CPU, torch backend' if a.cpu else 'cuda backend'}); chunk counts "
+          f"{', '.join(map(str, a.chunks))}, each {a.warmup} warm-up + {a.iters} timed runs of fwd and of fwd+bwd",
+          flush=True)
     results, why = harness.run_ranks(worker, a.ranks, (a, harness.free_port()), a.timeout)
     if results is None:
-        print(f"bench_overlap: {why}", file=sys.stderr)
+        print(f"{PROG}: error: {why}", file=sys.stderr)
         return 1
     where = ("CPU, torch backend (smoke run)" if a.cpu else
              f"{harness.gpus_used(a.ranks)} GPU(s), {harness.ranks_per_gpu(a.ranks)} rank(s) per GPU")
@@ -258,4 +289,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.quiet()
+    sys.exit(cli.run_main(main, prog=PROG))

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from cases import get_buffer
+from refusals import derivative, exact_or_refused
 from megatron_ep import autograd
 from megatron_ep.experts import GroupedLayout, chunked_expert_mlp, expert_mlp
 
@@ -328,3 +329,58 @@ def run_chunked_edges_case(cfg: dict, backend: str = "torch", device: str = "cpu
             errors.append(f"{tag} {check.__name__} raised:\n{traceback.format_exc()}")
         dist.barrier()
     return errors
+
+
+REFUSED = ("chunked_expert_mlp", "second derivatives")  # what its refusal must say
+
+
+def run_second_derivative_case(cfg: dict) -> list:
+    """A second derivative through chunked_expert_mlp is exact (one round's, whose dispatch and
+    combine are differentiable to any order) or raises naming the layer: for every subset of x,
+    probs, w1, w2 that requires grad, taken by autograd.grad(..., inputs) and by .backward(), with a
+    term outside the layer (each input cubed) that a derivative missing the layer's part still has."""
+    R, rank = dist.get_world_size(), dist.get_rank()
+    buf = get_buffer("torch")
+    x, idx, probs, w1, w2, grad = [t.double() if t.is_floating_point() else t for t in _inputs(cfg, rank, "cpu")]
+    E = cfg["E"]
+
+    def chunked(x, probs, w1, w2):
+        return chunked_expert_mlp(buf, x, idx, probs, w1, w2, E, chunks=cfg["chunks"])
+
+    def one_round(x, probs, w1, w2):
+        return _one_round(buf, [x, probs, w1, w2], idx, cfg, F.gelu)
+
+    errors = []
+    for mask in range(1, 16):
+        wanted = [bool(mask >> i & 1) for i in range(4)]
+        names = "+".join(n for n, w in zip(("x", "probs", "w1", "w2"), wanted) if w)
+        for how in ("grad", "backward"):
+            tag = f"[second derivative R={R} rank={rank} inputs {names}, {how}]"
+            try:
+                want = derivative(one_round, [x, probs, w1, w2], wanted, grad, how)
+                got = derivative(chunked, [x, probs, w1, w2], wanted, grad, how)
+                errors += exact_or_refused(tag, got, want, REFUSED)
+                if mask == 1 and not isinstance(want, BaseException) and torch.allclose(want[0], 6 * x):
+                    errors.append(f"{tag}: the layer adds nothing to the reference: the case checks nothing")
+            except Exception:
+                errors.append(f"{tag} raised:\n{traceback.format_exc()}")
+            dist.barrier()
+    return errors
+
+
+def run_gradgradcheck_case(cfg: dict) -> list:
+    """torch.autograd.gradgradcheck of a small fp64 chunked layer (one rank: the numerical
+    derivative perturbs only this rank's inputs) passes or raises naming the layer."""
+    rank = dist.get_rank()
+    buf = get_buffer("torch")
+    x, idx, probs, w1, w2, grad = [t.double() if t.is_floating_point() else t for t in _inputs(cfg, rank, "cpu")]
+    leaves = [t.requires_grad_() for t in (x, probs, w1, w2)]
+
+    def layer(x, probs, w1, w2):
+        return chunked_expert_mlp(buf, x, idx, probs, w1, w2, cfg["E"], chunks=cfg["chunks"])
+
+    try:
+        got = torch.autograd.gradgradcheck(layer, leaves, (grad,), raise_exception=True)
+    except Exception as e:
+        got = e
+    return exact_or_refused(f"[gradgradcheck rank={rank}]", got, None, REFUSED) if isinstance(got, BaseException) else []

@@ -1,3 +1,4 @@
+import collections
 import os
 import signal
 import sys
@@ -70,3 +71,22 @@ def pools():
     for pool in _pools.values():
         pool.close()
     _pools.clear()
+
+
+def skip_reason(report) -> str:
+    """A skipped test's reason, without pytest's "Skipped: " prefix."""
+    longrepr = report.longrepr
+    text = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    return text[len("Skipped: "):] if text.startswith("Skipped: ") else text
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Skips once per reason, with their count (pyproject's -r leaves them out): on a machine
+    without a GPU every GPU test skips, which -rs would list test by test."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped:
+        return
+    reasons = collections.Counter(skip_reason(r) for r in skipped)
+    terminalreporter.write_sep("-", f"{len(skipped)} skipped, by reason (-rs lists each)")
+    for reason, n in reasons.most_common():
+        terminalreporter.write_line(f"{n:4d} skipped: {reason}")

@@ -182,3 +182,135 @@ def run_decode_context_hook(case):
         if "forward" in vars(layer) or getattr(model, "_megatron_ep_decode_hooks", None):
             errors.append(f"[rank {r}] disable_decode left the wrapper or hooks in place")
     return errors
+
+
+# --------------------------------------------------------------------- refused decode steps
+def _decode_layer(case):
+    """A flex deepep layer with SequentialMLP experts, decode enabled, on the pool's ranks."""
+    import megatron_ep.megatron.decode as dec
+
+    with mc.cpu_shims():
+        mc._init_megatron()
+        layer = _build(case, "flex", "deepep", "sequential", torch.float32)
+    dec.enable_decode(layer, max_tokens_per_rank=case["max_tokens"])
+    return layer
+
+
+def _steps_raise(tag: str, fn, want: dict, limit_s: float = 20.0) -> list:
+    """fn() must raise, on this rank, an exception of type want["type"] whose text holds
+    want["text"], within limit_s (the peers are told, not left waiting)."""
+    import time
+
+    start = time.monotonic()
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the type is checked below
+        took = time.monotonic() - start
+        if not isinstance(exc, want["type"]) or want["text"] not in str(exc):
+            return [f"{tag}: {type(exc).__name__}: {str(exc)[:300]!r}, want {want['type'].__name__} "
+                    f"mentioning {want['text']!r}"]
+        return [f"{tag}: raised after {took:.1f}s (limit {limit_s}s)"] if took > limit_s else []
+    return [f"{tag}: no error"]
+
+
+@mc.guarded
+def run_decode_refusals(case):
+    """Decode steps a rank cannot run, on one rank or on all: every rank raises, none waits.
+    (1) autograd on with parameters that require grad: refused (a decode step is not
+    differentiable: a backward through it would drop the experts' and router's gradients);
+    (2) one rank over max_tokens_per_rank; (3) one rank in a decode step while its peer runs
+    the layer's normal forward (the decode Buffer is the flex manager's: CallMismatchError)."""
+    import megatron_ep.megatron.decode as dec
+    from megatron_ep.errors import CallMismatchError, PeerFailedError
+
+    R, r = dist.get_world_size(), dist.get_rank()
+    layer = _decode_layer(case)
+    x = torch.randn((3, 2, case["H"]), generator=torch.Generator().manual_seed(5 + r))
+    big = torch.randn((case["max_tokens"] + 1, 1, case["H"]), generator=torch.Generator().manual_seed(6 + r))
+    mine = lambda text: dict(type=(RuntimeError, ValueError), text=text)  # noqa: E731
+    peer = lambda text: dict(type=PeerFailedError, text=text)  # noqa: E731
+    grad_text, tokens_text = "decode step runs without gradients", "more than max_tokens_per_rank"
+    errors = []
+
+    def step(inp, grad):
+        with mc.cpu_shims(), torch.set_grad_enabled(grad), dec.decode_step():
+            y = layer(inp.clone().requires_grad_(grad))[0]
+            if grad:  # what a user would do next: a backward that would miss the experts' part
+                y.sum().backward()
+
+    errors += _steps_raise(f"[rank {r}] grad on every rank", lambda: step(x, True), dict(type=RuntimeError, text=grad_text))
+    errors += _steps_raise(f"[rank {r}] grad on rank 0 only", lambda: step(x, r == 0),
+                           mine(grad_text) if r == 0 else peer(grad_text))
+    errors += _steps_raise(f"[rank {r}] rank {R - 1} over max_tokens_per_rank",
+                           lambda: step(big if r == R - 1 else x, False),
+                           mine(tokens_text) if r == R - 1 else peer(tokens_text))
+
+    def half():
+        with mc.cpu_shims(), torch.no_grad(), dec.decode_step(r == 0):
+            layer(x)
+
+    errors += _steps_raise(f"[rank {r}] decode on rank 0 only", half,
+                           dict(type=CallMismatchError, text="low_latency_dispatch"))
+    # the layer works afterwards, both ways
+    with mc.cpu_shims(), torch.no_grad():
+        want = layer(x)[0]
+        with dec.decode_step():
+            got = layer(x)[0]
+    if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
+        errors.append(f"[rank {r}] after the refusals decode differs from the layer's forward "
+                      f"({(got - want).abs().max().item():.3g})")
+    return errors
+
+
+@mc.guarded
+def run_decode_weight_changes(case):
+    """keep_weights=True, then the weights change as a user changes them: replaced Parameters
+    (load_state_dict(assign=True)) on GroupedGemmExperts and SequentialMLP, and a dtype change
+    (layer.to(bfloat16)) followed by refresh_decode_weights. Decode must follow the layer's own
+    forward each time (and the refresh must work)."""
+    import megatron_ep.megatron.decode as dec
+
+    r = dist.get_rank()
+    errors = []
+    with mc.cpu_shims():
+        mc._init_megatron()
+    x = torch.randn((3, 2, case["H"]), generator=torch.Generator().manual_seed(11 + r))
+
+    def compare(tag, layer, inp, tol):
+        with mc.cpu_shims(), torch.no_grad():
+            want = layer(inp)[0]
+            with dec.decode_step():
+                got = layer(inp)[0]
+        scale = max(1.0, want.float().abs().max().item())
+        diff = (got.float() - want.float()).abs().max().item()
+        return [f"[rank {r}] {tag}: decode vs the layer's forward, max abs diff {diff:.3g}"] if diff > tol * scale else []
+
+    for experts in ("grouped", "sequential"):
+        with mc.cpu_shims():
+            layer = _build(case, "flex", "hybridep" if experts == "grouped" else "deepep", experts, torch.float32)
+        dec.enable_decode(layer, max_tokens_per_rank=case["max_tokens"], keep_weights=True)
+        errors += compare(f"{experts}: before the change", layer, x, 1e-5)
+        g = torch.Generator().manual_seed(300 + r)
+        new = dict(layer.state_dict())
+        for name, p in layer.experts.named_parameters():
+            new["experts." + name] = torch.randn(p.shape, generator=g) * 0.3
+        layer.load_state_dict(new, assign=True)
+        errors += compare(f"{experts}: load_state_dict(assign=True)", layer, x, 1e-5)
+        try:
+            dec.refresh_decode_weights(layer)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(f"[rank {r}] {experts}: refresh_decode_weights after assign raised {type(exc).__name__}: {exc}")
+        errors += compare(f"{experts}: after refresh", layer, x, 1e-5)
+        layer.to(torch.bfloat16)
+        try:
+            dec.refresh_decode_weights(layer)
+            errors += compare(f"{experts}: layer.to(bfloat16) then refresh", layer, x.to(torch.bfloat16), 2e-2)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(f"[rank {r}] {experts}: bfloat16 after keep_weights raised {type(exc).__name__}: {exc}")
+        with torch.no_grad():  # an optimizer's in-place write: followed after a refresh
+            for p in layer.experts.parameters():
+                p.mul_(0.5)
+        dec.refresh_decode_weights(layer)
+        errors += compare(f"{experts}: in-place update then refresh", layer, x.to(torch.bfloat16), 2e-2)
+        dec.disable_decode(layer)
+    return errors

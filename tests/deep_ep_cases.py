@@ -538,3 +538,246 @@ def stream_order_cases(R: int) -> list:
 
 def run_deep_ep_stream_order_cases(cfgs: list) -> list:
     return [e for cfg in cfgs for e in run_deep_ep_stream_order_case(cfg)]
+
+
+# ---------------------------------------------------------------------- hostile use of the module
+def _hostile_setup(cfg: dict, **kwargs):
+    """A Buffer (cfg "backend", default torch) with the case's inputs and their layout on this rank."""
+    _backend(cfg)
+    from megatron_ep import deep_ep
+
+    R, rank = dist.get_world_size(), dist.get_rank()
+    buf = deep_ep.Buffer(dist.group.WORLD, **kwargs)
+    x, idx, w = _on(cfg, *_inputs(cfg, rank))
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, cfg["E"])
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                  topk_idx=idx, topk_weights=w)
+    return deep_ep, buf, x, idx, w, layout, R, rank
+
+
+def run_deep_ep_worst_overflow_case(cfg: dict) -> list:
+    """num_worst_tokens below the rows a rank receives (DeepEP's precondition): every rank raises
+    a ValueError (megatron_ep.errors.WorstCaseOverflowError) naming num_worst_tokens, the rank and
+    its count, at once, before any row moves; the Buffer works afterwards."""
+    from hostile_cases import raises
+
+    R, rank = dist.get_world_size(), dist.get_rank()
+    tag = f"[deep_ep num_worst_tokens overflow R={R} rank={rank}]"
+    try:
+        deep_ep, buf, x, idx, w, layout, R, rank = _hostile_setup(cfg)
+        received = _received(cfg, R)
+        worst, hot = max(received), received.index(max(received))
+        errors = raises(f"{tag} num_worst_tokens={worst - 2}",
+                        lambda: buf.dispatch(x, num_worst_tokens=worst - 2, **layout), ValueError,
+                        f"rank {hot} receives {worst} rows, its num_worst_tokens={worst - 2}")
+        return errors + _worst_below_r_times_t(cfg, buf, x, layout, worst, tag)
+    except Exception:
+        return [f"{tag} raised:\n{traceback.format_exc()}"]
+
+
+def _received(cfg: dict, R: int) -> list:
+    """Rows each rank receives in the case's rank-major dispatch (one per token with an expert there)."""
+    return [sum(int((_inputs(cfg, src)[1] // (cfg["E"] // R) == r).any(dim=1).sum()) for src in range(R))
+            for r in range(R)]
+
+
+def _worst_below_r_times_t(cfg: dict, buf, x, layout: dict, worst: int, tag: str) -> list:
+    """A worst-case sized dispatch whose num_worst_tokens is what the busiest rank receives, below
+    R x T (the rank-major rows a rank could receive): DeepEP's rows on every rank."""
+    R, rank = dist.get_world_size(), dist.get_rank()
+    if worst >= R * max(cfg["Ts"]):
+        return [f"{tag} the case does not put num_worst_tokens={worst} below R x T = {R * max(cfg['Ts'])}"]
+    rx, *_ = buf.dispatch(x, num_worst_tokens=worst, **layout)
+    want = _expected(cfg, rank, R)[0]
+    rx = rx.cpu()
+    if not (rx.shape[0] == worst and torch.equal(rx[:want.shape[0]], want)):
+        return [f"{tag} the dispatch with num_worst_tokens={worst} differs from DeepEP's rows"]
+    return []
+
+
+def run_deep_ep_worst_below_rt_case(cfg: dict) -> list:
+    """On our kernels (a worst-case sized dispatch cannot grow the buffer): num_worst_tokens below
+    R x T, as DeepEP's callers may pass it, fits (megatron_ep.deep_ep reserves R x T combine rows
+    too) and delivers DeepEP's rows."""
+    R, rank = dist.get_world_size(), dist.get_rank()
+    tag = f"[deep_ep num_worst_tokens below R x T R={R} rank={rank} {cfg.get('backend', 'torch')}]"
+    try:
+        deep_ep, buf, x, idx, w, layout, R, rank = _hostile_setup(cfg)
+        return _worst_below_r_times_t(cfg, buf, x, layout, max(_received(cfg, R)), tag)
+    except Exception:
+        return [f"{tag} raised:\n{traceback.format_exc()}"]
+
+
+def run_deep_ep_destroyed_on_one_rank_case(cfg: dict) -> list:
+    """Rank 0 destroys its Buffer, then every rank makes each collective call on it: rank 0
+    raises that it was destroyed, its peers PeerFailedError with that message, at once (not at
+    the process group's timeout)."""
+    from hostile_cases import raises
+    from megatron_ep.errors import PeerFailedError
+
+    R, rank = dist.get_world_size(), dist.get_rank()
+    tag = f"[deep_ep destroyed on rank 0 R={R} rank={rank}]"
+    try:
+        deep_ep, buf, x, idx, w, layout, R, rank = _hostile_setup(cfg, low_latency_mode=True, explicitly_destroy=True)
+        E, T = cfg["E"], max(cfg["Ts"])
+        rx, _, _, _, handle, _ = buf.dispatch(x, **layout)
+        xb = x.to(torch.bfloat16)
+        recv, _, ll_handle, _, _ = buf.low_latency_dispatch(xb, idx, T, E, use_fp8=False)
+        if rank == 0:
+            buf.destroy()
+        want = RuntimeError if rank == 0 else PeerFailedError
+        calls = [("dispatch", lambda: buf.dispatch(x, **layout)),
+                 ("cached dispatch", lambda: buf.dispatch(x, handle=handle)),
+                 ("combine", lambda: buf.combine(rx, handle)),
+                 ("low_latency_dispatch", lambda: buf.low_latency_dispatch(xb, idx, T, E, use_fp8=False)),
+                 ("low_latency_combine", lambda: buf.low_latency_combine(recv, idx, w, ll_handle)),
+                 ("clean_low_latency_buffer", lambda: buf.clean_low_latency_buffer(T, x.shape[1], E))]
+        errors = []
+        for name, call in calls:
+            errors += raises(f"{tag} {name}", call, want, "this Buffer was destroyed")
+        return errors
+    except Exception:
+        return [f"{tag} raised:\n{traceback.format_exc()}"]
+
+
+def run_deep_ep_use_after_destroy_case(cfg: dict) -> list:
+    """After destroy() every public method of the Buffer (and a second destroy, which DeepEP's
+    runtime asserts against) raises RuntimeError naming the method and that the Buffer was
+    destroyed; the list of methods is the class's own, so a new one is checked too."""
+    R, rank = dist.get_world_size(), dist.get_rank()
+    tag = f"[deep_ep use after destroy R={R} rank={rank}]"
+    try:
+        deep_ep, buf, x, idx, w, layout, R, rank = _hostile_setup(cfg, low_latency_mode=True, explicitly_destroy=True)
+        E, T, H = cfg["E"], max(cfg["Ts"]), x.shape[1]
+        rx, _, _, _, handle, _ = buf.dispatch(x, **layout)
+        xb = x.to(torch.bfloat16)
+        recv, _, ll_handle, _, _ = buf.low_latency_dispatch(xb, idx, T, E, use_fp8=False)
+        buf.destroy()
+        calls = {
+            "destroy": lambda: buf.destroy(),
+            "get_dispatch_layout": lambda: buf.get_dispatch_layout(idx, E),
+            "dispatch": lambda: buf.dispatch(x, **layout),
+            "combine": lambda: buf.combine(rx, handle),
+            "low_latency_dispatch": lambda: buf.low_latency_dispatch(xb, idx, T, E, use_fp8=False),
+            "low_latency_combine": lambda: buf.low_latency_combine(recv, idx, w, ll_handle),
+            "clean_low_latency_buffer": lambda: buf.clean_low_latency_buffer(T, H, E),
+            "low_latency_update_mask_buffer": lambda: buf.low_latency_update_mask_buffer(0, True),
+            "low_latency_query_mask_buffer": lambda: buf.low_latency_query_mask_buffer(torch.zeros(R, dtype=torch.int32)),
+            "low_latency_clean_mask_buffer": lambda: buf.low_latency_clean_mask_buffer(),
+            "get_comm_stream": lambda: buf.get_comm_stream(),
+            "get_local_buffer_tensor": lambda: buf.get_local_buffer_tensor(torch.bfloat16),
+            "get_next_low_latency_combine_buffer": lambda: buf.get_next_low_latency_combine_buffer(ll_handle),
+        }
+        public = sorted(n for n, v in vars(deep_ep.Buffer).items()
+                        if callable(v) and not n.startswith("_") and not isinstance(v, staticmethod))
+        errors = [] if public == sorted(calls) else [f"{tag} the case's methods {sorted(calls)} are not the class's {public}"]
+        return errors + refusals([(name, call, RuntimeError, f"Buffer.{name}: this Buffer was destroyed")
+                                  for name, call in calls.items()], f"{tag} ")
+    except Exception:
+        return [f"{tag} raised:\n{traceback.format_exc()}"]
+
+
+def run_deep_ep_handle_copy_case(cfg: dict) -> list:
+    """copy.copy and copy.deepcopy of a normal and a low-latency handle (DeepEP's are tuples,
+    which both copy): the same type and entries (deepcopy: equal tensors, not the same ones),
+    and a cached dispatch, combine and low-latency combine with the deep copy give what they
+    give with the original."""
+    import copy
+
+    R, rank = dist.get_world_size(), dist.get_rank()
+    tag = f"[deep_ep handle copies R={R} rank={rank}]"
+    try:
+        deep_ep, buf, x, idx, w, layout, R, rank = _hostile_setup(cfg, low_latency_mode=True)
+        E, T = cfg["E"], max(cfg["Ts"])
+        rx, _, _, _, handle, _ = buf.dispatch(x, **layout)
+        xb = x.to(torch.bfloat16)
+        recv, _, ll_handle, _, _ = buf.low_latency_dispatch(xb, idx, T, E, use_fp8=False)
+        errors = []
+        for name, h in (("normal", handle), ("low-latency", ll_handle)):
+            shallow, deep = copy.copy(h), copy.deepcopy(h)
+            if not (type(shallow) is type(h) and len(shallow) == len(h) and all(a is b for a, b in zip(shallow, h))):
+                errors.append(f"{tag} copy.copy of the {name} handle differs from it")
+            same = all((torch.equal(a, b) and a is not b) if isinstance(b, torch.Tensor) else a == b
+                       for a, b in zip(deep, h))
+            if not (type(deep) is type(h) and len(deep) == len(h) and same):
+                errors.append(f"{tag} copy.deepcopy of the {name} handle does not hold equal copies of its entries")
+        deep = copy.deepcopy(handle)
+        if not torch.equal(buf.dispatch(x * 2, handle=deep)[0], buf.dispatch(x * 2, handle=handle)[0]):
+            errors.append(f"{tag} a cached dispatch with the deep copy differs")
+        if not torch.equal(buf.combine(rx, deep)[0], buf.combine(rx, handle)[0]):
+            errors.append(f"{tag} a combine with the deep copy differs")
+        ll_deep = copy.deepcopy(ll_handle)
+        if not torch.equal(buf.low_latency_combine(recv, idx, w, ll_deep)[0], buf.low_latency_combine(recv, idx, w, ll_handle)[0]):
+            errors.append(f"{tag} a low-latency combine with the deep copy differs")
+        return errors
+    except Exception:
+        return [f"{tag} raised:\n{traceback.format_exc()}"]
+
+
+def run_deep_ep_zero_copy_other_handle_case(cfg: dict) -> list:
+    """A zero-copy combine whose buffer was asked for (and filled) with another handle, of
+    another shape: ValueError naming both shapes, on every rank at once; with the mistake on one
+    rank only, its peers raise PeerFailedError naming it instead of waiting. Asked for with the
+    right handle afterwards, the zero-copy combine gives the plain combine's result."""
+    from hostile_cases import raises
+    from megatron_ep.errors import PeerFailedError
+
+    R, rank = dist.get_world_size(), dist.get_rank()
+    tag = f"[deep_ep zero-copy buffer of another handle R={R} rank={rank}]"
+    try:
+        deep_ep, buf, x, idx, w, layout, R, rank = _hostile_setup(cfg, low_latency_mode=True)
+        E, T, H, L = cfg["E"], max(cfg["Ts"]), x.shape[1], cfg["E"] // R
+        xb = x.to(torch.bfloat16)
+        recv_a, _, handle_a, _, _ = buf.low_latency_dispatch(xb, idx, 2 * T, E, use_fp8=False)
+        recv_b, _, handle_b, _, _ = buf.low_latency_dispatch(xb, idx, T, E, use_fp8=False)
+        shapes = f"[{L}, {R * 2 * T}, {H}]", f"[{L}, {R * T}, {H}]"
+        buf.get_next_low_latency_combine_buffer(handle_a).copy_(recv_a)
+        errors = raises(f"{tag} on every rank", lambda: buf.low_latency_combine(torch.zeros_like(recv_b), idx, w, handle_b,
+                                                                            zero_copy=True),
+                        ValueError, f"belongs to another handle, of shape {shapes[0]}")
+        errors += raises(f"{tag} on every rank, this combine's shape",
+                         lambda: buf.low_latency_combine(torch.zeros_like(recv_b), idx, w, handle_b, zero_copy=True),
+                         ValueError, f"this combine's handle is of shape {shapes[1]}")
+        buf.get_next_low_latency_combine_buffer(handle_a if rank == 0 else handle_b).copy_(recv_a if rank == 0 else recv_b)
+        errors += raises(f"{tag} on rank 0 only",
+                         lambda: buf.low_latency_combine(torch.zeros_like(recv_b), idx, w, handle_b, zero_copy=True),
+                         ValueError if rank == 0 else PeerFailedError, "belongs to another handle")
+        buf.get_next_low_latency_combine_buffer(handle_b).copy_(recv_b)
+        y_zc, _, _ = buf.low_latency_combine(torch.zeros_like(recv_b), idx, w, handle_b, zero_copy=True)
+        if not torch.equal(y_zc, buf.low_latency_combine(recv_b, idx, w, handle_b)[0]):
+            errors.append(f"{tag} the zero-copy combine with the right buffer differs from the plain one")
+        return errors
+    except Exception:
+        return [f"{tag} raised:\n{traceback.format_exc()}"]
+
+
+def run_deep_ep_buffer_argument_case(cfg: dict) -> list:
+    """Buffer's arguments that DeepEP asserts on (or that it takes as ints and flags), refused at
+    the call naming the argument, its value and the allowed range; a dispatch's config too."""
+    R, rank = dist.get_world_size(), dist.get_rank()
+    tag = f"[deep_ep Buffer arguments R={R} rank={rank}]"
+    try:
+        deep_ep, buf, x, idx, w, layout, R, rank = _hostile_setup(cfg)
+        g = dist.group.WORLD
+
+        def make(**kwargs):
+            return lambda: deep_ep.Buffer(kwargs.pop("group", g), **kwargs)
+
+        return refusals([
+            ("num_nvl_bytes 100", make(num_nvl_bytes=100), ValueError, "num_nvl_bytes=100 must be a multiple of 128"),
+            ("num_nvl_bytes -128", make(num_nvl_bytes=-128), ValueError, "num_nvl_bytes=-128 is outside its range: it must be >= 0"),
+            ("num_nvl_bytes 1.5e6", make(num_nvl_bytes=1.5e6), TypeError, "num_nvl_bytes must be an int, got float"),
+            ("num_rdma_bytes 129", make(num_rdma_bytes=129, low_latency_mode=True), ValueError,
+             "num_rdma_bytes=129 must be a multiple of 128"),
+            ("num_rdma_bytes without low_latency_mode", make(num_rdma_bytes=128), ValueError,
+             f"num_rdma_bytes=128 must be 0 on a group of {R} ranks without low_latency_mode"),
+            ("low_latency_mode 'False'", make(low_latency_mode="False"), TypeError, "low_latency_mode must be a bool, got str"),
+            ("explicitly_destroy 1", make(explicitly_destroy=1), TypeError, "explicitly_destroy must be a bool, got int"),
+            ("num_qps_per_rank 0", make(low_latency_mode=True, num_qps_per_rank=0), ValueError,
+             "num_qps_per_rank=0 is outside its range: it must be in 1..2147483647"),
+            ("group", make(group="world"), TypeError, "group must be a torch.distributed process group"),
+            ("dispatch config", lambda: buf.dispatch(x, config=(20, 6, 256), **layout), TypeError,
+             "config must be a megatron_ep.deep_ep.Config or None, got tuple"),
+        ], f"{tag} ")
+    except Exception:
+        return [f"{tag} raised:\n{traceback.format_exc()}"]

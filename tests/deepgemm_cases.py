@@ -28,7 +28,8 @@ class FakeDeepGemm:
     d[i] = a[i] @ b[m[i]]^T (nt) or a[i] @ b[m[i]] (nn) for m[i] >= 0, FP8 operands multiplied
     back out per block; rows with m[i] = -1 are left untouched; every 128-row block must belong to
     one expert (or be all -1); K a multiple of 64 (bf16) or 128 (FP8). Records "nt" / "nn" /
-    "fp8 nt" calls; an SM count to set and read."""
+    "fp8 nt" calls; an SM count to set and read. Like the kernels, its writes into d carry no
+    autograd history, whatever requires grad."""
 
     ALIGN = 128
 
@@ -55,14 +56,16 @@ class FakeDeepGemm:
     def m_grouped_bf16_gemm_nt_contiguous(self, a, b, d, m_indices):
         self._check(a, m_indices)
         self.calls.append("nt")
-        for i in (m_indices >= 0).nonzero().flatten().tolist():
-            d[i] = a[i] @ b[int(m_indices[i])].t()
+        with torch.no_grad():
+            for i in (m_indices >= 0).nonzero().flatten().tolist():
+                d[i] = a[i] @ b[int(m_indices[i])].t()
 
     def m_grouped_bf16_gemm_nn_contiguous(self, a, b, d, m_indices):
         self._check(a, m_indices)
         self.calls.append("nn")
-        for i in (m_indices >= 0).nonzero().flatten().tolist():
-            d[i] = a[i] @ b[int(m_indices[i])]
+        with torch.no_grad():
+            for i in (m_indices >= 0).nonzero().flatten().tolist():
+                d[i] = a[i] @ b[int(m_indices[i])]
 
     def m_grouped_fp8_gemm_nt_contiguous(self, a, b, d, m_indices):
         (q, s), (wq, ws) = a, b
@@ -71,8 +74,9 @@ class FakeDeepGemm:
         self.calls.append("fp8 nt")
         x = per_token_cast_back(q, s, torch.float32)
         w = (wq.float() * ws.repeat_interleave(128, 1).repeat_interleave(128, 2)[:, :wq.shape[1], :wq.shape[2]])
-        for i in (m_indices >= 0).nonzero().flatten().tolist():
-            d[i] = (x[i] @ w[int(m_indices[i])].t()).to(d.dtype)
+        with torch.no_grad():
+            for i in (m_indices >= 0).nonzero().flatten().tolist():
+                d[i] = (x[i] @ w[int(m_indices[i])].t()).to(d.dtype)
 
 
 @contextlib.contextmanager

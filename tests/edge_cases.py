@@ -1,11 +1,13 @@
 """Edges where a call used to give a wrong answer without an error, run on every rank of a
 DistPool on either backend: a cached dispatch handing back the first dispatch's tensors, second
 derivatives of dispatch and combine (cases.run_gradcheck(order=2) on CPU; against it on GPU), the weights' gradient of an FP8 dispatch, a previous_event
-of the wrong kind, two threads calling one Buffer at once. Each body returns error strings."""
+of the wrong kind, two threads calling one Buffer at once, a derivative through the plain
+calls' outputs. Each body returns error strings."""
 
 from __future__ import annotations
 
 import threading
+import types
 
 import torch
 import torch.distributed as dist
@@ -238,10 +240,57 @@ def run_two_threads_one_buffer(backend: str = "torch", device: str = "cpu") -> l
     return errors
 
 
+# ----------------------------------------------------- the plain calls carry no gradient
+@guarded
+def run_plain_calls_refuse_gradients(backend: str = "torch", device: str = "cpu") -> list:
+    """Buffer's own calls are not differentiable: called with grad on and inputs that require
+    it (directly, or in an autograd function's backward under create_graph=True), a derivative
+    through their outputs raises naming the call, taken by autograd.grad(..., inputs) or by
+    .backward(), instead of leaving their part out: dispatch / combine (autograd's give the exact
+    derivative) and, on the torch backend, the low-latency pair (nothing to compare with)."""
+    from refusals import derivative, exact_or_refused
+
+    R, rank = dist.get_world_size(), dist.get_rank()
+    E, K, H, T = 2 * R, 2, 128, 4 + rank
+    g = torch.Generator().manual_seed(4200 + rank)
+    x = torch.randn((T, H), generator=g).to(device)
+    w = (torch.rand((T, K), generator=g) + 0.5).to(device)
+    idx = _routing(g, T, E, K, R, "random", 0.0).to(device)
+    grad = torch.randn((T, H), generator=g).to(device)
+    buf = get_buffer(backend)
+
+    def normal(call):
+        def layer(x, w):
+            out = call.dispatch(buf, x, idx, w, num_experts=E)
+            return call.combine(buf, torch.tanh(out.x) * out.topk_weights.sum(1, keepdim=True), out.handle).x
+        return layer
+
+    plain = types.SimpleNamespace(dispatch=lambda b, *a, **k: b.dispatch(*a, **k),
+                                  combine=lambda b, *a, **k: b.combine(*a, **k))
+
+    def low_latency(x, w):
+        out = buf.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=8, use_fp8=False)
+        return buf.low_latency_combine(torch.tanh(out.x).contiguous(), idx, w, out.handle)
+
+    says = ("is not differentiable", "megatron_ep.dispatch")
+    errors = []
+    for wanted in ([True, False], [False, True], [True, True]):
+        for how in ("grad", "backward"):
+            tag = _tag(f"plain calls {wanted} {how}")
+            want = derivative(normal(mep), [x, w], wanted, grad, how, order=1)
+            errors += exact_or_refused(tag, derivative(normal(plain), [x, w], wanted, grad, how, order=1), want, says,
+                                       tol=1e-5)
+            if backend == "torch":
+                errors += exact_or_refused(f"{tag} low-latency", derivative(low_latency, [x, w], wanted, grad, how,
+                                                                            order=1), None, says)
+            dist.barrier()
+    return errors
+
+
 def run_all(backend: str = "torch", device: str = "cpu") -> list:
     errors = []
     for fn in (run_cached_outputs_are_the_callers, run_fp8_weights_gradient, run_previous_event_of_the_wrong_kind,
-               run_two_threads_one_buffer):
+               run_two_threads_one_buffer, run_plain_calls_refuse_gradients):
         errors += fn(backend, device)
         dist.barrier()
     return errors

@@ -415,6 +415,53 @@ def run_ll_mismatch_case(_cfg=None) -> list:
     return errors + chk.errors
 
 
+def run_ll_combine_out_case(backend: str = "torch", device: str = "cpu") -> list:
+    """low_latency_combine(out=...) on our Buffer and through megatron_ep.deep_ep, either backend:
+    an `out` of the wrong shape (the low-latency area's [max_tokens, H], or [T + 1, H]), dtype or
+    kind is refused naming `out` on every rank before anything moves; a right one is written and
+    returned, equal to the combine without it."""
+    import os
+
+    from megatron_ep import Buffer, deep_ep
+
+    R, rank = dist.get_world_size(), dist.get_rank()
+    E, T, H, mt = 2 * R, 3, 128, 8
+    g = torch.Generator().manual_seed(40 + rank)
+    x = torch.randn((T, H), generator=g).to(device=device, dtype=torch.bfloat16)
+    idx = torch.randint(0, E, (T, 1), generator=g)
+    idx = torch.cat([idx, (idx + 1) % E], dim=1).to(device)
+    w = torch.rand((T, 2), generator=g).to(device)
+    os.environ["MEGATRON_EP_DEEP_EP_BACKEND"] = backend
+    ours = Buffer(backend=backend)
+    theirs = deep_ep.Buffer(dist.group.WORLD, num_rdma_bytes=deep_ep.Buffer.get_low_latency_rdma_size_hint(mt, H, R, E),
+                            low_latency_mode=True, explicitly_destroy=True)
+    a = ours.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=mt, use_fp8=False)
+    recv, _, handle, _, _ = theirs.low_latency_dispatch(x, idx, mt, E, use_fp8=False)
+    calls = {"Buffer": lambda o: ours.low_latency_combine(a.x, idx, w, a.handle, out=o),
+             "deep_ep.Buffer": lambda o: theirs.low_latency_combine(recv, idx, w, handle, out=o)[0]}
+    errors = []
+    for name, call in calls.items():
+        errors += refusals([
+            ("out [max_tokens, H]", lambda: call(torch.empty((mt, H), dtype=x.dtype, device=device)), ValueError,
+             "out must have shape"),
+            ("out [T + 1, H]", lambda: call(torch.empty((T + 1, H), dtype=x.dtype, device=device)), ValueError,
+             "out must have shape"),
+            ("out fp32", lambda: call(torch.empty((T, H), dtype=torch.float32, device=device)), TypeError,
+             "out must have x's dtype"),
+            ("out a list", lambda: call([0.0] * T), TypeError, "out must be a tensor"),
+        ], tag=f"[{backend} rank={rank} {name}] ")
+        want = call(None)
+        out = torch.full((T, H), float("nan"), dtype=x.dtype, device=device)
+        got = call(out)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if got.data_ptr() != out.data_ptr() or not torch.equal(out, want):
+            errors.append(f"[{backend} rank={rank} {name}] combine(out=) did not write the combine into out")
+    theirs.destroy()
+    ours.destroy()
+    return errors
+
+
 def run_ll_bad_inputs(_cfg=None) -> list:
     """cuda-only refusals, raised on every rank before anything is sent."""
     R = dist.get_world_size()
@@ -499,6 +546,34 @@ def block_cast_back(w: torch.Tensor) -> torch.Tensor:
     q, s = per_block_cast_to_fp8(w)
     N, K = w.shape[-2:]
     return q.float() * s.repeat_interleave(128, -2).repeat_interleave(128, -1)[..., :N, :K]
+
+
+def run_decode_layer_refuses_gradients(cfg: dict) -> list:
+    """DecodeMoELayer runs without autograd: with grad on and x or the routing weights requiring
+    grad, a derivative through its output raises naming it, by autograd.grad(..., inputs) and by
+    .backward(), instead of coming out without the layer's part (torch backend)."""
+    from cases import get_buffer
+    from megatron_ep.experts.decode_layer import DecodeMoELayer
+    from refusals import derivative, exact_or_refused
+
+    R, rank = dist.get_world_size(), dist.get_rank()
+    E, K, H, F, T, mt = cfg["E"], cfg["K"], cfg["H"], cfg["F"], cfg["T"], cfg["max_tokens"]
+    L = E // R
+    g = torch.Generator().manual_seed(cfg["seed"])
+    w1 = (torch.randn((E, 2 * F, H), generator=g) / H ** 0.5).to(torch.bfloat16)
+    w2 = (torch.randn((E, H, F), generator=g) / F ** 0.5).to(torch.bfloat16)
+    layer = DecodeMoELayer(get_buffer("torch"), E, w1[rank * L:(rank + 1) * L], w2[rank * L:(rank + 1) * L],
+                           max_tokens_per_rank=mt)
+    me = make_inputs(cfg["seed"] + 1, R, E, K, H, [T] * R, "bf16", "random", 0.2)[rank]
+    grad = torch.randn((T, H), generator=g).to(torch.bfloat16)
+    errors = []
+    for wanted in ([True, False], [False, True], [True, True]):
+        for how in ("grad", "backward"):
+            got = derivative(lambda x, w: layer(x, me["idx"], w), [me["x"], me["w"]], wanted, grad, how, order=1)
+            errors += exact_or_refused(f"[decode layer gradient R={R} rank={rank} {wanted} {how}]", got, None,
+                                       ("decode_moe", "not differentiable"))
+            dist.barrier()
+    return errors
 
 
 def run_ll_decode_layer_case(cfg: dict, backend: str = "cuda", device: str = "cuda") -> list:

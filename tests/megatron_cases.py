@@ -429,7 +429,7 @@ def run_moe_layer_case(case):
     S, B, H = case["S"], 2, case["H"]
     x0 = torch.randn((S, B, H), generator=g)
     upstream = torch.randn((S, B, H), generator=g)
-    cfg_extra = dict(params_dtype=dtype, bf16=dtype == torch.bfloat16)
+    cfg_extra = dict(params_dtype=dtype, bf16=dtype == torch.bfloat16, **case.get("config", {}))
 
     def build(dispatcher, backend, experts_cls, which):
         ctx, dev = side(case, which)
@@ -657,4 +657,52 @@ def run_layer_options_case(case):
     finally:
         MoELayer.__init__ = original
         layer_options._STATE.clear()
+    return errors
+
+
+@guarded
+def run_fused_a2a_second_derivative(case):
+    """Megatron's fused_a2a (FusedDispatch / FusedCombine, whose backwards call the other
+    megatron_ep.deep_ep call) around a nonlinear per-row map: a second derivative, by
+    autograd.grad(..., inputs) and by .backward(), for x, probs and both, equals the one through
+    megatron_ep's own differentiable dispatch / combine (rank-major, the same rows) or raises
+    saying the Buffer call is not differentiable."""
+    from refusals import derivative, exact_or_refused
+
+    deep_ep_shim_first()
+    from megatron.core.transformer.moe import fused_a2a
+
+    import megatron_ep as mep
+    from cases import get_buffer
+
+    if fused_a2a.fused_dispatch is None or getattr(fused_a2a, "Buffer", None).__module__.split(".")[0] != "megatron_ep":
+        return [f"Megatron's fused_a2a does not run on megatron_ep.deep_ep (Buffer {getattr(fused_a2a, 'Buffer', None)!r})"]
+    R, r = dist.get_world_size(), dist.get_rank()
+    E, K, H, T = case["E"], case["K"], case["H"], case["Ts"][r]
+    g = torch.Generator().manual_seed(case["seed"] + r)
+    x = torch.randn((T, H), generator=g)
+    idx = torch.rand((T, E), generator=g).topk(K, dim=1).indices
+    probs = torch.rand((T, K), generator=g)
+    grad = torch.randn((T, H), generator=g)
+    group, buf = dist.group.WORLD, get_buffer("torch")
+
+    def rows_map(rows, w):  # nonlinear in the rows and their weights: a second derivative has cross terms
+        return torch.tanh(rows) * (1 + w.sum(1, keepdim=True)) ** 2
+
+    def megatrons(x, probs):
+        rows, _, w, _, handle = fused_a2a.fused_dispatch(x, idx, probs, E, group)
+        return fused_a2a.fused_combine(rows_map(rows, w), group, handle)[0]
+
+    def ours(x, probs):
+        out = mep.dispatch(buf, x, idx, probs, num_experts=E, permute=False)
+        return mep.combine(buf, rows_map(out.x, out.topk_weights), out.handle).x
+
+    errors = []
+    for wanted in ([True, False], [False, True], [True, True]):
+        for how in ("grad", "backward"):
+            tag = f"[fused_a2a second derivative R={R} rank={r} {wanted} {how}]"
+            want = derivative(ours, [x, probs], wanted, grad, how)
+            got = derivative(megatrons, [x, probs], wanted, grad, how)
+            errors += exact_or_refused(tag, got, want, ("is not differentiable", "megatron_ep.dispatch"), tol=1e-5)
+            dist.barrier()
     return errors

@@ -4,13 +4,20 @@ running them side by side, and reading each iteration's lm loss and grad norm fr
 
 Every run is a small GPT-MoE (2 layers, hidden 256, 8 experts top-2, sequence 128, bf16, mock
 data, dropout 0, constant learning rate, seed 1234) for 20 iterations, except the two runs of the
-DeepSeek-V3 EP64 recipe's `--preset tiny` (its own flags, 4 ranks); runs that are compared
-differ only in what is compared (dispatcher, experts, a checkpoint in the middle).
+DeepSeek-V3 EP64 recipe's `--preset tiny` (its own flags, 4 ranks) and the `ds3` runs: the same
+model with DeepSeek-V3's routing and layer features (16 experts top-4, sigmoid scores with expert
+bias, 4 groups of which 2 per token, top-k scaling 2.5, fp32 router, seq_aux_loss, a shared
+expert, rope) at EP 4 and 2 virtual nodes x 2, our kernels on the Buffer's default SM budget
+(MEP_DEVICE_SHARERS = the most processes the GPU holds at once, as docs/design.md §5 says); runs
+that are compared differ only in what is compared (dispatcher, experts, a checkpoint in the
+middle). MEP_E2E_RUNS (comma-separated fnmatch patterns of run names) selects runs, with the runs
+they are compared with.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import json
 import os
 import re
@@ -46,6 +53,29 @@ BASE_ARGS = [
 ]
 
 
+# DeepSeek-V3's routing and MoE-layer features on BASE_ARGS's model (values replaced, flags added)
+DS3_ARGS = {
+    "--num-experts": "16", "--moe-router-topk": "4", "--moe-router-load-balancing-type": "seq_aux_loss",
+    "--moe-aux-loss-coeff": "1e-3", "--moe-router-score-function": "sigmoid", "--moe-router-enable-expert-bias": None,
+    "--moe-router-num-groups": "4", "--moe-router-group-topk": "2", "--moe-router-topk-scaling-factor": "2.5",
+    "--moe-router-dtype": "fp32", "--moe-shared-expert-intermediate-size": "256", "--position-embedding-type": "rope",
+    "--no-rope-fusion": None,
+}
+
+
+def with_args(argv: List[str], flags: Dict[str, Optional[str]]) -> List[str]:
+    """`argv` with each flag of `flags` set: a value replaced where the flag is there, else the flag
+    (and its value; None: a switch) appended."""
+    out = list(argv)
+    for flag, value in flags.items():
+        if flag in out:
+            if value is not None:
+                out[out.index(flag) + 1] = value
+        else:
+            out += [flag] + ([] if value is None else [value])
+    return out
+
+
 @dataclasses.dataclass
 class Run:
     name: str
@@ -58,17 +88,21 @@ class Run:
     iters: int = ITERS
     after: Optional[str] = None  # a run that must end first (a resume after its save)
     preset: Optional[str] = None  # the DeepSeek-V3 recipe's preset: its flags replace BASE_ARGS
+    ds3: bool = False  # DeepSeek-V3's routing (DS3_ARGS), our kernels on the Buffer's default SM budget
+    ref: Optional[str] = None  # the run it is compared with, where reference() cannot tell from the name
 
     def args(self, ckpt_root: str) -> List[str]:
         if self.preset:
             return recipe_args(self.preset, self.dispatcher)[1]
-        out = BASE_ARGS + ["--global-batch-size", str(2 * self.ranks), "--expert-model-parallel-size",
-                           str(self.ranks), "--train-iters", str(self.iters)]
+        out = with_args(BASE_ARGS, DS3_ARGS) if self.ds3 else list(BASE_ARGS)
+        out += ["--global-batch-size", str(2 * self.ranks), "--expert-model-parallel-size", str(self.ranks),
+                "--train-iters", str(self.iters)]
         if self.dispatcher == "alltoall":
             out += ["--moe-token-dispatcher-type", "alltoall"]
-        else:  # SMs: the runs side by side share one GPU, and our kernels' blocks must all be resident
-            out += ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", self.dispatcher,
-                    "--moe-flex-dispatcher-num-sms", str(SMS_PER_RANK)]
+        else:
+            out += ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", self.dispatcher]
+            if not self.ds3:  # the runs side by side share one GPU, and our kernels' blocks must all be resident
+                out += ["--moe-flex-dispatcher-num-sms", str(SMS_PER_RANK)]
         return out + [a.replace("{ckpt}", ckpt_root) for a in self.extra]
 
 
@@ -115,7 +149,45 @@ def runs() -> List[Run]:
             options=grouped + ("--ep-chunks", "2", "--ep-budget", "2.0")),
         Run("main-ep2-hybridep-grouped-resume", "main", 2, "hybridep", options=grouped,
             extra=("--load", "{ckpt}/grouped", "--ckpt-format", "torch_dist"), after="main-ep2-hybridep-grouped-save"),
-    ] + trio("main", 4) + trio("main", 4, 2) + trio("r0.19", 2)
+    ] + trio("main", 4) + trio("main", 4, 2) + trio("r0.19", 2) + ds3_runs()
+
+
+DS3_REF = "main-ds3-ep4-alltoall"  # alltoall has no nodes: one reference for both shapes
+DS3_VARIANTS = (("deepep", ()), ("hybridep", ()), ("hybridep-grouped", ("--ep-experts", "grouped")),
+                ("hybridep-chunked", ("--ep-experts", "grouped", "--ep-chunks", "2")),
+                ("hybridep-chunked-budget", ("--ep-experts", "grouped", "--ep-chunks", "2", "--ep-budget", "2.0")))
+CAPACITY = ("--moe-expert-capacity-factor", "1.0")  # Megatron's token dropping (the router drops; no padding)
+
+
+def ds3_runs() -> List[Run]:
+    """DeepSeek-V3's routing at EP 4 and on 2 virtual nodes x 2: each dispatcher, our experts, chunks
+    and the static budget, and Megatron's capacity factor on deepep and hybridep, against alltoall."""
+    out = [Run(DS3_REF, "main", 4, "alltoall", ds3=True),
+           Run("main-ds3-ep4-alltoall-capacity", "main", 4, "alltoall", ds3=True, extra=CAPACITY)]
+    for P in (None, 2):
+        shape = "ep4" + ("-2x2" if P else "")
+        for variant, options in DS3_VARIANTS:
+            ref = {"hybridep-chunked": "grouped", "hybridep-chunked-budget": "grouped"}.get(variant)
+            out.append(Run(f"main-ds3-{shape}-{variant}", "main", 4, variant.split("-")[0], P, options=options, ds3=True,
+                           ref=f"main-ds3-{shape}-hybridep-grouped" if ref else DS3_REF))
+    for d in ("deepep", "hybridep"):
+        out.append(Run(f"main-ds3-ep4-{d}-capacity", "main", 4, d, ds3=True, extra=CAPACITY,
+                       ref="main-ds3-ep4-alltoall-capacity"))
+    return out
+
+
+def select(all_runs: List[Run], patterns: Optional[str]) -> List[Run]:
+    """The runs whose names match one of the comma-separated fnmatch `patterns` (None or empty: all),
+    with the runs they are compared with or must follow."""
+    if not patterns:
+        return list(all_runs)
+    pats = [p.strip() for p in patterns.split(",") if p.strip()]
+    names = {r.name for r in all_runs if any(fnmatch.fnmatch(r.name, p) for p in pats)}
+    while True:
+        more = {n for r in all_runs if r.name in names for n in (reference(r.name), r.after) if n} - names
+        if not more:
+            return [r for r in all_runs if r.name in names]
+        names |= more
 
 
 _LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?lm loss: ([0-9.Ee+-]+).*?grad norm: ([0-9.Ee+-]+)")
@@ -126,7 +198,8 @@ def parse(log: str) -> Dict[int, Tuple[float, float]]:
     return {int(m.group(1)): (float(m.group(2)), float(m.group(3))) for m in _LINE.finditer(log)}
 
 
-def command(run: Run, lm_dir: str, ckpt_root: str) -> Tuple[List[str], dict]:
+def command(run: Run, lm_dir: str, ckpt_root: str, sharers: int = MAX_RANKS) -> Tuple[List[str], dict]:
+    """`sharers`: the most processes on the GPU at once (the SM budget of runs on the default one)."""
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(run.ranks),
             os.path.join(HERE, "megatron_lm_virtual.py"), *run.options, os.path.join(lm_dir, "pretrain_gpt.py"),
             *run.args(ckpt_root)]
@@ -135,6 +208,8 @@ def command(run: Run, lm_dir: str, ckpt_root: str) -> Tuple[List[str], dict]:
                NCCL_NVLS_ENABLE="0", NVSHMEM_DISABLE_NVLS="1", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
     if run.ranks_per_node:
         env["MEGATRON_EP_RANKS_PER_NODE"] = str(run.ranks_per_node)
+    if run.ds3 and run.dispatcher != "alltoall":  # other runs' processes share the GPU too
+        env["MEP_DEVICE_SHARERS"] = str(sharers)
     return argv, env
 
 
@@ -163,7 +238,7 @@ def run_all(selected: List[Run], lm_dirs: Dict[str, str], max_ranks: int, timeou
                 if run.version not in lm_dirs:
                     results[run.name] = dict(rc=None, skipped=f"no Megatron-LM {run.version} tree", log="", iters={})
                     continue
-                argv, env = command(run, lm_dirs[run.version], ckpt_root)
+                argv, env = command(run, lm_dirs[run.version], ckpt_root, max_ranks)
                 log = tempfile.TemporaryFile(mode="w+")
                 live[run.name] = (subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                                                    start_new_session=True), log, time.monotonic())
@@ -198,6 +273,11 @@ def summary(results: Dict[str, dict]) -> str:
 
 def reference(name: str) -> Optional[str]:
     """The run `name` is compared with in tests/test_megatron_lm.py (None: none)."""
+    run = next((r for r in runs() if r.name == name), None)
+    if run is not None and run.dispatcher == "alltoall":
+        return None
+    if run is not None and run.ref:
+        return run.ref
     if name.endswith("-alltoall") or name.endswith("-save"):
         return None
     if name.endswith("-resume"):

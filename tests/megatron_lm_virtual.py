@@ -6,7 +6,11 @@ share one GPU (virtual ranks, under MPS), which Megatron-LM's own scripts do not
   here, before Megatron, which then keeps it; a group asked for with NCCL gets gloo);
 * gloo has no coalesced collectives for CUDA tensors, nor reduce-scatter: Megatron's DDP
   gradient buckets are reduced one by one inside its `_coalescing_manager`, and reduce-scatter /
-  all-gather into one tensor go through all-reduce / all-gather of a list.
+  all-gather into one tensor go through all-reduce / all-gather of a list;
+* CUDA modules are loaded eagerly (CUDA_MODULE_LOADING=EAGER, set before CUDA starts, whatever the
+  environment says): under MPS the ranks share one context, and a kernel loaded lazily at its first
+  launch would wait behind a peer's dispatch or combine kernel that waits for this rank
+  (megatron_ep/cuda/sharing.py). One rank per GPU never meets that.
 
     torchrun --nproc-per-node 2 tests/megatron_lm_virtual.py [--ep-* OPTIONS] pretrain_gpt.py ...
 
@@ -91,6 +95,9 @@ class _Done:
 
 
 def main() -> int:
+    from megatron_ep.cuda import sharing
+
+    sharing.prepare_shared_gpu()  # before the first CUDA call below
     os.environ["LOCAL_RANK"] = "0"
     torch.cuda.set_device(0)
     _patch_collectives()

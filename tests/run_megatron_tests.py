@@ -25,7 +25,7 @@ loaded as a plugin, which changes only what a CPU run needs, before collection:
 Megatron-LM's conftest imports its data downloader (click, requests): where those are missing,
 a stand-in downloader whose download raises takes its place (no test here reads that data).
 `--gpu` runs the ranks as virtual ranks of the visible GPU (every rank on cuda:0, under MPS, gloo
-groups as tests/megatron_lm_virtual.py makes them) with our CUDA kernels. Nothing of Megatron-LM is copied or changed. Exit
+groups as tests/megatron_lm_virtual.py makes them, CUDA modules loaded eagerly) with our CUDA kernels. Nothing of Megatron-LM is copied or changed. Exit
 status: 0 when every rank passed; each rank's pytest summary line is printed.
 """
 
@@ -183,6 +183,8 @@ def main(argv=None) -> int:
                                                         else None, checkout, ROOT, HERE, os.environ.get("PYTHONPATH")])))
     if args.gpu:  # Megatron's EP groups split the ranks; our buffers split the GPU's SMs over all of them
         env["MEP_DEVICE_SHARERS"] = str(args.nproc)
+        # eager module loading: the ranks share one GPU under MPS (megatron_ep/cuda/sharing.py)
+        env["CUDA_MODULE_LOADING"] = "EAGER"
     else:
         env["CUDA_VISIBLE_DEVICES"] = ""
     cmd = [sys.executable, "-m", "pytest", "-p", "run_megatron_tests", "-q", "-p", "no:cacheprovider",

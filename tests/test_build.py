@@ -7,7 +7,7 @@ import os
 import pytest
 
 import megatron_ep
-from megatron_ep import protocol
+from megatron_ep import envs, protocol
 from megatron_ep.cuda import extension as _ext
 
 PKG = os.path.dirname(megatron_ep.__file__)
@@ -15,7 +15,7 @@ PKG = os.path.dirname(megatron_ep.__file__)
 
 def test_extension_built_and_importable():
     built = glob.glob(os.path.join(PKG, "_C*.so"))
-    if os.environ.get("MEP_REQUIRE_EXTENSION") != "1" and not built:
+    if not envs.flag("MEP_REQUIRE_EXTENSION") and not built:
         pytest.skip("extension not built here (set MEP_REQUIRE_EXTENSION=1 to require it)")
     assert built, f"megatron_ep._C was not built under {PKG}"
     if _ext.available():

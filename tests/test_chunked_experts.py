@@ -140,3 +140,17 @@ def test_chunked_edges(pools, R):
     cfg = dict(seed=350 + R, E=2 * R, K=2, H=16, F=8, Ts=[5, 0, 7][:R], chunks=3, p_drop=0.2)
     errors = [e for rank in pools(R).run(cc.run_chunked_edges_case, cfg) for e in rank]
     assert not errors, "\n".join(errors[:20])
+
+
+def test_second_derivative_is_exact_or_refused_both_ways(pools):
+    """autograd.grad(..., inputs) visits only the nodes between its outputs and its inputs: the
+    refusal must lie on that path, not only on what .backward() visits."""
+    cfg = dict(seed=360, E=4, K=2, H=8, F=4, Ts=[5, 3], chunks=2)
+    errors = [e for rank in pools(2).run(cc.run_second_derivative_case, cfg) for e in rank]
+    assert not errors, "\n".join(errors[:20])
+
+
+def test_gradgradcheck_is_exact_or_refused(pools):
+    cfg = dict(seed=361, E=2, K=2, H=4, F=3, Ts=[3], chunks=2)
+    errors = [e for rank in pools(1).run(cc.run_gradgradcheck_case, cfg) for e in rank]
+    assert not errors, "\n".join(errors)

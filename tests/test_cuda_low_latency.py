@@ -93,6 +93,7 @@ def test_logfmt_must_match_on_every_rank(R):
 @pytest.mark.parametrize("R", [2])
 def test_bad_inputs(R):
     errors = flat(pool_(R).run(ll_cases.run_ll_bad_inputs, timeout=300))
+    errors += flat(pool_(R).run(ll_cases.run_ll_combine_out_case, backend="cuda", device="cuda", timeout=300))
     assert not errors, "\n".join(errors[:20])
 
 

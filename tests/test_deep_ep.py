@@ -7,6 +7,7 @@ import torch
 
 import deep_ep_cases as dc
 from megatron_ep import deep_ep
+from refusals import refusals
 
 
 def test_config_and_size_hints_follow_deepep():
@@ -106,3 +107,86 @@ def test_entry_point_help_and_its_required_option():
     bare = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     lines = bare.stderr.strip().splitlines()
     assert bare.returncode == 2 and len(lines) == 1 and "required: --path" in lines[0], bare.stderr
+
+
+# ------------------------------------------------------------------------ hostile use of the module
+HOSTILE = dict(seed=31, E=4, K=2, H=16, Ts=[3, 4])
+
+
+def _clean(per_rank) -> None:
+    errors = [e for rank in per_rank for e in rank]
+    assert not errors, "\n".join(errors[:20])
+
+
+def test_num_worst_tokens_below_what_a_rank_receives_raises_on_every_rank(pools):
+    """Every token goes to rank 0 (7 rows there); num_worst_tokens=5 is refused on both ranks,
+    naming the rank and its count, instead of returning 5 rows of which 7 should have come."""
+    _clean(pools(2).run(dc.run_deep_ep_worst_overflow_case, dict(HOSTILE, pattern="hot"), timeout=120))
+
+
+def test_destroy_on_one_rank_fails_the_peers_calls_at_once(pools):
+    _clean(pools(2).run(dc.run_deep_ep_destroyed_on_one_rank_case, HOSTILE, timeout=120))
+
+
+def test_every_method_after_destroy_says_the_buffer_was_destroyed(pools):
+    _clean(pools(2).run(dc.run_deep_ep_use_after_destroy_case, HOSTILE, timeout=120))
+
+
+def test_handles_copy_and_deepcopy(pools):
+    _clean(pools(2).run(dc.run_deep_ep_handle_copy_case, HOSTILE, timeout=120))
+
+
+def test_zero_copy_buffer_of_another_handle_names_both_shapes(pools):
+    _clean(pools(2).run(dc.run_deep_ep_zero_copy_other_handle_case, HOSTILE, timeout=120))
+
+
+def test_buffer_arguments_are_refused_by_name(pools):
+    _clean(pools(2).run(dc.run_deep_ep_buffer_argument_case, HOSTILE, timeout=120))
+
+
+def test_config_and_static_arguments_are_refused_by_name():
+    """Config's values, set_num_sms, the size hints and the config tables: ValueError (also an
+    AssertionError, as DeepEP asserts) or TypeError naming the argument, its value and range, at
+    the call; a refused set_num_sms leaves the count as it was."""
+    B, before = deep_ep.Buffer, deep_ep.Buffer.num_sms
+    cfg = deep_ep.Config(20, 6, 256)
+    try:
+        errors = _static_refusals(B, cfg)
+    finally:
+        changed, B.num_sms = B.num_sms, before
+    if changed != before:
+        errors.append(f"a refused set_num_sms changed Buffer.num_sms from {before} to {changed}")
+    assert not errors, "\n".join(errors)
+
+
+def _static_refusals(B, cfg) -> list:
+    return refusals([
+        ("Config num_sms -1", lambda: deep_ep.Config(-1), ValueError, "num_sms=-1 is outside its range: it must be in 0.."),
+        ("Config num_sms str", lambda: deep_ep.Config("20"), TypeError, "num_sms must be an int, got str"),
+        ("Config nvl send 0", lambda: deep_ep.Config(20, 0), ValueError,
+         "num_max_nvl_chunked_send_tokens=0 is outside its range: it must be in 1.."),
+        ("Config nvl recv", lambda: deep_ep.Config(20, 6, 6), ValueError,
+         "num_max_nvl_chunked_recv_tokens=6 is outside its range: it must be in 7..2147483647 (above "
+         "num_max_nvl_chunked_send_tokens=6)"),
+        ("Config rdma send 0", lambda: deep_ep.Config(20, 6, 256, 0), ValueError,
+         "num_max_rdma_chunked_send_tokens=0 is outside its range"),
+        ("Config rdma recv -1", lambda: deep_ep.Config(20, 6, 256, 6, -1), ValueError,
+         "num_max_rdma_chunked_recv_tokens=-1 is outside its range"),
+        ("Config rdma two chunks", lambda: deep_ep.Config(20, 6, 256, 128, 128), ValueError,
+         "num_max_rdma_chunked_recv_tokens=128 (rounded up to 128, whole chunks of num_max_rdma_chunked_send_tokens=128) "
+         "must hold at least two send chunks"),
+        ("set_num_sms -2", lambda: B.set_num_sms(-2), ValueError, "new_num_sms=-2 is outside its range: it must be in 2.."),
+        ("set_num_sms 0", lambda: B.set_num_sms(0), ValueError, "new_num_sms=0 is outside its range"),
+        ("set_num_sms 7", lambda: B.set_num_sms(7), AssertionError, "new_num_sms=7: the SM count must be even"),
+        ("set_num_sms 24.0", lambda: B.set_num_sms(24.0), TypeError, "new_num_sms must be an int, got float"),
+        ("get_dispatch_config 3", lambda: B.get_dispatch_config(3), ValueError,
+         "Unsupported number of EP ranks: 3 (num_ranks must be one of [2, 4, 8, 16"),
+        ("get_combine_config '8'", lambda: B.get_combine_config("8"), TypeError, "num_ranks must be an int, got str"),
+        ("nvl hint num_ranks 12", lambda: cfg.get_nvl_buffer_size_hint(7168 * 2, 12), ValueError,
+         "num_ranks=12 is not a DeepEP group size"),
+        ("nvl hint hidden_bytes", lambda: cfg.get_nvl_buffer_size_hint(-2, 8), ValueError, "hidden_bytes=-2 is outside its range"),
+        ("rdma hint odd SMs", lambda: deep_ep.Config(21, 6, 256).get_rdma_buffer_size_hint(7168 * 2, 16), ValueError,
+         "num_ranks=16: past 8 ranks the Config's num_sms must be even"),
+        ("low-latency hint tokens 0", lambda: B.get_low_latency_rdma_size_hint(0, 7168, 8, 288), ValueError,
+         "num_max_dispatch_tokens_per_rank=0 is outside its range"),
+    ])

@@ -64,3 +64,12 @@ def test_serving_managers_call_sequences_on_our_kernels(R):
     errors = flat(pool_(R).run(cc.run_prefill_case, cfg, timeout=RUN_S))
     errors += flat(pool_(R, MEP_DEEP_EP_POOL="low_latency").run(cc.run_decode_case, cfg, timeout=RUN_S))
     assert not errors, "\n".join(errors[:20])
+
+
+@pytest.mark.parametrize("R", [2])
+def test_num_worst_tokens_below_r_times_t_on_our_kernels(R):
+    """num_worst_tokens = what the busiest rank receives, below R x T: the worst-case sized dispatch
+    fits the buffer megatron_ep.deep_ep reserved for it and delivers DeepEP's rows."""
+    cfg = dict(seed=31, E=4, K=2, H=16, Ts=[3, 4], pattern="hot", **ON_CUDA)
+    errors = flat(pool_(R).run(dc.run_deep_ep_worst_below_rt_case, cfg, timeout=RUN_S))
+    assert not errors, "\n".join(errors[:20])

@@ -46,3 +46,11 @@ def megatron_manager_cases(R):
 def test_megatrons_deepep_manager_on_our_deep_ep_matches_alltoall(fresh_pools, R):
     errors = [e for case in megatron_manager_cases(R) for e in flat(fresh_pools(R).run(mc.run_flex_vs_alltoall, case))]
     assert not errors, "\n".join(errors[:20])
+
+
+def test_second_derivative_through_fused_a2a_is_exact_or_refused(fresh_pools):
+    """Megatron's fused_a2a backwards call megatron_ep.deep_ep's combine / dispatch, which carry
+    no gradient: under create_graph a second derivative through them must raise, not drop them."""
+    case = dict(seed=930, E=4, K=2, H=8, Ts=[5, 3])
+    errors = flat(fresh_pools(2).run(mc.run_fused_a2a_second_derivative, case))
+    assert not errors, "\n".join(errors[:20])

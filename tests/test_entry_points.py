@@ -54,6 +54,17 @@ BAD_ARGUMENTS = [
     ("A/B: backends", [PY, "scripts/ab_throughput.py", "--backends", "nccl"], ["--backends: unknown ['nccl']"]),
     ("proxies: nproc", [PY, "-m", "recipes.proxies", "--preset", "cpu-toy", "--nproc", "3"],
      ["--experts 16", "world size 3"]),
+    # the dry run prints only what the run would start: the same checks
+    ("proxies: nproc, dry run", [PY, "-m", "recipes.proxies", "--preset", "cpu-toy", "--nproc", "3", "--dry-run"],
+     ["--experts 16", "world size 3"]),
+    ("proxies: one GPU", [PY, "-m", "recipes.proxies", "--preset", "gpu-1", "--dry-run"], ["needs 1 GPU, 0 visible"]),
+    # --fp8 on the decode recipe's own default hidden size: refused before any process starts
+    ("decode: FP8 hidden", [PY, "recipes/decode_moe.py", "--fp8"],
+     ["--fp8 needs --hidden a multiple of 128", "--hidden 64"]),
+    ("decode: sequence past the memory", [PY, "recipes/decode_moe.py", "--seq-len", "100000000"],
+     ["needs about", "attention activations", "--force"]),
+    ("overlap bench: tokens past the memory", [PY, "scripts/bench_overlap.py", "--cpu", "--tokens", "100000000"],
+     ["needs about", "activations", "--force"]),
     ("DeepSeek-V3 launcher: EP", ["bash", "recipes/deepseek_v3_ep64/launch.sh", "--dry-run", "--ep", "3"],
      ["--ep 3", "256 experts"]),
     ("Megatron launcher: script", [PY, "-m", "megatron_ep.megatron.launch", "no_such_pretrain_gpt.py"],
@@ -259,19 +270,29 @@ def test_readme_scripts_answer_help():
 
 def _parsers():
     from megatron_ep import demo, model
-    from recipes import proxies, train_moe
+    from recipes import decode_moe, proxies, train_moe
     from recipes.deepseek_v3_ep64 import launch as ds_launch
 
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     import ab_throughput
+    import bench_overlap
 
     return {"demo": demo.build_parser(), "model": model.build_parser(), "train_moe": train_moe.build_parser(),
             "ab_throughput": ab_throughput.build_parser(), "proxies": proxies.build_parser(),
-            "deepseek_v3_ep64": ds_launch.build_parser()}
+            "deepseek_v3_ep64": ds_launch.build_parser(), "decode_moe": decode_moe.build_parser(),
+            "bench_overlap": bench_overlap.build_parser()}
 
 
-@pytest.mark.parametrize("name", ["demo", "model", "train_moe", "ab_throughput", "proxies", "deepseek_v3_ep64"])
+# parsers whose every value-taking option states its default in --help, even one filled in later
+# (the overlap bench's sizes depend on --cpu)
+EVERY_DEFAULT_SHOWN = ("bench_overlap",)
+
+
+@pytest.mark.parametrize("name", ["demo", "model", "train_moe", "ab_throughput", "proxies", "deepseek_v3_ep64",
+                                  "decode_moe", "bench_overlap"])
 def test_every_option_has_a_description_and_its_default(name):
+    """Each option is described, shows its default (0 included: it equals False), and says it
+    once (a help text that states its default gets no second one)."""
     import argparse
 
     parser = _parsers()[name]
@@ -282,9 +303,24 @@ def test_every_option_has_a_description_and_its_default(name):
             continue
         flag = action.option_strings[-1]
         assert action.help and action.help.strip(), f"{name}: {flag} has no description"
-        if action.default not in (None, False, argparse.SUPPRESS) and action.nargs != 0:
-            shown = parser._get_formatter()._expand_help(action)  # the text --help prints for it
+        shown = parser._get_formatter()._expand_help(action)  # the text --help prints for it
+        assert len(re.findall(r"\(default\b", shown)) <= 1, f"{name}: {flag} says its default twice: {shown}"
+        has_default = not (action.default is None or action.default is False or action.default is argparse.SUPPRESS)
+        if action.nargs != 0 and (has_default or name in EVERY_DEFAULT_SHOWN):
             assert "default" in shown, f"{name}: {flag} does not show its default {action.default!r}: {shown}"
+
+
+def test_decode_help_lists_no_training_option():
+    """recipes/decode_moe.py runs one decode step: its --help has the model's options, not the
+    training loop's (steps, optimiser, timers, chunked experts, shared-expert overlap)."""
+    from recipes import decode_moe, train_moe
+
+    parser = decode_moe.build_parser()
+    flags = {f for a in parser._actions for f in a.option_strings}
+    assert {"--hidden", "--experts", "--dispatcher", "--fp8", "--tol", "--force"} <= flags, flags
+    assert not flags & {"--steps", "--lr", "--no-time-comm", "--chunked-experts", "--shared-expert-overlap"}, flags
+    args = parser.parse_args([])  # what the shared model code reads still has its value
+    assert all(hasattr(args, name) for name in train_moe.TRAINING_ONLY), args
 
 
 @pytest.mark.parametrize("name", ["demo", "train_moe", "ab_throughput"])
@@ -333,7 +369,10 @@ ENTRY_POINTS = [
     ("recipes/train_moe.py", ["recipes/train_moe.py"]),
     ("recipes/decode_moe.py", ["recipes/decode_moe.py"]),
     ("python -m recipes.proxies", ["-m", "recipes.proxies", "--preset", "cpu-toy"]),
+    # the dry run checks the command as the run does, which needs torch and megatron-core
+    ("python -m recipes.proxies", ["-m", "recipes.proxies", "--preset", "cpu-toy", "--dry-run"]),
     ("scripts/ab_throughput.py", ["scripts/ab_throughput.py"]),
+    ("scripts/bench_overlap.py", ["scripts/bench_overlap.py", "--cpu"]),
 ]
 
 
@@ -347,9 +386,9 @@ def test_without_torch_each_entry_point_says_so_in_one_line():
         assert code == 2 and len(lines) == 1, (prog, lines)
         assert lines[0].startswith(f"{prog}: error: torch") and "not importable by" in lines[0], lines
         assert "source .venv/bin/activate" in lines[0] and "scripts/setup_env.sh" in lines[0], lines
-    # --dry-run prints the command without running it: no torch needed
-    code, lines = _finish(_start([PY, "-S", "-m", "recipes.proxies", "--preset", "cpu-toy", "--dry-run"]))
-    assert code == 0 and "recipes/train_moe.py" in lines[0], lines
+    # --list only prints the presets: no torch needed
+    code, lines = _finish(_start([PY, "-S", "-m", "recipes.proxies", "--list"]))
+    assert code == 0 and "recipes/train_moe.py" in lines[1], lines
 
 
 def test_model_runs_without_torch():
@@ -443,3 +482,90 @@ def test_launcher_backend_variable_and_option(tmp_path):
     assert c1 == 0 and "SCRIPT SEES auto" in overridden, overridden
     assert said(overridden).endswith("MEGATRON_EP_BACKEND=auto; --ep-backend auto overrides MEGATRON_EP_BACKEND=torch "
                                      "(the command's option wins)"), overridden
+
+
+def test_launcher_prints_no_third_party_warning(tmp_path):
+    """python -m megatron_ep.megatron.launch hides megatron-core's notes that Apex / Transformer
+    Engine are not installed (and torch's "No CUDA runtime is found"), as our other commands do:
+    its output is its own line, then the script's."""
+    script = tmp_path / "train.py"
+    script.write_text("print('SCRIPT RAN')\n")
+    code, lines = _finish(_start([PY, "-m", "megatron_ep.megatron.launch", str(script)]))
+    assert code == 0 and len(lines) == 2, lines
+    assert lines[0].startswith("megatron_ep.megatron.launch: managers installed") and lines[1] == "SCRIPT RAN", lines
+
+
+# ----------------------------------------------------------------------------------- switches
+BAD_SWITCHES = [  # (variable, argv): each command reads the switch, or imports what reads it
+    ("MEP_DEBUG_TRACEBACK", [PY, "-m", "megatron_ep.demo", "--ranks", "3"]),
+    ("MEP_DEBUG_TRACEBACK", [PY, "-m", "megatron_ep.model"]),
+    ("MEP_DEBUG_TRACEBACK", ["bash", "recipes/deepseek_v3_ep64/launch.sh", "--dry-run"]),
+    ("MEGATRON_EP_INSTALL", [PY, "recipes/train_moe.py"]),
+    ("MEGATRON_EP_INSTALL", [PY, "-m", "megatron_ep.megatron.launch", "README.md"]),
+    ("MEGATRON_EP_INSTALL", [PY, "scripts/ab_throughput.py"]),
+    ("MEGATRON_EP_CHECK_INPUTS", [PY, "scripts/bench_overlap.py", "--cpu"]),
+]
+
+
+def test_a_bad_switch_is_one_line():
+    """A switch set to neither on nor off (1/true/yes/on, 0/false/no/off) is refused in one line
+    naming it, exit status 2, before the command does anything: not a traceback out of the
+    parser, whichever command reads it or imports the module that does."""
+    procs = [(name, argv, _start(argv, {name: "maybe", "PYTHON": PY})) for name, argv in BAD_SWITCHES]
+    for name, argv, proc in procs:
+        code, lines = _finish(proc)
+        assert code == 2 and len(lines) == 1, (argv, lines)
+        assert f"error: {name}='maybe' is not a switch: use 1 or 0" in lines[0], (argv, lines)
+
+
+def test_output_to_a_closed_pipe_ends_quietly():
+    """`cmd | head -1`: the reader goes away before the command has written everything. The
+    command ends as one killed by SIGPIPE (status 141), without an error line or a traceback.
+    `true` reads nothing, so every write meets the closed pipe."""
+    for cmd in ("bash recipes/deepseek_v3_ep64/launch.sh --dry-run", f"{shlex.quote(PY)} -m recipes.proxies --list"):
+        out = subprocess.run(["bash", "-c", f"{cmd} | true; echo \"status ${{PIPESTATUS[0]}}\""], cwd=ROOT,
+                             env=_env({"PYTHON": PY}), capture_output=True, text=True, timeout=120)
+        assert out.stdout.strip() == "status 141" and out.stderr == "", (cmd, out.stdout, out.stderr)
+
+
+def test_overlap_bench_on_cpu_is_a_small_smoke_with_progress():
+    """scripts/bench_overlap.py --cpu: small sizes by default (seconds, not the GPU sizes), a
+    line as it starts and one per chunk count as it is timed, then the table."""
+    t0 = time.monotonic()
+    code, lines = _finish(_start([PY, "scripts/bench_overlap.py", "--cpu"]), timeout=240)
+    text = "\n".join(lines)
+    assert code == 0, text
+    assert lines[0].startswith("scripts/bench_overlap.py: starting 2 ranks (CPU, torch backend)"), text
+    progress = [ln for ln in lines if re.match(r"^  chunks \d+: timed on rank 0", ln)]
+    assert len(progress) == 3 and lines[1:4] == progress, text  # chunk counts 1, 2, 4, before the table
+    assert "64 tokens/rank, hidden 256" in text and "not speed claims" in text, text
+    assert time.monotonic() - t0 < 120, text
+
+
+def test_test_summary_counts_skips_once_per_reason(tmp_path):
+    """The suite's summary (pyproject's -r, tests/conftest.py): without a GPU every GPU test
+    skips, and the summary says so once per reason with the count, not one SKIPPED line per test;
+    a failure is still listed on its own line."""
+    (tmp_path / "test_some.py").write_text(textwrap.dedent("""
+        import pytest
+
+        @pytest.mark.skipif(True, reason="needs a CUDA GPU and the built extension")
+        @pytest.mark.parametrize("n", range(5))
+        def test_gpu(n):
+            pass
+
+        def test_other():
+            pytest.skip("no DeepEP checkout here")
+
+        def test_fails():
+            assert False
+    """))
+    out = subprocess.run([PY, "-m", "pytest", "-c", os.path.join(ROOT, "pyproject.toml"), "--rootdir", str(tmp_path),
+                          "-p", "conftest", "-p", "no:cacheprovider", str(tmp_path)],
+                         cwd=tmp_path, env=_env({"PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "tests"), ROOT])}),
+                         capture_output=True, text=True, timeout=120)
+    lines = out.stdout.splitlines()
+    assert not [ln for ln in lines if ln.startswith("SKIPPED")], out.stdout
+    assert [ln.strip() for ln in lines if "skipped:" in ln] == ["5 skipped: needs a CUDA GPU and the built extension",
+                                                                 "1 skipped: no DeepEP checkout here"], out.stdout
+    assert any(ln.startswith("FAILED") and "test_fails" in ln for ln in lines), out.stdout

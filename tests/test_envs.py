@@ -89,3 +89,127 @@ def test_default_is_not_range_checked(monkeypatch):
 
     monkeypatch.delenv(chunked.ENV, raising=False)
     assert chunked.chunks_from_env() == 0 and envs.integer("MEP_TEST_UNSET", 0, minimum=1) == 0
+
+
+# ------------------------------------------------------------- one parser for every switch
+import os  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENVS_PY = os.path.join(ROOT, "megatron_ep", "envs.py")
+
+
+def _sources():
+    for top in ("megatron_ep", "recipes", "scripts"):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, top)):
+            for f in files:
+                if f.endswith((".py", ".sh")):
+                    yield os.path.join(dirpath, f)
+    yield os.path.join(ROOT, "setup.py")
+
+
+def test_every_switch_is_parsed_by_envs():
+    """Every switch the library, setup.py and the set-up script read goes through envs.flag (the
+    shell asks `envs.py flag`), and envs.SWITCHES lists it, so commands can refuse a bad one
+    first. No switch is compared with "1" by hand (setup.py and setup_env.sh once did: `true`
+    there meant off)."""
+    read = set()
+    for path in _sources():
+        text = open(path).read()
+        read |= set(re.findall(r"""\b(?:envs\.)?_?flag\(\s*["']([A-Z0-9_]+)["']""", text))
+        for const in re.findall(r"\b(?:envs\.)?_?flag\(\s*([A-Z][A-Z0-9_]*)\)", text):  # flag(DEBUG_ENV)
+            read |= set(re.findall(rf"""^{const} *= *["']([A-Z0-9_]+)["']""", text, re.M))
+        for args in re.findall(r"envs\.py(?: --prog \S+)? flag ((?:[A-Z0-9_]+ ?)+)", text):
+            read |= set(args.split())
+        rel = os.path.relpath(path, ROOT)
+        assert not re.search(r"""environ\.get\(["'](MEP|MEGATRON_EP)_[A-Z_]+["'](, ["'][01]["'])?\) *[!=]= *["']1["']""",
+                             text), rel
+        assert not re.search(r"""\$\{(MEP|MEGATRON_EP)_[A-Z_]+:-[01]\}" *!?= *"1\"""", text), rel
+    assert {"MEP_DEBUG_TRACEBACK", "MEGATRON_EP_INSTALL", "MEP_CPU_ONLY", "MEP_SKIP_CUDA", "MEP_REQUIRE_EXTENSION",
+            "MEP_DEBUG", "MEP_PTXAS_VERBOSE"} <= read, read
+    assert read == set(envs.SWITCHES), read ^ set(envs.SWITCHES)
+
+
+def test_flag_command_line():
+    """`python3 megatron_ep/envs.py flag NAME...`, standard library only (-S: no site-packages):
+    1 or 0 per name; a bad value is one line naming it, exit status 2, nothing on stdout."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEP_T")}
+    out = subprocess.run([sys.executable, "-S", ENVS_PY, "flag", "MEP_TA", "MEP_TB", "MEP_TC"], capture_output=True,
+                         text=True, timeout=60, env={**env, "MEP_TA": "True", "MEP_TB": "off"})
+    assert out.returncode == 0 and out.stdout.split() == ["1", "0", "0"], out.stdout + out.stderr
+    out = subprocess.run([sys.executable, "-S", ENVS_PY, "--prog", "set-up", "flag", "MEP_TA", "MEP_TB"],
+                         capture_output=True, text=True, timeout=60, env={**env, "MEP_TA": "1", "MEP_TB": "maybe"})
+    assert out.returncode == 2 and out.stdout == "", out.stdout
+    assert out.stderr.strip() == "set-up: error: MEP_TB='maybe' is not a switch: use 1 or 0 (true/false, yes/no, on/off)"
+
+
+def test_setup_py_reads_switches_as_the_library_does(tmp_path):
+    """setup.py takes `yes` for on and refuses `maybe` in one line: MEP_REQUIRE_EXTENSION=yes
+    makes a build without torch an error (a torch that cannot be imported stands in)."""
+    (tmp_path / "torch.py").write_text("raise ImportError('no torch in this build environment')\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("MEP_SKIP_CUDA", "MEP_REQUIRE_EXTENSION")}
+    env["PYTHONPATH"] = str(tmp_path)
+
+    def setup(**extra):
+        return subprocess.run([sys.executable, "setup.py", "--name"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=120, env={**env, **extra})
+
+    out = setup(MEP_REQUIRE_EXTENSION="yes")
+    assert out.returncode != 0, out.stdout
+    assert "MEP_REQUIRE_EXTENSION is on but the CUDA extension cannot be built: torch is not importable" in out.stderr
+    out = setup(MEP_SKIP_CUDA="maybe")
+    assert out.returncode != 0 and out.stderr.strip() == ("megatron_ep: MEP_SKIP_CUDA='maybe' is not a switch: use 1 "
+                                                          "or 0 (true/false, yes/no, on/off)"), out.stderr
+    out = setup(MEP_SKIP_CUDA="true", MEP_REQUIRE_EXTENSION="yes")  # skipping wins: a pure-Python build
+    assert out.returncode == 0 and out.stdout.strip().endswith("megatron_ep"), out.stdout + out.stderr
+
+
+def _fake_setup(tmp_path, **extra):
+    """scripts/setup_env.sh against an environment whose python only logs its calls (and, for the
+    build, prints two ninja steps): no install, no compile. Returns (result, the calls)."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    calls = tmp_path / "calls"
+    fake = venv / "bin" / "python"
+    fake.write_text("#!/bin/sh\n"
+                    f"echo \"MEP_SKIP_CUDA=${{MEP_SKIP_CUDA-unset}} $*\" >> {calls}\n"
+                    "case \"$*\" in *build_ext*)\n"
+                    "  echo '[1/2] c++ -MMD -c -c /src/csrc/protocol/module.cpp -o /b/module.o -O2'\n"
+                    "  echo 'megatron_ep: no nvcc found; building without the CUDA extension'\n"
+                    "  echo '[2/2] /usr/local/cuda/bin/nvcc /b/a.o -o /b/dlink.o -dlink' ;;\n"
+                    "esac\n")
+    fake.chmod(0o755)
+    with open(os.path.join(ROOT, "requirements.txt"), "rb") as f:
+        cksum = subprocess.run(["cksum"], stdin=f, capture_output=True, text=True).stdout
+    (venv / ".mep-requirements").write_text(cksum)  # requirements up to date: no pip
+    env = {k: v for k, v in os.environ.items() if k not in ("MEP_SKIP_CUDA", "MEP_REQUIRE_EXTENSION", "MEP_CPU_ONLY")}
+    env.update(MEP_VENV=str(venv), PYTHON=sys.executable, **extra)
+    out = subprocess.run(["bash", os.path.join(ROOT, "scripts", "setup_env.sh")], capture_output=True, text=True,
+                         timeout=120, env=env)
+    return out, calls.read_text().splitlines() if calls.exists() else []
+
+
+def test_setup_script_reads_switches_as_the_library_does(tmp_path):
+    out, calls = _fake_setup(tmp_path / "bad", MEP_CPU_ONLY="maybe")
+    assert out.returncode == 2 and calls == [], calls  # refused before anything ran
+    assert out.stderr.strip() == "set-up: error: MEP_CPU_ONLY='maybe' is not a switch: use 1 or 0 (true/false, yes/no, on/off)"
+    out, calls = _fake_setup(tmp_path / "true", MEP_CPU_ONLY="true")
+    assert out.returncode == 0, out.stderr
+    build = [c for c in calls if "build_ext" in c]
+    assert build and build[0].startswith("MEP_SKIP_CUDA=1 "), calls  # CPU only: the extension skipped
+
+
+def test_setup_script_says_each_compile_step(tmp_path):
+    """The compile is not silent: a line per compile step with the time so far, setup.py's own
+    notes, and the total time; the full output goes to the build log."""
+    out, _ = _fake_setup(tmp_path)
+    assert out.returncode == 0, out.stderr
+    lines = out.stderr.splitlines()
+    assert re.fullmatch(r"set-up: compiled \[1/2\] module\.cpp \(\dm\d\ds so far\)", lines[1]), lines
+    assert lines[2] == "megatron_ep: no nvcc found; building without the CUDA extension", lines
+    assert re.fullmatch(r"set-up: compiled \[2/2\] \(device link\) \(\dm\d\ds so far\)", lines[3]), lines
+    assert re.fullmatch(r"set-up: compiled in \dm\d\ds", lines[4]), lines
+    log = (tmp_path / "venv" / ".mep-build.log").read_text()
+    assert "[1/2] c++ -MMD -c -c /src/csrc/protocol/module.cpp" in log, log

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 import ll_cases
 from deepgemm_cases import FakeDeepGemm
+from refusals import derivative, exact_or_refused
 import megatron_ep.experts as X
 from megatron_ep.experts import backends as B
 from megatron_ep.experts import masked as M
@@ -616,3 +617,45 @@ def test_chunked_experts_on_deepgemm_glue(pools, R):
     errors = [e for rank in pools(R).run(dc.run_chunked_on_deepgemm_cases, dc.chunked_cases(R), backend="torch",
                                          device="cpu") for e in rank]
     assert not errors, "\n".join(errors[:20])
+
+
+@pytest.mark.parametrize("backend", ["grouped_mm", "deepgemm"])
+def test_grouped_linear_second_derivative_exact_or_refused(fake_deep_gemm, backend):
+    """A second derivative through grouped_linear (squared, so the output gradient depends on the
+    inputs too) equals the loop backend's (plain matmuls: exact) or raises naming the backend,
+    by autograd.grad(..., inputs) and by .backward(), for x, w and both. DeepGEMM's dgrad is a
+    kernel autograd does not see (FakeDeepGemm's writes carry no history either)."""
+    x, _, layout = make_layout([130, 2, 0], 8, 64, torch.float32, seed=11)  # grouped_mm takes no fp64
+    w = torch.randn((3, 128, 64), generator=torch.Generator().manual_seed(12)) / 8
+    grad = torch.randn((x.shape[0], 128), generator=torch.Generator().manual_seed(13))
+
+    def layer(name):
+        return lambda x, w: X.grouped_linear(x, w, layout, name) ** 2
+
+    errors = []
+    for wanted in ([True, False], [False, True], [True, True]):
+        for how in ("grad", "backward"):
+            want = derivative(layer("loop"), [x, w], wanted, grad, how)
+            got = derivative(layer(backend), [x, w], wanted, grad, how)
+            errors += exact_or_refused(f"{backend} {wanted} {how}", got, want, (backend, "second derivatives"), tol=1e-4)
+    assert not errors, "\n".join(errors)
+    if backend == "deepgemm":
+        assert "nn" in fake_deep_gemm.calls  # its own dgrad ran
+
+
+def test_grouped_linear_fp8_on_deepgemm_refuses_w_gradient(fake_deep_gemm):
+    """DeepGEMM's FP8 GEMM is forward only: a gradient of w through it raises naming
+    grouped_linear_fp8 (the fallback's is exact), by autograd.grad and by .backward()."""
+    H, N = 128, 16
+    x, _, layout = make_layout([3, 0, 5], 128, H, torch.float32, seed=14)
+    xq = per_token_cast_to_fp8(x)
+    w = torch.randn((3, N, H), generator=torch.Generator().manual_seed(15)) / 8
+    grad = torch.randn((x.shape[0], N), generator=torch.Generator().manual_seed(16))
+    errors = []
+    for how in ("grad", "backward"):
+        want = derivative(lambda w: X.grouped_linear_fp8(xq, w, layout, backend="loop"), [w], [True], grad, how, order=1)
+        got = derivative(lambda w: X.grouped_linear_fp8(xq, w, layout, backend="deepgemm"), [w], [True], grad, how,
+                         order=1)
+        errors += exact_or_refused(f"fp8 {how}", got, want, ("grouped_linear_fp8", "gradient to w"), tol=1e-3)
+    assert not errors, "\n".join(errors)
+    assert "fp8 nt" in fake_deep_gemm.calls

@@ -10,6 +10,7 @@ import subprocess
 import pytest
 
 import megatron_ep
+from megatron_ep import envs
 from megatron_ep.cuda import extension as _ext
 from megatron_ep.cuda.paths import low_latency as LL
 
@@ -31,7 +32,7 @@ def _built():
 @pytest.fixture(scope="module")
 def so():
     cuda_built = glob.glob(os.path.join(PKG, "_C.*.so"))
-    required = os.environ.get("MEP_REQUIRE_EXTENSION") == "1"
+    required = envs.flag("MEP_REQUIRE_EXTENSION")
     if not _built() and not (required or cuda_built):
         pytest.skip("no CUDA extension built here (set MEP_REQUIRE_EXTENSION=1 to require it)")
     if not _nvshmem_installed():

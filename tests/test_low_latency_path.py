@@ -162,6 +162,24 @@ def test_decode_layer_on_the_torch_backend(pools):
     assert not errors, "\n".join(errors)
 
 
+def test_combine_out_is_checked_on_the_torch_backend(pools):
+    """low_latency_combine(out=): a wrong shape, dtype or kind refused naming `out` (on our Buffer
+    and through megatron_ep.deep_ep); a right one written and returned."""
+    import ll_cases
+
+    errors = [e for r in pools(2).run(ll_cases.run_ll_combine_out_case) for e in r]
+    assert not errors, "\n".join(errors[:20])
+
+
+def test_decode_layer_refuses_gradients(pools):
+    """It runs without autograd: a derivative through it must raise, not miss the layer."""
+    import ll_cases
+
+    cfg = dict(seed=4, E=4, K=2, H=128, F=64, T=5, max_tokens=8)
+    errors = [e for r in pools(2).run(ll_cases.run_decode_layer_refuses_gradients, cfg) for e in r]
+    assert not errors, "\n".join(errors)
+
+
 def test_round_scale_and_edge_value_cases_on_the_torch_backend(pools):
     """The GPU suite's extra low-latency cases (power-of-two scales, FP8 edge values) hold on the
     torch backend, so a failure on the GPU points at the kernels, not at the case helpers."""

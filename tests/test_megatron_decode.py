@@ -78,6 +78,28 @@ def test_decode_recipe_runs():
     assert "2 MoE layers on the low-latency path" in out.stdout, out.stdout[-3000:]
 
 
+def test_decode_recipe_fp8_passes_its_own_default_tolerance():
+    """recipes/decode_moe.py --fp8 at a hidden size FP8 takes: its default tolerance counts FP8's
+    rounding (2^-4 for e4m3), and the run passes it; a tolerance below what FP8 rounding does
+    fails, in one line that names the command once."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, os.path.join(root, "recipes", "decode_moe.py"), "--fp8", "--hidden", "128"]
+    out = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "\nOK" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+    diff, tol = map(float, re.search(r"over ranks = (\S+) \(tolerance (\S+)\)", out.stdout).groups())
+    assert tol == 1e-4 + 2 ** -4 and 1e-4 < diff < tol, out.stdout  # FP8 moved the logits past fp32's tolerance
+    out = subprocess.run(cmd + ["--tol", f"{diff / 2:g}"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stderr.strip() == ("recipes/decode_moe.py: error: the decode step differs from Megatron's forward by "
+                                  "more than the tolerance"), out.stderr
+
+
 def test_stacked_expert_weights_follow_optimizer_writes():
     """A SequentialMLP's stacked decode weights follow a write that leaves the parameters' address
     and version as they were (what Megatron's optimizers do: `param.data.copy_`, or a write into
@@ -123,3 +145,22 @@ def test_stacked_expert_weights_follow_optimizer_writes():
         else:
             k1, k2 = st.weights(layer)
         assert torch.equal(k1, now()[0]) and torch.equal(k2, now()[1]), f"keep_weights={keep}: stale decode weights"
+
+
+@pytest.mark.limit(120)
+def test_decode_refusals_reach_every_rank(pools):
+    """A decode step that a rank refuses (gradients on, more tokens than max_tokens_per_rank) or
+    that only some ranks take: every rank raises within seconds (the refusing rank its own error,
+    the others PeerFailedError or CallMismatchError), none waits for a peer; the layer works after."""
+    case = dict(seed=95, E=8, K=2, H=16, F=8, max_tokens=8)
+    errors = flat(pools(2).run(dc.run_decode_refusals, case))
+    assert not errors, "\n".join(errors[:20])
+
+
+def test_decode_follows_replaced_and_recast_weights(pools):
+    """keep_weights=True with GroupedGemmExperts and SequentialMLP: replaced Parameters, a dtype
+    change and an in-place update (then refresh_decode_weights) are each decoded as the layer's
+    own forward computes them."""
+    case = dict(seed=97, E=8, K=2, H=16, F=8, max_tokens=8)
+    errors = flat(pools(2).run(dc.run_decode_weight_changes, case))
+    assert not errors, "\n".join(errors[:20])

@@ -161,3 +161,84 @@ def test_backend_choice(monkeypatch):
     monkeypatch.setenv("MEGATRON_EP_BACKEND", "nccl")
     with pytest.raises(ValueError, match=r"MEGATRON_EP_BACKEND='nccl' names no backend: use one of torch, cuda, auto"):
         choose_backend(torch.device("cpu"))
+
+
+def _launch(tmp_path, *args):
+    """The launcher with `args`, "SCRIPT" standing for a script that prints SCRIPT RAN."""
+    script = tmp_path / "train.py"
+    script.write_text("print('SCRIPT RAN')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+    i = args.index("SCRIPT")
+    cmd = [sys.executable, "-m", "megatron_ep.megatron.launch", *args[:i], str(script), *args[i + 1:]]
+    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_launcher_refuses_hybridep_options_for_other_dispatchers(tmp_path):
+    """--ep-budget / --ep-chunks act on the hybridep manager only: the launcher refuses them in one
+    line, before the script runs, when the script's arguments pick another dispatcher (deepep,
+    Megatron's default flex backend, or alltoall); with hybridep the script runs."""
+    flex = ("--moe-token-dispatcher-type", "flex")
+    for args, named in [
+        (("--ep-budget", "1.5", "SCRIPT", *flex, "--moe-flex-dispatcher-backend", "deepep"), "--ep-budget"),
+        (("--ep-budget", "1.5", "SCRIPT", *flex), "--moe-flex-dispatcher-backend deepep"),
+        (("--ep-experts", "grouped", "--ep-chunks", "2", "SCRIPT", "--moe-token-dispatcher-type", "alltoall"), "--ep-chunks"),
+    ]:
+        out = _launch(tmp_path, *args)
+        assert out.returncode == 2 and "SCRIPT RAN" not in out.stdout, (args, out.stdout, out.stderr)
+        assert named in out.stderr and "hybridep" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    out = _launch(tmp_path, "--ep-budget", "1.5", "SCRIPT", *flex, "--moe-flex-dispatcher-backend=hybridep")
+    assert out.returncode == 0 and "SCRIPT RAN" in out.stdout, out.stderr[-2000:]
+
+
+def test_chunk_count_is_bounded(tmp_path):
+    """Every chunk is a dispatch and a combine, also an empty one: more than MAX_CHUNKS cannot
+    help, and every entry refuses it (the launcher in one line, the library with ValueError)."""
+    from megatron_ep.experts.overlap import MAX_CHUNKS
+    from megatron_ep.megatron.layer_options import use_in_moe_layers
+
+    out = _launch(tmp_path, "--ep-experts", "grouped", "--ep-chunks", "1000", "SCRIPT",
+                  "--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "hybridep")
+    assert out.returncode == 2 and f"in [1, {MAX_CHUNKS}], got 1000" in out.stderr, out.stderr
+    with pytest.raises(ValueError, match=f"chunks=1000 is above {MAX_CHUNKS}"):
+        use_in_moe_layers("grouped", chunks=1000)
+
+
+def test_deepep_manager_refuses_a_static_budget(monkeypatch):
+    """MEGATRON_EP_RANK_CAPACITY_FACTOR (what --ep-budget sets) with the deepep manager, which has
+    no static budget: refused at its construction, naming the variable, not ignored."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_ep.megatron.deepep_manager import MegatronEPDeepepManager
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=1, num_moe_experts=4,
+                            moe_router_topk=2, add_bias_linear=False, use_cpu_initialization=True)
+    MegatronEPDeepepManager(None, 2, 2, 4, cfg)  # unset: fine
+    monkeypatch.setenv("MEGATRON_EP_RANK_CAPACITY_FACTOR", "1.5")
+    with pytest.raises(ValueError, match="MEGATRON_EP_RANK_CAPACITY_FACTOR=1.5 .*flex backend is deepep"):
+        MegatronEPDeepepManager(None, 2, 2, 4, cfg)
+
+
+BAD_ENVIRONMENT = [  # every variable the managers, their Buffers and chunked experts read after install()
+    ("MEGATRON_EP_BACKEND", "xyz", "names no backend"),
+    ("MEGATRON_EP_CHECK_INPUTS", "maybe", "is not a switch"),
+    ("MEGATRON_EP_MAX_TOKENS_PER_RANK", "lots", "is not an integer"),
+    ("MEGATRON_EP_COMBINE_ROWS", "0", "must be at least 1"),
+    ("MEGATRON_EP_RANKS_PER_NODE", "-8", "must be at least 1"),
+    ("MEGATRON_EP_RANK_CAPACITY_FACTOR", "0", "must be a finite number > 0"),
+    ("MEGATRON_EP_CHUNKED_EXPERTS", "99", "must be at most 16"),
+    ("MEGATRON_EP_GEMM_BACKEND", "cublas", "names no grouped GEMM backend"),
+]
+
+
+@pytest.mark.parametrize("name,value,why", BAD_ENVIRONMENT, ids=[b[0] for b in BAD_ENVIRONMENT])
+def test_install_refuses_a_bad_variable(monkeypatch, name, value, why):
+    """install() reads each variable the managers read later, through the same readers: a bad
+    value raises there, naming it, and nothing is rebound (not at the first dispatch, deep in a
+    training run)."""
+    mm.uninstall()
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"{name}.*{why}"):
+        mm.install()
+    assert not mm.is_installed()
+    monkeypatch.delenv(name)
+    mm.install()  # as the other tests of this file leave it

@@ -21,6 +21,22 @@ def test_moe_layer_flex_matches_alltoall(pools, R):
     assert not errors, "\n".join(errors[:20])
 
 
+@pytest.mark.parametrize("factor", [4.0, 1.0])
+def test_moe_layer_drop_and_pad_through_the_router_matches_alltoall(pools, factor):
+    """Megatron's drop-and-pad mode (moe_expert_capacity_factor with
+    moe_pad_expert_input_to_capacity) through Megatron's own router, whose map fills every expert
+    to capacity with probability-0 pairs (rows name more than top-k experts; at factor 4.0 every
+    row names every expert): flex hybridep (megatron-core refuses deepep in this mode) against
+    alltoall, outputs and gradients."""
+    R = 2
+    case = dict(seed=61, E=4 * R, K=2, H=16, F=8, S=6,
+                config=dict(moe_expert_capacity_factor=factor, moe_pad_expert_input_to_capacity=True,
+                            moe_token_drop_policy="probs"),
+                variants=[("hybridep", "sequential"), ("hybridep", "grouped")])
+    errors = [e for rank in pools(R).run(mc.run_moe_layer_case, case) for e in rank]
+    assert not errors, "\n".join(errors[:20])
+
+
 @pytest.mark.parametrize("R", [2, 4])
 def test_moe_layer_chunked_experts_match_alltoall(pools, R):
     """megatron_ep.megatron.chunked: hybridep + GroupedGemmExperts with dispatch, experts and

@@ -14,6 +14,11 @@ each step's new difference of the same size, so the difference grows at most lin
 resume replays the same arithmetic: 1e-5 relative (the log's printed precision). megatron_ep's
 experts against Megatron's own start from other random weights (other initialisation order):
 the loss must stay within 5% of theirs at every iteration and fall as theirs does.
+
+The ds3 runs (tests/megatron_lm_runs.py) add DeepSeek-V3's routing and layer features at EP 4 and
+on 2 virtual nodes x 2, on the Buffer's default SM budget, under the same tolerances.
+MEP_E2E_RUNS selects runs by name (fnmatch patterns, with what they are compared with); the
+tests of runs left out skip.
 """
 
 import os
@@ -41,7 +46,7 @@ def _trees():
 @pytest.fixture(scope="module")
 def results():
     out_dir = os.environ.get("MEP_E2E_OUT")
-    got = mr.run_all(mr.runs(), _trees(), max_ranks=int(os.environ.get("MEP_E2E_MAX_RANKS", mr.MAX_RANKS)),
+    got = mr.run_all(mr.select(mr.runs(), os.environ.get("MEP_E2E_RUNS")), _trees(), max_ranks=_max_ranks(),
                      timeout_s=float(os.environ.get("MEP_E2E_TIMEOUT_S", "420")), log_dir=out_dir)
     if out_dir:
         with open(os.path.join(out_dir, "megatron_lm_runs.json"), "w") as f:
@@ -51,7 +56,13 @@ def results():
     return got
 
 
+def _max_ranks():
+    return int(os.environ.get("MEP_E2E_MAX_RANKS", mr.MAX_RANKS))
+
+
 def _ok(results, name):
+    if name not in results:
+        pytest.skip(f"{name}: not selected (MEP_E2E_RUNS)")
     r = results[name]
     if r.get("skipped"):
         pytest.skip(f"{name}: {r['skipped']}")
@@ -90,11 +101,42 @@ FLEX = [(r.name, mr.reference(r.name)) for r in mr.runs() if r.dispatcher != "al
 
 @pytest.mark.parametrize("name,ref", FLEX, ids=[n for n, _ in FLEX])
 def test_flex_matches_alltoall(results, name, ref):
-    """deepep and hybridep on megatron_ep's cuda backend against Megatron's alltoall: lm loss and
-    grad norm at every one of 20 iterations; the log names the cuda backend."""
+    """deepep and hybridep on megatron_ep's cuda backend against Megatron's alltoall (DeepSeek-V3's
+    routing, and Megatron's capacity factor, among them): lm loss and grad norm at every one of 20
+    iterations; the log names the cuda backend (and, for the ds3 runs, the default SM budget)."""
     _compare(results, name, ref, _loss_tol, _gnorm_tol)
     path = "cuda internode" if "x2-" in name else "cuda intranode"
     assert f"backend=cuda: {path}" in results[name]["log"], f"{name}: the log does not name megatron_ep's {path} path"
+    if name.startswith("main-ds3-"):
+        _uses_default_sms(results[name]["log"], name)
+
+
+def _uses_default_sms(log, name):
+    """The Buffer took the default SM budget over every process the GPU holds at once."""
+    from megatron_ep.cuda.runtime import default_num_sms
+
+    sharers = _max_ranks()
+    want = f"{default_num_sms(sharers, torch.cuda.get_device_properties(0).multi_processor_count)} SMs/rank, {sharers} rank(s)/GPU"
+    assert want in log, f"{name}: the Buffer's line does not read '{want}'"
+
+
+DS3_OURS = [r.name for r in mr.ds3_runs() if r.options]
+
+
+@pytest.mark.parametrize("name", DS3_OURS)
+def test_ds3_our_experts_chunks_and_budget(results, name):
+    """DeepSeek-V3's routing with --ep-experts grouped (and --ep-chunks 2, and --ep-budget 2.0), at EP 4
+    and on 2 virtual nodes x 2, on the default SM budget: every run within 5% of alltoall at every
+    iteration and falling (our experts start from other random weights); chunked and budgeted
+    runs equal the unchunked one within the bf16 tolerance."""
+    r = _ok(results, name)
+    assert "experts=grouped" in r["log"], f"{name}: the launcher's line does not show megatron_ep's experts"
+    _uses_default_sms(r["log"], name)
+    _compare(results, name, mr.DS3_REF, lambda i: 0.05, None)
+    losses = [r["iters"][i][0] for i in sorted(r["iters"])]
+    assert losses[-1] < losses[0], f"{name}: the loss did not fall ({losses[0]:.4f} -> {losses[-1]:.4f})"
+    if mr.reference(name) != mr.DS3_REF:
+        _compare(results, name, mr.reference(name), _loss_tol, _gnorm_tol)
 
 
 @pytest.mark.parametrize("name", ["main-ep2-hybridep-grouped", "main-ep2-hybridep-chunked",

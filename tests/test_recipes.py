@@ -256,6 +256,31 @@ def test_launcher_refuses_what_cannot_run():
     assert out.returncode == 2 and "must fill whole nodes" in out.stderr, out.stderr
 
 
+def test_launcher_follows_the_backend_variable():
+    """MEGATRON_EP_BACKEND picks every node's backend unless --ep-backend does (which wins, and
+    says so); a value that names no backend is refused in one line by megatron_ep's own rule
+    (megatron_ep/megatron/backend.py)."""
+    py = os.path.join(ROOT, "recipes", "deepseek_v3_ep64", "launch.py")
+
+    def backends(out):
+        return {w for words in _node_commands(out.stdout) for w in words if w.startswith("MEGATRON_EP_BACKEND=")}
+
+    out = _dry_run([sys.executable, py, "--dry-run"], {"MEGATRON_EP_BACKEND": "torch"})
+    assert out.returncode == 0 and backends(out) == {"MEGATRON_EP_BACKEND=torch"}, out.stdout[:2000] + out.stderr
+    assert "megatron_ep backend torch" in out.stdout and "# NVSHMEM: its own defaults" in out.stdout  # NCCL: no NVSHMEM
+    assert "torch backend (NCCL all-to-all)" in out.stdout
+    out = _dry_run([sys.executable, py, "--dry-run", "--ep-backend", "cuda"], {"MEGATRON_EP_BACKEND": "torch"})
+    assert out.returncode == 0 and backends(out) == {"MEGATRON_EP_BACKEND=cuda"}, out.stderr
+    assert "# --ep-backend cuda overrides MEGATRON_EP_BACKEND=torch (the command's option wins)" in out.stdout
+    out = _dry_run([sys.executable, py, "--dry-run"], {"MEGATRON_EP_BACKEND": ""})
+    assert out.returncode == 0 and backends(out) == {"MEGATRON_EP_BACKEND=auto"}, out.stderr
+    for options in ([], ["--ep-backend", "torch"]):  # a bad value is refused even under the option
+        out = _dry_run([sys.executable, py, "--dry-run", *options], {"MEGATRON_EP_BACKEND": "xyz"})
+        assert out.returncode == 2 and out.stdout == "", out.stdout[:500]
+        assert out.stderr.strip() == ("launch.sh: error: MEGATRON_EP_BACKEND='xyz' names no backend: use one of "
+                                      "torch, cuda, auto (or leave it unset: auto)"), out.stderr
+
+
 def test_tiny_preset():
     """--preset tiny: DeepSeek-V3's features without Transformer Engine at 4 GPUs, megatron_ep's
     experts from the launcher, every replaced flag printed by --dry-run with its replacement, and
@@ -308,7 +333,9 @@ def test_proxy_presets_list_and_dry_run():
     listing = _run(None, args=("-m", "recipes.proxies", "--list"))
     for name in ("cpu-toy", "gpu-1", "gpu-8"):
         assert re.search(rf"^{name}\s", listing, re.M), listing
-    cmd = shlex.split(_run(None, args=("-m", "recipes.proxies", "--preset", "gpu-8", "--dry-run")).strip())
+    from recipes import proxies
+
+    _, cmd = proxies.command("gpu-8")  # its dry run checks for 8 GPUs, as its run does
     assert cmd[cmd.index("--nproc-per-node") + 1] == "8" and cmd[cmd.index("--backend") + 1] == "cuda"
     assert cmd[cmd.index("--experts") + 1] == "64" and cmd[cmd.index("--group-topk") + 1] == "4"
     cmd = shlex.split(_run(None, args=("-m", "recipes.proxies", "--preset", "cpu-toy", "--dry-run")).strip())

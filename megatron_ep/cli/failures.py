@@ -99,11 +99,23 @@ def _tell_torchrun(line: str) -> None:
 def run_main(main: Callable[[List[str]], Optional[int]], argv: Optional[Sequence[str]] = None, *,
              prog: str, hint: str = DEBUG_HINT) -> int:
     """main(argv) -> exit status. A failure is one line (`prog: error: ...`), status 2 for a
-    UsageError, 1 otherwise; the traceback too with --debug / MEP_DEBUG_TRACEBACK=1."""
+    UsageError, 1 otherwise; the traceback too with --debug / MEP_DEBUG_TRACEBACK=1. A switch of
+    envs.SWITCHES set to neither on nor off is such a line before main runs; stdout closed by
+    its reader ends quietly (stdout_closed)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = debug_requested(argv)
     try:
-        code = main(argv)
+        envs.check_switches()  # every switch, before anything reads one deep inside the run
+        debug = debug_requested(argv)
+    except ValueError as e:
+        _report(f"{prog}: error: {e}", usage=True)
+        return 2
+    try:
+        try:
+            code = main(argv)
+        finally:
+            sys.stdout.flush()  # a reader gone (`| head -1`) shows here, not at the interpreter's exit
+    except BrokenPipeError:
+        return stdout_closed()
     except SystemExit as e:  # argparse (already reported), --help, or an explicit exit
         if isinstance(e.code, str):
             _report(f"{prog}: error: {e.code}", usage=True)
@@ -121,6 +133,21 @@ def run_main(main: Callable[[List[str]], Optional[int]], argv: Optional[Sequence
     if code and launched_by_us():
         _report("", usage=False)  # the rank reported its failure itself: the launcher adds nothing
     return code
+
+
+SIGPIPE_STATUS = 128 + 13  # the shell's status of a command ended by SIGPIPE, as `yes | head -1` gives
+
+
+def stdout_closed() -> int:
+    """The reader of stdout went away (`cmd | head -1`): end quietly, as a command ended by
+    SIGPIPE does, with no error line for output nobody asked for. Later writes and the
+    interpreter's final flush go to /dev/null instead of raising again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return SIGPIPE_STATUS
 
 
 def note(line: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from typing import Callable, Optional
 
@@ -51,7 +52,7 @@ def number(minimum: float = 0.0, *, above: bool = False) -> Callable[[str], floa
 # --------------------------------------------------------------------------------- parsing
 class HelpFormatter(argparse.HelpFormatter):
     """Descriptions of several lines as written (one line: wrapped); `(default: X)` after every
-    option that has a default."""
+    option that has a default, unless its help already says its default ("(default ...")."""
 
     def _fill_text(self, text, width, indent):
         if "\n" in text.strip():
@@ -60,8 +61,9 @@ class HelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if ("%(default)" in text or not action.option_strings or action.default in (None, False, argparse.SUPPRESS)
-                or action.nargs == 0):
+        # `is`, not `in`: a default of 0 equals False and is still shown
+        if ("%(default)" in text or re.search(r"\(default\b", text) or not action.option_strings or action.nargs == 0
+                or action.default is None or action.default is False or action.default is argparse.SUPPRESS):
             return text
         return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
 

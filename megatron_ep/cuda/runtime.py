@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from .. import envs
 from . import extension as _ext
+from . import sharing
 from .. import protocol as P
 from ..checks import fail
 from ..model.rates import COPY_HEADROOM, HBM_COPY_GBPS, NVLINK_GBPS, PER_SM_COPY_GBPS, sms_for
@@ -96,6 +97,10 @@ class CudaRuntime(FailureState):
         # groups, e.g. Megatron's EP groups of a test on one GPU): every one of them needs its
         # blocks resident at once, so the SM budget is split over all of them
         self.ranks_per_device = max(sum(p == me for p in peers), envs.integer("MEP_DEVICE_SHARERS", 0, minimum=1) or 0)
+        # ranks sharing a GPU under lazy module loading can stop each other (cuda/sharing.py):
+        # said once here, and again in every timeout message
+        if self.lazy_hazard and rank == 0:
+            log.warning("megatron_ep: %s", self.lazy_hazard)
         self.sm_count = props.multi_processor_count
         limit = max_num_sms(self.ranks_per_device, self.sm_count)
         if num_sms is not None:
@@ -314,11 +319,25 @@ class CudaRuntime(FailureState):
         what = P.SLOT_NAMES.get(err["slot"], f"slot {err['slot']}")
         if err["code"] == P.ERROR["timeout"]:
             if err["peer"] == err["rank"] and err["slot"] >= len(P.SLOT_NAMES) - 1:
-                return (f"rank {err['rank']} timed out after {self.timeout_s:.0f}s at '{what}' in call #{err['seq']}: "
+                text = (f"rank {err['rank']} timed out after {self.timeout_s:.0f}s at '{what}' in call #{err['seq']}: "
                         f"its kernel's blocks were not all resident (lower num_sms)")
-            return (f"rank {err['rank']} timed out after {self.timeout_s:.0f}s waiting for rank {err['peer']} at "
-                    f"'{what}' in call #{err['seq']} (counter {err['observed']}, expected {err['expected']})")
-        return f"rank {err['rank']} stopped waiting at '{what}' in call #{err['seq']} because rank {err['peer']} had timed out"
+            else:
+                text = (f"rank {err['rank']} timed out after {self.timeout_s:.0f}s waiting for rank {err['peer']} at "
+                        f"'{what}' in call #{err['seq']} (counter {err['observed']}, expected {err['expected']})")
+        else:
+            text = (f"rank {err['rank']} stopped waiting at '{what}' in call #{err['seq']} because rank {err['peer']} "
+                    f"had timed out")
+        return self._with_hazard(text)
+
+    @property
+    def lazy_hazard(self) -> Optional[str]:
+        """Why ranks sharing this GPU may stop each other (lazy module loading), or None."""
+        return sharing.lazy_loading_hazard(self.ranks_per_device)
+
+    def _with_hazard(self, text: str) -> str:
+        """A timeout's message, with what may have caused it where ranks share a GPU."""
+        hazard = self.lazy_hazard
+        return f"{text} ({hazard})" if hazard else text
 
     def wait_host(self, call: P.Call, tag: int, L: int) -> dict:
         """Wait (backing off, never spinning a core for long) until notify's sizes for `tag`
@@ -335,8 +354,9 @@ class CudaRuntime(FailureState):
                 raise self._error(err, call)
             now = time.monotonic()
             if now > deadline:
-                raise self.break_with(CommTimeoutError, f"rank {self.rank}: no receive count from the notify kernel of "
-                                                        f"call #{call.seq} within {self.timeout_s + 5:.0f}s")
+                raise self.break_with(CommTimeoutError, self._with_hazard(
+                    f"rank {self.rank}: no receive count from the notify kernel of call #{call.seq} within "
+                    f"{self.timeout_s + 5:.0f}s"))
             # A short wait is the common case (the GPU is finishing the work queued before
             # notify): poll for 2 ms, then yield the core for up to 20 ms, then sleep, backing
             # off to 1 ms, so a long wait (a slow peer) does not keep a core busy.

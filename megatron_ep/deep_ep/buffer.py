@@ -4,7 +4,10 @@ dispatch, cached dispatch, combine). What differs is listed in docs/deep-ep.md."
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
+import functools
 import logging
 import os
 from typing import Dict, List, Optional, Tuple, Union
@@ -13,10 +16,12 @@ import torch
 import torch.distributed as dist
 
 from .. import buffer as _mep
+from ..errors import PeerFailedError
 from ..fp8 import UE8M0_PACK, pack_ue8m0, unpack_ue8m0
-from ..protocol import MAX_TOPK
+from ..protocol import MAX_TOPK, failure_message
 from ..types import DispatchHandle
-from .config import COMBINE_CONFIGS, DISPATCH_CONFIGS, Config, _align_up
+from .config import (BUFFER_ALIGNMENT, COMBINE_CONFIGS, DISPATCH_CONFIGS, INT_MAX, Config, InvalidArgument, _align_up,
+                     check_bool, check_int, check_num_ranks)
 from .utils import EventOverlap, from_ours, to_ours
 
 log = logging.getLogger("megatron_ep.deep_ep")
@@ -29,7 +34,35 @@ RANKS_PER_NODE = 8  # DeepEP's fixed node size: num_tokens_per_rdma_rank counts 
 _HINTS: Dict[int, Tuple[int, int, int, int]] = {}
 
 
-class Handle(tuple):
+class _HandleTuple(tuple):
+    """DeepEP's handles are plain tuples, which copy.copy, copy.deepcopy and pickle rebuild from
+    their entries. Ours are tuples with attributes and constructors of their own, so they are
+    rebuilt here from the entries and the attributes, never through those constructors.
+    deepcopy copies the entries (the tensors DeepEP's tuple holds) and the attributes but shares
+    `ours`: our Buffer's record of the routing, which our calls only read and which may view our
+    communication memory, so the copy replays the same routing in a cached dispatch or combine."""
+
+    def __reduce__(self):
+        return _rebuilt, (type(self), tuple(self), dict(self.__dict__))
+
+    def __copy__(self):
+        return _rebuilt(type(self), tuple(self), dict(self.__dict__))
+
+    def __deepcopy__(self, memo):
+        ours = self.__dict__.get("ours")
+        memo.setdefault(id(ours), ours)
+        h = _rebuilt(type(self), copy.deepcopy(tuple(self), memo), copy.deepcopy(self.__dict__, memo))
+        memo[id(self)] = h
+        return h
+
+
+def _rebuilt(cls, entries: tuple, attrs: dict):
+    h = tuple.__new__(cls, entries)
+    h.__dict__.update(attrs)
+    return h
+
+
+class Handle(_HandleTuple):
     """A normal dispatch's handle: DeepEP's intranode 6-tuple `(rank_prefix_matrix,
     channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank,
     send_head)` with the entries our kernels have no counterpart of (per-channel matrices, the
@@ -60,7 +93,7 @@ class InternodeHandle(Handle):
         return h
 
 
-class LowLatencyHandle(tuple):
+class LowLatencyHandle(_HandleTuple):
     """DeepEP's low-latency handle `(src_info, layout_range, num_max_dispatch_tokens_per_rank,
     hidden, num_experts)`; `ours` is megatron_ep's handle, which the combine uses."""
 
@@ -81,6 +114,18 @@ def _unpack_bias(bias) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     return None, None
 
 
+def _public(op: Optional[str] = None):
+    """A public method of Buffer: its body runs inside Buffer._entry (the destroyed rule, and for
+    a collective method, `op`, the publication of its own checks' failures to the peers)."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def method(self, *args, **kwargs):
+            with self._entry(fn.__name__, op):
+                return fn(self, *args, **kwargs)
+        return method
+    return wrap
+
+
 class Buffer:
     """DeepEP's Buffer. `group` is a torch.distributed group; the backend is megatron_ep's
     (MEGATRON_EP_DEEP_EP_BACKEND: auto, cuda or torch; auto picks cuda where it is built and a
@@ -93,14 +138,17 @@ class Buffer:
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False, use_fabric: bool = False,
                  explicitly_destroy: bool = False, enable_shrink: bool = False, comm=None) -> None:
+        self._destroyed = False
         if group is None and comm is None:
             raise ValueError("Either 'group' or 'comm' must be provided.")
         if group is None:
             raise NotImplementedError("megatron_ep.deep_ep.Buffer(comm=...): an mpi4py communicator is not supported; "
                                       "pass a torch.distributed group")
-        assert num_nvl_bytes % 128 == 0 and num_rdma_bytes % 128 == 0
-        self.rank, self.group, self.group_size = dist.get_rank(group), group, dist.get_world_size(group)
-        assert self.group_size < 8 or self.group_size % 8 == 0
+        self.rank, self.group, self.group_size = _group_of(group)
+        _check_buffer_args(self.group_size, num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank,
+                           dict(allow_nvlink_for_low_latency_mode=allow_nvlink_for_low_latency_mode,
+                                allow_mnnvl=allow_mnnvl, use_fabric=use_fabric, explicitly_destroy=explicitly_destroy,
+                                enable_shrink=enable_shrink))
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.low_latency_mode, self.explicitly_destroy, self.enable_shrink = low_latency_mode, explicitly_destroy, enable_shrink
         if low_latency_mode or self.group_size > RANKS_PER_NODE:
@@ -139,10 +187,27 @@ class Buffer:
         return cap
 
     # ------------------------------------------------------------------------- lifecycle
+    @contextlib.contextmanager
+    def _entry(self, method: str, op: Optional[str] = None):
+        """The body of every public method. Its first check is the one rule for a destroyed Buffer:
+        RuntimeError naming the method. For a collective method (`op`: the call of our Buffer its
+        first collective is), that check and the module's own checks before that call are
+        published as a failure inside our calls is (megatron_ep.Buffer.before_call): the peers in
+        the same call raise PeerFailedError naming this rank at once instead of waiting for it."""
+        with self.runtime.before_call(op) if op is not None else contextlib.nullcontext():
+            if self._destroyed:
+                raise RuntimeError(f"megatron_ep.deep_ep Buffer.{method}: this Buffer was destroyed (destroy() was "
+                                   f"called on it); create a new Buffer")
+            yield
+
+    @_public()
     def destroy(self) -> None:
+        """DeepEP's: needs explicitly_destroy; collective on our kernels. A second destroy raises
+        (DeepEP's runtime asserts it runs once), as every later call does. `runtime` stays our
+        destroyed Buffer, whose failure publication tells the peers of such a call."""
         assert self.explicitly_destroy, "`explicitly_destroy` flag must be set"
+        self._destroyed = True
         self.runtime.destroy()
-        self.runtime = None
 
     @staticmethod
     def is_sm90_compiled() -> bool:
@@ -150,8 +215,12 @@ class Buffer:
 
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
-        assert new_num_sms % 2 == 0, "The SM count must be even"
-        Buffer.num_sms = new_num_sms
+        """DeepEP's SM count of the normal kernels (even: channels of two SMs). Kept and checked:
+        our kernels take their SM budget from megatron_ep's Buffer."""
+        n = check_int("new_num_sms", new_num_sms, 2, rule=" and even (channels of two SMs)")
+        if n % 2:
+            raise InvalidArgument(f"new_num_sms={n}: the SM count must be even (channels of two SMs), in 2..{INT_MAX}")
+        Buffer.num_sms = n
 
     @staticmethod
     def capture() -> EventOverlap:
@@ -161,19 +230,19 @@ class Buffer:
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
-        assert num_ranks in DISPATCH_CONFIGS, f"Unsupported number of EP ranks: {num_ranks}"
-        return Config(Buffer.num_sms, *DISPATCH_CONFIGS[num_ranks])
+        return Config(Buffer.num_sms, *_table_entry(DISPATCH_CONFIGS, num_ranks))
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
-        assert num_ranks in COMBINE_CONFIGS, f"Unsupported number of EP ranks: {num_ranks}"
-        return Config(Buffer.num_sms, *COMBINE_CONFIGS[num_ranks])
+        return Config(Buffer.num_sms, *_table_entry(COMBINE_CONFIGS, num_ranks))
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                        num_experts: int) -> int:
         """DeepEP's formula (two buffer halves of send, receive and signalling areas)."""
-        T, H, E = num_max_dispatch_tokens_per_rank, hidden, num_experts
+        T = check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
+        H, E = check_int("hidden", hidden, 1), check_int("num_experts", num_experts, 1)
+        num_ranks = check_int("num_ranks", num_ranks, 1)
         S = H // 128
         d = 16 + max(2 * H, H + 4 * S)
         c = 4 * S + 2 * H
@@ -184,6 +253,7 @@ class Buffer:
         return size
 
     # ------------------------------------------------------------------------ normal mode
+    @_public()
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event: Optional[EventOverlap] = None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False) -> \
             Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor, EventOverlap]:
@@ -201,6 +271,7 @@ class Buffer:
         return (lay.tokens_per_rank.to(torch.int32), per_rdma, lay.tokens_per_expert.to(torch.int32), lay.token_in_rank,
                 _finished(None, async_finish))
 
+    @_public("dispatch")
     def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]], handle: Optional[Tuple] = None,
                  num_tokens_per_rank: Optional[torch.Tensor] = None, num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
                  is_token_in_rank: Optional[torch.Tensor] = None, num_tokens_per_expert: Optional[torch.Tensor] = None,
@@ -216,6 +287,7 @@ class Buffer:
         topk_idx the tokens go where is_token_in_rank says and the received top-k are None. With
         a handle (cached dispatch) only the rows move and the list and handle come back None."""
         _check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
+        _check_config(config)
         prev = to_ours(previous_event)
         if _needs_row_major_copy(x) or (handle is None and topk_idx is None):
             # the wrapper's own work on this stream (the scales' copy, the stand-in ids) must come
@@ -240,9 +312,10 @@ class Buffer:
         else:
             if num_worst_tokens > self._worst_reserved:
                 self._reserve_worst(x, topk_idx, E, num_worst_tokens)
+            # DeepEP's num_worst_tokens is a precondition: rows past it are an error on every rank, not drops
             out = self.runtime.dispatch(x, topk_idx, topk_weights, num_experts=E, permute=False,
                                         num_worst_tokens=num_worst_tokens, host_counts=not num_worst_tokens,
-                                        async_op=async_finish, previous_event=prev)
+                                        async_op=async_finish, previous_event=prev, on_overflow="raise")
             counts = [] if num_worst_tokens else [_align_up(c, expert_alignment) for c in out.tokens_per_expert_host]
             recv_idx, recv_w = out.topk_idx, out.topk_weights
         out = self._repacked(out, packed)
@@ -281,8 +354,10 @@ class Buffer:
         the same on every rank (a decision on this rank's own fit could leave it alone in the
         collective). Not under CUDA-graph capture: make one such call before capturing."""
         rows = _rows(x)
+        # the combine area holds a rank-major dispatch's R x T rows as well as num_worst_tokens
         self.runtime.reserve(max_tokens=rows.shape[0], hidden=rows.shape[1], dtype_bytes=rows.element_size(),
-                             topk=topk_idx.shape[1], num_experts=num_experts, combine_rows=num_worst_tokens)
+                             topk=topk_idx.shape[1], num_experts=num_experts,
+                             combine_rows=max(num_worst_tokens, self.group_size * rows.shape[0]))
         self._worst_reserved = num_worst_tokens
 
     def _dispatch_by_rank(self, x, is_token_in_rank: torch.Tensor, num_experts: int, topk_weights, num_worst_tokens: int,
@@ -313,6 +388,7 @@ class Buffer:
         total = self._gathered(num_tokens_per_expert).sum(0)[self.rank * L:(self.rank + 1) * L]
         return [_align_up(int(c), expert_alignment) for c in total.tolist()]
 
+    @_public("combine")
     def combine(self, x: torch.Tensor, handle: Tuple, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None, config: Optional[Config] = None,
                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
@@ -323,6 +399,7 @@ class Buffer:
         weights a dispatch returned are 0 for experts elsewhere, so that sum gives back the
         selected experts' weights)."""
         _check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
+        _check_config(config)
         assert isinstance(handle, Handle), "handle must come from megatron_ep.deep_ep's dispatch"
         out = self.runtime.combine(x, handle.ours, async_op=async_finish, previous_event=to_ours(previous_event))
         y = out.x
@@ -349,6 +426,7 @@ class Buffer:
         return y, weights, _finished(out.event, async_finish)
 
     # ----------------------------------------------------------------------- low latency
+    @_public("low_latency_dispatch")
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
                              dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
@@ -382,27 +460,56 @@ class Buffer:
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Collective, as DeepEP's. Our low-latency buffers need no cleaning (each call's last
         block clears the signal words it used, and the normal paths use other memory), so this
-        is the group's barrier; with enable_shrink the GPU barrier over the unmasked ranks (a rank
+        is the group's barrier, which carries a rank's failure of this call (a destroyed Buffer,
+        say) to its peers; with enable_shrink the GPU barrier over the unmasked ranks (a rank
         that does not join in time is masked), which also lets ranks unmasked since rejoin."""
-        assert self.low_latency_mode
+        try:
+            with self._entry("clean_low_latency_buffer"):
+                assert self.low_latency_mode
+        except Exception as exc:
+            if not self.enable_shrink:  # (with enable_shrink the peers' barrier masks a rank that does not come)
+                self._barrier("clean_low_latency_buffer", exc)
+            raise
         if self.enable_shrink:
             self.runtime.low_latency_barrier()
         else:
-            dist.barrier(group=self.group)
+            self._barrier("clean_low_latency_buffer")
+
+    def _barrier(self, method: str, failure: Optional[BaseException] = None) -> None:
+        """A barrier over the group in which each rank says whether its call failed: the peers of
+        a rank that failed (`failure`, which it then raises) raise PeerFailedError with its message
+        instead of going on without it."""
+        nccl = self.group_size > 1 and dist.get_backend(self.group) == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        flags = [torch.empty(1, dtype=torch.int64, device=device) for _ in range(self.group_size)]
+        dist.all_gather(flags, torch.tensor([int(failure is not None)], device=device), group=self.group)
+        failed = [r for r, f in enumerate(torch.cat(flags).tolist()) if f]
+        if not failed:
+            return
+        messages: list = [None] * self.group_size
+        dist.all_gather_object(messages, None if failure is None else failure_message(failure), group=self.group)
+        if failure is not None:
+            raise failure
+        raise PeerFailedError(f"megatron_ep.deep_ep Buffer.{method} aborted on every rank: rank {failed[0]} failed: "
+                              f"{messages[failed[0]]}")
 
     # ------------------------------------------------------------------ elastic EP (shrink)
+    @_public()
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
         """Mask (mask=True) or unmask a rank for this rank's low-latency dispatch, combine and clean."""
         self.runtime.low_latency_mask(rank_to_mask, mask)
 
+    @_public()
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
         """mask_status ([num_ranks] torch.int on this GPU) = 1 where a rank is masked, else 0."""
         self.runtime.low_latency_mask_status(mask_status)
 
+    @_public()
     def low_latency_clean_mask_buffer(self) -> None:
         """Unmask every rank."""
         self.runtime.low_latency_clear_mask()
 
+    @_public("low_latency_combine")
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: tuple,
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
                             return_recv_hook: bool = False, out: Optional[torch.Tensor] = None,
@@ -414,7 +521,7 @@ class Buffer:
         assert isinstance(handle, LowLatencyHandle), "handle must come from megatron_ep.deep_ep's low_latency_dispatch"
         assert not (zero_copy and use_logfmt), "zero_copy and use_logfmt are exclusive, as in DeepEP"
         if zero_copy:  # the expert outputs were written into the buffer get_next_low_latency_combine_buffer gave
-            x = self._combine_buffers.get(_combine_shape(handle, self.group_size), self._next_combine)
+            x = self._combine_buffers.filled(_combine_shape(handle, self.group_size), self._next_combine)
         self._next_combine ^= 1
         cuda = self.runtime.backend == "cuda"
         kwargs = {}
@@ -424,17 +531,15 @@ class Buffer:
             kwargs["use_logfmt"] = True
         if cuda and return_recv_hook:
             kwargs["return_recv_hook"] = True
-        if cuda and out is not None:
+        if out is not None:  # checked (shape, dtype, device) by our Buffer on both backends
             kwargs["out"] = out
         res = self.runtime.low_latency_combine(x, topk_idx, topk_weights, handle.ours, **kwargs)
         y, hook = res if (cuda and return_recv_hook) else (res, None)
-        if out is not None and not cuda:
-            out.copy_(y)
-            y = out
         if return_recv_hook and hook is None:
             hook = lambda: None  # noqa: E731 - the torch backend has combined already
         return y, _finished(None, async_finish), hook
 
+    @_public()
     def get_comm_stream(self) -> Optional[torch.cuda.Stream]:
         """The stream our normal-mode kernels run on: what `async_finish` calls overlap with and
         `allocate_on_comm_stream` refers to. The torch backend communicates on the caller's stream:
@@ -444,6 +549,7 @@ class Buffer:
             stream = torch.cuda.current_stream()
         return stream
 
+    @_public()
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
                                 use_rdma_buffer: bool = False) -> torch.Tensor:
         """DeepEP hands out its raw NVLink (or RDMA) buffer. Ours is laid out for our kernels, which
@@ -453,6 +559,7 @@ class Buffer:
                                   "buffer's layout is not DeepEP's and our kernels own its bytes between calls "
                                   "(docs/deep-ep.md, 'Not yet here')")
 
+    @_public()
     def get_next_low_latency_combine_buffer(self, handle: tuple) -> torch.Tensor:
         """The [L, R*T, H] bf16 tensor the next low_latency_combine(zero_copy=True) reads its
         expert outputs from. Our combine reads expert outputs in place (it has no send buffer
@@ -480,6 +587,64 @@ class Buffer:
         every = [torch.empty_like(local) for _ in range(self.group_size)]
         dist.all_gather(every, local.contiguous(), group=self.group)
         return torch.stack(every).to(counts.device)
+
+
+def _group_of(group) -> Tuple[int, object, int]:
+    """(rank, group, size) of a torch.distributed group this process is in; TypeError naming
+    `group` for anything else."""
+    try:
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+    except (AttributeError, RuntimeError, TypeError, ValueError) as exc:
+        raise TypeError(f"group must be a torch.distributed process group (initialized), got "
+                        f"{type(group).__name__}: {exc}") from exc
+    if not isinstance(rank, int) or rank < 0:
+        raise ValueError("group: this process is not one of the group's ranks")
+    return rank, group, size
+
+
+def _check_buffer_args(num_ranks: int, num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank,
+                       flags: dict) -> None:
+    """DeepEP's rules on Buffer's arguments (deep_ep/buffer.py and csrc/deep_ep.cpp at 567632d),
+    each refused at the call by name: TypeError for a wrong type, InvalidArgument (a ValueError
+    and an AssertionError, as DeepEP asserts) naming the value and the allowed range."""
+    check_bool("low_latency_mode", low_latency_mode)
+    for name, value in flags.items():
+        check_bool(name, value)
+    check_num_ranks("the group's size (num_ranks)", num_ranks)
+    nvl = check_int("num_nvl_bytes", num_nvl_bytes, 0, None)
+    rdma = check_int("num_rdma_bytes", num_rdma_bytes, 0, None)
+    for name, value in (("num_nvl_bytes", nvl), ("num_rdma_bytes", rdma)):
+        if value % BUFFER_ALIGNMENT:
+            raise InvalidArgument(f"{name}={value} must be a multiple of {BUFFER_ALIGNMENT} (>= 0); "
+                                  f"{_align_up(value, BUFFER_ALIGNMENT)} is the next one")
+        if value // 16 >= INT_MAX:
+            raise InvalidArgument(f"{name}={value} is outside its range: it must be below {16 * INT_MAX}")
+    if nvl > INT_MAX and rdma:
+        raise InvalidArgument(f"num_nvl_bytes={nvl} is above {INT_MAX}, which DeepEP allows only with "
+                              f"num_rdma_bytes=0 (it is {rdma})")
+    if rdma > INT_MAX and not low_latency_mode:
+        raise InvalidArgument(f"num_rdma_bytes={rdma} is above {INT_MAX}, which DeepEP allows only with "
+                              f"low_latency_mode=True")
+    if rdma and not (num_ranks > 8 or low_latency_mode):
+        raise InvalidArgument(f"num_rdma_bytes={rdma} must be 0 on a group of {num_ranks} ranks without "
+                              f"low_latency_mode: DeepEP's RDMA buffer is for more than 8 ranks or the "
+                              f"low-latency mode")
+    # DeepEP asserts num_qps_per_rank > 0 where it opens RDMA queue pairs: low-latency mode or past 8 ranks
+    check_int("num_qps_per_rank", num_qps_per_rank, 1 if low_latency_mode or num_ranks > 8 else 0)
+
+
+def _table_entry(table: dict, num_ranks) -> tuple:
+    """DeepEP's default chunk sizes for `num_ranks`; InvalidArgument naming the sizes it has."""
+    n = check_int("num_ranks", num_ranks, 1)
+    if n not in table:
+        raise InvalidArgument(f"Unsupported number of EP ranks: {n} (num_ranks must be one of {sorted(table)}, "
+                              f"DeepEP's tables)")
+    return table[n]
+
+
+def _check_config(config) -> None:
+    if config is not None and not isinstance(config, Config):
+        raise TypeError(f"config must be a megatron_ep.deep_ep.Config or None, got {type(config).__name__}")
 
 
 def _stand_in_topk(is_token_in_rank: torch.Tensor, experts_per_rank: int) -> torch.Tensor:
@@ -522,14 +687,25 @@ class _CombineBuffers:
     def __init__(self):
         self._bufs: List[Optional[torch.Tensor]] = [None, None]
 
-    def get(self, shape: Tuple[int, int, int], i: int, device: Optional[torch.device] = None) -> torch.Tensor:
+    def get(self, shape: Tuple[int, int, int], i: int, device: torch.device) -> torch.Tensor:
+        """Buffer i for a handle of `shape` (get_next_low_latency_combine_buffer)."""
         b = self._bufs[i]
-        if device is None:  # the combine: the buffer the caller filled
-            assert b is not None and tuple(b.shape) == shape, \
-                "zero_copy=True needs get_next_low_latency_combine_buffer(handle) filled before this combine"
-            return b
         if b is None or tuple(b.shape) != shape or b.device != device:
             b = self._bufs[i] = torch.empty(shape, dtype=torch.bfloat16, device=device)
+        return b
+
+    def filled(self, shape: Tuple[int, int, int], i: int) -> torch.Tensor:
+        """Buffer i, which the caller filled for this combine, whose handle is of `shape`."""
+        b = self._bufs[i]
+        if b is None:
+            raise ValueError("low_latency_combine(zero_copy=True) reads the expert outputs from the buffer "
+                             "get_next_low_latency_combine_buffer(handle) gives, and none was asked for this combine: "
+                             "ask for it with this combine's handle and fill it first")
+        if tuple(b.shape) != shape:
+            raise ValueError(f"low_latency_combine(zero_copy=True): the buffer get_next_low_latency_combine_buffer gave "
+                             f"for this combine belongs to another handle, of shape {list(b.shape)} ([local experts, "
+                             f"ranks * num_max_dispatch_tokens_per_rank, hidden]); this combine's handle is of shape "
+                             f"{list(shape)}: ask for the buffer with this combine's handle and fill it")
         return b
 
 

@@ -6,38 +6,94 @@ the numbers they expect (our Buffer does not need them)."""
 
 from __future__ import annotations
 
+import operator
+from typing import Optional
+
+INT_MAX = 2 ** 31 - 1  # DeepEP keeps these counts in C++ ints
+BUFFER_ALIGNMENT = 128  # DeepEP's NUM_BUFFER_ALIGNMENT_BYTES
+NVL_PEERS = 8  # DeepEP's NUM_MAX_NVL_PEERS: ranks per node
+
+
+class InvalidArgument(ValueError, AssertionError):
+    """An argument DeepEP asserts on, refused by name at the call: a ValueError naming the
+    argument, its value and the allowed range, and an AssertionError too, as DeepEP's `assert`
+    raised one, so code that catches those still catches it."""
+
+
+def check_int(name: str, value, low: int, high: Optional[int] = INT_MAX, rule: str = "") -> int:
+    """`value` as an int (anything with __index__ but a bool) in low..high (high None: no upper
+    bound); TypeError or InvalidArgument naming `name`, the value and the range (`rule`: what
+    else it must be, for the message)."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    value = operator.index(value)
+    if value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in {low}..{high}"
+        raise InvalidArgument(f"{name}={value} is outside its range: it must be {bound}{rule}")
+    return value
+
+
+def check_bool(name: str, value) -> bool:
+    """A flag must be a bool (a string such as "False" would read as true)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
+def check_num_ranks(name: str, num_ranks) -> int:
+    """DeepEP's group sizes: fewer than 8 ranks (one node), or whole nodes of 8."""
+    num_ranks = check_int(name, num_ranks, 1)
+    if not (num_ranks < NVL_PEERS or num_ranks % NVL_PEERS == 0):
+        raise InvalidArgument(f"{name}={num_ranks} is not a DeepEP group size: it must be below {NVL_PEERS} (one "
+                              f"node) or a multiple of {NVL_PEERS} (whole nodes)")
+    return num_ranks
+
 
 def _align_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
 class Config:
+    """DeepEP's Config, with DeepEP's rules on its values (csrc/config.hpp), each refused by name."""
+
     def __init__(self, num_sms: int = 20, num_max_nvl_chunked_send_tokens: int = 6,
                  num_max_nvl_chunked_recv_tokens: int = 256, num_max_rdma_chunked_send_tokens: int = 6,
                  num_max_rdma_chunked_recv_tokens: int = 256):
-        nvl_send, nvl_recv = num_max_nvl_chunked_send_tokens, num_max_nvl_chunked_recv_tokens
-        rdma_send, rdma_recv = num_max_rdma_chunked_send_tokens, num_max_rdma_chunked_recv_tokens
-        assert num_sms >= 0
-        assert nvl_send > 0 and nvl_recv > 0 and nvl_send < nvl_recv
-        assert rdma_send > 0 and rdma_recv > 0
-        rdma_recv = _align_up(rdma_recv, rdma_send)
-        assert rdma_send < rdma_recv and rdma_send <= rdma_recv // 2
+        num_sms = check_int("num_sms", num_sms, 0)
+        nvl_send = check_int("num_max_nvl_chunked_send_tokens", num_max_nvl_chunked_send_tokens, 1)
+        nvl_recv = check_int("num_max_nvl_chunked_recv_tokens", num_max_nvl_chunked_recv_tokens, nvl_send + 1,
+                             rule=f" (above num_max_nvl_chunked_send_tokens={nvl_send})")
+        rdma_send = check_int("num_max_rdma_chunked_send_tokens", num_max_rdma_chunked_send_tokens, 1)
+        rdma_recv = check_int("num_max_rdma_chunked_recv_tokens", num_max_rdma_chunked_recv_tokens, 1)
+        aligned = _align_up(rdma_recv, rdma_send)  # DeepEP rounds it up to whole send chunks
+        if not (rdma_send < aligned and rdma_send <= aligned // 2):
+            raise InvalidArgument(
+                f"num_max_rdma_chunked_recv_tokens={rdma_recv} (rounded up to {aligned}, whole chunks of "
+                f"num_max_rdma_chunked_send_tokens={rdma_send}) must hold at least two send chunks: "
+                f"num_max_rdma_chunked_send_tokens <= {aligned // 2}, or a receive size >= {2 * rdma_send}")
+        rdma_recv = aligned
         self.num_sms = num_sms
         self.num_max_nvl_chunked_send_tokens, self.num_max_nvl_chunked_recv_tokens = nvl_send, nvl_recv
         self.num_max_rdma_chunked_send_tokens, self.num_max_rdma_chunked_recv_tokens = rdma_send, rdma_recv
 
+    def _hint_args(self, hidden_bytes, num_ranks) -> tuple:
+        hidden_bytes, num_ranks = check_int("hidden_bytes", hidden_bytes, 0, None), check_num_ranks("num_ranks", num_ranks)
+        if num_ranks > NVL_PEERS and self.num_sms % 2:
+            raise InvalidArgument(f"num_ranks={num_ranks}: past {NVL_PEERS} ranks the Config's num_sms must be even "
+                                  f"(channels of two SMs), it is {self.num_sms}")
+        return hidden_bytes, num_ranks
+
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        assert num_ranks < 8 or num_ranks % 8 == 0
-        assert num_ranks <= 8 or self.num_sms % 2 == 0
+        hidden_bytes, num_ranks = self._hint_args(hidden_bytes, num_ranks)
         C, nn, nr, r = self.num_sms // 2, min(num_ranks, 8), max(num_ranks // 8, 1), self.num_max_nvl_chunked_recv_tokens
         b = (C * nn * (2 * nr + 3) * 4 + C * nn * r * hidden_bytes + C * nn * r * 8 + C * nn * r * 128 * 8
              + C * nn * r * 128 * 4 + C * nn * r * 128 * 4)
         return _align_up(b, 128)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        hidden_bytes, num_ranks = self._hint_args(hidden_bytes, num_ranks)
         if num_ranks <= 8:
             return 0
-        assert num_ranks % 8 == 0 and self.num_sms % 2 == 0
         C, nr, r = self.num_sms // 2, num_ranks // 8, self.num_max_rdma_chunked_recv_tokens
         b = (C * nr * (8 * 2 + 2) * 2 * 4 + C * nr * r * hidden_bytes * 2 + C * nr * r * 8 * 2 + C * nr * r * 128 * 8 * 2
              + C * nr * r * 128 * 4 * 2 + C * nr * r * 128 * 4 * 2 + C * nr * r * 16 * 2)

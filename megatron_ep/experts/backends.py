@@ -10,6 +10,11 @@ In order of preference (`MEGATRON_EP_GEMM_BACKEND` = deepgemm | grouped_mm | loo
   Hopper or newer. Forward, dgrad and wgrad are grouped_mm calls (our autograd function; also
   runs on CPU in fp32, which is how the CPU tests cover it).
 * loop: one matmul per expert (host counts); any device and dtype.
+
+Second derivatives: exact on grouped_mm (its backward is grouped_mm calls, which autograd
+differentiates) and loop; deepgemm's backward writes its dgrad through a kernel autograd does not
+see, so under create_graph=True its gradients come out through a node that raises when a
+second derivative reaches it.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..autograd import refuse_second_derivative
 from ..permute import padded_counts, padded_host_counts, round_up
 from .layout import GroupedLayout
 
@@ -61,10 +67,22 @@ def deep_gemm_shape_error(K: int, N: int, fp8: bool = False) -> Optional[str]:
     return None
 
 
+GEMM_ENV = "MEGATRON_EP_GEMM_BACKEND"
+
+
+def gemm_backend_from_env() -> str:
+    """MEGATRON_EP_GEMM_BACKEND ("auto" when unset or empty); a value that names no backend raises."""
+    raw = os.environ.get(GEMM_ENV, "")
+    value = raw.strip() or "auto"
+    if value != "auto" and value not in BACKENDS:
+        raise ValueError(f"{GEMM_ENV}={raw!r} names no grouped GEMM backend: use one of {', '.join(BACKENDS)} or auto")
+    return value
+
+
 def choose_backend(x: torch.Tensor, requested: Optional[str] = None, n: Optional[int] = None) -> str:
     """The backend for x [M, K] times weights with `n` output channels (None: not known yet, only K
     is checked): the requested one, else the first of BACKENDS that takes these operands."""
-    requested = requested or os.environ.get("MEGATRON_EP_GEMM_BACKEND") or "auto"
+    requested = requested or gemm_backend_from_env()
     if requested != "auto":
         if requested not in BACKENDS:
             raise ValueError(f"grouped GEMM backend must be one of {BACKENDS} or auto, got {requested!r}")
@@ -123,7 +141,22 @@ class _GroupedMM(torch.autograd.Function):
         g = g.contiguous()
         dx = gmm(g, w, offs=offs) if ctx.needs_input_grad[0] else None  # [M,N] x [G,N,K]
         dw = gmm(g.t(), x, offs=offs) if ctx.needs_input_grad[1] else None  # [N,M] x [M,K] -> [G,N,K]
+        if torch.is_grad_enabled():  # create_graph=True: autograd differentiates these grouped_mm calls,
+            dx, dw = (None if t is None else _ContiguousGrad.apply(t) for t in (dx, dw))  # given dense grads
         return dx, dw, None
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes its gradient contiguous: torch's own grouped_mm backward
+    refuses the stride-0 gradient a sum() hands it ("Invalid strides/sizes")."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.contiguous()
 
 
 def _mm_aligned(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -201,6 +234,8 @@ class _DeepGemmLinear(torch.autograd.Function):
             else:  # rows past each segment's real length are zero in x and g
                 counts = ctx.counts_host
                 dw = torch.stack([gs.t() @ xs for gs, xs in zip(g.split(counts), x.split(counts))])
+        if torch.is_grad_enabled():  # create_graph=True: dx came from a kernel, outside autograd
+            dx, dw = refuse_second_derivative("grouped GEMM backend 'deepgemm'", (dx, dw), (x, w, g))
         return dx, dw, None, None, None
 
 

@@ -4,6 +4,10 @@ grouped expert MLP (DeepGEMM's masked GEMMs when importable, else a batched matm
 
 Fixed shapes and no host sync after the buffer exists, so a whole decode step can be captured
 in a CUDA graph (make one call first: it sizes the low-latency buffer, a collective).
+
+Not differentiable (inference): it runs without autograd. Called with grad on and inputs that
+require grad, its output comes through a node that raises when a derivative reaches it, rather
+than one that silently lacks the layer's part.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from ..autograd import refuse_gradient
 from ..checks import fail
 from .fp8_weights import Fp8, per_block_cast_to_fp8
 from .mlp import expert_mlp_masked
@@ -59,7 +64,6 @@ class DecodeMoELayer(torch.nn.Module):
         self.w1_fp8[0].copy_(q)
         self.w1_fp8[1].copy_(s)
 
-    @torch.no_grad()
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x [T, H] bf16, topk_idx [T, K] int64 (-1: unused), topk_weights [T, K] fp32 -> [T, H] bf16."""
         return decode_moe(self.buffer, x, topk_idx, topk_weights, self.w1, self.w2, num_experts=self.num_experts,
@@ -67,7 +71,6 @@ class DecodeMoELayer(torch.nn.Module):
                           use_fp8=self.use_fp8, expected_m=self.expected_m, w1_fp8=self.w1_fp8)
 
 
-@torch.no_grad()
 def decode_moe(buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1: torch.Tensor,
                w2: torch.Tensor, *, num_experts: int, max_tokens_per_rank: int, activation: Callable = F.silu,
                glu: bool = True, use_fp8: bool = True, expected_m: Optional[int] = None,
@@ -75,7 +78,22 @@ def decode_moe(buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: to
     """DecodeMoELayer's computation as a function (megatron_ep.megatron.decode calls it with a
     Megatron layer's own expert weights): LL dispatch -> masked expert MLP -> LL combine.
     The expert outputs go to combine in x's dtype (bf16; fp32 on the torch backend only).
-    `w1_fp8`: w1's block FP8 cast kept by the caller (DecodeMoELayer(keep_fp8_weights=True))."""
+    `w1_fp8`: w1's block FP8 cast kept by the caller (DecodeMoELayer(keep_fp8_weights=True)).
+    Not differentiable: with grad on, a derivative through its output raises (see the module)."""
+    with torch.no_grad():
+        y = _decode_moe(buffer, x, topk_idx, topk_weights, w1, w2, num_experts, max_tokens_per_rank, activation, glu,
+                        use_fp8, expected_m, w1_fp8)
+    return refuse_gradient(NOT_DIFFERENTIABLE.format(what="decode_moe (the low-latency decode layer)"), (y,),
+                           (x, topk_weights, w1, w2))[0]
+
+
+NOT_DIFFERENTIABLE = ("{what} is not differentiable: it runs without autograd, so a derivative through its output "
+                      "would leave its part out. Run it under torch.no_grad() (inference); train on the normal path "
+                      "(megatron_ep.dispatch / combine, chunked_expert_mlp)")
+
+
+def _decode_moe(buffer, x, topk_idx, topk_weights, w1, w2, num_experts, max_tokens_per_rank, activation, glu, use_fp8,
+                expected_m, w1_fp8) -> torch.Tensor:
     # the weights go with the dispatch: the combine (same tensor) sends one row per token and rank
     out = buffer.low_latency_dispatch(x, topk_idx, num_experts=num_experts, max_tokens_per_rank=max_tokens_per_rank,
                                       use_fp8=use_fp8, topk_weights=topk_weights)

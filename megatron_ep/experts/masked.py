@@ -29,6 +29,7 @@ from typing import Optional, Union
 
 import torch
 
+from ..autograd import refuse_gradient
 from ..fp8 import per_token_cast_back
 from .backends import deep_gemm_module, grouped_linear
 from .fp8_weights import Fp8, fp8_weights, per_block_cast_to_fp8  # noqa: F401 (per_block_cast_to_fp8: re-exported)
@@ -142,5 +143,7 @@ def grouped_linear_fp8(x: Fp8, w: torch.Tensor, layout: GroupedLayout, backend: 
         if why is None and layout.alignment % deep_gemm_alignment(dg) == 0:
             out = torch.zeros((data.shape[0], w.shape[1]), dtype=torch.bfloat16, device=data.device)
             dg.m_grouped_fp8_gemm_nt_contiguous((data, scales), fp8_weights(w), out, layout.m_indices(data.device))
-            return out
+            # the kernel's output carries no gradient to w: a backward that reaches it raises
+            return refuse_gradient("grouped_linear_fp8: DeepGEMM's FP8 GEMM is forward only: it carries no "
+                                   "gradient to w (the fallback, backend 'grouped_mm' or 'loop', does)", (out,), (w,))[0]
     return grouped_linear(per_token_cast_back(data, scales, w.dtype), w, layout, None if backend == "deepgemm" else backend)

@@ -23,7 +23,10 @@ schedule on the gradients: the backward of a combine (a cached dispatch of the o
 the chunk's MLP backward (data and weight gradients, from the graph its forward kept), the
 backward of a dispatch (a combine of the rows' and probs' gradients). Autograd would otherwise
 run the chunks' nodes one at a time, each transfer followed by a wait for it. A cached dispatch
-and a combine need no host sync, so the backward pipelines fully.
+and a combine need no host sync, so the backward pipelines fully. That backward is not itself
+differentiable: under ``create_graph=True`` its gradients come out through a node that raises,
+tied to the layer's inputs and the output gradient, so a second derivative through the layer
+raises naming it, taken by ``.backward()`` or by ``torch.autograd.grad(..., inputs)`` alike.
 
 Without ``num_worst_tokens`` each dispatch tells the host its row counts (a host sync at its
 notify): the host issues G(c) only once D(c + 1)'s counts are in, which come after C(c - 1), so
@@ -52,6 +55,14 @@ from ..types import EventOverlap
 from .backends import sms_left_free
 from .layout import GroupedLayout
 from .mlp import expert_mlp
+
+
+# The most chunks a layer may take. Each chunk pays a dispatch's and a combine's fixed price (the
+# calls' launches and their handshakes with every peer, also for an empty chunk), while what the
+# chunks hide is at most the layer's communication: past a handful of chunks the fixed prices grow
+# faster than the hidden time shrinks (megatron_ep.model.overlap searches 1..16 pieces for the
+# same reason), so a larger count only costs.
+MAX_CHUNKS = 16
 
 
 def chunk_bounds(num_tokens: int, chunks: int) -> List[tuple]:
@@ -206,10 +217,14 @@ class _ChunkedExperts(torch.autograd.Function):
         y, chunks = _forward(plan, x, probs, w[0], w[1], graph=True)
         ctx.plan, ctx.chunks, ctx.weights = plan, chunks, w
         ctx.probs_dtype = probs.dtype
-        return y
+        # An empty second output, saved: unpacked in backward it has this node as its grad_fn,
+        # so it leads to every input that requires grad, and holds no memory (see backward).
+        anchor = x.new_empty(0)
+        ctx.save_for_backward(anchor)
+        return y, anchor
 
     @staticmethod
-    def backward(ctx, grad_y):
+    def backward(ctx, grad_y, _):
         fail(ctx.chunks is not None, "chunked_expert_mlp: this layer's backward already ran; a second backward "
              "through it (retain_graph=True) is not supported: its chunks' graphs are freed as the first one "
              "pipelines them. Run the layer's forward again", RuntimeError)
@@ -221,7 +236,11 @@ class _ChunkedExperts(torch.autograd.Function):
             grad_probs = grad_probs.to(ctx.probs_dtype)
         grads = (grad_x, grad_probs, g1, g2)
         if torch.is_grad_enabled():  # create_graph=True: no second derivative may come out silently wrong
-            grads = refuse_second_derivative("chunked_expert_mlp", grads)
+            # The refusing node must lie on every path from these gradients to what they depend
+            # on: the layer's inputs (through the saved anchor, whose grad_fn is this node) and
+            # whatever grad_y depends on. autograd.grad(..., inputs) visits only such paths.
+            (anchor,) = ctx.saved_tensors
+            grads = refuse_second_derivative("chunked_expert_mlp", grads, (anchor, grad_y))
         return (None,) + grads
 
 
@@ -252,7 +271,7 @@ def chunked_expert_mlp(buffer, x: torch.Tensor, topk_idx: torch.Tensor, probs: t
     kernels that run beside them (``experts.backends.sms_left_free``); default: the buffer's
     ``num_sms`` with more than one chunk, 0 with one chunk or a buffer without SMs (torch).
     """
-    check_int("chunks", chunks, 1)
+    check_int("chunks", chunks, 1, MAX_CHUNKS)
     if comm_sms is None:
         comm_sms = (getattr(buffer, "num_sms", None) or 0) if chunks > 1 else 0
     check_int("comm_sms", comm_sms, 0)
@@ -270,5 +289,5 @@ def chunked_expert_mlp(buffer, x: torch.Tensor, topk_idx: torch.Tensor, probs: t
     plan = _Plan(buffer, topk_idx, chunk_bounds(x.shape[0], chunks), num_experts, expert_alignment, activation, glu,
                  backend, num_worst_tokens, mark, on_dispatch, comm_sms)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, probs, w1, w2)):
-        return _ChunkedExperts.apply(plan, x, probs, w1, w2)
+        return _ChunkedExperts.apply(plan, x, probs, w1, w2)[0]
     return _forward(plan, x, probs, w1, w2, graph=False)[0]

@@ -27,20 +27,26 @@ def from_env() -> Optional[str]:
     return value
 
 
-def resolve(option: Optional[str], option_name: str) -> Tuple[str, Optional[str]]:
+def choose(option: Optional[str], option_name: str) -> Tuple[str, Optional[str]]:
     """A command's own backend option against the variable: (the backend, the line to say when
     the option overrides a different value of the variable, else None). The option wins; without
-    it the variable, else "auto". A bad value of the variable is refused even under the option, as
-    a command's usage error (one line)."""
-    from ..cli import UsageError
-
-    try:
-        env = from_env()
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+    it the variable, else "auto". A bad value of the variable is refused even under the option
+    (ValueError). Standard library only: recipes/deepseek_v3_ep64/launch.py loads this file by
+    its path, where megatron_ep may not be importable."""
+    env = from_env()
     if option is None:
         return env or "auto", None
     overridden = None
     if env is not None and env != option:
         overridden = f"{option_name} {option} overrides {ENV}={env} (the command's option wins)"
     return option, overridden
+
+
+def resolve(option: Optional[str], option_name: str) -> Tuple[str, Optional[str]]:
+    """choose(), a bad value of the variable as a command's usage error (one line)."""
+    from ..cli import UsageError
+
+    try:
+        return choose(option, option_name)
+    except ValueError as e:
+        raise UsageError(str(e)) from None

@@ -13,7 +13,28 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .. import envs
+from ..checks import check_capacity_factor
 from ..permute import round_up
+
+ENV = "MEGATRON_EP_RANK_CAPACITY_FACTOR"  # the launcher's --ep-budget sets it
+
+
+def factor_from_env():
+    """MEGATRON_EP_RANK_CAPACITY_FACTOR (None when unset or empty): a finite number > 0."""
+    return check_capacity_factor(f"{ENV} (the static budget's moe_expert_rank_capacity_factor)", envs.number(ENV, None))
+
+
+def env_factor(backend: str):
+    """MEGATRON_EP_RANK_CAPACITY_FACTOR for a flex manager of `backend` (None when unset): the
+    static budget is the hybridep manager's, so another backend refuses a set value rather than
+    run without the budget the user asked for."""
+    factor = factor_from_env()
+    if factor is not None and backend != "hybridep":
+        raise ValueError(f"{ENV}={factor} (the launcher's --ep-budget) sets the hybridep manager's static budget, "
+                         f"but this MoE layer's flex backend is {backend}, which has none: use "
+                         f"--moe-flex-dispatcher-backend hybridep, or unset it")
+    return factor
 
 
 def budget_rows(tokens: int, topk: int, factor: float, num_local_experts: int, alignment: int,

@@ -34,6 +34,14 @@ def choose_backend(device: torch.device) -> str:
     return backend
 
 
+def cuda_options_from_env() -> dict:
+    """The cuda Buffer's options the environment sets (a bad value raises naming it)."""
+    return dict(check_inputs=envs.flag("MEGATRON_EP_CHECK_INPUTS"),  # costs a host sync
+                max_tokens_per_rank=envs.integer("MEGATRON_EP_MAX_TOKENS_PER_RANK", None, 1),
+                combine_rows=envs.integer("MEGATRON_EP_COMBINE_ROWS", None, 1),
+                ranks_per_node=envs.integer("MEGATRON_EP_RANKS_PER_NODE", None, 1))
+
+
 def get_buffer(group, x: torch.Tensor, num_experts: int, topk: int, num_sms: Optional[int],
                expert_major_align: int = 0) -> Buffer:
     """The group's Buffer, created on first use (a collective for the cuda backend).
@@ -45,12 +53,9 @@ def get_buffer(group, x: torch.Tensor, num_experts: int, topk: int, num_sms: Opt
         if backend == "torch":
             buf = Buffer(group, backend="torch")
         else:
-            check = envs.flag("MEGATRON_EP_CHECK_INPUTS")  # costs a host sync
-            buf = Buffer(group, backend="cuda", max_tokens_per_rank=envs.integer("MEGATRON_EP_MAX_TOKENS_PER_RANK", None, 1),
-                         hidden=x.shape[-1], num_experts=num_experts, max_topk=topk, num_sms=num_sms,
-                         check_inputs=check, dtype_bytes=x.element_size(), combine_bytes=max(2, x.element_size()),
-                         combine_rows=envs.integer("MEGATRON_EP_COMBINE_ROWS", None, 1), max_alignment=max(1, expert_major_align),
-                         ranks_per_node=envs.integer("MEGATRON_EP_RANKS_PER_NODE", None, 1))
+            buf = Buffer(group, backend="cuda", hidden=x.shape[-1], num_experts=num_experts, max_topk=topk,
+                         num_sms=num_sms, dtype_bytes=x.element_size(), combine_bytes=max(2, x.element_size()),
+                         max_alignment=max(1, expert_major_align), **cuda_options_from_env())
         _BUFFERS[key] = buf
     if buf.max_tokens_per_rank is not None and x.shape[0] > buf.max_tokens_per_rank:
         raise ValueError(f"MoE layer got {x.shape[0]} tokens on this rank but MEGATRON_EP_MAX_TOKENS_PER_RANK is "
@@ -58,12 +63,19 @@ def get_buffer(group, x: torch.Tensor, num_experts: int, topk: int, num_sms: Opt
     return buf
 
 
+def fail_call(buf: Buffer, op: str, error: BaseException) -> None:
+    """Raise `error` as this rank's failure of its next `op` call on `buf` ("dispatch",
+    "low_latency_dispatch", ...), before any communication: the failure is published to the
+    peers, which raise PeerFailedError naming it instead of waiting for a call this rank never
+    makes (the Buffer stays usable). Every refusal a layer makes after its peers may already be
+    inside the call goes through here."""
+    with buf._call(op):
+        raise error
+
+
 def fail_dispatch(buf: Buffer, message: str) -> None:
-    """Raise ValueError(message) as this rank's failure of its next dispatch on `buf`, before any
-    communication: the failure is published to the peers, which raise PeerFailedError naming it
-    instead of waiting for a dispatch this rank never makes (the Buffer stays usable)."""
-    with buf._call("dispatch"):
-        raise ValueError(message)
+    """`fail_call` of a dispatch with ValueError(message)."""
+    fail_call(buf, "dispatch", ValueError(message))
 
 
 def reset_buffers() -> None:

@@ -35,6 +35,7 @@ import torch
 
 from .. import envs
 from ..checks import check_int
+from ..experts.overlap import MAX_CHUNKS
 
 
 def _eligibility(layer) -> str:
@@ -91,7 +92,7 @@ def enable_chunked_experts(module: torch.nn.Module, chunks: int) -> int:
     qualify, and TypeError / ValueError for a bad `chunks`, before changing any layer."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    check_int("chunks", chunks, 1)
+    check_int("chunks", chunks, 1, MAX_CHUNKS)
     layers = [m for m in module.modules() if isinstance(m, MoELayer)]
     if not layers:
         raise ValueError(f"enable_chunked_experts: no MoELayer in {type(module).__name__}")
@@ -112,7 +113,7 @@ ENV = "MEGATRON_EP_CHUNKED_EXPERTS"
 
 def chunks_from_env() -> int:
     """MEGATRON_EP_CHUNKED_EXPERTS as a chunk count (0: unset or empty); a bad value raises."""
-    return envs.integer(ENV, 0, minimum=1)
+    return envs.integer(ENV, 0, minimum=1, maximum=MAX_CHUNKS)
 
 
 def apply_from_env(module: torch.nn.Module, chunks: int = 0) -> int:

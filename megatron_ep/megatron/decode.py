@@ -32,7 +32,13 @@ low-latency calls are collectives):
   agrees, including that its tokens fit `max_tokens_per_rank` (`agree=True`: one all-reduce of
   two ints over the EP group per model forward, outside any CUDA graph of the layers; Megatron's
   dynamic engine makes the same agreement when it picks decode CUDA graphs).
-A module in training mode always takes its normal path.
+A module in training mode always takes its normal path. A decode step is not differentiable: with
+autograd on and the layer or its input requiring grad it is refused (run it under
+`torch.no_grad()` / `torch.inference_mode()`). Every refusal of a step (gradients, more tokens than
+`max_tokens_per_rank`, partial CUDA graphs) is raised through the layer's Buffer, so every EP rank
+raises (the others PeerFailedError naming it) instead of waiting for this rank's part. The decode
+Buffer is the flex managers' (one per EP group): a rank in a decode step while another runs the
+normal forward raises CallMismatchError on both, within the Buffer's timeout.
 
 Expert weights (this rank's local experts, `[L, F or 2F, H]` and `[L, H, F]`): read in place
 from megatron_ep's `GroupedGemmExperts` and 0.16's legacy `GroupedMLP` (views); stacked from
@@ -43,7 +49,11 @@ through tensors that share the parameter's memory (`param.data.copy_`, the distr
 optimizer's buffer views), which changes neither, so a train-then-decode loop (RL rollouts)
 would decode with the previous step's weights. `enable_decode(keep_weights=True)` keeps the stack
 (static weights, e.g. a serving process); `refresh_decode_weights(model)` then re-stacks it in
-place after the weights change (in place, so a captured CUDA graph sees the new weights).
+place after the weights change (in place, so a captured CUDA graph sees the new weights). What
+the parameters' objects, dtype, device and shape tell is followed without a refresh: a replaced
+Parameter (`load_state_dict(assign=True)`) or `layer.to(dtype)` makes a new stack at the next
+decode forward (and a refresh makes a new one rather than copying into the old). The view
+layouts are never kept: they are the parameters.
 Not supported (raise naming the setting): expert tensor parallelism, attention TP > 1, expert
 biases, MoE latent projections, `glu_linear_offset`, `activation_func_clamp_value`,
 `transformer_impl="inference_optimized"`.
@@ -64,7 +74,7 @@ from ..checks import fail
 from ..experts.decode_layer import decode_moe
 from ..permute import routing_map_to_topk
 from . import compat
-from .buffers import get_buffer
+from .buffers import fail_call, get_buffer
 
 _DECODE = {"active": False}
 
@@ -129,6 +139,20 @@ def expert_weights(experts, hidden_size: int) -> Tuple[torch.Tensor, torch.Tenso
 
 
 # ------------------------------------------------------------------------------ the layer
+def _stacked(kind: str) -> bool:
+    """Whether decode reads a copy of the weights (stacked from per-expert tensors) rather than
+    views of the parameters (GroupedGemmExperts, 0.16's GroupedMLP: read in place each forward)."""
+    return kind in ("sequential", "te_grouped")
+
+
+def _weights_key(params: List[torch.Tensor]) -> tuple:
+    """What a kept stack was made from: the parameters themselves (a replaced Parameter, as
+    load_state_dict(assign=True) makes, is another object) and their dtype, device and shape
+    (layer.to(dtype) keeps the objects and changes these). Not their values: an optimizer writes
+    those in place, which only refresh_decode_weights() can tell (see the module docstring)."""
+    return tuple((id(p), p.dtype, p.device, tuple(p.shape)) for p in params)
+
+
 @dataclass
 class DecodeState:
     """What `enable_decode` keeps on a layer (`layer.megatron_ep_decode`)."""
@@ -142,22 +166,37 @@ class DecodeState:
     normal_calls: int = 0
     keep_weights: bool = False
     _weights: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+    _key: Optional[tuple] = None  # _weights_key of the parameters the kept stack was made from
 
     def weights(self, layer) -> Tuple[torch.Tensor, torch.Tensor]:
-        """w1, w2 for this forward: views of the parameters where the module stores them stacked;
-        otherwise a fresh stack, or the kept one under keep_weights (see the module docstring)."""
-        if not self.keep_weights or self._weights is None:
-            self._weights = expert_weights(layer.experts, layer.config.hidden_size)
+        """w1, w2 for this forward: views of the parameters where the module stores them stacked
+        (always the module's current parameters); otherwise a fresh stack, or under keep_weights
+        the kept one -- made anew when the parameters were replaced or changed dtype, device or
+        shape since it was made."""
+        kind, params = _params_of(layer.experts)
+        if not _stacked(kind) or not self.keep_weights:
+            self._weights = self._key = None
+            return expert_weights(layer.experts, layer.config.hidden_size)
+        key = _weights_key(params)
+        if self._weights is None or key != self._key:
+            self._weights, self._key = expert_weights(layer.experts, layer.config.hidden_size), key
         return self._weights
 
+    @torch.no_grad()
     def refresh(self, layer) -> None:
-        """Re-stack the kept weights in place (the same tensors: CUDA graphs follow)."""
+        """Re-stack the kept weights in place (the same tensors: CUDA graphs follow); made anew
+        where the parameters' objects, dtype, device or shape changed (a graph captured with the
+        old stack must then be captured again)."""
         if self._weights is None:
+            return
+        kind, params = _params_of(layer.experts)
+        key = _weights_key(params)
+        if key != self._key:
+            self._weights, self._key = expert_weights(layer.experts, layer.config.hidden_size), key
             return
         w1, w2 = expert_weights(layer.experts, layer.config.hidden_size)
         for kept, new in ((self._weights[0], w1), (self._weights[1], w2)):
-            if kept.data_ptr() != new.data_ptr():
-                kept.copy_(new)
+            kept.copy_(new)
 
 
 def check_layer(layer) -> None:
@@ -184,15 +223,52 @@ def check_layer(layer) -> None:
     fail(L * R == cfg.num_moe_experts, f"decode path: {L} local experts x {R} EP ranks != {cfg.num_moe_experts} experts")
 
 
-@torch.no_grad()
-def decode_forward(layer, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
-    """One MoELayer forward on the low-latency path: (output [S, B, H], None), as MoELayer.forward."""
+def _refusal(layer, hidden_states: torch.Tensor, intermediate) -> Optional[BaseException]:
+    """Why this rank cannot run the decode step it was asked to (None: it can). Raised through
+    the layer's Buffer (`fail_call`), so the peers, which may already wait in the step's
+    low-latency dispatch, raise PeerFailedError naming it instead of waiting."""
+    st: DecodeState = layer.megatron_ep_decode
+    T = hidden_states.shape[0] * hidden_states.shape[1]
+    if intermediate is not None:
+        return ValueError("decode path: partial MoE CUDA graphs (intermediate_tensors) are not supported")
+    if T > st.max_tokens_per_rank:
+        return ValueError(f"decode path: {T} tokens on this rank, more than max_tokens_per_rank="
+                          f"{st.max_tokens_per_rank} (enable_decode(max_tokens_per_rank=...))")
+    if torch.is_grad_enabled() and (hidden_states.requires_grad or any(p.requires_grad for p in layer.parameters())):
+        # the decode step is not differentiable: a backward through it would leave the experts'
+        # and the router's gradients out in silence
+        return RuntimeError("decode path: a decode step runs without gradients, but autograd is on and the layer "
+                            "or its input requires grad; run decode steps under torch.no_grad() or "
+                            "torch.inference_mode(), or outside decode_step() for a differentiable forward")
+    return None
+
+
+def _buffer(layer, x: torch.Tensor):
+    cfg = layer.config
+    return get_buffer(layer.megatron_ep_decode.group, x, cfg.num_moe_experts, cfg.moe_router_topk,
+                      compat.flex_num_sms(cfg, compat.cfg(cfg, "moe_flex_dispatcher_backend", "deepep")))
+
+
+def decode_forward(layer, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None,
+                   intermediate=None):
+    """One MoELayer forward on the low-latency path: (output [S, B, H], None), as MoELayer.forward.
+    A step this rank cannot run raises on every rank of the EP group (`_refusal`)."""
+    st: DecodeState = layer.megatron_ep_decode
+    S, B, H = hidden_states.shape
+    error = _refusal(layer, hidden_states, intermediate)
+    if error is not None:
+        fail_call(_buffer(layer, hidden_states.reshape(S * B, H)), "low_latency_dispatch", error)
+    with torch.no_grad():
+        out = _decode(layer, hidden_states, padding_mask)
+    st.decode_calls += 1
+    return out, None
+
+
+def _decode(layer, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor]) -> torch.Tensor:
     st: DecodeState = layer.megatron_ep_decode
     cfg = layer.config
     S, B, H = hidden_states.shape
     T = S * B
-    fail(T <= st.max_tokens_per_rank, f"decode path: {T} tokens on this rank, more than max_tokens_per_rank="
-                                      f"{st.max_tokens_per_rank} (enable_decode(max_tokens_per_rank=...))")
     shared = layer.shared_experts(hidden_states) if getattr(layer, "use_shared_expert", False) else None
     if padding_mask is not None:
         padding_mask = padding_mask.transpose(0, 1).bool()
@@ -208,7 +284,7 @@ def decode_forward(layer, hidden_states: torch.Tensor, padding_mask: Optional[to
     if compat.cfg(cfg, "moe_apply_probs_on_input", False):  # top-1: the prob scales the expert's input
         x = (x * topk_w.to(x.dtype)).to(x.dtype)
         topk_w = (topk_idx >= 0).float()
-    buf = get_buffer(st.group, x, E, K, compat.flex_num_sms(cfg, compat.cfg(cfg, "moe_flex_dispatcher_backend", "deepep")))
+    buf = _buffer(layer, x)
     if buf.backend == "cuda":
         x = x.to(torch.bfloat16)  # the kernels move bf16 (or FP8 cast from it)
     w1, w2 = st.weights(layer)
@@ -216,10 +292,7 @@ def decode_forward(layer, hidden_states: torch.Tensor, padding_mask: Optional[to
                    max_tokens_per_rank=st.max_tokens_per_rank, activation=cfg.activation_func,
                    glu=bool(cfg.gated_linear_unit), use_fp8=st.use_fp8, expected_m=st.expected_m)
     out = y.to(hidden_states.dtype).view(S, B, H)
-    if shared is not None:
-        out = out + shared
-    st.decode_calls += 1
-    return out, None
+    return out if shared is None else out + shared
 
 
 def _wrapped_forward(layer, hidden_states, *args, **kwargs):
@@ -228,8 +301,20 @@ def _wrapped_forward(layer, hidden_states, *args, **kwargs):
         st.normal_calls += 1
         return st.normal_forward(hidden_states, *args, **kwargs)
     intermediate = kwargs.get("intermediate_tensors", args[0] if args else None)
-    fail(intermediate is None, "decode path: partial MoE CUDA graphs (intermediate_tensors) are not supported")
-    return decode_forward(layer, hidden_states, kwargs.get("padding_mask", args[1] if len(args) > 1 else None))
+    return decode_forward(layer, hidden_states, kwargs.get("padding_mask", args[1] if len(args) > 1 else None),
+                          intermediate)
+
+
+def decode_group(layer):
+    """The EP group of the layer's decode Buffer: its flex manager's (the dispatcher's
+    `tp_ep_group`, the same ranks as `ep_group` wherever decode runs: TP = expert TP = 1), so a
+    decode step on some ranks and a normal forward on others are calls of one Buffer, which
+    raises CallMismatchError on every rank instead of each waiting in a Buffer of its own."""
+    disp = layer.token_dispatcher
+    tp_ep = getattr(disp, "tp_ep_group", None)
+    if tp_ep is not None and dist.get_process_group_ranks(tp_ep) == dist.get_process_group_ranks(disp.ep_group):
+        return tp_ep
+    return disp.ep_group
 
 
 def moe_layers(model: torch.nn.Module) -> list:
@@ -260,10 +345,10 @@ def enable_decode(model: torch.nn.Module, *, max_tokens_per_rank: int = 128, use
             st = layer.megatron_ep_decode
             st.max_tokens_per_rank, st.use_fp8, st.expected_m = max_tokens_per_rank, use_fp8, expected_m
             if st.keep_weights != keep_weights:
-                st.keep_weights, st._weights = keep_weights, None
+                st.keep_weights, st._weights, st._key = keep_weights, None, None
             continue
         layer.megatron_ep_decode = DecodeState(max_tokens_per_rank, use_fp8, expected_m, layer.forward,
-                                               layer.token_dispatcher.ep_group, keep_weights=keep_weights)
+                                               decode_group(layer), keep_weights=keep_weights)
         layer.forward = types.MethodType(_wrapped_forward, layer)
     if follow_inference_context and getattr(model, "_megatron_ep_decode_hooks", None) is None:
         params = inspect.signature(model.forward).parameters

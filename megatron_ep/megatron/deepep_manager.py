@@ -23,6 +23,7 @@ from .. import autograd as ep
 from ..checks import routing_inputs_error, routing_tokens_error
 from ..permute import padded_host_counts, routing_map_error, routing_map_to_topk
 from . import compat
+from .budget import env_factor
 from .buffers import fail_dispatch, get_buffer
 from .layouts import LocalPermute
 
@@ -42,6 +43,7 @@ class MegatronEPDeepepManager(_DispatchManager):
         self.router_dtype = compat.cfg(config, "moe_router_dtype")
         self.num_sms = compat.flex_num_sms(config, "deepep")
         self.align = compat.deepep_align(config)
+        env_factor("deepep")  # a static budget asked for this layer is refused, not ignored
 
         # Metadata (Megatron's CUDA-graph code captures token_probs / token_indices)
         self.token_indices: Optional[torch.Tensor] = None

@@ -26,7 +26,9 @@ Static shapes (no host sync in the manager):
   token count grows past the agreed one makes the budgets of the others too small for it: their
   drops raise `over_budget` everywhere, and the rerun (`invalidate_ep_bootstrap()`) agrees anew.
 * `moe_pad_expert_input_to_capacity`: each local expert gets exactly capacity * group_size rows
-  (the router already dropped tokens over capacity per source rank).
+  (the router already dropped tokens over capacity per source rank). The router fills every
+  expert to capacity with pairs of probability 0, so its map's rows may name more than top-k
+  experts: those pairs are left out (`permute.routed_pairs`), the segments' pad rows stand in.
 A routing-map row with more than top-k experts is rejected before any communication (the
 dynamic modes sync the host anyway); in the budget mode, which cannot sync, its extra
 (token, expert) pairs are counted as dropped rows and raise `over_budget`.
@@ -42,13 +44,12 @@ import torch.distributed as dist
 from megatron.core.transformer.moe.moe_utils import get_capacity
 from megatron.core.transformer.moe.token_dispatcher import _DispatchManager
 
-from .. import envs
 from .. import autograd as ep
 from ..checks import capturing, check_capacity_factor, routing_inputs_error, routing_tokens_error
-from ..permute import (attach_expert_rows, routed_past_topk, routing_map_error, routing_map_to_topk,
-                       worst_case_segments)
+from ..permute import (attach_expert_rows, routed_pairs, routed_past_topk, routing_map_error,
+                       routing_map_to_topk, worst_case_segments)
 from . import compat
-from .budget import agree_max, all_reduce_small, budget_rows, reduces_on_device
+from .budget import agree_max, all_reduce_small, budget_rows, env_factor, reduces_on_device
 from .buffers import fail_dispatch, get_buffer
 from .layouts import StaticRows
 
@@ -78,7 +79,7 @@ class MegatronEPHybridEPManager(_DispatchManager):
         # field (0.16) or leaves it unset, MEGATRON_EP_RANK_CAPACITY_FACTOR sets it.
         self.moe_expert_rank_capacity_factor = compat.rank_capacity_factor(config)
         if self.moe_expert_rank_capacity_factor is None:
-            self.moe_expert_rank_capacity_factor = envs.number("MEGATRON_EP_RANK_CAPACITY_FACTOR", None)
+            self.moe_expert_rank_capacity_factor = env_factor("hybridep")
         self.moe_expert_rank_capacity_factor = check_capacity_factor(
             "moe_expert_rank_capacity_factor (or MEGATRON_EP_RANK_CAPACITY_FACTOR)", self.moe_expert_rank_capacity_factor)
         check_capacity_factor("moe_expert_capacity_factor", self.capacity_factor)
@@ -118,8 +119,9 @@ class MegatronEPHybridEPManager(_DispatchManager):
         if self._input_error:
             return
         num_tokens = routing_map.shape[0]
-        self.routing_map = routing_map.reshape(num_tokens, self.num_experts)
         self.token_probs = probs.reshape(num_tokens, self.num_experts)
+        self.routing_map = routed_pairs(routing_map.reshape(num_tokens, self.num_experts), self.token_probs,
+                                        self.drop_and_pad)
         self.capacity = None
         if self.drop_and_pad:
             self.capacity = get_capacity(num_tokens=num_tokens * self.config.moe_router_topk,

@@ -31,7 +31,9 @@ def use_in_moe_layers(experts: str = "megatron", gemm: Optional[str] = None, chu
     from ..checks import check_int, fail
 
     fail(experts in EXPERTS, f"experts must be one of {EXPERTS}, got {experts!r}")
-    check_int("chunks", chunks, 0)
+    from ..experts.overlap import MAX_CHUNKS
+
+    check_int("chunks", chunks, 0, MAX_CHUNKS)
     fail(not chunks or experts == "grouped", "chunked experts need megatron_ep's experts (experts='grouped')")
     _STATE.update(experts=experts, gemm=gemm, chunks=chunks)
     if getattr(MoELayer.__init__, "_mep_layer_options", False):

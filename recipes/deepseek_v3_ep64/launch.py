@@ -25,8 +25,9 @@ GPUS_PER_NODE (8). Each node runs
         --node-rank R --nproc-per-node 8 --master-addr A --master-port P \\
         -m megatron_ep.megatron.launch $MEGATRON_LM_DIR/pretrain_gpt.py <model and training flags>
 
-MEGATRON_EP_BACKEND=auto runs megatron_ep's cuda kernels where the GPUs are Hopper and its CUDA
-extension is built: an EP group spanning nodes takes the two-level internode path (NVSHMEM
+MEGATRON_EP_BACKEND is --ep-backend, else the environment's MEGATRON_EP_BACKEND, else auto (a
+value that names no backend is refused). auto runs megatron_ep's cuda kernels where the GPUs are
+Hopper and its CUDA extension is built: an EP group spanning nodes takes the two-level internode path (NVSHMEM
 RDMA between nodes, NVLink inside each), one inside a node the intranode path; elsewhere the
 torch backend (NCCL all-to-all). The NVSHMEM settings are those an InfiniBand cluster needs
 (--no-infiniband leaves NVSHMEM's own defaults).
@@ -34,13 +35,16 @@ torch backend (NCCL all-to-all). The NVSHMEM settings are those an InfiniBand cl
 `megatron_ep.megatron.launch` installs megatron_ep's flex managers into megatron-core and then
 runs pretrain_gpt.py unchanged as `__main__`, so the managers are in place before Megatron builds
 the model. Every flag this file passes is checked against Megatron's configuration classes by
-tests/test_recipes.py. Standard library only: it must run where megatron_ep is not importable.
+tests/test_recipes.py. Standard library only: it must run where megatron_ep is not importable;
+the rules it shares with megatron_ep (switches, backend names) come from megatron_ep/envs.py and
+megatron_ep/megatron/backend.py, loaded by their paths (both are standard library only).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import os
 import re
 import shlex
@@ -48,6 +52,20 @@ import shutil
 import sys
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _repo_module(name: str, path: str):
+    """A standard-library-only module of this checkout, loaded by its path: importing it as
+    megatron_ep.* would run the packages' __init__ (megatron_ep.megatron's installs into
+    megatron-core when MEGATRON_EP_INSTALL=1)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO_ROOT, path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+envs = _repo_module("_launch_envs", "megatron_ep/envs.py")  # the one switch parser
+backend_env = _repo_module("_launch_backend", "megatron_ep/megatron/backend.py")  # MEGATRON_EP_BACKEND's rule
 MEGATRON_LM_PLACEHOLDER = "$MEGATRON_LM_DIR"  # dry run without a checkout: left to the shell
 
 # DeepSeek-V3 architecture (its published config): fixed, not options.
@@ -209,8 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("megatron_ep")
     g.add_argument("--dispatcher", choices=("hybridep", "deepep"), default="hybridep",
                    help="--moe-flex-dispatcher-backend: hybridep (permute fused into dispatch) or deepep (rank-major + local permute)")
-    g.add_argument("--ep-backend", choices=("auto", "cuda", "torch"), default="auto",
-                   help="MEGATRON_EP_BACKEND. auto: megatron_ep's cuda kernels on Hopper GPUs with the extension built (an EP "
+    g.add_argument("--ep-backend", choices=backend_env.BACKENDS, default=None,
+                   help=f"the nodes' {backend_env.ENV} (default: the environment's {backend_env.ENV}, else auto; the "
+                        "option wins). auto: megatron_ep's cuda kernels on Hopper GPUs with the extension built (an EP "
                         "group across nodes: the two-level internode path, NVSHMEM RDMA + NVLink; tested on virtual nodes, "
                         "never over InfiniBand), else the torch backend; cuda: the kernels or an error; torch: NCCL all-to-all")
     g.add_argument("--infiniband", action=argparse.BooleanOptionalAction, default=True,
@@ -263,6 +282,10 @@ def parse_args(argv=None):
     p = build_parser()
     args = p.parse_args(argv)
     args.extra = extra
+    try:  # --ep-backend, else MEGATRON_EP_BACKEND, else auto; a bad value of the variable is refused
+        args.ep_backend, args.backend_note = backend_env.choose(args.ep_backend, "--ep-backend")
+    except ValueError as e:
+        p.exit(2, f"{p.prog}: error: {e}\n")
     for name, value in PRESETS[args.preset].defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -442,6 +465,8 @@ def main(argv=None) -> None:
               f"{args.gpus_per_node} GPUs: EP{args.ep} TP{args.tp} PP{args.pp}, "
               f"{args.layers} layers, flex/{args.dispatcher}, megatron_ep backend {args.ep_backend}"
               + (", FP8 blockwise" if args.fp8 else ", bf16"))
+        if args.backend_note:
+            print(f"# {args.backend_note}")
         if args.preset == "tiny":
             for full, tiny, why in TINY_REPLACES:
                 print(f"# replaces {full}  ->  {tiny}: {why}")
@@ -451,6 +476,8 @@ def main(argv=None) -> None:
             print(f"# node {rank}: {ep_paths(args, rank)}")
             print(render(*node_command(args, rank)))
         return
+    if args.backend_note:
+        print(f"# {args.backend_note}", flush=True)
     print(f"# node {args.node_rank}: {ep_paths(args, args.node_rank)}", flush=True)
     env, argv = node_command(args, args.node_rank)
     if shutil.which(argv[0]) is None:
@@ -460,10 +487,30 @@ def main(argv=None) -> None:
     os.execvpe(argv[0], argv, {**os.environ, **env})
 
 
+def _stdout_closed() -> int:
+    """The reader of stdout went away (`launch.sh --dry-run | head -1`): end quietly, as a
+    command ended by SIGPIPE (status 141), with the rest of the output sent nowhere."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return 128 + 13
+
+
 if __name__ == "__main__":
     try:
-        main()
+        envs.check_switches()  # MEP_DEBUG_TRACEBACK among them: one parser, one rule
+    except ValueError as e:
+        print(f"launch.sh: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        try:
+            main()
+        finally:
+            sys.stdout.flush()
+    except BrokenPipeError:
+        sys.exit(_stdout_closed())
     except Exception as e:  # one line (the traceback with MEP_DEBUG_TRACEBACK=1), as every entry point
-        if os.environ.get(DEBUG_ENV, "0").lower() in ("1", "true", "yes"):
+        if envs.flag(DEBUG_ENV):
             raise
         sys.exit(f"launch.sh: error: {type(e).__name__}: {e} ({DEBUG_ENV}=1 shows the traceback)")

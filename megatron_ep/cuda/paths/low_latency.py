@@ -251,11 +251,8 @@ class LowLatencyPath(NvshmemPath):
         fail(x.dtype == torch.bfloat16, f"the cuda low-latency combine takes bf16 expert outputs, got {x.dtype}", TypeError)
         fail(x.device == rt.device, f"x is on {x.device}, the buffer on {rt.device}")
         T, H = handle.num_tokens, handle.hidden
-        if out is None:
+        if out is None:  # (a given one was checked by Buffer.low_latency_combine)
             out = torch.empty((T, H), dtype=torch.bfloat16, device=x.device)
-        else:
-            fail(isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16 and tuple(out.shape) == (T, H) and out.is_contiguous()
-                 and out.device == x.device, f"out must be a contiguous bf16 tensor of shape {(T, H)} on {x.device}")
         # combine rows are bf16 in any buffer
         self._fit(self._need(handle.num_experts, handle.max_tokens_per_rank, H, handle.topk, True))
         s = self._free_set(call)
