@@ -292,7 +292,8 @@ class Buffer:
                  permute: Optional[bool] = None, expert_alignment: Optional[int] = None,
                  handle: Optional[DispatchHandle] = None, *, host_counts: bool = False,
                  num_worst_tokens: int = 0, async_op: bool = False,
-                 previous_event: Optional[EventOverlap] = None, on_overflow: str = "drop") -> DispatchOutput:
+                 previous_event: Optional[EventOverlap] = None, on_overflow: str = "drop",
+                 rank_counts: bool = False) -> DispatchOutput:
         """Send each token to the ranks owning its experts (docs/design.md §2).
 
         permute=False (default): rank-major rows; permute=True: expert-major rows, each
@@ -311,6 +312,10 @@ class Buffer:
         num_worst_tokens, and nothing moves. The cuda backend's worst-case sized dispatch keeps
         the counts on the GPU (that is what makes it sync-free), so there such rows are dropped
         and counted as with "drop".
+
+        rank_counts=True (a new routing): the handle also keeps every rank's tokens per
+        destination rank, [R, R] int32 on the device (`handle.rank_counts`), from the count
+        exchange the call makes anyway; the cuda backend's internode path leaves it None.
         """
         op = "dispatch" if handle is None else "cached_dispatch"
         with self._call(op) as call:
@@ -322,6 +327,7 @@ class Buffer:
             C.fail(on_overflow in ("drop", "raise"), f"on_overflow must be 'drop' or 'raise', got {on_overflow!r}")
             C.check_bool("permute", permute, allow_none=True)
             C.check_bool("host_counts", host_counts)
+            C.check_bool("rank_counts", rank_counts)
             C.check_bool("async_op", async_op)
             C.check_event("previous_event", previous_event)
             if handle is not None:
@@ -344,12 +350,8 @@ class Buffer:
                 expert_alignment = 1 if expert_alignment is None else expert_alignment
                 C.check_alignment(expert_alignment)
                 K = C.check_topk_idx(topk_idx, T, device)
-                if self.check_inputs:
-                    if getattr(previous_event, "event", None) is not None:
-                        # the ids are ready at previous_event (maybe on another stream); the check
-                        # reads them on this one, and syncs the host anyway
-                        previous_event.event.synchronize()
-                    C.check_topk_values(topk_idx, num_experts)
+                # the ids' values (range, repeats) are checked by the backend, where it costs
+                # least (DispatchRequest.check_ids)
             if topk_weights is not None:
                 C.check_topk_weights(topk_weights, T, K, device)
             data = x[0] if is_fp8 else x
@@ -359,7 +361,9 @@ class Buffer:
                      weights=_weights_code(topk_weights))
             out = impl.dispatch(call, DispatchRequest(x, topk_idx, topk_weights, num_experts, permute, expert_alignment,
                                                       handle, host_counts, num_worst_tokens, async_op, previous_event,
-                                                      on_overflow=on_overflow))
+                                                      on_overflow=on_overflow,
+                                                      check_ids=self.check_inputs and handle is None,
+                                                      rank_counts=rank_counts and handle is None))
         out.handle.buffer_id = self.id
         if _needs_refusal(x, topk_weights):  # each output on the graph of the input it moves
             (out.x,) = _refusing(op, [out.x], [x])

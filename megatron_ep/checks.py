@@ -120,19 +120,36 @@ def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def check_topk_values(topk_idx: torch.Tensor, num_experts: int) -> None:
-    """Range and duplicate checks; costs one device->host sync on GPU, skipped under graph capture."""
+def check_topk_values(topk_idx: torch.Tensor, num_experts: int, previous_event=None) -> None:
+    """Range and duplicate checks; costs one device->host sync on GPU, skipped under graph capture.
+    `previous_event`: the ids are ready there (maybe on another stream), so the host waits for it."""
     if topk_idx.numel() == 0 or capturing():
         return
-    lo, hi = int(topk_idx.min()), int(topk_idx.max())
-    fail(lo >= -1, f"topk_idx contains {lo}; expert ids must be >= -1 (-1 marks an unused slot)")
-    fail(hi < num_experts, f"topk_idx contains expert id {hi} >= num_experts={num_experts}")
+    if getattr(previous_event, "event", None) is not None:
+        previous_event.event.synchronize()
+    parts = [topk_idx.min(), topk_idx.max()]
     if topk_idx.shape[1] > 1:
         s = topk_idx.sort(dim=1).values
-        dup = (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)
-        if bool(dup.any()):
-            row = int(dup.any(dim=1).nonzero()[0, 0])
-            raise ValueError(f"topk_idx row {row} names the same expert twice: {topk_idx[row].tolist()}")
+        dup = ((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any(dim=1)
+        parts.append(torch.where(dup.any(), dup.int().argmax(), -1))  # the first repeating row, or -1
+    lo, hi, *rest = torch.stack(parts).tolist()  # one sync for every figure
+    fail(lo >= -1, f"topk_idx contains {lo}; expert ids must be >= -1 (-1 marks an unused slot)")
+    fail(hi < num_experts, f"topk_idx contains expert id {hi} >= num_experts={num_experts}")
+    if rest and rest[0] >= 0:
+        raise ValueError(f"topk_idx row {rest[0]} names the same expert twice: {topk_idx[rest[0]].tolist()}")
+
+
+def bad_slot_error(topk_idx: torch.Tensor, slot: int, num_experts: int) -> ValueError:
+    """The error for topk_idx's first bad slot (token * K + k) a kernel found: an id out of range,
+    or an expert an earlier slot of its token names; worded as check_topk_values words it."""
+    K = topk_idx.shape[1]
+    row = topk_idx[slot // K].tolist()
+    v = row[slot % K]
+    if v < -1:
+        return ValueError(f"topk_idx contains {v}; expert ids must be >= -1 (-1 marks an unused slot)")
+    if v >= num_experts:
+        return ValueError(f"topk_idx contains expert id {v} >= num_experts={num_experts}")
+    return ValueError(f"topk_idx row {slot // K} names the same expert twice: {row}")
 
 
 def check_token_limit(num_tokens: int, limit: Optional[int], what: str = "max_tokens_per_rank") -> None:

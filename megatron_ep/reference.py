@@ -23,7 +23,7 @@ import torch.distributed as dist
 from . import logfmt
 from . import permute as PM
 from . import protocol as P
-from .checks import is_fp8_tuple
+from .checks import check_topk_values, is_fp8_tuple
 from .fp8 import column_major, pack_ue8m0, per_token_cast_to_fp8
 from .hooks import new_outputs
 from .requests import CombineRequest, DispatchRequest
@@ -242,6 +242,8 @@ class TorchBackend:
         _wait(previous_event)
 
         if handle is None:
+            if req.check_ids:
+                check_topk_values(topk_idx, num_experts)
             K = topk_idx.shape[1]
             topk_idx = _valid_ids(topk_idx, num_experts)
             lay = self.layout(topk_idx, num_experts)
@@ -251,7 +253,9 @@ class TorchBackend:
             send_slot_local = dst[send_tok] == send_rank.unsqueeze(1)
             send_counts = lay.tokens_per_rank.tolist()
             limit = num_worst_tokens if req.on_overflow == "raise" and not permute else 0
-            recv_counts = self._exchange(call, counts=lay.tokens_per_rank, limit=limit)[:, self.rank].tolist()
+            every = self._exchange(call, counts=lay.tokens_per_rank, limit=limit)
+            recv_counts = every[:, self.rank].tolist()
+            rank_counts = every.to(device=device, dtype=torch.int32)
             local_idx = torch.where(send_slot_local, topk_idx[send_tok] - send_rank.unsqueeze(1) * L, -1)
             meta = [local_idx.to(torch.int32)]
         else:
@@ -319,7 +323,7 @@ class TorchBackend:
                 backend=self.name, num_ranks=R, rank=self.rank, num_experts=num_experts,
                 num_tokens=data.shape[0], topk=K, permute=permute, expert_alignment=expert_alignment,
                 num_recv_rows=num_rows, tokens_per_expert=out.tokens_per_expert, topk_idx=topk_idx,
-                num_worst_tokens=num_worst_tokens, state=state, call_seq=call.seq,
+                num_worst_tokens=num_worst_tokens, state=state, call_seq=call.seq, rank_counts=rank_counts,
             )
         out.handle = handle
         # the outputs are the caller's: what the handle keeps (the routing's ids, counts and row

@@ -37,6 +37,12 @@ class DispatchRequest:
     # rows past num_worst_tokens: "drop" (counted in num_dropped) or "raise" (every rank raises
     # WorstCaseOverflowError before any row moves, where the backend learns the counts on the host)
     on_overflow: str = "drop"
+    # check a new routing's ids (range, repeats in a token) before any row moves: Buffer's
+    # check_inputs; each backend checks where it costs least (the cuda intranode path in notify,
+    # which the host waits for anyway; elsewhere on the host, one sync)
+    check_ids: bool = False
+    # also keep every rank's tokens per destination in the handle (DispatchHandle.rank_counts)
+    rank_counts: bool = False
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,10 @@ class DispatchHandle(_Routing):
     state: Any = field(default=None, repr=False)
     buffer_id: int = 0
     call_seq: int = 0  # the call that built it (combine and cached dispatch name it in their signature)
+    # [R, R] int32 on the device: tokens rank s sends to rank d in this routing, from the count
+    # exchange (no extra communication); the torch backend always, the cuda intranode path when the
+    # dispatch asked (rank_counts=True), else None
+    rank_counts: Optional[torch.Tensor] = None
 
 
 @dataclass

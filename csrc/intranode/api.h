@@ -29,6 +29,7 @@ struct NotifyArgs {
   const long long* topk_idx;  // [T, K]
   int T, K, E, align, permute, worst;
   int groups;  // token groups: 1..kMaxTokenGroups, T % groups == 0, groups * E <= kMaxExperts
+  int check;   // find the first id out of range or repeated in its token (HostInfo::bad_slot)
   int* rank_pos;   // [T, R] out
   int* slot_pos;   // [T, K] out
   int* recv_info;  // [RecvInfo::size(L)] out
@@ -37,6 +38,7 @@ struct NotifyArgs {
                           // rank-major with num_worst_tokens: the pull counts the delivered rows)
   long long* out_dropped; // [1] out: real rows past num_worst_tokens
   long long tag;
+  int* rank_counts;       // [R][R] out, or nullptr: tokens rank s sends to rank d (the exchange's counts)
 };
 void launch_notify(const Ctx& ctx, const CallArgs& call, const NotifyArgs& args, cudaStream_t stream);
 

@@ -15,7 +15,7 @@ using Sig = std::vector<long long>;
 
 void notify(Runtime& rt, const Sig& sig, const Tensor& topk_idx, int E, int align, bool permute, int worst,
             Tensor& rank_pos, Tensor& slot_pos, Tensor& recv_info, Tensor& row_limits, Tensor& tpe, Tensor& dropped,
-            long long tag, int groups) {
+            long long tag, int groups, bool check, const c10::optional<Tensor>& rank_counts) {
   check_tensor(topk_idx, "topk_idx", at::kLong);
   check_tensor(rank_pos, "rank_pos", at::kInt);
   check_tensor(slot_pos, "slot_pos", at::kInt);
@@ -33,11 +33,16 @@ void notify(Runtime& rt, const Sig& sig, const Tensor& topk_idx, int E, int alig
   TORCH_CHECK(recv_info.numel() >= RecvInfo::size(E / R), "recv_info too small");
   TORCH_CHECK(rank_pos.numel() >= (int64_t)T * R && slot_pos.numel() >= (int64_t)T * K, "position tensors too small");
   TORCH_CHECK(row_limits.numel() >= R && tpe.numel() >= E / R && dropped.numel() >= 1, "notify outputs too small");
+  if (rank_counts.has_value()) {
+    check_tensor(*rank_counts, "rank_counts", at::kInt);
+    TORCH_CHECK(rank_counts->numel() == (int64_t)R * R, "rank_counts must hold R x R counts");
+  }
   const CallArgs call = make_call(sig, kCallOk, "");
   NotifyArgs a{static_cast<const long long*>(topk_idx.data_ptr()), T, K, E, align, permute ? 1 : 0, worst, groups,
+               check ? 1 : 0,
                rank_pos.data_ptr<int>(), slot_pos.data_ptr<int>(), recv_info.data_ptr<int>(), row_limits.data_ptr<int>(),
                reinterpret_cast<long long*>(tpe.data_ptr<int64_t>()), reinterpret_cast<long long*>(dropped.data_ptr<int64_t>()),
-               tag};
+               tag, ptr_or_null<int>(rank_counts)};
   launch_notify(rt.ctx(call.sig[kSigSeq]), call, a, stream());
   check_launch("notify");
 }
@@ -284,6 +289,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("view", &mep::Runtime::view)
       .def("base_ptr", &mep::Runtime::base_ptr)
       .def("host_tag", &mep::Runtime::host_tag)
+      .def("wait_tag", &mep::Runtime::wait_tag, py::arg("tag"), py::arg("timeout_s"))
       .def("host_counts", &mep::Runtime::host_counts)
       .def("num_aborted", &mep::Runtime::num_aborted)
       .def("take_error", &mep::Runtime::take_error, py::arg("clear"))
@@ -294,7 +300,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("pool_stats", &mep::Runtime::pool_stats);
   auto intra = m.def_submodule("intranode", "the intranode normal path (csrc/intranode/)");
   // argument names: the Python side's (megatron_ep/cuda/paths/intranode.py passes them by name)
-  intra.def("notify", &mep::notify, py::arg("rt"), py::arg("sig"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("expert_alignment"), py::arg("permute"), py::arg("num_worst_tokens"), py::arg("rank_pos"), py::arg("slot_pos"), py::arg("recv_info"), py::arg("row_limits"), py::arg("tokens_per_expert"), py::arg("num_dropped"), py::arg("tag"), py::arg("token_groups") = 1);
+  intra.def("notify", &mep::notify, py::arg("rt"), py::arg("sig"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("expert_alignment"), py::arg("permute"), py::arg("num_worst_tokens"), py::arg("rank_pos"), py::arg("slot_pos"), py::arg("recv_info"), py::arg("row_limits"), py::arg("tokens_per_expert"), py::arg("num_dropped"), py::arg("tag"), py::arg("token_groups") = 1, py::arg("check_ids") = false, py::arg("rank_counts") = py::none());
   intra.def("stage", &mep::stage, py::arg("rt"), py::arg("sig"), py::arg("slot"), py::arg("x"), py::arg("num_tokens"), py::arg("row_bytes"), py::arg("scales"), py::arg("scale_cols"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("rank_pos"), py::arg("slot_pos"), py::arg("num_blocks"));
   intra.def("dispatch", &mep::dispatch, py::arg("rt"), py::arg("sig"), py::arg("slot"), py::arg("row_bytes"), py::arg("scale_cols"), py::arg("topk"), py::arg("num_experts"), py::arg("permute"), py::arg("has_weights"), py::arg("out_rows"), py::arg("recv_info"), py::arg("out_x"), py::arg("out_scales"), py::arg("out_topk_idx"), py::arg("out_weights"), py::arg("out_row_expert"), py::arg("out_tokens_per_expert"), py::arg("comb_map"), py::arg("num_blocks"));
   intra.def("dispatch_push", &mep::dispatch_push, py::arg("rt"), py::arg("sig"), py::arg("slot"), py::arg("x"), py::arg("num_tokens"), py::arg("row_bytes"), py::arg("scales"), py::arg("scale_cols"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("rank_pos"), py::arg("slot_pos"), py::arg("num_experts"), py::arg("out_rows"), py::arg("permute"), py::arg("recv_info"), py::arg("out_x"), py::arg("out_scales"), py::arg("out_topk_idx"), py::arg("out_weights"), py::arg("out_row_expert"), py::arg("comb_map"), py::arg("offsets"), py::arg("num_blocks"));

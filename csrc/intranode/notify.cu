@@ -57,6 +57,24 @@ __device__ __forceinline__ long long load_slot(const long long* __restrict__ top
   return (lane < K && t < t_end) ? topk_idx[(long long)t * K + lane] : -1;
 }
 
+// NotifyArgs::check, one token per warp call (lane k holds slot k): an id that is neither -1 nor an
+// expert, or an expert an earlier slot of the token names already, is a bad slot; the token's
+// first one is offered for the call's first (Control::bad_key keeps the largest T * K - slot, so
+// the lowest slot; the exchange kernel reports and resets it). Checked here, where the ids are
+// read anyway: the host learns it with the sizes it waits for, and no extra sync is needed.
+__device__ __forceinline__ void flag_bad_slot(const Ctx& c, const NotifyArgs& a, int t, long long id, bool valid) {
+  const int lane = lane_id();
+  // lanes without a valid id get a value of their own, so only equal expert ids match
+  const unsigned same = __match_any_sync(kFull, valid ? (unsigned long long)id : ~(unsigned long long)lane);
+  const bool repeated = valid && (same & ((1u << lane) - 1u)) != 0u;
+  const bool bad = lane < a.K && t < a.T && ((!valid && id != -1) || repeated);
+  const unsigned bad_lanes = __ballot_sync(kFull, bad);
+  if (bad_lanes != 0u && lane == __ffs(bad_lanes) - 1) {
+    const long long slot = (long long)t * a.K + lane;
+    atomicMax(&ctrl_of(c, c.rank)->bad_key, (unsigned long long)((long long)a.T * a.K - slot));
+  }
+}
+
 __global__ void __launch_bounds__(32 * kNotifyWarps) notify_count_kernel(Ctx c, NotifyArgs a, NotifyPlan p) {
   extern __shared__ int cnt_all[];  // per warp: [E] experts, then [R] ranks
   const int E = a.E, R = c.num_ranks, L = E / R, K = a.K, lane = lane_id(), warp = threadIdx.x / 32;
@@ -75,6 +93,7 @@ __global__ void __launch_bounds__(32 * kNotifyWarps) notify_count_kernel(Ctx c, 
       if (valid) atomicAdd(&cnt[(int)ids[b]], 1);
       const unsigned ranks = __reduce_or_sync(kFull, valid ? 1u << ((int)ids[b] / L) : 0u);
       if (lane < R && ((ranks >> lane) & 1u)) cnt[E + lane] += 1;  // lane r alone owns rank r
+      if (a.check) flag_bad_slot(c, a, t0 + b, ids[b], valid);
     }
   }
   __syncthreads();
@@ -149,6 +168,11 @@ __global__ void __launch_bounds__(kExchangeThreads, 1) notify_exchange_kernel(Ct
     mine[kCountsWorst] = a.worst;
     write_record(c, call);
     s_dropped = 0;
+    // the count kernel's first bad slot (NotifyArgs::check), reset for the next call's; written
+    // before the tag, as every size below
+    const unsigned long long bad_key = me->bad_key;
+    me->bad_key = 0ull;
+    c.host->bad_slot = bad_key != 0ull ? (long long)a.T * a.K - (long long)bad_key : -1;
   }
   __threadfence_system();
   __syncthreads();
@@ -198,6 +222,13 @@ __global__ void __launch_bounds__(kExchangeThreads, 1) notify_exchange_kernel(Ct
     for (int s = 0; s < R; ++s) t += all_r[s * GR + k];
     col_r[k] = t;
   }
+  if (a.rank_counts != nullptr)  // every rank's tokens per destination, summed over the groups
+    for (int i = tid; i < R * R; i += blockDim.x) {
+      const int s = i / R, d = i - s * R;
+      int n = 0;
+      for (int g = 0; g < G; ++g) n += all_r[s * GR + g * R + d];
+      a.rank_counts[i] = n;
+    }
   __syncthreads();
   for (int e = tid; e < E; e += blockDim.x) {
     int t = 0;

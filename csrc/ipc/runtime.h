@@ -9,9 +9,13 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <climits>
 #include <cstring>
 #include <memory>
+#include <thread>
 
 #include "ipc/api.h"
 #include "ipc/pool.h"
@@ -178,6 +182,38 @@ class Runtime {
 
   // ---- host block
   long long host_tag() const { return host()->tag; }
+  // Wait until notify's sizes for `tag` reached the host block: 0 once they did, 1 if a fatal
+  // error was recorded first, 2 after timeout_s. One crossing for the whole wait, without the GIL:
+  // poll for 2 ms (the GPU finishing the work queued before notify is the common case), then
+  // yield the core until 20 ms, then sleep, backing off to 1 ms (a slow peer keeps no core busy).
+  int wait_tag(long long tag, double timeout_s) const {
+    const HostInfo* h = host();
+    if (h->tag == tag) {
+      std::atomic_thread_fence(std::memory_order_acquire);  // the counts were written before the tag
+      return 0;
+    }
+    py::gil_scoped_release nogil;
+    using clock = std::chrono::steady_clock;
+    const auto start = clock::now();
+    long long pause_us = 50;
+    for (unsigned long long spins = 1;; ++spins) {
+      if (h->tag == tag) {
+        std::atomic_thread_fence(std::memory_order_acquire);
+        return 0;
+      }
+      if (spins & 255) continue;
+      const int err = h->error;
+      if (err != kErrNone && error_is_fatal(err)) return 1;
+      const double s = std::chrono::duration<double>(clock::now() - start).count();
+      if (s > timeout_s) return 2;
+      if (s > 0.02) {
+        std::this_thread::sleep_for(std::chrono::microseconds(pause_us));
+        pause_us = std::min<long long>(1000, pause_us * 2);
+      } else if (s > 0.002) {
+        std::this_thread::yield();
+      }
+    }
+  }
   py::dict host_counts(int L) const {
     const HostInfo* h = host();
     std::vector<int> counts(L);
@@ -188,6 +224,7 @@ class Runtime {
     d["need_tokens"] = (int)h->need_tokens;
     d["need_rows"] = (int)h->need_rows;
     d["need_perm_rows"] = (int)h->need_perm_rows;
+    d["bad_slot"] = (long long)h->bad_slot;
     d["counts"] = counts;
     return d;
   }

@@ -340,31 +340,15 @@ class CudaRuntime(FailureState):
         return f"{text} ({hazard})" if hazard else text
 
     def wait_host(self, call: P.Call, tag: int, L: int) -> dict:
-        """Wait (backing off, never spinning a core for long) until notify's sizes for `tag`
-        reached the host; raise if the call was aborted or a peer timed out."""
-        start = time.monotonic()
-        deadline = start + self.timeout_s + 5
-        spins, pause = 0, 5e-5
-        while self.rt.host_tag() != tag:
-            spins += 1
-            if spins & 255:
-                continue
-            err = self.rt.take_error(clear=False)
-            if err is not None and P.is_fatal(err["code"]):
-                raise self._error(err, call)
-            now = time.monotonic()
-            if now > deadline:
-                raise self.break_with(CommTimeoutError, self._with_hazard(
-                    f"rank {self.rank}: no receive count from the notify kernel of call #{call.seq} within "
-                    f"{self.timeout_s + 5:.0f}s"))
-            # A short wait is the common case (the GPU is finishing the work queued before
-            # notify): poll for 2 ms, then yield the core for up to 20 ms, then sleep, backing
-            # off to 1 ms, so a long wait (a slow peer) does not keep a core busy.
-            if now - start > 0.02:
-                time.sleep(pause)
-                pause = min(1e-3, pause * 2)
-            elif now - start > 0.002:
-                time.sleep(0)
+        """Wait (in C++, backing off, never spinning a core for long: Runtime::wait_tag) until
+        notify's sizes for `tag` reached the host; raise if the call was aborted or a peer timed out."""
+        waited = self.rt.wait_tag(tag, self.timeout_s + 5)
+        if waited == 1:  # a fatal error came first
+            raise self._error(self.rt.take_error(clear=False), call)
+        if waited == 2:
+            raise self.break_with(CommTimeoutError, self._with_hazard(
+                f"rank {self.rank}: no receive count from the notify kernel of call #{call.seq} within "
+                f"{self.timeout_s + 5:.0f}s"))
         info = self.rt.host_counts(L)
         if info["num_rows"] < 0:  # this call was aborted at its exchange, on every rank
             err = self.rt.take_error(clear=False)

@@ -10,7 +10,7 @@ import dataclasses
 import functools
 import logging
 import os
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -315,11 +315,12 @@ class Buffer:
             # DeepEP's num_worst_tokens is a precondition: rows past it are an error on every rank, not drops
             out = self.runtime.dispatch(x, topk_idx, topk_weights, num_experts=E, permute=False,
                                         num_worst_tokens=num_worst_tokens, host_counts=not num_worst_tokens,
-                                        async_op=async_finish, previous_event=prev, on_overflow="raise")
+                                        async_op=async_finish, previous_event=prev, on_overflow="raise",
+                                        rank_counts=True)
             counts = [] if num_worst_tokens else [_align_up(c, expert_alignment) for c in out.tokens_per_expert_host]
             recv_idx, recv_w = out.topk_idx, out.topk_weights
         out = self._repacked(out, packed)
-        rank_prefix = self._rank_prefix_matrix(num_tokens_per_rank, sync_free=bool(num_worst_tokens))
+        rank_prefix, out = self._rank_prefix_matrix(out, num_tokens_per_rank, bool(num_worst_tokens))
         if self.group_size > RANKS_PER_NODE:  # DeepEP's internode_dispatch and its handle
             h = InternodeHandle(out.handle, rank_prefix, is_token_in_rank, self.rank)
         else:
@@ -327,24 +328,29 @@ class Buffer:
         return out.x, recv_idx, recv_w, counts, h, _finished(out.event, async_finish)
 
     def _repacked(self, out, packed: bool):
-        """int32 UE8M0 x_scales came in: the received fp32 scales packed back, where the rows are
-        ready -- after the dispatch's event on our communication stream for an async call (the
-        returned event then follows the packing), else on the caller's stream. No host sync."""
+        """int32 UE8M0 x_scales came in: the received fp32 scales packed back (_after)."""
         if not packed or not isinstance(out.x, tuple):
             return out
         data, scales = out.x
+        words, out = self._after(out, lambda: pack_ue8m0(scales, checked=False))
+        return dataclasses.replace(out, x=(data, words))
+
+    def _after(self, out, fn: Callable[[], torch.Tensor]):
+        """(fn(), out): the tensor fn makes from a dispatch's outputs, made where they are ready --
+        after an async call's event on our communication stream (the returned out's event then
+        follows fn's work), else on the caller's stream. No host sync."""
         ev = getattr(out.event, "event", None)
         stream = self.runtime.comm_stream if ev is not None else None
         if stream is None:
-            return dataclasses.replace(out, x=(data, pack_ue8m0(scales, checked=False)))
+            return fn(), out
         caller = torch.cuda.current_stream()
         with torch.cuda.stream(stream):
             stream.wait_event(ev)
-            words = pack_ue8m0(scales, checked=False)
+            made = fn()
             done = torch.cuda.Event()
             done.record(stream)
-        words.record_stream(caller)  # the caller's stream uses it after the event
-        return dataclasses.replace(out, x=(data, words), event=type(out.event)(done))
+        made.record_stream(caller)  # the caller's stream uses it after the event
+        return made, dataclasses.replace(out, event=type(out.event)(done))
 
     def _reserve_worst(self, x, topk_idx: torch.Tensor, num_experts: int, num_worst_tokens: int) -> None:
         """DeepEP sizes its buffer from num_nvl_bytes, so callers pass num_worst_tokens freely; our
@@ -379,7 +385,7 @@ class Buffer:
                              f"{tuple(getattr(is_token_in_rank, 'shape', ()))}")
         idx = _stand_in_topk(is_token_in_rank, num_experts // R)  # after the caller's join (dispatch)
         return self.runtime.dispatch(x, idx, None, num_experts=num_experts, permute=False, async_op=async_finish,
-                                     previous_event=prev)
+                                     previous_event=prev, rank_counts=True)
 
     def _recv_per_expert(self, num_tokens_per_expert: torch.Tensor, expert_alignment: int) -> List[int]:
         """DeepEP's num_recv_tokens_per_expert_list (its notify_dispatch): every rank's
@@ -570,13 +576,18 @@ class Buffer:
         return self._combine_buffers.get(_combine_shape(handle, self.group_size), self._next_combine, handle[0].device)
 
     # ---------------------------------------------------------------------------- helpers
-    def _rank_prefix_matrix(self, num_tokens_per_rank: torch.Tensor, sync_free: bool) -> Optional[torch.Tensor]:
-        """[R, R] int32: [i][j] = tokens ranks 0..i send to rank j (inclusive prefix over sources),
-        gathered from every rank's num_tokens_per_rank; None for a sync-free dispatch on a group
+    def _rank_prefix_matrix(self, out, num_tokens_per_rank: torch.Tensor, sync_free: bool):
+        """([R, R] int32, out): [i][j] = tokens ranks 0..i send to rank j (inclusive prefix over
+        sources), from the dispatch's own count exchange (`handle.rank_counts`: no communication,
+        made where the dispatch's outputs are ready, _after); else (the internode path) gathered
+        from every rank's num_tokens_per_rank -- None then for a sync-free dispatch on a group
         whose backend cannot gather device tensors without a host round trip."""
+        counts = out.handle.rank_counts
+        if counts is not None:
+            return self._after(out, lambda: torch.cumsum(counts, dim=0, dtype=torch.int32))
         if sync_free and num_tokens_per_rank.is_cuda and dist.get_backend(self.group) != "nccl":
-            return None
-        return torch.cumsum(self._gathered(num_tokens_per_rank), dim=0).to(torch.int32)
+            return None, out
+        return torch.cumsum(self._gathered(num_tokens_per_rank), dim=0).to(torch.int32), out
 
     def _gathered(self, counts: torch.Tensor) -> torch.Tensor:
         """[R, *counts.shape] int64 on counts' device: every rank's counts (through the host

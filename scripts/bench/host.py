@@ -57,6 +57,8 @@ def parse(argv=None, description=None):
     p.add_argument("--impls", default=",".join(IMPLS), help=f"a comma list of {', '.join(IMPLS)} (default all)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="the N functions with the most cumulative host time in one call of each op (default 0: none)")
+    p.add_argument("--no-check-inputs", dest="check_inputs", action="store_false",
+                   help="ours: Buffer(check_inputs=False) (the expert-id checks cost host syncs; DeepEP has none)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per implementation (default 900)")
     p.add_argument("--cpu", action="store_true",
                    help="CPU processes on the torch backend at a small shape: checks the script (figures mean nothing)")
@@ -113,7 +115,7 @@ def ops_ours(a, T, device, x, idx, w):
     import megatron_ep as mep
 
     E = a.experts
-    buf = mep.Buffer(backend="torch" if device.type == "cpu" else "cuda")
+    buf = mep.Buffer(backend="torch" if device.type == "cpu" else "cuda", check_inputs=a.check_inputs)
     state = {}
 
     def dispatch():

@@ -20,7 +20,7 @@ import torch
 
 from ... import hooks
 from ... import protocol as P
-from ...checks import fail, is_fp8_tuple
+from ...checks import bad_slot_error, check_topk_values, fail, is_fp8_tuple
 from ...permute import padded_host_counts
 from ...requests import CombineRequest, DispatchRequest
 from ..runtime import CudaRuntime
@@ -43,6 +43,7 @@ class IntranodeState:
     num_perm_rows: Optional[int]  # M, when known on the host
     counts: Optional[List[int]]  # raw per-local-expert counts, when known on the host
     comb_map: Optional[torch.Tensor] = None  # expert-major: [>= N, K] int32 row of each (rank-major row, slot)
+    rank_counts: Optional[torch.Tensor] = None  # [R, R] int32: tokens rank s sends to rank d (when asked)
 
 
 @dataclass
@@ -67,6 +68,8 @@ class DispatchPlan:
     need: dict  # the region's needs (hint keys) of this call
     first: bool  # a new routing: notify runs (else a cached dispatch on the handle's state)
     push: bool  # rows pushed into pooled outputs (else staged here and pulled by the receivers)
+    check_ids: bool = False  # notify checks the ids (range, repeats) and the host raises before rows move
+    rank_counts: bool = False  # notify writes every rank's tokens per destination (IntranodeState.rank_counts)
     fused: Optional[Callable] = None  # the internode path runs the push in its own kernel (DispatchRequest.fused)
 
 
@@ -190,7 +193,7 @@ class IntranodePath(NormalPath):
                 dropped.copy_(st.num_dropped)
         event = rt.leave(compute, [plan.data, plan.scales, plan.topk_idx, plan.topk_weights, st.rank_pos, st.slot_pos,
                                    st.recv_info, st.row_limits, st.comb_map, out.x, out.scales, out.topk_idx,
-                                   out.weights, out.row_expert, tpe, dropped], req.async_op)
+                                   out.weights, out.row_expert, tpe, dropped, st.rank_counts], req.async_op)
         return self._result(call, req, plan, st, out, out_rows, tpe, dropped, event)
 
     def _plan(self, call: P.Call, req: DispatchRequest) -> "DispatchPlan":
@@ -228,13 +231,19 @@ class IntranodePath(NormalPath):
         # outputs themselves (rank-major), or what the fan-out spreads into expert segments
         push = (req.permute or not num_worst_tokens) and rt.plan.pool_bytes > 0 and not capturing
         fail(req.fused is None or handle is not None, "a fused in-node dispatch needs a handle (cached dispatch)", RuntimeError)
+        # the ids' check rides on notify where the host waits for its sizes anyway; a sync-free
+        # dispatch has no such wait, so it checks on the host (one sync) before any kernel
+        check_on_device = req.check_ids and not num_worst_tokens and not capturing
+        if req.check_ids and not check_on_device:
+            check_topk_values(req.topk_idx, num_experts, req.previous_event)
         call.set(variant=int(push))
         return DispatchPlan(data=data, scales=scales, topk_idx=topk_idx, topk_weights=req.topk_weights,
                             num_experts=num_experts, permute=req.permute, expert_alignment=req.expert_alignment,
                             num_worst_tokens=num_worst_tokens, groups=groups, T=T, H=H, K=K,
                             L=num_experts // rt.num_ranks, row_bytes=row_bytes,
                             scale_cols=scales.shape[1] if scales is not None else 0, need=need,
-                            first=handle is None, push=push, fused=req.fused)
+                            first=handle is None, push=push, check_ids=check_on_device, rank_counts=req.rank_counts,
+                            fused=req.fused)
 
     def _notify(self, call: P.Call, plan: "DispatchPlan", tpe: torch.Tensor, dropped: torch.Tensor) -> IntranodeState:
         """A new routing's counts, exchange and row positions; unless sync-free, the host reads
@@ -246,16 +255,21 @@ class IntranodePath(NormalPath):
             slot_pos=torch.empty((T, K), dtype=torch.int32, device=rt.device),
             recv_info=torch.empty(RI["header"] + 3 * plan.L, dtype=torch.int32, device=rt.device),
             row_limits=torch.empty(R, dtype=torch.int32, device=rt.device),
-            tokens_per_expert=tpe, num_dropped=dropped, num_rows=None, num_perm_rows=None, counts=None)
+            tokens_per_expert=tpe, num_dropped=dropped, num_rows=None, num_perm_rows=None, counts=None,
+            rank_counts=torch.empty((R, R), dtype=torch.int32, device=rt.device) if plan.rank_counts else None)
         rows_bound = max_rank_major_rows(rt)  # the host learns N below unless sync-free
         tag = next(self.tags)
         call.sends(self.kernels.notify, rt=rt.rt, sig=call.sig, topk_idx=plan.topk_idx, num_experts=plan.num_experts,
                    expert_alignment=plan.expert_alignment, permute=plan.permute, num_worst_tokens=plan.num_worst_tokens,
                    rank_pos=st.rank_pos, slot_pos=st.slot_pos, recv_info=st.recv_info, row_limits=st.row_limits,
-                   tokens_per_expert=tpe, num_dropped=dropped, tag=tag, token_groups=plan.groups)
+                   tokens_per_expert=tpe, num_dropped=dropped, tag=tag, token_groups=plan.groups,
+                   check_ids=plan.check_ids, rank_counts=st.rank_counts)
         rt.mark("notify")
         if not plan.num_worst_tokens:
             info = rt.wait_host(call, tag, plan.L)
+            if info["bad_slot"] >= 0:  # (only with check_ids) the peers wait for this rank's rows next
+                call.owe(P.Pending.OUT_LOC if plan.push else P.Pending.STAGED)
+                raise bad_slot_error(plan.topk_idx, info["bad_slot"], plan.num_experts)
             st.num_rows, st.num_perm_rows, st.counts = info["num_rows"], info["num_perm_rows"], info["counts"]
             rt.grow_if_needed(dict(plan.need, max_tokens=info["need_tokens"],
                                    combine_rows=info["need_perm_rows"] if plan.permute else info["need_rows"]))
@@ -360,7 +374,8 @@ class IntranodePath(NormalPath):
                                     num_experts=plan.num_experts, num_tokens=plan.T, topk=plan.K, permute=plan.permute,
                                     expert_alignment=plan.expert_alignment, num_recv_rows=out_rows,
                                     tokens_per_expert=st.tokens_per_expert, topk_idx=plan.topk_idx,
-                                    num_worst_tokens=plan.num_worst_tokens, state=st, call_seq=call.seq)
+                                    num_worst_tokens=plan.num_worst_tokens, state=st, call_seq=call.seq,
+                                    rank_counts=st.rank_counts)
         res.handle = handle
         if req.host_counts:
             if st.counts is not None and not plan.num_worst_tokens:
