@@ -41,6 +41,9 @@ from bench.low_latency import routing, rows_of
 
 IMPLS = ("ours", "deep_ep", "deepep")
 OPS = ("dispatch", "cached_dispatch", "combine", "ll_dispatch", "ll_combine")
+# the low-latency calls are decode's: measured up to this many tokens per rank (their buffer is
+# sized per token; DeepEP's size hint at 4096 tokens is past what its num_rdma_bytes may be)
+LL_MAX_TOKENS = 256
 
 
 def parse(argv=None, description=None):
@@ -124,13 +127,14 @@ def ops_ours(a, T, device, x, idx, w):
     dispatch()
     h = state["out"].handle
     rows = state["out"].x.clone()
-    ll = buf.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=T, use_fp8=True)
-    ll_rows = rows_of(ll.x)
     fns = {"dispatch": dispatch,
            "cached_dispatch": lambda: buf.dispatch(x, handle=h),
-           "combine": lambda: buf.combine(rows, h),
-           "ll_dispatch": lambda: buf.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=T, use_fp8=True),
-           "ll_combine": lambda: buf.low_latency_combine(ll_rows, idx, w, ll.handle)}
+           "combine": lambda: buf.combine(rows, h)}
+    if T <= LL_MAX_TOKENS:
+        ll = buf.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=T, use_fp8=True)
+        ll_rows = rows_of(ll.x)
+        fns["ll_dispatch"] = lambda: buf.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=T, use_fp8=True)
+        fns["ll_combine"] = lambda: buf.low_latency_combine(ll_rows, idx, w, ll.handle)
     return fns, buf.destroy
 
 
@@ -139,8 +143,9 @@ def ops_deep_ep(a, T, device, x, idx, w, module=None):
     if module is None:
         from megatron_ep import deep_ep as module
     E, R = a.experts, dist.get_world_size()
-    rdma = module.Buffer.get_low_latency_rdma_size_hint(T, a.hidden, R, E)
-    buf = module.Buffer(dist.group.WORLD, int(1e9), rdma, low_latency_mode=True, num_qps_per_rank=max(1, E // R),
+    ll = T <= LL_MAX_TOKENS
+    rdma = module.Buffer.get_low_latency_rdma_size_hint(T, a.hidden, R, E) if ll else 0
+    buf = module.Buffer(dist.group.WORLD, int(1e9), rdma, low_latency_mode=ll, num_qps_per_rank=max(1, E // R),
                         explicitly_destroy=True)
 
     def dispatch():
@@ -150,13 +155,14 @@ def ops_deep_ep(a, T, device, x, idx, w, module=None):
 
     recv_x, _, _, _, handle, _ = dispatch()
     recv_x = recv_x.clone()
-    ll_x, _, ll_handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=True)
-    ll_rows = rows_of(ll_x)
     fns = {"dispatch": dispatch,
            "cached_dispatch": lambda: buf.dispatch(x, handle=handle),
-           "combine": lambda: buf.combine(recv_x, handle),
-           "ll_dispatch": lambda: buf.low_latency_dispatch(x, idx, T, E, use_fp8=True),
-           "ll_combine": lambda: buf.low_latency_combine(ll_rows, idx, w, ll_handle)}
+           "combine": lambda: buf.combine(recv_x, handle)}
+    if ll:
+        ll_x, _, ll_handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=True)
+        ll_rows = rows_of(ll_x)
+        fns["ll_dispatch"] = lambda: buf.low_latency_dispatch(x, idx, T, E, use_fp8=True)
+        fns["ll_combine"] = lambda: buf.low_latency_combine(ll_rows, idx, w, ll_handle)
     return fns, buf.destroy
 
 
@@ -176,6 +182,8 @@ def worker(rank, a, impl, port, queue):
                         raise exc
                 fns, close = ops_deep_ep(a, T, device, x, idx, w, module)
             for op in OPS:
+                if op not in fns:
+                    continue
                 res[(T, op)] = time_op(fns[op], a, device, dist.group.WORLD)
                 if a.profile:  # every rank makes the call (it is collective); rank 0's profile is shown
                     text = profile_op(fns[op], a.profile, device)
