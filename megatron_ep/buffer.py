@@ -127,8 +127,11 @@ class Buffer:
         num_sms: SMs per rank for the normal paths' cuda kernels (None: an analytic default;
             bounded by what the ranks sharing a GPU can keep resident). The low-latency kernels
             take every SM those ranks leave this rank, whatever num_sms says (as DeepEP's).
-        check_inputs: also check expert-id ranges and duplicates (one device->host sync on
-            GPU; skipped automatically under CUDA graph capture). Unchecked ids outside
+        check_inputs: also check expert-id ranges and duplicates in a new routing, before any row
+            moves. The cuda intranode path checks a dispatch's ids in its notify kernel, which the
+            host waits for anyway (no extra sync); elsewhere -- the torch backend, the internode
+            path, a worst-case sized dispatch, get_dispatch_layout, low_latency_dispatch -- it
+            costs one device->host sync. Skipped under CUDA graph capture. Unchecked ids outside
             [0, num_experts) are treated as unused slots by both backends.
         timeout_s (cuda): how long a kernel waits for a peer before it reports (MEP_TIMEOUT_S).
         low_latency (cuda): dict(num_experts=, max_tokens=, hidden=, topk=, fp8_only=) sizes the

@@ -267,12 +267,14 @@ class IntranodePath(NormalPath):
         rt.mark("notify")
         if not plan.num_worst_tokens:
             info = rt.wait_host(call, tag, plan.L)
-            if info["bad_slot"] >= 0:  # (only with check_ids) the peers wait for this rank's rows next
-                call.owe(P.Pending.OUT_LOC if plan.push else P.Pending.STAGED)
-                raise bad_slot_error(plan.topk_idx, info["bad_slot"], plan.num_experts)
             st.num_rows, st.num_perm_rows, st.counts = info["num_rows"], info["num_perm_rows"], info["counts"]
+            # every rank takes the same growth decision from the same counts (a collective when it
+            # grows), so a rank whose ids notify found bad grows with the others, then raises
             rt.grow_if_needed(dict(plan.need, max_tokens=info["need_tokens"],
                                    combine_rows=info["need_perm_rows"] if plan.permute else info["need_rows"]))
+            if info["bad_slot"] >= 0:  # (check_ids only) the peers wait for this rank's rows next
+                call.owe(P.Pending.OUT_LOC if plan.push else P.Pending.STAGED)
+                raise bad_slot_error(plan.topk_idx, info["bad_slot"], plan.num_experts)
             rows_bound = st.num_rows
         if plan.permute:
             st.comb_map = torch.empty((rows_bound, K), dtype=torch.int32, device=rt.device)
