@@ -76,10 +76,12 @@ class DispatchHandle(_Routing):
     state: Any = field(default=None, repr=False)
     buffer_id: int = 0
     call_seq: int = 0  # the call that built it (combine and cached dispatch name it in their signature)
-    # [R, R] int32 on the device: tokens rank s sends to rank d in this routing, from the count
-    # exchange (no extra communication); the torch backend always, the cuda intranode path when the
-    # dispatch asked (rank_counts=True), else None
+    # From the count exchange (no extra communication), int32 on the device: [R, R] tokens rank s
+    # sends to rank d in this routing (the torch backend; the cuda intranode path when the dispatch
+    # asked, rank_counts=True), and its column of this rank, [R] tokens each rank sends here (the
+    # cuda internode path too); else None
     rank_counts: Optional[torch.Tensor] = None
+    recv_rank_counts: Optional[torch.Tensor] = None
 
 
 @dataclass

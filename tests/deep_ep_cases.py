@@ -94,8 +94,8 @@ def run_deep_ep_normal_case(cfg: dict) -> list:
                      per_rdma.tolist() == want_in_rank.view(-1, R // 8, 8).any(dim=2).sum(0).tolist())
                 and per_expert.tolist() == [int((idx == e).sum()) for e in range(E)]):
             errors.append(f"{tag} get_dispatch_layout differs from DeepEP's: {per_rank.tolist()} {per_expert.tolist()}")
-        if R <= 8:  # the handle's rank_prefix_matrix comes from the dispatch's own count exchange
-            buf._gathered = _no_host_collective
+        # the handle's rank prefix sums come from the dispatch's own count exchange
+        buf._gathered = _no_host_collective
         rx, rid, rw, counts, handle, ev = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                                                        num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w,
                                                        expert_alignment=a)

@@ -38,7 +38,9 @@ struct NotifyArgs {
                           // rank-major with num_worst_tokens: the pull counts the delivered rows)
   long long* out_dropped; // [1] out: real rows past num_worst_tokens
   long long tag;
-  int* rank_counts;       // [R][R] out, or nullptr: tokens rank s sends to rank d (the exchange's counts)
+  int* rank_counts;       // [G * R][R] out, or nullptr: tokens (group g, rank s) sends to rank d, at row
+                          // g * R + s (one group: rank s to rank d; the internode in-node stage's
+                          // groups are source nodes, so the row is the global source rank)
 };
 void launch_notify(const Ctx& ctx, const CallArgs& call, const NotifyArgs& args, cudaStream_t stream);
 

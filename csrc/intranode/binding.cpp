@@ -35,7 +35,7 @@ void notify(Runtime& rt, const Sig& sig, const Tensor& topk_idx, int E, int alig
   TORCH_CHECK(row_limits.numel() >= R && tpe.numel() >= E / R && dropped.numel() >= 1, "notify outputs too small");
   if (rank_counts.has_value()) {
     check_tensor(*rank_counts, "rank_counts", at::kInt);
-    TORCH_CHECK(rank_counts->numel() == (int64_t)R * R, "rank_counts must hold R x R counts");
+    TORCH_CHECK(rank_counts->numel() == (int64_t)groups * R * R, "rank_counts must hold groups * R x R counts");
   }
   const CallArgs call = make_call(sig, kCallOk, "");
   NotifyArgs a{static_cast<const long long*>(topk_idx.data_ptr()), T, K, E, align, permute ? 1 : 0, worst, groups,

@@ -222,12 +222,10 @@ __global__ void __launch_bounds__(kExchangeThreads, 1) notify_exchange_kernel(Ct
     for (int s = 0; s < R; ++s) t += all_r[s * GR + k];
     col_r[k] = t;
   }
-  if (a.rank_counts != nullptr)  // every rank's tokens per destination, summed over the groups
-    for (int i = tid; i < R * R; i += blockDim.x) {
-      const int s = i / R, d = i - s * R;
-      int n = 0;
-      for (int g = 0; g < G; ++g) n += all_r[s * GR + g * R + d];
-      a.rank_counts[i] = n;
+  if (a.rank_counts != nullptr)  // every (group, source rank)'s tokens per destination rank
+    for (int i = tid; i < GR * R; i += blockDim.x) {
+      const int gs = i / R, d = i - gs * R, g = gs / R, s = gs - g * R;
+      a.rank_counts[i] = all_r[s * GR + g * R + d];
     }
   __syncthreads();
   for (int e = tid; e < E; e += blockDim.x) {

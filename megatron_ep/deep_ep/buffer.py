@@ -83,13 +83,11 @@ class InternodeHandle(Handle):
     recv_rdma_channel_prefix_matrix, recv_rdma_rank_prefix_sum, recv_gbl_channel_prefix_matrix,
     recv_gbl_rank_prefix_sum, recv_src_meta, send_rdma_head, send_nvl_head)` with
     `is_token_in_rank` and `recv_gbl_rank_prefix_sum` ([R] int32: tokens ranks 0..i send to this
-    rank, inclusive) filled and the entries of DeepEP's channels, RDMA forwarding and heads None;
-    `rank_prefix_matrix` (the column of which that prefix sum is) is kept as an attribute."""
+    rank, inclusive) filled and the entries of DeepEP's channels, RDMA forwarding and heads None."""
 
-    def __new__(cls, ours: DispatchHandle, rank_prefix_matrix, is_token_in_rank, rank: int):
-        gbl = None if rank_prefix_matrix is None else rank_prefix_matrix[:, rank].contiguous()
-        h = tuple.__new__(cls, (is_token_in_rank, None, None, None, None, None, gbl, None, None, None))
-        h.ours, h.rank_prefix_matrix = ours, rank_prefix_matrix
+    def __new__(cls, ours: DispatchHandle, recv_prefix, is_token_in_rank):
+        h = tuple.__new__(cls, (is_token_in_rank, None, None, None, None, None, recv_prefix, None, None, None))
+        h.ours = ours
         return h
 
 
@@ -320,11 +318,10 @@ class Buffer:
             counts = [] if num_worst_tokens else [_align_up(c, expert_alignment) for c in out.tokens_per_expert_host]
             recv_idx, recv_w = out.topk_idx, out.topk_weights
         out = self._repacked(out, packed)
-        rank_prefix, out = self._rank_prefix_matrix(out, num_tokens_per_rank, bool(num_worst_tokens))
-        if self.group_size > RANKS_PER_NODE:  # DeepEP's internode_dispatch and its handle
-            h = InternodeHandle(out.handle, rank_prefix, is_token_in_rank, self.rank)
-        else:
-            h = Handle(out.handle, rank_prefix, None, is_token_in_rank)
+        internode = self.group_size > RANKS_PER_NODE  # DeepEP's internode_dispatch and its handle
+        prefix, out = self._rank_prefix(out, num_tokens_per_rank, bool(num_worst_tokens), column=internode)
+        h = InternodeHandle(out.handle, prefix, is_token_in_rank) if internode else \
+            Handle(out.handle, prefix, None, is_token_in_rank)
         return out.x, recv_idx, recv_w, counts, h, _finished(out.event, async_finish)
 
     def _repacked(self, out, packed: bool):
@@ -576,18 +573,21 @@ class Buffer:
         return self._combine_buffers.get(_combine_shape(handle, self.group_size), self._next_combine, handle[0].device)
 
     # ---------------------------------------------------------------------------- helpers
-    def _rank_prefix_matrix(self, out, num_tokens_per_rank: torch.Tensor, sync_free: bool):
-        """([R, R] int32, out): [i][j] = tokens ranks 0..i send to rank j (inclusive prefix over
-        sources), from the dispatch's own count exchange (`handle.rank_counts`: no communication,
-        made where the dispatch's outputs are ready, _after); else (the internode path) gathered
-        from every rank's num_tokens_per_rank -- None then for a sync-free dispatch on a group
-        whose backend cannot gather device tensors without a host round trip."""
-        counts = out.handle.rank_counts
+    def _rank_prefix(self, out, num_tokens_per_rank: torch.Tensor, sync_free: bool, column: bool):
+        """(prefix, out): DeepEP's rank_prefix_matrix, [R, R] int32, [i][j] = tokens ranks 0..i
+        send to rank j (inclusive prefix over sources); with `column`, only its column of this
+        rank ([R], the internode handle's recv_gbl_rank_prefix_sum). From the dispatch's own count
+        exchange (the handle's rank_counts / recv_rank_counts: no communication), made where the
+        dispatch's outputs are ready (_after); a backend without those counts falls back to
+        gathering every rank's num_tokens_per_rank -- None then for a sync-free dispatch on a
+        group that cannot gather device tensors without a host round trip."""
+        counts = out.handle.recv_rank_counts if column else out.handle.rank_counts
         if counts is not None:
             return self._after(out, lambda: torch.cumsum(counts, dim=0, dtype=torch.int32))
         if sync_free and num_tokens_per_rank.is_cuda and dist.get_backend(self.group) != "nccl":
             return None, out
-        return torch.cumsum(self._gathered(num_tokens_per_rank), dim=0).to(torch.int32), out
+        matrix = torch.cumsum(self._gathered(num_tokens_per_rank), dim=0).to(torch.int32)
+        return (matrix[:, self.rank].contiguous() if column else matrix), out
 
     def _gathered(self, counts: torch.Tensor) -> torch.Tensor:
         """[R, *counts.shape] int64 on counts' device: every rank's counts (through the host

@@ -295,7 +295,7 @@ class InternodePath(NvshmemPath, NormalPath):
             inner = self.intra.dispatch(inner_call, DispatchRequest(
                 rows, local_idx if handle is None else None, fw, L_node, permute, expert_alignment,
                 handle.state.inner if handle is not None else None, host_counts=host_counts,
-                num_worst_tokens=num_worst_tokens, token_groups=N, fused=fused))
+                num_worst_tokens=num_worst_tokens, token_groups=N, fused=fused, rank_counts=req.rank_counts))
         if handle is None:
             with torch.cuda.stream(rt.stream):  # the in-node stage has read the receive area: free it
                 self.buf.release(0)
@@ -307,7 +307,10 @@ class InternodePath(NvshmemPath, NormalPath):
             handle = DispatchHandle(backend="cuda", num_ranks=self.num_ranks, rank=self.rank, num_experts=num_experts,
                                     num_tokens=T, topk=K, permute=permute, expert_alignment=expert_alignment,
                                     num_recv_rows=inner.handle.num_recv_rows, tokens_per_expert=inner.handle.tokens_per_expert,
-                                    topk_idx=topk_idx, num_worst_tokens=num_worst_tokens, state=st, call_seq=call.seq)
+                                    topk_idx=topk_idx, num_worst_tokens=num_worst_tokens, state=st, call_seq=call.seq,
+                                    # the in-node stage's rows are (source node, its rank of this
+                                    # rank's index): global source ranks, node-major
+                                    recv_rank_counts=inner.handle.recv_rank_counts)
         event = EventOverlap(torch.cuda.Event())
         event.event.record(torch.cuda.current_stream(rt.device))
         out = DispatchOutput(inner.x, inner.topk_idx, inner.topk_weights, inner.row_expert, inner.tokens_per_expert, None,

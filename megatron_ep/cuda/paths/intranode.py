@@ -43,7 +43,7 @@ class IntranodeState:
     num_perm_rows: Optional[int]  # M, when known on the host
     counts: Optional[List[int]]  # raw per-local-expert counts, when known on the host
     comb_map: Optional[torch.Tensor] = None  # expert-major: [>= N, K] int32 row of each (rank-major row, slot)
-    rank_counts: Optional[torch.Tensor] = None  # [R, R] int32: tokens rank s sends to rank d (when asked)
+    rank_counts: Optional[torch.Tensor] = None  # [groups * R, R] int32: tokens (group, rank s) sends to rank d (when asked)
 
 
 @dataclass
@@ -256,7 +256,7 @@ class IntranodePath(NormalPath):
             recv_info=torch.empty(RI["header"] + 3 * plan.L, dtype=torch.int32, device=rt.device),
             row_limits=torch.empty(R, dtype=torch.int32, device=rt.device),
             tokens_per_expert=tpe, num_dropped=dropped, num_rows=None, num_perm_rows=None, counts=None,
-            rank_counts=torch.empty((R, R), dtype=torch.int32, device=rt.device) if plan.rank_counts else None)
+            rank_counts=torch.empty((plan.groups * R, R), dtype=torch.int32, device=rt.device) if plan.rank_counts else None)
         rows_bound = max_rank_major_rows(rt)  # the host learns N below unless sync-free
         tag = next(self.tags)
         call.sends(self.kernels.notify, rt=rt.rt, sig=call.sig, topk_idx=plan.topk_idx, num_experts=plan.num_experts,
@@ -377,7 +377,8 @@ class IntranodePath(NormalPath):
                                     expert_alignment=plan.expert_alignment, num_recv_rows=out_rows,
                                     tokens_per_expert=st.tokens_per_expert, topk_idx=plan.topk_idx,
                                     num_worst_tokens=plan.num_worst_tokens, state=st, call_seq=call.seq,
-                                    rank_counts=st.rank_counts)
+                                    rank_counts=st.rank_counts if plan.groups == 1 else None,
+                                    recv_rank_counts=None if st.rank_counts is None else st.rank_counts[:, self.rt.rank])
         res.handle = handle
         if req.host_counts:
             if st.counts is not None and not plan.num_worst_tokens:
