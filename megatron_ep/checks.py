@@ -120,6 +120,15 @@ def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+def _id_out_of_range(v: int, num_experts: int) -> str:
+    return (f"topk_idx contains {v}; expert ids must be >= -1 (-1 marks an unused slot)" if v < -1 else
+            f"topk_idx contains expert id {v} >= num_experts={num_experts}")
+
+
+def _id_repeated(topk_idx: torch.Tensor, row: int) -> str:
+    return f"topk_idx row {row} names the same expert twice: {topk_idx[row].tolist()}"
+
+
 def check_topk_values(topk_idx: torch.Tensor, num_experts: int, previous_event=None) -> None:
     """Range and duplicate checks; costs one device->host sync on GPU, skipped under graph capture.
     `previous_event`: the ids are ready there (maybe on another stream), so the host waits for it."""
@@ -133,23 +142,20 @@ def check_topk_values(topk_idx: torch.Tensor, num_experts: int, previous_event=N
         dup = ((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any(dim=1)
         parts.append(torch.where(dup.any(), dup.int().argmax(), -1))  # the first repeating row, or -1
     lo, hi, *rest = torch.stack(parts).tolist()  # one sync for every figure
-    fail(lo >= -1, f"topk_idx contains {lo}; expert ids must be >= -1 (-1 marks an unused slot)")
-    fail(hi < num_experts, f"topk_idx contains expert id {hi} >= num_experts={num_experts}")
+    fail(lo >= -1, _id_out_of_range(lo, num_experts))
+    fail(hi < num_experts, _id_out_of_range(hi, num_experts))
     if rest and rest[0] >= 0:
-        raise ValueError(f"topk_idx row {rest[0]} names the same expert twice: {topk_idx[rest[0]].tolist()}")
+        raise ValueError(_id_repeated(topk_idx, rest[0]))
 
 
 def bad_slot_error(topk_idx: torch.Tensor, slot: int, num_experts: int) -> ValueError:
     """The error for topk_idx's first bad slot (token * K + k) a kernel found: an id out of range,
-    or an expert an earlier slot of its token names; worded as check_topk_values words it."""
+    or an expert an earlier slot of its token names (check_topk_values's wording)."""
     K = topk_idx.shape[1]
-    row = topk_idx[slot // K].tolist()
-    v = row[slot % K]
-    if v < -1:
-        return ValueError(f"topk_idx contains {v}; expert ids must be >= -1 (-1 marks an unused slot)")
-    if v >= num_experts:
-        return ValueError(f"topk_idx contains expert id {v} >= num_experts={num_experts}")
-    return ValueError(f"topk_idx row {slot // K} names the same expert twice: {row}")
+    v = int(topk_idx[slot // K, slot % K])
+    if v < -1 or v >= num_experts:
+        return ValueError(_id_out_of_range(v, num_experts))
+    return ValueError(_id_repeated(topk_idx, slot // K))
 
 
 def check_token_limit(num_tokens: int, limit: Optional[int], what: str = "max_tokens_per_rank") -> None:
