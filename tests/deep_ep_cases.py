@@ -582,6 +582,31 @@ def run_deep_ep_worst_overflow_case(cfg: dict) -> list:
         return [f"{tag} raised:\n{traceback.format_exc()}"]
 
 
+def run_deep_ep_bad_ids_case(cfg: dict) -> list:
+    """An expert id out of range on every rank: get_dispatch_layout does not check the ids' values
+    (DeepEP's does not either; ours would cost a host sync), the dispatch with them refuses them on
+    every rank (ValueError naming num_experts) before any row moves, and the Buffer works after."""
+    from hostile_cases import raises
+
+    R, rank = dist.get_world_size(), dist.get_rank()
+    tag = f"[deep_ep bad ids R={R} rank={rank}]"
+    try:
+        deep_ep, buf, x, idx, w, layout, R, rank = _hostile_setup(cfg)
+        bad = idx.clone()
+        bad[0, 0] = cfg["E"] + 1
+        errors = []
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(bad, cfg["E"])  # must not raise
+        errors += raises(f"{tag} dispatch", lambda: buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                                 num_tokens_per_expert=per_expert, topk_idx=bad,
+                                                                 topk_weights=w), ValueError, "num_experts")
+        rx, *_ = buf.dispatch(x, **layout)
+        if not torch.equal(rx.cpu(), _expected(cfg, rank, R)[0]):
+            errors.append(f"{tag} the dispatch after the refused one differs from DeepEP's")
+        return errors
+    except Exception:
+        return [f"{tag} raised:\n{traceback.format_exc()}"]
+
+
 def _received(cfg: dict, R: int) -> list:
     """Rows each rank receives in the case's rank-major dispatch (one per token with an expert there)."""
     return [sum(int((_inputs(cfg, src)[1] // (cfg["E"] // R) == r).any(dim=1).sum()) for src in range(R))

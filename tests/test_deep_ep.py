@@ -124,6 +124,10 @@ def test_num_worst_tokens_below_what_a_rank_receives_raises_on_every_rank(pools)
     _clean(pools(2).run(dc.run_deep_ep_worst_overflow_case, dict(HOSTILE, pattern="hot"), timeout=120))
 
 
+def test_bad_ids_pass_the_layout_and_are_refused_by_the_dispatch(pools):
+    _clean(pools(2).run(dc.run_deep_ep_bad_ids_case, HOSTILE, timeout=120))
+
+
 def test_destroy_on_one_rank_fails_the_peers_calls_at_once(pools):
     _clean(pools(2).run(dc.run_deep_ep_destroyed_on_one_rank_case, HOSTILE, timeout=120))
 

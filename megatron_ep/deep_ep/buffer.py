@@ -261,7 +261,8 @@ class Buffer:
         _check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
         if getattr(previous_event, "event", None) is not None:  # DeepEP's rule: an EventOverlap(None) waits for nothing
             previous_event.current_stream_wait()
-        lay = self.runtime.get_dispatch_layout(topk_idx, num_experts)
+        # (DeepEP's layout checks no ids; our dispatch that follows checks them before rows move)
+        lay = self.runtime.get_dispatch_layout(topk_idx, num_experts, check_values=False)
         per_rdma = None
         if self.group_size > RANKS_PER_NODE:
             nodes = self.group_size // RANKS_PER_NODE
