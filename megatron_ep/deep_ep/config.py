@@ -1,8 +1,8 @@
 """DeepEP's Config (chunk sizes of its normal kernels) and its default tables. Our kernels size
-their own buffers: a Config is accepted, checked as DeepEP checks it, and its `num_sms` is the
-only field our calls read (a cached dispatch must use the count of the call that made its
-handle). The size hints follow DeepEP's formulas, so callers that size a Buffer from them get
-the numbers they expect (our Buffer does not need them)."""
+their own buffers and take their SM budget from megatron_ep's Buffer: a Config is accepted and
+checked as DeepEP checks it, and our calls read none of its fields (num_sms included; so does
+Buffer.set_num_sms's count). The size hints follow DeepEP's formulas, so callers that size a
+Buffer from them get the numbers they expect (our Buffer does not need them)."""
 
 from __future__ import annotations
 
