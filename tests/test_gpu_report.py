@@ -88,3 +88,23 @@ def test_a_row_that_ran_nothing_is_recorded_as_skipped(tmp_path, monkeypatch):
     assert gr.main(["--mode", "gate", "--results", str(tmp_path / "g.tsv"), "--out", str(tmp_path), "--elapsed", "30"]) == 0
     text = record.read_text()
     assert "| build deepgemm | skipped |" in text and "| tests/a.py | passed |" in text and "Gate run: **passed**" in text
+
+
+def test_a_partial_run_passes_the_gate_only_with_every_gate_row_passed_at_its_code(tmp_path, monkeypatch, capsys):
+    """verify reads the Gate line alone, so a run over some files that passes writes 'passed' only
+    when every other gate row of the record passed at the same code; else 'incomplete', naming them."""
+    record = tmp_path / "gpu-status.md"
+    monkeypatch.setattr(gr, "RECORD", str(record))
+    monkeypatch.setenv("MEP_GATE_COMMIT", "abc1234")
+    (tmp_path / "a.tsv").write_text("tests/a.py\t3\t0\t0\t20\t\ntests/b.py\t1\t1\t0\t20\t\n")
+    (tmp_path / "c.tsv").write_text("tests/c.py\t2\t0\t0\t20\t\n")
+    (tmp_path / "b.tsv").write_text("tests/b.py\t2\t0\t0\t20\t\n")
+    assert gr.main(["--mode", "gate", "--results", str(tmp_path / "a.tsv"), "--out", str(tmp_path)]) == 1
+    assert gr.main(["--mode", "gate", "--results", str(tmp_path / "c.tsv"), "--out", str(tmp_path)]) == 0
+    assert "Gate run: **incomplete**" in record.read_text() and "Not passed at this code: tests/b.py." in record.read_text()
+    assert gr.verify() == 1 and "did not pass" in capsys.readouterr().out
+    assert gr.main(["--mode", "gate", "--results", str(tmp_path / "b.tsv"), "--out", str(tmp_path)]) == 0
+    assert "Gate run: **passed**" in record.read_text() and gr.verify() == 0
+    monkeypatch.setattr(gr, "code_hash", lambda root=gr.ROOT: "0" * 16)  # new code: the old rows no longer count
+    assert gr.main(["--mode", "gate", "--results", str(tmp_path / "c.tsv"), "--out", str(tmp_path)]) == 0
+    assert "Gate run: **incomplete**" in record.read_text() and "tests/a.py, tests/b.py" in record.read_text()
