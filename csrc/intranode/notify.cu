@@ -60,8 +60,9 @@ __device__ __forceinline__ long long load_slot(const long long* __restrict__ top
 // NotifyArgs::check, one token per warp call (lane k holds slot k): an id that is neither -1 nor an
 // expert, or an expert an earlier slot of the token names already, is a bad slot; the token's
 // first one is offered for the call's first (Control::bad_key keeps the largest T * K - slot, so
-// the lowest slot; the exchange kernel reports and resets it). Checked here, where the ids are
-// read anyway: the host learns it with the sizes it waits for, and no extra sync is needed.
+// the lowest slot). Checked here, where the ids are read anyway: the exchange kernel then
+// publishes this rank's record as failed, so every rank aborts the call at the exchange, before
+// any row moves, and learns it with the sizes its host waits for (no extra sync).
 __device__ __forceinline__ void flag_bad_slot(const Ctx& c, const NotifyArgs& a, int t, long long id, bool valid) {
   const int lane = lane_id();
   // lanes without a valid id get a value of their own, so only equal expert ids match
@@ -168,11 +169,21 @@ __global__ void __launch_bounds__(kExchangeThreads, 1) notify_exchange_kernel(Ct
     mine[kCountsWorst] = a.worst;
     write_record(c, call);
     s_dropped = 0;
-    // the count kernel's first bad slot (NotifyArgs::check), reset for the next call's; written
-    // before the tag, as every size below
+    // the count kernel's first bad slot (NotifyArgs::check), reset for the next call's: this
+    // rank's host reads the slot (it words its own error from the ids), the peers the record's
+    // message (PeerFailedError)
     const unsigned long long bad_key = me->bad_key;
     me->bad_key = 0ull;
     c.host->bad_slot = bad_key != 0ull ? (long long)a.T * a.K - (long long)bad_key : -1;
+    if (bad_key != 0ull) {
+      CallRecord* rec = record_of(c, rank);
+      constexpr char kMsg[] = "ValueError: topk_idx names an expert id outside [-1, num_experts) or one expert "
+                              "twice in a token";
+      int n = 0;
+      for (; kMsg[n] != '\0' && n < kMsgBytes; ++n) rec->msg[n] = kMsg[n];
+      rec->msg_len = n;
+      rec->status = kCallFailed;
+    }
   }
   __threadfence_system();
   __syncthreads();

@@ -21,6 +21,7 @@ import torch
 from ... import hooks
 from ... import protocol as P
 from ...checks import bad_slot_error, check_topk_values, fail, is_fp8_tuple
+from ...errors import PeerFailedError
 from ...permute import padded_host_counts
 from ...requests import CombineRequest, DispatchRequest
 from ..runtime import CudaRuntime
@@ -266,15 +267,18 @@ class IntranodePath(NormalPath):
                    check_ids=plan.check_ids, rank_counts=st.rank_counts)
         rt.mark("notify")
         if not plan.num_worst_tokens:
-            info = rt.wait_host(call, tag, plan.L)
+            try:
+                info = rt.wait_host(call, tag, plan.L)
+            except PeerFailedError:
+                # ids notify found bad here (check_ids) failed this rank's record at the exchange, so
+                # every rank aborted the call (the peers raise PeerFailedError): this rank says why
+                bad = rt.rt.host_counts(0)["bad_slot"] if plan.check_ids else -1
+                if bad >= 0:
+                    raise bad_slot_error(plan.topk_idx, bad, plan.num_experts) from None
+                raise
             st.num_rows, st.num_perm_rows, st.counts = info["num_rows"], info["num_perm_rows"], info["counts"]
-            # every rank takes the same growth decision from the same counts (a collective when it
-            # grows), so a rank whose ids notify found bad grows with the others, then raises
             rt.grow_if_needed(dict(plan.need, max_tokens=info["need_tokens"],
                                    combine_rows=info["need_perm_rows"] if plan.permute else info["need_rows"]))
-            if info["bad_slot"] >= 0:  # (check_ids only) the peers wait for this rank's rows next
-                call.owe(P.Pending.OUT_LOC if plan.push else P.Pending.STAGED)
-                raise bad_slot_error(plan.topk_idx, info["bad_slot"], plan.num_experts)
             rows_bound = st.num_rows
         if plan.permute:
             st.comb_map = torch.empty((rows_bound, K), dtype=torch.int32, device=rt.device)
