@@ -133,7 +133,8 @@ def run_one_rank_fails(backend: str = "torch", device: str = "cpu") -> list:
     text = "num_experts" if bad else f"rank {R - 1} failed"
     f.expect("bad id on one rank", lambda: buf.dispatch(x, hi if bad else idx, w, num_experts=E), errs, text)
     # the other checks of the ids: below -1, an expert twice in a token; expert-major; worst-case
-    # sized (the cuda intranode path checks a sync dispatch's ids in notify, a sync-free one's on the host)
+    # sized (the cuda intranode path checks a sync dispatch's ids in notify, a sync-free one's on the
+    # host; a sync-free call's peers learn of the failure on the device: at synchronize())
     lo, dup = idx.clone(), idx.clone()
     lo[1, 2] = -3
     dup[2, 0] = dup[2, 1] = 1
@@ -144,7 +145,7 @@ def run_one_rank_fails(backend: str = "torch", device: str = "cpu") -> list:
     f.expect("bad id on one rank, expert-major", lambda: buf.dispatch(x, hi if bad else idx, w, num_experts=E,
                                                                       permute=True, expert_alignment=4), errs, text)
     f.expect("bad id on one rank, worst-case sized", lambda: buf.dispatch(x, hi if bad else idx, w, num_experts=E,
-                                                                          num_worst_tokens=R * T), errs, text)
+                                                                          num_worst_tokens=R * T), errs, text, sync=True)
     w_bad = w[:, :-1].contiguous() if bad else w
     f.expect("bad weights on one rank, cached", lambda: buf.dispatch(x, handle=good.handle, topk_weights=w_bad),
              ValueError if bad else PeerFailedError, "topk_weights", sync=True)
