@@ -4,7 +4,7 @@
 # with DeepEP and NCCL baselines), the low-latency benchmark, the Megatron A/B runs, the NVLink
 # roofline, DeepGEMM's expert tests. Logs go under $OUT. The tests are scripts/gpu_check.sh (the
 # gate); run it first: a figure counts only for code that passed it.
-#   MEP_GPU_STEPS   phases, comma-separated: build,bench,megatron,lowlat,overlap,deepep,gemm,deepgemm,link
+#   MEP_GPU_STEPS   phases, comma-separated: build,bench,megatron,lowlat,host,overlap,deepep,gemm,deepgemm,link
 #                   (default build,bench)
 #   link            the NVLink roofline between GPUs 0 and 1 (scripts/bench_link.py MEP_LINK_ARGS: copy
 #                   engine, SM stores, bulk copies; one way and both ways) -> $OUT/link.md
@@ -31,6 +31,9 @@
 #   gemm            the routed-expert GEMMs on one GPU (scripts/bench_expert_gemm.py MEP_GEMM_ARGS, default
 #                   --jit-jobs 6: DeepGEMM's kernels compiled in 6 processes first), waits for the DeepGEMM
 #                   build like the deepgemm phase -> $OUT/gemm.md, $OUT/gemm.json
+#   host            host cost per call (scripts/bench_host.py --ranks ${MEP_HOST_RANKS:-2} MEP_HOST_ARGS: ours,
+#                   megatron_ep.deep_ep and DeepEP V1 when its full build imports) -> $OUT/host.md, and
+#                   $OUT/host.log (the profiles with --profile N)
 #   MEP_BENCH_ARGS  bench_normal.py arguments (default: --ranks 2 --num-sms 8,16,24)
 #   MEP_RECIPE_ARGS the recipe's model flags for the Megatron step table
 # Wheels under .whl/ (megatron-core for Python 3.12, carried) are installed to /tmp/site first.
@@ -63,7 +66,7 @@ NGPU=$(nvidia-smi -L | wc -l)
 if [ -f .carry/build_deepep.sh ] && { has bench || has megatron; }; then
   OUT=/tmp bash .carry/build_deepep.sh intranode > /tmp/deepep_start.log 2>&1
 fi
-if [ -f .carry/build_deepep.sh ] && has lowlat; then  # DeepEP against the pip NVSHMEM: its LL kernels
+if [ -f .carry/build_deepep.sh ] && { has lowlat || has host; }; then  # DeepEP against the pip NVSHMEM: its LL kernels
   OUT=/tmp bash .carry/build_deepep.sh full > /tmp/deepep_full_start.log 2>&1
 fi
 if [ -d .carry/deepgemm ] && { has deepgemm || has gemm; }; then  # one C++ file, beside the build phase
@@ -110,6 +113,21 @@ if has lowlat; then
   PYTHONPATH=$llpath timeout "${MEP_LL_BENCH_TIMEOUT:-400}" python3 scripts/bench_low_latency.py --ranks "$llr" ${MEP_LL_BENCH_ARGS:-} \
     --markdown "$OUT/ll_bench.md" --json "$OUT/ll_bench.json" > "$OUT/ll_bench.log" 2>&1 || { status=1; echo "LL bench failed"; }
   grep -v "^\[" "$OUT/ll_bench.log" | tail -30
+  stop_mps
+fi
+if has host; then
+  phase host
+  hr=${MEP_HOST_RANKS:-2}
+  for _ in $(seq 300); do [ ! -f .carry/build_deepep.sh ] || [ -e /tmp/deepep_full.done ] && break; sleep 1; done
+  cat /tmp/deepep_full.done 2>/dev/null
+  hpath=${PYTHONPATH:-}
+  [ -e /tmp/deepep_full.ok ] && hpath=/tmp/deepep/full${PYTHONPATH:+:$PYTHONPATH}
+  [ "$hr" -gt "$NGPU" ] && start_mps
+  # shellcheck disable=SC2086
+  PYTHONPATH=$hpath timeout "${MEP_HOST_TIMEOUT:-400}" python3 scripts/bench_host.py --ranks "$hr" ${MEP_HOST_ARGS:-} \
+    > "$OUT/host.log" 2>&1 || { status=1; echo "host bench failed"; }
+  grep "^|" "$OUT/host.log" > "$OUT/host.md"
+  grep -v "^\[" "$OUT/host.log" | grep -v "^ " | tail -40
   stop_mps
 fi
 if has overlap; then

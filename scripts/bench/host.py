@@ -62,6 +62,8 @@ def parse(argv=None, description=None):
                    help="the N functions with the most cumulative host time in one call of each op (default 0: none)")
     p.add_argument("--no-check-inputs", dest="check_inputs", action="store_false",
                    help="ours: Buffer(check_inputs=False) (the expert-id checks cost host syncs; DeepEP has none)")
+    p.add_argument("--deepep-ll", action="store_true",
+                   help="DeepEP's own low-latency calls too (its NVSHMEM needs one process per GPU; off by default)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per implementation (default 900)")
     p.add_argument("--cpu", action="store_true",
                    help="CPU processes on the torch backend at a small shape: checks the script (figures mean nothing)")
@@ -139,11 +141,13 @@ def ops_ours(a, T, device, x, idx, w):
 
 
 def ops_deep_ep(a, T, device, x, idx, w, module=None):
-    """DeepEP V1's API: `module` is megatron_ep.deep_ep (ours) or DeepEP's own deep_ep."""
-    if module is None:
+    """DeepEP V1's API: `module` is megatron_ep.deep_ep (ours) or DeepEP's own deep_ep (its
+    low-latency calls only with --deepep-ll)."""
+    own = module is None
+    if own:
         from megatron_ep import deep_ep as module
     E, R = a.experts, dist.get_world_size()
-    ll = T <= LL_MAX_TOKENS
+    ll = T <= LL_MAX_TOKENS and (own or a.deepep_ll)
     rdma = module.Buffer.get_low_latency_rdma_size_hint(T, a.hidden, R, E) if ll else 0
     buf = module.Buffer(dist.group.WORLD, int(1e9), rdma, low_latency_mode=ll, num_qps_per_rank=max(1, E // R),
                         explicitly_destroy=True)
