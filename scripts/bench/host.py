@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import io
+import os
 import pstats
 import statistics
 import time
@@ -103,16 +103,24 @@ def time_op(fn, a, device, group) -> dict:
     return {"issue": statistics.median(issue), "loop": statistics.median(loop)}
 
 
-def profile_op(fn, top: int, device) -> str:
-    """cProfile of one call of `fn`: its `top` functions by cumulative time."""
+def profile_op(fn, top: int, device, calls: int = 20) -> str:
+    """cProfile of `calls` calls of `fn`: its `top` functions by cumulative time, in µs per call
+    (own time and with callees)."""
     prof = cProfile.Profile()
     prof.enable()
-    fn()
+    for _ in range(calls):
+        fn()
     prof.disable()
     _sync(device)
-    out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(top)
-    return out.getvalue()
+    st = pstats.Stats(prof).stats  # {(file, line, name): (primitive calls, calls, own s, cumulative s, callers)}
+    out = []
+    for title, key in (("by time with callees", 3), ("by own time", 2)):
+        out.append(f"{title}:\n{'calls/call':>10} {'own us':>8} {'cum us':>8}  function")
+        for (file, line, name), (_, n, tt, ct, _) in sorted(st.items(), key=lambda kv: -kv[1][key])[:top]:
+            where = name if file == "~" else \
+                f"{os.path.relpath(file) if file.startswith(os.getcwd()) else os.path.basename(file)}:{line}({name})"
+            out.append(f"{n / calls:10.1f} {tt / calls * 1e6:8.1f} {ct / calls * 1e6:8.1f}  {where}")
+    return "\n".join(out) + "\n"
 
 
 # ---------------------------------------------------------------------------------- the calls
