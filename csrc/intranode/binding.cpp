@@ -5,13 +5,13 @@
 // communication stream). The only translation unit of _C that sees torch.
 
 #include "intranode/api.h"
+#include "intranode/calls.h"
 #include "ipc/runtime.h"
 
 namespace mep {
 namespace {
 
 // ------------------------------------------------------------------------------ intranode path
-using Sig = std::vector<long long>;
 
 void notify(Runtime& rt, const Sig& sig, const Tensor& topk_idx, int E, int align, bool permute, int worst,
             Tensor& rank_pos, Tensor& slot_pos, Tensor& recv_info, Tensor& row_limits, Tensor& tpe, Tensor& dropped,
@@ -136,24 +136,6 @@ void dispatch_push(Runtime& rt, const Sig& sig, int slot, const Tensor& x, int T
   check_launch("dispatch_push");
 }
 
-template <typename T>
-py::bytes as_bytes(const T& v) {
-  return py::bytes(reinterpret_cast<const char*>(&v), sizeof(T));
-}
-
-// The same push for the internode path's fused dispatch: its launch record, not launched.
-py::bytes push_record(Runtime& rt, const Sig& sig, int slot, const Tensor& x, int T, int row_bytes,
-                      const c10::optional<Tensor>& scales, int scale_cols, const Tensor& topk_idx,
-                      const c10::optional<Tensor>& topk_w, const Tensor& rank_pos, const Tensor& slot_pos, int E,
-                      int out_rows, bool permute, const Tensor& recv_info, Tensor& out_x,
-                      const c10::optional<Tensor>& out_scales, const c10::optional<Tensor>& out_idx,
-                      const c10::optional<Tensor>& out_w, const c10::optional<Tensor>& out_row_expert,
-                      const c10::optional<Tensor>& comb_map, std::vector<long long> offsets) {
-  return as_bytes(push_launch(rt, sig, slot, x, T, row_bytes, scales, scale_cols, topk_idx, topk_w, rank_pos, slot_pos, E,
-                              out_rows, permute, recv_info, out_x, out_scales, out_idx, out_w, out_row_expert, comb_map,
-                              offsets));
-}
-
 // The pooled rank-major rows of an expert-major push (pool_rank_major's tensors; its int64 index
 // columns hold (expert-major row, local expert) int32 pairs) into the expert-major outputs.
 void fanout(Runtime& rt, const Sig& sig, const Tensor& rows, const c10::optional<Tensor>& scales, const Tensor& map,
@@ -230,26 +212,182 @@ void combine(Runtime& rt, const Sig& sig, int T, int H, int K, int E, bool permu
   check_launch("combine");
 }
 
-// A whole in-node combine (its first half: stage, or the pre-reduction with `partials`; then the
-// pull-and-sum into y) for the internode path's fused combine: its launch record, not launched.
-py::bytes combine_record(Runtime& rt, const Sig& sig, const c10::optional<Tensor>& x, int rows, int row_bytes,
-                         const c10::optional<Tensor>& weights, int weight_cols, bool partials,
-                         const c10::optional<Tensor>& comb_map, const Tensor& recv_info, int T, int H, int K, int E,
-                         bool permute, bool is_fp32, bool has_weights, const Tensor& row_limits, const Tensor& topk_idx,
-                         const Tensor& rank_pos, const Tensor& slot_pos, Tensor& y, const c10::optional<Tensor>& w_out) {
-  InnodeCombine d{};
-  d.call = make_call(sig, kCallOk, "");
-  d.ctx = rt.ctx(d.call.sig[kSigSeq]);
-  d.partials = partials ? 1 : 0;
-  if (partials) {
-    TORCH_CHECK(comb_map.has_value() && x.has_value(), "combine_record: partials need x and comb_map");
-    d.reduce = combine_reduce_args(rt, *x, rows, H, is_fp32, *comb_map, recv_info, weights);
+// ------------------------------------------------------------------ one crossing per call (calls.h)
+HandleState handle_state(const Tensor& topk_idx, const Tensor& rank_pos, const Tensor& slot_pos, const Tensor& recv_info,
+                         const Tensor& row_limits, const Tensor& tpe, const Tensor& dropped,
+                         const c10::optional<Tensor>& comb_map, int E, bool permute) {
+  check_tensor(topk_idx, "topk_idx", at::kLong);
+  check_tensor(rank_pos, "rank_pos", at::kInt);
+  check_tensor(slot_pos, "slot_pos", at::kInt);
+  check_tensor(recv_info, "recv_info", at::kInt);
+  check_tensor(row_limits, "row_limits", at::kInt);
+  check_tensor(tpe, "tokens_per_expert", at::kLong);
+  check_tensor(dropped, "num_dropped", at::kLong);
+  TORCH_CHECK(topk_idx.dim() == 2, "megatron_ep: topk_idx must be [T, K]");
+  HandleState st;
+  st.topk_idx = topk_idx, st.rank_pos = rank_pos, st.slot_pos = slot_pos, st.recv_info = recv_info;
+  st.row_limits = row_limits, st.tokens_per_expert = tpe, st.num_dropped = dropped, st.comb_map = comb_map;
+  st.T = (int)topk_idx.size(0), st.K = (int)topk_idx.size(1), st.E = E, st.permute = permute;
+  return st;
+}
+
+// A combine's host side: y (and the weights) on the caller's stream unless given, then stage (or
+// the expert-major pre-reduction, `partials`) and the pull-and-sum on ours; with `fused` (the
+// internode path's fused combine) the whole in-node combine as its launch record instead,
+// fused(record, y, w_out). Returns (y, w_out).
+py::tuple combine_call(Runtime& rt, const HandleState& st, const Sig& sig, const Tensor& x,
+                       const c10::optional<Tensor>& weights, bool partials, bool zero_copy,
+                       const c10::optional<Tensor>& out_y, const c10::optional<Tensor>& out_w,
+                       const py::object& previous, const py::object& event, bool async_op, const py::object& hook,
+                       const py::object& fused, const py::object& marks, int num_blocks, int local_blocks) {
+  const int rows = (int)x.size(0), H = (int)x.size(1), row_bytes = H * (int)x.element_size();
+  const bool is_fp32 = x.scalar_type() == at::kFloat, has_w = weights.has_value();
+  const int w_cols = st.permute ? 1 : st.K;
+  CallStreams cs(rt, previous, false);
+  Tensor y;
+  c10::optional<Tensor> w_out;
+  if (out_y.has_value()) {
+    y = *out_y;
+    w_out = out_w;
   } else {
-    d.stage = stage_combine_args(rt, x, rows, row_bytes, weights, weight_cols);
+    y = at::empty({st.T, H}, x.options());
+    if (has_w) w_out = at::empty({st.T, st.K}, x.options().dtype(at::kFloat));
   }
-  d.comb = combine_args(T, H, K, E, permute, is_fp32, has_weights, partials, row_limits, topk_idx, rank_pos, slot_pos, y,
-                        w_out);
-  return as_bytes(d);
+  if (apply_hook(hook, {&y, opt_ptr(w_out)})) cs.after_caller();
+  {
+    c10::cuda::CUDAStreamGuard on_comm(cs.comm());
+    mark(marks, 0);
+    const c10::optional<Tensor> staged = zero_copy ? c10::nullopt : c10::optional<Tensor>(x);
+    if (!fused.is_none()) {
+      InnodeCombine d{};
+      d.call = make_call(sig, kCallOk, "");
+      d.ctx = rt.ctx(d.call.sig[kSigSeq]);
+      d.partials = partials ? 1 : 0;
+      if (partials) {
+        TORCH_CHECK(st.comb_map.has_value() && !zero_copy, "megatron_ep: partials need x and comb_map");
+        d.reduce = combine_reduce_args(rt, x, rows, H, is_fp32, *st.comb_map, st.recv_info, weights);
+      } else {
+        d.stage = stage_combine_args(rt, staged, rows, row_bytes, weights, w_cols);
+      }
+      d.comb = combine_args(st.T, H, st.K, st.E, st.permute, is_fp32, has_w, partials, st.row_limits, st.topk_idx,
+                            st.rank_pos, st.slot_pos, y, w_out);
+      fused(as_bytes(d), y, w_out.has_value() ? py::cast(*w_out) : py::none());
+    } else {
+      if (partials) {
+        TORCH_CHECK(st.comb_map.has_value(), "megatron_ep: partials need the dispatch's comb_map");
+        combine_reduce(rt, sig, x, rows, H, is_fp32, *st.comb_map, st.recv_info, weights, local_blocks);
+      } else {
+        stage_combine(rt, sig, staged, rows, row_bytes, weights, w_cols, num_blocks);
+      }
+      mark(marks, 1);
+      combine(rt, sig, st.T, H, st.K, st.E, st.permute, is_fp32, has_w, partials, st.row_limits, st.topk_idx,
+              st.rank_pos, st.slot_pos, y, w_out, num_blocks);
+    }
+    mark(marks, 2);
+  }
+  cs.leave(event, async_op, {&x, opt_ptr(weights), &y, opt_ptr(w_out), &st.topk_idx, &st.rank_pos, &st.slot_pos,
+                             &st.row_limits, opt_ptr(st.comb_map), &st.recv_info});
+  return py::make_tuple(y, w_out.has_value() ? py::cast(*w_out) : py::none());
+}
+
+// A dispatch's host side after its plan (and, for a new routing, after notify: `first`, the streams
+// already ordered): the outputs on the caller's stream (pooled rank-major rows when pushing: the
+// outputs themselves, or the fan-out's source), the rows moved on ours (push [+ fan-out], or
+// stage + pull; with `fused`, the push's launch record for the internode path's fused dispatch),
+// the counts, the event. `scratch`: the expert-major push may use the combine area as its
+// rank-major buffer. Returns (x, scales, topk_idx, weights, row_expert, tokens_per_expert,
+// num_dropped, the handle's own tokens_per_expert, the handle's own num_dropped).
+py::tuple dispatch_call(Runtime& rt, HandleState& st, const Sig& sig, bool first, const Tensor& data,
+                        const c10::optional<Tensor>& scales, const c10::optional<Tensor>& topk_w, bool push,
+                        bool scratch, bool zero_copy, int out_rows, int worst, const py::object& previous,
+                        const py::object& event, bool async_op, const py::object& hook, const py::object& fused,
+                        const py::object& marks, int num_blocks, int push_blocks, int local_blocks) {
+  const int T = st.T, K = st.K, E = st.E, H = (int)data.size(1);
+  const int row_bytes = H * (int)data.element_size(), scale_cols = scales.has_value() ? (int)scales->size(1) : 0;
+  const bool permute = st.permute, has_w = topk_w.has_value();
+  const auto dev = data.options();
+  CallStreams cs(rt, previous, first);
+  const cudaStream_t compute = cs.compute().stream(), comm = cs.comm().stream();
+  // the counts the caller gets: a new routing's notify wrote the handle's; a cached dispatch
+  // returns copies of them (the caller's outputs are its own)
+  const Tensor tpe = first ? st.tokens_per_expert : at::empty({E / rt.num_ranks()}, dev.dtype(at::kLong));
+  const Tensor dropped = first ? st.num_dropped : at::empty({}, dev.dtype(at::kLong));
+  // outputs
+  RankMajor pooled;
+  bool have_pool = false;
+  if (push && permute) {  // a rank-major buffer for the fan-out (N rows, or the bound)
+    TORCH_CHECK(st.comb_map.has_value(), "megatron_ep: an expert-major dispatch needs comb_map");
+    const int rows = std::max<int>(1, (int)st.comb_map->size(0));
+    const RegionLayout& l = rt.lay();
+    have_pool = (scratch && rt.block_at(l.comb_x, l.comb_w, rows, H, data.scalar_type(), row_bytes, scale_cols, K, has_w,
+                                        pooled)) ||
+                rt.pool_block(rows, H, data.scalar_type(), row_bytes, scale_cols, K, has_w, compute, true, comm, pooled);
+  } else if (push) {
+    // the block's first writer waits for its last use: the push kernel (our stream; the peers
+    // wait for its start), or an output hook (the caller's) before it
+    have_pool = rt.pool_block(out_rows, H, data.scalar_type(), row_bytes, scale_cols, K, has_w, compute, false,
+                              hook.is_none() ? comm : compute, pooled);
+  }
+  Tensor x;
+  c10::optional<Tensor> out_s, out_idx, out_w, row_expert;
+  if (have_pool && !permute) {
+    x = pooled.x, out_s = pooled.scales, out_idx = pooled.idx, out_w = pooled.w;
+  } else {
+    x = at::empty({out_rows, H}, dev);
+    if (scales.has_value()) out_s = at::empty({out_rows, scale_cols}, dev.dtype(at::kFloat));
+    if (!permute) out_idx = at::empty({out_rows, K}, dev.dtype(at::kLong));
+    if (has_w) out_w = permute ? at::empty({out_rows}, dev.dtype(at::kFloat)) : at::empty({out_rows, K}, dev.dtype(at::kFloat));
+  }
+  if (permute) row_expert = at::empty({out_rows}, dev.dtype(at::kInt));
+  if (apply_hook(hook, {&x, opt_ptr(out_s), opt_ptr(out_idx), opt_ptr(out_w), opt_ptr(row_expert)})) cs.after_caller();
+  const std::vector<long long> offsets = have_pool ? pooled.offsets : std::vector<long long>{-1, -1, -1, -1};
+  Tensor keep_tpe, keep_dropped;
+  {
+    c10::cuda::CUDAStreamGuard on_comm(cs.comm());
+    const int slot = !first ? kSlotCall : (push ? kSlotOutLoc : kSlotStaged);
+    if (!fused.is_none() || push) {
+      if (!fused.is_none()) {
+        // where the outputs are not pooled (no push) the fused kernel stages and pulls (offsets -1)
+        fused(as_bytes(push_launch(rt, sig, slot, data, T, row_bytes, scales, scale_cols, st.topk_idx, topk_w,
+                                   st.rank_pos, st.slot_pos, E, out_rows, permute, st.recv_info, x, out_s, out_idx,
+                                   out_w, row_expert, st.comb_map, offsets)));
+      } else {
+        dispatch_push(rt, sig, slot, data, T, row_bytes, scales, scale_cols, st.topk_idx, topk_w, st.rank_pos,
+                      st.slot_pos, E, out_rows, permute, st.recv_info, x, out_s, out_idx, out_w, row_expert,
+                      st.comb_map, offsets, push_blocks);
+      }
+      mark(marks, 0);
+      if (permute) {
+        if (have_pool)
+          fanout(rt, sig, pooled.x, pooled.scales, pooled.idx, pooled.w, row_bytes, scale_cols, K, E, has_w, out_rows,
+                 st.recv_info, x, out_s, out_w, *row_expert, *st.comb_map, local_blocks);
+        mark(marks, 1);
+      }
+    } else {
+      stage(rt, sig, slot, zero_copy ? c10::nullopt : c10::optional<Tensor>(data), T, row_bytes, scales, scale_cols,
+            st.topk_idx, topk_w, st.rank_pos, st.slot_pos, num_blocks);
+      mark(marks, 0);
+      // rank-major, worst-case sized: the pull counts the rows it delivers (notify zeroed tpe)
+      const bool count_rows = first && worst > 0 && !permute;
+      dispatch(rt, sig, slot, row_bytes, scale_cols, K, E, permute, has_w, out_rows, st.recv_info, x, out_s, out_idx,
+               out_w, row_expert, count_rows ? c10::optional<Tensor>(tpe) : c10::nullopt, st.comb_map, num_blocks);
+      mark(marks, 1);
+    }
+    if (first) {  // the handle keeps its own counts (the pull may have written tpe)
+      keep_tpe = tpe.clone();
+      keep_dropped = dropped.clone();
+      st.tokens_per_expert = keep_tpe, st.num_dropped = keep_dropped;
+    } else {  // same routing, same rows
+      tpe.copy_(st.tokens_per_expert, true);
+      dropped.copy_(st.num_dropped, true);
+    }
+  }
+  cs.leave(event, async_op, {&data, opt_ptr(scales), &st.topk_idx, opt_ptr(topk_w), &st.rank_pos, &st.slot_pos,
+                             &st.recv_info, &st.row_limits, opt_ptr(st.comb_map), &x, opt_ptr(out_s), opt_ptr(out_idx),
+                             opt_ptr(out_w), opt_ptr(row_expert), &tpe, &dropped});
+  const auto opt = [](const c10::optional<Tensor>& t) { return t.has_value() ? py::cast(*t) : py::none(); };
+  return py::make_tuple(x, opt(out_s), opt(out_idx), opt(out_w), opt(row_expert), tpe, dropped,
+                        st.tokens_per_expert, st.num_dropped);
 }
 
 void layout(const Tensor& topk_idx, int E, int R, Tensor& tokens_per_rank, Tensor& tokens_per_expert,
@@ -294,22 +432,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("num_aborted", &mep::Runtime::num_aborted)
       .def("take_error", &mep::Runtime::take_error, py::arg("clear"))
       .def("fail_call", &mep::Runtime::fail_call)
-      .def("pool_rank_major", &mep::Runtime::pool_rank_major)
-      .def("rank_major_at", &mep::Runtime::rank_major_at)
       .def("pool_free_bytes", &mep::Runtime::pool_free_bytes)
-      .def("pool_stats", &mep::Runtime::pool_stats);
+      .def("pool_stats", &mep::Runtime::pool_stats)
+      .def("set_comm_stream", [](mep::Runtime& rt, const py::object& s) { rt.set_comm_stream(mep::stream_of(s)); });
   auto intra = m.def_submodule("intranode", "the intranode normal path (csrc/intranode/)");
-  // argument names: the Python side's (megatron_ep/cuda/paths/intranode.py passes them by name)
+  py::class_<mep::HandleState>(intra, "HandleState")
+      .def(py::init(&mep::handle_state), py::arg("topk_idx"), py::arg("rank_pos"), py::arg("slot_pos"), py::arg("recv_info"), py::arg("row_limits"), py::arg("tokens_per_expert"), py::arg("num_dropped"), py::arg("comb_map"), py::arg("num_experts"), py::arg("permute"));
+  // one crossing per call (calls.h): positional, in the order of megatron_ep/cuda/paths/intranode.py
+  intra.def("combine_call", &mep::combine_call);
+  intra.def("dispatch_call", &mep::dispatch_call);
+  // notify's argument names: the Python side's (megatron_ep/cuda/paths/intranode.py passes them by name)
   intra.def("notify", &mep::notify, py::arg("rt"), py::arg("sig"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("expert_alignment"), py::arg("permute"), py::arg("num_worst_tokens"), py::arg("rank_pos"), py::arg("slot_pos"), py::arg("recv_info"), py::arg("row_limits"), py::arg("tokens_per_expert"), py::arg("num_dropped"), py::arg("tag"), py::arg("token_groups") = 1, py::arg("check_ids") = false, py::arg("rank_counts") = py::none());
-  intra.def("stage", &mep::stage, py::arg("rt"), py::arg("sig"), py::arg("slot"), py::arg("x"), py::arg("num_tokens"), py::arg("row_bytes"), py::arg("scales"), py::arg("scale_cols"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("rank_pos"), py::arg("slot_pos"), py::arg("num_blocks"));
-  intra.def("dispatch", &mep::dispatch, py::arg("rt"), py::arg("sig"), py::arg("slot"), py::arg("row_bytes"), py::arg("scale_cols"), py::arg("topk"), py::arg("num_experts"), py::arg("permute"), py::arg("has_weights"), py::arg("out_rows"), py::arg("recv_info"), py::arg("out_x"), py::arg("out_scales"), py::arg("out_topk_idx"), py::arg("out_weights"), py::arg("out_row_expert"), py::arg("out_tokens_per_expert"), py::arg("comb_map"), py::arg("num_blocks"));
-  intra.def("dispatch_push", &mep::dispatch_push, py::arg("rt"), py::arg("sig"), py::arg("slot"), py::arg("x"), py::arg("num_tokens"), py::arg("row_bytes"), py::arg("scales"), py::arg("scale_cols"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("rank_pos"), py::arg("slot_pos"), py::arg("num_experts"), py::arg("out_rows"), py::arg("permute"), py::arg("recv_info"), py::arg("out_x"), py::arg("out_scales"), py::arg("out_topk_idx"), py::arg("out_weights"), py::arg("out_row_expert"), py::arg("comb_map"), py::arg("offsets"), py::arg("num_blocks"));
-  intra.def("fanout", &mep::fanout, py::arg("rt"), py::arg("sig"), py::arg("x"), py::arg("scales"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("row_bytes"), py::arg("scale_cols"), py::arg("topk"), py::arg("num_experts"), py::arg("has_weights"), py::arg("out_rows"), py::arg("recv_info"), py::arg("out_x"), py::arg("out_scales"), py::arg("out_weights"), py::arg("out_row_expert"), py::arg("comb_map"), py::arg("num_blocks"));
-  intra.def("push_record", &mep::push_record, py::arg("rt"), py::arg("sig"), py::arg("slot"), py::arg("x"), py::arg("num_tokens"), py::arg("row_bytes"), py::arg("scales"), py::arg("scale_cols"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("rank_pos"), py::arg("slot_pos"), py::arg("num_experts"), py::arg("out_rows"), py::arg("permute"), py::arg("recv_info"), py::arg("out_x"), py::arg("out_scales"), py::arg("out_topk_idx"), py::arg("out_weights"), py::arg("out_row_expert"), py::arg("comb_map"), py::arg("offsets"));
-  intra.def("combine_record", &mep::combine_record, py::arg("rt"), py::arg("sig"), py::arg("x"), py::arg("rows"), py::arg("row_bytes"), py::arg("weights"), py::arg("weight_cols"), py::arg("partials"), py::arg("comb_map"), py::arg("recv_info"), py::arg("num_tokens"), py::arg("hidden"), py::arg("topk"), py::arg("num_experts"), py::arg("permute"), py::arg("is_fp32"), py::arg("has_weights"), py::arg("row_limits"), py::arg("topk_idx"), py::arg("rank_pos"), py::arg("slot_pos"), py::arg("y"), py::arg("out_weights"));
   intra.attr("INNODE_DISPATCH_BYTES") = (long long)sizeof(mep::InnodeDispatch);
   intra.attr("INNODE_COMBINE_BYTES") = (long long)sizeof(mep::InnodeCombine);
-  intra.def("combine_reduce", &mep::combine_reduce, py::arg("rt"), py::arg("sig"), py::arg("x"), py::arg("rows"), py::arg("hidden"), py::arg("is_fp32"), py::arg("comb_map"), py::arg("recv_info"), py::arg("weights"), py::arg("num_blocks"));
-  intra.def("stage_combine", &mep::stage_combine, py::arg("rt"), py::arg("sig"), py::arg("x"), py::arg("rows"), py::arg("row_bytes"), py::arg("weights"), py::arg("weight_cols"), py::arg("num_blocks"));
-  intra.def("combine", &mep::combine, py::arg("rt"), py::arg("sig"), py::arg("num_tokens"), py::arg("hidden"), py::arg("topk"), py::arg("num_experts"), py::arg("permute"), py::arg("is_fp32"), py::arg("has_weights"), py::arg("partials"), py::arg("row_limits"), py::arg("topk_idx"), py::arg("rank_pos"), py::arg("slot_pos"), py::arg("y"), py::arg("out_weights"), py::arg("num_blocks"));
 }

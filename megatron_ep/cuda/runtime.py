@@ -160,6 +160,7 @@ class CudaRuntime(FailureState):
             raise PeerFailedError(f"megatron_ep: allocating the communication region: rank {failed[0]} failed: "
                                   f"{every[failed[0]]['failed']}")
         rt.open_peers(every)
+        rt.set_comm_stream(self.stream)
         dist.barrier(group=self.group)
         self.rt, self.plan, self.hints = rt, plan, dict(hints)
         self._fitted: set = set()  # needs known to fit this region
@@ -395,6 +396,28 @@ class CudaRuntime(FailureState):
             ev.record(self.stream if stream is None else stream)
             self.trace.append((name, ev))
 
+    def marks(self, names, first: bool = False) -> Optional[list]:
+        """Benchmarks: events for the phases `names` (None: a phase not marked) that a one-crossing
+        call records at each phase's end on the communication stream, or None when not tracing.
+        `first`: the first name is the path's opening mark (see mark())."""
+        if self.trace is None:
+            return None
+        out = []
+        for i, name in enumerate(names):
+            if name is None or (first and i == 0 and self.trace):
+                out.append(None)
+                continue
+            ev = torch.cuda.Event(enable_timing=True)
+            self.trace.append((name, ev))
+            out.append(ev)
+        return out
+
+    def scratch_free(self) -> bool:
+        """Whether the combine area may serve as the expert-major push's rank-major buffer (no
+        kernel uses it between calls, and every use is on our stream in call order): not while
+        a zero-copy combine input handed out is alive."""
+        return not any(r() is not None for r in self._comb_views)
+
     def view(self, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
         return self.rt.view(offset, list(shape), dtype)
 
@@ -404,17 +427,6 @@ class CudaRuntime(FailureState):
         t = self.view(self.plan.comb_x, [rows, hidden], dtype)
         self._comb_views = [r for r in self._comb_views if r() is not None] + [weakref.ref(t)]
         return t
-
-    def comb_scratch(self, rows: int, hidden: int, dtype: torch.dtype, row_bytes: int, scale_cols: int, K: int,
-                     has_w: bool):
-        """The expert-major push's rank-major buffer (pool_rank_major's block: tensors and byte
-        offsets) at the start of the combine area, which no kernel uses between calls: every use
-        is on the communication stream, in call order. None when a zero-copy combine input is
-        alive or the area is too small (then: the pool)."""
-        if any(r() is not None for r in self._comb_views):
-            return None
-        return self.rt.rank_major_at(self.plan.comb_x, self.plan.comb_w, rows, hidden, dtype, row_bytes,
-                                     scale_cols, K, has_w)
 
 
 def bounded_barrier(group, timeout_s: float, what: str) -> None:

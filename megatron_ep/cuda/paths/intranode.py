@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 
@@ -25,7 +25,7 @@ from ...errors import PeerFailedError
 from ...permute import padded_host_counts
 from ...requests import CombineRequest, DispatchRequest
 from ..runtime import CudaRuntime
-from ...types import CombineOutput, DispatchHandle, DispatchOutput
+from ...types import CombineOutput, DispatchHandle, DispatchOutput, EventOverlap
 from .interface import NormalPath
 
 RI = P.RECV_INFO
@@ -45,6 +45,9 @@ class IntranodeState:
     counts: Optional[List[int]]  # raw per-local-expert counts, when known on the host
     comb_map: Optional[torch.Tensor] = None  # expert-major: [>= N, K] int32 row of each (rank-major row, slot)
     rank_counts: Optional[torch.Tensor] = None  # [groups * R, R] int32: tokens (group, rank s) sends to rank d (when asked)
+    topk_idx: Optional[torch.Tensor] = None  # [T, K] int64: the routing (the handle's copy)
+    permute: bool = False
+    native: Any = None  # the same state as the one-crossing entries take it (native_state)
 
 
 @dataclass
@@ -76,16 +79,13 @@ class DispatchPlan:
 
 @dataclass
 class DispatchTensors:
-    """A dispatch's outputs (IntranodePath._outputs)."""
+    """A dispatch's outputs (calls.h dispatch_call)."""
 
     x: torch.Tensor
     scales: Optional[torch.Tensor]
     topk_idx: Optional[torch.Tensor]  # rank-major only
     weights: Optional[torch.Tensor]
     row_expert: Optional[torch.Tensor]  # expert-major only
-    pooled: Optional[tuple]  # push: the pooled rank-major rows (the outputs, or the fan-out's source) and their offsets
-    offsets: list
-    hooked: bool  # an output hook ran on the caller's stream: the communication stream waits for it
 
 
 def dispatch_rows(rt: CudaRuntime, x, topk_weights, num_experts: int):
@@ -162,40 +162,40 @@ class IntranodePath(NormalPath):
 
     # ------------------------------------------------------------------------------ dispatch
     def dispatch(self, call: P.Call, req: DispatchRequest) -> DispatchOutput:
-        """plan (every decision, before any kernel) -> notify (a new routing) -> outputs -> move
-        the rows (push [+ fan-out], or stage + pull) -> the caller's DispatchOutput."""
+        """plan (every decision, before any kernel) -> notify (a new routing) -> one crossing for
+        the rest (outputs, the rows moved: push [+ fan-out] or stage + pull, the counts, the
+        event: calls.h dispatch_call) -> the caller's DispatchOutput."""
         rt = self.rt
         plan = self._plan(call, req)
-        compute = rt.enter(req.previous_event)
+        previous = _event(req.previous_event)
         if plan.first:
+            rt.enter(req.previous_event)
+            previous = None
             # the handle's own routing (the caller may reuse theirs), copied on our stream: given a
             # previous_event, our stream waits for that event only, so a copy on the caller's
             # stream (queued after the event) could still be unwritten when notify reads it
             with torch.cuda.stream(rt.stream):
                 plan.topk_idx = plan.topk_idx.clone()
-        # what the caller gets back is allocated on its stream (see rt.leave); a cached dispatch
-        # returns copies of the counts its handle keeps (the caller's outputs are its own)
-        tpe = torch.empty(plan.L, dtype=torch.int64, device=rt.device)
-        dropped = torch.empty((), dtype=torch.int64, device=rt.device)
-        with torch.cuda.stream(rt.stream):
-            rt.mark("start", first=True)
-            st = self._notify(call, plan, tpe, dropped) if plan.first else req.handle.state
+            # the counts every dispatch along this routing returns, on the caller's stream
+            tpe = torch.empty(plan.L, dtype=torch.int64, device=rt.device)
+            dropped = torch.empty((), dtype=torch.int64, device=rt.device)
+            with torch.cuda.stream(rt.stream):
+                rt.mark("start", first=True)
+                st = self._notify(call, plan, tpe, dropped)
+        else:
+            st = req.handle.state
         out_rows = plan.num_worst_tokens or (st.num_perm_rows if plan.permute else st.num_rows)
-        with torch.cuda.stream(compute):  # outputs live on the caller's stream (record_stream ties them to ours when async)
-            out = self._outputs(plan, st, out_rows, compute)
-        with torch.cuda.stream(rt.stream):
-            if out.hooked:
-                rt.stream.wait_stream(compute)
-            self._move(call, plan, st, out, out_rows)
-            if plan.first:  # the handle keeps its own counts (the pull may have written tpe)
-                st.tokens_per_expert, st.num_dropped = tpe.clone(), dropped.clone()
-            else:  # same routing, same rows
-                tpe.copy_(st.tokens_per_expert)
-                dropped.copy_(st.num_dropped)
-        event = rt.leave(compute, [plan.data, plan.scales, plan.topk_idx, plan.topk_weights, st.rank_pos, st.slot_pos,
-                                   st.recv_info, st.row_limits, st.comb_map, out.x, out.scales, out.topk_idx,
-                                   out.weights, out.row_expert, tpe, dropped, st.rank_counts], req.async_op)
-        return self._result(call, req, plan, st, out, out_rows, tpe, dropped, event)
+        event = torch.cuda.Event()
+        marks = rt.marks(("push", "fanout" if plan.permute else None) if plan.push or plan.fused is not None
+                         else ("stage", "pull"))
+        zero_copy = plan.data.data_ptr() == rt.base + rt.plan.stage_x
+        res = call.sends(self.kernels.dispatch_call, rt.rt, native_state(self.kernels, st, plan.num_experts), call.sig,
+                         plan.first, plan.data, plan.scales, plan.topk_weights, plan.push, rt.scratch_free(), zero_copy,
+                         out_rows, plan.num_worst_tokens, previous, event, req.async_op, hooks.current(), plan.fused,
+                         marks, rt.num_sms, rt.push_sms, rt.local_sms)
+        out = DispatchTensors(*res[:5])
+        tpe, dropped, st.tokens_per_expert, st.num_dropped = res[5:]
+        return self._result(call, req, plan, st, out, out_rows, tpe, dropped, EventOverlap(event))
 
     def _plan(self, call: P.Call, req: DispatchRequest) -> "DispatchPlan":
         """The cuda checks of the inputs, the first call's sizing, whether the call fits as the
@@ -252,6 +252,7 @@ class IntranodePath(NormalPath):
         rank at the rows' first handshake (the push's output locations, or the staging)."""
         rt, R, T, K = self.rt, self.rt.num_ranks, plan.T, plan.K
         st = IntranodeState(
+            topk_idx=plan.topk_idx, permute=plan.permute,
             rank_pos=torch.empty((T, R), dtype=torch.int32, device=rt.device),
             slot_pos=torch.empty((T, K), dtype=torch.int32, device=rt.device),
             recv_info=torch.empty(RI["header"] + 3 * plan.L, dtype=torch.int32, device=rt.device),
@@ -285,91 +286,6 @@ class IntranodePath(NormalPath):
         call.owe(P.Pending.OUT_LOC if plan.push else P.Pending.STAGED)
         return st
 
-    def _outputs(self, plan: "DispatchPlan", st: IntranodeState, out_rows: int, compute) -> "DispatchTensors":
-        """The call's output tensors on the caller's stream: pooled rank-major rows when pushing
-        (the outputs themselves, or the fan-out's source), else new tensors."""
-        rt, H, K, has_w = self.rt, plan.H, plan.K, plan.topk_weights is not None
-        dtype, row_bytes, scale_cols = plan.data.dtype, plan.row_bytes, plan.scale_cols
-        pooled = None
-        if plan.push and plan.permute:  # a rank-major buffer for the fan-out (N rows, or the bound)
-            rows = max(1, st.comb_map.shape[0])
-            pooled = (rt.comb_scratch(rows, H, dtype, row_bytes, scale_cols, K, has_w)
-                      or rt.rt.pool_rank_major(rows, H, dtype, row_bytes, scale_cols, K, has_w,
-                                               compute.cuda_stream, True, rt.stream.cuda_stream))
-        elif plan.push:
-            # the block's first writer waits for its last use: the push kernel (communication
-            # stream; the peers wait for its start), or an output hook (this stream) before it
-            first_writer = compute if hooks.active() else rt.stream
-            pooled = rt.rt.pool_rank_major(out_rows, H, dtype, row_bytes, scale_cols, K, has_w, compute.cuda_stream,
-                                           False, first_writer.cuda_stream)
-        if pooled is not None and not plan.permute:
-            x, scales, idx, w = pooled[:4]
-        else:
-            x = torch.empty((out_rows, H), dtype=dtype, device=rt.device)
-            scales = (torch.empty((out_rows, scale_cols), dtype=torch.float32, device=rt.device)
-                      if plan.scales is not None else None)
-            idx = None if plan.permute else torch.empty((out_rows, K), dtype=torch.int64, device=rt.device)
-            w = (torch.empty((out_rows,) if plan.permute else (out_rows, K), dtype=torch.float32, device=rt.device)
-                 if has_w else None)
-        row_expert = torch.empty(out_rows, dtype=torch.int32, device=rt.device) if plan.permute else None
-        hooked = rt.new_outputs((x, scales, idx, w, row_expert))
-        return DispatchTensors(x, scales, idx, w, row_expert, pooled=pooled,
-                               offsets=list(pooled[4:]) if pooled is not None else [-1, -1, -1, -1], hooked=hooked)
-
-    def _move(self, call: P.Call, plan: "DispatchPlan", st: IntranodeState, out: "DispatchTensors", out_rows: int) -> None:
-        """The rows, on the communication stream: push (+ fan-out into expert segments), or
-        stage + pull. The first exchange of a cached dispatch is its stage (or push); after
-        notify, the next handshake. Outputs were allocated first: a failure there is published
-        before this rank signals anything, so the peers abort at the handshake they wait on."""
-        rt, K, E, has_w = self.rt, plan.K, plan.num_experts, plan.topk_weights is not None
-        slot = SLOT["call"] if not plan.first else (SLOT["out_loc"] if plan.push else SLOT["staged"])
-        if plan.fused is not None:
-            # the push's launch record for the internode path's fused dispatch; where the outputs
-            # are not pooled (no push) the same kernel stages and pulls (offsets -1)
-            rec = self.kernels.push_record(rt=rt.rt, sig=call.sig, slot=slot, x=plan.data, num_tokens=plan.T,
-                                           row_bytes=plan.row_bytes, scales=plan.scales, scale_cols=plan.scale_cols,
-                                           topk_idx=plan.topk_idx, topk_weights=plan.topk_weights, rank_pos=st.rank_pos,
-                                           slot_pos=st.slot_pos, num_experts=E, out_rows=out_rows, permute=plan.permute,
-                                           recv_info=st.recv_info, out_x=out.x, out_scales=out.scales,
-                                           out_topk_idx=out.topk_idx, out_weights=out.weights,
-                                           out_row_expert=out.row_expert, comb_map=st.comb_map, offsets=out.offsets)
-            call.sends(plan.fused, rec)
-        elif plan.push:
-            call.sends(self.kernels.dispatch_push, rt=rt.rt, sig=call.sig, slot=slot, x=plan.data, num_tokens=plan.T,
-                       row_bytes=plan.row_bytes, scales=plan.scales, scale_cols=plan.scale_cols, topk_idx=plan.topk_idx,
-                       topk_weights=plan.topk_weights, rank_pos=st.rank_pos, slot_pos=st.slot_pos, num_experts=E,
-                       out_rows=out_rows, permute=plan.permute, recv_info=st.recv_info, out_x=out.x,
-                       out_scales=out.scales, out_topk_idx=out.topk_idx, out_weights=out.weights,
-                       out_row_expert=out.row_expert, comb_map=st.comb_map, offsets=out.offsets, num_blocks=rt.push_sms)
-        if plan.push or plan.fused is not None:
-            rt.mark("push")
-            if plan.permute:
-                if out.pooled is not None:
-                    p = out.pooled
-                    self.kernels.fanout(rt=rt.rt, sig=call.sig, x=p[0], scales=p[1], topk_idx=p[2], topk_weights=p[3],
-                                        row_bytes=plan.row_bytes, scale_cols=plan.scale_cols, topk=K, num_experts=E,
-                                        has_weights=has_w, out_rows=out_rows, recv_info=st.recv_info, out_x=out.x,
-                                        out_scales=out.scales, out_weights=out.weights, out_row_expert=out.row_expert,
-                                        comb_map=st.comb_map, num_blocks=rt.local_sms)
-                rt.mark("fanout")
-                out.pooled = None  # the buffer goes back to the pool once the fan-out ran (stream-ordered)
-            return
-        zero_copy = plan.data.data_ptr() == rt.base + rt.plan.stage_x
-        call.sends(self.kernels.stage, rt=rt.rt, sig=call.sig, slot=slot, x=None if zero_copy else plan.data,
-                   num_tokens=plan.T, row_bytes=plan.row_bytes, scales=plan.scales, scale_cols=plan.scale_cols,
-                   topk_idx=plan.topk_idx, topk_weights=plan.topk_weights, rank_pos=st.rank_pos, slot_pos=st.slot_pos,
-                   num_blocks=rt.num_sms)
-        rt.mark("stage")
-        # rank-major, worst-case sized: the pull counts the rows it delivers (notify zeroed tpe)
-        count_rows = plan.first and bool(plan.num_worst_tokens) and not plan.permute
-        self.kernels.dispatch(rt=rt.rt, sig=call.sig, slot=slot, row_bytes=plan.row_bytes, scale_cols=plan.scale_cols,
-                              topk=K, num_experts=E, permute=plan.permute, has_weights=has_w, out_rows=out_rows,
-                              recv_info=st.recv_info, out_x=out.x, out_scales=out.scales, out_topk_idx=out.topk_idx,
-                              out_weights=out.weights, out_row_expert=out.row_expert,
-                              out_tokens_per_expert=st.tokens_per_expert if count_rows else None, comb_map=st.comb_map,
-                              num_blocks=rt.num_sms)
-        rt.mark("pull")
-
     def _result(self, call: P.Call, req: DispatchRequest, plan: "DispatchPlan", st: IntranodeState,
                 out: "DispatchTensors", out_rows: int, tpe, dropped, event) -> DispatchOutput:
         res = DispatchOutput((out.x, out.scales) if plan.scales is not None else out.x, out.topk_idx, out.weights,
@@ -395,8 +311,10 @@ class IntranodePath(NormalPath):
 
     # ------------------------------------------------------------------------------- combine
     def combine(self, call: P.Call, req: CombineRequest) -> CombineOutput:
+        """The checks and decisions here, then one crossing (calls.h combine_call): y on the
+        caller's stream, stage (or the expert-major pre-reduction) and the pull-and-sum on ours."""
         rt = self.rt
-        x, handle, weights, async_op, previous_event = req.x, req.handle, req.weights, req.async_op, req.previous_event
+        x, handle, weights = req.x, req.handle, req.weights
         st: IntranodeState = handle.state
         rows, H, row_bytes = combine_rows(rt, x, weights)
         fail(row_bytes <= rt.plan.comb_row_bytes, f"combine: rows of {row_bytes} bytes exceed the {rt.plan.comb_row_bytes} "
@@ -404,8 +322,7 @@ class IntranodePath(NormalPath):
              f"combine_bytes={x.element_size()})")
         fail(rows <= rt.plan.comb_rows, f"combine input has {rows} rows; the buffer's combine area holds {rt.plan.comb_rows} "
              f"(Buffer(combine_rows=...))")
-        T, K = handle.num_tokens, handle.topk
-        w_cols = 1 if handle.permute else K
+        T = handle.num_tokens
         zero_copy = x.data_ptr() == rt.base + rt.plan.comb_x
         # expert-major: sum each token's rows per rank locally first, so one fp32 row per
         # (token, rank) crosses the link instead of one per (token, expert). Needs the dispatch's
@@ -415,45 +332,31 @@ class IntranodePath(NormalPath):
         partials = (handle.permute and st.comb_map is not None and not zero_copy
                     and max_rank_major_rows(rt) * H * 4 <= rt.plan.comb_rows * rt.plan.comb_row_bytes)
         call.set(variant=int(partials))
-        compute = rt.enter(previous_event)
-        with torch.cuda.stream(compute):
-            if req.out is not None:
-                y, w_out = req.out
-                fail(tuple(y.shape) == (T, H) and y.dtype == x.dtype and (w_out is None) == (weights is None),
-                     "combine: the given outputs do not match the call", RuntimeError)
-            else:
-                y = torch.empty((T, H), dtype=x.dtype, device=rt.device)
-                w_out = torch.empty((T, K), dtype=torch.float32, device=rt.device) if weights is not None else None
-            hooked = rt.new_outputs((y, w_out))
-        with torch.cuda.stream(rt.stream):
-            if hooked:
-                rt.stream.wait_stream(compute)
-            rt.mark("start", first=True)
-            if req.fused is not None:
-                # the whole in-node combine as one launch record, for the internode path's fused combine
-                rec = self.kernels.combine_record(
-                    rt=rt.rt, sig=call.sig, x=None if zero_copy else x, rows=rows, row_bytes=row_bytes, weights=weights,
-                    weight_cols=w_cols, partials=partials, comb_map=st.comb_map, recv_info=st.recv_info, num_tokens=T,
-                    hidden=H, topk=K, num_experts=handle.num_experts, permute=handle.permute,
-                    is_fp32=x.dtype == torch.float32, has_weights=weights is not None, row_limits=st.row_limits,
-                    topk_idx=handle.topk_idx, rank_pos=st.rank_pos, slot_pos=st.slot_pos, y=y, out_weights=w_out)
-                call.sends(req.fused, rec, y, w_out)
-            elif partials:
-                call.sends(self.kernels.combine_reduce, rt=rt.rt, sig=call.sig, x=x, rows=rows, hidden=H,
-                           is_fp32=x.dtype == torch.float32, comb_map=st.comb_map, recv_info=st.recv_info, weights=weights,
-                           num_blocks=rt.local_sms)
-            else:
-                call.sends(self.kernels.stage_combine, rt=rt.rt, sig=call.sig, x=None if zero_copy else x, rows=rows,
-                           row_bytes=row_bytes, weights=weights, weight_cols=w_cols, num_blocks=rt.num_sms)
-            if req.fused is None:
-                rt.mark("reduce" if partials else "stage")
-                self.kernels.combine(rt=rt.rt, sig=call.sig, num_tokens=T, hidden=H, topk=K,
-                                     num_experts=handle.num_experts, permute=handle.permute,
-                                     is_fp32=x.dtype == torch.float32, has_weights=weights is not None,
-                                     partials=partials, row_limits=st.row_limits, topk_idx=handle.topk_idx,
-                                     rank_pos=st.rank_pos, slot_pos=st.slot_pos, y=y, out_weights=w_out,
-                                     num_blocks=rt.num_sms)
-            rt.mark("pull")
-        event = rt.leave(compute, [x, weights, y, w_out, handle.topk_idx, st.rank_pos, st.slot_pos, st.row_limits,
-                                   st.comb_map, st.recv_info], async_op)
-        return CombineOutput(y, w_out, event if async_op else None)
+        y = w_out = None
+        if req.out is not None:
+            y, w_out = req.out
+            fail(tuple(y.shape) == (T, H) and y.dtype == x.dtype and (w_out is None) == (weights is None),
+                 "combine: the given outputs do not match the call", RuntimeError)
+        event = torch.cuda.Event()
+        marks = rt.marks(("start", None if req.fused is not None else ("reduce" if partials else "stage"), "pull"),
+                         first=True)
+        y, w_out = call.sends(self.kernels.combine_call, rt.rt, native_state(self.kernels, st, handle.num_experts),
+                              call.sig, x, weights, partials, zero_copy, y, w_out, _event(req.previous_event), event,
+                              req.async_op, hooks.current(), req.fused, marks, rt.num_sms, rt.local_sms)
+        return CombineOutput(y, w_out, EventOverlap(event) if req.async_op else None)
+
+
+def _event(ev: Optional[EventOverlap]):
+    """The torch.cuda.Event an EventOverlap holds, or None."""
+    return None if ev is None else ev.event
+
+
+def native_state(kernels, st: IntranodeState, num_experts: int):
+    """The handle's state as the one-crossing entries take it (calls.h HandleState), bound at the
+    first call that needs it and kept: its counts follow the handle's."""
+    if st.native is None:
+        st.native = kernels.HandleState(topk_idx=st.topk_idx, rank_pos=st.rank_pos, slot_pos=st.slot_pos,
+                                        recv_info=st.recv_info, row_limits=st.row_limits,
+                                        tokens_per_expert=st.tokens_per_expert, num_dropped=st.num_dropped,
+                                        comb_map=st.comb_map, num_experts=num_experts, permute=st.permute)
+    return st.native
