@@ -40,6 +40,7 @@ from .types import (
 )
 
 BACKENDS = ("torch", "cuda", "auto")
+_BUFFER_FIELD = P.FIELD["buffer"]
 log = logging.getLogger("megatron_ep")
 _ids = iter(range(1, 1 << 62))
 _ordinals: dict = {}  # ranks of a group -> Buffers this process created on it so far
@@ -149,7 +150,8 @@ class Buffer:
                  num_experts: Optional[int] = None, max_topk: Optional[int] = None,
                  num_sms: Optional[int] = None, check_inputs: bool = True, ranks_per_node: Optional[int] = None,
                  **backend_options):
-        C.fail(backend in BACKENDS, f"backend must be one of {BACKENDS}, got {backend!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if group is None:
             C.fail(dist.is_initialized(), "Buffer needs an initialized torch.distributed process group (or pass group=)", RuntimeError)
             group = dist.group.WORLD
@@ -161,9 +163,9 @@ class Buffer:
         self.max_tokens_per_rank = max_tokens_per_rank
         self.check_inputs = check_inputs
         if ranks_per_node is not None:
-            C.fail(isinstance(ranks_per_node, int) and 1 <= ranks_per_node <= self.num_ranks
-                   and self.num_ranks % ranks_per_node == 0,
-                   f"ranks_per_node={ranks_per_node!r} must divide the group's {self.num_ranks} ranks")
+            if not (isinstance(ranks_per_node, int) and 1 <= ranks_per_node <= self.num_ranks
+                    and self.num_ranks % ranks_per_node == 0):
+                raise ValueError(f"ranks_per_node={ranks_per_node!r} must divide the group's {self.num_ranks} ranks")
         self.id = next(_ids)
         self._seq = 0
         # one call at a time per process: (thread name, op) of the call in progress
@@ -176,7 +178,8 @@ class Buffer:
             backend = "cuda" if cuda_backend_available() else "torch"
         self.backend = backend
         if backend == "torch":
-            C.fail(not backend_options, f"unknown Buffer options for the torch backend: {sorted(backend_options)}", TypeError)
+            if backend_options:
+                raise TypeError(f"unknown Buffer options for the torch backend: {sorted(backend_options)}")
             self._impl = TorchBackend(group, self.num_ranks, self.rank)
         else:
             from .cuda.backend import CudaBackend
@@ -210,44 +213,58 @@ class Buffer:
         C.fail(not self._destroyed, "this Buffer was destroyed", RuntimeError)
         return self._impl
 
-    @contextmanager
-    def _exclusive(self, op: str):
+    def _acquire(self, op: str) -> None:
         """The host side of one call, alone: a second thread's call meanwhile raises
         BufferBusyError at once, before it sends anything, naming both callers."""
-        me = threading.current_thread().name
         if not self._busy_lock.acquire(blocking=False):
             thread, busy_op = self._busy or ("another thread", "a call")
             raise BufferBusyError(
-                f"{op} from thread {me!r} on Buffer #{self.ordinal} (rank {self.rank}/{self.num_ranks}, backend "
-                f"{self.backend}) while thread {thread!r} is inside its {busy_op}: one rank's calls on a Buffer are "
-                f"one sequence, matched call by call with its peers'; issue them from one thread at a time (this "
-                f"call was not made; the other goes on)")
-        self._busy = (me, op)
+                f"{op} from thread {threading.current_thread().name!r} on Buffer #{self.ordinal} (rank "
+                f"{self.rank}/{self.num_ranks}, backend {self.backend}) while thread {thread!r} is inside its "
+                f"{busy_op}: one rank's calls on a Buffer are one sequence, matched call by call with its peers'; "
+                f"issue them from one thread at a time (this call was not made; the other goes on)")
+        self._busy = (threading.current_thread().name, op)
+
+    def _release(self) -> None:
+        self._busy = None
+        self._busy_lock.release()
+
+    @contextmanager
+    def _exclusive(self, op: str):
+        self._acquire(op)
         try:
             yield
         finally:
-            self._busy = None
-            self._busy_lock.release()
+            self._release()
+
+    def _next_call(self, op: str) -> P.Call:
+        self._seq += 1
+        self._entered += 1
+        call = P.Call(P.OP[op], self._seq)
+        call.sig[_BUFFER_FIELD] = self.ordinal
+        return call
 
     @contextmanager
     def _call(self, op: str):
         """One collective call: a sequence number, a signature (filled by the caller), and the
         backend's entry check and failure publication around the whole host side -- also for a
         destroyed Buffer, whose call raises inside it, so the peers learn of it instead of
-        waiting."""
-        impl = self._impl
-        with self._exclusive(op):
-            self._seq += 1
-            self._entered += 1
-            call = P.Call(P.OP[op], self._seq).set(buffer=self.ordinal)
+        waiting. (One context, not a nest of them: it runs around every call.)"""
+        self._acquire(op)
+        try:
+            impl = self._impl
+            call = self._next_call(op)
             try:
-                with impl.call(call):
-                    self._backend()
-                    yield call
-            except CallMismatchError as exc:
-                if getattr(exc, "resync", None) is not None:  # the backend realigned the call numbers
-                    self._seq = exc.resync
+                impl.begin(call)
+                self._backend()
+                yield call
+            except BaseException as exc:
+                impl.failed(call, exc)
+                if isinstance(exc, CallMismatchError) and getattr(exc, "resync", None) is not None:
+                    self._seq = exc.resync  # the backend realigned the call numbers
                 raise
+        finally:
+            self._release()
 
     def refuse(self, op: str, exc: BaseException) -> None:
         """Fail this rank's call `op` (a key of protocol.OP) with `exc` where its peers wait for it:
@@ -255,13 +272,16 @@ class Buffer:
         Buffer's call. The failure is published at the call's first exchange, as a failure inside
         one of Buffer's calls is (the peers raise PeerFailedError with its message instead of
         waiting), then `exc` is raised here. It counts as a call on every rank, as theirs does."""
-        C.fail(op in P.OP, f"op must be one of {sorted(P.OP)}, got {op!r}")
+        if op not in P.OP:
+            raise ValueError(f"op must be one of {sorted(P.OP)}, got {op!r}")
         with self._exclusive(op):
-            self._seq += 1
-            self._entered += 1
-            call = P.Call(P.OP[op], self._seq).set(buffer=self.ordinal)
-            with self._impl.call(call):
+            call = self._next_call(op)
+            try:
+                self._impl.begin(call)
                 raise exc
+            except BaseException as raised:
+                self._impl.failed(call, raised)
+                raise
 
     @contextmanager
     def before_call(self, op: str):
@@ -332,7 +352,8 @@ class Buffer:
             device = C.act_device(x)
             C.check_token_limit(T, self.max_tokens_per_rank)
             C.check_int("num_worst_tokens", num_worst_tokens, 0, C.MAX_ROWS)
-            C.fail(on_overflow in ("drop", "raise"), f"on_overflow must be 'drop' or 'raise', got {on_overflow!r}")
+            if on_overflow not in ("drop", "raise"):
+                raise ValueError(f"on_overflow must be 'drop' or 'raise', got {on_overflow!r}")
             C.check_bool("permute", permute, allow_none=True)
             C.check_bool("host_counts", host_counts)
             C.check_bool("rank_counts", rank_counts)
@@ -341,11 +362,16 @@ class Buffer:
             if handle is not None:
                 self._check_handle(handle, DispatchHandle)
                 C.fail(topk_idx is None, "cached dispatch (handle given) takes its routing from the handle: pass topk_idx=None")
-                C.fail(T == handle.num_tokens, f"x has {T} tokens but the handle was built for {handle.num_tokens}")
-                C.fail(num_experts in (None, handle.num_experts), f"num_experts={num_experts} differs from the handle's {handle.num_experts}")
-                C.fail(permute in (None, handle.permute), f"permute={permute} differs from the handle's {handle.permute}")
-                C.fail(expert_alignment in (None, handle.expert_alignment), f"expert_alignment={expert_alignment} differs from the handle's {handle.expert_alignment}")
-                C.fail(num_worst_tokens in (0, handle.num_worst_tokens), f"num_worst_tokens={num_worst_tokens} differs from the handle's {handle.num_worst_tokens}")
+                if T != handle.num_tokens:
+                    raise ValueError(f"x has {T} tokens but the handle was built for {handle.num_tokens}")
+                if num_experts not in (None, handle.num_experts):
+                    raise ValueError(f"num_experts={num_experts} differs from the handle's {handle.num_experts}")
+                if permute not in (None, handle.permute):
+                    raise ValueError(f"permute={permute} differs from the handle's {handle.permute}")
+                if expert_alignment not in (None, handle.expert_alignment):
+                    raise ValueError(f"expert_alignment={expert_alignment} differs from the handle's {handle.expert_alignment}")
+                if num_worst_tokens not in (0, handle.num_worst_tokens):
+                    raise ValueError(f"num_worst_tokens={num_worst_tokens} differs from the handle's {handle.num_worst_tokens}")
                 num_experts, permute, expert_alignment, K = handle.num_experts, handle.permute, handle.expert_alignment, handle.topk
                 num_worst_tokens = handle.num_worst_tokens
             else:
@@ -390,14 +416,18 @@ class Buffer:
             C.check_event("previous_event", previous_event)
             C.check_activation("x", x)
             C.fail(not C.is_fp8_tuple(x), "combine takes bf16/fp32 rows, not FP8", TypeError)
-            C.fail(x.shape[0] == handle.num_recv_rows, f"x has {x.shape[0]} rows but the dispatch delivered {handle.num_recv_rows}")
+            if x.shape[0] != handle.num_recv_rows:
+                raise ValueError(f"x has {x.shape[0]} rows but the dispatch delivered {handle.num_recv_rows}")
             if weights is not None:
                 C.fail(isinstance(weights, torch.Tensor), "weights must be a tensor", TypeError)
-                C.fail(weights.dtype in C.WEIGHT_DTYPES, f"weights must have dtype in {[str(d) for d in C.WEIGHT_DTYPES]}, got {weights.dtype}", TypeError)
+                if weights.dtype not in C.WEIGHT_DTYPES:
+                    raise TypeError(f"weights must have dtype in {[str(d) for d in C.WEIGHT_DTYPES]}, got {weights.dtype}")
                 shape = (handle.num_recv_rows,) if handle.permute else (handle.num_recv_rows, handle.topk)
-                C.fail(tuple(weights.shape) == shape, f"weights must have shape {shape}, got {tuple(weights.shape)}")
+                if tuple(weights.shape) != shape:
+                    raise ValueError(f"weights must have shape {shape}, got {tuple(weights.shape)}")
                 C.fail(weights.is_contiguous(), "weights must be contiguous")
-                C.fail(weights.device == x.device, f"weights is on {weights.device} but x is on {x.device}")
+                if weights.device != x.device:
+                    raise ValueError(f"weights is on {weights.device} but x is on {x.device}")
             call.set(routing=handle.call_seq, dtype=P.dtype_code(x.dtype), hidden=x.shape[1],
                      row_bytes=x.shape[1] * x.element_size(), topk=handle.topk, num_experts=handle.num_experts,
                      permute=handle.permute, expert_alignment=handle.expert_alignment,
@@ -439,15 +469,17 @@ class Buffer:
             C.check_low_latency_capacity(max_tokens_per_rank, num_experts, H, 1 if use_fp8 else x.element_size())
             C.check_token_limit(T, max_tokens_per_rank)
             if use_fp8:
-                C.fail(H % C.FP8_BLOCK == 0, f"x: hidden size {H} must be a multiple of {C.FP8_BLOCK} for FP8")
+                if H % C.FP8_BLOCK != 0:
+                    raise ValueError(f"x: hidden size {H} must be a multiple of {C.FP8_BLOCK} for FP8")
             C.check_bool("use_ue8m0", use_ue8m0)
             if use_ue8m0:
                 C.fail(use_fp8 and round_scale, "use_ue8m0 needs use_fp8=True and round_scale=True (power-of-two scales)")
-                C.fail(H % (C.FP8_BLOCK * 4) == 0, f"x: hidden size {H} must be a multiple of {C.FP8_BLOCK * 4} for UE8M0 "
-                                                  f"scales (four per int32)")
-                C.fail(self.num_ranks * max_tokens_per_rank % 4 == 0,
-                       f"use_ue8m0: num_ranks * max_tokens_per_rank = {self.num_ranks * max_tokens_per_rank} must be a "
-                       f"multiple of 4 (the column-major scales are TMA-aligned)")
+                if H % (C.FP8_BLOCK * 4) != 0:
+                    raise ValueError(f"x: hidden size {H} must be a multiple of {C.FP8_BLOCK * 4} for UE8M0 "
+                                     f"scales (four per int32)")
+                if self.num_ranks * max_tokens_per_rank % 4 != 0:
+                    raise ValueError(f"use_ue8m0: num_ranks * max_tokens_per_rank = {self.num_ranks * max_tokens_per_rank} must be a "
+                                     f"multiple of 4 (the column-major scales are TMA-aligned)")
             C.check_stats("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
                           num_experts // self.num_ranks, torch.int32, x.device, "local expert")
             C.check_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, self.num_ranks, torch.int64,
@@ -483,12 +515,15 @@ class Buffer:
         with self._call("low_latency_combine") as call:
             self._check_handle(handle, LowLatencyHandle)
             C.fail(isinstance(x, torch.Tensor), "x must be a tensor", TypeError)
-            C.fail(x.dtype in (torch.bfloat16, torch.float32), f"x must be bf16 or fp32, got {x.dtype}", TypeError)
+            if x.dtype not in (torch.bfloat16, torch.float32):
+                raise TypeError(f"x must be bf16 or fp32, got {x.dtype}")
             shape = (handle.num_local_experts, handle.num_ranks * handle.max_tokens_per_rank, handle.hidden)
-            C.fail(tuple(x.shape) == shape, f"x must have shape {shape}, got {tuple(x.shape)}")
+            if tuple(x.shape) != shape:
+                raise ValueError(f"x must have shape {shape}, got {tuple(x.shape)}")
             C.fail(x.is_contiguous(), "x must be contiguous")
             K = C.check_topk_idx(topk_idx, handle.num_tokens, x.device)
-            C.fail(K == handle.topk, f"topk_idx has K={K} but the dispatch used K={handle.topk}")
+            if K != handle.topk:
+                raise ValueError(f"topk_idx has K={K} but the dispatch used K={handle.topk}")
             if self.check_inputs:
                 C.check_same_routing(topk_idx, handle.topk_idx, handle.topk_idx_version)
             C.check_topk_weights(topk_weights, handle.num_tokens, K, x.device)
@@ -497,19 +532,24 @@ class Buffer:
             if combine_wait_recv_cost_stats is not None:
                 kwargs["wait_stats"] = combine_wait_recv_cost_stats
             if out is not None:
-                C.fail(isinstance(out, torch.Tensor), f"out must be a tensor, got {type(out).__name__}", TypeError)
+                if not isinstance(out, torch.Tensor):
+                    raise TypeError(f"out must be a tensor, got {type(out).__name__}")
                 want = (handle.num_tokens, handle.hidden)
-                C.fail(tuple(out.shape) == want, f"out must have shape {want} (the dispatch's tokens x hidden), got "
-                                                 f"{tuple(out.shape)}")
-                C.fail(out.dtype == x.dtype, f"out must have x's dtype {x.dtype}, got {out.dtype}", TypeError)
-                C.fail(out.device == x.device, f"out is on {out.device} but x is on {x.device}")
+                if tuple(out.shape) != want:
+                    raise ValueError(f"out must have shape {want} (the dispatch's tokens x hidden), got "
+                                     f"{tuple(out.shape)}")
+                if out.dtype != x.dtype:
+                    raise TypeError(f"out must have x's dtype {x.dtype}, got {out.dtype}")
+                if out.device != x.device:
+                    raise ValueError(f"out is on {out.device} but x is on {x.device}")
                 C.fail(out.is_contiguous(), "out must be contiguous")
                 kwargs["out"] = out
             C.check_bool("use_logfmt", use_logfmt)
             if use_logfmt:
-                C.fail(x.dtype == torch.bfloat16, f"use_logfmt encodes bf16 expert outputs, got {x.dtype}", TypeError)
-                C.fail(handle.hidden % logfmt.BLOCK == 0,
-                       f"use_logfmt: hidden size {handle.hidden} must be a multiple of {logfmt.BLOCK}")
+                if x.dtype != torch.bfloat16:
+                    raise TypeError(f"use_logfmt encodes bf16 expert outputs, got {x.dtype}")
+                if handle.hidden % logfmt.BLOCK != 0:
+                    raise ValueError(f"use_logfmt: hidden size {handle.hidden} must be a multiple of {logfmt.BLOCK}")
                 kwargs["use_logfmt"] = True
             call.set(routing=handle.call_seq, dtype=P.dtype_code(x.dtype), hidden=handle.hidden,
                      row_bytes=handle.hidden * x.element_size(), topk=K, num_experts=handle.num_experts,
@@ -527,8 +567,9 @@ class Buffer:
     def _mask_path(self, what: str):
         impl = self._backend()
         path = impl.low_latency_path() if hasattr(impl, "low_latency_path") else None
-        C.fail(path is not None and path.rank_mask, f"{what} needs the cuda backend and a Buffer made with "
-                                                    f"low_latency=dict(..., rank_mask=True)", RuntimeError)
+        if not (path is not None and path.rank_mask):
+            raise RuntimeError(f"{what} needs the cuda backend and a Buffer made with "
+                               f"low_latency=dict(..., rank_mask=True)")
         return path
 
     def low_latency_mask(self, rank: int, masked: bool = True) -> None:
@@ -602,7 +643,8 @@ class Buffer:
 
     # ----------------------------------------------------------------------------- helpers
     def _check_handle(self, handle, cls) -> None:
-        C.fail(isinstance(handle, cls), f"handle must be a {cls.__name__}, got {type(handle).__name__}", TypeError)
+        if not isinstance(handle, cls):
+            raise TypeError(f"handle must be a {cls.__name__}, got {type(handle).__name__}")
         C.fail(handle.buffer_id == self.id, "handle was produced by a different Buffer")
 
     def __repr__(self) -> str:

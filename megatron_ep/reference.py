@@ -13,7 +13,6 @@ row orders are exactly docs/design.md §2:
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -121,19 +120,17 @@ class TorchBackend:
     def reserve(self, need: dict) -> None:
         pass  # collectives size themselves
 
-    @contextmanager
-    def call(self, call: P.Call):
+    def begin(self, call: P.Call) -> None:
+        pass  # nothing reported between calls: every collective raises where it fails
+
+    def failed(self, call: P.Call, exc: BaseException) -> None:
         """A failure on this rank before the call's first collective, or between it and the data
         collective (an allocation, say), is published at the collective the peers wait in next,
         so they raise it instead of waiting for one this rank never joins."""
-        try:
-            yield call
-        except BaseException as exc:
-            if call.pending is P.Pending.FIRST:
-                self._exchange(call, failure=exc)
-            elif call.pending is P.Pending.COMMIT:
-                self._commit(call, failure=exc)
-            raise
+        if call.pending is P.Pending.FIRST:
+            self._exchange(call, failure=exc)
+        elif call.pending is P.Pending.COMMIT:
+            self._commit(call, failure=exc)
 
     def dispatch_input(self, num_tokens: int, hidden: int, dtype: torch.dtype, device=None) -> torch.Tensor:
         return torch.empty((num_tokens, hidden), dtype=dtype, device=device)

@@ -12,7 +12,6 @@ created at the first low-latency call, or up front with `low_latency=dict(...)`.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from typing import Optional, Type
 
 import torch
@@ -92,12 +91,13 @@ class CudaBackend:
     def _path_of(self, call: P.Call) -> Path:
         return self._low_latency() if call.op in _LL_OPS else self.path
 
-    @contextmanager
-    def call(self, call: P.Call):
-        """Entry check (errors reported since the last call) and, on a failure on this rank,
-        its publication to the peers waiting on this call."""
-        with self._path_of(call).guard(call):
-            yield call
+    def begin(self, call: P.Call) -> None:
+        """Entry check (errors reported since the last call) of the path that serves `call`."""
+        self._path_of(call).begin(call)
+
+    def failed(self, call: P.Call, exc: BaseException) -> None:
+        """A failure on this rank: its publication to the peers waiting on this call."""
+        self._path_of(call).failed(call, exc)
 
     def destroy(self) -> None:
         if self._ll is not None:

@@ -23,7 +23,6 @@ import logging
 import socket
 import time
 import weakref
-from contextlib import contextmanager
 from typing import Dict, Optional
 
 import torch
@@ -81,12 +80,14 @@ class CudaRuntime(FailureState):
         FailureState.__init__(self, kind)
         self.ext = _ext.load()
         fail(torch.cuda.is_available(), "backend='cuda' needs a CUDA device", RuntimeError)
-        fail(num_ranks <= P.MAX_RANKS, f"the intranode cuda path supports up to {P.MAX_RANKS} ranks, got {num_ranks}")
+        if num_ranks > P.MAX_RANKS:
+            raise ValueError(f"the intranode cuda path supports up to {P.MAX_RANKS} ranks, got {num_ranks}")
         self.group, self.rank, self.num_ranks = group, rank, num_ranks
         self.device = torch.device("cuda", torch.cuda.current_device())
         cap = torch.cuda.get_device_capability(self.device)
-        fail(cap[0] >= 9, f"the cuda backend's kernels are built for Hopper (sm_90); this GPU is sm_{cap[0]}{cap[1]}: "
-                          f"use backend='torch'", RuntimeError)
+        if cap[0] < 9:
+            raise RuntimeError(f"the cuda backend's kernels are built for Hopper (sm_90); this GPU is sm_{cap[0]}{cap[1]}: "
+                               f"use backend='torch'")
         self.timeout_s = timeout_s
         # who shares my GPU: virtual ranks share one HBM and one set of SMs
         props = torch.cuda.get_device_properties(self.device)
@@ -104,9 +105,9 @@ class CudaRuntime(FailureState):
         self.sm_count = props.multi_processor_count
         limit = max_num_sms(self.ranks_per_device, self.sm_count)
         if num_sms is not None:
-            fail(isinstance(num_sms, int) and 1 <= num_sms <= limit,
-                 f"num_sms={num_sms}: with {self.ranks_per_device} rank(s) on this GPU ({self.sm_count} SMs) each rank "
-                 f"may use 1..{limit} SMs, or blocks that wait on each other would not all be resident")
+            if not (isinstance(num_sms, int) and 1 <= num_sms <= limit):
+                raise ValueError(f"num_sms={num_sms}: with {self.ranks_per_device} rank(s) on this GPU ({self.sm_count} SMs) each rank "
+                                 f"may use 1..{limit} SMs, or blocks that wait on each other would not all be resident")
         self.num_sms = num_sms or default_num_sms(self.ranks_per_device, self.sm_count)
         # local kernels that wait on nobody (expert-major fan-out and pre-reduction) take this
         # rank's share of the GPU, as the permute they replace would
@@ -143,8 +144,10 @@ class CudaRuntime(FailureState):
     def _create(self, hints: dict) -> None:
         """Collective: plan, allocate and open every rank's region."""
         plan = P.plan_region(hints)
-        fail(plan.max_experts <= P.MAX_EXPERTS, f"num_experts={plan.max_experts} exceeds the cuda backend's {P.MAX_EXPERTS}")
-        fail(1 <= plan.max_topk <= P.MAX_TOPK, f"max_topk must be in 1..{P.MAX_TOPK}")
+        if plan.max_experts > P.MAX_EXPERTS:
+            raise ValueError(f"num_experts={plan.max_experts} exceeds the cuda backend's {P.MAX_EXPERTS}")
+        if not (1 <= plan.max_topk <= P.MAX_TOPK):
+            raise ValueError(f"max_topk must be in 1..{P.MAX_TOPK}")
         # the allocation can fail on one rank (memory): every rank still reaches the gather, so
         # the others raise PeerFailedError naming it instead of waiting there
         try:
@@ -263,16 +266,6 @@ class CudaRuntime(FailureState):
         self.closed = True
 
     # ------------------------------------------------------------------------------ calls
-    @contextmanager
-    def publishing(self, call: P.Call):
-        """Run a call's host side; if it raises while peers may be waiting for this rank, tell
-        them (a failed record at the handshake they wait on next) before re-raising."""
-        try:
-            yield call
-        except BaseException as exc:
-            self.publish(call, exc)
-            raise
-
     def publish(self, call: P.Call, exc: BaseException) -> None:
         """`call` failed on this rank with `exc`: if peers may be waiting for it (`call.pending`),
         a failed record at the handshake they wait on next."""

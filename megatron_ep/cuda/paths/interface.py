@@ -10,7 +10,8 @@ path is a `Path` with calls of its own (megatron_ep/cuda/paths/low_latency.py).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ContextManager, Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 from ... import protocol as P
 from ...requests import CombineRequest, DispatchRequest
@@ -18,10 +19,24 @@ from ...requests import CombineRequest, DispatchRequest
 
 class Path(ABC):
     @abstractmethod
-    def guard(self, call: P.Call) -> ContextManager[P.Call]:
-        """Around a call's whole host side: the entry check (errors reported since the last
-        call), and, if the host side raises while peers may wait for this rank (`call.owes`),
-        the failure's publication to them before it propagates."""
+    def begin(self, call: P.Call) -> None:
+        """A call's entry check (errors reported since the last call)."""
+
+    @abstractmethod
+    def failed(self, call: P.Call, exc: BaseException) -> None:
+        """The call's host side raised `exc`: if peers may wait for this rank (`call.owes`),
+        publish the failure to them (the caller re-raises)."""
+
+    @contextmanager
+    def guard(self, call: P.Call) -> Iterator[P.Call]:
+        """Around a call's whole host side: begin, and on a failure (the entry check's too) its
+        publication before it propagates."""
+        try:
+            self.begin(call)
+            yield call
+        except BaseException as exc:
+            self.failed(call, exc)
+            raise
 
     @abstractmethod
     def check(self, call: Optional[P.Call] = None) -> None:

@@ -186,10 +186,10 @@ class InternodePath(NvshmemPath, NormalPath):
         return self.buf.view(self.plan[section], nbytes).view(dtype).view(rows, cols)
 
     # ------------------------------------------------------------------------------ calls
-    def _enter(self, call: P.Call) -> None:
+    def begin(self, call: P.Call) -> None:
         # the in-node calls check and publish for themselves; the node's earlier reports first
         self.rt.check(call)
-        super()._enter(call)
+        super().begin(call)
 
     def synchronize(self) -> None:
         self.rt.stream.synchronize()
@@ -239,13 +239,15 @@ class InternodePath(NvshmemPath, NormalPath):
         handle, host_counts, num_worst_tokens = req.handle, req.host_counts, req.num_worst_tokens
         async_op, previous_event = req.async_op, req.previous_event
         data, scales, T, H, elem, _ = dispatch_rows(rt, x, topk_weights, num_experts)
-        fail(num_experts % N == 0, f"num_experts={num_experts} must be a multiple of the {N} nodes")
+        if num_experts % N != 0:
+            raise ValueError(f"num_experts={num_experts} must be a multiple of the {N} nodes")
         if handle is not None:
             st: InternodeState = handle.state
             K, topk_idx = handle.topk, handle.topk_idx
         else:
             K = topk_idx.shape[1]
-            fail(K <= P.MAX_TOPK, f"topk_idx has K={K}; the cuda backend takes at most {P.MAX_TOPK}")
+            if K > P.MAX_TOPK:
+                raise ValueError(f"topk_idx has K={K}; the cuda backend takes at most {P.MAX_TOPK}")
             if req.check_ids:  # on the host (one sync): the in-node stage sees only the node-local ids
                 check_topk_values(topk_idx, num_experts, previous_event)
             topk_idx = topk_idx.contiguous().clone()
@@ -325,8 +327,9 @@ class InternodePath(NvshmemPath, NormalPath):
         x, handle, weights, async_op, previous_event = req.x, req.handle, req.weights, req.async_op, req.previous_event
         st: InternodeState = handle.state
         _, H, row_bytes = combine_rows(rt, x, weights)
-        fail(row_bytes <= self.cap["c_row"], f"combine: rows of {row_bytes} bytes exceed the "
-             f"{self.cap['c_row']} the internode buffer holds (Buffer(hidden=, combine_bytes=))")
+        if row_bytes > self.cap["c_row"]:
+            raise ValueError(f"combine: rows of {row_bytes} bytes exceed the "
+                             f"{self.cap['c_row']} the internode buffer holds (Buffer(hidden=, combine_bytes=))")
         if previous_event is not None and previous_event.event is not None:
             torch.cuda.current_stream(rt.device).wait_event(previous_event.event)
         T, K = handle.num_tokens, handle.topk

@@ -12,7 +12,6 @@ wait on next (`call.pending`).
 from __future__ import annotations
 
 import itertools
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional
 
@@ -95,24 +94,32 @@ def dispatch_rows(rt: CudaRuntime, x, topk_weights, num_experts: int):
     T, H = data.shape
     elem = data.element_size()
     row_bytes = H * elem
-    fail(row_bytes % 16 == 0, f"dispatch: rows of {row_bytes} bytes; the cuda backend needs a multiple of 16 (hidden * element size)")
-    fail(data.device == rt.device, f"x is on {data.device}, the buffer on {rt.device}")
-    fail(num_experts <= P.MAX_EXPERTS, f"num_experts={num_experts} exceeds the cuda backend's {P.MAX_EXPERTS}")
+    if row_bytes % 16 != 0:
+        raise ValueError(f"dispatch: rows of {row_bytes} bytes; the cuda backend needs a multiple of 16 (hidden * element size)")
+    if data.device != rt.device:
+        raise ValueError(f"x is on {data.device}, the buffer on {rt.device}")
+    if num_experts > P.MAX_EXPERTS:
+        raise ValueError(f"num_experts={num_experts} exceeds the cuda backend's {P.MAX_EXPERTS}")
     if topk_weights is not None:
-        fail(topk_weights.dtype == torch.float32, f"topk_weights must be float32 for the cuda backend, got {topk_weights.dtype}", TypeError)
+        if topk_weights.dtype != torch.float32:
+            raise TypeError(f"topk_weights must be float32 for the cuda backend, got {topk_weights.dtype}")
     return data, scales, T, H, elem, row_bytes
 
 
 def combine_rows(rt: CudaRuntime, x, weights):
     """The cuda backend's own checks of a combine's inputs (Buffer checked the contract);
     returns (rows, H, row bytes). Whether the rows fit is each path's check (its buffer)."""
-    fail(x.dtype in (torch.bfloat16, torch.float32), f"the cuda backend combines bf16 or fp32 rows, got {x.dtype}", TypeError)
-    fail(x.device == rt.device, f"x is on {x.device}, the buffer on {rt.device}")
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"the cuda backend combines bf16 or fp32 rows, got {x.dtype}")
+    if x.device != rt.device:
+        raise ValueError(f"x is on {x.device}, the buffer on {rt.device}")
     rows, H = x.shape
     row_bytes = H * x.element_size()
-    fail(row_bytes % 16 == 0, f"combine: rows of {row_bytes} bytes; the cuda backend needs a multiple of 16 (hidden * element size)")
+    if row_bytes % 16 != 0:
+        raise ValueError(f"combine: rows of {row_bytes} bytes; the cuda backend needs a multiple of 16 (hidden * element size)")
     if weights is not None:
-        fail(weights.dtype == torch.float32, f"weights must be float32 for the cuda backend, got {weights.dtype}", TypeError)
+        if weights.dtype != torch.float32:
+            raise TypeError(f"weights must be float32 for the cuda backend, got {weights.dtype}")
     return rows, H, row_bytes
 
 
@@ -143,12 +150,11 @@ class IntranodePath(NormalPath):
         return f"cuda intranode, {rt.num_sms} SMs/rank, {rt.ranks_per_device} rank(s)/GPU, {size}"
 
     # ------------------------------------------------------------------------------ calls
-    @contextmanager
-    def guard(self, call: P.Call):
-        # the entry check inside the publication: a call that raises there still tells the peers
-        with self.rt.publishing(call):
-            self.rt.check(call)
-            yield call
+    def begin(self, call: P.Call) -> None:
+        self.rt.check(call)
+
+    def failed(self, call: P.Call, exc: BaseException) -> None:
+        self.rt.publish(call, exc)
 
     def check(self, call: Optional[P.Call] = None) -> None:
         self.rt.check(call)
@@ -204,13 +210,17 @@ class IntranodePath(NormalPath):
         num_experts, handle, num_worst_tokens = req.num_experts, req.handle, req.num_worst_tokens
         data, scales, T, H, elem, row_bytes = dispatch_rows(rt, req.x, req.topk_weights, num_experts)
         groups = req.token_groups
-        fail(1 <= groups <= P.MAX_TOKEN_GROUPS, f"token_groups={groups} outside 1..{P.MAX_TOKEN_GROUPS}")
-        fail(T % groups == 0, f"{T} tokens are not {groups} equal token groups")
-        fail(groups * num_experts <= P.MAX_EXPERTS, f"{groups} token groups of {num_experts} experts exceed the "
-             f"notify counts' {P.MAX_EXPERTS}")
+        if not (1 <= groups <= P.MAX_TOKEN_GROUPS):
+            raise ValueError(f"token_groups={groups} outside 1..{P.MAX_TOKEN_GROUPS}")
+        if T % groups != 0:
+            raise ValueError(f"{T} tokens are not {groups} equal token groups")
+        if groups * num_experts > P.MAX_EXPERTS:
+            raise ValueError(f"{groups} token groups of {num_experts} experts exceed the "
+                             f"notify counts' {P.MAX_EXPERTS}")
         if handle is None:
             K = req.topk_idx.shape[1]
-            fail(K <= P.MAX_TOPK, f"topk_idx has K={K}; the cuda backend takes at most {P.MAX_TOPK}")
+            if K > P.MAX_TOPK:
+                raise ValueError(f"topk_idx has K={K}; the cuda backend takes at most {P.MAX_TOPK}")
             topk_idx = req.topk_idx  # the handle keeps its own copy, made in dispatch() after rt.enter
         else:
             K, topk_idx = handle.topk, handle.topk_idx
@@ -225,9 +235,10 @@ class IntranodePath(NormalPath):
             rt.first_use_in(call, need)
         if num_worst_tokens or capturing or handle is not None:  # nothing can grow without the host sync: it must fit now
             short = rt.fits({k: v for k, v in need.items() if k != "combine_rows" or num_worst_tokens})
-            fail(short is None, f"dispatch does not fit the buffer ({short}) and a "
-                 f"{'cached' if handle is not None else 'worst-case sized'} dispatch cannot grow it (no host sync): create "
-                 f"the Buffer with max_tokens_per_rank=, hidden=, combine_rows= large enough, or run one ordinary dispatch first")
+            if short is not None:
+                raise ValueError(f"dispatch does not fit the buffer ({short}) and a "
+                                 f"{'cached' if handle is not None else 'worst-case sized'} dispatch cannot grow it (no host sync): create "
+                                 f"the Buffer with max_tokens_per_rank=, hidden=, combine_rows= large enough, or run one ordinary dispatch first")
         # rows are pushed straight into pooled rank-major buffers when every rank has room: the
         # outputs themselves (rank-major), or what the fan-out spreads into expert segments
         push = (req.permute or not num_worst_tokens) and rt.plan.pool_bytes > 0 and not capturing
@@ -317,11 +328,13 @@ class IntranodePath(NormalPath):
         x, handle, weights = req.x, req.handle, req.weights
         st: IntranodeState = handle.state
         rows, H, row_bytes = combine_rows(rt, x, weights)
-        fail(row_bytes <= rt.plan.comb_row_bytes, f"combine: rows of {row_bytes} bytes exceed the {rt.plan.comb_row_bytes} "
-             f"bytes the buffer holds (combine rows wider than any dispatch so far: create the Buffer with hidden= and "
-             f"combine_bytes={x.element_size()})")
-        fail(rows <= rt.plan.comb_rows, f"combine input has {rows} rows; the buffer's combine area holds {rt.plan.comb_rows} "
-             f"(Buffer(combine_rows=...))")
+        if row_bytes > rt.plan.comb_row_bytes:
+            raise ValueError(f"combine: rows of {row_bytes} bytes exceed the {rt.plan.comb_row_bytes} "
+                             f"bytes the buffer holds (combine rows wider than any dispatch so far: create the Buffer with hidden= and "
+                             f"combine_bytes={x.element_size()})")
+        if rows > rt.plan.comb_rows:
+            raise ValueError(f"combine input has {rows} rows; the buffer's combine area holds {rt.plan.comb_rows} "
+                             f"(Buffer(combine_rows=...))")
         T = handle.num_tokens
         zero_copy = x.data_ptr() == rt.base + rt.plan.comb_x
         # expert-major: sum each token's rows per rank locally first, so one fp32 row per

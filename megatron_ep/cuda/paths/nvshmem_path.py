@@ -16,7 +16,6 @@ from __future__ import annotations
 import struct
 import zlib
 from abc import abstractmethod
-from contextlib import contextmanager
 from typing import List, Optional
 
 import torch
@@ -121,19 +120,13 @@ class NvshmemPath(FailureState, Path):
         """`cap`, as the error says what the buffer was sized for."""
 
     # ------------------------------------------------------------------------------ calls
-    @contextmanager
-    def guard(self, call: P.Call):
-        self._enter(call)
-        try:
-            yield call
-        except BaseException as exc:
-            if call.owes:  # the peers' kernels wait for this rank's signals
-                self.publish(call, exc)
-            raise
-
-    def _enter(self, call: P.Call) -> None:
+    def begin(self, call: P.Call) -> None:
         self.check(call)
         call.owe(self.PENDING)
+
+    def failed(self, call: P.Call, exc: BaseException) -> None:
+        if call.owes:  # the peers' kernels wait for this rank's signals
+            self.publish(call, exc)
 
     def synchronize(self) -> None:
         # the kernels run on the caller's stream (or are ordered with it)
