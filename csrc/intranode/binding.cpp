@@ -214,21 +214,54 @@ void combine(Runtime& rt, const Sig& sig, int T, int H, int K, int E, bool permu
 
 // ------------------------------------------------------------------ one crossing per call (calls.h)
 HandleState handle_state(const Tensor& topk_idx, const Tensor& rank_pos, const Tensor& slot_pos, const Tensor& recv_info,
-                         const Tensor& row_limits, const Tensor& tpe, const Tensor& dropped,
-                         const c10::optional<Tensor>& comb_map, int E, bool permute) {
+                         const Tensor& row_limits, const Tensor& counts, const c10::optional<Tensor>& comb_map, int E,
+                         bool permute) {
   check_tensor(topk_idx, "topk_idx", at::kLong);
   check_tensor(rank_pos, "rank_pos", at::kInt);
   check_tensor(slot_pos, "slot_pos", at::kInt);
   check_tensor(recv_info, "recv_info", at::kInt);
   check_tensor(row_limits, "row_limits", at::kInt);
-  check_tensor(tpe, "tokens_per_expert", at::kLong);
-  check_tensor(dropped, "num_dropped", at::kLong);
+  check_tensor(counts, "counts", at::kLong);
   TORCH_CHECK(topk_idx.dim() == 2, "megatron_ep: topk_idx must be [T, K]");
+  TORCH_CHECK(E >= 1 && E % (int)row_limits.numel() == 0 && counts.numel() == E / row_limits.numel() + 1,
+              "megatron_ep: counts must hold tokens_per_expert and num_dropped");
   HandleState st;
   st.topk_idx = topk_idx, st.rank_pos = rank_pos, st.slot_pos = slot_pos, st.recv_info = recv_info;
-  st.row_limits = row_limits, st.tokens_per_expert = tpe, st.num_dropped = dropped, st.comb_map = comb_map;
+  st.row_limits = row_limits, st.comb_map = comb_map;
+  st.keep_counts(counts);
   st.T = (int)topk_idx.size(0), st.K = (int)topk_idx.size(1), st.E = E, st.permute = permute;
   return st;
+}
+
+// A new routing's notify in one crossing: our stream after the caller's (or `previous`), the
+// counts every dispatch along the routing returns on the caller's stream, then on ours the
+// handle's own copy of the routing (given a previous_event, our stream waits for that event only,
+// so a copy on the caller's stream, queued after it, could still be unwritten when notify reads
+// it), the positions, and notify. The caller's stream waits at the dispatch's end
+// (dispatch_call). Returns (topk_idx copy, rank_pos, slot_pos, recv_info, row_limits, counts,
+// tokens_per_expert, num_dropped, rank_counts or None): tokens_per_expert and num_dropped are
+// views of counts [L + 1], so a cached dispatch copies both with one copy.
+py::tuple notify_call(Runtime& rt, const Sig& sig, const Tensor& topk_idx, int E, int align, bool permute, int worst,
+                      int groups, bool check, bool want_rank_counts, long long tag, const py::object& previous,
+                      const py::object& marks) {
+  const int R = rt.num_ranks(), T = (int)topk_idx.size(0), K = (int)topk_idx.size(1);
+  TORCH_CHECK(E >= R && E % R == 0, "megatron_ep: bad num_experts ", E);
+  const int L = E / R;
+  CallStreams cs(rt, previous, false);
+  const auto i32 = topk_idx.options().dtype(at::kInt), i64 = topk_idx.options().dtype(at::kLong);
+  Tensor counts = at::empty({L + 1}, i64), tpe = counts.narrow(0, 0, L), dropped = counts.select(0, L);
+  c10::cuda::CUDAStreamGuard on_comm(cs.comm());
+  mark(marks, 0);
+  Tensor idx = topk_idx.clone(at::MemoryFormat::Contiguous);
+  Tensor rank_pos = at::empty({T, R}, i32), slot_pos = at::empty({T, K}, i32);
+  Tensor recv_info = at::empty({RecvInfo::size(L)}, i32), row_limits = at::empty({R}, i32);
+  c10::optional<Tensor> rank_counts;
+  if (want_rank_counts) rank_counts = at::empty({(int64_t)groups * R, R}, i32);
+  notify(rt, sig, idx, E, align, permute, worst, rank_pos, slot_pos, recv_info, row_limits, tpe, dropped, tag, groups,
+         check, rank_counts);
+  mark(marks, 1);
+  return py::make_tuple(idx, rank_pos, slot_pos, recv_info, row_limits, counts, tpe, dropped,
+                        rank_counts.has_value() ? py::cast(*rank_counts) : py::none());
 }
 
 // A combine's host side: y (and the weights) on the caller's stream unless given, then stage (or
@@ -295,11 +328,12 @@ py::tuple combine_call(Runtime& rt, const HandleState& st, const Sig& sig, const
 // outputs themselves, or the fan-out's source), the rows moved on ours (push [+ fan-out], or
 // stage + pull; with `fused`, the push's launch record for the internode path's fused dispatch),
 // the counts, the event. `scratch`: the expert-major push may use the combine area as its
-// rank-major buffer. Returns (x, scales, topk_idx, weights, row_expert, tokens_per_expert,
-// num_dropped, the handle's own tokens_per_expert, the handle's own num_dropped).
+// rank-major buffer. `comb_rows`: a new expert-major routing's combine map rows (N, or the bound
+// when the host does not know N). Returns (x, scales, topk_idx, weights, row_expert,
+// tokens_per_expert, num_dropped, the handle's own tokens_per_expert and num_dropped, comb_map).
 py::tuple dispatch_call(Runtime& rt, HandleState& st, const Sig& sig, bool first, const Tensor& data,
                         const c10::optional<Tensor>& scales, const c10::optional<Tensor>& topk_w, bool push,
-                        bool scratch, bool zero_copy, int out_rows, int worst, const py::object& previous,
+                        bool scratch, bool zero_copy, int out_rows, int worst, int comb_rows, const py::object& previous,
                         const py::object& event, bool async_op, const py::object& hook, const py::object& fused,
                         const py::object& marks, int num_blocks, int push_blocks, int local_blocks) {
   const int T = st.T, K = st.K, E = st.E, H = (int)data.size(1);
@@ -308,10 +342,15 @@ py::tuple dispatch_call(Runtime& rt, HandleState& st, const Sig& sig, bool first
   const auto dev = data.options();
   CallStreams cs(rt, previous, first);
   const cudaStream_t compute = cs.compute().stream(), comm = cs.comm().stream();
+  if (first && permute && !st.comb_map.has_value()) {  // our stream's, like every tensor the handle keeps
+    c10::cuda::CUDAStreamGuard on_comm(cs.comm());
+    st.comb_map = at::empty({comb_rows, K}, dev.dtype(at::kInt));
+  }
   // the counts the caller gets: a new routing's notify wrote the handle's; a cached dispatch
   // returns copies of them (the caller's outputs are its own)
-  const Tensor tpe = first ? st.tokens_per_expert : at::empty({E / rt.num_ranks()}, dev.dtype(at::kLong));
-  const Tensor dropped = first ? st.num_dropped : at::empty({}, dev.dtype(at::kLong));
+  const int L = E / rt.num_ranks();
+  const Tensor counts = first ? st.counts : at::empty({L + 1}, dev.dtype(at::kLong));
+  const Tensor tpe = counts.narrow(0, 0, L), dropped = counts.select(0, L);
   // outputs
   RankMajor pooled;
   bool have_pool = false;
@@ -341,7 +380,6 @@ py::tuple dispatch_call(Runtime& rt, HandleState& st, const Sig& sig, bool first
   if (permute) row_expert = at::empty({out_rows}, dev.dtype(at::kInt));
   if (apply_hook(hook, {&x, opt_ptr(out_s), opt_ptr(out_idx), opt_ptr(out_w), opt_ptr(row_expert)})) cs.after_caller();
   const std::vector<long long> offsets = have_pool ? pooled.offsets : std::vector<long long>{-1, -1, -1, -1};
-  Tensor keep_tpe, keep_dropped;
   {
     c10::cuda::CUDAStreamGuard on_comm(cs.comm());
     const int slot = !first ? kSlotCall : (push ? kSlotOutLoc : kSlotStaged);
@@ -373,21 +411,17 @@ py::tuple dispatch_call(Runtime& rt, HandleState& st, const Sig& sig, bool first
                out_w, row_expert, count_rows ? c10::optional<Tensor>(tpe) : c10::nullopt, st.comb_map, num_blocks);
       mark(marks, 1);
     }
-    if (first) {  // the handle keeps its own counts (the pull may have written tpe)
-      keep_tpe = tpe.clone();
-      keep_dropped = dropped.clone();
-      st.tokens_per_expert = keep_tpe, st.num_dropped = keep_dropped;
-    } else {  // same routing, same rows
-      tpe.copy_(st.tokens_per_expert, true);
-      dropped.copy_(st.num_dropped, true);
-    }
+    if (first)  // the handle keeps its own counts (the pull may have written tpe)
+      st.keep_counts(counts.clone());
+    else  // same routing, same rows
+      counts.copy_(st.counts, true);
   }
   cs.leave(event, async_op, {&data, opt_ptr(scales), &st.topk_idx, opt_ptr(topk_w), &st.rank_pos, &st.slot_pos,
                              &st.recv_info, &st.row_limits, opt_ptr(st.comb_map), &x, opt_ptr(out_s), opt_ptr(out_idx),
-                             opt_ptr(out_w), opt_ptr(row_expert), &tpe, &dropped});
+                             opt_ptr(out_w), opt_ptr(row_expert), &counts});
   const auto opt = [](const c10::optional<Tensor>& t) { return t.has_value() ? py::cast(*t) : py::none(); };
   return py::make_tuple(x, opt(out_s), opt(out_idx), opt(out_w), opt(row_expert), tpe, dropped,
-                        st.tokens_per_expert, st.num_dropped);
+                        st.tokens_per_expert, st.num_dropped, opt(st.comb_map));
 }
 
 void layout(const Tensor& topk_idx, int E, int R, Tensor& tokens_per_rank, Tensor& tokens_per_expert,
@@ -428,6 +462,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("base_ptr", &mep::Runtime::base_ptr)
       .def("host_tag", &mep::Runtime::host_tag)
       .def("wait_tag", &mep::Runtime::wait_tag, py::arg("tag"), py::arg("timeout_s"))
+      .def("wait_counts", &mep::Runtime::wait_counts, py::arg("tag"), py::arg("timeout_s"), py::arg("L"))
       .def("host_counts", &mep::Runtime::host_counts)
       .def("num_aborted", &mep::Runtime::num_aborted)
       .def("take_error", &mep::Runtime::take_error, py::arg("clear"))
@@ -437,12 +472,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_comm_stream", [](mep::Runtime& rt, const py::object& s) { rt.set_comm_stream(mep::stream_of(s)); });
   auto intra = m.def_submodule("intranode", "the intranode normal path (csrc/intranode/)");
   py::class_<mep::HandleState>(intra, "HandleState")
-      .def(py::init(&mep::handle_state), py::arg("topk_idx"), py::arg("rank_pos"), py::arg("slot_pos"), py::arg("recv_info"), py::arg("row_limits"), py::arg("tokens_per_expert"), py::arg("num_dropped"), py::arg("comb_map"), py::arg("num_experts"), py::arg("permute"));
-  // one crossing per call (calls.h): positional, in the order of megatron_ep/cuda/paths/intranode.py
-  intra.def("combine_call", &mep::combine_call);
-  intra.def("dispatch_call", &mep::dispatch_call);
-  // notify's argument names: the Python side's (megatron_ep/cuda/paths/intranode.py passes them by name)
-  intra.def("notify", &mep::notify, py::arg("rt"), py::arg("sig"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("expert_alignment"), py::arg("permute"), py::arg("num_worst_tokens"), py::arg("rank_pos"), py::arg("slot_pos"), py::arg("recv_info"), py::arg("row_limits"), py::arg("tokens_per_expert"), py::arg("num_dropped"), py::arg("tag"), py::arg("token_groups") = 1, py::arg("check_ids") = false, py::arg("rank_counts") = py::none());
+      .def(py::init(&mep::handle_state), py::arg("topk_idx"), py::arg("rank_pos"), py::arg("slot_pos"), py::arg("recv_info"), py::arg("row_limits"), py::arg("counts"), py::arg("comb_map"), py::arg("num_experts"), py::arg("permute"));
+  // one crossing per call (calls.h); argument names: the Python side's (megatron_ep/cuda/paths/intranode.py
+  // passes them by name; tests/test_kernel_boundary.py reads both sides)
+  intra.def("notify_call", &mep::notify_call, py::arg("rt"), py::arg("sig"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("expert_alignment"), py::arg("permute"), py::arg("num_worst_tokens"), py::arg("token_groups"), py::arg("check_ids"), py::arg("rank_counts"), py::arg("tag"), py::arg("previous_event"), py::arg("marks"));
+  intra.def("dispatch_call", &mep::dispatch_call, py::arg("rt"), py::arg("state"), py::arg("sig"), py::arg("first"), py::arg("x"), py::arg("scales"), py::arg("topk_weights"), py::arg("push"), py::arg("scratch"), py::arg("zero_copy"), py::arg("out_rows"), py::arg("num_worst_tokens"), py::arg("comb_rows"), py::arg("previous_event"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("fused"), py::arg("marks"), py::arg("num_blocks"), py::arg("push_blocks"), py::arg("local_blocks"));
+  intra.def("combine_call", &mep::combine_call, py::arg("rt"), py::arg("state"), py::arg("sig"), py::arg("x"), py::arg("weights"), py::arg("partials"), py::arg("zero_copy"), py::arg("out"), py::arg("out_weights"), py::arg("previous_event"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("fused"), py::arg("marks"), py::arg("num_blocks"), py::arg("local_blocks"));
   intra.attr("INNODE_DISPATCH_BYTES") = (long long)sizeof(mep::InnodeDispatch);
   intra.attr("INNODE_COMBINE_BYTES") = (long long)sizeof(mep::InnodeCombine);
 }

@@ -48,10 +48,17 @@ inline at::cuda::CUDAStream stream_of(const py::handle& s) {
 // What a dispatch's handle keeps for the calls along its routing (IntranodeState's tensors and
 // sizes), bound once when the first call along it needs them.
 struct HandleState {
-  Tensor topk_idx, rank_pos, slot_pos, recv_info, row_limits, tokens_per_expert, num_dropped;
+  Tensor topk_idx, rank_pos, slot_pos, recv_info, row_limits;
+  Tensor counts;  // [L + 1] int64: tokens_per_expert, then num_dropped (one copy per cached dispatch)
+  Tensor tokens_per_expert, num_dropped;  // views of counts
   c10::optional<Tensor> comb_map;
   int T = 0, K = 0, E = 0;
   bool permute = false;
+
+  void keep_counts(const Tensor& c) {
+    const int64_t L = c.numel() - 1;
+    counts = c, tokens_per_expert = c.narrow(0, 0, L), num_dropped = c.select(0, L);
+  }
 };
 
 // The streams of one call: ours after `previous` (an event the caller passed) or after everything

@@ -247,6 +247,11 @@ class Runtime {
       }
     }
   }
+  // wait_tag, then (0, host_counts) once the sizes arrived, else (1 or 2, None): one crossing
+  py::tuple wait_counts(long long tag, double timeout_s, int L) const {
+    const int waited = wait_tag(tag, timeout_s);
+    return py::make_tuple(waited, waited == 0 ? py::object(host_counts(L)) : py::object(py::none()));
+  }
   py::dict host_counts(int L) const {
     const HostInfo* h = host();
     std::vector<int> counts(L);

@@ -37,7 +37,6 @@ from ..model.rates import COPY_HEADROOM, HBM_COPY_GBPS, NVLINK_GBPS, PER_SM_COPY
 from ..errors import CommTimeoutError, MegatronEPError, PeerFailedError
 from .failure_state import FailureState
 from ..hooks import new_outputs
-from ..types import EventOverlap
 
 log = logging.getLogger("megatron_ep")
 
@@ -335,15 +334,15 @@ class CudaRuntime(FailureState):
 
     def wait_host(self, call: P.Call, tag: int, L: int) -> dict:
         """Wait (in C++, backing off, never spinning a core for long: Runtime::wait_tag) until
-        notify's sizes for `tag` reached the host; raise if the call was aborted or a peer timed out."""
-        waited = self.rt.wait_tag(tag, self.timeout_s + 5)
+        notify's sizes for `tag` reached the host, and read them, in one crossing; raise if the
+        call was aborted or a peer timed out."""
+        waited, info = self.rt.wait_counts(tag, self.timeout_s + 5, L)
         if waited == 1:  # a fatal error came first
             raise self._error(self.rt.take_error(clear=False), call)
         if waited == 2:
             raise self.break_with(CommTimeoutError, self._with_hazard(
                 f"rank {self.rank}: no receive count from the notify kernel of call #{call.seq} within "
                 f"{self.timeout_s + 5:.0f}s"))
-        info = self.rt.host_counts(L)
         if info["num_rows"] < 0:  # this call was aborted at its exchange, on every rank
             err = self.rt.take_error(clear=False)
             if err is not None:
@@ -351,31 +350,7 @@ class CudaRuntime(FailureState):
             raise MegatronEPError(f"{call.describe()} was aborted on every rank (the reason was reported earlier)")
         return info
 
-    # ------------------------------------------------------------------------- stream glue
-    def enter(self, previous_event: Optional[EventOverlap]):
-        compute = torch.cuda.current_stream(self.device)
-        if previous_event is not None and previous_event.event is not None:
-            self.stream.wait_event(previous_event.event)
-        else:
-            self.stream.wait_stream(compute)
-        return compute
-
-    def leave(self, compute, tensors, async_op: bool) -> EventOverlap:
-        # Synchronous calls make the caller's stream wait for ours right away, so anything it
-        # frees afterwards is reused in stream order; only async callers need record_stream.
-        # Under CUDA-graph capture too: a block freed there goes back to the graph's pool at
-        # once unless it has a use on another stream (the allocator then keeps it until the
-        # capture ends), and a later kernel of the capture could be given it while ours read it.
-        if async_op:
-            for t in tensors:
-                if t is not None:
-                    t.record_stream(self.stream)
-        event = torch.cuda.Event()
-        event.record(self.stream)
-        if not async_op:
-            compute.wait_event(event)
-        return EventOverlap(event)
-
+    # ----------------------------------------------------------------------- hooks and marks
     def new_outputs(self, tensors) -> bool:
         """Apply the output hook (tests; megatron_ep.hooks); True when it ran (the comm stream
         must then wait)."""

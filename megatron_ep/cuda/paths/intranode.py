@@ -27,7 +27,6 @@ from ..runtime import CudaRuntime
 from ...types import CombineOutput, DispatchHandle, DispatchOutput, EventOverlap
 from .interface import NormalPath
 
-RI = P.RECV_INFO
 SLOT = P.SLOT
 
 
@@ -45,8 +44,10 @@ class IntranodeState:
     comb_map: Optional[torch.Tensor] = None  # expert-major: [>= N, K] int32 row of each (rank-major row, slot)
     rank_counts: Optional[torch.Tensor] = None  # [groups * R, R] int32: tokens (group, rank s) sends to rank d (when asked)
     topk_idx: Optional[torch.Tensor] = None  # [T, K] int64: the routing (the handle's copy)
+    device_counts: Optional[torch.Tensor] = None  # [L + 1] int64: tokens_per_expert and num_dropped are its views
     permute: bool = False
     native: Any = None  # the same state as the one-crossing entries take it (native_state)
+    fitted: Optional[tuple] = None  # (hidden, element bytes) of a cached dispatch that fitted (the region only grows)
 
 
 @dataclass
@@ -174,20 +175,10 @@ class IntranodePath(NormalPath):
         rt = self.rt
         plan = self._plan(call, req)
         previous = _event(req.previous_event)
+        comb_rows = 0
         if plan.first:
-            rt.enter(req.previous_event)
-            previous = None
-            # the handle's own routing (the caller may reuse theirs), copied on our stream: given a
-            # previous_event, our stream waits for that event only, so a copy on the caller's
-            # stream (queued after the event) could still be unwritten when notify reads it
-            with torch.cuda.stream(rt.stream):
-                plan.topk_idx = plan.topk_idx.clone()
-            # the counts every dispatch along this routing returns, on the caller's stream
-            tpe = torch.empty(plan.L, dtype=torch.int64, device=rt.device)
-            dropped = torch.empty((), dtype=torch.int64, device=rt.device)
-            with torch.cuda.stream(rt.stream):
-                rt.mark("start", first=True)
-                st = self._notify(call, plan, tpe, dropped)
+            st, comb_rows = self._notify(call, plan, previous)
+            previous = None  # the streams are ordered: notify_call entered the call
         else:
             st = req.handle.state
         out_rows = plan.num_worst_tokens or (st.num_perm_rows if plan.permute else st.num_rows)
@@ -195,12 +186,14 @@ class IntranodePath(NormalPath):
         marks = rt.marks(("push", "fanout" if plan.permute else None) if plan.push or plan.fused is not None
                          else ("stage", "pull"))
         zero_copy = plan.data.data_ptr() == rt.base + rt.plan.stage_x
-        res = call.sends(self.kernels.dispatch_call, rt.rt, native_state(self.kernels, st, plan.num_experts), call.sig,
-                         plan.first, plan.data, plan.scales, plan.topk_weights, plan.push, rt.scratch_free(), zero_copy,
-                         out_rows, plan.num_worst_tokens, previous, event, req.async_op, hooks.current(), plan.fused,
-                         marks, rt.num_sms, rt.push_sms, rt.local_sms)
+        res = call.sends(self.kernels.dispatch_call, rt=rt.rt, state=native_state(self.kernels, st, plan.num_experts),
+                         sig=call.sig, first=plan.first, x=plan.data, scales=plan.scales, topk_weights=plan.topk_weights,
+                         push=plan.push, scratch=rt.scratch_free(), zero_copy=zero_copy, out_rows=out_rows,
+                         num_worst_tokens=plan.num_worst_tokens, comb_rows=comb_rows, previous_event=previous, event=event,
+                         async_op=req.async_op, hook=hooks.current(), fused=plan.fused, marks=marks,
+                         num_blocks=rt.num_sms, push_blocks=rt.push_sms, local_blocks=rt.local_sms)
         out = DispatchTensors(*res[:5])
-        tpe, dropped, st.tokens_per_expert, st.num_dropped = res[5:]
+        tpe, dropped, st.tokens_per_expert, st.num_dropped, st.comb_map = res[5:]
         return self._result(call, req, plan, st, out, out_rows, tpe, dropped, EventOverlap(event))
 
     def _plan(self, call: P.Call, req: DispatchRequest) -> "DispatchPlan":
@@ -221,7 +214,7 @@ class IntranodePath(NormalPath):
             K = req.topk_idx.shape[1]
             if K > P.MAX_TOPK:
                 raise ValueError(f"topk_idx has K={K}; the cuda backend takes at most {P.MAX_TOPK}")
-            topk_idx = req.topk_idx  # the handle keeps its own copy, made in dispatch() after rt.enter
+            topk_idx = req.topk_idx  # the handle keeps its own copy, made by notify_call
         else:
             K, topk_idx = handle.topk, handle.topk_idx
         need = dict(max_tokens=T, hidden=H, dtype_bytes=elem, combine_bytes=max(2, elem), max_topk=K,
@@ -233,12 +226,16 @@ class IntranodePath(NormalPath):
             fail(not capturing, "the first call of a cuda Buffer without sizing hints "
                  "cannot be captured in a CUDA graph (it allocates); run one call before capturing", RuntimeError)
             rt.first_use_in(call, need)
-        if num_worst_tokens or capturing or handle is not None:  # nothing can grow without the host sync: it must fit now
+        if handle is not None and handle.state.fitted == (H, elem):
+            pass  # rows this wide fitted along this routing before, and the region only grows
+        elif num_worst_tokens or capturing or handle is not None:  # nothing can grow without the host sync: it must fit now
             short = rt.fits({k: v for k, v in need.items() if k != "combine_rows" or num_worst_tokens})
             if short is not None:
                 raise ValueError(f"dispatch does not fit the buffer ({short}) and a "
                                  f"{'cached' if handle is not None else 'worst-case sized'} dispatch cannot grow it (no host sync): create "
                                  f"the Buffer with max_tokens_per_rank=, hidden=, combine_rows= large enough, or run one ordinary dispatch first")
+            if handle is not None:
+                handle.state.fitted = (H, elem)
         # rows are pushed straight into pooled rank-major buffers when every rank has room: the
         # outputs themselves (rank-major), or what the fan-out spreads into expert segments
         push = (req.permute or not num_worst_tokens) and rt.plan.pool_bytes > 0 and not capturing
@@ -257,27 +254,25 @@ class IntranodePath(NormalPath):
                             first=handle is None, push=push, check_ids=check_on_device, rank_counts=req.rank_counts,
                             fused=req.fused)
 
-    def _notify(self, call: P.Call, plan: "DispatchPlan", tpe: torch.Tensor, dropped: torch.Tensor) -> IntranodeState:
-        """A new routing's counts, exchange and row positions; unless sync-free, the host reads
-        the sizes and the region grows if any rank needs more. After it the peers wait for this
-        rank at the rows' first handshake (the push's output locations, or the staging)."""
-        rt, R, T, K = self.rt, self.rt.num_ranks, plan.T, plan.K
-        st = IntranodeState(
-            topk_idx=plan.topk_idx, permute=plan.permute,
-            rank_pos=torch.empty((T, R), dtype=torch.int32, device=rt.device),
-            slot_pos=torch.empty((T, K), dtype=torch.int32, device=rt.device),
-            recv_info=torch.empty(RI["header"] + 3 * plan.L, dtype=torch.int32, device=rt.device),
-            row_limits=torch.empty(R, dtype=torch.int32, device=rt.device),
-            tokens_per_expert=tpe, num_dropped=dropped, num_rows=None, num_perm_rows=None, counts=None,
-            rank_counts=torch.empty((plan.groups * R, R), dtype=torch.int32, device=rt.device) if plan.rank_counts else None)
-        rows_bound = max_rank_major_rows(rt)  # the host learns N below unless sync-free
+    def _notify(self, call: P.Call, plan: "DispatchPlan", previous) -> tuple:
+        """A new routing's counts, exchange and row positions (one crossing: calls.h
+        notify_call, which also enters the call's streams); unless sync-free, the host reads the
+        sizes and the region grows if any rank needs more. After it the peers wait for this rank
+        at the rows' first handshake (the push's output locations, or the staging). Returns the
+        handle's state and the rows of its combine map (expert-major)."""
+        rt = self.rt
         tag = next(self.tags)
-        call.sends(self.kernels.notify, rt=rt.rt, sig=call.sig, topk_idx=plan.topk_idx, num_experts=plan.num_experts,
-                   expert_alignment=plan.expert_alignment, permute=plan.permute, num_worst_tokens=plan.num_worst_tokens,
-                   rank_pos=st.rank_pos, slot_pos=st.slot_pos, recv_info=st.recv_info, row_limits=st.row_limits,
-                   tokens_per_expert=tpe, num_dropped=dropped, tag=tag, token_groups=plan.groups,
-                   check_ids=plan.check_ids, rank_counts=st.rank_counts)
-        rt.mark("notify")
+        idx, rank_pos, slot_pos, recv_info, row_limits, counts, tpe, dropped, rank_counts = call.sends(
+            self.kernels.notify_call, rt=rt.rt, sig=call.sig, topk_idx=plan.topk_idx, num_experts=plan.num_experts,
+            expert_alignment=plan.expert_alignment, permute=plan.permute, num_worst_tokens=plan.num_worst_tokens,
+            token_groups=plan.groups, check_ids=plan.check_ids, rank_counts=plan.rank_counts, tag=tag,
+            previous_event=previous, marks=rt.marks(("start", "notify"), first=True))
+        plan.topk_idx = idx
+        st = IntranodeState(topk_idx=idx, permute=plan.permute, rank_pos=rank_pos, slot_pos=slot_pos,
+                            recv_info=recv_info, row_limits=row_limits, tokens_per_expert=tpe, num_dropped=dropped,
+                            num_rows=None, num_perm_rows=None, counts=None, rank_counts=rank_counts,
+                            device_counts=counts)
+        rows_bound = max_rank_major_rows(rt)  # the host learns N below unless sync-free
         if not plan.num_worst_tokens:
             try:
                 info = rt.wait_host(call, tag, plan.L)
@@ -292,10 +287,8 @@ class IntranodePath(NormalPath):
             rt.grow_if_needed(dict(plan.need, max_tokens=info["need_tokens"],
                                    combine_rows=info["need_perm_rows"] if plan.permute else info["need_rows"]))
             rows_bound = st.num_rows
-        if plan.permute:
-            st.comb_map = torch.empty((rows_bound, K), dtype=torch.int32, device=rt.device)
         call.owe(P.Pending.OUT_LOC if plan.push else P.Pending.STAGED)
-        return st
+        return st, (rows_bound if plan.permute else 0)
 
     def _result(self, call: P.Call, req: DispatchRequest, plan: "DispatchPlan", st: IntranodeState,
                 out: "DispatchTensors", out_rows: int, tpe, dropped, event) -> DispatchOutput:
@@ -353,9 +346,11 @@ class IntranodePath(NormalPath):
         event = torch.cuda.Event()
         marks = rt.marks(("start", None if req.fused is not None else ("reduce" if partials else "stage"), "pull"),
                          first=True)
-        y, w_out = call.sends(self.kernels.combine_call, rt.rt, native_state(self.kernels, st, handle.num_experts),
-                              call.sig, x, weights, partials, zero_copy, y, w_out, _event(req.previous_event), event,
-                              req.async_op, hooks.current(), req.fused, marks, rt.num_sms, rt.local_sms)
+        y, w_out = call.sends(self.kernels.combine_call, rt=rt.rt, state=native_state(self.kernels, st, handle.num_experts),
+                              sig=call.sig, x=x, weights=weights, partials=partials, zero_copy=zero_copy, out=y,
+                              out_weights=w_out, previous_event=_event(req.previous_event), event=event,
+                              async_op=req.async_op, hook=hooks.current(), fused=req.fused, marks=marks,
+                              num_blocks=rt.num_sms, local_blocks=rt.local_sms)
         return CombineOutput(y, w_out, EventOverlap(event) if req.async_op else None)
 
 
@@ -369,7 +364,7 @@ def native_state(kernels, st: IntranodeState, num_experts: int):
     first call that needs it and kept: its counts follow the handle's."""
     if st.native is None:
         st.native = kernels.HandleState(topk_idx=st.topk_idx, rank_pos=st.rank_pos, slot_pos=st.slot_pos,
-                                        recv_info=st.recv_info, row_limits=st.row_limits,
-                                        tokens_per_expert=st.tokens_per_expert, num_dropped=st.num_dropped,
+                                        recv_info=st.recv_info, row_limits=st.row_limits, counts=st.device_counts,
                                         comb_map=st.comb_map, num_experts=num_experts, permute=st.permute)
+        st.device_counts = None  # the native state keeps the counts from here (and its own copy after the first call)
     return st.native
