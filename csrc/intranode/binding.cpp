@@ -16,13 +16,8 @@ namespace {
 void notify(Runtime& rt, const Sig& sig, const Tensor& topk_idx, int E, int align, bool permute, int worst,
             Tensor& rank_pos, Tensor& slot_pos, Tensor& recv_info, Tensor& row_limits, Tensor& tpe, Tensor& dropped,
             long long tag, int groups, bool check, const c10::optional<Tensor>& rank_counts) {
+  // the outputs are notify_call's own (sized and typed there); the routing is the caller's copy
   check_tensor(topk_idx, "topk_idx", at::kLong);
-  check_tensor(rank_pos, "rank_pos", at::kInt);
-  check_tensor(slot_pos, "slot_pos", at::kInt);
-  check_tensor(recv_info, "recv_info", at::kInt);
-  check_tensor(row_limits, "row_limits", at::kInt);
-  check_tensor(tpe, "tokens_per_expert", at::kLong);
-  check_tensor(dropped, "num_dropped", at::kLong);
   const int T = (int)topk_idx.size(0), K = (int)topk_idx.size(1), R = rt.num_ranks();
   TORCH_CHECK(K >= 1 && K <= kMaxTopk, "megatron_ep: topk ", K, " outside 1..", kMaxTopk);
   TORCH_CHECK(E >= R && E <= kMaxExperts && E % R == 0, "megatron_ep: bad num_experts ", E);
@@ -30,13 +25,6 @@ void notify(Runtime& rt, const Sig& sig, const Tensor& topk_idx, int E, int alig
   TORCH_CHECK(groups >= 1 && groups <= kMaxTokenGroups && T % groups == 0 && (long long)groups * E <= kMaxExperts,
               "megatron_ep: ", groups, " token groups do not fit ", T, " tokens and ", E, " experts");
   TORCH_CHECK(notify_scratch_rows(notify_plan(T, groups)) <= kScratchRows, "notify plan exceeds the scratch");
-  TORCH_CHECK(recv_info.numel() >= RecvInfo::size(E / R), "recv_info too small");
-  TORCH_CHECK(rank_pos.numel() >= (int64_t)T * R && slot_pos.numel() >= (int64_t)T * K, "position tensors too small");
-  TORCH_CHECK(row_limits.numel() >= R && tpe.numel() >= E / R && dropped.numel() >= 1, "notify outputs too small");
-  if (rank_counts.has_value()) {
-    check_tensor(*rank_counts, "rank_counts", at::kInt);
-    TORCH_CHECK(rank_counts->numel() == (int64_t)groups * R * R, "rank_counts must hold groups * R x R counts");
-  }
   const CallArgs call = make_call(sig, kCallOk, "");
   NotifyArgs a{static_cast<const long long*>(topk_idx.data_ptr()), T, K, E, align, permute ? 1 : 0, worst, groups,
                check ? 1 : 0,
@@ -413,8 +401,9 @@ py::tuple dispatch_call(Runtime& rt, HandleState& st, const Sig& sig, bool first
     }
     if (first)  // the handle keeps its own counts (the pull may have written tpe)
       st.keep_counts(counts.clone());
-    else  // same routing, same rows
-      counts.copy_(st.counts, true);
+    else  // same routing, same rows (a raw copy: ATen's copy_ costs more host time than the copy)
+      C10_CUDA_CHECK(cudaMemcpyAsync(counts.data_ptr(), st.counts.data_ptr(), counts.nbytes(), cudaMemcpyDeviceToDevice,
+                                     comm));
   }
   cs.leave(event, async_op, {&data, opt_ptr(scales), &st.topk_idx, opt_ptr(topk_w), &st.rank_pos, &st.slot_pos,
                              &st.recv_info, &st.row_limits, opt_ptr(st.comb_map), &x, opt_ptr(out_s), opt_ptr(out_idx),
