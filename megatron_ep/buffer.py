@@ -300,19 +300,22 @@ class Buffer:
 
     # ------------------------------------------------------------------------------ layout
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, *,
-                            check_values: bool = True) -> DispatchLayout:
+                            check_values: bool = True, counts_dtype: torch.dtype = torch.int64) -> DispatchLayout:
         """Local routing summary (no communication). check_values=False leaves the ids' values
         (range, repeats) to the dispatch that follows with the same ids, which checks them
         (check_inputs): here the check costs a host sync; ids outside [0, num_experts) unchecked
-        count as unused slots."""
+        count as unused slots. counts_dtype: torch.int64 or torch.int32 (DeepEP's) for the two
+        count tensors."""
         C.check_num_experts(num_experts, self.num_ranks)
         C.fail(isinstance(topk_idx, torch.Tensor), "topk_idx must be a tensor", TypeError)
         C.check_topk_idx(topk_idx, topk_idx.shape[0] if topk_idx.dim() else -1, topk_idx.device)
         C.check_token_limit(topk_idx.shape[0], self.max_tokens_per_rank)
         C.check_bool("check_values", check_values)
+        if counts_dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"counts_dtype must be torch.int64 or torch.int32, got {counts_dtype}")
         if self.check_inputs and check_values:
             C.check_topk_values(topk_idx, num_experts)
-        return self._backend().layout(topk_idx, num_experts)
+        return self._backend().layout(topk_idx, num_experts, counts_dtype)
 
     # ---------------------------------------------------------------------------- dispatch
     def dispatch(self, x: Activation, topk_idx: Optional[torch.Tensor] = None,

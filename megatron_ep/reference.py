@@ -214,15 +214,15 @@ class TorchBackend:
         return out
 
     # --------------------------------------------------------------------------------- layout
-    def layout(self, topk_idx: torch.Tensor, num_experts: int) -> DispatchLayout:
+    def layout(self, topk_idx: torch.Tensor, num_experts: int, counts_dtype: torch.dtype = torch.int64) -> DispatchLayout:
         R, L = self.num_ranks, num_experts // self.num_ranks
         topk_idx = _valid_ids(topk_idx, num_experts)
         valid = topk_idx >= 0
         dst = torch.where(valid, topk_idx.div(L, rounding_mode="floor"), -1)
         token_in_rank = (dst.unsqueeze(-1) == torch.arange(R, device=topk_idx.device)).any(dim=1)
         return DispatchLayout(
-            tokens_per_rank=token_in_rank.sum(dim=0),
-            tokens_per_expert=torch.bincount(topk_idx[valid], minlength=num_experts),
+            tokens_per_rank=token_in_rank.sum(dim=0).to(counts_dtype),
+            tokens_per_expert=torch.bincount(topk_idx[valid], minlength=num_experts).to(counts_dtype),
             token_in_rank=token_in_rank,
         )
 

@@ -11,9 +11,10 @@ namespace mep {
 
 // ---- layout.cu -------------------------------------------------------------------------------
 // One pass over topk_idx: tokens per rank (each token once per rank), (token, expert) pairs per
-// expert, token_in_rank [T, R]. Ids outside [0, E) count as unused. Outputs zeroed by the caller.
-void launch_layout(const long long* topk_idx, int T, int K, int E, int R, long long* tokens_per_rank,
-                   long long* tokens_per_expert, bool* token_in_rank, cudaStream_t stream);
+// expert (int64, or int32 with counts_int32), token_in_rank [T, R]. Ids outside [0, E) count as
+// unused. Counts zeroed by the caller.
+void launch_layout(const long long* topk_idx, int T, int K, int E, int R, void* tokens_per_rank, void* tokens_per_expert,
+                   bool counts_int32, bool* token_in_rank, cudaStream_t stream);
 
 // ---- intranode.cu ----------------------------------------------------------------------------
 // notify: counts, the call exchange (records + counts with every peer), prefix sums, and for

@@ -413,18 +413,23 @@ py::tuple dispatch_call(Runtime& rt, HandleState& st, const Sig& sig, bool first
                         st.tokens_per_expert, st.num_dropped, opt(st.comb_map));
 }
 
-void layout(const Tensor& topk_idx, int E, int R, Tensor& tokens_per_rank, Tensor& tokens_per_expert,
-            Tensor& token_in_rank) {
+// get_dispatch_layout in one crossing, on the current stream: the counts in one zeroed buffer
+// [R + E] (int64, or int32 with counts_int32), token_in_rank [T, R]; returns (tokens_per_rank,
+// tokens_per_expert, token_in_rank).
+py::tuple layout(const Tensor& topk_idx, int E, int R, bool counts_int32) {
   check_tensor(topk_idx, "topk_idx", at::kLong);
-  check_tensor(tokens_per_rank, "tokens_per_rank", at::kLong);
-  check_tensor(tokens_per_expert, "tokens_per_expert", at::kLong);
-  check_tensor(token_in_rank, "token_in_rank", at::kBool);
+  TORCH_CHECK(topk_idx.dim() == 2, "megatron_ep: topk_idx must be [T, K]");
   TORCH_CHECK(R >= 1 && R <= 32 && E % R == 0 && E <= 16384, "megatron_ep: layout needs 1 <= R <= 32 and R | E");
   c10::cuda::CUDAGuard guard(topk_idx.device());
-  launch_layout(static_cast<const long long*>(topk_idx.data_ptr()), (int)topk_idx.size(0), (int)topk_idx.size(1), E, R,
-                reinterpret_cast<long long*>(tokens_per_rank.data_ptr<int64_t>()), reinterpret_cast<long long*>(tokens_per_expert.data_ptr<int64_t>()),
-                token_in_rank.data_ptr<bool>(), stream());
+  const int T = (int)topk_idx.size(0);
+  const Tensor counts = at::empty({R + E}, topk_idx.options().dtype(counts_int32 ? at::kInt : at::kLong));
+  const Tensor in_rank = at::empty({T, R}, topk_idx.options().dtype(at::kBool));
+  C10_CUDA_CHECK(cudaMemsetAsync(counts.data_ptr(), 0, counts.nbytes(), stream()));
+  const Tensor per_rank = counts.narrow(0, 0, R), per_expert = counts.narrow(0, R, E);
+  launch_layout(static_cast<const long long*>(topk_idx.data_ptr()), T, (int)topk_idx.size(1), E, R, per_rank.data_ptr(),
+                per_expert.data_ptr(), counts_int32, in_rank.data_ptr<bool>(), stream());
   check_launch("layout");
+  return py::make_tuple(per_rank, per_expert, in_rank);
 }
 
 }  // namespace
@@ -435,7 +440,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("CONTROL_BYTES") = (long long)sizeof(mep::Control);
   m.attr("HOST_INFO_BYTES") = (long long)sizeof(mep::HostInfo);
   m.attr("NUM_SIG_FIELDS") = (int)mep::kSigFields;
-  m.def("layout", &mep::layout, py::arg("topk_idx"), py::arg("E"), py::arg("R"), py::arg("tokens_per_rank"), py::arg("tokens_per_expert"), py::arg("token_in_rank"));
+  m.def("layout", &mep::layout, py::arg("topk_idx"), py::arg("num_experts"), py::arg("num_ranks"), py::arg("counts_int32"));
   py::class_<mep::Runtime>(m, "Runtime")
       .def(py::init([](int device, int rank, int num_ranks, const py::object& layout, double timeout_s) {
              auto rt = std::make_unique<mep::Runtime>(device, rank, num_ranks, layout, timeout_s);

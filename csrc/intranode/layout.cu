@@ -7,9 +7,16 @@ namespace mep {
 
 constexpr int kLayoutThreads = 256;
 
+__device__ __forceinline__ void add_count(long long* p, int v) {
+  atomicAdd(reinterpret_cast<unsigned long long*>(p), (unsigned long long)v);
+}
+__device__ __forceinline__ void add_count(int* p, int v) { atomicAdd(p, v); }
+
+// C: the counts' type (int64 for Buffer.get_dispatch_layout, int32 for DeepEP's)
+template <typename C>
 __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(const long long* __restrict__ topk_idx, int T, int K,
-                                                                int E, int R, long long* tokens_per_rank,
-                                                                long long* tokens_per_expert, bool* token_in_rank) {
+                                                                int E, int R, C* tokens_per_rank, C* tokens_per_expert,
+                                                                bool* token_in_rank) {
   extern __shared__ int hist[];  // [E] experts, then [R] ranks
   for (int i = threadIdx.x; i < E + R; i += blockDim.x) hist[i] = 0;
   __syncthreads();
@@ -31,23 +38,32 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(const long long*
   }
   __syncthreads();
   for (int i = threadIdx.x; i < E; i += blockDim.x)
-    if (hist[i]) atomicAdd(reinterpret_cast<unsigned long long*>(tokens_per_expert + i), (unsigned long long)hist[i]);
+    if (hist[i]) add_count(tokens_per_expert + i, hist[i]);
   for (int i = threadIdx.x; i < R; i += blockDim.x)
-    if (hist[E + i]) atomicAdd(reinterpret_cast<unsigned long long*>(tokens_per_rank + i), (unsigned long long)hist[E + i]);
+    if (hist[E + i]) add_count(tokens_per_rank + i, hist[E + i]);
 }
 
-void launch_layout(const long long* topk_idx, int T, int K, int E, int R, long long* tokens_per_rank,
-                   long long* tokens_per_expert, bool* token_in_rank, cudaStream_t stream) {
+void launch_layout(const long long* topk_idx, int T, int K, int E, int R, void* tokens_per_rank, void* tokens_per_expert,
+                   bool counts_int32, bool* token_in_rank, cudaStream_t stream) {
   const int blocks = T > 0 ? (T + kLayoutThreads - 1) / kLayoutThreads : 1;
-  const int smem = (E + R) * (int)sizeof(int);
-  layout_kernel<<<blocks < 132 ? blocks : 132, kLayoutThreads, smem, stream>>>(topk_idx, T, K, E, R, tokens_per_rank,
-                                                                                tokens_per_expert, token_in_rank);
+  const int grid = blocks < 132 ? blocks : 132, smem = (E + R) * (int)sizeof(int);
+  if (counts_int32)
+    layout_kernel<int><<<grid, kLayoutThreads, smem, stream>>>(
+        topk_idx, T, K, E, R, static_cast<int*>(tokens_per_rank), static_cast<int*>(tokens_per_expert), token_in_rank);
+  else
+    layout_kernel<long long><<<grid, kLayoutThreads, smem, stream>>>(topk_idx, T, K, E, R,
+                                                                      static_cast<long long*>(tokens_per_rank),
+                                                                      static_cast<long long*>(tokens_per_expert),
+                                                                      token_in_rank);
 }
 
 void prepare_layout_kernels() {
   cudaFuncAttributes attr;
-  cudaFuncGetAttributes(&attr, layout_kernel);
-  cudaFuncSetAttribute(layout_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (16384 + 32) * (int)sizeof(int));
+  const int smem = (16384 + 32) * (int)sizeof(int);
+  cudaFuncGetAttributes(&attr, layout_kernel<int>);
+  cudaFuncSetAttribute(layout_kernel<int>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  cudaFuncGetAttributes(&attr, layout_kernel<long long>);
+  cudaFuncSetAttribute(layout_kernel<long long>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
 }
 
 }  // namespace mep

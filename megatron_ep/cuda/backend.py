@@ -114,13 +114,10 @@ class CudaBackend:
         self.rt.reserve(need)
 
     # ------------------------------------------------------------------------------ layout
-    def layout(self, topk_idx: torch.Tensor, num_experts: int) -> DispatchLayout:
-        T, R = topk_idx.shape[0], self.num_ranks
-        tpr = torch.zeros(R, dtype=torch.int64, device=topk_idx.device)
-        tpe = torch.zeros(num_experts, dtype=torch.int64, device=topk_idx.device)
-        tir = torch.empty((T, R), dtype=torch.bool, device=topk_idx.device)
-        self.rt.ext.layout(topk_idx, num_experts, R, tpr, tpe, tir)
-        return DispatchLayout(tpr, tpe, tir)
+    def layout(self, topk_idx: torch.Tensor, num_experts: int, counts_dtype: torch.dtype = torch.int64) -> DispatchLayout:
+        """One crossing: the counts in one zeroed buffer, the kernel, on the caller's stream."""
+        return DispatchLayout(*self.rt.ext.layout(topk_idx=topk_idx, num_experts=num_experts, num_ranks=self.num_ranks,
+                                                  counts_int32=counts_dtype == torch.int32))
 
     # ---------------------------------------------------------------------- normal path
     def dispatch(self, call, req):

@@ -262,13 +262,12 @@ class Buffer:
         if getattr(previous_event, "event", None) is not None:  # DeepEP's rule: an EventOverlap(None) waits for nothing
             previous_event.current_stream_wait()
         # (DeepEP's layout checks no ids; our dispatch that follows checks them before rows move)
-        lay = self.runtime.get_dispatch_layout(topk_idx, num_experts, check_values=False)
+        lay = self.runtime.get_dispatch_layout(topk_idx, num_experts, check_values=False, counts_dtype=torch.int32)
         per_rdma = None
         if self.group_size > RANKS_PER_NODE:
             nodes = self.group_size // RANKS_PER_NODE
             per_rdma = lay.token_in_rank.view(-1, nodes, RANKS_PER_NODE).any(dim=2).sum(0).to(torch.int32)
-        return (lay.tokens_per_rank.to(torch.int32), per_rdma, lay.tokens_per_expert.to(torch.int32), lay.token_in_rank,
-                _finished(None, async_finish))
+        return lay.tokens_per_rank, per_rdma, lay.tokens_per_expert, lay.token_in_rank, _finished(None, async_finish)
 
     @_public("dispatch")
     def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]], handle: Optional[Tuple] = None,
@@ -316,7 +315,7 @@ class Buffer:
                                         num_worst_tokens=num_worst_tokens, host_counts=not num_worst_tokens,
                                         async_op=async_finish, previous_event=prev, on_overflow="raise",
                                         rank_counts=True)
-            counts = [] if num_worst_tokens else [_align_up(c, expert_alignment) for c in out.tokens_per_expert_host]
+            counts = [] if num_worst_tokens else _aligned(out.tokens_per_expert_host, expert_alignment)
             recv_idx, recv_w = out.topk_idx, out.topk_weights
         out = self._repacked(out, packed)
         internode = self.group_size > RANKS_PER_NODE  # DeepEP's internode_dispatch and its handle
@@ -390,7 +389,7 @@ class Buffer:
         num_tokens_per_expert summed, this rank's experts, each rounded up to expert_alignment."""
         L = num_tokens_per_expert.numel() // self.group_size
         total = self._gathered(num_tokens_per_expert).sum(0)[self.rank * L:(self.rank + 1) * L]
-        return [_align_up(int(c), expert_alignment) for c in total.tolist()]
+        return _aligned(total.tolist(), expert_alignment)
 
     @_public("combine")
     def combine(self, x: torch.Tensor, handle: Tuple, topk_weights: Optional[torch.Tensor] = None,
@@ -719,6 +718,13 @@ class _CombineBuffers:
                              f"ranks * num_max_dispatch_tokens_per_rank, hidden]); this combine's handle is of shape "
                              f"{list(shape)}: ask for the buffer with this combine's handle and fill it")
         return b
+
+
+def _aligned(counts: List[int], alignment: int) -> List[int]:
+    """DeepEP's per-expert list: each count rounded up to `alignment` (one pass, no call per expert)."""
+    if alignment == 1:
+        return list(counts)
+    return [(int(c) + alignment - 1) // alignment * alignment for c in counts]
 
 
 def _rows(x) -> torch.Tensor:
