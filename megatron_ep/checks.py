@@ -10,7 +10,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import envs
-from .protocol import FP8_BLOCK, MAX_ALIGNMENT  # one owner: csrc/common/protocol.h
+from .protocol import FP8_BLOCK, MAX_ALIGNMENT, MAX_TOPK  # one owner: csrc/common/protocol.h
 from .types import Activation, EventOverlap
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -168,6 +168,16 @@ def check_topk_values(topk_idx: torch.Tensor, num_experts: int, previous_event=N
         return
     if getattr(previous_event, "event", None) is not None:
         previous_event.event.synchronize()
+    if (topk_idx.is_cuda and topk_idx.dtype == torch.int64 and topk_idx.is_contiguous()
+            and topk_idx.shape[1] <= MAX_TOPK):
+        from .cuda import extension  # (only for CUDA tensors: this module stays backend-neutral)
+
+        if extension.available():
+            # the same rule in one kernel (csrc/intranode/layout.cu launch_check_ids): one launch, one sync
+            slot = extension.load().first_bad_id(topk_idx=topk_idx, num_experts=num_experts)
+            if slot >= 0:
+                raise bad_slot_error(topk_idx, slot, num_experts)
+            return
     parts = [topk_idx.min(), topk_idx.max()]
     if topk_idx.shape[1] > 1:
         s = topk_idx.sort(dim=1).values

@@ -15,6 +15,10 @@ namespace mep {
 // unused. Counts zeroed by the caller.
 void launch_layout(const long long* topk_idx, int T, int K, int E, int R, void* tokens_per_rank, void* tokens_per_expert,
                    bool counts_int32, bool* token_in_rank, cudaStream_t stream);
+// The ids' check where notify cannot make it (a sync-free dispatch, the low-latency path): the
+// first slot (token * K + k, K <= 32) whose id is neither -1 nor in [0, E) or repeats an earlier
+// slot's expert, as *key = T * K - slot (the largest wins); *key zeroed by the caller, 0 after: none.
+void launch_check_ids(const long long* topk_idx, int T, int K, int E, unsigned long long* key, cudaStream_t stream);
 
 // ---- intranode.cu ----------------------------------------------------------------------------
 // notify: counts, the call exchange (records + counts with every peer), prefix sums, and for

@@ -432,6 +432,22 @@ py::tuple layout(const Tensor& topk_idx, int E, int R, bool counts_int32) {
   return py::make_tuple(per_rank, per_expert, in_rank);
 }
 
+// The ids' check in one crossing and one sync of the current stream: the first bad slot of
+// topk_idx (launch_check_ids), or -1.
+long long first_bad_id(const Tensor& topk_idx, int E) {
+  check_tensor(topk_idx, "topk_idx", at::kLong);
+  TORCH_CHECK(topk_idx.dim() == 2 && topk_idx.size(1) <= kMaxTopk, "megatron_ep: topk_idx must be [T, K <= ", kMaxTopk,
+              "]");
+  c10::cuda::CUDAGuard guard(topk_idx.device());
+  const int T = (int)topk_idx.size(0), K = (int)topk_idx.size(1);
+  const Tensor key = at::zeros({1}, topk_idx.options());
+  launch_check_ids(static_cast<const long long*>(topk_idx.data_ptr()), T, K, E,
+                   reinterpret_cast<unsigned long long*>(key.data_ptr()), stream());
+  check_launch("check_ids");
+  const long long k = key.item<int64_t>();  // the sync
+  return k == 0 ? -1 : (long long)T * K - k;
+}
+
 }  // namespace
 }  // namespace mep
 
@@ -440,6 +456,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("CONTROL_BYTES") = (long long)sizeof(mep::Control);
   m.attr("HOST_INFO_BYTES") = (long long)sizeof(mep::HostInfo);
   m.attr("NUM_SIG_FIELDS") = (int)mep::kSigFields;
+  m.def("first_bad_id", &mep::first_bad_id, py::arg("topk_idx"), py::arg("num_experts"));
   m.def("layout", &mep::layout, py::arg("topk_idx"), py::arg("num_experts"), py::arg("num_ranks"), py::arg("counts_int32"));
   py::class_<mep::Runtime>(m, "Runtime")
       .def(py::init([](int device, int rank, int num_ranks, const py::object& layout, double timeout_s) {

@@ -1,7 +1,8 @@
-// Layout: the routing summary of one rank's tokens (get_dispatch_layout). Local, no peers.
+// Layout: the routing summary of one rank's tokens (get_dispatch_layout), and the ids' check of
+// the calls that cannot make it in notify. Local, no peers.
 
-#include "ipc/handshake.cuh"
 #include "intranode/api.h"
+#include "intranode/common.cuh"
 
 namespace mep {
 
@@ -57,11 +58,30 @@ void launch_layout(const long long* topk_idx, int T, int K, int E, int R, void* 
                                                                       token_in_rank);
 }
 
+// One warp per token, lane k on slot k: the first bad slot (bad_slot_lanes) offered as the
+// largest T * K - slot, so the lowest slot wins (0: none), as notify's check does.
+__global__ void __launch_bounds__(kLayoutThreads) check_ids_kernel(const long long* __restrict__ topk_idx, int T, int K,
+                                                                   int E, unsigned long long* key) {
+  const int lane = lane_id(), warps = gridDim.x * (kLayoutThreads / 32);
+  for (int t = blockIdx.x * (kLayoutThreads / 32) + threadIdx.x / 32; t < T; t += warps) {
+    const long long id = lane < K ? topk_idx[(long long)t * K + lane] : -1;
+    const unsigned bad = bad_slot_lanes(id, id >= 0 && id < E, lane < K);
+    if (bad != 0u && lane == __ffs(bad) - 1)
+      atomicMax(key, (unsigned long long)((long long)T * K - ((long long)t * K + lane)));
+  }
+}
+
+void launch_check_ids(const long long* topk_idx, int T, int K, int E, unsigned long long* key, cudaStream_t stream) {
+  const int per_block = kLayoutThreads / 32, blocks = T > 0 ? (T + per_block - 1) / per_block : 1;
+  check_ids_kernel<<<blocks < 132 ? blocks : 132, kLayoutThreads, 0, stream>>>(topk_idx, T, K, E, key);
+}
+
 void prepare_layout_kernels() {
   cudaFuncAttributes attr;
   const int smem = (16384 + 32) * (int)sizeof(int);
   cudaFuncGetAttributes(&attr, layout_kernel<int>);
   cudaFuncSetAttribute(layout_kernel<int>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  cudaFuncGetAttributes(&attr, check_ids_kernel);
   cudaFuncGetAttributes(&attr, layout_kernel<long long>);
   cudaFuncSetAttribute(layout_kernel<long long>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
 }

@@ -65,11 +65,7 @@ __device__ __forceinline__ long long load_slot(const long long* __restrict__ top
 // any row moves, and learns it with the sizes its host waits for (no extra sync).
 __device__ __forceinline__ void flag_bad_slot(const Ctx& c, const NotifyArgs& a, int t, long long id, bool valid) {
   const int lane = lane_id();
-  // lanes without a valid id get a value of their own, so only equal expert ids match
-  const unsigned same = __match_any_sync(kFull, valid ? (unsigned long long)id : ~(unsigned long long)lane);
-  const bool repeated = valid && (same & ((1u << lane) - 1u)) != 0u;
-  const bool bad = lane < a.K && t < a.T && ((!valid && id != -1) || repeated);
-  const unsigned bad_lanes = __ballot_sync(kFull, bad);
+  const unsigned bad_lanes = bad_slot_lanes(id, valid, lane < a.K && t < a.T);
   if (bad_lanes != 0u && lane == __ffs(bad_lanes) - 1) {
     const long long slot = (long long)t * a.K + lane;
     atomicMax(&ctrl_of(c, c.rank)->bad_key, (unsigned long long)((long long)a.T * a.K - slot));
