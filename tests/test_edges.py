@@ -41,3 +41,23 @@ def test_a_bad_slot_found_on_the_device_is_worded_as_the_host_check(row, slot):
     with pytest.raises(ValueError) as host:
         C.check_topk_values(idx, E)
     assert str(C.bad_slot_error(idx, 3 + slot, E)) == str(host.value)
+
+
+def test_a_cuda_handle_state_copies_without_its_native_binding():
+    """copy.deepcopy of a dispatch handle's intranode state (megatron_ep.deep_ep's handles copy,
+    and so may a caller's) copies the tensors and leaves the compiled binding to be made again
+    from the copy at its first use: a compiled object does not copy."""
+    import copy
+
+    import torch
+    from megatron_ep.cuda.paths.intranode import IntranodeState
+
+    counts = torch.arange(5)
+    st = IntranodeState(rank_pos=torch.zeros(2, 2, dtype=torch.int32), slot_pos=torch.zeros(2, 1, dtype=torch.int32),
+                        recv_info=torch.zeros(16, dtype=torch.int32), row_limits=torch.zeros(2, dtype=torch.int32),
+                        tokens_per_expert=counts[:4], num_dropped=counts[4], num_rows=3, num_perm_rows=None,
+                        counts=[1, 2], topk_idx=torch.zeros(2, 1, dtype=torch.int64), device_counts=counts,
+                        native=object(), fitted=(8, 2))
+    dup = copy.deepcopy(st)
+    assert dup.native is None and dup.fitted == (8, 2) and dup.counts == [1, 2] and dup.num_rows == 3
+    assert torch.equal(dup.device_counts, counts) and dup.device_counts.data_ptr() != counts.data_ptr()

@@ -318,7 +318,8 @@ py::tuple combine_call(Runtime& rt, const HandleState& st, const Sig& sig, const
 // the counts, the event. `scratch`: the expert-major push may use the combine area as its
 // rank-major buffer. `comb_rows`: a new expert-major routing's combine map rows (N, or the bound
 // when the host does not know N). Returns (x, scales, topk_idx, weights, row_expert,
-// tokens_per_expert, num_dropped, the handle's own tokens_per_expert and num_dropped, comb_map).
+// tokens_per_expert, num_dropped, the handle's own counts, tokens_per_expert and num_dropped (views
+// of its counts), comb_map).
 py::tuple dispatch_call(Runtime& rt, HandleState& st, const Sig& sig, bool first, const Tensor& data,
                         const c10::optional<Tensor>& scales, const c10::optional<Tensor>& topk_w, bool push,
                         bool scratch, bool zero_copy, int out_rows, int worst, int comb_rows, const py::object& previous,
@@ -409,7 +410,7 @@ py::tuple dispatch_call(Runtime& rt, HandleState& st, const Sig& sig, bool first
                              &st.recv_info, &st.row_limits, opt_ptr(st.comb_map), &x, opt_ptr(out_s), opt_ptr(out_idx),
                              opt_ptr(out_w), opt_ptr(row_expert), &counts});
   const auto opt = [](const c10::optional<Tensor>& t) { return t.has_value() ? py::cast(*t) : py::none(); };
-  return py::make_tuple(x, opt(out_s), opt(out_idx), opt(out_w), opt(row_expert), tpe, dropped,
+  return py::make_tuple(x, opt(out_s), opt(out_idx), opt(out_w), opt(row_expert), tpe, dropped, st.counts,
                         st.tokens_per_expert, st.num_dropped, opt(st.comb_map));
 }
 

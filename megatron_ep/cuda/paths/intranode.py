@@ -11,6 +11,8 @@ wait on next (`call.pending`).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional
@@ -48,6 +50,12 @@ class IntranodeState:
     permute: bool = False
     native: Any = None  # the same state as the one-crossing entries take it (native_state)
     fitted: Optional[tuple] = None  # (hidden, element bytes) of a cached dispatch that fitted (the region only grows)
+
+    def __deepcopy__(self, memo):
+        """A copy replays the same routing: its tensors copied, its native binding made again from
+        them at its first use (a compiled object does not copy)."""
+        return type(self)(**{f.name: None if f.name == "native" else copy.deepcopy(getattr(self, f.name), memo)
+                             for f in dataclasses.fields(self)})
 
 
 @dataclass
@@ -193,7 +201,7 @@ class IntranodePath(NormalPath):
                          async_op=req.async_op, hook=hooks.current(), fused=plan.fused, marks=marks,
                          num_blocks=rt.num_sms, push_blocks=rt.push_sms, local_blocks=rt.local_sms)
         out = DispatchTensors(*res[:5])
-        tpe, dropped, st.tokens_per_expert, st.num_dropped, st.comb_map = res[5:]
+        tpe, dropped, st.device_counts, st.tokens_per_expert, st.num_dropped, st.comb_map = res[5:]
         return self._result(call, req, plan, st, out, out_rows, tpe, dropped, EventOverlap(event))
 
     def _plan(self, call: P.Call, req: DispatchRequest) -> "DispatchPlan":
@@ -366,5 +374,4 @@ def native_state(kernels, st: IntranodeState, num_experts: int):
         st.native = kernels.HandleState(topk_idx=st.topk_idx, rank_pos=st.rank_pos, slot_pos=st.slot_pos,
                                         recv_info=st.recv_info, row_limits=st.row_limits, counts=st.device_counts,
                                         comb_map=st.comb_map, num_experts=num_experts, permute=st.permute)
-        st.device_counts = None  # the native state keeps the counts from here (and its own copy after the first call)
     return st.native
