@@ -1,0 +1,162 @@
+"""The host side of the cuda intranode path (megatron_ep/cuda/paths/intranode.py) on CPU, with the
+extension's one-crossing entries replaced by a recorder: which crossings a new routing, a cached
+dispatch and a combine make, in order, and with what; the handle's state after each (its counts,
+its combine map, its native binding, bound once); where the call's peers wait for this rank at
+each crossing (a failure there is published at that handshake); a copied state binding again."""
+
+import copy
+import types
+
+import pytest
+import torch
+
+from megatron_ep import protocol as P
+from megatron_ep.cuda.paths.intranode import IntranodePath
+from megatron_ep.requests import CombineRequest, DispatchRequest
+from megatron_ep.types import EventOverlap
+
+R, E, K, H, T = 2, 8, 2, 64, 6
+L = E // R
+N, M = 5, 7  # rows the host learns from notify: rank-major, expert-major
+
+
+class FakeKernels:
+    """Stands in for _C.intranode: records each crossing (its keyword arguments and where the
+    call's peers wait for this rank at that moment) and returns what the entry returns."""
+
+    def __init__(self, call_of):
+        self.calls = []
+        self.call_of = call_of  # the P.Call in flight (the test's)
+        self.fail_in = None
+
+    class HandleState:
+        def __init__(self, **bound):
+            self.bound = bound
+
+    def _record(self, name, kw):
+        self.calls.append((name, kw, self.call_of().pending))
+        if self.fail_in == name:
+            raise RuntimeError(f"{name} failed")
+
+    def notify_call(self, **kw):
+        self._record("notify_call", kw)
+        counts = torch.zeros(L + 1, dtype=torch.int64)
+        i32 = dict(dtype=torch.int32)
+        return (kw["topk_idx"].clone(), torch.zeros(T, R, **i32), torch.zeros(T, K, **i32), torch.zeros(4 + 3 * L, **i32),
+                torch.zeros(R, **i32), counts, counts[:L], counts[L], torch.zeros(R, R, **i32) if kw["rank_counts"] else None)
+
+    def dispatch_call(self, **kw):
+        self._record("dispatch_call", kw)
+        st, rows, permute = kw["state"], kw["out_rows"], kw["state"].bound["permute"]
+        if kw["first"]:  # as HandleState does: the map made for a new expert-major routing, the counts kept
+            st.bound["counts"] = torch.ones(L + 1, dtype=torch.int64)
+            if permute:
+                st.bound["comb_map"] = torch.full((kw["comb_rows"], K), -1, dtype=torch.int32)
+        kept, comb_map = st.bound["counts"], st.bound["comb_map"]
+        return (torch.zeros(rows, H, dtype=kw["x"].dtype), None,
+                None if permute else torch.zeros(rows, K, dtype=torch.int64),
+                None if kw["topk_weights"] is None else torch.zeros((rows,) if permute else (rows, K)),
+                torch.zeros(rows, dtype=torch.int32) if permute else None,
+                torch.zeros(L, dtype=torch.int64), torch.zeros((), dtype=torch.int64), kept, kept[:L], kept[L], comb_map)
+
+    def combine_call(self, **kw):
+        self._record("combine_call", kw)
+        return torch.zeros(T, H, dtype=kw["x"].dtype), None
+
+
+@pytest.fixture
+def path(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    holder = {}
+    kernels = FakeKernels(lambda: holder["call"])
+    published = []
+    plan = types.SimpleNamespace(pool_bytes=1 << 20, max_tokens=64, stage_x=1 << 30, comb_x=1 << 31, comb_rows=1 << 16,
+                                 comb_row_bytes=1 << 16)
+    rt = types.SimpleNamespace(
+        ext=types.SimpleNamespace(intranode=kernels), rt=object(), device=torch.device("cpu"), num_ranks=R, rank=0,
+        plan=plan, base=0, ready=True, num_sms=8, push_sms=8, local_sms=16, trace=None,
+        fits=lambda need: None, grow_if_needed=lambda need: False, marks=lambda names, first=False: None,
+        scratch_free=lambda: True, check=lambda call=None: None,
+        publish=lambda call, exc: published.append((call.seq, call.pending)),
+        wait_host=lambda call, tag, L_: dict(num_rows=N, num_perm_rows=M, counts=[1] * L_, need_tokens=T,
+                                            need_rows=N, need_perm_rows=M, bad_slot=-1))
+    p = IntranodePath(rt)
+    p.published, p.holder, p.fake = published, holder, kernels
+    return p
+
+
+def _call(p, op, seq):
+    call = P.Call(P.OP[op], seq)
+    p.holder["call"] = call
+    return call
+
+
+def _dispatch(p, seq, permute, handle=None, previous_event=None):
+    x = torch.randn(T, H, dtype=torch.bfloat16)
+    idx = None if handle is not None else torch.tensor([[0, 5], [1, 2], [7, -1], [3, 4], [6, 0], [2, 5]])
+    req = DispatchRequest(x, idx, torch.rand(T, K), E, permute, 4 if permute else 1, handle,
+                          previous_event=previous_event, rank_counts=handle is None)
+    call = _call(p, "dispatch" if handle is None else "cached_dispatch", seq)
+    with p.guard(call):
+        return p.dispatch(call, req), call
+
+
+@pytest.mark.parametrize("permute", [False, True])
+def test_a_routing_then_its_calls_cross_once_each(path, permute):
+    out, call = _dispatch(path, 1, permute)
+    names = [c[0] for c in path.fake.calls]
+    assert names == ["notify_call", "dispatch_call"], names
+    (_, notify, before_notify), (_, disp, before_move) = path.fake.calls
+    # notify is the call's first exchange; the move is owed at notify's handshake after it
+    assert before_notify is P.Pending.FIRST
+    assert before_move is (P.Pending.OUT_LOC if disp["push"] else P.Pending.STAGED)
+    assert call.pending is P.Pending.NOTHING
+    assert notify["expert_alignment"] == (4 if permute else 1) and notify["previous_event"] is None
+    assert disp["first"] and disp["previous_event"] is None and disp["out_rows"] == (M if permute else N)
+    assert disp["comb_rows"] == (N if permute else 0)
+    st = out.handle.state
+    native = st.native
+    assert native is disp["state"] and native.bound["counts"] is st.device_counts  # the kept copy, on both sides
+    assert torch.equal(st.device_counts, torch.ones(L + 1, dtype=torch.int64))
+    assert st.tokens_per_expert.shape == (L,) and st.num_dropped.shape == ()
+    assert (st.comb_map is not None) == permute
+    assert torch.equal(out.handle.topk_idx, notify["topk_idx"])  # the handle keeps notify's copy's source
+
+    event = torch.cuda.Event()
+    _dispatch(path, 2, permute, handle=out.handle, previous_event=EventOverlap(event))
+    _, cached, before_cached = path.fake.calls[-1]
+    assert cached["state"] is native and not cached["first"] and cached["previous_event"] is event
+    assert before_cached is P.Pending.FIRST  # a cached dispatch's first exchange is its move
+
+    combine_call = _call(path, "combine", 3)
+    with path.guard(combine_call):
+        path.combine(combine_call, CombineRequest(torch.zeros(out.x.shape[0], H, dtype=torch.bfloat16), out.handle))
+    name, comb, before_comb = path.fake.calls[-1]
+    assert name == "combine_call" and comb["state"] is native and before_comb is P.Pending.FIRST
+    assert comb["partials"] == permute and comb["out"] is None
+    assert [c[0] for c in path.fake.calls].count("notify_call") == 1 and not path.published
+
+
+def test_a_failure_between_notify_and_the_move_is_published_where_the_peers_wait(path):
+    path.fake.fail_in = "dispatch_call"
+    with pytest.raises(RuntimeError, match="dispatch_call failed"):
+        _dispatch(path, 1, False)
+    assert path.published == [(1, P.Pending.OUT_LOC)]
+
+
+def test_a_copied_state_binds_again_from_its_own_tensors(path):
+    out, _ = _dispatch(path, 1, True)
+    dup = copy.deepcopy(out.handle)
+    assert dup.state.native is None
+    _dispatch(path, 2, True, handle=dup)
+    _, kw, _ = path.fake.calls[-1]
+    assert kw["state"] is dup.state.native and kw["state"] is not out.handle.state.native
+    assert torch.equal(kw["state"].bound["counts"], out.handle.state.device_counts)
+    assert kw["state"].bound["counts"].data_ptr() != out.handle.state.device_counts.data_ptr()
+
+
+def test_each_routing_waits_for_its_own_tag(path):
+    """The host waits for notify's sizes by tag: a fresh one per routing, so a stale size never reads as new."""
+    for seq in (1, 2):
+        _dispatch(path, seq, False)
+    assert [kw["tag"] for name, kw, _ in path.fake.calls if name == "notify_call"] == [1, 2]
