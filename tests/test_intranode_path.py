@@ -42,8 +42,12 @@ class FakeKernels:
         self._record("notify_call", kw)
         counts = torch.zeros(L + 1, dtype=torch.int64)
         i32 = dict(dtype=torch.int32)
+        sizes = dict(num_rows=N, num_perm_rows=M, counts=[1] * L, need_tokens=T, need_rows=N, need_perm_rows=M,
+                     bad_slot=-1)
+        waited = -1 if kw["num_worst_tokens"] else 0  # the host waits for the sizes unless worst-case sized
         return (kw["topk_idx"].clone(), torch.zeros(T, R, **i32), torch.zeros(T, K, **i32), torch.zeros(4 + 3 * L, **i32),
-                torch.zeros(R, **i32), counts, counts[:L], counts[L], torch.zeros(R, R, **i32) if kw["rank_counts"] else None)
+                torch.zeros(R, **i32), counts, counts[:L], counts[L], torch.zeros(R, R, **i32) if kw["rank_counts"] else None,
+                waited, None if waited else sizes)
 
     def dispatch_call(self, **kw):
         self._record("dispatch_call", kw)
@@ -78,8 +82,7 @@ def path(monkeypatch):
         fits=lambda need: None, grow_if_needed=lambda need: False, marks=lambda names, first=False: None,
         scratch_free=lambda: True, check=lambda call=None: None,
         publish=lambda call, exc: published.append((call.seq, call.pending)),
-        wait_host=lambda call, tag, L_: dict(num_rows=N, num_perm_rows=M, counts=[1] * L_, need_tokens=T,
-                                            need_rows=N, need_perm_rows=M, bad_slot=-1))
+        host_wait_s=65.0, host_sizes=lambda call, waited, sizes: sizes)
     p = IntranodePath(rt)
     p.published, p.holder, p.fake = published, holder, kernels
     return p
@@ -112,6 +115,7 @@ def test_a_routing_then_its_calls_cross_once_each(path, permute):
     assert before_move is (P.Pending.OUT_LOC if disp["push"] else P.Pending.STAGED)
     assert call.pending is P.Pending.NOTHING
     assert notify["expert_alignment"] == (4 if permute else 1) and notify["previous_event"] is None
+    assert notify["wait_s"] == 65.0  # the host waits for notify's sizes in the same crossing
     assert disp["first"] and disp["previous_event"] is None and disp["out_rows"] == (M if permute else N)
     assert disp["comb_rows"] == (N if permute else 0)
     st = out.handle.state

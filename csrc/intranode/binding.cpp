@@ -226,12 +226,14 @@ HandleState handle_state(const Tensor& topk_idx, const Tensor& rank_pos, const T
 // handle's own copy of the routing (given a previous_event, our stream waits for that event only,
 // so a copy on the caller's stream, queued after it, could still be unwritten when notify reads
 // it), the positions, and notify. The caller's stream waits at the dispatch's end
-// (dispatch_call). Returns (topk_idx copy, rank_pos, slot_pos, recv_info, row_limits, counts,
-// tokens_per_expert, num_dropped, rank_counts or None): tokens_per_expert and num_dropped are
-// views of counts [L + 1], so a cached dispatch copies both with one copy.
+// (dispatch_call). With wait_s >= 0 (not worst-case sized) the host then waits for notify's sizes
+// (Runtime::wait_counts, without the GIL). Returns (topk_idx copy, rank_pos, slot_pos, recv_info,
+// row_limits, counts, tokens_per_expert, num_dropped, rank_counts or None, the wait's status, the
+// sizes or None): tokens_per_expert and num_dropped are views of counts [L + 1], so a cached
+// dispatch copies both with one copy.
 py::tuple notify_call(Runtime& rt, const Sig& sig, const Tensor& topk_idx, int E, int align, bool permute, int worst,
                       int groups, bool check, bool want_rank_counts, long long tag, const py::object& previous,
-                      const py::object& marks) {
+                      const py::object& marks, double wait_s) {
   const int R = rt.num_ranks(), T = (int)topk_idx.size(0), K = (int)topk_idx.size(1);
   TORCH_CHECK(E >= R && E % R == 0, "megatron_ep: bad num_experts ", E);
   const int L = E / R;
@@ -248,8 +250,9 @@ py::tuple notify_call(Runtime& rt, const Sig& sig, const Tensor& topk_idx, int E
   notify(rt, sig, idx, E, align, permute, worst, rank_pos, slot_pos, recv_info, row_limits, tpe, dropped, tag, groups,
          check, rank_counts);
   mark(marks, 1);
+  const py::tuple sizes = wait_s >= 0 ? rt.wait_counts(tag, wait_s, L) : py::make_tuple(-1, py::none());
   return py::make_tuple(idx, rank_pos, slot_pos, recv_info, row_limits, counts, tpe, dropped,
-                        rank_counts.has_value() ? py::cast(*rank_counts) : py::none());
+                        rank_counts.has_value() ? py::cast(*rank_counts) : py::none(), sizes[0], sizes[1]);
 }
 
 // A combine's host side: y (and the weights) on the caller's stream unless given, then stage (or
@@ -473,10 +476,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("view", &mep::Runtime::view)
       .def("base_ptr", &mep::Runtime::base_ptr)
       .def("host_tag", &mep::Runtime::host_tag)
-      .def("wait_tag", &mep::Runtime::wait_tag, py::arg("tag"), py::arg("timeout_s"))
-      .def("wait_counts", &mep::Runtime::wait_counts, py::arg("tag"), py::arg("timeout_s"), py::arg("L"))
       .def("host_counts", &mep::Runtime::host_counts)
       .def("num_aborted", &mep::Runtime::num_aborted)
+      .def("error_address", &mep::Runtime::error_address)
       .def("take_error", &mep::Runtime::take_error, py::arg("clear"))
       .def("fail_call", &mep::Runtime::fail_call)
       .def("pool_free_bytes", &mep::Runtime::pool_free_bytes)
@@ -487,7 +489,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init(&mep::handle_state), py::arg("topk_idx"), py::arg("rank_pos"), py::arg("slot_pos"), py::arg("recv_info"), py::arg("row_limits"), py::arg("counts"), py::arg("comb_map"), py::arg("num_experts"), py::arg("permute"));
   // one crossing per call (calls.h); argument names: the Python side's (megatron_ep/cuda/paths/intranode.py
   // passes them by name; tests/test_kernel_boundary.py reads both sides)
-  intra.def("notify_call", &mep::notify_call, py::arg("rt"), py::arg("sig"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("expert_alignment"), py::arg("permute"), py::arg("num_worst_tokens"), py::arg("token_groups"), py::arg("check_ids"), py::arg("rank_counts"), py::arg("tag"), py::arg("previous_event"), py::arg("marks"));
+  intra.def("notify_call", &mep::notify_call, py::arg("rt"), py::arg("sig"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("expert_alignment"), py::arg("permute"), py::arg("num_worst_tokens"), py::arg("token_groups"), py::arg("check_ids"), py::arg("rank_counts"), py::arg("tag"), py::arg("previous_event"), py::arg("marks"), py::arg("wait_s"));
   intra.def("dispatch_call", &mep::dispatch_call, py::arg("rt"), py::arg("state"), py::arg("sig"), py::arg("first"), py::arg("x"), py::arg("scales"), py::arg("topk_weights"), py::arg("push"), py::arg("scratch"), py::arg("zero_copy"), py::arg("out_rows"), py::arg("num_worst_tokens"), py::arg("comb_rows"), py::arg("previous_event"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("fused"), py::arg("marks"), py::arg("num_blocks"), py::arg("push_blocks"), py::arg("local_blocks"));
   intra.def("combine_call", &mep::combine_call, py::arg("rt"), py::arg("state"), py::arg("sig"), py::arg("x"), py::arg("weights"), py::arg("partials"), py::arg("zero_copy"), py::arg("out"), py::arg("out_weights"), py::arg("previous_event"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("fused"), py::arg("marks"), py::arg("num_blocks"), py::arg("local_blocks"));
   intra.attr("INNODE_DISPATCH_BYTES") = (long long)sizeof(mep::InnodeDispatch);

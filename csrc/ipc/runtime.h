@@ -247,7 +247,7 @@ class Runtime {
       }
     }
   }
-  // wait_tag, then (0, host_counts) once the sizes arrived, else (1 or 2, None): one crossing
+  // wait_tag, then (0, host_counts) once the sizes arrived, else (1 or 2, None) (notify_call ends with it)
   py::tuple wait_counts(long long tag, double timeout_s, int L) const {
     const int waited = wait_tag(tag, timeout_s);
     return py::make_tuple(waited, waited == 0 ? py::object(host_counts(L)) : py::object(py::none()));
@@ -267,6 +267,9 @@ class Runtime {
     return d;
   }
   int num_aborted() const { return host()->num_aborted; }
+  // Where HostInfo::error lies in this process (mapped host memory): the entry check of every call
+  // reads it there (ctypes) and crosses into take_error only when it is set.
+  long long error_address() const { return reinterpret_cast<long long>(&host()->error); }
   // The first error not yet reported, as a dict (None if none); clear=True lets the kernels
   // record the next one.
   py::object take_error(bool clear) {

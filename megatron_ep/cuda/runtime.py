@@ -19,6 +19,7 @@ the in-node stage of internode; low-latency uses its group-wide helpers):
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import socket
 import time
@@ -54,6 +55,8 @@ PUSH_MAX_SMS_EP2 = 16
 
 COMM_STREAM_PRIORITY = -1  # torch: lower is higher; the default (compute) streams have 0
 
+
+_NO_ERROR = P.ERROR["none"]  # HostInfo::error while the kernels reported nothing
 
 def default_num_sms(ranks_per_device: int, sm_count: int) -> int:
     """SMs per rank for the copy kernels (see the rule above); even, at least 4, and small
@@ -116,6 +119,7 @@ class CudaRuntime(FailureState):
         self.hints = {k: v for k, v in hints.items() if v is not None}
         self.hints["num_ranks"] = num_ranks
         self.rt = None
+        self._error_word = None  # HostInfo::error in mapped host memory, once created (check)
         self.plan = None  # the region's RegionLayout (megatron_ep._protocol), once created
         # high priority: when SMs free up, the block scheduler places our kernels' blocks (which wait
         # on peers, and need all of them resident) ahead of those of GEMMs queued beside them
@@ -165,6 +169,8 @@ class CudaRuntime(FailureState):
         rt.set_comm_stream(self.stream)
         dist.barrier(group=self.group)
         self.rt, self.plan, self.hints = rt, plan, dict(hints)
+        # the kernels' error word, read in place by every call's entry check (no crossing)
+        self._error_word = ctypes.c_int.from_address(rt.error_address())
         self._fitted: set = set()  # needs known to fit this region
         self.base = rt.base_ptr()
         log.info("megatron_ep cuda buffer on rank %d: %.1f MiB region (tokens %d, row bytes %d, combine rows %d), %d SMs",
@@ -260,6 +266,7 @@ class CudaRuntime(FailureState):
             return
         self.stream.synchronize()
         bounded_barrier(self.group, self.timeout_s, "destroy")
+        self._error_word = None  # before the memory behind it goes
         self.rt.close()
         self.rt = None
         self.closed = True
@@ -285,7 +292,7 @@ class CudaRuntime(FailureState):
         an aborted call (an earlier asynchronous one) is reported once."""
         fail(not self.closed, "this Buffer was destroyed", RuntimeError)
         self.raise_if_broken()
-        if self.rt is None:
+        if self.rt is None or self._error_word.value == _NO_ERROR:
             return
         err = self.rt.take_error(clear=False)
         if err is None:
@@ -332,17 +339,20 @@ class CudaRuntime(FailureState):
         hazard = self.lazy_hazard
         return f"{text} ({hazard})" if hazard else text
 
-    def wait_host(self, call: P.Call, tag: int, L: int) -> dict:
-        """Wait (in C++, backing off, never spinning a core for long: Runtime::wait_tag) until
-        notify's sizes for `tag` reached the host, and read them, in one crossing; raise if the
-        call was aborted or a peer timed out."""
-        waited, info = self.rt.wait_counts(tag, self.timeout_s + 5, L)
+    @property
+    def host_wait_s(self) -> float:
+        """How long the host waits for notify's sizes: the kernels' own timeout, and a margin."""
+        return self.timeout_s + 5
+
+    def host_sizes(self, call: P.Call, waited: int, info: Optional[dict]) -> dict:
+        """What a wait for notify's sizes returned (Runtime::wait_counts: 0 and the sizes, 1 a
+        fatal error first, 2 the timeout): the sizes, or the call's error."""
         if waited == 1:  # a fatal error came first
             raise self._error(self.rt.take_error(clear=False), call)
         if waited == 2:
             raise self.break_with(CommTimeoutError, self._with_hazard(
                 f"rank {self.rank}: no receive count from the notify kernel of call #{call.seq} within "
-                f"{self.timeout_s + 5:.0f}s"))
+                f"{self.host_wait_s:.0f}s"))
         if info["num_rows"] < 0:  # this call was aborted at its exchange, on every rank
             err = self.rt.take_error(clear=False)
             if err is not None:

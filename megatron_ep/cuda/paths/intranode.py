@@ -270,11 +270,12 @@ class IntranodePath(NormalPath):
         handle's state and the rows of its combine map (expert-major)."""
         rt = self.rt
         tag = next(self.tags)
-        idx, rank_pos, slot_pos, recv_info, row_limits, counts, tpe, dropped, rank_counts = call.sends(
+        idx, rank_pos, slot_pos, recv_info, row_limits, counts, tpe, dropped, rank_counts, waited, sizes = call.sends(
             self.kernels.notify_call, rt=rt.rt, sig=call.sig, topk_idx=plan.topk_idx, num_experts=plan.num_experts,
             expert_alignment=plan.expert_alignment, permute=plan.permute, num_worst_tokens=plan.num_worst_tokens,
             token_groups=plan.groups, check_ids=plan.check_ids, rank_counts=plan.rank_counts, tag=tag,
-            previous_event=previous, marks=rt.marks(("start", "notify"), first=True))
+            previous_event=previous, marks=rt.marks(("start", "notify"), first=True),
+            wait_s=-1.0 if plan.num_worst_tokens else rt.host_wait_s)
         plan.topk_idx = idx
         st = IntranodeState(topk_idx=idx, permute=plan.permute, rank_pos=rank_pos, slot_pos=slot_pos,
                             recv_info=recv_info, row_limits=row_limits, tokens_per_expert=tpe, num_dropped=dropped,
@@ -283,7 +284,7 @@ class IntranodePath(NormalPath):
         rows_bound = max_rank_major_rows(rt)  # the host learns N below unless sync-free
         if not plan.num_worst_tokens:
             try:
-                info = rt.wait_host(call, tag, plan.L)
+                info = rt.host_sizes(call, waited, sizes)
             except PeerFailedError:
                 # ids notify found bad here (check_ids) failed this rank's record at the exchange, so
                 # every rank aborted the call (the peers raise PeerFailedError): this rank says why
