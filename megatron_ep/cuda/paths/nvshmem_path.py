@@ -75,13 +75,14 @@ class NvshmemPath(FailureState, Path):
     def _fit(self, need: dict) -> None:
         """Create the buffer at the first call (collective, agreed over the group), or check the call fits."""
         if self.buf is None:
-            fail(not torch.cuda.is_current_stream_capturing(),
-                 f"the first {self.KIND} call sizes the buffer (a collective): make one call before CUDA-graph capture, "
-                 f"or {self.SIZE_UP_FRONT}", RuntimeError)
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"the first {self.KIND} call sizes the buffer (a collective): make one call "
+                                   f"before CUDA-graph capture, or {self.SIZE_UP_FRONT}")
             self._create(self._agree(need))
         short = self._short(need, self.cap)
-        fail(not short, f"the {self.KIND} buffer was sized for {self._sized_for(self.cap)}; this call does not fit "
-                        f"({', '.join(short)}): {self.FIT_REMEDY}")
+        if short:
+            raise ValueError(f"the {self.KIND} buffer was sized for {self._sized_for(self.cap)}; this call does not fit "
+                             f"({', '.join(short)}): {self.FIT_REMEDY}")
 
     def close(self) -> None:
         """Collective (nvshmem_free), skipped unless `may_free`: a peer that timed out, died, or
