@@ -37,9 +37,10 @@
 #   MEP_BENCH_ARGS  bench_normal.py arguments (default: --ranks 2 --num-sms 8,16,24)
 #   MEP_RECIPE_ARGS the recipe's model flags for the Megatron step table
 # Wheels under .whl/ (megatron-core for Python 3.12, carried) are installed to /tmp/site first.
-# If .carry/build_deepep.sh exists (a peer library built on the GPU machine from a fetched
-# snapshot, never part of this repository), DeepEP's intranode build starts in the background
-# and the bench phase waits for it; likewise the DeepGEMM build for the deepgemm phase.
+# If a DeepEP tree is at .carry/deepep-src (scripts/build_deepep.sh --help: a peer built on the GPU
+# machine from a snapshot the user gives, never part of this repository; .carry/build_deepep.sh,
+# where present, builds instead), DeepEP's build starts in the background and the bench, lowlat
+# and host phases wait for it; likewise the DeepGEMM build for the deepgemm phase.
 set -uo pipefail
 case "${1:-}" in -h|--help) sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | grep '^#' | sed 's/^# \{0,1\}//'; exit 0 ;; esac
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -63,11 +64,14 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv | tee "$OUT/gpu.txt"
 NGPU=$(nvidia-smi -L | wc -l)
-if [ -f .carry/build_deepep.sh ] && { has bench || has megatron; }; then
-  OUT=/tmp bash .carry/build_deepep.sh intranode > /tmp/deepep_start.log 2>&1
+DEEPEP_BUILD=
+[ -f .carry/deepep-src/setup.py ] && DEEPEP_BUILD=scripts/build_deepep.sh
+[ -f .carry/build_deepep.sh ] && DEEPEP_BUILD=.carry/build_deepep.sh
+if [ -n "$DEEPEP_BUILD" ] && { has bench || has megatron; }; then
+  OUT=/tmp bash "$DEEPEP_BUILD" intranode > /tmp/deepep_start.log 2>&1
 fi
-if [ -f .carry/build_deepep.sh ] && { has lowlat || has host; }; then  # DeepEP against the pip NVSHMEM: its LL kernels
-  OUT=/tmp bash .carry/build_deepep.sh full > /tmp/deepep_full_start.log 2>&1
+if [ -n "$DEEPEP_BUILD" ] && { has lowlat || has host; }; then  # DeepEP against the pip NVSHMEM: its LL kernels
+  OUT=/tmp bash "$DEEPEP_BUILD" full > /tmp/deepep_full_start.log 2>&1
 fi
 if [ -d .carry/deepgemm ] && { has deepgemm || has gemm; }; then  # one C++ file, beside the build phase
   ( bash scripts/build_deepgemm.sh .carry/deepgemm /tmp/deepgemm-site > /tmp/deepgemm_build.log 2>&1 \
@@ -91,7 +95,7 @@ if has link; then
 fi
 if has bench; then
   phase bench
-  for _ in $(seq 240); do [ ! -f .carry/build_deepep.sh ] || [ -e /tmp/deepep_intranode.done ] && break; sleep 1; done
+  for _ in $(seq 240); do [ -z "$DEEPEP_BUILD" ] || [ -e /tmp/deepep_intranode.done ] && break; sleep 1; done
   [ -e /tmp/deepep_intranode.ok ] && export PYTHONPATH=/tmp/deepep/intranode${PYTHONPATH:+:$PYTHONPATH}
   cat /tmp/deepep_intranode.done 2>/dev/null
   args=${MEP_BENCH_ARGS:---ranks 2 --num-sms 8,16,24}
@@ -105,7 +109,7 @@ fi
 if has lowlat; then
   phase lowlat
   llr=${MEP_LL_RANKS:-2}
-  for _ in $(seq 240); do [ ! -f .carry/build_deepep.sh ] || [ -e /tmp/deepep_full.done ] && break; sleep 1; done
+  for _ in $(seq 240); do [ -z "$DEEPEP_BUILD" ] || [ -e /tmp/deepep_full.done ] && break; sleep 1; done
   cat /tmp/deepep_full.done 2>/dev/null
   llpath=${PYTHONPATH:-}  # the full DeepEP build first: an intranode-only one has no LL kernels
   [ -e /tmp/deepep_full.ok ] && llpath=/tmp/deepep/full${PYTHONPATH:+:$PYTHONPATH}
@@ -118,7 +122,7 @@ fi
 if has host; then
   phase host
   hr=${MEP_HOST_RANKS:-2}
-  for _ in $(seq 300); do [ ! -f .carry/build_deepep.sh ] || [ -e /tmp/deepep_full.done ] && break; sleep 1; done
+  for _ in $(seq 300); do [ -z "$DEEPEP_BUILD" ] || [ -e /tmp/deepep_full.done ] && break; sleep 1; done
   cat /tmp/deepep_full.done 2>/dev/null
   hpath=${PYTHONPATH:-}
   [ -e /tmp/deepep_full.ok ] && hpath=/tmp/deepep/full${PYTHONPATH:+:$PYTHONPATH}
