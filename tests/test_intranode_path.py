@@ -164,3 +164,40 @@ def test_each_routing_waits_for_its_own_tag(path):
     for seq in (1, 2):
         _dispatch(path, seq, False)
     assert [kw["tag"] for name, kw, _ in path.fake.calls if name == "notify_call"] == [1, 2]
+
+
+@pytest.mark.parametrize("permute", [False, True])
+def test_a_worst_case_sized_routing_does_not_wait_for_sizes(path, permute):
+    """num_worst_tokens: no host wait (notify_call's wait_s < 0), outputs of exactly that many rows,
+    and an expert-major combine map sized for every rank's tokens (the host does not know N)."""
+    x = torch.randn(T, H, dtype=torch.bfloat16)
+    idx = torch.tensor([[0, 5], [1, 2], [7, -1], [3, 4], [6, 0], [2, 5]])
+    call = _call(path, "dispatch", 1)
+    with path.guard(call):
+        out = path.dispatch(call, DispatchRequest(x, idx, None, E, permute, 1, num_worst_tokens=40))
+    (_, notify, _), (_, disp, _) = path.fake.calls
+    assert notify["wait_s"] < 0 and notify["num_worst_tokens"] == 40
+    assert disp["out_rows"] == 40 and disp["comb_rows"] == (R * path.rt.plan.max_tokens if permute else 0)
+    assert out.handle.num_recv_rows == 40
+
+
+def test_the_fused_in_node_stage_hands_its_record_on(path):
+    """The internode path's cached dispatch and combine: the one-crossing entries get its launcher
+    (`fused`) and, for the combine, the symmetric outputs (`out`) it writes into."""
+    out, _ = _dispatch(path, 1, False)
+
+    def launcher(*record):
+        pass
+
+    x = torch.randn(T, H, dtype=torch.bfloat16)
+    call = _call(path, "cached_dispatch", 2)
+    with path.guard(call):
+        path.dispatch(call, DispatchRequest(x, None, None, E, False, 1, out.handle, fused=launcher))
+    assert path.fake.calls[-1][1]["fused"] is launcher and call.pending is P.Pending.NOTHING
+    y, w = torch.zeros(T, H, dtype=torch.bfloat16), None
+    call = _call(path, "combine", 3)
+    with path.guard(call):
+        path.combine(call, CombineRequest(torch.zeros(out.x.shape[0], H, dtype=torch.bfloat16), out.handle,
+                                          fused=launcher, out=(y, w)))
+    kw = path.fake.calls[-1][1]
+    assert kw["fused"] is launcher and kw["out"] is y and kw["out_weights"] is None
