@@ -109,6 +109,7 @@ class InternodePath(NvshmemPath, NormalPath):
         self.staged = False  # every RDMA-domain transfer an NVSHMEM put from symmetric staging (set with the buffer)
         self.inner_seq = 0
         self.inner_of = -1  # the (outer) call whose in-node stage call was made last
+        self._views, self._views_of = {}, None  # view()'s, and the buffer they point into
         self.num_blocks = rt.blocks(self.ext.INTERNODE_MAX_BLOCKS)
         if hints.get("max_tokens") and hints.get("hidden"):
             self._create(self._agree(self._need(hints["max_tokens"], hints["hidden"], hints.get("dtype_bytes", 2),
@@ -178,12 +179,22 @@ class InternodePath(NvshmemPath, NormalPath):
 
     def close(self) -> None:
         """Collective: the RDMA buffer (see NvshmemPath.close), then the node's runtime."""
+        self._views, self._views_of = {}, None  # they point into the buffer
         super().close()
         self.rt.close()
 
     def view(self, section: str, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
-        nbytes = rows * cols * dtype.itemsize
-        return self.buf.view(self.plan[section], nbytes).view(dtype).view(rows, cols)
+        """`rows` x `cols` of `dtype` over a section of the RDMA buffer. The same views recur every
+        call: kept per buffer (a view is valid until the buffer it points into is closed or
+        replaced), so a call does not cross into C++ for them."""
+        if self._views_of is not self.buf or len(self._views) > 64:  # (token counts may vary call to call)
+            self._views, self._views_of = {}, self.buf
+        key = (section, rows, cols, dtype)
+        t = self._views.get(key)
+        if t is None:
+            t = self.buf.view(self.plan[section], rows * cols * dtype.itemsize).view(dtype).view(rows, cols)
+            self._views[key] = t
+        return t
 
     # ------------------------------------------------------------------------------ calls
     def begin(self, call: P.Call) -> None:
