@@ -249,7 +249,7 @@ class Buffer:
         """One collective call: a sequence number, a signature (filled by the caller), and the
         backend's entry check and failure publication around the whole host side -- also for a
         destroyed Buffer, whose call raises inside it, so the peers learn of it instead of
-        waiting. (One context, not a nest of them: it runs around every call.)"""
+        waiting. protocol.guarded's sequence, inline: one context instead of two around every call."""
         self._acquire(op)
         try:
             impl = self._impl
@@ -274,14 +274,8 @@ class Buffer:
         waiting), then `exc` is raised here. It counts as a call on every rank, as theirs does."""
         if op not in P.OP:
             raise ValueError(f"op must be one of {sorted(P.OP)}, got {op!r}")
-        with self._exclusive(op):
-            call = self._next_call(op)
-            try:
-                self._impl.begin(call)
-                raise exc
-            except BaseException as raised:
-                self._impl.failed(call, raised)
-                raise
+        with self._exclusive(op), P.guarded(self._impl, self._next_call(op)):
+            raise exc
 
     @contextmanager
     def before_call(self, op: str):

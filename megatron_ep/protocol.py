@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import enum
 import functools
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Sequence
 
 from .errors import CallMismatchError, PeerFailedError, WorstCaseOverflowError
 
@@ -150,6 +151,20 @@ class Call:
 
     def describe(self) -> str:
         return f"megatron_ep {self.name} (call #{self.seq})"
+
+
+@contextmanager
+def guarded(owner, call: Call) -> Iterator[Call]:
+    """A call's host side under `owner` (a backend or a kernel path): its entry check
+    (`owner.begin`), and on a failure, the entry check's too, its publication to the peers
+    (`owner.failed`) before it propagates. Buffer._call runs the same sequence inline (it wraps
+    every call, so it is one context instead of two)."""
+    try:
+        owner.begin(call)
+        yield call
+    except BaseException as exc:
+        owner.failed(call, exc)
+        raise
 
 
 def failure_message(exc: BaseException) -> str:

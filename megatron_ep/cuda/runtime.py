@@ -55,8 +55,8 @@ PUSH_MAX_SMS_EP2 = 16
 
 COMM_STREAM_PRIORITY = -1  # torch: lower is higher; the default (compute) streams have 0
 
-
 _NO_ERROR = P.ERROR["none"]  # HostInfo::error while the kernels reported nothing
+
 
 def default_num_sms(ranks_per_device: int, sm_count: int) -> int:
     """SMs per rank for the copy kernels (see the rule above); even, at least 4, and small

@@ -10,8 +10,7 @@ path is a `Path` with calls of its own (megatron_ep/cuda/paths/low_latency.py).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import ContextManager, Optional
 
 from ... import protocol as P
 from ...requests import CombineRequest, DispatchRequest
@@ -27,16 +26,10 @@ class Path(ABC):
         """The call's host side raised `exc`: if peers may wait for this rank (`call.owes`),
         publish the failure to them (the caller re-raises)."""
 
-    @contextmanager
-    def guard(self, call: P.Call) -> Iterator[P.Call]:
+    def guard(self, call: P.Call) -> ContextManager[P.Call]:
         """Around a call's whole host side: begin, and on a failure (the entry check's too) its
-        publication before it propagates."""
-        try:
-            self.begin(call)
-            yield call
-        except BaseException as exc:
-            self.failed(call, exc)
-            raise
+        publication before it propagates (protocol.guarded)."""
+        return P.guarded(self, call)
 
     @abstractmethod
     def check(self, call: Optional[P.Call] = None) -> None:

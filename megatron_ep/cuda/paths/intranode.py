@@ -196,7 +196,8 @@ class IntranodePath(NormalPath):
         zero_copy = plan.data.data_ptr() == rt.base + rt.plan.stage_x
         res = call.sends(self.kernels.dispatch_call, rt=rt.rt, state=native_state(self.kernels, st, plan.num_experts),
                          sig=call.sig, first=plan.first, x=plan.data, scales=plan.scales, topk_weights=plan.topk_weights,
-                         push=plan.push, scratch=rt.scratch_free(), zero_copy=zero_copy, out_rows=out_rows,
+                         push=plan.push, scratch=plan.push and plan.permute and rt.scratch_free(),
+                         zero_copy=zero_copy, out_rows=out_rows,
                          num_worst_tokens=plan.num_worst_tokens, comb_rows=comb_rows, previous_event=previous, event=event,
                          async_op=req.async_op, hook=hooks.current(), fused=plan.fused, marks=marks,
                          num_blocks=rt.num_sms, push_blocks=rt.push_sms, local_blocks=rt.local_sms)
