@@ -38,9 +38,9 @@
 #   MEP_RECIPE_ARGS the recipe's model flags for the Megatron step table
 # Wheels under .whl/ (megatron-core for Python 3.12, carried) are installed to /tmp/site first.
 # If a DeepEP tree is at .carry/deepep-src (scripts/build_deepep.sh --help: a peer built on the GPU
-# machine from a snapshot the user gives, never part of this repository; .carry/build_deepep.sh,
-# where present, builds instead), DeepEP's build starts in the background and the bench, lowlat
-# and host phases wait for it; likewise the DeepGEMM build for the deepgemm phase.
+# machine from a snapshot the user gives, never part of this repository), DeepEP's build starts in
+# the background and the bench, lowlat and host phases wait for it; likewise the DeepGEMM build
+# for the deepgemm phase.
 set -uo pipefail
 case "${1:-}" in -h|--help) sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | grep '^#' | sed 's/^# \{0,1\}//'; exit 0 ;; esac
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -64,15 +64,19 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv | tee "$OUT/gpu.txt"
 NGPU=$(nvidia-smi -L | wc -l)
-DEEPEP_BUILD=
-[ -f .carry/deepep-src/setup.py ] && DEEPEP_BUILD=scripts/build_deepep.sh
-[ -f .carry/build_deepep.sh ] && DEEPEP_BUILD=.carry/build_deepep.sh
-if [ -n "$DEEPEP_BUILD" ] && { has bench || has megatron; }; then
-  OUT=/tmp bash "$DEEPEP_BUILD" intranode > /tmp/deepep_start.log 2>&1
+DEEPEP=0; [ -f .carry/deepep-src/setup.py ] && DEEPEP=1
+if [ "$DEEPEP" = 1 ] && { has bench || has megatron; }; then
+  bash scripts/build_deepep.sh intranode > /tmp/deepep_start.log 2>&1
 fi
-if [ -n "$DEEPEP_BUILD" ] && { has lowlat || has host; }; then  # DeepEP against the pip NVSHMEM: its LL kernels
-  OUT=/tmp bash "$DEEPEP_BUILD" full > /tmp/deepep_full_start.log 2>&1
+if [ "$DEEPEP" = 1 ] && { has lowlat || has host; }; then  # DeepEP against the pip NVSHMEM: its LL kernels
+  bash scripts/build_deepep.sh full > /tmp/deepep_full_start.log 2>&1
 fi
+# PYTHONPATH with DeepEP's MODE build first once it is done (up to $2 s), as it is without one
+deepep_path() {
+  for _ in $(seq "$2"); do [ "$DEEPEP" = 0 ] || [ -e "/tmp/deepep_$1.done" ] && break; sleep 1; done
+  cat "/tmp/deepep_$1.done" >&2 2>/dev/null
+  if [ -e "/tmp/deepep_$1.ok" ]; then echo "/tmp/deepep/$1${PYTHONPATH:+:$PYTHONPATH}"; else echo "${PYTHONPATH:-}"; fi
+}
 if [ -d .carry/deepgemm ] && { has deepgemm || has gemm; }; then  # one C++ file, beside the build phase
   ( bash scripts/build_deepgemm.sh .carry/deepgemm /tmp/deepgemm-site > /tmp/deepgemm_build.log 2>&1 \
       && cp /tmp/deepgemm-site/env.sh /tmp/deepgemm.env && touch /tmp/deepgemm.ok
@@ -95,9 +99,7 @@ if has link; then
 fi
 if has bench; then
   phase bench
-  for _ in $(seq 240); do [ -z "$DEEPEP_BUILD" ] || [ -e /tmp/deepep_intranode.done ] && break; sleep 1; done
-  [ -e /tmp/deepep_intranode.ok ] && export PYTHONPATH=/tmp/deepep/intranode${PYTHONPATH:+:$PYTHONPATH}
-  cat /tmp/deepep_intranode.done 2>/dev/null
+  PYTHONPATH=$(deepep_path intranode 240); export PYTHONPATH
   args=${MEP_BENCH_ARGS:---ranks 2 --num-sms 8,16,24}
   r=$(echo "$args" | sed -n 's/.*--ranks \([0-9]*\).*/\1/p'); r=${r:-2}
   [ "$r" -gt "$NGPU" ] && start_mps
@@ -109,10 +111,7 @@ fi
 if has lowlat; then
   phase lowlat
   llr=${MEP_LL_RANKS:-2}
-  for _ in $(seq 240); do [ -z "$DEEPEP_BUILD" ] || [ -e /tmp/deepep_full.done ] && break; sleep 1; done
-  cat /tmp/deepep_full.done 2>/dev/null
-  llpath=${PYTHONPATH:-}  # the full DeepEP build first: an intranode-only one has no LL kernels
-  [ -e /tmp/deepep_full.ok ] && llpath=/tmp/deepep/full${PYTHONPATH:+:$PYTHONPATH}
+  llpath=$(deepep_path full 240)  # the full DeepEP build first: an intranode-only one has no LL kernels
   [ "$llr" -gt "$NGPU" ] && start_mps
   PYTHONPATH=$llpath timeout "${MEP_LL_BENCH_TIMEOUT:-400}" python3 scripts/bench_low_latency.py --ranks "$llr" ${MEP_LL_BENCH_ARGS:-} \
     --markdown "$OUT/ll_bench.md" --json "$OUT/ll_bench.json" > "$OUT/ll_bench.log" 2>&1 || { status=1; echo "LL bench failed"; }
@@ -122,10 +121,7 @@ fi
 if has host; then
   phase host
   hr=${MEP_HOST_RANKS:-2}
-  for _ in $(seq 300); do [ -z "$DEEPEP_BUILD" ] || [ -e /tmp/deepep_full.done ] && break; sleep 1; done
-  cat /tmp/deepep_full.done 2>/dev/null
-  hpath=${PYTHONPATH:-}
-  [ -e /tmp/deepep_full.ok ] && hpath=/tmp/deepep/full${PYTHONPATH:+:$PYTHONPATH}
+  hpath=$(deepep_path full 300)
   [ "$hr" -gt "$NGPU" ] && start_mps
   # shellcheck disable=SC2086
   PYTHONPATH=$hpath timeout "${MEP_HOST_TIMEOUT:-400}" python3 scripts/bench_host.py --ranks "$hr" ${MEP_HOST_ARGS:-} \

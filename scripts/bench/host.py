@@ -59,7 +59,7 @@ def parse(argv=None, description=None):
     p.add_argument("--warmup", type=int, default=5, help="untimed calls first (default 5)")
     p.add_argument("--impls", default=",".join(IMPLS), help=f"a comma list of {', '.join(IMPLS)} (default all)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="the N functions with the most cumulative host time in one call of each op (default 0: none)")
+                   help="each op's N functions with the most host time, µs per call over 20 calls (default 0: none)")
     p.add_argument("--no-check-inputs", dest="check_inputs", action="store_false",
                    help="ours: Buffer(check_inputs=False) (the expert-id checks cost host syncs; DeepEP has none)")
     p.add_argument("--deepep-ll", action="store_true",
