@@ -24,15 +24,22 @@ def binding_arguments(path: str = "intranode") -> dict:
     return out
 
 
-def kernel_calls(path: str = "intranode", holder: str = "kernels") -> list:
-    """(kernel name, keyword names, positional count, line) of every kernel call in a path's module,
-    direct (`self.HOLDER.NAME(...)`) or through `call.sends(self.HOLDER.NAME, ...)`."""
-    tree = ast.parse((ROOT / "megatron_ep" / "cuda" / "paths" / f"{path}.py").read_text())
+def kernel_calls(path: str = "intranode", holder: str = "kernels", module: str = "") -> list:
+    """(kernel name, keyword names, positional count, line) of every kernel call in a path's module
+    (or in `module`, a file under megatron_ep/), direct (`self.HOLDER.NAME(...)`), through
+    `call.sends(self.HOLDER.NAME, ...)`, or through a local name bound to `....HOLDER.NAME`."""
+    source = ROOT / "megatron_ep" / (module or f"cuda/paths/{path}.py")
+    tree = ast.parse(source.read_text())
+    aliases = {t.id: node.value.attr for node in ast.walk(tree) if isinstance(node, ast.Assign)
+               for t in node.targets if isinstance(t, ast.Name) and isinstance(node.value, ast.Attribute)
+               and isinstance(node.value.value, ast.Attribute) and node.value.value.attr == holder}
 
     def kernel(node):
         if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
                 and node.value.attr == holder):
             return node.attr
+        if isinstance(node, ast.Name):
+            return aliases.get(node.id)
         return None
 
     calls = []
@@ -58,6 +65,18 @@ def test_every_intranode_kernel_call_names_all_its_arguments():
         unknown = [k for k in keywords if k not in names]
         missing = [a for a in names if a not in keywords and a not in defaults]
         assert not unknown and not missing, f"intranode.py:{line}: {name}: unknown {unknown}, missing {missing}"
+
+
+def test_the_notify_trace_names_all_notify_call_arguments():
+    """megatron_ep/tracing.py's notify-only run calls the intranode entry outside the path."""
+    names, defaults = binding_arguments()["notify_call"]
+    calls = kernel_calls(module="tracing.py")
+    assert [c[0] for c in calls] == ["notify_call"], calls
+    for _, keywords, positional, line in calls:
+        missing = [a for a in names if a not in keywords and a not in defaults]
+        unknown = [k for k in keywords if k not in names]
+        assert positional == 0 and not missing and not unknown, \
+            f"tracing.py:{line}: notify_call: {positional} positional, unknown {unknown}, missing {missing}"
 
 
 def test_every_internode_kernel_call_names_all_its_arguments():
