@@ -19,7 +19,8 @@
 #   MEP_GATE_FILES="a.py b.py"         only these test files (the record then names only them)
 #   MEP_GATE_PYTEST="..."              extra pytest arguments for every file
 #   MEP_GATE_SANITIZER=split           memcheck over each path's own suite (three pools) instead of
-#                                      tests/test_sanitizer_pass.py (one pool)
+#                                      tests/test_sanitizer_pass.py (one pool); =none: no memcheck (a
+#                                      MEP_GATE_FILES run whose code's memcheck row another run wrote)
 #   MEP_GATE_BUDGET_S=590              the whole run's wall-clock budget: each file's timeout is cut to
 #                                      what is left of it, so the run ends (and reports) inside it
 #   MEP_GATE_RESERVE_S=120             of that budget, what the test files leave for the steps after
@@ -255,7 +256,9 @@ if [ "$MODE" = gate ]; then
   NO_MPS_PID=$!
   # one small case of each path (R = 2) under memcheck: in one pool (tests/test_sanitizer_pass.py), or
   # with MEP_GATE_SANITIZER=split in each path's own suite (three pools under the tool)
-  if [ "${MEP_GATE_SANITIZER:-pool}" = split ]; then
+  if [ "${MEP_GATE_SANITIZER:-pool}" = none ]; then
+    :
+  elif [ "${MEP_GATE_SANITIZER:-pool}" = split ]; then
     MEP_CASES=0 NVSHMEM_DISABLE_NCCL=1 sanitize "intranode, internode, low-latency" memcheck 240 -m gpu \
       "tests/test_cuda_intranode.py::test_normal_cases[2]" "tests/test_cuda_internode.py::test_internode_cases[2-1]" \
       "tests/test_cuda_low_latency.py::test_low_latency_cases[2]"
