@@ -1,7 +1,8 @@
 """Host cost of every call of every path (a script, not a test): per-call host issue time and
-loop time at 128 and 4096 tokens per rank, natively (megatron_ep.Buffer), through
-megatron_ep.deep_ep, and for DeepEP V1 itself when `deep_ep` from a DeepEP build imports, each in
-its own set of processes; --profile N adds where one call's host time goes (cProfile).
+loop time at 128 and 4096 tokens per rank (the low-latency calls up to 256), natively
+(megatron_ep.Buffer), through megatron_ep.deep_ep, and for DeepEP V1 itself when `deep_ep` from a
+DeepEP build imports, each in its own set of processes; --profile N adds where one call's host
+time goes (cProfile).
 
     python3 scripts/bench_host.py --ranks 2                  # one GPU under MPS, or two GPUs
     python3 scripts/bench_host.py --ranks 2 --profile 25     # with each op's top 25 functions
