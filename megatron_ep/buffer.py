@@ -629,7 +629,24 @@ class Buffer:
 
     @property
     def num_sms(self) -> Optional[int]:
+        """SMs per rank the normal paths' cuda kernels launch with now (None: torch backend)."""
         return getattr(self._impl, "num_sms", None)
+
+    @property
+    def max_num_sms(self) -> Optional[int]:
+        """The most num_sms may be here: what each rank sharing this GPU can keep resident
+        (None: torch backend, which has no kernels)."""
+        return getattr(self._backend(), "max_num_sms", None)
+
+    def set_num_sms(self, num_sms: Optional[int]) -> None:
+        """The normal paths' SM budget from the next call on (not collective: a rank's count
+        need not match its peers'); None goes back to the default rule. 1..max_num_sms, or
+        ValueError naming the bound. The low-latency kernels keep every SM they may have. No
+        effect on the torch backend."""
+        if num_sms is not None:
+            C.check_int("num_sms", num_sms, 1)
+        with self._exclusive("set_num_sms"):
+            self._backend().set_num_sms(num_sms)
 
     @property
     def comm_stream(self):

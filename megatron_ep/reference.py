@@ -103,6 +103,9 @@ class TorchBackend:
     name = "torch"
     num_sms = None
 
+    def set_num_sms(self, num_sms: Optional[int]) -> None:
+        """No kernels here: a budget set for the cuda backend is accepted and has no effect."""
+
     def __init__(self, group, num_ranks: int, rank: int):
         self.group, self.num_ranks, self.rank = group, num_ranks, rank
         nccl = num_ranks > 1 and dist.get_backend(group) == "nccl"

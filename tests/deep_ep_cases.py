@@ -119,6 +119,23 @@ def run_deep_ep_normal_case(cfg: dict) -> list:
         again = buf.dispatch(x * 2, handle=handle)
         if not (torch.equal(again[0].cpu(), ex * 2) and again[1:5] == (None, None, None, None)):
             errors.append(f"{tag} cached dispatch differs from DeepEP's")
+        # DeepEP's SM count reaches our kernels' budget: Buffer.set_num_sms for calls without a
+        # Config, a call's Config before it (the torch backend has no budget)
+        limit = buf.runtime.max_num_sms
+        try:
+            deep_ep.Buffer.set_num_sms(4)
+            rows4 = buf.dispatch(x, handle=handle)[0]
+            sms4 = buf.runtime.num_sms
+            y6, _, _ = buf.combine(rx, handle, config=deep_ep.Config(6, 6, 256, 6, 128))
+            sms6 = buf.runtime.num_sms
+        finally:
+            deep_ep.Buffer.set_num_sms(20)
+        want_sms = (None, None) if limit is None else (min(4, limit), min(6, limit))
+        want_y6 = x.double() * want_in_rank.sum(1, keepdim=True).double()
+        if (sms4, sms6) != want_sms or not torch.equal(rows4.cpu(), ex) or \
+                not torch.allclose(y6.double(), want_y6, rtol=1e-5, atol=1e-5):
+            errors.append(f"{tag} set_num_sms(4) / Config(6): our budget {sms4} / {sms6}, want {want_sms}, or the "
+                          f"rows differ")
         # combine: the plain sum of the rows each token's dispatch delivered (one per rank)
         y, yw, ev = buf.combine(rx * (rank + 1), handle, topk_weights=rw)
         scale = sum((r + 1) * want_in_rank[:, r].double() for r in range(R))

@@ -163,8 +163,23 @@ def run_previous_event_of_the_wrong_kind(backend: str = "torch", device: str = "
         except TypeError as e:
             if arg not in str(e):
                 errors.append(f"{_tag(name)} {e!r} does not name {arg}")
-    ok = buf.dispatch(x, idx, w, num_experts=E)
-    back = buf.combine(torch.ones_like(split_x(ok.x)[0]), ok.handle)
+    # the SM budget: below 1, or past what this rank may keep resident (cuda), refused by name
+    limit = buf.max_num_sms
+    for bad in (0, -3) if limit is None else (0, limit + 1):
+        try:
+            buf.set_num_sms(bad)
+            errors.append(f"{_tag('set_num_sms')} num_sms={bad} was accepted (bound {limit})")
+        except ValueError as e:
+            if "num_sms" not in str(e):
+                errors.append(f"{_tag('set_num_sms')} {e!r} does not name num_sms")
+    buf.set_num_sms(2)  # the calls below on two SMs a rank (cuda)
+    if buf.num_sms != (None if limit is None else 2):
+        errors.append(f"{_tag('set_num_sms')} num_sms is {buf.num_sms} after set_num_sms(2)")
+    try:
+        ok = buf.dispatch(x, idx, w, num_experts=E)
+        back = buf.combine(torch.ones_like(split_x(ok.x)[0]), ok.handle)
+    finally:
+        buf.set_num_sms(None)
     if not torch.equal(back.x.cpu().double(), num_destinations(me, R, E, False).unsqueeze(1).expand(-1, H)):
         errors.append(f"{_tag('previous_event')} the buffer is unusable afterwards")
     return errors

@@ -82,6 +82,13 @@ class CudaBackend:
         return self.rt.num_sms
 
     @property
+    def max_num_sms(self) -> int:
+        return self.rt.local_sms
+
+    def set_num_sms(self, num_sms: Optional[int]) -> None:
+        self.rt.set_num_sms(num_sms)  # the internode path's RDMA kernels read the same budget
+
+    @property
     def comm_stream(self) -> torch.cuda.Stream:
         return self.rt.stream
 

@@ -105,17 +105,10 @@ class CudaRuntime(FailureState):
         if self.lazy_hazard and rank == 0:
             log.warning("megatron_ep: %s", self.lazy_hazard)
         self.sm_count = props.multi_processor_count
-        limit = max_num_sms(self.ranks_per_device, self.sm_count)
-        if num_sms is not None:
-            if not (isinstance(num_sms, int) and 1 <= num_sms <= limit):
-                raise ValueError(f"num_sms={num_sms}: with {self.ranks_per_device} rank(s) on this GPU ({self.sm_count} SMs) each rank "
-                                 f"may use 1..{limit} SMs, or blocks that wait on each other would not all be resident")
-        self.num_sms = num_sms or default_num_sms(self.ranks_per_device, self.sm_count)
         # local kernels that wait on nobody (expert-major fan-out and pre-reduction) take this
-        # rank's share of the GPU, as the permute they replace would
-        self.local_sms = limit
-        cap = PUSH_MAX_SMS_EP2 if num_ranks == 2 and self.ranks_per_device == 1 else self.num_sms
-        self.push_sms = min(self.num_sms, envs.integer("MEP_PUSH_MAX_SMS", cap, minimum=1))
+        # rank's share of the GPU, as the permute they replace would; it also bounds num_sms
+        self.local_sms = max_num_sms(self.ranks_per_device, self.sm_count)
+        self.set_num_sms(num_sms)
         self.hints = {k: v for k, v in hints.items() if v is not None}
         self.hints["num_ranks"] = num_ranks
         self.rt = None
@@ -130,6 +123,19 @@ class CudaRuntime(FailureState):
         self.closed = False
         if "max_tokens" in self.hints and "hidden" in self.hints:
             self._create(self.hints)
+
+    def set_num_sms(self, num_sms: Optional[int]) -> None:
+        """The normal paths' SM budget from the next launch on: num_sms, or the default rule
+        (None). Each launch reads it (blocks()); a rank's count never has to match its peers'
+        (every kernel strides over its rows with the blocks it has)."""
+        limit = self.local_sms
+        if num_sms is not None and not (isinstance(num_sms, int) and 1 <= num_sms <= limit):
+            raise ValueError(f"num_sms={num_sms}: with {self.ranks_per_device} rank(s) on this GPU ({self.sm_count} SMs) "
+                             f"each rank may use 1..{limit} SMs, or blocks that wait on each other would not all be "
+                             f"resident")
+        self.num_sms = num_sms or default_num_sms(self.ranks_per_device, self.sm_count)
+        cap = PUSH_MAX_SMS_EP2 if self.num_ranks == 2 and self.ranks_per_device == 1 else self.num_sms
+        self.push_sms = min(self.num_sms, envs.integer("MEP_PUSH_MAX_SMS", cap, minimum=1))
 
     def blocks(self, path_max: int, latency_bound: bool = False) -> int:
         """Blocks of a path's kernels, decided here for every path: the rank's SM budget

@@ -159,6 +159,7 @@ class Buffer:
         self.runtime = _mep.Buffer(group, backend=backend, **nodes)
         self._combine_buffers, self._next_combine = _CombineBuffers(), 0  # the zero-copy combine's
         self._worst_reserved = 0  # the largest num_worst_tokens the buffer was reserved for
+        self._sms_asked = None  # the SM count last handed to our budget (_hand_sms)
         if self.rank == 0:
             log.info("megatron_ep.deep_ep: DeepEP's Buffer API on megatron_ep (%s backend, %d ranks)",
                      self.runtime.backend, self.group_size)
@@ -213,8 +214,9 @@ class Buffer:
 
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
-        """DeepEP's SM count of the normal kernels (even: channels of two SMs). Kept and checked:
-        our kernels take their SM budget from megatron_ep's Buffer."""
+        """DeepEP's SM count of the normal kernels (even: channels of two SMs), for every Buffer
+        of this process: each normal dispatch and combine without a Config hands it to our
+        kernels' budget (_hand_sms)."""
         n = check_int("new_num_sms", new_num_sms, 2, rule=" and even (channels of two SMs)")
         if n % 2:
             raise InvalidArgument(f"new_num_sms={n}: the SM count must be even (channels of two SMs), in 2..{INT_MAX}")
@@ -286,6 +288,7 @@ class Buffer:
         a handle (cached dispatch) only the rows move and the list and handle come back None."""
         _check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
         _check_config(config)
+        self._hand_sms(config)
         prev = to_ours(previous_event)
         if _needs_row_major_copy(x) or (handle is None and topk_idx is None):
             # the wrapper's own work on this stream (the scales' copy, the stand-in ids) must come
@@ -403,6 +406,7 @@ class Buffer:
         selected experts' weights)."""
         _check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
         _check_config(config)
+        self._hand_sms(config)
         assert isinstance(handle, Handle), "handle must come from megatron_ep.deep_ep's dispatch"
         out = self.runtime.combine(x, handle.ours, async_op=async_finish, previous_event=to_ours(previous_event))
         y = out.x
@@ -573,6 +577,25 @@ class Buffer:
         return self._combine_buffers.get(_combine_shape(handle, self.group_size), self._next_combine, handle[0].device)
 
     # ---------------------------------------------------------------------------- helpers
+    def _hand_sms(self, config: Optional[Config]) -> None:
+        """DeepEP's SM count for a normal call -- the call's Config, else Buffer.num_sms
+        (set_num_sms; DeepEP's default 20) -- as our kernels' budget (0: our default rule).
+        Past what this rank may keep resident (ranks sharing one GPU) it gets that bound, said
+        once per count: DeepEP's blocks would not all be resident there either."""
+        want = config.num_sms if config is not None else Buffer.num_sms
+        if want == self._sms_asked:
+            return
+        self._sms_asked = want
+        limit = self.runtime.max_num_sms
+        if limit is None:  # the torch backend: no kernels
+            return
+        n = want or None
+        if n is not None and n > limit:
+            log.warning("megatron_ep.deep_ep: num_sms=%d is above the %d SMs each rank sharing this GPU may keep "
+                        "resident; our kernels use %d", n, limit, limit)
+            n = limit
+        self.runtime.set_num_sms(n)
+
     def _rank_prefix(self, out, num_tokens_per_rank: torch.Tensor, sync_free: bool, column: bool):
         """(prefix, out): DeepEP's rank_prefix_matrix, [R, R] int32, [i][j] = tokens ranks 0..i
         send to rank j (inclusive prefix over sources); with `column`, only its column of this

@@ -1,8 +1,8 @@
-"""DeepEP's Config (chunk sizes of its normal kernels) and its default tables. Our kernels size
-their own buffers and take their SM budget from megatron_ep's Buffer: a Config is accepted and
-checked as DeepEP checks it, and our calls read none of its fields (num_sms included; so does
-Buffer.set_num_sms's count). The size hints follow DeepEP's formulas, so callers that size a
-Buffer from them get the numbers they expect (our Buffer does not need them)."""
+"""DeepEP's Config (chunk sizes of its normal kernels) and its default tables. A Config is
+accepted and checked as DeepEP checks it; of its fields our kernels take num_sms (the call's SM
+budget, as Buffer.set_num_sms's count for calls without a Config; 0: our default rule) and size
+their own buffers, so the chunk sizes have no effect. The size hints follow DeepEP's formulas, so
+callers that size a Buffer from them get the numbers they expect (our Buffer does not need them)."""
 
 from __future__ import annotations
 

@@ -110,10 +110,14 @@ class InternodePath(NvshmemPath, NormalPath):
         self.inner_seq = 0
         self.inner_of = -1  # the (outer) call whose in-node stage call was made last
         self._views, self._views_of = {}, None  # view()'s, and the buffer they point into
-        self.num_blocks = rt.blocks(self.ext.INTERNODE_MAX_BLOCKS)
         if hints.get("max_tokens") and hints.get("hidden"):
             self._create(self._agree(self._need(hints["max_tokens"], hints["hidden"], hints.get("dtype_bytes", 2),
                                                 hints.get("combine_bytes", 2), hints.get("max_topk") or 8)))
+
+    @property
+    def num_blocks(self) -> int:
+        """The RDMA kernels' blocks: the runtime's SM budget at this launch (set_num_sms)."""
+        return self.rt.blocks(self.ext.INTERNODE_MAX_BLOCKS)
 
     @classmethod
     def open(cls, group, rank: int, num_ranks: int, ranks_per_node: int, hints: dict, num_sms: Optional[int],
