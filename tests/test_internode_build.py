@@ -95,3 +95,24 @@ def _start_up_collectives():
 def test_start_up_collectives(pools):
     errors = [e for r in pools(2).run(_start_up_collectives) for e in r]
     assert not errors, "\n".join(errors)
+
+
+def test_heap_error_names_what_holds_it(monkeypatch):
+    """A second NVSHMEM buffer (the low-latency one beside the internode one) that does not fit the
+    heap started for the first: the error names the heap, who holds it, NVSHMEM's share and the
+    NVSHMEM_SYMMETRIC_SIZE that would fit both; a released buffer frees its bytes."""
+    from megatron_ep.cuda import nvshmem
+
+    first, second = object(), object()
+    margin = nvshmem.HEAP_MARGIN
+    monkeypatch.setattr(nvshmem, "_state", dict(n_pes=16, heap=2 * 25_000_000 + margin, sized_by="the internode buffer",
+                                                held={id(first): ("the internode buffer", 25_000_000)}))
+    assert nvshmem.heap_short(25_000_000, "the low-latency buffer", exclude=second) is None
+    msg = nvshmem.heap_short(52_666_368, "the low-latency buffer", exclude=second)
+    for part in ("the low-latency buffer needs 52666368 bytes", "25000000 are free", "the internode buffer: 25000000",
+                 f"NVSHMEM keeps {margin}", f"NVSHMEM_SYMMETRIC_SIZE to at least {25_000_000 + 52_666_368 + margin}"):
+        assert part in msg, (part, msg)
+    # a buffer re-created by its owner replaces its own bytes; a released one frees them
+    assert nvshmem.heap_short(50_000_000, "the internode buffer", exclude=first) is None
+    nvshmem.release(first)
+    assert nvshmem.heap_short(50_000_000, "the low-latency buffer", exclude=second) is None

@@ -64,7 +64,7 @@ class NvshmemPath(FailureState, Path):
         """Collective over every rank: NVSHMEM (once per process) and the symmetric buffer."""
         plan = self._plan(cap)
         pes = nvshmem.pes_for(self.group, self.rank, self.num_ranks, self.device, plan["total"], self.ext,
-                              f"the {self.KIND} buffer")
+                              f"the {self.KIND} buffer", owner=self)
         self.buf = self._open(cap, plan, pes)
         dist.barrier(group=self.group)
         self._opened()
@@ -92,6 +92,7 @@ class NvshmemPath(FailureState, Path):
             torch.cuda.synchronize(self.device)
             bounded_barrier(self.group, self.timeout_s, "destroy")
             self.buf.close()
+            nvshmem.release(self)
         self.buf = None
 
     @abstractmethod
