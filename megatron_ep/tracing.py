@@ -65,6 +65,27 @@ def counters(buf) -> Dict[str, object]:
     return out
 
 
+@contextmanager
+def host_steps(buf) -> Iterator[Dict[str, Dict[str, float]]]:
+    """Within the block, the extension times the steps of each one-crossing entry of the
+    intranode path (notify_call, dispatch_call, combine_call; csrc/ipc/host_clock.h): where a
+    crossing's host time goes, which a Python profiler sees as one call. The yielded dict is
+    filled when the block ends: {entry: {"calls": n, step: ns in all}}. It stays empty on the
+    torch backend and for calls without such entries (low-latency)."""
+    native = getattr(getattr(buf._backend(), "rt", None), "rt", None)
+    out: Dict[str, Dict[str, float]] = {}
+    if native is None or not hasattr(native, "set_host_clock"):
+        yield out
+        return
+    native.host_clock(True)
+    native.set_host_clock(True)
+    try:
+        yield out
+    finally:
+        native.set_host_clock(False)
+        out.update(native.host_clock(True))
+
+
 def notify_only(buf, topk_idx: torch.Tensor, num_experts: int) -> Optional[Callable[[int], None]]:
     """The intranode path's notify kernels alone (per-rank counts, the call exchange, row
     positions, and the routing's copy a dispatch makes with them): what a dispatch pays before any

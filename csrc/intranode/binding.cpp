@@ -237,7 +237,9 @@ py::tuple notify_call(Runtime& rt, const Sig& sig, const Tensor& topk_idx, int E
   const int R = rt.num_ranks(), T = (int)topk_idx.size(0), K = (int)topk_idx.size(1);
   TORCH_CHECK(E >= R && E % R == 0, "megatron_ep: bad num_experts ", E);
   const int L = E / R;
+  StepTimer clock(rt.clock(), kEntryNotify);
   CallStreams cs(rt, previous, false);
+  clock.lap(kStepStreams);
   const auto i32 = topk_idx.options().dtype(at::kInt), i64 = topk_idx.options().dtype(at::kLong);
   Tensor counts = at::empty({L + 1}, i64), tpe = counts.narrow(0, 0, L), dropped = counts.select(0, L);
   c10::cuda::CUDAStreamGuard on_comm(cs.comm());
@@ -247,12 +249,17 @@ py::tuple notify_call(Runtime& rt, const Sig& sig, const Tensor& topk_idx, int E
   Tensor recv_info = at::empty({RecvInfo::size(L)}, i32), row_limits = at::empty({R}, i32);
   c10::optional<Tensor> rank_counts;
   if (want_rank_counts) rank_counts = at::empty({(int64_t)groups * R, R}, i32);
+  clock.lap(kStepOutputs);
   notify(rt, sig, idx, E, align, permute, worst, rank_pos, slot_pos, recv_info, row_limits, tpe, dropped, tag, groups,
          check, rank_counts);
   mark(marks, 1);
+  clock.lap(kStepLaunch);
   const py::tuple sizes = wait_s >= 0 ? rt.wait_counts(tag, wait_s, L) : py::make_tuple(-1, py::none());
-  return py::make_tuple(idx, rank_pos, slot_pos, recv_info, row_limits, counts, tpe, dropped,
-                        rank_counts.has_value() ? py::cast(*rank_counts) : py::none(), sizes[0], sizes[1]);
+  clock.lap(kStepWait);
+  py::tuple out = py::make_tuple(idx, rank_pos, slot_pos, recv_info, row_limits, counts, tpe, dropped,
+                                 rank_counts.has_value() ? py::cast(*rank_counts) : py::none(), sizes[0], sizes[1]);
+  clock.lap(kStepReturn);
+  return out;
 }
 
 // A combine's host side: y (and the weights) on the caller's stream unless given, then stage (or
@@ -267,7 +274,9 @@ py::tuple combine_call(Runtime& rt, const HandleState& st, const Sig& sig, const
   const int rows = (int)x.size(0), H = (int)x.size(1), row_bytes = H * (int)x.element_size();
   const bool is_fp32 = x.scalar_type() == at::kFloat, has_w = weights.has_value();
   const int w_cols = st.permute ? 1 : st.K;
+  StepTimer clock(rt.clock(), kEntryCombine);
   CallStreams cs(rt, previous, false);
+  clock.lap(kStepStreams);
   Tensor y;
   c10::optional<Tensor> w_out;
   if (out_y.has_value()) {
@@ -277,7 +286,9 @@ py::tuple combine_call(Runtime& rt, const HandleState& st, const Sig& sig, const
     y = at::empty({st.T, H}, x.options());
     if (has_w) w_out = at::empty({st.T, st.K}, x.options().dtype(at::kFloat));
   }
+  clock.lap(kStepOutputs);
   if (apply_hook(hook, {&y, opt_ptr(w_out)})) cs.after_caller();
+  clock.lap(kStepHook);
   {
     c10::cuda::CUDAStreamGuard on_comm(cs.comm());
     mark(marks, 0);
@@ -309,9 +320,13 @@ py::tuple combine_call(Runtime& rt, const HandleState& st, const Sig& sig, const
     }
     mark(marks, 2);
   }
+  clock.lap(kStepLaunch);
   cs.leave(event, async_op, {&x, opt_ptr(weights), &y, opt_ptr(w_out), &st.topk_idx, &st.rank_pos, &st.slot_pos,
                              &st.row_limits, opt_ptr(st.comb_map), &st.recv_info});
-  return py::make_tuple(y, w_out.has_value() ? py::cast(*w_out) : py::none());
+  clock.lap(kStepLeave);
+  py::tuple out = py::make_tuple(y, w_out.has_value() ? py::cast(*w_out) : py::none());
+  clock.lap(kStepReturn);
+  return out;
 }
 
 // A dispatch's host side after its plan (and, for a new routing, after notify: `first`, the streams
@@ -332,7 +347,9 @@ py::tuple dispatch_call(Runtime& rt, HandleState& st, const Sig& sig, bool first
   const int row_bytes = H * (int)data.element_size(), scale_cols = scales.has_value() ? (int)scales->size(1) : 0;
   const bool permute = st.permute, has_w = topk_w.has_value();
   const auto dev = data.options();
+  StepTimer clock(rt.clock(), kEntryDispatch);
   CallStreams cs(rt, previous, first);
+  clock.lap(kStepStreams);
   const cudaStream_t compute = cs.compute().stream(), comm = cs.comm().stream();
   if (first && permute && !st.comb_map.has_value()) {  // our stream's, like every tensor the handle keeps
     c10::cuda::CUDAStreamGuard on_comm(cs.comm());
@@ -370,7 +387,9 @@ py::tuple dispatch_call(Runtime& rt, HandleState& st, const Sig& sig, bool first
     if (has_w) out_w = permute ? at::empty({out_rows}, dev.dtype(at::kFloat)) : at::empty({out_rows, K}, dev.dtype(at::kFloat));
   }
   if (permute) row_expert = at::empty({out_rows}, dev.dtype(at::kInt));
+  clock.lap(kStepOutputs);
   if (apply_hook(hook, {&x, opt_ptr(out_s), opt_ptr(out_idx), opt_ptr(out_w), opt_ptr(row_expert)})) cs.after_caller();
+  clock.lap(kStepHook);
   const std::vector<long long> offsets = have_pool ? pooled.offsets : std::vector<long long>{-1, -1, -1, -1};
   {
     c10::cuda::CUDAStreamGuard on_comm(cs.comm());
@@ -403,18 +422,23 @@ py::tuple dispatch_call(Runtime& rt, HandleState& st, const Sig& sig, bool first
                out_w, row_expert, count_rows ? c10::optional<Tensor>(tpe) : c10::nullopt, st.comb_map, num_blocks);
       mark(marks, 1);
     }
+    clock.lap(kStepLaunch);
     if (first)  // the handle keeps its own counts (the pull may have written tpe)
       st.keep_counts(counts.clone());
     else  // same routing, same rows (a raw copy: ATen's copy_ costs more host time than the copy)
       C10_CUDA_CHECK(cudaMemcpyAsync(counts.data_ptr(), st.counts.data_ptr(), counts.nbytes(), cudaMemcpyDeviceToDevice,
                                      comm));
+    clock.lap(kStepCounts);
   }
   cs.leave(event, async_op, {&data, opt_ptr(scales), &st.topk_idx, opt_ptr(topk_w), &st.rank_pos, &st.slot_pos,
                              &st.recv_info, &st.row_limits, opt_ptr(st.comb_map), &x, opt_ptr(out_s), opt_ptr(out_idx),
                              opt_ptr(out_w), opt_ptr(row_expert), &counts});
+  clock.lap(kStepLeave);
   const auto opt = [](const c10::optional<Tensor>& t) { return t.has_value() ? py::cast(*t) : py::none(); };
-  return py::make_tuple(x, opt(out_s), opt(out_idx), opt(out_w), opt(row_expert), tpe, dropped, st.counts,
-                        st.tokens_per_expert, st.num_dropped, opt(st.comb_map));
+  py::tuple out = py::make_tuple(x, opt(out_s), opt(out_idx), opt(out_w), opt(row_expert), tpe, dropped, st.counts,
+                                 st.tokens_per_expert, st.num_dropped, opt(st.comb_map));
+  clock.lap(kStepReturn);
+  return out;
 }
 
 // get_dispatch_layout in one crossing, on the current stream: the counts in one zeroed buffer
@@ -483,6 +507,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("fail_call", &mep::Runtime::fail_call)
       .def("pool_free_bytes", &mep::Runtime::pool_free_bytes)
       .def("pool_stats", &mep::Runtime::pool_stats)
+      .def("set_host_clock", &mep::Runtime::set_host_clock, py::arg("on"))
+      .def("host_clock", &mep::Runtime::host_clock, py::arg("reset"))
       .def("set_comm_stream", [](mep::Runtime& rt, const py::object& s) { rt.set_comm_stream(mep::stream_of(s)); });
   auto intra = m.def_submodule("intranode", "the intranode normal path (csrc/intranode/)");
   py::class_<mep::HandleState>(intra, "HandleState")

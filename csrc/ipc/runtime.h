@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "ipc/api.h"
+#include "ipc/host_clock.h"
 #include "ipc/pool.h"
 #include "ipc/region.h"
 
@@ -156,6 +157,11 @@ class Runtime {
 
   long long pool_free_bytes() { return pool_->free_bytes(); }
   // The output pool's counters so far, by name (Pool::Stats: the one list of them)
+  // the one-crossing entries' step times (host_clock.h), for the host bench
+  HostClock& clock() { return clock_; }
+  void set_host_clock(bool on) { clock_.on = on; }
+  py::dict host_clock(bool reset) { return clock_.read(reset); }
+
   py::dict pool_stats() {
     const Pool::Stats s = pool_->stats();
     py::dict d;
@@ -362,6 +368,7 @@ class Runtime {
   c10::optional<at::cuda::CUDAStream> comm_;
   cudaEvent_t order_ = nullptr;
   int rank_ = 0, num_ranks_ = 1;
+  HostClock clock_;
   unsigned long long timeout_ns_ = 0;
 };
 
