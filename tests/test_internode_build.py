@@ -105,14 +105,15 @@ def test_heap_error_names_what_holds_it(monkeypatch):
 
     first, second = object(), object()
     margin = nvshmem.HEAP_MARGIN
-    monkeypatch.setattr(nvshmem, "_state", dict(n_pes=16, heap=2 * 25_000_000 + margin, sized_by="the internode buffer",
+    heap = 2 * 25_000_000 + margin
+    monkeypatch.setattr(nvshmem, "_state", dict(n_pes=16, heap=heap, sized_by="the internode buffer",
                                                 held={id(first): ("the internode buffer", 25_000_000)}))
-    assert nvshmem.heap_short(25_000_000, "the low-latency buffer", exclude=second) is None
-    msg = nvshmem.heap_short(52_666_368, "the low-latency buffer", exclude=second)
+    assert nvshmem.heap_short(25_000_000, "the low-latency buffer", heap, exclude=second) is None
+    msg = nvshmem.heap_short(52_666_368, "the low-latency buffer", heap, exclude=second)
     for part in ("the low-latency buffer needs 52666368 bytes", "25000000 are free", "the internode buffer: 25000000",
                  f"NVSHMEM keeps {margin}", f"NVSHMEM_SYMMETRIC_SIZE to at least {25_000_000 + 52_666_368 + margin}"):
         assert part in msg, (part, msg)
     # a buffer re-created by its owner replaces its own bytes; a released one frees them
-    assert nvshmem.heap_short(50_000_000, "the internode buffer", exclude=first) is None
+    assert nvshmem.heap_short(50_000_000, "the internode buffer", heap, exclude=first) is None
     nvshmem.release(first)
-    assert nvshmem.heap_short(50_000_000, "the low-latency buffer", exclude=second) is None
+    assert nvshmem.heap_short(50_000_000, "the low-latency buffer", heap, exclude=second) is None

@@ -30,31 +30,29 @@ def pes_for(group, rank: int, num_ranks: int, device: torch.device, need_bytes: 
     `need_bytes` (`what`, for the error), held by `owner` until release(owner); and every rank's
     PE in group rank order."""
     # room for two buffers: a re-created Buffer allocates before the old one is freed
-    init(group, rank, num_ranks, device, 2 * need_bytes, ext, what)
-    short = heap_short(need_bytes, what, exclude=owner)
+    heap = init(group, rank, num_ranks, device, 2 * need_bytes, ext, what)
+    short = heap_short(need_bytes, what, heap, exclude=owner)
     fail(short is None, short, RuntimeError)
-    _state["held"][id(owner)] = (what, need_bytes)
+    _state.setdefault("held", {})[id(owner)] = (what, need_bytes)
     return gather(ext.my_pe(), group)
 
 
 def release(owner: object) -> None:
     """`owner`'s buffer was freed: its bytes of the heap are free again."""
-    if _state:
-        _state["held"].pop(id(owner), None)
+    _state.get("held", {}).pop(id(owner), None)
 
 
-def heap_short(need_bytes: int, what: str, exclude: object = None) -> Optional[str]:
-    """None when `need_bytes` more fit the heap beside the buffers held now (but `exclude`'s,
-    which it replaces), else the error: what holds the heap, and the variable to set."""
-    held = {k: v for k, v in _state["held"].items() if k != id(exclude)}
+def heap_short(need_bytes: int, what: str, heap: int, exclude: object = None) -> Optional[str]:
+    """None when `need_bytes` more fit a heap of `heap` bytes beside the buffers held now (but
+    `exclude`'s, which it replaces), else the error: what holds the heap, and the variable to set."""
+    held = {k: v for k, v in _state.get("held", {}).items() if k != id(exclude)}
     used = sum(b for _, b in held.values())
-    heap = _state["heap"]
     free = heap - HEAP_MARGIN - used
     if need_bytes <= free:
         return None
     holders = "; ".join(f"{w}: {b} bytes" for w, b in held.values()) or "no buffer"
     return (f"{what} needs {need_bytes} bytes of NVSHMEM's symmetric heap and {max(free, 0)} are free. The heap has "
-            f"{heap} bytes, fixed when NVSHMEM started in this process (sized then for {_state['sized_by']}, "
+            f"{heap} bytes, fixed when NVSHMEM started in this process (sized then for {_state.get('sized_by', 'its first use')}, "
             f"twice its need, or by NVSHMEM_SYMMETRIC_SIZE); it holds {holders}; NVSHMEM keeps {HEAP_MARGIN} for "
             f"itself. Set NVSHMEM_SYMMETRIC_SIZE to at least {used + need_bytes + HEAP_MARGIN} before this "
             f"process's first NVSHMEM buffer (a Buffer's first internode or low-latency call)")
