@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 from contextlib import contextmanager
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -81,7 +81,15 @@ def _tensors(a) -> tuple:
 def _needs_refusal(*inputs) -> bool:
     """A call outside autograd whose inputs require grad, with grad mode on: its outputs would
     carry none of it (the cheap test every call makes; the refusal itself is rare)."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for a in inputs for t in _tensors(a))
+    if not torch.is_grad_enabled():
+        return False
+    for a in inputs:
+        if isinstance(a, torch.Tensor):
+            if a.requires_grad:
+                return True
+        elif a is not None and any(t is not None and t.requires_grad for t in a):  # an FP8 pair
+            return True
+    return False
 
 
 def _refusing(op: str, outputs, inputs):
@@ -171,7 +179,7 @@ class Buffer:
         # one call at a time per process: (thread name, op) of the call in progress
         self._busy_lock = threading.Lock()
         self._busy: Optional[tuple] = None
-        self._entered = 0  # calls entered (_call, refuse): before_call tells whether one began
+        self._entered = 0  # calls entered (_call, refuse): layer_call tells whether one began
         self._destroyed = False
         requested = backend
         if backend == "auto":
@@ -277,16 +285,16 @@ class Buffer:
         with self._exclusive(op), P.guarded(self._impl, self._next_call(op)):
             raise exc
 
-    @contextmanager
-    def before_call(self, op: str):
-        """The body of a layer's collective method whose first collective is one of Buffer's calls
-        (`op`): a failure in it before that call began (the layer's own checks) is published as
-        refuse() publishes it, so the peers waiting in that call raise PeerFailedError instead of
-        waiting for this rank; once one of Buffer's calls began, it published its own outcome and
-        nothing more is owed."""
+    def layer_call(self, op: str, fn: Callable[..., Any], *args, **kwargs) -> Any:
+        """fn(*args, **kwargs): the body of a layer's collective method whose first collective is
+        one of Buffer's calls (`op`). A failure in it before that call began (the layer's own
+        checks) is published as refuse() publishes it, so the peers waiting in that call raise
+        PeerFailedError instead of waiting for this rank; once one of Buffer's calls began, it
+        published its own outcome and nothing more is owed. (A function, not a context manager:
+        it wraps every call of megatron_ep.deep_ep, where a context costs host time per call.)"""
         entered = self._entered
         try:
-            yield
+            return fn(*args, **kwargs)
         except Exception as exc:
             if self._entered == entered:
                 self.refuse(op, exc)

@@ -4,7 +4,6 @@ dispatch, cached dispatch, combine). What differs is listed in docs/deep-ep.md."
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import functools
@@ -113,13 +112,25 @@ def _unpack_bias(bias) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
 
 
 def _public(op: Optional[str] = None):
-    """A public method of Buffer: its body runs inside Buffer._entry (the destroyed rule, and for
-    a collective method, `op`, the publication of its own checks' failures to the peers)."""
+    """A public method of Buffer: its body runs after Buffer._alive (the destroyed rule) and, for
+    a collective method (`op`: the call of our Buffer its first collective is), inside our
+    Buffer's layer_call, which publishes a failure of the module's own checks before that call to
+    the peers waiting in it (they raise PeerFailedError naming this rank at once)."""
     def wrap(fn):
-        @functools.wraps(fn)
-        def method(self, *args, **kwargs):
-            with self._entry(fn.__name__, op):
-                return fn(self, *args, **kwargs)
+        name = fn.__name__
+
+        def alive_then(self, args, kwargs):
+            self._alive(name)
+            return fn(self, *args, **kwargs)
+
+        if op is None:
+            @functools.wraps(fn)
+            def method(self, *args, **kwargs):
+                return alive_then(self, args, kwargs)
+        else:
+            @functools.wraps(fn)
+            def method(self, *args, **kwargs):
+                return self.runtime.layer_call(op, alive_then, self, args, kwargs)
         return method
     return wrap
 
@@ -186,18 +197,12 @@ class Buffer:
         return cap
 
     # ------------------------------------------------------------------------- lifecycle
-    @contextlib.contextmanager
-    def _entry(self, method: str, op: Optional[str] = None):
-        """The body of every public method. Its first check is the one rule for a destroyed Buffer:
-        RuntimeError naming the method. For a collective method (`op`: the call of our Buffer its
-        first collective is), that check and the module's own checks before that call are
-        published as a failure inside our calls is (megatron_ep.Buffer.before_call): the peers in
-        the same call raise PeerFailedError naming this rank at once instead of waiting for it."""
-        with self.runtime.before_call(op) if op is not None else contextlib.nullcontext():
-            if self._destroyed:
-                raise RuntimeError(f"megatron_ep.deep_ep Buffer.{method}: this Buffer was destroyed (destroy() was "
-                                   f"called on it); create a new Buffer")
-            yield
+    def _alive(self, method: str) -> None:
+        """The one rule for a destroyed Buffer, first in every public method: RuntimeError naming
+        the method (inside layer_call for a collective one, so the peers learn of it)."""
+        if self._destroyed:
+            raise RuntimeError(f"megatron_ep.deep_ep Buffer.{method}: this Buffer was destroyed (destroy() was "
+                               f"called on it); create a new Buffer")
 
     @_public()
     def destroy(self) -> None:
@@ -471,8 +476,8 @@ class Buffer:
         say) to its peers; with enable_shrink the GPU barrier over the unmasked ranks (a rank
         that does not join in time is masked), which also lets ranks unmasked since rejoin."""
         try:
-            with self._entry("clean_low_latency_buffer"):
-                assert self.low_latency_mode
+            self._alive("clean_low_latency_buffer")
+            assert self.low_latency_mode
         except Exception as exc:
             if not self.enable_shrink:  # (with enable_shrink the peers' barrier masks a rank that does not come)
                 self._barrier("clean_low_latency_buffer", exc)
