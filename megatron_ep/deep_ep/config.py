@@ -33,13 +33,6 @@ def check_int(name: str, value, low: int, high: Optional[int] = INT_MAX, rule: s
     return value
 
 
-def check_bool(name: str, value) -> bool:
-    """A flag must be a bool (a string such as "False" would read as true)."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
-    return value
-
-
 def check_num_ranks(name: str, num_ranks) -> int:
     """DeepEP's group sizes: fewer than 8 ranks (one node), or whole nodes of 8."""
     num_ranks = check_int(name, num_ranks, 1)
