@@ -204,7 +204,7 @@ def test_sm_count_is_handed_to_our_budget(monkeypatch, caplog):
     count; 0 -> our default rule (None); past what a rank may keep resident -> that bound, said."""
     handed = []
     runtime = types.SimpleNamespace(max_num_sms=8, set_num_sms=handed.append)
-    me = types.SimpleNamespace(_sms_asked=None, runtime=runtime)
+    me = types.SimpleNamespace(_sms_asked=None, _sms_capped=set(), runtime=runtime)
     monkeypatch.setattr(deep_ep.Buffer, "num_sms", 6)
     hand = deep_ep.Buffer._hand_sms
     hand(me, None)
@@ -213,8 +213,10 @@ def test_sm_count_is_handed_to_our_budget(monkeypatch, caplog):
     hand(me, deep_ep.Config(0, 6, 256, 6, 128))
     with caplog.at_level(logging.WARNING, logger="megatron_ep.deep_ep"):
         hand(me, deep_ep.Config(24, 6, 256, 6, 128))
-    assert handed == [6, 4, None, 8], handed
-    assert "num_sms=24 is above the 8 SMs" in caplog.text
+        hand(me, None)
+        hand(me, deep_ep.Config(24, 6, 256, 6, 128))  # the same count again: handed, not said again
+    assert handed == [6, 4, None, 8, 6, 8], handed
+    assert caplog.text.count("num_sms=24 is above the 8 SMs") == 1, caplog.text
     torch_runtime = types.SimpleNamespace(max_num_sms=None, set_num_sms=handed.append)
-    hand(types.SimpleNamespace(_sms_asked=None, runtime=torch_runtime), None)  # no kernels: nothing to hand
-    assert handed == [6, 4, None, 8]
+    hand(types.SimpleNamespace(_sms_asked=None, _sms_capped=set(), runtime=torch_runtime), None)  # no kernels
+    assert handed == [6, 4, None, 8, 6, 8]

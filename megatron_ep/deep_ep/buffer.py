@@ -172,6 +172,7 @@ class Buffer:
         self._combine_buffers, self._next_combine = _CombineBuffers(), 0  # the zero-copy combine's
         self._worst_reserved = 0  # the largest num_worst_tokens the buffer was reserved for
         self._sms_asked = None  # the SM count last handed to our budget (_hand_sms)
+        self._sms_capped: set = set()  # the counts already said to be past this rank's share
         if self.rank == 0:
             log.info("megatron_ep.deep_ep: DeepEP's Buffer API on megatron_ep (%s backend, %d ranks)",
                      self.runtime.backend, self.group_size)
@@ -597,8 +598,10 @@ class Buffer:
             return
         n = want or None
         if n is not None and n > limit:
-            log.warning("megatron_ep.deep_ep: num_sms=%d is above the %d SMs each rank sharing this GPU may keep "
-                        "resident; our kernels use %d", n, limit, limit)
+            if n not in self._sms_capped:
+                self._sms_capped.add(n)
+                log.warning("megatron_ep.deep_ep: num_sms=%d is above the %d SMs each rank sharing this GPU may keep "
+                            "resident; our kernels use %d", n, limit, limit)
             n = limit
         self.runtime.set_num_sms(n)
 
