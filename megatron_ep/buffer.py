@@ -252,27 +252,12 @@ class Buffer:
         call.sig[_BUFFER_FIELD] = self.ordinal
         return call
 
-    @contextmanager
-    def _call(self, op: str):
+    def _call(self, op: str) -> "_CallScope":
         """One collective call: a sequence number, a signature (filled by the caller), and the
         backend's entry check and failure publication around the whole host side -- also for a
         destroyed Buffer, whose call raises inside it, so the peers learn of it instead of
-        waiting. protocol.guarded's sequence, inline: one context instead of two around every call."""
-        self._acquire(op)
-        try:
-            impl = self._impl
-            call = self._next_call(op)
-            try:
-                impl.begin(call)
-                self._backend()
-                yield call
-            except BaseException as exc:
-                impl.failed(call, exc)
-                if isinstance(exc, CallMismatchError) and getattr(exc, "resync", None) is not None:
-                    self._seq = exc.resync  # the backend realigned the call numbers
-                raise
-        finally:
-            self._release()
+        waiting (protocol.guarded's sequence, with the call's exclusivity: _CallScope)."""
+        return _CallScope(self, op)
 
     def refuse(self, op: str, exc: BaseException) -> None:
         """Fail this rank's call `op` (a key of protocol.OP) with `exc` where its peers wait for it:
@@ -394,10 +379,9 @@ class Buffer:
             if topk_weights is not None:
                 C.check_topk_weights(topk_weights, T, K, device)
             data = x[0] if is_fp8 else x
-            call.set(routing=handle.call_seq if handle is not None else 0, dtype=P.dtype_code(data.dtype), hidden=H,
-                     row_bytes=H * data.element_size(), topk=K, num_experts=num_experts, permute=permute,
-                     expert_alignment=expert_alignment, worst_case_sized=num_worst_tokens > 0,
-                     weights=_weights_code(topk_weights))
+            call.set_normal(handle.call_seq if handle is not None else 0, P.dtype_code(data.dtype), H,
+                            H * data.element_size(), K, num_experts, permute, expert_alignment, num_worst_tokens > 0,
+                            _weights_code(topk_weights))
             out = impl.dispatch(call, DispatchRequest(x, topk_idx, topk_weights, num_experts, permute, expert_alignment,
                                                       handle, host_counts, num_worst_tokens, async_op, previous_event,
                                                       on_overflow=on_overflow,
@@ -433,10 +417,9 @@ class Buffer:
                 C.fail(weights.is_contiguous(), "weights must be contiguous")
                 if weights.device != x.device:
                     raise ValueError(f"weights is on {weights.device} but x is on {x.device}")
-            call.set(routing=handle.call_seq, dtype=P.dtype_code(x.dtype), hidden=x.shape[1],
-                     row_bytes=x.shape[1] * x.element_size(), topk=handle.topk, num_experts=handle.num_experts,
-                     permute=handle.permute, expert_alignment=handle.expert_alignment,
-                     worst_case_sized=handle.num_worst_tokens > 0, weights=_weights_code(weights))
+            call.set_normal(handle.call_seq, P.dtype_code(x.dtype), x.shape[1], x.shape[1] * x.element_size(),
+                            handle.topk, handle.num_experts, handle.permute, handle.expert_alignment,
+                            handle.num_worst_tokens > 0, _weights_code(weights))
             out = self._impl.combine(call, CombineRequest(x, handle, weights, async_op, previous_event))
         if _needs_refusal(x, weights):
             (out.x,) = _refusing("combine", [out.x], [x])
@@ -672,3 +655,48 @@ class Buffer:
     def __repr__(self) -> str:
         what = "destroyed" if self._destroyed else self._impl.describe()
         return f"Buffer(backend={self.backend!r}, rank={self.rank}/{self.num_ranks}, {what})"
+
+
+class _CallScope:
+    """Buffer._call as a context object (a generator-based context manager costs several times
+    the host time of these few steps, and every call of a Buffer enters one): the Buffer's
+    exclusivity around protocol.guarded over its backend, and the call numbers realigned where the
+    backend says so."""
+
+    __slots__ = ("buf", "op", "guard")
+
+    def __init__(self, buf: Buffer, op: str):
+        self.buf, self.op = buf, op
+
+    def __enter__(self) -> P.Call:
+        buf = self.buf
+        buf._acquire(self.op)
+        exc = None
+        try:
+            self.guard = P.guarded(buf._impl, buf._next_call(self.op))
+            call = self.guard.__enter__()  # the entry check; its failure is published there
+        except BaseException as e:
+            exc = e
+            raise
+        finally:
+            if exc is not None:
+                self._done(exc)
+        try:
+            buf._backend()  # a destroyed Buffer's call raises inside the guard: its peers learn of it
+        except BaseException as e:
+            self.__exit__(type(e), e, None)
+            raise
+        return call
+
+    def __exit__(self, typ, exc, tb) -> bool:
+        try:
+            self.guard.__exit__(typ, exc, tb)
+        finally:
+            self._done(exc)
+        return False
+
+    def _done(self, exc: Optional[BaseException]) -> None:
+        buf = self.buf
+        if isinstance(exc, CallMismatchError) and getattr(exc, "resync", None) is not None:
+            buf._seq = exc.resync  # the backend realigned the call numbers
+        buf._release()

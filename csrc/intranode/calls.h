@@ -80,16 +80,21 @@ class CallStreams {
   const at::cuda::CUDAStream& comm() const { return comm_; }
   const at::cuda::CUDAStream& compute() const { return compute_; }
 
+  // `event`: the caller's torch.cuda.Event for an asynchronous call (recorded at its end); a
+  // synchronous one passes None and the caller's stream waits through the runtime's own event (a
+  // new torch event per call would cost an event creation and destruction of host time each)
   void leave(const py::handle& event, bool async_op, const std::vector<const Tensor*>& used) {
-    // synchronous calls make the caller's stream wait right away, so what it frees afterwards is
-    // reused in stream order; only asynchronous ones need the uses recorded (also under capture:
-    // a block freed there would otherwise go back to the graph's pool while our kernels read it)
-    if (async_op)
-      for (const Tensor* t : used)
-        if (t != nullptr && t->defined()) t->record_stream(comm_);
-    at::cuda::CUDAEvent& ev = event_of(event, "the call's event");
-    ev.record(comm_);
-    if (!async_op) ev.block(compute_);
+    if (!async_op) {
+      // the caller's stream waits right away, so what it frees afterwards is reused in stream
+      // order: no use needs recording
+      rt_.order(comm_.stream(), compute_.stream());
+      return;
+    }
+    // (also under capture: a block freed there would otherwise go back to the graph's pool while
+    // our kernels read it)
+    for (const Tensor* t : used)
+      if (t != nullptr && t->defined()) t->record_stream(comm_);
+    event_of(event, "the call's event").record(comm_);
   }
 
  private:

@@ -328,10 +328,8 @@ class InternodePath(NvshmemPath, NormalPath):
                                     # the in-node stage's rows are (source node, its rank of this
                                     # rank's index): global source ranks, node-major
                                     recv_rank_counts=inner.handle.recv_rank_counts)
-        event = EventOverlap(torch.cuda.Event())
-        event.event.record(torch.cuda.current_stream(rt.device))
         out = DispatchOutput(inner.x, inner.topk_idx, inner.topk_weights, inner.row_expert, inner.tokens_per_expert, None,
-                             event=event if async_op else None, num_dropped=inner.num_dropped)
+                             event=_finished(rt.device) if async_op else None, num_dropped=inner.num_dropped)
         out.handle = handle
         out.tokens_per_expert_host = inner.tokens_per_expert_host
         return out
@@ -374,6 +372,12 @@ class InternodePath(NvshmemPath, NormalPath):
             self.intra.combine(inner_call, CombineRequest(x, st.inner, weights, fused=fused, out=out))
         rt.mark("rdma", cur)
         self.check(call)
-        event = EventOverlap(torch.cuda.Event())
-        event.event.record(torch.cuda.current_stream(rt.device))
-        return CombineOutput(y, w_out, event if async_op else None)
+        return CombineOutput(y, w_out, _finished(rt.device) if async_op else None)
+
+
+def _finished(device: torch.device) -> EventOverlap:
+    """An asynchronous call's event: recorded on the current stream, which the call joined (a
+    synchronous call makes none: creating and destroying a CUDA event costs host time)."""
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return EventOverlap(event)

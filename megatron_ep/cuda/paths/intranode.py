@@ -190,7 +190,7 @@ class IntranodePath(NormalPath):
         else:
             st = req.handle.state
         out_rows = plan.num_worst_tokens or (st.num_perm_rows if plan.permute else st.num_rows)
-        event = torch.cuda.Event()
+        event = torch.cuda.Event() if req.async_op else None  # (a synchronous call joins through the runtime's own)
         marks = rt.marks(("push", "fanout" if plan.permute else None) if plan.push or plan.fused is not None
                          else ("stage", "pull"))
         zero_copy = plan.data.data_ptr() == rt.base + rt.plan.stage_x
@@ -203,7 +203,8 @@ class IntranodePath(NormalPath):
                          num_blocks=rt.num_sms, push_blocks=rt.push_sms, local_blocks=rt.local_sms)
         out = DispatchTensors(*res[:5])
         tpe, dropped, st.device_counts, st.tokens_per_expert, st.num_dropped, st.comb_map = res[5:]
-        return self._result(call, req, plan, st, out, out_rows, tpe, dropped, EventOverlap(event))
+        return self._result(call, req, plan, st, out, out_rows, tpe, dropped,
+                            EventOverlap(event) if event is not None else None)
 
     def _plan(self, call: P.Call, req: DispatchRequest) -> "DispatchPlan":
         """The cuda checks of the inputs, the first call's sizing, whether the call fits as the
@@ -303,7 +304,7 @@ class IntranodePath(NormalPath):
     def _result(self, call: P.Call, req: DispatchRequest, plan: "DispatchPlan", st: IntranodeState,
                 out: "DispatchTensors", out_rows: int, tpe, dropped, event) -> DispatchOutput:
         res = DispatchOutput((out.x, out.scales) if plan.scales is not None else out.x, out.topk_idx, out.weights,
-                             out.row_expert, tpe, None, event=event if req.async_op else None, num_dropped=dropped)
+                             out.row_expert, tpe, None, event=event, num_dropped=dropped)
         handle = req.handle
         if plan.first:
             handle = DispatchHandle(backend="cuda", num_ranks=self.rt.num_ranks, rank=self.rt.rank,
@@ -319,7 +320,8 @@ class IntranodePath(NormalPath):
                 res.tokens_per_expert_host = (padded_host_counts(st.counts, plan.expert_alignment) if plan.permute
                                               else list(st.counts))
             else:
-                event.synchronize()  # an asynchronous call's counts are written on our stream
+                if event is not None:
+                    event.synchronize()  # an asynchronous call's counts are written on our stream
                 res.tokens_per_expert_host = tpe.tolist()
         return res
 
@@ -353,7 +355,7 @@ class IntranodePath(NormalPath):
             y, w_out = req.out
             fail(tuple(y.shape) == (T, H) and y.dtype == x.dtype and (w_out is None) == (weights is None),
                  "combine: the given outputs do not match the call", RuntimeError)
-        event = torch.cuda.Event()
+        event = torch.cuda.Event() if req.async_op else None  # (a synchronous call joins through the runtime's own)
         marks = rt.marks(("start", None if req.fused is not None else ("reduce" if partials else "stage"), "pull"),
                          first=True)
         y, w_out = call.sends(self.kernels.combine_call, rt=rt.rt, state=native_state(self.kernels, st, handle.num_experts),
@@ -361,7 +363,7 @@ class IntranodePath(NormalPath):
                               out_weights=w_out, previous_event=_event(req.previous_event), event=event,
                               async_op=req.async_op, hook=hooks.current(), fused=req.fused, marks=marks,
                               num_blocks=rt.num_sms, local_blocks=rt.local_sms)
-        return CombineOutput(y, w_out, EventOverlap(event) if req.async_op else None)
+        return CombineOutput(y, w_out, EventOverlap(event) if event is not None else None)
 
 
 def _event(ev: Optional[EventOverlap]):
