@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 from contextlib import contextmanager
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -140,8 +140,11 @@ class Buffer:
             moves. The cuda intranode path checks a dispatch's ids in its notify kernel, which the
             host waits for anyway (no extra sync); elsewhere -- the torch backend, the internode
             path, a worst-case sized dispatch, get_dispatch_layout, low_latency_dispatch -- it
-            costs one device->host sync. Skipped under CUDA graph capture. Unchecked ids outside
-            [0, num_experts) are treated as unused slots by both backends.
+            costs one device->host sync, as does a low-latency combine's comparison of a routing
+            tensor other than its dispatch's. "no_sync": only the checks that add no sync (the
+            intranode notify's; the torch backend's, whose dispatch syncs anyway), as DeepEP's
+            callers expect of their calls (megatron_ep.deep_ep uses it). Skipped under CUDA graph
+            capture. Unchecked ids outside [0, num_experts) are unused slots on both backends.
         timeout_s (cuda): how long a kernel waits for a peer before it reports (MEP_TIMEOUT_S).
         low_latency (cuda): dict(num_experts=, max_tokens=, hidden=, topk=, fp8_only=) sizes the
             low-latency buffer now (collectively) instead of at its first call; rank_mask=True
@@ -156,7 +159,7 @@ class Buffer:
     def __init__(self, group: Optional[dist.ProcessGroup] = None, backend: str = "auto", *,
                  max_tokens_per_rank: Optional[int] = None, hidden: Optional[int] = None,
                  num_experts: Optional[int] = None, max_topk: Optional[int] = None,
-                 num_sms: Optional[int] = None, check_inputs: bool = True, ranks_per_node: Optional[int] = None,
+                 num_sms: Optional[int] = None, check_inputs: Union[bool, str] = True, ranks_per_node: Optional[int] = None,
                  **backend_options):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -169,6 +172,7 @@ class Buffer:
         if max_tokens_per_rank is not None:
             C.check_int("max_tokens_per_rank", max_tokens_per_rank, 0)
         self.max_tokens_per_rank = max_tokens_per_rank
+        self._ids_level = C.check_inputs_level(check_inputs)
         self.check_inputs = check_inputs
         if ranks_per_node is not None:
             if not (isinstance(ranks_per_node, int) and 1 <= ranks_per_node <= self.num_ranks
@@ -300,7 +304,7 @@ class Buffer:
         C.check_bool("check_values", check_values)
         if counts_dtype not in (torch.int64, torch.int32):
             raise TypeError(f"counts_dtype must be torch.int64 or torch.int32, got {counts_dtype}")
-        if self.check_inputs and check_values:
+        if self._ids_level == C.IDS_CHECKED and check_values:
             C.check_topk_values(topk_idx, num_experts)
         return self._backend().layout(topk_idx, num_experts, counts_dtype)
 
@@ -385,7 +389,7 @@ class Buffer:
             out = impl.dispatch(call, DispatchRequest(x, topk_idx, topk_weights, num_experts, permute, expert_alignment,
                                                       handle, host_counts, num_worst_tokens, async_op, previous_event,
                                                       on_overflow=on_overflow,
-                                                      check_ids=self.check_inputs and handle is None,
+                                                      check_ids=self._ids_level if handle is None else C.IDS_UNCHECKED,
                                                       rank_counts=rank_counts and handle is None))
         out.handle.buffer_id = self.id
         if _needs_refusal(x, topk_weights):  # each output on the graph of the input it moves
@@ -475,7 +479,7 @@ class Buffer:
             kwargs.update(use_ue8m0=use_ue8m0, recv_stats=cumulative_local_expert_recv_stats,
                           wait_stats=dispatch_wait_recv_cost_stats)
             K = C.check_topk_idx(topk_idx, T, x.device)
-            if self.check_inputs:
+            if self._ids_level == C.IDS_CHECKED:  # (no kernel of this path reads ids for the host: a sync)
                 C.check_topk_values(topk_idx, num_experts)
             if topk_weights is not None:
                 C.check_topk_weights(topk_weights, T, K, x.device)
@@ -512,8 +516,9 @@ class Buffer:
             K = C.check_topk_idx(topk_idx, handle.num_tokens, x.device)
             if K != handle.topk:
                 raise ValueError(f"topk_idx has K={K} but the dispatch used K={handle.topk}")
-            if self.check_inputs:
-                C.check_same_routing(topk_idx, handle.topk_idx, handle.topk_idx_version)
+            if self._ids_level != C.IDS_UNCHECKED:
+                C.check_same_routing(topk_idx, handle.topk_idx, handle.topk_idx_version,
+                                     may_sync=self._ids_level == C.IDS_CHECKED)
             C.check_topk_weights(topk_weights, handle.num_tokens, K, x.device)
             C.check_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, self.num_ranks, torch.int64,
                           x.device, "rank")

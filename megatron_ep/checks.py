@@ -148,6 +148,24 @@ def check_num_experts(num_experts, num_ranks: int) -> int:
     return num_experts
 
 
+# Buffer(check_inputs=...) as a level (DispatchRequest.check_ids carries it to the backends)
+IDS_UNCHECKED, IDS_CHECKED_FREE, IDS_CHECKED = 0, 1, 2
+
+
+def check_inputs_level(value) -> int:
+    """Buffer(check_inputs=...): True checks the expert ids' values in every call that takes new
+    ids (where no kernel reads them anyway, at the cost of a device->host sync), "no_sync" only
+    where no sync is added (the cuda intranode path's notify; the torch backend, whose dispatch
+    syncs for its counts anyway), False nowhere."""
+    if value is True:
+        return IDS_CHECKED
+    if value is False:
+        return IDS_UNCHECKED
+    if value == "no_sync":
+        return IDS_CHECKED_FREE
+    raise TypeError(f"check_inputs must be True, False or 'no_sync', got {value!r}")
+
+
 def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
@@ -227,12 +245,13 @@ def tensor_version(t: torch.Tensor) -> Optional[int]:
         return None
 
 
-def check_same_routing(topk_idx: torch.Tensor, dispatched: Optional[torch.Tensor], version: Optional[int]) -> None:
+def check_same_routing(topk_idx: torch.Tensor, dispatched: Optional[torch.Tensor], version: Optional[int],
+                       may_sync: bool = True) -> None:
     """A low-latency combine must get the routing its dispatch got: the same tensor unchanged, or
-    equal values (compared with one host sync; skipped under graph capture)."""
+    equal values (compared with one host sync: only when `may_sync`; skipped under graph capture)."""
     if dispatched is None or (topk_idx is dispatched and tensor_version(topk_idx) == version):
         return
-    if capturing():
+    if not may_sync or capturing():
         return
     if tuple(topk_idx.shape) != tuple(dispatched.shape):
         raise ValueError(f"topk_idx has shape {tuple(topk_idx.shape)} but its dispatch got {tuple(dispatched.shape)}")

@@ -39,9 +39,10 @@ class DispatchRequest:
     # WorstCaseOverflowError before any row moves, where the backend learns the counts on the host)
     on_overflow: str = "drop"
     # check a new routing's ids (range, repeats in a token) before any row moves: Buffer's
-    # check_inputs; each backend checks where it costs least (the cuda intranode path in notify,
-    # which the host waits for anyway; elsewhere on the host, one sync)
-    check_ids: bool = False
+    # check_inputs as a level (checks.IDS_*); each backend checks where it costs least (the cuda
+    # intranode path in notify, which the host waits for anyway; elsewhere on the host, one sync,
+    # which IDS_CHECKED_FREE does not spend)
+    check_ids: int = 0
     # also keep every rank's tokens per destination in the handle (DispatchHandle.rank_counts)
     rank_counts: bool = False
 

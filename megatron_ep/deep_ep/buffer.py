@@ -168,7 +168,8 @@ class Buffer:
         nodes = dict(ranks_per_node=RANKS_PER_NODE) if self.group_size > RANKS_PER_NODE else {}
         if enable_shrink:
             nodes["low_latency"] = self._shrink_capacity(backend, low_latency_mode, num_rdma_bytes)
-        self.runtime = _mep.Buffer(group, backend=backend, **nodes)
+        # ids checked only where it adds no host sync (the in-node notify): DeepEP's calls have none
+        self.runtime = _mep.Buffer(group, backend=backend, check_inputs="no_sync", **nodes)
         self._combine_buffers, self._next_combine = _CombineBuffers(), 0  # the zero-copy combine's
         self._worst_reserved = 0  # the largest num_worst_tokens the buffer was reserved for
         self._sms_asked = None  # the SM count last handed to our budget (_hand_sms)

@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from ... import envs
 from ... import protocol as P
-from ...checks import FP8_BLOCK, check_topk_values, fail
+from ...checks import FP8_BLOCK, IDS_CHECKED, check_topk_values, fail
 from ..hosts import host_names
 from ...requests import CombineRequest, DispatchRequest
 from ..runtime import CudaRuntime, largest
@@ -263,7 +263,7 @@ class InternodePath(NvshmemPath, NormalPath):
             K = topk_idx.shape[1]
             if K > P.MAX_TOPK:
                 raise ValueError(f"topk_idx has K={K}; the cuda backend takes at most {P.MAX_TOPK}")
-            if req.check_ids:  # on the host (one sync): the in-node stage sees only the node-local ids
+            if req.check_ids == IDS_CHECKED:  # on the host (one sync): the in-node stage sees only the node-local ids
                 check_topk_values(topk_idx, num_experts, previous_event)
             topk_idx = topk_idx.contiguous().clone()
         if previous_event is not None and previous_event.event is not None:

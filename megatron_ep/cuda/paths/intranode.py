@@ -21,7 +21,7 @@ import torch
 
 from ... import hooks
 from ... import protocol as P
-from ...checks import bad_slot_error, check_topk_values, fail, is_fp8_tuple
+from ...checks import IDS_CHECKED, IDS_UNCHECKED, bad_slot_error, check_topk_values, fail, is_fp8_tuple
 from ...errors import PeerFailedError
 from ...permute import padded_host_counts
 from ...requests import CombineRequest, DispatchRequest
@@ -252,8 +252,8 @@ class IntranodePath(NormalPath):
         fail(req.fused is None or handle is not None, "a fused in-node dispatch needs a handle (cached dispatch)", RuntimeError)
         # the ids' check rides on notify where the host waits for its sizes anyway; a sync-free
         # dispatch has no such wait, so it checks on the host (one sync) before any kernel
-        check_on_device = req.check_ids and not num_worst_tokens and not capturing
-        if req.check_ids and not check_on_device:
+        check_on_device = req.check_ids != IDS_UNCHECKED and not num_worst_tokens and not capturing
+        if req.check_ids == IDS_CHECKED and not check_on_device:
             check_topk_values(req.topk_idx, num_experts, req.previous_event)
         call.set(variant=int(push))
         return DispatchPlan(data=data, scales=scales, topk_idx=topk_idx, topk_weights=req.topk_weights,
