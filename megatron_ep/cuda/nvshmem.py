@@ -43,18 +43,21 @@ def release(owner: object) -> None:
 
 
 def heap_short(need_bytes: int, what: str, heap: int, exclude: object = None) -> Optional[str]:
-    """None when `need_bytes` more fit a heap of `heap` bytes beside the buffers held now (but
-    `exclude`'s, which it replaces), else the error: what holds the heap, and the variable to set."""
+    """None when `need_bytes` more may fit a heap of `heap` bytes beside the buffers held now (but
+    `exclude`'s, which it replaces), else the error: what holds the heap, and the variable to set.
+    NVSHMEM's own share is not counted against the need (HEAP_MARGIN is what the heap is sized
+    with for it, far more than it takes): where that share is what leaves too little,
+    nvshmem_malloc's own error says so."""
     held = {k: v for k, v in _state.get("held", {}).items() if k != id(exclude)}
     used = sum(b for _, b in held.values())
-    free = heap - HEAP_MARGIN - used
+    free = heap - used
     if need_bytes <= free:
         return None
     holders = "; ".join(f"{w}: {b} bytes" for w, b in held.values()) or "no buffer"
     return (f"{what} needs {need_bytes} bytes of NVSHMEM's symmetric heap and {max(free, 0)} are free. The heap has "
             f"{heap} bytes, fixed when NVSHMEM started in this process (sized then for {_state.get('sized_by', 'its first use')}, "
-            f"twice its need, or by NVSHMEM_SYMMETRIC_SIZE); it holds {holders}; NVSHMEM keeps {HEAP_MARGIN} for "
-            f"itself. Set NVSHMEM_SYMMETRIC_SIZE to at least {used + need_bytes + HEAP_MARGIN} before this "
+            f"twice its need, or by NVSHMEM_SYMMETRIC_SIZE); it holds {holders}, and NVSHMEM keeps some for itself "
+            f"(allow {HEAP_MARGIN}). Set NVSHMEM_SYMMETRIC_SIZE to at least {used + need_bytes + HEAP_MARGIN} before this "
             f"process's first NVSHMEM buffer (a Buffer's first internode or low-latency call)")
 
 
