@@ -111,6 +111,9 @@ class LowLatencyHandle(_Routing):
     max_tokens_per_rank: int = 0
     hidden: int = 0
     layout_range: Optional[torch.Tensor] = None  # [E_local, R, 2] int32: (begin, count) per source
+    # the same as DeepEP's layout_range, [E_local, R] int64 begin << 32 | count, where the backend
+    # writes it with the rest (the cuda kernels; None on the torch backend)
+    packed_layout: Optional[torch.Tensor] = None
     src_token: Optional[torch.Tensor] = None  # [E_local, R * max_tokens_per_rank] int32, -1 unused
     topk_idx: Optional[torch.Tensor] = field(default=None, repr=False)  # the routing the dispatch got
     topk_idx_version: Optional[int] = None  # its version counter then (the combine checks both)

@@ -40,7 +40,8 @@ class FakeBuffer:
         outs = (torch.empty((L, cap, H), dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16, device=x.device),
                 torch.empty((L, cap, H // 128), device=x.device) if fp8 and not ue8m0 else None,
                 torch.empty((L, H // 512, cap), **i32) if ue8m0 else None,
-                torch.empty(L, **i32), torch.empty((L, self.R, 2), **i32), torch.empty((L, cap), **i32),
+                torch.empty(L, **i32), torch.empty((L, self.R, 2), **i32),
+                torch.empty((L, self.R), dtype=torch.int64, device=x.device), torch.empty((L, cap), **i32),
                 torch.empty((L, cap), **i32),
                 torch.empty((L, cap), device=x.device) if w is not None else None,
                 torch.empty((self.R, mt, K), **i32) if w is not None else None)

@@ -240,15 +240,24 @@ py::tuple notify_call(Runtime& rt, const Sig& sig, const Tensor& topk_idx, int E
   StepTimer clock(rt.clock(), kEntryNotify);
   CallStreams cs(rt, previous, false);
   clock.lap(kStepStreams);
-  const auto i32 = topk_idx.options().dtype(at::kInt), i64 = topk_idx.options().dtype(at::kLong);
-  Tensor counts = at::empty({L + 1}, i64), tpe = counts.narrow(0, 0, L), dropped = counts.select(0, L);
+  TORCH_CHECK(topk_idx.is_cuda() && topk_idx.scalar_type() == at::kLong, "megatron_ep: topk_idx must be a CUDA int64 tensor");
+  Tensor counts = at::empty({L + 1}, topk_idx.options()), tpe = counts.narrow(0, 0, L), dropped = counts.select(0, L);
   c10::cuda::CUDAStreamGuard on_comm(cs.comm());
   mark(marks, 0);
-  Tensor idx = topk_idx.clone(at::MemoryFormat::Contiguous);
-  Tensor rank_pos = at::empty({T, R}, i32), slot_pos = at::empty({T, K}, i32);
-  Tensor recv_info = at::empty({RecvInfo::size(L)}, i32), row_limits = at::empty({R}, i32);
+  // the handle's tensors in one allocation (they die with it): the routing's copy, the positions,
+  // the receive sizes, the row limits, the rank counts when asked
+  std::vector<ArenaPart> parts{{at::kLong, {T, K}}, {at::kInt, {T, R}}, {at::kInt, {T, K}},
+                               {at::kInt, {RecvInfo::size(L)}}, {at::kInt, {R}}};
+  if (want_rank_counts) parts.push_back({at::kInt, {(int64_t)groups * R, R}});
+  const std::vector<Tensor> kept = arena_tensors(parts, topk_idx.options());
+  Tensor idx = kept[0], rank_pos = kept[1], slot_pos = kept[2], recv_info = kept[3], row_limits = kept[4];
+  if (topk_idx.is_contiguous())  // (a raw copy: ATen's copy_ costs more host time than the copy)
+    C10_CUDA_CHECK(cudaMemcpyAsync(idx.data_ptr(), topk_idx.data_ptr(), topk_idx.nbytes(), cudaMemcpyDeviceToDevice,
+                                   cs.comm().stream()));
+  else
+    idx.copy_(topk_idx);
   c10::optional<Tensor> rank_counts;
-  if (want_rank_counts) rank_counts = at::empty({(int64_t)groups * R, R}, i32);
+  if (want_rank_counts) rank_counts = kept[5];
   clock.lap(kStepOutputs);
   notify(rt, sig, idx, E, align, permute, worst, rank_pos, slot_pos, recv_info, row_limits, tpe, dropped, tag, groups,
          check, rank_counts);
@@ -423,9 +432,11 @@ py::tuple dispatch_call(Runtime& rt, HandleState& st, const Sig& sig, bool first
       mark(marks, 1);
     }
     clock.lap(kStepLaunch);
-    if (first)  // the handle keeps its own counts (the pull may have written tpe)
-      st.keep_counts(counts.clone());
-    else  // same routing, same rows (a raw copy: ATen's copy_ costs more host time than the copy)
+    if (first) {  // the handle keeps its own counts (the pull may have written tpe); a raw copy, as below
+      const Tensor own = at::empty({L + 1}, dev.dtype(at::kLong));
+      C10_CUDA_CHECK(cudaMemcpyAsync(own.data_ptr(), counts.data_ptr(), counts.nbytes(), cudaMemcpyDeviceToDevice, comm));
+      st.keep_counts(own);
+    } else  // same routing, same rows (a raw copy: ATen's copy_ costs more host time than the copy)
       C10_CUDA_CHECK(cudaMemcpyAsync(counts.data_ptr(), st.counts.data_ptr(), counts.nbytes(), cudaMemcpyDeviceToDevice,
                                      comm));
     clock.lap(kStepCounts);

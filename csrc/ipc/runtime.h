@@ -17,6 +17,7 @@
 #include <memory>
 #include <thread>
 
+#include "common/tensor_args.h"  // arena_tensors
 #include "ipc/api.h"
 #include "ipc/host_clock.h"
 #include "ipc/pool.h"
@@ -44,6 +45,7 @@ inline Tensor region_tensor(char* p, const std::vector<int64_t>& shape, at::Scal
 }
 
 inline cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
 
 inline void check_launch(const char* what) {
   const cudaError_t err = cudaGetLastError();

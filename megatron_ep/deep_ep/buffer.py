@@ -460,16 +460,18 @@ class Buffer:
                                                 dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats,
                                                 **({"return_recv_hook": True} if hooked else {}))
         ours = out.handle
-        lr = ours.layout_range
-        packed = torch.empty(lr.shape[:-1], dtype=torch.int64, device=lr.device)
+        lr, packed = ours.layout_range, ours.packed_layout  # (our kernels write DeepEP's form with ours)
+        made = packed is None
+        if made:
+            packed = torch.empty(lr.shape[:-1], dtype=torch.int64, device=lr.device)
         handle = LowLatencyHandle(ours, ours.src_token, packed, num_max_dispatch_tokens_per_rank, x.shape[1], num_experts)
-        hook = None
-        if hooked:  # the layout exists once the receive half ran: packed after it, on the hook's stream
+        hook = out.hook if hooked else None
+        if made and hooked:  # the layout exists once the receive half ran: packed after it, on the hook's stream
             hook = _then(out.hook, lambda: _pack_layout(lr, packed))
-        else:
+        elif made:
             _pack_layout(lr, packed)
-            if return_recv_hook:
-                hook = lambda: None  # noqa: E731 - the torch backend has received already
+        if return_recv_hook and hook is None:
+            hook = lambda: None  # noqa: E731 - the torch backend has received already
         return out.x, out.count, handle, _finished(out.event, async_finish), hook
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:

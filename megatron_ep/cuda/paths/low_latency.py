@@ -235,18 +235,19 @@ class LowLatencyPath(NvshmemPath):
                                                     sig, call.seq, max_tokens_per_rank, w, recv_stats, wait_stats,
                                                     self.num_blocks, True))
                 return
-            out_x, out_s, ue8m0, count, layout_range, src, slot, row_w, pairs = first[0]
+            out_x, out_s, ue8m0, count, layout_range, packed, src, slot, row_w, pairs = first[0]
             self.buf.dispatch(x, topk_idx, num_experts, use_fp8, round_scale, s, phases, sig, call.seq, out_x, out_s, count,
-                              layout_range, src, slot, w, row_w, pairs, ue8m0, recv_stats, wait_stats, self.num_blocks)
+                              layout_range, packed, src, slot, w, row_w, pairs, ue8m0, recv_stats, wait_stats,
+                              self.num_blocks)
 
         if first:
             rt.new_outputs(first[0])  # test poisoning, on this stream, before any kernel writes them
         hook = self._launch(call, s, launch, return_recv_hook)
-        out_x, out_s, ue8m0, count, layout_range, src, slot, row_w, pairs = first[0]
+        out_x, out_s, ue8m0, count, layout_range, packed, src, slot, row_w, pairs = first[0]
         state = _LLState(slot, s, topk_weights, None if w is None else tensor_version(topk_weights), row_w, pairs)
         handle = LowLatencyHandle(backend="cuda", num_ranks=R, rank=rt.rank, num_experts=num_experts, num_tokens=T, topk=K,
                                   max_tokens_per_rank=max_tokens_per_rank, hidden=H, layout_range=layout_range,
-                                  src_token=src, state=state, call_seq=call.seq)
+                                  src_token=src, state=state, call_seq=call.seq, packed_layout=packed)
         scales = ue8m0.transpose(1, 2) if use_ue8m0 else out_s
         return LowLatencyDispatchOutput((out_x, scales) if use_fp8 else out_x, count, handle, None, hook)
 
