@@ -45,9 +45,13 @@ class FakeKernels:
         sizes = dict(num_rows=N, num_perm_rows=M, counts=[1] * L, need_tokens=T, need_rows=N, need_perm_rows=M,
                      bad_slot=-1)
         waited = -1 if kw["num_worst_tokens"] else 0  # the host waits for the sizes unless worst-case sized
-        return (kw["topk_idx"].clone(), torch.zeros(T, R, **i32), torch.zeros(T, K, **i32), torch.zeros(4 + 3 * L, **i32),
-                torch.zeros(R, **i32), counts, counts[:L], counts[L], torch.zeros(R, R, **i32) if kw["rank_counts"] else None,
-                waited, None if waited else sizes)
+        made = (kw["topk_idx"].clone(), torch.zeros(T, R, **i32), torch.zeros(T, K, **i32), torch.zeros(4 + 3 * L, **i32),
+                torch.zeros(R, **i32))
+        native = self.HandleState(topk_idx=made[0], rank_pos=made[1], slot_pos=made[2], recv_info=made[3],
+                                  row_limits=made[4], counts=counts, comb_map=None, num_experts=kw["num_experts"],
+                                  permute=kw["permute"])
+        return (*made, counts, counts[:L], counts[L], torch.zeros(R, R, **i32) if kw["rank_counts"] else None,
+                waited, None if waited else sizes, native)
 
     def dispatch_call(self, **kw):
         self._record("dispatch_call", kw)

@@ -229,8 +229,8 @@ HandleState handle_state(const Tensor& topk_idx, const Tensor& rank_pos, const T
 // (dispatch_call). With wait_s >= 0 (not worst-case sized) the host then waits for notify's sizes
 // (Runtime::wait_counts, without the GIL). Returns (topk_idx copy, rank_pos, slot_pos, recv_info,
 // row_limits, counts, tokens_per_expert, num_dropped, rank_counts or None, the wait's status, the
-// sizes or None): tokens_per_expert and num_dropped are views of counts [L + 1], so a cached
-// dispatch copies both with one copy.
+// sizes or None, the HandleState over them): tokens_per_expert and num_dropped are views of counts
+// [L + 1], so a cached dispatch copies both with one copy.
 py::tuple notify_call(Runtime& rt, const Sig& sig, const Tensor& topk_idx, int E, int align, bool permute, int worst,
                       int groups, bool check, bool want_rank_counts, long long tag, const py::object& previous,
                       const py::object& marks, double wait_s) {
@@ -265,8 +265,15 @@ py::tuple notify_call(Runtime& rt, const Sig& sig, const Tensor& topk_idx, int E
   clock.lap(kStepLaunch);
   const py::tuple sizes = wait_s >= 0 ? rt.wait_counts(tag, wait_s, L) : py::make_tuple(-1, py::none());
   clock.lap(kStepWait);
+  // the handle's state as the one-crossing entries take it, bound here from what this call made
+  // (binding it from Python would check each tensor again: microseconds of host time)
+  HandleState st;
+  st.topk_idx = idx, st.rank_pos = rank_pos, st.slot_pos = slot_pos, st.recv_info = recv_info, st.row_limits = row_limits;
+  st.keep_counts(counts);
+  st.T = T, st.K = K, st.E = E, st.permute = permute;
   py::tuple out = py::make_tuple(idx, rank_pos, slot_pos, recv_info, row_limits, counts, tpe, dropped,
-                                 rank_counts.has_value() ? py::cast(*rank_counts) : py::none(), sizes[0], sizes[1]);
+                                 rank_counts.has_value() ? py::cast(*rank_counts) : py::none(), sizes[0], sizes[1],
+                                 py::cast(std::move(st)));
   clock.lap(kStepReturn);
   return out;
 }

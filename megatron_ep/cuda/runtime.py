@@ -213,8 +213,10 @@ class CudaRuntime(FailureState):
         # token and combine-row counts change every call: compared directly; the rest (row
         # widths, top-k, experts) is planned once per distinct value
         p = self.plan
-        counts_fit = need.get("max_tokens", 0) <= p.max_tokens and need.get("combine_rows", 0) <= p.comb_rows
-        key = tuple(sorted((k, v) for k, v in need.items() if k not in ("max_tokens", "combine_rows")))
+        rest = dict(need)
+        counts_fit = rest.pop("max_tokens", 0) <= p.max_tokens and rest.pop("combine_rows", 0) <= p.comb_rows
+        rest.pop("combine_rows", None)
+        key = tuple(rest.items())  # (in the order the caller built it: another order is one more plan, not an error)
         if counts_fit and key in self._fitted:
             return None
         new = self._plan_for(need)

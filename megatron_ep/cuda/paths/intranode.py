@@ -272,7 +272,7 @@ class IntranodePath(NormalPath):
         handle's state and the rows of its combine map (expert-major)."""
         rt = self.rt
         tag = next(self.tags)
-        idx, rank_pos, slot_pos, recv_info, row_limits, counts, tpe, dropped, rank_counts, waited, sizes = call.sends(
+        idx, rank_pos, slot_pos, recv_info, row_limits, counts, tpe, dropped, rank_counts, waited, sizes, native = call.sends(
             self.kernels.notify_call, rt=rt.rt, sig=call.sig, topk_idx=plan.topk_idx, num_experts=plan.num_experts,
             expert_alignment=plan.expert_alignment, permute=plan.permute, num_worst_tokens=plan.num_worst_tokens,
             token_groups=plan.groups, check_ids=plan.check_ids, rank_counts=plan.rank_counts, tag=tag,
@@ -282,7 +282,7 @@ class IntranodePath(NormalPath):
         st = IntranodeState(topk_idx=idx, permute=plan.permute, rank_pos=rank_pos, slot_pos=slot_pos,
                             recv_info=recv_info, row_limits=row_limits, tokens_per_expert=tpe, num_dropped=dropped,
                             num_rows=None, num_perm_rows=None, counts=None, rank_counts=rank_counts,
-                            device_counts=counts)
+                            device_counts=counts, native=native)
         rows_bound = max_rank_major_rows(rt)  # the host learns N below unless sync-free
         if not plan.num_worst_tokens:
             try:
