@@ -53,6 +53,7 @@ notify_plan = P.notify_plan  # (num_tokens, groups) -> notify's chunk plan as a 
 # sender writes what the others' receivers read, so every rank must use the same)
 LL_COMBINE_LOGFMT = 1  # rows sent as LogFMT-10 where a block allows (megatron_ep.logfmt)
 LL_COMBINE_MERGED = 2  # one row per (token, rank), weighted by the sender, one flag per rank
+_VARIANT = FIELD["variant"]
 _ROUTING, _DTYPE, _HIDDEN, _ROW_BYTES, _TOPK, _NUM_EXPERTS, _PERMUTE, _ALIGNMENT, _WORST, _WEIGHTS = (
     FIELD[name] for name in ("routing", "dtype", "hidden", "row_bytes", "topk", "num_experts", "permute",
                              "expert_alignment", "worst_case_sized", "weights"))
@@ -129,6 +130,11 @@ class Call:
         (sig[_ROUTING], sig[_DTYPE], sig[_HIDDEN], sig[_ROW_BYTES], sig[_TOPK], sig[_NUM_EXPERTS], sig[_PERMUTE],
          sig[_ALIGNMENT], sig[_WORST], sig[_WEIGHTS]) = (routing, dtype, hidden, row_bytes, topk, num_experts, int(permute),
                                                          expert_alignment, int(worst_case_sized), weights)
+        return self
+
+    def set_variant(self, variant: int) -> "Call":
+        """set(variant=...) without the keyword loop (every normal call sets it)."""
+        self.sig[_VARIANT] = variant
         return self
 
     def get(self, name: str) -> int:

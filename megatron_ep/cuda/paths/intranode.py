@@ -32,7 +32,7 @@ from .interface import NormalPath
 SLOT = P.SLOT
 
 
-@dataclass
+@dataclass(slots=True)
 class IntranodeState:
     rank_pos: torch.Tensor  # [T, R] int32: row of each token in each rank's rank-major output (-1: none)
     slot_pos: torch.Tensor  # [T, K] int32: row of each (token, slot) in its rank's expert-major output
@@ -58,7 +58,7 @@ class IntranodeState:
                              for f in dataclasses.fields(self)})
 
 
-@dataclass
+@dataclass(slots=True)
 class DispatchPlan:
     """What a dispatch decided before any kernel runs (IntranodePath._plan)."""
 
@@ -85,7 +85,7 @@ class DispatchPlan:
     fused: Optional[Callable] = None  # the internode path runs the push in its own kernel (DispatchRequest.fused)
 
 
-@dataclass
+@dataclass(slots=True)
 class DispatchTensors:
     """A dispatch's outputs (calls.h dispatch_call)."""
 
@@ -255,7 +255,7 @@ class IntranodePath(NormalPath):
         check_on_device = req.check_ids != IDS_UNCHECKED and not num_worst_tokens and not capturing
         if req.check_ids == IDS_CHECKED and not check_on_device:
             check_topk_values(req.topk_idx, num_experts, req.previous_event)
-        call.set(variant=int(push))
+        call.set_variant(int(push))
         return DispatchPlan(data=data, scales=scales, topk_idx=topk_idx, topk_weights=req.topk_weights,
                             num_experts=num_experts, permute=req.permute, expert_alignment=req.expert_alignment,
                             num_worst_tokens=num_worst_tokens, groups=groups, T=T, H=H, K=K,
@@ -349,7 +349,7 @@ class IntranodePath(NormalPath):
         # and the signature's variant turns that disagreement into CallMismatchError.
         partials = (handle.permute and st.comb_map is not None and not zero_copy
                     and max_rank_major_rows(rt) * H * 4 <= rt.plan.comb_rows * rt.plan.comb_row_bytes)
-        call.set(variant=int(partials))
+        call.set_variant(int(partials))
         y = w_out = None
         if req.out is not None:
             y, w_out = req.out

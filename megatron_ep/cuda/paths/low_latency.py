@@ -59,7 +59,7 @@ def buffer_bytes(num_ranks: int, num_experts: int, max_tokens_per_rank: int, hid
     return int(load_nvshmem().plan(num_ranks, num_experts, max_tokens_per_rank, hidden, topk, use_fp8)["total"])
 
 
-@dataclass
+@dataclass(slots=True)
 class _LLState:
     src_slot: torch.Tensor  # [L, cap] int32: top-k slot of each row's token (its combine return slot)
     set: int
