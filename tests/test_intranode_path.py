@@ -28,6 +28,7 @@ class FakeKernels:
         self.calls = []
         self.call_of = call_of  # the P.Call in flight (the test's)
         self.fail_in = None
+        self.stop_after_notify = False
 
     class HandleState:
         def __init__(self, **bound):
@@ -38,13 +39,12 @@ class FakeKernels:
         if self.fail_in == name:
             raise RuntimeError(f"{name} failed")
 
-    def notify_call(self, **kw):
-        self._record("notify_call", kw)
+    def _notified(self, kw, waited):
+        """What notify_call returns (its tuple) for these arguments."""
         counts = torch.zeros(L + 1, dtype=torch.int64)
         i32 = dict(dtype=torch.int32)
         sizes = dict(num_rows=N, num_perm_rows=M, counts=[1] * L, need_tokens=T, need_rows=N, need_perm_rows=M,
                      bad_slot=-1)
-        waited = -1 if kw["num_worst_tokens"] else 0  # the host waits for the sizes unless worst-case sized
         made = (kw["topk_idx"].clone(), torch.zeros(T, R, **i32), torch.zeros(T, K, **i32), torch.zeros(4 + 3 * L, **i32),
                 torch.zeros(R, **i32))
         native = self.HandleState(topk_idx=made[0], rank_pos=made[1], slot_pos=made[2], recv_info=made[3],
@@ -53,19 +53,40 @@ class FakeKernels:
         return (*made, counts, counts[:L], counts[L], torch.zeros(R, R, **i32) if kw["rank_counts"] else None,
                 waited, None if waited else sizes, native)
 
-    def dispatch_call(self, **kw):
-        self._record("dispatch_call", kw)
-        st, rows, permute = kw["state"], kw["out_rows"], kw["state"].bound["permute"]
-        if kw["first"]:  # as HandleState does: the map made for a new expert-major routing, the counts kept
+    def _dispatched(self, st, first, rows, comb_rows, x, topk_weights):
+        """What dispatch_call returns (its tuple), the state updated as HandleState is."""
+        permute = st.bound["permute"]
+        if first:  # as HandleState does: the map made for a new expert-major routing, the counts kept
             st.bound["counts"] = torch.ones(L + 1, dtype=torch.int64)
             if permute:
-                st.bound["comb_map"] = torch.full((kw["comb_rows"], K), -1, dtype=torch.int32)
+                st.bound["comb_map"] = torch.full((comb_rows, K), -1, dtype=torch.int32)
         kept, comb_map = st.bound["counts"], st.bound["comb_map"]
-        return (torch.zeros(rows, H, dtype=kw["x"].dtype), None,
+        return (torch.zeros(rows, H, dtype=x.dtype), None,
                 None if permute else torch.zeros(rows, K, dtype=torch.int64),
-                None if kw["topk_weights"] is None else torch.zeros((rows,) if permute else (rows, K)),
+                None if topk_weights is None else torch.zeros((rows,) if permute else (rows, K)),
                 torch.zeros(rows, dtype=torch.int32) if permute else None,
                 torch.zeros(L, dtype=torch.int64), torch.zeros((), dtype=torch.int64), kept, kept[:L], kept[L], comb_map)
+
+    def notify_call(self, **kw):
+        self._record("notify_call", kw)
+        return self._notified(kw, -1 if kw["num_worst_tokens"] else 0)  # no host wait when worst-case sized
+
+    def dispatch_first_call(self, **kw):
+        """As calls.h: notify, the wait, then the dispatch half unless the host must act first
+        (`stop_after_notify`, or the needs other than the counts do not fit) or it raised."""
+        self._record("dispatch_first_call", kw)
+        notified = self._notified(kw, 0)
+        if self.stop_after_notify or not kw["fits"]:
+            return 1, notified, None, None
+        if self.fail_in == "dispatch half":
+            return 2, notified, None, "the dispatch half failed"
+        permute = kw["permute"]
+        res = self._dispatched(notified[-1], True, M if permute else N, N if permute else 0, kw["x"], kw["topk_weights"])
+        return 0, notified, res, None
+
+    def dispatch_call(self, **kw):
+        self._record("dispatch_call", kw)
+        return self._dispatched(kw["state"], kw["first"], kw["out_rows"], kw["comb_rows"], kw["x"], kw["topk_weights"])
 
     def combine_call(self, **kw):
         self._record("combine_call", kw)
@@ -112,23 +133,20 @@ def _dispatch(p, seq, permute, handle=None, previous_event=None):
 def test_a_routing_then_its_calls_cross_once_each(path, permute):
     out, call = _dispatch(path, 1, permute)
     names = [c[0] for c in path.fake.calls]
-    assert names == ["notify_call", "dispatch_call"], names
-    (_, notify, before_notify), (_, disp, before_move) = path.fake.calls
-    # notify is the call's first exchange; the move is owed at notify's handshake after it
-    assert before_notify is P.Pending.FIRST
-    assert before_move is (P.Pending.OUT_LOC if disp["push"] else P.Pending.STAGED)
-    assert call.pending is P.Pending.NOTHING
-    assert notify["expert_alignment"] == (4 if permute else 1) and notify["previous_event"] is None
-    assert notify["wait_s"] == 65.0  # the host waits for notify's sizes in the same crossing
-    assert disp["first"] and disp["previous_event"] is None and disp["out_rows"] == (M if permute else N)
-    assert disp["comb_rows"] == (N if permute else 0)
+    assert names == ["dispatch_first_call"], names
+    (_, first, before_first), = path.fake.calls
+    # notify is the call's first exchange: a failure before the crossing is published there
+    assert before_first is P.Pending.FIRST and call.pending is P.Pending.NOTHING
+    assert first["expert_alignment"] == (4 if permute else 1) and first["previous_event"] is None
+    assert first["wait_s"] == 65.0 and first["fits"]  # the host waits for notify's sizes in the same crossing
     st = out.handle.state
     native = st.native
-    assert native is disp["state"] and native.bound["counts"] is st.device_counts  # the kept copy, on both sides
+    assert native.bound["counts"] is st.device_counts  # the kept copy, on both sides
     assert torch.equal(st.device_counts, torch.ones(L + 1, dtype=torch.int64))
     assert st.tokens_per_expert.shape == (L,) and st.num_dropped.shape == ()
-    assert (st.comb_map is not None) == permute
-    assert torch.equal(out.handle.topk_idx, notify["topk_idx"])  # the handle keeps notify's copy's source
+    assert (st.num_rows, st.num_perm_rows) == (N, M) and out.handle.num_recv_rows == (M if permute else N)
+    assert (st.comb_map is not None) == permute and (not permute or st.comb_map.shape[0] == N)
+    assert torch.equal(out.handle.topk_idx, first["topk_idx"])  # the handle keeps notify's copy's source
 
     event = torch.cuda.Event()
     _dispatch(path, 2, permute, handle=out.handle, previous_event=EventOverlap(event))
@@ -142,12 +160,39 @@ def test_a_routing_then_its_calls_cross_once_each(path, permute):
     name, comb, before_comb = path.fake.calls[-1]
     assert name == "combine_call" and comb["state"] is native and before_comb is P.Pending.FIRST
     assert comb["partials"] == permute and comb["out"] is None
-    assert [c[0] for c in path.fake.calls].count("notify_call") == 1 and not path.published
+    assert [c[0] for c in path.fake.calls] == ["dispatch_first_call", "dispatch_call", "combine_call"]
+    assert not path.published
 
 
-def test_a_failure_between_notify_and_the_move_is_published_where_the_peers_wait(path):
-    path.fake.fail_in = "dispatch_call"
-    with pytest.raises(RuntimeError, match="dispatch_call failed"):
+@pytest.mark.parametrize("permute", [False, True])
+@pytest.mark.parametrize("why", ["sizes", "needs"])
+def test_a_routing_the_host_must_size_takes_a_second_crossing(path, permute, why):
+    """Where the host acts between notify and the move -- the region must grow for the counts notify
+    learned (`sizes`), or the call's other needs do not fit it as it is (`needs`: the extension is
+    not asked to go on) -- the move is dispatch_call's, owed at notify's handshake, on the routing's
+    state with the sizes the host read."""
+    if why == "sizes":
+        path.fake.stop_after_notify = True
+    else:
+        path.rt.fits = lambda need: "hidden 8192 > 7168"
+    grown = []
+    path.rt.grow_if_needed = lambda need: grown.append(need) or False
+    out, call = _dispatch(path, 1, permute)
+    assert [c[0] for c in path.fake.calls] == ["dispatch_first_call", "dispatch_call"]
+    (_, first, _), (_, disp, before_move) = path.fake.calls
+    assert first["fits"] == (why == "sizes")
+    assert before_move is (P.Pending.OUT_LOC if disp["push"] else P.Pending.STAGED)
+    assert disp["first"] and disp["previous_event"] is None and disp["out_rows"] == (M if permute else N)
+    assert disp["comb_rows"] == (N if permute else 0) and disp["state"] is out.handle.state.native
+    assert grown and grown[0]["max_tokens"] == T and grown[0]["combine_rows"] == (M if permute else N)
+    assert call.pending is P.Pending.NOTHING and not path.published
+
+
+@pytest.mark.parametrize("where", ["dispatch half", "dispatch_call"])
+def test_a_failure_between_notify_and_the_move_is_published_where_the_peers_wait(path, where):
+    path.fake.fail_in = where
+    path.fake.stop_after_notify = where == "dispatch_call"
+    with pytest.raises(RuntimeError, match="dispatch half failed|dispatch_call failed"):
         _dispatch(path, 1, False)
     assert path.published == [(1, P.Pending.OUT_LOC)]
 
@@ -167,7 +212,7 @@ def test_each_routing_waits_for_its_own_tag(path):
     """The host waits for notify's sizes by tag: a fresh one per routing, so a stale size never reads as new."""
     for seq in (1, 2):
         _dispatch(path, seq, False)
-    assert [kw["tag"] for name, kw, _ in path.fake.calls if name == "notify_call"] == [1, 2]
+    assert [kw["tag"] for name, kw, _ in path.fake.calls if name == "dispatch_first_call"] == [1, 2]
 
 
 @pytest.mark.parametrize("permute", [False, True])

@@ -1,5 +1,5 @@
 """The normal paths' kernels are called by name: every call in megatron_ep/cuda/paths/intranode.py
-(its one-crossing entries: notify_call, dispatch_call, combine_call) and internode.py passes each
+(its one-crossing entries: dispatch_first_call, notify_call, dispatch_call, combine_call) and internode.py passes each
 argument by the name its binding gives it (csrc/intranode/binding.cpp, csrc/internode/binding.cpp),
 all of them, so an argument added, removed or reordered on one side cannot silently land in
 another's place. Read from the sources (no GPU, no build needed). The

@@ -231,49 +231,73 @@ HandleState handle_state(const Tensor& topk_idx, const Tensor& rank_pos, const T
 // row_limits, counts, tokens_per_expert, num_dropped, rank_counts or None, the wait's status, the
 // sizes or None, the HandleState over them): tokens_per_expert and num_dropped are views of counts
 // [L + 1], so a cached dispatch copies both with one copy.
+// notify's half of a new routing (notify_call, dispatch_first_call), on `cs`'s streams: the counts
+// every dispatch along the routing returns on the caller's, the handle's tensors on ours (one
+// allocation: they die with the handle), the routing's copy, notify launched; the handle's state
+// bound from what it made (binding it from Python would check each tensor again).
+struct Notified {
+  Tensor counts, tpe, dropped;
+  c10::optional<Tensor> rank_counts;
+  HandleState st;
+  int L = 0;
+};
+
+Notified notify_part(Runtime& rt, CallStreams& cs, StepTimer& clock, const Sig& sig, const Tensor& topk_idx, int E,
+                     int align, bool permute, int worst, int groups, bool check, bool want_rank_counts, long long tag,
+                     const py::object& marks) {
+  const int R = rt.num_ranks(), T = (int)topk_idx.size(0), K = (int)topk_idx.size(1);
+  TORCH_CHECK(E >= R && E % R == 0, "megatron_ep: bad num_experts ", E);
+  TORCH_CHECK(topk_idx.is_cuda() && topk_idx.scalar_type() == at::kLong, "megatron_ep: topk_idx must be a CUDA int64 tensor");
+  Notified n;
+  n.L = E / R;
+  n.counts = at::empty({n.L + 1}, topk_idx.options());
+  n.tpe = n.counts.narrow(0, 0, n.L), n.dropped = n.counts.select(0, n.L);
+  c10::cuda::CUDAStreamGuard on_comm(cs.comm());
+  mark(marks, 0);
+  std::vector<ArenaPart> parts{{at::kLong, {T, K}}, {at::kInt, {T, R}}, {at::kInt, {T, K}},
+                               {at::kInt, {RecvInfo::size(n.L)}}, {at::kInt, {R}}};
+  if (want_rank_counts) parts.push_back({at::kInt, {(int64_t)groups * R, R}});
+  const std::vector<Tensor> kept = arena_tensors(parts, topk_idx.options());
+  HandleState& st = n.st;
+  st.topk_idx = kept[0], st.rank_pos = kept[1], st.slot_pos = kept[2], st.recv_info = kept[3], st.row_limits = kept[4];
+  if (want_rank_counts) n.rank_counts = kept[5];
+  if (topk_idx.is_contiguous())  // (a raw copy: ATen's copy_ costs more host time than the copy)
+    C10_CUDA_CHECK(cudaMemcpyAsync(st.topk_idx.data_ptr(), topk_idx.data_ptr(), topk_idx.nbytes(),
+                                   cudaMemcpyDeviceToDevice, cs.comm().stream()));
+  else
+    st.topk_idx.copy_(topk_idx);
+  clock.lap(kStepOutputs);
+  notify(rt, sig, st.topk_idx, E, align, permute, worst, st.rank_pos, st.slot_pos, st.recv_info, st.row_limits, n.tpe,
+         n.dropped, tag, groups, check, n.rank_counts);
+  mark(marks, 1);
+  clock.lap(kStepLaunch);
+  st.keep_counts(n.counts);
+  st.T = T, st.K = K, st.E = E, st.permute = permute;
+  return n;
+}
+
+// (topk_idx copy, rank_pos, slot_pos, recv_info, row_limits, counts, tokens_per_expert, num_dropped,
+// rank_counts or None, the wait's status, the sizes or None, the HandleState); the state moves into
+// its Python object
+py::tuple notified_tuple(Notified& n, const py::tuple& sizes) {
+  const HandleState& st = n.st;
+  py::tuple t = py::make_tuple(st.topk_idx, st.rank_pos, st.slot_pos, st.recv_info, st.row_limits, n.counts, n.tpe,
+                               n.dropped, n.rank_counts.has_value() ? py::cast(*n.rank_counts) : py::none(), sizes[0],
+                               sizes[1]);
+  return py::make_tuple(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9], t[10], py::cast(std::move(n.st)));
+}
+
 py::tuple notify_call(Runtime& rt, const Sig& sig, const Tensor& topk_idx, int E, int align, bool permute, int worst,
                       int groups, bool check, bool want_rank_counts, long long tag, const py::object& previous,
                       const py::object& marks, double wait_s) {
-  const int R = rt.num_ranks(), T = (int)topk_idx.size(0), K = (int)topk_idx.size(1);
-  TORCH_CHECK(E >= R && E % R == 0, "megatron_ep: bad num_experts ", E);
-  const int L = E / R;
   StepTimer clock(rt.clock(), kEntryNotify);
   CallStreams cs(rt, previous, false);
   clock.lap(kStepStreams);
-  TORCH_CHECK(topk_idx.is_cuda() && topk_idx.scalar_type() == at::kLong, "megatron_ep: topk_idx must be a CUDA int64 tensor");
-  Tensor counts = at::empty({L + 1}, topk_idx.options()), tpe = counts.narrow(0, 0, L), dropped = counts.select(0, L);
-  c10::cuda::CUDAStreamGuard on_comm(cs.comm());
-  mark(marks, 0);
-  // the handle's tensors in one allocation (they die with it): the routing's copy, the positions,
-  // the receive sizes, the row limits, the rank counts when asked
-  std::vector<ArenaPart> parts{{at::kLong, {T, K}}, {at::kInt, {T, R}}, {at::kInt, {T, K}},
-                               {at::kInt, {RecvInfo::size(L)}}, {at::kInt, {R}}};
-  if (want_rank_counts) parts.push_back({at::kInt, {(int64_t)groups * R, R}});
-  const std::vector<Tensor> kept = arena_tensors(parts, topk_idx.options());
-  Tensor idx = kept[0], rank_pos = kept[1], slot_pos = kept[2], recv_info = kept[3], row_limits = kept[4];
-  if (topk_idx.is_contiguous())  // (a raw copy: ATen's copy_ costs more host time than the copy)
-    C10_CUDA_CHECK(cudaMemcpyAsync(idx.data_ptr(), topk_idx.data_ptr(), topk_idx.nbytes(), cudaMemcpyDeviceToDevice,
-                                   cs.comm().stream()));
-  else
-    idx.copy_(topk_idx);
-  c10::optional<Tensor> rank_counts;
-  if (want_rank_counts) rank_counts = kept[5];
-  clock.lap(kStepOutputs);
-  notify(rt, sig, idx, E, align, permute, worst, rank_pos, slot_pos, recv_info, row_limits, tpe, dropped, tag, groups,
-         check, rank_counts);
-  mark(marks, 1);
-  clock.lap(kStepLaunch);
-  const py::tuple sizes = wait_s >= 0 ? rt.wait_counts(tag, wait_s, L) : py::make_tuple(-1, py::none());
+  Notified n = notify_part(rt, cs, clock, sig, topk_idx, E, align, permute, worst, groups, check, want_rank_counts, tag,
+                           marks);
+  const py::tuple sizes = wait_s >= 0 ? rt.wait_counts(tag, wait_s, n.L) : py::make_tuple(-1, py::none());
   clock.lap(kStepWait);
-  // the handle's state as the one-crossing entries take it, bound here from what this call made
-  // (binding it from Python would check each tensor again: microseconds of host time)
-  HandleState st;
-  st.topk_idx = idx, st.rank_pos = rank_pos, st.slot_pos = slot_pos, st.recv_info = recv_info, st.row_limits = row_limits;
-  st.keep_counts(counts);
-  st.T = T, st.K = K, st.E = E, st.permute = permute;
-  py::tuple out = py::make_tuple(idx, rank_pos, slot_pos, recv_info, row_limits, counts, tpe, dropped,
-                                 rank_counts.has_value() ? py::cast(*rank_counts) : py::none(), sizes[0], sizes[1],
-                                 py::cast(std::move(st)));
+  py::tuple out = notified_tuple(n, sizes);
   clock.lap(kStepReturn);
   return out;
 }
@@ -354,18 +378,15 @@ py::tuple combine_call(Runtime& rt, const HandleState& st, const Sig& sig, const
 // when the host does not know N). Returns (x, scales, topk_idx, weights, row_expert,
 // tokens_per_expert, num_dropped, the handle's own counts, tokens_per_expert and num_dropped (views
 // of its counts), comb_map).
-py::tuple dispatch_call(Runtime& rt, HandleState& st, const Sig& sig, bool first, const Tensor& data,
-                        const c10::optional<Tensor>& scales, const c10::optional<Tensor>& topk_w, bool push,
-                        bool scratch, bool zero_copy, int out_rows, int worst, int comb_rows, const py::object& previous,
+py::tuple dispatch_part(Runtime& rt, CallStreams& cs, StepTimer& clock, HandleState& st, const Sig& sig, bool first,
+                        const Tensor& data, const c10::optional<Tensor>& scales, const c10::optional<Tensor>& topk_w,
+                        bool push, bool scratch, bool zero_copy, int out_rows, int worst, int comb_rows,
                         const py::object& event, bool async_op, const py::object& hook, const py::object& fused,
                         const py::object& marks, int num_blocks, int push_blocks, int local_blocks) {
   const int T = st.T, K = st.K, E = st.E, H = (int)data.size(1);
   const int row_bytes = H * (int)data.element_size(), scale_cols = scales.has_value() ? (int)scales->size(1) : 0;
   const bool permute = st.permute, has_w = topk_w.has_value();
   const auto dev = data.options();
-  StepTimer clock(rt.clock(), kEntryDispatch);
-  CallStreams cs(rt, previous, first);
-  clock.lap(kStepStreams);
   const cudaStream_t compute = cs.compute().stream(), comm = cs.comm().stream();
   if (first && permute && !st.comb_map.has_value()) {  // our stream's, like every tensor the handle keeps
     c10::cuda::CUDAStreamGuard on_comm(cs.comm());
@@ -459,6 +480,65 @@ py::tuple dispatch_call(Runtime& rt, HandleState& st, const Sig& sig, bool first
   return out;
 }
 
+py::tuple dispatch_call(Runtime& rt, HandleState& st, const Sig& sig, bool first, const Tensor& data,
+                        const c10::optional<Tensor>& scales, const c10::optional<Tensor>& topk_w, bool push,
+                        bool scratch, bool zero_copy, int out_rows, int worst, int comb_rows, const py::object& previous,
+                        const py::object& event, bool async_op, const py::object& hook, const py::object& fused,
+                        const py::object& marks, int num_blocks, int push_blocks, int local_blocks) {
+  StepTimer clock(rt.clock(), kEntryDispatch);
+  CallStreams cs(rt, previous, first);
+  clock.lap(kStepStreams);
+  return dispatch_part(rt, cs, clock, st, sig, first, data, scales, topk_w, push, scratch, zero_copy, out_rows, worst,
+                       comb_rows, event, async_op, hook, fused, marks, num_blocks, push_blocks, local_blocks);
+}
+
+// A new routing's whole dispatch in one crossing (not worst-case sized): notify, the host wait for
+// its sizes, then -- where they came, the call was not aborted and every rank's rows fit the
+// region as it is (`fits`: the needs other than the counts fit, which the caller checked) -- the
+// rest as dispatch_call does it. Returns (status, notify_call's tuple, dispatch_call's tuple or
+// None, the error or None): status 0 dispatched; 1 stopped after the wait (the caller reads the
+// sizes, grows the region or raises, then calls dispatch_call); 2 the dispatch half raised after
+// notify (its exception, or its message: the caller publishes the failure where the peers wait now,
+// then raises it). The steps are charged to notify_call's and dispatch_call's host clocks.
+py::tuple dispatch_first_call(Runtime& rt, const Sig& sig, const Tensor& topk_idx, int E, int align, bool permute,
+                              int groups, bool check, bool want_rank_counts, long long tag, const py::object& previous,
+                              const py::object& notify_marks, double wait_s, bool fits, const Tensor& data,
+                              const c10::optional<Tensor>& scales, const c10::optional<Tensor>& topk_w, bool push,
+                              bool scratch, bool zero_copy, const py::object& event, bool async_op,
+                              const py::object& hook, const py::object& marks, int num_blocks, int push_blocks,
+                              int local_blocks) {
+  StepTimer clock(rt.clock(), kEntryNotify);
+  CallStreams cs(rt, previous, false);
+  clock.lap(kStepStreams);
+  Notified n = notify_part(rt, cs, clock, sig, topk_idx, E, align, permute, 0, groups, check, want_rank_counts, tag,
+                           notify_marks);
+  const py::tuple sizes = rt.wait_counts(tag, wait_s, n.L);
+  clock.lap(kStepWait);
+  int rows = 0, perm_rows = 0;
+  bool go = fits && sizes[0].cast<int>() == 0;
+  if (go) {
+    const py::dict info = sizes[1];
+    rows = info["num_rows"].cast<int>(), perm_rows = info["num_perm_rows"].cast<int>();
+    const RegionLayout& l = rt.lay();
+    // (megatron_ep/cuda/runtime.py fits()'s count rule: the group's largest needs, the same on every rank)
+    go = rows >= 0 && info["need_tokens"].cast<long long>() <= l.max_tokens &&
+         info[permute ? "need_perm_rows" : "need_rows"].cast<long long>() <= l.comb_rows;
+  }
+  if (!go) return py::make_tuple(1, notified_tuple(n, sizes), py::none(), py::none());
+  py::object out, err = py::none();
+  try {
+    StepTimer dclock(rt.clock(), kEntryDispatch);
+    out = dispatch_part(rt, cs, dclock, n.st, sig, true, data, scales, topk_w, push, scratch, zero_copy,
+                        permute ? perm_rows : rows, 0, permute ? rows : 0, event, async_op, hook, py::none(), marks,
+                        num_blocks, push_blocks, local_blocks);
+  } catch (py::error_already_set& e) {  // (an output hook's)
+    err = e.value();
+  } catch (const std::exception& e) {
+    err = py::str(e.what());
+  }
+  return py::make_tuple(err.is_none() ? 0 : 2, notified_tuple(n, sizes), out.ptr() ? out : py::none(), err);
+}
+
 // get_dispatch_layout in one crossing, on the current stream: the counts in one zeroed buffer
 // [R + E] (int64, or int32 with counts_int32), token_in_rank [T, R]; returns (tokens_per_rank,
 // tokens_per_expert, token_in_rank).
@@ -534,6 +614,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // one crossing per call (calls.h); argument names: the Python side's (megatron_ep/cuda/paths/intranode.py
   // passes them by name; tests/test_kernel_boundary.py reads both sides)
   intra.def("notify_call", &mep::notify_call, py::arg("rt"), py::arg("sig"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("expert_alignment"), py::arg("permute"), py::arg("num_worst_tokens"), py::arg("token_groups"), py::arg("check_ids"), py::arg("rank_counts"), py::arg("tag"), py::arg("previous_event"), py::arg("marks"), py::arg("wait_s"));
+  intra.def("dispatch_first_call", &mep::dispatch_first_call, py::arg("rt"), py::arg("sig"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("expert_alignment"), py::arg("permute"), py::arg("token_groups"), py::arg("check_ids"), py::arg("rank_counts"), py::arg("tag"), py::arg("previous_event"), py::arg("notify_marks"), py::arg("wait_s"), py::arg("fits"), py::arg("x"), py::arg("scales"), py::arg("topk_weights"), py::arg("push"), py::arg("scratch"), py::arg("zero_copy"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("marks"), py::arg("num_blocks"), py::arg("push_blocks"), py::arg("local_blocks"));
   intra.def("dispatch_call", &mep::dispatch_call, py::arg("rt"), py::arg("state"), py::arg("sig"), py::arg("first"), py::arg("x"), py::arg("scales"), py::arg("topk_weights"), py::arg("push"), py::arg("scratch"), py::arg("zero_copy"), py::arg("out_rows"), py::arg("num_worst_tokens"), py::arg("comb_rows"), py::arg("previous_event"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("fused"), py::arg("marks"), py::arg("num_blocks"), py::arg("push_blocks"), py::arg("local_blocks"));
   intra.def("combine_call", &mep::combine_call, py::arg("rt"), py::arg("state"), py::arg("sig"), py::arg("x"), py::arg("weights"), py::arg("partials"), py::arg("zero_copy"), py::arg("out"), py::arg("out_weights"), py::arg("previous_event"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("fused"), py::arg("marks"), py::arg("num_blocks"), py::arg("local_blocks"));
   intra.attr("INNODE_DISPATCH_BYTES") = (long long)sizeof(mep::InnodeDispatch);

@@ -177,32 +177,61 @@ class IntranodePath(NormalPath):
 
     # ------------------------------------------------------------------------------ dispatch
     def dispatch(self, call: P.Call, req: DispatchRequest) -> DispatchOutput:
-        """plan (every decision, before any kernel) -> notify (a new routing) -> one crossing for
-        the rest (outputs, the rows moved: push [+ fan-out] or stage + pull, the counts, the
-        event: calls.h dispatch_call) -> the caller's DispatchOutput."""
+        """plan (every decision, before any kernel) -> one crossing: a new routing's notify, the host
+        wait for its sizes and the rest (calls.h dispatch_first_call), or a cached dispatch's rest
+        (outputs, the rows moved: push [+ fan-out] or stage + pull, the counts, the event:
+        dispatch_call) -> the caller's DispatchOutput. A new routing takes two crossings where the
+        host must act between them (the region grows, or the call failed at notify's exchange),
+        or where it is worst-case sized (notify_call, then dispatch_call without a host wait)."""
         rt = self.rt
         plan = self._plan(call, req)
         previous = _event(req.previous_event)
         comb_rows = 0
-        if plan.first:
+        event = torch.cuda.Event() if req.async_op else None  # (a synchronous call joins through the runtime's own)
+        marks = rt.marks(("push", "fanout" if plan.permute else None) if plan.push or plan.fused is not None
+                         else ("stage", "pull"))
+        zero_copy = plan.data.data_ptr() == rt.base + rt.plan.stage_x
+        scratch = plan.push and plan.permute and rt.scratch_free()
+        if plan.first and not plan.num_worst_tokens:
+            # the region fits the call's needs but its counts (a plan remembered per need), so the
+            # extension needs to compare only the counts notify learns
+            fits = rt.fits(dict(plan.need, max_tokens=0, combine_rows=0)) is None
+            status, notified, res, err = call.sends(
+                self.kernels.dispatch_first_call, rt=rt.rt, sig=call.sig, topk_idx=plan.topk_idx,
+                num_experts=plan.num_experts, expert_alignment=plan.expert_alignment, permute=plan.permute,
+                token_groups=plan.groups, check_ids=plan.check_ids, rank_counts=plan.rank_counts, tag=next(self.tags),
+                previous_event=previous, notify_marks=rt.marks(("start", "notify"), first=True), wait_s=rt.host_wait_s,
+                fits=fits, x=plan.data, scales=plan.scales, topk_weights=plan.topk_weights, push=plan.push,
+                scratch=scratch, zero_copy=zero_copy, event=event, async_op=req.async_op, hook=hooks.current(),
+                marks=marks, num_blocks=rt.num_sms, push_blocks=rt.push_sms, local_blocks=rt.local_sms)
+            # (status 0: the rows moved in the same crossing, so nothing is owed after it)
+            st, comb_rows = self._notified(call, plan, notified, grow=status == 1, owed=status != 0)
+            if status == 2:  # the dispatch half raised after notify: published where the peers wait now
+                raise err if isinstance(err, BaseException) else RuntimeError(err)
+            if status == 0:
+                return self._dispatched(call, req, plan, st, res, event)
+            previous = None  # the streams are ordered: the call was entered
+        elif plan.first:
             st, comb_rows = self._notify(call, plan, previous)
             previous = None  # the streams are ordered: notify_call entered the call
         else:
             st = req.handle.state
         out_rows = plan.num_worst_tokens or (st.num_perm_rows if plan.permute else st.num_rows)
-        event = torch.cuda.Event() if req.async_op else None  # (a synchronous call joins through the runtime's own)
-        marks = rt.marks(("push", "fanout" if plan.permute else None) if plan.push or plan.fused is not None
-                         else ("stage", "pull"))
-        zero_copy = plan.data.data_ptr() == rt.base + rt.plan.stage_x
         res = call.sends(self.kernels.dispatch_call, rt=rt.rt, state=native_state(self.kernels, st, plan.num_experts),
                          sig=call.sig, first=plan.first, x=plan.data, scales=plan.scales, topk_weights=plan.topk_weights,
-                         push=plan.push, scratch=plan.push and plan.permute and rt.scratch_free(),
-                         zero_copy=zero_copy, out_rows=out_rows,
+                         push=plan.push, scratch=scratch, zero_copy=zero_copy, out_rows=out_rows,
                          num_worst_tokens=plan.num_worst_tokens, comb_rows=comb_rows, previous_event=previous, event=event,
                          async_op=req.async_op, hook=hooks.current(), fused=plan.fused, marks=marks,
                          num_blocks=rt.num_sms, push_blocks=rt.push_sms, local_blocks=rt.local_sms)
+        return self._dispatched(call, req, plan, st, res, event)
+
+    def _dispatched(self, call: P.Call, req: DispatchRequest, plan: "DispatchPlan", st: IntranodeState, res: tuple,
+                    event) -> DispatchOutput:
+        """The caller's DispatchOutput from what dispatch_call (or the second half of
+        dispatch_first_call) returned."""
         out = DispatchTensors(*res[:5])
         tpe, dropped, st.device_counts, st.tokens_per_expert, st.num_dropped, st.comb_map = res[5:]
+        out_rows = plan.num_worst_tokens or (st.num_perm_rows if plan.permute else st.num_rows)
         return self._result(call, req, plan, st, out, out_rows, tpe, dropped,
                             EventOverlap(event) if event is not None else None)
 
@@ -265,19 +294,25 @@ class IntranodePath(NormalPath):
                             fused=req.fused)
 
     def _notify(self, call: P.Call, plan: "DispatchPlan", previous) -> tuple:
-        """A new routing's counts, exchange and row positions (one crossing: calls.h
-        notify_call, which also enters the call's streams); unless sync-free, the host reads the
-        sizes and the region grows if any rank needs more. After it the peers wait for this rank
-        at the rows' first handshake (the push's output locations, or the staging). Returns the
-        handle's state and the rows of its combine map (expert-major)."""
+        """A worst-case sized routing's counts, exchange and row positions (one crossing: calls.h
+        notify_call, which also enters the call's streams), without a host wait. Returns what
+        _notified does."""
         rt = self.rt
-        tag = next(self.tags)
-        idx, rank_pos, slot_pos, recv_info, row_limits, counts, tpe, dropped, rank_counts, waited, sizes, native = call.sends(
+        notified = call.sends(
             self.kernels.notify_call, rt=rt.rt, sig=call.sig, topk_idx=plan.topk_idx, num_experts=plan.num_experts,
             expert_alignment=plan.expert_alignment, permute=plan.permute, num_worst_tokens=plan.num_worst_tokens,
-            token_groups=plan.groups, check_ids=plan.check_ids, rank_counts=plan.rank_counts, tag=tag,
-            previous_event=previous, marks=rt.marks(("start", "notify"), first=True),
-            wait_s=-1.0 if plan.num_worst_tokens else rt.host_wait_s)
+            token_groups=plan.groups, check_ids=plan.check_ids, rank_counts=plan.rank_counts, tag=next(self.tags),
+            previous_event=previous, marks=rt.marks(("start", "notify"), first=True), wait_s=-1.0)
+        return self._notified(call, plan, notified, grow=False, owed=True)
+
+    def _notified(self, call: P.Call, plan: "DispatchPlan", notified: tuple, grow: bool, owed: bool) -> tuple:
+        """The handle's state from notify's outputs (notify_call's tuple); unless sync-free, the
+        sizes the host waited for, or the call's error, and -- `grow`: the rows are not moved yet --
+        the region grown if any rank needs more. `owed` (the rows are not moved yet): after it the
+        peers wait for this rank at the rows' first handshake (the push's output locations, or the
+        staging). Returns the handle's state and the rows of its combine map (expert-major)."""
+        rt = self.rt
+        idx, rank_pos, slot_pos, recv_info, row_limits, counts, tpe, dropped, rank_counts, waited, sizes, native = notified
         plan.topk_idx = idx
         st = IntranodeState(topk_idx=idx, permute=plan.permute, rank_pos=rank_pos, slot_pos=slot_pos,
                             recv_info=recv_info, row_limits=row_limits, tokens_per_expert=tpe, num_dropped=dropped,
@@ -295,10 +330,12 @@ class IntranodePath(NormalPath):
                     raise bad_slot_error(plan.topk_idx, bad, plan.num_experts) from None
                 raise
             st.num_rows, st.num_perm_rows, st.counts = info["num_rows"], info["num_perm_rows"], info["counts"]
-            rt.grow_if_needed(dict(plan.need, max_tokens=info["need_tokens"],
-                                   combine_rows=info["need_perm_rows"] if plan.permute else info["need_rows"]))
+            if grow:
+                rt.grow_if_needed(dict(plan.need, max_tokens=info["need_tokens"],
+                                       combine_rows=info["need_perm_rows"] if plan.permute else info["need_rows"]))
             rows_bound = st.num_rows
-        call.owe(P.Pending.OUT_LOC if plan.push else P.Pending.STAGED)
+        if owed:
+            call.owe(P.Pending.OUT_LOC if plan.push else P.Pending.STAGED)
         return st, (rows_bound if plan.permute else 0)
 
     def _result(self, call: P.Call, req: DispatchRequest, plan: "DispatchPlan", st: IntranodeState,
