@@ -336,8 +336,10 @@ class Buffer:
         and counted as with "drop".
 
         rank_counts=True (a new routing): the handle also keeps every rank's tokens per
-        destination rank, [R, R] int32 on the device (`handle.rank_counts`), from the count
-        exchange the call makes anyway; the cuda backend's internode path leaves it None.
+        destination rank, [R, R] int32 on the device (`handle.rank_counts`), and its inclusive
+        prefix over source ranks (`handle.rank_prefix`, DeepEP's rank_prefix_matrix), from the
+        count exchange the call makes anyway; the cuda backend's internode path leaves both None
+        and keeps their columns of this rank (`recv_rank_counts`, `recv_rank_prefix`).
         """
         op = "dispatch" if handle is None else "cached_dispatch"
         with self._call(op) as call:

@@ -324,7 +324,8 @@ class TorchBackend:
                 num_tokens=data.shape[0], topk=K, permute=permute, expert_alignment=expert_alignment,
                 num_recv_rows=num_rows, tokens_per_expert=out.tokens_per_expert, topk_idx=topk_idx,
                 num_worst_tokens=num_worst_tokens, state=state, call_seq=call.seq, rank_counts=rank_counts,
-                recv_rank_counts=rank_counts[:, self.rank],
+                recv_rank_counts=rank_counts[:, self.rank], rank_prefix=(prefix := rank_counts.cumsum(0, dtype=torch.int32)),
+                recv_rank_prefix=prefix[:, self.rank],
             )
         out.handle = handle
         # the outputs are the caller's: what the handle keeps (the routing's ids, counts and row

@@ -82,6 +82,10 @@ class DispatchHandle(_Routing):
     # cuda internode path too); else None
     rank_counts: Optional[torch.Tensor] = None
     recv_rank_counts: Optional[torch.Tensor] = None
+    # their inclusive prefix sums over source ranks (DeepEP's rank_prefix_matrix, and its column of
+    # this rank), where rank_counts (recv_rank_counts) are given
+    rank_prefix: Optional[torch.Tensor] = None
+    recv_rank_prefix: Optional[torch.Tensor] = None
 
 
 @dataclass

@@ -51,7 +51,7 @@ class FakeKernels:
                                   row_limits=made[4], counts=counts, comb_map=None, num_experts=kw["num_experts"],
                                   permute=kw["permute"])
         return (*made, counts, counts[:L], counts[L], torch.zeros(R, R, **i32) if kw["rank_counts"] else None,
-                waited, None if waited else sizes, native)
+                torch.zeros(R, R, **i32) if kw["rank_counts"] else None, waited, None if waited else sizes, native)
 
     def _dispatched(self, st, first, rows, comb_rows, x, topk_weights):
         """What dispatch_call returns (its tuple), the state updated as HandleState is."""

@@ -46,6 +46,8 @@ struct NotifyArgs {
   int* rank_counts;       // [G * R][R] out, or nullptr: tokens (group g, rank s) sends to rank d, at row
                           // g * R + s (one group: rank s to rank d; the internode in-node stage's
                           // groups are source nodes, so the row is the global source rank)
+  int* rank_prefix;       // [G * R][R] out with rank_counts: its inclusive prefix sums over the rows
+                          // (DeepEP's rank_prefix_matrix), or nullptr
 };
 void launch_notify(const Ctx& ctx, const CallArgs& call, const NotifyArgs& args, cudaStream_t stream);
 

@@ -15,7 +15,8 @@ namespace {
 
 void notify(Runtime& rt, const Sig& sig, const Tensor& topk_idx, int E, int align, bool permute, int worst,
             Tensor& rank_pos, Tensor& slot_pos, Tensor& recv_info, Tensor& row_limits, Tensor& tpe, Tensor& dropped,
-            long long tag, int groups, bool check, const c10::optional<Tensor>& rank_counts) {
+            long long tag, int groups, bool check, const c10::optional<Tensor>& rank_counts,
+            const c10::optional<Tensor>& rank_prefix) {
   // the outputs are notify_call's own (sized and typed there); the routing is the caller's copy
   check_tensor(topk_idx, "topk_idx", at::kLong);
   const int T = (int)topk_idx.size(0), K = (int)topk_idx.size(1), R = rt.num_ranks();
@@ -30,7 +31,7 @@ void notify(Runtime& rt, const Sig& sig, const Tensor& topk_idx, int E, int alig
                check ? 1 : 0,
                rank_pos.data_ptr<int>(), slot_pos.data_ptr<int>(), recv_info.data_ptr<int>(), row_limits.data_ptr<int>(),
                reinterpret_cast<long long*>(tpe.data_ptr<int64_t>()), reinterpret_cast<long long*>(dropped.data_ptr<int64_t>()),
-               tag, ptr_or_null<int>(rank_counts)};
+               tag, ptr_or_null<int>(rank_counts), ptr_or_null<int>(rank_prefix)};
   launch_notify(rt.ctx(call.sig[kSigSeq]), call, a, stream());
   check_launch("notify");
 }
@@ -221,23 +222,13 @@ HandleState handle_state(const Tensor& topk_idx, const Tensor& rank_pos, const T
   return st;
 }
 
-// A new routing's notify in one crossing: our stream after the caller's (or `previous`), the
-// counts every dispatch along the routing returns on the caller's stream, then on ours the
-// handle's own copy of the routing (given a previous_event, our stream waits for that event only,
-// so a copy on the caller's stream, queued after it, could still be unwritten when notify reads
-// it), the positions, and notify. The caller's stream waits at the dispatch's end
-// (dispatch_call). With wait_s >= 0 (not worst-case sized) the host then waits for notify's sizes
-// (Runtime::wait_counts, without the GIL). Returns (topk_idx copy, rank_pos, slot_pos, recv_info,
-// row_limits, counts, tokens_per_expert, num_dropped, rank_counts or None, the wait's status, the
-// sizes or None, the HandleState over them): tokens_per_expert and num_dropped are views of counts
-// [L + 1], so a cached dispatch copies both with one copy.
 // notify's half of a new routing (notify_call, dispatch_first_call), on `cs`'s streams: the counts
 // every dispatch along the routing returns on the caller's, the handle's tensors on ours (one
 // allocation: they die with the handle), the routing's copy, notify launched; the handle's state
 // bound from what it made (binding it from Python would check each tensor again).
 struct Notified {
   Tensor counts, tpe, dropped;
-  c10::optional<Tensor> rank_counts;
+  c10::optional<Tensor> rank_counts, rank_prefix;  // (when asked) every rank's tokens per destination, and their prefix
   HandleState st;
   int L = 0;
 };
@@ -256,11 +247,12 @@ Notified notify_part(Runtime& rt, CallStreams& cs, StepTimer& clock, const Sig& 
   mark(marks, 0);
   std::vector<ArenaPart> parts{{at::kLong, {T, K}}, {at::kInt, {T, R}}, {at::kInt, {T, K}},
                                {at::kInt, {RecvInfo::size(n.L)}}, {at::kInt, {R}}};
-  if (want_rank_counts) parts.push_back({at::kInt, {(int64_t)groups * R, R}});
+  if (want_rank_counts)
+    parts.insert(parts.end(), {{at::kInt, {(int64_t)groups * R, R}}, {at::kInt, {(int64_t)groups * R, R}}});
   const std::vector<Tensor> kept = arena_tensors(parts, topk_idx.options());
   HandleState& st = n.st;
   st.topk_idx = kept[0], st.rank_pos = kept[1], st.slot_pos = kept[2], st.recv_info = kept[3], st.row_limits = kept[4];
-  if (want_rank_counts) n.rank_counts = kept[5];
+  if (want_rank_counts) n.rank_counts = kept[5], n.rank_prefix = kept[6];
   if (topk_idx.is_contiguous())  // (a raw copy: ATen's copy_ costs more host time than the copy)
     C10_CUDA_CHECK(cudaMemcpyAsync(st.topk_idx.data_ptr(), topk_idx.data_ptr(), topk_idx.nbytes(),
                                    cudaMemcpyDeviceToDevice, cs.comm().stream()));
@@ -268,7 +260,7 @@ Notified notify_part(Runtime& rt, CallStreams& cs, StepTimer& clock, const Sig& 
     st.topk_idx.copy_(topk_idx);
   clock.lap(kStepOutputs);
   notify(rt, sig, st.topk_idx, E, align, permute, worst, st.rank_pos, st.slot_pos, st.recv_info, st.row_limits, n.tpe,
-         n.dropped, tag, groups, check, n.rank_counts);
+         n.dropped, tag, groups, check, n.rank_counts, n.rank_prefix);
   mark(marks, 1);
   clock.lap(kStepLaunch);
   st.keep_counts(n.counts);
@@ -277,16 +269,24 @@ Notified notify_part(Runtime& rt, CallStreams& cs, StepTimer& clock, const Sig& 
 }
 
 // (topk_idx copy, rank_pos, slot_pos, recv_info, row_limits, counts, tokens_per_expert, num_dropped,
-// rank_counts or None, the wait's status, the sizes or None, the HandleState); the state moves into
-// its Python object
+// rank_counts and its prefix over the rows, or None each, the wait's status, the sizes or None, the
+// HandleState); the state moves into its Python object
 py::tuple notified_tuple(Notified& n, const py::tuple& sizes) {
   const HandleState& st = n.st;
+  const auto opt = [](const c10::optional<Tensor>& x) { return x.has_value() ? py::cast(*x) : py::none(); };
   py::tuple t = py::make_tuple(st.topk_idx, st.rank_pos, st.slot_pos, st.recv_info, st.row_limits, n.counts, n.tpe,
-                               n.dropped, n.rank_counts.has_value() ? py::cast(*n.rank_counts) : py::none(), sizes[0],
-                               sizes[1]);
-  return py::make_tuple(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9], t[10], py::cast(std::move(n.st)));
+                               n.dropped, opt(n.rank_counts), opt(n.rank_prefix), sizes[0], sizes[1]);
+  return py::make_tuple(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9], t[10], t[11],
+                        py::cast(std::move(n.st)));
 }
 
+// A new routing's notify in one crossing (a worst-case sized one's, and tracing's): our stream
+// after the caller's (or `previous`), then notify_part (given a previous_event our stream waits
+// for that event only, so the routing's copy is made on ours: one on the caller's stream, queued
+// after the event, could still be unwritten when notify reads it). The caller's stream waits at the
+// dispatch's end (dispatch_call). With wait_s >= 0 the host then waits for notify's sizes
+// (Runtime::wait_counts, without the GIL). Returns notified_tuple's tuple: tokens_per_expert and
+// num_dropped are views of counts [L + 1], so a cached dispatch copies both with one copy.
 py::tuple notify_call(Runtime& rt, const Sig& sig, const Tensor& topk_idx, int E, int align, bool permute, int worst,
                       int groups, bool check, bool want_rank_counts, long long tag, const py::object& previous,
                       const py::object& marks, double wait_s) {

@@ -234,6 +234,16 @@ __global__ void __launch_bounds__(kExchangeThreads, 1) notify_exchange_kernel(Ct
       const int gs = i / R, d = i - gs * R, g = gs / R, s = gs - g * R;
       a.rank_counts[i] = all_r[s * GR + g * R + d];
     }
+  if (a.rank_prefix != nullptr)  // and their inclusive prefix over the rows (at most G * R terms each)
+    for (int i = tid; i < GR * R; i += blockDim.x) {
+      const int gs = i / R, d = i - gs * R;
+      int t = 0;
+      for (int r = 0; r <= gs; ++r) {
+        const int g = r / R, s = r - g * R;
+        t += all_r[s * GR + g * R + d];
+      }
+      a.rank_prefix[i] = t;
+    }
   __syncthreads();
   for (int e = tid; e < E; e += blockDim.x) {
     int t = 0;

@@ -327,7 +327,8 @@ class InternodePath(NvshmemPath, NormalPath):
                                     topk_idx=topk_idx, num_worst_tokens=num_worst_tokens, state=st, call_seq=call.seq,
                                     # the in-node stage's rows are (source node, its rank of this
                                     # rank's index): global source ranks, node-major
-                                    recv_rank_counts=inner.handle.recv_rank_counts)
+                                    recv_rank_counts=inner.handle.recv_rank_counts,
+                                    recv_rank_prefix=inner.handle.recv_rank_prefix)
         out = DispatchOutput(inner.x, inner.topk_idx, inner.topk_weights, inner.row_expert, inner.tokens_per_expert, None,
                              event=_finished(rt.device) if async_op else None, num_dropped=inner.num_dropped)
         out.handle = handle
