@@ -109,7 +109,7 @@ def notify_only(buf, topk_idx: torch.Tensor, num_experts: int) -> Optional[Calla
             compute = torch.cuda.current_stream()
             call.sends(notify, rt=rt.rt, sig=call.sig, topk_idx=topk_idx[:t], num_experts=num_experts,
                        expert_alignment=1, permute=False, num_worst_tokens=0, token_groups=1, check_ids=False,
-                       rank_counts=False, tag=0, previous_event=None, marks=None, wait_s=-1.0)
+                       rank_counts=False, tag=0, previous_event=None, marks=None, wait_s=-1.0, async_op=False)
             compute.wait_stream(rt.stream)
 
     return run

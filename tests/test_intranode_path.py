@@ -29,6 +29,7 @@ class FakeKernels:
         self.call_of = call_of  # the P.Call in flight (the test's)
         self.fail_in = None
         self.stop_after_notify = False
+        self.notified_tag = 0  # Runtime::notified_tag: the last notify launched
 
     class HandleState:
         def __init__(self, **bound):
@@ -72,17 +73,19 @@ class FakeKernels:
         return self._notified(kw, -1 if kw["num_worst_tokens"] else 0)  # no host wait when worst-case sized
 
     def dispatch_first_call(self, **kw):
-        """As calls.h: notify, the wait, then the dispatch half unless the host must act first
-        (`stop_after_notify`, or the needs other than the counts do not fit) or it raised."""
+        """As calls.h: notify (the runtime's notified tag set), the wait, then the dispatch half
+        unless the host must act first (`stop_after_notify`, or the needs other than the counts do
+        not fit); fail_in="dispatch half" raises there, past notify."""
         self._record("dispatch_first_call", kw)
         notified = self._notified(kw, 0)
+        self.notified_tag = kw["tag"]
         if self.stop_after_notify or not kw["fits"]:
-            return 1, notified, None, None
+            return 1, notified, None
         if self.fail_in == "dispatch half":
-            return 2, notified, None, "the dispatch half failed"
+            raise RuntimeError("the dispatch half failed")
         permute = kw["permute"]
         res = self._dispatched(notified[-1], True, M if permute else N, N if permute else 0, kw["x"], kw["topk_weights"])
-        return 0, notified, res, None
+        return 0, notified, res
 
     def dispatch_call(self, **kw):
         self._record("dispatch_call", kw)
@@ -102,7 +105,8 @@ def path(monkeypatch):
     plan = types.SimpleNamespace(pool_bytes=1 << 20, max_tokens=64, stage_x=1 << 30, comb_x=1 << 31, comb_rows=1 << 16,
                                  comb_row_bytes=1 << 16)
     rt = types.SimpleNamespace(
-        ext=types.SimpleNamespace(intranode=kernels), rt=object(), device=torch.device("cpu"), num_ranks=R, rank=0,
+        ext=types.SimpleNamespace(intranode=kernels), rt=types.SimpleNamespace(notified_tag=lambda: kernels.notified_tag),
+        device=torch.device("cpu"), num_ranks=R, rank=0,
         plan=plan, base=0, ready=True, num_sms=8, push_sms=8, local_sms=16, trace=None,
         fits=lambda need: None, grow_if_needed=lambda need: False, marks=lambda names, first=False: None,
         scratch_free=lambda: True, check=lambda call=None: None,
@@ -190,11 +194,18 @@ def test_a_routing_the_host_must_size_takes_a_second_crossing(path, permute, why
 
 @pytest.mark.parametrize("where", ["dispatch half", "dispatch_call"])
 def test_a_failure_between_notify_and_the_move_is_published_where_the_peers_wait(path, where):
+    """Past notify (the crossing's second half, or the second crossing) the peers wait at the rows'
+    first handshake: the failure is published there, its exception unchanged; before notify (the
+    crossing raised first) at the call's first exchange."""
     path.fake.fail_in = where
     path.fake.stop_after_notify = where == "dispatch_call"
     with pytest.raises(RuntimeError, match="dispatch half failed|dispatch_call failed"):
         _dispatch(path, 1, False)
     assert path.published == [(1, P.Pending.OUT_LOC)]
+    path.fake.fail_in = "dispatch_first_call"  # (raises on entry, before notify)
+    with pytest.raises(RuntimeError, match="dispatch_first_call failed"):
+        _dispatch(path, 2, False)
+    assert path.published[-1] == (2, P.Pending.FIRST)
 
 
 def test_a_copied_state_binds_again_from_its_own_tensors(path):
@@ -250,3 +261,23 @@ def test_the_fused_in_node_stage_hands_its_record_on(path):
                                           fused=launcher, out=(y, w)))
     kw = path.fake.calls[-1][1]
     assert kw["fused"] is launcher and kw["out"] is y and kw["out_weights"] is None
+
+
+def test_a_grown_region_decides_again_where_the_rows_lie(path):
+    """A zero-copy input lies in the region notify saw: when the host grows it between the two
+    crossings, the move is told the input is not in the region any more (its rows are staged)."""
+    path.fake.stop_after_notify = True
+    x = torch.randn(T, H, dtype=torch.bfloat16)
+    path.rt.base = x.data_ptr() - path.rt.plan.stage_x  # x is the region's staging (a dispatch_input)
+
+    def grow(need):
+        path.rt.base += 1 << 40  # a new region elsewhere
+        return True
+
+    path.rt.grow_if_needed = grow
+    idx = torch.tensor([[0, 5], [1, 2], [7, -1], [3, 4], [6, 0], [2, 5]])
+    call = _call(path, "dispatch", 1)
+    with path.guard(call):
+        path.dispatch(call, DispatchRequest(x, idx, None, E, False, 1))
+    (_, first, _), (_, disp, _) = path.fake.calls
+    assert first["zero_copy"] and not disp["zero_copy"]

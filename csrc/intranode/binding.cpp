@@ -235,7 +235,7 @@ struct Notified {
 
 Notified notify_part(Runtime& rt, CallStreams& cs, StepTimer& clock, const Sig& sig, const Tensor& topk_idx, int E,
                      int align, bool permute, int worst, int groups, bool check, bool want_rank_counts, long long tag,
-                     const py::object& marks) {
+                     const py::object& marks, bool async_op) {
   const int R = rt.num_ranks(), T = (int)topk_idx.size(0), K = (int)topk_idx.size(1);
   TORCH_CHECK(E >= R && E % R == 0, "megatron_ep: bad num_experts ", E);
   TORCH_CHECK(topk_idx.is_cuda() && topk_idx.scalar_type() == at::kLong, "megatron_ep: topk_idx must be a CUDA int64 tensor");
@@ -253,14 +253,17 @@ Notified notify_part(Runtime& rt, CallStreams& cs, StepTimer& clock, const Sig& 
   HandleState& st = n.st;
   st.topk_idx = kept[0], st.rank_pos = kept[1], st.slot_pos = kept[2], st.recv_info = kept[3], st.row_limits = kept[4];
   if (want_rank_counts) n.rank_counts = kept[5], n.rank_prefix = kept[6];
-  if (topk_idx.is_contiguous())  // (a raw copy: ATen's copy_ costs more host time than the copy)
+  if (!topk_idx.is_contiguous())
+    st.topk_idx.copy_(topk_idx);
+  else if (topk_idx.nbytes() > 0)  // (a raw copy: ATen's copy_ costs more host time than the copy)
     C10_CUDA_CHECK(cudaMemcpyAsync(st.topk_idx.data_ptr(), topk_idx.data_ptr(), topk_idx.nbytes(),
                                    cudaMemcpyDeviceToDevice, cs.comm().stream()));
-  else
-    st.topk_idx.copy_(topk_idx);
+  // the caller's ids are read on our stream: an asynchronous caller may free them at once
+  if (async_op) topk_idx.record_stream(cs.comm());
   clock.lap(kStepOutputs);
   notify(rt, sig, st.topk_idx, E, align, permute, worst, st.rank_pos, st.slot_pos, st.recv_info, st.row_limits, n.tpe,
          n.dropped, tag, groups, check, n.rank_counts, n.rank_prefix);
+  rt.set_notified(tag);
   mark(marks, 1);
   clock.lap(kStepLaunch);
   st.keep_counts(n.counts);
@@ -289,12 +292,12 @@ py::tuple notified_tuple(Notified& n, const py::tuple& sizes) {
 // num_dropped are views of counts [L + 1], so a cached dispatch copies both with one copy.
 py::tuple notify_call(Runtime& rt, const Sig& sig, const Tensor& topk_idx, int E, int align, bool permute, int worst,
                       int groups, bool check, bool want_rank_counts, long long tag, const py::object& previous,
-                      const py::object& marks, double wait_s) {
+                      const py::object& marks, double wait_s, bool async_op) {
   StepTimer clock(rt.clock(), kEntryNotify);
   CallStreams cs(rt, previous, false);
   clock.lap(kStepStreams);
   Notified n = notify_part(rt, cs, clock, sig, topk_idx, E, align, permute, worst, groups, check, want_rank_counts, tag,
-                           marks);
+                           marks, async_op);
   const py::tuple sizes = wait_s >= 0 ? rt.wait_counts(tag, wait_s, n.L) : py::make_tuple(-1, py::none());
   clock.lap(kStepWait);
   py::tuple out = notified_tuple(n, sizes);
@@ -496,10 +499,10 @@ py::tuple dispatch_call(Runtime& rt, HandleState& st, const Sig& sig, bool first
 // its sizes, then -- where they came, the call was not aborted and every rank's rows fit the
 // region as it is (`fits`: the needs other than the counts fit, which the caller checked) -- the
 // rest as dispatch_call does it. Returns (status, notify_call's tuple, dispatch_call's tuple or
-// None, the error or None): status 0 dispatched; 1 stopped after the wait (the caller reads the
-// sizes, grows the region or raises, then calls dispatch_call); 2 the dispatch half raised after
-// notify (its exception, or its message: the caller publishes the failure where the peers wait now,
-// then raises it). The steps are charged to notify_call's and dispatch_call's host clocks.
+// None): status 0 dispatched; 1 stopped after the wait (the caller reads the sizes, grows the
+// region or raises, then calls dispatch_call). An exception out of it after notify was launched
+// leaves Runtime::notified_tag at `tag` (the caller publishes its failure where the peers then
+// wait). The steps are charged to notify_call's and dispatch_call's host clocks.
 py::tuple dispatch_first_call(Runtime& rt, const Sig& sig, const Tensor& topk_idx, int E, int align, bool permute,
                               int groups, bool check, bool want_rank_counts, long long tag, const py::object& previous,
                               const py::object& notify_marks, double wait_s, bool fits, const Tensor& data,
@@ -511,7 +514,7 @@ py::tuple dispatch_first_call(Runtime& rt, const Sig& sig, const Tensor& topk_id
   CallStreams cs(rt, previous, false);
   clock.lap(kStepStreams);
   Notified n = notify_part(rt, cs, clock, sig, topk_idx, E, align, permute, 0, groups, check, want_rank_counts, tag,
-                           notify_marks);
+                           notify_marks, async_op);
   const py::tuple sizes = rt.wait_counts(tag, wait_s, n.L);
   clock.lap(kStepWait);
   int rows = 0, perm_rows = 0;
@@ -524,19 +527,12 @@ py::tuple dispatch_first_call(Runtime& rt, const Sig& sig, const Tensor& topk_id
     go = rows >= 0 && info["need_tokens"].cast<long long>() <= l.max_tokens &&
          info[permute ? "need_perm_rows" : "need_rows"].cast<long long>() <= l.comb_rows;
   }
-  if (!go) return py::make_tuple(1, notified_tuple(n, sizes), py::none(), py::none());
-  py::object out, err = py::none();
-  try {
-    StepTimer dclock(rt.clock(), kEntryDispatch);
-    out = dispatch_part(rt, cs, dclock, n.st, sig, true, data, scales, topk_w, push, scratch, zero_copy,
-                        permute ? perm_rows : rows, 0, permute ? rows : 0, event, async_op, hook, py::none(), marks,
-                        num_blocks, push_blocks, local_blocks);
-  } catch (py::error_already_set& e) {  // (an output hook's)
-    err = e.value();
-  } catch (const std::exception& e) {
-    err = py::str(e.what());
-  }
-  return py::make_tuple(err.is_none() ? 0 : 2, notified_tuple(n, sizes), out.ptr() ? out : py::none(), err);
+  if (!go) return py::make_tuple(1, notified_tuple(n, sizes), py::none());
+  StepTimer dclock(rt.clock(), kEntryDispatch);
+  py::tuple out = dispatch_part(rt, cs, dclock, n.st, sig, true, data, scales, topk_w, push, scratch, zero_copy,
+                                permute ? perm_rows : rows, 0, permute ? rows : 0, event, async_op, hook, py::none(),
+                                marks, num_blocks, push_blocks, local_blocks);
+  return py::make_tuple(0, notified_tuple(n, sizes), out);
 }
 
 // get_dispatch_layout in one crossing, on the current stream: the counts in one zeroed buffer
@@ -598,6 +594,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("view", &mep::Runtime::view)
       .def("base_ptr", &mep::Runtime::base_ptr)
       .def("host_tag", &mep::Runtime::host_tag)
+      .def("notified_tag", &mep::Runtime::notified_tag)
       .def("host_counts", &mep::Runtime::host_counts)
       .def("num_aborted", &mep::Runtime::num_aborted)
       .def("error_address", &mep::Runtime::error_address)
@@ -613,7 +610,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init(&mep::handle_state), py::arg("topk_idx"), py::arg("rank_pos"), py::arg("slot_pos"), py::arg("recv_info"), py::arg("row_limits"), py::arg("counts"), py::arg("comb_map"), py::arg("num_experts"), py::arg("permute"));
   // one crossing per call (calls.h); argument names: the Python side's (megatron_ep/cuda/paths/intranode.py
   // passes them by name; tests/test_kernel_boundary.py reads both sides)
-  intra.def("notify_call", &mep::notify_call, py::arg("rt"), py::arg("sig"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("expert_alignment"), py::arg("permute"), py::arg("num_worst_tokens"), py::arg("token_groups"), py::arg("check_ids"), py::arg("rank_counts"), py::arg("tag"), py::arg("previous_event"), py::arg("marks"), py::arg("wait_s"));
+  intra.def("notify_call", &mep::notify_call, py::arg("rt"), py::arg("sig"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("expert_alignment"), py::arg("permute"), py::arg("num_worst_tokens"), py::arg("token_groups"), py::arg("check_ids"), py::arg("rank_counts"), py::arg("tag"), py::arg("previous_event"), py::arg("marks"), py::arg("wait_s"), py::arg("async_op"));
   intra.def("dispatch_first_call", &mep::dispatch_first_call, py::arg("rt"), py::arg("sig"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("expert_alignment"), py::arg("permute"), py::arg("token_groups"), py::arg("check_ids"), py::arg("rank_counts"), py::arg("tag"), py::arg("previous_event"), py::arg("notify_marks"), py::arg("wait_s"), py::arg("fits"), py::arg("x"), py::arg("scales"), py::arg("topk_weights"), py::arg("push"), py::arg("scratch"), py::arg("zero_copy"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("marks"), py::arg("num_blocks"), py::arg("push_blocks"), py::arg("local_blocks"));
   intra.def("dispatch_call", &mep::dispatch_call, py::arg("rt"), py::arg("state"), py::arg("sig"), py::arg("first"), py::arg("x"), py::arg("scales"), py::arg("topk_weights"), py::arg("push"), py::arg("scratch"), py::arg("zero_copy"), py::arg("out_rows"), py::arg("num_worst_tokens"), py::arg("comb_rows"), py::arg("previous_event"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("fused"), py::arg("marks"), py::arg("num_blocks"), py::arg("push_blocks"), py::arg("local_blocks"));
   intra.def("combine_call", &mep::combine_call, py::arg("rt"), py::arg("state"), py::arg("sig"), py::arg("x"), py::arg("weights"), py::arg("partials"), py::arg("zero_copy"), py::arg("out"), py::arg("out_weights"), py::arg("previous_event"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("fused"), py::arg("marks"), py::arg("num_blocks"), py::arg("local_blocks"));

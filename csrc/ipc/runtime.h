@@ -223,6 +223,11 @@ class Runtime {
 
   // ---- host block
   long long host_tag() const { return host()->tag; }
+  // The tag of the last notify launched here: after an exception out of a crossing that launches
+  // notify and then moves rows, the caller tells by it whether its peers already wait at the
+  // rows' first handshake (dispatch_first_call).
+  long long notified_tag() const { return notified_tag_; }
+  void set_notified(long long tag) { notified_tag_ = tag; }
   // Wait until notify's sizes for `tag` reached the host block: 0 once they did, 1 if a fatal
   // error was recorded first, 2 after timeout_s. One crossing for the whole wait, without the GIL:
   // poll for 2 ms (the GPU finishing the work queued before notify is the common case), then
@@ -372,6 +377,7 @@ class Runtime {
   int rank_ = 0, num_ranks_ = 1;
   HostClock clock_;
   unsigned long long timeout_ns_ = 0;
+  long long notified_tag_ = 0;
 };
 
 }  // namespace mep

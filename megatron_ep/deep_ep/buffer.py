@@ -617,8 +617,8 @@ class Buffer:
         gathering every rank's num_tokens_per_rank -- None then for a sync-free dispatch on a
         group that cannot gather device tensors without a host round trip."""
         prefix = out.handle.recv_rank_prefix if column else out.handle.rank_prefix
-        if prefix is not None:  # (the backend's, from the same exchange: no work here)
-            return prefix, out
+        if prefix is not None:  # (the backend's, from the same exchange; DeepEP's column is contiguous)
+            return (prefix.contiguous() if column else prefix), out
         counts = out.handle.recv_rank_counts if column else out.handle.rank_counts
         if counts is not None:
             return self._after(out, lambda: torch.cumsum(counts, dim=0, dtype=torch.int32))

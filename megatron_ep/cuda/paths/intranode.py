@@ -189,6 +189,8 @@ class IntranodePath(NormalPath):
         previous = _event(req.previous_event)
         comb_rows = 0
         event = torch.cuda.Event() if req.async_op else None  # (a synchronous call joins through the runtime's own)
+        # benchmarks' phase marks, in the order they are recorded: notify's first
+        notify_marks = rt.marks(("start", "notify"), first=True) if plan.first else None
         marks = rt.marks(("push", "fanout" if plan.permute else None) if plan.push or plan.fused is not None
                          else ("stage", "pull"))
         zero_copy = plan.data.data_ptr() == rt.base + rt.plan.stage_x
@@ -197,23 +199,30 @@ class IntranodePath(NormalPath):
             # the region fits the call's needs but its counts (a plan remembered per need), so the
             # extension needs to compare only the counts notify learns
             fits = rt.fits(dict(plan.need, max_tokens=0, combine_rows=0)) is None
-            status, notified, res, err = call.sends(
-                self.kernels.dispatch_first_call, rt=rt.rt, sig=call.sig, topk_idx=plan.topk_idx,
-                num_experts=plan.num_experts, expert_alignment=plan.expert_alignment, permute=plan.permute,
-                token_groups=plan.groups, check_ids=plan.check_ids, rank_counts=plan.rank_counts, tag=next(self.tags),
-                previous_event=previous, notify_marks=rt.marks(("start", "notify"), first=True), wait_s=rt.host_wait_s,
-                fits=fits, x=plan.data, scales=plan.scales, topk_weights=plan.topk_weights, push=plan.push,
-                scratch=scratch, zero_copy=zero_copy, event=event, async_op=req.async_op, hook=hooks.current(),
-                marks=marks, num_blocks=rt.num_sms, push_blocks=rt.push_sms, local_blocks=rt.local_sms)
+            tag = next(self.tags)
+            try:
+                status, notified, res = call.sends(
+                    self.kernels.dispatch_first_call, rt=rt.rt, sig=call.sig, topk_idx=plan.topk_idx,
+                    num_experts=plan.num_experts, expert_alignment=plan.expert_alignment, permute=plan.permute,
+                    token_groups=plan.groups, check_ids=plan.check_ids, rank_counts=plan.rank_counts, tag=tag,
+                    previous_event=previous, notify_marks=notify_marks, wait_s=rt.host_wait_s, fits=fits, x=plan.data,
+                    scales=plan.scales, topk_weights=plan.topk_weights, push=plan.push, scratch=scratch,
+                    zero_copy=zero_copy, event=event, async_op=req.async_op, hook=hooks.current(), marks=marks,
+                    num_blocks=rt.num_sms, push_blocks=rt.push_sms, local_blocks=rt.local_sms)
+            except BaseException:
+                if rt.rt.notified_tag() == tag:  # raised past notify: the peers wait at the rows' first handshake
+                    call.owe(P.Pending.OUT_LOC if plan.push else P.Pending.STAGED)
+                raise
             # (status 0: the rows moved in the same crossing, so nothing is owed after it)
             st, comb_rows = self._notified(call, plan, notified, grow=status == 1, owed=status != 0)
-            if status == 2:  # the dispatch half raised after notify: published where the peers wait now
-                raise err if isinstance(err, BaseException) else RuntimeError(err)
             if status == 0:
                 return self._dispatched(call, req, plan, st, res, event)
             previous = None  # the streams are ordered: the call was entered
+            # the region may have grown: where the rows lie is decided again
+            zero_copy = plan.data.data_ptr() == rt.base + rt.plan.stage_x
+            scratch = plan.push and plan.permute and rt.scratch_free()
         elif plan.first:
-            st, comb_rows = self._notify(call, plan, previous)
+            st, comb_rows = self._notify(call, plan, previous, notify_marks, req.async_op)
             previous = None  # the streams are ordered: notify_call entered the call
         else:
             st = req.handle.state
@@ -294,7 +303,7 @@ class IntranodePath(NormalPath):
                             first=handle is None, push=push, check_ids=check_on_device, rank_counts=req.rank_counts,
                             fused=req.fused)
 
-    def _notify(self, call: P.Call, plan: "DispatchPlan", previous) -> tuple:
+    def _notify(self, call: P.Call, plan: "DispatchPlan", previous, marks, async_op: bool) -> tuple:
         """A worst-case sized routing's counts, exchange and row positions (one crossing: calls.h
         notify_call, which also enters the call's streams), without a host wait. Returns what
         _notified does."""
@@ -303,7 +312,7 @@ class IntranodePath(NormalPath):
             self.kernels.notify_call, rt=rt.rt, sig=call.sig, topk_idx=plan.topk_idx, num_experts=plan.num_experts,
             expert_alignment=plan.expert_alignment, permute=plan.permute, num_worst_tokens=plan.num_worst_tokens,
             token_groups=plan.groups, check_ids=plan.check_ids, rank_counts=plan.rank_counts, tag=next(self.tags),
-            previous_event=previous, marks=rt.marks(("start", "notify"), first=True), wait_s=-1.0)
+            previous_event=previous, marks=marks, wait_s=-1.0, async_op=async_op)
         return self._notified(call, plan, notified, grow=False, owed=True)
 
     def _notified(self, call: P.Call, plan: "DispatchPlan", notified: tuple, grow: bool, owed: bool) -> tuple:
