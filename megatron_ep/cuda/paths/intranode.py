@@ -193,8 +193,7 @@ class IntranodePath(NormalPath):
         notify_marks = rt.marks(("start", "notify"), first=True) if plan.first else None
         marks = rt.marks(("push", "fanout" if plan.permute else None) if plan.push or plan.fused is not None
                          else ("stage", "pull"))
-        zero_copy = plan.data.data_ptr() == rt.base + rt.plan.stage_x
-        scratch = plan.push and plan.permute and rt.scratch_free()
+        zero_copy, scratch = self._placement(plan)
         if plan.first and not plan.num_worst_tokens:
             # the region fits the call's needs but its counts (a plan remembered per need), so the
             # extension needs to compare only the counts notify learns
@@ -218,9 +217,7 @@ class IntranodePath(NormalPath):
             if status == 0:
                 return self._dispatched(call, req, plan, st, res, event)
             previous = None  # the streams are ordered: the call was entered
-            # the region may have grown: where the rows lie is decided again
-            zero_copy = plan.data.data_ptr() == rt.base + rt.plan.stage_x
-            scratch = plan.push and plan.permute and rt.scratch_free()
+            zero_copy, scratch = self._placement(plan)  # the region may have grown: decided again
         elif plan.first:
             st, comb_rows = self._notify(call, plan, previous, notify_marks, req.async_op)
             previous = None  # the streams are ordered: notify_call entered the call
@@ -234,6 +231,13 @@ class IntranodePath(NormalPath):
                          async_op=req.async_op, hook=hooks.current(), fused=plan.fused, marks=marks,
                          num_blocks=rt.num_sms, push_blocks=rt.push_sms, local_blocks=rt.local_sms)
         return self._dispatched(call, req, plan, st, res, event)
+
+    def _placement(self, plan: "DispatchPlan") -> tuple:
+        """(zero_copy: the rows already lie in this region's staging, scratch: the expert-major push
+        may use the combine area as its rank-major buffer), for the region as it is now."""
+        rt = self.rt
+        return (plan.data.data_ptr() == rt.base + rt.plan.stage_x,
+                plan.push and plan.permute and rt.scratch_free())
 
     def _dispatched(self, call: P.Call, req: DispatchRequest, plan: "DispatchPlan", st: IntranodeState, res: tuple,
                     event) -> DispatchOutput:
