@@ -111,21 +111,20 @@ struct FanoutArgs {
 };
 void launch_fanout(const Ctx& ctx, const FanoutArgs& args, int num_blocks, cudaStream_t stream);
 
-// Copy the combine input (unless it already lies in the region) and weights; publish `call`
-// and signal kSlotCall (a combine's first exchange).
+// A combine's staging: copy the input (unless it already lies in the region) and weights; publish
+// `call` and signal kSlotCall (a combine's first exchange). Run before the pull-and-sum in the same
+// launch (launch_stage_and_combine, and the internode path's fused combine).
 struct StageCombineArgs {
   const void* x;  // [rows, row_bytes] or nullptr (zero copy)
   int rows, row_bytes;
   const float* w;  // [rows, w_cols] or nullptr
   int w_cols;
 };
-void launch_stage_combine(const Ctx& ctx, const CallArgs& call, const StageCombineArgs& args, int num_blocks,
-                          cudaStream_t stream);
 
 // Expert-major combine, first half (local): each rank-major row's expert rows summed in fp32
 // into the combine area (a partial per (token, rank): one row crosses the link per token and
 // rank instead of one per (token, expert)), the weights staged; publishes `call` and signals
-// kSlotCall like launch_stage_combine, which it replaces.
+// kSlotCall like the staging, which it replaces.
 struct CombineReduceArgs {
   const void* x;      // [rows, H] expert-major rows (bf16 or fp32), local
   int rows, H, is_fp32;
@@ -141,6 +140,8 @@ void launch_combine_reduce(const Ctx& ctx, const CallArgs& call, const CombineRe
 // With `partials` (after launch_combine_reduce) the rows are the fp32 partials, one per rank.
 // Only rows the dispatch delivered are read: ids outside [0, E), negative positions and
 // positions past the owner's row limit (its num_worst_tokens) are skipped.
+// launch_stage_and_combine: the staging, then the sum of the staged rows, in one launch;
+// launch_combine_partials: the sum of the partials launch_combine_reduce wrote.
 struct CombineArgs {
   int T, H, K, E, permute, is_fp32, has_weights, partials;
   const int* row_limits;      // [R] from notify: rows each rank's combine input holds at most
@@ -150,7 +151,9 @@ struct CombineArgs {
   void* y;                    // [T, H]
   float* w_out;               // [T, K] or nullptr
 };
-void launch_combine(const Ctx& ctx, const CombineArgs& args, int num_blocks, cudaStream_t stream);
+void launch_stage_and_combine(const Ctx& ctx, const CallArgs& call, const StageCombineArgs& stage,
+                              const CombineArgs& args, int num_blocks, cudaStream_t stream);
+void launch_combine_partials(const Ctx& ctx, const CombineArgs& args, int num_blocks, cudaStream_t stream);
 
 // ---- the in-node stage of the internode path's fused kernels ----------------------------------
 // An in-node push or combine that the internode path runs inside its own fused launch

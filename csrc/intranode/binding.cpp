@@ -143,7 +143,7 @@ void fanout(Runtime& rt, const Sig& sig, const Tensor& rows, const c10::optional
   check_launch("fanout");
 }
 
-// Expert-major combine, first half: the local pre-reduction into fp32 partials (replaces stage_combine).
+// Expert-major combine, first half: the local pre-reduction into fp32 partials (replaces the staging).
 CombineReduceArgs combine_reduce_args(Runtime& rt, const Tensor& x, int rows, int H, bool is_fp32, const Tensor& comb_map,
                                       const Tensor& recv_info, const c10::optional<Tensor>& w) {
   const RegionLayout& l = rt.lay();
@@ -156,14 +156,6 @@ CombineReduceArgs combine_reduce_args(Runtime& rt, const Tensor& x, int rows, in
                            (int)comb_map.size(1), ptr_or_null<const float>(w)};
 }
 
-void combine_reduce(Runtime& rt, const Sig& sig, const Tensor& x, int rows, int H, bool is_fp32, const Tensor& comb_map,
-                    const Tensor& recv_info, const c10::optional<Tensor>& w, int num_blocks) {
-  const CombineReduceArgs a = combine_reduce_args(rt, x, rows, H, is_fp32, comb_map, recv_info, w);
-  const CallArgs call = make_call(sig, kCallOk, "");
-  launch_combine_reduce(rt.ctx(call.sig[kSigSeq]), call, a, num_blocks, stream());
-  check_launch("combine_reduce");
-}
-
 StageCombineArgs stage_combine_args(Runtime& rt, const c10::optional<Tensor>& x, int rows, int row_bytes,
                                     const c10::optional<Tensor>& w, int w_cols) {
   const RegionLayout& l = rt.lay();
@@ -171,14 +163,6 @@ StageCombineArgs stage_combine_args(Runtime& rt, const c10::optional<Tensor>& x,
   TORCH_CHECK(row_bytes <= l.comb_row_bytes && row_bytes % 16 == 0, "megatron_ep: bad combine row size ", row_bytes);
   TORCH_CHECK(w_cols <= l.max_topk, "megatron_ep: combine weight columns exceed the region's");
   return StageCombineArgs{x.has_value() ? x->data_ptr() : nullptr, rows, row_bytes, ptr_or_null<const float>(w), w_cols};
-}
-
-void stage_combine(Runtime& rt, const Sig& sig, const c10::optional<Tensor>& x, int rows, int row_bytes,
-                   const c10::optional<Tensor>& w, int w_cols, int num_blocks) {
-  const StageCombineArgs a = stage_combine_args(rt, x, rows, row_bytes, w, w_cols);
-  const CallArgs call = make_call(sig, kCallOk, "");
-  launch_stage_combine(rt.ctx(call.sig[kSigSeq]), call, a, num_blocks, stream());
-  check_launch("stage_combine");
 }
 
 CombineArgs combine_args(int T, int H, int K, int E, bool permute, bool is_fp32, bool has_weights, bool partials,
@@ -192,14 +176,6 @@ CombineArgs combine_args(int T, int H, int K, int E, bool permute, bool is_fp32,
                      rank_pos.data_ptr<int>(), slot_pos.data_ptr<int>(), y.data_ptr(), ptr_or_null<float>(w_out)};
 }
 
-void combine(Runtime& rt, const Sig& sig, int T, int H, int K, int E, bool permute, bool is_fp32, bool has_weights,
-             bool partials, const Tensor& row_limits, const Tensor& topk_idx, const Tensor& rank_pos, const Tensor& slot_pos, Tensor& y,
-             const c10::optional<Tensor>& w_out, int num_blocks) {
-  const CombineArgs a = combine_args(T, H, K, E, permute, is_fp32, has_weights, partials, row_limits, topk_idx, rank_pos,
-                                     slot_pos, y, w_out);
-  launch_combine(rt.ctx(sig.at(kSigSeq)), a, num_blocks, stream());
-  check_launch("combine");
-}
 
 // ------------------------------------------------------------------ one crossing per call (calls.h)
 HandleState handle_state(const Tensor& topk_idx, const Tensor& rank_pos, const Tensor& slot_pos, const Tensor& recv_info,
@@ -351,15 +327,22 @@ py::tuple combine_call(Runtime& rt, const HandleState& st, const Sig& sig, const
                             st.rank_pos, st.slot_pos, y, w_out);
       fused(as_bytes(d), y, w_out.has_value() ? py::cast(*w_out) : py::none());
     } else {
-      if (partials) {
+      const CombineArgs comb = combine_args(st.T, H, st.K, st.E, st.permute, is_fp32, has_w, partials, st.row_limits,
+                                            st.topk_idx, st.rank_pos, st.slot_pos, y, w_out);
+      const CallArgs call = make_call(sig, kCallOk, "");
+      const Ctx ctx = rt.ctx(call.sig[kSigSeq]);
+      if (partials) {  // the pre-reduction on the local SMs, then the partials' sum
         TORCH_CHECK(st.comb_map.has_value(), "megatron_ep: partials need the dispatch's comb_map");
-        combine_reduce(rt, sig, x, rows, H, is_fp32, *st.comb_map, st.recv_info, weights, local_blocks);
+        launch_combine_reduce(ctx, call, combine_reduce_args(rt, x, rows, H, is_fp32, *st.comb_map, st.recv_info, weights),
+                              local_blocks, stream());
+        check_launch("combine_reduce");
+        mark(marks, 1);
+        launch_combine_partials(ctx, comb, num_blocks, stream());
       } else {
-        stage_combine(rt, sig, staged, rows, row_bytes, weights, w_cols, num_blocks);
+        launch_stage_and_combine(ctx, call, stage_combine_args(rt, staged, rows, row_bytes, weights, w_cols), comb,
+                                 num_blocks, stream());
       }
-      mark(marks, 1);
-      combine(rt, sig, st.T, H, st.K, st.E, st.permute, is_fp32, has_w, partials, st.row_limits, st.topk_idx,
-              st.rank_pos, st.slot_pos, y, w_out, num_blocks);
+      check_launch("combine");
     }
     mark(marks, 2);
   }

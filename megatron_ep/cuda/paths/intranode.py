@@ -382,7 +382,8 @@ class IntranodePath(NormalPath):
     # ------------------------------------------------------------------------------- combine
     def combine(self, call: P.Call, req: CombineRequest) -> CombineOutput:
         """The checks and decisions here, then one crossing (calls.h combine_call): y on the
-        caller's stream, stage (or the expert-major pre-reduction) and the pull-and-sum on ours."""
+        caller's stream; on ours the staging and the pull-and-sum in one launch, or the
+        expert-major pre-reduction and the partials' sum."""
         rt = self.rt
         x, handle, weights = req.x, req.handle, req.weights
         st: IntranodeState = handle.state
@@ -410,8 +411,8 @@ class IntranodePath(NormalPath):
             fail(tuple(y.shape) == (T, H) and y.dtype == x.dtype and (w_out is None) == (weights is None),
                  "combine: the given outputs do not match the call", RuntimeError)
         event = torch.cuda.Event() if req.async_op else None  # (a synchronous call joins through the runtime's own)
-        marks = rt.marks(("start", None if req.fused is not None else ("reduce" if partials else "stage"), "pull"),
-                         first=True)
+        # (the staging runs in the pull's launch: its time is the pull's; the pre-reduction has its own)
+        marks = rt.marks(("start", "reduce" if partials and req.fused is None else None, "pull"), first=True)
         y, w_out = call.sends(self.kernels.combine_call, rt=rt.rt, state=native_state(self.kernels, st, handle.num_experts),
                               sig=call.sig, x=x, weights=weights, partials=partials, zero_copy=zero_copy, out=y,
                               out_weights=w_out, previous_event=_event(req.previous_event), event=event,
