@@ -90,10 +90,24 @@ def _cuda_extensions():
     ext = CUDAExtension(
         name="megatron_ep._C",
         sources=sources,
-        include_dirs=[os.path.join(ROOT, "csrc")],
+        include_dirs=[os.path.join(ROOT, "csrc")] + _math_library_headers(CUDA_HOME),
         extra_compile_args={"cxx": ["-O3", "-std=c++20"], "nvcc": nvcc},  # torch >= 2.12 headers need C++20
     )
     return [ext] + _low_latency_extension(CUDAExtension, nvcc), {"build_ext": BuildExtension.with_options(use_ninja=True)}
+
+
+def _math_library_headers(cuda_home):
+    """torch's CUDA event header (the one-crossing calls record the caller's torch.cuda.Event) pulls
+    in the CUDA math libraries' headers; a toolkit without them (nvcc alone) finds them in the pip
+    packages torch's CUDA build brings (nvidia/cu13/include)."""
+    if os.path.exists(os.path.join(cuda_home, "include", "cusparse.h")):
+        return []
+    try:
+        import nvidia.cu13 as cu
+    except ImportError:
+        return []
+    return [inc for inc in (os.path.join(root, "include") for root in cu.__path__)
+            if os.path.exists(os.path.join(inc, "cusparse.h"))]
 
 
 def _sources(*folders):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 from contextlib import contextmanager
-from typing import Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,7 @@ from .types import (
 )
 
 BACKENDS = ("torch", "cuda", "auto")
+_BUFFER_FIELD = P.FIELD["buffer"]
 log = logging.getLogger("megatron_ep")
 _ids = iter(range(1, 1 << 62))
 _ordinals: dict = {}  # ranks of a group -> Buffers this process created on it so far
@@ -80,7 +81,15 @@ def _tensors(a) -> tuple:
 def _needs_refusal(*inputs) -> bool:
     """A call outside autograd whose inputs require grad, with grad mode on: its outputs would
     carry none of it (the cheap test every call makes; the refusal itself is rare)."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for a in inputs for t in _tensors(a))
+    if not torch.is_grad_enabled():
+        return False
+    for a in inputs:
+        if isinstance(a, torch.Tensor):
+            if a.requires_grad:
+                return True
+        elif a is not None and any(t is not None and t.requires_grad for t in a):  # an FP8 pair
+            return True
+    return False
 
 
 def _refusing(op: str, outputs, inputs):
@@ -127,9 +136,15 @@ class Buffer:
         num_sms: SMs per rank for the normal paths' cuda kernels (None: an analytic default;
             bounded by what the ranks sharing a GPU can keep resident). The low-latency kernels
             take every SM those ranks leave this rank, whatever num_sms says (as DeepEP's).
-        check_inputs: also check expert-id ranges and duplicates (one device->host sync on
-            GPU; skipped automatically under CUDA graph capture). Unchecked ids outside
-            [0, num_experts) are treated as unused slots by both backends.
+        check_inputs: also check expert-id ranges and duplicates in a new routing, before any row
+            moves. The cuda intranode path checks a dispatch's ids in its notify kernel, which the
+            host waits for anyway (no extra sync); elsewhere -- the torch backend, the internode
+            path, a worst-case sized dispatch, get_dispatch_layout, low_latency_dispatch -- it
+            costs one device->host sync, as does a low-latency combine's comparison of a routing
+            tensor other than its dispatch's. "no_sync": only the checks that add no sync (the
+            intranode notify's; the torch backend's, whose dispatch syncs anyway), as DeepEP's
+            callers expect of their calls (megatron_ep.deep_ep uses it). Skipped under CUDA graph
+            capture. Unchecked ids outside [0, num_experts) are unused slots on both backends.
         timeout_s (cuda): how long a kernel waits for a peer before it reports (MEP_TIMEOUT_S).
         low_latency (cuda): dict(num_experts=, max_tokens=, hidden=, topk=, fp8_only=) sizes the
             low-latency buffer now (collectively) instead of at its first call; rank_mask=True
@@ -144,9 +159,10 @@ class Buffer:
     def __init__(self, group: Optional[dist.ProcessGroup] = None, backend: str = "auto", *,
                  max_tokens_per_rank: Optional[int] = None, hidden: Optional[int] = None,
                  num_experts: Optional[int] = None, max_topk: Optional[int] = None,
-                 num_sms: Optional[int] = None, check_inputs: bool = True, ranks_per_node: Optional[int] = None,
+                 num_sms: Optional[int] = None, check_inputs: Union[bool, str] = True, ranks_per_node: Optional[int] = None,
                  **backend_options):
-        C.fail(backend in BACKENDS, f"backend must be one of {BACKENDS}, got {backend!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if group is None:
             C.fail(dist.is_initialized(), "Buffer needs an initialized torch.distributed process group (or pass group=)", RuntimeError)
             group = dist.group.WORLD
@@ -156,24 +172,26 @@ class Buffer:
         if max_tokens_per_rank is not None:
             C.check_int("max_tokens_per_rank", max_tokens_per_rank, 0)
         self.max_tokens_per_rank = max_tokens_per_rank
+        self._ids_level = C.check_inputs_level(check_inputs)
         self.check_inputs = check_inputs
         if ranks_per_node is not None:
-            C.fail(isinstance(ranks_per_node, int) and 1 <= ranks_per_node <= self.num_ranks
-                   and self.num_ranks % ranks_per_node == 0,
-                   f"ranks_per_node={ranks_per_node!r} must divide the group's {self.num_ranks} ranks")
+            if not (isinstance(ranks_per_node, int) and 1 <= ranks_per_node <= self.num_ranks
+                    and self.num_ranks % ranks_per_node == 0):
+                raise ValueError(f"ranks_per_node={ranks_per_node!r} must divide the group's {self.num_ranks} ranks")
         self.id = next(_ids)
         self._seq = 0
         # one call at a time per process: (thread name, op) of the call in progress
         self._busy_lock = threading.Lock()
         self._busy: Optional[tuple] = None
-        self._entered = 0  # calls entered (_call, refuse): before_call tells whether one began
+        self._entered = 0  # calls entered (_call, refuse): layer_call tells whether one began
         self._destroyed = False
         requested = backend
         if backend == "auto":
             backend = "cuda" if cuda_backend_available() else "torch"
         self.backend = backend
         if backend == "torch":
-            C.fail(not backend_options, f"unknown Buffer options for the torch backend: {sorted(backend_options)}", TypeError)
+            if backend_options:
+                raise TypeError(f"unknown Buffer options for the torch backend: {sorted(backend_options)}")
             self._impl = TorchBackend(group, self.num_ranks, self.rank)
         else:
             from .cuda.backend import CudaBackend
@@ -207,44 +225,43 @@ class Buffer:
         C.fail(not self._destroyed, "this Buffer was destroyed", RuntimeError)
         return self._impl
 
-    @contextmanager
-    def _exclusive(self, op: str):
+    def _acquire(self, op: str) -> None:
         """The host side of one call, alone: a second thread's call meanwhile raises
         BufferBusyError at once, before it sends anything, naming both callers."""
-        me = threading.current_thread().name
         if not self._busy_lock.acquire(blocking=False):
             thread, busy_op = self._busy or ("another thread", "a call")
             raise BufferBusyError(
-                f"{op} from thread {me!r} on Buffer #{self.ordinal} (rank {self.rank}/{self.num_ranks}, backend "
-                f"{self.backend}) while thread {thread!r} is inside its {busy_op}: one rank's calls on a Buffer are "
-                f"one sequence, matched call by call with its peers'; issue them from one thread at a time (this "
-                f"call was not made; the other goes on)")
-        self._busy = (me, op)
+                f"{op} from thread {threading.current_thread().name!r} on Buffer #{self.ordinal} (rank "
+                f"{self.rank}/{self.num_ranks}, backend {self.backend}) while thread {thread!r} is inside its "
+                f"{busy_op}: one rank's calls on a Buffer are one sequence, matched call by call with its peers'; "
+                f"issue them from one thread at a time (this call was not made; the other goes on)")
+        self._busy = (threading.current_thread().name, op)
+
+    def _release(self) -> None:
+        self._busy = None
+        self._busy_lock.release()
+
+    @contextmanager
+    def _exclusive(self, op: str):
+        self._acquire(op)
         try:
             yield
         finally:
-            self._busy = None
-            self._busy_lock.release()
+            self._release()
 
-    @contextmanager
-    def _call(self, op: str):
+    def _next_call(self, op: str) -> P.Call:
+        self._seq += 1
+        self._entered += 1
+        call = P.Call(P.OP[op], self._seq)
+        call.sig[_BUFFER_FIELD] = self.ordinal
+        return call
+
+    def _call(self, op: str) -> "_CallScope":
         """One collective call: a sequence number, a signature (filled by the caller), and the
         backend's entry check and failure publication around the whole host side -- also for a
         destroyed Buffer, whose call raises inside it, so the peers learn of it instead of
-        waiting."""
-        impl = self._impl
-        with self._exclusive(op):
-            self._seq += 1
-            self._entered += 1
-            call = P.Call(P.OP[op], self._seq).set(buffer=self.ordinal)
-            try:
-                with impl.call(call):
-                    self._backend()
-                    yield call
-            except CallMismatchError as exc:
-                if getattr(exc, "resync", None) is not None:  # the backend realigned the call numbers
-                    self._seq = exc.resync
-                raise
+        waiting (protocol.guarded's sequence, with the call's exclusivity: _CallScope)."""
+        return _CallScope(self, op)
 
     def refuse(self, op: str, exc: BaseException) -> None:
         """Fail this rank's call `op` (a key of protocol.OP) with `exc` where its peers wait for it:
@@ -252,39 +269,44 @@ class Buffer:
         Buffer's call. The failure is published at the call's first exchange, as a failure inside
         one of Buffer's calls is (the peers raise PeerFailedError with its message instead of
         waiting), then `exc` is raised here. It counts as a call on every rank, as theirs does."""
-        C.fail(op in P.OP, f"op must be one of {sorted(P.OP)}, got {op!r}")
-        with self._exclusive(op):
-            self._seq += 1
-            self._entered += 1
-            call = P.Call(P.OP[op], self._seq).set(buffer=self.ordinal)
-            with self._impl.call(call):
-                raise exc
+        if op not in P.OP:
+            raise ValueError(f"op must be one of {sorted(P.OP)}, got {op!r}")
+        with self._exclusive(op), P.guarded(self._impl, self._next_call(op)):
+            raise exc
 
-    @contextmanager
-    def before_call(self, op: str):
-        """The body of a layer's collective method whose first collective is one of Buffer's calls
-        (`op`): a failure in it before that call began (the layer's own checks) is published as
-        refuse() publishes it, so the peers waiting in that call raise PeerFailedError instead of
-        waiting for this rank; once one of Buffer's calls began, it published its own outcome and
-        nothing more is owed."""
+    def layer_call(self, op: str, fn: Callable[..., Any], *args, **kwargs) -> Any:
+        """fn(*args, **kwargs): the body of a layer's collective method whose first collective is
+        one of Buffer's calls (`op`). A failure in it before that call began (the layer's own
+        checks) is published as refuse() publishes it, so the peers waiting in that call raise
+        PeerFailedError instead of waiting for this rank; once one of Buffer's calls began, it
+        published its own outcome and nothing more is owed. (A function, not a context manager:
+        it wraps every call of megatron_ep.deep_ep, where a context costs host time per call.)"""
         entered = self._entered
         try:
-            yield
+            return fn(*args, **kwargs)
         except Exception as exc:
             if self._entered == entered:
                 self.refuse(op, exc)
             raise
 
     # ------------------------------------------------------------------------------ layout
-    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> DispatchLayout:
-        """Local routing summary (no communication)."""
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, *,
+                            check_values: bool = True, counts_dtype: torch.dtype = torch.int64) -> DispatchLayout:
+        """Local routing summary (no communication). check_values=False leaves the ids' values
+        (range, repeats) to the dispatch that follows with the same ids, which checks them
+        (check_inputs): here the check costs a host sync; ids outside [0, num_experts) unchecked
+        count as unused slots. counts_dtype: torch.int64 or torch.int32 (DeepEP's) for the two
+        count tensors."""
         C.check_num_experts(num_experts, self.num_ranks)
         C.fail(isinstance(topk_idx, torch.Tensor), "topk_idx must be a tensor", TypeError)
         C.check_topk_idx(topk_idx, topk_idx.shape[0] if topk_idx.dim() else -1, topk_idx.device)
         C.check_token_limit(topk_idx.shape[0], self.max_tokens_per_rank)
-        if self.check_inputs:
+        C.check_bool("check_values", check_values)
+        if counts_dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"counts_dtype must be torch.int64 or torch.int32, got {counts_dtype}")
+        if self._ids_level == C.IDS_CHECKED and check_values:
             C.check_topk_values(topk_idx, num_experts)
-        return self._backend().layout(topk_idx, num_experts)
+        return self._backend().layout(topk_idx, num_experts, counts_dtype)
 
     # ---------------------------------------------------------------------------- dispatch
     def dispatch(self, x: Activation, topk_idx: Optional[torch.Tensor] = None,
@@ -292,7 +314,8 @@ class Buffer:
                  permute: Optional[bool] = None, expert_alignment: Optional[int] = None,
                  handle: Optional[DispatchHandle] = None, *, host_counts: bool = False,
                  num_worst_tokens: int = 0, async_op: bool = False,
-                 previous_event: Optional[EventOverlap] = None, on_overflow: str = "drop") -> DispatchOutput:
+                 previous_event: Optional[EventOverlap] = None, on_overflow: str = "drop",
+                 rank_counts: bool = False) -> DispatchOutput:
         """Send each token to the ranks owning its experts (docs/design.md §2).
 
         permute=False (default): rank-major rows; permute=True: expert-major rows, each
@@ -311,6 +334,12 @@ class Buffer:
         num_worst_tokens, and nothing moves. The cuda backend's worst-case sized dispatch keeps
         the counts on the GPU (that is what makes it sync-free), so there such rows are dropped
         and counted as with "drop".
+
+        rank_counts=True (a new routing): the handle also keeps every rank's tokens per
+        destination rank, [R, R] int32 on the device (`handle.rank_counts`), and its inclusive
+        prefix over source ranks (`handle.rank_prefix`, DeepEP's rank_prefix_matrix), from the
+        count exchange the call makes anyway; the cuda backend's internode path leaves both None
+        and keeps their columns of this rank (`recv_rank_counts`, `recv_rank_prefix`).
         """
         op = "dispatch" if handle is None else "cached_dispatch"
         with self._call(op) as call:
@@ -319,19 +348,26 @@ class Buffer:
             device = C.act_device(x)
             C.check_token_limit(T, self.max_tokens_per_rank)
             C.check_int("num_worst_tokens", num_worst_tokens, 0, C.MAX_ROWS)
-            C.fail(on_overflow in ("drop", "raise"), f"on_overflow must be 'drop' or 'raise', got {on_overflow!r}")
+            if on_overflow not in ("drop", "raise"):
+                raise ValueError(f"on_overflow must be 'drop' or 'raise', got {on_overflow!r}")
             C.check_bool("permute", permute, allow_none=True)
             C.check_bool("host_counts", host_counts)
+            C.check_bool("rank_counts", rank_counts)
             C.check_bool("async_op", async_op)
             C.check_event("previous_event", previous_event)
             if handle is not None:
                 self._check_handle(handle, DispatchHandle)
                 C.fail(topk_idx is None, "cached dispatch (handle given) takes its routing from the handle: pass topk_idx=None")
-                C.fail(T == handle.num_tokens, f"x has {T} tokens but the handle was built for {handle.num_tokens}")
-                C.fail(num_experts in (None, handle.num_experts), f"num_experts={num_experts} differs from the handle's {handle.num_experts}")
-                C.fail(permute in (None, handle.permute), f"permute={permute} differs from the handle's {handle.permute}")
-                C.fail(expert_alignment in (None, handle.expert_alignment), f"expert_alignment={expert_alignment} differs from the handle's {handle.expert_alignment}")
-                C.fail(num_worst_tokens in (0, handle.num_worst_tokens), f"num_worst_tokens={num_worst_tokens} differs from the handle's {handle.num_worst_tokens}")
+                if T != handle.num_tokens:
+                    raise ValueError(f"x has {T} tokens but the handle was built for {handle.num_tokens}")
+                if num_experts not in (None, handle.num_experts):
+                    raise ValueError(f"num_experts={num_experts} differs from the handle's {handle.num_experts}")
+                if permute not in (None, handle.permute):
+                    raise ValueError(f"permute={permute} differs from the handle's {handle.permute}")
+                if expert_alignment not in (None, handle.expert_alignment):
+                    raise ValueError(f"expert_alignment={expert_alignment} differs from the handle's {handle.expert_alignment}")
+                if num_worst_tokens not in (0, handle.num_worst_tokens):
+                    raise ValueError(f"num_worst_tokens={num_worst_tokens} differs from the handle's {handle.num_worst_tokens}")
                 num_experts, permute, expert_alignment, K = handle.num_experts, handle.permute, handle.expert_alignment, handle.topk
                 num_worst_tokens = handle.num_worst_tokens
             else:
@@ -344,22 +380,19 @@ class Buffer:
                 expert_alignment = 1 if expert_alignment is None else expert_alignment
                 C.check_alignment(expert_alignment)
                 K = C.check_topk_idx(topk_idx, T, device)
-                if self.check_inputs:
-                    if getattr(previous_event, "event", None) is not None:
-                        # the ids are ready at previous_event (maybe on another stream); the check
-                        # reads them on this one, and syncs the host anyway
-                        previous_event.event.synchronize()
-                    C.check_topk_values(topk_idx, num_experts)
+                # the ids' values (range, repeats) are checked by the backend, where it costs
+                # least (DispatchRequest.check_ids)
             if topk_weights is not None:
                 C.check_topk_weights(topk_weights, T, K, device)
             data = x[0] if is_fp8 else x
-            call.set(routing=handle.call_seq if handle is not None else 0, dtype=P.dtype_code(data.dtype), hidden=H,
-                     row_bytes=H * data.element_size(), topk=K, num_experts=num_experts, permute=permute,
-                     expert_alignment=expert_alignment, worst_case_sized=num_worst_tokens > 0,
-                     weights=_weights_code(topk_weights))
+            call.set_normal(handle.call_seq if handle is not None else 0, P.dtype_code(data.dtype), H,
+                            H * data.element_size(), K, num_experts, permute, expert_alignment, num_worst_tokens > 0,
+                            _weights_code(topk_weights))
             out = impl.dispatch(call, DispatchRequest(x, topk_idx, topk_weights, num_experts, permute, expert_alignment,
                                                       handle, host_counts, num_worst_tokens, async_op, previous_event,
-                                                      on_overflow=on_overflow))
+                                                      on_overflow=on_overflow,
+                                                      check_ids=self._ids_level if handle is None else C.IDS_UNCHECKED,
+                                                      rank_counts=rank_counts and handle is None))
         out.handle.buffer_id = self.id
         if _needs_refusal(x, topk_weights):  # each output on the graph of the input it moves
             (out.x,) = _refusing(op, [out.x], [x])
@@ -378,18 +411,21 @@ class Buffer:
             C.check_event("previous_event", previous_event)
             C.check_activation("x", x)
             C.fail(not C.is_fp8_tuple(x), "combine takes bf16/fp32 rows, not FP8", TypeError)
-            C.fail(x.shape[0] == handle.num_recv_rows, f"x has {x.shape[0]} rows but the dispatch delivered {handle.num_recv_rows}")
+            if x.shape[0] != handle.num_recv_rows:
+                raise ValueError(f"x has {x.shape[0]} rows but the dispatch delivered {handle.num_recv_rows}")
             if weights is not None:
                 C.fail(isinstance(weights, torch.Tensor), "weights must be a tensor", TypeError)
-                C.fail(weights.dtype in C.WEIGHT_DTYPES, f"weights must have dtype in {[str(d) for d in C.WEIGHT_DTYPES]}, got {weights.dtype}", TypeError)
+                if weights.dtype not in C.WEIGHT_DTYPES:
+                    raise TypeError(f"weights must have dtype in {[str(d) for d in C.WEIGHT_DTYPES]}, got {weights.dtype}")
                 shape = (handle.num_recv_rows,) if handle.permute else (handle.num_recv_rows, handle.topk)
-                C.fail(tuple(weights.shape) == shape, f"weights must have shape {shape}, got {tuple(weights.shape)}")
+                if tuple(weights.shape) != shape:
+                    raise ValueError(f"weights must have shape {shape}, got {tuple(weights.shape)}")
                 C.fail(weights.is_contiguous(), "weights must be contiguous")
-                C.fail(weights.device == x.device, f"weights is on {weights.device} but x is on {x.device}")
-            call.set(routing=handle.call_seq, dtype=P.dtype_code(x.dtype), hidden=x.shape[1],
-                     row_bytes=x.shape[1] * x.element_size(), topk=handle.topk, num_experts=handle.num_experts,
-                     permute=handle.permute, expert_alignment=handle.expert_alignment,
-                     worst_case_sized=handle.num_worst_tokens > 0, weights=_weights_code(weights))
+                if weights.device != x.device:
+                    raise ValueError(f"weights is on {weights.device} but x is on {x.device}")
+            call.set_normal(handle.call_seq, P.dtype_code(x.dtype), x.shape[1], x.shape[1] * x.element_size(),
+                            handle.topk, handle.num_experts, handle.permute, handle.expert_alignment,
+                            handle.num_worst_tokens > 0, _weights_code(weights))
             out = self._impl.combine(call, CombineRequest(x, handle, weights, async_op, previous_event))
         if _needs_refusal(x, weights):
             (out.x,) = _refusing("combine", [out.x], [x])
@@ -427,15 +463,17 @@ class Buffer:
             C.check_low_latency_capacity(max_tokens_per_rank, num_experts, H, 1 if use_fp8 else x.element_size())
             C.check_token_limit(T, max_tokens_per_rank)
             if use_fp8:
-                C.fail(H % C.FP8_BLOCK == 0, f"x: hidden size {H} must be a multiple of {C.FP8_BLOCK} for FP8")
+                if H % C.FP8_BLOCK != 0:
+                    raise ValueError(f"x: hidden size {H} must be a multiple of {C.FP8_BLOCK} for FP8")
             C.check_bool("use_ue8m0", use_ue8m0)
             if use_ue8m0:
                 C.fail(use_fp8 and round_scale, "use_ue8m0 needs use_fp8=True and round_scale=True (power-of-two scales)")
-                C.fail(H % (C.FP8_BLOCK * 4) == 0, f"x: hidden size {H} must be a multiple of {C.FP8_BLOCK * 4} for UE8M0 "
-                                                  f"scales (four per int32)")
-                C.fail(self.num_ranks * max_tokens_per_rank % 4 == 0,
-                       f"use_ue8m0: num_ranks * max_tokens_per_rank = {self.num_ranks * max_tokens_per_rank} must be a "
-                       f"multiple of 4 (the column-major scales are TMA-aligned)")
+                if H % (C.FP8_BLOCK * 4) != 0:
+                    raise ValueError(f"x: hidden size {H} must be a multiple of {C.FP8_BLOCK * 4} for UE8M0 "
+                                     f"scales (four per int32)")
+                if self.num_ranks * max_tokens_per_rank % 4 != 0:
+                    raise ValueError(f"use_ue8m0: num_ranks * max_tokens_per_rank = {self.num_ranks * max_tokens_per_rank} must be a "
+                                     f"multiple of 4 (the column-major scales are TMA-aligned)")
             C.check_stats("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
                           num_experts // self.num_ranks, torch.int32, x.device, "local expert")
             C.check_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, self.num_ranks, torch.int64,
@@ -443,7 +481,7 @@ class Buffer:
             kwargs.update(use_ue8m0=use_ue8m0, recv_stats=cumulative_local_expert_recv_stats,
                           wait_stats=dispatch_wait_recv_cost_stats)
             K = C.check_topk_idx(topk_idx, T, x.device)
-            if self.check_inputs:
+            if self._ids_level == C.IDS_CHECKED:  # (no kernel of this path reads ids for the host: a sync)
                 C.check_topk_values(topk_idx, num_experts)
             if topk_weights is not None:
                 C.check_topk_weights(topk_weights, T, K, x.device)
@@ -471,33 +509,42 @@ class Buffer:
         with self._call("low_latency_combine") as call:
             self._check_handle(handle, LowLatencyHandle)
             C.fail(isinstance(x, torch.Tensor), "x must be a tensor", TypeError)
-            C.fail(x.dtype in (torch.bfloat16, torch.float32), f"x must be bf16 or fp32, got {x.dtype}", TypeError)
+            if x.dtype not in (torch.bfloat16, torch.float32):
+                raise TypeError(f"x must be bf16 or fp32, got {x.dtype}")
             shape = (handle.num_local_experts, handle.num_ranks * handle.max_tokens_per_rank, handle.hidden)
-            C.fail(tuple(x.shape) == shape, f"x must have shape {shape}, got {tuple(x.shape)}")
+            if tuple(x.shape) != shape:
+                raise ValueError(f"x must have shape {shape}, got {tuple(x.shape)}")
             C.fail(x.is_contiguous(), "x must be contiguous")
             K = C.check_topk_idx(topk_idx, handle.num_tokens, x.device)
-            C.fail(K == handle.topk, f"topk_idx has K={K} but the dispatch used K={handle.topk}")
-            if self.check_inputs:
-                C.check_same_routing(topk_idx, handle.topk_idx, handle.topk_idx_version)
+            if K != handle.topk:
+                raise ValueError(f"topk_idx has K={K} but the dispatch used K={handle.topk}")
+            if self._ids_level != C.IDS_UNCHECKED:
+                C.check_same_routing(topk_idx, handle.topk_idx, handle.topk_idx_version,
+                                     may_sync=self._ids_level == C.IDS_CHECKED)
             C.check_topk_weights(topk_weights, handle.num_tokens, K, x.device)
             C.check_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, self.num_ranks, torch.int64,
                           x.device, "rank")
             if combine_wait_recv_cost_stats is not None:
                 kwargs["wait_stats"] = combine_wait_recv_cost_stats
             if out is not None:
-                C.fail(isinstance(out, torch.Tensor), f"out must be a tensor, got {type(out).__name__}", TypeError)
+                if not isinstance(out, torch.Tensor):
+                    raise TypeError(f"out must be a tensor, got {type(out).__name__}")
                 want = (handle.num_tokens, handle.hidden)
-                C.fail(tuple(out.shape) == want, f"out must have shape {want} (the dispatch's tokens x hidden), got "
-                                                 f"{tuple(out.shape)}")
-                C.fail(out.dtype == x.dtype, f"out must have x's dtype {x.dtype}, got {out.dtype}", TypeError)
-                C.fail(out.device == x.device, f"out is on {out.device} but x is on {x.device}")
+                if tuple(out.shape) != want:
+                    raise ValueError(f"out must have shape {want} (the dispatch's tokens x hidden), got "
+                                     f"{tuple(out.shape)}")
+                if out.dtype != x.dtype:
+                    raise TypeError(f"out must have x's dtype {x.dtype}, got {out.dtype}")
+                if out.device != x.device:
+                    raise ValueError(f"out is on {out.device} but x is on {x.device}")
                 C.fail(out.is_contiguous(), "out must be contiguous")
                 kwargs["out"] = out
             C.check_bool("use_logfmt", use_logfmt)
             if use_logfmt:
-                C.fail(x.dtype == torch.bfloat16, f"use_logfmt encodes bf16 expert outputs, got {x.dtype}", TypeError)
-                C.fail(handle.hidden % logfmt.BLOCK == 0,
-                       f"use_logfmt: hidden size {handle.hidden} must be a multiple of {logfmt.BLOCK}")
+                if x.dtype != torch.bfloat16:
+                    raise TypeError(f"use_logfmt encodes bf16 expert outputs, got {x.dtype}")
+                if handle.hidden % logfmt.BLOCK != 0:
+                    raise ValueError(f"use_logfmt: hidden size {handle.hidden} must be a multiple of {logfmt.BLOCK}")
                 kwargs["use_logfmt"] = True
             call.set(routing=handle.call_seq, dtype=P.dtype_code(x.dtype), hidden=handle.hidden,
                      row_bytes=handle.hidden * x.element_size(), topk=K, num_experts=handle.num_experts,
@@ -515,8 +562,9 @@ class Buffer:
     def _mask_path(self, what: str):
         impl = self._backend()
         path = impl.low_latency_path() if hasattr(impl, "low_latency_path") else None
-        C.fail(path is not None and path.rank_mask, f"{what} needs the cuda backend and a Buffer made with "
-                                                    f"low_latency=dict(..., rank_mask=True)", RuntimeError)
+        if not (path is not None and path.rank_mask):
+            raise RuntimeError(f"{what} needs the cuda backend and a Buffer made with "
+                               f"low_latency=dict(..., rank_mask=True)")
         return path
 
     def low_latency_mask(self, rank: int, masked: bool = True) -> None:
@@ -579,7 +627,24 @@ class Buffer:
 
     @property
     def num_sms(self) -> Optional[int]:
+        """SMs per rank the normal paths' cuda kernels launch with now (None: torch backend)."""
         return getattr(self._impl, "num_sms", None)
+
+    @property
+    def max_num_sms(self) -> Optional[int]:
+        """The most num_sms may be here: what each rank sharing this GPU can keep resident
+        (None: torch backend, which has no kernels)."""
+        return getattr(self._backend(), "max_num_sms", None)
+
+    def set_num_sms(self, num_sms: Optional[int]) -> None:
+        """The normal paths' SM budget from the next call on (not collective: a rank's count
+        need not match its peers'); None goes back to the default rule. 1..max_num_sms, or
+        ValueError naming the bound. The low-latency kernels keep every SM they may have. No
+        effect on the torch backend."""
+        if num_sms is not None:
+            C.check_int("num_sms", num_sms, 1)
+        with self._exclusive("set_num_sms"):
+            self._backend().set_num_sms(num_sms)
 
     @property
     def comm_stream(self):
@@ -590,9 +655,55 @@ class Buffer:
 
     # ----------------------------------------------------------------------------- helpers
     def _check_handle(self, handle, cls) -> None:
-        C.fail(isinstance(handle, cls), f"handle must be a {cls.__name__}, got {type(handle).__name__}", TypeError)
+        if not isinstance(handle, cls):
+            raise TypeError(f"handle must be a {cls.__name__}, got {type(handle).__name__}")
         C.fail(handle.buffer_id == self.id, "handle was produced by a different Buffer")
 
     def __repr__(self) -> str:
         what = "destroyed" if self._destroyed else self._impl.describe()
         return f"Buffer(backend={self.backend!r}, rank={self.rank}/{self.num_ranks}, {what})"
+
+
+class _CallScope:
+    """Buffer._call as a context object (a generator-based context manager costs several times
+    the host time of these few steps, and every call of a Buffer enters one): the Buffer's
+    exclusivity around protocol.guarded over its backend, and the call numbers realigned where the
+    backend says so."""
+
+    __slots__ = ("buf", "op", "guard")
+
+    def __init__(self, buf: Buffer, op: str):
+        self.buf, self.op = buf, op
+
+    def __enter__(self) -> P.Call:
+        buf = self.buf
+        buf._acquire(self.op)
+        exc = None
+        try:
+            self.guard = P.guarded(buf._impl, buf._next_call(self.op))
+            call = self.guard.__enter__()  # the entry check; its failure is published there
+        except BaseException as e:
+            exc = e
+            raise
+        finally:
+            if exc is not None:
+                self._done(exc)
+        try:
+            buf._backend()  # a destroyed Buffer's call raises inside the guard: its peers learn of it
+        except BaseException as e:
+            self.__exit__(type(e), e, None)
+            raise
+        return call
+
+    def __exit__(self, typ, exc, tb) -> bool:
+        try:
+            self.guard.__exit__(typ, exc, tb)
+        finally:
+            self._done(exc)
+        return False
+
+    def _done(self, exc: Optional[BaseException]) -> None:
+        buf = self.buf
+        if isinstance(exc, CallMismatchError) and getattr(exc, "resync", None) is not None:
+            buf._seq = exc.resync  # the backend realigned the call numbers
+        buf._release()

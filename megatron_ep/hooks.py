@@ -22,6 +22,11 @@ def active() -> bool:
     return _output_hook is not None
 
 
+def current() -> Optional[Callable[[torch.Tensor], None]]:
+    """The output hook, or None (the cuda backend's one-crossing calls apply it themselves)."""
+    return _output_hook
+
+
 def new_outputs(tensors: Iterable[Optional[torch.Tensor]]) -> bool:
     """Apply the output hook; True when it ran (a cuda caller's stream must then wait for it)."""
     if _output_hook is None:

@@ -53,6 +53,10 @@ notify_plan = P.notify_plan  # (num_tokens, groups) -> notify's chunk plan as a 
 # sender writes what the others' receivers read, so every rank must use the same)
 LL_COMBINE_LOGFMT = 1  # rows sent as LogFMT-10 where a block allows (megatron_ep.logfmt)
 LL_COMBINE_MERGED = 2  # one row per (token, rank), weighted by the sender, one flag per rank
+_VARIANT = FIELD["variant"]
+_ROUTING, _DTYPE, _HIDDEN, _ROW_BYTES, _TOPK, _NUM_EXPERTS, _PERMUTE, _ALIGNMENT, _WORST, _WEIGHTS = (
+    FIELD[name] for name in ("routing", "dtype", "hidden", "row_bytes", "topk", "num_experts", "permute",
+                             "expert_alignment", "worst_case_sized", "weights"))
 
 @functools.lru_cache(maxsize=None)
 def _dtype_codes() -> dict:
@@ -118,6 +122,21 @@ class Call:
             self.sig[FIELD[name]] = int(value)
         return self
 
+    def set_normal(self, routing: int, dtype: int, hidden: int, row_bytes: int, topk: int, num_experts: int,
+                   permute: bool, expert_alignment: int, worst_case_sized: bool, weights: int) -> "Call":
+        """set() of a normal dispatch's or combine's ten data fields, positionally (every such call
+        sets them: a keyword loop costs more host time than the stores)."""
+        sig = self.sig
+        (sig[_ROUTING], sig[_DTYPE], sig[_HIDDEN], sig[_ROW_BYTES], sig[_TOPK], sig[_NUM_EXPERTS], sig[_PERMUTE],
+         sig[_ALIGNMENT], sig[_WORST], sig[_WEIGHTS]) = (routing, dtype, hidden, row_bytes, topk, num_experts, int(permute),
+                                                         expert_alignment, int(worst_case_sized), weights)
+        return self
+
+    def set_variant(self, variant: int) -> "Call":
+        """set(variant=...) without the keyword loop (every normal call sets it)."""
+        self.sig[_VARIANT] = variant
+        return self
+
     def get(self, name: str) -> int:
         return self.sig[FIELD[name]]
 
@@ -150,6 +169,31 @@ class Call:
 
     def describe(self) -> str:
         return f"megatron_ep {self.name} (call #{self.seq})"
+
+
+class guarded:
+    """A call's host side under `owner` (a backend or a kernel path), as a context: its entry check
+    (`owner.begin`), and on a failure, the entry check's too, its publication to the peers
+    (`owner.failed`) before it propagates. A class, not a generator: every call enters one, and a
+    generator-based context costs several times the host time of these steps."""
+
+    __slots__ = ("owner", "call")
+
+    def __init__(self, owner, call: Call):
+        self.owner, self.call = owner, call
+
+    def __enter__(self) -> Call:
+        try:
+            self.owner.begin(self.call)
+        except BaseException as exc:
+            self.owner.failed(self.call, exc)
+            raise
+        return self.call
+
+    def __exit__(self, typ, exc, tb) -> bool:
+        if exc is not None:
+            self.owner.failed(self.call, exc)
+        return False
 
 
 def failure_message(exc: BaseException) -> str:

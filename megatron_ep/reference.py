@@ -13,7 +13,6 @@ row orders are exactly docs/design.md §2:
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -23,7 +22,7 @@ import torch.distributed as dist
 from . import logfmt
 from . import permute as PM
 from . import protocol as P
-from .checks import is_fp8_tuple
+from .checks import check_topk_values, is_fp8_tuple
 from .fp8 import column_major, pack_ue8m0, per_token_cast_to_fp8
 from .hooks import new_outputs
 from .requests import CombineRequest, DispatchRequest
@@ -104,6 +103,9 @@ class TorchBackend:
     name = "torch"
     num_sms = None
 
+    def set_num_sms(self, num_sms: Optional[int]) -> None:
+        """No kernels here: a budget set for the cuda backend is accepted and has no effect."""
+
     def __init__(self, group, num_ranks: int, rank: int):
         self.group, self.num_ranks, self.rank = group, num_ranks, rank
         nccl = num_ranks > 1 and dist.get_backend(group) == "nccl"
@@ -121,19 +123,17 @@ class TorchBackend:
     def reserve(self, need: dict) -> None:
         pass  # collectives size themselves
 
-    @contextmanager
-    def call(self, call: P.Call):
+    def begin(self, call: P.Call) -> None:
+        pass  # nothing reported between calls: every collective raises where it fails
+
+    def failed(self, call: P.Call, exc: BaseException) -> None:
         """A failure on this rank before the call's first collective, or between it and the data
         collective (an allocation, say), is published at the collective the peers wait in next,
         so they raise it instead of waiting for one this rank never joins."""
-        try:
-            yield call
-        except BaseException as exc:
-            if call.pending is P.Pending.FIRST:
-                self._exchange(call, failure=exc)
-            elif call.pending is P.Pending.COMMIT:
-                self._commit(call, failure=exc)
-            raise
+        if call.pending is P.Pending.FIRST:
+            self._exchange(call, failure=exc)
+        elif call.pending is P.Pending.COMMIT:
+            self._commit(call, failure=exc)
 
     def dispatch_input(self, num_tokens: int, hidden: int, dtype: torch.dtype, device=None) -> torch.Tensor:
         return torch.empty((num_tokens, hidden), dtype=dtype, device=device)
@@ -217,15 +217,15 @@ class TorchBackend:
         return out
 
     # --------------------------------------------------------------------------------- layout
-    def layout(self, topk_idx: torch.Tensor, num_experts: int) -> DispatchLayout:
+    def layout(self, topk_idx: torch.Tensor, num_experts: int, counts_dtype: torch.dtype = torch.int64) -> DispatchLayout:
         R, L = self.num_ranks, num_experts // self.num_ranks
         topk_idx = _valid_ids(topk_idx, num_experts)
         valid = topk_idx >= 0
         dst = torch.where(valid, topk_idx.div(L, rounding_mode="floor"), -1)
         token_in_rank = (dst.unsqueeze(-1) == torch.arange(R, device=topk_idx.device)).any(dim=1)
         return DispatchLayout(
-            tokens_per_rank=token_in_rank.sum(dim=0),
-            tokens_per_expert=torch.bincount(topk_idx[valid], minlength=num_experts),
+            tokens_per_rank=token_in_rank.sum(dim=0).to(counts_dtype),
+            tokens_per_expert=torch.bincount(topk_idx[valid], minlength=num_experts).to(counts_dtype),
             token_in_rank=token_in_rank,
         )
 
@@ -242,6 +242,8 @@ class TorchBackend:
         _wait(previous_event)
 
         if handle is None:
+            if req.check_ids:
+                check_topk_values(topk_idx, num_experts)
             K = topk_idx.shape[1]
             topk_idx = _valid_ids(topk_idx, num_experts)
             lay = self.layout(topk_idx, num_experts)
@@ -251,7 +253,9 @@ class TorchBackend:
             send_slot_local = dst[send_tok] == send_rank.unsqueeze(1)
             send_counts = lay.tokens_per_rank.tolist()
             limit = num_worst_tokens if req.on_overflow == "raise" and not permute else 0
-            recv_counts = self._exchange(call, counts=lay.tokens_per_rank, limit=limit)[:, self.rank].tolist()
+            every = self._exchange(call, counts=lay.tokens_per_rank, limit=limit)
+            recv_counts = every[:, self.rank].tolist()
+            rank_counts = every.to(device=device, dtype=torch.int32)
             local_idx = torch.where(send_slot_local, topk_idx[send_tok] - send_rank.unsqueeze(1) * L, -1)
             meta = [local_idx.to(torch.int32)]
         else:
@@ -319,7 +323,9 @@ class TorchBackend:
                 backend=self.name, num_ranks=R, rank=self.rank, num_experts=num_experts,
                 num_tokens=data.shape[0], topk=K, permute=permute, expert_alignment=expert_alignment,
                 num_recv_rows=num_rows, tokens_per_expert=out.tokens_per_expert, topk_idx=topk_idx,
-                num_worst_tokens=num_worst_tokens, state=state, call_seq=call.seq,
+                num_worst_tokens=num_worst_tokens, state=state, call_seq=call.seq, rank_counts=rank_counts,
+                recv_rank_counts=rank_counts[:, self.rank], rank_prefix=(prefix := rank_counts.cumsum(0, dtype=torch.int32)),
+                recv_rank_prefix=prefix[:, self.rank],
             )
         out.handle = handle
         # the outputs are the caller's: what the handle keeps (the routing's ids, counts and row

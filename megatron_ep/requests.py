@@ -1,7 +1,8 @@
 """What `Buffer` hands a backend for one normal call, after it checked every argument: one
 object instead of a dozen positional arguments passed through Buffer, the backend and the path
 (megatron_ep/buffer.py -> reference.py / cuda/backend.py -> cuda/paths/). The paths read the fields; none
-changes them."""
+changes them. Slotted, not frozen: a frozen dataclass sets each field through object.__setattr__,
+which costs a few microseconds of host time per call."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from .types import Activation, DispatchHandle, EventOverlap
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class DispatchRequest:
     x: Activation  # [T, H] bf16/fp32, or an FP8 (rows, scales) pair
     topk_idx: Optional[torch.Tensor]  # [T, K] int64, -1 = unused slot; None for a cached dispatch
@@ -37,9 +38,16 @@ class DispatchRequest:
     # rows past num_worst_tokens: "drop" (counted in num_dropped) or "raise" (every rank raises
     # WorstCaseOverflowError before any row moves, where the backend learns the counts on the host)
     on_overflow: str = "drop"
+    # check a new routing's ids (range, repeats in a token) before any row moves: Buffer's
+    # check_inputs as a level (checks.IDS_*); each backend checks where it costs least (the cuda
+    # intranode path in notify, which the host waits for anyway; elsewhere on the host, one sync,
+    # which IDS_CHECKED_FREE does not spend)
+    check_ids: int = 0
+    # also keep every rank's tokens per destination in the handle (DispatchHandle.rank_counts)
+    rank_counts: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class CombineRequest:
     x: torch.Tensor  # [rows the dispatch delivered, H]
     handle: DispatchHandle

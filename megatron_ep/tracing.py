@@ -21,7 +21,6 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from . import protocol as P
 
 def low_latency_points() -> Tuple[str, ...]:
     """The low-latency kernels' trace points, in order (LLTracePoint and its names in
@@ -66,38 +65,51 @@ def counters(buf) -> Dict[str, object]:
     return out
 
 
+@contextmanager
+def host_steps(buf) -> Iterator[Dict[str, Dict[str, float]]]:
+    """Within the block, the extension times the steps of each one-crossing entry of the
+    intranode path (notify_call, dispatch_call, combine_call; csrc/ipc/host_clock.h; a new
+    routing's dispatch_first_call charges its notify half to notify_call and the rest to
+    dispatch_call): where a crossing's host time goes, which a Python profiler sees as one call. The yielded dict is
+    filled when the block ends: {entry: {"calls": n, step: ns in all}}. It stays empty on the
+    torch backend and for calls without such entries (low-latency)."""
+    native = getattr(getattr(buf._backend(), "rt", None), "rt", None)
+    out: Dict[str, Dict[str, float]] = {}
+    if native is None or not hasattr(native, "set_host_clock"):
+        yield out
+        return
+    native.host_clock(True)
+    native.set_host_clock(True)
+    try:
+        yield out
+    finally:
+        native.set_host_clock(False)
+        out.update(native.host_clock(True))
+
+
 def notify_only(buf, topk_idx: torch.Tensor, num_experts: int) -> Optional[Callable[[int], None]]:
     """The intranode path's notify kernels alone (per-rank counts, the call exchange, row
-    positions): what a dispatch pays before any row moves. Returns run(T), which makes one
-    collective call of `buf` (its own call number and signature, so every rank must run it
-    together) over the first T tokens, on the communication stream, the caller's stream waiting
-    for it; None where the buffer has no such kernels (torch backend, other paths)."""
+    positions, and the routing's copy a dispatch makes with them): what a dispatch pays before any
+    row moves. Returns run(T), which makes one collective call of `buf` (its own call number and
+    signature, so every rank must run it together) over the first T tokens, on the communication
+    stream, the caller's stream waiting for it; None where the buffer has no such kernels (torch
+    backend, other paths)."""
     from .cuda.paths.intranode import IntranodePath
 
     impl = buf._backend()
     path, rt = getattr(impl, "path", None), getattr(impl, "rt", None)
     if not isinstance(path, IntranodePath):
         return None
-    kernels = path.kernels.notify
-    R = rt.num_ranks
-    T, K = topk_idx.shape
-    L = num_experts // R
-    device = topk_idx.device
-    rank_pos = torch.empty((T, R), dtype=torch.int32, device=device)
-    slot_pos = torch.empty((T, K), dtype=torch.int32, device=device)
-    recv_info = torch.empty(P.RECV_INFO["header"] + 3 * L, dtype=torch.int32, device=device)
-    limits = torch.empty(R, dtype=torch.int32, device=device)
-    tpe = torch.empty(L, dtype=torch.int64, device=device)
-    dropped = torch.empty((), dtype=torch.int64, device=device)
+    notify = path.kernels.notify_call
+    K = topk_idx.shape[1]
 
     def run(t: int) -> None:
         with buf._call("dispatch") as call:
             call.set(topk=K, num_experts=num_experts, expert_alignment=1)
             compute = torch.cuda.current_stream()
-            rt.stream.wait_stream(compute)
-            with torch.cuda.stream(rt.stream):
-                call.sends(kernels, rt.rt, call.sig, topk_idx[:t], num_experts, 1, False, 0, rank_pos[:t], slot_pos[:t],
-                           recv_info, limits, tpe, dropped, 0)
+            call.sends(notify, rt=rt.rt, sig=call.sig, topk_idx=topk_idx[:t], num_experts=num_experts,
+                       expert_alignment=1, permute=False, num_worst_tokens=0, token_groups=1, check_ids=False,
+                       rank_counts=False, tag=0, previous_event=None, marks=None, wait_s=-1.0, async_op=False)
             compute.wait_stream(rt.stream)
 
     return run

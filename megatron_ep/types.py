@@ -76,6 +76,16 @@ class DispatchHandle(_Routing):
     state: Any = field(default=None, repr=False)
     buffer_id: int = 0
     call_seq: int = 0  # the call that built it (combine and cached dispatch name it in their signature)
+    # From the count exchange (no extra communication), int32 on the device: [R, R] tokens rank s
+    # sends to rank d in this routing (the torch backend; the cuda intranode path when the dispatch
+    # asked, rank_counts=True), and its column of this rank, [R] tokens each rank sends here (the
+    # cuda internode path too); else None
+    rank_counts: Optional[torch.Tensor] = None
+    recv_rank_counts: Optional[torch.Tensor] = None
+    # their inclusive prefix sums over source ranks (DeepEP's rank_prefix_matrix, and its column of
+    # this rank), where rank_counts (recv_rank_counts) are given
+    rank_prefix: Optional[torch.Tensor] = None
+    recv_rank_prefix: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -105,6 +115,9 @@ class LowLatencyHandle(_Routing):
     max_tokens_per_rank: int = 0
     hidden: int = 0
     layout_range: Optional[torch.Tensor] = None  # [E_local, R, 2] int32: (begin, count) per source
+    # the same as DeepEP's layout_range, [E_local, R] int64 begin << 32 | count, where the backend
+    # writes it with the rest (the cuda kernels; None on the torch backend)
+    packed_layout: Optional[torch.Tensor] = None
     src_token: Optional[torch.Tensor] = None  # [E_local, R * max_tokens_per_rank] int32, -1 unused
     topk_idx: Optional[torch.Tensor] = field(default=None, repr=False)  # the routing the dispatch got
     topk_idx_version: Optional[int] = None  # its version counter then (the combine checks both)

@@ -146,6 +146,10 @@ def run_normal_case(cfg: dict, backend: str = "torch", device: str = "cpu") -> l
     chk.equal("layout.token_in_rank", lay.token_in_rank, tir)
     chk.equal("layout.tokens_per_rank", lay.tokens_per_rank, tir.sum(0))
     chk.equal("layout.tokens_per_expert", lay.tokens_per_expert, tpe_global)
+    lay32 = buf.get_dispatch_layout(idx, E, counts_dtype=torch.int32)  # DeepEP's count type
+    chk.equal("layout (int32 counts).token_in_rank", lay32.token_in_rank, tir)
+    chk.equal("layout (int32 counts).tokens_per_rank", lay32.tokens_per_rank, tir.sum(0).to(torch.int32))
+    chk.equal("layout (int32 counts).tokens_per_expert", lay32.tokens_per_expert, tpe_global.to(torch.int32))
 
     # ---- rank-major dispatch (with num_worst_tokens below what arrives, the rows past it are
     # dropped and counted: n rows are delivered of the oracle's n_all)

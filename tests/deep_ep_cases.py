@@ -64,6 +64,10 @@ def _expected(cfg: dict, me: int, R: int):
     return torch.cat(xs), torch.cat(ids), torch.cat(ws), sent
 
 
+def _no_host_collective(counts):
+    raise AssertionError("megatron_ep.deep_ep dispatch gathered counts with a host collective")
+
+
 def run_deep_ep_normal_case(cfg: dict) -> list:
     R, rank = dist.get_world_size(), dist.get_rank()
     tag = f"[deep_ep normal R={R} rank={rank} seed={cfg['seed']}]"
@@ -90,9 +94,12 @@ def run_deep_ep_normal_case(cfg: dict) -> list:
                      per_rdma.tolist() == want_in_rank.view(-1, R // 8, 8).any(dim=2).sum(0).tolist())
                 and per_expert.tolist() == [int((idx == e).sum()) for e in range(E)]):
             errors.append(f"{tag} get_dispatch_layout differs from DeepEP's: {per_rank.tolist()} {per_expert.tolist()}")
+        # the handle's rank prefix sums come from the dispatch's own count exchange
+        buf._gathered = _no_host_collective
         rx, rid, rw, counts, handle, ev = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                                                        num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w,
                                                        expert_alignment=a)
+        buf.__dict__.pop("_gathered", None)
         ex, eid, ew, sent = _expected(cfg, rank, R)
         for name, got, want in (("recv_x", rx, ex), ("recv_topk_idx", rid, eid), ("recv_topk_weights", rw, ew)):
             if got.shape != want.shape or not torch.equal(got.cpu(), want.to(got.dtype)):
@@ -112,6 +119,23 @@ def run_deep_ep_normal_case(cfg: dict) -> list:
         again = buf.dispatch(x * 2, handle=handle)
         if not (torch.equal(again[0].cpu(), ex * 2) and again[1:5] == (None, None, None, None)):
             errors.append(f"{tag} cached dispatch differs from DeepEP's")
+        # DeepEP's SM count reaches our kernels' budget: Buffer.set_num_sms for calls without a
+        # Config, a call's Config before it (the torch backend has no budget)
+        limit = buf.runtime.max_num_sms
+        try:
+            deep_ep.Buffer.set_num_sms(4)
+            rows4 = buf.dispatch(x, handle=handle)[0]
+            sms4 = buf.runtime.num_sms
+            y6, _, _ = buf.combine(rx, handle, config=deep_ep.Config(6, 6, 256, 6, 128))
+            sms6 = buf.runtime.num_sms
+        finally:
+            deep_ep.Buffer.set_num_sms(20)
+        want_sms = (None, None) if limit is None else (min(4, limit), min(6, limit))
+        want_y6 = x.double() * want_in_rank.sum(1, keepdim=True).double()
+        if (sms4, sms6) != want_sms or not torch.equal(rows4.cpu(), ex) or \
+                not torch.allclose(y6.double(), want_y6, rtol=1e-5, atol=1e-5):
+            errors.append(f"{tag} set_num_sms(4) / Config(6): our budget {sms4} / {sms6}, want {want_sms}, or the "
+                          f"rows differ")
         # combine: the plain sum of the rows each token's dispatch delivered (one per rank)
         y, yw, ev = buf.combine(rx * (rank + 1), handle, topk_weights=rw)
         scale = sum((r + 1) * want_in_rank[:, r].double() for r in range(R))
@@ -571,6 +595,31 @@ def run_deep_ep_worst_overflow_case(cfg: dict) -> list:
                         lambda: buf.dispatch(x, num_worst_tokens=worst - 2, **layout), ValueError,
                         f"rank {hot} receives {worst} rows, its num_worst_tokens={worst - 2}")
         return errors + _worst_below_r_times_t(cfg, buf, x, layout, worst, tag)
+    except Exception:
+        return [f"{tag} raised:\n{traceback.format_exc()}"]
+
+
+def run_deep_ep_bad_ids_case(cfg: dict) -> list:
+    """An expert id out of range on every rank: get_dispatch_layout does not check the ids' values
+    (DeepEP's does not either; ours would cost a host sync), the dispatch with them refuses them on
+    every rank (ValueError naming num_experts) before any row moves, and the Buffer works after."""
+    from hostile_cases import raises
+
+    R, rank = dist.get_world_size(), dist.get_rank()
+    tag = f"[deep_ep bad ids R={R} rank={rank}]"
+    try:
+        deep_ep, buf, x, idx, w, layout, R, rank = _hostile_setup(cfg)
+        bad = idx.clone()
+        bad[0, 0] = cfg["E"] + 1
+        errors = []
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(bad, cfg["E"])  # must not raise
+        errors += raises(f"{tag} dispatch", lambda: buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                                 num_tokens_per_expert=per_expert, topk_idx=bad,
+                                                                 topk_weights=w), ValueError, "num_experts")
+        rx, *_ = buf.dispatch(x, **layout)
+        if not torch.equal(rx.cpu(), _expected(cfg, rank, R)[0]):
+            errors.append(f"{tag} the dispatch after the refused one differs from DeepEP's")
+        return errors
     except Exception:
         return [f"{tag} raised:\n{traceback.format_exc()}"]
 

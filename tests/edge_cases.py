@@ -144,7 +144,8 @@ def run_fp8_weights_gradient(backend: str = "torch", device: str = "cpu") -> lis
 @guarded
 def run_previous_event_of_the_wrong_kind(backend: str = "torch", device: str = "cpu") -> list:
     """A previous_event that is not an EventOverlap raises a TypeError naming it, on every rank,
-    before anything is sent; the buffer works afterwards."""
+    before anything is sent; the buffer works afterwards. (Likewise a layout's counts_dtype that
+    is neither int64 nor int32.)"""
     R, rank = dist.get_world_size(), dist.get_rank()
     E, K, H = 2 * R, 2, 128
     me = make_inputs(907, R, E, K, H, [4] * R, "bf16", "random", 0.0)[rank]
@@ -152,16 +153,33 @@ def run_previous_event_of_the_wrong_kind(backend: str = "torch", device: str = "
     buf = get_buffer(backend)
     good = buf.dispatch(x, idx, w, num_experts=E)
     errors = []
-    for name, fn in (("dispatch", lambda: buf.dispatch(x, idx, w, num_experts=E, previous_event="event")),
-                     ("combine", lambda: buf.combine(split_x(good.x)[0], good.handle, previous_event=3))):
+    for name, arg, fn in (
+            ("dispatch", "previous_event", lambda: buf.dispatch(x, idx, w, num_experts=E, previous_event="event")),
+            ("combine", "previous_event", lambda: buf.combine(split_x(good.x)[0], good.handle, previous_event=3)),
+            ("get_dispatch_layout", "counts_dtype", lambda: buf.get_dispatch_layout(idx, E, counts_dtype=torch.float32))):
         try:
             fn()
-            errors.append(f"{_tag(name)} a previous_event of the wrong kind was accepted")
+            errors.append(f"{_tag(name)} a {arg} of the wrong kind was accepted")
         except TypeError as e:
-            if "previous_event" not in str(e):
-                errors.append(f"{_tag(name)} {e!r} does not name previous_event")
-    ok = buf.dispatch(x, idx, w, num_experts=E)
-    back = buf.combine(torch.ones_like(split_x(ok.x)[0]), ok.handle)
+            if arg not in str(e):
+                errors.append(f"{_tag(name)} {e!r} does not name {arg}")
+    # the SM budget: below 1, or past what this rank may keep resident (cuda), refused by name
+    limit = buf.max_num_sms
+    for bad in (0, -3) if limit is None else (0, limit + 1):
+        try:
+            buf.set_num_sms(bad)
+            errors.append(f"{_tag('set_num_sms')} num_sms={bad} was accepted (bound {limit})")
+        except ValueError as e:
+            if "num_sms" not in str(e):
+                errors.append(f"{_tag('set_num_sms')} {e!r} does not name num_sms")
+    buf.set_num_sms(2)  # the calls below on two SMs a rank (cuda)
+    if buf.num_sms != (None if limit is None else 2):
+        errors.append(f"{_tag('set_num_sms')} num_sms is {buf.num_sms} after set_num_sms(2)")
+    try:
+        ok = buf.dispatch(x, idx, w, num_experts=E)
+        back = buf.combine(torch.ones_like(split_x(ok.x)[0]), ok.handle)
+    finally:
+        buf.set_num_sms(None)
     if not torch.equal(back.x.cpu().double(), num_destinations(me, R, E, False).unsqueeze(1).expand(-1, H)):
         errors.append(f"{_tag('previous_event')} the buffer is unusable afterwards")
     return errors

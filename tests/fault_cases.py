@@ -132,6 +132,20 @@ def run_one_rank_fails(backend: str = "torch", device: str = "cpu") -> list:
     errs = ValueError if bad else PeerFailedError
     text = "num_experts" if bad else f"rank {R - 1} failed"
     f.expect("bad id on one rank", lambda: buf.dispatch(x, hi if bad else idx, w, num_experts=E), errs, text)
+    # the other checks of the ids: below -1, an expert twice in a token; expert-major; worst-case
+    # sized (the cuda intranode path checks a sync dispatch's ids in notify, a sync-free one's on the
+    # host; a sync-free call's peers learn of the failure on the device: at synchronize())
+    lo, dup = idx.clone(), idx.clone()
+    lo[1, 2] = -3
+    dup[2, 0] = dup[2, 1] = 1
+    f.expect("id below -1 on one rank", lambda: buf.dispatch(x, lo if bad else idx, w, num_experts=E), errs,
+             ">= -1" if bad else text)
+    f.expect("an expert twice on one rank", lambda: buf.dispatch(x, dup if bad else idx, w, num_experts=E), errs,
+             "twice" if bad else text)
+    f.expect("bad id on one rank, expert-major", lambda: buf.dispatch(x, hi if bad else idx, w, num_experts=E,
+                                                                      permute=True, expert_alignment=4), errs, text)
+    f.expect("bad id on one rank, worst-case sized", lambda: buf.dispatch(x, hi if bad else idx, w, num_experts=E,
+                                                                          num_worst_tokens=R * T), errs, text, sync=True)
     w_bad = w[:, :-1].contiguous() if bad else w
     f.expect("bad weights on one rank, cached", lambda: buf.dispatch(x, handle=good.handle, topk_weights=w_bad),
              ValueError if bad else PeerFailedError, "topk_weights", sync=True)
@@ -187,6 +201,45 @@ def run_exact_faults(backend: str = "torch", device: str = "cpu") -> list:
     return errors
 
 
+def run_no_sync_checks(backend: str = "torch", device: str = "cpu") -> list:
+    """Buffer(check_inputs="no_sync"): the ids are checked only where that adds no host sync. A
+    dispatch with an id out of range raises on the torch backend (its dispatch syncs for its counts
+    anyway) and on the cuda intranode path (its notify reads the ids); get_dispatch_layout and the
+    low-latency dispatch (torch backend here) take it as an unused slot, as check_inputs=False does."""
+    R, rank = dist.get_world_size(), dist.get_rank()
+    buf = make_buffer(backend, max_tokens_per_rank=64, check_inputs="no_sync")
+    errors = []
+    E, K, H, T = 4 * R, 4, 128, 12
+    me = make_inputs(23, R, E, K, H, [T] * R, "bf16", "random", 0.1)[rank]
+    x, w = me["x"].to(device), me["w"].to(device)
+    bad, clean = _mark(me["idx"], E + 3, -1).to(device), _mark(me["idx"], -1, -1).to(device)
+    tag = f"[{backend} rank {rank}] check_inputs='no_sync'"
+    try:
+        buf.dispatch(x, bad, w, num_experts=E)
+        if backend == "torch" or "intranode" in buf._impl.describe():
+            errors.append(f"{tag}: a dispatch with id {E + 3} did not raise")
+    except ValueError as e:
+        if "num_experts" not in str(e):
+            errors.append(f"{tag}: the dispatch's error does not name num_experts: {e}")
+    got = buf.get_dispatch_layout(bad, E)
+    want = buf.get_dispatch_layout(clean, E)
+    if not torch.equal(got.tokens_per_expert.cpu(), want.tokens_per_expert.cpu()):
+        errors.append(f"{tag}: get_dispatch_layout counted the out-of-range id")
+    if backend == "torch":
+        ll = buf.low_latency_dispatch(x, bad, num_experts=E, max_tokens_per_rank=T, use_fp8=False)
+        ll_clean = buf.low_latency_dispatch(x, clean, num_experts=E, max_tokens_per_rank=T, use_fp8=False)
+        if not torch.equal(ll.count.cpu(), ll_clean.count.cpu()):
+            errors.append(f"{tag}: the low-latency dispatch delivered the out-of-range id's copy")
+    ok = buf.dispatch(x, clean, w, num_experts=E)  # usable after the refusal
+    back = buf.combine(torch.ones_like(ok.x), ok.handle)
+    want = num_destinations(dict(me, idx=clean.cpu()), R, E, False).unsqueeze(1).expand(-1, H)
+    if not torch.equal(back.x.cpu().double(), want):
+        errors.append(f"{tag}: the Buffer is not usable after the refused dispatch")
+    buf.synchronize()
+    buf.destroy()
+    return errors
+
+
 def _mark(idx, first, second):
     """Row 0 slot 0 and row 1 slot 1 set to the given ids (bad ids, or -1 for the oracle)."""
     out = idx.clone()
@@ -207,7 +260,7 @@ def run_alignment_bound(backend: str = "torch", device: str = "cpu") -> list:
 
 def run_all_faults(backend: str = "torch", device: str = "cpu") -> list:
     errors = []
-    for fn in (run_disagreements, run_one_rank_fails, run_exact_faults, run_alignment_bound):
+    for fn in (run_disagreements, run_one_rank_fails, run_exact_faults, run_no_sync_checks, run_alignment_bound):
         try:
             errors += fn(backend, device)
         except Exception:  # noqa: BLE001 - report, keep the ranks going

@@ -187,6 +187,9 @@ def _check_dispatch(chk, tag, out, inputs, rank, R, E, mt, use_fp8):
     got_x, got_s = split_x(out.x)
     chk.equal(f"{tag} count", out.count, exp["count"])
     chk.equal(f"{tag} layout_range", out.handle.layout_range, exp["layout_range"])
+    if out.handle.packed_layout is not None:  # DeepEP's form, from the same stores (cuda)
+        lr = exp["layout_range"].to(torch.int64)
+        chk.equal(f"{tag} packed layout_range", out.handle.packed_layout, (lr[..., 0] << 32) | lr[..., 1])
     for e in range(E // R):
         n = int(exp["count"][e])
         chk.equal(f"{tag} x[{e}]", got_x[e, :n], exp["x"][e, :n])

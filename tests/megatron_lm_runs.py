@@ -157,13 +157,19 @@ DS3_VARIANTS = (("deepep", ()), ("hybridep", ()), ("hybridep-grouped", ("--ep-ex
                 ("hybridep-chunked", ("--ep-experts", "grouped", "--ep-chunks", "2")),
                 ("hybridep-chunked-budget", ("--ep-experts", "grouped", "--ep-chunks", "2", "--ep-budget", "2.0")))
 CAPACITY = ("--moe-expert-capacity-factor", "1.0")  # Megatron's token dropping (the router drops; no padding)
+# drop-and-pad: every expert's input padded to its capacity (the router's probability-0 padding
+# pairs); of our managers only hybridep takes it (Megatron's flex dispatcher refuses it on deepep)
+PAD = CAPACITY + ("--moe-pad-expert-input-to-capacity",)
 
 
 def ds3_runs() -> List[Run]:
     """DeepSeek-V3's routing at EP 4 and on 2 virtual nodes x 2: each dispatcher, our experts, chunks
-    and the static budget, and Megatron's capacity factor on deepep and hybridep, against alltoall."""
+    and the static budget, Megatron's capacity factor on deepep and hybridep, and drop-and-pad on
+    hybridep, against alltoall."""
     out = [Run(DS3_REF, "main", 4, "alltoall", ds3=True),
-           Run("main-ds3-ep4-alltoall-capacity", "main", 4, "alltoall", ds3=True, extra=CAPACITY)]
+           Run("main-ds3-ep4-alltoall-capacity", "main", 4, "alltoall", ds3=True, extra=CAPACITY),
+           Run("main-ds3-ep4-alltoall-pad", "main", 4, "alltoall", ds3=True, extra=PAD),
+           Run("main-ds3-ep4-hybridep-pad", "main", 4, "hybridep", ds3=True, extra=PAD, ref="main-ds3-ep4-alltoall-pad")]
     for P in (None, 2):
         shape = "ep4" + ("-2x2" if P else "")
         for variant, options in DS3_VARIANTS:

@@ -20,7 +20,7 @@ def test_extension_built_and_importable():
     assert built, f"megatron_ep._C was not built under {PKG}"
     if _ext.available():
         mod = _ext.load()
-        assert hasattr(mod, "Runtime") and hasattr(mod.intranode, "notify"), "extension lacks its kernel entry points"
+        assert hasattr(mod, "Runtime") and hasattr(mod.intranode, "notify_call"), "extension lacks its kernel entry points"
         assert mod.NUM_SIG_FIELDS == len(protocol.SIG_FIELDS), "the extension and _protocol disagree on the signature"
     else:
         # acceptable only when the CUDA driver itself is missing

@@ -2,6 +2,9 @@
 (CPU), and the normal mode on the torch backend (CPU processes) against an oracle of DeepEP's
 semantics (tests/deep_ep_cases.py)."""
 
+import logging
+import types
+
 import pytest
 import torch
 
@@ -124,6 +127,10 @@ def test_num_worst_tokens_below_what_a_rank_receives_raises_on_every_rank(pools)
     _clean(pools(2).run(dc.run_deep_ep_worst_overflow_case, dict(HOSTILE, pattern="hot"), timeout=120))
 
 
+def test_bad_ids_pass_the_layout_and_are_refused_by_the_dispatch(pools):
+    _clean(pools(2).run(dc.run_deep_ep_bad_ids_case, HOSTILE, timeout=120))
+
+
 def test_destroy_on_one_rank_fails_the_peers_calls_at_once(pools):
     _clean(pools(2).run(dc.run_deep_ep_destroyed_on_one_rank_case, HOSTILE, timeout=120))
 
@@ -190,3 +197,26 @@ def _static_refusals(B, cfg) -> list:
         ("low-latency hint tokens 0", lambda: B.get_low_latency_rdma_size_hint(0, 7168, 8, 288), ValueError,
          "num_max_dispatch_tokens_per_rank=0 is outside its range"),
     ])
+
+
+def test_sm_count_is_handed_to_our_budget(monkeypatch, caplog):
+    """Buffer.set_num_sms / a call's Config -> our kernels' budget (set_num_sms), once per new
+    count; 0 -> our default rule (None); past what a rank may keep resident -> that bound, said."""
+    handed = []
+    runtime = types.SimpleNamespace(max_num_sms=8, set_num_sms=handed.append)
+    me = types.SimpleNamespace(_sms_asked=None, _sms_capped=set(), runtime=runtime)
+    monkeypatch.setattr(deep_ep.Buffer, "num_sms", 6)
+    hand = deep_ep.Buffer._hand_sms
+    hand(me, None)
+    hand(me, None)  # the same count: nothing handed again
+    hand(me, deep_ep.Config(4, 6, 256, 6, 128))
+    hand(me, deep_ep.Config(0, 6, 256, 6, 128))
+    with caplog.at_level(logging.WARNING, logger="megatron_ep.deep_ep"):
+        hand(me, deep_ep.Config(24, 6, 256, 6, 128))
+        hand(me, None)
+        hand(me, deep_ep.Config(24, 6, 256, 6, 128))  # the same count again: handed, not said again
+    assert handed == [6, 4, None, 8, 6, 8], handed
+    assert caplog.text.count("num_sms=24 is above the 8 SMs") == 1, caplog.text
+    torch_runtime = types.SimpleNamespace(max_num_sms=None, set_num_sms=handed.append)
+    hand(types.SimpleNamespace(_sms_asked=None, _sms_capped=set(), runtime=torch_runtime), None)  # no kernels
+    assert handed == [6, 4, None, 8, 6, 8]

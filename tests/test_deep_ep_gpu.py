@@ -73,3 +73,12 @@ def test_num_worst_tokens_below_r_times_t_on_our_kernels(R):
     cfg = dict(seed=31, E=4, K=2, H=16, Ts=[3, 4], pattern="hot", **ON_CUDA)
     errors = flat(pool_(R).run(dc.run_deep_ep_worst_below_rt_case, cfg, timeout=RUN_S))
     assert not errors, "\n".join(errors[:20])
+
+
+@pytest.mark.parametrize("R", [2])
+def test_bad_ids_refused_by_the_dispatch_on_our_kernels(R):
+    """An id out of range on every rank: the layout lets it pass (no host sync), our notify kernel
+    finds it and every rank raises ValueError before any row moves; the next dispatch is DeepEP's."""
+    cfg = dict(seed=31, E=4, K=2, H=16, Ts=[3, 4], **ON_CUDA)
+    errors = flat(pool_(R).run(dc.run_deep_ep_bad_ids_case, cfg, timeout=RUN_S))
+    assert not errors, "\n".join(errors[:20])

@@ -21,3 +21,15 @@ def test_fuzz_harness(pools):
 
     errors = flat(pools(2).run(cases.run_fuzz, dict(cases=25, seed=424242), backend="torch", device="cpu", timeout=600))
     assert not errors, "\n".join(errors[:20])
+
+
+def test_check_inputs_levels():
+    """Buffer(check_inputs=...) takes True, False or "no_sync"; anything else is a TypeError naming it."""
+    from megatron_ep import checks as C
+
+    assert C.check_inputs_level(True) == C.IDS_CHECKED
+    assert C.check_inputs_level(False) == C.IDS_UNCHECKED
+    assert C.check_inputs_level("no_sync") == C.IDS_CHECKED_FREE
+    for bad in ("yes", 1, None):
+        with pytest.raises(TypeError, match="check_inputs"):
+            C.check_inputs_level(bad)

@@ -14,6 +14,14 @@ JUNIT = """<?xml version="1.0"?><testsuites><testsuite>
 <testcase classname="t" name="c"><failure message="x"/></testcase></testsuite></testsuites>"""
 
 
+def _record(tmp_path, monkeypatch):
+    """A record of this test's own, written for commit abc1234."""
+    record = tmp_path / "gpu-status.md"
+    monkeypatch.setattr(gr, "RECORD", str(record))
+    monkeypatch.setenv("MEP_GATE_COMMIT", "abc1234")
+    return record
+
+
 def test_rows_from_junit_and_from_a_killed_run(tmp_path, capsys):
     (tmp_path / "j.xml").write_text(JUNIT)
     gr.main(["--row", "tests/t.py", "--junit", str(tmp_path / "j.xml"), "--log", "-", "--rc", "1", "--seconds", "7"])
@@ -26,9 +34,7 @@ def test_rows_from_junit_and_from_a_killed_run(tmp_path, capsys):
 
 
 def test_record_keeps_each_mode_and_verify_checks_the_code(tmp_path, monkeypatch, capsys):
-    record = tmp_path / "gpu-status.md"
-    monkeypatch.setattr(gr, "RECORD", str(record))
-    monkeypatch.setenv("MEP_GATE_COMMIT", "abc1234")
+    record = _record(tmp_path, monkeypatch)
     (tmp_path / "g.tsv").write_text("tests/a.py\t3\t0\t0\t20\t\n")
     (tmp_path / "l.tsv").write_text("tests/a.py (long)\t1\t1\t0\t50\t\n")
     assert gr.main(["--mode", "gate", "--results", str(tmp_path / "g.tsv"), "--out", str(tmp_path), "--elapsed", "30"]) == 0
@@ -63,9 +69,7 @@ def test_rows_per_file_of_one_run(tmp_path, capsys):
 def test_a_whole_run_drops_its_modes_old_rows(tmp_path, monkeypatch):
     """A row renamed or removed (e.g. a build step) does not linger after a full run of its mode;
     a run over some files keeps the rows of the others, and the other mode's rows stay."""
-    record = tmp_path / "gpu-status.md"
-    monkeypatch.setattr(gr, "RECORD", str(record))
-    monkeypatch.setenv("MEP_GATE_COMMIT", "abc1234")
+    record = _record(tmp_path, monkeypatch)
     (tmp_path / "old.tsv").write_text("build _C_old\t1\t0\t0\t5\t\ntests/a.py\t3\t0\t0\t20\t\n")
     (tmp_path / "long.tsv").write_text("tests/a.py (long)\t1\t0\t0\t50\t\n")
     (tmp_path / "new.tsv").write_text("build _C_new\t1\t0\t0\t5\t\ntests/a.py\t3\t0\t0\t21\t\n")
@@ -81,10 +85,26 @@ def test_a_whole_run_drops_its_modes_old_rows(tmp_path, monkeypatch):
 def test_a_row_that_ran_nothing_is_recorded_as_skipped(tmp_path, monkeypatch):
     """An optional build that failed (its cases skip, the gate goes on) reads 'skipped', not
     'passed', in the record; the gate's own verdict is unchanged."""
-    record = tmp_path / "gpu-status.md"
-    monkeypatch.setattr(gr, "RECORD", str(record))
-    monkeypatch.setenv("MEP_GATE_COMMIT", "abc1234")
+    record = _record(tmp_path, monkeypatch)
     (tmp_path / "g.tsv").write_text("build deepgemm\t0\t0\t1\t90\tits first GEMM failed\ntests/a.py\t3\t0\t2\t20\t\n")
     assert gr.main(["--mode", "gate", "--results", str(tmp_path / "g.tsv"), "--out", str(tmp_path), "--elapsed", "30"]) == 0
     text = record.read_text()
     assert "| build deepgemm | skipped |" in text and "| tests/a.py | passed |" in text and "Gate run: **passed**" in text
+
+
+def test_a_partial_run_passes_the_gate_only_with_every_gate_row_passed_at_its_code(tmp_path, monkeypatch, capsys):
+    """verify reads the Gate line alone, so a run over some files that passes writes 'passed' only
+    when every other gate row of the record passed at the same code; else 'incomplete', naming them."""
+    record = _record(tmp_path, monkeypatch)
+    (tmp_path / "a.tsv").write_text("tests/a.py\t3\t0\t0\t20\t\ntests/b.py\t1\t1\t0\t20\t\n")
+    (tmp_path / "c.tsv").write_text("tests/c.py\t2\t0\t0\t20\t\n")
+    (tmp_path / "b.tsv").write_text("tests/b.py\t2\t0\t0\t20\t\n")
+    assert gr.main(["--mode", "gate", "--results", str(tmp_path / "a.tsv"), "--out", str(tmp_path)]) == 1
+    assert gr.main(["--mode", "gate", "--results", str(tmp_path / "c.tsv"), "--out", str(tmp_path)]) == 0
+    assert "Gate run: **incomplete**" in record.read_text() and "Not passed at this code: tests/b.py." in record.read_text()
+    assert gr.verify() == 1 and "did not pass" in capsys.readouterr().out
+    assert gr.main(["--mode", "gate", "--results", str(tmp_path / "b.tsv"), "--out", str(tmp_path)]) == 0
+    assert "Gate run: **passed**" in record.read_text() and gr.verify() == 0
+    monkeypatch.setattr(gr, "code_hash", lambda root=gr.ROOT: "0" * 16)  # new code: the old rows no longer count
+    assert gr.main(["--mode", "gate", "--results", str(tmp_path / "c.tsv"), "--out", str(tmp_path)]) == 0
+    assert "Gate run: **incomplete**" in record.read_text() and "tests/a.py, tests/b.py" in record.read_text()

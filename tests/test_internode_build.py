@@ -95,3 +95,30 @@ def _start_up_collectives():
 def test_start_up_collectives(pools):
     errors = [e for r in pools(2).run(_start_up_collectives) for e in r]
     assert not errors, "\n".join(errors)
+
+
+def test_heap_error_names_what_holds_it(monkeypatch):
+    """A second NVSHMEM buffer (the low-latency one beside the internode one) that does not fit the
+    heap started for the first: the error names the heap, who holds it, NVSHMEM's share and the
+    NVSHMEM_SYMMETRIC_SIZE that would fit both; a released buffer frees its bytes. NVSHMEM's own
+    share is not counted against a need (a second buffer as large as the first fits, as it does
+    in NVSHMEM: the margin the heap was sized with is far more than NVSHMEM takes)."""
+    from megatron_ep.cuda import nvshmem
+
+    first, second = object(), object()
+    margin = nvshmem.HEAP_MARGIN
+    heap = 2 * 25_000_000 + margin
+    monkeypatch.setattr(nvshmem, "_state", dict(n_pes=16, heap=heap, sized_by="the internode buffer",
+                                                held={id(first): ("the internode buffer", 25_000_000)}))
+    assert nvshmem.heap_short(25_000_000, "the low-latency buffer", heap, exclude=second) is None
+    assert nvshmem.heap_short(heap - 25_000_000, "the low-latency buffer", heap, exclude=second) is None
+    need = heap - 25_000_000 + 1
+    msg = nvshmem.heap_short(need, "the low-latency buffer", heap, exclude=second)
+    for part in (f"the low-latency buffer needs {need} bytes", f"{heap - 25_000_000} are free",
+                 "the internode buffer: 25000000", f"allow {margin}",
+                 f"NVSHMEM_SYMMETRIC_SIZE to at least {25_000_000 + need + margin}"):
+        assert part in msg, (part, msg)
+    # a buffer re-created by its owner replaces its own bytes; a released one frees them
+    assert nvshmem.heap_short(heap, "the internode buffer", heap, exclude=first) is None
+    nvshmem.release(first)
+    assert nvshmem.heap_short(heap, "the low-latency buffer", heap, exclude=second) is None

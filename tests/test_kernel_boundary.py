@@ -1,7 +1,8 @@
 """The normal paths' kernels are called by name: every call in megatron_ep/cuda/paths/intranode.py
-and internode.py passes each argument by the name its binding gives it (csrc/intranode/binding.cpp,
-csrc/internode/binding.cpp), all of them, so an argument added, removed or reordered on one side
-cannot silently land in another's place. Read from the sources (no GPU, no build needed). The
+(its one-crossing entries: dispatch_first_call, notify_call, dispatch_call, combine_call) and internode.py passes each
+argument by the name its binding gives it (csrc/intranode/binding.cpp, csrc/internode/binding.cpp),
+all of them, so an argument added, removed or reordered on one side cannot silently land in
+another's place. Read from the sources (no GPU, no build needed). The
 low-latency kernels keep positional calls: pybind11 matches keywords by name at every call, host
 time a decode step cannot spare."""
 
@@ -23,15 +24,22 @@ def binding_arguments(path: str = "intranode") -> dict:
     return out
 
 
-def kernel_calls(path: str = "intranode", holder: str = "kernels") -> list:
-    """(kernel name, keyword names, positional count, line) of every kernel call in a path's module,
-    direct (`self.HOLDER.NAME(...)`) or through `call.sends(self.HOLDER.NAME, ...)`."""
-    tree = ast.parse((ROOT / "megatron_ep" / "cuda" / "paths" / f"{path}.py").read_text())
+def kernel_calls(path: str = "intranode", holder: str = "kernels", module: str = "") -> list:
+    """(kernel name, keyword names, positional count, line) of every kernel call in a path's module
+    (or in `module`, a file under megatron_ep/), direct (`self.HOLDER.NAME(...)`), through
+    `call.sends(self.HOLDER.NAME, ...)`, or through a local name bound to `....HOLDER.NAME`."""
+    source = ROOT / "megatron_ep" / (module or f"cuda/paths/{path}.py")
+    tree = ast.parse(source.read_text())
+    aliases = {t.id: node.value.attr for node in ast.walk(tree) if isinstance(node, ast.Assign)
+               for t in node.targets if isinstance(t, ast.Name) and isinstance(node.value, ast.Attribute)
+               and isinstance(node.value.value, ast.Attribute) and node.value.value.attr == holder}
 
     def kernel(node):
         if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
                 and node.value.attr == holder):
             return node.attr
+        if isinstance(node, ast.Name):
+            return aliases.get(node.id)
         return None
 
     calls = []
@@ -48,8 +56,7 @@ def kernel_calls(path: str = "intranode", holder: str = "kernels") -> list:
 
 def test_every_intranode_kernel_call_names_all_its_arguments():
     bound = binding_arguments()
-    assert set(bound) >= {"notify", "stage", "dispatch", "dispatch_push", "fanout", "combine_reduce", "stage_combine",
-                          "combine", "push_record", "combine_record"}, sorted(bound)
+    assert set(bound) >= {"notify_call", "dispatch_call", "combine_call"}, sorted(bound)
     calls = kernel_calls()
     assert {c[0] for c in calls} == set(bound), f"kernels bound but never called, or called but not bound: {calls}"
     for name, keywords, positional, line in calls:
@@ -58,6 +65,18 @@ def test_every_intranode_kernel_call_names_all_its_arguments():
         unknown = [k for k in keywords if k not in names]
         missing = [a for a in names if a not in keywords and a not in defaults]
         assert not unknown and not missing, f"intranode.py:{line}: {name}: unknown {unknown}, missing {missing}"
+
+
+def test_the_notify_trace_names_all_notify_call_arguments():
+    """megatron_ep/tracing.py's notify-only run calls the intranode entry outside the path."""
+    names, defaults = binding_arguments()["notify_call"]
+    calls = kernel_calls(module="tracing.py")
+    assert [c[0] for c in calls] == ["notify_call"], calls
+    for _, keywords, positional, line in calls:
+        missing = [a for a in names if a not in keywords and a not in defaults]
+        unknown = [k for k in keywords if k not in names]
+        assert positional == 0 and not missing and not unknown, \
+            f"tracing.py:{line}: notify_call: {positional} positional, unknown {unknown}, missing {missing}"
 
 
 def test_every_internode_kernel_call_names_all_its_arguments():
@@ -75,11 +94,11 @@ def test_every_internode_kernel_call_names_all_its_arguments():
 
 
 def test_one_name_for_the_expert_alignment_from_request_to_kernel():
-    """Buffer.dispatch(expert_alignment=) -> DispatchRequest.expert_alignment -> the notify kernel's
+    """Buffer.dispatch(expert_alignment=) -> DispatchRequest.expert_alignment -> notify_call's
     expert_alignment: the same name at every step."""
     from megatron_ep.requests import DispatchRequest
 
     assert "expert_alignment" in DispatchRequest.__dataclass_fields__
-    assert "expert_alignment" in binding_arguments()["notify"][0]
+    assert "expert_alignment" in binding_arguments()["notify_call"][0]
     src = (ROOT / "megatron_ep" / "cuda" / "paths" / "intranode.py").read_text()
     assert not re.search(r"\balignment\b", src), "intranode.py names the expert alignment otherwise"

@@ -23,6 +23,7 @@ class FakeBuffer:
 
     def __init__(self, device, rank, pes, E, mt, H, K, fp8_only, timeout_s, shrink):
         self.cap = (E, mt, H, K, fp8_only)
+        self.R = len(pes)
         self.timeout_s, self.shrink = timeout_s, shrink
         self.launches = []  # (op, set, phases), ("mask", ...), ("barrier",)
         self.err = None
@@ -31,9 +32,32 @@ class FakeBuffer:
     def dispatch(self, x, idx, E, fp8, round_scale, s, phases, sig, *outs_and_blocks):
         self.launches.append(("dispatch", s, phases))
 
+    def dispatch_call(self, x, idx, E, fp8, round_scale, ue8m0, s, phases, sig, seq, mt, w, recv_stats, wait_stats,
+                      num_blocks, launch):
+        """The outputs the extension's dispatch_call makes (their shapes), and the launch if asked."""
+        L, cap, H, K = E // self.R, self.R * mt, x.shape[1], idx.shape[1]
+        i32 = dict(dtype=torch.int32, device=x.device)
+        outs = (torch.empty((L, cap, H), dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16, device=x.device),
+                torch.empty((L, cap, H // 128), device=x.device) if fp8 and not ue8m0 else None,
+                torch.empty((L, H // 512, cap), **i32) if ue8m0 else None,
+                torch.empty(L, **i32), torch.empty((L, self.R, 2), **i32),
+                torch.empty((L, self.R), dtype=torch.int64, device=x.device), torch.empty((L, cap), **i32),
+                torch.empty((L, cap), **i32),
+                torch.empty((L, cap), device=x.device) if w is not None else None,
+                torch.empty((self.R, mt, K), **i32) if w is not None else None)
+        if launch:
+            self.dispatch(x, idx, E, fp8, round_scale, s, phases, sig)
+        return outs
+
     def combine(self, x, rng, src, slot, idx, w, E, s, phases, sig, seq, y, pairs, row_w, wait_stats, use_logfmt, num_blocks):
         self.launches.append(("combine", s, phases))
         self.merged, self.logfmt = pairs is not None, use_logfmt
+
+    def combine_call(self, x, rng, src, slot, idx, w, E, s, phases, sig, seq, out, pairs, row_w, wait_stats, use_logfmt,
+                     num_blocks):
+        y = out if out is not None else torch.empty((idx.shape[0], x.shape[2]), dtype=x.dtype, device=x.device)
+        self.combine(x, rng, src, slot, idx, w, E, s, phases, sig, seq, y, pairs, row_w, wait_stats, use_logfmt, num_blocks)
+        return y
 
     def set_mask(self, rank, masked):
         self.launches.append(("mask", rank, masked))

@@ -17,6 +17,10 @@ def test_ds3_runs_route_as_deepseek_v3_on_the_default_sm_budget():
     for shape in ("ep4", "ep4-2x2"):
         for variant, _ in mr.DS3_VARIANTS:
             assert f"main-ds3-{shape}-{variant}" in names
+    pad = next(r for r in runs if r.name == "main-ds3-ep4-hybridep-pad")  # drop-and-pad, against alltoall's
+    argv = mr.command(pad, "/lm", "/ckpt", sharers=12)[0]
+    assert "--moe-pad-expert-input-to-capacity" in argv and _flag(argv, "--moe-expert-capacity-factor") == "1.0"
+    assert mr.reference(pad.name) == "main-ds3-ep4-alltoall-pad"
     for run in runs:
         argv, env = mr.command(run, "/lm", "/ckpt", sharers=12)
         for flag, value in mr.DS3_ARGS.items():

@@ -30,12 +30,14 @@ def run_tracing_case(cfg: dict, backend: str = "torch", device: str = "cpu") -> 
             buf.combine(out.x, out.handle)
         with tracing.phases(buf) as outside:
             pass
+        with tracing.host_steps(buf) as steps:  # a cached dispatch: one crossing, its steps timed
+            buf.dispatch(x, handle=out.handle)
         marks = d_marks + c_marks
         names = [[name for name, _ in m] for m in (d_marks, c_marks)]
         counters = tracing.counters(buf)
         if backend == "torch":
-            if marks or counters or tracing.notify_only(buf, idx, E) is not None:
-                errors.append(f"{tag} the torch backend reported {names}, {counters}")
+            if marks or counters or steps or tracing.notify_only(buf, idx, E) is not None:
+                errors.append(f"{tag} the torch backend reported {names}, {counters}, {steps}")
             with tracing.low_latency_stamps(buf) as stamps:
                 if stamps is not None:
                     errors.append(f"{tag} the torch backend yielded low-latency stamps")
@@ -47,6 +49,13 @@ def run_tracing_case(cfg: dict, backend: str = "torch", device: str = "cpu") -> 
         times = [a.elapsed_time(b) for (_, a), (_, b) in zip(marks, marks[1:])]
         if any(t < 0 for t in times):
             errors.append(f"{tag} phase marks out of order: {times}")
+        d = steps.get("dispatch_call", {})
+        if cfg.get("internode"):  # the in-node stage's crossings, as many as the path makes
+            if not d or any(v <= 0 for e in steps.values() for v in e.values()):
+                errors.append(f"{tag} host_steps of one cached internode dispatch: {steps}")
+        elif d.get("calls") != 1 or not {"streams", "outputs", "launch", "counts", "leave", "return"} <= set(d) \
+                or any(v <= 0 for v in d.values()) or set(steps) != {"dispatch_call"}:
+            errors.append(f"{tag} host_steps of one cached dispatch: {steps}")
         if counters.get("num_sms") != buf.num_sms or set(counters.get("pool", {})) != {"stream_waits", "misses"}:
             errors.append(f"{tag} counters {counters}")
         run = tracing.notify_only(buf, idx, E)

@@ -1,11 +1,14 @@
-// Argument helpers of the NVSHMEM paths' torch bindings (low_latency/binding.cpp,
-// internode/binding.cpp, nvshmem/symmetric_memory.h): one wording for a failed CUDA call and for a
-// tensor that is not what a kernel reads. Python checks every argument first; these only guard
-// against memory errors.
+// Tensor helpers of the torch bindings: for the NVSHMEM paths' (low_latency/binding.cpp,
+// internode/binding.cpp, nvshmem/symmetric_memory.h) one wording for a failed CUDA call and for a
+// tensor that is not what a kernel reads (Python checks every argument first; these only guard
+// against memory errors); for every binding, tensors of one lifetime in one allocation.
 #pragma once
 
 #include <cuda_runtime.h>
 #include <torch/extension.h>
+
+#include <algorithm>
+#include <vector>
 
 namespace mep {
 
@@ -20,6 +23,37 @@ T* ptr(const torch::Tensor& t, const char* name, at::ScalarType dtype) {
   TORCH_CHECK(t.is_cuda() && t.is_contiguous(), name, " must be a contiguous CUDA tensor");
   TORCH_CHECK(t.scalar_type() == dtype, name, " has dtype ", t.scalar_type(), ", expected ", dtype);
   return static_cast<T*>(t.data_ptr());
+}
+
+// Tensors that live and die together (a handle's state) in one allocation: one call into the
+// caching allocator instead of one per tensor (each costs microseconds of host time), every
+// tensor an alias of the one storage, each section 256-byte aligned. The storage goes back when
+// the last of them dies, so only for tensors of one lifetime.
+struct ArenaPart {
+  at::ScalarType dtype;
+  std::vector<int64_t> sizes;
+};
+inline std::vector<torch::Tensor> arena_tensors(const std::vector<ArenaPart>& parts, const at::TensorOptions& opts) {
+  constexpr int64_t kAlign = 256;
+  std::vector<int64_t> offsets(parts.size());
+  int64_t total = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    int64_t n = (int64_t)c10::elementSize(parts[i].dtype);
+    for (const int64_t d : parts[i].sizes) n *= d;
+    offsets[i] = total;
+    total += (n + kAlign - 1) / kAlign * kAlign;
+  }
+  const torch::Tensor block = at::empty({std::max<int64_t>(total, 1)}, opts.dtype(at::kByte));
+  std::vector<torch::Tensor> out;
+  out.reserve(parts.size());
+  for (size_t i = 0; i < parts.size(); ++i) {
+    torch::Tensor t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(block.storage()), block.key_set(),
+                                                               c10::scalarTypeToTypeMeta(parts[i].dtype));
+    t.unsafeGetTensorImpl()->set_sizes_contiguous(parts[i].sizes);
+    t.unsafeGetTensorImpl()->set_storage_offset(offsets[i] / (int64_t)c10::elementSize(parts[i].dtype));
+    out.push_back(std::move(t));
+  }
+  return out;
 }
 
 }  // namespace mep

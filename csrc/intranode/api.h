@@ -11,9 +11,14 @@ namespace mep {
 
 // ---- layout.cu -------------------------------------------------------------------------------
 // One pass over topk_idx: tokens per rank (each token once per rank), (token, expert) pairs per
-// expert, token_in_rank [T, R]. Ids outside [0, E) count as unused. Outputs zeroed by the caller.
-void launch_layout(const long long* topk_idx, int T, int K, int E, int R, long long* tokens_per_rank,
-                   long long* tokens_per_expert, bool* token_in_rank, cudaStream_t stream);
+// expert (int64, or int32 with counts_int32), token_in_rank [T, R]. Ids outside [0, E) count as
+// unused. Counts zeroed by the caller.
+void launch_layout(const long long* topk_idx, int T, int K, int E, int R, void* tokens_per_rank, void* tokens_per_expert,
+                   bool counts_int32, bool* token_in_rank, cudaStream_t stream);
+// The ids' check where notify cannot make it (a sync-free dispatch, the low-latency path): the
+// first slot (token * K + k, K <= 32) whose id is neither -1 nor in [0, E) or repeats an earlier
+// slot's expert, as *key = T * K - slot (the largest wins); *key zeroed by the caller, 0 after: none.
+void launch_check_ids(const long long* topk_idx, int T, int K, int E, unsigned long long* key, cudaStream_t stream);
 
 // ---- intranode.cu ----------------------------------------------------------------------------
 // notify: counts, the call exchange (records + counts with every peer), prefix sums, and for
@@ -29,6 +34,7 @@ struct NotifyArgs {
   const long long* topk_idx;  // [T, K]
   int T, K, E, align, permute, worst;
   int groups;  // token groups: 1..kMaxTokenGroups, T % groups == 0, groups * E <= kMaxExperts
+  int check;   // find the first id out of range or repeated in its token (HostInfo::bad_slot)
   int* rank_pos;   // [T, R] out
   int* slot_pos;   // [T, K] out
   int* recv_info;  // [RecvInfo::size(L)] out
@@ -37,6 +43,11 @@ struct NotifyArgs {
                           // rank-major with num_worst_tokens: the pull counts the delivered rows)
   long long* out_dropped; // [1] out: real rows past num_worst_tokens
   long long tag;
+  int* rank_counts;       // [G * R][R] out, or nullptr: tokens (group g, rank s) sends to rank d, at row
+                          // g * R + s (one group: rank s to rank d; the internode in-node stage's
+                          // groups are source nodes, so the row is the global source rank)
+  int* rank_prefix;       // [G * R][R] out with rank_counts: its inclusive prefix sums over the rows
+                          // (DeepEP's rank_prefix_matrix), or nullptr
 };
 void launch_notify(const Ctx& ctx, const CallArgs& call, const NotifyArgs& args, cudaStream_t stream);
 
@@ -100,21 +111,20 @@ struct FanoutArgs {
 };
 void launch_fanout(const Ctx& ctx, const FanoutArgs& args, int num_blocks, cudaStream_t stream);
 
-// Copy the combine input (unless it already lies in the region) and weights; publish `call`
-// and signal kSlotCall (a combine's first exchange).
+// A combine's staging: copy the input (unless it already lies in the region) and weights; publish
+// `call` and signal kSlotCall (a combine's first exchange). Run before the pull-and-sum in the same
+// launch (launch_stage_and_combine, and the internode path's fused combine).
 struct StageCombineArgs {
   const void* x;  // [rows, row_bytes] or nullptr (zero copy)
   int rows, row_bytes;
   const float* w;  // [rows, w_cols] or nullptr
   int w_cols;
 };
-void launch_stage_combine(const Ctx& ctx, const CallArgs& call, const StageCombineArgs& args, int num_blocks,
-                          cudaStream_t stream);
 
 // Expert-major combine, first half (local): each rank-major row's expert rows summed in fp32
 // into the combine area (a partial per (token, rank): one row crosses the link per token and
 // rank instead of one per (token, expert)), the weights staged; publishes `call` and signals
-// kSlotCall like launch_stage_combine, which it replaces.
+// kSlotCall like the staging, which it replaces.
 struct CombineReduceArgs {
   const void* x;      // [rows, H] expert-major rows (bf16 or fp32), local
   int rows, H, is_fp32;
@@ -130,6 +140,8 @@ void launch_combine_reduce(const Ctx& ctx, const CallArgs& call, const CombineRe
 // With `partials` (after launch_combine_reduce) the rows are the fp32 partials, one per rank.
 // Only rows the dispatch delivered are read: ids outside [0, E), negative positions and
 // positions past the owner's row limit (its num_worst_tokens) are skipped.
+// launch_stage_and_combine: the staging, then the sum of the staged rows, in one launch;
+// launch_combine_partials: the sum of the partials launch_combine_reduce wrote.
 struct CombineArgs {
   int T, H, K, E, permute, is_fp32, has_weights, partials;
   const int* row_limits;      // [R] from notify: rows each rank's combine input holds at most
@@ -139,7 +151,9 @@ struct CombineArgs {
   void* y;                    // [T, H]
   float* w_out;               // [T, K] or nullptr
 };
-void launch_combine(const Ctx& ctx, const CombineArgs& args, int num_blocks, cudaStream_t stream);
+void launch_stage_and_combine(const Ctx& ctx, const CallArgs& call, const StageCombineArgs& stage,
+                              const CombineArgs& args, int num_blocks, cudaStream_t stream);
+void launch_combine_partials(const Ctx& ctx, const CombineArgs& args, int num_blocks, cudaStream_t stream);
 
 // ---- the in-node stage of the internode path's fused kernels ----------------------------------
 // An in-node push or combine that the internode path runs inside its own fused launch

@@ -5,24 +5,20 @@
 // communication stream). The only translation unit of _C that sees torch.
 
 #include "intranode/api.h"
+#include "intranode/calls.h"
 #include "ipc/runtime.h"
 
 namespace mep {
 namespace {
 
 // ------------------------------------------------------------------------------ intranode path
-using Sig = std::vector<long long>;
 
 void notify(Runtime& rt, const Sig& sig, const Tensor& topk_idx, int E, int align, bool permute, int worst,
             Tensor& rank_pos, Tensor& slot_pos, Tensor& recv_info, Tensor& row_limits, Tensor& tpe, Tensor& dropped,
-            long long tag, int groups) {
+            long long tag, int groups, bool check, const c10::optional<Tensor>& rank_counts,
+            const c10::optional<Tensor>& rank_prefix) {
+  // the outputs are notify_call's own (sized and typed there); the routing is the caller's copy
   check_tensor(topk_idx, "topk_idx", at::kLong);
-  check_tensor(rank_pos, "rank_pos", at::kInt);
-  check_tensor(slot_pos, "slot_pos", at::kInt);
-  check_tensor(recv_info, "recv_info", at::kInt);
-  check_tensor(row_limits, "row_limits", at::kInt);
-  check_tensor(tpe, "tokens_per_expert", at::kLong);
-  check_tensor(dropped, "num_dropped", at::kLong);
   const int T = (int)topk_idx.size(0), K = (int)topk_idx.size(1), R = rt.num_ranks();
   TORCH_CHECK(K >= 1 && K <= kMaxTopk, "megatron_ep: topk ", K, " outside 1..", kMaxTopk);
   TORCH_CHECK(E >= R && E <= kMaxExperts && E % R == 0, "megatron_ep: bad num_experts ", E);
@@ -30,14 +26,12 @@ void notify(Runtime& rt, const Sig& sig, const Tensor& topk_idx, int E, int alig
   TORCH_CHECK(groups >= 1 && groups <= kMaxTokenGroups && T % groups == 0 && (long long)groups * E <= kMaxExperts,
               "megatron_ep: ", groups, " token groups do not fit ", T, " tokens and ", E, " experts");
   TORCH_CHECK(notify_scratch_rows(notify_plan(T, groups)) <= kScratchRows, "notify plan exceeds the scratch");
-  TORCH_CHECK(recv_info.numel() >= RecvInfo::size(E / R), "recv_info too small");
-  TORCH_CHECK(rank_pos.numel() >= (int64_t)T * R && slot_pos.numel() >= (int64_t)T * K, "position tensors too small");
-  TORCH_CHECK(row_limits.numel() >= R && tpe.numel() >= E / R && dropped.numel() >= 1, "notify outputs too small");
   const CallArgs call = make_call(sig, kCallOk, "");
   NotifyArgs a{static_cast<const long long*>(topk_idx.data_ptr()), T, K, E, align, permute ? 1 : 0, worst, groups,
+               check ? 1 : 0,
                rank_pos.data_ptr<int>(), slot_pos.data_ptr<int>(), recv_info.data_ptr<int>(), row_limits.data_ptr<int>(),
                reinterpret_cast<long long*>(tpe.data_ptr<int64_t>()), reinterpret_cast<long long*>(dropped.data_ptr<int64_t>()),
-               tag};
+               tag, ptr_or_null<int>(rank_counts), ptr_or_null<int>(rank_prefix)};
   launch_notify(rt.ctx(call.sig[kSigSeq]), call, a, stream());
   check_launch("notify");
 }
@@ -131,24 +125,6 @@ void dispatch_push(Runtime& rt, const Sig& sig, int slot, const Tensor& x, int T
   check_launch("dispatch_push");
 }
 
-template <typename T>
-py::bytes as_bytes(const T& v) {
-  return py::bytes(reinterpret_cast<const char*>(&v), sizeof(T));
-}
-
-// The same push for the internode path's fused dispatch: its launch record, not launched.
-py::bytes push_record(Runtime& rt, const Sig& sig, int slot, const Tensor& x, int T, int row_bytes,
-                      const c10::optional<Tensor>& scales, int scale_cols, const Tensor& topk_idx,
-                      const c10::optional<Tensor>& topk_w, const Tensor& rank_pos, const Tensor& slot_pos, int E,
-                      int out_rows, bool permute, const Tensor& recv_info, Tensor& out_x,
-                      const c10::optional<Tensor>& out_scales, const c10::optional<Tensor>& out_idx,
-                      const c10::optional<Tensor>& out_w, const c10::optional<Tensor>& out_row_expert,
-                      const c10::optional<Tensor>& comb_map, std::vector<long long> offsets) {
-  return as_bytes(push_launch(rt, sig, slot, x, T, row_bytes, scales, scale_cols, topk_idx, topk_w, rank_pos, slot_pos, E,
-                              out_rows, permute, recv_info, out_x, out_scales, out_idx, out_w, out_row_expert, comb_map,
-                              offsets));
-}
-
 // The pooled rank-major rows of an expert-major push (pool_rank_major's tensors; its int64 index
 // columns hold (expert-major row, local expert) int32 pairs) into the expert-major outputs.
 void fanout(Runtime& rt, const Sig& sig, const Tensor& rows, const c10::optional<Tensor>& scales, const Tensor& map,
@@ -167,7 +143,7 @@ void fanout(Runtime& rt, const Sig& sig, const Tensor& rows, const c10::optional
   check_launch("fanout");
 }
 
-// Expert-major combine, first half: the local pre-reduction into fp32 partials (replaces stage_combine).
+// Expert-major combine, first half: the local pre-reduction into fp32 partials (replaces the staging).
 CombineReduceArgs combine_reduce_args(Runtime& rt, const Tensor& x, int rows, int H, bool is_fp32, const Tensor& comb_map,
                                       const Tensor& recv_info, const c10::optional<Tensor>& w) {
   const RegionLayout& l = rt.lay();
@@ -180,14 +156,6 @@ CombineReduceArgs combine_reduce_args(Runtime& rt, const Tensor& x, int rows, in
                            (int)comb_map.size(1), ptr_or_null<const float>(w)};
 }
 
-void combine_reduce(Runtime& rt, const Sig& sig, const Tensor& x, int rows, int H, bool is_fp32, const Tensor& comb_map,
-                    const Tensor& recv_info, const c10::optional<Tensor>& w, int num_blocks) {
-  const CombineReduceArgs a = combine_reduce_args(rt, x, rows, H, is_fp32, comb_map, recv_info, w);
-  const CallArgs call = make_call(sig, kCallOk, "");
-  launch_combine_reduce(rt.ctx(call.sig[kSigSeq]), call, a, num_blocks, stream());
-  check_launch("combine_reduce");
-}
-
 StageCombineArgs stage_combine_args(Runtime& rt, const c10::optional<Tensor>& x, int rows, int row_bytes,
                                     const c10::optional<Tensor>& w, int w_cols) {
   const RegionLayout& l = rt.lay();
@@ -195,14 +163,6 @@ StageCombineArgs stage_combine_args(Runtime& rt, const c10::optional<Tensor>& x,
   TORCH_CHECK(row_bytes <= l.comb_row_bytes && row_bytes % 16 == 0, "megatron_ep: bad combine row size ", row_bytes);
   TORCH_CHECK(w_cols <= l.max_topk, "megatron_ep: combine weight columns exceed the region's");
   return StageCombineArgs{x.has_value() ? x->data_ptr() : nullptr, rows, row_bytes, ptr_or_null<const float>(w), w_cols};
-}
-
-void stage_combine(Runtime& rt, const Sig& sig, const c10::optional<Tensor>& x, int rows, int row_bytes,
-                   const c10::optional<Tensor>& w, int w_cols, int num_blocks) {
-  const StageCombineArgs a = stage_combine_args(rt, x, rows, row_bytes, w, w_cols);
-  const CallArgs call = make_call(sig, kCallOk, "");
-  launch_stage_combine(rt.ctx(call.sig[kSigSeq]), call, a, num_blocks, stream());
-  check_launch("stage_combine");
 }
 
 CombineArgs combine_args(int T, int H, int K, int E, bool permute, bool is_fp32, bool has_weights, bool partials,
@@ -216,49 +176,381 @@ CombineArgs combine_args(int T, int H, int K, int E, bool permute, bool is_fp32,
                      rank_pos.data_ptr<int>(), slot_pos.data_ptr<int>(), y.data_ptr(), ptr_or_null<float>(w_out)};
 }
 
-void combine(Runtime& rt, const Sig& sig, int T, int H, int K, int E, bool permute, bool is_fp32, bool has_weights,
-             bool partials, const Tensor& row_limits, const Tensor& topk_idx, const Tensor& rank_pos, const Tensor& slot_pos, Tensor& y,
-             const c10::optional<Tensor>& w_out, int num_blocks) {
-  const CombineArgs a = combine_args(T, H, K, E, permute, is_fp32, has_weights, partials, row_limits, topk_idx, rank_pos,
-                                     slot_pos, y, w_out);
-  launch_combine(rt.ctx(sig.at(kSigSeq)), a, num_blocks, stream());
-  check_launch("combine");
-}
 
-// A whole in-node combine (its first half: stage, or the pre-reduction with `partials`; then the
-// pull-and-sum into y) for the internode path's fused combine: its launch record, not launched.
-py::bytes combine_record(Runtime& rt, const Sig& sig, const c10::optional<Tensor>& x, int rows, int row_bytes,
-                         const c10::optional<Tensor>& weights, int weight_cols, bool partials,
-                         const c10::optional<Tensor>& comb_map, const Tensor& recv_info, int T, int H, int K, int E,
-                         bool permute, bool is_fp32, bool has_weights, const Tensor& row_limits, const Tensor& topk_idx,
-                         const Tensor& rank_pos, const Tensor& slot_pos, Tensor& y, const c10::optional<Tensor>& w_out) {
-  InnodeCombine d{};
-  d.call = make_call(sig, kCallOk, "");
-  d.ctx = rt.ctx(d.call.sig[kSigSeq]);
-  d.partials = partials ? 1 : 0;
-  if (partials) {
-    TORCH_CHECK(comb_map.has_value() && x.has_value(), "combine_record: partials need x and comb_map");
-    d.reduce = combine_reduce_args(rt, *x, rows, H, is_fp32, *comb_map, recv_info, weights);
-  } else {
-    d.stage = stage_combine_args(rt, x, rows, row_bytes, weights, weight_cols);
-  }
-  d.comb = combine_args(T, H, K, E, permute, is_fp32, has_weights, partials, row_limits, topk_idx, rank_pos, slot_pos, y,
-                        w_out);
-  return as_bytes(d);
-}
-
-void layout(const Tensor& topk_idx, int E, int R, Tensor& tokens_per_rank, Tensor& tokens_per_expert,
-            Tensor& token_in_rank) {
+// ------------------------------------------------------------------ one crossing per call (calls.h)
+HandleState handle_state(const Tensor& topk_idx, const Tensor& rank_pos, const Tensor& slot_pos, const Tensor& recv_info,
+                         const Tensor& row_limits, const Tensor& counts, const c10::optional<Tensor>& comb_map, int E,
+                         bool permute) {
   check_tensor(topk_idx, "topk_idx", at::kLong);
-  check_tensor(tokens_per_rank, "tokens_per_rank", at::kLong);
-  check_tensor(tokens_per_expert, "tokens_per_expert", at::kLong);
-  check_tensor(token_in_rank, "token_in_rank", at::kBool);
+  check_tensor(rank_pos, "rank_pos", at::kInt);
+  check_tensor(slot_pos, "slot_pos", at::kInt);
+  check_tensor(recv_info, "recv_info", at::kInt);
+  check_tensor(row_limits, "row_limits", at::kInt);
+  check_tensor(counts, "counts", at::kLong);
+  TORCH_CHECK(topk_idx.dim() == 2, "megatron_ep: topk_idx must be [T, K]");
+  TORCH_CHECK(E >= 1 && E % (int)row_limits.numel() == 0 && counts.numel() == E / row_limits.numel() + 1,
+              "megatron_ep: counts must hold tokens_per_expert and num_dropped");
+  HandleState st;
+  st.topk_idx = topk_idx, st.rank_pos = rank_pos, st.slot_pos = slot_pos, st.recv_info = recv_info;
+  st.row_limits = row_limits, st.comb_map = comb_map;
+  st.keep_counts(counts);
+  st.T = (int)topk_idx.size(0), st.K = (int)topk_idx.size(1), st.E = E, st.permute = permute;
+  return st;
+}
+
+// notify's half of a new routing (notify_call, dispatch_first_call), on `cs`'s streams: the counts
+// every dispatch along the routing returns on the caller's, the handle's tensors on ours (one
+// allocation: they die with the handle), the routing's copy, notify launched; the handle's state
+// bound from what it made (binding it from Python would check each tensor again).
+struct Notified {
+  Tensor counts, tpe, dropped;
+  c10::optional<Tensor> rank_counts, rank_prefix;  // (when asked) every rank's tokens per destination, and their prefix
+  HandleState st;
+  int L = 0;
+};
+
+Notified notify_part(Runtime& rt, CallStreams& cs, StepTimer& clock, const Sig& sig, const Tensor& topk_idx, int E,
+                     int align, bool permute, int worst, int groups, bool check, bool want_rank_counts, long long tag,
+                     const py::object& marks, bool async_op) {
+  const int R = rt.num_ranks(), T = (int)topk_idx.size(0), K = (int)topk_idx.size(1);
+  TORCH_CHECK(E >= R && E % R == 0, "megatron_ep: bad num_experts ", E);
+  TORCH_CHECK(topk_idx.is_cuda() && topk_idx.scalar_type() == at::kLong, "megatron_ep: topk_idx must be a CUDA int64 tensor");
+  Notified n;
+  n.L = E / R;
+  n.counts = at::empty({n.L + 1}, topk_idx.options());
+  n.tpe = n.counts.narrow(0, 0, n.L), n.dropped = n.counts.select(0, n.L);
+  c10::cuda::CUDAStreamGuard on_comm(cs.comm());
+  mark(marks, 0);
+  std::vector<ArenaPart> parts{{at::kLong, {T, K}}, {at::kInt, {T, R}}, {at::kInt, {T, K}},
+                               {at::kInt, {RecvInfo::size(n.L)}}, {at::kInt, {R}}};
+  if (want_rank_counts)
+    parts.insert(parts.end(), {{at::kInt, {(int64_t)groups * R, R}}, {at::kInt, {(int64_t)groups * R, R}}});
+  const std::vector<Tensor> kept = arena_tensors(parts, topk_idx.options());
+  HandleState& st = n.st;
+  st.topk_idx = kept[0], st.rank_pos = kept[1], st.slot_pos = kept[2], st.recv_info = kept[3], st.row_limits = kept[4];
+  if (want_rank_counts) n.rank_counts = kept[5], n.rank_prefix = kept[6];
+  if (!topk_idx.is_contiguous())
+    st.topk_idx.copy_(topk_idx);
+  else if (topk_idx.nbytes() > 0)  // (a raw copy: ATen's copy_ costs more host time than the copy)
+    C10_CUDA_CHECK(cudaMemcpyAsync(st.topk_idx.data_ptr(), topk_idx.data_ptr(), topk_idx.nbytes(),
+                                   cudaMemcpyDeviceToDevice, cs.comm().stream()));
+  // the caller's ids are read on our stream: an asynchronous caller may free them at once
+  if (async_op) topk_idx.record_stream(cs.comm());
+  clock.lap(kStepOutputs);
+  notify(rt, sig, st.topk_idx, E, align, permute, worst, st.rank_pos, st.slot_pos, st.recv_info, st.row_limits, n.tpe,
+         n.dropped, tag, groups, check, n.rank_counts, n.rank_prefix);
+  rt.set_notified(tag);
+  mark(marks, 1);
+  clock.lap(kStepLaunch);
+  st.keep_counts(n.counts);
+  st.T = T, st.K = K, st.E = E, st.permute = permute;
+  return n;
+}
+
+// (topk_idx copy, rank_pos, slot_pos, recv_info, row_limits, counts, tokens_per_expert, num_dropped,
+// rank_counts and its prefix over the rows, or None each, the wait's status, the sizes or None, the
+// HandleState); the state moves into its Python object
+py::tuple notified_tuple(Notified& n, const py::tuple& sizes) {
+  const HandleState& st = n.st;
+  const auto opt = [](const c10::optional<Tensor>& x) { return x.has_value() ? py::cast(*x) : py::none(); };
+  py::tuple t = py::make_tuple(st.topk_idx, st.rank_pos, st.slot_pos, st.recv_info, st.row_limits, n.counts, n.tpe,
+                               n.dropped, opt(n.rank_counts), opt(n.rank_prefix), sizes[0], sizes[1]);
+  return py::make_tuple(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9], t[10], t[11],
+                        py::cast(std::move(n.st)));
+}
+
+// A new routing's notify in one crossing (a worst-case sized one's, and tracing's): our stream
+// after the caller's (or `previous`), then notify_part (given a previous_event our stream waits
+// for that event only, so the routing's copy is made on ours: one on the caller's stream, queued
+// after the event, could still be unwritten when notify reads it). The caller's stream waits at the
+// dispatch's end (dispatch_call). With wait_s >= 0 the host then waits for notify's sizes
+// (Runtime::wait_counts, without the GIL). Returns notified_tuple's tuple: tokens_per_expert and
+// num_dropped are views of counts [L + 1], so a cached dispatch copies both with one copy.
+py::tuple notify_call(Runtime& rt, const Sig& sig, const Tensor& topk_idx, int E, int align, bool permute, int worst,
+                      int groups, bool check, bool want_rank_counts, long long tag, const py::object& previous,
+                      const py::object& marks, double wait_s, bool async_op) {
+  StepTimer clock(rt.clock(), kEntryNotify);
+  CallStreams cs(rt, previous, false);
+  clock.lap(kStepStreams);
+  Notified n = notify_part(rt, cs, clock, sig, topk_idx, E, align, permute, worst, groups, check, want_rank_counts, tag,
+                           marks, async_op);
+  const py::tuple sizes = wait_s >= 0 ? rt.wait_counts(tag, wait_s, n.L) : py::make_tuple(-1, py::none());
+  clock.lap(kStepWait);
+  py::tuple out = notified_tuple(n, sizes);
+  clock.lap(kStepReturn);
+  return out;
+}
+
+// A combine's host side: y (and the weights) on the caller's stream unless given, then stage (or
+// the expert-major pre-reduction, `partials`) and the pull-and-sum on ours; with `fused` (the
+// internode path's fused combine) the whole in-node combine as its launch record instead,
+// fused(record, y, w_out). Returns (y, w_out).
+py::tuple combine_call(Runtime& rt, const HandleState& st, const Sig& sig, const Tensor& x,
+                       const c10::optional<Tensor>& weights, bool partials, bool zero_copy,
+                       const c10::optional<Tensor>& out_y, const c10::optional<Tensor>& out_w,
+                       const py::object& previous, const py::object& event, bool async_op, const py::object& hook,
+                       const py::object& fused, const py::object& marks, int num_blocks, int local_blocks) {
+  const int rows = (int)x.size(0), H = (int)x.size(1), row_bytes = H * (int)x.element_size();
+  const bool is_fp32 = x.scalar_type() == at::kFloat, has_w = weights.has_value();
+  const int w_cols = st.permute ? 1 : st.K;
+  StepTimer clock(rt.clock(), kEntryCombine);
+  CallStreams cs(rt, previous, false);
+  clock.lap(kStepStreams);
+  Tensor y;
+  c10::optional<Tensor> w_out;
+  if (out_y.has_value()) {
+    y = *out_y;
+    w_out = out_w;
+  } else {
+    y = at::empty({st.T, H}, x.options());
+    if (has_w) w_out = at::empty({st.T, st.K}, x.options().dtype(at::kFloat));
+  }
+  clock.lap(kStepOutputs);
+  if (apply_hook(hook, {&y, opt_ptr(w_out)})) cs.after_caller();
+  clock.lap(kStepHook);
+  {
+    c10::cuda::CUDAStreamGuard on_comm(cs.comm());
+    mark(marks, 0);
+    const c10::optional<Tensor> staged = zero_copy ? c10::nullopt : c10::optional<Tensor>(x);
+    if (!fused.is_none()) {
+      InnodeCombine d{};
+      d.call = make_call(sig, kCallOk, "");
+      d.ctx = rt.ctx(d.call.sig[kSigSeq]);
+      d.partials = partials ? 1 : 0;
+      if (partials) {
+        TORCH_CHECK(st.comb_map.has_value() && !zero_copy, "megatron_ep: partials need x and comb_map");
+        d.reduce = combine_reduce_args(rt, x, rows, H, is_fp32, *st.comb_map, st.recv_info, weights);
+      } else {
+        d.stage = stage_combine_args(rt, staged, rows, row_bytes, weights, w_cols);
+      }
+      d.comb = combine_args(st.T, H, st.K, st.E, st.permute, is_fp32, has_w, partials, st.row_limits, st.topk_idx,
+                            st.rank_pos, st.slot_pos, y, w_out);
+      fused(as_bytes(d), y, w_out.has_value() ? py::cast(*w_out) : py::none());
+    } else {
+      const CombineArgs comb = combine_args(st.T, H, st.K, st.E, st.permute, is_fp32, has_w, partials, st.row_limits,
+                                            st.topk_idx, st.rank_pos, st.slot_pos, y, w_out);
+      const CallArgs call = make_call(sig, kCallOk, "");
+      const Ctx ctx = rt.ctx(call.sig[kSigSeq]);
+      if (partials) {  // the pre-reduction on the local SMs, then the partials' sum
+        TORCH_CHECK(st.comb_map.has_value(), "megatron_ep: partials need the dispatch's comb_map");
+        launch_combine_reduce(ctx, call, combine_reduce_args(rt, x, rows, H, is_fp32, *st.comb_map, st.recv_info, weights),
+                              local_blocks, stream());
+        check_launch("combine_reduce");
+        mark(marks, 1);
+        launch_combine_partials(ctx, comb, num_blocks, stream());
+      } else {
+        launch_stage_and_combine(ctx, call, stage_combine_args(rt, staged, rows, row_bytes, weights, w_cols), comb,
+                                 num_blocks, stream());
+      }
+      check_launch("combine");
+    }
+    mark(marks, 2);
+  }
+  clock.lap(kStepLaunch);
+  cs.leave(event, async_op, {&x, opt_ptr(weights), &y, opt_ptr(w_out), &st.topk_idx, &st.rank_pos, &st.slot_pos,
+                             &st.row_limits, opt_ptr(st.comb_map), &st.recv_info});
+  clock.lap(kStepLeave);
+  py::tuple out = py::make_tuple(y, w_out.has_value() ? py::cast(*w_out) : py::none());
+  clock.lap(kStepReturn);
+  return out;
+}
+
+// A dispatch's host side after its plan (and, for a new routing, after notify: `first`, the streams
+// already ordered): the outputs on the caller's stream (pooled rank-major rows when pushing: the
+// outputs themselves, or the fan-out's source), the rows moved on ours (push [+ fan-out], or
+// stage + pull; with `fused`, the push's launch record for the internode path's fused dispatch),
+// the counts, the event. `scratch`: the expert-major push may use the combine area as its
+// rank-major buffer. `comb_rows`: a new expert-major routing's combine map rows (N, or the bound
+// when the host does not know N). Returns (x, scales, topk_idx, weights, row_expert,
+// tokens_per_expert, num_dropped, the handle's own counts, tokens_per_expert and num_dropped (views
+// of its counts), comb_map).
+py::tuple dispatch_part(Runtime& rt, CallStreams& cs, StepTimer& clock, HandleState& st, const Sig& sig, bool first,
+                        const Tensor& data, const c10::optional<Tensor>& scales, const c10::optional<Tensor>& topk_w,
+                        bool push, bool scratch, bool zero_copy, int out_rows, int worst, int comb_rows,
+                        const py::object& event, bool async_op, const py::object& hook, const py::object& fused,
+                        const py::object& marks, int num_blocks, int push_blocks, int local_blocks) {
+  const int T = st.T, K = st.K, E = st.E, H = (int)data.size(1);
+  const int row_bytes = H * (int)data.element_size(), scale_cols = scales.has_value() ? (int)scales->size(1) : 0;
+  const bool permute = st.permute, has_w = topk_w.has_value();
+  const auto dev = data.options();
+  const cudaStream_t compute = cs.compute().stream(), comm = cs.comm().stream();
+  if (first && permute && !st.comb_map.has_value()) {  // our stream's, like every tensor the handle keeps
+    c10::cuda::CUDAStreamGuard on_comm(cs.comm());
+    st.comb_map = at::empty({comb_rows, K}, dev.dtype(at::kInt));
+  }
+  // the counts the caller gets: a new routing's notify wrote the handle's; a cached dispatch
+  // returns copies of them (the caller's outputs are its own)
+  const int L = E / rt.num_ranks();
+  const Tensor counts = first ? st.counts : at::empty({L + 1}, dev.dtype(at::kLong));
+  const Tensor tpe = counts.narrow(0, 0, L), dropped = counts.select(0, L);
+  // outputs
+  RankMajor pooled;
+  bool have_pool = false;
+  if (push && permute) {  // a rank-major buffer for the fan-out (N rows, or the bound)
+    TORCH_CHECK(st.comb_map.has_value(), "megatron_ep: an expert-major dispatch needs comb_map");
+    const int rows = std::max<int>(1, (int)st.comb_map->size(0));
+    const RegionLayout& l = rt.lay();
+    have_pool = (scratch && rt.block_at(l.comb_x, l.comb_w, rows, H, data.scalar_type(), row_bytes, scale_cols, K, has_w,
+                                        pooled)) ||
+                rt.pool_block(rows, H, data.scalar_type(), row_bytes, scale_cols, K, has_w, compute, true, comm, pooled);
+  } else if (push) {
+    // the block's first writer waits for its last use: the push kernel (our stream; the peers
+    // wait for its start), or an output hook (the caller's) before it
+    have_pool = rt.pool_block(out_rows, H, data.scalar_type(), row_bytes, scale_cols, K, has_w, compute, false,
+                              hook.is_none() ? comm : compute, pooled);
+  }
+  Tensor x;
+  c10::optional<Tensor> out_s, out_idx, out_w, row_expert;
+  if (have_pool && !permute) {
+    x = pooled.x, out_s = pooled.scales, out_idx = pooled.idx, out_w = pooled.w;
+  } else {
+    x = at::empty({out_rows, H}, dev);
+    if (scales.has_value()) out_s = at::empty({out_rows, scale_cols}, dev.dtype(at::kFloat));
+    if (!permute) out_idx = at::empty({out_rows, K}, dev.dtype(at::kLong));
+    if (has_w) out_w = permute ? at::empty({out_rows}, dev.dtype(at::kFloat)) : at::empty({out_rows, K}, dev.dtype(at::kFloat));
+  }
+  if (permute) row_expert = at::empty({out_rows}, dev.dtype(at::kInt));
+  clock.lap(kStepOutputs);
+  if (apply_hook(hook, {&x, opt_ptr(out_s), opt_ptr(out_idx), opt_ptr(out_w), opt_ptr(row_expert)})) cs.after_caller();
+  clock.lap(kStepHook);
+  const std::vector<long long> offsets = have_pool ? pooled.offsets : std::vector<long long>{-1, -1, -1, -1};
+  {
+    c10::cuda::CUDAStreamGuard on_comm(cs.comm());
+    const int slot = !first ? kSlotCall : (push ? kSlotOutLoc : kSlotStaged);
+    if (!fused.is_none() || push) {
+      if (!fused.is_none()) {
+        // where the outputs are not pooled (no push) the fused kernel stages and pulls (offsets -1)
+        fused(as_bytes(push_launch(rt, sig, slot, data, T, row_bytes, scales, scale_cols, st.topk_idx, topk_w,
+                                   st.rank_pos, st.slot_pos, E, out_rows, permute, st.recv_info, x, out_s, out_idx,
+                                   out_w, row_expert, st.comb_map, offsets)));
+      } else {
+        dispatch_push(rt, sig, slot, data, T, row_bytes, scales, scale_cols, st.topk_idx, topk_w, st.rank_pos,
+                      st.slot_pos, E, out_rows, permute, st.recv_info, x, out_s, out_idx, out_w, row_expert,
+                      st.comb_map, offsets, push_blocks);
+      }
+      mark(marks, 0);
+      if (permute) {
+        if (have_pool)
+          fanout(rt, sig, pooled.x, pooled.scales, pooled.idx, pooled.w, row_bytes, scale_cols, K, E, has_w, out_rows,
+                 st.recv_info, x, out_s, out_w, *row_expert, *st.comb_map, local_blocks);
+        mark(marks, 1);
+      }
+    } else {
+      stage(rt, sig, slot, zero_copy ? c10::nullopt : c10::optional<Tensor>(data), T, row_bytes, scales, scale_cols,
+            st.topk_idx, topk_w, st.rank_pos, st.slot_pos, num_blocks);
+      mark(marks, 0);
+      // rank-major, worst-case sized: the pull counts the rows it delivers (notify zeroed tpe)
+      const bool count_rows = first && worst > 0 && !permute;
+      dispatch(rt, sig, slot, row_bytes, scale_cols, K, E, permute, has_w, out_rows, st.recv_info, x, out_s, out_idx,
+               out_w, row_expert, count_rows ? c10::optional<Tensor>(tpe) : c10::nullopt, st.comb_map, num_blocks);
+      mark(marks, 1);
+    }
+    clock.lap(kStepLaunch);
+    if (first) {  // the handle keeps its own counts (the pull may have written tpe); a raw copy, as below
+      const Tensor own = at::empty({L + 1}, dev.dtype(at::kLong));
+      C10_CUDA_CHECK(cudaMemcpyAsync(own.data_ptr(), counts.data_ptr(), counts.nbytes(), cudaMemcpyDeviceToDevice, comm));
+      st.keep_counts(own);
+    } else  // same routing, same rows (a raw copy: ATen's copy_ costs more host time than the copy)
+      C10_CUDA_CHECK(cudaMemcpyAsync(counts.data_ptr(), st.counts.data_ptr(), counts.nbytes(), cudaMemcpyDeviceToDevice,
+                                     comm));
+    clock.lap(kStepCounts);
+  }
+  cs.leave(event, async_op, {&data, opt_ptr(scales), &st.topk_idx, opt_ptr(topk_w), &st.rank_pos, &st.slot_pos,
+                             &st.recv_info, &st.row_limits, opt_ptr(st.comb_map), &x, opt_ptr(out_s), opt_ptr(out_idx),
+                             opt_ptr(out_w), opt_ptr(row_expert), &counts});
+  clock.lap(kStepLeave);
+  const auto opt = [](const c10::optional<Tensor>& t) { return t.has_value() ? py::cast(*t) : py::none(); };
+  py::tuple out = py::make_tuple(x, opt(out_s), opt(out_idx), opt(out_w), opt(row_expert), tpe, dropped, st.counts,
+                                 st.tokens_per_expert, st.num_dropped, opt(st.comb_map));
+  clock.lap(kStepReturn);
+  return out;
+}
+
+py::tuple dispatch_call(Runtime& rt, HandleState& st, const Sig& sig, bool first, const Tensor& data,
+                        const c10::optional<Tensor>& scales, const c10::optional<Tensor>& topk_w, bool push,
+                        bool scratch, bool zero_copy, int out_rows, int worst, int comb_rows, const py::object& previous,
+                        const py::object& event, bool async_op, const py::object& hook, const py::object& fused,
+                        const py::object& marks, int num_blocks, int push_blocks, int local_blocks) {
+  StepTimer clock(rt.clock(), kEntryDispatch);
+  CallStreams cs(rt, previous, first);
+  clock.lap(kStepStreams);
+  return dispatch_part(rt, cs, clock, st, sig, first, data, scales, topk_w, push, scratch, zero_copy, out_rows, worst,
+                       comb_rows, event, async_op, hook, fused, marks, num_blocks, push_blocks, local_blocks);
+}
+
+// A new routing's whole dispatch in one crossing (not worst-case sized): notify, the host wait for
+// its sizes, then -- where they came, the call was not aborted and every rank's rows fit the
+// region as it is (`fits`: the needs other than the counts fit, which the caller checked) -- the
+// rest as dispatch_call does it. Returns (status, notify_call's tuple, dispatch_call's tuple or
+// None): status 0 dispatched; 1 stopped after the wait (the caller reads the sizes, grows the
+// region or raises, then calls dispatch_call). An exception out of it after notify was launched
+// leaves Runtime::notified_tag at `tag` (the caller publishes its failure where the peers then
+// wait). The steps are charged to notify_call's and dispatch_call's host clocks.
+py::tuple dispatch_first_call(Runtime& rt, const Sig& sig, const Tensor& topk_idx, int E, int align, bool permute,
+                              int groups, bool check, bool want_rank_counts, long long tag, const py::object& previous,
+                              const py::object& notify_marks, double wait_s, bool fits, const Tensor& data,
+                              const c10::optional<Tensor>& scales, const c10::optional<Tensor>& topk_w, bool push,
+                              bool scratch, bool zero_copy, const py::object& event, bool async_op,
+                              const py::object& hook, const py::object& marks, int num_blocks, int push_blocks,
+                              int local_blocks) {
+  StepTimer clock(rt.clock(), kEntryNotify);
+  CallStreams cs(rt, previous, false);
+  clock.lap(kStepStreams);
+  Notified n = notify_part(rt, cs, clock, sig, topk_idx, E, align, permute, 0, groups, check, want_rank_counts, tag,
+                           notify_marks, async_op);
+  const py::tuple sizes = rt.wait_counts(tag, wait_s, n.L);
+  clock.lap(kStepWait);
+  int rows = 0, perm_rows = 0;
+  bool go = fits && sizes[0].cast<int>() == 0;
+  if (go) {
+    const py::dict info = sizes[1];
+    rows = info["num_rows"].cast<int>(), perm_rows = info["num_perm_rows"].cast<int>();
+    const RegionLayout& l = rt.lay();
+    // (megatron_ep/cuda/runtime.py fits()'s count rule: the group's largest needs, the same on every rank)
+    go = rows >= 0 && info["need_tokens"].cast<long long>() <= l.max_tokens &&
+         info[permute ? "need_perm_rows" : "need_rows"].cast<long long>() <= l.comb_rows;
+  }
+  if (!go) return py::make_tuple(1, notified_tuple(n, sizes), py::none());
+  StepTimer dclock(rt.clock(), kEntryDispatch);
+  py::tuple out = dispatch_part(rt, cs, dclock, n.st, sig, true, data, scales, topk_w, push, scratch, zero_copy,
+                                permute ? perm_rows : rows, 0, permute ? rows : 0, event, async_op, hook, py::none(),
+                                marks, num_blocks, push_blocks, local_blocks);
+  return py::make_tuple(0, notified_tuple(n, sizes), out);
+}
+
+// get_dispatch_layout in one crossing, on the current stream: the counts in one zeroed buffer
+// [R + E] (int64, or int32 with counts_int32), token_in_rank [T, R]; returns (tokens_per_rank,
+// tokens_per_expert, token_in_rank).
+py::tuple layout(const Tensor& topk_idx, int E, int R, bool counts_int32) {
+  check_tensor(topk_idx, "topk_idx", at::kLong);
+  TORCH_CHECK(topk_idx.dim() == 2, "megatron_ep: topk_idx must be [T, K]");
   TORCH_CHECK(R >= 1 && R <= 32 && E % R == 0 && E <= 16384, "megatron_ep: layout needs 1 <= R <= 32 and R | E");
   c10::cuda::CUDAGuard guard(topk_idx.device());
-  launch_layout(static_cast<const long long*>(topk_idx.data_ptr()), (int)topk_idx.size(0), (int)topk_idx.size(1), E, R,
-                reinterpret_cast<long long*>(tokens_per_rank.data_ptr<int64_t>()), reinterpret_cast<long long*>(tokens_per_expert.data_ptr<int64_t>()),
-                token_in_rank.data_ptr<bool>(), stream());
+  const int T = (int)topk_idx.size(0);
+  const Tensor counts = at::empty({R + E}, topk_idx.options().dtype(counts_int32 ? at::kInt : at::kLong));
+  const Tensor in_rank = at::empty({T, R}, topk_idx.options().dtype(at::kBool));
+  C10_CUDA_CHECK(cudaMemsetAsync(counts.data_ptr(), 0, counts.nbytes(), stream()));
+  const Tensor per_rank = counts.narrow(0, 0, R), per_expert = counts.narrow(0, R, E);
+  launch_layout(static_cast<const long long*>(topk_idx.data_ptr()), T, (int)topk_idx.size(1), E, R, per_rank.data_ptr(),
+                per_expert.data_ptr(), counts_int32, in_rank.data_ptr<bool>(), stream());
   check_launch("layout");
+  return py::make_tuple(per_rank, per_expert, in_rank);
+}
+
+// The ids' check in one crossing and one sync of the current stream: the first bad slot of
+// topk_idx (launch_check_ids), or -1.
+long long first_bad_id(const Tensor& topk_idx, int E) {
+  check_tensor(topk_idx, "topk_idx", at::kLong);
+  TORCH_CHECK(topk_idx.dim() == 2 && topk_idx.size(1) <= kMaxTopk, "megatron_ep: topk_idx must be [T, K <= ", kMaxTopk,
+              "]");
+  c10::cuda::CUDAGuard guard(topk_idx.device());
+  const int T = (int)topk_idx.size(0), K = (int)topk_idx.size(1);
+  const Tensor key = at::zeros({1}, topk_idx.options());
+  launch_check_ids(static_cast<const long long*>(topk_idx.data_ptr()), T, K, E,
+                   reinterpret_cast<unsigned long long*>(key.data_ptr()), stream());
+  check_launch("check_ids");
+  const long long k = key.item<int64_t>();  // the sync
+  return k == 0 ? -1 : (long long)T * K - k;
 }
 
 }  // namespace
@@ -269,7 +561,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("CONTROL_BYTES") = (long long)sizeof(mep::Control);
   m.attr("HOST_INFO_BYTES") = (long long)sizeof(mep::HostInfo);
   m.attr("NUM_SIG_FIELDS") = (int)mep::kSigFields;
-  m.def("layout", &mep::layout, py::arg("topk_idx"), py::arg("E"), py::arg("R"), py::arg("tokens_per_rank"), py::arg("tokens_per_expert"), py::arg("token_in_rank"));
+  m.def("first_bad_id", &mep::first_bad_id, py::arg("topk_idx"), py::arg("num_experts"));
+  m.def("layout", &mep::layout, py::arg("topk_idx"), py::arg("num_experts"), py::arg("num_ranks"), py::arg("counts_int32"));
   py::class_<mep::Runtime>(m, "Runtime")
       .def(py::init([](int device, int rank, int num_ranks, const py::object& layout, double timeout_s) {
              auto rt = std::make_unique<mep::Runtime>(device, rank, num_ranks, layout, timeout_s);
@@ -284,26 +577,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("view", &mep::Runtime::view)
       .def("base_ptr", &mep::Runtime::base_ptr)
       .def("host_tag", &mep::Runtime::host_tag)
+      .def("notified_tag", &mep::Runtime::notified_tag)
       .def("host_counts", &mep::Runtime::host_counts)
       .def("num_aborted", &mep::Runtime::num_aborted)
+      .def("error_address", &mep::Runtime::error_address)
       .def("take_error", &mep::Runtime::take_error, py::arg("clear"))
       .def("fail_call", &mep::Runtime::fail_call)
-      .def("pool_rank_major", &mep::Runtime::pool_rank_major)
-      .def("rank_major_at", &mep::Runtime::rank_major_at)
       .def("pool_free_bytes", &mep::Runtime::pool_free_bytes)
-      .def("pool_stats", &mep::Runtime::pool_stats);
+      .def("pool_stats", &mep::Runtime::pool_stats)
+      .def("set_host_clock", &mep::Runtime::set_host_clock, py::arg("on"))
+      .def("host_clock", &mep::Runtime::host_clock, py::arg("reset"))
+      .def("set_comm_stream", [](mep::Runtime& rt, const py::object& s) { rt.set_comm_stream(mep::stream_of(s)); });
   auto intra = m.def_submodule("intranode", "the intranode normal path (csrc/intranode/)");
-  // argument names: the Python side's (megatron_ep/cuda/paths/intranode.py passes them by name)
-  intra.def("notify", &mep::notify, py::arg("rt"), py::arg("sig"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("expert_alignment"), py::arg("permute"), py::arg("num_worst_tokens"), py::arg("rank_pos"), py::arg("slot_pos"), py::arg("recv_info"), py::arg("row_limits"), py::arg("tokens_per_expert"), py::arg("num_dropped"), py::arg("tag"), py::arg("token_groups") = 1);
-  intra.def("stage", &mep::stage, py::arg("rt"), py::arg("sig"), py::arg("slot"), py::arg("x"), py::arg("num_tokens"), py::arg("row_bytes"), py::arg("scales"), py::arg("scale_cols"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("rank_pos"), py::arg("slot_pos"), py::arg("num_blocks"));
-  intra.def("dispatch", &mep::dispatch, py::arg("rt"), py::arg("sig"), py::arg("slot"), py::arg("row_bytes"), py::arg("scale_cols"), py::arg("topk"), py::arg("num_experts"), py::arg("permute"), py::arg("has_weights"), py::arg("out_rows"), py::arg("recv_info"), py::arg("out_x"), py::arg("out_scales"), py::arg("out_topk_idx"), py::arg("out_weights"), py::arg("out_row_expert"), py::arg("out_tokens_per_expert"), py::arg("comb_map"), py::arg("num_blocks"));
-  intra.def("dispatch_push", &mep::dispatch_push, py::arg("rt"), py::arg("sig"), py::arg("slot"), py::arg("x"), py::arg("num_tokens"), py::arg("row_bytes"), py::arg("scales"), py::arg("scale_cols"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("rank_pos"), py::arg("slot_pos"), py::arg("num_experts"), py::arg("out_rows"), py::arg("permute"), py::arg("recv_info"), py::arg("out_x"), py::arg("out_scales"), py::arg("out_topk_idx"), py::arg("out_weights"), py::arg("out_row_expert"), py::arg("comb_map"), py::arg("offsets"), py::arg("num_blocks"));
-  intra.def("fanout", &mep::fanout, py::arg("rt"), py::arg("sig"), py::arg("x"), py::arg("scales"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("row_bytes"), py::arg("scale_cols"), py::arg("topk"), py::arg("num_experts"), py::arg("has_weights"), py::arg("out_rows"), py::arg("recv_info"), py::arg("out_x"), py::arg("out_scales"), py::arg("out_weights"), py::arg("out_row_expert"), py::arg("comb_map"), py::arg("num_blocks"));
-  intra.def("push_record", &mep::push_record, py::arg("rt"), py::arg("sig"), py::arg("slot"), py::arg("x"), py::arg("num_tokens"), py::arg("row_bytes"), py::arg("scales"), py::arg("scale_cols"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("rank_pos"), py::arg("slot_pos"), py::arg("num_experts"), py::arg("out_rows"), py::arg("permute"), py::arg("recv_info"), py::arg("out_x"), py::arg("out_scales"), py::arg("out_topk_idx"), py::arg("out_weights"), py::arg("out_row_expert"), py::arg("comb_map"), py::arg("offsets"));
-  intra.def("combine_record", &mep::combine_record, py::arg("rt"), py::arg("sig"), py::arg("x"), py::arg("rows"), py::arg("row_bytes"), py::arg("weights"), py::arg("weight_cols"), py::arg("partials"), py::arg("comb_map"), py::arg("recv_info"), py::arg("num_tokens"), py::arg("hidden"), py::arg("topk"), py::arg("num_experts"), py::arg("permute"), py::arg("is_fp32"), py::arg("has_weights"), py::arg("row_limits"), py::arg("topk_idx"), py::arg("rank_pos"), py::arg("slot_pos"), py::arg("y"), py::arg("out_weights"));
+  py::class_<mep::HandleState>(intra, "HandleState")
+      .def(py::init(&mep::handle_state), py::arg("topk_idx"), py::arg("rank_pos"), py::arg("slot_pos"), py::arg("recv_info"), py::arg("row_limits"), py::arg("counts"), py::arg("comb_map"), py::arg("num_experts"), py::arg("permute"));
+  // one crossing per call (calls.h); argument names: the Python side's (megatron_ep/cuda/paths/intranode.py
+  // passes them by name; tests/test_kernel_boundary.py reads both sides)
+  intra.def("notify_call", &mep::notify_call, py::arg("rt"), py::arg("sig"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("expert_alignment"), py::arg("permute"), py::arg("num_worst_tokens"), py::arg("token_groups"), py::arg("check_ids"), py::arg("rank_counts"), py::arg("tag"), py::arg("previous_event"), py::arg("marks"), py::arg("wait_s"), py::arg("async_op"));
+  intra.def("dispatch_first_call", &mep::dispatch_first_call, py::arg("rt"), py::arg("sig"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("expert_alignment"), py::arg("permute"), py::arg("token_groups"), py::arg("check_ids"), py::arg("rank_counts"), py::arg("tag"), py::arg("previous_event"), py::arg("notify_marks"), py::arg("wait_s"), py::arg("fits"), py::arg("x"), py::arg("scales"), py::arg("topk_weights"), py::arg("push"), py::arg("scratch"), py::arg("zero_copy"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("marks"), py::arg("num_blocks"), py::arg("push_blocks"), py::arg("local_blocks"));
+  intra.def("dispatch_call", &mep::dispatch_call, py::arg("rt"), py::arg("state"), py::arg("sig"), py::arg("first"), py::arg("x"), py::arg("scales"), py::arg("topk_weights"), py::arg("push"), py::arg("scratch"), py::arg("zero_copy"), py::arg("out_rows"), py::arg("num_worst_tokens"), py::arg("comb_rows"), py::arg("previous_event"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("fused"), py::arg("marks"), py::arg("num_blocks"), py::arg("push_blocks"), py::arg("local_blocks"));
+  intra.def("combine_call", &mep::combine_call, py::arg("rt"), py::arg("state"), py::arg("sig"), py::arg("x"), py::arg("weights"), py::arg("partials"), py::arg("zero_copy"), py::arg("out"), py::arg("out_weights"), py::arg("previous_event"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("fused"), py::arg("marks"), py::arg("num_blocks"), py::arg("local_blocks"));
   intra.attr("INNODE_DISPATCH_BYTES") = (long long)sizeof(mep::InnodeDispatch);
   intra.attr("INNODE_COMBINE_BYTES") = (long long)sizeof(mep::InnodeCombine);
-  intra.def("combine_reduce", &mep::combine_reduce, py::arg("rt"), py::arg("sig"), py::arg("x"), py::arg("rows"), py::arg("hidden"), py::arg("is_fp32"), py::arg("comb_map"), py::arg("recv_info"), py::arg("weights"), py::arg("num_blocks"));
-  intra.def("stage_combine", &mep::stage_combine, py::arg("rt"), py::arg("sig"), py::arg("x"), py::arg("rows"), py::arg("row_bytes"), py::arg("weights"), py::arg("weight_cols"), py::arg("num_blocks"));
-  intra.def("combine", &mep::combine, py::arg("rt"), py::arg("sig"), py::arg("num_tokens"), py::arg("hidden"), py::arg("topk"), py::arg("num_experts"), py::arg("permute"), py::arg("is_fp32"), py::arg("has_weights"), py::arg("partials"), py::arg("row_limits"), py::arg("topk_idx"), py::arg("rank_pos"), py::arg("slot_pos"), py::arg("y"), py::arg("out_weights"), py::arg("num_blocks"));
 }

@@ -1,22 +1,30 @@
-// Intranode combine: stage, pull-and-sum, the expert-major reduce and the partial sums (the
+// Intranode combine: stage + pull-and-sum (one launch), the expert-major reduce and the partial sums (the
 // steps themselves: combine_steps.cuh).
 
 #include "intranode/combine_steps.cuh"
 
 namespace mep {
 
-__global__ void __launch_bounds__(kCopyThreads, 1) stage_combine_kernel(Ctx c, CallArgs call, StageCombineArgs a) {
-  stage_combine_step(c, call, a);
-}
-
-void launch_stage_combine(const Ctx& ctx, const CallArgs& call, const StageCombineArgs& args, int num_blocks,
-                          cudaStream_t stream) {
-  stage_combine_kernel<<<num_blocks, kCopyThreads, 0, stream>>>(ctx, call, args);
-}
-
+// Stage, then pull-and-sum, in one launch (one launch less per call; the internode path's fused
+// combine runs the same two steps in its own launch). The pull waits for every rank's staging,
+// this rank's included, so every block must be resident: the grid is at most the SMs the rank
+// may keep, one block per SM (__launch_bounds__), as for every waiting kernel here.
 template <bool kFp32>
-__global__ void __launch_bounds__(kCopyThreads, 1) combine_kernel(Ctx c, CombineArgs a) {
+__global__ void __launch_bounds__(kCopyThreads, 1) stage_and_combine_kernel(Ctx c, CallArgs call, StageCombineArgs s,
+                                                                            CombineArgs a) {
+  stage_combine_step(c, call, s);
   combine_step<kFp32>(c, a);
+}
+
+static_assert(sizeof(Ctx) + sizeof(CallArgs) + sizeof(StageCombineArgs) + sizeof(CombineArgs) <= 4096,
+              "stage_and_combine_kernel's parameters exceed 4 KB");
+
+void launch_stage_and_combine(const Ctx& ctx, const CallArgs& call, const StageCombineArgs& stage,
+                              const CombineArgs& args, int num_blocks, cudaStream_t stream) {
+  if (args.is_fp32)
+    stage_and_combine_kernel<true><<<num_blocks, kCopyThreads, 0, stream>>>(ctx, call, stage, args);
+  else
+    stage_and_combine_kernel<false><<<num_blocks, kCopyThreads, 0, stream>>>(ctx, call, stage, args);
 }
 
 template <bool kInFp32>
@@ -37,23 +45,17 @@ __global__ void __launch_bounds__(kCopyThreads, 1) combine_partials_kernel(Ctx c
   combine_partials_step<kOutFp32>(c, a);
 }
 
-void launch_combine(const Ctx& ctx, const CombineArgs& args, int num_blocks, cudaStream_t stream) {
-  if (args.partials) {
-    if (args.is_fp32)
-      combine_partials_kernel<true><<<num_blocks, kCopyThreads, 0, stream>>>(ctx, args);
-    else
-      combine_partials_kernel<false><<<num_blocks, kCopyThreads, 0, stream>>>(ctx, args);
-  } else if (args.is_fp32)
-    combine_kernel<true><<<num_blocks, kCopyThreads, 0, stream>>>(ctx, args);
+void launch_combine_partials(const Ctx& ctx, const CombineArgs& args, int num_blocks, cudaStream_t stream) {
+  if (args.is_fp32)
+    combine_partials_kernel<true><<<num_blocks, kCopyThreads, 0, stream>>>(ctx, args);
   else
-    combine_kernel<false><<<num_blocks, kCopyThreads, 0, stream>>>(ctx, args);
+    combine_partials_kernel<false><<<num_blocks, kCopyThreads, 0, stream>>>(ctx, args);
 }
 
 void prepare_combine_kernels() {
   cudaFuncAttributes attr;
-  cudaFuncGetAttributes(&attr, stage_combine_kernel);
-  cudaFuncGetAttributes(&attr, combine_kernel<true>);
-  cudaFuncGetAttributes(&attr, combine_kernel<false>);
+  cudaFuncGetAttributes(&attr, stage_and_combine_kernel<true>);
+  cudaFuncGetAttributes(&attr, stage_and_combine_kernel<false>);
   cudaFuncGetAttributes(&attr, combine_reduce_kernel<true>);
   cudaFuncGetAttributes(&attr, combine_reduce_kernel<false>);
   cudaFuncGetAttributes(&attr, combine_partials_kernel<true>);

@@ -7,7 +7,7 @@
 
 namespace mep {
 
-// The end of a combine's staging (stage_combine, combine_reduce): whether weights were staged,
+// The end of a combine's staging (stage_combine_step, combine_reduce_step): whether weights were staged,
 // then, from the last block to finish, this rank's call record and its signal to every rank.
 __device__ __forceinline__ void finish_combine_stage(const Ctx& c, const CallArgs& call, bool has_weights, bool first) {
   if (first) ctrl_of(c, c.rank)->comb_has_weights = has_weights;

@@ -1,15 +1,23 @@
-// Layout: the routing summary of one rank's tokens (get_dispatch_layout). Local, no peers.
+// Layout: the routing summary of one rank's tokens (get_dispatch_layout), and the ids' check of
+// the calls that cannot make it in notify. Local, no peers.
 
-#include "ipc/handshake.cuh"
 #include "intranode/api.h"
+#include "intranode/common.cuh"
 
 namespace mep {
 
 constexpr int kLayoutThreads = 256;
 
+__device__ __forceinline__ void add_count(long long* p, int v) {
+  atomicAdd(reinterpret_cast<unsigned long long*>(p), (unsigned long long)v);
+}
+__device__ __forceinline__ void add_count(int* p, int v) { atomicAdd(p, v); }
+
+// C: the counts' type (int64 for Buffer.get_dispatch_layout, int32 for DeepEP's)
+template <typename C>
 __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(const long long* __restrict__ topk_idx, int T, int K,
-                                                                int E, int R, long long* tokens_per_rank,
-                                                                long long* tokens_per_expert, bool* token_in_rank) {
+                                                                int E, int R, C* tokens_per_rank, C* tokens_per_expert,
+                                                                bool* token_in_rank) {
   extern __shared__ int hist[];  // [E] experts, then [R] ranks
   for (int i = threadIdx.x; i < E + R; i += blockDim.x) hist[i] = 0;
   __syncthreads();
@@ -31,23 +39,51 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(const long long*
   }
   __syncthreads();
   for (int i = threadIdx.x; i < E; i += blockDim.x)
-    if (hist[i]) atomicAdd(reinterpret_cast<unsigned long long*>(tokens_per_expert + i), (unsigned long long)hist[i]);
+    if (hist[i]) add_count(tokens_per_expert + i, hist[i]);
   for (int i = threadIdx.x; i < R; i += blockDim.x)
-    if (hist[E + i]) atomicAdd(reinterpret_cast<unsigned long long*>(tokens_per_rank + i), (unsigned long long)hist[E + i]);
+    if (hist[E + i]) add_count(tokens_per_rank + i, hist[E + i]);
 }
 
-void launch_layout(const long long* topk_idx, int T, int K, int E, int R, long long* tokens_per_rank,
-                   long long* tokens_per_expert, bool* token_in_rank, cudaStream_t stream) {
+void launch_layout(const long long* topk_idx, int T, int K, int E, int R, void* tokens_per_rank, void* tokens_per_expert,
+                   bool counts_int32, bool* token_in_rank, cudaStream_t stream) {
   const int blocks = T > 0 ? (T + kLayoutThreads - 1) / kLayoutThreads : 1;
-  const int smem = (E + R) * (int)sizeof(int);
-  layout_kernel<<<blocks < 132 ? blocks : 132, kLayoutThreads, smem, stream>>>(topk_idx, T, K, E, R, tokens_per_rank,
-                                                                                tokens_per_expert, token_in_rank);
+  const int grid = blocks < 132 ? blocks : 132, smem = (E + R) * (int)sizeof(int);
+  if (counts_int32)
+    layout_kernel<int><<<grid, kLayoutThreads, smem, stream>>>(
+        topk_idx, T, K, E, R, static_cast<int*>(tokens_per_rank), static_cast<int*>(tokens_per_expert), token_in_rank);
+  else
+    layout_kernel<long long><<<grid, kLayoutThreads, smem, stream>>>(topk_idx, T, K, E, R,
+                                                                      static_cast<long long*>(tokens_per_rank),
+                                                                      static_cast<long long*>(tokens_per_expert),
+                                                                      token_in_rank);
+}
+
+// One warp per token, lane k on slot k: the first bad slot (bad_slot_lanes) offered as the
+// largest T * K - slot, so the lowest slot wins (0: none), as notify's check does.
+__global__ void __launch_bounds__(kLayoutThreads) check_ids_kernel(const long long* __restrict__ topk_idx, int T, int K,
+                                                                   int E, unsigned long long* key) {
+  const int lane = lane_id(), warps = gridDim.x * (kLayoutThreads / 32);
+  for (int t = blockIdx.x * (kLayoutThreads / 32) + threadIdx.x / 32; t < T; t += warps) {
+    const long long id = lane < K ? topk_idx[(long long)t * K + lane] : -1;
+    const unsigned bad = bad_slot_lanes(id, id >= 0 && id < E, lane < K);
+    if (bad != 0u && lane == __ffs(bad) - 1)
+      atomicMax(key, (unsigned long long)((long long)T * K - ((long long)t * K + lane)));
+  }
+}
+
+void launch_check_ids(const long long* topk_idx, int T, int K, int E, unsigned long long* key, cudaStream_t stream) {
+  const int per_block = kLayoutThreads / 32, blocks = T > 0 ? (T + per_block - 1) / per_block : 1;
+  check_ids_kernel<<<blocks < 132 ? blocks : 132, kLayoutThreads, 0, stream>>>(topk_idx, T, K, E, key);
 }
 
 void prepare_layout_kernels() {
   cudaFuncAttributes attr;
-  cudaFuncGetAttributes(&attr, layout_kernel);
-  cudaFuncSetAttribute(layout_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (16384 + 32) * (int)sizeof(int));
+  const int smem = (16384 + 32) * (int)sizeof(int);
+  cudaFuncGetAttributes(&attr, layout_kernel<int>);
+  cudaFuncSetAttribute(layout_kernel<int>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  cudaFuncGetAttributes(&attr, check_ids_kernel);
+  cudaFuncGetAttributes(&attr, layout_kernel<long long>);
+  cudaFuncSetAttribute(layout_kernel<long long>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
 }
 
 }  // namespace mep

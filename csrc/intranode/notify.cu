@@ -57,6 +57,21 @@ __device__ __forceinline__ long long load_slot(const long long* __restrict__ top
   return (lane < K && t < t_end) ? topk_idx[(long long)t * K + lane] : -1;
 }
 
+// NotifyArgs::check, one token per warp call (lane k holds slot k): an id that is neither -1 nor an
+// expert, or an expert an earlier slot of the token names already, is a bad slot; the token's
+// first one is offered for the call's first (Control::bad_key keeps the largest T * K - slot, so
+// the lowest slot). Checked here, where the ids are read anyway: the exchange kernel then
+// publishes this rank's record as failed, so every rank aborts the call at the exchange, before
+// any row moves, and learns it with the sizes its host waits for (no extra sync).
+__device__ __forceinline__ void flag_bad_slot(const Ctx& c, const NotifyArgs& a, int t, long long id, bool valid) {
+  const int lane = lane_id();
+  const unsigned bad_lanes = bad_slot_lanes(id, valid, lane < a.K && t < a.T);
+  if (bad_lanes != 0u && lane == __ffs(bad_lanes) - 1) {
+    const long long slot = (long long)t * a.K + lane;
+    atomicMax(&ctrl_of(c, c.rank)->bad_key, (unsigned long long)((long long)a.T * a.K - slot));
+  }
+}
+
 __global__ void __launch_bounds__(32 * kNotifyWarps) notify_count_kernel(Ctx c, NotifyArgs a, NotifyPlan p) {
   extern __shared__ int cnt_all[];  // per warp: [E] experts, then [R] ranks
   const int E = a.E, R = c.num_ranks, L = E / R, K = a.K, lane = lane_id(), warp = threadIdx.x / 32;
@@ -75,6 +90,7 @@ __global__ void __launch_bounds__(32 * kNotifyWarps) notify_count_kernel(Ctx c, 
       if (valid) atomicAdd(&cnt[(int)ids[b]], 1);
       const unsigned ranks = __reduce_or_sync(kFull, valid ? 1u << ((int)ids[b] / L) : 0u);
       if (lane < R && ((ranks >> lane) & 1u)) cnt[E + lane] += 1;  // lane r alone owns rank r
+      if (a.check) flag_bad_slot(c, a, t0 + b, ids[b], valid);
     }
   }
   __syncthreads();
@@ -149,6 +165,21 @@ __global__ void __launch_bounds__(kExchangeThreads, 1) notify_exchange_kernel(Ct
     mine[kCountsWorst] = a.worst;
     write_record(c, call);
     s_dropped = 0;
+    // the count kernel's first bad slot (NotifyArgs::check), reset for the next call's: this
+    // rank's host reads the slot (it words its own error from the ids), the peers the record's
+    // message (PeerFailedError)
+    const unsigned long long bad_key = me->bad_key;
+    me->bad_key = 0ull;
+    c.host->bad_slot = bad_key != 0ull ? (long long)a.T * a.K - (long long)bad_key : -1;
+    if (bad_key != 0ull) {
+      CallRecord* rec = record_of(c, rank);
+      constexpr char kMsg[] = "ValueError: topk_idx names an expert id outside [-1, num_experts) or one expert "
+                              "twice in a token";
+      int n = 0;
+      for (; kMsg[n] != '\0' && n < kMsgBytes; ++n) rec->msg[n] = kMsg[n];
+      rec->msg_len = n;
+      rec->status = kCallFailed;
+    }
   }
   __threadfence_system();
   __syncthreads();
@@ -198,6 +229,21 @@ __global__ void __launch_bounds__(kExchangeThreads, 1) notify_exchange_kernel(Ct
     for (int s = 0; s < R; ++s) t += all_r[s * GR + k];
     col_r[k] = t;
   }
+  if (a.rank_counts != nullptr)  // every (group, source rank)'s tokens per destination rank
+    for (int i = tid; i < GR * R; i += blockDim.x) {
+      const int gs = i / R, d = i - gs * R, g = gs / R, s = gs - g * R;
+      a.rank_counts[i] = all_r[s * GR + g * R + d];
+    }
+  if (a.rank_prefix != nullptr)  // and their inclusive prefix over the rows (at most G * R terms each)
+    for (int i = tid; i < GR * R; i += blockDim.x) {
+      const int gs = i / R, d = i - gs * R;
+      int t = 0;
+      for (int r = 0; r <= gs; ++r) {
+        const int g = r / R, s = r - g * R;
+        t += all_r[s * GR + g * R + d];
+      }
+      a.rank_prefix[i] = t;
+    }
   __syncthreads();
   for (int e = tid; e < E; e += blockDim.x) {
     int t = 0;

@@ -38,6 +38,7 @@ struct Control {
   int push_pooled;                                   // private: the last push dispatch found every output pooled
   long long out_x_off, out_s_off, out_idx_off, out_w_off;  // push dispatch: where (byte offsets)
   long long aborted_seq;                             // private: the call this rank aborted last
+  unsigned long long bad_key;                        // private: notify's first bad slot, T * K - slot (0: none)
   CallRecord call[2];                                // by seq parity
 };
 
@@ -49,6 +50,9 @@ struct HostInfo {
   volatile int need_tokens;     // the largest T of any rank in this call
   volatile int need_rows;       // the largest N of any rank
   volatile int need_perm_rows;  // the largest M of any rank
+  // NotifyArgs::check: the first (token * K + slot) of this rank's topk_idx whose id is out of
+  // range (not -1 and not an expert) or repeats an earlier slot's expert; -1 if none
+  volatile long long bad_slot;
   // The first error not yet reported. A kernel claims the record (Control::err_claims counts
   // claims, err_cleared counts the host's clears), fills it, and publishes `error` last; the
   // host reads it, then clears `error` and bumps err_cleared.

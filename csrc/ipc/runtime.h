@@ -9,11 +9,17 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <climits>
 #include <cstring>
 #include <memory>
+#include <thread>
 
+#include "common/tensor_args.h"  // arena_tensors
 #include "ipc/api.h"
+#include "ipc/host_clock.h"
 #include "ipc/pool.h"
 #include "ipc/region.h"
 
@@ -39,6 +45,7 @@ inline Tensor region_tensor(char* p, const std::vector<int64_t>& shape, at::Scal
 }
 
 inline cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
 
 inline void check_launch(const char* what) {
   const cudaError_t err = cudaGetLastError();
@@ -78,6 +85,14 @@ inline RegionLayout layout_from(const py::object& o) {
   return l;
 }
 
+// Rank-major rows in region memory (a pooled block, or the combine area): the tensors and their
+// byte offsets in the region (x, scales, idx, w; -1 where the block has no such section).
+struct RankMajor {
+  Tensor x, idx;
+  c10::optional<Tensor> scales, w;
+  std::vector<long long> offsets;
+};
+
 class Runtime {
  public:
   // `layout` comes from megatron_ep._protocol.plan_region (the same C++ routine, so the offsets
@@ -95,17 +110,16 @@ class Runtime {
     prepare_runtime_kernels();  // the paths' kernels: their binding prepares them (intranode/api.h)
   }
 
-  // Rank-major dispatch outputs for `rows` rows in the pool: (x, scales, idx, w, offsets...),
-  // or None when the pool has no room. The tensors share one block, returned to the pool (on
-  // `stream`, the caller's) when the last of them dies; the block keeps the region alive.
-  // `comm_only`: every use of the block is a kernel on the communication stream (the expert-major
-  // push's rank-major buffer), so it is free again as soon as its last tensor dies.
-  py::object pool_rank_major(int rows, int hidden, py::object x_dtype, int row_bytes, int scale_cols, int K, bool has_w,
-                             long long stream_ptr, bool comm_only, long long order_stream_ptr) {
+  // Rank-major dispatch outputs for `rows` rows in the pool (false when the pool has no room).
+  // The tensors share one block, returned to the pool (on `stream`, the caller's) when the last
+  // of them dies; the block keeps the region alive. `comm_only`: every use of the block is a
+  // kernel on the communication stream (the expert-major push's rank-major buffer), so it is free
+  // again as soon as its last tensor dies. `order`: the block's first writer (0: the default stream).
+  bool pool_block(int rows, int hidden, at::ScalarType x_dtype, int row_bytes, int scale_cols, int K, bool has_w,
+                  cudaStream_t stream, bool comm_only, cudaStream_t order, RankMajor& out) {
     const RankMajorBlock b(rows, row_bytes, scale_cols, K, has_w);
-    const cudaStream_t order = reinterpret_cast<cudaStream_t>(order_stream_ptr);  // 0: the default stream
     const long long off = pool_->alloc(b.total, order);
-    if (off < 0) return py::none();
+    if (off < 0) return false;
     struct Owner {  // returns the block when the last tensor over it dies (never copied)
       std::shared_ptr<Pool> pool;
       std::shared_ptr<Region> region;
@@ -127,22 +141,29 @@ class Runtime {
         }
       }
     };
-    auto owner = std::make_shared<Owner>(pool_, region_, off, b.total, reinterpret_cast<cudaStream_t>(stream_ptr), comm_only);
-    return rank_major_tensors(off, b, rows, hidden, x_dtype, scale_cols, K, has_w, owner);
+    auto owner = std::make_shared<Owner>(pool_, region_, off, b.total, stream, comm_only);
+    out = rank_major_tensors(off, b, rows, hidden, x_dtype, scale_cols, K, has_w, owner);
+    return true;
   }
 
   // The same block laid out at `offset` of the region (the expert-major push's buffer in the
-  // combine area), or None when it would reach past `limit`; the tensors keep the region alive.
-  py::object rank_major_at(long long offset, long long limit, int rows, int hidden, py::object x_dtype, int row_bytes,
-                           int scale_cols, int K, bool has_w) {
+  // combine area); false when it would reach past `limit`. The tensors keep the region alive.
+  bool block_at(long long offset, long long limit, int rows, int hidden, at::ScalarType x_dtype, int row_bytes,
+                int scale_cols, int K, bool has_w, RankMajor& out) {
     alive();
     const RankMajorBlock b(rows, row_bytes, scale_cols, K, has_w);
-    if (offset + b.total > limit) return py::none();
-    return rank_major_tensors(offset, b, rows, hidden, x_dtype, scale_cols, K, has_w, region_);
+    if (offset + b.total > limit) return false;
+    out = rank_major_tensors(offset, b, rows, hidden, x_dtype, scale_cols, K, has_w, region_);
+    return true;
   }
 
   long long pool_free_bytes() { return pool_->free_bytes(); }
   // The output pool's counters so far, by name (Pool::Stats: the one list of them)
+  // the one-crossing entries' step times (host_clock.h), for the host bench
+  HostClock& clock() { return clock_; }
+  void set_host_clock(bool on) { clock_.on = on; }
+  py::dict host_clock(bool reset) { return clock_.read(reset); }
+
   py::dict pool_stats() {
     const Pool::Stats s = pool_->stats();
     py::dict d;
@@ -176,8 +197,74 @@ class Runtime {
 
   long long base_ptr() const { return reinterpret_cast<long long>(region_ ? region_->base() : nullptr); }
 
+  // ---- streams: the communication stream (the Python runtime's, set once after creation) and
+  // one event to order it after another stream without allocating one per call
+  void set_comm_stream(const at::cuda::CUDAStream& s) {
+    if (order_ == nullptr) {
+      c10::cuda::CUDAGuard guard(s.device_index());
+      C10_CUDA_CHECK(cudaEventCreateWithFlags(&order_, cudaEventDisableTiming));
+    }
+    comm_ = s;
+  }
+  const at::cuda::CUDAStream& comm() const {
+    TORCH_CHECK(comm_.has_value(), "megatron_ep: the runtime has no communication stream");
+    return *comm_;
+  }
+  // `after` runs what is queued from here on only after everything queued on `before` so far
+  void order(cudaStream_t before, cudaStream_t after) {
+    C10_CUDA_CHECK(cudaEventRecord(order_, before));
+    C10_CUDA_CHECK(cudaStreamWaitEvent(after, order_, 0));
+  }
+  ~Runtime() {
+    if (order_ != nullptr) cudaEventDestroy(order_);
+  }
+  Runtime(const Runtime&) = delete;
+  Runtime& operator=(const Runtime&) = delete;
+
   // ---- host block
   long long host_tag() const { return host()->tag; }
+  // The tag of the last notify launched here: after an exception out of a crossing that launches
+  // notify and then moves rows, the caller tells by it whether its peers already wait at the
+  // rows' first handshake (dispatch_first_call).
+  long long notified_tag() const { return notified_tag_; }
+  void set_notified(long long tag) { notified_tag_ = tag; }
+  // Wait until notify's sizes for `tag` reached the host block: 0 once they did, 1 if a fatal
+  // error was recorded first, 2 after timeout_s. One crossing for the whole wait, without the GIL:
+  // poll for 2 ms (the GPU finishing the work queued before notify is the common case), then
+  // yield the core until 20 ms, then sleep, backing off to 1 ms (a slow peer keeps no core busy).
+  int wait_tag(long long tag, double timeout_s) const {
+    const HostInfo* h = host();
+    if (h->tag == tag) {
+      std::atomic_thread_fence(std::memory_order_acquire);  // the counts were written before the tag
+      return 0;
+    }
+    py::gil_scoped_release nogil;
+    using clock = std::chrono::steady_clock;
+    const auto start = clock::now();
+    long long pause_us = 50;
+    for (unsigned long long spins = 1;; ++spins) {
+      if (h->tag == tag) {
+        std::atomic_thread_fence(std::memory_order_acquire);
+        return 0;
+      }
+      if (spins & 255) continue;
+      const int err = h->error;
+      if (err != kErrNone && error_is_fatal(err)) return 1;
+      const double s = std::chrono::duration<double>(clock::now() - start).count();
+      if (s > timeout_s) return 2;
+      if (s > 0.02) {
+        std::this_thread::sleep_for(std::chrono::microseconds(pause_us));
+        pause_us = std::min<long long>(1000, pause_us * 2);
+      } else if (s > 0.002) {
+        std::this_thread::yield();
+      }
+    }
+  }
+  // wait_tag, then (0, host_counts) once the sizes arrived, else (1 or 2, None) (notify_call ends with it)
+  py::tuple wait_counts(long long tag, double timeout_s, int L) const {
+    const int waited = wait_tag(tag, timeout_s);
+    return py::make_tuple(waited, waited == 0 ? py::object(host_counts(L)) : py::object(py::none()));
+  }
   py::dict host_counts(int L) const {
     const HostInfo* h = host();
     std::vector<int> counts(L);
@@ -188,10 +275,14 @@ class Runtime {
     d["need_tokens"] = (int)h->need_tokens;
     d["need_rows"] = (int)h->need_rows;
     d["need_perm_rows"] = (int)h->need_perm_rows;
+    d["bad_slot"] = (long long)h->bad_slot;
     d["counts"] = counts;
     return d;
   }
   int num_aborted() const { return host()->num_aborted; }
+  // Where HostInfo::error lies in this process (mapped host memory): the entry check of every call
+  // reads it there (ctypes) and crosses into take_error only when it is set.
+  long long error_address() const { return reinterpret_cast<long long>(&host()->error); }
   // The first error not yet reported, as a dict (None if none); clear=True lets the kernels
   // record the next one.
   py::object take_error(bool clear) {
@@ -256,20 +347,20 @@ class Runtime {
     static long long align(long long n) { return (n + Pool::kAlign - 1) / Pool::kAlign * Pool::kAlign; }
   };
 
-  // (x, scales, idx, w, x_off, s_off, idx_off, w_off) over the block at `off`; `keep` lives
-  // as long as any of the tensors (-1 / None for sections the block does not have).
-  py::tuple rank_major_tensors(long long off, const RankMajorBlock& b, int rows, int hidden, py::object x_dtype,
+  // The tensors and region offsets of the block at `off`; `keep` lives as long as any of the
+  // tensors (-1 / none for sections the block does not have).
+  RankMajor rank_major_tensors(long long off, const RankMajorBlock& b, int rows, int hidden, at::ScalarType xt,
                                int scale_cols, int K, bool has_w, std::shared_ptr<void> keep) {
     auto make = [&](long long o, std::vector<int64_t> shape, at::ScalarType st) {
       return region_tensor(region_->base() + o, shape, st, region_->device(), keep);
     };
-    const auto xt = torch::python::detail::py_object_to_dtype(x_dtype);
-    Tensor x = make(off, {rows, hidden}, xt);
-    py::object s = scale_cols > 0 ? py::cast(make(off + b.bx, {rows, scale_cols}, at::kFloat)) : py::none();
-    Tensor idx = make(off + b.bx + b.bs, {rows, K}, at::kLong);
-    py::object w = has_w ? py::cast(make(off + b.bx + b.bs + b.bi, {rows, K}, at::kFloat)) : py::none();
-    return py::make_tuple(x, s, idx, w, off, scale_cols > 0 ? off + b.bx : -1, off + b.bx + b.bs,
-                          has_w ? off + b.bx + b.bs + b.bi : -1);
+    RankMajor m;
+    m.x = make(off, {rows, hidden}, xt);
+    if (scale_cols > 0) m.scales = make(off + b.bx, {rows, scale_cols}, at::kFloat);
+    m.idx = make(off + b.bx + b.bs, {rows, K}, at::kLong);
+    if (has_w) m.w = make(off + b.bx + b.bs + b.bi, {rows, K}, at::kFloat);
+    m.offsets = {off, scale_cols > 0 ? off + b.bx : -1, off + b.bx + b.bs, has_w ? off + b.bx + b.bs + b.bi : -1};
+    return m;
   }
 
   void alive() const { TORCH_CHECK(region_ && region_->peers_open(), "megatron_ep: this runtime was closed"); }
@@ -281,8 +372,12 @@ class Runtime {
   std::shared_ptr<Region> region_;
   std::shared_ptr<Pool> pool_;
   RegionLayout lay_{};
+  c10::optional<at::cuda::CUDAStream> comm_;
+  cudaEvent_t order_ = nullptr;
   int rank_ = 0, num_ranks_ = 1;
+  HostClock clock_;
   unsigned long long timeout_ns_ = 0;
+  long long notified_tag_ = 0;
 };
 
 }  // namespace mep

@@ -64,6 +64,7 @@ struct LLDispatchArgs {
   int* out_ue8m0;
   int* out_count;             // [L]
   int* out_range;             // [L, R, 2] (begin, count)
+  long long* out_layout;      // [L, R] begin << 32 | count: the same, as DeepEP's layout_range (optional)
   int* out_src;               // [L, R*mt] source token, -1 past the count
   int* out_slot;              // [L, R*mt] source top-k slot (the combine's return address)
   int out_cap;                // rows per expert in the outputs (R * the call's max_tokens_per_rank)

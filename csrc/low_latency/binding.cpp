@@ -50,7 +50,8 @@ class LowLatencyBuffer {
 
   void dispatch(const torch::Tensor& x, const torch::Tensor& topk_idx, int num_experts, bool fp8, bool round_scale,
                 int set, int phases, long long sig, long long seq, const torch::Tensor& out_x, const c10::optional<torch::Tensor>& out_scales,
-                const torch::Tensor& out_count, const torch::Tensor& out_range, const torch::Tensor& out_src,
+                const torch::Tensor& out_count, const torch::Tensor& out_range,
+                const c10::optional<torch::Tensor>& out_layout, const torch::Tensor& out_src,
                 const torch::Tensor& out_slot, const c10::optional<torch::Tensor>& weights,
                 const c10::optional<torch::Tensor>& out_w, const c10::optional<torch::Tensor>& out_pairs,
                 const c10::optional<torch::Tensor>& out_ue8m0, const c10::optional<torch::Tensor>& recv_stats,
@@ -74,6 +75,10 @@ class LowLatencyBuffer {
     }
     a.out_count = ptr<int>(out_count, "out_count", at::kInt);
     a.out_range = ptr<int>(out_range, "out_range", at::kInt);
+    if (out_layout.has_value()) {
+      TORCH_CHECK(out_layout->numel() * 2 == out_range.numel(), "out_layout must be [L, R]");
+      a.out_layout = reinterpret_cast<long long*>(ptr<int64_t>(*out_layout, "out_layout", at::kLong));
+    }
     a.out_src = ptr<int>(out_src, "out_src", at::kInt);
     a.out_slot = ptr<int>(out_slot, "out_slot", at::kInt);
     a.out_cap = (int)out_x.size(1);
@@ -122,6 +127,58 @@ class LowLatencyBuffer {
     }
     a.wait_stats = rank_stats(wait_stats, "combine_wait_recv_cost_stats");
     launch_ll_combine(ctx_, a, num_blocks, c10::cuda::getCurrentCUDAStream().stream());
+  }
+
+  // A dispatch's host side in one crossing: its outputs, allocated here on the current stream (as
+  // torch.empty would), then -- with `launch` -- its launch. Returns (out_x, out_scales, out_ue8m0,
+  // count, layout_range, DeepEP's packed layout_range, src_token, src_slot, row_w, pairs), None where
+  // the call has none; the receive half of a call launched with phases = SEND later goes through
+  // dispatch() with them.
+  // `launch` is off only when a test's output hook must see the outputs before any kernel.
+  py::tuple dispatch_call(const torch::Tensor& x, const torch::Tensor& topk_idx, int num_experts, bool fp8,
+                          bool round_scale, bool ue8m0, int set, int phases, long long sig, long long seq,
+                          int max_tokens, const c10::optional<torch::Tensor>& weights,
+                          const c10::optional<torch::Tensor>& recv_stats, const c10::optional<torch::Tensor>& wait_stats,
+                          int num_blocks, bool launch) {
+    live();
+    const int R = ctx_.num_ranks, H = (int)x.size(1), K = (int)topk_idx.size(1);
+    TORCH_CHECK(num_experts % R == 0 && max_tokens >= 1 && max_tokens <= ctx_.lay.max_tokens,
+                "megatron_ep low-latency: bad num_experts or max_tokens_per_rank");
+    const int64_t L = num_experts / R, cap = (int64_t)R * max_tokens;
+    const auto i32 = x.options().dtype(at::kInt);
+    const torch::Tensor out_x = at::empty({L, cap, H}, x.options().dtype(fp8 ? at::kFloat8_e4m3fn : at::kBFloat16));
+    c10::optional<torch::Tensor> out_s, out_ue8m0, row_w, pairs;
+    if (fp8 && !ue8m0) out_s = at::empty({L, cap, H / 128}, x.options().dtype(at::kFloat));
+    if (ue8m0) out_ue8m0 = at::empty({L, H / 512, cap}, i32);  // the caller takes its column-major view
+    // the counts and what the handle keeps in one allocation (tensor_args.h arena_tensors): small,
+    // and they die with the handle (the counts are a few bytes beside them)
+    // (the layout twice: ours, and DeepEP's packed form for megatron_ep.deep_ep, written by the same stores)
+    std::vector<ArenaPart> parts{{at::kInt, {L}}, {at::kInt, {L, R, 2}}, {at::kLong, {L, R}}, {at::kInt, {L, cap}},
+                                 {at::kInt, {L, cap}}};
+    if (weights.has_value())  // they ride with the copies: the combine merges a token's copies per rank
+      parts.insert(parts.end(), {{at::kFloat, {L, cap}}, {at::kInt, {(int64_t)R, (int64_t)max_tokens, (int64_t)K}}});
+    const std::vector<torch::Tensor> small = arena_tensors(parts, x.options());
+    const torch::Tensor &count = small[0], &range = small[1], &packed = small[2], &src = small[3], &slot = small[4];
+    if (weights.has_value()) row_w = small[5], pairs = small[6];  // (stale entries of pairs are checked)
+    if (launch)
+      dispatch(x, topk_idx, num_experts, fp8, round_scale, set, phases, sig, seq, out_x, out_s, count, range, packed, src,
+               slot, weights, row_w, pairs, out_ue8m0, recv_stats, wait_stats, num_blocks);
+    const auto opt = [](const c10::optional<torch::Tensor>& t) { return t.has_value() ? py::cast(*t) : py::none(); };
+    return py::make_tuple(out_x, opt(out_s), opt(out_ue8m0), count, range, packed, src, slot, opt(row_w), opt(pairs));
+  }
+
+  // A combine's host side in one crossing: y allocated here on the current stream unless given, then
+  // the launch; returns y.
+  torch::Tensor combine_call(const torch::Tensor& x, const torch::Tensor& range, const torch::Tensor& src,
+                             const torch::Tensor& slot, const torch::Tensor& topk_idx, const torch::Tensor& weights,
+                             int num_experts, int set, int phases, long long sig, long long seq,
+                             const c10::optional<torch::Tensor>& out, const c10::optional<torch::Tensor>& pairs,
+                             const c10::optional<torch::Tensor>& row_w, const c10::optional<torch::Tensor>& wait_stats,
+                             bool use_logfmt, int num_blocks) {
+    const torch::Tensor y = out.has_value() ? *out : at::empty({topk_idx.size(0), x.size(2)}, x.options());
+    combine(x, range, src, slot, topk_idx, weights, num_experts, set, phases, sig, seq, y, pairs, row_w, wait_stats,
+            use_logfmt, num_blocks);
+    return y;
   }
 
   // This rank failed before joining call `seq` (its host raised first): tell every peer, whose
@@ -217,8 +274,10 @@ void bind_low_latency(py::module_& m) {
   }, "The buffer layout and size (bytes, both sets) for this capacity; no GPU needed.");
   py::class_<mep::LowLatencyBuffer>(m, "LowLatencyBuffer")
       .def(py::init<int, int, std::vector<int>, int, int, int, int, bool, double, bool>())
-      .def("dispatch", &mep::LowLatencyBuffer::dispatch, py::arg("x"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("fp8"), py::arg("round_scale"), py::arg("set"), py::arg("phases"), py::arg("sig"), py::arg("seq"), py::arg("out_x"), py::arg("out_scales"), py::arg("out_count"), py::arg("out_range"), py::arg("out_src"), py::arg("out_slot"), py::arg("weights"), py::arg("out_w"), py::arg("out_pairs"), py::arg("out_ue8m0"), py::arg("recv_stats"), py::arg("wait_stats"), py::arg("num_blocks"))
+      .def("dispatch", &mep::LowLatencyBuffer::dispatch, py::arg("x"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("fp8"), py::arg("round_scale"), py::arg("set"), py::arg("phases"), py::arg("sig"), py::arg("seq"), py::arg("out_x"), py::arg("out_scales"), py::arg("out_count"), py::arg("out_range"), py::arg("out_layout"), py::arg("out_src"), py::arg("out_slot"), py::arg("weights"), py::arg("out_w"), py::arg("out_pairs"), py::arg("out_ue8m0"), py::arg("recv_stats"), py::arg("wait_stats"), py::arg("num_blocks"))
       .def("combine", &mep::LowLatencyBuffer::combine, py::arg("x"), py::arg("range"), py::arg("src"), py::arg("slot"), py::arg("topk_idx"), py::arg("weights"), py::arg("num_experts"), py::arg("set"), py::arg("phases"), py::arg("sig"), py::arg("seq"), py::arg("y"), py::arg("pairs"), py::arg("row_w"), py::arg("wait_stats"), py::arg("use_logfmt"), py::arg("num_blocks"))
+      .def("dispatch_call", &mep::LowLatencyBuffer::dispatch_call)
+      .def("combine_call", &mep::LowLatencyBuffer::combine_call)
       .def("publish_failure", &mep::LowLatencyBuffer::publish_failure, py::arg("seq"))
       .def("barrier", &mep::LowLatencyBuffer::barrier)
       .def("set_mask", &mep::LowLatencyBuffer::set_mask, py::arg("rank"), py::arg("masked"))

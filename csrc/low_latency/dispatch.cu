@@ -311,6 +311,7 @@ __global__ void __launch_bounds__(kLLThreads, 1) dispatch_kernel(const LLCtx c, 
     if (g == 0 && lane == 0) {
       a.out_range[((long long)e * R + s) * 2] = before;
       a.out_range[((long long)e * R + s) * 2 + 1] = mine;
+      if (a.out_layout != nullptr) a.out_layout[(long long)e * R + s] = ((long long)before << 32) | (unsigned)mine;
       if (s == 0) {
         a.out_count[e] = total;
         if (a.recv_stats != nullptr) atomicAdd(a.recv_stats + e, total);

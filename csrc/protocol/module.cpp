@@ -83,6 +83,7 @@ PYBIND11_MODULE(_protocol, m) {
   dtypes["float64"] = (int)kDtypeFp64;
   m.attr("DTYPE") = dtypes;
   py::dict errs;
+  errs["none"] = (int)kErrNone;
   errs["timeout"] = (int)kErrTimeout; errs["peer_aborted"] = (int)kErrPeerAborted; errs["mismatch"] = (int)kErrMismatch;
   errs["peer_failed"] = (int)kErrPeerFailed;
   m.attr("ERROR") = errs;

@@ -12,7 +12,6 @@ created at the first low-latency call, or up front with `low_latency=dict(...)`.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from typing import Optional, Type
 
 import torch
@@ -83,6 +82,13 @@ class CudaBackend:
         return self.rt.num_sms
 
     @property
+    def max_num_sms(self) -> int:
+        return self.rt.local_sms
+
+    def set_num_sms(self, num_sms: Optional[int]) -> None:
+        self.rt.set_num_sms(num_sms)  # the internode path's RDMA kernels read the same budget
+
+    @property
     def comm_stream(self) -> torch.cuda.Stream:
         return self.rt.stream
 
@@ -92,12 +98,13 @@ class CudaBackend:
     def _path_of(self, call: P.Call) -> Path:
         return self._low_latency() if call.op in _LL_OPS else self.path
 
-    @contextmanager
-    def call(self, call: P.Call):
-        """Entry check (errors reported since the last call) and, on a failure on this rank,
-        its publication to the peers waiting on this call."""
-        with self._path_of(call).guard(call):
-            yield call
+    def begin(self, call: P.Call) -> None:
+        """Entry check (errors reported since the last call) of the path that serves `call`."""
+        self._path_of(call).begin(call)
+
+    def failed(self, call: P.Call, exc: BaseException) -> None:
+        """A failure on this rank: its publication to the peers waiting on this call."""
+        self._path_of(call).failed(call, exc)
 
     def destroy(self) -> None:
         if self._ll is not None:
@@ -114,13 +121,10 @@ class CudaBackend:
         self.rt.reserve(need)
 
     # ------------------------------------------------------------------------------ layout
-    def layout(self, topk_idx: torch.Tensor, num_experts: int) -> DispatchLayout:
-        T, R = topk_idx.shape[0], self.num_ranks
-        tpr = torch.zeros(R, dtype=torch.int64, device=topk_idx.device)
-        tpe = torch.zeros(num_experts, dtype=torch.int64, device=topk_idx.device)
-        tir = torch.empty((T, R), dtype=torch.bool, device=topk_idx.device)
-        self.rt.ext.layout(topk_idx, num_experts, R, tpr, tpe, tir)
-        return DispatchLayout(tpr, tpe, tir)
+    def layout(self, topk_idx: torch.Tensor, num_experts: int, counts_dtype: torch.dtype = torch.int64) -> DispatchLayout:
+        """One crossing: the counts in one zeroed buffer, the kernel, on the caller's stream."""
+        return DispatchLayout(*self.rt.ext.layout(topk_idx=topk_idx, num_experts=num_experts, num_ranks=self.num_ranks,
+                                                  counts_int32=counts_dtype == torch.int32))
 
     # ---------------------------------------------------------------------- normal path
     def dispatch(self, call, req):

@@ -10,6 +10,7 @@ symmetric heap sized by the first buffer.
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 
@@ -20,23 +21,50 @@ from .runtime import gather
 ENV = {"NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "1", "NVSHMEM_DISABLE_NVLS": "1",
        "NVSHMEM_DISABLE_MNNVL": "1"}
 HEAP_MARGIN = 64 << 20  # NVSHMEM's own symmetric allocations (barriers, signals)
-_state: dict = {}  # once per process: {"n_pes": int, "heap": bytes}
+_state: dict = {}  # once per process: {"n_pes": int, "heap": bytes, "sized_by": what, "held": {owner: (what, bytes)}}
 
 
-def pes_for(group, rank: int, num_ranks: int, device: torch.device, need_bytes: int, ext, what: str) -> list:
+def pes_for(group, rank: int, num_ranks: int, device: torch.device, need_bytes: int, ext, what: str,
+            owner: object) -> list:
     """Collective: NVSHMEM started (once per process) with room for a symmetric buffer of
-    `need_bytes` (`what`, for the error), and every rank's PE in group rank order."""
+    `need_bytes` (`what`, for the error), held by `owner` until release(owner); and every rank's
+    PE in group rank order."""
     # room for two buffers: a re-created Buffer allocates before the old one is freed
-    heap = init(group, rank, num_ranks, device, 2 * need_bytes, ext)
-    fail(need_bytes + HEAP_MARGIN <= heap,
-         f"{what} needs {need_bytes} bytes but NVSHMEM's symmetric heap has {heap} "
-         f"(NVSHMEM_SYMMETRIC_SIZE, fixed when NVSHMEM started in this process)", RuntimeError)
+    heap = init(group, rank, num_ranks, device, 2 * need_bytes, ext, what)
+    short = heap_short(need_bytes, what, heap, exclude=owner)
+    fail(short is None, short, RuntimeError)
+    _state.setdefault("held", {})[id(owner)] = (what, need_bytes)
     return gather(ext.my_pe(), group)
 
 
-def init(group, rank: int, num_ranks: int, device: torch.device, heap_bytes: int, ext) -> int:
-    """Start NVSHMEM over `group` unless this process already did (collective the first time);
-    returns the symmetric heap's size in bytes."""
+def release(owner: object) -> None:
+    """`owner`'s buffer was freed: its bytes of the heap are free again."""
+    _state.get("held", {}).pop(id(owner), None)
+
+
+def heap_short(need_bytes: int, what: str, heap: int, exclude: object = None) -> Optional[str]:
+    """None when `need_bytes` more may fit a heap of `heap` bytes beside the buffers held now (but
+    `exclude`'s, which it replaces), else the error: what holds the heap, and the variable to set.
+    NVSHMEM's own share is not counted against the need (HEAP_MARGIN is what the heap is sized
+    with for it, far more than it takes): where that share is what leaves too little,
+    nvshmem_malloc's own error says so."""
+    held = {k: v for k, v in _state.get("held", {}).items() if k != id(exclude)}
+    used = sum(b for _, b in held.values())
+    free = heap - used
+    if need_bytes <= free:
+        return None
+    holders = "; ".join(f"{w}: {b} bytes" for w, b in held.values()) or "no buffer"
+    return (f"{what} needs {need_bytes} bytes of NVSHMEM's symmetric heap and {max(free, 0)} are free. The heap has "
+            f"{heap} bytes, fixed when NVSHMEM started in this process (sized then for {_state.get('sized_by', 'its first use')}, "
+            f"twice its need, or by NVSHMEM_SYMMETRIC_SIZE); it holds {holders}, and NVSHMEM keeps some for itself "
+            f"(allow {HEAP_MARGIN}). Set NVSHMEM_SYMMETRIC_SIZE to at least {used + need_bytes + HEAP_MARGIN} before this "
+            f"process's first NVSHMEM buffer (a Buffer's first internode or low-latency call)")
+
+
+def init(group, rank: int, num_ranks: int, device: torch.device, heap_bytes: int, ext, what: str = "") -> int:
+    """Start NVSHMEM over `group` unless this process already did (collective the first time),
+    its heap sized for `what` (heap_bytes) unless NVSHMEM_SYMMETRIC_SIZE says; returns the
+    symmetric heap's size in bytes."""
     if _state:
         fail(_state["n_pes"] == num_ranks, f"NVSHMEM was started for {_state['n_pes']} PEs by an earlier group; an "
                                            f"NVSHMEM buffer must span all of them (this group has {num_ranks})", RuntimeError)
@@ -49,7 +77,8 @@ def init(group, rank: int, num_ranks: int, device: torch.device, heap_bytes: int
     os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(heap_bytes + HEAP_MARGIN))
     ids = gather(ext.unique_id() if rank == 0 else None, group)
     ext.init(ids[0], rank, num_ranks, device.index)
-    _state.update(n_pes=ext.n_pes(), heap=parse_size(os.environ["NVSHMEM_SYMMETRIC_SIZE"]))
+    _state.update(n_pes=ext.n_pes(), heap=parse_size(os.environ["NVSHMEM_SYMMETRIC_SIZE"]), sized_by=what or "its first use",
+                  held={})
     return _state["heap"]
 
 

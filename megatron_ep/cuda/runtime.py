@@ -19,11 +19,11 @@ the in-node stage of internode; low-latency uses its group-wide helpers):
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import socket
 import time
 import weakref
-from contextlib import contextmanager
 from typing import Dict, Optional
 
 import torch
@@ -38,7 +38,6 @@ from ..model.rates import COPY_HEADROOM, HBM_COPY_GBPS, NVLINK_GBPS, PER_SM_COPY
 from ..errors import CommTimeoutError, MegatronEPError, PeerFailedError
 from .failure_state import FailureState
 from ..hooks import new_outputs
-from ..types import EventOverlap
 
 log = logging.getLogger("megatron_ep")
 
@@ -55,6 +54,8 @@ DEFAULT_TIMEOUT_S = envs.number("MEP_TIMEOUT_S", 60.0, above=0)
 PUSH_MAX_SMS_EP2 = 16
 
 COMM_STREAM_PRIORITY = -1  # torch: lower is higher; the default (compute) streams have 0
+
+_NO_ERROR = P.ERROR["none"]  # HostInfo::error while the kernels reported nothing
 
 
 def default_num_sms(ranks_per_device: int, sm_count: int) -> int:
@@ -81,12 +82,14 @@ class CudaRuntime(FailureState):
         FailureState.__init__(self, kind)
         self.ext = _ext.load()
         fail(torch.cuda.is_available(), "backend='cuda' needs a CUDA device", RuntimeError)
-        fail(num_ranks <= P.MAX_RANKS, f"the intranode cuda path supports up to {P.MAX_RANKS} ranks, got {num_ranks}")
+        if num_ranks > P.MAX_RANKS:
+            raise ValueError(f"the intranode cuda path supports up to {P.MAX_RANKS} ranks, got {num_ranks}")
         self.group, self.rank, self.num_ranks = group, rank, num_ranks
         self.device = torch.device("cuda", torch.cuda.current_device())
         cap = torch.cuda.get_device_capability(self.device)
-        fail(cap[0] >= 9, f"the cuda backend's kernels are built for Hopper (sm_90); this GPU is sm_{cap[0]}{cap[1]}: "
-                          f"use backend='torch'", RuntimeError)
+        if cap[0] < 9:
+            raise RuntimeError(f"the cuda backend's kernels are built for Hopper (sm_90); this GPU is sm_{cap[0]}{cap[1]}: "
+                               f"use backend='torch'")
         self.timeout_s = timeout_s
         # who shares my GPU: virtual ranks share one HBM and one set of SMs
         props = torch.cuda.get_device_properties(self.device)
@@ -102,20 +105,14 @@ class CudaRuntime(FailureState):
         if self.lazy_hazard and rank == 0:
             log.warning("megatron_ep: %s", self.lazy_hazard)
         self.sm_count = props.multi_processor_count
-        limit = max_num_sms(self.ranks_per_device, self.sm_count)
-        if num_sms is not None:
-            fail(isinstance(num_sms, int) and 1 <= num_sms <= limit,
-                 f"num_sms={num_sms}: with {self.ranks_per_device} rank(s) on this GPU ({self.sm_count} SMs) each rank "
-                 f"may use 1..{limit} SMs, or blocks that wait on each other would not all be resident")
-        self.num_sms = num_sms or default_num_sms(self.ranks_per_device, self.sm_count)
         # local kernels that wait on nobody (expert-major fan-out and pre-reduction) take this
-        # rank's share of the GPU, as the permute they replace would
-        self.local_sms = limit
-        cap = PUSH_MAX_SMS_EP2 if num_ranks == 2 and self.ranks_per_device == 1 else self.num_sms
-        self.push_sms = min(self.num_sms, envs.integer("MEP_PUSH_MAX_SMS", cap, minimum=1))
+        # rank's share of the GPU, as the permute they replace would; it also bounds num_sms
+        self.local_sms = max_num_sms(self.ranks_per_device, self.sm_count)
+        self.set_num_sms(num_sms)
         self.hints = {k: v for k, v in hints.items() if v is not None}
         self.hints["num_ranks"] = num_ranks
         self.rt = None
+        self._error_word = None  # HostInfo::error in mapped host memory, once created (check)
         self.plan = None  # the region's RegionLayout (megatron_ep._protocol), once created
         # high priority: when SMs free up, the block scheduler places our kernels' blocks (which wait
         # on peers, and need all of them resident) ahead of those of GEMMs queued beside them
@@ -126,6 +123,19 @@ class CudaRuntime(FailureState):
         self.closed = False
         if "max_tokens" in self.hints and "hidden" in self.hints:
             self._create(self.hints)
+
+    def set_num_sms(self, num_sms: Optional[int]) -> None:
+        """The normal paths' SM budget from the next launch on: num_sms, or the default rule
+        (None). Each launch reads it (blocks()); a rank's count never has to match its peers'
+        (every kernel strides over its rows with the blocks it has)."""
+        limit = self.local_sms
+        if num_sms is not None and not (isinstance(num_sms, int) and 1 <= num_sms <= limit):
+            raise ValueError(f"num_sms={num_sms}: with {self.ranks_per_device} rank(s) on this GPU ({self.sm_count} SMs) "
+                             f"each rank may use 1..{limit} SMs, or blocks that wait on each other would not all be "
+                             f"resident")
+        self.num_sms = num_sms or default_num_sms(self.ranks_per_device, self.sm_count)
+        cap = PUSH_MAX_SMS_EP2 if self.num_ranks == 2 and self.ranks_per_device == 1 else self.num_sms
+        self.push_sms = min(self.num_sms, envs.integer("MEP_PUSH_MAX_SMS", cap, minimum=1))
 
     def blocks(self, path_max: int, latency_bound: bool = False) -> int:
         """Blocks of a path's kernels, decided here for every path: the rank's SM budget
@@ -143,8 +153,10 @@ class CudaRuntime(FailureState):
     def _create(self, hints: dict) -> None:
         """Collective: plan, allocate and open every rank's region."""
         plan = P.plan_region(hints)
-        fail(plan.max_experts <= P.MAX_EXPERTS, f"num_experts={plan.max_experts} exceeds the cuda backend's {P.MAX_EXPERTS}")
-        fail(1 <= plan.max_topk <= P.MAX_TOPK, f"max_topk must be in 1..{P.MAX_TOPK}")
+        if plan.max_experts > P.MAX_EXPERTS:
+            raise ValueError(f"num_experts={plan.max_experts} exceeds the cuda backend's {P.MAX_EXPERTS}")
+        if not (1 <= plan.max_topk <= P.MAX_TOPK):
+            raise ValueError(f"max_topk must be in 1..{P.MAX_TOPK}")
         # the allocation can fail on one rank (memory): every rank still reaches the gather, so
         # the others raise PeerFailedError naming it instead of waiting there
         try:
@@ -160,8 +172,11 @@ class CudaRuntime(FailureState):
             raise PeerFailedError(f"megatron_ep: allocating the communication region: rank {failed[0]} failed: "
                                   f"{every[failed[0]]['failed']}")
         rt.open_peers(every)
+        rt.set_comm_stream(self.stream)
         dist.barrier(group=self.group)
         self.rt, self.plan, self.hints = rt, plan, dict(hints)
+        # the kernels' error word, read in place by every call's entry check (no crossing)
+        self._error_word = ctypes.c_int.from_address(rt.error_address())
         self._fitted: set = set()  # needs known to fit this region
         self.base = rt.base_ptr()
         log.info("megatron_ep cuda buffer on rank %d: %.1f MiB region (tokens %d, row bytes %d, combine rows %d), %d SMs",
@@ -198,8 +213,10 @@ class CudaRuntime(FailureState):
         # token and combine-row counts change every call: compared directly; the rest (row
         # widths, top-k, experts) is planned once per distinct value
         p = self.plan
-        counts_fit = need.get("max_tokens", 0) <= p.max_tokens and need.get("combine_rows", 0) <= p.comb_rows
-        key = tuple(sorted((k, v) for k, v in need.items() if k not in ("max_tokens", "combine_rows")))
+        rest = dict(need)
+        counts_fit = rest.pop("max_tokens", 0) <= p.max_tokens and rest.pop("combine_rows", 0) <= p.comb_rows
+        rest.pop("combine_rows", None)
+        key = tuple(rest.items())  # (in the order the caller built it: another order is one more plan, not an error)
         if counts_fit and key in self._fitted:
             return None
         new = self._plan_for(need)
@@ -257,21 +274,12 @@ class CudaRuntime(FailureState):
             return
         self.stream.synchronize()
         bounded_barrier(self.group, self.timeout_s, "destroy")
+        self._error_word = None  # before the memory behind it goes
         self.rt.close()
         self.rt = None
         self.closed = True
 
     # ------------------------------------------------------------------------------ calls
-    @contextmanager
-    def publishing(self, call: P.Call):
-        """Run a call's host side; if it raises while peers may be waiting for this rank, tell
-        them (a failed record at the handshake they wait on next) before re-raising."""
-        try:
-            yield call
-        except BaseException as exc:
-            self.publish(call, exc)
-            raise
-
     def publish(self, call: P.Call, exc: BaseException) -> None:
         """`call` failed on this rank with `exc`: if peers may be waiting for it (`call.pending`),
         a failed record at the handshake they wait on next."""
@@ -292,7 +300,7 @@ class CudaRuntime(FailureState):
         an aborted call (an earlier asynchronous one) is reported once."""
         fail(not self.closed, "this Buffer was destroyed", RuntimeError)
         self.raise_if_broken()
-        if self.rt is None:
+        if self.rt is None or self._error_word.value == _NO_ERROR:
             return
         err = self.rt.take_error(clear=False)
         if err is None:
@@ -339,33 +347,20 @@ class CudaRuntime(FailureState):
         hazard = self.lazy_hazard
         return f"{text} ({hazard})" if hazard else text
 
-    def wait_host(self, call: P.Call, tag: int, L: int) -> dict:
-        """Wait (backing off, never spinning a core for long) until notify's sizes for `tag`
-        reached the host; raise if the call was aborted or a peer timed out."""
-        start = time.monotonic()
-        deadline = start + self.timeout_s + 5
-        spins, pause = 0, 5e-5
-        while self.rt.host_tag() != tag:
-            spins += 1
-            if spins & 255:
-                continue
-            err = self.rt.take_error(clear=False)
-            if err is not None and P.is_fatal(err["code"]):
-                raise self._error(err, call)
-            now = time.monotonic()
-            if now > deadline:
-                raise self.break_with(CommTimeoutError, self._with_hazard(
-                    f"rank {self.rank}: no receive count from the notify kernel of call #{call.seq} within "
-                    f"{self.timeout_s + 5:.0f}s"))
-            # A short wait is the common case (the GPU is finishing the work queued before
-            # notify): poll for 2 ms, then yield the core for up to 20 ms, then sleep, backing
-            # off to 1 ms, so a long wait (a slow peer) does not keep a core busy.
-            if now - start > 0.02:
-                time.sleep(pause)
-                pause = min(1e-3, pause * 2)
-            elif now - start > 0.002:
-                time.sleep(0)
-        info = self.rt.host_counts(L)
+    @property
+    def host_wait_s(self) -> float:
+        """How long the host waits for notify's sizes: the kernels' own timeout, and a margin."""
+        return self.timeout_s + 5
+
+    def host_sizes(self, call: P.Call, waited: int, info: Optional[dict]) -> dict:
+        """What a wait for notify's sizes returned (Runtime::wait_counts: 0 and the sizes, 1 a
+        fatal error first, 2 the timeout): the sizes, or the call's error."""
+        if waited == 1:  # a fatal error came first
+            raise self._error(self.rt.take_error(clear=False), call)
+        if waited == 2:
+            raise self.break_with(CommTimeoutError, self._with_hazard(
+                f"rank {self.rank}: no receive count from the notify kernel of call #{call.seq} within "
+                f"{self.host_wait_s:.0f}s"))
         if info["num_rows"] < 0:  # this call was aborted at its exchange, on every rank
             err = self.rt.take_error(clear=False)
             if err is not None:
@@ -373,31 +368,7 @@ class CudaRuntime(FailureState):
             raise MegatronEPError(f"{call.describe()} was aborted on every rank (the reason was reported earlier)")
         return info
 
-    # ------------------------------------------------------------------------- stream glue
-    def enter(self, previous_event: Optional[EventOverlap]):
-        compute = torch.cuda.current_stream(self.device)
-        if previous_event is not None and previous_event.event is not None:
-            self.stream.wait_event(previous_event.event)
-        else:
-            self.stream.wait_stream(compute)
-        return compute
-
-    def leave(self, compute, tensors, async_op: bool) -> EventOverlap:
-        # Synchronous calls make the caller's stream wait for ours right away, so anything it
-        # frees afterwards is reused in stream order; only async callers need record_stream.
-        # Under CUDA-graph capture too: a block freed there goes back to the graph's pool at
-        # once unless it has a use on another stream (the allocator then keeps it until the
-        # capture ends), and a later kernel of the capture could be given it while ours read it.
-        if async_op:
-            for t in tensors:
-                if t is not None:
-                    t.record_stream(self.stream)
-        event = torch.cuda.Event()
-        event.record(self.stream)
-        if not async_op:
-            compute.wait_event(event)
-        return EventOverlap(event)
-
+    # ----------------------------------------------------------------------- hooks and marks
     def new_outputs(self, tensors) -> bool:
         """Apply the output hook (tests; megatron_ep.hooks); True when it ran (the comm stream
         must then wait)."""
@@ -411,6 +382,28 @@ class CudaRuntime(FailureState):
             ev.record(self.stream if stream is None else stream)
             self.trace.append((name, ev))
 
+    def marks(self, names, first: bool = False) -> Optional[list]:
+        """Benchmarks: events for the phases `names` (None: a phase not marked) that a one-crossing
+        call records at each phase's end on the communication stream, or None when not tracing.
+        `first`: the first name is the path's opening mark (see mark())."""
+        if self.trace is None:
+            return None
+        out = []
+        for i, name in enumerate(names):
+            if name is None or (first and i == 0 and self.trace):
+                out.append(None)
+                continue
+            ev = torch.cuda.Event(enable_timing=True)
+            self.trace.append((name, ev))
+            out.append(ev)
+        return out
+
+    def scratch_free(self) -> bool:
+        """Whether the combine area may serve as the expert-major push's rank-major buffer (no
+        kernel uses it between calls, and every use is on our stream in call order): not while
+        a zero-copy combine input handed out is alive."""
+        return not any(r() is not None for r in self._comb_views)
+
     def view(self, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
         return self.rt.view(offset, list(shape), dtype)
 
@@ -420,17 +413,6 @@ class CudaRuntime(FailureState):
         t = self.view(self.plan.comb_x, [rows, hidden], dtype)
         self._comb_views = [r for r in self._comb_views if r() is not None] + [weakref.ref(t)]
         return t
-
-    def comb_scratch(self, rows: int, hidden: int, dtype: torch.dtype, row_bytes: int, scale_cols: int, K: int,
-                     has_w: bool):
-        """The expert-major push's rank-major buffer (pool_rank_major's block: tensors and byte
-        offsets) at the start of the combine area, which no kernel uses between calls: every use
-        is on the communication stream, in call order. None when a zero-copy combine input is
-        alive or the area is too small (then: the pool)."""
-        if any(r() is not None for r in self._comb_views):
-            return None
-        return self.rt.rank_major_at(self.plan.comb_x, self.plan.comb_w, rows, hidden, dtype, row_bytes,
-                                     scale_cols, K, has_w)
 
 
 def bounded_barrier(group, timeout_s: float, what: str) -> None:

@@ -4,24 +4,24 @@ dispatch, cached dispatch, combine). What differs is listed in docs/deep-ep.md."
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import functools
 import logging
 import os
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from .. import buffer as _mep
+from ..checks import check_bool
 from ..errors import PeerFailedError
 from ..fp8 import UE8M0_PACK, pack_ue8m0, unpack_ue8m0
 from ..protocol import MAX_TOPK, failure_message
 from ..types import DispatchHandle
 from .config import (BUFFER_ALIGNMENT, COMBINE_CONFIGS, DISPATCH_CONFIGS, INT_MAX, Config, InvalidArgument, _align_up,
-                     check_bool, check_int, check_num_ranks)
+                     check_int, check_num_ranks)
 from .utils import EventOverlap, from_ours, to_ours
 
 log = logging.getLogger("megatron_ep.deep_ep")
@@ -83,13 +83,11 @@ class InternodeHandle(Handle):
     recv_rdma_channel_prefix_matrix, recv_rdma_rank_prefix_sum, recv_gbl_channel_prefix_matrix,
     recv_gbl_rank_prefix_sum, recv_src_meta, send_rdma_head, send_nvl_head)` with
     `is_token_in_rank` and `recv_gbl_rank_prefix_sum` ([R] int32: tokens ranks 0..i send to this
-    rank, inclusive) filled and the entries of DeepEP's channels, RDMA forwarding and heads None;
-    `rank_prefix_matrix` (the column of which that prefix sum is) is kept as an attribute."""
+    rank, inclusive) filled and the entries of DeepEP's channels, RDMA forwarding and heads None."""
 
-    def __new__(cls, ours: DispatchHandle, rank_prefix_matrix, is_token_in_rank, rank: int):
-        gbl = None if rank_prefix_matrix is None else rank_prefix_matrix[:, rank].contiguous()
-        h = tuple.__new__(cls, (is_token_in_rank, None, None, None, None, None, gbl, None, None, None))
-        h.ours, h.rank_prefix_matrix = ours, rank_prefix_matrix
+    def __new__(cls, ours: DispatchHandle, recv_prefix, is_token_in_rank):
+        h = tuple.__new__(cls, (is_token_in_rank, None, None, None, None, None, recv_prefix, None, None, None))
+        h.ours = ours
         return h
 
 
@@ -115,13 +113,25 @@ def _unpack_bias(bias) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
 
 
 def _public(op: Optional[str] = None):
-    """A public method of Buffer: its body runs inside Buffer._entry (the destroyed rule, and for
-    a collective method, `op`, the publication of its own checks' failures to the peers)."""
+    """A public method of Buffer: its body runs after Buffer._alive (the destroyed rule) and, for
+    a collective method (`op`: the call of our Buffer its first collective is), inside our
+    Buffer's layer_call, which publishes a failure of the module's own checks before that call to
+    the peers waiting in it (they raise PeerFailedError naming this rank at once)."""
     def wrap(fn):
-        @functools.wraps(fn)
-        def method(self, *args, **kwargs):
-            with self._entry(fn.__name__, op):
-                return fn(self, *args, **kwargs)
+        name = fn.__name__
+
+        def alive_then(self, args, kwargs):
+            self._alive(name)
+            return fn(self, *args, **kwargs)
+
+        if op is None:
+            @functools.wraps(fn)
+            def method(self, *args, **kwargs):
+                return alive_then(self, args, kwargs)
+        else:
+            @functools.wraps(fn)
+            def method(self, *args, **kwargs):
+                return self.runtime.layer_call(op, alive_then, self, args, kwargs)
         return method
     return wrap
 
@@ -158,9 +168,12 @@ class Buffer:
         nodes = dict(ranks_per_node=RANKS_PER_NODE) if self.group_size > RANKS_PER_NODE else {}
         if enable_shrink:
             nodes["low_latency"] = self._shrink_capacity(backend, low_latency_mode, num_rdma_bytes)
-        self.runtime = _mep.Buffer(group, backend=backend, **nodes)
+        # ids checked only where it adds no host sync (the in-node notify): DeepEP's calls have none
+        self.runtime = _mep.Buffer(group, backend=backend, check_inputs="no_sync", **nodes)
         self._combine_buffers, self._next_combine = _CombineBuffers(), 0  # the zero-copy combine's
         self._worst_reserved = 0  # the largest num_worst_tokens the buffer was reserved for
+        self._sms_asked = None  # the SM count last handed to our budget (_hand_sms)
+        self._sms_capped: set = set()  # the counts already said to be past this rank's share
         if self.rank == 0:
             log.info("megatron_ep.deep_ep: DeepEP's Buffer API on megatron_ep (%s backend, %d ranks)",
                      self.runtime.backend, self.group_size)
@@ -187,18 +200,12 @@ class Buffer:
         return cap
 
     # ------------------------------------------------------------------------- lifecycle
-    @contextlib.contextmanager
-    def _entry(self, method: str, op: Optional[str] = None):
-        """The body of every public method. Its first check is the one rule for a destroyed Buffer:
-        RuntimeError naming the method. For a collective method (`op`: the call of our Buffer its
-        first collective is), that check and the module's own checks before that call are
-        published as a failure inside our calls is (megatron_ep.Buffer.before_call): the peers in
-        the same call raise PeerFailedError naming this rank at once instead of waiting for it."""
-        with self.runtime.before_call(op) if op is not None else contextlib.nullcontext():
-            if self._destroyed:
-                raise RuntimeError(f"megatron_ep.deep_ep Buffer.{method}: this Buffer was destroyed (destroy() was "
-                                   f"called on it); create a new Buffer")
-            yield
+    def _alive(self, method: str) -> None:
+        """The one rule for a destroyed Buffer, first in every public method: RuntimeError naming
+        the method (inside layer_call for a collective one, so the peers learn of it)."""
+        if self._destroyed:
+            raise RuntimeError(f"megatron_ep.deep_ep Buffer.{method}: this Buffer was destroyed (destroy() was "
+                               f"called on it); create a new Buffer")
 
     @_public()
     def destroy(self) -> None:
@@ -215,8 +222,9 @@ class Buffer:
 
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
-        """DeepEP's SM count of the normal kernels (even: channels of two SMs). Kept and checked:
-        our kernels take their SM budget from megatron_ep's Buffer."""
+        """DeepEP's SM count of the normal kernels (even: channels of two SMs), for every Buffer
+        of this process: each normal dispatch and combine without a Config hands it to our
+        kernels' budget (_hand_sms)."""
         n = check_int("new_num_sms", new_num_sms, 2, rule=" and even (channels of two SMs)")
         if n % 2:
             raise InvalidArgument(f"new_num_sms={n}: the SM count must be even (channels of two SMs), in 2..{INT_MAX}")
@@ -263,13 +271,13 @@ class Buffer:
         _check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
         if getattr(previous_event, "event", None) is not None:  # DeepEP's rule: an EventOverlap(None) waits for nothing
             previous_event.current_stream_wait()
-        lay = self.runtime.get_dispatch_layout(topk_idx, num_experts)
+        # (DeepEP's layout checks no ids; our dispatch that follows checks them before rows move)
+        lay = self.runtime.get_dispatch_layout(topk_idx, num_experts, check_values=False, counts_dtype=torch.int32)
         per_rdma = None
         if self.group_size > RANKS_PER_NODE:
             nodes = self.group_size // RANKS_PER_NODE
             per_rdma = lay.token_in_rank.view(-1, nodes, RANKS_PER_NODE).any(dim=2).sum(0).to(torch.int32)
-        return (lay.tokens_per_rank.to(torch.int32), per_rdma, lay.tokens_per_expert.to(torch.int32), lay.token_in_rank,
-                _finished(None, async_finish))
+        return lay.tokens_per_rank, per_rdma, lay.tokens_per_expert, lay.token_in_rank, _finished(None, async_finish)
 
     @_public("dispatch")
     def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]], handle: Optional[Tuple] = None,
@@ -288,6 +296,7 @@ class Buffer:
         a handle (cached dispatch) only the rows move and the list and handle come back None."""
         _check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
         _check_config(config)
+        self._hand_sms(config)
         prev = to_ours(previous_event)
         if _needs_row_major_copy(x) or (handle is None and topk_idx is None):
             # the wrapper's own work on this stream (the scales' copy, the stand-in ids) must come
@@ -315,36 +324,41 @@ class Buffer:
             # DeepEP's num_worst_tokens is a precondition: rows past it are an error on every rank, not drops
             out = self.runtime.dispatch(x, topk_idx, topk_weights, num_experts=E, permute=False,
                                         num_worst_tokens=num_worst_tokens, host_counts=not num_worst_tokens,
-                                        async_op=async_finish, previous_event=prev, on_overflow="raise")
-            counts = [] if num_worst_tokens else [_align_up(c, expert_alignment) for c in out.tokens_per_expert_host]
+                                        async_op=async_finish, previous_event=prev, on_overflow="raise",
+                                        rank_counts=True)
+            counts = [] if num_worst_tokens else _aligned(out.tokens_per_expert_host, expert_alignment)
             recv_idx, recv_w = out.topk_idx, out.topk_weights
         out = self._repacked(out, packed)
-        rank_prefix = self._rank_prefix_matrix(num_tokens_per_rank, sync_free=bool(num_worst_tokens))
-        if self.group_size > RANKS_PER_NODE:  # DeepEP's internode_dispatch and its handle
-            h = InternodeHandle(out.handle, rank_prefix, is_token_in_rank, self.rank)
-        else:
-            h = Handle(out.handle, rank_prefix, None, is_token_in_rank)
+        internode = self.group_size > RANKS_PER_NODE  # DeepEP's internode_dispatch and its handle
+        prefix, out = self._rank_prefix(out, num_tokens_per_rank, bool(num_worst_tokens), column=internode)
+        h = InternodeHandle(out.handle, prefix, is_token_in_rank) if internode else \
+            Handle(out.handle, prefix, None, is_token_in_rank)
         return out.x, recv_idx, recv_w, counts, h, _finished(out.event, async_finish)
 
     def _repacked(self, out, packed: bool):
-        """int32 UE8M0 x_scales came in: the received fp32 scales packed back, where the rows are
-        ready -- after the dispatch's event on our communication stream for an async call (the
-        returned event then follows the packing), else on the caller's stream. No host sync."""
+        """int32 UE8M0 x_scales came in: the received fp32 scales packed back (_after)."""
         if not packed or not isinstance(out.x, tuple):
             return out
         data, scales = out.x
+        words, out = self._after(out, lambda: pack_ue8m0(scales, checked=False))
+        return dataclasses.replace(out, x=(data, words))
+
+    def _after(self, out, fn: Callable[[], torch.Tensor]):
+        """(fn(), out): the tensor fn makes from a dispatch's outputs, made where they are ready --
+        after an async call's event on our communication stream (the returned out's event then
+        follows fn's work), else on the caller's stream. No host sync."""
         ev = getattr(out.event, "event", None)
         stream = self.runtime.comm_stream if ev is not None else None
         if stream is None:
-            return dataclasses.replace(out, x=(data, pack_ue8m0(scales, checked=False)))
+            return fn(), out
         caller = torch.cuda.current_stream()
         with torch.cuda.stream(stream):
             stream.wait_event(ev)
-            words = pack_ue8m0(scales, checked=False)
+            made = fn()
             done = torch.cuda.Event()
             done.record(stream)
-        words.record_stream(caller)  # the caller's stream uses it after the event
-        return dataclasses.replace(out, x=(data, words), event=type(out.event)(done))
+        made.record_stream(caller)  # the caller's stream uses it after the event
+        return made, dataclasses.replace(out, event=type(out.event)(done))
 
     def _reserve_worst(self, x, topk_idx: torch.Tensor, num_experts: int, num_worst_tokens: int) -> None:
         """DeepEP sizes its buffer from num_nvl_bytes, so callers pass num_worst_tokens freely; our
@@ -379,14 +393,14 @@ class Buffer:
                              f"{tuple(getattr(is_token_in_rank, 'shape', ()))}")
         idx = _stand_in_topk(is_token_in_rank, num_experts // R)  # after the caller's join (dispatch)
         return self.runtime.dispatch(x, idx, None, num_experts=num_experts, permute=False, async_op=async_finish,
-                                     previous_event=prev)
+                                     previous_event=prev, rank_counts=True)
 
     def _recv_per_expert(self, num_tokens_per_expert: torch.Tensor, expert_alignment: int) -> List[int]:
         """DeepEP's num_recv_tokens_per_expert_list (its notify_dispatch): every rank's
         num_tokens_per_expert summed, this rank's experts, each rounded up to expert_alignment."""
         L = num_tokens_per_expert.numel() // self.group_size
         total = self._gathered(num_tokens_per_expert).sum(0)[self.rank * L:(self.rank + 1) * L]
-        return [_align_up(int(c), expert_alignment) for c in total.tolist()]
+        return _aligned(total.tolist(), expert_alignment)
 
     @_public("combine")
     def combine(self, x: torch.Tensor, handle: Tuple, topk_weights: Optional[torch.Tensor] = None,
@@ -400,6 +414,7 @@ class Buffer:
         selected experts' weights)."""
         _check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
         _check_config(config)
+        self._hand_sms(config)
         assert isinstance(handle, Handle), "handle must come from megatron_ep.deep_ep's dispatch"
         out = self.runtime.combine(x, handle.ours, async_op=async_finish, previous_event=to_ours(previous_event))
         y = out.x
@@ -445,16 +460,18 @@ class Buffer:
                                                 dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats,
                                                 **({"return_recv_hook": True} if hooked else {}))
         ours = out.handle
-        lr = ours.layout_range
-        packed = torch.empty(lr.shape[:-1], dtype=torch.int64, device=lr.device)
+        lr, packed = ours.layout_range, ours.packed_layout  # (our kernels write DeepEP's form with ours)
+        made = packed is None
+        if made:
+            packed = torch.empty(lr.shape[:-1], dtype=torch.int64, device=lr.device)
         handle = LowLatencyHandle(ours, ours.src_token, packed, num_max_dispatch_tokens_per_rank, x.shape[1], num_experts)
-        hook = None
-        if hooked:  # the layout exists once the receive half ran: packed after it, on the hook's stream
+        hook = out.hook if hooked else None
+        if made and hooked:  # the layout exists once the receive half ran: packed after it, on the hook's stream
             hook = _then(out.hook, lambda: _pack_layout(lr, packed))
-        else:
+        elif made:
             _pack_layout(lr, packed)
-            if return_recv_hook:
-                hook = lambda: None  # noqa: E731 - the torch backend has received already
+        if return_recv_hook and hook is None:
+            hook = lambda: None  # noqa: E731 - the torch backend has received already
         return out.x, out.count, handle, _finished(out.event, async_finish), hook
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
@@ -464,8 +481,8 @@ class Buffer:
         say) to its peers; with enable_shrink the GPU barrier over the unmasked ranks (a rank
         that does not join in time is masked), which also lets ranks unmasked since rejoin."""
         try:
-            with self._entry("clean_low_latency_buffer"):
-                assert self.low_latency_mode
+            self._alive("clean_low_latency_buffer")
+            assert self.low_latency_mode
         except Exception as exc:
             if not self.enable_shrink:  # (with enable_shrink the peers' barrier masks a rank that does not come)
                 self._barrier("clean_low_latency_buffer", exc)
@@ -570,13 +587,45 @@ class Buffer:
         return self._combine_buffers.get(_combine_shape(handle, self.group_size), self._next_combine, handle[0].device)
 
     # ---------------------------------------------------------------------------- helpers
-    def _rank_prefix_matrix(self, num_tokens_per_rank: torch.Tensor, sync_free: bool) -> Optional[torch.Tensor]:
-        """[R, R] int32: [i][j] = tokens ranks 0..i send to rank j (inclusive prefix over sources),
-        gathered from every rank's num_tokens_per_rank; None for a sync-free dispatch on a group
-        whose backend cannot gather device tensors without a host round trip."""
+    def _hand_sms(self, config: Optional[Config]) -> None:
+        """DeepEP's SM count for a normal call -- the call's Config, else Buffer.num_sms
+        (set_num_sms; DeepEP's default 20) -- as our kernels' budget (0: our default rule).
+        Past what this rank may keep resident (ranks sharing one GPU) it gets that bound, said
+        once per count: DeepEP's blocks would not all be resident there either."""
+        want = config.num_sms if config is not None else Buffer.num_sms
+        if want == self._sms_asked:
+            return
+        self._sms_asked = want
+        limit = self.runtime.max_num_sms
+        if limit is None:  # the torch backend: no kernels
+            return
+        n = want or None
+        if n is not None and n > limit:
+            if n not in self._sms_capped:
+                self._sms_capped.add(n)
+                log.warning("megatron_ep.deep_ep: num_sms=%d is above the %d SMs each rank sharing this GPU may keep "
+                            "resident; our kernels use %d", n, limit, limit)
+            n = limit
+        self.runtime.set_num_sms(n)
+
+    def _rank_prefix(self, out, num_tokens_per_rank: torch.Tensor, sync_free: bool, column: bool):
+        """(prefix, out): DeepEP's rank_prefix_matrix, [R, R] int32, [i][j] = tokens ranks 0..i
+        send to rank j (inclusive prefix over sources); with `column`, only its column of this
+        rank ([R], the internode handle's recv_gbl_rank_prefix_sum). From the dispatch's own count
+        exchange (the handle's rank_counts / recv_rank_counts: no communication), made where the
+        dispatch's outputs are ready (_after); a backend without those counts falls back to
+        gathering every rank's num_tokens_per_rank -- None then for a sync-free dispatch on a
+        group that cannot gather device tensors without a host round trip."""
+        prefix = out.handle.recv_rank_prefix if column else out.handle.rank_prefix
+        if prefix is not None:  # (the backend's, from the same exchange; DeepEP's column is contiguous)
+            return (prefix.contiguous() if column else prefix), out
+        counts = out.handle.recv_rank_counts if column else out.handle.rank_counts
+        if counts is not None:
+            return self._after(out, lambda: torch.cumsum(counts, dim=0, dtype=torch.int32))
         if sync_free and num_tokens_per_rank.is_cuda and dist.get_backend(self.group) != "nccl":
-            return None
-        return torch.cumsum(self._gathered(num_tokens_per_rank), dim=0).to(torch.int32)
+            return None, out
+        matrix = torch.cumsum(self._gathered(num_tokens_per_rank), dim=0).to(torch.int32)
+        return (matrix[:, self.rank].contiguous() if column else matrix), out
 
     def _gathered(self, counts: torch.Tensor) -> torch.Tensor:
         """[R, *counts.shape] int64 on counts' device: every rank's counts (through the host
@@ -707,6 +756,13 @@ class _CombineBuffers:
                              f"ranks * num_max_dispatch_tokens_per_rank, hidden]); this combine's handle is of shape "
                              f"{list(shape)}: ask for the buffer with this combine's handle and fill it")
         return b
+
+
+def _aligned(counts: List[int], alignment: int) -> List[int]:
+    """DeepEP's per-expert list: each count rounded up to `alignment` (one pass, no call per expert)."""
+    if alignment == 1:
+        return list(counts)
+    return [(int(c) + alignment - 1) // alignment * alignment for c in counts]
 
 
 def _rows(x) -> torch.Tensor:

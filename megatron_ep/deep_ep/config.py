@@ -1,8 +1,8 @@
-"""DeepEP's Config (chunk sizes of its normal kernels) and its default tables. Our kernels size
-their own buffers: a Config is accepted, checked as DeepEP checks it, and its `num_sms` is the
-only field our calls read (a cached dispatch must use the count of the call that made its
-handle). The size hints follow DeepEP's formulas, so callers that size a Buffer from them get
-the numbers they expect (our Buffer does not need them)."""
+"""DeepEP's Config (chunk sizes of its normal kernels) and its default tables. A Config is
+accepted and checked as DeepEP checks it; of its fields our kernels take num_sms (the call's SM
+budget, as Buffer.set_num_sms's count for calls without a Config; 0: our default rule) and size
+their own buffers, so the chunk sizes have no effect. The size hints follow DeepEP's formulas, so
+callers that size a Buffer from them get the numbers they expect (our Buffer does not need them)."""
 
 from __future__ import annotations
 
@@ -30,13 +30,6 @@ def check_int(name: str, value, low: int, high: Optional[int] = INT_MAX, rule: s
     if value < low or (high is not None and value > high):
         bound = f">= {low}" if high is None else f"in {low}..{high}"
         raise InvalidArgument(f"{name}={value} is outside its range: it must be {bound}{rule}")
-    return value
-
-
-def check_bool(name: str, value) -> bool:
-    """A flag must be a bool (a string such as "False" would read as true)."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
     return value
 
 

@@ -177,10 +177,17 @@ class DecodeState:
         if not _stacked(kind) or not self.keep_weights:
             self._weights = self._key = None
             return expert_weights(layer.experts, layer.config.hidden_size)
-        key = _weights_key(params)
-        if self._weights is None or key != self._key:
-            self._weights, self._key = expert_weights(layer.experts, layer.config.hidden_size), key
+        self._restack_if_changed(layer, params)
         return self._weights
+
+    def _restack_if_changed(self, layer, params: List[torch.Tensor]) -> bool:
+        """A new kept stack where there is none or the parameters' objects, dtype, device or shape
+        changed since it was made (_weights_key); whether it made one."""
+        key = _weights_key(params)
+        if self._weights is not None and key == self._key:
+            return False
+        self._weights, self._key = expert_weights(layer.experts, layer.config.hidden_size), key
+        return True
 
     @torch.no_grad()
     def refresh(self, layer) -> None:
@@ -189,10 +196,7 @@ class DecodeState:
         old stack must then be captured again)."""
         if self._weights is None:
             return
-        kind, params = _params_of(layer.experts)
-        key = _weights_key(params)
-        if key != self._key:
-            self._weights, self._key = expert_weights(layer.experts, layer.config.hidden_size), key
+        if self._restack_if_changed(layer, _params_of(layer.experts)[1]):
             return
         w1, w2 = expert_weights(layer.experts, layer.config.hidden_size)
         for kept, new in ((self._weights[0], w1), (self._weights[1], w2)):

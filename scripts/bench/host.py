@@ -32,6 +32,7 @@ import os
 import pstats
 import statistics
 import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -60,6 +61,9 @@ def parse(argv=None, description=None):
     p.add_argument("--impls", default=",".join(IMPLS), help=f"a comma list of {', '.join(IMPLS)} (default all)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="each op's N functions with the most host time, µs per call over 20 calls (default 0: none)")
+    p.add_argument("--phases", action="store_true",
+                   help="ours and deep_ep on the cuda backend: the steps of each one-crossing entry (notify_call, "
+                        "dispatch_call, combine_call), µs per call over 20 calls, from the extension's own clock")
     p.add_argument("--no-check-inputs", dest="check_inputs", action="store_false",
                    help="ours: Buffer(check_inputs=False) (the expert-id checks cost host syncs; DeepEP has none)")
     p.add_argument("--deepep-ll", action="store_true",
@@ -123,6 +127,27 @@ def profile_op(fn, top: int, device, calls: int = 20) -> str:
     return "\n".join(out) + "\n"
 
 
+def phases_op(fn, buf, device, calls: int = 20) -> Optional[str]:
+    """The steps of each one-crossing entry `calls` calls of `fn` made, µs per call, from the
+    extension's clock (megatron_ep.tracing.host_steps); None where nothing was timed (the torch
+    backend, the low-latency calls, DeepEP's own Buffer)."""
+    from megatron_ep import tracing
+
+    buf = getattr(buf, "runtime", buf)  # megatron_ep.deep_ep's Buffer: our Buffer inside
+    if not hasattr(buf, "_backend"):
+        return None
+    with tracing.host_steps(buf) as steps:
+        for _ in range(calls):
+            fn()
+    _sync(device)
+    out = []
+    for entry, d in steps.items():
+        n = d.pop("calls")
+        parts = ", ".join(f"{k} {v / n / 1e3:.1f}" for k, v in d.items())
+        out.append(f"{entry}: {n / calls:.1f} per call, {sum(d.values()) / n / 1e3:.1f} µs each: {parts}")
+    return "\n".join(out) + "\n" if out else None
+
+
 # ---------------------------------------------------------------------------------- the calls
 def ops_ours(a, T, device, x, idx, w):
     import megatron_ep as mep
@@ -145,6 +170,7 @@ def ops_ours(a, T, device, x, idx, w):
         ll_rows = rows_of(ll.x)
         fns["ll_dispatch"] = lambda: buf.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=T, use_fp8=True)
         fns["ll_combine"] = lambda: buf.low_latency_combine(ll_rows, idx, w, ll.handle)
+    fns["_buffer"] = buf
     return fns, buf.destroy
 
 
@@ -175,6 +201,7 @@ def ops_deep_ep(a, T, device, x, idx, w, module=None):
         ll_rows = rows_of(ll_x)
         fns["ll_dispatch"] = lambda: buf.low_latency_dispatch(x, idx, T, E, use_fp8=True)
         fns["ll_combine"] = lambda: buf.low_latency_combine(ll_rows, idx, w, ll_handle)
+    fns["_buffer"] = buf
     return fns, buf.destroy
 
 
@@ -201,6 +228,9 @@ def worker(rank, a, impl, port, queue):
                     text = profile_op(fns[op], a.profile, device)
                     if rank == 0:
                         res[(T, op, "profile")] = text
+                text = phases_op(fns[op], fns["_buffer"], device) if a.phases else None
+                if text and rank == 0:
+                    res[(T, op, "phases")] = text
             dist.barrier()
             close()
         queue.put((rank, res, None))
@@ -245,5 +275,5 @@ def main(a) -> int:
     for impl, res in results.items():
         for key, text in res.items():
             if len(key) == 3:
-                print(f"\n--- profile: {impl}, T={key[0]}, {key[1]} ---\n{text}")
+                print(f"\n--- {key[2]}: {impl}, T={key[0]}, {key[1]} ---\n{text}")
     return 1 if failed and not results else 0

@@ -18,10 +18,18 @@ from ...requests import CombineRequest, DispatchRequest
 
 class Path(ABC):
     @abstractmethod
+    def begin(self, call: P.Call) -> None:
+        """A call's entry check (errors reported since the last call)."""
+
+    @abstractmethod
+    def failed(self, call: P.Call, exc: BaseException) -> None:
+        """The call's host side raised `exc`: if peers may wait for this rank (`call.owes`),
+        publish the failure to them (the caller re-raises)."""
+
     def guard(self, call: P.Call) -> ContextManager[P.Call]:
-        """Around a call's whole host side: the entry check (errors reported since the last
-        call), and, if the host side raises while peers may wait for this rank (`call.owes`),
-        the failure's publication to them before it propagates."""
+        """Around a call's whole host side: begin, and on a failure (the entry check's too) its
+        publication before it propagates (protocol.guarded)."""
+        return P.guarded(self, call)
 
     @abstractmethod
     def check(self, call: Optional[P.Call] = None) -> None:

@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from ... import envs
 from ... import protocol as P
-from ...checks import FP8_BLOCK, fail
+from ...checks import FP8_BLOCK, IDS_CHECKED, check_topk_values, fail
 from ..hosts import host_names
 from ...requests import CombineRequest, DispatchRequest
 from ..runtime import CudaRuntime, largest
@@ -109,10 +109,15 @@ class InternodePath(NvshmemPath, NormalPath):
         self.staged = False  # every RDMA-domain transfer an NVSHMEM put from symmetric staging (set with the buffer)
         self.inner_seq = 0
         self.inner_of = -1  # the (outer) call whose in-node stage call was made last
-        self.num_blocks = rt.blocks(self.ext.INTERNODE_MAX_BLOCKS)
+        self._views, self._views_of = {}, None  # view()'s, and the buffer they point into
         if hints.get("max_tokens") and hints.get("hidden"):
             self._create(self._agree(self._need(hints["max_tokens"], hints["hidden"], hints.get("dtype_bytes", 2),
                                                 hints.get("combine_bytes", 2), hints.get("max_topk") or 8)))
+
+    @property
+    def num_blocks(self) -> int:
+        """The RDMA kernels' blocks: the runtime's SM budget at this launch (set_num_sms)."""
+        return self.rt.blocks(self.ext.INTERNODE_MAX_BLOCKS)
 
     @classmethod
     def open(cls, group, rank: int, num_ranks: int, ranks_per_node: int, hints: dict, num_sms: Optional[int],
@@ -178,18 +183,28 @@ class InternodePath(NvshmemPath, NormalPath):
 
     def close(self) -> None:
         """Collective: the RDMA buffer (see NvshmemPath.close), then the node's runtime."""
+        self._views, self._views_of = {}, None  # they point into the buffer
         super().close()
         self.rt.close()
 
     def view(self, section: str, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
-        nbytes = rows * cols * dtype.itemsize
-        return self.buf.view(self.plan[section], nbytes).view(dtype).view(rows, cols)
+        """`rows` x `cols` of `dtype` over a section of the RDMA buffer. The same views recur every
+        call: kept per buffer (a view is valid until the buffer it points into is closed or
+        replaced), so a call does not cross into C++ for them."""
+        if self._views_of is not self.buf or len(self._views) > 64:  # (token counts may vary call to call)
+            self._views, self._views_of = {}, self.buf
+        key = (section, rows, cols, dtype)
+        t = self._views.get(key)
+        if t is None:
+            t = self.buf.view(self.plan[section], rows * cols * dtype.itemsize).view(dtype).view(rows, cols)
+            self._views[key] = t
+        return t
 
     # ------------------------------------------------------------------------------ calls
-    def _enter(self, call: P.Call) -> None:
+    def begin(self, call: P.Call) -> None:
         # the in-node calls check and publish for themselves; the node's earlier reports first
         self.rt.check(call)
-        super()._enter(call)
+        super().begin(call)
 
     def synchronize(self) -> None:
         self.rt.stream.synchronize()
@@ -239,13 +254,17 @@ class InternodePath(NvshmemPath, NormalPath):
         handle, host_counts, num_worst_tokens = req.handle, req.host_counts, req.num_worst_tokens
         async_op, previous_event = req.async_op, req.previous_event
         data, scales, T, H, elem, _ = dispatch_rows(rt, x, topk_weights, num_experts)
-        fail(num_experts % N == 0, f"num_experts={num_experts} must be a multiple of the {N} nodes")
+        if num_experts % N != 0:
+            raise ValueError(f"num_experts={num_experts} must be a multiple of the {N} nodes")
         if handle is not None:
             st: InternodeState = handle.state
             K, topk_idx = handle.topk, handle.topk_idx
         else:
             K = topk_idx.shape[1]
-            fail(K <= P.MAX_TOPK, f"topk_idx has K={K}; the cuda backend takes at most {P.MAX_TOPK}")
+            if K > P.MAX_TOPK:
+                raise ValueError(f"topk_idx has K={K}; the cuda backend takes at most {P.MAX_TOPK}")
+            if req.check_ids == IDS_CHECKED:  # on the host (one sync): the in-node stage sees only the node-local ids
+                check_topk_values(topk_idx, num_experts, previous_event)
             topk_idx = topk_idx.contiguous().clone()
         if previous_event is not None and previous_event.event is not None:
             torch.cuda.current_stream(rt.device).wait_event(previous_event.event)
@@ -293,7 +312,7 @@ class InternodePath(NvshmemPath, NormalPath):
             inner = self.intra.dispatch(inner_call, DispatchRequest(
                 rows, local_idx if handle is None else None, fw, L_node, permute, expert_alignment,
                 handle.state.inner if handle is not None else None, host_counts=host_counts,
-                num_worst_tokens=num_worst_tokens, token_groups=N, fused=fused))
+                num_worst_tokens=num_worst_tokens, token_groups=N, fused=fused, rank_counts=req.rank_counts))
         if handle is None:
             with torch.cuda.stream(rt.stream):  # the in-node stage has read the receive area: free it
                 self.buf.release(0)
@@ -305,11 +324,13 @@ class InternodePath(NvshmemPath, NormalPath):
             handle = DispatchHandle(backend="cuda", num_ranks=self.num_ranks, rank=self.rank, num_experts=num_experts,
                                     num_tokens=T, topk=K, permute=permute, expert_alignment=expert_alignment,
                                     num_recv_rows=inner.handle.num_recv_rows, tokens_per_expert=inner.handle.tokens_per_expert,
-                                    topk_idx=topk_idx, num_worst_tokens=num_worst_tokens, state=st, call_seq=call.seq)
-        event = EventOverlap(torch.cuda.Event())
-        event.event.record(torch.cuda.current_stream(rt.device))
+                                    topk_idx=topk_idx, num_worst_tokens=num_worst_tokens, state=st, call_seq=call.seq,
+                                    # the in-node stage's rows are (source node, its rank of this
+                                    # rank's index): global source ranks, node-major
+                                    recv_rank_counts=inner.handle.recv_rank_counts,
+                                    recv_rank_prefix=inner.handle.recv_rank_prefix)
         out = DispatchOutput(inner.x, inner.topk_idx, inner.topk_weights, inner.row_expert, inner.tokens_per_expert, None,
-                             event=event if async_op else None, num_dropped=inner.num_dropped)
+                             event=_finished(rt.device) if async_op else None, num_dropped=inner.num_dropped)
         out.handle = handle
         out.tokens_per_expert_host = inner.tokens_per_expert_host
         return out
@@ -320,8 +341,9 @@ class InternodePath(NvshmemPath, NormalPath):
         x, handle, weights, async_op, previous_event = req.x, req.handle, req.weights, req.async_op, req.previous_event
         st: InternodeState = handle.state
         _, H, row_bytes = combine_rows(rt, x, weights)
-        fail(row_bytes <= self.cap["c_row"], f"combine: rows of {row_bytes} bytes exceed the "
-             f"{self.cap['c_row']} the internode buffer holds (Buffer(hidden=, combine_bytes=))")
+        if row_bytes > self.cap["c_row"]:
+            raise ValueError(f"combine: rows of {row_bytes} bytes exceed the "
+                             f"{self.cap['c_row']} the internode buffer holds (Buffer(hidden=, combine_bytes=))")
         if previous_event is not None and previous_event.event is not None:
             torch.cuda.current_stream(rt.device).wait_event(previous_event.event)
         T, K = handle.num_tokens, handle.topk
@@ -351,6 +373,12 @@ class InternodePath(NvshmemPath, NormalPath):
             self.intra.combine(inner_call, CombineRequest(x, st.inner, weights, fused=fused, out=out))
         rt.mark("rdma", cur)
         self.check(call)
-        event = EventOverlap(torch.cuda.Event())
-        event.event.record(torch.cuda.current_stream(rt.device))
-        return CombineOutput(y, w_out, event if async_op else None)
+        return CombineOutput(y, w_out, _finished(rt.device) if async_op else None)
+
+
+def _finished(device: torch.device) -> EventOverlap:
+    """An asynchronous call's event: recorded on the current stream, which the call joined (a
+    synchronous call makes none: creating and destroying a CUDA event costs host time)."""
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return EventOverlap(event)

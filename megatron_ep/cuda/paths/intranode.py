@@ -11,27 +11,28 @@ wait on next (`call.pending`).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import itertools
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 
 from ... import hooks
 from ... import protocol as P
-from ...checks import fail, is_fp8_tuple
+from ...checks import IDS_CHECKED, IDS_UNCHECKED, bad_slot_error, check_topk_values, fail, is_fp8_tuple
+from ...errors import PeerFailedError
 from ...permute import padded_host_counts
 from ...requests import CombineRequest, DispatchRequest
 from ..runtime import CudaRuntime
-from ...types import CombineOutput, DispatchHandle, DispatchOutput
+from ...types import CombineOutput, DispatchHandle, DispatchOutput, EventOverlap
 from .interface import NormalPath
 
-RI = P.RECV_INFO
 SLOT = P.SLOT
 
 
-@dataclass
+@dataclass(slots=True)
 class IntranodeState:
     rank_pos: torch.Tensor  # [T, R] int32: row of each token in each rank's rank-major output (-1: none)
     slot_pos: torch.Tensor  # [T, K] int32: row of each (token, slot) in its rank's expert-major output
@@ -43,9 +44,22 @@ class IntranodeState:
     num_perm_rows: Optional[int]  # M, when known on the host
     counts: Optional[List[int]]  # raw per-local-expert counts, when known on the host
     comb_map: Optional[torch.Tensor] = None  # expert-major: [>= N, K] int32 row of each (rank-major row, slot)
+    rank_counts: Optional[torch.Tensor] = None  # [groups * R, R] int32: tokens (group, rank s) sends to rank d (when asked)
+    rank_prefix: Optional[torch.Tensor] = None  # [groups * R, R] int32: its inclusive prefix over the rows
+    topk_idx: Optional[torch.Tensor] = None  # [T, K] int64: the routing (the handle's copy)
+    device_counts: Optional[torch.Tensor] = None  # [L + 1] int64: tokens_per_expert and num_dropped are its views
+    permute: bool = False
+    native: Any = None  # the same state as the one-crossing entries take it (native_state)
+    fitted: Optional[tuple] = None  # (hidden, element bytes) of a cached dispatch that fitted (the region only grows)
+
+    def __deepcopy__(self, memo):
+        """A copy replays the same routing: its tensors copied, its native binding made again from
+        them at its first use (a compiled object does not copy)."""
+        return type(self)(**{f.name: None if f.name == "native" else copy.deepcopy(getattr(self, f.name), memo)
+                             for f in dataclasses.fields(self)})
 
 
-@dataclass
+@dataclass(slots=True)
 class DispatchPlan:
     """What a dispatch decided before any kernel runs (IntranodePath._plan)."""
 
@@ -67,21 +81,20 @@ class DispatchPlan:
     need: dict  # the region's needs (hint keys) of this call
     first: bool  # a new routing: notify runs (else a cached dispatch on the handle's state)
     push: bool  # rows pushed into pooled outputs (else staged here and pulled by the receivers)
+    check_ids: bool = False  # notify checks the ids (range, repeats) and the host raises before rows move
+    rank_counts: bool = False  # notify writes every rank's tokens per destination (IntranodeState.rank_counts)
     fused: Optional[Callable] = None  # the internode path runs the push in its own kernel (DispatchRequest.fused)
 
 
-@dataclass
+@dataclass(slots=True)
 class DispatchTensors:
-    """A dispatch's outputs (IntranodePath._outputs)."""
+    """A dispatch's outputs (calls.h dispatch_call)."""
 
     x: torch.Tensor
     scales: Optional[torch.Tensor]
     topk_idx: Optional[torch.Tensor]  # rank-major only
     weights: Optional[torch.Tensor]
     row_expert: Optional[torch.Tensor]  # expert-major only
-    pooled: Optional[tuple]  # push: the pooled rank-major rows (the outputs, or the fan-out's source) and their offsets
-    offsets: list
-    hooked: bool  # an output hook ran on the caller's stream: the communication stream waits for it
 
 
 def dispatch_rows(rt: CudaRuntime, x, topk_weights, num_experts: int):
@@ -91,24 +104,32 @@ def dispatch_rows(rt: CudaRuntime, x, topk_weights, num_experts: int):
     T, H = data.shape
     elem = data.element_size()
     row_bytes = H * elem
-    fail(row_bytes % 16 == 0, f"dispatch: rows of {row_bytes} bytes; the cuda backend needs a multiple of 16 (hidden * element size)")
-    fail(data.device == rt.device, f"x is on {data.device}, the buffer on {rt.device}")
-    fail(num_experts <= P.MAX_EXPERTS, f"num_experts={num_experts} exceeds the cuda backend's {P.MAX_EXPERTS}")
+    if row_bytes % 16 != 0:
+        raise ValueError(f"dispatch: rows of {row_bytes} bytes; the cuda backend needs a multiple of 16 (hidden * element size)")
+    if data.device != rt.device:
+        raise ValueError(f"x is on {data.device}, the buffer on {rt.device}")
+    if num_experts > P.MAX_EXPERTS:
+        raise ValueError(f"num_experts={num_experts} exceeds the cuda backend's {P.MAX_EXPERTS}")
     if topk_weights is not None:
-        fail(topk_weights.dtype == torch.float32, f"topk_weights must be float32 for the cuda backend, got {topk_weights.dtype}", TypeError)
+        if topk_weights.dtype != torch.float32:
+            raise TypeError(f"topk_weights must be float32 for the cuda backend, got {topk_weights.dtype}")
     return data, scales, T, H, elem, row_bytes
 
 
 def combine_rows(rt: CudaRuntime, x, weights):
     """The cuda backend's own checks of a combine's inputs (Buffer checked the contract);
     returns (rows, H, row bytes). Whether the rows fit is each path's check (its buffer)."""
-    fail(x.dtype in (torch.bfloat16, torch.float32), f"the cuda backend combines bf16 or fp32 rows, got {x.dtype}", TypeError)
-    fail(x.device == rt.device, f"x is on {x.device}, the buffer on {rt.device}")
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"the cuda backend combines bf16 or fp32 rows, got {x.dtype}")
+    if x.device != rt.device:
+        raise ValueError(f"x is on {x.device}, the buffer on {rt.device}")
     rows, H = x.shape
     row_bytes = H * x.element_size()
-    fail(row_bytes % 16 == 0, f"combine: rows of {row_bytes} bytes; the cuda backend needs a multiple of 16 (hidden * element size)")
+    if row_bytes % 16 != 0:
+        raise ValueError(f"combine: rows of {row_bytes} bytes; the cuda backend needs a multiple of 16 (hidden * element size)")
     if weights is not None:
-        fail(weights.dtype == torch.float32, f"weights must be float32 for the cuda backend, got {weights.dtype}", TypeError)
+        if weights.dtype != torch.float32:
+            raise TypeError(f"weights must be float32 for the cuda backend, got {weights.dtype}")
     return rows, H, row_bytes
 
 
@@ -139,12 +160,11 @@ class IntranodePath(NormalPath):
         return f"cuda intranode, {rt.num_sms} SMs/rank, {rt.ranks_per_device} rank(s)/GPU, {size}"
 
     # ------------------------------------------------------------------------------ calls
-    @contextmanager
-    def guard(self, call: P.Call):
-        # the entry check inside the publication: a call that raises there still tells the peers
-        with self.rt.publishing(call):
-            self.rt.check(call)
-            yield call
+    def begin(self, call: P.Call) -> None:
+        self.rt.check(call)
+
+    def failed(self, call: P.Call, exc: BaseException) -> None:
+        self.rt.publish(call, exc)
 
     def check(self, call: Optional[P.Call] = None) -> None:
         self.rt.check(call)
@@ -158,40 +178,76 @@ class IntranodePath(NormalPath):
 
     # ------------------------------------------------------------------------------ dispatch
     def dispatch(self, call: P.Call, req: DispatchRequest) -> DispatchOutput:
-        """plan (every decision, before any kernel) -> notify (a new routing) -> outputs -> move
-        the rows (push [+ fan-out], or stage + pull) -> the caller's DispatchOutput."""
+        """plan (every decision, before any kernel) -> one crossing: a new routing's notify, the host
+        wait for its sizes and the rest (calls.h dispatch_first_call), or a cached dispatch's rest
+        (outputs, the rows moved: push [+ fan-out] or stage + pull, the counts, the event:
+        dispatch_call) -> the caller's DispatchOutput. A new routing takes two crossings where the
+        host must act between them (the region grows, or the call failed at notify's exchange),
+        or where it is worst-case sized (notify_call, then dispatch_call without a host wait)."""
         rt = self.rt
         plan = self._plan(call, req)
-        compute = rt.enter(req.previous_event)
-        if plan.first:
-            # the handle's own routing (the caller may reuse theirs), copied on our stream: given a
-            # previous_event, our stream waits for that event only, so a copy on the caller's
-            # stream (queued after the event) could still be unwritten when notify reads it
-            with torch.cuda.stream(rt.stream):
-                plan.topk_idx = plan.topk_idx.clone()
-        # what the caller gets back is allocated on its stream (see rt.leave); a cached dispatch
-        # returns copies of the counts its handle keeps (the caller's outputs are its own)
-        tpe = torch.empty(plan.L, dtype=torch.int64, device=rt.device)
-        dropped = torch.empty((), dtype=torch.int64, device=rt.device)
-        with torch.cuda.stream(rt.stream):
-            rt.mark("start", first=True)
-            st = self._notify(call, plan, tpe, dropped) if plan.first else req.handle.state
+        previous = _event(req.previous_event)
+        comb_rows = 0
+        event = torch.cuda.Event() if req.async_op else None  # (a synchronous call joins through the runtime's own)
+        # benchmarks' phase marks, in the order they are recorded: notify's first
+        notify_marks = rt.marks(("start", "notify"), first=True) if plan.first else None
+        marks = rt.marks(("push", "fanout" if plan.permute else None) if plan.push or plan.fused is not None
+                         else ("stage", "pull"))
+        zero_copy, scratch = self._placement(plan)
+        if plan.first and not plan.num_worst_tokens:
+            # the region fits the call's needs but its counts (a plan remembered per need), so the
+            # extension needs to compare only the counts notify learns
+            fits = rt.fits(dict(plan.need, max_tokens=0, combine_rows=0)) is None
+            tag = next(self.tags)
+            try:
+                status, notified, res = call.sends(
+                    self.kernels.dispatch_first_call, rt=rt.rt, sig=call.sig, topk_idx=plan.topk_idx,
+                    num_experts=plan.num_experts, expert_alignment=plan.expert_alignment, permute=plan.permute,
+                    token_groups=plan.groups, check_ids=plan.check_ids, rank_counts=plan.rank_counts, tag=tag,
+                    previous_event=previous, notify_marks=notify_marks, wait_s=rt.host_wait_s, fits=fits, x=plan.data,
+                    scales=plan.scales, topk_weights=plan.topk_weights, push=plan.push, scratch=scratch,
+                    zero_copy=zero_copy, event=event, async_op=req.async_op, hook=hooks.current(), marks=marks,
+                    num_blocks=rt.num_sms, push_blocks=rt.push_sms, local_blocks=rt.local_sms)
+            except BaseException:
+                if rt.rt.notified_tag() == tag:  # raised past notify: the peers wait at the rows' first handshake
+                    call.owe(P.Pending.OUT_LOC if plan.push else P.Pending.STAGED)
+                raise
+            # (status 0: the rows moved in the same crossing, so nothing is owed after it)
+            st, comb_rows = self._notified(call, plan, notified, grow=status == 1, owed=status != 0)
+            if status == 0:
+                return self._dispatched(call, req, plan, st, res, event)
+            previous = None  # the streams are ordered: the call was entered
+            zero_copy, scratch = self._placement(plan)  # the region may have grown: decided again
+        elif plan.first:
+            st, comb_rows = self._notify(call, plan, previous, notify_marks, req.async_op)
+            previous = None  # the streams are ordered: notify_call entered the call
+        else:
+            st = req.handle.state
         out_rows = plan.num_worst_tokens or (st.num_perm_rows if plan.permute else st.num_rows)
-        with torch.cuda.stream(compute):  # outputs live on the caller's stream (record_stream ties them to ours when async)
-            out = self._outputs(plan, st, out_rows, compute)
-        with torch.cuda.stream(rt.stream):
-            if out.hooked:
-                rt.stream.wait_stream(compute)
-            self._move(call, plan, st, out, out_rows)
-            if plan.first:  # the handle keeps its own counts (the pull may have written tpe)
-                st.tokens_per_expert, st.num_dropped = tpe.clone(), dropped.clone()
-            else:  # same routing, same rows
-                tpe.copy_(st.tokens_per_expert)
-                dropped.copy_(st.num_dropped)
-        event = rt.leave(compute, [plan.data, plan.scales, plan.topk_idx, plan.topk_weights, st.rank_pos, st.slot_pos,
-                                   st.recv_info, st.row_limits, st.comb_map, out.x, out.scales, out.topk_idx,
-                                   out.weights, out.row_expert, tpe, dropped], req.async_op)
-        return self._result(call, req, plan, st, out, out_rows, tpe, dropped, event)
+        res = call.sends(self.kernels.dispatch_call, rt=rt.rt, state=native_state(self.kernels, st, plan.num_experts),
+                         sig=call.sig, first=plan.first, x=plan.data, scales=plan.scales, topk_weights=plan.topk_weights,
+                         push=plan.push, scratch=scratch, zero_copy=zero_copy, out_rows=out_rows,
+                         num_worst_tokens=plan.num_worst_tokens, comb_rows=comb_rows, previous_event=previous, event=event,
+                         async_op=req.async_op, hook=hooks.current(), fused=plan.fused, marks=marks,
+                         num_blocks=rt.num_sms, push_blocks=rt.push_sms, local_blocks=rt.local_sms)
+        return self._dispatched(call, req, plan, st, res, event)
+
+    def _placement(self, plan: "DispatchPlan") -> tuple:
+        """(zero_copy: the rows already lie in this region's staging, scratch: the expert-major push
+        may use the combine area as its rank-major buffer), for the region as it is now."""
+        rt = self.rt
+        return (plan.data.data_ptr() == rt.base + rt.plan.stage_x,
+                plan.push and plan.permute and rt.scratch_free())
+
+    def _dispatched(self, call: P.Call, req: DispatchRequest, plan: "DispatchPlan", st: IntranodeState, res: tuple,
+                    event) -> DispatchOutput:
+        """The caller's DispatchOutput from what dispatch_call (or the second half of
+        dispatch_first_call) returned."""
+        out = DispatchTensors(*res[:5])
+        tpe, dropped, st.device_counts, st.tokens_per_expert, st.num_dropped, st.comb_map = res[5:]
+        out_rows = plan.num_worst_tokens or (st.num_perm_rows if plan.permute else st.num_rows)
+        return self._result(call, req, plan, st, out, out_rows, tpe, dropped,
+                            EventOverlap(event) if event is not None else None)
 
     def _plan(self, call: P.Call, req: DispatchRequest) -> "DispatchPlan":
         """The cuda checks of the inputs, the first call's sizing, whether the call fits as the
@@ -200,14 +256,18 @@ class IntranodePath(NormalPath):
         num_experts, handle, num_worst_tokens = req.num_experts, req.handle, req.num_worst_tokens
         data, scales, T, H, elem, row_bytes = dispatch_rows(rt, req.x, req.topk_weights, num_experts)
         groups = req.token_groups
-        fail(1 <= groups <= P.MAX_TOKEN_GROUPS, f"token_groups={groups} outside 1..{P.MAX_TOKEN_GROUPS}")
-        fail(T % groups == 0, f"{T} tokens are not {groups} equal token groups")
-        fail(groups * num_experts <= P.MAX_EXPERTS, f"{groups} token groups of {num_experts} experts exceed the "
-             f"notify counts' {P.MAX_EXPERTS}")
+        if not (1 <= groups <= P.MAX_TOKEN_GROUPS):
+            raise ValueError(f"token_groups={groups} outside 1..{P.MAX_TOKEN_GROUPS}")
+        if T % groups != 0:
+            raise ValueError(f"{T} tokens are not {groups} equal token groups")
+        if groups * num_experts > P.MAX_EXPERTS:
+            raise ValueError(f"{groups} token groups of {num_experts} experts exceed the "
+                             f"notify counts' {P.MAX_EXPERTS}")
         if handle is None:
             K = req.topk_idx.shape[1]
-            fail(K <= P.MAX_TOPK, f"topk_idx has K={K}; the cuda backend takes at most {P.MAX_TOPK}")
-            topk_idx = req.topk_idx  # the handle keeps its own copy, made in dispatch() after rt.enter
+            if K > P.MAX_TOPK:
+                raise ValueError(f"topk_idx has K={K}; the cuda backend takes at most {P.MAX_TOPK}")
+            topk_idx = req.topk_idx  # the handle keeps its own copy, made by notify_call
         else:
             K, topk_idx = handle.topk, handle.topk_idx
         need = dict(max_tokens=T, hidden=H, dtype_bytes=elem, combine_bytes=max(2, elem), max_topk=K,
@@ -219,171 +279,123 @@ class IntranodePath(NormalPath):
             fail(not capturing, "the first call of a cuda Buffer without sizing hints "
                  "cannot be captured in a CUDA graph (it allocates); run one call before capturing", RuntimeError)
             rt.first_use_in(call, need)
-        if num_worst_tokens or capturing or handle is not None:  # nothing can grow without the host sync: it must fit now
+        if handle is not None and handle.state.fitted == (H, elem):
+            pass  # rows this wide fitted along this routing before, and the region only grows
+        elif num_worst_tokens or capturing or handle is not None:  # nothing can grow without the host sync: it must fit now
             short = rt.fits({k: v for k, v in need.items() if k != "combine_rows" or num_worst_tokens})
-            fail(short is None, f"dispatch does not fit the buffer ({short}) and a "
-                 f"{'cached' if handle is not None else 'worst-case sized'} dispatch cannot grow it (no host sync): create "
-                 f"the Buffer with max_tokens_per_rank=, hidden=, combine_rows= large enough, or run one ordinary dispatch first")
+            if short is not None:
+                raise ValueError(f"dispatch does not fit the buffer ({short}) and a "
+                                 f"{'cached' if handle is not None else 'worst-case sized'} dispatch cannot grow it (no host sync): create "
+                                 f"the Buffer with max_tokens_per_rank=, hidden=, combine_rows= large enough, or run one ordinary dispatch first")
+            if handle is not None:
+                handle.state.fitted = (H, elem)
         # rows are pushed straight into pooled rank-major buffers when every rank has room: the
         # outputs themselves (rank-major), or what the fan-out spreads into expert segments
         push = (req.permute or not num_worst_tokens) and rt.plan.pool_bytes > 0 and not capturing
         fail(req.fused is None or handle is not None, "a fused in-node dispatch needs a handle (cached dispatch)", RuntimeError)
-        call.set(variant=int(push))
+        # the ids' check rides on notify where the host waits for its sizes anyway; a sync-free
+        # dispatch has no such wait, so it checks on the host (one sync) before any kernel
+        check_on_device = req.check_ids != IDS_UNCHECKED and not num_worst_tokens and not capturing
+        if req.check_ids == IDS_CHECKED and not check_on_device:
+            check_topk_values(req.topk_idx, num_experts, req.previous_event)
+        call.set_variant(int(push))
         return DispatchPlan(data=data, scales=scales, topk_idx=topk_idx, topk_weights=req.topk_weights,
                             num_experts=num_experts, permute=req.permute, expert_alignment=req.expert_alignment,
                             num_worst_tokens=num_worst_tokens, groups=groups, T=T, H=H, K=K,
                             L=num_experts // rt.num_ranks, row_bytes=row_bytes,
                             scale_cols=scales.shape[1] if scales is not None else 0, need=need,
-                            first=handle is None, push=push, fused=req.fused)
+                            first=handle is None, push=push, check_ids=check_on_device, rank_counts=req.rank_counts,
+                            fused=req.fused)
 
-    def _notify(self, call: P.Call, plan: "DispatchPlan", tpe: torch.Tensor, dropped: torch.Tensor) -> IntranodeState:
-        """A new routing's counts, exchange and row positions; unless sync-free, the host reads
-        the sizes and the region grows if any rank needs more. After it the peers wait for this
-        rank at the rows' first handshake (the push's output locations, or the staging)."""
-        rt, R, T, K = self.rt, self.rt.num_ranks, plan.T, plan.K
-        st = IntranodeState(
-            rank_pos=torch.empty((T, R), dtype=torch.int32, device=rt.device),
-            slot_pos=torch.empty((T, K), dtype=torch.int32, device=rt.device),
-            recv_info=torch.empty(RI["header"] + 3 * plan.L, dtype=torch.int32, device=rt.device),
-            row_limits=torch.empty(R, dtype=torch.int32, device=rt.device),
-            tokens_per_expert=tpe, num_dropped=dropped, num_rows=None, num_perm_rows=None, counts=None)
+    def _notify(self, call: P.Call, plan: "DispatchPlan", previous, marks, async_op: bool) -> tuple:
+        """A worst-case sized routing's counts, exchange and row positions (one crossing: calls.h
+        notify_call, which also enters the call's streams), without a host wait. Returns what
+        _notified does."""
+        rt = self.rt
+        notified = call.sends(
+            self.kernels.notify_call, rt=rt.rt, sig=call.sig, topk_idx=plan.topk_idx, num_experts=plan.num_experts,
+            expert_alignment=plan.expert_alignment, permute=plan.permute, num_worst_tokens=plan.num_worst_tokens,
+            token_groups=plan.groups, check_ids=plan.check_ids, rank_counts=plan.rank_counts, tag=next(self.tags),
+            previous_event=previous, marks=marks, wait_s=-1.0, async_op=async_op)
+        return self._notified(call, plan, notified, grow=False, owed=True)
+
+    def _notified(self, call: P.Call, plan: "DispatchPlan", notified: tuple, grow: bool, owed: bool) -> tuple:
+        """The handle's state from notify's outputs (notify_call's tuple); unless sync-free, the
+        sizes the host waited for, or the call's error, and -- `grow`: the rows are not moved yet --
+        the region grown if any rank needs more. `owed` (the rows are not moved yet): after it the
+        peers wait for this rank at the rows' first handshake (the push's output locations, or the
+        staging). Returns the handle's state and the rows of its combine map (expert-major)."""
+        rt = self.rt
+        (idx, rank_pos, slot_pos, recv_info, row_limits, counts, tpe, dropped, rank_counts, rank_prefix, waited, sizes,
+         native) = notified
+        plan.topk_idx = idx
+        st = IntranodeState(topk_idx=idx, permute=plan.permute, rank_pos=rank_pos, slot_pos=slot_pos,
+                            recv_info=recv_info, row_limits=row_limits, tokens_per_expert=tpe, num_dropped=dropped,
+                            num_rows=None, num_perm_rows=None, counts=None, rank_counts=rank_counts,
+                            rank_prefix=rank_prefix, device_counts=counts, native=native)
         rows_bound = max_rank_major_rows(rt)  # the host learns N below unless sync-free
-        tag = next(self.tags)
-        call.sends(self.kernels.notify, rt=rt.rt, sig=call.sig, topk_idx=plan.topk_idx, num_experts=plan.num_experts,
-                   expert_alignment=plan.expert_alignment, permute=plan.permute, num_worst_tokens=plan.num_worst_tokens,
-                   rank_pos=st.rank_pos, slot_pos=st.slot_pos, recv_info=st.recv_info, row_limits=st.row_limits,
-                   tokens_per_expert=tpe, num_dropped=dropped, tag=tag, token_groups=plan.groups)
-        rt.mark("notify")
         if not plan.num_worst_tokens:
-            info = rt.wait_host(call, tag, plan.L)
+            try:
+                info = rt.host_sizes(call, waited, sizes)
+            except PeerFailedError:
+                # ids notify found bad here (check_ids) failed this rank's record at the exchange, so
+                # every rank aborted the call (the peers raise PeerFailedError): this rank says why
+                bad = rt.rt.host_counts(0)["bad_slot"] if plan.check_ids else -1
+                if bad >= 0:
+                    raise bad_slot_error(plan.topk_idx, bad, plan.num_experts) from None
+                raise
             st.num_rows, st.num_perm_rows, st.counts = info["num_rows"], info["num_perm_rows"], info["counts"]
-            rt.grow_if_needed(dict(plan.need, max_tokens=info["need_tokens"],
-                                   combine_rows=info["need_perm_rows"] if plan.permute else info["need_rows"]))
+            if grow:
+                rt.grow_if_needed(dict(plan.need, max_tokens=info["need_tokens"],
+                                       combine_rows=info["need_perm_rows"] if plan.permute else info["need_rows"]))
             rows_bound = st.num_rows
-        if plan.permute:
-            st.comb_map = torch.empty((rows_bound, K), dtype=torch.int32, device=rt.device)
-        call.owe(P.Pending.OUT_LOC if plan.push else P.Pending.STAGED)
-        return st
-
-    def _outputs(self, plan: "DispatchPlan", st: IntranodeState, out_rows: int, compute) -> "DispatchTensors":
-        """The call's output tensors on the caller's stream: pooled rank-major rows when pushing
-        (the outputs themselves, or the fan-out's source), else new tensors."""
-        rt, H, K, has_w = self.rt, plan.H, plan.K, plan.topk_weights is not None
-        dtype, row_bytes, scale_cols = plan.data.dtype, plan.row_bytes, plan.scale_cols
-        pooled = None
-        if plan.push and plan.permute:  # a rank-major buffer for the fan-out (N rows, or the bound)
-            rows = max(1, st.comb_map.shape[0])
-            pooled = (rt.comb_scratch(rows, H, dtype, row_bytes, scale_cols, K, has_w)
-                      or rt.rt.pool_rank_major(rows, H, dtype, row_bytes, scale_cols, K, has_w,
-                                               compute.cuda_stream, True, rt.stream.cuda_stream))
-        elif plan.push:
-            # the block's first writer waits for its last use: the push kernel (communication
-            # stream; the peers wait for its start), or an output hook (this stream) before it
-            first_writer = compute if hooks.active() else rt.stream
-            pooled = rt.rt.pool_rank_major(out_rows, H, dtype, row_bytes, scale_cols, K, has_w, compute.cuda_stream,
-                                           False, first_writer.cuda_stream)
-        if pooled is not None and not plan.permute:
-            x, scales, idx, w = pooled[:4]
-        else:
-            x = torch.empty((out_rows, H), dtype=dtype, device=rt.device)
-            scales = (torch.empty((out_rows, scale_cols), dtype=torch.float32, device=rt.device)
-                      if plan.scales is not None else None)
-            idx = None if plan.permute else torch.empty((out_rows, K), dtype=torch.int64, device=rt.device)
-            w = (torch.empty((out_rows,) if plan.permute else (out_rows, K), dtype=torch.float32, device=rt.device)
-                 if has_w else None)
-        row_expert = torch.empty(out_rows, dtype=torch.int32, device=rt.device) if plan.permute else None
-        hooked = rt.new_outputs((x, scales, idx, w, row_expert))
-        return DispatchTensors(x, scales, idx, w, row_expert, pooled=pooled,
-                               offsets=list(pooled[4:]) if pooled is not None else [-1, -1, -1, -1], hooked=hooked)
-
-    def _move(self, call: P.Call, plan: "DispatchPlan", st: IntranodeState, out: "DispatchTensors", out_rows: int) -> None:
-        """The rows, on the communication stream: push (+ fan-out into expert segments), or
-        stage + pull. The first exchange of a cached dispatch is its stage (or push); after
-        notify, the next handshake. Outputs were allocated first: a failure there is published
-        before this rank signals anything, so the peers abort at the handshake they wait on."""
-        rt, K, E, has_w = self.rt, plan.K, plan.num_experts, plan.topk_weights is not None
-        slot = SLOT["call"] if not plan.first else (SLOT["out_loc"] if plan.push else SLOT["staged"])
-        if plan.fused is not None:
-            # the push's launch record for the internode path's fused dispatch; where the outputs
-            # are not pooled (no push) the same kernel stages and pulls (offsets -1)
-            rec = self.kernels.push_record(rt=rt.rt, sig=call.sig, slot=slot, x=plan.data, num_tokens=plan.T,
-                                           row_bytes=plan.row_bytes, scales=plan.scales, scale_cols=plan.scale_cols,
-                                           topk_idx=plan.topk_idx, topk_weights=plan.topk_weights, rank_pos=st.rank_pos,
-                                           slot_pos=st.slot_pos, num_experts=E, out_rows=out_rows, permute=plan.permute,
-                                           recv_info=st.recv_info, out_x=out.x, out_scales=out.scales,
-                                           out_topk_idx=out.topk_idx, out_weights=out.weights,
-                                           out_row_expert=out.row_expert, comb_map=st.comb_map, offsets=out.offsets)
-            call.sends(plan.fused, rec)
-        elif plan.push:
-            call.sends(self.kernels.dispatch_push, rt=rt.rt, sig=call.sig, slot=slot, x=plan.data, num_tokens=plan.T,
-                       row_bytes=plan.row_bytes, scales=plan.scales, scale_cols=plan.scale_cols, topk_idx=plan.topk_idx,
-                       topk_weights=plan.topk_weights, rank_pos=st.rank_pos, slot_pos=st.slot_pos, num_experts=E,
-                       out_rows=out_rows, permute=plan.permute, recv_info=st.recv_info, out_x=out.x,
-                       out_scales=out.scales, out_topk_idx=out.topk_idx, out_weights=out.weights,
-                       out_row_expert=out.row_expert, comb_map=st.comb_map, offsets=out.offsets, num_blocks=rt.push_sms)
-        if plan.push or plan.fused is not None:
-            rt.mark("push")
-            if plan.permute:
-                if out.pooled is not None:
-                    p = out.pooled
-                    self.kernels.fanout(rt=rt.rt, sig=call.sig, x=p[0], scales=p[1], topk_idx=p[2], topk_weights=p[3],
-                                        row_bytes=plan.row_bytes, scale_cols=plan.scale_cols, topk=K, num_experts=E,
-                                        has_weights=has_w, out_rows=out_rows, recv_info=st.recv_info, out_x=out.x,
-                                        out_scales=out.scales, out_weights=out.weights, out_row_expert=out.row_expert,
-                                        comb_map=st.comb_map, num_blocks=rt.local_sms)
-                rt.mark("fanout")
-                out.pooled = None  # the buffer goes back to the pool once the fan-out ran (stream-ordered)
-            return
-        zero_copy = plan.data.data_ptr() == rt.base + rt.plan.stage_x
-        call.sends(self.kernels.stage, rt=rt.rt, sig=call.sig, slot=slot, x=None if zero_copy else plan.data,
-                   num_tokens=plan.T, row_bytes=plan.row_bytes, scales=plan.scales, scale_cols=plan.scale_cols,
-                   topk_idx=plan.topk_idx, topk_weights=plan.topk_weights, rank_pos=st.rank_pos, slot_pos=st.slot_pos,
-                   num_blocks=rt.num_sms)
-        rt.mark("stage")
-        # rank-major, worst-case sized: the pull counts the rows it delivers (notify zeroed tpe)
-        count_rows = plan.first and bool(plan.num_worst_tokens) and not plan.permute
-        self.kernels.dispatch(rt=rt.rt, sig=call.sig, slot=slot, row_bytes=plan.row_bytes, scale_cols=plan.scale_cols,
-                              topk=K, num_experts=E, permute=plan.permute, has_weights=has_w, out_rows=out_rows,
-                              recv_info=st.recv_info, out_x=out.x, out_scales=out.scales, out_topk_idx=out.topk_idx,
-                              out_weights=out.weights, out_row_expert=out.row_expert,
-                              out_tokens_per_expert=st.tokens_per_expert if count_rows else None, comb_map=st.comb_map,
-                              num_blocks=rt.num_sms)
-        rt.mark("pull")
+        if owed:
+            call.owe(P.Pending.OUT_LOC if plan.push else P.Pending.STAGED)
+        return st, (rows_bound if plan.permute else 0)
 
     def _result(self, call: P.Call, req: DispatchRequest, plan: "DispatchPlan", st: IntranodeState,
                 out: "DispatchTensors", out_rows: int, tpe, dropped, event) -> DispatchOutput:
         res = DispatchOutput((out.x, out.scales) if plan.scales is not None else out.x, out.topk_idx, out.weights,
-                             out.row_expert, tpe, None, event=event if req.async_op else None, num_dropped=dropped)
+                             out.row_expert, tpe, None, event=event, num_dropped=dropped)
         handle = req.handle
         if plan.first:
             handle = DispatchHandle(backend="cuda", num_ranks=self.rt.num_ranks, rank=self.rt.rank,
                                     num_experts=plan.num_experts, num_tokens=plan.T, topk=plan.K, permute=plan.permute,
                                     expert_alignment=plan.expert_alignment, num_recv_rows=out_rows,
                                     tokens_per_expert=st.tokens_per_expert, topk_idx=plan.topk_idx,
-                                    num_worst_tokens=plan.num_worst_tokens, state=st, call_seq=call.seq)
+                                    num_worst_tokens=plan.num_worst_tokens, state=st, call_seq=call.seq,
+                                    rank_counts=st.rank_counts if plan.groups == 1 else None,
+                                    recv_rank_counts=None if st.rank_counts is None else st.rank_counts[:, self.rt.rank],
+                                    rank_prefix=st.rank_prefix if plan.groups == 1 else None,
+                                    recv_rank_prefix=None if st.rank_prefix is None else st.rank_prefix[:, self.rt.rank])
         res.handle = handle
         if req.host_counts:
             if st.counts is not None and not plan.num_worst_tokens:
                 res.tokens_per_expert_host = (padded_host_counts(st.counts, plan.expert_alignment) if plan.permute
                                               else list(st.counts))
             else:
-                event.synchronize()  # an asynchronous call's counts are written on our stream
+                if event is not None:
+                    event.synchronize()  # an asynchronous call's counts are written on our stream
                 res.tokens_per_expert_host = tpe.tolist()
         return res
 
     # ------------------------------------------------------------------------------- combine
     def combine(self, call: P.Call, req: CombineRequest) -> CombineOutput:
+        """The checks and decisions here, then one crossing (calls.h combine_call): y on the
+        caller's stream; on ours the staging and the pull-and-sum in one launch, or the
+        expert-major pre-reduction and the partials' sum."""
         rt = self.rt
-        x, handle, weights, async_op, previous_event = req.x, req.handle, req.weights, req.async_op, req.previous_event
+        x, handle, weights = req.x, req.handle, req.weights
         st: IntranodeState = handle.state
         rows, H, row_bytes = combine_rows(rt, x, weights)
-        fail(row_bytes <= rt.plan.comb_row_bytes, f"combine: rows of {row_bytes} bytes exceed the {rt.plan.comb_row_bytes} "
-             f"bytes the buffer holds (combine rows wider than any dispatch so far: create the Buffer with hidden= and "
-             f"combine_bytes={x.element_size()})")
-        fail(rows <= rt.plan.comb_rows, f"combine input has {rows} rows; the buffer's combine area holds {rt.plan.comb_rows} "
-             f"(Buffer(combine_rows=...))")
-        T, K = handle.num_tokens, handle.topk
-        w_cols = 1 if handle.permute else K
+        if row_bytes > rt.plan.comb_row_bytes:
+            raise ValueError(f"combine: rows of {row_bytes} bytes exceed the {rt.plan.comb_row_bytes} "
+                             f"bytes the buffer holds (combine rows wider than any dispatch so far: create the Buffer with hidden= and "
+                             f"combine_bytes={x.element_size()})")
+        if rows > rt.plan.comb_rows:
+            raise ValueError(f"combine input has {rows} rows; the buffer's combine area holds {rt.plan.comb_rows} "
+                             f"(Buffer(combine_rows=...))")
+        T = handle.num_tokens
         zero_copy = x.data_ptr() == rt.base + rt.plan.comb_x
         # expert-major: sum each token's rows per rank locally first, so one fp32 row per
         # (token, rank) crosses the link instead of one per (token, expert). Needs the dispatch's
@@ -392,46 +404,33 @@ class IntranodePath(NormalPath):
         # and the signature's variant turns that disagreement into CallMismatchError.
         partials = (handle.permute and st.comb_map is not None and not zero_copy
                     and max_rank_major_rows(rt) * H * 4 <= rt.plan.comb_rows * rt.plan.comb_row_bytes)
-        call.set(variant=int(partials))
-        compute = rt.enter(previous_event)
-        with torch.cuda.stream(compute):
-            if req.out is not None:
-                y, w_out = req.out
-                fail(tuple(y.shape) == (T, H) and y.dtype == x.dtype and (w_out is None) == (weights is None),
-                     "combine: the given outputs do not match the call", RuntimeError)
-            else:
-                y = torch.empty((T, H), dtype=x.dtype, device=rt.device)
-                w_out = torch.empty((T, K), dtype=torch.float32, device=rt.device) if weights is not None else None
-            hooked = rt.new_outputs((y, w_out))
-        with torch.cuda.stream(rt.stream):
-            if hooked:
-                rt.stream.wait_stream(compute)
-            rt.mark("start", first=True)
-            if req.fused is not None:
-                # the whole in-node combine as one launch record, for the internode path's fused combine
-                rec = self.kernels.combine_record(
-                    rt=rt.rt, sig=call.sig, x=None if zero_copy else x, rows=rows, row_bytes=row_bytes, weights=weights,
-                    weight_cols=w_cols, partials=partials, comb_map=st.comb_map, recv_info=st.recv_info, num_tokens=T,
-                    hidden=H, topk=K, num_experts=handle.num_experts, permute=handle.permute,
-                    is_fp32=x.dtype == torch.float32, has_weights=weights is not None, row_limits=st.row_limits,
-                    topk_idx=handle.topk_idx, rank_pos=st.rank_pos, slot_pos=st.slot_pos, y=y, out_weights=w_out)
-                call.sends(req.fused, rec, y, w_out)
-            elif partials:
-                call.sends(self.kernels.combine_reduce, rt=rt.rt, sig=call.sig, x=x, rows=rows, hidden=H,
-                           is_fp32=x.dtype == torch.float32, comb_map=st.comb_map, recv_info=st.recv_info, weights=weights,
-                           num_blocks=rt.local_sms)
-            else:
-                call.sends(self.kernels.stage_combine, rt=rt.rt, sig=call.sig, x=None if zero_copy else x, rows=rows,
-                           row_bytes=row_bytes, weights=weights, weight_cols=w_cols, num_blocks=rt.num_sms)
-            if req.fused is None:
-                rt.mark("reduce" if partials else "stage")
-                self.kernels.combine(rt=rt.rt, sig=call.sig, num_tokens=T, hidden=H, topk=K,
-                                     num_experts=handle.num_experts, permute=handle.permute,
-                                     is_fp32=x.dtype == torch.float32, has_weights=weights is not None,
-                                     partials=partials, row_limits=st.row_limits, topk_idx=handle.topk_idx,
-                                     rank_pos=st.rank_pos, slot_pos=st.slot_pos, y=y, out_weights=w_out,
-                                     num_blocks=rt.num_sms)
-            rt.mark("pull")
-        event = rt.leave(compute, [x, weights, y, w_out, handle.topk_idx, st.rank_pos, st.slot_pos, st.row_limits,
-                                   st.comb_map, st.recv_info], async_op)
-        return CombineOutput(y, w_out, event if async_op else None)
+        call.set_variant(int(partials))
+        y = w_out = None
+        if req.out is not None:
+            y, w_out = req.out
+            fail(tuple(y.shape) == (T, H) and y.dtype == x.dtype and (w_out is None) == (weights is None),
+                 "combine: the given outputs do not match the call", RuntimeError)
+        event = torch.cuda.Event() if req.async_op else None  # (a synchronous call joins through the runtime's own)
+        # (the staging runs in the pull's launch: its time is the pull's; the pre-reduction has its own)
+        marks = rt.marks(("start", "reduce" if partials and req.fused is None else None, "pull"), first=True)
+        y, w_out = call.sends(self.kernels.combine_call, rt=rt.rt, state=native_state(self.kernels, st, handle.num_experts),
+                              sig=call.sig, x=x, weights=weights, partials=partials, zero_copy=zero_copy, out=y,
+                              out_weights=w_out, previous_event=_event(req.previous_event), event=event,
+                              async_op=req.async_op, hook=hooks.current(), fused=req.fused, marks=marks,
+                              num_blocks=rt.num_sms, local_blocks=rt.local_sms)
+        return CombineOutput(y, w_out, EventOverlap(event) if event is not None else None)
+
+
+def _event(ev: Optional[EventOverlap]):
+    """The torch.cuda.Event an EventOverlap holds, or None."""
+    return None if ev is None else ev.event
+
+
+def native_state(kernels, st: IntranodeState, num_experts: int):
+    """The handle's state as the one-crossing entries take it (calls.h HandleState), bound at the
+    first call that needs it and kept: its counts follow the handle's."""
+    if st.native is None:
+        st.native = kernels.HandleState(topk_idx=st.topk_idx, rank_pos=st.rank_pos, slot_pos=st.slot_pos,
+                                        recv_info=st.recv_info, row_limits=st.row_limits, counts=st.device_counts,
+                                        comb_map=st.comb_map, num_experts=num_experts, permute=st.permute)
+    return st.native

@@ -41,10 +41,10 @@ from typing import Callable, List, Optional
 
 import torch
 
+from ... import hooks
 from ... import protocol as P
 from ..extension import load_nvshmem
-from ...checks import FP8_BLOCK, FP8_DTYPE, MAX_LOW_LATENCY_BYTES, fail, tensor_version
-from ...fp8 import UE8M0_PACK
+from ...checks import FP8_BLOCK, MAX_LOW_LATENCY_BYTES, fail, tensor_version
 from ...types import LowLatencyDispatchOutput, LowLatencyHandle
 from .nvshmem_path import NvshmemPath, signature_hash
 
@@ -59,7 +59,7 @@ def buffer_bytes(num_ranks: int, num_experts: int, max_tokens_per_rank: int, hid
     return int(load_nvshmem().plan(num_ranks, num_experts, max_tokens_per_rank, hidden, topk, use_fp8)["total"])
 
 
-@dataclass
+@dataclass(slots=True)
 class _LLState:
     src_slot: torch.Tensor  # [L, cap] int32: top-k slot of each row's token (its combine return slot)
     set: int
@@ -112,13 +112,14 @@ class LowLatencyPath(NvshmemPath):
         if capacity is not None:
             capacity = dict(capacity)
             unknown = sorted(set(capacity) - set(_DEFAULTS) - set(_MASK_OPTIONS))
-            fail(not unknown, f"low_latency=dict(...) takes {sorted(_DEFAULTS) + sorted(_MASK_OPTIONS)}, got unknown keys "
-                              f"{unknown}", TypeError)
+            if unknown:
+                raise TypeError(f"low_latency=dict(...) takes {sorted(_DEFAULTS) + sorted(_MASK_OPTIONS)}, got unknown keys "
+                                f"{unknown}")
             self.rank_mask = bool(capacity.pop("rank_mask", False))
             mask_timeout = capacity.pop("mask_timeout_s", None)
             if mask_timeout is not None:
-                fail(isinstance(mask_timeout, (int, float)) and mask_timeout > 0,
-                     f"mask_timeout_s must be a positive number of seconds, got {mask_timeout!r}")
+                if not (isinstance(mask_timeout, (int, float)) and mask_timeout > 0):
+                    raise ValueError(f"mask_timeout_s must be a positive number of seconds, got {mask_timeout!r}")
                 fail(self.rank_mask, "mask_timeout_s needs rank_mask=True")
                 self.mask_timeout_s = float(mask_timeout)
             self._create(self._agree({**_DEFAULTS, **capacity, "rank_mask": self.rank_mask}))
@@ -126,22 +127,26 @@ class LowLatencyPath(NvshmemPath):
     # ------------------------------------------------------------------------------ buffer
     def _merge(self, every: List[dict]) -> dict:
         masks = [bool(d.get("rank_mask", False)) for d in every]
-        fail(all(masks) or not any(masks), f"rank_mask must be the same on every rank; ranks "
-                                           f"{[r for r, m in enumerate(masks) if m]} passed rank_mask=True, the others not")
+        if not (all(masks) or not any(masks)):
+            raise ValueError(f"rank_mask must be the same on every rank; ranks "
+                             f"{[r for r, m in enumerate(masks) if m]} passed rank_mask=True, the others not")
         cap = {k: max(int(d[k]) for d in every) for k in ("num_experts", "max_tokens", "hidden", "topk")}
         cap["fp8_only"] = all(d["fp8_only"] for d in every)
         return cap
 
     def _plan(self, cap: dict) -> dict:
         R = self.num_ranks
-        fail(R <= self.ext.MAX_RANKS, f"the low-latency path supports up to {self.ext.MAX_RANKS} ranks, got {R}")
-        fail(cap["num_experts"] <= P.MAX_EXPERTS, f"num_experts={cap['num_experts']} exceeds {P.MAX_EXPERTS}")
-        fail(cap["topk"] <= P.MAX_TOPK, f"topk={cap['topk']} exceeds {P.MAX_TOPK}")
+        if R > self.ext.MAX_RANKS:
+            raise ValueError(f"the low-latency path supports up to {self.ext.MAX_RANKS} ranks, got {R}")
+        if cap["num_experts"] > P.MAX_EXPERTS:
+            raise ValueError(f"num_experts={cap['num_experts']} exceeds {P.MAX_EXPERTS}")
+        if cap["topk"] > P.MAX_TOPK:
+            raise ValueError(f"topk={cap['topk']} exceeds {P.MAX_TOPK}")
         plan = self.ext.plan(R, cap["num_experts"], cap["max_tokens"], cap["hidden"], cap["topk"], cap["fp8_only"])
-        fail(plan["total"] <= LIMIT_BYTES,
-             f"the low-latency buffer would take {plan['total'] / 2**30:.2f} GiB per rank (num_experts={cap['num_experts']}, "
-             f"max_tokens_per_rank={cap['max_tokens']}, hidden={cap['hidden']}, topk={cap['topk']}), above the limit of "
-             f"{LIMIT_BYTES / 2**30:.2f} GiB (MEP_LL_MAX_BYTES); lower max_tokens_per_rank", RuntimeError)
+        if plan["total"] > LIMIT_BYTES:
+            raise RuntimeError(f"the low-latency buffer would take {plan['total'] / 2**30:.2f} GiB per rank (num_experts={cap['num_experts']}, "
+                               f"max_tokens_per_rank={cap['max_tokens']}, hidden={cap['hidden']}, topk={cap['topk']}), above the limit of "
+                               f"{LIMIT_BYTES / 2**30:.2f} GiB (MEP_LL_MAX_BYTES); lower max_tokens_per_rank")
         return plan
 
     def _open(self, cap: dict, plan: dict, pes: list):
@@ -171,9 +176,10 @@ class LowLatencyPath(NvshmemPath):
         call that raises before it leaves every rank on the same set)."""
         s = self.next_set
         held = self.unreceived[s]
-        fail(held is None, f"{call.describe()}: two low-latency results whose receive hook was not called are in flight "
-                           f"(calls #{self.unreceived[0]} and #{self.unreceived[1]}); a third call would overwrite one: call "
-                           f"the hook of call #{held} first", RuntimeError)
+        if held is not None:
+            raise RuntimeError(f"{call.describe()}: two low-latency results whose receive hook was not called are in flight "
+                               f"(calls #{self.unreceived[0]} and #{self.unreceived[1]}); a third call would overwrite one: call "
+                               f"the hook of call #{held} first")
         return s
 
     # ------------------------------------------------------------------------------ errors
@@ -205,39 +211,43 @@ class LowLatencyPath(NvshmemPath):
         R, L = rt.num_ranks, num_experts // rt.num_ranks
         T, H = x.shape
         K = topk_idx.shape[1]
-        fail(x.dtype == torch.bfloat16, f"the cuda low-latency dispatch takes bf16 x, got {x.dtype}", TypeError)
-        fail(x.device == rt.device, f"x is on {x.device}, the buffer on {rt.device}")
-        fail(use_fp8 or H % 8 == 0, f"x: hidden size {H} must be a multiple of 8 for bf16 rows (16-byte copies)")
-        fail(not use_fp8 or H % FP8_BLOCK == 0, f"x: hidden size {H} must be a multiple of {FP8_BLOCK} for FP8")
+        if x.dtype != torch.bfloat16:
+            raise TypeError(f"the cuda low-latency dispatch takes bf16 x, got {x.dtype}")
+        if x.device != rt.device:
+            raise ValueError(f"x is on {x.device}, the buffer on {rt.device}")
+        if not (use_fp8 or H % 8 == 0):
+            raise ValueError(f"x: hidden size {H} must be a multiple of 8 for bf16 rows (16-byte copies)")
+        if not (not use_fp8 or H % FP8_BLOCK == 0):
+            raise ValueError(f"x: hidden size {H} must be a multiple of {FP8_BLOCK} for FP8")
         self._fit(self._need(num_experts, max_tokens_per_rank, H, K, use_fp8))
         s = self._free_set(call)
-        cap = R * max_tokens_per_rank
-        dev = x.device
-        out_x = torch.empty((L, cap, H), dtype=FP8_DTYPE if use_fp8 else torch.bfloat16, device=dev)
-        out_s = torch.empty((L, cap, H // FP8_BLOCK), dtype=torch.float32, device=dev) if use_fp8 and not use_ue8m0 else None
-        # UE8M0: the kernel writes [L, H/512, cap] int32; the caller gets its column-major view
-        ue8m0 = torch.empty((L, H // (FP8_BLOCK * UE8M0_PACK), cap), dtype=torch.int32, device=dev) if use_ue8m0 else None
-        count = torch.empty(L, dtype=torch.int32, device=dev)
-        layout_range = torch.empty((L, R, 2), dtype=torch.int32, device=dev)
-        src = torch.empty((L, cap), dtype=torch.int32, device=dev)
-        slot = torch.empty((L, cap), dtype=torch.int32, device=dev)
-        w = row_w = pairs = None
-        if topk_weights is not None:  # they ride with the copies: the combine merges a token's copies per rank
-            w = topk_weights.float().contiguous()  # a no-op for fp32 weights
-            row_w = torch.empty((L, cap), dtype=torch.float32, device=dev)
-            pairs = torch.empty((R, max_tokens_per_rank, K), dtype=torch.int32, device=dev)  # stale entries are checked
-        state = _LLState(slot, s, topk_weights, None if w is None else tensor_version(topk_weights), row_w, pairs)
-        rt.new_outputs([out_x, out_s, ue8m0, count, layout_range, src, slot, row_w, pairs])  # test poisoning, on this stream
+        w = topk_weights.float().contiguous() if topk_weights is not None else None  # a no-op for fp32 weights
         sig = signature_hash(call)
+        # one crossing allocates the outputs and launches (dispatch_call); a test's output hook sees
+        # the outputs first, so with one set they are made without the launch
+        first = [self.buf.dispatch_call(x, topk_idx, num_experts, use_fp8, round_scale, use_ue8m0, s, 0, sig, call.seq,
+                                        max_tokens_per_rank, w, recv_stats, wait_stats, self.num_blocks, False)
+                 ] if hooks.active() else []
 
         def launch(phases: int) -> None:
+            if not first:  # the call's first launch (a receive hook's half comes later, on these outputs)
+                first.append(self.buf.dispatch_call(x, topk_idx, num_experts, use_fp8, round_scale, use_ue8m0, s, phases,
+                                                    sig, call.seq, max_tokens_per_rank, w, recv_stats, wait_stats,
+                                                    self.num_blocks, True))
+                return
+            out_x, out_s, ue8m0, count, layout_range, packed, src, slot, row_w, pairs = first[0]
             self.buf.dispatch(x, topk_idx, num_experts, use_fp8, round_scale, s, phases, sig, call.seq, out_x, out_s, count,
-                              layout_range, src, slot, w, row_w, pairs, ue8m0, recv_stats, wait_stats, self.num_blocks)
+                              layout_range, packed, src, slot, w, row_w, pairs, ue8m0, recv_stats, wait_stats,
+                              self.num_blocks)
 
+        if first:
+            rt.new_outputs(first[0])  # test poisoning, on this stream, before any kernel writes them
         hook = self._launch(call, s, launch, return_recv_hook)
+        out_x, out_s, ue8m0, count, layout_range, packed, src, slot, row_w, pairs = first[0]
+        state = _LLState(slot, s, topk_weights, None if w is None else tensor_version(topk_weights), row_w, pairs)
         handle = LowLatencyHandle(backend="cuda", num_ranks=R, rank=rt.rank, num_experts=num_experts, num_tokens=T, topk=K,
                                   max_tokens_per_rank=max_tokens_per_rank, hidden=H, layout_range=layout_range,
-                                  src_token=src, state=state, call_seq=call.seq)
+                                  src_token=src, state=state, call_seq=call.seq, packed_layout=packed)
         scales = ue8m0.transpose(1, 2) if use_ue8m0 else out_s
         return LowLatencyDispatchOutput((out_x, scales) if use_fp8 else out_x, count, handle, None, hook)
 
@@ -248,14 +258,19 @@ class LowLatencyPath(NvshmemPath):
         """y [T, H] bf16; with return_recv_hook, (y, hook): y is valid once the hook ran."""
         rt = self.rt
         fail(handle.backend == "cuda" and isinstance(handle.state, _LLState), "the handle is not from a cuda low-latency dispatch")
-        fail(x.dtype == torch.bfloat16, f"the cuda low-latency combine takes bf16 expert outputs, got {x.dtype}", TypeError)
-        fail(x.device == rt.device, f"x is on {x.device}, the buffer on {rt.device}")
+        if x.dtype != torch.bfloat16:
+            raise TypeError(f"the cuda low-latency combine takes bf16 expert outputs, got {x.dtype}")
+        if x.device != rt.device:
+            raise ValueError(f"x is on {x.device}, the buffer on {rt.device}")
         T, H = handle.num_tokens, handle.hidden
-        if out is None:  # (a given one was checked by Buffer.low_latency_combine)
-            out = torch.empty((T, H), dtype=torch.bfloat16, device=x.device)
         # combine rows are bf16 in any buffer
         self._fit(self._need(handle.num_experts, handle.max_tokens_per_rank, H, handle.topk, True))
         s = self._free_set(call)
+        # y: a given out (Buffer.low_latency_combine checked it), else made by combine_call -- or here,
+        # where a test's output hook must see it before the launch
+        if hooks.active():
+            out = torch.empty((T, H), dtype=torch.bfloat16, device=x.device) if out is None else out
+            rt.new_outputs([out])
         weights = topk_weights.float().contiguous()  # a no-op for fp32 weights
         st: _LLState = handle.state
         merged = st.merges(topk_weights)  # else one row per copy, weighted here
@@ -263,34 +278,35 @@ class LowLatencyPath(NvshmemPath):
         if merged:  # the receivers wait for one flag per rank: every rank must merge, or none
             call.set(variant=call.get("variant") | P.LL_COMBINE_MERGED)
         sig = signature_hash(call)
-        rt.new_outputs([out])
+        made = [out]
 
-        def launch(phases: int) -> None:
-            self.buf.combine(x, handle.layout_range, handle.src_token, st.src_slot, topk_idx, weights, handle.num_experts,
-                             s, phases, sig, call.seq, out, pairs, row_w, wait_stats, use_logfmt, self.num_blocks)
+        def launch(phases: int) -> None:  # one crossing; the first launch makes y unless given
+            made[0] = self.buf.combine_call(x, handle.layout_range, handle.src_token, st.src_slot, topk_idx, weights,
+                                            handle.num_experts, s, phases, sig, call.seq, made[0], pairs, row_w,
+                                            wait_stats, use_logfmt, self.num_blocks)
 
         hook = self._launch(call, s, launch, return_recv_hook)
-        return (out, hook) if return_recv_hook else out
+        return (made[0], hook) if return_recv_hook else made[0]
 
     # --------------------------------------------------------------------------- rank mask
     def _needs_mask(self, what: str) -> None:
-        fail(self.buf is not None and self.rank_mask,
-             f"{what} needs the rank mask: Buffer(..., low_latency=dict(..., rank_mask=True))", RuntimeError)
+        if not (self.buf is not None and self.rank_mask):
+            raise RuntimeError(f"{what} needs the rank mask: Buffer(..., low_latency=dict(..., rank_mask=True))")
 
     def set_mask(self, rank: int, masked: bool) -> None:
         """Mask (or unmask) `rank` for this rank's later low-latency kernels (current stream)."""
         self._needs_mask("low_latency_mask")
-        fail(isinstance(rank, int) and 0 <= rank < self.num_ranks,
-             f"rank must be an int in [0, {self.num_ranks}), got {rank!r}")
+        if not (isinstance(rank, int) and 0 <= rank < self.num_ranks):
+            raise ValueError(f"rank must be an int in [0, {self.num_ranks}), got {rank!r}")
         self.raise_if_broken()
         self.buf.set_mask(rank, bool(masked))
 
     def mask_status(self, out: torch.Tensor) -> torch.Tensor:
         """out[r] = 1 where rank r is masked here (int32 [R] on this device; current stream)."""
         self._needs_mask("low_latency_mask_status")
-        fail(isinstance(out, torch.Tensor) and out.dtype == torch.int32 and out.numel() == self.num_ranks
-             and out.device == self.device and out.is_contiguous(),
-             f"mask_status must be a contiguous int32 tensor of {self.num_ranks} elements on {self.device}")
+        if not (isinstance(out, torch.Tensor) and out.dtype == torch.int32 and out.numel() == self.num_ranks
+                and out.device == self.device and out.is_contiguous()):
+            raise ValueError(f"mask_status must be a contiguous int32 tensor of {self.num_ranks} elements on {self.device}")
         self.buf.query_mask(out)
         return out
 
@@ -302,8 +318,8 @@ class LowLatencyPath(NvshmemPath):
         """Collective over the unmasked ranks, on the current stream: see the module docstring."""
         self._needs_mask("low_latency_barrier")
         held = [seq for seq in self.unreceived if seq is not None]
-        fail(not held, f"low_latency_barrier: the receive hooks of calls {held} were not called; call them first",
-             RuntimeError)
+        if held:
+            raise RuntimeError(f"low_latency_barrier: the receive hooks of calls {held} were not called; call them first")
         self.raise_if_broken()
         self.buf.barrier()
         self.next_set = 0  # every rank restarts at set 0 (the kernel reset the sets' counts)
