@@ -15,5 +15,6 @@ thin entry points over it, and scripts/ab_throughput.py uses its report writer.
     model_check   its internode model check (megatron_ep.model against the run)
     low_latency   the low-latency bench body and tables (scripts/bench_low_latency.py)
 
-The entry points put this folder's parent (scripts/) and the checkout on sys.path.
+The entry points put this folder's parent (scripts/) and the checkout on sys.path;
+`python3 scripts/bench NAME` (this folder's __main__.py) runs any of them by name.
 """
