@@ -16,7 +16,8 @@
 #                                      MEGATRON_LM_R019_DIR (.carry/megatron-lm-r0.19); the runs' logs
 #                                      and numbers land under $OUT/e2e
 #   MEP_GATE_COMMIT=<sha>              the commit under test, for the record (else git rev-parse HEAD)
-#   MEP_GATE_FILES="a.py b.py"         only these test files (the record then names only them)
+#   MEP_GATE_FILES="a.py b.py"         only these test files (e2e: which of its two files; the record
+#                                      then names only them)
 #   MEP_GATE_PYTEST="..."              extra pytest arguments for every file
 #   MEP_GATE_SANITIZER=split           memcheck over each path's own suite (three pools) instead of
 #                                      tests/test_sanitizer_pass.py (one pool); =none: no memcheck (a
@@ -269,13 +270,19 @@ if [ "$MODE" = gate ]; then
 elif [ "$MODE" = e2e ]; then
   wait_nvshmem_build
   mkdir -p "$OUT/e2e"
-  MEGATRON_LM_DIR=${MEGATRON_LM_DIR:-$ROOT/.carry/megatron-lm-main} \
-  MEGATRON_LM_R019_DIR=${MEGATRON_LM_R019_DIR:-$ROOT/.carry/megatron-lm-r0.19} MEP_E2E_OUT=$OUT/e2e \
-  MEP_E2E_TIMEOUT_S=$(left 420 60) \
-    run_file "tests/test_megatron_lm.py" 540 -m gpu tests/test_megatron_lm.py
+  # MEP_GATE_FILES picks among the mode's two files (by default both)
+  E2E_FILES=" ${MEP_GATE_FILES:-tests/test_megatron_lm.py tests/test_megatron_lm_dispatcher.py} "
+  if [[ "$E2E_FILES" == *" tests/test_megatron_lm.py "* ]]; then
+    MEGATRON_LM_DIR=${MEGATRON_LM_DIR:-$ROOT/.carry/megatron-lm-main} \
+    MEGATRON_LM_R019_DIR=${MEGATRON_LM_R019_DIR:-$ROOT/.carry/megatron-lm-r0.19} MEP_E2E_OUT=$OUT/e2e \
+    MEP_E2E_TIMEOUT_S=$(left 420 60) \
+      run_file "tests/test_megatron_lm.py" 540 -m gpu tests/test_megatron_lm.py
+  fi
   # Megatron's own dispatcher tests on megatron_ep.deep_ep and our kernels (the tree's test files)
-  MEGATRON_LM_DIR=${MEGATRON_LM_DIR:-$ROOT/.carry/megatron-lm-main} \
-    run_file "tests/test_megatron_lm_dispatcher.py" 600 -m gpu tests/test_megatron_lm_dispatcher.py
+  if [[ "$E2E_FILES" == *" tests/test_megatron_lm_dispatcher.py "* ]]; then
+    MEGATRON_LM_DIR=${MEGATRON_LM_DIR:-$ROOT/.carry/megatron-lm-main} \
+      run_file "tests/test_megatron_lm_dispatcher.py" 600 -m gpu tests/test_megatron_lm_dispatcher.py
+  fi
   tar -czf "$OUT/e2e_logs.tar.gz" -C "$OUT/e2e" . && find "$OUT/e2e" -name '*.log' -delete
 else
   export MEP_FUZZ_CASES=${MEP_FUZZ_CASES:-1000} MEP_SOAK_ITERS=${MEP_SOAK_ITERS:-10000}
