@@ -31,6 +31,7 @@ import cProfile
 import os
 import pstats
 import statistics
+import sys
 import time
 from typing import Optional
 
@@ -117,6 +118,11 @@ def profile_op(fn, top: int, device, calls: int = 20) -> str:
     prof.disable()
     _sync(device)
     st = pstats.Stats(prof).stats  # {(file, line, name): (primitive calls, calls, own s, cumulative s, callers)}
+    if not st:  # (seen once on the GPU image's Python 3.12: say what held the profiler, if anything)
+        mon = getattr(sys, "monitoring", None)
+        holder = mon.get_tool(mon.PROFILER_ID) if mon is not None else None
+        return (f"cProfile recorded no call of {calls} (Python {sys.version.split()[0]}; sys.monitoring's "
+                f"profiler slot held by {holder!r}; sys.getprofile() {sys.getprofile()!r})\n")
     out = []
     for title, key in (("by time with callees", 3), ("by own time", 2)):
         out.append(f"{title}:\n{'calls/call':>10} {'own us':>8} {'cum us':>8}  function")
