@@ -51,8 +51,12 @@ class FakeKernels:
         native = self.HandleState(topk_idx=made[0], rank_pos=made[1], slot_pos=made[2], recv_info=made[3],
                                   row_limits=made[4], counts=counts, comb_map=None, num_experts=kw["num_experts"],
                                   permute=kw["permute"])
-        return (*made, counts, counts[:L], counts[L], torch.zeros(R, R, **i32) if kw["rank_counts"] else None,
-                torch.zeros(R, R, **i32) if kw["rank_counts"] else None, waited, None if waited else sizes, native)
+        rank_counts = rank_prefix = None
+        if kw["rank_counts"]:
+            rank_counts, rank_prefix = torch.zeros(R, R, **i32), torch.zeros(R, R, **i32)
+        columns = (rank_counts[:, 0], rank_prefix[:, 0]) if kw["rank_counts"] else (None, None)
+        return (*made, counts, counts[:L], counts[L], rank_counts, rank_prefix, *columns, waited,
+                None if waited else sizes, native)
 
     def _dispatched(self, st, first, rows, comb_rows, x, topk_weights):
         """What dispatch_call returns (its tuple), the state updated as HandleState is."""

@@ -335,6 +335,7 @@ class Runtime {
   }
   const RegionLayout& lay() const { return lay_; }
   int num_ranks() const { return num_ranks_; }
+  int rank() const { return rank_; }
 
  private:
   // One rank-major block: x, FP8 scales, top-k ids (int64), weights, each section Pool-aligned.

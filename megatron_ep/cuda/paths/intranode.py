@@ -46,6 +46,8 @@ class IntranodeState:
     comb_map: Optional[torch.Tensor] = None  # expert-major: [>= N, K] int32 row of each (rank-major row, slot)
     rank_counts: Optional[torch.Tensor] = None  # [groups * R, R] int32: tokens (group, rank s) sends to rank d (when asked)
     rank_prefix: Optional[torch.Tensor] = None  # [groups * R, R] int32: its inclusive prefix over the rows
+    recv_rank_counts: Optional[torch.Tensor] = None  # [groups * R] int32: rank_counts' column of this rank
+    recv_rank_prefix: Optional[torch.Tensor] = None  # [groups * R] int32: rank_prefix's column of this rank
     topk_idx: Optional[torch.Tensor] = None  # [T, K] int64: the routing (the handle's copy)
     device_counts: Optional[torch.Tensor] = None  # [L + 1] int64: tokens_per_expert and num_dropped are its views
     permute: bool = False
@@ -326,13 +328,14 @@ class IntranodePath(NormalPath):
         peers wait for this rank at the rows' first handshake (the push's output locations, or the
         staging). Returns the handle's state and the rows of its combine map (expert-major)."""
         rt = self.rt
-        (idx, rank_pos, slot_pos, recv_info, row_limits, counts, tpe, dropped, rank_counts, rank_prefix, waited, sizes,
-         native) = notified
+        (idx, rank_pos, slot_pos, recv_info, row_limits, counts, tpe, dropped, rank_counts, rank_prefix, recv_rank_counts,
+         recv_rank_prefix, waited, sizes, native) = notified
         plan.topk_idx = idx
         st = IntranodeState(topk_idx=idx, permute=plan.permute, rank_pos=rank_pos, slot_pos=slot_pos,
                             recv_info=recv_info, row_limits=row_limits, tokens_per_expert=tpe, num_dropped=dropped,
                             num_rows=None, num_perm_rows=None, counts=None, rank_counts=rank_counts,
-                            rank_prefix=rank_prefix, device_counts=counts, native=native)
+                            rank_prefix=rank_prefix, recv_rank_counts=recv_rank_counts,
+                            recv_rank_prefix=recv_rank_prefix, device_counts=counts, native=native)
         rows_bound = max_rank_major_rows(rt)  # the host learns N below unless sync-free
         if not plan.num_worst_tokens:
             try:
@@ -365,9 +368,9 @@ class IntranodePath(NormalPath):
                                     tokens_per_expert=st.tokens_per_expert, topk_idx=plan.topk_idx,
                                     num_worst_tokens=plan.num_worst_tokens, state=st, call_seq=call.seq,
                                     rank_counts=st.rank_counts if plan.groups == 1 else None,
-                                    recv_rank_counts=None if st.rank_counts is None else st.rank_counts[:, self.rt.rank],
+                                    recv_rank_counts=st.recv_rank_counts,
                                     rank_prefix=st.rank_prefix if plan.groups == 1 else None,
-                                    recv_rank_prefix=None if st.rank_prefix is None else st.rank_prefix[:, self.rt.rank])
+                                    recv_rank_prefix=st.recv_rank_prefix)
         res.handle = handle
         if req.host_counts:
             if st.counts is not None and not plan.num_worst_tokens:
