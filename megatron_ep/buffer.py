@@ -347,14 +347,19 @@ class Buffer:
             T, H, is_fp8 = C.check_activation("x", x)
             device = C.act_device(x)
             C.check_token_limit(T, self.max_tokens_per_rank)
-            C.check_int("num_worst_tokens", num_worst_tokens, 0, C.MAX_ROWS)
-            if on_overflow not in ("drop", "raise"):
+            # (each argument left at its default needs no check: a call's host time counts)
+            if num_worst_tokens != 0 or type(num_worst_tokens) is not int:
+                C.check_int("num_worst_tokens", num_worst_tokens, 0, C.MAX_ROWS)
+            if on_overflow != "drop" and on_overflow != "raise":
                 raise ValueError(f"on_overflow must be 'drop' or 'raise', got {on_overflow!r}")
-            C.check_bool("permute", permute, allow_none=True)
-            C.check_bool("host_counts", host_counts)
-            C.check_bool("rank_counts", rank_counts)
-            C.check_bool("async_op", async_op)
-            C.check_event("previous_event", previous_event)
+            if permute is not None:
+                C.check_bool("permute", permute)
+            if host_counts is not False or rank_counts is not False or async_op is not False:
+                C.check_bool("host_counts", host_counts)
+                C.check_bool("rank_counts", rank_counts)
+                C.check_bool("async_op", async_op)
+            if previous_event is not None:
+                C.check_event("previous_event", previous_event)
             if handle is not None:
                 self._check_handle(handle, DispatchHandle)
                 C.fail(topk_idx is None, "cached dispatch (handle given) takes its routing from the handle: pass topk_idx=None")
