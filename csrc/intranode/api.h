@@ -12,7 +12,8 @@ namespace mep {
 // ---- layout.cu -------------------------------------------------------------------------------
 // One pass over topk_idx: tokens per rank (each token once per rank), (token, expert) pairs per
 // expert (int64, or int32 with counts_int32), token_in_rank [T, R]. Ids outside [0, E) count as
-// unused. Counts zeroed by the caller.
+// unused. The counts are one array, tokens_per_expert right after tokens_per_rank's R: one block
+// stores them, several add to them after zeroing them here.
 void launch_layout(const long long* topk_idx, int T, int K, int E, int R, void* tokens_per_rank, void* tokens_per_expert,
                    bool counts_int32, bool* token_in_rank, cudaStream_t stream);
 // The ids' check where notify cannot make it (a sync-free dispatch, the low-latency path): the

@@ -548,9 +548,10 @@ py::tuple layout(const Tensor& topk_idx, int E, int R, bool counts_int32) {
   TORCH_CHECK(R >= 1 && R <= 32 && E % R == 0 && E <= 16384, "megatron_ep: layout needs 1 <= R <= 32 and R | E");
   c10::cuda::CUDAGuard guard(topk_idx.device());
   const int T = (int)topk_idx.size(0);
-  const Tensor counts = at::empty({R + E}, topk_idx.options().dtype(counts_int32 ? at::kInt : at::kLong));
-  const Tensor in_rank = at::empty({T, R}, topk_idx.options().dtype(at::kBool));
-  C10_CUDA_CHECK(cudaMemsetAsync(counts.data_ptr(), 0, counts.nbytes(), stream()));
+  // the counts and token_in_rank in one allocation (tensor_args.h arena_tensors); zeroed by the launch where needed
+  const std::vector<Tensor> made =
+      arena_tensors({{counts_int32 ? at::kInt : at::kLong, {R + E}}, {at::kBool, {T, R}}}, topk_idx.options());
+  const Tensor &counts = made[0], &in_rank = made[1];
   const Tensor per_rank = counts.narrow(0, 0, R), per_expert = counts.narrow(0, R, E);
   launch_layout(static_cast<const long long*>(topk_idx.data_ptr()), T, (int)topk_idx.size(1), E, R, per_rank.data_ptr(),
                 per_expert.data_ptr(), counts_int32, in_rank.data_ptr<bool>(), stream());
