@@ -258,13 +258,14 @@ class IntranodePath(NormalPath):
         num_experts, handle, num_worst_tokens = req.num_experts, req.handle, req.num_worst_tokens
         data, scales, T, H, elem, row_bytes = dispatch_rows(rt, req.x, req.topk_weights, num_experts)
         groups = req.token_groups
-        if not (1 <= groups <= P.MAX_TOKEN_GROUPS):
-            raise ValueError(f"token_groups={groups} outside 1..{P.MAX_TOKEN_GROUPS}")
-        if T % groups != 0:
-            raise ValueError(f"{T} tokens are not {groups} equal token groups")
-        if groups * num_experts > P.MAX_EXPERTS:
-            raise ValueError(f"{groups} token groups of {num_experts} experts exceed the "
-                             f"notify counts' {P.MAX_EXPERTS}")
+        if groups != 1:  # (one group, every Buffer call's, passes these: dispatch_rows bounds num_experts)
+            if not (1 <= groups <= P.MAX_TOKEN_GROUPS):
+                raise ValueError(f"token_groups={groups} outside 1..{P.MAX_TOKEN_GROUPS}")
+            if T % groups != 0:
+                raise ValueError(f"{T} tokens are not {groups} equal token groups")
+            if groups * num_experts > P.MAX_EXPERTS:
+                raise ValueError(f"{groups} token groups of {num_experts} experts exceed the "
+                                 f"notify counts' {P.MAX_EXPERTS}")
         if handle is None:
             K = req.topk_idx.shape[1]
             if K > P.MAX_TOPK:
@@ -272,8 +273,10 @@ class IntranodePath(NormalPath):
             topk_idx = req.topk_idx  # the handle keeps its own copy, made by notify_call
         else:
             K, topk_idx = handle.topk, handle.topk_idx
-        need = dict(max_tokens=T, hidden=H, dtype_bytes=elem, combine_bytes=max(2, elem), max_topk=K,
-                    max_experts=num_experts, combine_rows=max(rt.num_ranks * T, num_worst_tokens))
+        # rows this wide fitted along this routing before (the region only grows): nothing to size
+        fitted = handle is not None and handle.state.fitted == (H, elem) and rt.ready
+        need = None if fitted else dict(max_tokens=T, hidden=H, dtype_bytes=elem, combine_bytes=max(2, elem), max_topk=K,
+                                        max_experts=num_experts, combine_rows=max(rt.num_ranks * T, num_worst_tokens))
         capturing = torch.cuda.is_current_stream_capturing()
         fail(not capturing or num_worst_tokens or handle is not None, "a dispatch captured in a CUDA graph needs "
              "num_worst_tokens= (or a handle): exact output sizes need a host sync, which capture forbids", RuntimeError)
@@ -281,8 +284,8 @@ class IntranodePath(NormalPath):
             fail(not capturing, "the first call of a cuda Buffer without sizing hints "
                  "cannot be captured in a CUDA graph (it allocates); run one call before capturing", RuntimeError)
             rt.first_use_in(call, need)
-        if handle is not None and handle.state.fitted == (H, elem):
-            pass  # rows this wide fitted along this routing before, and the region only grows
+        if fitted:
+            pass
         elif num_worst_tokens or capturing or handle is not None:  # nothing can grow without the host sync: it must fit now
             short = rt.fits({k: v for k, v in need.items() if k != "combine_rows" or num_worst_tokens})
             if short is not None:
