@@ -181,7 +181,6 @@ CombineArgs combine_args(int T, int H, int K, int E, bool permute, bool is_fp32,
                      rank_pos.data_ptr<int>(), slot_pos.data_ptr<int>(), y.data_ptr(), ptr_or_null<float>(w_out)};
 }
 
-
 // ------------------------------------------------------------------ one crossing per call (calls.h)
 HandleState handle_state(const Tensor& topk_idx, const Tensor& rank_pos, const Tensor& slot_pos, const Tensor& recv_info,
                          const Tensor& row_limits, const Tensor& counts, const c10::optional<Tensor>& comb_map, int E,
@@ -266,11 +265,13 @@ Notified notify_part(Runtime& rt, CallStreams& cs, StepTimer& clock, const Sig& 
 py::tuple notified_tuple(Notified& n, const py::tuple& sizes) {
   const HandleState& st = n.st;
   const auto opt = [](const c10::optional<Tensor>& x) { return x.has_value() ? py::cast(*x) : py::none(); };
+  // the state goes in last, once the tensors were read from it (in one make_tuple the arguments'
+  // order of evaluation is unspecified)
   py::tuple t = py::make_tuple(st.topk_idx, st.rank_pos, st.slot_pos, st.recv_info, st.row_limits, n.counts, n.tpe,
                                n.dropped, opt(n.rank_counts), opt(n.rank_prefix), opt(n.recv_rank_counts),
-                               opt(n.recv_rank_prefix), sizes[0], sizes[1]);
-  return py::make_tuple(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9], t[10], t[11], t[12], t[13],
-                        py::cast(std::move(n.st)));
+                               opt(n.recv_rank_prefix), sizes[0], sizes[1], py::none());
+  t[14] = py::cast(std::move(n.st));
+  return t;
 }
 
 // A new routing's notify in one crossing (a worst-case sized one's, and tracing's): our stream
