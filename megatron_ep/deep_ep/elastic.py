@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .. import buffer as _mep
 from ..types import DispatchHandle
-from .buffer import RANKS_PER_NODE, _group_of, _needs_row_major_copy, _row_major_scales, _unpack_bias, _unpacked_scales
+from .buffer import RANKS_PER_NODE, _group_of, _needs_row_major_copy, _row_major_scales, _unpacked_scales, _with_bias
 from .utils import EventHandle, EventOverlap, from_ours
 
 log = logging.getLogger("megatron_ep.deep_ep")
@@ -90,6 +90,7 @@ class EPHandle:
         self.num_recv_tokens_per_expert_list = num_recv_tokens_per_expert_list
         self.recv_topk_idx = recv_topk_idx  # (a cached dispatch returns the routing's received ids again)
         self._tpe, self._rank, self._row_expert = tokens_per_expert, rank, row_expert
+        self.sms_asked = 0  # the dispatch's num_sms argument (0: automatic), which its combine's 0 means
 
     @functools.cached_property
     def num_unaligned_recv_tokens_per_expert(self) -> torch.Tensor:
@@ -355,6 +356,7 @@ class ElasticBuffer:
                      num_expanded_tokens=num_rows if do_expand else 0, num_recv_tokens_per_expert_list=counts,
                      tokens_per_expert=out.tokens_per_expert, rank=self.rank, recv_topk_idx=out.topk_idx,
                      row_expert=out.row_expert)
+        h.sms_asked = num_sms
         if do_handle_copy and (h.topk_idx is topk_idx or h.topk_idx.data_ptr() == topk_idx.data_ptr() != 0):
             h.topk_idx = topk_idx.clone()  # (a backend that keeps the caller's tensor: V2's copy)
         return self._finish(out, None if do_expand else out.topk_idx, h, packed, do_zero_padding, use_tma_sf, stats)
@@ -423,23 +425,13 @@ class ElasticBuffer:
         if not isinstance(handle, EPHandle):
             raise TypeError(f"handle must be an EPHandle from megatron_ep.deep_ep's ElasticBuffer.dispatch, got "
                             f"{type(handle).__name__}")
-        self._hand_sms(num_sms or (handle.num_sms if self._sms_asked else 0))
+        self._hand_sms(num_sms or handle.sms_asked)  # 0: what the dispatch asked (V2: the handle's count)
         _wait(previous_event, before_epilogue)
-        b0, b1 = _unpack_bias(bias)
         out = self.runtime.combine(x, handle.ours, topk_weights, async_op=async_op)
         y = out.x
-        if b0 is not None or b1 is not None:
-            if out.event is not None:
-                out.event.current_stream_wait()
-            acc = y.float()
-            for b in (b0, b1):
-                if b is not None:
-                    if tuple(b.shape) != tuple(y.shape) or b.dtype != y.dtype:
-                        raise ValueError(f"megatron_ep.deep_ep ElasticBuffer.combine: bias must be {y.dtype} "
-                                         f"{list(y.shape)}, got {b.dtype} {list(b.shape)}")
-                    acc = acc + b.float()
-            y = acc.to(y.dtype)
-            out.event = None
+        if bias is not None:
+            y = _with_bias(y, bias, out.event)
+            out.event = None  # (the bias was added on the caller's stream, after our event)
         event = from_ours(out.event)
         return y, out.weights, event if event.event is not None else EventOverlap(EventHandle())
 
