@@ -339,8 +339,9 @@ def run_elastic_callers_case(cfg: dict) -> list:
             errors.append(f"{tag} vllm decode: {qx.shape[0]} rows (want {R * pow2}), psum[-1] {m} want {ex.shape[0]}")
         else:
             _check(errors, tag, "vllm decode rows", qx[:m], ex)
-        vy2, _, _ = vb.combine(x=qx, handle=qh, topk_weights=None, async_with_compute_stream=True,
-                               allocate_on_comm_stream=True)
+        vy2, _, ev = vb.combine(x=qx, handle=qh, topk_weights=None, async_with_compute_stream=True,
+                                allocate_on_comm_stream=True)
+        ev.current_stream_wait()  # (asynchronous: the caller's stream waits before it reads the rows)
         if not torch.allclose(vy2.cpu().double(), x.cpu().double() * in_rank, rtol=1e-5, atol=1e-5):
             errors.append(f"{tag} vllm decode combine differs from the sum")
         vb.destroy()
