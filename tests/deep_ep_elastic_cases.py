@@ -49,6 +49,60 @@ def _expanded(cfg: dict, me: int, R: int):
     return x, torch.tensor(ws, dtype=torch.float32), counts
 
 
+def _expanded_of(cfg: dict, me: int, R: int, rows_of) -> torch.Tensor:
+    """_expanded's rows of another per-token tensor (rows_of(src) -> [T, C]), padding zero."""
+    L, a = cfg["E"] // R, cfg.get("align", 1)
+    per = [[] for _ in range(L)]
+    for src in range(R):
+        _, idx, _ = _inputs_v2(cfg, src)
+        rows = rows_of(src)
+        for t in range(idx.shape[0]):
+            for k in range(idx.shape[1]):
+                e = int(idx[t, k])
+                if me * L <= e < (me + 1) * L:
+                    per[e - me * L].append(rows[t])
+    zero = torch.zeros(rows.shape[1:], dtype=rows.dtype)
+    out = []
+    for got in per:
+        out += got + [zero] * (_align(len(got), a) - len(got))
+    return torch.stack(out) if out else rows[:0]
+
+
+def _fp8_section(cfg: dict, buf, x, idx, rank: int, R: int, tag: str) -> list:
+    """FP8 input as V2's callers pass it: (e4m3 rows, fp32 scales [T, H/128]), plain and expanded
+    with V2's column-major scales, and UE8M0 int32 scale words."""
+    from megatron_ep.fp8 import pack_ue8m0, per_token_cast_to_fp8
+
+    errors: list = []
+    E, L = cfg["E"], cfg["E"] // R
+    src = [_inputs_v2(cfg, r)[0] for r in range(R)]
+    cast = [per_token_cast_to_fp8(xs) for xs in src]
+    q, sc = _on(cfg, *cast[rank])
+    (rq, rs), _, _, _, _ = buf.dispatch((q, sc), topk_idx=idx, num_experts=E)
+    owner = [torch.where(_inputs_v2(cfg, r)[1] >= 0, _inputs_v2(cfg, r)[1] // L, -1) for r in range(R)]
+    here = [(o == rank).any(dim=1) for o in owner]
+    _check(errors, tag, "FP8 rows", rq.view(torch.uint8), torch.cat([c[0][m] for c, m in zip(cast, here)]).view(torch.uint8))
+    _check(errors, tag, "FP8 scales", rs, torch.cat([c[1][m] for c, m in zip(cast, here)]))
+    (xq, xs), _, _, _, _ = buf.dispatch((q, sc), topk_idx=idx, num_experts=E, expert_alignment=cfg.get("align", 1),
+                                        do_expand=True, use_tma_aligned_col_major_sf=True)
+    M = xq.shape[0]
+    if xs.stride() != (1, _align(M, 4)):
+        errors.append(f"{tag} use_tma_aligned_col_major_sf: scale strides {xs.stride()}, V2's {(1, _align(M, 4))}")
+    _check(errors, tag, "expanded FP8 rows", xq.view(torch.uint8),
+           _expanded_of(cfg, rank, R, lambda r: cast[r][0].view(torch.uint8)))
+    _check(errors, tag, "expanded FP8 column-major scales", xs.contiguous(), _expanded_of(cfg, rank, R, lambda r: cast[r][1]))
+
+    def ue8m0_of(xs_):
+        q8, s8 = per_token_cast_to_fp8(torch.cat([xs_] * 4, dim=1), round_scale=True)
+        return q8, pack_ue8m0(s8)
+
+    packed = [ue8m0_of(xs_) for xs_ in src]
+    q8, w8 = _on(cfg, *packed[rank])
+    (_, rw8), _, _, _, _ = buf.dispatch((q8, w8), topk_idx=idx, num_experts=E)
+    _check(errors, tag, "UE8M0 scale words", rw8, torch.cat([p[1][m] for p, m in zip(packed, here)]))
+    return errors
+
+
 def _check(errors: list, tag: str, name: str, got, want) -> None:
     got = got.cpu()
     if got.shape != want.shape or not torch.equal(got, want.to(got.dtype)):
@@ -168,6 +222,8 @@ def run_elastic_case(cfg: dict) -> list:
             errors.append(f"{tag} do_cpu_sync=False: {wx.shape[0]} rows (want {R * Tmax}), list "
                           f"{hw.num_recv_tokens_per_expert_list}")
 
+        if cfg["H"] % 128 == 0:
+            errors += _fp8_section(cfg, buf, x, idx, rank, R, tag)
         # num_sms=0 is automatic in every call, a count is handed to our budget
         buf.dispatch(x, handle=h, num_sms=0)
         for what, call in (("recv_src_metadata", lambda: h.recv_src_metadata), ("engram_write", buf.engram_write),
@@ -223,7 +279,8 @@ def elastic_cases(R: int) -> list:
     Ts = ([6, 0, 9, 3, 7, 1, 4, 5] * 2)[:R]
     return [dict(seed=700 + R, E=2 * R, K=3, H=16, Ts=Ts, p_drop=0.2, align=3),
             dict(seed=710 + R, E=4 * R, K=2, H=32, Ts=[5] * R, pattern="hot", align=4),
-            dict(seed=720 + R, E=2 * R, K=3, H=16, Ts=Ts[::-1], dup=True, align=1)]
+            dict(seed=720 + R, E=2 * R, K=3, H=16, Ts=Ts[::-1], dup=True, align=1),
+            dict(seed=730 + R, E=3 * R, K=2, H=256, Ts=Ts, p_drop=0.1, align=4)]
 
 
 def run_elastic_cases(cfgs: list) -> list:
