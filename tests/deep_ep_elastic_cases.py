@@ -9,7 +9,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from deep_ep_cases import _backend, _in_rank, _inputs, _on
+from deep_ep_cases import _backend, _expected, _in_rank, _inputs, _on
 
 
 def _align(n: int, a: int) -> int:
@@ -137,7 +137,7 @@ def run_elastic_case(cfg: dict) -> list:
         stats = torch.zeros(L, dtype=torch.int32, device=x.device)
         rx, rid, rw, h, ev = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E, expert_alignment=a,
                                           cumulative_local_expert_recv_stats=stats)
-        ex, eid, ew, sent = _expected_v2(cfg, rank, R)
+        ex, eid, ew, sent = _expected(cfg, rank, R, _inputs_v2)
         _check(errors, tag, "recv_x", rx, ex)
         _check(errors, tag, "recv_topk_idx", rid, eid)
         _check(errors, tag, "recv_topk_weights", rw, ew)
@@ -246,26 +246,6 @@ def run_elastic_case(cfg: dict) -> list:
         return [f"{tag} raised:\n{traceback.format_exc()}"]
 
 
-def _expected_v2(cfg: dict, me: int, R: int):
-    """The plain dispatch on rank `me` (V1's rows, tests/deep_ep_cases.py's oracle, over _inputs_v2):
-    rows by (source rank, source token), one per token with an expert here; local ids, -1 (weight 0)
-    for experts elsewhere."""
-    L = cfg["E"] // R
-    xs, ids, ws = [], [], []
-    sent = torch.zeros((R, R), dtype=torch.int64)
-    for src in range(R):
-        x, idx, w = _inputs_v2(cfg, src)
-        owner = torch.where(idx >= 0, idx // L, -1)
-        for dst in range(R):
-            sent[src, dst] = int((owner == dst).any(dim=1).sum())
-        here = (owner == me).any(dim=1)
-        local = torch.where(owner == me, idx - me * L, -1)[here]
-        xs.append(x[here])
-        ids.append(local)
-        ws.append(torch.where(local >= 0, w[here], 0.0))
-    return torch.cat(xs), torch.cat(ids), torch.cat(ws), sent
-
-
 def _summed_weights(cfg: dict, me: int, R: int) -> torch.Tensor:
     """The weights a combine of the dispatched weights routes back to rank `me`'s tokens: each
     receiving rank passes its local experts' weights (0 elsewhere), summed over ranks."""
@@ -303,7 +283,7 @@ def run_elastic_callers_case(cfg: dict) -> list:
         E, L, H, K = cfg["E"], cfg["E"] // R, cfg["H"], cfg["K"]
         x, idx, w = _on(cfg, *_inputs_v2(cfg, rank))
         T = x.shape[0]
-        ex, eid, ew, _ = _expected_v2(cfg, rank, R)
+        ex, eid, ew, _ = _expected(cfg, rank, R, _inputs_v2)
         want_xx, want_xw, counts = _expanded(dict(cfg, align=1), rank, R)
         in_rank = _in_rank(idx.cpu(), L, R).sum(1, keepdim=True).double()
 
