@@ -43,8 +43,8 @@ class FakeKernels:
         self.notified_tag = 0  # Runtime::notified_tag: the last notify launched
 
     class HandleState:
-        def __init__(self, **bound):
-            self.bound = bound
+        def __init__(self, *args, **bound):
+            self.bound = FakeKernels._named("HandleState", args, bound)
 
     def _record(self, name, kw):
         self.calls.append((name, kw, self.call_of().pending))

@@ -18,8 +18,11 @@ def binding_arguments(path: str = "intranode") -> dict:
     """name -> (argument names in order, names with a default), from the pybind11 definitions."""
     src = (ROOT / "csrc" / path / "binding.cpp").read_text()
     pattern = r'intra\.def\("(\w+)", &mep::\w+, (.*?)\);' if path == "intranode" else r'\.def\("(\w+)", &\w+::\w+, (py::arg.*?)\)\n'
+    found = re.findall(pattern, src, re.S)
+    if path == "intranode":  # the handle's state, bound once per routing
+        found += re.findall(r'py::class_<mep::(HandleState)>.*?py::init\(&mep::handle_state\), (.*?)\);', src, re.S)
     out = {}
-    for name, body in re.findall(pattern, src, re.S):
+    for name, body in found:
         args = re.findall(r'py::arg\("(\w+)"\)( = [^,)]+)?', body)
         out[name] = ([a for a, _ in args], {a for a, d in args if d})
     return out
@@ -42,8 +45,7 @@ def kernel_calls(path: str = "intranode", holder: str = "kernels", module: str =
                and isinstance(node.value.value, ast.Attribute) and node.value.value.attr == holder}
 
     def kernel(node):
-        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
-                and node.value.attr == holder):
+        if isinstance(node, ast.Attribute) and _last_name(node.value) == holder:
             return node.attr
         if isinstance(node, ast.Name):
             return aliases.get(node.id)

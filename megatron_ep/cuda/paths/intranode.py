@@ -434,7 +434,8 @@ def native_state(kernels, st: IntranodeState, num_experts: int):
     """The handle's state as the one-crossing entries take it (calls.h HandleState), bound at the
     first call that needs it and kept: its counts follow the handle's."""
     if st.native is None:
-        st.native = kernels.HandleState(topk_idx=st.topk_idx, rank_pos=st.rank_pos, slot_pos=st.slot_pos,
-                                        recv_info=st.recv_info, row_limits=st.row_limits, counts=st.device_counts,
-                                        comb_map=st.comb_map, num_experts=num_experts, permute=st.permute)
+        # (by position, in the binding's order: keywords cost host time; tests/test_kernel_boundary.py)
+        counts = st.device_counts
+        st.native = kernels.HandleState(st.topk_idx, st.rank_pos, st.slot_pos, st.recv_info, st.row_limits, counts,
+                                        st.comb_map, num_experts, st.permute)
     return st.native
