@@ -200,10 +200,11 @@ def run_elastic_case(cfg: dict) -> list:
             starts.append(starts[-1] + _align(c, a))
         _check(errors, tag, "expanded psum_num_recv_tokens_per_expert", hx.psum_num_recv_tokens_per_expert,
                torch.tensor([s + c for s, c in zip(starts, counts)], dtype=torch.int32))
-        if xid is not None or hx.num_expanded_tokens != want_xx.shape[0] or \
+        if xid is not None or hx.num_expanded_tokens != want_xx.shape[0] or hx.num_recv_tokens != ex.shape[0] or \
                 hx.num_recv_tokens_per_expert_list != [_align(c, a) for c in counts]:
             errors.append(f"{tag} expanded: recv_topk_idx {xid is not None}, num_expanded_tokens "
-                          f"{hx.num_expanded_tokens}, list {hx.num_recv_tokens_per_expert_list}")
+                          f"{hx.num_expanded_tokens}, num_recv_tokens {hx.num_recv_tokens} (want {ex.shape[0]}), "
+                          f"list {hx.num_recv_tokens_per_expert_list}")
         # cached expanded dispatch with weights, zero padding; then the expanded combine
         cxx, _, cxw, _, _ = buf.dispatch(x, handle=hx, topk_weights=w, do_expand=True, do_zero_padding=True)
         _check(errors, tag, "cached expanded recv_x", cxx, want_xx)

@@ -75,7 +75,7 @@ class EPHandle:
     channel_linked_list = None
 
     def __init__(self, ours: DispatchHandle, *, do_expand: bool, num_max_tokens_per_rank: int, num_sms: int,
-                 topk_idx: torch.Tensor, num_recv_tokens: int, num_expanded_tokens: int,
+                 topk_idx: torch.Tensor, num_recv_tokens: Optional[int], num_expanded_tokens: int,
                  num_recv_tokens_per_expert_list: List[int], tokens_per_expert: torch.Tensor, rank: int,
                  recv_topk_idx: Optional[torch.Tensor], row_expert: Optional[torch.Tensor]):
         self.ours = ours
@@ -85,12 +85,25 @@ class EPHandle:
         self.num_max_tokens_per_rank = num_max_tokens_per_rank
         self.num_sms = num_sms
         self.topk_idx = topk_idx
-        self.num_recv_tokens = num_recv_tokens
+        self._num_recv_tokens = num_recv_tokens
         self.num_expanded_tokens = num_expanded_tokens
         self.num_recv_tokens_per_expert_list = num_recv_tokens_per_expert_list
         self.recv_topk_idx = recv_topk_idx  # (a cached dispatch returns the routing's received ids again)
         self._tpe, self._rank, self._row_expert = tokens_per_expert, rank, row_expert
         self.sms_asked = 0  # the dispatch's num_sms argument (0: automatic), which its combine's 0 means
+
+    @property
+    def num_recv_tokens(self) -> int:
+        """Tokens received (one per source token and this rank; worst-case rows without the CPU
+        sync). An expanded dispatch's is read from the device at first use (one sync)."""
+        if self._num_recv_tokens is None:
+            psum = self.psum_num_recv_tokens_per_scaleup_rank
+            self._num_recv_tokens = int(psum[-1]) if psum.numel() else 0
+        return self._num_recv_tokens
+
+    @num_recv_tokens.setter
+    def num_recv_tokens(self, value: int) -> None:
+        self._num_recv_tokens = value
 
     @functools.cached_property
     def num_unaligned_recv_tokens_per_expert(self) -> torch.Tensor:
@@ -352,7 +365,7 @@ class ElasticBuffer:
         num_rows = rows_of(out.x)
         h = EPHandle(out.handle, do_expand=do_expand, num_max_tokens_per_rank=tmax, num_sms=sms,
                      topk_idx=out.handle.topk_idx if do_handle_copy else topk_idx,
-                     num_recv_tokens=num_rows if not do_expand else (sum(counts) if sync else worst),
+                     num_recv_tokens=num_rows if not do_expand else (None if sync else R * tmax),
                      num_expanded_tokens=num_rows if do_expand else 0, num_recv_tokens_per_expert_list=counts,
                      tokens_per_expert=out.tokens_per_expert, rank=self.rank, recv_topk_idx=out.topk_idx,
                      row_expert=out.row_expert)
