@@ -6,7 +6,8 @@ the edges V2's callers work around handled (docs/deep-ep.md, "DeepEP V2's Elasti
 Our rows already come in V2's deterministic order (rank-major: by source rank, then source token;
 expanded: by local expert, then source rank, then source token), so `deterministic` costs nothing
 here. What V2 has and this module has not (Engram, PP send/recv, all-gather sessions, CPU-backed
-memory, the per-row source metadata) raises NotImplementedError naming itself."""
+memory, and on the cuda backend the per-row source metadata) raises NotImplementedError naming
+itself."""
 
 from __future__ import annotations
 
@@ -135,11 +136,33 @@ class EPHandle:
             return torch.cumsum(h.recv_rank_counts, 0, dtype=torch.int32)
         return torch.cumsum(h.rank_counts[:, self._rank], 0, dtype=torch.int32)
 
-    @property
+    @functools.cached_property
     def recv_src_metadata(self) -> torch.Tensor:
-        raise NotImplementedError("megatron_ep.deep_ep EPHandle.recv_src_metadata (each received row's source token "
-                                  "index and slots) is not supported: our kernels do not write a row's source index; "
-                                  "rows come in source-rank then source-token order (docs/deep-ep.md)")
+        """[num_recv_tokens, K + 2] int32, V2's: per token received (rank-major row) its source
+        rank * num_max_tokens_per_rank + its source index, its source rank * K + its first slot
+        with an expert here, and (expanded) each slot's expanded row, -1 elsewhere (-1 in all K
+        columns when plain). Rows past the tokens received (without the CPU sync) are -1. Made on
+        first read, from the backend's per-row source index (the torch backend's; our kernels do
+        not write one yet: NotImplementedError there)."""
+        h = self.ours
+        src = h.recv_src_token
+        if src is None:
+            raise NotImplementedError("megatron_ep.deep_ep EPHandle.recv_src_metadata (each received row's source "
+                                      "token index and slots) is not supported on the cuda backend yet: our kernels "
+                                      "do not write a row's source index; rows come in source-rank then source-token "
+                                      "order (docs/deep-ep.md)")
+        N, K, R = src.numel(), h.topk, h.num_ranks
+        counts = h.recv_rank_counts if h.recv_rank_counts is not None else h.rank_counts[:, self._rank]
+        src_rank = torch.repeat_interleave(torch.arange(R, dtype=torch.int32, device=src.device),
+                                           counts.to(torch.int64), output_size=N)
+        slots = h.recv_slot_row if self.do_expand else self.recv_topk_idx[:N]
+        here = slots >= 0
+        meta = torch.full((max(self.num_recv_tokens, N), K + 2), -1, dtype=torch.int32, device=src.device)
+        meta[:N, 0] = src_rank * self.num_max_tokens_per_rank + src
+        meta[:N, 1] = torch.where(here.any(1), src_rank * K + here.to(torch.int8).argmax(1).to(torch.int32), -1)
+        if self.do_expand:
+            meta[:N, 2:] = slots
+        return meta[:self.num_recv_tokens] if self.num_recv_tokens < N else meta
 
     @property
     def dst_buffer_slot_idx(self) -> torch.Tensor:
