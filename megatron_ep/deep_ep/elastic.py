@@ -5,12 +5,13 @@ the edges V2's callers work around handled (docs/deep-ep.md, "DeepEP V2's Elasti
 
 Our rows already come in V2's deterministic order (rank-major: by source rank, then source token;
 expanded: by local expert, then source rank, then source token), so `deterministic` costs nothing
-here. What V2 has and this module has not (Engram, PP send/recv, all-gather sessions, CPU-backed
+here. What V2 has and this module has not (Engram, PP send/recv, all-gather (AGRS), CPU-backed
 memory, and on the cuda backend the per-row source metadata) raises NotImplementedError naming
 itself."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -21,7 +22,8 @@ import torch.distributed as dist
 
 from .. import buffer as _mep
 from ..types import DispatchHandle
-from .buffer import RANKS_PER_NODE, _group_of, _needs_row_major_copy, _row_major_scales, _unpacked_scales, _with_bias
+from .buffer import (RANKS_PER_NODE, _group_of, _needs_row_major_copy, _row_major_scales, _rows, _unpacked_scales,
+                     _with_bias)
 from .utils import EventHandle, EventOverlap, from_ours
 
 log = logging.getLogger("megatron_ep.deep_ep")
@@ -385,7 +387,7 @@ class ElasticBuffer:
         counts = list(out.tokens_per_expert_host) if sync else []  # (expanded: the padded lengths already)
         if sync and not do_expand and align > 1:
             counts = [_align(c, align) for c in counts]
-        num_rows = rows_of(out.x)
+        num_rows = _rows(out.x).shape[0]
         h = EPHandle(out.handle, do_expand=do_expand, num_max_tokens_per_rank=tmax, num_sms=sms,
                      topk_idx=out.handle.topk_idx if do_handle_copy else topk_idx,
                      num_recv_tokens=num_rows if not do_expand else (None if sync else R * tmax),
@@ -402,7 +404,7 @@ class ElasticBuffer:
         packed or column-major scales) after the call's event, on the stream its outputs are on."""
         ev = getattr(out.event, "event", None)
         stream = self.runtime.comm_stream if ev is not None else None
-        ctx = torch.cuda.stream(stream) if stream is not None else _nullcontext()
+        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         data, scales = (out.x if isinstance(out.x, tuple) else (out.x, None))
         weights = out.topk_weights
         with ctx:
@@ -474,7 +476,7 @@ class ElasticBuffer:
     # ------------------------------------------------------------------ V2's other parts
     def _absent(self, name: str):
         raise NotImplementedError(f"megatron_ep.deep_ep ElasticBuffer.{name}: V2's {name} is not supported "
-                                  f"(Engram, pipeline send/recv and all-gather sessions are not in megatron_ep; "
+                                  f"(Engram, pipeline send/recv and all-gather (AGRS) are not in megatron_ep; "
                                   f"docs/deep-ep.md)")
 
     def __getattr__(self, name: str):
@@ -488,14 +490,3 @@ _V2_ONLY = frozenset(("get_engram_storage_size_hint", "engram_write", "engram_fe
                       "get_agrs_buffer_size_hint", "agrs_set_config", "create_agrs_session", "destroy_agrs_session",
                       "agrs_new_session", "agrs_get_inplace_tensor", "all_gather"))
 
-
-def rows_of(x) -> int:
-    return (x[0] if isinstance(x, tuple) else x).shape[0]
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
