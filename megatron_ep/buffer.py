@@ -173,6 +173,7 @@ class Buffer:
             C.check_int("max_tokens_per_rank", max_tokens_per_rank, 0)
         self.max_tokens_per_rank = max_tokens_per_rank
         self._ids_level = C.check_inputs_level(check_inputs)
+        self._ll_shapes: set = set()  # low-latency dispatch shapes whose sizes were checked
         self.check_inputs = check_inputs
         if ranks_per_node is not None:
             if not (isinstance(ranks_per_node, int) and 1 <= ranks_per_node <= self.num_ranks
@@ -347,14 +348,19 @@ class Buffer:
             T, H, is_fp8 = C.check_activation("x", x)
             device = C.act_device(x)
             C.check_token_limit(T, self.max_tokens_per_rank)
-            C.check_int("num_worst_tokens", num_worst_tokens, 0, C.MAX_ROWS)
-            if on_overflow not in ("drop", "raise"):
+            # (each argument left at its default needs no check: a call's host time counts)
+            if num_worst_tokens != 0 or type(num_worst_tokens) is not int:
+                C.check_int("num_worst_tokens", num_worst_tokens, 0, C.MAX_ROWS)
+            if on_overflow != "drop" and on_overflow != "raise":
                 raise ValueError(f"on_overflow must be 'drop' or 'raise', got {on_overflow!r}")
-            C.check_bool("permute", permute, allow_none=True)
-            C.check_bool("host_counts", host_counts)
-            C.check_bool("rank_counts", rank_counts)
-            C.check_bool("async_op", async_op)
-            C.check_event("previous_event", previous_event)
+            if permute is not None:
+                C.check_bool("permute", permute)
+            if host_counts is not False or rank_counts is not False or async_op is not False:
+                C.check_bool("host_counts", host_counts)
+                C.check_bool("rank_counts", rank_counts)
+                C.check_bool("async_op", async_op)
+            if previous_event is not None:
+                C.check_event("previous_event", previous_event)
             if handle is not None:
                 self._check_handle(handle, DispatchHandle)
                 C.fail(topk_idx is None, "cached dispatch (handle given) takes its routing from the handle: pass topk_idx=None")
@@ -457,15 +463,20 @@ class Buffer:
         with self._call("low_latency_dispatch") as call:
             T, H, is_fp8 = C.check_activation("x", x, allowed=(torch.bfloat16, torch.float32))
             C.fail(not is_fp8, "low_latency_dispatch takes bf16/fp32 x and casts to FP8 itself (use_fp8=True)", TypeError)
-            C.check_num_experts(num_experts, self.num_ranks)
-            C.check_bool("use_fp8", use_fp8)
-            C.check_bool("round_scale", round_scale)
-            C.check_low_latency_capacity(max_tokens_per_rank, num_experts, H, 1 if use_fp8 else x.element_size())
-            C.check_token_limit(T, max_tokens_per_rank)
-            if use_fp8:
-                if H % C.FP8_BLOCK != 0:
+            if type(use_fp8) is not bool or type(round_scale) is not bool or type(use_ue8m0) is not bool:
+                C.check_bool("use_fp8", use_fp8)
+                C.check_bool("round_scale", round_scale)
+                C.check_bool("use_ue8m0", use_ue8m0)
+            # the sizes' checks, once per shape (a call's host time counts; the same shape passes again)
+            shape = (num_experts, max_tokens_per_rank, H, use_fp8, x.dtype)
+            if type(num_experts) is not int or type(max_tokens_per_rank) is not int or shape not in self._ll_shapes:
+                C.check_num_experts(num_experts, self.num_ranks)
+                C.check_low_latency_capacity(max_tokens_per_rank, num_experts, H, 1 if use_fp8 else x.element_size())
+                if use_fp8 and H % C.FP8_BLOCK != 0:
                     raise ValueError(f"x: hidden size {H} must be a multiple of {C.FP8_BLOCK} for FP8")
-            C.check_bool("use_ue8m0", use_ue8m0)
+                if len(self._ll_shapes) < 64:
+                    self._ll_shapes.add(shape)
+            C.check_token_limit(T, max_tokens_per_rank)
             if use_ue8m0:
                 C.fail(use_fp8 and round_scale, "use_ue8m0 needs use_fp8=True and round_scale=True (power-of-two scales)")
                 if H % (C.FP8_BLOCK * 4) != 0:
@@ -474,10 +485,12 @@ class Buffer:
                 if self.num_ranks * max_tokens_per_rank % 4 != 0:
                     raise ValueError(f"use_ue8m0: num_ranks * max_tokens_per_rank = {self.num_ranks * max_tokens_per_rank} must be a "
                                      f"multiple of 4 (the column-major scales are TMA-aligned)")
-            C.check_stats("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
-                          num_experts // self.num_ranks, torch.int32, x.device, "local expert")
-            C.check_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, self.num_ranks, torch.int64,
-                          x.device, "rank")
+            if cumulative_local_expert_recv_stats is not None:
+                C.check_stats("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
+                              num_experts // self.num_ranks, torch.int32, x.device, "local expert")
+            if dispatch_wait_recv_cost_stats is not None:
+                C.check_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, self.num_ranks, torch.int64,
+                              x.device, "rank")
             kwargs.update(use_ue8m0=use_ue8m0, recv_stats=cumulative_local_expert_recv_stats,
                           wait_stats=dispatch_wait_recv_cost_stats)
             K = C.check_topk_idx(topk_idx, T, x.device)
@@ -487,8 +500,7 @@ class Buffer:
                 C.check_topk_weights(topk_weights, T, K, x.device)
                 kwargs["topk_weights"] = topk_weights
             wire = C.FP8_DTYPE if use_fp8 else x.dtype
-            call.set(dtype=P.dtype_code(wire), hidden=H, row_bytes=H * wire.itemsize, topk=K,
-                     num_experts=num_experts, max_tokens_per_rank=max_tokens_per_rank)
+            call.set_low_latency(0, P.dtype_code(wire), H, H * wire.itemsize, K, num_experts, max_tokens_per_rank, 0)
             out = self._impl.low_latency_dispatch(call, x, topk_idx, num_experts, max_tokens_per_rank, use_fp8,
                                                   round_scale, **kwargs)
         out.handle.buffer_id = self.id
@@ -546,10 +558,8 @@ class Buffer:
                 if handle.hidden % logfmt.BLOCK != 0:
                     raise ValueError(f"use_logfmt: hidden size {handle.hidden} must be a multiple of {logfmt.BLOCK}")
                 kwargs["use_logfmt"] = True
-            call.set(routing=handle.call_seq, dtype=P.dtype_code(x.dtype), hidden=handle.hidden,
-                     row_bytes=handle.hidden * x.element_size(), topk=K, num_experts=handle.num_experts,
-                     max_tokens_per_rank=handle.max_tokens_per_rank,
-                     variant=P.LL_COMBINE_LOGFMT if use_logfmt else 0)
+            call.set_low_latency(handle.call_seq, P.dtype_code(x.dtype), handle.hidden, handle.hidden * x.element_size(), K,
+                                 handle.num_experts, handle.max_tokens_per_rank, P.LL_COMBINE_LOGFMT if use_logfmt else 0)
             y = self._impl.low_latency_combine(call, x, topk_idx, topk_weights, handle, **kwargs)
         return _refusing("low_latency_combine", [y], [x, topk_weights])[0] if _needs_refusal(x, topk_weights) else y
 

@@ -57,6 +57,7 @@ _VARIANT = FIELD["variant"]
 _ROUTING, _DTYPE, _HIDDEN, _ROW_BYTES, _TOPK, _NUM_EXPERTS, _PERMUTE, _ALIGNMENT, _WORST, _WEIGHTS = (
     FIELD[name] for name in ("routing", "dtype", "hidden", "row_bytes", "topk", "num_experts", "permute",
                              "expert_alignment", "worst_case_sized", "weights"))
+_MAX_TOKENS = FIELD["max_tokens_per_rank"]
 
 @functools.lru_cache(maxsize=None)
 def _dtype_codes() -> dict:
@@ -130,6 +131,14 @@ class Call:
         (sig[_ROUTING], sig[_DTYPE], sig[_HIDDEN], sig[_ROW_BYTES], sig[_TOPK], sig[_NUM_EXPERTS], sig[_PERMUTE],
          sig[_ALIGNMENT], sig[_WORST], sig[_WEIGHTS]) = (routing, dtype, hidden, row_bytes, topk, num_experts, int(permute),
                                                          expert_alignment, int(worst_case_sized), weights)
+        return self
+
+    def set_low_latency(self, routing: int, dtype: int, hidden: int, row_bytes: int, topk: int, num_experts: int,
+                        max_tokens_per_rank: int, variant: int) -> "Call":
+        """set() of a low-latency call's data fields, positionally (as set_normal)."""
+        sig = self.sig
+        (sig[_ROUTING], sig[_DTYPE], sig[_HIDDEN], sig[_ROW_BYTES], sig[_TOPK], sig[_NUM_EXPERTS], sig[_MAX_TOKENS],
+         sig[_VARIANT]) = (routing, dtype, hidden, row_bytes, topk, num_experts, max_tokens_per_rank, variant)
         return self
 
     def set_variant(self, variant: int) -> "Call":

@@ -257,7 +257,7 @@ class TorchBackend:
             recv_counts = every[:, self.rank].tolist()
             rank_counts = every.to(device=device, dtype=torch.int32)
             local_idx = torch.where(send_slot_local, topk_idx[send_tok] - send_rank.unsqueeze(1) * L, -1)
-            meta = [local_idx.to(torch.int32)]
+            meta = [local_idx.to(torch.int32), send_tok.to(torch.int32).unsqueeze(1)]  # (ids, source token)
         else:
             self._exchange(call)
             st: _NormalState = handle.state
@@ -270,12 +270,13 @@ class TorchBackend:
         if topk_weights is not None:
             parts.append(torch.where(send_slot_local, topk_weights[send_tok], 0))
         like = [(data.dtype, tuple(data.shape[1:]))] + ([(torch.float32, tuple(scales.shape[1:]))] if is_fp8 else [])
-        like += [(torch.int32, (K,))] * len(meta)
+        like += [(torch.int32, (K,)), (torch.int32, (1,))] if meta else []
         like += [(topk_weights.dtype, (K,))] if topk_weights is not None else []
         recv = unpack_rows(self._exchange_rows(call, pack_rows(parts), send_counts, recv_counts), like)
         recv_x = recv.pop(0)
         recv_scales = recv.pop(0) if is_fp8 else None
         recv_topk_idx = recv.pop(0).to(torch.int64) if handle is None else handle.state.recv_topk_idx
+        recv_src_token = recv.pop(0)[:, 0].contiguous() if handle is None else None
         recv_w = recv.pop(0) if topk_weights is not None else None
 
         if handle is None:
@@ -325,7 +326,8 @@ class TorchBackend:
                 num_recv_rows=num_rows, tokens_per_expert=out.tokens_per_expert, topk_idx=topk_idx,
                 num_worst_tokens=num_worst_tokens, state=state, call_seq=call.seq, rank_counts=rank_counts,
                 recv_rank_counts=rank_counts[:, self.rank], rank_prefix=(prefix := rank_counts.cumsum(0, dtype=torch.int32)),
-                recv_rank_prefix=prefix[:, self.rank],
+                recv_rank_prefix=prefix[:, self.rank], recv_src_token=recv_src_token,
+                recv_slot_row=self._slot_rows(state, recv_topk_idx.shape, device) if permute else None,
             )
         out.handle = handle
         # the outputs are the caller's: what the handle keeps (the routing's ids, counts and row
@@ -338,6 +340,15 @@ class TorchBackend:
         if async_op:
             out.event = EventOverlap(None)
         return out
+
+    @staticmethod
+    def _slot_rows(state: "_NormalState", shape, device) -> torch.Tensor:
+        """[N, K] int32: each (rank-major row, slot)'s expert-major output row, -1 where none
+        (a slot elsewhere, or dropped past num_worst_tokens)."""
+        rows = torch.full(tuple(shape), -1, dtype=torch.int32, device=device)
+        keep = state.kept if state.kept is not None else torch.ones_like(state.perm_pos, dtype=torch.bool)
+        rows[state.perm_rows[keep], state.perm_slots[keep]] = state.perm_pos[keep].to(torch.int32)
+        return rows
 
     @staticmethod
     def _fit_to_worst(out: DispatchOutput, num_rows: int, worst: int, is_fp8: bool, permute: bool) -> int:

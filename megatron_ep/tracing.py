@@ -70,8 +70,8 @@ def host_steps(buf) -> Iterator[Dict[str, Dict[str, float]]]:
     """Within the block, the extension times the steps of each one-crossing entry of the
     intranode path (notify_call, dispatch_call, combine_call; csrc/ipc/host_clock.h; a new
     routing's dispatch_first_call charges its notify half to notify_call and the rest to
-    dispatch_call): where a crossing's host time goes, which a Python profiler sees as one call. The yielded dict is
-    filled when the block ends: {entry: {"calls": n, step: ns in all}}. It stays empty on the
+    dispatch_call): where a crossing's host time goes, which a Python profiler sees as one
+    call. The yielded dict is filled when the block ends: {entry: {"calls": n, step: ns in all}}. It stays empty on the
     torch backend and for calls without such entries (low-latency)."""
     native = getattr(getattr(buf._backend(), "rt", None), "rt", None)
     out: Dict[str, Dict[str, float]] = {}

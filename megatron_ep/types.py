@@ -86,6 +86,12 @@ class DispatchHandle(_Routing):
     # this rank), where rank_counts (recv_rank_counts) are given
     rank_prefix: Optional[torch.Tensor] = None
     recv_rank_prefix: Optional[torch.Tensor] = None
+    # [N] int32: the source token (its index on its source rank) of each rank-major row received
+    # here, before any worst-case drop; and, expert-major, [N, K] int32: the output row of each
+    # (rank-major row, slot), -1 for slots elsewhere or dropped. The torch backend fills both; the
+    # cuda kernels do not write them yet (None)
+    recv_src_token: Optional[torch.Tensor] = None
+    recv_slot_row: Optional[torch.Tensor] = None
 
 
 @dataclass

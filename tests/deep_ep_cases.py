@@ -45,14 +45,15 @@ def _in_rank(idx: torch.Tensor, L: int, R: int) -> torch.Tensor:
     return torch.stack([(owner == r).any(dim=1) for r in range(R)], dim=1)
 
 
-def _expected(cfg: dict, me: int, R: int):
+def _expected(cfg: dict, me: int, R: int, inputs=None):
     """DeepEP's dispatch on rank `me`: rows by (source rank, source token), one per token with an
-    expert here; local ids, -1 (weight 0) for experts elsewhere."""
+    expert here; local ids, -1 (weight 0) for experts elsewhere. `inputs(cfg, rank)`: each rank's
+    (x, topk_idx, topk_weights), _inputs by default."""
     L = cfg["E"] // R
     xs, ids, ws = [], [], []
     sent = torch.zeros((R, R), dtype=torch.int64)  # [source, destination] tokens
     for src in range(R):
-        x, idx, w = _inputs(cfg, src)
+        x, idx, w = (inputs or _inputs)(cfg, src)
         owner = torch.where(idx >= 0, idx // L, -1)
         for dst in range(R):
             sent[src, dst] = int((owner == dst).any(dim=1).sum())

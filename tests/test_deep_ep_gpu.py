@@ -1,7 +1,8 @@
 """megatron_ep.deep_ep on the cuda backend (our kernels), R = 2 and 4 virtual ranks: the normal
 mode (intranode kernels) and the low-latency mode (statistics, UE8M0 scales, the zero-copy
 combine) against the same oracle of DeepEP's semantics as the torch backend's CPU cases
-(tests/deep_ep_cases.py, tests/test_deep_ep.py)."""
+(tests/deep_ep_cases.py, tests/test_deep_ep.py); DeepEP V2's ElasticBuffer likewise
+(tests/deep_ep_elastic_cases.py)."""
 
 import os
 
@@ -81,4 +82,16 @@ def test_bad_ids_refused_by_the_dispatch_on_our_kernels(R):
     finds it and every rank raises ValueError before any row moves; the next dispatch is DeepEP's."""
     cfg = dict(seed=31, E=4, K=2, H=16, Ts=[3, 4], **ON_CUDA)
     errors = flat(pool_(R).run(dc.run_deep_ep_bad_ids_case, cfg, timeout=RUN_S))
+    assert not errors, "\n".join(errors[:20])
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_elastic_buffer_on_our_kernels(R):
+    """DeepEP V2's ElasticBuffer on our kernels against the oracle of V2's semantics and the call
+    sequences of Megatron-LM's, SGLang's and vLLM's V2 backends (tests/deep_ep_elastic_cases.py)."""
+    import deep_ep_elastic_cases as ec
+
+    cfgs = [dict(c, **ON_CUDA) for c in ec.elastic_cases(R)]
+    errors = flat(pool_(R).run(ec.run_elastic_cases, cfgs, timeout=RUN_S))
+    errors += flat(pool_(R).run(ec.run_elastic_callers_cases, [cfgs[0], cfgs[2]], timeout=RUN_S))
     assert not errors, "\n".join(errors[:20])

@@ -14,6 +14,7 @@ from megatron_ep import protocol as P
 from megatron_ep.cuda.paths.intranode import IntranodePath
 from megatron_ep.requests import CombineRequest, DispatchRequest
 from megatron_ep.types import EventOverlap
+from test_kernel_boundary import binding_arguments
 
 R, E, K, H, T = 2, 8, 2, 64, 6
 L = E // R
@@ -21,8 +22,18 @@ N, M = 5, 7  # rows the host learns from notify: rank-major, expert-major
 
 
 class FakeKernels:
-    """Stands in for _C.intranode: records each crossing (its keyword arguments and where the
-    call's peers wait for this rank at that moment) and returns what the entry returns."""
+    """Stands in for _C.intranode: records each crossing (its arguments by the binding's names,
+    csrc/intranode/binding.cpp, and where the call's peers wait for this rank at that moment) and
+    returns what the entry returns."""
+
+    NAMES = {name: names for name, (names, _) in binding_arguments().items()}
+
+    @classmethod
+    def _named(cls, entry: str, args: tuple, kw: dict) -> dict:
+        """The call's arguments by name: positional ones take the binding's names in order."""
+        names = cls.NAMES[entry]
+        assert len(args) <= len(names) and not set(names[:len(args)]) & set(kw), (entry, len(args), sorted(kw))
+        return {**dict(zip(names, args)), **kw}
 
     def __init__(self, call_of):
         self.calls = []
@@ -32,8 +43,8 @@ class FakeKernels:
         self.notified_tag = 0  # Runtime::notified_tag: the last notify launched
 
     class HandleState:
-        def __init__(self, **bound):
-            self.bound = bound
+        def __init__(self, *args, **bound):
+            self.bound = FakeKernels._named("HandleState", args, bound)
 
     def _record(self, name, kw):
         self.calls.append((name, kw, self.call_of().pending))
@@ -51,8 +62,12 @@ class FakeKernels:
         native = self.HandleState(topk_idx=made[0], rank_pos=made[1], slot_pos=made[2], recv_info=made[3],
                                   row_limits=made[4], counts=counts, comb_map=None, num_experts=kw["num_experts"],
                                   permute=kw["permute"])
-        return (*made, counts, counts[:L], counts[L], torch.zeros(R, R, **i32) if kw["rank_counts"] else None,
-                torch.zeros(R, R, **i32) if kw["rank_counts"] else None, waited, None if waited else sizes, native)
+        rank_counts = rank_prefix = None
+        if kw["rank_counts"]:
+            rank_counts, rank_prefix = torch.zeros(R, R, **i32), torch.zeros(R, R, **i32)
+        columns = (rank_counts[:, 0], rank_prefix[:, 0]) if kw["rank_counts"] else (None, None)
+        return (*made, counts, counts[:L], counts[L], rank_counts, rank_prefix, *columns, waited,
+                None if waited else sizes, native)
 
     def _dispatched(self, st, first, rows, comb_rows, x, topk_weights):
         """What dispatch_call returns (its tuple), the state updated as HandleState is."""
@@ -68,14 +83,16 @@ class FakeKernels:
                 torch.zeros(rows, dtype=torch.int32) if permute else None,
                 torch.zeros(L, dtype=torch.int64), torch.zeros((), dtype=torch.int64), kept, kept[:L], kept[L], comb_map)
 
-    def notify_call(self, **kw):
+    def notify_call(self, *args, **kw):
+        kw = self._named("notify_call", args, kw)
         self._record("notify_call", kw)
         return self._notified(kw, -1 if kw["num_worst_tokens"] else 0)  # no host wait when worst-case sized
 
-    def dispatch_first_call(self, **kw):
+    def dispatch_first_call(self, *args, **kw):
         """As calls.h: notify (the runtime's notified tag set), the wait, then the dispatch half
         unless the host must act first (`stop_after_notify`, or the needs other than the counts do
         not fit); fail_in="dispatch half" raises there, past notify."""
+        kw = self._named("dispatch_first_call", args, kw)
         self._record("dispatch_first_call", kw)
         notified = self._notified(kw, 0)
         self.notified_tag = kw["tag"]
@@ -87,11 +104,13 @@ class FakeKernels:
         res = self._dispatched(notified[-1], True, M if permute else N, N if permute else 0, kw["x"], kw["topk_weights"])
         return 0, notified, res
 
-    def dispatch_call(self, **kw):
+    def dispatch_call(self, *args, **kw):
+        kw = self._named("dispatch_call", args, kw)
         self._record("dispatch_call", kw)
         return self._dispatched(kw["state"], kw["first"], kw["out_rows"], kw["comb_rows"], kw["x"], kw["topk_weights"])
 
-    def combine_call(self, **kw):
+    def combine_call(self, *args, **kw):
+        kw = self._named("combine_call", args, kw)
         self._record("combine_call", kw)
         return torch.zeros(T, H, dtype=kw["x"].dtype), None
 

@@ -1,10 +1,11 @@
-"""The normal paths' kernels are called by name: every call in megatron_ep/cuda/paths/intranode.py
-(its one-crossing entries: dispatch_first_call, notify_call, dispatch_call, combine_call) and internode.py passes each
-argument by the name its binding gives it (csrc/intranode/binding.cpp, csrc/internode/binding.cpp),
-all of them, so an argument added, removed or reordered on one side cannot silently land in
-another's place. Read from the sources (no GPU, no build needed). The
-low-latency kernels keep positional calls: pybind11 matches keywords by name at every call, host
-time a decode step cannot spare."""
+"""The normal paths' kernels get every argument under the name its binding gives it
+(csrc/intranode/binding.cpp, csrc/internode/binding.cpp), so an argument added, removed or
+reordered on one side cannot silently land in another's place. internode.py passes them by
+keyword; intranode.py's one-crossing entries (dispatch_first_call, notify_call, dispatch_call,
+combine_call) pass them by position, each argument an expression whose last name is its
+parameter's (`rt.rt`, `call.sig`, `plan.num_experts`, a local `hook`): pybind11 matches keywords
+by name at every call, about 0.25 µs each, 5 µs of a cached dispatch's host time. Read from the
+sources (no GPU, no build needed). The low-latency kernels are called by position too."""
 
 import ast
 import pathlib
@@ -17,15 +18,24 @@ def binding_arguments(path: str = "intranode") -> dict:
     """name -> (argument names in order, names with a default), from the pybind11 definitions."""
     src = (ROOT / "csrc" / path / "binding.cpp").read_text()
     pattern = r'intra\.def\("(\w+)", &mep::\w+, (.*?)\);' if path == "intranode" else r'\.def\("(\w+)", &\w+::\w+, (py::arg.*?)\)\n'
+    found = re.findall(pattern, src, re.S)
+    if path == "intranode":  # the handle's state, bound once per routing
+        found += re.findall(r'py::class_<mep::(HandleState)>.*?py::init\(&mep::handle_state\), (.*?)\);', src, re.S)
     out = {}
-    for name, body in re.findall(pattern, src, re.S):
+    for name, body in found:
         args = re.findall(r'py::arg\("(\w+)"\)( = [^,)]+)?', body)
         out[name] = ([a for a, _ in args], {a for a, d in args if d})
     return out
 
 
+def _last_name(node) -> str:
+    """The name an argument expression ends in (`a.b.c` -> "c", `x` -> "x"); "" for anything else."""
+    return node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
+
+
 def kernel_calls(path: str = "intranode", holder: str = "kernels", module: str = "") -> list:
-    """(kernel name, keyword names, positional count, line) of every kernel call in a path's module
+    """(kernel name, argument names, positional count, line) of every kernel call in a path's module
+    (an argument's name: its keyword, or for a positional one the last name of its expression)
     (or in `module`, a file under megatron_ep/), direct (`self.HOLDER.NAME(...)`), through
     `call.sends(self.HOLDER.NAME, ...)`, or through a local name bound to `....HOLDER.NAME`."""
     source = ROOT / "megatron_ep" / (module or f"cuda/paths/{path}.py")
@@ -35,8 +45,7 @@ def kernel_calls(path: str = "intranode", holder: str = "kernels", module: str =
                and isinstance(node.value.value, ast.Attribute) and node.value.value.attr == holder}
 
     def kernel(node):
-        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
-                and node.value.attr == holder):
+        if isinstance(node, ast.Attribute) and _last_name(node.value) == holder:
             return node.attr
         if isinstance(node, ast.Name):
             return aliases.get(node.id)
@@ -46,11 +55,11 @@ def kernel_calls(path: str = "intranode", holder: str = "kernels", module: str =
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call):
             continue
-        name, positional = kernel(node.func), len(node.args)
+        name, args = kernel(node.func), node.args
         if name is None and isinstance(node.func, ast.Attribute) and node.func.attr == "sends" and node.args:
-            name, positional = kernel(node.args[0]), len(node.args) - 1
+            name, args = kernel(node.args[0]), node.args[1:]
         if name is not None:
-            calls.append((name, [k.arg for k in node.keywords], positional, node.lineno))
+            calls.append((name, [_last_name(a) for a in args] + [k.arg for k in node.keywords], len(args), node.lineno))
     return calls
 
 
@@ -59,12 +68,28 @@ def test_every_intranode_kernel_call_names_all_its_arguments():
     assert set(bound) >= {"notify_call", "dispatch_call", "combine_call"}, sorted(bound)
     calls = kernel_calls()
     assert {c[0] for c in calls} == set(bound), f"kernels bound but never called, or called but not bound: {calls}"
-    for name, keywords, positional, line in calls:
+    for name, given, positional, line in calls:
         names, defaults = bound[name]
-        assert positional == 0, f"intranode.py:{line}: {name} gets {positional} positional arguments"
-        unknown = [k for k in keywords if k not in names]
-        missing = [a for a in names if a not in keywords and a not in defaults]
-        assert not unknown and not missing, f"intranode.py:{line}: {name}: unknown {unknown}, missing {missing}"
+        # by position, in the binding's order, each argument's last name its parameter's
+        assert positional == len(given), f"intranode.py:{line}: {name} gets keywords {given[positional:]}"
+        assert given == names[:positional], f"intranode.py:{line}: {name}: arguments named {given}, parameters {names}"
+        missing = [a for a in names[positional:] if a not in defaults]
+        assert not missing, f"intranode.py:{line}: {name}: missing {missing}"
+
+
+def test_the_positional_rule_catches_a_swapped_argument():
+    """kernel_calls reads a positional argument's name from its expression, so two swapped
+    arguments, or one not named as its parameter, fail the test above."""
+    import textwrap
+
+    src = textwrap.dedent("""
+        def f(self, call, rt, plan):
+            call.sends(self.kernels.combine_call, rt.rt, plan.sig, state)
+    """)
+    node = ast.parse(src).body[0].body[0].value
+    assert [_last_name(a) for a in node.args[1:]] == ["rt", "sig", "state"]
+    names = binding_arguments()["combine_call"][0]
+    assert ["rt", "sig", "state"] != names[:3] == ["rt", "state", "sig"]
 
 
 def test_the_notify_trace_names_all_notify_call_arguments():

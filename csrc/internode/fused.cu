@@ -67,6 +67,7 @@ __global__ void __launch_bounds__(kInternodeThreads, 1) cached_notify_kernel(con
 __global__ void __launch_bounds__(kInternodeThreads, 1) dispatch_kernel(const InternodeCtx c, const InternodeSendArgs s,
                                                                         const InnodeDispatch in) {
   __shared__ int tokens[kInternodeMaxNodes];
+  copy_counts(in.push.out.counts);  // (a cached dispatch's: the in-node stage's counts)
   InternodeState* st = state_of(c);
   const long long sent = *reinterpret_cast<volatile long long*>(&st->sent[kInternodeDispatch]) + 1;
   const long long got = *reinterpret_cast<volatile long long*>(&st->received[kInternodeDispatch]) + 1;

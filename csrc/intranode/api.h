@@ -12,7 +12,8 @@ namespace mep {
 // ---- layout.cu -------------------------------------------------------------------------------
 // One pass over topk_idx: tokens per rank (each token once per rank), (token, expert) pairs per
 // expert (int64, or int32 with counts_int32), token_in_rank [T, R]. Ids outside [0, E) count as
-// unused. Counts zeroed by the caller.
+// unused. The counts are one array, tokens_per_expert right after tokens_per_rank's R: one block
+// stores them, several add to them after zeroing them here.
 void launch_layout(const long long* topk_idx, int T, int K, int E, int R, void* tokens_per_rank, void* tokens_per_expert,
                    bool counts_int32, bool* token_in_rank, cudaStream_t stream);
 // The ids' check where notify cannot make it (a sync-free dispatch, the low-latency path): the
@@ -67,6 +68,15 @@ struct StageArgs {
 void launch_stage(const Ctx& ctx, const CallArgs& call, int slot, const StageArgs& args, int num_blocks,
                   cudaStream_t stream);
 
+// A cached dispatch's counts (tokens per expert, then the dropped rows): the handle's, copied into
+// the caller's own by the first block of the kernel that moves the rows (a copy of their own
+// would cost the host a call more). dst nullptr: nothing to copy.
+struct CountsCopy {
+  const long long* src;
+  long long* dst;
+  int n;
+};
+
 // Pull every row destined to this rank from the peers' staging into the outputs (after `slot`).
 // Rows whose position is >= out_rows are not written (num_worst_tokens: counted by notify).
 struct DispatchArgs {
@@ -81,6 +91,7 @@ struct DispatchArgs {
   long long* out_tpe;      // rank-major, num_worst_tokens: (row, local expert) pairs delivered, zeroed; else nullptr
   int* comb_map;           // expert-major: [N, K] expert-major row of each (rank-major row, slot), -1 where
                            // none or dropped -- the combine's local pre-reduction reads it; else nullptr
+  CountsCopy counts;       // the pull or the push copies them (never the fan-out)
 };
 void launch_dispatch(const Ctx& ctx, int slot, const DispatchArgs& args, int num_blocks, cudaStream_t stream);
 

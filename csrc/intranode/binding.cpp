@@ -80,9 +80,11 @@ void dispatch(Runtime& rt, const Sig& sig, int slot, int row_bytes, int scale_co
               bool has_weights, int out_rows, const Tensor& recv_info, Tensor& out_x,
               const c10::optional<Tensor>& out_scales, const c10::optional<Tensor>& out_idx,
               const c10::optional<Tensor>& out_w, const c10::optional<Tensor>& out_row_expert,
-              const c10::optional<Tensor>& out_tpe, const c10::optional<Tensor>& comb_map, int num_blocks) {
-  const DispatchArgs a = dispatch_args(row_bytes, scale_cols, K, E, permute, has_weights, out_rows, recv_info, out_x,
-                                       out_scales, out_idx, out_w, out_row_expert, out_tpe, comb_map);
+              const c10::optional<Tensor>& out_tpe, const c10::optional<Tensor>& comb_map, const CountsCopy& counts,
+              int num_blocks) {
+  DispatchArgs a = dispatch_args(row_bytes, scale_cols, K, E, permute, has_weights, out_rows, recv_info, out_x,
+                                 out_scales, out_idx, out_w, out_row_expert, out_tpe, comb_map);
+  a.counts = counts;
   launch_dispatch(rt.ctx(sig.at(kSigSeq)), slot, a, num_blocks, stream());
   check_launch("dispatch");
 }
@@ -93,7 +95,8 @@ InnodeDispatch push_launch(Runtime& rt, const Sig& sig, int slot, const Tensor& 
                            int out_rows, bool permute, const Tensor& recv_info, Tensor& out_x,
                            const c10::optional<Tensor>& out_scales, const c10::optional<Tensor>& out_idx,
                            const c10::optional<Tensor>& out_w, const c10::optional<Tensor>& out_row_expert,
-                           const c10::optional<Tensor>& comb_map, const std::vector<long long>& offsets) {
+                           const c10::optional<Tensor>& comb_map, const std::vector<long long>& offsets,
+                           const CountsCopy& counts) {
   TORCH_CHECK(offsets.size() == 4, "offsets: x, scales, idx, w");
   InnodeDispatch d{};
   d.call = make_call(sig, kCallOk, "");
@@ -104,6 +107,7 @@ InnodeDispatch push_launch(Runtime& rt, const Sig& sig, int slot, const Tensor& 
   const int K = a.in.K;
   a.out = dispatch_args(row_bytes, scale_cols, K, E, permute, topk_w.has_value(), out_rows, recv_info, out_x, out_scales,
                         out_idx, out_w, out_row_expert, c10::nullopt, comb_map);
+  a.out.counts = counts;
   a.out_x_off = offsets[0];
   a.out_s_off = offsets[1];
   a.out_idx_off = offsets[2];
@@ -117,10 +121,11 @@ void dispatch_push(Runtime& rt, const Sig& sig, int slot, const Tensor& x, int T
                    int out_rows, bool permute, const Tensor& recv_info, Tensor& out_x,
                    const c10::optional<Tensor>& out_scales, const c10::optional<Tensor>& out_idx,
                    const c10::optional<Tensor>& out_w, const c10::optional<Tensor>& out_row_expert,
-                   const c10::optional<Tensor>& comb_map, std::vector<long long> offsets, int num_blocks) {
+                   const c10::optional<Tensor>& comb_map, std::vector<long long> offsets, const CountsCopy& counts,
+                   int num_blocks) {
   const InnodeDispatch d = push_launch(rt, sig, slot, x, T, row_bytes, scales, scale_cols, topk_idx, topk_w, rank_pos,
                                        slot_pos, E, out_rows, permute, recv_info, out_x, out_scales, out_idx, out_w,
-                                       out_row_expert, comb_map, offsets);
+                                       out_row_expert, comb_map, offsets, counts);
   launch_dispatch_push(d.ctx, d.call, d.slot, d.push, num_blocks, stream());
   check_launch("dispatch_push");
 }
@@ -176,7 +181,6 @@ CombineArgs combine_args(int T, int H, int K, int E, bool permute, bool is_fp32,
                      rank_pos.data_ptr<int>(), slot_pos.data_ptr<int>(), y.data_ptr(), ptr_or_null<float>(w_out)};
 }
 
-
 // ------------------------------------------------------------------ one crossing per call (calls.h)
 HandleState handle_state(const Tensor& topk_idx, const Tensor& rank_pos, const Tensor& slot_pos, const Tensor& recv_info,
                          const Tensor& row_limits, const Tensor& counts, const c10::optional<Tensor>& comb_map, int E,
@@ -205,6 +209,8 @@ HandleState handle_state(const Tensor& topk_idx, const Tensor& rank_pos, const T
 struct Notified {
   Tensor counts, tpe, dropped;
   c10::optional<Tensor> rank_counts, rank_prefix;  // (when asked) every rank's tokens per destination, and their prefix
+  c10::optional<Tensor> recv_rank_counts, recv_rank_prefix;  // their columns of this rank (a view made here costs
+                                                             // the host less than Python's indexing)
   HandleState st;
   int L = 0;
 };
@@ -217,18 +223,24 @@ Notified notify_part(Runtime& rt, CallStreams& cs, StepTimer& clock, const Sig& 
   TORCH_CHECK(topk_idx.is_cuda() && topk_idx.scalar_type() == at::kLong, "megatron_ep: topk_idx must be a CUDA int64 tensor");
   Notified n;
   n.L = E / R;
-  n.counts = at::empty({n.L + 1}, topk_idx.options());
-  n.tpe = n.counts.narrow(0, 0, n.L), n.dropped = n.counts.select(0, n.L);
   c10::cuda::CUDAStreamGuard on_comm(cs.comm());
   mark(marks, 0);
-  std::vector<ArenaPart> parts{{at::kLong, {T, K}}, {at::kInt, {T, R}}, {at::kInt, {T, K}},
-                               {at::kInt, {RecvInfo::size(n.L)}}, {at::kInt, {R}}};
+  // (the counts the first dispatch returns, and the handle's own copy of them: the handle keeps the
+  // allocation alive while the caller's views of the first do)
+  std::vector<ArenaPart> parts{{at::kLong, {T, K}},        {at::kInt, {T, R}},  {at::kInt, {T, K}},
+                               {at::kInt, {RecvInfo::size(n.L)}}, {at::kInt, {R}}, {at::kLong, {n.L + 1}},
+                               {at::kLong, {n.L + 1}}};
   if (want_rank_counts)
     parts.insert(parts.end(), {{at::kInt, {(int64_t)groups * R, R}}, {at::kInt, {(int64_t)groups * R, R}}});
   const std::vector<Tensor> kept = arena_tensors(parts, topk_idx.options());
   HandleState& st = n.st;
   st.topk_idx = kept[0], st.rank_pos = kept[1], st.slot_pos = kept[2], st.recv_info = kept[3], st.row_limits = kept[4];
-  if (want_rank_counts) n.rank_counts = kept[5], n.rank_prefix = kept[6];
+  n.counts = kept[5], st.own = kept[6];
+  n.tpe = n.counts.narrow(0, 0, n.L), n.dropped = n.counts.select(0, n.L);
+  if (want_rank_counts) {
+    n.rank_counts = kept[7], n.rank_prefix = kept[8];
+    n.recv_rank_counts = kept[7].select(1, rt.rank()), n.recv_rank_prefix = kept[8].select(1, rt.rank());
+  }
   if (!topk_idx.is_contiguous())
     st.topk_idx.copy_(topk_idx);
   else if (topk_idx.nbytes() > 0)  // (a raw copy: ATen's copy_ costs more host time than the copy)
@@ -248,15 +260,18 @@ Notified notify_part(Runtime& rt, CallStreams& cs, StepTimer& clock, const Sig& 
 }
 
 // (topk_idx copy, rank_pos, slot_pos, recv_info, row_limits, counts, tokens_per_expert, num_dropped,
-// rank_counts and its prefix over the rows, or None each, the wait's status, the sizes or None, the
-// HandleState); the state moves into its Python object
+// rank_counts and its prefix over the rows, and their columns of this rank, or None each, the wait's
+// status, the sizes or None, the HandleState); the state moves into its Python object
 py::tuple notified_tuple(Notified& n, const py::tuple& sizes) {
   const HandleState& st = n.st;
   const auto opt = [](const c10::optional<Tensor>& x) { return x.has_value() ? py::cast(*x) : py::none(); };
+  // the state goes in last, once the tensors were read from it (in one make_tuple the arguments'
+  // order of evaluation is unspecified)
   py::tuple t = py::make_tuple(st.topk_idx, st.rank_pos, st.slot_pos, st.recv_info, st.row_limits, n.counts, n.tpe,
-                               n.dropped, opt(n.rank_counts), opt(n.rank_prefix), sizes[0], sizes[1]);
-  return py::make_tuple(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9], t[10], t[11],
-                        py::cast(std::move(n.st)));
+                               n.dropped, opt(n.rank_counts), opt(n.rank_prefix), opt(n.recv_rank_counts),
+                               opt(n.recv_rank_prefix), sizes[0], sizes[1], py::none());
+  t[14] = py::cast(std::move(n.st));
+  return t;
 }
 
 // A new routing's notify in one crossing (a worst-case sized one's, and tracing's): our stream
@@ -379,10 +394,19 @@ py::tuple dispatch_part(Runtime& rt, CallStreams& cs, StepTimer& clock, HandleSt
     st.comb_map = at::empty({comb_rows, K}, dev.dtype(at::kInt));
   }
   // the counts the caller gets: a new routing's notify wrote the handle's; a cached dispatch
-  // returns copies of them (the caller's outputs are its own)
+  // returns copies of them (the caller's outputs are its own), made by the kernel that moves the rows
   const int L = E / rt.num_ranks();
   const Tensor counts = first ? st.counts : at::empty({L + 1}, dev.dtype(at::kLong));
   const Tensor tpe = counts.narrow(0, 0, L), dropped = counts.select(0, L);
+  // ... and a new routing's handle keeps its own copy of notify's, made by that kernel too unless the
+  // rows it moves are still being counted (rank-major, worst-case sized: the pull counts them)
+  const bool count_rows = first && worst > 0 && !permute;
+  Tensor own;
+  if (first) own = st.own.defined() ? st.own : at::empty({L + 1}, dev.dtype(at::kLong));
+  const Tensor& copy_to = first ? own : counts;
+  const CountsCopy copy = count_rows ? CountsCopy{}
+                                     : CountsCopy{static_cast<const long long*>((first ? counts : st.counts).data_ptr()),
+                                                  static_cast<long long*>(copy_to.data_ptr()), L + 1};
   // outputs
   RankMajor pooled;
   bool have_pool = false;
@@ -422,11 +446,11 @@ py::tuple dispatch_part(Runtime& rt, CallStreams& cs, StepTimer& clock, HandleSt
         // where the outputs are not pooled (no push) the fused kernel stages and pulls (offsets -1)
         fused(as_bytes(push_launch(rt, sig, slot, data, T, row_bytes, scales, scale_cols, st.topk_idx, topk_w,
                                    st.rank_pos, st.slot_pos, E, out_rows, permute, st.recv_info, x, out_s, out_idx,
-                                   out_w, row_expert, st.comb_map, offsets)));
+                                   out_w, row_expert, st.comb_map, offsets, copy)));
       } else {
         dispatch_push(rt, sig, slot, data, T, row_bytes, scales, scale_cols, st.topk_idx, topk_w, st.rank_pos,
                       st.slot_pos, E, out_rows, permute, st.recv_info, x, out_s, out_idx, out_w, row_expert,
-                      st.comb_map, offsets, push_blocks);
+                      st.comb_map, offsets, copy, push_blocks);
       }
       mark(marks, 0);
       if (permute) {
@@ -440,19 +464,17 @@ py::tuple dispatch_part(Runtime& rt, CallStreams& cs, StepTimer& clock, HandleSt
             st.topk_idx, topk_w, st.rank_pos, st.slot_pos, num_blocks);
       mark(marks, 0);
       // rank-major, worst-case sized: the pull counts the rows it delivers (notify zeroed tpe)
-      const bool count_rows = first && worst > 0 && !permute;
       dispatch(rt, sig, slot, row_bytes, scale_cols, K, E, permute, has_w, out_rows, st.recv_info, x, out_s, out_idx,
-               out_w, row_expert, count_rows ? c10::optional<Tensor>(tpe) : c10::nullopt, st.comb_map, num_blocks);
+               out_w, row_expert, count_rows ? c10::optional<Tensor>(tpe) : c10::nullopt, st.comb_map, copy, num_blocks);
       mark(marks, 1);
     }
     clock.lap(kStepLaunch);
-    if (first) {  // the handle keeps its own counts (the pull may have written tpe); a raw copy, as below
-      const Tensor own = at::empty({L + 1}, dev.dtype(at::kLong));
+    if (count_rows)  // after the rows moved (a raw copy: ATen's copy_ costs more host time than the copy)
       C10_CUDA_CHECK(cudaMemcpyAsync(own.data_ptr(), counts.data_ptr(), counts.nbytes(), cudaMemcpyDeviceToDevice, comm));
+    if (first) {
       st.keep_counts(own);
-    } else  // same routing, same rows (a raw copy: ATen's copy_ costs more host time than the copy)
-      C10_CUDA_CHECK(cudaMemcpyAsync(counts.data_ptr(), st.counts.data_ptr(), counts.nbytes(), cudaMemcpyDeviceToDevice,
-                                     comm));
+      st.own = Tensor();
+    }
     clock.lap(kStepCounts);
   }
   cs.leave(event, async_op, {&data, opt_ptr(scales), &st.topk_idx, opt_ptr(topk_w), &st.rank_pos, &st.slot_pos,
@@ -527,9 +549,10 @@ py::tuple layout(const Tensor& topk_idx, int E, int R, bool counts_int32) {
   TORCH_CHECK(R >= 1 && R <= 32 && E % R == 0 && E <= 16384, "megatron_ep: layout needs 1 <= R <= 32 and R | E");
   c10::cuda::CUDAGuard guard(topk_idx.device());
   const int T = (int)topk_idx.size(0);
-  const Tensor counts = at::empty({R + E}, topk_idx.options().dtype(counts_int32 ? at::kInt : at::kLong));
-  const Tensor in_rank = at::empty({T, R}, topk_idx.options().dtype(at::kBool));
-  C10_CUDA_CHECK(cudaMemsetAsync(counts.data_ptr(), 0, counts.nbytes(), stream()));
+  // the counts and token_in_rank in one allocation (tensor_args.h arena_tensors); zeroed by the launch where needed
+  const std::vector<Tensor> made =
+      arena_tensors({{counts_int32 ? at::kInt : at::kLong, {R + E}}, {at::kBool, {T, R}}}, topk_idx.options());
+  const Tensor &counts = made[0], &in_rank = made[1];
   const Tensor per_rank = counts.narrow(0, 0, R), per_expert = counts.narrow(0, R, E);
   launch_layout(static_cast<const long long*>(topk_idx.data_ptr()), T, (int)topk_idx.size(1), E, R, per_rank.data_ptr(),
                 per_expert.data_ptr(), counts_int32, in_rank.data_ptr<bool>(), stream());

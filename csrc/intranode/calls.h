@@ -51,6 +51,8 @@ struct HandleState {
   Tensor topk_idx, rank_pos, slot_pos, recv_info, row_limits;
   Tensor counts;  // [L + 1] int64: tokens_per_expert, then num_dropped (one copy per cached dispatch)
   Tensor tokens_per_expert, num_dropped;  // views of counts
+  Tensor own;     // until the first dispatch: where the handle's own copy of notify's counts goes (the
+                  // first dispatch returns notify's to the caller), made with the rest of its state
   c10::optional<Tensor> comb_map;
   int T = 0, K = 0, E = 0;
   bool permute = false;

@@ -16,6 +16,13 @@ constexpr int kCopyThreads = 512;
 constexpr int kCopyWarps = kCopyThreads / 32;
 constexpr unsigned kFull = 0xffffffffu;
 
+// DispatchArgs::counts, by the grid's first block (before anything else: an aborted call's
+// outputs are discarded anyway).
+__device__ __forceinline__ void copy_counts(const CountsCopy& cc) {
+  if (cc.dst == nullptr || blockIdx.x != 0) return;
+  for (int i = threadIdx.x; i < cc.n; i += blockDim.x) cc.dst[i] = cc.src[i];
+}
+
 // The ids' check, one token per warp (lane k holds slot k's id; `in_token`: the lane holds a slot
 // of a token): the lanes whose slot is bad -- an id that is neither -1 nor an expert (`valid`:
 // in [0, E)), or an expert an earlier slot of the token names already. The one rule of the check

@@ -23,6 +23,7 @@ void launch_stage(const Ctx& ctx, const CallArgs& call, int slot, const StageArg
 
 // ---------------------------------------------------------------------------------- dispatch
 __global__ void __launch_bounds__(kCopyThreads, 1) dispatch_kernel(Ctx c, int slot, DispatchArgs a) {
+  copy_counts(a.counts);
   if (call_aborted(c)) return;
   Control* me = ctrl_of(c, c.rank);
   const unsigned long long target = me->expected[slot] + 1;
@@ -43,6 +44,7 @@ void launch_dispatch(const Ctx& ctx, int slot, const DispatchArgs& args, int num
 
 // -------------------------------------------------------------------------------------- push
 __global__ void __launch_bounds__(kCopyThreads, 1) dispatch_push_kernel(Ctx c, CallArgs call, int slot, PushArgs a) {
+  copy_counts(a.out.counts);
   if (call_aborted(c)) return;
   if (blockIdx.x == 0 && threadIdx.x == 0) push_announce(c, call, slot, a);
   push_rows<false>(c, slot, a);

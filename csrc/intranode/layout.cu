@@ -1,6 +1,7 @@
 // Layout: the routing summary of one rank's tokens (get_dispatch_layout), and the ids' check of
 // the calls that cannot make it in notify. Local, no peers.
 
+#include "common/cuda_check.h"
 #include "intranode/api.h"
 #include "intranode/common.cuh"
 
@@ -38,6 +39,11 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(const long long*
     }
   }
   __syncthreads();
+  if (gridDim.x == 1) {  // the whole count: stored (nothing zeroed them)
+    for (int i = threadIdx.x; i < E; i += blockDim.x) tokens_per_expert[i] = hist[i];
+    for (int i = threadIdx.x; i < R; i += blockDim.x) tokens_per_rank[i] = hist[E + i];
+    return;
+  }
   for (int i = threadIdx.x; i < E; i += blockDim.x)
     if (hist[i]) add_count(tokens_per_expert + i, hist[i]);
   for (int i = threadIdx.x; i < R; i += blockDim.x)
@@ -48,6 +54,9 @@ void launch_layout(const long long* topk_idx, int T, int K, int E, int R, void* 
                    bool counts_int32, bool* token_in_rank, cudaStream_t stream) {
   const int blocks = T > 0 ? (T + kLayoutThreads - 1) / kLayoutThreads : 1;
   const int grid = blocks < 132 ? blocks : 132, smem = (E + R) * (int)sizeof(int);
+  if (grid > 1)  // the blocks add their counts (one block, up to 256 tokens, stores them: no memset call)
+    check_cuda(cudaMemsetAsync(tokens_per_rank, 0, (size_t)(R + E) * (counts_int32 ? 4 : 8), stream),
+               "zeroing the layout's counts");
   if (counts_int32)
     layout_kernel<int><<<grid, kLayoutThreads, smem, stream>>>(
         topk_idx, T, K, E, R, static_cast<int*>(tokens_per_rank), static_cast<int*>(tokens_per_expert), token_in_rank);

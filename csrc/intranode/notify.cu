@@ -72,14 +72,17 @@ __device__ __forceinline__ void flag_bad_slot(const Ctx& c, const NotifyArgs& a,
   }
 }
 
-__global__ void __launch_bounds__(32 * kNotifyWarps) notify_count_kernel(Ctx c, NotifyArgs a, NotifyPlan p) {
-  extern __shared__ int cnt_all[];  // per warp: [E] experts, then [R] ranks
+// Pass 1 of notify block `block` (its kNotifyWarps warps count; the block's other warps, in the
+// one-block kernel, only join its barriers). cnt_all: dynamic shared memory, per warp [E] experts,
+// then [R] ranks.
+__device__ __forceinline__ void count_step(const Ctx& c, const NotifyArgs& a, const NotifyPlan& p, int* cnt_all,
+                                           int block) {
   const int E = a.E, R = c.num_ranks, L = E / R, K = a.K, lane = lane_id(), warp = threadIdx.x / 32;
   const int cols = E + R;
   int* cnt = cnt_all + warp * cols;
   for (int i = threadIdx.x; i < kNotifyWarps * cols; i += blockDim.x) cnt_all[i] = 0;
   __syncthreads();
-  const ChunkSpan span = chunk_span(a, p, blockIdx.x * kNotifyWarps + warp);
+  const ChunkSpan span = warp < kNotifyWarps ? chunk_span(a, p, block * kNotifyWarps + warp) : ChunkSpan{0, 0, 0};
   for (int t0 = span.t_begin; t0 < span.t_end; t0 += kSteps) {
     long long ids[kSteps];  // loaded together: one dependent load per token would stall the warp
 #pragma unroll
@@ -100,11 +103,16 @@ __global__ void __launch_bounds__(32 * kNotifyWarps) notify_count_kernel(Ctx c, 
     int run = 0;
 #pragma unroll
     for (int v = 0; v < kNotifyWarps; ++v) {
-      scratch[(long long)(blockIdx.x * kNotifyWarps + v) * kScratchStride + i] = run;
+      scratch[(long long)(block * kNotifyWarps + v) * kScratchStride + i] = run;
       run += cnt_all[v * cols + i];
     }
-    scratch[(long long)(p.chunks + blockIdx.x) * kScratchStride + i] = run;
+    scratch[(long long)(p.chunks + block) * kScratchStride + i] = run;
   }
+}
+
+__global__ void __launch_bounds__(32 * kNotifyWarps) notify_count_kernel(Ctx c, NotifyArgs a, NotifyPlan p) {
+  extern __shared__ int cnt_all[];
+  count_step(c, a, p, cnt_all, blockIdx.x);
 }
 
 // The exchange block's dynamic shared memory, in ints: every rank's rows per (group, expert)
@@ -116,9 +124,11 @@ int exchange_smem_bytes(int E, int R, int G) { return exchange_smem_ints(G * E, 
 // The most any call needs (G * E <= kMaxExperts, E <= kMaxExperts, G <= kMaxTokenGroups).
 constexpr int kExchangeSmemMax = exchange_smem_ints(kMaxExperts, kMaxExperts, kMaxRanks, kMaxTokenGroups) * 4;
 
-__global__ void __launch_bounds__(kExchangeThreads, 1) notify_exchange_kernel(Ctx c, CallArgs call, NotifyArgs a,
-                                                                              NotifyPlan p) {
-  extern __shared__ int smem[];
+// The exchange, by one block of kExchangeThreads (smem: exchange_smem_bytes); returns early, the
+// whole block alike, where the call failed here or was aborted on every rank (the positions step
+// that follows then hands out none).
+__device__ __forceinline__ void exchange_step(const Ctx& c, const CallArgs& call, const NotifyArgs& a,
+                                              const NotifyPlan& p, int* smem) {
   const int E = a.E, R = c.num_ranks, rank = c.rank, L = E / R, tid = threadIdx.x;
   const int G = p.groups, GE = G * E, GR = G * R;
   int* all_e = smem;            // [R][G * E] every rank's rows per (group, expert)
@@ -331,10 +341,14 @@ __global__ void __launch_bounds__(kExchangeThreads, 1) notify_exchange_kernel(Ct
   if (tid == 0) c.host->tag = a.tag;  // the CPU may now size the outputs
 }
 
-__global__ void __launch_bounds__(32 * kNotifyWarps) notify_positions_kernel(Ctx c, NotifyArgs a, NotifyPlan p) {
-  extern __shared__ int run_all[];  // per warp: [E] running row of each expert, then [R] of each rank
+// Pass 2 of notify block `block`, by its kNotifyWarps warps (a warp past them returns at once: no
+// block barrier follows). run_all: dynamic shared memory, per warp [E] running row of each
+// expert, then [R] of each rank.
+__device__ __forceinline__ void positions_step(const Ctx& c, const NotifyArgs& a, const NotifyPlan& p, int* run_all,
+                                               int block) {
   const int E = a.E, R = c.num_ranks, L = E / R, K = a.K, lane = lane_id(), warp = threadIdx.x / 32;
-  const int w = blockIdx.x * kNotifyWarps + warp;
+  if (warp >= kNotifyWarps) return;
+  const int w = block * kNotifyWarps + warp;
   int* run = run_all + warp * (E + R);
   const ChunkSpan span = chunk_span(a, p, w);
   const int t_begin = span.t_begin, t_end = span.t_end;
@@ -345,7 +359,7 @@ __global__ void __launch_bounds__(32 * kNotifyWarps) notify_positions_kernel(Ctx
   }
   const int* scratch = scratch_of(c);
   const int* prefix = scratch + (long long)w * kScratchStride;                                  // inside the block
-  const int* bprefix = scratch + (long long)(p.chunks + blockIdx.x) * kScratchStride;           // over the group's blocks
+  const int* bprefix = scratch + (long long)(p.chunks + block) * kScratchStride;                // over the group's blocks
   const int* base = scratch + (long long)(p.chunks + p.blocks + span.group) * kScratchStride;  // the group's bases
   for (int i = lane; i < E + R; i += 32) run[i] = prefix[i] + bprefix[i] + base[i];
   __syncwarp();
@@ -366,12 +380,43 @@ __global__ void __launch_bounds__(32 * kNotifyWarps) notify_positions_kernel(Ctx
   }
 }
 
+__global__ void __launch_bounds__(32 * kNotifyWarps) notify_positions_kernel(Ctx c, NotifyArgs a, NotifyPlan p) {
+  extern __shared__ int run_all[];
+  positions_step(c, a, p, run_all, blockIdx.x);
+}
+
+__global__ void __launch_bounds__(kExchangeThreads, 1) notify_exchange_kernel(Ctx c, CallArgs call, NotifyArgs a,
+                                                                              NotifyPlan p) {
+  extern __shared__ int smem[];
+  exchange_step(c, call, a, p, smem);
+}
+
+// A plan of one block (up to kNotifyWarps * kNotifyChunkMin tokens, one group): the three steps in
+// one launch, the shared memory of each step reused by the next. Two launches less on the host,
+// and no kernel boundary between the counts, the exchange and the positions on the GPU.
+__global__ void __launch_bounds__(kExchangeThreads, 1) notify_one_block_kernel(Ctx c, CallArgs call, NotifyArgs a,
+                                                                               NotifyPlan p) {
+  extern __shared__ int smem[];
+  count_step(c, a, p, smem, 0);
+  __syncthreads();  // the scratch's prefixes, and the counters' shared memory free for the exchange
+  exchange_step(c, call, a, p, smem);
+  __syncthreads();  // the scratch's bases (a failed or aborted exchange: the positions step hands out none)
+  positions_step(c, a, p, smem, 0);
+}
+
+constexpr int kHistBytesMax = kNotifyWarps * (kMaxExperts + kMaxRanks) * (int)sizeof(int);
+
 void launch_notify(const Ctx& ctx, const CallArgs& call, const NotifyArgs& args, cudaStream_t stream) {
   const NotifyPlan p = notify_plan(args.T, args.groups);
   const int R = ctx.num_ranks;
   const int hist = kNotifyWarps * (args.E + R) * (int)sizeof(int);  // per warp: E + R counters
+  const int exchange = exchange_smem_bytes(args.E, R, p.groups);
+  if (p.blocks == 1) {
+    notify_one_block_kernel<<<1, kExchangeThreads, std::max(hist, exchange), stream>>>(ctx, call, args, p);
+    return;
+  }
   notify_count_kernel<<<p.blocks, 32 * kNotifyWarps, hist, stream>>>(ctx, args, p);
-  notify_exchange_kernel<<<1, kExchangeThreads, exchange_smem_bytes(args.E, R, p.groups), stream>>>(ctx, call, args, p);
+  notify_exchange_kernel<<<1, kExchangeThreads, exchange, stream>>>(ctx, call, args, p);
   notify_positions_kernel<<<p.blocks, 32 * kNotifyWarps, hist, stream>>>(ctx, args, p);
 }
 
@@ -380,7 +425,10 @@ void prepare_notify_kernels() {
   cudaFuncGetAttributes(&attr, notify_count_kernel);
   cudaFuncGetAttributes(&attr, notify_exchange_kernel);
   cudaFuncGetAttributes(&attr, notify_positions_kernel);
+  cudaFuncGetAttributes(&attr, notify_one_block_kernel);
   cudaFuncSetAttribute(notify_exchange_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kExchangeSmemMax);
+  cudaFuncSetAttribute(notify_one_block_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                       std::max(kExchangeSmemMax, kHistBytesMax));
 }
 
 }  // namespace mep

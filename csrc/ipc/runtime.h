@@ -46,7 +46,6 @@ inline Tensor region_tensor(char* p, const std::vector<int64_t>& shape, at::Scal
 
 inline cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
-
 inline void check_launch(const char* what) {
   const cudaError_t err = cudaGetLastError();
   TORCH_CHECK(err == cudaSuccess, "megatron_ep: launch of ", what, " failed: ", cudaGetErrorString(err));
@@ -335,6 +334,7 @@ class Runtime {
   }
   const RegionLayout& lay() const { return lay_; }
   int num_ranks() const { return num_ranks_; }
+  int rank() const { return rank_; }
 
  private:
   // One rank-major block: x, FP8 scales, top-k ids (int64), weights, each section Pool-aligned.

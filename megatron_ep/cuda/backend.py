@@ -123,8 +123,8 @@ class CudaBackend:
     # ------------------------------------------------------------------------------ layout
     def layout(self, topk_idx: torch.Tensor, num_experts: int, counts_dtype: torch.dtype = torch.int64) -> DispatchLayout:
         """One crossing: the counts in one zeroed buffer, the kernel, on the caller's stream."""
-        return DispatchLayout(*self.rt.ext.layout(topk_idx=topk_idx, num_experts=num_experts, num_ranks=self.num_ranks,
-                                                  counts_int32=counts_dtype == torch.int32))
+        # (by position, in the binding's order: topk_idx, num_experts, num_ranks, counts_int32)
+        return DispatchLayout(*self.rt.ext.layout(topk_idx, num_experts, self.num_ranks, counts_dtype == torch.int32))
 
     # ---------------------------------------------------------------------- normal path
     def dispatch(self, call, req):

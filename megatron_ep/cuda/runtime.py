@@ -214,8 +214,8 @@ class CudaRuntime(FailureState):
         # widths, top-k, experts) is planned once per distinct value
         p = self.plan
         rest = dict(need)
-        counts_fit = rest.pop("max_tokens", 0) <= p.max_tokens and rest.pop("combine_rows", 0) <= p.comb_rows
-        rest.pop("combine_rows", None)
+        max_tokens, combine_rows = rest.pop("max_tokens", 0), rest.pop("combine_rows", 0)
+        counts_fit = max_tokens <= p.max_tokens and combine_rows <= p.comb_rows
         key = tuple(rest.items())  # (in the order the caller built it: another order is one more plan, not an error)
         if counts_fit and key in self._fitted:
             return None

@@ -112,6 +112,24 @@ def _unpack_bias(bias) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     return None, None
 
 
+def _with_bias(y: torch.Tensor, bias, event) -> torch.Tensor:
+    """A combine's output plus DeepEP's bias (None, a tensor or a pair, each of y's shape and
+    dtype; V1's and V2's alike): added to y in fp32 and rounded to y's dtype, on the caller's
+    stream after `event` (our asynchronous call's, or None)."""
+    b0, b1 = _unpack_bias(bias)
+    if b0 is None and b1 is None:
+        return y
+    if event is not None:
+        event.current_stream_wait()
+    acc = y.float()
+    for b in (b0, b1):
+        if b is not None:
+            assert tuple(b.shape) == tuple(y.shape) and b.dtype == y.dtype, \
+                f"bias must be {y.dtype} {list(y.shape)} (the combined tokens), got {b.dtype} {list(b.shape)}"
+            acc = acc + b.float()
+    return acc.to(y.dtype)
+
+
 def _public(op: Optional[str] = None):
     """A public method of Buffer: its body runs after Buffer._alive (the destroyed rule) and, for
     a collective method (`op`: the call of our Buffer its first collective is), inside our
@@ -428,17 +446,7 @@ class Buffer:
             # (the first combine's event would not cover it); our stream runs that combine first
             back = self.runtime.combine(rows, handle.ours, async_op=async_finish, previous_event=None)
             weights, out = back.x[:, :K], back
-        b0, b1 = _unpack_bias(bias)
-        if b0 is not None or b1 is not None:
-            if out.event is not None:
-                out.event.current_stream_wait()
-            acc = y.float()
-            for b in (b0, b1):
-                if b is not None:
-                    assert b.shape == y.shape and b.dtype == y.dtype
-                    acc = acc + b.float()
-            y = acc.to(y.dtype)
-        return y, weights, _finished(out.event, async_finish)
+        return _with_bias(y, bias, out.event), weights, _finished(out.event, async_finish)
 
     # ----------------------------------------------------------------------- low latency
     @_public("low_latency_dispatch")

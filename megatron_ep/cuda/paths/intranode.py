@@ -46,6 +46,8 @@ class IntranodeState:
     comb_map: Optional[torch.Tensor] = None  # expert-major: [>= N, K] int32 row of each (rank-major row, slot)
     rank_counts: Optional[torch.Tensor] = None  # [groups * R, R] int32: tokens (group, rank s) sends to rank d (when asked)
     rank_prefix: Optional[torch.Tensor] = None  # [groups * R, R] int32: its inclusive prefix over the rows
+    recv_rank_counts: Optional[torch.Tensor] = None  # [groups * R] int32: rank_counts' column of this rank
+    recv_rank_prefix: Optional[torch.Tensor] = None  # [groups * R] int32: rank_prefix's column of this rank
     topk_idx: Optional[torch.Tensor] = None  # [T, K] int64: the routing (the handle's copy)
     device_counts: Optional[torch.Tensor] = None  # [L + 1] int64: tokens_per_expert and num_dropped are its views
     permute: bool = False
@@ -199,15 +201,16 @@ class IntranodePath(NormalPath):
             # extension needs to compare only the counts notify learns
             fits = rt.fits(dict(plan.need, max_tokens=0, combine_rows=0)) is None
             tag = next(self.tags)
+            x, token_groups, previous_event, wait_s = plan.data, plan.groups, previous, rt.host_wait_s
+            async_op, hook, num_blocks, push_blocks, local_blocks = req.async_op, hooks.current(), rt.num_sms, \
+                rt.push_sms, rt.local_sms
             try:
+                # (by position, each argument named as its parameter: tests/test_kernel_boundary.py)
                 status, notified, res = call.sends(
-                    self.kernels.dispatch_first_call, rt=rt.rt, sig=call.sig, topk_idx=plan.topk_idx,
-                    num_experts=plan.num_experts, expert_alignment=plan.expert_alignment, permute=plan.permute,
-                    token_groups=plan.groups, check_ids=plan.check_ids, rank_counts=plan.rank_counts, tag=tag,
-                    previous_event=previous, notify_marks=notify_marks, wait_s=rt.host_wait_s, fits=fits, x=plan.data,
-                    scales=plan.scales, topk_weights=plan.topk_weights, push=plan.push, scratch=scratch,
-                    zero_copy=zero_copy, event=event, async_op=req.async_op, hook=hooks.current(), marks=marks,
-                    num_blocks=rt.num_sms, push_blocks=rt.push_sms, local_blocks=rt.local_sms)
+                    self.kernels.dispatch_first_call, rt.rt, call.sig, plan.topk_idx, plan.num_experts,
+                    plan.expert_alignment, plan.permute, token_groups, plan.check_ids, plan.rank_counts, tag,
+                    previous_event, notify_marks, wait_s, fits, x, plan.scales, plan.topk_weights, plan.push, scratch,
+                    zero_copy, event, async_op, hook, marks, num_blocks, push_blocks, local_blocks)
             except BaseException:
                 if rt.rt.notified_tag() == tag:  # raised past notify: the peers wait at the rows' first handshake
                     call.owe(P.Pending.OUT_LOC if plan.push else P.Pending.STAGED)
@@ -224,12 +227,12 @@ class IntranodePath(NormalPath):
         else:
             st = req.handle.state
         out_rows = plan.num_worst_tokens or (st.num_perm_rows if plan.permute else st.num_rows)
-        res = call.sends(self.kernels.dispatch_call, rt=rt.rt, state=native_state(self.kernels, st, plan.num_experts),
-                         sig=call.sig, first=plan.first, x=plan.data, scales=plan.scales, topk_weights=plan.topk_weights,
-                         push=plan.push, scratch=scratch, zero_copy=zero_copy, out_rows=out_rows,
-                         num_worst_tokens=plan.num_worst_tokens, comb_rows=comb_rows, previous_event=previous, event=event,
-                         async_op=req.async_op, hook=hooks.current(), fused=plan.fused, marks=marks,
-                         num_blocks=rt.num_sms, push_blocks=rt.push_sms, local_blocks=rt.local_sms)
+        state, x, previous_event, async_op, hook = native_state(self.kernels, st, plan.num_experts), plan.data, previous, \
+            req.async_op, hooks.current()
+        num_blocks, push_blocks, local_blocks = rt.num_sms, rt.push_sms, rt.local_sms
+        res = call.sends(self.kernels.dispatch_call, rt.rt, state, call.sig, plan.first, x, plan.scales,
+                         plan.topk_weights, plan.push, scratch, zero_copy, out_rows, plan.num_worst_tokens, comb_rows,
+                         previous_event, event, async_op, hook, plan.fused, marks, num_blocks, push_blocks, local_blocks)
         return self._dispatched(call, req, plan, st, res, event)
 
     def _placement(self, plan: "DispatchPlan") -> tuple:
@@ -256,13 +259,14 @@ class IntranodePath(NormalPath):
         num_experts, handle, num_worst_tokens = req.num_experts, req.handle, req.num_worst_tokens
         data, scales, T, H, elem, row_bytes = dispatch_rows(rt, req.x, req.topk_weights, num_experts)
         groups = req.token_groups
-        if not (1 <= groups <= P.MAX_TOKEN_GROUPS):
-            raise ValueError(f"token_groups={groups} outside 1..{P.MAX_TOKEN_GROUPS}")
-        if T % groups != 0:
-            raise ValueError(f"{T} tokens are not {groups} equal token groups")
-        if groups * num_experts > P.MAX_EXPERTS:
-            raise ValueError(f"{groups} token groups of {num_experts} experts exceed the "
-                             f"notify counts' {P.MAX_EXPERTS}")
+        if groups != 1:  # (one group, every Buffer call's, passes these: dispatch_rows bounds num_experts)
+            if not (1 <= groups <= P.MAX_TOKEN_GROUPS):
+                raise ValueError(f"token_groups={groups} outside 1..{P.MAX_TOKEN_GROUPS}")
+            if T % groups != 0:
+                raise ValueError(f"{T} tokens are not {groups} equal token groups")
+            if groups * num_experts > P.MAX_EXPERTS:
+                raise ValueError(f"{groups} token groups of {num_experts} experts exceed the "
+                                 f"notify counts' {P.MAX_EXPERTS}")
         if handle is None:
             K = req.topk_idx.shape[1]
             if K > P.MAX_TOPK:
@@ -270,8 +274,10 @@ class IntranodePath(NormalPath):
             topk_idx = req.topk_idx  # the handle keeps its own copy, made by notify_call
         else:
             K, topk_idx = handle.topk, handle.topk_idx
-        need = dict(max_tokens=T, hidden=H, dtype_bytes=elem, combine_bytes=max(2, elem), max_topk=K,
-                    max_experts=num_experts, combine_rows=max(rt.num_ranks * T, num_worst_tokens))
+        # rows this wide fitted along this routing before (the region only grows): nothing to size
+        fitted = handle is not None and handle.state.fitted == (H, elem) and rt.ready
+        need = None if fitted else dict(max_tokens=T, hidden=H, dtype_bytes=elem, combine_bytes=max(2, elem), max_topk=K,
+                                        max_experts=num_experts, combine_rows=max(rt.num_ranks * T, num_worst_tokens))
         capturing = torch.cuda.is_current_stream_capturing()
         fail(not capturing or num_worst_tokens or handle is not None, "a dispatch captured in a CUDA graph needs "
              "num_worst_tokens= (or a handle): exact output sizes need a host sync, which capture forbids", RuntimeError)
@@ -279,8 +285,8 @@ class IntranodePath(NormalPath):
             fail(not capturing, "the first call of a cuda Buffer without sizing hints "
                  "cannot be captured in a CUDA graph (it allocates); run one call before capturing", RuntimeError)
             rt.first_use_in(call, need)
-        if handle is not None and handle.state.fitted == (H, elem):
-            pass  # rows this wide fitted along this routing before, and the region only grows
+        if fitted:
+            pass
         elif num_worst_tokens or capturing or handle is not None:  # nothing can grow without the host sync: it must fit now
             short = rt.fits({k: v for k, v in need.items() if k != "combine_rows" or num_worst_tokens})
             if short is not None:
@@ -299,24 +305,22 @@ class IntranodePath(NormalPath):
         if req.check_ids == IDS_CHECKED and not check_on_device:
             check_topk_values(req.topk_idx, num_experts, req.previous_event)
         call.set_variant(int(push))
-        return DispatchPlan(data=data, scales=scales, topk_idx=topk_idx, topk_weights=req.topk_weights,
-                            num_experts=num_experts, permute=req.permute, expert_alignment=req.expert_alignment,
-                            num_worst_tokens=num_worst_tokens, groups=groups, T=T, H=H, K=K,
-                            L=num_experts // rt.num_ranks, row_bytes=row_bytes,
-                            scale_cols=scales.shape[1] if scales is not None else 0, need=need,
-                            first=handle is None, push=push, check_ids=check_on_device, rank_counts=req.rank_counts,
-                            fused=req.fused)
+        # (positional, in DispatchPlan's field order: its 21 keywords cost 2 µs of host time per call)
+        return DispatchPlan(data, scales, topk_idx, req.topk_weights, num_experts, req.permute, req.expert_alignment,
+                            num_worst_tokens, groups, T, H, K, num_experts // rt.num_ranks, row_bytes,
+                            scales.shape[1] if scales is not None else 0, need, handle is None, push, check_on_device,
+                            req.rank_counts, req.fused)
 
     def _notify(self, call: P.Call, plan: "DispatchPlan", previous, marks, async_op: bool) -> tuple:
         """A worst-case sized routing's counts, exchange and row positions (one crossing: calls.h
         notify_call, which also enters the call's streams), without a host wait. Returns what
         _notified does."""
         rt = self.rt
+        token_groups, tag, previous_event, wait_s = plan.groups, next(self.tags), previous, -1.0
         notified = call.sends(
-            self.kernels.notify_call, rt=rt.rt, sig=call.sig, topk_idx=plan.topk_idx, num_experts=plan.num_experts,
-            expert_alignment=plan.expert_alignment, permute=plan.permute, num_worst_tokens=plan.num_worst_tokens,
-            token_groups=plan.groups, check_ids=plan.check_ids, rank_counts=plan.rank_counts, tag=next(self.tags),
-            previous_event=previous, marks=marks, wait_s=-1.0, async_op=async_op)
+            self.kernels.notify_call, rt.rt, call.sig, plan.topk_idx, plan.num_experts, plan.expert_alignment,
+            plan.permute, plan.num_worst_tokens, token_groups, plan.check_ids, plan.rank_counts, tag, previous_event,
+            marks, wait_s, async_op)
         return self._notified(call, plan, notified, grow=False, owed=True)
 
     def _notified(self, call: P.Call, plan: "DispatchPlan", notified: tuple, grow: bool, owed: bool) -> tuple:
@@ -326,13 +330,12 @@ class IntranodePath(NormalPath):
         peers wait for this rank at the rows' first handshake (the push's output locations, or the
         staging). Returns the handle's state and the rows of its combine map (expert-major)."""
         rt = self.rt
-        (idx, rank_pos, slot_pos, recv_info, row_limits, counts, tpe, dropped, rank_counts, rank_prefix, waited, sizes,
-         native) = notified
+        (idx, rank_pos, slot_pos, recv_info, row_limits, counts, tpe, dropped, rank_counts, rank_prefix, recv_rank_counts,
+         recv_rank_prefix, waited, sizes, native) = notified
         plan.topk_idx = idx
-        st = IntranodeState(topk_idx=idx, permute=plan.permute, rank_pos=rank_pos, slot_pos=slot_pos,
-                            recv_info=recv_info, row_limits=row_limits, tokens_per_expert=tpe, num_dropped=dropped,
-                            num_rows=None, num_perm_rows=None, counts=None, rank_counts=rank_counts,
-                            rank_prefix=rank_prefix, device_counts=counts, native=native)
+        # (positional, in IntranodeState's field order: keywords cost host time per new routing)
+        st = IntranodeState(rank_pos, slot_pos, recv_info, row_limits, tpe, dropped, None, None, None, None, rank_counts,
+                            rank_prefix, recv_rank_counts, recv_rank_prefix, idx, counts, plan.permute, native)
         rows_bound = max_rank_major_rows(rt)  # the host learns N below unless sync-free
         if not plan.num_worst_tokens:
             try:
@@ -365,9 +368,9 @@ class IntranodePath(NormalPath):
                                     tokens_per_expert=st.tokens_per_expert, topk_idx=plan.topk_idx,
                                     num_worst_tokens=plan.num_worst_tokens, state=st, call_seq=call.seq,
                                     rank_counts=st.rank_counts if plan.groups == 1 else None,
-                                    recv_rank_counts=None if st.rank_counts is None else st.rank_counts[:, self.rt.rank],
+                                    recv_rank_counts=st.recv_rank_counts,
                                     rank_prefix=st.rank_prefix if plan.groups == 1 else None,
-                                    recv_rank_prefix=None if st.rank_prefix is None else st.rank_prefix[:, self.rt.rank])
+                                    recv_rank_prefix=st.recv_rank_prefix)
         res.handle = handle
         if req.host_counts:
             if st.counts is not None and not plan.num_worst_tokens:
@@ -413,11 +416,12 @@ class IntranodePath(NormalPath):
         event = torch.cuda.Event() if req.async_op else None  # (a synchronous call joins through the runtime's own)
         # (the staging runs in the pull's launch: its time is the pull's; the pre-reduction has its own)
         marks = rt.marks(("start", "reduce" if partials and req.fused is None else None, "pull"), first=True)
-        y, w_out = call.sends(self.kernels.combine_call, rt=rt.rt, state=native_state(self.kernels, st, handle.num_experts),
-                              sig=call.sig, x=x, weights=weights, partials=partials, zero_copy=zero_copy, out=y,
-                              out_weights=w_out, previous_event=_event(req.previous_event), event=event,
-                              async_op=req.async_op, hook=hooks.current(), fused=req.fused, marks=marks,
-                              num_blocks=rt.num_sms, local_blocks=rt.local_sms)
+        state, out, out_weights, previous_event = native_state(self.kernels, st, handle.num_experts), y, w_out, \
+            _event(req.previous_event)
+        async_op, hook, num_blocks, local_blocks = req.async_op, hooks.current(), rt.num_sms, rt.local_sms
+        y, w_out = call.sends(self.kernels.combine_call, rt.rt, state, call.sig, x, weights, partials, zero_copy, out,
+                              out_weights, previous_event, event, async_op, hook, req.fused, marks, num_blocks,
+                              local_blocks)
         return CombineOutput(y, w_out, EventOverlap(event) if event is not None else None)
 
 
@@ -430,7 +434,8 @@ def native_state(kernels, st: IntranodeState, num_experts: int):
     """The handle's state as the one-crossing entries take it (calls.h HandleState), bound at the
     first call that needs it and kept: its counts follow the handle's."""
     if st.native is None:
-        st.native = kernels.HandleState(topk_idx=st.topk_idx, rank_pos=st.rank_pos, slot_pos=st.slot_pos,
-                                        recv_info=st.recv_info, row_limits=st.row_limits, counts=st.device_counts,
-                                        comb_map=st.comb_map, num_experts=num_experts, permute=st.permute)
+        # (by position, in the binding's order: keywords cost host time; tests/test_kernel_boundary.py)
+        counts = st.device_counts
+        st.native = kernels.HandleState(st.topk_idx, st.rank_pos, st.slot_pos, st.recv_info, st.row_limits, counts,
+                                        st.comb_map, num_experts, st.permute)
     return st.native
