@@ -154,6 +154,11 @@ class Buffer:
             several nodes runs the cuda backend's two-level path (RDMA to the same-index rank
             of each node, then NVLink inside it); a smaller value makes virtual nodes. The torch
             backend checks it and has no hierarchy (one all-to-all over the whole group).
+        nvshmem_heap_bytes (cuda): the NVSHMEM symmetric heap this process starts with, at least,
+            when one of this Buffer's calls starts NVSHMEM: room for every NVSHMEM buffer the
+            process will hold (a group of several nodes that also makes low-latency calls holds
+            two). Without it the first NVSHMEM buffer sizes the heap (twice its need); the heap
+            cannot grow once started, and a later buffer that does not fit raises naming it.
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, backend: str = "auto", *,

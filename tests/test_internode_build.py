@@ -122,3 +122,81 @@ def test_heap_error_names_what_holds_it(monkeypatch):
     assert nvshmem.heap_short(heap, "the internode buffer", heap, exclude=first) is None
     nvshmem.release(first)
     assert nvshmem.heap_short(heap, "the low-latency buffer", heap, exclude=second) is None
+
+
+def test_heap_starts_with_the_reserved_room(monkeypatch):
+    """A process that will hold several NVSHMEM buffers (one Buffer's internode and low-latency
+    ones) starts the heap with the room reserved for them, not twice its first buffer's need; a
+    reservation smaller than that changes nothing; NVSHMEM_SYMMETRIC_SIZE set by the user wins,
+    and the heap's error then says it sized the heap."""
+    from megatron_ep.cuda import nvshmem
+
+    class Ext:
+        def unique_id(self):
+            return b"id"
+
+        def init(self, *args):
+            pass
+
+        def n_pes(self):
+            return 1
+
+        def my_pe(self):
+            return 0
+
+    monkeypatch.setattr(nvshmem, "host_names", lambda group: ["h"])
+    monkeypatch.setattr(nvshmem, "gather", lambda obj, group: [obj])
+    monkeypatch.delenv("NVSHMEM_SYMMETRIC_SIZE", raising=False)
+    margin, dev = nvshmem.HEAP_MARGIN, torch.device("cpu", 0)
+
+    def start(need, reserved=None):
+        monkeypatch.setattr(nvshmem, "_state", {})
+        monkeypatch.setattr(nvshmem, "_floor", {})
+        monkeypatch.delenv("NVSHMEM_SYMMETRIC_SIZE", raising=False)
+        if reserved:
+            nvshmem.reserve(reserved, "Buffer(nvshmem_heap_bytes=...)")
+        nvshmem.pes_for(None, 0, 1, dev, need, Ext(), "the internode buffer", object())
+        return nvshmem._state
+
+    st = start(10 << 20)
+    assert st["heap"] == (20 << 20) + margin and st["sized_by"] == "the internode buffer, twice its need"
+    st = start(10 << 20, reserved=1 << 30)
+    assert st["heap"] == (1 << 30) + margin and st["sized_by"] == "Buffer(nvshmem_heap_bytes=...)"
+    assert nvshmem.heap_short(900 << 20, "the low-latency buffer", st["heap"]) is None
+    st = start(10 << 20, reserved=5 << 20)
+    assert st["heap"] == (20 << 20) + margin
+    # the user's size wins; the error names it as what sized the heap
+    monkeypatch.setattr(nvshmem, "_state", {})
+    monkeypatch.setattr(nvshmem, "_floor", {})
+    monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", "64M")
+    nvshmem.reserve(1 << 30, "Buffer(nvshmem_heap_bytes=...)")
+    owner = object()
+    nvshmem.pes_for(None, 0, 1, dev, 10 << 20, Ext(), "the internode buffer", owner)
+    assert nvshmem._state["heap"] == 64 << 20
+    msg = nvshmem.heap_short(60 << 20, "the low-latency buffer", 64 << 20)
+    assert "sized then by NVSHMEM_SYMMETRIC_SIZE, set before it started" in msg, msg
+
+
+def test_deep_ep_buffer_reserves_heap_for_both_nvshmem_buffers(monkeypatch):
+    """megatron_ep.deep_ep.Buffer(low_latency_mode=True) over more than one node of 8 ranks serves
+    normal calls (the internode path) and low-latency ones: it asks our Buffer for a heap with room
+    for both, DeepEP's num_rdma_bytes; within one node, or in normal mode, it asks nothing."""
+    from megatron_ep.deep_ep import buffer as DB
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def runtime(group, **kw):
+        seen.append(kw)
+        raise Stop
+
+    monkeypatch.setattr(DB._mep, "Buffer", runtime)
+    monkeypatch.setattr(DB._mep, "cuda_backend_available", lambda: True)
+    monkeypatch.delenv("MEGATRON_EP_DEEP_EP_BACKEND", raising=False)
+    for size, ll, heap in ((16, True, int(1e9)), (16, False, None), (8, True, None)):
+        monkeypatch.setattr(DB, "_group_of", lambda group, size=size: (0, group, size))
+        with pytest.raises(Stop):
+            DB.Buffer(object(), int(1e9), int(1e9), low_latency_mode=ll, num_qps_per_rank=24)
+        assert seen[-1].get("nvshmem_heap_bytes") == heap, (size, ll, seen[-1])

@@ -18,6 +18,7 @@ import torch
 
 from .. import protocol as P
 from ..checks import fail
+from . import nvshmem
 from .hosts import host_names
 from .paths.interface import NormalPath, Path
 from .paths.intranode import IntranodePath
@@ -59,7 +60,7 @@ class CudaBackend:
                  combine_bytes: int = P.REGION_HINTS["combine_bytes"], combine_rows: Optional[int] = None,
                  pool_bytes: Optional[int] = None, max_alignment: int = P.REGION_HINTS["max_alignment"],
                  timeout_s: float = DEFAULT_TIMEOUT_S, low_latency: Optional[dict] = None,
-                 ranks_per_node: Optional[int] = None):
+                 ranks_per_node: Optional[int] = None, nvshmem_heap_bytes: Optional[int] = None):
         if num_experts is not None:
             fail(num_experts <= P.MAX_EXPERTS, f"num_experts={num_experts} exceeds the cuda backend's {P.MAX_EXPERTS}")
         if max_topk is not None:
@@ -69,6 +70,10 @@ class CudaBackend:
                      dtype_bytes=dtype_bytes, combine_bytes=combine_bytes, combine_rows=combine_rows,
                      pool_bytes=pool_bytes, max_alignment=max_alignment)
         self.rank, self.num_ranks = rank, num_ranks
+        if nvshmem_heap_bytes is not None:
+            fail(isinstance(nvshmem_heap_bytes, int) and nvshmem_heap_bytes > 0,
+                 f"nvshmem_heap_bytes must be a positive int, got {nvshmem_heap_bytes!r}")
+            nvshmem.reserve(nvshmem_heap_bytes, f"Buffer(nvshmem_heap_bytes={nvshmem_heap_bytes})")
         self.ranks_per_node = node_size(group, num_ranks, ranks_per_node)
         self.path: NormalPath = normal_path_for(num_ranks, self.ranks_per_node).open(
             group, rank, num_ranks, self.ranks_per_node, hints, num_sms, timeout_s)

@@ -4,7 +4,7 @@ that group), from the pip package nvidia-nvshmem-cu13 through the extension `_C_
 
 Environment defaults, set only where the user has not: the settings known to work with several
 PEs per GPU under MPS (docs/design.md §5), no InfiniBand probing when every rank is on one host, and a
-symmetric heap sized by the first buffer.
+symmetric heap sized by the first buffer, or by reserve() where the process will hold more than one.
 """
 
 from __future__ import annotations
@@ -22,6 +22,16 @@ ENV = {"NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "1", "NVSHMEM_DISABLE
        "NVSHMEM_DISABLE_MNNVL": "1"}
 HEAP_MARGIN = 64 << 20  # NVSHMEM's own symmetric allocations (barriers, signals)
 _state: dict = {}  # once per process: {"n_pes": int, "heap": bytes, "sized_by": what, "held": {owner: (what, bytes)}}
+_floor: dict = {}  # reserve()'s largest ask before NVSHMEM starts: {"bytes": int, "what": str}
+
+
+def reserve(heap_bytes: int, what: str) -> None:
+    """Ask that NVSHMEM, when it starts in this process, start with a symmetric heap of at least
+    `heap_bytes` (`what` asks, for the error): for a caller that will hold several NVSHMEM
+    buffers, whose first would otherwise size the heap for itself alone (the heap cannot grow
+    once started). No effect once NVSHMEM has started or where NVSHMEM_SYMMETRIC_SIZE is set."""
+    if heap_bytes > _floor.get("bytes", 0):
+        _floor.update(bytes=int(heap_bytes), what=what)
 
 
 def pes_for(group, rank: int, num_ranks: int, device: torch.device, need_bytes: int, ext, what: str,
@@ -30,7 +40,9 @@ def pes_for(group, rank: int, num_ranks: int, device: torch.device, need_bytes: 
     `need_bytes` (`what`, for the error), held by `owner` until release(owner); and every rank's
     PE in group rank order."""
     # room for two buffers: a re-created Buffer allocates before the old one is freed
-    heap = init(group, rank, num_ranks, device, 2 * need_bytes, ext, what)
+    floor = _floor.get("bytes", 0)
+    heap = init(group, rank, num_ranks, device, max(2 * need_bytes, floor), ext,
+                f"{what}, twice its need" if 2 * need_bytes >= floor else _floor["what"])
     short = heap_short(need_bytes, what, heap, exclude=owner)
     fail(short is None, short, RuntimeError)
     _state.setdefault("held", {})[id(owner)] = (what, need_bytes)
@@ -55,16 +67,16 @@ def heap_short(need_bytes: int, what: str, heap: int, exclude: object = None) ->
         return None
     holders = "; ".join(f"{w}: {b} bytes" for w, b in held.values()) or "no buffer"
     return (f"{what} needs {need_bytes} bytes of NVSHMEM's symmetric heap and {max(free, 0)} are free. The heap has "
-            f"{heap} bytes, fixed when NVSHMEM started in this process (sized then for {_state.get('sized_by', 'its first use')}, "
-            f"twice its need, or by NVSHMEM_SYMMETRIC_SIZE); it holds {holders}, and NVSHMEM keeps some for itself "
+            f"{heap} bytes, fixed when NVSHMEM started in this process (sized then by {_state.get('sized_by', 'its first use')}); "
+            f"it holds {holders}, and NVSHMEM keeps some for itself "
             f"(allow {HEAP_MARGIN}). Set NVSHMEM_SYMMETRIC_SIZE to at least {used + need_bytes + HEAP_MARGIN} before this "
             f"process's first NVSHMEM buffer (a Buffer's first internode or low-latency call)")
 
 
 def init(group, rank: int, num_ranks: int, device: torch.device, heap_bytes: int, ext, what: str = "") -> int:
     """Start NVSHMEM over `group` unless this process already did (collective the first time),
-    its heap sized for `what` (heap_bytes) unless NVSHMEM_SYMMETRIC_SIZE says; returns the
-    symmetric heap's size in bytes."""
+    its heap of heap_bytes (`what` sized it, for the error) unless NVSHMEM_SYMMETRIC_SIZE says;
+    returns the symmetric heap's size in bytes."""
     if _state:
         fail(_state["n_pes"] == num_ranks, f"NVSHMEM was started for {_state['n_pes']} PEs by an earlier group; an "
                                            f"NVSHMEM buffer must span all of them (this group has {num_ranks})", RuntimeError)
@@ -74,6 +86,8 @@ def init(group, rank: int, num_ranks: int, device: torch.device, heap_bytes: int
         os.environ.setdefault(k, v)
     if len(set(hosts)) == 1:  # one node: P2P carries everything; skip probing InfiniBand
         os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
+    if "NVSHMEM_SYMMETRIC_SIZE" in os.environ:
+        what = "NVSHMEM_SYMMETRIC_SIZE, set before it started"
     os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(heap_bytes + HEAP_MARGIN))
     ids = gather(ext.unique_id() if rank == 0 else None, group)
     ext.init(ids[0], rank, num_ranks, device.index)

@@ -186,6 +186,11 @@ class Buffer:
         nodes = dict(ranks_per_node=RANKS_PER_NODE) if self.group_size > RANKS_PER_NODE else {}
         if enable_shrink:
             nodes["low_latency"] = self._shrink_capacity(backend, low_latency_mode, num_rdma_bytes)
+        if low_latency_mode and self.group_size > RANKS_PER_NODE and num_rdma_bytes and _uses_cuda(backend):
+            # normal calls across nodes and low-latency calls on one Buffer hold two NVSHMEM buffers
+            # (DeepEP's one RDMA buffer serves both): the heap starts with room for both, from
+            # the RDMA bytes DeepEP would take from it
+            nodes["nvshmem_heap_bytes"] = int(num_rdma_bytes)
         # ids checked only where it adds no host sync (the in-node notify): DeepEP's calls have none
         self.runtime = _mep.Buffer(group, backend=backend, check_inputs="no_sync", **nodes)
         self._combine_buffers, self._next_combine = _CombineBuffers(), 0  # the zero-copy combine's
@@ -202,7 +207,7 @@ class Buffer:
         if not low_latency_mode:
             raise ValueError("megatron_ep.deep_ep.Buffer(enable_shrink=True) needs low_latency_mode=True (the rank mask "
                              "is the low-latency kernels')")
-        if backend == "torch" or (backend == "auto" and not _mep.cuda_backend_available()):
+        if not _uses_cuda(backend):
             raise NotImplementedError("megatron_ep.deep_ep.Buffer(enable_shrink=True): the rank mask is in the cuda "
                                       "backend's kernels; the torch backend has none")
         shape = _HINTS.get(num_rdma_bytes)
@@ -657,6 +662,11 @@ def _group_of(group) -> Tuple[int, object, int]:
     if not isinstance(rank, int) or rank < 0:
         raise ValueError("group: this process is not one of the group's ranks")
     return rank, group, size
+
+
+def _uses_cuda(backend: str) -> bool:
+    """Whether a Buffer of MEGATRON_EP_DEEP_EP_BACKEND=`backend` runs on our cuda kernels."""
+    return backend == "cuda" or (backend == "auto" and _mep.cuda_backend_available())
 
 
 def _check_buffer_args(num_ranks: int, num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank,
