@@ -1,11 +1,15 @@
-"""DeepEP's own test files (tests/test_intranode.py, test_internode.py, test_low_latency.py and
-their tests/utils.py) run on megatron_ep.deep_ep, on virtual ranks: several processes sharing one
-GPU (run them under MPS, docs/design.md §5).
+"""DeepEP's own test files run on megatron_ep.deep_ep, on virtual ranks: several processes sharing
+one GPU (run them under MPS, docs/design.md §5). Two suites:
+  * v1, DeepEP 567632d (the V1 API, `Buffer`): tests/test_intranode.py, test_internode.py,
+    test_low_latency.py and their tests/utils.py (--test intranode | internode | low_latency);
+  * v2, DeepEP dd758ca (the V2 API, `ElasticBuffer`): tests/elastic/test_ep.py and the modules of
+    deep_ep/utils/ it imports (envs, math, gate, refs, testing) (--test elastic).
 
-The files come from a DeepEP checkout (--checkout DIR: a folder holding tests/) or from a git
-directory at a revision (--git GITDIR --rev REV; `git show`). They are never part of this
-repository: --extract DEST only writes the four files, unpatched, into DEST/tests (e.g.
-.carry/deepep, git-ignored, to carry to a GPU machine without network).
+The files come from a DeepEP checkout (--checkout DIR: a folder holding the suite's files, at
+their paths) or from a git directory at a revision (--git GITDIR [--rev REV], the suite's
+revision unless given; `git show`). They are never part of this repository: --extract DEST
+[--suite v2] only writes the suite's files, unpatched, into DEST at their paths (e.g.
+.carry/deepep and .carry/deepep-v2, git-ignored, to carry to a GPU machine without network).
 
 With --test, the files are copied into a work folder and only the launch glue of utils.py's
 init_dist is edited; every assertion of the tests stays:
@@ -15,8 +19,13 @@ init_dist is edited; every assertion of the tests stays:
   * on gloo, dist.all_gather_into_tensor gathers into the output's R slices through
     dist.all_gather: gloo refuses the stacked output form ([R, N, ...] for an input [N, ...])
     that test_low_latency.py uses.
-Each edit replaces an exact text that must occur exactly once (the text of DeepEP 567632d's
-init_dist); where one does not, nothing runs and the error names the file and the edit.
+The v2 suite's init_dist is deep_ep/utils/envs.py's (the package's, not the tests'): it gets the
+first, second and fourth edit, and loses its imports of DeepEP's extension (`deep_ep._C`,
+`.comm`), which only its NCCL-communicator helpers use; the utils modules are placed beside
+test_ep.py as the package `deep_ep_utils` (megatron_ep's `deep_ep.utils` is DeepEP's event types),
+and test_ep.py's seven `from deep_ep.utils.X import` lines name that package.
+Each edit replaces an exact text that must occur exactly once (the text of the suite's DeepEP
+revision); where one does not, nothing runs and the error names the file and the edit.
 
 The test then runs as `python tests/test_X.py --num-processes N ...` with megatron_ep's
 `deep_ep` first on PYTHONPATH and NVLink multicast off (NCCL_NVLS_ENABLE=0,
@@ -30,6 +39,8 @@ exit status is the test's.
     python scripts/deepep_tests.py --git /work/.mirror/deepseek-ai+DeepEP/repo --rev 567632d --extract .carry/deepep
     python scripts/deepep_tests.py --checkout .carry/deepep --test intranode --num-processes 2 -- --num-tokens 1024
     python scripts/deepep_tests.py --checkout .carry/deepep --test internode --num-nodes 2 --num-processes 8
+    python scripts/deepep_tests.py --git /work/.mirror/deepseek-ai+DeepEP/repo --suite v2 --extract .carry/deepep-v2
+    python scripts/deepep_tests.py --checkout .carry/deepep-v2 --test elastic --num-processes 2 -- --num-tokens 512
 """
 
 from __future__ import annotations
@@ -51,14 +62,19 @@ from megatron_ep.cli import ArgumentParser, UsageError, check, integer, require,
 from megatron_ep.cli.launching import first_failure, free_port, how_it_ended, stop  # noqa: E402
 
 PROG = "deepep_tests.py"
-DEFAULT_REV = "567632d"  # the DeepEP commit megatron_ep.deep_ep reproduces
+DEFAULT_REV = "567632d"  # the DeepEP commit whose V1 API megatron_ep.deep_ep reproduces
+V2_REV = "dd758ca"  # the DeepEP commit whose V2 API (ElasticBuffer) megatron_ep.deep_ep reproduces
 FILES = ("tests/test_intranode.py", "tests/test_internode.py", "tests/test_low_latency.py", "tests/utils.py")
-TESTS = ("intranode", "internode", "low_latency")
+V2_UTILS = ("envs", "math", "gate", "refs", "testing")  # the deep_ep/utils modules test_ep.py imports
+V2_FILES = ("tests/elastic/test_ep.py", *(f"deep_ep/utils/{m}.py" for m in V2_UTILS))
+TESTS = ("intranode", "internode", "low_latency", "elastic")
+SUITES = {"v1": (DEFAULT_REV, FILES), "v2": (V2_REV, V2_FILES)}  # suite -> (revision, files)
+V2_PACKAGE = "tests/elastic/deep_ep_utils"  # where the v2 utils modules go in the work folder
 SHIM = os.path.join(ROOT, "megatron_ep", "deep_ep", "shim")  # what `python -m megatron_ep.deep_ep --path` prints
 ENV = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
 # (name, file, exact text at DeepEP 567632d, replacement): launch glue of init_dist only.
-EDITS: Tuple[Tuple[str, str, str, str], ...] = (
+EDITS: Tuple[tuple, ...] = (
     ("backend gloo", "tests/utils.py",
      "        'backend': 'nccl',\n",
      "        'backend': 'gloo',  # virtual ranks: NCCL refuses two ranks on one GPU\n"),
@@ -79,24 +95,44 @@ EDITS: Tuple[Tuple[str, str, str, str], ...] = (
      "    torch.cuda.set_device(local_rank % torch.cuda.device_count())\n"),
 )
 
+# The v2 suite's edits (DeepEP dd758ca): init_dist's launch glue in deep_ep/utils/envs.py, its
+# imports of DeepEP's extension, and test_ep.py's imports of the utils package.
+_ENVS = "deep_ep/utils/envs.py"
+V2_EDITS: Tuple[tuple, ...] = (  # (name, file, text, replacement[, times the text occurs: 1])
+    ("backend gloo", _ENVS, "        'backend': 'nccl',\n",
+     "        'backend': 'gloo',  # virtual ranks: NCCL refuses two ranks on one GPU\n"),
+    ("no device_id", _ENVS,
+     "    if 'device_id' in sig.parameters:\n"
+     "        # noinspection PyTypeChecker\n"
+     "        params['device_id'] = torch.device(f'cuda:{local_rank}')\n",
+     "    # no device_id: virtual ranks share a GPU\n"),
+    ("device of the rank", _ENVS, "    torch.cuda.set_device(local_rank)\n",
+     "    torch.cuda.set_device(local_rank % torch.cuda.device_count())\n"),
+    ("no deep_ep._C", _ENVS, "# noinspection PyUnresolvedReferences\nimport deep_ep._C as _C\n",
+     "# (DeepEP's extension: only the NCCL-communicator helpers below use it, and the test does not)\n"),
+    ("no .comm", _ENVS, "from .comm import get_nccl_comm_handle\n", ""),
+    *((f"import {m}", "tests/elastic/test_ep.py", f"from deep_ep.utils.{m} import ", f"from deep_ep_utils.{m} import ",
+       n) for m, n in (("math", 1), ("gate", 1), ("envs", 1), ("refs", 3), ("testing", 1))),
+)
+
 
 class EditError(UsageError):
     """An edit whose text does not occur exactly once: a DeepEP whose init_dist differs."""
 
 
 # ------------------------------------------------------------------------------- sources
-def read_checkout(checkout: str) -> Dict[str, str]:
+def read_checkout(checkout: str, files: Sequence[str] = FILES) -> Dict[str, str]:
     texts = {}
-    for rel in FILES:
+    for rel in files:
         path = os.path.join(checkout, rel)
         check(os.path.isfile(path),
-              f"{checkout}: no {rel} (--checkout takes a DeepEP checkout: a folder holding tests/)")
+              f"{checkout}: no {rel} (--checkout takes a DeepEP checkout: a folder holding the suite's files)")
         with open(path, encoding="utf-8") as f:
             texts[rel] = f.read()
     return texts
 
 
-def read_git(gitdir: str, rev: str) -> Tuple[Dict[str, str], str]:
+def read_git(gitdir: str, rev: str, files: Sequence[str] = FILES) -> Tuple[Dict[str, str], str]:
     """The files at `rev` of the git directory, and the full commit."""
     check(shutil.which("git") is not None, "git is not on PATH (--git needs it; --checkout does not)")
     check(os.path.isdir(gitdir), f"--git {gitdir}: no such directory")
@@ -105,7 +141,7 @@ def read_git(gitdir: str, rev: str) -> Tuple[Dict[str, str], str]:
     check(got.returncode == 0, f"--git {gitdir}: no commit {rev!r} there")
     commit = got.stdout.strip()
     texts = {}
-    for rel in FILES:
+    for rel in files:
         got = subprocess.run(["git", "-C", gitdir, "show", f"{commit}:{rel}"], capture_output=True, text=True)
         check(got.returncode == 0, f"--git {gitdir}: no {rel} at {rev}")
         texts[rel] = got.stdout
@@ -121,22 +157,41 @@ def write(texts: Dict[str, str], dest: str) -> None:
 
 
 # ---------------------------------------------------------------------------------- patch
-def patch(texts: Dict[str, str]) -> Dict[str, str]:
+def patch(texts: Dict[str, str], edits: Sequence[tuple] = EDITS, rev: str = DEFAULT_REV) -> Dict[str, str]:
     """The files with every edit applied; EditError naming the file and the edit where one's text
-    does not occur exactly once (checked before anything is written)."""
+    does not occur as often as it does at `rev` (once, unless the edit says; checked before
+    anything is written)."""
     out = dict(texts)
-    for name, rel, old, new in EDITS:
+    for name, rel, old, new, *times in edits:
+        want = times[0] if times else 1
         n = out[rel].count(old)
-        if n != 1:
-            raise EditError(f"{rel}: edit '{name}' matches {n} times, expected exactly once (its text is init_dist's "
-                            f"at DeepEP {DEFAULT_REV}; this DeepEP differs, so nothing runs): {old.strip()!r}")
+        if n != want:
+            raise EditError(f"{rel}: edit '{name}' matches {n} times, expected {'exactly once' if want == 1 else want} "
+                            f"(its text is DeepEP {rev}'s; this DeepEP differs, so nothing runs): {old.strip()!r}")
         out[rel] = out[rel].replace(old, new)
     return out
 
 
+def placed(texts: Dict[str, str], suite: str) -> Dict[str, str]:
+    """The patched files at their paths in the work folder: the v2 utils modules as the package
+    `deep_ep_utils` beside test_ep.py (its folder is the first on the test's sys.path, and its
+    spawned ranks'), the rest where DeepEP has them."""
+    if suite != "v2":
+        return texts
+    out = {f"{V2_PACKAGE}/__init__.py": "# DeepEP's deep_ep/utils modules that tests/elastic/test_ep.py imports\n"}
+    for rel, text in texts.items():
+        out[f"{V2_PACKAGE}/{os.path.basename(rel)}" if rel.startswith("deep_ep/utils/") else rel] = text
+    return out
+
+
 # ------------------------------------------------------------------------------------ run
+def suite_of(test: str) -> str:
+    return "v2" if test == "elastic" else "v1"
+
+
 def command(test: str, num_processes: int, extra: Sequence[str]) -> List[str]:
-    return [sys.executable, f"tests/test_{test}.py", "--num-processes", str(num_processes), *extra]
+    path = "tests/elastic/test_ep.py" if test == "elastic" else f"tests/test_{test}.py"
+    return [sys.executable, path, "--num-processes", str(num_processes), *extra]
 
 
 def environment() -> Dict[str, str]:
@@ -203,13 +258,18 @@ def parse(argv: Optional[Sequence[str]] = None):
     p = ArgumentParser(prog=PROG, description=__doc__)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkout", metavar="DIR",
-                     help="a DeepEP checkout: a folder holding tests/test_*.py and tests/utils.py")
+                     help="a DeepEP checkout: a folder holding the suite's files at their paths")
     src.add_argument("--git", metavar="GITDIR", help="a DeepEP git directory (bare or not); the files at --rev")
-    p.add_argument("--rev", default=DEFAULT_REV,
-                   help="the revision to take with --git (the commit megatron_ep.deep_ep reproduces)")
+    p.add_argument("--rev", default=None,
+                   help=f"the revision to take with --git (default: the suite's, the commit megatron_ep.deep_ep "
+                        f"reproduces: v1 {DEFAULT_REV}, v2 {V2_REV})")
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--extract", metavar="DEST", help="only write the files, unpatched, into DEST/tests")
-    what.add_argument("--test", choices=TESTS, help="run DeepEP's tests/test_<TEST>.py on megatron_ep.deep_ep")
+    what.add_argument("--extract", metavar="DEST", help="only write the suite's files, unpatched, into DEST")
+    what.add_argument("--test", choices=TESTS,
+                      help="run DeepEP's tests/test_<TEST>.py (v1), or tests/elastic/test_ep.py (elastic: v2), on "
+                           "megatron_ep.deep_ep")
+    p.add_argument("--suite", choices=sorted(SUITES), default=None,
+                   help="with --extract: which files (default v1); --test picks its own")
     p.add_argument("--num-processes", type=integer(1), default=None,
                    help="the test file's --num-processes: the ranks it spawns (per node); "
                         "default 8 for internode (its only value), else 2")
@@ -222,8 +282,12 @@ def parse(argv: Optional[Sequence[str]] = None):
                    help="patch and print the command, run nothing (the work folder is kept)")
     args = p.parse_args(argv)
     args.extra = extra
-    if args.rev != DEFAULT_REV and not args.git:
+    if args.rev is not None and not args.git:
         p.error("--rev goes with --git")
+    if args.test is not None and args.suite is not None:
+        p.error("--suite goes with --extract (--test picks its suite)")
+    args.suite = suite_of(args.test) if args.test is not None else args.suite or "v1"
+    args.rev = args.rev or SUITES[args.suite][0]
     if args.extract is not None:
         for name in ("workdir", "num_nodes", "num_processes"):
             if getattr(args, name) is not None:
@@ -240,7 +304,8 @@ def parse(argv: Optional[Sequence[str]] = None):
             p.error("test_internode.py asserts 8 ranks per node and more than 8 ranks: "
                     "--num-processes 8 and --num-nodes 2 or more")
     elif args.num_nodes != 1:
-        p.error(f"--num-nodes goes with --test internode (test_{args.test}.py runs on one node)")
+        p.error(f"--num-nodes goes with --test internode ({os.path.basename(command(args.test, 1, [])[1])} runs on one "
+                f"node here)")
     if any(a == "--num-processes" or a.startswith("--num-processes=") for a in extra):
         p.error("give --num-processes before `--` (it is passed to the test file)")
     return args
@@ -248,17 +313,19 @@ def parse(argv: Optional[Sequence[str]] = None):
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse(argv)
+    files = SUITES[args.suite][1]
     if args.git:
-        texts, commit = read_git(args.git, args.rev)
+        texts, commit = read_git(args.git, args.rev, files)
         origin = f"{args.git} at {commit[:12]}"
     else:
-        texts, origin = read_checkout(args.checkout), args.checkout
+        texts, origin = read_checkout(args.checkout, files), args.checkout
     if args.extract is not None:
         write(texts, args.extract)
-        print(f"{PROG}: wrote {', '.join(FILES)} ({sum(len(t.encode()) for t in texts.values())} bytes) from {origin} "
+        print(f"{PROG}: wrote {', '.join(files)} ({sum(len(t.encode()) for t in texts.values())} bytes) from {origin} "
               f"into {args.extract}", flush=True)
         return 0
-    patched = patch(texts)  # before anything is written or run
+    # before anything is written or run
+    patched = placed(patch(texts, EDITS if args.suite == "v1" else V2_EDITS, args.rev), args.suite)
     if not args.dry_run:
         require("torch", "numpy", prog=PROG)
     work = tempfile.mkdtemp(prefix="deepep-tests-") if args.workdir is None else args.workdir
