@@ -101,9 +101,8 @@ if [ "$MODE" = gate ] && [ -f "$DG_TREE/setup.py" ]; then
     sum=$(cd "$DG_TREE" && find . -type f -printf '%P %s\n' | sort | md5sum | cut -c1-16)
     if [ -f "$DG_SITE/env.sh" ] && [ "$(cat "$DG_SITE/.tree-sum" 2>/dev/null)" = "$sum" ]; then
       echo "kept the build of the same tree ($sum) in $DG_SITE" > "$LOGS/build_deepgemm.log"; rc=0
-      echo "(kept: built earlier on this machine from the same tree)" > /tmp/mep-dg-kept
     else
-      rm -f /tmp/mep-dg-kept "$DG_SITE/.tree-sum"
+      rm -f "$DG_SITE/.tree-sum"
       DG_JIT_CACHE_DIR=/tmp/mep-deepgemm-jit MAX_JOBS=4 bash scripts/build_deepgemm.sh \
         "$DG_TREE" "$DG_SITE" > "$LOGS/build_deepgemm.log" 2>&1
       rc=$?; [ "$rc" = 0 ] && echo "$sum" > "$DG_SITE/.tree-sum"
@@ -174,7 +173,8 @@ if [ "$MODE" = gate ]; then
       . "$DG_SITE/env.sh"
       export DG_JIT_USE_NVRTC=$nvrtc
       printf 'build deepgemm\t1\t0\t0\t%s\tDeepGEMM from %s, beside the extension builds%s; %s\n' "$dg_s" "$DG_TREE" \
-        "$(sed 's/^/ /' /tmp/mep-dg-kept 2>/dev/null)" "$(tail -1 "$LOGS/deepgemm_smoke.log")" >> "$RESULTS"
+        "$(grep -q '^kept the build' "$LOGS/build_deepgemm.log" && echo ' (kept: built earlier on this machine from the same tree)')" \
+        "$(tail -1 "$LOGS/deepgemm_smoke.log")" >> "$RESULTS"
     else
       # DeepGEMM is optional: a build or first GEMM that fails is recorded, and its cases skip saying so
       tail -20 "$LOGS/build_deepgemm.log" "$LOGS/deepgemm_smoke.log" 2>/dev/null
