@@ -21,6 +21,10 @@ the device finished them (torch.cuda.synchronize). Where a call syncs the host i
 routing's counts), issue and loop agree. --profile adds cProfile's top functions of one call
 of each op (host time by function, after the warm-up): where the host time goes.
 
+--ranks-per-node P below --ranks measures our two-level internode path (virtual nodes of P
+ranks) for `ours`; the DeepEP API's internode path needs nodes of 8 ranks, so `deep_ep` and
+`deepep` are left out there.
+
 Only same-run ratios count: absolute host times move between runs of the same machine kind.
 """
 
@@ -65,6 +69,9 @@ def parse(argv=None, description=None):
     p.add_argument("--phases", action="store_true",
                    help="ours and deep_ep on the cuda backend: the steps of each one-crossing entry (notify_call, "
                         "dispatch_call, combine_call), µs per call over 20 calls, from the extension's own clock")
+    p.add_argument("--ranks-per-node", type=int, default=None, metavar="P",
+                   help="our Buffer's ranks_per_node: below --ranks, our two-level internode path over "
+                        "--ranks / P virtual nodes (ours only; default: one node)")
     p.add_argument("--no-check-inputs", dest="check_inputs", action="store_false",
                    help="ours: Buffer(check_inputs=False) (the expert-id checks cost host syncs; DeepEP has none)")
     p.add_argument("--deepep-ll", action="store_true",
@@ -77,6 +84,16 @@ def parse(argv=None, description=None):
     bad = [i for i in a.impls if i not in IMPLS]
     if bad:
         p.error(f"--impls: unknown {bad}; choose from {', '.join(IMPLS)}")
+    P = a.ranks_per_node
+    if P is not None and not (1 <= P <= a.ranks and a.ranks % P == 0):
+        p.error(f"--ranks-per-node {P} must divide --ranks {a.ranks}")
+    a.internode = P is not None and P < a.ranks
+    if a.internode and a.impls != ["ours"]:
+        print(f"bench_host: --ranks-per-node {P}: only ours is measured (the DeepEP API's internode path "
+              f"needs nodes of 8 ranks)", flush=True)
+        a.impls = [i for i in a.impls if i == "ours"]
+        if not a.impls:
+            p.error("--ranks-per-node below --ranks measures ours only: add it to --impls")
     if a.cpu:
         a.tokens, a.hidden, a.experts, a.topk, a.loop, a.reps, a.warmup = [4, 16], 256, 16, 4, 3, 3, 1
         a.impls = [i for i in a.impls if i != "deepep"]
@@ -159,7 +176,8 @@ def ops_ours(a, T, device, x, idx, w):
     import megatron_ep as mep
 
     E = a.experts
-    buf = mep.Buffer(backend="torch" if device.type == "cpu" else "cuda", check_inputs=a.check_inputs)
+    nodes = {"ranks_per_node": a.ranks_per_node} if a.ranks_per_node else {}
+    buf = mep.Buffer(backend="torch" if device.type == "cpu" else "cuda", check_inputs=a.check_inputs, **nodes)
     state = {}
 
     def dispatch():
@@ -266,7 +284,8 @@ def main(a) -> int:
     if not a.cpu and not torch.cuda.is_available():
         print("bench_host: no CUDA GPU here; --cpu checks the script on CPU processes (figures mean nothing)")
         return 2
-    print(f"host cost per call: ranks {a.ranks}, tokens {a.tokens}, hidden {a.hidden}, top-{a.topk} of {a.experts}, "
+    path = f"internode, {a.ranks // a.ranks_per_node} nodes of {a.ranks_per_node}" if a.internode else "one node"
+    print(f"host cost per call ({path}): ranks {a.ranks}, tokens {a.tokens}, hidden {a.hidden}, top-{a.topk} of {a.experts}, "
           f"loop {a.loop} x reps {a.reps} (warm-up {a.warmup}); implementations {', '.join(a.impls)}", flush=True)
     results, failed = {}, {}
     for impl in a.impls:
