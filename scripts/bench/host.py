@@ -89,11 +89,11 @@ def parse(argv=None, description=None):
         p.error(f"--ranks-per-node {P} must divide --ranks {a.ranks}")
     a.internode = P is not None and P < a.ranks
     if a.internode and a.impls != ["ours"]:
+        if "ours" not in a.impls:
+            p.error("--ranks-per-node below --ranks measures ours only: add it to --impls")
         print(f"bench_host: --ranks-per-node {P}: only ours is measured (the DeepEP API's internode path "
               f"needs nodes of 8 ranks)", flush=True)
-        a.impls = [i for i in a.impls if i == "ours"]
-        if not a.impls:
-            p.error("--ranks-per-node below --ranks measures ours only: add it to --impls")
+        a.impls = ["ours"]
     if a.cpu:
         a.tokens, a.hidden, a.experts, a.topk, a.loop, a.reps, a.warmup = [4, 16], 256, 16, 4, 3, 3, 1
         a.impls = [i for i in a.impls if i != "deepep"]
@@ -176,8 +176,8 @@ def ops_ours(a, T, device, x, idx, w):
     import megatron_ep as mep
 
     E = a.experts
-    nodes = {"ranks_per_node": a.ranks_per_node} if a.ranks_per_node else {}
-    buf = mep.Buffer(backend="torch" if device.type == "cpu" else "cuda", check_inputs=a.check_inputs, **nodes)
+    buf = mep.Buffer(backend="torch" if device.type == "cpu" else "cuda", check_inputs=a.check_inputs,
+                     ranks_per_node=a.ranks_per_node)
     state = {}
 
     def dispatch():
