@@ -123,14 +123,16 @@ def path(monkeypatch):
     published = []
     plan = types.SimpleNamespace(pool_bytes=1 << 20, max_tokens=64, stage_x=1 << 30, comb_x=1 << 31, comb_rows=1 << 16,
                                  comb_row_bytes=1 << 16)
-    rt = types.SimpleNamespace(
-        ext=types.SimpleNamespace(intranode=kernels), rt=types.SimpleNamespace(notified_tag=lambda: kernels.notified_tag),
-        device=torch.device("cpu"), num_ranks=R, rank=0,
-        plan=plan, base=0, ready=True, num_sms=8, push_sms=8, local_sms=16, trace=None,
-        fits=lambda need: None, grow_if_needed=lambda need: False, marks=lambda names, first=False: None,
-        scratch_free=lambda: True, check=lambda call=None: None,
-        publish=lambda call, exc: published.append((call.seq, call.pending)),
-        host_wait_s=65.0, host_sizes=lambda call, waited, sizes: sizes)
+    region = types.SimpleNamespace(
+        runtime=types.SimpleNamespace(notified_tag=lambda: kernels.notified_tag), plan=plan, base=0, ready=True,
+        fits=lambda need: None, grow_if_needed=lambda need: False, scratch_free=lambda: True)
+    ledger = types.SimpleNamespace(check=lambda call=None: None, host_wait_s=65.0,
+                                   publish=lambda call, exc: published.append((call.seq, call.pending)),
+                                   host_sizes=lambda call, waited, sizes: sizes)
+    budget = types.SimpleNamespace(num_sms=8, blocks=dict(copy=8, push=8, local=16).__getitem__)
+    rt = types.SimpleNamespace(ext=types.SimpleNamespace(intranode=kernels), device=torch.device("cpu"), num_ranks=R,
+                               rank=0, trace=None, marks=lambda names, first=False: None, region=region, ledger=ledger,
+                               budget=budget)
     p = IntranodePath(rt)
     p.published, p.holder, p.fake = published, holder, kernels
     return p
@@ -197,9 +199,9 @@ def test_a_routing_the_host_must_size_takes_a_second_crossing(path, permute, why
     if why == "sizes":
         path.fake.stop_after_notify = True
     else:
-        path.rt.fits = lambda need: "hidden 8192 > 7168"
+        path.rt.region.fits = lambda need: "hidden 8192 > 7168"
     grown = []
-    path.rt.grow_if_needed = lambda need: grown.append(need) or False
+    path.rt.region.grow_if_needed = lambda need: grown.append(need) or False
     out, call = _dispatch(path, 1, permute)
     assert [c[0] for c in path.fake.calls] == ["dispatch_first_call", "dispatch_call"]
     (_, first, _), (_, disp, before_move) = path.fake.calls
@@ -256,7 +258,7 @@ def test_a_worst_case_sized_routing_does_not_wait_for_sizes(path, permute):
         out = path.dispatch(call, DispatchRequest(x, idx, None, E, permute, 1, num_worst_tokens=40))
     (_, notify, _), (_, disp, _) = path.fake.calls
     assert notify["wait_s"] < 0 and notify["num_worst_tokens"] == 40
-    assert disp["out_rows"] == 40 and disp["comb_rows"] == (R * path.rt.plan.max_tokens if permute else 0)
+    assert disp["out_rows"] == 40 and disp["comb_rows"] == (R * path.rt.region.plan.max_tokens if permute else 0)
     assert out.handle.num_recv_rows == 40
 
 
@@ -287,13 +289,13 @@ def test_a_grown_region_decides_again_where_the_rows_lie(path):
     crossings, the move is told the input is not in the region any more (its rows are staged)."""
     path.fake.stop_after_notify = True
     x = torch.randn(T, H, dtype=torch.bfloat16)
-    path.rt.base = x.data_ptr() - path.rt.plan.stage_x  # x is the region's staging (a dispatch_input)
+    path.rt.region.base = x.data_ptr() - path.rt.region.plan.stage_x  # x is the region's staging (a dispatch_input)
 
     def grow(need):
-        path.rt.base += 1 << 40  # a new region elsewhere
+        path.rt.region.base += 1 << 40  # a new region elsewhere
         return True
 
-    path.rt.grow_if_needed = grow
+    path.rt.region.grow_if_needed = grow
     idx = torch.tensor([[0, 5], [1, 2], [7, -1], [3, 4], [6, 0], [2, 5]])
     call = _call(path, "dispatch", 1)
     with path.guard(call):
