@@ -129,7 +129,7 @@ def path(monkeypatch):
     ledger = types.SimpleNamespace(check=lambda call=None: None, host_wait_s=65.0,
                                    publish=lambda call, exc: published.append((call.seq, call.pending)),
                                    host_sizes=lambda call, waited, sizes: sizes)
-    budget = types.SimpleNamespace(num_sms=8, blocks=dict(copy=8, push=8, local=16).__getitem__)
+    budget = types.SimpleNamespace(num_sms=8, normal=(8, 8, 16))
     rt = types.SimpleNamespace(ext=types.SimpleNamespace(intranode=kernels), device=torch.device("cpu"), num_ranks=R,
                                rank=0, trace=None, marks=lambda names, first=False: None, region=region, ledger=ledger,
                                budget=budget)

@@ -28,6 +28,7 @@ def test_blocks_of_each_kind():
     assert SmBudget(2, 1, 132, num_sms=24).blocks("push") == PUSH_MAX_SMS_EP2
     assert SmBudget(2, 2, 132, num_sms=24).blocks("push") == 24  # virtual ranks: uncapped
     assert set(given._of) == set(KINDS)
+    assert given.normal == (given.blocks("copy"), given.blocks("push"), given.blocks("local"))
     with pytest.raises(KeyError):
         given.blocks("other")
 
@@ -36,7 +37,7 @@ def test_set_moves_every_kind_that_follows_num_sms():
     b = SmBudget(2, 1, 132, num_sms=8)
     assert (b.blocks("copy"), b.blocks("push")) == (8, 8)
     b.set(20)
-    assert (b.blocks("copy"), b.blocks("push"), b.blocks("local")) == (20, PUSH_MAX_SMS_EP2, 132)
+    assert (b.blocks("copy"), b.blocks("push"), b.blocks("local")) == (20, PUSH_MAX_SMS_EP2, 132) == b.normal
     b.set(None)
     assert b.blocks("copy") == default_num_sms(1, 132)
 

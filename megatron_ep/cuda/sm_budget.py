@@ -69,6 +69,8 @@ class SmBudget:
         cap = PUSH_MAX_SMS_EP2 if self.num_ranks == 2 and self.ranks_per_device == 1 else self.num_sms
         self.push_sms = min(self.num_sms, envs.integer("MEP_PUSH_MAX_SMS", cap, minimum=1))
         self._of = {"copy": self.num_sms, "push": self.push_sms, "local": self.local_sms, "latency": self.local_sms}
+        # the intranode entries take three counts per call: read as one attribute (host time)
+        self.normal = (self.num_sms, self.push_sms, self.local_sms)
 
     def blocks(self, kind: str, path_max: Optional[int] = None) -> int:
         """Blocks of a launch of `kind` (KINDS), at most `path_max` (what the path's kernel takes)."""

@@ -203,8 +203,8 @@ class IntranodePath(NormalPath):
             fits = rt.region.fits(dict(plan.need, max_tokens=0, combine_rows=0)) is None
             tag = next(self.tags)
             x, token_groups, previous_event, wait_s = plan.data, plan.groups, previous, rt.ledger.host_wait_s
-            async_op, hook, num_blocks, push_blocks, local_blocks = req.async_op, hooks.current(), \
-                budget.blocks("copy"), budget.blocks("push"), budget.blocks("local")
+            async_op, hook = req.async_op, hooks.current()
+            num_blocks, push_blocks, local_blocks = budget.normal  # blocks("copy"), ("push"), ("local")
             try:
                 # (by position, each argument named as its parameter: tests/test_kernel_boundary.py)
                 status, notified, res = call.sends(
@@ -230,7 +230,7 @@ class IntranodePath(NormalPath):
         out_rows = plan.num_worst_tokens or (st.num_perm_rows if plan.permute else st.num_rows)
         state, x, previous_event, async_op, hook = native_state(self.kernels, st, plan.num_experts), plan.data, previous, \
             req.async_op, hooks.current()
-        num_blocks, push_blocks, local_blocks = budget.blocks("copy"), budget.blocks("push"), budget.blocks("local")
+        num_blocks, push_blocks, local_blocks = budget.normal  # blocks("copy"), ("push"), ("local")
         res = call.sends(self.kernels.dispatch_call, region.runtime, state, call.sig, plan.first, x, plan.scales,
                          plan.topk_weights, plan.push, scratch, zero_copy, out_rows, plan.num_worst_tokens, comb_rows,
                          previous_event, event, async_op, hook, plan.fused, marks, num_blocks, push_blocks, local_blocks)
@@ -421,8 +421,8 @@ class IntranodePath(NormalPath):
         marks = rt.marks(("start", "reduce" if partials and req.fused is None else None, "pull"), first=True)
         state, out, out_weights, previous_event = native_state(self.kernels, st, handle.num_experts), y, w_out, \
             _event(req.previous_event)
-        async_op, hook, num_blocks, local_blocks = req.async_op, hooks.current(), rt.budget.blocks("copy"), \
-            rt.budget.blocks("local")
+        async_op, hook = req.async_op, hooks.current()
+        num_blocks, _, local_blocks = rt.budget.normal  # blocks("copy"), blocks("local")
         y, w_out = call.sends(self.kernels.combine_call, region.runtime, state, call.sig, x, weights, partials, zero_copy, out,
                               out_weights, previous_event, event, async_op, hook, req.fused, marks, num_blocks,
                               local_blocks)
