@@ -254,6 +254,9 @@ class InternodePath(NvshmemPath, NormalPath):
             req.x, req.topk_idx, req.topk_weights, req.num_experts, req.permute, req.expert_alignment)
         handle, host_counts, num_worst_tokens = req.handle, req.host_counts, req.num_worst_tokens
         async_op, previous_event = req.async_op, req.previous_event
+        if req.source_index:
+            raise NotImplementedError("dispatch(source_index=True) on the cuda internode path: its kernels write no "
+                                      "source token per row (the intranode path's do)")
         data, scales, T, H, elem, _ = dispatch_rows(rt, x, topk_weights, num_experts)
         if num_experts % N != 0:
             raise ValueError(f"num_experts={num_experts} must be a multiple of the {N} nodes")

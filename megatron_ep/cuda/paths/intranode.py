@@ -86,6 +86,7 @@ class DispatchPlan:
     check_ids: bool = False  # notify checks the ids (range, repeats) and the host raises before rows move
     rank_counts: bool = False  # notify writes every rank's tokens per destination (IntranodeState.rank_counts)
     fused: Optional[Callable] = None  # the internode path runs the push in its own kernel (DispatchRequest.fused)
+    want_src: bool = False  # the kernels write each rank-major row's source token (DispatchRequest.source_index)
 
 
 @dataclass(slots=True)
@@ -211,7 +212,7 @@ class IntranodePath(NormalPath):
                     self.kernels.dispatch_first_call, region.runtime, call.sig, plan.topk_idx, plan.num_experts,
                     plan.expert_alignment, plan.permute, token_groups, plan.check_ids, plan.rank_counts, tag,
                     previous_event, notify_marks, wait_s, fits, x, plan.scales, plan.topk_weights, plan.push, scratch,
-                    zero_copy, event, async_op, hook, marks, num_blocks, push_blocks, local_blocks)
+                    zero_copy, event, async_op, hook, marks, num_blocks, push_blocks, local_blocks, plan.want_src)
             except BaseException:
                 if region.runtime.notified_tag() == tag:  # raised past notify: the peers wait at the rows' first handshake
                     call.owe(P.Pending.OUT_LOC if plan.push else P.Pending.STAGED)
@@ -233,7 +234,8 @@ class IntranodePath(NormalPath):
         num_blocks, push_blocks, local_blocks = budget.normal  # blocks("copy"), ("push"), ("local")
         res = call.sends(self.kernels.dispatch_call, region.runtime, state, call.sig, plan.first, x, plan.scales,
                          plan.topk_weights, plan.push, scratch, zero_copy, out_rows, plan.num_worst_tokens, comb_rows,
-                         previous_event, event, async_op, hook, plan.fused, marks, num_blocks, push_blocks, local_blocks)
+                         previous_event, event, async_op, hook, plan.fused, marks, num_blocks, push_blocks, local_blocks,
+                         plan.want_src)
         return self._dispatched(call, req, plan, st, res, event)
 
     def _placement(self, plan: "DispatchPlan") -> tuple:
@@ -248,10 +250,10 @@ class IntranodePath(NormalPath):
         """The caller's DispatchOutput from what dispatch_call (or the second half of
         dispatch_first_call) returned."""
         out = DispatchTensors(*res[:5])
-        tpe, dropped, st.device_counts, st.tokens_per_expert, st.num_dropped, st.comb_map = res[5:]
+        tpe, dropped, st.device_counts, st.tokens_per_expert, st.num_dropped, st.comb_map, src = res[5:]
         out_rows = plan.num_worst_tokens or (st.num_perm_rows if plan.permute else st.num_rows)
         return self._result(call, req, plan, st, out, out_rows, tpe, dropped,
-                            EventOverlap(event) if event is not None else None)
+                            EventOverlap(event) if event is not None else None, src)
 
     def _plan(self, call: P.Call, req: DispatchRequest) -> "DispatchPlan":
         """The cuda checks of the inputs, the first call's sizing, whether the call fits as the
@@ -311,7 +313,7 @@ class IntranodePath(NormalPath):
         return DispatchPlan(data, scales, topk_idx, req.topk_weights, num_experts, req.permute, req.expert_alignment,
                             num_worst_tokens, groups, T, H, K, num_experts // rt.num_ranks, row_bytes,
                             scales.shape[1] if scales is not None else 0, need, handle is None, push, check_on_device,
-                            req.rank_counts, req.fused)
+                            req.rank_counts, req.fused, req.source_index and handle is None)
 
     def _notify(self, call: P.Call, plan: "DispatchPlan", previous, marks, async_op: bool) -> tuple:
         """A worst-case sized routing's counts, exchange and row positions (one crossing: calls.h
@@ -359,7 +361,7 @@ class IntranodePath(NormalPath):
         return st, (rows_bound if plan.permute else 0)
 
     def _result(self, call: P.Call, req: DispatchRequest, plan: "DispatchPlan", st: IntranodeState,
-                out: "DispatchTensors", out_rows: int, tpe, dropped, event) -> DispatchOutput:
+                out: "DispatchTensors", out_rows: int, tpe, dropped, event, src=None) -> DispatchOutput:
         res = DispatchOutput((out.x, out.scales) if plan.scales is not None else out.x, out.topk_idx, out.weights,
                              out.row_expert, tpe, None, event=event, num_dropped=dropped)
         handle = req.handle
@@ -372,7 +374,8 @@ class IntranodePath(NormalPath):
                                     rank_counts=st.rank_counts if plan.groups == 1 else None,
                                     recv_rank_counts=st.recv_rank_counts,
                                     rank_prefix=st.rank_prefix if plan.groups == 1 else None,
-                                    recv_rank_prefix=st.recv_rank_prefix)
+                                    recv_rank_prefix=st.recv_rank_prefix, recv_src_token=src,
+                                    recv_slot_row=st.comb_map if src is not None and plan.permute else None)
         res.handle = handle
         if req.host_counts:
             if st.counts is not None and not plan.num_worst_tokens:
