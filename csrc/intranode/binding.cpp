@@ -443,16 +443,19 @@ py::tuple dispatch_part(Runtime& rt, CallStreams& cs, StepTimer& clock, HandleSt
     if (has_w) out_w = permute ? at::empty({out_rows}, dev.dtype(at::kFloat)) : at::empty({out_rows, K}, dev.dtype(at::kFloat));
   }
   if (permute) row_expert = at::empty({out_rows}, dev.dtype(at::kInt));
-  // DeepEP V2's recv_src_metadata: each rank-major row's source token, -1 where no row arrived.
-  // Rank-major pooled rows are all real (N of them): the block's own section. Elsewhere a tensor
-  // of the rank-major rows (expert-major: the combine map's), filled on our stream before the
-  // rows move, as the handle's other tensors are made there.
-  c10::optional<Tensor> out_src;
+  // DeepEP V2's recv_src_metadata: each rank-major row's source token, -1 where no row arrived,
+  // in a tensor of its own on our stream (the handle keeps it, as it keeps its other tensors made
+  // there; a view into the pooled block would pin the block, rows and all, while the handle
+  // lives). Rank-major pooled rows are all real (N of them): the kernels write the block's
+  // section (the push, or the pull it falls back to) and it is copied out after them. Elsewhere
+  // the kernels write the tensor (the pull, the fan-out), filled with -1 first.
+  c10::optional<Tensor> out_src, src_in_block;
   if (want_src) {
+    c10::cuda::CUDAStreamGuard on_comm(cs.comm());
     if (have_pool && !permute) {
-      out_src = pooled.src;
+      src_in_block = pooled.src;
+      out_src = at::empty({(int64_t)out_rows}, dev.dtype(at::kInt));
     } else {
-      c10::cuda::CUDAStreamGuard on_comm(cs.comm());
       out_src = at::full({permute ? st.comb_map->size(0) : (int64_t)out_rows}, -1, dev.dtype(at::kInt));
     }
   }
@@ -472,7 +475,7 @@ py::tuple dispatch_part(Runtime& rt, CallStreams& cs, StepTimer& clock, HandleSt
       } else {
         dispatch_push(rt, sig, slot, data, T, row_bytes, scales, scale_cols, st.topk_idx, topk_w, st.rank_pos,
                       st.slot_pos, E, out_rows, permute, st.recv_info, x, out_s, out_idx, out_w, row_expert,
-                      st.comb_map, offsets, copy, out_src, push_blocks);
+                      st.comb_map, offsets, copy, src_in_block.has_value() ? src_in_block : out_src, push_blocks);
       }
       mark(marks, 0);
       if (permute) {
@@ -491,6 +494,9 @@ py::tuple dispatch_part(Runtime& rt, CallStreams& cs, StepTimer& clock, HandleSt
                num_blocks);
       mark(marks, 1);
     }
+    if (src_in_block.has_value())  // every peer's push into the block completed within the push kernel
+      C10_CUDA_CHECK(cudaMemcpyAsync(out_src->data_ptr(), src_in_block->data_ptr(), out_src->nbytes(),
+                                     cudaMemcpyDeviceToDevice, comm));
     clock.lap(kStepLaunch);
     if (count_rows)  // after the rows moved (a raw copy: ATen's copy_ costs more host time than the copy)
       C10_CUDA_CHECK(cudaMemcpyAsync(own.data_ptr(), counts.data_ptr(), counts.nbytes(), cudaMemcpyDeviceToDevice, comm));
