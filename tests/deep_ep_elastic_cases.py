@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from deep_ep_cases import _backend, _expected, _in_rank, _inputs, _on
+from refusals import refusals
 
 
 def _align(n: int, a: int) -> int:
@@ -264,20 +265,11 @@ def run_elastic_case(cfg: dict) -> list:
         # num_sms=0 is automatic in every call, a count is handed to our budget
         buf.dispatch(x, handle=h, num_sms=0)
         errors += _src_metadata_section(cfg, h, hx, hw, rank, R, Tmax, tag)
-        for what, call in (("engram_write", buf.engram_write), ("pp_send", buf.pp_send)):
-            try:
-                call()
-                errors.append(f"{tag} {what} did not raise NotImplementedError")
-            except NotImplementedError as exc:
-                if what not in str(exc):
-                    errors.append(f"{tag} {what}'s NotImplementedError does not name it: {exc}")
+        errors += refusals([(what, call, NotImplementedError, what)
+                            for what, call in (("engram_write", buf.engram_write), ("pp_send", buf.pp_send))], f"{tag} ")
         buf.destroy()
-        try:
-            buf.dispatch(x, topk_idx=idx, num_experts=E)
-            errors.append(f"{tag} a destroyed ElasticBuffer dispatched")
-        except RuntimeError as exc:
-            if "destroyed" not in str(exc):
-                errors.append(f"{tag} a destroyed ElasticBuffer's error does not say so: {exc}")
+        errors += refusals([("a destroyed ElasticBuffer's dispatch", lambda: buf.dispatch(x, topk_idx=idx, num_experts=E),
+                             RuntimeError, "destroyed")], f"{tag} ")
         return errors
     except Exception:
         return [f"{tag} raised:\n{traceback.format_exc()}"]
