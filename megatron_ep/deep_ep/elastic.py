@@ -23,7 +23,7 @@ import torch.distributed as dist
 from .. import buffer as _mep
 from ..types import DispatchHandle
 from .buffer import (RANKS_PER_NODE, _group_of, _needs_row_major_copy, _row_major_scales, _rows, _unpacked_scales,
-                     _with_bias)
+                     _uses_cuda, _with_bias)
 from .utils import EventHandle, EventOverlap, from_ours
 
 log = logging.getLogger("megatron_ep.deep_ep")
@@ -220,7 +220,7 @@ class ElasticBuffer:
         nodes = dict(ranks_per_node=RANKS_PER_NODE) if self.num_ranks > RANKS_PER_NODE else {}
         hints = {k: v for k, v in (("max_tokens_per_rank", self.num_max_tokens_per_rank), ("hidden", hidden),
                                    ("max_topk", num_topk)) if v}
-        if num_gpu_timeout_secs != 100 and (backend == "cuda" or (backend == "auto" and _mep.cuda_backend_available())):
+        if num_gpu_timeout_secs != 100 and _uses_cuda(backend):
             # our kernels' waits (V2's default, 100 s, leaves ours: MEP_TIMEOUT_S); the torch backend has none
             nodes["timeout_s"] = float(num_gpu_timeout_secs)
         # ids unchecked (no host sync, as V2): a repeated expert in a token is one more slot, and an id
