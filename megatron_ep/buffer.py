@@ -321,7 +321,7 @@ class Buffer:
                  handle: Optional[DispatchHandle] = None, *, host_counts: bool = False,
                  num_worst_tokens: int = 0, async_op: bool = False,
                  previous_event: Optional[EventOverlap] = None, on_overflow: str = "drop",
-                 rank_counts: bool = False) -> DispatchOutput:
+                 rank_counts: bool = False, source_index: bool = False) -> DispatchOutput:
         """Send each token to the ranks owning its experts (docs/design.md §2).
 
         permute=False (default): rank-major rows; permute=True: expert-major rows, each
@@ -346,6 +346,13 @@ class Buffer:
         prefix over source ranks (`handle.rank_prefix`, DeepEP's rank_prefix_matrix), from the
         count exchange the call makes anyway; the cuda backend's internode path leaves both None
         and keeps their columns of this rank (`recv_rank_counts`, `recv_rank_prefix`).
+
+        source_index=True (a new routing): the handle also keeps each rank-major row's source token,
+        its index on its source rank (`handle.recv_src_token`, [rows] int32, -1 past the rows that
+        arrived; expert-major also `handle.recv_slot_row`, [rows, K] int32, the output row of each
+        slot or -1): what DeepEP V2's recv_src_metadata is made of. The torch backend keeps them
+        always; the cuda intranode path's kernels write them where asked (one int per row); the
+        internode path raises NotImplementedError.
         """
         op = "dispatch" if handle is None else "cached_dispatch"
         with self._call(op) as call:
@@ -360,10 +367,11 @@ class Buffer:
                 raise ValueError(f"on_overflow must be 'drop' or 'raise', got {on_overflow!r}")
             if permute is not None:
                 C.check_bool("permute", permute)
-            if host_counts is not False or rank_counts is not False or async_op is not False:
+            if host_counts is not False or rank_counts is not False or async_op is not False or source_index is not False:
                 C.check_bool("host_counts", host_counts)
                 C.check_bool("rank_counts", rank_counts)
                 C.check_bool("async_op", async_op)
+                C.check_bool("source_index", source_index)
             if previous_event is not None:
                 C.check_event("previous_event", previous_event)
             if handle is not None:
@@ -403,7 +411,8 @@ class Buffer:
                                                       handle, host_counts, num_worst_tokens, async_op, previous_event,
                                                       on_overflow=on_overflow,
                                                       check_ids=self._ids_level if handle is None else C.IDS_UNCHECKED,
-                                                      rank_counts=rank_counts and handle is None))
+                                                      rank_counts=rank_counts and handle is None,
+                                                      source_index=source_index and handle is None))
         out.handle.buffer_id = self.id
         if _needs_refusal(x, topk_weights):  # each output on the graph of the input it moves
             (out.x,) = _refusing(op, [out.x], [x])

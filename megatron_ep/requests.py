@@ -45,6 +45,9 @@ class DispatchRequest:
     check_ids: int = 0
     # also keep every rank's tokens per destination in the handle (DispatchHandle.rank_counts)
     rank_counts: bool = False
+    # a new routing's handle also keeps each rank-major row's source token
+    # (DispatchHandle.recv_src_token; the torch backend always does): DeepEP V2's recv_src_metadata
+    source_index: bool = False
 
 
 @dataclass(slots=True)

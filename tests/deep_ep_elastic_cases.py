@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from deep_ep_cases import _backend, _expected, _in_rank, _inputs, _on
+from refusals import refusals
 
 
 def _align(n: int, a: int) -> int:
@@ -103,19 +104,12 @@ def _fp8_section(cfg: dict, buf, x, idx, rank: int, R: int, tag: str) -> list:
     return errors
 
 
-def _src_metadata_section(cfg: dict, h, hx, rank: int, R: int, Tmax: int, tag: str) -> list:
+def _src_metadata_section(cfg: dict, h, hx, hw, rank: int, R: int, Tmax: int, tag: str) -> list:
     """EPHandle.recv_src_metadata against V2's: per received token its source rank * Tmax + source
     index, its source rank * K + first slot here, and (expanded) each slot's expanded row, -1
-    elsewhere. The cuda kernels write no source index yet: NotImplementedError naming it there."""
+    elsewhere; without the CPU sync (`hw`), the same rows first and -1 in every column of the rest.
+    On both backends (the cuda intranode kernels write each row's source token)."""
     errors: list = []
-    if cfg.get("backend") == "cuda":
-        try:
-            h.recv_src_metadata
-            errors.append(f"{tag} recv_src_metadata on the cuda backend did not raise NotImplementedError")
-        except NotImplementedError as exc:
-            if "recv_src_metadata" not in str(exc):
-                errors.append(f"{tag} recv_src_metadata's NotImplementedError does not name it: {exc}")
-        return errors
     L, a = cfg["E"] // R, cfg.get("align", 1)
     K = cfg["K"]
     tokens, per = [], [[] for _ in range(L)]  # received (src, t), and each local expert's (src, t, k)
@@ -136,6 +130,9 @@ def _src_metadata_section(cfg: dict, h, hx, rank: int, R: int, Tmax: int, tag: s
     for r, (src, t, first) in enumerate(tokens):
         want[r, 0], want[r, 1] = src * Tmax + t, src * K + first
     _check(errors, tag, "recv_src_metadata (plain)", h.recv_src_metadata, want)
+    worst = torch.full((R * Tmax, K + 2), -1, dtype=torch.int32)
+    worst[:len(tokens)] = want
+    _check(errors, tag, "recv_src_metadata (plain, no CPU sync)", hw.recv_src_metadata, worst)
     for r, (src, t, _) in enumerate(tokens):
         for k in range(K):
             want[r, 2 + k] = row_of.get((src, t, k), -1)
@@ -267,21 +264,12 @@ def run_elastic_case(cfg: dict) -> list:
             errors += _fp8_section(cfg, buf, x, idx, rank, R, tag)
         # num_sms=0 is automatic in every call, a count is handed to our budget
         buf.dispatch(x, handle=h, num_sms=0)
-        errors += _src_metadata_section(cfg, h, hx, rank, R, Tmax, tag)
-        for what, call in (("engram_write", buf.engram_write), ("pp_send", buf.pp_send)):
-            try:
-                call()
-                errors.append(f"{tag} {what} did not raise NotImplementedError")
-            except NotImplementedError as exc:
-                if what not in str(exc):
-                    errors.append(f"{tag} {what}'s NotImplementedError does not name it: {exc}")
+        errors += _src_metadata_section(cfg, h, hx, hw, rank, R, Tmax, tag)
+        errors += refusals([(what, call, NotImplementedError, what)
+                            for what, call in (("engram_write", buf.engram_write), ("pp_send", buf.pp_send))], f"{tag} ")
         buf.destroy()
-        try:
-            buf.dispatch(x, topk_idx=idx, num_experts=E)
-            errors.append(f"{tag} a destroyed ElasticBuffer dispatched")
-        except RuntimeError as exc:
-            if "destroyed" not in str(exc):
-                errors.append(f"{tag} a destroyed ElasticBuffer's error does not say so: {exc}")
+        errors += refusals([("a destroyed ElasticBuffer's dispatch", lambda: buf.dispatch(x, topk_idx=idx, num_experts=E),
+                             RuntimeError, "destroyed")], f"{tag} ")
         return errors
     except Exception:
         return [f"{tag} raised:\n{traceback.format_exc()}"]

@@ -1,7 +1,7 @@
 """DeepEP's own test files (deepseek-ai/DeepEP 567632d: tests/test_intranode.py,
 tests/test_internode.py and tests/test_low_latency.py) on megatron_ep.deep_ep, on virtual ranks
-of one GPU (2; the internode file on 2 virtual nodes of 8, the low-latency file's --shrink-test
-on 8), through scripts/deepep_tests.py: only their launch glue is edited, every assertion of
+of one GPU (2; the internode file on 2 virtual nodes of 8 with --test-ll-compatibility, the
+low-latency file's --shrink-test on 8), through scripts/deepep_tests.py: only their launch glue is edited, every assertion of
 theirs is kept (the internode file's benchmark asserts one dispatch / combine kernel and one
 notify kernel per cached call: csrc/internode/fused.cu).
 
@@ -29,10 +29,12 @@ CHECKOUT = os.environ.get("MEP_DEEPEP_TESTS", os.path.join(ROOT, ".carry", "deep
 # The shrink test runs at 8 ranks (its ranks 1, 3 and 5 stop at their first dispatch, combine
 # and clean; the others mask them when a wait passes MEP_MASK_TIMEOUT_S).
 # The internode file runs 2 virtual nodes of 8 ranks (16 processes of 8 SMs on one H200), 512
-# tokens per rank: its correctness checks, then its tuning sweep of 218 profiled calls.
+# tokens per rank: its correctness checks, its tuning sweep of 218 profiled calls, then, on the
+# same Buffer (low_latency_mode=True), test_low_latency.py's checks at 16 ranks of 256 experts
+# (--test-ll-compatibility: one Buffer serving prefill's normal calls and decode's low-latency ones).
 CASES = [
     ("intranode", ["--num-tokens", "1024", "--num-experts", "64"], ["--num-processes", "2"], {}),
-    ("internode", ["--num-tokens", "512"], ["--num-nodes", "2", "--num-processes", "8"], {}),
+    ("internode", ["--num-tokens", "512", "--test-ll-compatibility"], ["--num-nodes", "2", "--num-processes", "8"], {}),
     ("low_latency", [], ["--num-processes", "2"], {}),
     ("low_latency", ["--shrink-test"], ["--num-processes", "8"], {"MEP_MASK_TIMEOUT_S": "4"}),
 ]

@@ -1,8 +1,9 @@
 """scripts/deepep_tests.py on CPU: the launch-glue edits of DeepEP's tests/utils.py apply exactly
 once, an edit that does not match stops the script naming it, --extract writes only the test
 files, the test runs with megatron_ep's deep_ep first on the path (one process per virtual node),
-and --help answers without torch. DeepEP's own files are checked too where a git mirror of
-DeepEP is on this machine."""
+and --help answers without torch; for DeepEP V2's suite (--test elastic), the glue of its
+deep_ep/utils/envs.py and the utils package placed beside test_ep.py. DeepEP's own files are
+checked too where a git mirror of DeepEP is on this machine."""
 
 import os
 import shutil
@@ -160,3 +161,90 @@ def test_deepep_567632d_files_take_every_edit(tmp_path):
                           check=True).stdout
     assert INIT_DIST in real  # the fixture above is DeepEP's text
     assert "'backend': 'gloo'" in (work / "tests" / "utils.py").read_text()
+
+
+# DeepEP V2's suite (dd758ca): the test's imports of the utils package and the launch glue of
+# deep_ep/utils/envs.py's init_dist, the texts the script edits.
+V2_IMPORTS = """\
+from deep_ep.utils.math import (
+    align, count_bytes, calc_diff,
+)
+from deep_ep.utils.gate import get_unbalanced_scores
+from deep_ep.utils.envs import init_dist, init_seed, dist_print
+from deep_ep.utils.refs import dispatch as ref_dispatch
+from deep_ep.utils.refs import combine as ref_combine
+from deep_ep.utils.refs import generate_pre_combine_data, ordered_accumulate
+from deep_ep.utils.testing import bench_kineto
+"""
+V2_ENVS_HEAD = """\
+import torch
+
+# noinspection PyUnresolvedReferences
+import deep_ep._C as _C
+
+from .comm import get_nccl_comm_handle
+
+"""
+V2_FILES = ("tests/elastic/test_ep.py", *(f"deep_ep/utils/{m}.py" for m in ("envs", "math", "gate", "refs", "testing")))
+
+
+def _v2_checkout(path, imports=V2_IMPORTS):
+    for rel in V2_FILES:
+        (path / rel).parent.mkdir(parents=True, exist_ok=True)
+        text = {"tests/elastic/test_ep.py": imports + FAKE_TEST,
+                "deep_ep/utils/envs.py": V2_ENVS_HEAD + "def init_dist(local_rank, num_local_ranks, seed=0):\n" + INIT_DIST,
+                "deep_ep/utils/refs.py": "from .envs import get_global_seed\n"}.get(rel, "x = 1\n")
+        (path / rel).write_text(text)
+    return path
+
+
+def test_v2_suite_edits_and_places_the_utils_package(tmp_path):
+    """--test elastic: init_dist's glue in deep_ep/utils/envs.py, its imports of DeepEP's extension
+    gone, the utils modules beside test_ep.py as deep_ep_utils, and every import of the test
+    pointed there (refs' three too); the test file otherwise unchanged."""
+    src, work = _v2_checkout(tmp_path / "deepep"), tmp_path / "work"
+    rc, out = _run("--checkout", str(src), "--test", "elastic", "--workdir", str(work), "--dry-run", "--",
+                   "--num-tokens", "64")
+    assert rc == 0, out
+    assert "tests/elastic/test_ep.py --num-processes 2 --num-tokens 64" in out, out
+    pkg = work / "tests" / "elastic" / "deep_ep_utils"
+    assert sorted(p.name for p in pkg.iterdir()) == ["__init__.py", "envs.py", "gate.py", "math.py", "refs.py", "testing.py"]
+    assert not (work / "deep_ep").exists()
+    envs = (pkg / "envs.py").read_text()
+    assert "'backend': 'gloo'" in envs and "set_device(local_rank % torch.cuda.device_count())" in envs
+    assert "deep_ep._C" not in envs and ".comm" not in envs and "params['device_id']" not in envs
+    test = (work / "tests" / "elastic" / "test_ep.py").read_text()
+    assert "deep_ep.utils" not in test and test.count("from deep_ep_utils.refs import ") == 3
+    assert test == V2_IMPORTS.replace("deep_ep.utils.", "deep_ep_utils.") + FAKE_TEST
+    assert (pkg / "refs.py").read_text() == "from .envs import get_global_seed\n"  # relative imports stay
+
+
+def test_v2_suite_an_import_that_moved_stops_the_run(tmp_path):
+    src = _v2_checkout(tmp_path / "deepep", imports=V2_IMPORTS.replace(
+        "from deep_ep.utils.refs import combine as ref_combine\n", ""))
+    rc, out = _run("--checkout", str(src), "--test", "elastic", "--workdir", str(tmp_path / "work"))
+    assert rc == 2, out
+    assert "edit 'import refs' matches 2 times, expected 3" in out, out
+
+
+def test_v2_extract_and_its_options(tmp_path):
+    src, dest = _v2_checkout(tmp_path / "deepep"), tmp_path / "carry"
+    rc, out = _run("--checkout", str(src), "--suite", "v2", "--extract", str(dest))
+    assert rc == 0, out
+    got = sorted(os.path.relpath(os.path.join(d, f), dest) for d, _, fs in os.walk(dest) for f in fs)
+    assert got == sorted(V2_FILES)
+    rc, out = _run("--checkout", str(src), "--suite", "v2", "--test", "elastic")
+    assert rc == 2 and "--suite goes with --extract" in out, out
+    rc, out = _run("--checkout", str(src), "--test", "elastic", "--num-nodes", "2")
+    assert rc == 2 and "--num-nodes goes with --test internode (test_ep.py runs on one node here)" in out, out
+
+
+@pytest.mark.skipif(not os.path.isdir(MIRROR), reason=f"no DeepEP git mirror at {MIRROR} (CI has none)")
+def test_deepep_dd758ca_files_take_every_edit(tmp_path):
+    work = tmp_path / "work"
+    rc, out = _run("--git", MIRROR, "--test", "elastic", "--workdir", str(work), "--dry-run")
+    assert rc == 0 and "tests/elastic/test_ep.py --num-processes 2" in out, out
+    pkg = work / "tests" / "elastic" / "deep_ep_utils"
+    code = "import deep_ep_utils.envs, deep_ep_utils.refs, deep_ep_utils.math, deep_ep_utils.gate, deep_ep_utils.testing"
+    p = subprocess.run([sys.executable, "-c", code], cwd=pkg.parent, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr  # the placed modules import without DeepEP's extension

@@ -92,6 +92,8 @@ struct DispatchArgs {
   int* comb_map;           // expert-major: [N, K] expert-major row of each (rank-major row, slot), -1 where
                            // none or dropped -- the combine's local pre-reduction reads it; else nullptr
   CountsCopy counts;       // the pull or the push copies them (never the fan-out)
+  int* out_src;            // [rank-major rows] the source token of each rank-major row (its source rank is
+                           // its segment), or nullptr: not asked (DeepEP V2's recv_src_metadata)
 };
 void launch_dispatch(const Ctx& ctx, int slot, const DispatchArgs& args, int num_blocks, cudaStream_t stream);
 
@@ -106,6 +108,7 @@ struct PushArgs {
   StageArgs in;       // this rank's inputs
   DispatchArgs out;   // this rank's outputs (local pointers) and receive layout
   long long out_x_off, out_s_off, out_idx_off, out_w_off;  // rank-major rows in this region; x_off < 0: not pooled
+  long long out_src_off;  // the rows' source tokens in this region, or -1 (not asked)
 };
 void launch_dispatch_push(const Ctx& ctx, const CallArgs& call, int slot, const PushArgs& args, int num_blocks,
                           cudaStream_t stream);
@@ -119,6 +122,7 @@ struct FanoutArgs {
   const float* scales;  // [N, scale_cols] or nullptr
   const int* map;     // [N, K, 2] (expert-major row, local expert) or -1
   const float* w;     // [N, K] or nullptr
+  const int* src;     // [N] the pooled rows' source tokens, copied to out.out_src; or nullptr
 };
 void launch_fanout(const Ctx& ctx, const FanoutArgs& args, int num_blocks, cudaStream_t stream);
 

@@ -81,10 +81,11 @@ void dispatch(Runtime& rt, const Sig& sig, int slot, int row_bytes, int scale_co
               const c10::optional<Tensor>& out_scales, const c10::optional<Tensor>& out_idx,
               const c10::optional<Tensor>& out_w, const c10::optional<Tensor>& out_row_expert,
               const c10::optional<Tensor>& out_tpe, const c10::optional<Tensor>& comb_map, const CountsCopy& counts,
-              int num_blocks) {
+              const c10::optional<Tensor>& out_src, int num_blocks) {
   DispatchArgs a = dispatch_args(row_bytes, scale_cols, K, E, permute, has_weights, out_rows, recv_info, out_x,
                                  out_scales, out_idx, out_w, out_row_expert, out_tpe, comb_map);
   a.counts = counts;
+  a.out_src = ptr_or_null<int>(out_src);
   launch_dispatch(rt.ctx(sig.at(kSigSeq)), slot, a, num_blocks, stream());
   check_launch("dispatch");
 }
@@ -96,8 +97,8 @@ InnodeDispatch push_launch(Runtime& rt, const Sig& sig, int slot, const Tensor& 
                            const c10::optional<Tensor>& out_scales, const c10::optional<Tensor>& out_idx,
                            const c10::optional<Tensor>& out_w, const c10::optional<Tensor>& out_row_expert,
                            const c10::optional<Tensor>& comb_map, const std::vector<long long>& offsets,
-                           const CountsCopy& counts) {
-  TORCH_CHECK(offsets.size() == 4, "offsets: x, scales, idx, w");
+                           const CountsCopy& counts, const c10::optional<Tensor>& out_src) {
+  TORCH_CHECK(offsets.size() == 5, "offsets: x, scales, idx, w, src");
   InnodeDispatch d{};
   d.call = make_call(sig, kCallOk, "");
   d.ctx = rt.ctx(d.call.sig[kSigSeq]);
@@ -108,10 +109,12 @@ InnodeDispatch push_launch(Runtime& rt, const Sig& sig, int slot, const Tensor& 
   a.out = dispatch_args(row_bytes, scale_cols, K, E, permute, topk_w.has_value(), out_rows, recv_info, out_x, out_scales,
                         out_idx, out_w, out_row_expert, c10::nullopt, comb_map);
   a.out.counts = counts;
+  a.out.out_src = ptr_or_null<int>(out_src);  // (where the push falls back to stage + pull)
   a.out_x_off = offsets[0];
   a.out_s_off = offsets[1];
   a.out_idx_off = offsets[2];
   a.out_w_off = offsets[3];
+  a.out_src_off = offsets[4];
   return d;
 }
 
@@ -122,10 +125,10 @@ void dispatch_push(Runtime& rt, const Sig& sig, int slot, const Tensor& x, int T
                    const c10::optional<Tensor>& out_scales, const c10::optional<Tensor>& out_idx,
                    const c10::optional<Tensor>& out_w, const c10::optional<Tensor>& out_row_expert,
                    const c10::optional<Tensor>& comb_map, std::vector<long long> offsets, const CountsCopy& counts,
-                   int num_blocks) {
+                   const c10::optional<Tensor>& out_src, int num_blocks) {
   const InnodeDispatch d = push_launch(rt, sig, slot, x, T, row_bytes, scales, scale_cols, topk_idx, topk_w, rank_pos,
                                        slot_pos, E, out_rows, permute, recv_info, out_x, out_scales, out_idx, out_w,
-                                       out_row_expert, comb_map, offsets, counts);
+                                       out_row_expert, comb_map, offsets, counts, out_src);
   launch_dispatch_push(d.ctx, d.call, d.slot, d.push, num_blocks, stream());
   check_launch("dispatch_push");
 }
@@ -135,8 +138,10 @@ void dispatch_push(Runtime& rt, const Sig& sig, int slot, const Tensor& x, int T
 void fanout(Runtime& rt, const Sig& sig, const Tensor& rows, const c10::optional<Tensor>& scales, const Tensor& map,
             const c10::optional<Tensor>& w, int row_bytes, int scale_cols, int K, int E, bool has_weights, int out_rows,
             const Tensor& recv_info, Tensor& out_x, const c10::optional<Tensor>& out_scales,
-            const c10::optional<Tensor>& out_w, const Tensor& out_row_expert, const Tensor& comb_map, int num_blocks) {
+            const c10::optional<Tensor>& out_w, const Tensor& out_row_expert, const Tensor& comb_map,
+            const c10::optional<Tensor>& src, const c10::optional<Tensor>& out_src, int num_blocks) {
   TORCH_CHECK(map.scalar_type() == at::kLong && map.dim() == 2 && map.size(1) == K, "fanout: bad map");
+  TORCH_CHECK(src.has_value() == out_src.has_value(), "fanout: the pooled source tokens and their output go together");
   FanoutArgs a;
   a.out = dispatch_args(row_bytes, scale_cols, K, E, true, has_weights, out_rows, recv_info, out_x, out_scales,
                         c10::nullopt, out_w, out_row_expert, c10::nullopt, comb_map);
@@ -144,6 +149,8 @@ void fanout(Runtime& rt, const Sig& sig, const Tensor& rows, const c10::optional
   a.scales = ptr_or_null<const float>(scales);
   a.map = static_cast<const int*>(map.data_ptr());
   a.w = ptr_or_null<const float>(w);
+  a.src = ptr_or_null<const int>(src);
+  a.out.out_src = ptr_or_null<int>(out_src);
   launch_fanout(rt.ctx(sig.at(kSigSeq)), a, num_blocks, stream());
   check_launch("fanout");
 }
@@ -383,8 +390,9 @@ py::tuple dispatch_part(Runtime& rt, CallStreams& cs, StepTimer& clock, HandleSt
                         const Tensor& data, const c10::optional<Tensor>& scales, const c10::optional<Tensor>& topk_w,
                         bool push, bool scratch, bool zero_copy, int out_rows, int worst, int comb_rows,
                         const py::object& event, bool async_op, const py::object& hook, const py::object& fused,
-                        const py::object& marks, int num_blocks, int push_blocks, int local_blocks) {
+                        const py::object& marks, int num_blocks, int push_blocks, int local_blocks, bool want_src) {
   const int T = st.T, K = st.K, E = st.E, H = (int)data.size(1);
+  TORCH_CHECK(!want_src || fused.is_none(), "megatron_ep: a fused in-node dispatch writes no source tokens");
   const int row_bytes = H * (int)data.element_size(), scale_cols = scales.has_value() ? (int)scales->size(1) : 0;
   const bool permute = st.permute, has_w = topk_w.has_value();
   const auto dev = data.options();
@@ -415,13 +423,14 @@ py::tuple dispatch_part(Runtime& rt, CallStreams& cs, StepTimer& clock, HandleSt
     const int rows = std::max<int>(1, (int)st.comb_map->size(0));
     const RegionLayout& l = rt.lay();
     have_pool = (scratch && rt.block_at(l.comb_x, l.comb_w, rows, H, data.scalar_type(), row_bytes, scale_cols, K, has_w,
-                                        pooled)) ||
-                rt.pool_block(rows, H, data.scalar_type(), row_bytes, scale_cols, K, has_w, compute, true, comm, pooled);
+                                        want_src, pooled)) ||
+                rt.pool_block(rows, H, data.scalar_type(), row_bytes, scale_cols, K, has_w, want_src, compute, true, comm,
+                              pooled);
   } else if (push) {
     // the block's first writer waits for its last use: the push kernel (our stream; the peers
     // wait for its start), or an output hook (the caller's) before it
-    have_pool = rt.pool_block(out_rows, H, data.scalar_type(), row_bytes, scale_cols, K, has_w, compute, false,
-                              hook.is_none() ? comm : compute, pooled);
+    have_pool = rt.pool_block(out_rows, H, data.scalar_type(), row_bytes, scale_cols, K, has_w, want_src, compute,
+                              false, hook.is_none() ? comm : compute, pooled);
   }
   Tensor x;
   c10::optional<Tensor> out_s, out_idx, out_w, row_expert;
@@ -434,10 +443,26 @@ py::tuple dispatch_part(Runtime& rt, CallStreams& cs, StepTimer& clock, HandleSt
     if (has_w) out_w = permute ? at::empty({out_rows}, dev.dtype(at::kFloat)) : at::empty({out_rows, K}, dev.dtype(at::kFloat));
   }
   if (permute) row_expert = at::empty({out_rows}, dev.dtype(at::kInt));
+  // DeepEP V2's recv_src_metadata: each rank-major row's source token, -1 where no row arrived,
+  // in a tensor of its own on our stream (the handle keeps it, as it keeps its other tensors made
+  // there; a view into the pooled block would pin the block, rows and all, while the handle
+  // lives). Rank-major pooled rows are all real (N of them): the kernels write the block's
+  // section (the push, or the pull it falls back to) and it is copied out after them. Elsewhere
+  // the kernels write the tensor (the pull, the fan-out), filled with -1 first.
+  c10::optional<Tensor> out_src, src_in_block;
+  if (want_src) {
+    c10::cuda::CUDAStreamGuard on_comm(cs.comm());
+    if (have_pool && !permute) {
+      src_in_block = pooled.src;
+      out_src = at::empty({(int64_t)out_rows}, dev.dtype(at::kInt));
+    } else {
+      out_src = at::full({permute ? st.comb_map->size(0) : (int64_t)out_rows}, -1, dev.dtype(at::kInt));
+    }
+  }
   clock.lap(kStepOutputs);
   if (apply_hook(hook, {&x, opt_ptr(out_s), opt_ptr(out_idx), opt_ptr(out_w), opt_ptr(row_expert)})) cs.after_caller();
   clock.lap(kStepHook);
-  const std::vector<long long> offsets = have_pool ? pooled.offsets : std::vector<long long>{-1, -1, -1, -1};
+  const std::vector<long long> offsets = have_pool ? pooled.offsets : std::vector<long long>{-1, -1, -1, -1, -1};
   {
     c10::cuda::CUDAStreamGuard on_comm(cs.comm());
     const int slot = !first ? kSlotCall : (push ? kSlotOutLoc : kSlotStaged);
@@ -446,17 +471,17 @@ py::tuple dispatch_part(Runtime& rt, CallStreams& cs, StepTimer& clock, HandleSt
         // where the outputs are not pooled (no push) the fused kernel stages and pulls (offsets -1)
         fused(as_bytes(push_launch(rt, sig, slot, data, T, row_bytes, scales, scale_cols, st.topk_idx, topk_w,
                                    st.rank_pos, st.slot_pos, E, out_rows, permute, st.recv_info, x, out_s, out_idx,
-                                   out_w, row_expert, st.comb_map, offsets, copy)));
+                                   out_w, row_expert, st.comb_map, offsets, copy, c10::nullopt)));
       } else {
         dispatch_push(rt, sig, slot, data, T, row_bytes, scales, scale_cols, st.topk_idx, topk_w, st.rank_pos,
                       st.slot_pos, E, out_rows, permute, st.recv_info, x, out_s, out_idx, out_w, row_expert,
-                      st.comb_map, offsets, copy, push_blocks);
+                      st.comb_map, offsets, copy, src_in_block.has_value() ? src_in_block : out_src, push_blocks);
       }
       mark(marks, 0);
       if (permute) {
         if (have_pool)
           fanout(rt, sig, pooled.x, pooled.scales, pooled.idx, pooled.w, row_bytes, scale_cols, K, E, has_w, out_rows,
-                 st.recv_info, x, out_s, out_w, *row_expert, *st.comb_map, local_blocks);
+                 st.recv_info, x, out_s, out_w, *row_expert, *st.comb_map, pooled.src, out_src, local_blocks);
         mark(marks, 1);
       }
     } else {
@@ -465,9 +490,13 @@ py::tuple dispatch_part(Runtime& rt, CallStreams& cs, StepTimer& clock, HandleSt
       mark(marks, 0);
       // rank-major, worst-case sized: the pull counts the rows it delivers (notify zeroed tpe)
       dispatch(rt, sig, slot, row_bytes, scale_cols, K, E, permute, has_w, out_rows, st.recv_info, x, out_s, out_idx,
-               out_w, row_expert, count_rows ? c10::optional<Tensor>(tpe) : c10::nullopt, st.comb_map, copy, num_blocks);
+               out_w, row_expert, count_rows ? c10::optional<Tensor>(tpe) : c10::nullopt, st.comb_map, copy, out_src,
+               num_blocks);
       mark(marks, 1);
     }
+    if (src_in_block.has_value())  // every peer's push into the block completed within the push kernel
+      C10_CUDA_CHECK(cudaMemcpyAsync(out_src->data_ptr(), src_in_block->data_ptr(), out_src->nbytes(),
+                                     cudaMemcpyDeviceToDevice, comm));
     clock.lap(kStepLaunch);
     if (count_rows)  // after the rows moved (a raw copy: ATen's copy_ costs more host time than the copy)
       C10_CUDA_CHECK(cudaMemcpyAsync(own.data_ptr(), counts.data_ptr(), counts.nbytes(), cudaMemcpyDeviceToDevice, comm));
@@ -479,11 +508,11 @@ py::tuple dispatch_part(Runtime& rt, CallStreams& cs, StepTimer& clock, HandleSt
   }
   cs.leave(event, async_op, {&data, opt_ptr(scales), &st.topk_idx, opt_ptr(topk_w), &st.rank_pos, &st.slot_pos,
                              &st.recv_info, &st.row_limits, opt_ptr(st.comb_map), &x, opt_ptr(out_s), opt_ptr(out_idx),
-                             opt_ptr(out_w), opt_ptr(row_expert), &counts});
+                             opt_ptr(out_w), opt_ptr(row_expert), &counts, opt_ptr(out_src)});
   clock.lap(kStepLeave);
   const auto opt = [](const c10::optional<Tensor>& t) { return t.has_value() ? py::cast(*t) : py::none(); };
   py::tuple out = py::make_tuple(x, opt(out_s), opt(out_idx), opt(out_w), opt(row_expert), tpe, dropped, st.counts,
-                                 st.tokens_per_expert, st.num_dropped, opt(st.comb_map));
+                                 st.tokens_per_expert, st.num_dropped, opt(st.comb_map), opt(out_src));
   clock.lap(kStepReturn);
   return out;
 }
@@ -492,12 +521,12 @@ py::tuple dispatch_call(Runtime& rt, HandleState& st, const Sig& sig, bool first
                         const c10::optional<Tensor>& scales, const c10::optional<Tensor>& topk_w, bool push,
                         bool scratch, bool zero_copy, int out_rows, int worst, int comb_rows, const py::object& previous,
                         const py::object& event, bool async_op, const py::object& hook, const py::object& fused,
-                        const py::object& marks, int num_blocks, int push_blocks, int local_blocks) {
+                        const py::object& marks, int num_blocks, int push_blocks, int local_blocks, bool want_src) {
   StepTimer clock(rt.clock(), kEntryDispatch);
   CallStreams cs(rt, previous, first);
   clock.lap(kStepStreams);
   return dispatch_part(rt, cs, clock, st, sig, first, data, scales, topk_w, push, scratch, zero_copy, out_rows, worst,
-                       comb_rows, event, async_op, hook, fused, marks, num_blocks, push_blocks, local_blocks);
+                       comb_rows, event, async_op, hook, fused, marks, num_blocks, push_blocks, local_blocks, want_src);
 }
 
 // A new routing's whole dispatch in one crossing (not worst-case sized): notify, the host wait for
@@ -514,7 +543,7 @@ py::tuple dispatch_first_call(Runtime& rt, const Sig& sig, const Tensor& topk_id
                               const c10::optional<Tensor>& scales, const c10::optional<Tensor>& topk_w, bool push,
                               bool scratch, bool zero_copy, const py::object& event, bool async_op,
                               const py::object& hook, const py::object& marks, int num_blocks, int push_blocks,
-                              int local_blocks) {
+                              int local_blocks, bool want_src) {
   StepTimer clock(rt.clock(), kEntryNotify);
   CallStreams cs(rt, previous, false);
   clock.lap(kStepStreams);
@@ -536,7 +565,7 @@ py::tuple dispatch_first_call(Runtime& rt, const Sig& sig, const Tensor& topk_id
   StepTimer dclock(rt.clock(), kEntryDispatch);
   py::tuple out = dispatch_part(rt, cs, dclock, n.st, sig, true, data, scales, topk_w, push, scratch, zero_copy,
                                 permute ? perm_rows : rows, 0, permute ? rows : 0, event, async_op, hook, py::none(),
-                                marks, num_blocks, push_blocks, local_blocks);
+                                marks, num_blocks, push_blocks, local_blocks, want_src);
   return py::make_tuple(0, notified_tuple(n, sizes), out);
 }
 
@@ -616,10 +645,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init(&mep::handle_state), py::arg("topk_idx"), py::arg("rank_pos"), py::arg("slot_pos"), py::arg("recv_info"), py::arg("row_limits"), py::arg("counts"), py::arg("comb_map"), py::arg("num_experts"), py::arg("permute"));
   // one crossing per call (calls.h); argument names: the Python side's (megatron_ep/cuda/paths/intranode.py
   // passes them by name; tests/test_kernel_boundary.py reads both sides)
-  intra.def("notify_call", &mep::notify_call, py::arg("rt"), py::arg("sig"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("expert_alignment"), py::arg("permute"), py::arg("num_worst_tokens"), py::arg("token_groups"), py::arg("check_ids"), py::arg("rank_counts"), py::arg("tag"), py::arg("previous_event"), py::arg("marks"), py::arg("wait_s"), py::arg("async_op"));
-  intra.def("dispatch_first_call", &mep::dispatch_first_call, py::arg("rt"), py::arg("sig"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("expert_alignment"), py::arg("permute"), py::arg("token_groups"), py::arg("check_ids"), py::arg("rank_counts"), py::arg("tag"), py::arg("previous_event"), py::arg("notify_marks"), py::arg("wait_s"), py::arg("fits"), py::arg("x"), py::arg("scales"), py::arg("topk_weights"), py::arg("push"), py::arg("scratch"), py::arg("zero_copy"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("marks"), py::arg("num_blocks"), py::arg("push_blocks"), py::arg("local_blocks"));
-  intra.def("dispatch_call", &mep::dispatch_call, py::arg("rt"), py::arg("state"), py::arg("sig"), py::arg("first"), py::arg("x"), py::arg("scales"), py::arg("topk_weights"), py::arg("push"), py::arg("scratch"), py::arg("zero_copy"), py::arg("out_rows"), py::arg("num_worst_tokens"), py::arg("comb_rows"), py::arg("previous_event"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("fused"), py::arg("marks"), py::arg("num_blocks"), py::arg("push_blocks"), py::arg("local_blocks"));
-  intra.def("combine_call", &mep::combine_call, py::arg("rt"), py::arg("state"), py::arg("sig"), py::arg("x"), py::arg("weights"), py::arg("partials"), py::arg("zero_copy"), py::arg("out"), py::arg("out_weights"), py::arg("previous_event"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("fused"), py::arg("marks"), py::arg("num_blocks"), py::arg("local_blocks"));
+  intra.def("notify_call", &mep::notify_call, py::arg("runtime"), py::arg("sig"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("expert_alignment"), py::arg("permute"), py::arg("num_worst_tokens"), py::arg("token_groups"), py::arg("check_ids"), py::arg("rank_counts"), py::arg("tag"), py::arg("previous_event"), py::arg("marks"), py::arg("wait_s"), py::arg("async_op"));
+  intra.def("dispatch_first_call", &mep::dispatch_first_call, py::arg("runtime"), py::arg("sig"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("expert_alignment"), py::arg("permute"), py::arg("token_groups"), py::arg("check_ids"), py::arg("rank_counts"), py::arg("tag"), py::arg("previous_event"), py::arg("notify_marks"), py::arg("wait_s"), py::arg("fits"), py::arg("x"), py::arg("scales"), py::arg("topk_weights"), py::arg("push"), py::arg("scratch"), py::arg("zero_copy"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("marks"), py::arg("num_blocks"), py::arg("push_blocks"), py::arg("local_blocks"), py::arg("want_src"));
+  intra.def("dispatch_call", &mep::dispatch_call, py::arg("runtime"), py::arg("state"), py::arg("sig"), py::arg("first"), py::arg("x"), py::arg("scales"), py::arg("topk_weights"), py::arg("push"), py::arg("scratch"), py::arg("zero_copy"), py::arg("out_rows"), py::arg("num_worst_tokens"), py::arg("comb_rows"), py::arg("previous_event"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("fused"), py::arg("marks"), py::arg("num_blocks"), py::arg("push_blocks"), py::arg("local_blocks"), py::arg("want_src"));
+  intra.def("combine_call", &mep::combine_call, py::arg("runtime"), py::arg("state"), py::arg("sig"), py::arg("x"), py::arg("weights"), py::arg("partials"), py::arg("zero_copy"), py::arg("out"), py::arg("out_weights"), py::arg("previous_event"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("fused"), py::arg("marks"), py::arg("num_blocks"), py::arg("local_blocks"));
   intra.attr("INNODE_DISPATCH_BYTES") = (long long)sizeof(mep::InnodeDispatch);
   intra.attr("INNODE_COMBINE_BYTES") = (long long)sizeof(mep::InnodeCombine);
 }

@@ -6,7 +6,7 @@ the edges V2's callers work around handled (docs/deep-ep.md, "DeepEP V2's Elasti
 Our rows already come in V2's deterministic order (rank-major: by source rank, then source token;
 expanded: by local expert, then source rank, then source token), so `deterministic` costs nothing
 here. What V2 has and this module has not (Engram, PP send/recv, all-gather (AGRS), CPU-backed
-memory, and on the cuda backend the per-row source metadata) raises NotImplementedError naming
+memory, and on the cuda internode path the per-row source metadata) raises NotImplementedError naming
 itself."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from .. import buffer as _mep
 from ..types import DispatchHandle
 from .buffer import (RANKS_PER_NODE, _group_of, _needs_row_major_copy, _row_major_scales, _rows, _unpacked_scales,
-                     _with_bias)
+                     _uses_cuda, _with_bias)
 from .utils import EventHandle, EventOverlap, from_ours
 
 log = logging.getLogger("megatron_ep.deep_ep")
@@ -144,23 +144,26 @@ class EPHandle:
         rank * num_max_tokens_per_rank + its source index, its source rank * K + its first slot
         with an expert here, and (expanded) each slot's expanded row, -1 elsewhere (-1 in all K
         columns when plain). Rows past the tokens received (without the CPU sync) are -1. Made on
-        first read, from the backend's per-row source index (the torch backend's; our kernels do
-        not write one yet: NotImplementedError there)."""
+        first read, without a host sync, from the backend's per-row source token (the torch
+        backend's, our intranode kernels'; the internode path writes none: NotImplementedError)."""
         h = self.ours
         src = h.recv_src_token
         if src is None:
             raise NotImplementedError("megatron_ep.deep_ep EPHandle.recv_src_metadata (each received row's source "
-                                      "token index and slots) is not supported on the cuda backend yet: our kernels "
-                                      "do not write a row's source index; rows come in source-rank then source-token "
-                                      "order (docs/deep-ep.md)")
-        N, K, R = src.numel(), h.topk, h.num_ranks
+                                      "token index and slots) is not supported on the cuda internode path: its "
+                                      "kernels do not write a row's source index; rows come in source-rank then "
+                                      "source-token order (docs/deep-ep.md)")
+        N, K = src.numel(), h.topk  # (N: the rows the backend wrote for, -1 past the real ones)
         counts = h.recv_rank_counts if h.recv_rank_counts is not None else h.rank_counts[:, self._rank]
-        src_rank = torch.repeat_interleave(torch.arange(R, dtype=torch.int32, device=src.device),
-                                           counts.to(torch.int64), output_size=N)
-        slots = h.recv_slot_row if self.do_expand else self.recv_topk_idx[:N]
+        # rank-major rows come in source-rank order: a row's source rank is the segment it falls in
+        ends = torch.cumsum(counts.to(torch.int64), 0)
+        src_rank = torch.searchsorted(ends, torch.arange(N, device=src.device), right=True).to(torch.int32)
+        real = src >= 0
+        slots = h.recv_slot_row[:N] if self.do_expand else self.recv_topk_idx[:N]
+        slots = torch.where(real.unsqueeze(1), slots.to(torch.int32), -1)
         here = slots >= 0
         meta = torch.full((max(self.num_recv_tokens, N), K + 2), -1, dtype=torch.int32, device=src.device)
-        meta[:N, 0] = src_rank * self.num_max_tokens_per_rank + src
+        meta[:N, 0] = torch.where(real, src_rank * self.num_max_tokens_per_rank + src, -1)
         meta[:N, 1] = torch.where(here.any(1), src_rank * K + here.to(torch.int8).argmax(1).to(torch.int32), -1)
         if self.do_expand:
             meta[:N, 2:] = slots
@@ -217,7 +220,7 @@ class ElasticBuffer:
         nodes = dict(ranks_per_node=RANKS_PER_NODE) if self.num_ranks > RANKS_PER_NODE else {}
         hints = {k: v for k, v in (("max_tokens_per_rank", self.num_max_tokens_per_rank), ("hidden", hidden),
                                    ("max_topk", num_topk)) if v}
-        if num_gpu_timeout_secs != 100 and (backend == "cuda" or (backend == "auto" and _mep.cuda_backend_available())):
+        if num_gpu_timeout_secs != 100 and _uses_cuda(backend):
             # our kernels' waits (V2's default, 100 s, leaves ours: MEP_TIMEOUT_S); the torch backend has none
             nodes["timeout_s"] = float(num_gpu_timeout_secs)
         # ids unchecked (no host sync, as V2): a repeated expert in a token is one more slot, and an id
@@ -381,9 +384,12 @@ class ElasticBuffer:
             worst = max(worst, 1)
             if worst > self._worst_reserved:
                 self._reserve(rows, K, num_experts, worst)
+        # each row's source token for recv_src_metadata: our intranode kernels write it (one int a
+        # row); the internode path's do not (the metadata raises there)
         out = self.runtime.dispatch(x, topk_idx, topk_weights, num_experts=num_experts, permute=do_expand,
                                     expert_alignment=align, num_worst_tokens=worst, host_counts=sync,
-                                    async_op=async_op, rank_counts=True)
+                                    async_op=async_op, rank_counts=True,
+                                    source_index=self.num_ranks <= RANKS_PER_NODE)
         counts = list(out.tokens_per_expert_host) if sync else []  # (expanded: the padded lengths already)
         if sync and not do_expand and align > 1:
             counts = [_align(c, align) for c in counts]

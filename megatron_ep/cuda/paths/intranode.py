@@ -86,6 +86,7 @@ class DispatchPlan:
     check_ids: bool = False  # notify checks the ids (range, repeats) and the host raises before rows move
     rank_counts: bool = False  # notify writes every rank's tokens per destination (IntranodeState.rank_counts)
     fused: Optional[Callable] = None  # the internode path runs the push in its own kernel (DispatchRequest.fused)
+    want_src: bool = False  # the kernels write each rank-major row's source token (DispatchRequest.source_index)
 
 
 @dataclass(slots=True)
@@ -137,7 +138,7 @@ def combine_rows(rt: CudaRuntime, x, weights):
 
 def max_rank_major_rows(rt: CudaRuntime) -> int:
     """The most rank-major rows any rank can receive: every rank's tokens (same on every rank)."""
-    return rt.num_ranks * rt.plan.max_tokens
+    return rt.num_ranks * rt.region.plan.max_tokens
 
 
 class IntranodePath(NormalPath):
@@ -158,22 +159,22 @@ class IntranodePath(NormalPath):
 
     def describe(self) -> str:
         rt = self.rt
-        size = f"{rt.plan.total / 2**20:.0f} MiB region" if rt.ready else "sized on first use"
-        return f"cuda intranode, {rt.num_sms} SMs/rank, {rt.ranks_per_device} rank(s)/GPU, {size}"
+        size = f"{rt.region.plan.total / 2**20:.0f} MiB region" if rt.region.ready else "sized on first use"
+        return f"cuda intranode, {rt.budget.num_sms} SMs/rank, {rt.ranks_per_device} rank(s)/GPU, {size}"
 
     # ------------------------------------------------------------------------------ calls
     def begin(self, call: P.Call) -> None:
-        self.rt.check(call)
+        self.rt.ledger.check(call)
 
     def failed(self, call: P.Call, exc: BaseException) -> None:
-        self.rt.publish(call, exc)
+        self.rt.ledger.publish(call, exc)
 
     def check(self, call: Optional[P.Call] = None) -> None:
-        self.rt.check(call)
+        self.rt.ledger.check(call)
 
     def synchronize(self) -> None:
         self.rt.stream.synchronize()
-        self.rt.check()
+        self.rt.ledger.check()
 
     def close(self) -> None:
         self.rt.close()
@@ -187,6 +188,7 @@ class IntranodePath(NormalPath):
         host must act between them (the region grows, or the call failed at notify's exchange),
         or where it is worst-case sized (notify_call, then dispatch_call without a host wait)."""
         rt = self.rt
+        region, budget = rt.region, rt.budget
         plan = self._plan(call, req)
         previous = _event(req.previous_event)
         comb_rows = 0
@@ -199,20 +201,20 @@ class IntranodePath(NormalPath):
         if plan.first and not plan.num_worst_tokens:
             # the region fits the call's needs but its counts (a plan remembered per need), so the
             # extension needs to compare only the counts notify learns
-            fits = rt.fits(dict(plan.need, max_tokens=0, combine_rows=0)) is None
+            fits = rt.region.fits(dict(plan.need, max_tokens=0, combine_rows=0)) is None
             tag = next(self.tags)
-            x, token_groups, previous_event, wait_s = plan.data, plan.groups, previous, rt.host_wait_s
-            async_op, hook, num_blocks, push_blocks, local_blocks = req.async_op, hooks.current(), rt.num_sms, \
-                rt.push_sms, rt.local_sms
+            x, token_groups, previous_event, wait_s = plan.data, plan.groups, previous, rt.ledger.host_wait_s
+            async_op, hook = req.async_op, hooks.current()
+            num_blocks, push_blocks, local_blocks = budget.normal  # blocks("copy"), ("push"), ("local")
             try:
                 # (by position, each argument named as its parameter: tests/test_kernel_boundary.py)
                 status, notified, res = call.sends(
-                    self.kernels.dispatch_first_call, rt.rt, call.sig, plan.topk_idx, plan.num_experts,
+                    self.kernels.dispatch_first_call, region.runtime, call.sig, plan.topk_idx, plan.num_experts,
                     plan.expert_alignment, plan.permute, token_groups, plan.check_ids, plan.rank_counts, tag,
                     previous_event, notify_marks, wait_s, fits, x, plan.scales, plan.topk_weights, plan.push, scratch,
-                    zero_copy, event, async_op, hook, marks, num_blocks, push_blocks, local_blocks)
+                    zero_copy, event, async_op, hook, marks, num_blocks, push_blocks, local_blocks, plan.want_src)
             except BaseException:
-                if rt.rt.notified_tag() == tag:  # raised past notify: the peers wait at the rows' first handshake
+                if region.runtime.notified_tag() == tag:  # raised past notify: the peers wait at the rows' first handshake
                     call.owe(P.Pending.OUT_LOC if plan.push else P.Pending.STAGED)
                 raise
             # (status 0: the rows moved in the same crossing, so nothing is owed after it)
@@ -229,33 +231,35 @@ class IntranodePath(NormalPath):
         out_rows = plan.num_worst_tokens or (st.num_perm_rows if plan.permute else st.num_rows)
         state, x, previous_event, async_op, hook = native_state(self.kernels, st, plan.num_experts), plan.data, previous, \
             req.async_op, hooks.current()
-        num_blocks, push_blocks, local_blocks = rt.num_sms, rt.push_sms, rt.local_sms
-        res = call.sends(self.kernels.dispatch_call, rt.rt, state, call.sig, plan.first, x, plan.scales,
+        num_blocks, push_blocks, local_blocks = budget.normal  # blocks("copy"), ("push"), ("local")
+        res = call.sends(self.kernels.dispatch_call, region.runtime, state, call.sig, plan.first, x, plan.scales,
                          plan.topk_weights, plan.push, scratch, zero_copy, out_rows, plan.num_worst_tokens, comb_rows,
-                         previous_event, event, async_op, hook, plan.fused, marks, num_blocks, push_blocks, local_blocks)
+                         previous_event, event, async_op, hook, plan.fused, marks, num_blocks, push_blocks, local_blocks,
+                         plan.want_src)
         return self._dispatched(call, req, plan, st, res, event)
 
     def _placement(self, plan: "DispatchPlan") -> tuple:
         """(zero_copy: the rows already lie in this region's staging, scratch: the expert-major push
         may use the combine area as its rank-major buffer), for the region as it is now."""
-        rt = self.rt
-        return (plan.data.data_ptr() == rt.base + rt.plan.stage_x,
-                plan.push and plan.permute and rt.scratch_free())
+        region = self.rt.region
+        return (plan.data.data_ptr() == region.base + region.plan.stage_x,
+                plan.push and plan.permute and region.scratch_free())
 
     def _dispatched(self, call: P.Call, req: DispatchRequest, plan: "DispatchPlan", st: IntranodeState, res: tuple,
                     event) -> DispatchOutput:
         """The caller's DispatchOutput from what dispatch_call (or the second half of
         dispatch_first_call) returned."""
         out = DispatchTensors(*res[:5])
-        tpe, dropped, st.device_counts, st.tokens_per_expert, st.num_dropped, st.comb_map = res[5:]
+        tpe, dropped, st.device_counts, st.tokens_per_expert, st.num_dropped, st.comb_map, src = res[5:]
         out_rows = plan.num_worst_tokens or (st.num_perm_rows if plan.permute else st.num_rows)
         return self._result(call, req, plan, st, out, out_rows, tpe, dropped,
-                            EventOverlap(event) if event is not None else None)
+                            EventOverlap(event) if event is not None else None, src)
 
     def _plan(self, call: P.Call, req: DispatchRequest) -> "DispatchPlan":
         """The cuda checks of the inputs, the first call's sizing, whether the call fits as the
         region is, and push or stage: everything decided before a kernel runs."""
         rt = self.rt
+        region = rt.region
         num_experts, handle, num_worst_tokens = req.num_experts, req.handle, req.num_worst_tokens
         data, scales, T, H, elem, row_bytes = dispatch_rows(rt, req.x, req.topk_weights, num_experts)
         groups = req.token_groups
@@ -275,20 +279,20 @@ class IntranodePath(NormalPath):
         else:
             K, topk_idx = handle.topk, handle.topk_idx
         # rows this wide fitted along this routing before (the region only grows): nothing to size
-        fitted = handle is not None and handle.state.fitted == (H, elem) and rt.ready
+        fitted = handle is not None and handle.state.fitted == (H, elem) and region.ready
         need = None if fitted else dict(max_tokens=T, hidden=H, dtype_bytes=elem, combine_bytes=max(2, elem), max_topk=K,
                                         max_experts=num_experts, combine_rows=max(rt.num_ranks * T, num_worst_tokens))
         capturing = torch.cuda.is_current_stream_capturing()
         fail(not capturing or num_worst_tokens or handle is not None, "a dispatch captured in a CUDA graph needs "
              "num_worst_tokens= (or a handle): exact output sizes need a host sync, which capture forbids", RuntimeError)
-        if not rt.ready:
+        if not region.ready:
             fail(not capturing, "the first call of a cuda Buffer without sizing hints "
                  "cannot be captured in a CUDA graph (it allocates); run one call before capturing", RuntimeError)
-            rt.first_use_in(call, need)
+            region.first_use_in(call, need)
         if fitted:
             pass
         elif num_worst_tokens or capturing or handle is not None:  # nothing can grow without the host sync: it must fit now
-            short = rt.fits({k: v for k, v in need.items() if k != "combine_rows" or num_worst_tokens})
+            short = region.fits({k: v for k, v in need.items() if k != "combine_rows" or num_worst_tokens})
             if short is not None:
                 raise ValueError(f"dispatch does not fit the buffer ({short}) and a "
                                  f"{'cached' if handle is not None else 'worst-case sized'} dispatch cannot grow it (no host sync): create "
@@ -297,7 +301,7 @@ class IntranodePath(NormalPath):
                 handle.state.fitted = (H, elem)
         # rows are pushed straight into pooled rank-major buffers when every rank has room: the
         # outputs themselves (rank-major), or what the fan-out spreads into expert segments
-        push = (req.permute or not num_worst_tokens) and rt.plan.pool_bytes > 0 and not capturing
+        push = (req.permute or not num_worst_tokens) and region.plan.pool_bytes > 0 and not capturing
         fail(req.fused is None or handle is not None, "a fused in-node dispatch needs a handle (cached dispatch)", RuntimeError)
         # the ids' check rides on notify where the host waits for its sizes anyway; a sync-free
         # dispatch has no such wait, so it checks on the host (one sync) before any kernel
@@ -309,7 +313,7 @@ class IntranodePath(NormalPath):
         return DispatchPlan(data, scales, topk_idx, req.topk_weights, num_experts, req.permute, req.expert_alignment,
                             num_worst_tokens, groups, T, H, K, num_experts // rt.num_ranks, row_bytes,
                             scales.shape[1] if scales is not None else 0, need, handle is None, push, check_on_device,
-                            req.rank_counts, req.fused)
+                            req.rank_counts, req.fused, req.source_index and handle is None)
 
     def _notify(self, call: P.Call, plan: "DispatchPlan", previous, marks, async_op: bool) -> tuple:
         """A worst-case sized routing's counts, exchange and row positions (one crossing: calls.h
@@ -318,7 +322,7 @@ class IntranodePath(NormalPath):
         rt = self.rt
         token_groups, tag, previous_event, wait_s = plan.groups, next(self.tags), previous, -1.0
         notified = call.sends(
-            self.kernels.notify_call, rt.rt, call.sig, plan.topk_idx, plan.num_experts, plan.expert_alignment,
+            self.kernels.notify_call, rt.region.runtime, call.sig, plan.topk_idx, plan.num_experts, plan.expert_alignment,
             plan.permute, plan.num_worst_tokens, token_groups, plan.check_ids, plan.rank_counts, tag, previous_event,
             marks, wait_s, async_op)
         return self._notified(call, plan, notified, grow=False, owed=True)
@@ -339,17 +343,17 @@ class IntranodePath(NormalPath):
         rows_bound = max_rank_major_rows(rt)  # the host learns N below unless sync-free
         if not plan.num_worst_tokens:
             try:
-                info = rt.host_sizes(call, waited, sizes)
+                info = rt.ledger.host_sizes(call, waited, sizes)
             except PeerFailedError:
                 # ids notify found bad here (check_ids) failed this rank's record at the exchange, so
                 # every rank aborted the call (the peers raise PeerFailedError): this rank says why
-                bad = rt.rt.host_counts(0)["bad_slot"] if plan.check_ids else -1
+                bad = rt.region.runtime.host_counts(0)["bad_slot"] if plan.check_ids else -1
                 if bad >= 0:
                     raise bad_slot_error(plan.topk_idx, bad, plan.num_experts) from None
                 raise
             st.num_rows, st.num_perm_rows, st.counts = info["num_rows"], info["num_perm_rows"], info["counts"]
             if grow:
-                rt.grow_if_needed(dict(plan.need, max_tokens=info["need_tokens"],
+                rt.region.grow_if_needed(dict(plan.need, max_tokens=info["need_tokens"],
                                        combine_rows=info["need_perm_rows"] if plan.permute else info["need_rows"]))
             rows_bound = st.num_rows
         if owed:
@@ -357,7 +361,7 @@ class IntranodePath(NormalPath):
         return st, (rows_bound if plan.permute else 0)
 
     def _result(self, call: P.Call, req: DispatchRequest, plan: "DispatchPlan", st: IntranodeState,
-                out: "DispatchTensors", out_rows: int, tpe, dropped, event) -> DispatchOutput:
+                out: "DispatchTensors", out_rows: int, tpe, dropped, event, src=None) -> DispatchOutput:
         res = DispatchOutput((out.x, out.scales) if plan.scales is not None else out.x, out.topk_idx, out.weights,
                              out.row_expert, tpe, None, event=event, num_dropped=dropped)
         handle = req.handle
@@ -370,7 +374,8 @@ class IntranodePath(NormalPath):
                                     rank_counts=st.rank_counts if plan.groups == 1 else None,
                                     recv_rank_counts=st.recv_rank_counts,
                                     rank_prefix=st.rank_prefix if plan.groups == 1 else None,
-                                    recv_rank_prefix=st.recv_rank_prefix)
+                                    recv_rank_prefix=st.recv_rank_prefix, recv_src_token=src,
+                                    recv_slot_row=st.comb_map if src is not None and plan.permute else None)
         res.handle = handle
         if req.host_counts:
             if st.counts is not None and not plan.num_worst_tokens:
@@ -388,25 +393,26 @@ class IntranodePath(NormalPath):
         caller's stream; on ours the staging and the pull-and-sum in one launch, or the
         expert-major pre-reduction and the partials' sum."""
         rt = self.rt
+        region = rt.region
         x, handle, weights = req.x, req.handle, req.weights
         st: IntranodeState = handle.state
         rows, H, row_bytes = combine_rows(rt, x, weights)
-        if row_bytes > rt.plan.comb_row_bytes:
-            raise ValueError(f"combine: rows of {row_bytes} bytes exceed the {rt.plan.comb_row_bytes} "
+        if row_bytes > region.plan.comb_row_bytes:
+            raise ValueError(f"combine: rows of {row_bytes} bytes exceed the {region.plan.comb_row_bytes} "
                              f"bytes the buffer holds (combine rows wider than any dispatch so far: create the Buffer with hidden= and "
                              f"combine_bytes={x.element_size()})")
-        if rows > rt.plan.comb_rows:
-            raise ValueError(f"combine input has {rows} rows; the buffer's combine area holds {rt.plan.comb_rows} "
+        if rows > region.plan.comb_rows:
+            raise ValueError(f"combine input has {rows} rows; the buffer's combine area holds {region.plan.comb_rows} "
                              f"(Buffer(combine_rows=...))")
         T = handle.num_tokens
-        zero_copy = x.data_ptr() == rt.base + rt.plan.comb_x
+        zero_copy = x.data_ptr() == region.base + region.plan.comb_x
         # expert-major: sum each token's rows per rank locally first, so one fp32 row per
         # (token, rank) crosses the link instead of one per (token, expert). Needs the dispatch's
         # map and room for every rank's partials (the group-wide bound, so the ranks agree) where
         # the input is not; a rank whose input lies there (zero copy) takes the staged kernel,
         # and the signature's variant turns that disagreement into CallMismatchError.
         partials = (handle.permute and st.comb_map is not None and not zero_copy
-                    and max_rank_major_rows(rt) * H * 4 <= rt.plan.comb_rows * rt.plan.comb_row_bytes)
+                    and max_rank_major_rows(rt) * H * 4 <= region.plan.comb_rows * region.plan.comb_row_bytes)
         call.set_variant(int(partials))
         y = w_out = None
         if req.out is not None:
@@ -418,8 +424,9 @@ class IntranodePath(NormalPath):
         marks = rt.marks(("start", "reduce" if partials and req.fused is None else None, "pull"), first=True)
         state, out, out_weights, previous_event = native_state(self.kernels, st, handle.num_experts), y, w_out, \
             _event(req.previous_event)
-        async_op, hook, num_blocks, local_blocks = req.async_op, hooks.current(), rt.num_sms, rt.local_sms
-        y, w_out = call.sends(self.kernels.combine_call, rt.rt, state, call.sig, x, weights, partials, zero_copy, out,
+        async_op, hook = req.async_op, hooks.current()
+        num_blocks, _, local_blocks = rt.budget.normal  # blocks("copy"), blocks("local")
+        y, w_out = call.sends(self.kernels.combine_call, region.runtime, state, call.sig, x, weights, partials, zero_copy, out,
                               out_weights, previous_event, event, async_op, hook, req.fused, marks, num_blocks,
                               local_blocks)
         return CombineOutput(y, w_out, EventOverlap(event) if event is not None else None)
