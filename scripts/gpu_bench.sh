@@ -68,7 +68,8 @@ DEEPEP=0; [ -f .carry/deepep-src/setup.py ] && DEEPEP=1
 if [ "$DEEPEP" = 1 ] && { has bench || has megatron; }; then
   bash scripts/build_deepep.sh intranode > /tmp/deepep_start.log 2>&1
 fi
-if [ "$DEEPEP" = 1 ] && { has lowlat || has host; }; then  # DeepEP against the pip NVSHMEM: its LL kernels
+# (a full build already done on this machine, e.g. started beside the gate, is kept)
+if [ "$DEEPEP" = 1 ] && { has lowlat || has host; } && [ ! -e /tmp/deepep_full.ok ]; then  # its LL kernels: pip NVSHMEM
   bash scripts/build_deepep.sh full > /tmp/deepep_full_start.log 2>&1
 fi
 # PYTHONPATH with DeepEP's MODE build first once it is done (up to $2 s), as it is without one
