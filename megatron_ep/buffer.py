@@ -235,13 +235,14 @@ class Buffer:
         """The host side of one call, alone: a second thread's call meanwhile raises
         BufferBusyError at once, before it sends anything, naming both callers."""
         if not self._busy_lock.acquire(blocking=False):
-            thread, busy_op = self._busy or ("another thread", "a call")
+            thread, busy_op = self._busy or (None, "a call")
+            thread = "another thread" if thread is None else thread.name
             raise BufferBusyError(
                 f"{op} from thread {threading.current_thread().name!r} on Buffer #{self.ordinal} (rank "
                 f"{self.rank}/{self.num_ranks}, backend {self.backend}) while thread {thread!r} is inside its "
                 f"{busy_op}: one rank's calls on a Buffer are one sequence, matched call by call with its peers'; "
                 f"issue them from one thread at a time (this call was not made; the other goes on)")
-        self._busy = (threading.current_thread().name, op)
+        self._busy = (threading.current_thread(), op)  # (its name only when another thread needs it)
 
     def _release(self) -> None:
         self._busy = None
@@ -255,19 +256,26 @@ class Buffer:
         finally:
             self._release()
 
-    def _next_call(self, op: str) -> P.Call:
+    def _next_call(self, op: str, sig: Optional[list] = None) -> P.Call:
         self._seq += 1
         self._entered += 1
-        call = P.Call(P.OP[op], self._seq)
+        call = P.Call(P.OP[op], self._seq, sig)
         call.sig[_BUFFER_FIELD] = self.ordinal
         return call
 
-    def _call(self, op: str) -> "_CallScope":
-        """One collective call: a sequence number, a signature (filled by the caller), and the
-        backend's entry check and failure publication around the whole host side -- also for a
-        destroyed Buffer, whose call raises inside it, so the peers learn of it instead of
-        waiting (protocol.guarded's sequence, with the call's exclusivity: _CallScope)."""
-        return _CallScope(self, op)
+    def _call(self, op: str, sig: Optional[list] = None) -> "_CallScope":
+        """One collective call: a sequence number, a signature (filled by the caller, or a replayed
+        call's), and the backend's entry check and failure publication around the whole host side
+        -- also for a destroyed Buffer, whose call raises inside it, so the peers learn of it
+        instead of waiting (protocol.guarded's sequence, with the call's exclusivity: _CallScope)."""
+        return _CallScope(self, op, sig)
+
+    def _replayed(self, op: str, replay, handle: DispatchHandle, x, weights, async_op: bool, previous_event):
+        """A call whose arguments match `replay` (megatron_ep/replay.py): the call's numbers and
+        scope as every call's, its signature the replayed call's, then the backend's call without
+        the checks that shape passed."""
+        with _CallScope(self, op, replay.sig) as call:
+            return replay.run(handle, call, x, weights, async_op, previous_event)
 
     def refuse(self, op: str, exc: BaseException) -> None:
         """Fail this rank's call `op` (a key of protocol.OP) with `exc` where its peers wait for it:
@@ -354,6 +362,15 @@ class Buffer:
         always; the cuda intranode path's kernels write them where asked (one int per row); the
         internode path raises NotImplementedError.
         """
+        if handle is not None and topk_idx is None and num_experts is None and permute is None \
+                and expert_alignment is None and type(num_worst_tokens) is int and num_worst_tokens == 0 and on_overflow == "drop" and host_counts is False \
+                and rank_counts is False and source_index is False and (async_op is False or async_op is True) \
+                and (previous_event is None or type(previous_event) is EventOverlap):
+            # a cached dispatch of the shape of the last one along this handle: its checks passed
+            replay = getattr(handle, "dispatch_replay", None)
+            if replay is not None and handle.buffer_id == self.id and not self._destroyed \
+                    and replay.matches(x, topk_weights):
+                return self._replayed("cached_dispatch", replay, handle, x, topk_weights, async_op, previous_event)
         op = "dispatch" if handle is None else "cached_dispatch"
         with self._call(op) as call:
             impl = self._impl
@@ -425,6 +442,11 @@ class Buffer:
         """y[t] = sum of the rows that came from token t (fp32 accumulation, x's dtype out).
 
         weights (rank-major [N, K], expert-major [M]) are scattered back to [T, K]."""
+        if (async_op is False or async_op is True) and (previous_event is None or type(previous_event) is EventOverlap):
+            # a combine of the shape of the last one along this handle: its checks passed
+            replay = getattr(handle, "combine_replay", None)
+            if replay is not None and handle.buffer_id == self.id and not self._destroyed and replay.matches(x, weights):
+                return self._replayed("combine", replay, handle, x, weights, async_op, previous_event)
         with self._call("combine") as call:
             self._check_handle(handle, DispatchHandle)
             C.check_bool("async_op", async_op)
@@ -694,17 +716,17 @@ class _CallScope:
     exclusivity around protocol.guarded over its backend, and the call numbers realigned where the
     backend says so."""
 
-    __slots__ = ("buf", "op", "guard")
+    __slots__ = ("buf", "op", "sig", "guard")
 
-    def __init__(self, buf: Buffer, op: str):
-        self.buf, self.op = buf, op
+    def __init__(self, buf: Buffer, op: str, sig: Optional[list] = None):
+        self.buf, self.op, self.sig = buf, op, sig
 
     def __enter__(self) -> P.Call:
         buf = self.buf
         buf._acquire(self.op)
         exc = None
         try:
-            self.guard = P.guarded(buf._impl, buf._next_call(self.op))
+            self.guard = P.guarded(buf._impl, buf._next_call(self.op, self.sig))
             call = self.guard.__enter__()  # the entry check; its failure is published there
         except BaseException as e:
             exc = e

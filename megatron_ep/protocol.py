@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence
 
 from .errors import CallMismatchError, PeerFailedError, WorstCaseOverflowError
@@ -58,6 +58,7 @@ _ROUTING, _DTYPE, _HIDDEN, _ROW_BYTES, _TOPK, _NUM_EXPERTS, _PERMUTE, _ALIGNMENT
     FIELD[name] for name in ("routing", "dtype", "hidden", "row_bytes", "topk", "num_experts", "permute",
                              "expert_alignment", "worst_case_sized", "weights"))
 _MAX_TOKENS = FIELD["max_tokens_per_rank"]
+_OP, _SEQ = FIELD["op"], FIELD["seq"]
 
 @functools.lru_cache(maxsize=None)
 def _dtype_codes() -> dict:
@@ -110,13 +111,13 @@ class Call:
 
     op: int
     seq: int
-    sig: List[int] = field(default_factory=list)
+    sig: Optional[List[int]] = None  # given: a replayed call's signature (megatron_ep/replay.py), copied
     pending: Pending = Pending.FIRST
 
     def __post_init__(self):
-        self.sig = [0] * len(SIG_FIELDS)
-        self.sig[FIELD["op"]] = self.op
-        self.sig[FIELD["seq"]] = self.seq
+        sig = [0] * len(SIG_FIELDS) if self.sig is None else self.sig.copy()
+        sig[_OP], sig[_SEQ] = self.op, self.seq
+        self.sig = sig
 
     def set(self, **fields) -> "Call":
         for name, value in fields.items():

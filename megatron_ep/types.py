@@ -93,6 +93,10 @@ class DispatchHandle(_Routing):
     # the real ones, without a host sync, -1), else None
     recv_src_token: Optional[torch.Tensor] = None
     recv_slot_row: Optional[torch.Tensor] = None
+    # the backend's replays of the last cached dispatch and combine along this routing
+    # (megatron_ep/replay.py; None until one passed, and on a copy)
+    dispatch_replay: Any = field(default=None, repr=False, compare=False)
+    combine_replay: Any = field(default=None, repr=False, compare=False)
 
 
 @dataclass

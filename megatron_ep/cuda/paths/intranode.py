@@ -24,6 +24,7 @@ from ... import protocol as P
 from ...checks import IDS_CHECKED, IDS_UNCHECKED, bad_slot_error, check_topk_values, fail, is_fp8_tuple
 from ...errors import PeerFailedError
 from ...permute import padded_host_counts
+from ...replay import Replay
 from ...requests import CombineRequest, DispatchRequest
 from ..runtime import CudaRuntime
 from ...types import CombineOutput, DispatchHandle, DispatchOutput, EventOverlap
@@ -87,17 +88,6 @@ class DispatchPlan:
     rank_counts: bool = False  # notify writes every rank's tokens per destination (IntranodeState.rank_counts)
     fused: Optional[Callable] = None  # the internode path runs the push in its own kernel (DispatchRequest.fused)
     want_src: bool = False  # the kernels write each rank-major row's source token (DispatchRequest.source_index)
-
-
-@dataclass(slots=True)
-class DispatchTensors:
-    """A dispatch's outputs (calls.h dispatch_call)."""
-
-    x: torch.Tensor
-    scales: Optional[torch.Tensor]
-    topk_idx: Optional[torch.Tensor]  # rank-major only
-    weights: Optional[torch.Tensor]
-    row_expert: Optional[torch.Tensor]  # expert-major only
 
 
 def dispatch_rows(rt: CudaRuntime, x, topk_weights, num_experts: int):
@@ -197,8 +187,8 @@ class IntranodePath(NormalPath):
         notify_marks = rt.marks(("start", "notify"), first=True) if plan.first else None
         marks = rt.marks(("push", "fanout" if plan.permute else None) if plan.push or plan.fused is not None
                          else ("stage", "pull"))
-        zero_copy, scratch = self._placement(plan)
         if plan.first and not plan.num_worst_tokens:
+            zero_copy, scratch = self._placement(plan.data, plan.push, plan.permute)
             # the region fits the call's needs but its counts (a plan remembered per need), so the
             # extension needs to compare only the counts notify learns
             fits = rt.region.fits(dict(plan.need, max_tokens=0, combine_rows=0)) is None
@@ -222,38 +212,77 @@ class IntranodePath(NormalPath):
             if status == 0:
                 return self._dispatched(call, req, plan, st, res, event)
             previous = None  # the streams are ordered: the call was entered
-            zero_copy, scratch = self._placement(plan)  # the region may have grown: decided again
         elif plan.first:
             st, comb_rows = self._notify(call, plan, previous, notify_marks, req.async_op)
             previous = None  # the streams are ordered: notify_call entered the call
         else:
             st = req.handle.state
         out_rows = plan.num_worst_tokens or (st.num_perm_rows if plan.permute else st.num_rows)
-        state, x, previous_event, async_op, hook = native_state(self.kernels, st, plan.num_experts), plan.data, previous, \
-            req.async_op, hooks.current()
-        num_blocks, push_blocks, local_blocks = budget.normal  # blocks("copy"), ("push"), ("local")
-        res = call.sends(self.kernels.dispatch_call, region.runtime, state, call.sig, plan.first, x, plan.scales,
-                         plan.topk_weights, plan.push, scratch, zero_copy, out_rows, plan.num_worst_tokens, comb_rows,
-                         previous_event, event, async_op, hook, plan.fused, marks, num_blocks, push_blocks, local_blocks,
-                         plan.want_src)
-        return self._dispatched(call, req, plan, st, res, event)
+        res = self._send_rows(call, st, plan.num_experts, plan.first, plan.data, plan.scales, plan.topk_weights,
+                              plan.push, out_rows, plan.num_worst_tokens, comb_rows, previous, event, req.async_op,
+                              plan.fused, marks, plan.want_src)
+        out = self._dispatched(call, req, plan, st, res, event)
+        if not plan.first and plan.fused is None and plan.groups == 1:  # Buffer's cached dispatch
+            handle = req.handle
+            handle.dispatch_replay = Replay(call.sig, self._replay_dispatch, req.x,
+                                            req.topk_weights)
+        return out
 
-    def _placement(self, plan: "DispatchPlan") -> tuple:
+    def _send_rows(self, call: P.Call, st: IntranodeState, num_experts: int, first: bool, x, scales, topk_weights,
+                   push: bool, out_rows: int, num_worst_tokens: int, comb_rows: int, previous_event, event,
+                   async_op: bool, fused, marks, want_src: bool) -> tuple:
+        """The rows moved along `st` (calls.h dispatch_call, one crossing: the outputs, push [+
+        fan-out] or stage + pull, the counts, the event), placed for the region as it is now."""
+        rt = self.rt
+        region = rt.region
+        zero_copy, scratch = self._placement(x, push, st.permute)
+        state, hook = native_state(self.kernels, st, num_experts), hooks.current()
+        num_blocks, push_blocks, local_blocks = rt.budget.normal  # blocks("copy"), ("push"), ("local")
+        # (by position, each argument named as its parameter: tests/test_kernel_boundary.py)
+        return call.sends(self.kernels.dispatch_call, region.runtime, state, call.sig, first, x, scales, topk_weights,
+                          push, scratch, zero_copy, out_rows, num_worst_tokens, comb_rows, previous_event, event,
+                          async_op, hook, fused, marks, num_blocks, push_blocks, local_blocks, want_src)
+
+    def _replay_dispatch(self, handle: DispatchHandle, call: P.Call, x, topk_weights, async_op: bool,
+                         previous_event) -> DispatchOutput:
+        """A cached dispatch replayed (megatron_ep/replay.py): what dispatch decides for a cached call
+        of the shape that passed its checks along `handle`, then the same crossing."""
+        st: IntranodeState = handle.state
+        data, scales = (x[0], x[1]) if type(x) is tuple else (x, None)
+        push = _pushes(self.rt.region, st.permute, handle.num_worst_tokens)
+        call.set_variant(int(push))
+        event = torch.cuda.Event() if async_op else None
+        marks = self.rt.marks(("push", "fanout" if st.permute else None) if push else ("stage", "pull"))
+        out_rows = handle.num_worst_tokens or (st.num_perm_rows if st.permute else st.num_rows)
+        res = self._send_rows(call, st, handle.num_experts, False, data, scales, topk_weights, push, out_rows,
+                              handle.num_worst_tokens, 0, _event(previous_event), event, async_op, None, marks, False)
+        out, _ = self._output(st, res, scales is not None, event)
+        out.handle = handle
+        return out
+
+    def _placement(self, data: torch.Tensor, push: bool, permute: bool) -> tuple:
         """(zero_copy: the rows already lie in this region's staging, scratch: the expert-major push
         may use the combine area as its rank-major buffer), for the region as it is now."""
         region = self.rt.region
-        return (plan.data.data_ptr() == region.base + region.plan.stage_x,
-                plan.push and plan.permute and region.scratch_free())
+        return data.data_ptr() == region.base + region.plan.stage_x, push and permute and region.scratch_free()
+
+    @staticmethod
+    def _output(st: IntranodeState, res: tuple, fp8: bool, event) -> tuple:
+        """The caller's DispatchOutput (without its handle) and the rows' source tokens (or None)
+        from what dispatch_call (or the second half of dispatch_first_call) returned; the handle's
+        counts follow the call's."""
+        (x, scales, topk_idx, weights, row_expert, tpe, dropped, st.device_counts, st.tokens_per_expert, st.num_dropped,
+         st.comb_map, src) = res
+        return DispatchOutput((x, scales) if fp8 else x, topk_idx, weights, row_expert, tpe, None,
+                              event=EventOverlap(event) if event is not None else None, num_dropped=dropped), src
 
     def _dispatched(self, call: P.Call, req: DispatchRequest, plan: "DispatchPlan", st: IntranodeState, res: tuple,
                     event) -> DispatchOutput:
         """The caller's DispatchOutput from what dispatch_call (or the second half of
         dispatch_first_call) returned."""
-        out = DispatchTensors(*res[:5])
-        tpe, dropped, st.device_counts, st.tokens_per_expert, st.num_dropped, st.comb_map, src = res[5:]
+        out, src = self._output(st, res, plan.scales is not None, event)
         out_rows = plan.num_worst_tokens or (st.num_perm_rows if plan.permute else st.num_rows)
-        return self._result(call, req, plan, st, out, out_rows, tpe, dropped,
-                            EventOverlap(event) if event is not None else None, src)
+        return self._result(call, req, plan, st, out, out_rows, src)
 
     def _plan(self, call: P.Call, req: DispatchRequest) -> "DispatchPlan":
         """The cuda checks of the inputs, the first call's sizing, whether the call fits as the
@@ -301,7 +330,7 @@ class IntranodePath(NormalPath):
                 handle.state.fitted = (H, elem)
         # rows are pushed straight into pooled rank-major buffers when every rank has room: the
         # outputs themselves (rank-major), or what the fan-out spreads into expert segments
-        push = (req.permute or not num_worst_tokens) and region.plan.pool_bytes > 0 and not capturing
+        push = not capturing and _pushes(region, req.permute, num_worst_tokens)
         fail(req.fused is None or handle is not None, "a fused in-node dispatch needs a handle (cached dispatch)", RuntimeError)
         # the ids' check rides on notify where the host waits for its sizes anyway; a sync-free
         # dispatch has no such wait, so it checks on the host (one sync) before any kernel
@@ -361,10 +390,9 @@ class IntranodePath(NormalPath):
         return st, (rows_bound if plan.permute else 0)
 
     def _result(self, call: P.Call, req: DispatchRequest, plan: "DispatchPlan", st: IntranodeState,
-                out: "DispatchTensors", out_rows: int, tpe, dropped, event, src=None) -> DispatchOutput:
-        res = DispatchOutput((out.x, out.scales) if plan.scales is not None else out.x, out.topk_idx, out.weights,
-                             out.row_expert, tpe, None, event=event, num_dropped=dropped)
-        handle = req.handle
+                res: DispatchOutput, out_rows: int, src=None) -> DispatchOutput:
+        """res with its handle (a new routing's, made here) and, where asked, the host counts."""
+        tpe, event, handle = res.tokens_per_expert, res.event, req.handle
         if plan.first:
             handle = DispatchHandle(backend="cuda", num_ranks=self.rt.num_ranks, rank=self.rt.rank,
                                     num_experts=plan.num_experts, num_tokens=plan.T, topk=plan.K, permute=plan.permute,
@@ -405,6 +433,28 @@ class IntranodePath(NormalPath):
             raise ValueError(f"combine input has {rows} rows; the buffer's combine area holds {region.plan.comb_rows} "
                              f"(Buffer(combine_rows=...))")
         T = handle.num_tokens
+        y = w_out = None
+        if req.out is not None:
+            y, w_out = req.out
+            fail(tuple(y.shape) == (T, H) and y.dtype == x.dtype and (w_out is None) == (weights is None),
+                 "combine: the given outputs do not match the call", RuntimeError)
+        out = self._combined(call, handle, x, weights, y, w_out, _event(req.previous_event), req.async_op, req.fused)
+        if req.out is None and req.fused is None:  # Buffer's combine
+            handle.combine_replay = Replay(call.sig, self._replay_combine, x, weights)
+        return out
+
+    def _replay_combine(self, handle: DispatchHandle, call: P.Call, x, weights, async_op: bool,
+                        previous_event) -> CombineOutput:
+        """A combine replayed (megatron_ep/replay.py): the crossing of a combine of the shape that
+        passed its checks along `handle`."""
+        return self._combined(call, handle, x, weights, None, None, _event(previous_event), async_op, None)
+
+    def _combined(self, call: P.Call, handle: DispatchHandle, x: torch.Tensor, weights, out, out_weights,
+                  previous_event, async_op: bool, fused) -> CombineOutput:
+        """What a combine decides for the region as it is now, then its crossing."""
+        rt = self.rt
+        region = rt.region
+        st: IntranodeState = handle.state
         zero_copy = x.data_ptr() == region.base + region.plan.comb_x
         # expert-major: sum each token's rows per rank locally first, so one fp32 row per
         # (token, rank) crosses the link instead of one per (token, expert). Needs the dispatch's
@@ -412,24 +462,25 @@ class IntranodePath(NormalPath):
         # the input is not; a rank whose input lies there (zero copy) takes the staged kernel,
         # and the signature's variant turns that disagreement into CallMismatchError.
         partials = (handle.permute and st.comb_map is not None and not zero_copy
-                    and max_rank_major_rows(rt) * H * 4 <= region.plan.comb_rows * region.plan.comb_row_bytes)
+                    and max_rank_major_rows(rt) * x.shape[1] * 4 <= region.plan.comb_rows * region.plan.comb_row_bytes)
         call.set_variant(int(partials))
-        y = w_out = None
-        if req.out is not None:
-            y, w_out = req.out
-            fail(tuple(y.shape) == (T, H) and y.dtype == x.dtype and (w_out is None) == (weights is None),
-                 "combine: the given outputs do not match the call", RuntimeError)
-        event = torch.cuda.Event() if req.async_op else None  # (a synchronous call joins through the runtime's own)
+        event = torch.cuda.Event() if async_op else None  # (a synchronous call joins through the runtime's own)
         # (the staging runs in the pull's launch: its time is the pull's; the pre-reduction has its own)
-        marks = rt.marks(("start", "reduce" if partials and req.fused is None else None, "pull"), first=True)
-        state, out, out_weights, previous_event = native_state(self.kernels, st, handle.num_experts), y, w_out, \
-            _event(req.previous_event)
-        async_op, hook = req.async_op, hooks.current()
+        marks = rt.marks(("start", "reduce" if partials and fused is None else None, "pull"), first=True)
+        state, hook = native_state(self.kernels, st, handle.num_experts), hooks.current()
         num_blocks, _, local_blocks = rt.budget.normal  # blocks("copy"), blocks("local")
+        # (by position, each argument named as its parameter: tests/test_kernel_boundary.py)
         y, w_out = call.sends(self.kernels.combine_call, region.runtime, state, call.sig, x, weights, partials, zero_copy, out,
-                              out_weights, previous_event, event, async_op, hook, req.fused, marks, num_blocks,
+                              out_weights, previous_event, event, async_op, hook, fused, marks, num_blocks,
                               local_blocks)
         return CombineOutput(y, w_out, EventOverlap(event) if event is not None else None)
+
+
+def _pushes(region, permute: bool, num_worst_tokens: int) -> bool:
+    """Rows are pushed straight into pooled rank-major buffers (outside a CUDA-graph capture) when
+    every rank has room: the outputs themselves (rank-major), or what the fan-out spreads into
+    expert segments; a worst-case sized rank-major dispatch is staged and pulled instead."""
+    return (permute or not num_worst_tokens) and region.plan.pool_bytes > 0
 
 
 def _event(ev: Optional[EventOverlap]):
