@@ -406,13 +406,14 @@ class IntranodePath(NormalPath):
                              f"(Buffer(combine_rows=...))")
         T = handle.num_tokens
         zero_copy = x.data_ptr() == region.base + region.plan.comb_x
-        # expert-major: sum each token's rows per rank locally first, so one fp32 row per
-        # (token, rank) crosses the link instead of one per (token, expert). Needs the dispatch's
+        # expert-major: sum each token's rows per rank locally first, so one row per (token, rank),
+        # rounded to x's dtype, crosses the link instead of one per (token, expert) (the staged
+        # kernel rounds each rank's sum alike: the two give the same bits). Needs the dispatch's
         # map and room for every rank's partials (the group-wide bound, so the ranks agree) where
         # the input is not; a rank whose input lies there (zero copy) takes the staged kernel,
         # and the signature's variant turns that disagreement into CallMismatchError.
         partials = (handle.permute and st.comb_map is not None and not zero_copy
-                    and max_rank_major_rows(rt) * H * 4 <= region.plan.comb_rows * region.plan.comb_row_bytes)
+                    and max_rank_major_rows(rt) * row_bytes <= region.plan.comb_rows * region.plan.comb_row_bytes)
         call.set_variant(int(partials))
         y = w_out = None
         if req.out is not None:
@@ -426,9 +427,10 @@ class IntranodePath(NormalPath):
             _event(req.previous_event)
         async_op, hook = req.async_op, hooks.current()
         num_blocks, _, local_blocks = rt.budget.normal  # blocks("copy"), blocks("local")
-        y, w_out = call.sends(self.kernels.combine_call, region.runtime, state, call.sig, x, weights, partials, zero_copy, out,
-                              out_weights, previous_event, event, async_op, hook, req.fused, marks, num_blocks,
-                              local_blocks)
+        bias0, bias1 = req.bias
+        y, w_out = call.sends(self.kernels.combine_call, region.runtime, state, call.sig, x, weights, bias0, bias1, partials,
+                              zero_copy, out, out_weights, previous_event, event, async_op, hook, req.fused, marks,
+                              num_blocks, local_blocks)
         return CombineOutput(y, w_out, EventOverlap(event) if event is not None else None)
 
 
