@@ -438,11 +438,16 @@ class Buffer:
 
     # ----------------------------------------------------------------------------- combine
     def combine(self, x: torch.Tensor, handle: DispatchHandle, weights: Optional[torch.Tensor] = None, *,
-                async_op: bool = False, previous_event: Optional[EventOverlap] = None) -> CombineOutput:
-        """y[t] = sum of the rows that came from token t (fp32 accumulation, x's dtype out).
+                async_op: bool = False, previous_event: Optional[EventOverlap] = None,
+                bias=None) -> CombineOutput:
+        """y[t] = bias + sum of the rows that came from token t: one fp32 accumulator, x's dtype
+        out, in a fixed order (docs/design.md, "Combine": ranks by their last top-k slot of t;
+        expert-major, each rank's rows summed in slot order and rounded to x's dtype first).
 
-        weights (rank-major [N, K], expert-major [M]) are scattered back to [T, K]."""
-        if (async_op is False or async_op is True) and (previous_event is None or type(previous_event) is EventOverlap):
+        weights (rank-major [N, K], expert-major [M]) are scattered back to [T, K]. bias: None,
+        a [T, H] tensor of x's dtype and device, or a tuple of two (added in fp32 first)."""
+        if bias is None and (async_op is False or async_op is True) \
+                and (previous_event is None or type(previous_event) is EventOverlap):
             # a combine of the shape of the last one along this handle: its checks passed
             replay = getattr(handle, "combine_replay", None)
             if replay is not None and handle.buffer_id == self.id and not self._destroyed and replay.matches(x, weights):
@@ -465,12 +470,13 @@ class Buffer:
                 C.fail(weights.is_contiguous(), "weights must be contiguous")
                 if weights.device != x.device:
                     raise ValueError(f"weights is on {weights.device} but x is on {x.device}")
+            biases = C.check_bias(bias, handle.num_tokens, x.shape[1], x.dtype, x.device) if bias is not None else C.NO_BIAS
             call.set_normal(handle.call_seq, P.dtype_code(x.dtype), x.shape[1], x.shape[1] * x.element_size(),
                             handle.topk, handle.num_experts, handle.permute, handle.expert_alignment,
                             handle.num_worst_tokens > 0, _weights_code(weights))
-            out = self._impl.combine(call, CombineRequest(x, handle, weights, async_op, previous_event))
-        if _needs_refusal(x, weights):
-            (out.x,) = _refusing("combine", [out.x], [x])
+            out = self._impl.combine(call, CombineRequest(x, handle, weights, async_op, previous_event, bias=biases))
+        if _needs_refusal(x, weights, biases):
+            (out.x,) = _refusing("combine", [out.x], [x, *(b for b in biases if b is not None)])
             (out.weights,) = _refusing("combine", [out.weights], [weights])
         return out
 

@@ -61,3 +61,6 @@ class CombineRequest:
     # (the internode path's fused combine runs it), writing into `out` (y, weights) when given
     fused: Optional[Callable] = None
     out: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = None
+    # (bias0, bias1): [T, H] tensors of x's dtype or None each, the start of every token's fp32
+    # sum (Buffer.combine's `bias`, checked there)
+    bias: Tuple[Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None)

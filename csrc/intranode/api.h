@@ -136,10 +136,10 @@ struct StageCombineArgs {
   int w_cols;
 };
 
-// Expert-major combine, first half (local): each rank-major row's expert rows summed in fp32
-// into the combine area (a partial per (token, rank): one row crosses the link per token and
-// rank instead of one per (token, expert)), the weights staged; publishes `call` and signals
-// kSlotCall like the staging, which it replaces.
+// Expert-major combine, first half (local): each rank-major row's expert rows summed in fp32, in
+// slot order, and rounded to x's dtype into the combine area (a partial per (token, rank): one
+// row crosses the link per token and rank instead of one per (token, expert)), the weights
+// staged; publishes `call` and signals kSlotCall like the staging, which it replaces.
 struct CombineReduceArgs {
   const void* x;      // [rows, H] expert-major rows (bf16 or fp32), local
   int rows, H, is_fp32;
@@ -151,8 +151,11 @@ struct CombineReduceArgs {
 void launch_combine_reduce(const Ctx& ctx, const CallArgs& call, const CombineReduceArgs& args, int num_blocks,
                            cudaStream_t stream);
 
-// y[t] = sum of this token's rows, pulled from their ranks' combine staging (fp32 accumulation).
-// With `partials` (after launch_combine_reduce) the rows are the fp32 partials, one per rank.
+// y[t] = the token's biases + its rows, pulled from their ranks' combine staging, in one fp32
+// accumulator rounded once (the order: combine_steps.cuh, DeepEP V2's reference): ranks in the
+// order of their last top-k slot; rank-major one row per rank, expert-major each rank's slots
+// summed in slot order and rounded to x's dtype first. With `partials` (after
+// launch_combine_reduce) the rows are those rounded partials, one per rank.
 // Only rows the dispatch delivered are read: ids outside [0, E), negative positions and
 // positions past the owner's row limit (its num_worst_tokens) are skipped.
 // launch_stage_and_combine: the staging, then the sum of the staged rows, in one launch;
@@ -165,6 +168,8 @@ struct CombineArgs {
   const int* slot_pos;        // [T, K]
   void* y;                    // [T, H]
   float* w_out;               // [T, K] or nullptr
+  const void* bias0;          // [T, H] x's dtype, the accumulator's start (+ bias1), or nullptr
+  const void* bias1;          // [T, H] or nullptr (never in the internode path's in-node stage)
 };
 void launch_stage_and_combine(const Ctx& ctx, const CallArgs& call, const StageCombineArgs& stage,
                               const CombineArgs& args, int num_blocks, cudaStream_t stream);

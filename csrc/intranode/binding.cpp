@@ -155,7 +155,7 @@ void fanout(Runtime& rt, const Sig& sig, const Tensor& rows, const c10::optional
   check_launch("fanout");
 }
 
-// Expert-major combine, first half: the local pre-reduction into fp32 partials (replaces the staging).
+// Expert-major combine, first half: the local pre-reduction into partials of x's dtype (replaces the staging).
 CombineReduceArgs combine_reduce_args(Runtime& rt, const Tensor& x, int rows, int H, bool is_fp32, const Tensor& comb_map,
                                       const Tensor& recv_info, const c10::optional<Tensor>& w) {
   const RegionLayout& l = rt.lay();
@@ -163,7 +163,8 @@ CombineReduceArgs combine_reduce_args(Runtime& rt, const Tensor& x, int rows, in
   TORCH_CHECK(x.is_contiguous() && x.size(0) == rows && x.size(1) == H, "combine_reduce: bad x");
   TORCH_CHECK(H % 4 == 0, "combine_reduce: hidden must be a multiple of 4");
   TORCH_CHECK(rows <= l.comb_rows, "megatron_ep: combine input has ", rows, " rows; the region holds ", l.comb_rows);
-  TORCH_CHECK(comb_map.size(0) * H * 4 <= l.comb_rows * l.comb_row_bytes, "combine_reduce: the partials exceed the combine area");
+  TORCH_CHECK(comb_map.size(0) * H * x.element_size() <= (int64_t)l.comb_rows * l.comb_row_bytes,
+              "combine_reduce: the partials exceed the combine area");
   return CombineReduceArgs{x.data_ptr(), rows, H, is_fp32 ? 1 : 0, comb_map.data_ptr<int>(), recv_info.data_ptr<int>(),
                            (int)comb_map.size(1), ptr_or_null<const float>(w)};
 }
@@ -177,15 +178,27 @@ StageCombineArgs stage_combine_args(Runtime& rt, const c10::optional<Tensor>& x,
   return StageCombineArgs{x.has_value() ? x->data_ptr() : nullptr, rows, row_bytes, ptr_or_null<const float>(w), w_cols};
 }
 
+// A bias the kernel starts a token's sum from: y's dtype, shape and device, contiguous (Buffer checked
+// it; this guards the pointer arithmetic).
+const void* bias_ptr(const c10::optional<Tensor>& b, const Tensor& y) {
+  if (!b.has_value()) return nullptr;
+  TORCH_CHECK(b->scalar_type() == y.scalar_type() && b->is_contiguous() && b->dim() == 2 && b->size(0) == y.size(0) &&
+                  b->size(1) == y.size(1) && b->device() == y.device(),
+              "megatron_ep: combine bias must be contiguous, of y's shape, dtype and device");
+  return b->data_ptr();
+}
+
 CombineArgs combine_args(int T, int H, int K, int E, bool permute, bool is_fp32, bool has_weights, bool partials,
                          const Tensor& row_limits, const Tensor& topk_idx, const Tensor& rank_pos, const Tensor& slot_pos,
-                         Tensor& y, const c10::optional<Tensor>& w_out) {
+                         Tensor& y, const c10::optional<Tensor>& w_out, const c10::optional<Tensor>& bias0,
+                         const c10::optional<Tensor>& bias1) {
   check_tensor(topk_idx, "topk_idx", at::kLong);
   check_tensor(row_limits, "row_limits", at::kInt);
   TORCH_CHECK(y.is_contiguous() && y.size(0) == T && y.size(1) == H, "y has the wrong shape");
   return CombineArgs{T, H, K, E, permute ? 1 : 0, is_fp32 ? 1 : 0, has_weights ? 1 : 0, partials ? 1 : 0,
                      row_limits.data_ptr<int>(), static_cast<const long long*>(topk_idx.data_ptr()),
-                     rank_pos.data_ptr<int>(), slot_pos.data_ptr<int>(), y.data_ptr(), ptr_or_null<float>(w_out)};
+                     rank_pos.data_ptr<int>(), slot_pos.data_ptr<int>(), y.data_ptr(), ptr_or_null<float>(w_out),
+                     bias_ptr(bias0, y), bias_ptr(bias1, y)};
 }
 
 // ------------------------------------------------------------------ one crossing per call (calls.h)
@@ -306,9 +319,11 @@ py::tuple notify_call(Runtime& rt, const Sig& sig, const Tensor& topk_idx, int E
 // A combine's host side: y (and the weights) on the caller's stream unless given, then stage (or
 // the expert-major pre-reduction, `partials`) and the pull-and-sum on ours; with `fused` (the
 // internode path's fused combine) the whole in-node combine as its launch record instead,
-// fused(record, y, w_out). Returns (y, w_out).
+// fused(record, y, w_out). `bias0`, `bias1`: the sums' start (none with `fused`: the internode
+// path adds its biases in the sum over nodes). Returns (y, w_out).
 py::tuple combine_call(Runtime& rt, const HandleState& st, const Sig& sig, const Tensor& x,
-                       const c10::optional<Tensor>& weights, bool partials, bool zero_copy,
+                       const c10::optional<Tensor>& weights, const c10::optional<Tensor>& bias0,
+                       const c10::optional<Tensor>& bias1, bool partials, bool zero_copy,
                        const c10::optional<Tensor>& out_y, const c10::optional<Tensor>& out_w,
                        const py::object& previous, const py::object& event, bool async_op, const py::object& hook,
                        const py::object& fused, const py::object& marks, int num_blocks, int local_blocks) {
@@ -335,6 +350,7 @@ py::tuple combine_call(Runtime& rt, const HandleState& st, const Sig& sig, const
     mark(marks, 0);
     const c10::optional<Tensor> staged = zero_copy ? c10::nullopt : c10::optional<Tensor>(x);
     if (!fused.is_none()) {
+      TORCH_CHECK(!bias0.has_value() && !bias1.has_value(), "megatron_ep: the in-node stage of a combine takes no bias");
       InnodeCombine d{};
       d.call = make_call(sig, kCallOk, "");
       d.ctx = rt.ctx(d.call.sig[kSigSeq]);
@@ -346,11 +362,11 @@ py::tuple combine_call(Runtime& rt, const HandleState& st, const Sig& sig, const
         d.stage = stage_combine_args(rt, staged, rows, row_bytes, weights, w_cols);
       }
       d.comb = combine_args(st.T, H, st.K, st.E, st.permute, is_fp32, has_w, partials, st.row_limits, st.topk_idx,
-                            st.rank_pos, st.slot_pos, y, w_out);
+                            st.rank_pos, st.slot_pos, y, w_out, c10::nullopt, c10::nullopt);
       fused(as_bytes(d), y, w_out.has_value() ? py::cast(*w_out) : py::none());
     } else {
       const CombineArgs comb = combine_args(st.T, H, st.K, st.E, st.permute, is_fp32, has_w, partials, st.row_limits,
-                                            st.topk_idx, st.rank_pos, st.slot_pos, y, w_out);
+                                            st.topk_idx, st.rank_pos, st.slot_pos, y, w_out, bias0, bias1);
       const CallArgs call = make_call(sig, kCallOk, "");
       const Ctx ctx = rt.ctx(call.sig[kSigSeq]);
       if (partials) {  // the pre-reduction on the local SMs, then the partials' sum
@@ -370,7 +386,7 @@ py::tuple combine_call(Runtime& rt, const HandleState& st, const Sig& sig, const
   }
   clock.lap(kStepLaunch);
   cs.leave(event, async_op, {&x, opt_ptr(weights), &y, opt_ptr(w_out), &st.topk_idx, &st.rank_pos, &st.slot_pos,
-                             &st.row_limits, opt_ptr(st.comb_map), &st.recv_info});
+                             &st.row_limits, opt_ptr(st.comb_map), &st.recv_info, opt_ptr(bias0), opt_ptr(bias1)});
   clock.lap(kStepLeave);
   py::tuple out = py::make_tuple(y, w_out.has_value() ? py::cast(*w_out) : py::none());
   clock.lap(kStepReturn);
@@ -648,7 +664,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   intra.def("notify_call", &mep::notify_call, py::arg("runtime"), py::arg("sig"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("expert_alignment"), py::arg("permute"), py::arg("num_worst_tokens"), py::arg("token_groups"), py::arg("check_ids"), py::arg("rank_counts"), py::arg("tag"), py::arg("previous_event"), py::arg("marks"), py::arg("wait_s"), py::arg("async_op"));
   intra.def("dispatch_first_call", &mep::dispatch_first_call, py::arg("runtime"), py::arg("sig"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("expert_alignment"), py::arg("permute"), py::arg("token_groups"), py::arg("check_ids"), py::arg("rank_counts"), py::arg("tag"), py::arg("previous_event"), py::arg("notify_marks"), py::arg("wait_s"), py::arg("fits"), py::arg("x"), py::arg("scales"), py::arg("topk_weights"), py::arg("push"), py::arg("scratch"), py::arg("zero_copy"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("marks"), py::arg("num_blocks"), py::arg("push_blocks"), py::arg("local_blocks"), py::arg("want_src"));
   intra.def("dispatch_call", &mep::dispatch_call, py::arg("runtime"), py::arg("state"), py::arg("sig"), py::arg("first"), py::arg("x"), py::arg("scales"), py::arg("topk_weights"), py::arg("push"), py::arg("scratch"), py::arg("zero_copy"), py::arg("out_rows"), py::arg("num_worst_tokens"), py::arg("comb_rows"), py::arg("previous_event"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("fused"), py::arg("marks"), py::arg("num_blocks"), py::arg("push_blocks"), py::arg("local_blocks"), py::arg("want_src"));
-  intra.def("combine_call", &mep::combine_call, py::arg("runtime"), py::arg("state"), py::arg("sig"), py::arg("x"), py::arg("weights"), py::arg("partials"), py::arg("zero_copy"), py::arg("out"), py::arg("out_weights"), py::arg("previous_event"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("fused"), py::arg("marks"), py::arg("num_blocks"), py::arg("local_blocks"));
+  intra.def("combine_call", &mep::combine_call, py::arg("runtime"), py::arg("state"), py::arg("sig"), py::arg("x"), py::arg("weights"), py::arg("bias0"), py::arg("bias1"), py::arg("partials"), py::arg("zero_copy"), py::arg("out"), py::arg("out_weights"), py::arg("previous_event"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("fused"), py::arg("marks"), py::arg("num_blocks"), py::arg("local_blocks"));
   intra.attr("INNODE_DISPATCH_BYTES") = (long long)sizeof(mep::InnodeDispatch);
   intra.attr("INNODE_COMBINE_BYTES") = (long long)sizeof(mep::InnodeCombine);
 }

@@ -103,33 +103,6 @@ class LowLatencyHandle(_HandleTuple):
         return h
 
 
-def _unpack_bias(bias) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    if isinstance(bias, torch.Tensor):
-        return bias, None
-    if isinstance(bias, tuple):
-        assert len(bias) == 2
-        return bias
-    return None, None
-
-
-def _with_bias(y: torch.Tensor, bias, event) -> torch.Tensor:
-    """A combine's output plus DeepEP's bias (None, a tensor or a pair, each of y's shape and
-    dtype; V1's and V2's alike): added to y in fp32 and rounded to y's dtype, on the caller's
-    stream after `event` (our asynchronous call's, or None)."""
-    b0, b1 = _unpack_bias(bias)
-    if b0 is None and b1 is None:
-        return y
-    if event is not None:
-        event.current_stream_wait()
-    acc = y.float()
-    for b in (b0, b1):
-        if b is not None:
-            assert tuple(b.shape) == tuple(y.shape) and b.dtype == y.dtype, \
-                f"bias must be {y.dtype} {list(y.shape)} (the combined tokens), got {b.dtype} {list(b.shape)}"
-            acc = acc + b.float()
-    return acc.to(y.dtype)
-
-
 def _public(op: Optional[str] = None):
     """A public method of Buffer: its body runs after Buffer._alive (the destroyed rule) and, for
     a collective method (`op`: the call of our Buffer its first collective is), inside our
@@ -430,8 +403,10 @@ class Buffer:
                 bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None, config: Optional[Config] = None,
                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                 allocate_on_comm_stream: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor], EventOverlap]:
-        """combined_x[t] = the sum of the rows token t's dispatch delivered (one per rank it went
-        to; unweighted, fp32 accumulation) + the biases; combined_topk_weights [N, K] the sum of
+        """combined_x[t] = the biases + the rows token t's dispatch delivered (one per rank it went
+        to; unweighted), one fp32 accumulator that starts at the biases, as DeepEP's kernel does
+        (ranks added in the order of their last top-k slot of t, where DeepEP V1 adds them by
+        rank: the same sum up to fp32 rounding); combined_topk_weights [N, K] the sum of
         the K weights each of those ranks passes for the token, as DeepEP sums them (the
         weights a dispatch returned are 0 for experts elsewhere, so that sum gives back the
         selected experts' weights)."""
@@ -439,7 +414,8 @@ class Buffer:
         _check_config(config)
         self._hand_sms(config)
         assert isinstance(handle, Handle), "handle must come from megatron_ep.deep_ep's dispatch"
-        out = self.runtime.combine(x, handle.ours, async_op=async_finish, previous_event=to_ours(previous_event))
+        out = self.runtime.combine(x, handle.ours, async_op=async_finish, previous_event=to_ours(previous_event),
+                                   bias=bias)
         y = out.x
         weights = None
         if topk_weights is not None:  # a second combine, of the weight rows (fp32, padded to 16 bytes)
@@ -451,7 +427,7 @@ class Buffer:
             # (the first combine's event would not cover it); our stream runs that combine first
             back = self.runtime.combine(rows, handle.ours, async_op=async_finish, previous_event=None)
             weights, out = back.x[:, :K], back
-        return _with_bias(y, bias, out.event), weights, _finished(out.event, async_finish)
+        return y, weights, _finished(out.event, async_finish)
 
     # ----------------------------------------------------------------------- low latency
     @_public("low_latency_dispatch")

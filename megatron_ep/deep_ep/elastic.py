@@ -23,7 +23,7 @@ import torch.distributed as dist
 from .. import buffer as _mep
 from ..types import DispatchHandle
 from .buffer import (RANKS_PER_NODE, _group_of, _needs_row_major_copy, _row_major_scales, _rows, _unpacked_scales,
-                     _uses_cuda, _with_bias)
+                     _uses_cuda)
 from .utils import EventHandle, EventOverlap, from_ours
 
 log = logging.getLogger("megatron_ep.deep_ep")
@@ -456,8 +456,10 @@ class ElasticBuffer:
                 bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor], None] = None, num_sms: int = 0,
                 num_qps: int = 0, previous_event=None, previous_event_before_epilogue=None,
                 async_with_compute_stream: bool = False, allocate_on_comm_stream: bool = False):
-        """(combined_x, combined_topk_weights, event): combined_x[t] = the sum of the rows that came
-        from token t (unweighted; fp32 accumulation) plus the biases; topk_weights ([rows, K], or
+        """(combined_x, combined_topk_weights, event): combined_x[t] = the biases + the rows that
+        came from token t (unweighted), one fp32 accumulator in V2's reference order (ranks by
+        their last top-k slot of t; expanded, each rank's rows summed in slot order and rounded
+        to x's dtype first), so the result is V2's bit for bit; topk_weights ([rows, K], or
         [rows] expanded) summed back to [T, K]. num_sms=0: the handle's."""
         self._alive("combine")
         return self.runtime.layer_call("combine", self._combine, x, handle, topk_weights, bias, num_sms, previous_event,
@@ -471,13 +473,9 @@ class ElasticBuffer:
                             f"{type(handle).__name__}")
         self._hand_sms(num_sms or handle.sms_asked)  # 0: what the dispatch asked (V2: the handle's count)
         _wait(previous_event, before_epilogue)
-        out = self.runtime.combine(x, handle.ours, topk_weights, async_op=async_op)
-        y = out.x
-        if bias is not None:
-            y = _with_bias(y, bias, out.event)
-            out.event = None  # (the bias was added on the caller's stream, after our event)
+        out = self.runtime.combine(x, handle.ours, topk_weights, async_op=async_op, bias=bias)
         event = from_ours(out.event)
-        return y, out.weights, event if event.event is not None else EventOverlap(EventHandle())
+        return out.x, out.weights, event if event.event is not None else EventOverlap(EventHandle())
 
     # ------------------------------------------------------------------ V2's other parts
     def _absent(self, name: str):

@@ -368,9 +368,10 @@ class InternodePath(NvshmemPath, NormalPath):
 
         def fused(innode: bytes, y_in: torch.Tensor, w_in: Optional[torch.Tensor]) -> None:
             # one kernel (csrc/internode/fused.cu): the in-node combine, the RDMA hop, the sum over nodes
+            # the biases start the sum over nodes (the in-node stage takes none)
             call.sends(self.buf.combine, innode=innode, y_in=y_in, w_in=w_in, local_idx=st.local_idx, tokens=st.tokens,
                        topk_idx=handle.topk_idx, num_experts=handle.num_experts, sig=sig, y=y, w=w_out,
-                       num_blocks=self.num_blocks)
+                       bias0=req.bias[0], bias1=req.bias[1], num_blocks=self.num_blocks)
 
         inner_call = self._inner_call(call, handle.num_experts // N, st.inner.call_seq)
         with self.intra.guard(inner_call):  # synchronous: this stream waits for the kernel's stream

@@ -438,8 +438,10 @@ class IntranodePath(NormalPath):
             y, w_out = req.out
             fail(tuple(y.shape) == (T, H) and y.dtype == x.dtype and (w_out is None) == (weights is None),
                  "combine: the given outputs do not match the call", RuntimeError)
-        out = self._combined(call, handle, x, weights, y, w_out, _event(req.previous_event), req.async_op, req.fused)
-        if req.out is None and req.fused is None:  # Buffer's combine
+        bias0, bias1 = req.bias
+        out = self._combined(call, handle, x, weights, bias0, bias1, y, w_out, _event(req.previous_event), req.async_op,
+                             req.fused)
+        if req.out is None and req.fused is None and bias0 is None:  # Buffer's combine, without a bias
             handle.combine_replay = Replay(call.sig, self._replay_combine, x, weights)
         return out
 
@@ -447,22 +449,24 @@ class IntranodePath(NormalPath):
                         previous_event) -> CombineOutput:
         """A combine replayed (megatron_ep/replay.py): the crossing of a combine of the shape that
         passed its checks along `handle`."""
-        return self._combined(call, handle, x, weights, None, None, _event(previous_event), async_op, None)
+        return self._combined(call, handle, x, weights, None, None, None, None, _event(previous_event), async_op, None)
 
-    def _combined(self, call: P.Call, handle: DispatchHandle, x: torch.Tensor, weights, out, out_weights,
+    def _combined(self, call: P.Call, handle: DispatchHandle, x: torch.Tensor, weights, bias0, bias1, out, out_weights,
                   previous_event, async_op: bool, fused) -> CombineOutput:
         """What a combine decides for the region as it is now, then its crossing."""
         rt = self.rt
         region = rt.region
         st: IntranodeState = handle.state
         zero_copy = x.data_ptr() == region.base + region.plan.comb_x
-        # expert-major: sum each token's rows per rank locally first, so one fp32 row per
-        # (token, rank) crosses the link instead of one per (token, expert). Needs the dispatch's
+        # expert-major: sum each token's rows per rank locally first, so one row per (token, rank),
+        # rounded to x's dtype, crosses the link instead of one per (token, expert) (the staged
+        # kernel rounds each rank's sum alike: the two give the same bits). Needs the dispatch's
         # map and room for every rank's partials (the group-wide bound, so the ranks agree) where
         # the input is not; a rank whose input lies there (zero copy) takes the staged kernel,
         # and the signature's variant turns that disagreement into CallMismatchError.
         partials = (handle.permute and st.comb_map is not None and not zero_copy
-                    and max_rank_major_rows(rt) * x.shape[1] * 4 <= region.plan.comb_rows * region.plan.comb_row_bytes)
+                    and max_rank_major_rows(rt) * x.shape[1] * x.element_size()
+                    <= region.plan.comb_rows * region.plan.comb_row_bytes)
         call.set_variant(int(partials))
         event = torch.cuda.Event() if async_op else None  # (a synchronous call joins through the runtime's own)
         # (the staging runs in the pull's launch: its time is the pull's; the pre-reduction has its own)
@@ -470,9 +474,9 @@ class IntranodePath(NormalPath):
         state, hook = native_state(self.kernels, st, handle.num_experts), hooks.current()
         num_blocks, _, local_blocks = rt.budget.normal  # blocks("copy"), blocks("local")
         # (by position, each argument named as its parameter: tests/test_kernel_boundary.py)
-        y, w_out = call.sends(self.kernels.combine_call, region.runtime, state, call.sig, x, weights, partials, zero_copy, out,
-                              out_weights, previous_event, event, async_op, hook, fused, marks, num_blocks,
-                              local_blocks)
+        y, w_out = call.sends(self.kernels.combine_call, region.runtime, state, call.sig, x, weights, bias0, bias1, partials,
+                              zero_copy, out, out_weights, previous_event, event, async_op, hook, fused, marks,
+                              num_blocks, local_blocks)
         return CombineOutput(y, w_out, EventOverlap(event) if event is not None else None)
 
 
