@@ -248,3 +248,13 @@ def test_deepep_dd758ca_files_take_every_edit(tmp_path):
     code = "import deep_ep_utils.envs, deep_ep_utils.refs, deep_ep_utils.math, deep_ep_utils.gate, deep_ep_utils.testing"
     p = subprocess.run([sys.executable, "-c", code], cwd=pkg.parent, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr  # the placed modules import without DeepEP's extension
+
+
+def test_the_ll_compatibility_part_runs_where_the_gpu_has_the_memory():
+    from test_deepep_suite import LL_COMPAT_MIN_GIB, fitted_args
+
+    args = ["--num-tokens", "512", "--test-ll-compatibility"]
+    assert fitted_args(args, 139.8) == (args, "")
+    kept, note = fitted_args(args, 79.6)
+    assert kept == ["--num-tokens", "512"] and "left out" in note and str(LL_COMPAT_MIN_GIB) in note
+    assert fitted_args(["--num-tokens", "1024"], 79.6) == (["--num-tokens", "1024"], "")
