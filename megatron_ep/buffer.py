@@ -270,12 +270,12 @@ class Buffer:
         instead of waiting (protocol.guarded's sequence, with the call's exclusivity: _CallScope)."""
         return _CallScope(self, op, sig)
 
-    def _replayed(self, op: str, replay, handle: DispatchHandle, x, weights, async_op: bool, previous_event):
+    def _replayed(self, op: str, replay, *args):
         """A call whose arguments match `replay` (megatron_ep/replay.py): the call's numbers and
         scope as every call's, its signature the replayed call's, then the backend's call without
-        the checks that shape passed."""
+        the checks that shape passed, `replay.run(call, *args)`."""
         with _CallScope(self, op, replay.sig) as call:
-            return replay.run(handle, call, x, weights, async_op, previous_event)
+            return replay.run(call, *args)
 
     def refuse(self, op: str, exc: BaseException) -> None:
         """Fail this rank's call `op` (a key of protocol.OP) with `exc` where its peers wait for it:
@@ -371,6 +371,22 @@ class Buffer:
             if replay is not None and handle.buffer_id == self.id and not self._destroyed \
                     and replay.matches(x, topk_weights):
                 return self._replayed("cached_dispatch", replay, handle, x, topk_weights, async_op, previous_event)
+        elif handle is None and type(num_experts) is int and (permute is None or permute is True or permute is False) \
+                and (expert_alignment is None or type(expert_alignment) is int) and type(num_worst_tokens) is int \
+                and num_worst_tokens == 0 and (on_overflow == "drop" or on_overflow == "raise") and source_index is False \
+                and (host_counts is False or host_counts is True) and (rank_counts is False or rank_counts is True) \
+                and (async_op is False or async_op is True) \
+                and (previous_event is None or type(previous_event) is EventOverlap):
+            # a new routing of the shape and options of the last one: its checks passed
+            replay = getattr(self._impl, "routing_replay", None)
+            if replay is not None and not self._destroyed and replay.matches_routing(
+                    x, topk_idx, topk_weights, (num_experts, bool(permute), 1 if expert_alignment is None else
+                                                expert_alignment, host_counts, rank_counts, self._ids_level,
+                                                on_overflow)):
+                out = self._replayed("dispatch", replay, x, topk_idx, topk_weights, async_op, previous_event,
+                                     host_counts, rank_counts, self._ids_level, on_overflow)
+                out.handle.buffer_id = self.id
+                return out
         op = "dispatch" if handle is None else "cached_dispatch"
         with self._call(op) as call:
             impl = self._impl

@@ -1,11 +1,13 @@
-"""A call replayed along a handle: a cached dispatch or a combine whose arguments have the shape of
-the last such call along the same handle, which passed every check then, skips the checks that
-depend only on that shape (Buffer's and its backend's) and the plan they decide, and crosses into
-the backend's kernels with what it bound then.
+"""A call replayed: a cached dispatch or a combine whose arguments have the shape of the last such
+call along the same handle, or a new routing whose arguments have the shape and options of the
+last new routing (which passed every check then), skips the checks that depend only on that shape
+(Buffer's and its backend's) and the plan they decide, and crosses into the backend's kernels
+with what it bound then.
 
 The backend makes the replay after a call that passed (it alone knows which of its decisions hold
-for every call of that shape) and keeps it on the handle; Buffer takes it when the call's other
-arguments are at their defaults and `matches` holds, else checks everything again. What can
+for every call of that shape) and keeps it: on the handle, or for a new routing on its path
+(`routing_replay`); Buffer takes it when the call's other arguments allow it and `matches` holds,
+else checks everything again. What can
 change between two calls of one shape -- the region (grown, a zero-copy input), the SM budget,
 the output hook, a CUDA-graph capture, the Buffer's state -- is decided again at every call by
 the same code the full call runs."""
@@ -23,11 +25,15 @@ class Replay:
     previous_event)`, the backend's call without its checks. (It holds no handle: a handle that
     held a replay holding it would live until the cycle collector ran, and its tensors with it.)"""
 
-    __slots__ = ("sig", "run", "shape", "dtype", "device", "scales_shape", "w_shape", "w_dtype")
+    __slots__ = ("sig", "run", "shape", "dtype", "device", "scales_shape", "w_shape", "w_dtype", "idx_shape",
+                 "options")
 
-    def __init__(self, sig: List[int], run: Callable, x, weights: Optional[torch.Tensor]):
+    def __init__(self, sig: List[int], run: Callable, x, weights: Optional[torch.Tensor],
+                 topk_idx: Optional[torch.Tensor] = None, options: tuple = ()):
         data = x[0] if type(x) is tuple else x
         self.sig, self.run = list(sig), run
+        # a new routing's (Buffer keeps one, the backend's): the ids' shape and the call's options
+        self.idx_shape, self.options = (None if topk_idx is None else topk_idx.shape), options
         self.shape, self.dtype, self.device = data.shape, data.dtype, data.device
         self.scales_shape = x[1].shape if type(x) is tuple else None
         self.w_shape = None if weights is None else weights.shape
@@ -60,6 +66,13 @@ class Replay:
         if torch.is_grad_enabled() and (data.requires_grad or (weights is not None and weights.requires_grad)):
             return False
         return not torch.cuda.is_current_stream_capturing()
+
+    def matches_routing(self, x, topk_idx, weights: Optional[torch.Tensor], options: tuple) -> bool:
+        """`matches` for a new routing (RoutingReplay): topk_idx of the replayed call's shape too
+        (int64, contiguous, on x's device), and the call's other options the same."""
+        return options == self.options and type(topk_idx) is torch.Tensor and topk_idx.shape == self.idx_shape \
+            and topk_idx.dtype == torch.int64 and topk_idx.is_contiguous() and topk_idx.device == self.device \
+            and self.matches(x, weights)
 
     def __deepcopy__(self, memo):
         """A copied handle has no replay: the copy's first calls check everything and make their own

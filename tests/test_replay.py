@@ -35,10 +35,10 @@ def buf(path):  # noqa: F811
                 path.holder["call"] = call
                 return _f(call, req)
             setattr(path, name, entry)
-        for name in ("_replay_dispatch", "_replay_combine"):
-            def replay(handle, call, *args, _f=getattr(path, name)):
+        for name in ("_replay_dispatch", "_replay_combine", "_replay_routing"):
+            def replay(call, *args, _f=getattr(path, name)):
                 path.holder["call"] = call
-                return _f(handle, call, *args)
+                return _f(call, *args)
             setattr(path, name, replay)
         b.path, b.planned = path, []
         plan = path._plan
@@ -168,3 +168,79 @@ def test_a_replay_from_a_second_thread_meanwhile_is_refused(buf):
     t.join()
     buf._release()
     assert caught and "combine" in str(caught[0].value)
+
+
+def _idx(seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+
+
+@pytest.mark.parametrize("permute", [False, True])
+def test_a_new_routing_of_the_same_shape_and_options_replays_the_same_crossing(buf, permute):
+    w = torch.rand(T, K)
+    first = buf.dispatch(_x(), _idx(1), w, num_experts=E, permute=permute, host_counts=True)
+    idx, x2 = _idx(2), _x()
+    again = buf.dispatch(x2, idx, torch.rand(T, K), num_experts=E, permute=permute, host_counts=True)
+    assert buf.planned == [1]  # no plan: replayed
+    (a, _), (b, pb) = _crossings(buf, "dispatch_first_call")
+    _same_crossing(a, b, "x", "topk_idx", "topk_weights", "tag")
+    assert b["x"] is x2 and b["topk_idx"] is idx and b["tag"] == a["tag"] + 1 and pb is P.Pending.FIRST
+    assert b["sig"][P.FIELD["seq"]] == 2 and b["sig"][P.FIELD["op"]] == P.OP["dispatch"]
+    h = again.handle
+    assert h is not first.handle and h.buffer_id == first.handle.buffer_id and h.call_seq == 2
+    assert again.tokens_per_expert_host is not None and h.permute == permute
+    buf.dispatch(_x(), handle=h)  # the replayed routing's handle serves its cached dispatches
+    assert buf.planned == [1, 3]
+
+
+@pytest.mark.parametrize("change", ["experts", "permute", "alignment", "host_counts", "rank_counts", "weights",
+                                    "overflow", "worst", "source", "ids_dtype", "ids_layout", "grad"])
+def test_a_new_routing_that_differs_from_the_last_takes_the_full_call(buf, change):
+    buf.dispatch(_x(), _idx(1), num_experts=E)
+    kwargs, idx, x = {"num_experts": E}, _idx(2), _x()
+    if change == "experts":
+        kwargs["num_experts"] = 2 * E
+        idx = idx * 2
+    elif change == "permute":
+        kwargs["permute"] = True
+    elif change == "alignment":
+        kwargs["expert_alignment"] = 4
+    elif change == "host_counts":
+        kwargs["host_counts"] = True
+    elif change == "rank_counts":
+        kwargs["rank_counts"] = True
+    elif change == "weights":
+        kwargs["topk_weights"] = torch.rand(T, K)
+    elif change == "overflow":
+        kwargs["on_overflow"] = "raise"
+    elif change == "worst":
+        kwargs["num_worst_tokens"] = 64
+    elif change == "source":
+        kwargs["source_index"] = True
+    elif change == "grad":
+        x.requires_grad_(True)
+    if change in ("ids_dtype", "ids_layout"):  # the full call's checks refuse it, before any crossing
+        idx = idx.to(torch.int32) if change == "ids_dtype" else torch.cat([idx, idx], 1)[:, ::2]
+        with pytest.raises((TypeError, ValueError), match="int64|contiguous"):
+            buf.dispatch(x, idx, **kwargs)
+    else:
+        buf.dispatch(x, idx, **kwargs)
+        assert buf.planned == [1, 2]
+
+
+def test_a_failed_routing_replay_is_published_at_the_first_exchange_and_the_calls_go_on(buf):
+    buf.dispatch(_x(), _idx(1), num_experts=E)
+    buf.path.fake.fail_in = "dispatch_first_call"
+    with pytest.raises(RuntimeError, match="dispatch_first_call failed"):
+        buf.dispatch(_x(), _idx(2), num_experts=E)
+    assert buf.path.published == [(2, P.Pending.FIRST)]
+    buf.path.fake.fail_in = None
+    out = buf.dispatch(_x(), _idx(3), num_experts=E)
+    assert out.handle.call_seq == 3 and buf.planned == [1]
+
+
+def test_the_routing_replay_keeps_no_tensor_of_the_call_it_replays(buf):
+    x = _x()
+    buf.dispatch(x, _idx(1), torch.rand(T, K), num_experts=E)
+    t = buf.path._routing_plan
+    assert t.data is None and t.scales is None and t.topk_idx is None and t.topk_weights is None

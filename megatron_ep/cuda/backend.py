@@ -132,6 +132,11 @@ class CudaBackend:
         return DispatchLayout(*self.rt.ext.layout(topk_idx, num_experts, self.num_ranks, counts_dtype == torch.int32))
 
     # ---------------------------------------------------------------------- normal path
+    @property
+    def routing_replay(self):
+        """The normal path's replay of its last new routing (megatron_ep/replay.py), or None."""
+        return getattr(self.path, "routing_replay", None)
+
     def dispatch(self, call, req):
         return self.path.dispatch(call, req)
 

@@ -136,6 +136,9 @@ class IntranodePath(NormalPath):
         self.rt = rt
         self.kernels = rt.ext.intranode
         self.tags = itertools.count(1)
+        # the last new routing's replay and its plan without tensors (megatron_ep/replay.py)
+        self.routing_replay: Optional[Replay] = None
+        self._routing_plan: Optional[DispatchPlan] = None
 
     @classmethod
     def open(cls, group, rank: int, num_ranks: int, ranks_per_node: int, hints: dict, num_sms: Optional[int],
@@ -177,9 +180,38 @@ class IntranodePath(NormalPath):
         dispatch_call) -> the caller's DispatchOutput. A new routing takes two crossings where the
         host must act between them (the region grows, or the call failed at notify's exchange),
         or where it is worst-case sized (notify_call, then dispatch_call without a host wait)."""
+        plan = self._plan(call, req)
+        out = self._planned(call, req, plan)
+        if plan.fused is None and plan.groups == 1:
+            if plan.first:  # Buffer's new routing (Buffer asks only where its own options allow)
+                if not (plan.num_worst_tokens or plan.want_src):  # (on_overflow acts only with num_worst_tokens)
+                    self.routing_replay = Replay(call.sig, self._replay_routing, req.x, req.topk_weights, req.topk_idx,
+                                                 (plan.num_experts, plan.permute, plan.expert_alignment,
+                                                  req.host_counts, req.rank_counts, req.check_ids, req.on_overflow))
+                    self._routing_plan = _plan_with(plan, None, None, None, None)
+            else:  # Buffer's cached dispatch
+                handle = req.handle
+                handle.dispatch_replay = Replay(call.sig, self._replay_dispatch, req.x, req.topk_weights)
+        return out
+
+    def _replay_routing(self, call: P.Call, x, topk_idx, topk_weights, async_op: bool, previous_event,
+                        host_counts: bool, rank_counts: bool, check_ids: int, on_overflow: str) -> DispatchOutput:
+        """A new routing replayed (megatron_ep/replay.py): the plan of the last new routing, whose
+        shape and options these are, with this call's tensors, and what depends on the region
+        decided again; then the same crossings."""
+        data, scales = (x[0], x[1]) if type(x) is tuple else (x, None)
+        plan = _plan_with(self._routing_plan, data, scales, topk_idx, topk_weights)
+        plan.push = _pushes(self.rt.region, plan.permute, 0)
+        call.set_variant(int(plan.push))
+        req = DispatchRequest(x, topk_idx, topk_weights, plan.num_experts, plan.permute, plan.expert_alignment, None,
+                              host_counts, 0, async_op, previous_event, on_overflow=on_overflow, check_ids=check_ids,
+                              rank_counts=rank_counts)
+        return self._planned(call, req, plan)
+
+    def _planned(self, call: P.Call, req: DispatchRequest, plan: "DispatchPlan") -> DispatchOutput:
+        """dispatch after its plan: the crossings and the caller's DispatchOutput."""
         rt = self.rt
         region, budget = rt.region, rt.budget
-        plan = self._plan(call, req)
         previous = _event(req.previous_event)
         comb_rows = 0
         event = torch.cuda.Event() if req.async_op else None  # (a synchronous call joins through the runtime's own)
@@ -221,12 +253,7 @@ class IntranodePath(NormalPath):
         res = self._send_rows(call, st, plan.num_experts, plan.first, plan.data, plan.scales, plan.topk_weights,
                               plan.push, out_rows, plan.num_worst_tokens, comb_rows, previous, event, req.async_op,
                               plan.fused, marks, plan.want_src)
-        out = self._dispatched(call, req, plan, st, res, event)
-        if not plan.first and plan.fused is None and plan.groups == 1:  # Buffer's cached dispatch
-            handle = req.handle
-            handle.dispatch_replay = Replay(call.sig, self._replay_dispatch, req.x,
-                                            req.topk_weights)
-        return out
+        return self._dispatched(call, req, plan, st, res, event)
 
     def _send_rows(self, call: P.Call, st: IntranodeState, num_experts: int, first: bool, x, scales, topk_weights,
                    push: bool, out_rows: int, num_worst_tokens: int, comb_rows: int, previous_event, event,
@@ -243,7 +270,7 @@ class IntranodePath(NormalPath):
                           push, scratch, zero_copy, out_rows, num_worst_tokens, comb_rows, previous_event, event,
                           async_op, hook, fused, marks, num_blocks, push_blocks, local_blocks, want_src)
 
-    def _replay_dispatch(self, handle: DispatchHandle, call: P.Call, x, topk_weights, async_op: bool,
+    def _replay_dispatch(self, call: P.Call, handle: DispatchHandle, x, topk_weights, async_op: bool,
                          previous_event) -> DispatchOutput:
         """A cached dispatch replayed (megatron_ep/replay.py): what dispatch decides for a cached call
         of the shape that passed its checks along `handle`, then the same crossing."""
@@ -445,7 +472,7 @@ class IntranodePath(NormalPath):
             handle.combine_replay = Replay(call.sig, self._replay_combine, x, weights)
         return out
 
-    def _replay_combine(self, handle: DispatchHandle, call: P.Call, x, weights, async_op: bool,
+    def _replay_combine(self, call: P.Call, handle: DispatchHandle, x, weights, async_op: bool,
                         previous_event) -> CombineOutput:
         """A combine replayed (megatron_ep/replay.py): the crossing of a combine of the shape that
         passed its checks along `handle`."""
@@ -478,6 +505,14 @@ class IntranodePath(NormalPath):
                               zero_copy, out, out_weights, previous_event, event, async_op, hook, fused, marks,
                               num_blocks, local_blocks)
         return CombineOutput(y, w_out, EventOverlap(event) if event is not None else None)
+
+
+def _plan_with(t: DispatchPlan, data, scales, topk_idx, topk_weights) -> DispatchPlan:
+    """Plan `t` with other tensors: a replayed new routing's (positional: a copy by field name costs
+    more host time than the call it serves)."""
+    return DispatchPlan(data, scales, topk_idx, topk_weights, t.num_experts, t.permute, t.expert_alignment,
+                        t.num_worst_tokens, t.groups, t.T, t.H, t.K, t.L, t.row_bytes, t.scale_cols, t.need, t.first,
+                        t.push, t.check_ids, t.rank_counts, t.fused, t.want_src)
 
 
 def _pushes(region, permute: bool, num_worst_tokens: int) -> bool:
