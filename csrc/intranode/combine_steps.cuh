@@ -88,6 +88,21 @@ __device__ __forceinline__ unsigned group_ends(int key, unsigned* same) {
   return __ballot_sync(kFull, key >= 0 && (m >> lane_id()) == 1u);
 }
 
+// The loads of one batch of rows, all issued before any add (16 in flight per lane: remote rows
+// pay a link round trip each): word base + 32 j of each row that is there, for the words below
+// n_words.
+template <int kSteps, int kSrcBatch, typename Row, typename Word, typename Load>
+__device__ __forceinline__ void load_batch(const Row (&row)[kSrcBatch], Word (&v)[kSrcBatch][kSteps], int base,
+                                           int n_words, Load load) {
+#pragma unroll
+  for (int b = 0; b < kSrcBatch; ++b)
+    if (row[b] != nullptr) {
+#pragma unroll
+      for (int j = 0; j < kSteps; ++j)
+        if (base + j * 32 < n_words) v[b][j] = load(row[b], base, j);
+    }
+}
+
 // Warp: sums rows that the lanes in `srcs` point at (lane l's row: `src` shuffled from lane l, as a Row pointer),
 // in lane order, word by word; `n_words` words per row, kSteps words per lane per step, and the
 // loads of kSrcBatch rows x kSteps words issued before any add (16 loads in flight per lane:
@@ -119,13 +134,7 @@ __device__ __forceinline__ void warp_sum_batched(unsigned srcs, unsigned long lo
         }
       }
       Word v[kSrcBatch][kSteps];
-#pragma unroll
-      for (int b = 0; b < kSrcBatch; ++b)
-        if (row[b] != nullptr) {
-#pragma unroll
-          for (int j = 0; j < kSteps; ++j)
-            if (base + j * 32 < n_words) v[b][j] = load(row[b], base, j);
-        }
+      load_batch<kSteps, kSrcBatch>(row, v, base, n_words, load);
 #pragma unroll
       for (int b = 0; b < kSrcBatch; ++b)
         if (row[b] != nullptr) {
@@ -176,13 +185,7 @@ __device__ __forceinline__ void warp_sum_grouped(unsigned ends, unsigned members
         }
       }
       int4 v[kSrcBatch][kSteps];
-#pragma unroll
-      for (int b = 0; b < kSrcBatch; ++b)
-        if (row[b] != nullptr) {
-#pragma unroll
-          for (int j = 0; j < kSteps; ++j)
-            if (base + j * 32 < n_words) v[b][j] = load(row[b], base, j);
-        }
+      load_batch<kSteps, kSrcBatch>(row, v, base, n_words, load);
 #pragma unroll
       for (int b = 0; b < kSrcBatch; ++b)
         if (row[b] != nullptr) {
