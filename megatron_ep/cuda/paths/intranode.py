@@ -217,8 +217,7 @@ class IntranodePath(NormalPath):
         event = torch.cuda.Event() if req.async_op else None  # (a synchronous call joins through the runtime's own)
         # benchmarks' phase marks, in the order they are recorded: notify's first
         notify_marks = rt.marks(("start", "notify"), first=True) if plan.first else None
-        marks = rt.marks(("push", "fanout" if plan.permute else None) if plan.push or plan.fused is not None
-                         else ("stage", "pull"))
+        marks = _move_marks(rt, plan.push or plan.fused is not None, plan.permute)
         if plan.first and not plan.num_worst_tokens:
             zero_copy, scratch = self._placement(plan.data, plan.push, plan.permute)
             # the region fits the call's needs but its counts (a plan remembered per need), so the
@@ -242,18 +241,18 @@ class IntranodePath(NormalPath):
             # (status 0: the rows moved in the same crossing, so nothing is owed after it)
             st, comb_rows = self._notified(call, plan, notified, grow=status == 1, owed=status != 0)
             if status == 0:
-                return self._dispatched(call, req, plan, st, res, event)
+                return self._dispatched(call, req, plan, st, res, event, _out_rows(st, plan.num_worst_tokens))
             previous = None  # the streams are ordered: the call was entered
         elif plan.first:
             st, comb_rows = self._notify(call, plan, previous, notify_marks, req.async_op)
             previous = None  # the streams are ordered: notify_call entered the call
         else:
             st = req.handle.state
-        out_rows = plan.num_worst_tokens or (st.num_perm_rows if plan.permute else st.num_rows)
+        out_rows = _out_rows(st, plan.num_worst_tokens)
         res = self._send_rows(call, st, plan.num_experts, plan.first, plan.data, plan.scales, plan.topk_weights,
                               plan.push, out_rows, plan.num_worst_tokens, comb_rows, previous, event, req.async_op,
                               plan.fused, marks, plan.want_src)
-        return self._dispatched(call, req, plan, st, res, event)
+        return self._dispatched(call, req, plan, st, res, event, out_rows)
 
     def _send_rows(self, call: P.Call, st: IntranodeState, num_experts: int, first: bool, x, scales, topk_weights,
                    push: bool, out_rows: int, num_worst_tokens: int, comb_rows: int, previous_event, event,
@@ -279,8 +278,8 @@ class IntranodePath(NormalPath):
         push = _pushes(self.rt.region, st.permute, handle.num_worst_tokens)
         call.set_variant(int(push))
         event = torch.cuda.Event() if async_op else None
-        marks = self.rt.marks(("push", "fanout" if st.permute else None) if push else ("stage", "pull"))
-        out_rows = handle.num_worst_tokens or (st.num_perm_rows if st.permute else st.num_rows)
+        marks = _move_marks(self.rt, push, st.permute)
+        out_rows = _out_rows(st, handle.num_worst_tokens)
         res = self._send_rows(call, st, handle.num_experts, False, data, scales, topk_weights, push, out_rows,
                               handle.num_worst_tokens, 0, _event(previous_event), event, async_op, None, marks, False)
         out, _ = self._output(st, res, scales is not None, event)
@@ -304,11 +303,10 @@ class IntranodePath(NormalPath):
                               event=EventOverlap(event) if event is not None else None, num_dropped=dropped), src
 
     def _dispatched(self, call: P.Call, req: DispatchRequest, plan: "DispatchPlan", st: IntranodeState, res: tuple,
-                    event) -> DispatchOutput:
+                    event, out_rows: int) -> DispatchOutput:
         """The caller's DispatchOutput from what dispatch_call (or the second half of
         dispatch_first_call) returned."""
         out, src = self._output(st, res, plan.scales is not None, event)
-        out_rows = plan.num_worst_tokens or (st.num_perm_rows if plan.permute else st.num_rows)
         return self._result(call, req, plan, st, out, out_rows, src)
 
     def _plan(self, call: P.Call, req: DispatchRequest) -> "DispatchPlan":
@@ -505,6 +503,16 @@ class IntranodePath(NormalPath):
                               zero_copy, out, out_weights, previous_event, event, async_op, hook, fused, marks,
                               num_blocks, local_blocks)
         return CombineOutput(y, w_out, EventOverlap(event) if event is not None else None)
+
+
+def _out_rows(st: IntranodeState, num_worst_tokens: int) -> int:
+    """A dispatch's output rows along `st`: num_worst_tokens, or the rows notify counted."""
+    return num_worst_tokens or (st.num_perm_rows if st.permute else st.num_rows)
+
+
+def _move_marks(rt: CudaRuntime, push: bool, permute: bool):
+    """Benchmarks' marks of a dispatch's move: push [+ fan-out], or stage + pull."""
+    return rt.marks(("push", "fanout" if permute else None) if push else ("stage", "pull"))
 
 
 def _plan_with(t: DispatchPlan, data, scales, topk_idx, topk_weights) -> DispatchPlan:
