@@ -140,6 +140,28 @@ def _src_metadata_section(cfg: dict, h, hx, hw, rank: int, R: int, Tmax: int, ta
     return errors
 
 
+def _slot_section(cfg: dict, h, hx, rank: int, R: int, Tmax: int, tag: str) -> list:
+    """EPHandle.dst_buffer_slot_idx against V2's (deterministic order): in the first slot of each
+    destination rank of a token, rank * Tmax + the token's place among this rank's tokens to that
+    rank, -1 elsewhere; the same for an expanded dispatch's handle (the routing decides it)."""
+    errors: list = []
+    L = cfg["E"] // R
+    _, idx, _ = _inputs_v2(cfg, rank)
+    want = torch.full(idx.shape, -1, dtype=torch.int32)
+    sent = [0] * R
+    for t in range(idx.shape[0]):
+        seen = set()
+        for k in range(idx.shape[1]):
+            e = int(idx[t, k])
+            if 0 <= e < cfg["E"] and e // L not in seen:
+                seen.add(e // L)
+                want[t, k] = rank * Tmax + sent[e // L]
+                sent[e // L] += 1
+    _check(errors, tag, "dst_buffer_slot_idx", h.dst_buffer_slot_idx, want)
+    _check(errors, tag, "dst_buffer_slot_idx (expanded)", hx.dst_buffer_slot_idx, want)
+    return errors
+
+
 def _check(errors: list, tag: str, name: str, got, want) -> None:
     got = got.cpu()
     if got.shape != want.shape or not torch.equal(got, want.to(got.dtype)):
@@ -265,6 +287,7 @@ def run_elastic_case(cfg: dict) -> list:
         # num_sms=0 is automatic in every call, a count is handed to our budget
         buf.dispatch(x, handle=h, num_sms=0)
         errors += _src_metadata_section(cfg, h, hx, hw, rank, R, Tmax, tag)
+        errors += _slot_section(cfg, h, hx, rank, R, Tmax, tag)
         errors += refusals([(what, call, NotImplementedError, what)
                             for what, call in (("engram_write", buf.engram_write), ("pp_send", buf.pp_send))], f"{tag} ")
         buf.destroy()

@@ -169,10 +169,27 @@ class EPHandle:
             meta[:N, 2:] = slots
         return meta[:self.num_recv_tokens] if self.num_recv_tokens < N else meta
 
-    @property
+    @functools.cached_property
     def dst_buffer_slot_idx(self) -> torch.Tensor:
-        raise NotImplementedError("megatron_ep.deep_ep EPHandle.dst_buffer_slot_idx is not supported: it indexes V2's "
-                                  "own buffer slots, which our kernels do not have (docs/deep-ep.md)")
+        """[T, K] int32, V2's (one scale-up domain): in the first slot of each destination rank of
+        a token, this rank * num_max_tokens_per_rank + the token's place among the tokens this rank
+        sends to that rank, in token order; -1 in every other slot (a repeated rank, an id outside
+        [0, num_experts)). V2 assigns places in arrival order unless deterministic; ours are always
+        the token order, which is also where the token lands: its row on that rank is the start of
+        this rank's block there plus its place. Made on first read from the routing, on its device,
+        without a host sync; a cached dispatch's handle is the same handle, so the same tensor."""
+        idx = self.topk_idx
+        T, K = idx.shape
+        E, R = self.num_experts, self.ours.num_ranks
+        valid = (idx >= 0) & (idx < E)
+        dst = torch.where(valid, idx // (E // R), -1).to(torch.int64)
+        earlier = torch.ones(K, K, dtype=torch.bool, device=idx.device).tril(-1)  # [k, j]: j < k
+        repeated = ((dst.unsqueeze(2) == dst.unsqueeze(1)) & earlier).any(2)
+        first = valid & ~repeated
+        safe = dst.clamp(min=0)
+        sends = torch.zeros(T, R, dtype=torch.int32, device=idx.device).scatter_add_(1, safe, first.to(torch.int32))
+        place = (torch.cumsum(sends, 0, dtype=torch.int32) - sends).gather(1, safe)
+        return torch.where(first, self._rank * self.num_max_tokens_per_rank + place, -1).to(torch.int32)
 
 
 class ElasticBuffer:
