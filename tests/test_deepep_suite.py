@@ -3,11 +3,12 @@ tests/test_internode.py and tests/test_low_latency.py) on megatron_ep.deep_ep, o
 of one GPU (2; the internode file on 2 virtual nodes of 8 with --test-ll-compatibility, the
 low-latency file's --shrink-test on 8), through scripts/deepep_tests.py: only their launch glue is edited, every assertion of
 theirs is kept (the internode file's benchmark asserts one dispatch / combine kernel and one
-notify kernel per cached call: csrc/internode/fused.cu).
+notify kernel per cached call: csrc/internode/fused.cu). And DeepEP dd758ca's V2 file,
+tests/elastic/test_ep.py, on our ElasticBuffer at 2 virtual ranks (its correctness checks).
 
-The files are DeepEP's, so they are never committed: extract them into .carry/deepep
-(CONTRIBUTING.md, "DeepEP's own tests") or name another folder with MEP_DEEPEP_TESTS. Without
-them these tests skip saying so. MEP_DEEPEP_OUT=DIR keeps each run's output (DeepEP's prints:
+The files are DeepEP's, so they are never committed: extract them into .carry/deepep and
+.carry/deepep-v2 (CONTRIBUTING.md, "DeepEP's own tests") or name other folders with
+MEP_DEEPEP_TESTS and MEP_DEEPEP_V2_TESTS. Without them their cases skip saying so. MEP_DEEPEP_OUT=DIR keeps each run's output (DeepEP's prints:
 its checks and timings, which on virtual ranks are not speed figures)."""
 
 import os
@@ -23,6 +24,9 @@ pytestmark = GPU_MARKS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECKOUT = os.environ.get("MEP_DEEPEP_TESTS", os.path.join(ROOT, ".carry", "deepep"))
+# DeepEP dd758ca's V2 suite (tests/elastic/test_ep.py and the deep_ep/utils modules it imports):
+# `scripts/deepep_tests.py --suite v2 --extract .carry/deepep-v2`; without it its case skips
+V2_CHECKOUT = os.environ.get("MEP_DEEPEP_V2_TESTS", os.path.join(ROOT, ".carry", "deepep-v2"))
 
 # Sizes that keep each file within its time limit on 2 virtual ranks; the shapes stay DeepEP's
 # defaults where they matter to the kernels (hidden 7168, top-8, low-latency 288 experts).
@@ -40,6 +44,10 @@ CASES = [
     ("internode", ["--num-tokens", "512", "--test-ll-compatibility"], ["--num-nodes", "2", "--num-processes", "8"], {}),
     ("low_latency", [], ["--num-processes", "2"], {}),
     ("low_latency", ["--shrink-test"], ["--num-processes", "8"], {"MEP_MASK_TIMEOUT_S": "4"}),
+    # V2's file: every correctness check of its dispatch / combine cases (plain and expanded, bf16
+    # and FP8, cached, with and without the CPU sync); its timing part (--skip-perf-test, the file's
+    # own switch) reads DeepEP's kernel names from a profile, which ours do not have
+    ("elastic", ["--num-tokens", "512", "--skip-perf-test"], ["--num-processes", "2"], {}),
 ]
 LIMIT_S = {"internode": 420}  # the run's own timeout; the test's limit is 20 s more
 LL_COMPAT_MIN_GIB = 100
@@ -65,16 +73,19 @@ def fitted_args(args: list, gib: float) -> tuple:
 
 
 @pytest.mark.limit(440)
-@pytest.mark.parametrize("test,args,launch,env", CASES, ids=["intranode", "internode", "low_latency", "low_latency_shrink"])
+@pytest.mark.parametrize("test,args,launch,env", CASES,
+                         ids=["intranode", "internode", "low_latency", "low_latency_shrink", "elastic"])
 def test_deepep_own_test_file(test, args, launch, env):
-    path = os.path.join(CHECKOUT, "tests", f"test_{test}.py")
+    checkout = V2_CHECKOUT if test == "elastic" else CHECKOUT
+    path = os.path.join(checkout, "tests", "elastic", "test_ep.py") if test == "elastic" else \
+        os.path.join(checkout, "tests", f"test_{test}.py")
     if not os.path.exists(path):
-        pytest.skip(f"DeepEP's test files are not at {CHECKOUT} (python scripts/deepep_tests.py --extract, "
+        pytest.skip(f"DeepEP's test files are not at {checkout} (python scripts/deepep_tests.py --extract, "
                     f"CONTRIBUTING.md)")
     args, note = fitted_args(args, gpu_memory_gib())
     if note:
         print(note, end="")
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "deepep_tests.py"), "--checkout", CHECKOUT, "--test", test,
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "deepep_tests.py"), "--checkout", checkout, "--test", test,
            *launch, "--", *args]
     # a session of its own: a file that runs past its limit is killed with the ranks it spawned
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -90,5 +101,6 @@ def test_deepep_own_test_file(test, args, launch, env):
         os.makedirs(keep, exist_ok=True)
         with open(os.path.join(keep, f"test_{test}{'_shrink' if '--shrink-test' in args else ''}.log"), "w") as f:
             f.write(note + out)
-    assert p.returncode == 0, f"DeepEP's tests/test_{test}.py failed on megatron_ep.deep_ep (exit {p.returncode}):\n" \
+    name = "tests/elastic/test_ep.py" if test == "elastic" else f"tests/test_{test}.py"
+    assert p.returncode == 0, f"DeepEP's {name} failed on megatron_ep.deep_ep (exit {p.returncode}):\n" \
                               f"{out[-6000:]}"
