@@ -56,4 +56,21 @@ inline std::vector<torch::Tensor> arena_tensors(const std::vector<ArenaPart>& pa
   return out;
 }
 
+// A tensor over `base`'s storage with these sizes and strides, `offset` elements past base's
+// start: what narrow / select / a column give, without the ATen dispatcher (a view through it costs
+// a microsecond or more of host time, and a new routing made ten). No view record is kept: for the
+// integer outputs and handle state of one call, which never carry autograd history.
+inline torch::Tensor alias(const torch::Tensor& base, c10::IntArrayRef sizes, c10::IntArrayRef strides,
+                           int64_t offset) {
+  torch::Tensor t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(base.storage()), base.key_set(),
+                                                             base.dtype());
+  t.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides);
+  t.unsafeGetTensorImpl()->set_storage_offset(base.storage_offset() + offset);
+  return t;
+}
+// c[:n] and c[n] of a contiguous 1-d tensor; column j of a contiguous [rows, cols] one
+inline torch::Tensor head(const torch::Tensor& c, int64_t n) { return alias(c, {n}, {1}, 0); }
+inline torch::Tensor element(const torch::Tensor& c, int64_t n) { return alias(c, {}, {}, n); }
+inline torch::Tensor column(const torch::Tensor& m, int64_t j) { return alias(m, {m.size(0)}, {m.size(1)}, j); }
+
 }  // namespace mep

@@ -49,6 +49,8 @@ struct NotifyArgs {
                           // groups are source nodes, so the row is the global source rank)
   int* rank_prefix;       // [G * R][R] out with rank_counts: its inclusive prefix sums over the rows
                           // (DeepEP's rank_prefix_matrix), or nullptr
+  long long* topk_copy;   // [T, K] out, or nullptr: the handle's copy of topk_idx, written as the ids
+                          // are counted (a copy of its own would cost the host a call more)
 };
 void launch_notify(const Ctx& ctx, const CallArgs& call, const NotifyArgs& args, cudaStream_t stream);
 

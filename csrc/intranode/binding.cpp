@@ -16,8 +16,9 @@ namespace {
 void notify(Runtime& rt, const Sig& sig, const Tensor& topk_idx, int E, int align, bool permute, int worst,
             Tensor& rank_pos, Tensor& slot_pos, Tensor& recv_info, Tensor& row_limits, Tensor& tpe, Tensor& dropped,
             long long tag, int groups, bool check, const c10::optional<Tensor>& rank_counts,
-            const c10::optional<Tensor>& rank_prefix) {
-  // the outputs are notify_call's own (sized and typed there); the routing is the caller's copy
+            const c10::optional<Tensor>& rank_prefix, const Tensor* topk_copy) {
+  // the outputs are notify_call's own (sized and typed there); the routing is the caller's, or the
+  // handle's copy of it (`topk_copy`: where the kernel writes that copy as it reads the caller's)
   check_tensor(topk_idx, "topk_idx", at::kLong);
   const int T = (int)topk_idx.size(0), K = (int)topk_idx.size(1), R = rt.num_ranks();
   TORCH_CHECK(K >= 1 && K <= kMaxTopk, "megatron_ep: topk ", K, " outside 1..", kMaxTopk);
@@ -31,7 +32,8 @@ void notify(Runtime& rt, const Sig& sig, const Tensor& topk_idx, int E, int alig
                check ? 1 : 0,
                rank_pos.data_ptr<int>(), slot_pos.data_ptr<int>(), recv_info.data_ptr<int>(), row_limits.data_ptr<int>(),
                reinterpret_cast<long long*>(tpe.data_ptr<int64_t>()), reinterpret_cast<long long*>(dropped.data_ptr<int64_t>()),
-               tag, ptr_or_null<int>(rank_counts), ptr_or_null<int>(rank_prefix)};
+               tag, ptr_or_null<int>(rank_counts), ptr_or_null<int>(rank_prefix),
+               topk_copy != nullptr ? static_cast<long long*>(topk_copy->data_ptr()) : nullptr};
   launch_notify(rt.ctx(call.sig[kSigSeq]), call, a, stream());
   check_launch("notify");
 }
@@ -256,21 +258,20 @@ Notified notify_part(Runtime& rt, CallStreams& cs, StepTimer& clock, const Sig& 
   HandleState& st = n.st;
   st.topk_idx = kept[0], st.rank_pos = kept[1], st.slot_pos = kept[2], st.recv_info = kept[3], st.row_limits = kept[4];
   n.counts = kept[5], st.own = kept[6];
-  n.tpe = n.counts.narrow(0, 0, n.L), n.dropped = n.counts.select(0, n.L);
+  n.tpe = head(n.counts, n.L), n.dropped = element(n.counts, n.L);
   if (want_rank_counts) {
     n.rank_counts = kept[7], n.rank_prefix = kept[8];
-    n.recv_rank_counts = kept[7].select(1, rt.rank()), n.recv_rank_prefix = kept[8].select(1, rt.rank());
+    n.recv_rank_counts = column(kept[7], rt.rank()), n.recv_rank_prefix = column(kept[8], rt.rank());
   }
-  if (!topk_idx.is_contiguous())
-    st.topk_idx.copy_(topk_idx);
-  else if (topk_idx.nbytes() > 0)  // (a raw copy: ATen's copy_ costs more host time than the copy)
-    C10_CUDA_CHECK(cudaMemcpyAsync(st.topk_idx.data_ptr(), topk_idx.data_ptr(), topk_idx.nbytes(),
-                                   cudaMemcpyDeviceToDevice, cs.comm().stream()));
+  // the handle's copy of the routing: notify writes it as it reads the caller's (contiguous) ids
+  const bool direct = topk_idx.is_contiguous();
+  if (!direct) st.topk_idx.copy_(topk_idx);
   // the caller's ids are read on our stream: an asynchronous caller may free them at once
   if (async_op) topk_idx.record_stream(cs.comm());
   clock.lap(kStepOutputs);
-  notify(rt, sig, st.topk_idx, E, align, permute, worst, st.rank_pos, st.slot_pos, st.recv_info, st.row_limits, n.tpe,
-         n.dropped, tag, groups, check, n.rank_counts, n.rank_prefix);
+  notify(rt, sig, direct ? topk_idx : st.topk_idx, E, align, permute, worst, st.rank_pos, st.slot_pos, st.recv_info,
+         st.row_limits, n.tpe, n.dropped, tag, groups, check, n.rank_counts, n.rank_prefix,
+         direct ? &st.topk_idx : nullptr);
   rt.set_notified(tag);
   mark(marks, 1);
   clock.lap(kStepLaunch);
@@ -421,7 +422,7 @@ py::tuple dispatch_part(Runtime& rt, CallStreams& cs, StepTimer& clock, HandleSt
   // returns copies of them (the caller's outputs are its own), made by the kernel that moves the rows
   const int L = E / rt.num_ranks();
   const Tensor counts = first ? st.counts : at::empty({L + 1}, dev.dtype(at::kLong));
-  const Tensor tpe = counts.narrow(0, 0, L), dropped = counts.select(0, L);
+  const Tensor tpe = head(counts, L), dropped = element(counts, L);
   // ... and a new routing's handle keeps its own copy of notify's, made by that kernel too unless the
   // rows it moves are still being counted (rank-major, worst-case sized: the pull counts them)
   const bool count_rows = first && worst > 0 && !permute;
@@ -598,7 +599,7 @@ py::tuple layout(const Tensor& topk_idx, int E, int R, bool counts_int32) {
   const std::vector<Tensor> made =
       arena_tensors({{counts_int32 ? at::kInt : at::kLong, {R + E}}, {at::kBool, {T, R}}}, topk_idx.options());
   const Tensor &counts = made[0], &in_rank = made[1];
-  const Tensor per_rank = counts.narrow(0, 0, R), per_expert = counts.narrow(0, R, E);
+  const Tensor per_rank = head(counts, R), per_expert = alias(counts, {E}, {1}, R);
   launch_layout(static_cast<const long long*>(topk_idx.data_ptr()), T, (int)topk_idx.size(1), E, R, per_rank.data_ptr(),
                 per_expert.data_ptr(), counts_int32, in_rank.data_ptr<bool>(), stream());
   check_launch("layout");
