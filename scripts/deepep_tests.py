@@ -189,9 +189,13 @@ def suite_of(test: str) -> str:
     return "v2" if test == "elastic" else "v1"
 
 
+def test_file(test: str) -> str:
+    """The test's file in its suite's checkout."""
+    return "tests/elastic/test_ep.py" if test == "elastic" else f"tests/test_{test}.py"
+
+
 def command(test: str, num_processes: int, extra: Sequence[str]) -> List[str]:
-    path = "tests/elastic/test_ep.py" if test == "elastic" else f"tests/test_{test}.py"
-    return [sys.executable, path, "--num-processes", str(num_processes), *extra]
+    return [sys.executable, test_file(test), "--num-processes", str(num_processes), *extra]
 
 
 def environment() -> Dict[str, str]:

@@ -11,6 +11,7 @@ The files are DeepEP's, so they are never committed: extract them into .carry/de
 MEP_DEEPEP_TESTS and MEP_DEEPEP_V2_TESTS. Without them their cases skip saying so. MEP_DEEPEP_OUT=DIR keeps each run's output (DeepEP's prints:
 its checks and timings, which on virtual ranks are not speed figures)."""
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -23,6 +24,10 @@ from gpu_pools import GPU_MARKS
 pytestmark = GPU_MARKS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the launcher's own map of a test to its suite and file
+_spec = importlib.util.spec_from_file_location("deepep_tests", os.path.join(ROOT, "scripts", "deepep_tests.py"))
+launcher = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(launcher)
 CHECKOUT = os.environ.get("MEP_DEEPEP_TESTS", os.path.join(ROOT, ".carry", "deepep"))
 # DeepEP dd758ca's V2 suite (tests/elastic/test_ep.py and the deep_ep/utils modules it imports):
 # `scripts/deepep_tests.py --suite v2 --extract .carry/deepep-v2`; without it its case skips
@@ -76,10 +81,9 @@ def fitted_args(args: list, gib: float) -> tuple:
 @pytest.mark.parametrize("test,args,launch,env", CASES,
                          ids=["intranode", "internode", "low_latency", "low_latency_shrink", "elastic"])
 def test_deepep_own_test_file(test, args, launch, env):
-    checkout = V2_CHECKOUT if test == "elastic" else CHECKOUT
-    path = os.path.join(checkout, "tests", "elastic", "test_ep.py") if test == "elastic" else \
-        os.path.join(checkout, "tests", f"test_{test}.py")
-    if not os.path.exists(path):
+    checkout = {"v1": CHECKOUT, "v2": V2_CHECKOUT}[launcher.suite_of(test)]
+    name = launcher.test_file(test)
+    if not os.path.exists(os.path.join(checkout, name)):
         pytest.skip(f"DeepEP's test files are not at {checkout} (python scripts/deepep_tests.py --extract, "
                     f"CONTRIBUTING.md)")
     args, note = fitted_args(args, gpu_memory_gib())
@@ -101,6 +105,5 @@ def test_deepep_own_test_file(test, args, launch, env):
         os.makedirs(keep, exist_ok=True)
         with open(os.path.join(keep, f"test_{test}{'_shrink' if '--shrink-test' in args else ''}.log"), "w") as f:
             f.write(note + out)
-    name = "tests/elastic/test_ep.py" if test == "elastic" else f"tests/test_{test}.py"
     assert p.returncode == 0, f"DeepEP's {name} failed on megatron_ep.deep_ep (exit {p.returncode}):\n" \
                               f"{out[-6000:]}"
