@@ -12,6 +12,7 @@ import torch
 
 from megatron_ep import protocol as P
 from megatron_ep.cuda.paths.intranode import IntranodePath
+from megatron_ep.cuda.region import starts_at
 from megatron_ep.requests import CombineRequest, DispatchRequest
 from megatron_ep.types import EventOverlap
 from test_kernel_boundary import binding_arguments
@@ -128,7 +129,8 @@ def path(monkeypatch):
                                  comb_row_bytes=1 << 16)
     region = types.SimpleNamespace(
         runtime=types.SimpleNamespace(notified_tag=lambda: kernels.notified_tag), plan=plan, base=0, ready=True,
-        fits=lambda need: None, grow_if_needed=lambda need: False, scratch_free=lambda: True)
+        fits=lambda need: None, grow_if_needed=lambda need: False, scratch_free=lambda: True,
+        holds=lambda t, offset: starts_at(t, region.base + offset))
     ledger = types.SimpleNamespace(check=lambda call=None: None, host_wait_s=65.0,
                                    publish=lambda call, exc: published.append((call.seq, call.pending)),
                                    host_sizes=lambda call, waited, sizes: sizes)
@@ -322,3 +324,13 @@ def test_a_routing_asked_for_source_tokens_keeps_them_in_its_handle(path, permut
     assert path.fake.calls[-1][1]["want_src"] is False
     plain, _ = _dispatch(path, 3, permute)
     assert path.fake.calls[-1][1]["want_src"] is False and plain.handle.recv_src_token is None
+
+
+def test_an_empty_input_is_placed_by_its_storage():
+    """A view of no rows has data_ptr() 0; where it lies is its storage's address plus its offset,
+    so a rank that received no rows agrees with its peers on a zero-copy combine input."""
+    area = torch.zeros(16, H)
+    none, some = area[4:4], area[4:6]
+    at = area.data_ptr() + 4 * H * area.element_size()
+    assert none.data_ptr() == 0 and starts_at(none, at) and starts_at(some, at)
+    assert not starts_at(area[5:5], at) and not starts_at(torch.zeros(0, H), at)

@@ -189,6 +189,10 @@ class Region:
         a zero-copy combine input handed out is alive."""
         return not any(r() is not None for r in self._comb_views)
 
+    def holds(self, t: torch.Tensor, offset: int) -> bool:
+        """Whether t starts at `offset` in this rank's region (a zero-copy input)."""
+        return starts_at(t, self.base + offset)
+
     def view(self, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
         return self.runtime.view(offset, list(shape), dtype)
 
@@ -198,6 +202,16 @@ class Region:
         t = self.view(self.plan.comb_x, [rows, hidden], dtype)
         self._comb_views = [r for r in self._comb_views if r() is not None] + [weakref.ref(t)]
         return t
+
+
+def starts_at(t: torch.Tensor, address: int) -> bool:
+    """Whether t's first element lies at `address`. An empty tensor's data_ptr() is 0 wherever its
+    storage is, so a view of no rows over the region (a rank that received nothing) is placed by
+    its storage: the ranks' combine variants depend on it and must agree."""
+    ptr = t.data_ptr()
+    if ptr == 0 and t.numel() == 0:
+        ptr = t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
+    return ptr == address
 
 
 def merge_hints(*hints: dict) -> dict:

@@ -290,7 +290,7 @@ class IntranodePath(NormalPath):
         """(zero_copy: the rows already lie in this region's staging, scratch: the expert-major push
         may use the combine area as its rank-major buffer), for the region as it is now."""
         region = self.rt.region
-        return data.data_ptr() == region.base + region.plan.stage_x, push and permute and region.scratch_free()
+        return region.holds(data, region.plan.stage_x), push and permute and region.scratch_free()
 
     @staticmethod
     def _output(st: IntranodeState, res: tuple, fp8: bool, event) -> tuple:
@@ -482,7 +482,7 @@ class IntranodePath(NormalPath):
         rt = self.rt
         region = rt.region
         st: IntranodeState = handle.state
-        zero_copy = x.data_ptr() == region.base + region.plan.comb_x
+        zero_copy = region.holds(x, region.plan.comb_x)
         # expert-major: sum each token's rows per rank locally first, so one row per (token, rank),
         # rounded to x's dtype, crosses the link instead of one per (token, expert) (the staged
         # kernel rounds each rank's sum alike: the two give the same bits). Needs the dispatch's
