@@ -223,6 +223,8 @@ def _value(field_name: str, v: int, op: Optional[int] = None) -> str:
     if field_name == "variant" and op == OP["low_latency_combine"]:
         return ("use_logfmt" if v & LL_COMBINE_LOGFMT else "bf16 rows") + (
             ", weights given at dispatch (merged)" if v & LL_COMBINE_MERGED else "")
+    if field_name == "variant" and op == OP["combine"]:
+        return {0: "staged rows", 1: "partials"}.get(v, str(v))
     if field_name == "variant":
         return {0: "stage+pull", 1: "push"}.get(v, str(v))
     return str(v)
@@ -251,6 +253,10 @@ def mismatch_error(call: Call, field_index: int, values: Sequence[int], ops: Opt
         after = f"every rank continues from call #{resync}, so the buffer stays usable"
     else:
         after = "the buffer stays usable"
+    if name == "variant" and call.op == OP["combine"]:  # the one variant a caller's choice decides
+        per_rank += (" (an expert-major combine sums its rows into partials unless its input lies in the buffer: "
+                     "pass a get_combine_input view on every rank or on none, get_combine_input(0, H) on a rank "
+                     "that received no rows)")
     err = CallMismatchError(f"{call.describe()}: the ranks {what}: {per_rank}{ops_text}; the call was aborted on "
                             f"every rank before anything was sent; {after}")
     err.field, err.values, err.resync = name, list(values), resync

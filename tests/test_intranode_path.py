@@ -334,3 +334,15 @@ def test_an_empty_input_is_placed_by_its_storage():
     at = area.data_ptr() + 4 * H * area.element_size()
     assert none.data_ptr() == 0 and starts_at(none, at) and starts_at(some, at)
     assert not starts_at(area[5:5], at) and not starts_at(torch.zeros(0, H), at)
+
+
+def test_a_combine_variant_mismatch_says_what_the_caller_decides():
+    """The combine's variant is the one a caller's choice decides (its input in the buffer or not):
+    the error names the two kernels and what to pass."""
+    call = P.Call(P.OP["combine"], 7)
+    err = P.mismatch_error(call, P.FIELD["variant"], [0, 1])
+    text = str(err)
+    assert "rank 0 = staged rows, rank 1 = partials" in text and "get_combine_input(0, H)" in text, text
+    assert err.field == "variant" and err.values == [0, 1]
+    dispatch = str(P.mismatch_error(P.Call(P.OP["dispatch"], 7), P.FIELD["variant"], [0, 1]))
+    assert "rank 0 = stage+pull, rank 1 = push" in dispatch and "get_combine_input" not in dispatch, dispatch
