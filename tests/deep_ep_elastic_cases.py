@@ -92,6 +92,13 @@ def _fp8_section(cfg: dict, buf, x, idx, rank: int, R: int, tag: str) -> list:
     _check(errors, tag, "expanded FP8 rows", xq.view(torch.uint8),
            _expanded_of(cfg, rank, R, lambda r: cast[r][0].view(torch.uint8)))
     _check(errors, tag, "expanded FP8 column-major scales", xs.contiguous(), _expanded_of(cfg, rank, R, lambda r: cast[r][1]))
+    # V2's flags as its own test passes them (ints); the padding of FP8 rows zeroed
+    (zq, _), _, _, _, _ = buf.dispatch((q, sc), topk_idx=idx, num_experts=E, expert_alignment=cfg.get("align", 1),
+                                       do_expand=1, do_zero_padding=1, do_handle_copy=0, do_cpu_sync=1,
+                                       async_with_compute_stream=0, allocate_on_comm_stream=0,
+                                       use_tma_aligned_col_major_sf=0)
+    _check(errors, tag, "expanded FP8 rows, padding zeroed, int flags", zq.view(torch.uint8),
+           _expanded_of(cfg, rank, R, lambda r: cast[r][0].view(torch.uint8)))
 
     def ue8m0_of(xs_):
         q8, s8 = per_token_cast_to_fp8(torch.cat([xs_] * 4, dim=1), round_scale=True)
@@ -268,7 +275,7 @@ def run_elastic_case(cfg: dict) -> list:
         cxx, _, cxw, _, _ = buf.dispatch(x, handle=hx, topk_weights=w, do_expand=True, do_zero_padding=True)
         _check(errors, tag, "cached expanded recv_x", cxx, want_xx)
         _check(errors, tag, "cached expanded weights", cxw, want_xw)
-        ye, _, _ = buf.combine(xx, hx)
+        ye, _, _ = buf.combine(xx, hx, async_with_compute_stream=0, allocate_on_comm_stream=0)  # (V2's test: ints)
         per_token = (torch.stack([(idx.cpu() >= 0) & (idx.cpu() // L == r) for r in range(R)]).sum((0, 2))).double()
         if not torch.allclose(ye.cpu().double(), x.cpu().double() * per_token.unsqueeze(1), rtol=1e-5, atol=1e-5):
             errors.append(f"{tag} expanded combine differs from V2's sum over every slot")

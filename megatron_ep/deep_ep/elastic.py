@@ -354,11 +354,13 @@ class ElasticBuffer:
         recv_topk_weights [rows]. do_cpu_sync=False (and every cached dispatch): worst-case row
         counts, no host sync; the valid count is psum_num_recv_tokens_per_scaleup_rank[-1] (plain)."""
         self._alive("dispatch")
+        # V2's flags are truthy values (its binding converts them: its own test passes ints)
         return self.runtime.layer_call("dispatch", self._dispatch, x, topk_idx, topk_weights,
                                        cumulative_local_expert_recv_stats, num_experts, num_max_tokens_per_rank,
                                        expert_alignment, num_sms, previous_event, previous_event_before_epilogue,
-                                       async_with_compute_stream, allocate_on_comm_stream, handle, do_handle_copy,
-                                       do_cpu_sync, do_expand, do_zero_padding, use_tma_aligned_col_major_sf)
+                                       bool(async_with_compute_stream), bool(allocate_on_comm_stream), handle,
+                                       bool(do_handle_copy), None if do_cpu_sync is None else bool(do_cpu_sync),
+                                       bool(do_expand), bool(do_zero_padding), bool(use_tma_aligned_col_major_sf))
 
     def _dispatch(self, x, topk_idx, topk_weights, stats, num_experts, num_max_tokens_per_rank, expert_alignment,
                   num_sms, previous_event, before_epilogue, async_op, allocate_on_comm_stream, handle, do_handle_copy,
@@ -437,7 +439,9 @@ class ElasticBuffer:
                 stats.add_(handle.num_unaligned_recv_tokens_per_expert.to(stats.dtype))
             if zero_padding and out.row_expert is not None:
                 pad = out.row_expert < 0
-                data.masked_fill_(pad.unsqueeze(1), 0)
+                # through the bytes: +0 is all-zero bits in every row dtype, and CPU tensors of an
+                # FP8 dtype have no masked_fill
+                data.view(torch.uint8).masked_fill_(pad.unsqueeze(1), 0)
                 if scales is not None:
                     scales.masked_fill_(pad.unsqueeze(1), 0)
                 if weights is not None:
@@ -480,8 +484,8 @@ class ElasticBuffer:
         [rows] expanded) summed back to [T, K]. num_sms=0: the handle's."""
         self._alive("combine")
         return self.runtime.layer_call("combine", self._combine, x, handle, topk_weights, bias, num_sms, previous_event,
-                                       previous_event_before_epilogue, async_with_compute_stream,
-                                       allocate_on_comm_stream)
+                                       previous_event_before_epilogue, bool(async_with_compute_stream),
+                                       bool(allocate_on_comm_stream))
 
     def _combine(self, x, handle, topk_weights, bias, num_sms, previous_event, before_epilogue, async_op,
                  allocate_on_comm_stream):
