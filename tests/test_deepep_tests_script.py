@@ -57,11 +57,12 @@ def _checkout(path, utils=INIT_DIST, test=FAKE_TEST):
     return path
 
 
-def _run(*args, env=None):
+def _run(*args, env=None, timeout=120):
     env = {**os.environ, **(env or {})}
     for k in ("RANK", "WORLD_SIZE", "MASTER_PORT", "MEP_DEBUG_TRACEBACK"):
         env.pop(k, None)
-    p = subprocess.run([sys.executable, SCRIPT, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, SCRIPT, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=timeout)
     return p.returncode, p.stdout + p.stderr
 
 
@@ -248,6 +249,43 @@ def test_deepep_dd758ca_files_take_every_edit(tmp_path):
     code = "import deep_ep_utils.envs, deep_ep_utils.refs, deep_ep_utils.math, deep_ep_utils.gate, deep_ep_utils.testing"
     p = subprocess.run([sys.executable, "-c", code], cwd=pkg.parent, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr  # the placed modules import without DeepEP's extension
+
+
+def test_cuda_as_cpu_maps_every_cuda_device_to_the_cpu():
+    """--cpu's sitecustomize: with MEP_CUDA_AS_CPU=1, factory calls, .cuda(), .to("cuda"), the
+    default device and torch.cuda's queries give or answer for the CPU, and an FP8 tensor's
+    collective moves its bytes; without the variable it changes nothing."""
+    code = (
+        "import torch, torch.distributed as dist\n"
+        "torch.set_default_device('cuda'); torch.cuda.set_device(3); torch.cuda.synchronize()\n"
+        "a = torch.randn(2, 4, device='cuda:0'); b = torch.zeros(3); c = a.cuda().to('cuda')\n"
+        "d = torch.empty(2, device=torch.device('cuda', 1))\n"
+        "assert {t.device.type for t in (a, b, c, d)} == {'cpu'}, (a.device, b.device, c.device, d.device)\n"
+        "assert torch.cuda.current_device() == 0 and torch.cuda.device_count() == 1\n"
+        "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+        "x = torch.randn(4, 8).to(torch.float8_e4m3fn); y = torch.empty_like(x)\n"
+        "dist.all_to_all_single(y, x)\n"
+        "assert torch.equal(y.view(torch.uint8), x.view(torch.uint8))\n"
+        "print('mapped')\n")
+    shim = os.path.join(ROOT, "scripts", "cuda_as_cpu")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [shim, os.environ.get("PYTHONPATH")])),
+           "MEP_CUDA_AS_CPU": "1", "MASTER_ADDR": "127.0.0.1"}
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "mapped" in p.stdout, p.stdout + p.stderr
+    env["MEP_CUDA_AS_CPU"] = "0"
+    off = "import torch, sitecustomize; assert torch.set_default_device.__module__ == 'torch'; print('untouched')"
+    p = subprocess.run([sys.executable, "-c", off], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "untouched" in p.stdout, p.stdout + p.stderr
+
+
+@pytest.mark.limit(900)
+@pytest.mark.skipif(not os.path.isdir(MIRROR), reason=f"no DeepEP git mirror at {MIRROR} (CI has none)")
+def test_deepep_dd758ca_test_ep_passes_on_cpu():
+    """DeepEP V2's own tests/elastic/test_ep.py, every mode of its loop, on megatron_ep.deep_ep's
+    ElasticBuffer on the torch backend, 2 CPU processes (--cpu), at a small shape."""
+    rc, out = _run("--git", MIRROR, "--test", "elastic", "--cpu", "--", "--num-tokens", "64", "--hidden", "256",
+                   "--num-experts", "16", "--num-topk", "4", "--skip-perf-test", timeout=840)
+    assert rc == 0 and "Testing with do_handle_copy=0, expert_alignment=1" in out, out[-4000:]
 
 
 def test_the_ll_compatibility_part_runs_where_the_gpu_has_the_memory():
