@@ -24,6 +24,7 @@ from .. import buffer as _mep
 from ..types import DispatchHandle
 from .buffer import (RANKS_PER_NODE, _group_of, _needs_row_major_copy, _row_major_scales, _rows, _unpacked_scales,
                      _uses_cuda)
+from .config import flag
 from .utils import EventHandle, EventOverlap, from_ours
 
 log = logging.getLogger("megatron_ep.deep_ep")
@@ -354,17 +355,21 @@ class ElasticBuffer:
         recv_topk_weights [rows]. do_cpu_sync=False (and every cached dispatch): worst-case row
         counts, no host sync; the valid count is psum_num_recv_tokens_per_scaleup_rank[-1] (plain)."""
         self._alive("dispatch")
-        # V2's flags are truthy values (its binding converts them: its own test passes ints)
         return self.runtime.layer_call("dispatch", self._dispatch, x, topk_idx, topk_weights,
                                        cumulative_local_expert_recv_stats, num_experts, num_max_tokens_per_rank,
                                        expert_alignment, num_sms, previous_event, previous_event_before_epilogue,
-                                       bool(async_with_compute_stream), bool(allocate_on_comm_stream), handle,
-                                       bool(do_handle_copy), None if do_cpu_sync is None else bool(do_cpu_sync),
-                                       bool(do_expand), bool(do_zero_padding), bool(use_tma_aligned_col_major_sf))
+                                       async_with_compute_stream, allocate_on_comm_stream, handle, do_handle_copy,
+                                       do_cpu_sync, do_expand, do_zero_padding, use_tma_aligned_col_major_sf)
 
     def _dispatch(self, x, topk_idx, topk_weights, stats, num_experts, num_max_tokens_per_rank, expert_alignment,
                   num_sms, previous_event, before_epilogue, async_op, allocate_on_comm_stream, handle, do_handle_copy,
                   do_cpu_sync, do_expand, do_zero_padding, use_tma_sf):
+        # V2's flags as its binding converts them (its own test passes 0 and 1)
+        async_op, do_handle_copy = flag("async_with_compute_stream", async_op), flag("do_handle_copy", do_handle_copy)
+        flag("allocate_on_comm_stream", allocate_on_comm_stream)
+        do_cpu_sync = None if do_cpu_sync is None else flag("do_cpu_sync", do_cpu_sync)
+        do_expand, do_zero_padding = flag("do_expand", do_expand), flag("do_zero_padding", do_zero_padding)
+        use_tma_sf = flag("use_tma_aligned_col_major_sf", use_tma_sf)
         assert not do_zero_padding or do_expand, "do_zero_padding is for do_expand=True, as in V2"
         sms = self._hand_sms(num_sms)
         _wait(previous_event, before_epilogue)  # our kernels then follow the caller's stream
@@ -484,11 +489,13 @@ class ElasticBuffer:
         [rows] expanded) summed back to [T, K]. num_sms=0: the handle's."""
         self._alive("combine")
         return self.runtime.layer_call("combine", self._combine, x, handle, topk_weights, bias, num_sms, previous_event,
-                                       previous_event_before_epilogue, bool(async_with_compute_stream),
-                                       bool(allocate_on_comm_stream))
+                                       previous_event_before_epilogue, async_with_compute_stream,
+                                       allocate_on_comm_stream)
 
     def _combine(self, x, handle, topk_weights, bias, num_sms, previous_event, before_epilogue, async_op,
                  allocate_on_comm_stream):
+        async_op = flag("async_with_compute_stream", async_op)  # (as V2's binding converts it)
+        flag("allocate_on_comm_stream", allocate_on_comm_stream)
         if not isinstance(handle, EPHandle):
             raise TypeError(f"handle must be an EPHandle from megatron_ep.deep_ep's ElasticBuffer.dispatch, got "
                             f"{type(handle).__name__}")
