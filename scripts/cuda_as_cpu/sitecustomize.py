@@ -11,9 +11,22 @@ GPU run (the kernels are not exercised). Acts only with MEP_CUDA_AS_CPU=1:
   * Tensor.record_stream does nothing (no streams).
 """
 
+import importlib.util
 import os
 
-if os.environ.get("MEP_CUDA_AS_CPU") == "1":
+
+def _envs():
+    """megatron_ep/envs.py by its path (standard library only: this runs before anything else)."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "megatron_ep",
+                        "envs.py")
+    spec = importlib.util.spec_from_file_location("_megatron_ep_envs", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+envs = _envs()
+if envs.flag("MEP_CUDA_AS_CPU"):
     import torch
     from torch.overrides import TorchFunctionMode
 
