@@ -156,7 +156,10 @@ def test_flags_are_taken_as_deepeps_binding_takes_them():
     TypeError naming the flag (it would read as true)."""
     from megatron_ep.deep_ep.config import flag
 
-    assert [flag("f", v) for v in (True, False, 1, 0, None, 2.0)] == [True, False, True, False, False, True]
+    import numpy as np
+
+    assert [flag("f", v) for v in (True, False, 1, 0, None, 2.0, np.bool_(True), np.int64(0))] == \
+        [True, False, True, False, False, True, True, False]
     with pytest.raises(TypeError, match="async_finish must be a bool, got str 'False'"):
         flag("async_finish", "False")
 

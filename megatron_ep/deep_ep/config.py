@@ -36,13 +36,13 @@ def check_int(name: str, value, low: int, high: Optional[int] = INT_MAX, rule: s
 
 def flag(name: str, value) -> bool:
     """A flag as DeepEP's bindings take it (pybind11's bool in its converting mode): a bool, None
-    (False), or a number by its truth value (its own tests pass 0 and 1); anything else, a string
-    among them, is a TypeError naming `name`."""
+    (False), a number by its truth value (its own tests pass 0 and 1) or a numpy bool; anything
+    else, a string among them, is a TypeError naming `name`."""
     if value is True or value is False:
         return value
     if value is None:
         return False
-    if isinstance(value, numbers.Number) or hasattr(type(value), "__index__"):
+    if isinstance(value, numbers.Number) or hasattr(type(value), "__index__") or type(value).__module__ == "numpy":
         return bool(value)
     raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
 
