@@ -440,8 +440,8 @@ class Buffer:
         int32, handle (src_info [L, R*T] int32, layout_range [L, R] int64 = begin << 32 | count,
         T, H, E), event, hook). With return_recv_hook the outputs are valid after hook()."""
         assert self.low_latency_mode
-        use_fp8, round_scale, use_ue8m0 = flag("use_fp8", use_fp8), flag("round_scale", round_scale), flag("use_ue8m0",
-                                                                                                        use_ue8m0)
+        use_fp8, round_scale = flag("use_fp8", use_fp8), flag("round_scale", round_scale)
+        use_ue8m0 = flag("use_ue8m0", use_ue8m0)
         async_finish, return_recv_hook = flag("async_finish", async_finish), flag("return_recv_hook", return_recv_hook)
         assert not (async_finish and return_recv_hook)
         assert not use_ue8m0 or round_scale
@@ -825,8 +825,8 @@ def _join(previous_event: Optional[EventOverlap]) -> None:
 
 def _stream_args(previous_event, async_finish, allocate_on_comm_stream) -> Tuple[bool, bool]:
     """The two stream flags as DeepEP's binding takes them (config.flag), checked as DeepEP checks them."""
-    async_finish, allocate_on_comm_stream = flag("async_finish", async_finish), flag("allocate_on_comm_stream",
-                                                                                    allocate_on_comm_stream)
+    async_finish = flag("async_finish", async_finish)
+    allocate_on_comm_stream = flag("allocate_on_comm_stream", allocate_on_comm_stream)
     if allocate_on_comm_stream:
         assert previous_event is not None and async_finish
     return async_finish, allocate_on_comm_stream
