@@ -856,12 +856,12 @@ def run_soak(cfg: dict) -> list:
                 errors.append(f"[soak rank {rank}] iteration {it}: dispatch not exact")
         if it == cfg["warmup"]:
             torch.cuda.synchronize()
-            mem0, pool0 = torch.cuda.memory_allocated(), buf._impl.rt.rt.pool_free_bytes()
+            mem0, pool0 = torch.cuda.memory_allocated(), buf._impl.rt.region.runtime.pool_free_bytes()
     del out, back
     torch.cuda.synchronize()
     if int(bad) != 0:
         errors.append(f"[soak rank {rank}] {int(bad)} tokens with a wrong round trip in {cfg['iters']} iterations")
-    mem1, pool1 = torch.cuda.memory_allocated(), buf._impl.rt.rt.pool_free_bytes()
+    mem1, pool1 = torch.cuda.memory_allocated(), buf._impl.rt.region.runtime.pool_free_bytes()
     if mem0 is not None and mem1 > mem0 + (1 << 20):
         errors.append(f"[soak rank {rank}] allocated memory grew from {mem0} to {mem1} bytes")
     if pool0 is not None and pool1 < pool0:
@@ -891,11 +891,11 @@ def run_lifetime_growth(cfg: dict) -> list:
     s, b = small[rank], big[rank]
     out1 = buf.dispatch(s["x"].cuda(), s["idx"].cuda(), s["w"].cuda(), num_experts=E)
     outp1 = buf.dispatch(s["x"].cuda(), s["idx"].cuda(), s["w"].cuda(), num_experts=E, permute=True, expert_alignment=16)
-    rt = buf._impl.rt
-    total0 = rt.plan.total
+    region = buf._impl.rt.region
+    total0 = region.plan.total
     out2 = buf.dispatch(b["x"].cuda(), b["idx"].cuda(), b["w"].cuda(), num_experts=E)
-    if rt.grown < 1 or rt.plan.total <= total0:
-        chk.errors.append(f"{chk.tag} the buffer did not grow for a larger call (grown {rt.grown})")
+    if region.grown < 1 or region.plan.total <= total0:
+        chk.errors.append(f"{chk.tag} the buffer did not grow for a larger call (grown {region.grown})")
     chk.equal("first output after growth", out1.x, expected_rank_major(small, rank, R, E)["x"])
     chk.equal("grown output", out2.x, expected_rank_major(big, rank, R, E)["x"])
     back = buf.combine(torch.ones_like(outp1.x), outp1.handle)  # a handle from before the growth

@@ -9,11 +9,11 @@ namespace mep {
 // combine runs the same two steps in its own launch). The pull waits for every rank's staging,
 // this rank's included, so every block must be resident: the grid is at most the SMs the rank
 // may keep, one block per SM (__launch_bounds__), as for every waiting kernel here.
-template <bool kFp32>
+template <bool kFp32, bool kPermute>
 __global__ void __launch_bounds__(kCopyThreads, 1) stage_and_combine_kernel(Ctx c, CallArgs call, StageCombineArgs s,
                                                                             CombineArgs a) {
   stage_combine_step(c, call, s);
-  combine_step<kFp32>(c, a);
+  combine_step<kFp32, kPermute>(c, a);
 }
 
 static_assert(sizeof(Ctx) + sizeof(CallArgs) + sizeof(StageCombineArgs) + sizeof(CombineArgs) <= 4096,
@@ -21,10 +21,9 @@ static_assert(sizeof(Ctx) + sizeof(CallArgs) + sizeof(StageCombineArgs) + sizeof
 
 void launch_stage_and_combine(const Ctx& ctx, const CallArgs& call, const StageCombineArgs& stage,
                               const CombineArgs& args, int num_blocks, cudaStream_t stream) {
-  if (args.is_fp32)
-    stage_and_combine_kernel<true><<<num_blocks, kCopyThreads, 0, stream>>>(ctx, call, stage, args);
-  else
-    stage_and_combine_kernel<false><<<num_blocks, kCopyThreads, 0, stream>>>(ctx, call, stage, args);
+  const auto kernel = args.is_fp32 ? (args.permute ? stage_and_combine_kernel<true, true> : stage_and_combine_kernel<true, false>)
+                                   : (args.permute ? stage_and_combine_kernel<false, true> : stage_and_combine_kernel<false, false>);
+  kernel<<<num_blocks, kCopyThreads, 0, stream>>>(ctx, call, stage, args);
 }
 
 template <bool kInFp32>
@@ -54,8 +53,10 @@ void launch_combine_partials(const Ctx& ctx, const CombineArgs& args, int num_bl
 
 void prepare_combine_kernels() {
   cudaFuncAttributes attr;
-  cudaFuncGetAttributes(&attr, stage_and_combine_kernel<true>);
-  cudaFuncGetAttributes(&attr, stage_and_combine_kernel<false>);
+  cudaFuncGetAttributes(&attr, stage_and_combine_kernel<true, false>);
+  cudaFuncGetAttributes(&attr, stage_and_combine_kernel<true, true>);
+  cudaFuncGetAttributes(&attr, stage_and_combine_kernel<false, false>);
+  cudaFuncGetAttributes(&attr, stage_and_combine_kernel<false, true>);
   cudaFuncGetAttributes(&attr, combine_reduce_kernel<true>);
   cudaFuncGetAttributes(&attr, combine_reduce_kernel<false>);
   cudaFuncGetAttributes(&attr, combine_partials_kernel<true>);

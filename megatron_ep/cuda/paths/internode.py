@@ -49,7 +49,8 @@ from ... import protocol as P
 from ...checks import FP8_BLOCK, IDS_CHECKED, check_topk_values, fail
 from ..hosts import host_names
 from ...requests import CombineRequest, DispatchRequest
-from ..runtime import CudaRuntime, largest
+from ..collectives import largest
+from ..runtime import CudaRuntime
 from ...types import CombineOutput, DispatchHandle, DispatchOutput, EventOverlap
 from .interface import NormalPath
 from .intranode import IntranodePath, combine_rows, dispatch_rows
@@ -88,7 +89,7 @@ class WholeGroup:
         self.group, self.rank, self.num_ranks = group, rank, num_ranks
         self.device, self.ranks_per_device, self.sm_count = node_rt.device, node_rt.ranks_per_device, node_rt.sm_count
         self.timeout_s, self.new_outputs = node_rt.timeout_s, node_rt.new_outputs
-        self.blocks = node_rt.blocks  # the node runtime decides every path's block count
+        self.budget = node_rt.budget  # one SM budget decides every path's block count
 
 
 class InternodePath(NvshmemPath, NormalPath):
@@ -117,7 +118,7 @@ class InternodePath(NvshmemPath, NormalPath):
     @property
     def num_blocks(self) -> int:
         """The RDMA kernels' blocks: the runtime's SM budget at this launch (set_num_sms)."""
-        return self.rt.blocks(self.ext.INTERNODE_MAX_BLOCKS)
+        return self.rt.budget.blocks("copy", self.ext.INTERNODE_MAX_BLOCKS)
 
     @classmethod
     def open(cls, group, rank: int, num_ranks: int, ranks_per_node: int, hints: dict, num_sms: Optional[int],
@@ -136,8 +137,8 @@ class InternodePath(NvshmemPath, NormalPath):
 
     def describe(self) -> str:
         rt = self.rt
-        size = f"{rt.plan.total / 2**20:.0f} MiB region" if rt.ready else "sized on first use"
-        return (f"cuda internode, {self.N} nodes x {self.ranks_per_node} ranks, {rt.num_sms} SMs/rank, "
+        size = f"{rt.region.plan.total / 2**20:.0f} MiB region" if rt.region.ready else "sized on first use"
+        return (f"cuda internode, {self.N} nodes x {self.ranks_per_node} ranks, {rt.budget.num_sms} SMs/rank, "
                 f"{rt.ranks_per_device} rank(s)/GPU, {size} per node stage")
 
     # ------------------------------------------------------------------------------ buffer
@@ -172,7 +173,7 @@ class InternodePath(NvshmemPath, NormalPath):
 
     def _created(self, cap: dict) -> None:
         # the in-node stage: N * max_tokens rows per forwarder
-        self.rt.reserve(node_hints(self.N, cap["max_tokens"], cap["hidden"], max(1, cap["x_row"] // cap["hidden"]),
+        self.rt.region.reserve(node_hints(self.N, cap["max_tokens"], cap["hidden"], max(1, cap["x_row"] // cap["hidden"]),
                                    cap["c_row"] // cap["hidden"], cap["topk"]))
 
     def _short(self, need: dict, cap: dict) -> List[str]:
@@ -203,12 +204,12 @@ class InternodePath(NvshmemPath, NormalPath):
     # ------------------------------------------------------------------------------ calls
     def begin(self, call: P.Call) -> None:
         # the in-node calls check and publish for themselves; the node's earlier reports first
-        self.rt.check(call)
+        self.rt.ledger.check(call)
         super().begin(call)
 
     def synchronize(self) -> None:
         self.rt.stream.synchronize()
-        self.rt.check()
+        self.rt.ledger.check()
         super().synchronize()
 
     # ------------------------------------------------------------------------------ errors
@@ -234,7 +235,7 @@ class InternodePath(NvshmemPath, NormalPath):
         published there, a failed record for the in-node call it will not make (they raise
         PeerFailedError; the node's buffer stays usable)."""
         if self.inner_of != call.seq:  # (each rank's in-node sequence advances alike)
-            self.rt.publish(self._inner_call(call, 0, 0), exc)
+            self.rt.ledger.publish(self._inner_call(call, 0, 0), exc)
         super().publish(call, exc)
 
     def _inner_call(self, call: P.Call, num_experts: int, routing: int) -> P.Call:
@@ -253,6 +254,9 @@ class InternodePath(NvshmemPath, NormalPath):
             req.x, req.topk_idx, req.topk_weights, req.num_experts, req.permute, req.expert_alignment)
         handle, host_counts, num_worst_tokens = req.handle, req.host_counts, req.num_worst_tokens
         async_op, previous_event = req.async_op, req.previous_event
+        if req.source_index:
+            raise NotImplementedError("dispatch(source_index=True) on the cuda internode path: its kernels write no "
+                                      "source token per row (the intranode path's do)")
         data, scales, T, H, elem, _ = dispatch_rows(rt, x, topk_weights, num_experts)
         if num_experts % N != 0:
             raise ValueError(f"num_experts={num_experts} must be a multiple of the {N} nodes")
@@ -364,9 +368,10 @@ class InternodePath(NvshmemPath, NormalPath):
 
         def fused(innode: bytes, y_in: torch.Tensor, w_in: Optional[torch.Tensor]) -> None:
             # one kernel (csrc/internode/fused.cu): the in-node combine, the RDMA hop, the sum over nodes
+            # the biases start the sum over nodes (the in-node stage takes none)
             call.sends(self.buf.combine, innode=innode, y_in=y_in, w_in=w_in, local_idx=st.local_idx, tokens=st.tokens,
                        topk_idx=handle.topk_idx, num_experts=handle.num_experts, sig=sig, y=y, w=w_out,
-                       num_blocks=self.num_blocks)
+                       bias0=req.bias[0], bias1=req.bias[1], num_blocks=self.num_blocks)
 
         inner_call = self._inner_call(call, handle.num_experts // N, st.inner.call_seq)
         with self.intra.guard(inner_call):  # synchronous: this stream waits for the kernel's stream
