@@ -455,14 +455,18 @@ class Buffer:
     # ----------------------------------------------------------------------------- combine
     def combine(self, x: torch.Tensor, handle: DispatchHandle, weights: Optional[torch.Tensor] = None, *,
                 async_op: bool = False, previous_event: Optional[EventOverlap] = None,
-                bias=None) -> CombineOutput:
+                bias=None, single_reduction: bool = False) -> CombineOutput:
         """y[t] = bias + sum of the rows that came from token t: one fp32 accumulator, x's dtype
         out, in a fixed order (docs/design.md, "Combine": ranks by their last top-k slot of t;
         expert-major, each rank's rows summed in slot order and rounded to x's dtype first).
 
         weights (rank-major [N, K], expert-major [M]) are scattered back to [T, K]. bias: None,
-        a [T, H] tensor of x's dtype and device, or a tuple of two (added in fp32 first)."""
-        if bias is None and (async_op is False or async_op is True) \
+        a [T, H] tensor of x's dtype and device, or a tuple of two (added in fp32 first).
+        single_reduction (expert-major handles; no effect on rank-major ones): no per-rank
+        partial, every slot's row added to the token's sum in slot order, one rounding in all
+        (DeepEP V2's allow_multiple_reduction=False: up to K rows per token cross the link
+        instead of one per rank). Every rank passes the same value."""
+        if bias is None and single_reduction is False and (async_op is False or async_op is True) \
                 and (previous_event is None or type(previous_event) is EventOverlap):
             # a combine of the shape of the last one along this handle: its checks passed
             replay = getattr(handle, "combine_replay", None)
@@ -471,6 +475,7 @@ class Buffer:
         with self._call("combine") as call:
             self._check_handle(handle, DispatchHandle)
             C.check_bool("async_op", async_op)
+            C.check_bool("single_reduction", single_reduction)
             C.check_event("previous_event", previous_event)
             C.check_activation("x", x)
             C.fail(not C.is_fp8_tuple(x), "combine takes bf16/fp32 rows, not FP8", TypeError)
@@ -490,7 +495,8 @@ class Buffer:
             call.set_normal(handle.call_seq, P.dtype_code(x.dtype), x.shape[1], x.shape[1] * x.element_size(),
                             handle.topk, handle.num_experts, handle.permute, handle.expert_alignment,
                             handle.num_worst_tokens > 0, _weights_code(weights))
-            out = self._impl.combine(call, CombineRequest(x, handle, weights, async_op, previous_event, bias=biases))
+            out = self._impl.combine(call, CombineRequest(x, handle, weights, async_op, previous_event, bias=biases,
+                                                          single_reduction=single_reduction))
         if _needs_refusal(x, weights, biases):
             (out.x,) = _refusing("combine", [out.x], [x, *(b for b in biases if b is not None)])
             (out.weights,) = _refusing("combine", [out.weights], [weights])

@@ -53,6 +53,8 @@ notify_plan = P.notify_plan  # (num_tokens, groups) -> notify's chunk plan as a 
 # sender writes what the others' receivers read, so every rank must use the same)
 LL_COMBINE_LOGFMT = 1  # rows sent as LogFMT-10 where a block allows (megatron_ep.logfmt)
 LL_COMBINE_MERGED = 2  # one row per (token, rank), weighted by the sender, one flag per rank
+# a normal combine's `variant`: how its rows are summed (the ranks must agree: their kernels pair)
+COMBINE_STAGED, COMBINE_PARTIALS, COMBINE_SINGLE = P.COMBINE_VARIANTS  # (protocol.h CombineVariant)
 _VARIANT = FIELD["variant"]
 _ROUTING, _DTYPE, _HIDDEN, _ROW_BYTES, _TOPK, _NUM_EXPERTS, _PERMUTE, _ALIGNMENT, _WORST, _WEIGHTS = (
     FIELD[name] for name in ("routing", "dtype", "hidden", "row_bytes", "topk", "num_experts", "permute",
@@ -224,7 +226,8 @@ def _value(field_name: str, v: int, op: Optional[int] = None) -> str:
         return ("use_logfmt" if v & LL_COMBINE_LOGFMT else "bf16 rows") + (
             ", weights given at dispatch (merged)" if v & LL_COMBINE_MERGED else "")
     if field_name == "variant" and op == OP["combine"]:
-        return {0: "staged rows", 1: "partials"}.get(v, str(v))
+        return {COMBINE_STAGED: "staged rows", COMBINE_PARTIALS: "partials",
+                COMBINE_SINGLE: "single_reduction"}.get(v, str(v))
     if field_name == "variant":
         return {0: "stage+pull", 1: "push"}.get(v, str(v))
     return str(v)

@@ -64,3 +64,6 @@ class CombineRequest:
     # (bias0, bias1): [T, H] tensors of x's dtype or None each, the start of every token's fp32
     # sum (Buffer.combine's `bias`, checked there)
     bias: Tuple[Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None)
+    # expert-major: every slot's row a term of its own in slot order, no per-rank partial rounded
+    # first (Buffer.combine's `single_reduction`; DeepEP V2's allow_multiple_reduction=False)
+    single_reduction: bool = False

@@ -289,6 +289,7 @@ def run_elastic_case(cfg: dict) -> list:
             errors.append(f"{tag} do_cpu_sync=False: {wx.shape[0]} rows (want {R * Tmax}), list "
                           f"{hw.num_recv_tokens_per_expert_list}")
 
+        errors += _single_reduction_section(cfg, x, idx, rank, R, tag)
         if cfg["H"] % 128 == 0:
             errors += _fp8_section(cfg, buf, x, idx, rank, R, tag)
         # num_sms=0 is automatic in every call, a count is handed to our budget
@@ -303,6 +304,34 @@ def run_elastic_case(cfg: dict) -> list:
         return errors
     except Exception:
         return [f"{tag} raised:\n{traceback.format_exc()}"]
+
+
+def _single_reduction_section(cfg: dict, x: torch.Tensor, idx: torch.Tensor, rank: int, R: int, tag: str) -> list:
+    """allow_multiple_reduction=False: an expanded combine adds every slot's row in slot order to
+    one fp32 sum, rounded once (V2's single reduction), bit for bit. Each row is scaled by its
+    expert, so a token's slots on one rank differ and a per-rank partial would round them."""
+    from megatron_ep import deep_ep
+
+    errors: list = []
+    E, L, K, a = cfg["E"], cfg["E"] // R, cfg["K"], cfg.get("align", 1)
+    buf = deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=max(max(cfg["Ts"]), 1), hidden=cfg["H"],
+                                num_topk=K, allow_multiple_reduction=False, explicitly_destroy=True)
+    xx, _, _, hx, _ = buf.dispatch(x, topk_idx=idx, num_experts=E, expert_alignment=a, do_expand=True,
+                                   do_zero_padding=True)
+    y, start = xx.clone(), 0
+    for e, end in enumerate(hx.psum_num_recv_tokens_per_expert.cpu().tolist()):
+        y[start:end] = xx[start:end] * (1.0 + 0.37 * (rank * L + e))
+        start = _align(end - start, a) + start
+    got, _, _ = buf.combine(y, hx)
+    want = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for t in range(x.shape[0]):
+        for k in range(K):
+            e = int(idx[t, k])
+            if 0 <= e < E:
+                want[t] += (x[t] * (1.0 + 0.37 * e)).float()
+    _check(errors, tag, "allow_multiple_reduction=False combine", got, want.to(x.dtype).cpu())
+    buf.destroy()
+    return errors
 
 
 def _summed_weights(cfg: dict, me: int, R: int) -> torch.Tensor:

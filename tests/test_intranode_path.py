@@ -189,8 +189,18 @@ def test_a_routing_then_its_calls_cross_once_each(path, permute):
         path.combine(combine_call, CombineRequest(torch.zeros(out.x.shape[0], H, dtype=torch.bfloat16), out.handle))
     name, comb, before_comb = path.fake.calls[-1]
     assert name == "combine_call" and comb["state"] is native and before_comb is P.Pending.FIRST
-    assert comb["partials"] == permute and comb["out"] is None
-    assert [c[0] for c in path.fake.calls] == ["dispatch_first_call", "dispatch_call", "combine_call"]
+    assert comb["variant"] == (P.COMBINE_PARTIALS if permute else P.COMBINE_STAGED) and comb["out"] is None
+    assert comb["sig"][P.FIELD["variant"]] == comb["variant"]  # the peers check the variant the kernel runs
+
+    # single_reduction: the staged kernel summing every slot's row (expert-major; rank-major as before)
+    single_call = _call(path, "combine", 4)
+    with path.guard(single_call):
+        path.combine(single_call, CombineRequest(torch.zeros(out.x.shape[0], H, dtype=torch.bfloat16), out.handle,
+                                                 single_reduction=True))
+    single = path.fake.calls[-1][1]
+    assert single["variant"] == (P.COMBINE_SINGLE if permute else P.COMBINE_STAGED)
+    assert single["sig"][P.FIELD["variant"]] == single["variant"]
+    assert [c[0] for c in path.fake.calls] == ["dispatch_first_call", "dispatch_call", "combine_call", "combine_call"]
     assert not path.published
 
 

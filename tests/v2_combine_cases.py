@@ -125,7 +125,8 @@ def _same_values(chk: Checker, what: str, got: torch.Tensor, want: torch.Tensor)
 
 def run_v2_combine_case(cfg: dict, backend: str = "torch", device: str = "cpu") -> list:
     """Rank-major and expert-major combine with cfg["bias"] biases (0, 1, 2) against
-    v2_reference; on the cuda backend also the torch backend's bits (gloo, CPU), and the
+    v2_reference, and the expert-major one with single_reduction against V2's
+    allow_multiple_reduction=False reference (no per-rank partial); on the cuda backend also the torch backend's bits (gloo, CPU), and the
     expert-major combine once more with its input in the buffer (the staged kernel instead of
     the partials). With cfg["sizing"]["ranks_per_node"] below R (the internode path), V2's
     hybrid reference over those nodes, and no torch backend to match (it sums in one level)."""
@@ -152,7 +153,16 @@ def run_v2_combine_case(cfg: dict, backend: str = "torch", device: str = "cpu") 
     outp = buf.dispatch(to_dev(me["x"], device), me["idx"].to(device), None, num_experts=E, permute=True,
                         expert_alignment=align)
     gotp = buf.combine(prow.to(device), outp.handle, bias=dev_bias).x
-    staged = None
+    staged = single = None
+    if P == R:  # single_reduction: every slot's row a term of its own (the internode path refuses it)
+        single = buf.combine(prow.to(device), outp.handle, bias=dev_bias, single_reduction=True).x
+    else:
+        try:
+            buf.combine(prow.to(device), outp.handle, bias=dev_bias, single_reduction=True)
+            chk.errors.append(f"{chk.tag} single_reduction across nodes did not raise")
+        except NotImplementedError as e:
+            if "internode" not in str(e):
+                chk.errors.append(f"{chk.tag} single_reduction across nodes: the error names no path: {e}")
     if backend == "cuda" and P == R:
         inside = buf.get_combine_input(prow.shape[0], H, dtype, device=device)
         inside.copy_(prow.to(device))
@@ -161,16 +171,22 @@ def run_v2_combine_case(cfg: dict, backend: str = "torch", device: str = "cpu") 
     if ref is not None:
         r_out = ref.dispatch(me["x"], me["idx"], None, num_experts=E)
         r_outp = ref.dispatch(me["x"], me["idx"], None, num_experts=E, permute=True, expert_alignment=align)
-        refs = (ref.combine(rows, r_out.handle, bias=bias).x, ref.combine(prow, r_outp.handle, bias=bias).x)
+        refs = (ref.combine(rows, r_out.handle, bias=bias).x, ref.combine(prow, r_outp.handle, bias=bias).x,
+                ref.combine(prow, r_outp.handle, bias=bias, single_reduction=True).x)
 
     want = v2_reference(ys[rank], me["idx"], R, E, bias, reduce_in_local=True, ranks_per_group=P if P < R else 0)
     _same_values(chk, "rank-major combine vs V2's reference", got, want)
     _same_values(chk, "expert-major combine vs V2's reference", gotp, want)
     if staged is not None:
         _same_values(chk, "expert-major combine (staged input) vs V2's reference", staged, want)
+    if single is not None:
+        want_single = v2_reference(ys[rank], me["idx"], R, E, bias, reduce_in_local=False)
+        _same_values(chk, "single_reduction combine vs V2's allow_multiple_reduction=False reference", single,
+                     want_single)
     if refs is not None:
         chk.equal("rank-major combine vs the torch backend", got, refs[0])
         chk.equal("expert-major combine vs the torch backend", gotp, refs[1])
+        chk.equal("single_reduction combine vs the torch backend", single, refs[2])
     return chk.errors
 
 
@@ -204,7 +220,8 @@ def v2_combine_cases(R: int, H: int = 128) -> list:
 
 
 def run_bias_refusals(backend: str = "torch", device: str = "cpu") -> list:
-    """Each bad bias raises its error on every rank before any collective; the Buffer still works."""
+    """Each bad bias (and a single_reduction that is not a bool) raises its error on every rank
+    before any collective; the Buffer still works."""
     R, rank = dist.get_world_size(), dist.get_rank()
     E, K, H, T = 4 * R, 4, 128, 6
     inputs = make_inputs(900, R, E, K, H, [T] * R, "bf16", "random", 0.2)
@@ -234,6 +251,12 @@ def run_bias_refusals(backend: str = "torch", device: str = "cpu") -> list:
                 errors.append(f"[rank {rank}] bias {what}: {type(e).__name__}: {e} (want {words!r})")
         except Exception as e:
             errors.append(f"[rank {rank}] bias {what}: {type(e).__name__} instead of {exc.__name__}: {e}")
+    try:  # a flag read as true from a string would sum differently from the peers
+        buf.combine(rows, out.handle, single_reduction="False")
+        errors.append(f"[rank {rank}] single_reduction='False': no error")
+    except TypeError as e:
+        if "single_reduction must be a bool" not in str(e):
+            errors.append(f"[rank {rank}] single_reduction='False': {e}")
     back = buf.combine(rows, out.handle, bias=(good + 1, good + 2)).x.float().cpu()
     L = E // R
     ranks = torch.tensor([len({e // L for e in row if e >= 0}) for row in me["idx"].tolist()], dtype=torch.float32)

@@ -95,6 +95,13 @@ inline const char* sig_field_name(int f) {
   return (f >= 0 && f < kSigFields) ? names[f] : "?";
 }
 
+// A normal combine's kSigVariant: how the rows are summed (the ranks' kernels must pair).
+enum CombineVariant : int {
+  kCombineStaged = 0,    // staged rows pulled and summed (expert-major: per rank first, rounded)
+  kCombinePartials = 1,  // expert-major: each rank's partials reduced locally, then pulled
+  kCombineSingle = 2,    // expert-major: every slot's row a term of its own (single_reduction)
+};
+
 enum DType : int { kDtypeNone = 0, kDtypeBf16 = 1, kDtypeFp32 = 2, kDtypeFp8 = 3, kDtypeFp64 = 4 };
 
 enum CallStatus : int { kCallOk = 0, kCallFailed = 1 };

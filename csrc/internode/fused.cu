@@ -95,7 +95,7 @@ __global__ void __launch_bounds__(kInternodeThreads, 1) combine_kernel(const Int
     combine_partials_step<kFp32>(in.ctx, in.comb);
   } else {
     stage_combine_step(in.ctx, in.call, in.stage);
-    combine_step<kFp32, kMode == kStagedExpert>(in.ctx, in.comb);
+    combine_step<kFp32, kMode == kStagedExpert ? kSumGrouped : kSumRankRows>(in.ctx, in.comb);
   }
   const bool ok = grid_sync(c, s.sig);  // the forwarder's rows are complete
   if (ok && !failed(c)) combine_send_rows(c, s);

@@ -156,14 +156,15 @@ void launch_combine_reduce(const Ctx& ctx, const CallArgs& call, const CombineRe
 // y[t] = the token's biases + its rows, pulled from their ranks' combine staging, in one fp32
 // accumulator rounded once (the order: combine_steps.cuh, DeepEP V2's reference): ranks in the
 // order of their last top-k slot; rank-major one row per rank, expert-major each rank's slots
-// summed in slot order and rounded to x's dtype first. With `partials` (after
+// summed in slot order and rounded to x's dtype first, or with `single` every slot's row a term
+// of its own in slot order (V2's allow_multiple_reduction=False). With `partials` (after
 // launch_combine_reduce) the rows are those rounded partials, one per rank.
 // Only rows the dispatch delivered are read: ids outside [0, E), negative positions and
 // positions past the owner's row limit (its num_worst_tokens) are skipped.
 // launch_stage_and_combine: the staging, then the sum of the staged rows, in one launch;
 // launch_combine_partials: the sum of the partials launch_combine_reduce wrote.
 struct CombineArgs {
-  int T, H, K, E, permute, is_fp32, has_weights, partials;
+  int T, H, K, E, permute, is_fp32, has_weights, partials, single;
   const int* row_limits;      // [R] from notify: rows each rank's combine input holds at most
   const long long* topk_idx;  // [T, K] (expert-major: owner of each slot)
   const int* rank_pos;        // [T, R]
@@ -173,6 +174,8 @@ struct CombineArgs {
   const void* bias0;          // [T, H] x's dtype, the accumulator's start (+ bias1), or nullptr
   const void* bias1;          // [T, H] or nullptr (never in the internode path's in-node stage)
 };
+// The pull's sum, one kernel each (two in one function spill: ptxas allocates for both at once).
+enum CombineSum : int { kSumRankRows = 0, kSumGrouped = 1, kSumSlots = 2 };
 void launch_stage_and_combine(const Ctx& ctx, const CallArgs& call, const StageCombineArgs& stage,
                               const CombineArgs& args, int num_blocks, cudaStream_t stream);
 void launch_combine_partials(const Ctx& ctx, const CombineArgs& args, int num_blocks, cudaStream_t stream);

@@ -190,14 +190,17 @@ const void* bias_ptr(const c10::optional<Tensor>& b, const Tensor& y) {
   return b->data_ptr();
 }
 
-CombineArgs combine_args(int T, int H, int K, int E, bool permute, bool is_fp32, bool has_weights, bool partials,
+CombineArgs combine_args(int T, int H, int K, int E, bool permute, bool is_fp32, bool has_weights, int variant,
                          const Tensor& row_limits, const Tensor& topk_idx, const Tensor& rank_pos, const Tensor& slot_pos,
                          Tensor& y, const c10::optional<Tensor>& w_out, const c10::optional<Tensor>& bias0,
                          const c10::optional<Tensor>& bias1) {
   check_tensor(topk_idx, "topk_idx", at::kLong);
   check_tensor(row_limits, "row_limits", at::kInt);
   TORCH_CHECK(y.is_contiguous() && y.size(0) == T && y.size(1) == H, "y has the wrong shape");
-  return CombineArgs{T, H, K, E, permute ? 1 : 0, is_fp32 ? 1 : 0, has_weights ? 1 : 0, partials ? 1 : 0,
+  TORCH_CHECK(variant >= kCombineStaged && variant <= kCombineSingle, "megatron_ep: unknown combine variant ", variant);
+  TORCH_CHECK(variant != kCombineSingle || permute, "megatron_ep: single_reduction sums an expert-major combine");
+  return CombineArgs{T, H, K, E, permute ? 1 : 0, is_fp32 ? 1 : 0, has_weights ? 1 : 0,
+                     variant == kCombinePartials ? 1 : 0, variant == kCombineSingle ? 1 : 0,
                      row_limits.data_ptr<int>(), static_cast<const long long*>(topk_idx.data_ptr()),
                      rank_pos.data_ptr<int>(), slot_pos.data_ptr<int>(), y.data_ptr(), ptr_or_null<float>(w_out),
                      bias_ptr(bias0, y), bias_ptr(bias1, y)};
@@ -318,19 +321,21 @@ py::tuple notify_call(Runtime& rt, const Sig& sig, const Tensor& topk_idx, int E
 }
 
 // A combine's host side: y (and the weights) on the caller's stream unless given, then stage (or
-// the expert-major pre-reduction, `partials`) and the pull-and-sum on ours; with `fused` (the
+// the expert-major pre-reduction, `variant` kCombinePartials) and the pull-and-sum on ours (every
+// slot's row a term of its own: kCombineSingle); with `fused` (the
 // internode path's fused combine) the whole in-node combine as its launch record instead,
 // fused(record, y, w_out). `bias0`, `bias1`: the sums' start (none with `fused`: the internode
 // path adds its biases in the sum over nodes). Returns (y, w_out).
 py::tuple combine_call(Runtime& rt, const HandleState& st, const Sig& sig, const Tensor& x,
                        const c10::optional<Tensor>& weights, const c10::optional<Tensor>& bias0,
-                       const c10::optional<Tensor>& bias1, bool partials, bool zero_copy,
+                       const c10::optional<Tensor>& bias1, int variant, bool zero_copy,
                        const c10::optional<Tensor>& out_y, const c10::optional<Tensor>& out_w,
                        const py::object& previous, const py::object& event, bool async_op, const py::object& hook,
                        const py::object& fused, const py::object& marks, int num_blocks, int local_blocks) {
   const int rows = (int)x.size(0), H = (int)x.size(1), row_bytes = H * (int)x.element_size();
   const bool is_fp32 = x.scalar_type() == at::kFloat, has_w = weights.has_value();
   const int w_cols = st.permute ? 1 : st.K;
+  const bool partials = variant == kCombinePartials;
   StepTimer clock(rt.clock(), kEntryCombine);
   CallStreams cs(rt, previous, false);
   clock.lap(kStepStreams);
@@ -352,6 +357,7 @@ py::tuple combine_call(Runtime& rt, const HandleState& st, const Sig& sig, const
     const c10::optional<Tensor> staged = zero_copy ? c10::nullopt : c10::optional<Tensor>(x);
     if (!fused.is_none()) {
       TORCH_CHECK(!bias0.has_value() && !bias1.has_value(), "megatron_ep: the in-node stage of a combine takes no bias");
+      TORCH_CHECK(variant != kCombineSingle, "megatron_ep: the in-node stage of a combine sums per rank");
       InnodeCombine d{};
       d.call = make_call(sig, kCallOk, "");
       d.ctx = rt.ctx(d.call.sig[kSigSeq]);
@@ -362,11 +368,11 @@ py::tuple combine_call(Runtime& rt, const HandleState& st, const Sig& sig, const
       } else {
         d.stage = stage_combine_args(rt, staged, rows, row_bytes, weights, w_cols);
       }
-      d.comb = combine_args(st.T, H, st.K, st.E, st.permute, is_fp32, has_w, partials, st.row_limits, st.topk_idx,
+      d.comb = combine_args(st.T, H, st.K, st.E, st.permute, is_fp32, has_w, variant, st.row_limits, st.topk_idx,
                             st.rank_pos, st.slot_pos, y, w_out, c10::nullopt, c10::nullopt);
       fused(as_bytes(d), y, w_out.has_value() ? py::cast(*w_out) : py::none());
     } else {
-      const CombineArgs comb = combine_args(st.T, H, st.K, st.E, st.permute, is_fp32, has_w, partials, st.row_limits,
+      const CombineArgs comb = combine_args(st.T, H, st.K, st.E, st.permute, is_fp32, has_w, variant, st.row_limits,
                                             st.topk_idx, st.rank_pos, st.slot_pos, y, w_out, bias0, bias1);
       const CallArgs call = make_call(sig, kCallOk, "");
       const Ctx ctx = rt.ctx(call.sig[kSigSeq]);
@@ -665,7 +671,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   intra.def("notify_call", &mep::notify_call, py::arg("runtime"), py::arg("sig"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("expert_alignment"), py::arg("permute"), py::arg("num_worst_tokens"), py::arg("token_groups"), py::arg("check_ids"), py::arg("rank_counts"), py::arg("tag"), py::arg("previous_event"), py::arg("marks"), py::arg("wait_s"), py::arg("async_op"));
   intra.def("dispatch_first_call", &mep::dispatch_first_call, py::arg("runtime"), py::arg("sig"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("expert_alignment"), py::arg("permute"), py::arg("token_groups"), py::arg("check_ids"), py::arg("rank_counts"), py::arg("tag"), py::arg("previous_event"), py::arg("notify_marks"), py::arg("wait_s"), py::arg("fits"), py::arg("x"), py::arg("scales"), py::arg("topk_weights"), py::arg("push"), py::arg("scratch"), py::arg("zero_copy"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("marks"), py::arg("num_blocks"), py::arg("push_blocks"), py::arg("local_blocks"), py::arg("want_src"));
   intra.def("dispatch_call", &mep::dispatch_call, py::arg("runtime"), py::arg("state"), py::arg("sig"), py::arg("first"), py::arg("x"), py::arg("scales"), py::arg("topk_weights"), py::arg("push"), py::arg("scratch"), py::arg("zero_copy"), py::arg("out_rows"), py::arg("num_worst_tokens"), py::arg("comb_rows"), py::arg("previous_event"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("fused"), py::arg("marks"), py::arg("num_blocks"), py::arg("push_blocks"), py::arg("local_blocks"), py::arg("want_src"));
-  intra.def("combine_call", &mep::combine_call, py::arg("runtime"), py::arg("state"), py::arg("sig"), py::arg("x"), py::arg("weights"), py::arg("bias0"), py::arg("bias1"), py::arg("partials"), py::arg("zero_copy"), py::arg("out"), py::arg("out_weights"), py::arg("previous_event"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("fused"), py::arg("marks"), py::arg("num_blocks"), py::arg("local_blocks"));
+  intra.def("combine_call", &mep::combine_call, py::arg("runtime"), py::arg("state"), py::arg("sig"), py::arg("x"), py::arg("weights"), py::arg("bias0"), py::arg("bias1"), py::arg("variant"), py::arg("zero_copy"), py::arg("out"), py::arg("out_weights"), py::arg("previous_event"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("fused"), py::arg("marks"), py::arg("num_blocks"), py::arg("local_blocks"));
   intra.attr("INNODE_DISPATCH_BYTES") = (long long)sizeof(mep::InnodeDispatch);
   intra.attr("INNODE_COMBINE_BYTES") = (long long)sizeof(mep::InnodeCombine);
 }

@@ -9,11 +9,11 @@ namespace mep {
 // combine runs the same two steps in its own launch). The pull waits for every rank's staging,
 // this rank's included, so every block must be resident: the grid is at most the SMs the rank
 // may keep, one block per SM (__launch_bounds__), as for every waiting kernel here.
-template <bool kFp32, bool kPermute>
+template <bool kFp32, int kSum>
 __global__ void __launch_bounds__(kCopyThreads, 1) stage_and_combine_kernel(Ctx c, CallArgs call, StageCombineArgs s,
                                                                             CombineArgs a) {
   stage_combine_step(c, call, s);
-  combine_step<kFp32, kPermute>(c, a);
+  combine_step<kFp32, kSum>(c, a);
 }
 
 static_assert(sizeof(Ctx) + sizeof(CallArgs) + sizeof(StageCombineArgs) + sizeof(CombineArgs) <= 4096,
@@ -21,8 +21,13 @@ static_assert(sizeof(Ctx) + sizeof(CallArgs) + sizeof(StageCombineArgs) + sizeof
 
 void launch_stage_and_combine(const Ctx& ctx, const CallArgs& call, const StageCombineArgs& stage,
                               const CombineArgs& args, int num_blocks, cudaStream_t stream) {
-  const auto kernel = args.is_fp32 ? (args.permute ? stage_and_combine_kernel<true, true> : stage_and_combine_kernel<true, false>)
-                                   : (args.permute ? stage_and_combine_kernel<false, true> : stage_and_combine_kernel<false, false>);
+  const int sum = !args.permute ? kSumRankRows : args.single ? kSumSlots : kSumGrouped;
+  const auto kernel = args.is_fp32 ? (sum == kSumRankRows ? stage_and_combine_kernel<true, kSumRankRows>
+                                      : sum == kSumGrouped ? stage_and_combine_kernel<true, kSumGrouped>
+                                                           : stage_and_combine_kernel<true, kSumSlots>)
+                                   : (sum == kSumRankRows ? stage_and_combine_kernel<false, kSumRankRows>
+                                      : sum == kSumGrouped ? stage_and_combine_kernel<false, kSumGrouped>
+                                                           : stage_and_combine_kernel<false, kSumSlots>);
   kernel<<<num_blocks, kCopyThreads, 0, stream>>>(ctx, call, stage, args);
 }
 
@@ -53,10 +58,12 @@ void launch_combine_partials(const Ctx& ctx, const CombineArgs& args, int num_bl
 
 void prepare_combine_kernels() {
   cudaFuncAttributes attr;
-  cudaFuncGetAttributes(&attr, stage_and_combine_kernel<true, false>);
-  cudaFuncGetAttributes(&attr, stage_and_combine_kernel<true, true>);
-  cudaFuncGetAttributes(&attr, stage_and_combine_kernel<false, false>);
-  cudaFuncGetAttributes(&attr, stage_and_combine_kernel<false, true>);
+  cudaFuncGetAttributes(&attr, stage_and_combine_kernel<true, kSumRankRows>);
+  cudaFuncGetAttributes(&attr, stage_and_combine_kernel<true, kSumGrouped>);
+  cudaFuncGetAttributes(&attr, stage_and_combine_kernel<true, kSumSlots>);
+  cudaFuncGetAttributes(&attr, stage_and_combine_kernel<false, kSumRankRows>);
+  cudaFuncGetAttributes(&attr, stage_and_combine_kernel<false, kSumGrouped>);
+  cudaFuncGetAttributes(&attr, stage_and_combine_kernel<false, kSumSlots>);
   cudaFuncGetAttributes(&attr, combine_reduce_kernel<true>);
   cudaFuncGetAttributes(&attr, combine_reduce_kernel<false>);
   cudaFuncGetAttributes(&attr, combine_partials_kernel<true>);

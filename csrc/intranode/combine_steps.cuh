@@ -264,10 +264,11 @@ __device__ __forceinline__ void add_bias(const CombineArgs& a, long long word, A
   if (a.bias1 != nullptr) acc.add(__ldg(static_cast<const int4*>(a.bias1) + word));
 }
 
-// kPermute: the layout (a.permute) as a template argument, so that each kernel holds one sum
-// (the two in one function spill: ptxas allocates for both at once)
-template <bool kFp32, bool kPermute>
+// kSum (CombineSum): the layout and the order of the sum as a template argument, so that each
+// kernel holds one sum (two in one function spill: ptxas allocates for both at once)
+template <bool kFp32, int kSum>
 __device__ __forceinline__ void combine_step(const Ctx& c, const CombineArgs& a) {
+  constexpr bool kPermute = kSum != kSumRankRows;
   constexpr int kChunks = 4;    // 16-byte chunks per lane per step
   constexpr int kSrcBatch = 4;  // source rows loaded together: 16 loads in flight per lane
   constexpr int kGroupChunks = 2;  // the grouped sum keeps a partial too: half the chunks, same registers
@@ -282,7 +283,8 @@ __device__ __forceinline__ void combine_step(const Ctx& c, const CombineArgs& a)
   for (int t = (f.st > 0 ? gw : a.T); t < a.T; t += tw) {
     // lane k describes slot k; only rows the dispatch delivered (valid id, position inside every
     // rank's input) are read. Rank-major: the owner's row, at the owner's last slot; expert-major:
-    // the slot's row, its owner's slots a group that closes at the last of them.
+    // the slot's row, its owner's slots a group that closes at the last of them (kSumSlots: no
+    // groups, every slot's row a term of its own).
     const char* src = nullptr;
     const int owner = slot_owner(a, t, L);
     unsigned same;
@@ -304,7 +306,7 @@ __device__ __forceinline__ void combine_step(const Ctx& c, const CombineArgs& a)
     int4* y = reinterpret_cast<int4*>(static_cast<char*>(a.y) + (long long)t * row_bytes);
     const auto init = [&](int i, Acc<kFp32>& acc) { add_bias<kFp32>(a, (long long)t * n16 + i, acc); };
     const auto store = [&](int i, const Acc<kFp32>& acc) { y[i] = acc.pack(); };
-    if constexpr (!kPermute)
+    if constexpr (kSum != kSumGrouped)  // one term per rank (rank-major) or per slot, in lane order
       warp_sum_batched<kChunks, kSrcBatch, const int4*, int4, Acc<kFp32>>(has, src_u, n16, load, init, store);
     else
       warp_sum_grouped<kGroupChunks, kSrcBatch, Acc<kFp32>>(ends, same & has, src_u, n16, load, init, store);

@@ -247,9 +247,16 @@ class ElasticBuffer:
         self._sms_asked = 0
         self._worst_reserved = 0  # the most worst-case rows reserved for (_reserve)
         self._destroyed = False
+        # allow_multiple_reduction=False: expanded combines sum every slot's row (single_reduction),
+        # except on the cuda internode path, whose in-node stage sums per rank before the RDMA hop
+        self._single_reduction = not self.allow_multiple_reduction and not (nodes and self.runtime.backend == "cuda")
         if self.rank == 0:
             log.info("megatron_ep.deep_ep: DeepEP V2's ElasticBuffer on megatron_ep (%s backend, %d ranks)",
                      self.runtime.backend, self.num_ranks)
+            if not self.allow_multiple_reduction and not self._single_reduction:
+                log.warning("megatron_ep.deep_ep: allow_multiple_reduction=False across nodes on the cuda backend: "
+                            "expanded combines sum each rank's rows first (V2's allow_multiple_reduction=True "
+                            "order; the rounding differs from V2's single reduction)")
 
     def _agreed(self, num_max_tokens_per_rank: int) -> int:
         """V2 needs one num_max_tokens_per_rank on every rank (its row indices and worst-case sizes
@@ -485,8 +492,9 @@ class ElasticBuffer:
         """(combined_x, combined_topk_weights, event): combined_x[t] = the biases + the rows that
         came from token t (unweighted), one fp32 accumulator in V2's reference order (ranks by
         their last top-k slot of t; expanded, each rank's rows summed in slot order and rounded
-        to x's dtype first), so the result is V2's bit for bit; topk_weights ([rows, K], or
-        [rows] expanded) summed back to [T, K]. num_sms=0: the handle's."""
+        to x's dtype first, or with allow_multiple_reduction=False every slot's row added in
+        slot order), so the result is V2's bit for bit; topk_weights ([rows, K], or [rows]
+        expanded) summed back to [T, K]. num_sms=0: the handle's."""
         self._alive("combine")
         return self.runtime.layer_call("combine", self._combine, x, handle, topk_weights, bias, num_sms, previous_event,
                                        previous_event_before_epilogue, async_with_compute_stream,
@@ -501,7 +509,8 @@ class ElasticBuffer:
                             f"{type(handle).__name__}")
         self._hand_sms(num_sms or handle.sms_asked)  # 0: what the dispatch asked (V2: the handle's count)
         _wait(previous_event, before_epilogue)
-        out = self.runtime.combine(x, handle.ours, topk_weights, async_op=async_op, bias=bias)
+        out = self.runtime.combine(x, handle.ours, topk_weights, async_op=async_op, bias=bias,
+                                   single_reduction=self._single_reduction)
         event = from_ours(out.event)
         return out.x, out.weights, event if event.event is not None else EventOverlap(EventHandle())
 

@@ -344,6 +344,10 @@ class InternodePath(NvshmemPath, NormalPath):
         rt, N = self.rt, self.N
         x, handle, weights, async_op, previous_event = req.x, req.handle, req.weights, req.async_op, req.previous_event
         st: InternodeState = handle.state
+        if req.single_reduction and handle.permute:
+            raise NotImplementedError("combine(single_reduction=True) on the cuda internode path: its in-node stage "
+                                      "sums each rank's rows before the RDMA hop (the intranode path and the torch "
+                                      "backend sum every slot's row)")
         _, H, row_bytes = combine_rows(rt, x, weights)
         if row_bytes > self.cap["c_row"]:
             raise ValueError(f"combine: rows of {row_bytes} bytes exceed the "

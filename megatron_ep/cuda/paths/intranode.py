@@ -464,9 +464,10 @@ class IntranodePath(NormalPath):
             fail(tuple(y.shape) == (T, H) and y.dtype == x.dtype and (w_out is None) == (weights is None),
                  "combine: the given outputs do not match the call", RuntimeError)
         bias0, bias1 = req.bias
+        single = handle.permute and req.single_reduction
         out = self._combined(call, handle, x, weights, bias0, bias1, y, w_out, _event(req.previous_event), req.async_op,
-                             req.fused)
-        if req.out is None and req.fused is None and bias0 is None:  # Buffer's combine, without a bias
+                             req.fused, single)
+        if req.out is None and req.fused is None and bias0 is None and not single:  # Buffer's combine, without a bias
             handle.combine_replay = Replay(call.sig, self._replay_combine, x, weights)
         return out
 
@@ -474,10 +475,11 @@ class IntranodePath(NormalPath):
                         previous_event) -> CombineOutput:
         """A combine replayed (megatron_ep/replay.py): the crossing of a combine of the shape that
         passed its checks along `handle`."""
-        return self._combined(call, handle, x, weights, None, None, None, None, _event(previous_event), async_op, None)
+        return self._combined(call, handle, x, weights, None, None, None, None, _event(previous_event), async_op, None,
+                              False)
 
     def _combined(self, call: P.Call, handle: DispatchHandle, x: torch.Tensor, weights, bias0, bias1, out, out_weights,
-                  previous_event, async_op: bool, fused) -> CombineOutput:
+                  previous_event, async_op: bool, fused, single: bool) -> CombineOutput:
         """What a combine decides for the region as it is now, then its crossing."""
         rt = self.rt
         region = rt.region
@@ -489,17 +491,19 @@ class IntranodePath(NormalPath):
         # map and room for every rank's partials (the group-wide bound, so the ranks agree) where
         # the input is not; a rank whose input lies there (zero copy) takes the staged kernel,
         # and the signature's variant turns that disagreement into CallMismatchError.
-        partials = (handle.permute and st.comb_map is not None and not zero_copy
+        # single_reduction: the staged kernel, every slot's row a term of its own
+        partials = (handle.permute and not single and st.comb_map is not None and not zero_copy
                     and max_rank_major_rows(rt) * x.shape[1] * x.element_size()
                     <= region.plan.comb_rows * region.plan.comb_row_bytes)
-        call.set_variant(int(partials))
+        variant = P.COMBINE_SINGLE if single else P.COMBINE_PARTIALS if partials else P.COMBINE_STAGED
+        call.set_variant(variant)
         event = torch.cuda.Event() if async_op else None  # (a synchronous call joins through the runtime's own)
         # (the staging runs in the pull's launch: its time is the pull's; the pre-reduction has its own)
         marks = rt.marks(("start", "reduce" if partials and fused is None else None, "pull"), first=True)
         state, hook = native_state(self.kernels, st, handle.num_experts), hooks.current()
         num_blocks, _, local_blocks = rt.budget.normal  # blocks("copy"), blocks("local")
         # (by position, each argument named as its parameter: tests/test_kernel_boundary.py)
-        y, w_out = call.sends(self.kernels.combine_call, region.runtime, state, call.sig, x, weights, bias0, bias1, partials,
+        y, w_out = call.sends(self.kernels.combine_call, region.runtime, state, call.sig, x, weights, bias0, bias1, variant,
                               zero_copy, out, out_weights, previous_event, event, async_op, hook, fused, marks,
                               num_blocks, local_blocks)
         return CombineOutput(y, w_out, EventOverlap(event) if event is not None else None)
