@@ -172,6 +172,15 @@ def run_normal_case(cfg: dict, backend: str = "torch", device: str = "cpu") -> l
     if out.row_expert is not None:
         chk.errors.append("rank-major row_expert should be None")
 
+    # ---- each rank-major row's source token (source_index=True, what DeepEP V2's
+    # recv_src_metadata is made of): its index on its source rank, -1 past the rows that arrived
+    if not worst:
+        srcd = buf.dispatch(x, idx, w, num_experts=E, source_index=True)
+        src = srcd.handle.recv_src_token
+        chk.equal("source_index recv_src_token", src[:n_all], torch.tensor([t for _, t in exp["src"]], dtype=torch.int32))
+        if src is not None and src.shape[0] > n_all and bool((src[n_all:] != -1).any()):
+            chk.errors.append(f"{chk.tag} source_index: rows past the {n_all} that arrived are not -1")
+
     # ---- cached dispatch of new values along the same routing
     def new_values(inp):
         data, scales = split_x(inp["x"])

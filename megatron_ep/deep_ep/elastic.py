@@ -145,15 +145,13 @@ class EPHandle:
         rank * num_max_tokens_per_rank + its source index, its source rank * K + its first slot
         with an expert here, and (expanded) each slot's expanded row, -1 elsewhere (-1 in all K
         columns when plain). Rows past the tokens received (without the CPU sync) are -1. Made on
-        first read, without a host sync, from the backend's per-row source token (the torch
-        backend's, our intranode kernels'; the internode path writes none: NotImplementedError)."""
+        first read, without a host sync, from the per-row source token the dispatch wrote (the
+        torch backend's, our kernels')."""
         h = self.ours
         src = h.recv_src_token
         if src is None:
-            raise NotImplementedError("megatron_ep.deep_ep EPHandle.recv_src_metadata (each received row's source "
-                                      "token index and slots) is not supported on the cuda internode path: its "
-                                      "kernels do not write a row's source index; rows come in source-rank then "
-                                      "source-token order (docs/deep-ep.md)")
+            raise RuntimeError("EPHandle.recv_src_metadata: the dispatch that made this handle wrote no source "
+                               "tokens (Buffer.dispatch(source_index=True))")
         N, K = src.numel(), h.topk  # (N: the rows the backend wrote for, -1 past the real ones)
         counts = h.recv_rank_counts if h.recv_rank_counts is not None else h.rank_counts[:, self._rank]
         # rank-major rows come in source-rank order: a row's source rank is the segment it falls in
@@ -415,12 +413,10 @@ class ElasticBuffer:
             worst = max(worst, 1)
             if worst > self._worst_reserved:
                 self._reserve(rows, K, num_experts, worst)
-        # each row's source token for recv_src_metadata: our intranode kernels write it (one int a
-        # row); the internode path's do not (the metadata raises there)
+        # each row's source token for recv_src_metadata: our kernels write it (one int a row)
         out = self.runtime.dispatch(x, topk_idx, topk_weights, num_experts=num_experts, permute=do_expand,
                                     expert_alignment=align, num_worst_tokens=worst, host_counts=sync,
-                                    async_op=async_op, rank_counts=True,
-                                    source_index=self.num_ranks <= RANKS_PER_NODE)
+                                    async_op=async_op, rank_counts=True, source_index=True)
         counts = list(out.tokens_per_expert_host) if sync else []  # (expanded: the padded lengths already)
         if sync and not do_expand and align > 1:
             counts = [_align(c, align) for c in counts]

@@ -254,9 +254,6 @@ class InternodePath(NvshmemPath, NormalPath):
             req.x, req.topk_idx, req.topk_weights, req.num_experts, req.permute, req.expert_alignment)
         handle, host_counts, num_worst_tokens = req.handle, req.host_counts, req.num_worst_tokens
         async_op, previous_event = req.async_op, req.previous_event
-        if req.source_index:
-            raise NotImplementedError("dispatch(source_index=True) on the cuda internode path: its kernels write no "
-                                      "source token per row (the intranode path's do)")
         data, scales, T, H, elem, _ = dispatch_rows(rt, x, topk_weights, num_experts)
         if num_experts % N != 0:
             raise ValueError(f"num_experts={num_experts} must be a multiple of the {N} nodes")
@@ -316,7 +313,8 @@ class InternodePath(NvshmemPath, NormalPath):
             inner = self.intra.dispatch(inner_call, DispatchRequest(
                 rows, local_idx if handle is None else None, fw, L_node, permute, expert_alignment,
                 handle.state.inner if handle is not None else None, host_counts=host_counts,
-                num_worst_tokens=num_worst_tokens, token_groups=N, fused=fused, rank_counts=req.rank_counts))
+                num_worst_tokens=num_worst_tokens, token_groups=N, fused=fused, rank_counts=req.rank_counts,
+                source_index=req.source_index and handle is None))
         if handle is None:
             with torch.cuda.stream(rt.stream):  # the in-node stage has read the receive area: free it
                 self.buf.release(0)
@@ -332,7 +330,9 @@ class InternodePath(NvshmemPath, NormalPath):
                                     # the in-node stage's rows are (source node, its rank of this
                                     # rank's index): global source ranks, node-major
                                     recv_rank_counts=inner.handle.recv_rank_counts,
-                                    recv_rank_prefix=inner.handle.recv_rank_prefix)
+                                    recv_rank_prefix=inner.handle.recv_rank_prefix,
+                                    recv_src_token=_source_tokens(inner.handle.recv_src_token, mt),
+                                    recv_slot_row=inner.handle.recv_slot_row)
         out = DispatchOutput(inner.x, inner.topk_idx, inner.topk_weights, inner.row_expert, inner.tokens_per_expert, None,
                              event=_finished(rt.device) if async_op else None, num_dropped=inner.num_dropped)
         out.handle = handle
@@ -383,6 +383,14 @@ class InternodePath(NvshmemPath, NormalPath):
         rt.mark("rdma", cur)
         self.check(call)
         return CombineOutput(y, w_out, _finished(rt.device) if async_op else None)
+
+
+def _source_tokens(rows: Optional[torch.Tensor], mt: int) -> Optional[torch.Tensor]:
+    """Each row's token on its source rank, from the in-node stage's source tokens: the
+    forwarder's receive rows, slot (source node, token) at node * mt + token; -1 stays -1."""
+    if rows is None:
+        return None
+    return torch.where(rows >= 0, rows.remainder(mt), rows)
 
 
 def _finished(device: torch.device) -> EventOverlap:
