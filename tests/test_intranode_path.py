@@ -121,6 +121,12 @@ class FakeKernels:
 
 @pytest.fixture
 def path(monkeypatch):
+    return make_path(monkeypatch)
+
+
+def make_path(monkeypatch) -> IntranodePath:
+    """An IntranodePath over FakeKernels and a stand-in runtime (tests/test_internode_path.py's
+    in-node stage too)."""
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     holder = {}
     kernels = FakeKernels(lambda: holder["call"])
