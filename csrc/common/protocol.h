@@ -84,7 +84,7 @@ enum SigField : int {
   kSigAlignment,       // expert-major segment alignment
   kSigWorstSized,      // outputs worst-case sized (num_worst_tokens > 0; the count may differ per rank)
   kSigWeights,         // DType of the weights that travel with the rows (0: none)
-  kSigVariant,         // kernel variant (push or stage+pull); must match for the handshakes to pair
+  kSigVariant,         // kernel variant (dispatch: push or stage+pull; combine: CombineVariant); must match
   kSigCapacity,        // low-latency: max_tokens_per_rank (fixes every rank's receive layout)
   kSigFields
 };
