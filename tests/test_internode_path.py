@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_ep import protocol as P
-from megatron_ep.cuda.paths.internode import InternodePath
+from megatron_ep.cuda.paths.internode import InternodePath, _source_tokens
 from megatron_ep.requests import CombineRequest, DispatchRequest
 from test_intranode_path import H, K, N as INNODE_ROWS, T as STAGE_ROWS, make_path
 
@@ -122,3 +122,9 @@ def test_single_reduction_is_refused_across_nodes(path):
     with pytest.raises(NotImplementedError, match="single_reduction=True.*internode"):
         path.combine(call, CombineRequest(rows, out.handle, single_reduction=True))
     assert [c[0] for c in path.buf.calls].count("set_call") == 1  # nothing of the combine was launched
+
+
+def test_a_slot_maps_to_its_token_and_no_row_stays_no_row():
+    slots = torch.tensor([-1, 0, 2, 3, 5, 7, -1], dtype=torch.int32)
+    assert _source_tokens(slots, 3).tolist() == [-1, 0, 2, 0, 2, 1, -1]
+    assert _source_tokens(None, 3) is None

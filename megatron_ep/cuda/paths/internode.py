@@ -387,10 +387,9 @@ class InternodePath(NvshmemPath, NormalPath):
 
 def _source_tokens(rows: Optional[torch.Tensor], mt: int) -> Optional[torch.Tensor]:
     """Each row's token on its source rank, from the in-node stage's source tokens: the
-    forwarder's receive rows, slot (source node, token) at node * mt + token; -1 stays -1."""
-    if rows is None:
-        return None
-    return torch.where(rows >= 0, rows.remainder(mt), rows)
+    forwarder's receive rows, slot (source node, token) at node * mt + token. One launch: fmod
+    keeps the dividend's sign, so -1 (no row) stays -1."""
+    return None if rows is None else rows.fmod(mt)
 
 
 def _finished(device: torch.device) -> EventOverlap:
