@@ -41,6 +41,12 @@ class FakeRdma:
     def release(self, dir):  # noqa: A002 - the binding's name
         self._record("release", dir=dir)
 
+    def dispatch_cached(self, **kw):
+        self._record("dispatch_cached", **kw)
+
+    def combine(self, **kw):
+        self._record("combine", **kw)
+
     def view(self, offset, nbytes):
         return torch.zeros(nbytes, dtype=torch.uint8)
 
@@ -62,7 +68,7 @@ def path(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     rt = intra.rt
-    rt.stream, rt.mark = _Stream(), lambda name, stream: None
+    rt.stream, rt.mark, rt.new_outputs = _Stream(), lambda name, stream: None, lambda outs: False
     rt.budget.blocks = lambda kind, most: 8
     p = InternodePath.__new__(InternodePath)  # the path's state without NVSHMEM: what its calls read
     p.kind, p.broken, p.published = "internode", None, False
@@ -112,6 +118,36 @@ def test_source_tokens_come_back_from_the_forwarders_slots(path, permute):
         assert out.handle.recv_slot_row is out.handle.state.inner.recv_slot_row is not None
     else:
         assert out.handle.recv_slot_row is None
+
+
+@pytest.mark.parametrize("permute", [False, True])
+def test_a_cached_dispatch_and_a_combine_run_the_fused_kernels(path, permute):
+    """A cached dispatch: the in-node push's launch record goes into the internode path's fused
+    kernel (the RDMA send, then the push) with the routing's ids; a combine: the in-node combine's
+    record, its rows and the handle's node-local ids into the fused combine. Each settles the call
+    (the peers learn its outcome from that kernel)."""
+    out, _ = _dispatch(path, 1, permute)
+    path.buf.calls.clear()
+    call = P.Call(P.OP["cached_dispatch"], 2)
+    path.intra.holder["call"] = call
+    x = torch.randn(T, H, dtype=torch.bfloat16)
+    path.dispatch(call, DispatchRequest(x, None, None, E, permute, 4 if permute else 1, out.handle))
+    assert [c[0] for c in path.buf.calls] == ["set_call", "dispatch_cached"]
+    cached = path.buf.calls[1][1]
+    assert cached["innode"] == b"push record" and cached["topk_idx"] is out.handle.topk_idx
+    assert cached["num_experts"] == E and not call.owes
+    inner = path.intra.fake.calls[-1]
+    assert inner[0] == "dispatch_call" and inner[1]["first"] is False and inner[1]["fused"] is not None
+
+    path.buf.calls.clear()
+    call = P.Call(P.OP["combine"], 3)
+    path.intra.holder["call"] = call
+    rows = torch.zeros(out.x.shape[0], H, dtype=torch.bfloat16)
+    y = path.combine(call, CombineRequest(rows, out.handle))
+    assert [c[0] for c in path.buf.calls] == ["set_call", "combine"]
+    comb = path.buf.calls[1][1]
+    assert comb["innode"] == b"combine record" and comb["local_idx"] is out.handle.state.local_idx
+    assert comb["y"] is y.x and comb["y"].shape == (T, H) and not call.owes
 
 
 def test_single_reduction_is_refused_across_nodes(path):

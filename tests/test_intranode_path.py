@@ -108,15 +108,25 @@ class FakeKernels:
         return 0, notified, res
 
     def dispatch_call(self, *args, **kw):
+        """As calls.h; with `fused` (the internode path's), the push's launch record goes to it
+        instead of a launch."""
         kw = self._named("dispatch_call", args, kw)
         self._record("dispatch_call", kw)
+        if kw["fused"] is not None:
+            kw["fused"](b"push record")
         return self._dispatched(kw["state"], kw["first"], kw["out_rows"], kw["comb_rows"], kw["x"], kw["topk_weights"],
                                 kw["want_src"])
 
     def combine_call(self, *args, **kw):
+        """y (and weights) made unless given; with `fused`, the in-node combine's record, y and the
+        weights go to it instead of a launch."""
         kw = self._named("combine_call", args, kw)
         self._record("combine_call", kw)
-        return torch.zeros(T, H, dtype=kw["x"].dtype), None
+        y, w = ((kw["out"], kw["out_weights"]) if kw["out"] is not None
+                else (torch.zeros(T, H, dtype=kw["x"].dtype), None))
+        if kw["fused"] is not None:
+            kw["fused"](b"combine record", y, w)
+        return y, w
 
 
 @pytest.fixture
@@ -288,8 +298,10 @@ def test_the_fused_in_node_stage_hands_its_record_on(path):
     (`fused`) and, for the combine, the symmetric outputs (`out`) it writes into."""
     out, _ = _dispatch(path, 1, False)
 
+    records = []
+
     def launcher(*record):
-        pass
+        records.append(record)
 
     x = torch.randn(T, H, dtype=torch.bfloat16)
     call = _call(path, "cached_dispatch", 2)
@@ -303,6 +315,8 @@ def test_the_fused_in_node_stage_hands_its_record_on(path):
                                           fused=launcher, out=(y, w)))
     kw = path.fake.calls[-1][1]
     assert kw["fused"] is launcher and kw["out"] is y and kw["out_weights"] is None
+    # the launcher got each record (the combine's with the rows it writes) in place of a launch
+    assert records == [(b"push record",), (b"combine record", y, None)]
 
 
 def test_a_grown_region_decides_again_where_the_rows_lie(path):
