@@ -396,30 +396,23 @@ class TorchBackend:
         acc = _acc_dtype(x.dtype)
         K = handle.topk
         N = st.recv_topk_idx.shape[0]
-        if single:
-            # every slot's row crosses on its own ([N, K, H], zeros where the slot has no row:
-            # adding +0 to a sum that started at +0 leaves its bits as they are)
+        if handle.permute:
+            # each received row's expert rows, slot by slot (a row holds one expert per slot);
+            # rows that were not delivered (past num_worst_tokens) contribute nothing
             rows, slots, pos = st.perm_rows, st.perm_slots, st.perm_pos
             if st.kept is not None:
                 rows, slots, pos = rows[st.kept], slots[st.kept], pos[st.kept]
-            rows_x = x.new_zeros((N, K) + tuple(x.shape[1:]))
-            rows_x[rows, slots] = x[pos]
-            rows_w = None
-            if weights is not None:
-                rows_w = weights.new_zeros((N, K))
-                rows_w[rows, slots] = weights[pos]
-        elif handle.permute:
-            # each received row's expert rows, slot by slot (a row holds one expert per slot: one
-            # add per element and slot); rows that were not delivered (past num_worst_tokens)
-            # contribute nothing
-            rows, slots, pos = st.perm_rows, st.perm_slots, st.perm_pos
-            if st.kept is not None:
-                rows, slots, pos = rows[st.kept], slots[st.kept], pos[st.kept]
-            part = x.new_zeros((N,) + tuple(x.shape[1:]), dtype=acc)
-            for k in range(K):
-                sel = slots == k
-                part.index_add_(0, rows[sel], x[pos[sel]].to(acc))
-            rows_x = part.to(x.dtype)  # the rank's term, rounded as it crosses the link
+            if single:
+                # every slot's row crosses on its own ([N, K, H], zeros where the slot has no row:
+                # adding +0 to a sum that started at +0 leaves its bits as they are)
+                rows_x = x.new_zeros((N, K) + tuple(x.shape[1:]))
+                rows_x[rows, slots] = x[pos]
+            else:  # summed per received row (one add per element and slot)
+                part = x.new_zeros((N,) + tuple(x.shape[1:]), dtype=acc)
+                for k in range(K):
+                    sel = slots == k
+                    part.index_add_(0, rows[sel], x[pos[sel]].to(acc))
+                rows_x = part.to(x.dtype)  # the rank's term, rounded as it crosses the link
             rows_w = None
             if weights is not None:
                 rows_w = weights.new_zeros((N, K))

@@ -178,7 +178,7 @@ def run_normal_case(cfg: dict, backend: str = "torch", device: str = "cpu") -> l
         srcd = buf.dispatch(x, idx, w, num_experts=E, source_index=True)
         src = srcd.handle.recv_src_token
         chk.equal("source_index recv_src_token", src[:n_all], torch.tensor([t for _, t in exp["src"]], dtype=torch.int32))
-        if src is not None and src.shape[0] > n_all and bool((src[n_all:] != -1).any()):
+        if src.shape[0] > n_all and bool((src[n_all:] != -1).any()):
             chk.errors.append(f"{chk.tag} source_index: rows past the {n_all} that arrived are not -1")
 
     # ---- cached dispatch of new values along the same routing
