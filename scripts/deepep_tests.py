@@ -20,8 +20,10 @@ init_dist is edited; every assertion of the tests stays:
     dist.all_gather: gloo refuses the stacked output form ([R, N, ...] for an input [N, ...])
     that test_low_latency.py uses.
 The v2 suite's init_dist is deep_ep/utils/envs.py's (the package's, not the tests'): it gets the
-first, second and fourth edit, and loses its imports of DeepEP's extension (`deep_ep._C`,
-`.comm`), which only its NCCL-communicator helpers use; the utils modules are placed beside
+first, second and fourth edit and one of its own (gloo has no FP8 types, so the FP8 tensors its
+reference dispatch sends through dist.all_to_all_single move as their bytes), and loses its
+imports of DeepEP's extension (`deep_ep._C`, `.comm`), which only its NCCL-communicator helpers
+use; the utils modules are placed beside
 test_ep.py as the package `deep_ep_utils` (megatron_ep's `deep_ep.utils` is DeepEP's event types),
 and test_ep.py's seven `from deep_ep.utils.X import` lines name that package.
 Each edit replaces an exact text that must occur exactly once (the text of the suite's DeepEP
@@ -116,6 +118,13 @@ V2_EDITS: Tuple[tuple, ...] = (  # (name, file, text, replacement[, times the te
      "    # no device_id: virtual ranks share a GPU\n"),
     ("device of the rank", _ENVS, "    torch.cuda.set_device(local_rank)\n",
      "    torch.cuda.set_device(local_rank % torch.cuda.device_count())\n"),
+    ("gloo FP8 bytes", _ENVS, "    dist.init_process_group(**params)\n",
+     "    dist.init_process_group(**params)\n"
+     "    # gloo has no FP8 types ('Invalid scalar type'): the reference's FP8 rows move as their bytes\n"
+     "    _all_to_all_single = dist.all_to_all_single\n"
+     "    dist.all_to_all_single = lambda output, input, *args, **kwargs: _all_to_all_single(\n"
+     "        *(t.view(torch.uint8) if t.dtype.is_floating_point and t.element_size() == 1 else t\n"
+     "          for t in (output, input)), *args, **kwargs)\n"),
     ("no deep_ep._C", _ENVS, "# noinspection PyUnresolvedReferences\nimport deep_ep._C as _C\n",
      "# (DeepEP's extension: only the NCCL-communicator helpers below use it, and the test does not)\n"),
     ("no .comm", _ENVS, "from .comm import get_nccl_comm_handle\n", ""),
