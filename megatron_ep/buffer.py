@@ -235,13 +235,14 @@ class Buffer:
         """The host side of one call, alone: a second thread's call meanwhile raises
         BufferBusyError at once, before it sends anything, naming both callers."""
         if not self._busy_lock.acquire(blocking=False):
-            thread, busy_op = self._busy or ("another thread", "a call")
+            thread, busy_op = self._busy or (None, "a call")
+            thread = "another thread" if thread is None else thread.name
             raise BufferBusyError(
                 f"{op} from thread {threading.current_thread().name!r} on Buffer #{self.ordinal} (rank "
                 f"{self.rank}/{self.num_ranks}, backend {self.backend}) while thread {thread!r} is inside its "
                 f"{busy_op}: one rank's calls on a Buffer are one sequence, matched call by call with its peers'; "
                 f"issue them from one thread at a time (this call was not made; the other goes on)")
-        self._busy = (threading.current_thread().name, op)
+        self._busy = (threading.current_thread(), op)  # (its name only when another thread needs it)
 
     def _release(self) -> None:
         self._busy = None
@@ -255,19 +256,26 @@ class Buffer:
         finally:
             self._release()
 
-    def _next_call(self, op: str) -> P.Call:
+    def _next_call(self, op: str, sig: Optional[list] = None) -> P.Call:
         self._seq += 1
         self._entered += 1
-        call = P.Call(P.OP[op], self._seq)
+        call = P.Call(P.OP[op], self._seq, sig)
         call.sig[_BUFFER_FIELD] = self.ordinal
         return call
 
-    def _call(self, op: str) -> "_CallScope":
-        """One collective call: a sequence number, a signature (filled by the caller), and the
-        backend's entry check and failure publication around the whole host side -- also for a
-        destroyed Buffer, whose call raises inside it, so the peers learn of it instead of
-        waiting (protocol.guarded's sequence, with the call's exclusivity: _CallScope)."""
-        return _CallScope(self, op)
+    def _call(self, op: str, sig: Optional[list] = None) -> "_CallScope":
+        """One collective call: a sequence number, a signature (filled by the caller, or a replayed
+        call's), and the backend's entry check and failure publication around the whole host side
+        -- also for a destroyed Buffer, whose call raises inside it, so the peers learn of it
+        instead of waiting (protocol.guarded's sequence, with the call's exclusivity: _CallScope)."""
+        return _CallScope(self, op, sig)
+
+    def _replayed(self, op: str, replay, *args):
+        """A call whose arguments match `replay` (megatron_ep/replay.py): the call's numbers and
+        scope as every call's, its signature the replayed call's, then the backend's call without
+        the checks that shape passed, `replay.run(call, *args)`."""
+        with _CallScope(self, op, replay.sig) as call:
+            return replay.run(call, *args)
 
     def refuse(self, op: str, exc: BaseException) -> None:
         """Fail this rank's call `op` (a key of protocol.OP) with `exc` where its peers wait for it:
@@ -321,7 +329,7 @@ class Buffer:
                  handle: Optional[DispatchHandle] = None, *, host_counts: bool = False,
                  num_worst_tokens: int = 0, async_op: bool = False,
                  previous_event: Optional[EventOverlap] = None, on_overflow: str = "drop",
-                 rank_counts: bool = False) -> DispatchOutput:
+                 rank_counts: bool = False, source_index: bool = False) -> DispatchOutput:
         """Send each token to the ranks owning its experts (docs/design.md §2).
 
         permute=False (default): rank-major rows; permute=True: expert-major rows, each
@@ -346,7 +354,39 @@ class Buffer:
         prefix over source ranks (`handle.rank_prefix`, DeepEP's rank_prefix_matrix), from the
         count exchange the call makes anyway; the cuda backend's internode path leaves both None
         and keeps their columns of this rank (`recv_rank_counts`, `recv_rank_prefix`).
+
+        source_index=True (a new routing): the handle also keeps each rank-major row's source token,
+        its index on its source rank (`handle.recv_src_token`, [rows] int32, -1 past the rows that
+        arrived; expert-major also `handle.recv_slot_row`, [rows, K] int32, the output row of each
+        slot or -1): what DeepEP V2's recv_src_metadata is made of. The torch backend keeps them
+        always; the cuda kernels write them where asked (one int per row; on the internode path
+        the in-node stage's, its forwarder's receive slots mapped back to the source's tokens).
         """
+        if handle is not None and topk_idx is None and num_experts is None and permute is None \
+                and expert_alignment is None and type(num_worst_tokens) is int and num_worst_tokens == 0 and on_overflow == "drop" and host_counts is False \
+                and rank_counts is False and source_index is False and (async_op is False or async_op is True) \
+                and (previous_event is None or type(previous_event) is EventOverlap):
+            # a cached dispatch of the shape of the last one along this handle: its checks passed
+            replay = getattr(handle, "dispatch_replay", None)
+            if replay is not None and handle.buffer_id == self.id and not self._destroyed \
+                    and replay.matches(x, topk_weights):
+                return self._replayed("cached_dispatch", replay, handle, x, topk_weights, async_op, previous_event)
+        elif handle is None and type(num_experts) is int and (permute is None or permute is True or permute is False) \
+                and (expert_alignment is None or type(expert_alignment) is int) and type(num_worst_tokens) is int \
+                and num_worst_tokens == 0 and (on_overflow == "drop" or on_overflow == "raise") and source_index is False \
+                and (host_counts is False or host_counts is True) and (rank_counts is False or rank_counts is True) \
+                and (async_op is False or async_op is True) \
+                and (previous_event is None or type(previous_event) is EventOverlap):
+            # a new routing of the shape and options of the last one: its checks passed
+            replay = getattr(self._impl, "routing_replay", None)
+            if replay is not None and not self._destroyed and replay.matches_routing(
+                    x, topk_idx, topk_weights, (num_experts, bool(permute), 1 if expert_alignment is None else
+                                                expert_alignment, host_counts, rank_counts, self._ids_level,
+                                                on_overflow)):
+                out = self._replayed("dispatch", replay, x, topk_idx, topk_weights, async_op, previous_event,
+                                     host_counts, rank_counts, self._ids_level, on_overflow)
+                out.handle.buffer_id = self.id
+                return out
         op = "dispatch" if handle is None else "cached_dispatch"
         with self._call(op) as call:
             impl = self._impl
@@ -360,10 +400,11 @@ class Buffer:
                 raise ValueError(f"on_overflow must be 'drop' or 'raise', got {on_overflow!r}")
             if permute is not None:
                 C.check_bool("permute", permute)
-            if host_counts is not False or rank_counts is not False or async_op is not False:
+            if host_counts is not False or rank_counts is not False or async_op is not False or source_index is not False:
                 C.check_bool("host_counts", host_counts)
                 C.check_bool("rank_counts", rank_counts)
                 C.check_bool("async_op", async_op)
+                C.check_bool("source_index", source_index)
             if previous_event is not None:
                 C.check_event("previous_event", previous_event)
             if handle is not None:
@@ -403,7 +444,8 @@ class Buffer:
                                                       handle, host_counts, num_worst_tokens, async_op, previous_event,
                                                       on_overflow=on_overflow,
                                                       check_ids=self._ids_level if handle is None else C.IDS_UNCHECKED,
-                                                      rank_counts=rank_counts and handle is None))
+                                                      rank_counts=rank_counts and handle is None,
+                                                      source_index=source_index and handle is None))
         out.handle.buffer_id = self.id
         if _needs_refusal(x, topk_weights):  # each output on the graph of the input it moves
             (out.x,) = _refusing(op, [out.x], [x])
@@ -412,13 +454,28 @@ class Buffer:
 
     # ----------------------------------------------------------------------------- combine
     def combine(self, x: torch.Tensor, handle: DispatchHandle, weights: Optional[torch.Tensor] = None, *,
-                async_op: bool = False, previous_event: Optional[EventOverlap] = None) -> CombineOutput:
-        """y[t] = sum of the rows that came from token t (fp32 accumulation, x's dtype out).
+                async_op: bool = False, previous_event: Optional[EventOverlap] = None,
+                bias=None, single_reduction: bool = False) -> CombineOutput:
+        """y[t] = bias + sum of the rows that came from token t: one fp32 accumulator, x's dtype
+        out, in a fixed order (docs/design.md, "Combine": ranks by their last top-k slot of t;
+        expert-major, each rank's rows summed in slot order and rounded to x's dtype first).
 
-        weights (rank-major [N, K], expert-major [M]) are scattered back to [T, K]."""
+        weights (rank-major [N, K], expert-major [M]) are scattered back to [T, K]. bias: None,
+        a [T, H] tensor of x's dtype and device, or a tuple of two (added in fp32 first).
+        single_reduction (expert-major handles; no effect on rank-major ones): no per-rank
+        partial, every slot's row added to the token's sum in slot order, one rounding in all
+        (DeepEP V2's allow_multiple_reduction=False: up to K rows per token cross the link
+        instead of one per rank). Every rank passes the same value."""
+        if bias is None and single_reduction is False and (async_op is False or async_op is True) \
+                and (previous_event is None or type(previous_event) is EventOverlap):
+            # a combine of the shape of the last one along this handle: its checks passed
+            replay = getattr(handle, "combine_replay", None)
+            if replay is not None and handle.buffer_id == self.id and not self._destroyed and replay.matches(x, weights):
+                return self._replayed("combine", replay, handle, x, weights, async_op, previous_event)
         with self._call("combine") as call:
             self._check_handle(handle, DispatchHandle)
             C.check_bool("async_op", async_op)
+            C.check_bool("single_reduction", single_reduction)
             C.check_event("previous_event", previous_event)
             C.check_activation("x", x)
             C.fail(not C.is_fp8_tuple(x), "combine takes bf16/fp32 rows, not FP8", TypeError)
@@ -434,12 +491,14 @@ class Buffer:
                 C.fail(weights.is_contiguous(), "weights must be contiguous")
                 if weights.device != x.device:
                     raise ValueError(f"weights is on {weights.device} but x is on {x.device}")
+            biases = C.check_bias(bias, handle.num_tokens, x.shape[1], x.dtype, x.device) if bias is not None else C.NO_BIAS
             call.set_normal(handle.call_seq, P.dtype_code(x.dtype), x.shape[1], x.shape[1] * x.element_size(),
                             handle.topk, handle.num_experts, handle.permute, handle.expert_alignment,
                             handle.num_worst_tokens > 0, _weights_code(weights))
-            out = self._impl.combine(call, CombineRequest(x, handle, weights, async_op, previous_event))
-        if _needs_refusal(x, weights):
-            (out.x,) = _refusing("combine", [out.x], [x])
+            out = self._impl.combine(call, CombineRequest(x, handle, weights, async_op, previous_event, bias=biases,
+                                                          single_reduction=single_reduction))
+        if _needs_refusal(x, weights, biases):
+            (out.x,) = _refusing("combine", [out.x], [x, *(b for b in biases if b is not None)])
             (out.weights,) = _refusing("combine", [out.weights], [weights])
         return out
 
@@ -685,17 +744,17 @@ class _CallScope:
     exclusivity around protocol.guarded over its backend, and the call numbers realigned where the
     backend says so."""
 
-    __slots__ = ("buf", "op", "guard")
+    __slots__ = ("buf", "op", "sig", "guard")
 
-    def __init__(self, buf: Buffer, op: str):
-        self.buf, self.op = buf, op
+    def __init__(self, buf: Buffer, op: str, sig: Optional[list] = None):
+        self.buf, self.op, self.sig = buf, op, sig
 
     def __enter__(self) -> P.Call:
         buf = self.buf
         buf._acquire(self.op)
         exc = None
         try:
-            self.guard = P.guarded(buf._impl, buf._next_call(self.op))
+            self.guard = P.guarded(buf._impl, buf._next_call(self.op, self.sig))
             call = self.guard.__enter__()  # the entry check; its failure is published there
         except BaseException as e:
             exc = e

@@ -133,6 +133,36 @@ def check_topk_weights(topk_weights, num_tokens: int, topk: int, device: torch.d
         raise ValueError(f"topk_weights is on {topk_weights.device} but x is on {device}")
 
 
+NO_BIAS = (None, None)
+
+
+def check_bias(bias, num_tokens: int, hidden: int, dtype: torch.dtype, device: torch.device):
+    """A combine's `bias`: None, a tensor, or a tuple of two, each [T, H] of x's dtype and device,
+    contiguous (the fp32 sum of a token starts at them). Returns (bias0, bias1), None where absent."""
+    if bias is None:
+        return NO_BIAS
+    if isinstance(bias, torch.Tensor):
+        parts = (bias,)
+    elif isinstance(bias, tuple) and len(bias) == 2:
+        parts = bias
+    else:
+        raise TypeError(f"bias must be None, a tensor or a tuple of two tensors, got "
+                        f"{type(bias).__name__}{f' of {len(bias)}' if isinstance(bias, (tuple, list)) else ''}")
+    for i, b in enumerate(parts):
+        name = "bias" if len(parts) == 1 else f"bias[{i}]"
+        if not isinstance(b, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(b).__name__}")
+        if b.dtype != dtype:
+            raise TypeError(f"{name} must have x's dtype {dtype}, got {b.dtype}")
+        if tuple(b.shape) != (num_tokens, hidden):
+            raise ValueError(f"{name} must have shape {(num_tokens, hidden)} (the dispatch's tokens, x's hidden), "
+                             f"got {tuple(b.shape)}")
+        if b.device != device:
+            raise ValueError(f"{name} is on {b.device} but x is on {device}")
+        fail(b.is_contiguous(), f"{name} must be contiguous")
+    return (parts[0], parts[1] if len(parts) == 2 else None)
+
+
 def check_alignment(alignment) -> int:
     check_int("expert_alignment", alignment, 1)
     if alignment > MAX_ALIGNMENT:

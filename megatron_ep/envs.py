@@ -33,6 +33,7 @@ SWITCHES = {
     "MEP_REQUIRE_EXTENSION": "a build that cannot make the CUDA extension fails, saying why",
     "MEP_DEBUG": "build device code with -G -O0",
     "MEP_PTXAS_VERBOSE": "build with ptxas's register and spill report",
+    "MEP_CUDA_AS_CPU": "scripts/deepep_tests.py --cpu: a test's CUDA devices are the CPU (scripts/cuda_as_cpu)",
 }
 
 

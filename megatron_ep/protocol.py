@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence
 
 from .errors import CallMismatchError, PeerFailedError, WorstCaseOverflowError
@@ -53,11 +53,14 @@ notify_plan = P.notify_plan  # (num_tokens, groups) -> notify's chunk plan as a 
 # sender writes what the others' receivers read, so every rank must use the same)
 LL_COMBINE_LOGFMT = 1  # rows sent as LogFMT-10 where a block allows (megatron_ep.logfmt)
 LL_COMBINE_MERGED = 2  # one row per (token, rank), weighted by the sender, one flag per rank
+# a normal combine's `variant`: how its rows are summed (the ranks must agree: their kernels pair)
+COMBINE_STAGED, COMBINE_PARTIALS, COMBINE_SINGLE = P.COMBINE_VARIANTS  # (protocol.h CombineVariant)
 _VARIANT = FIELD["variant"]
 _ROUTING, _DTYPE, _HIDDEN, _ROW_BYTES, _TOPK, _NUM_EXPERTS, _PERMUTE, _ALIGNMENT, _WORST, _WEIGHTS = (
     FIELD[name] for name in ("routing", "dtype", "hidden", "row_bytes", "topk", "num_experts", "permute",
                              "expert_alignment", "worst_case_sized", "weights"))
 _MAX_TOKENS = FIELD["max_tokens_per_rank"]
+_OP, _SEQ = FIELD["op"], FIELD["seq"]
 
 @functools.lru_cache(maxsize=None)
 def _dtype_codes() -> dict:
@@ -110,13 +113,13 @@ class Call:
 
     op: int
     seq: int
-    sig: List[int] = field(default_factory=list)
+    sig: Optional[List[int]] = None  # given: a replayed call's signature (megatron_ep/replay.py), copied
     pending: Pending = Pending.FIRST
 
     def __post_init__(self):
-        self.sig = [0] * len(SIG_FIELDS)
-        self.sig[FIELD["op"]] = self.op
-        self.sig[FIELD["seq"]] = self.seq
+        sig = [0] * len(SIG_FIELDS) if self.sig is None else self.sig.copy()
+        sig[_OP], sig[_SEQ] = self.op, self.seq
+        self.sig = sig
 
     def set(self, **fields) -> "Call":
         for name, value in fields.items():
@@ -222,6 +225,9 @@ def _value(field_name: str, v: int, op: Optional[int] = None) -> str:
     if field_name == "variant" and op == OP["low_latency_combine"]:
         return ("use_logfmt" if v & LL_COMBINE_LOGFMT else "bf16 rows") + (
             ", weights given at dispatch (merged)" if v & LL_COMBINE_MERGED else "")
+    if field_name == "variant" and op == OP["combine"]:
+        return {COMBINE_STAGED: "staged rows", COMBINE_PARTIALS: "partials",
+                COMBINE_SINGLE: "single_reduction"}.get(v, str(v))
     if field_name == "variant":
         return {0: "stage+pull", 1: "push"}.get(v, str(v))
     return str(v)
@@ -250,6 +256,10 @@ def mismatch_error(call: Call, field_index: int, values: Sequence[int], ops: Opt
         after = f"every rank continues from call #{resync}, so the buffer stays usable"
     else:
         after = "the buffer stays usable"
+    if name == "variant" and call.op == OP["combine"]:  # the one variant a caller's choice decides
+        per_rank += (" (an expert-major combine sums its rows into partials unless its input lies in the buffer: "
+                     "pass a get_combine_input view on every rank or on none, get_combine_input(0, H) on a rank "
+                     "that received no rows)")
     err = CallMismatchError(f"{call.describe()}: the ranks {what}: {per_rank}{ops_text}; the call was aborted on "
                             f"every rank before anything was sent; {after}")
     err.field, err.values, err.resync = name, list(values), resync

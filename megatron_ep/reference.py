@@ -381,20 +381,38 @@ class TorchBackend:
 
     # -------------------------------------------------------------------------------- combine
     def combine(self, call: P.Call, req: CombineRequest) -> CombineOutput:
+        """The kernels' order (docs/design.md, "Combine"), one operation per term so every
+        backend gives the same bits: y[t] starts at the biases (b0, then + b1, in the
+        accumulation dtype); each rank the token went to adds one row, ranks in the order of
+        their last top-k slot of t; expert-major, that row is the rank's expert rows summed in
+        slot order and rounded to x's dtype. One rounding at the end. `single_reduction`
+        (expert-major): every slot's row is a term of its own, added in slot order."""
         x, handle, weights, async_op, previous_event = req.x, req.handle, req.weights, req.async_op, req.previous_event
         st: _NormalState = handle.state
         _wait(previous_event)
+        single = handle.permute and req.single_reduction
+        call.set_variant(P.COMBINE_SINGLE if single else P.COMBINE_STAGED)
         self._exchange(call)
         acc = _acc_dtype(x.dtype)
         K = handle.topk
         N = st.recv_topk_idx.shape[0]
         if handle.permute:
-            # unpermute: sum each received row's expert outputs (fp32), scatter weights to slots;
+            # each received row's expert rows, slot by slot (a row holds one expert per slot);
             # rows that were not delivered (past num_worst_tokens) contribute nothing
             rows, slots, pos = st.perm_rows, st.perm_slots, st.perm_pos
             if st.kept is not None:
                 rows, slots, pos = rows[st.kept], slots[st.kept], pos[st.kept]
-            rows_x = x.new_zeros((N,) + tuple(x.shape[1:]), dtype=acc).index_add_(0, rows, x[pos].to(acc))
+            if single:
+                # every slot's row crosses on its own ([N, K, H], zeros where the slot has no row:
+                # adding +0 to a sum that started at +0 leaves its bits as they are)
+                rows_x = x.new_zeros((N, K) + tuple(x.shape[1:]))
+                rows_x[rows, slots] = x[pos]
+            else:  # summed per received row (one add per element and slot)
+                part = x.new_zeros((N,) + tuple(x.shape[1:]), dtype=acc)
+                for k in range(K):
+                    sel = slots == k
+                    part.index_add_(0, rows[sel], x[pos[sel]].to(acc))
+                rows_x = part.to(x.dtype)  # the rank's term, rounded as it crosses the link
             rows_w = None
             if weights is not None:
                 rows_w = weights.new_zeros((N, K))
@@ -411,7 +429,19 @@ class TorchBackend:
         like = [(rows_x.dtype, tuple(rows_x.shape[1:]))] + ([(rows_w.dtype, (K,))] if rows_w is not None else [])
         back = unpack_rows(self._exchange_rows(call, pack_rows(parts), st.recv_counts, st.send_counts), like)
         T = handle.num_tokens
-        y = back[0].new_zeros((T,) + tuple(x.shape[1:]), dtype=acc).index_add_(0, st.send_tok, back[0].to(acc))
+        y = back[0].new_zeros((T,) + tuple(x.shape[1:]), dtype=acc)
+        for b in req.bias:
+            if b is not None:
+                y += b.to(acc)
+        if single:  # every slot's row in slot order (DeepEP V2's allow_multiple_reduction=False)
+            for k in range(K):
+                sel = st.send_slot_local[:, k]
+                y.index_add_(0, st.send_tok[sel], back[0][sel, k].to(acc))
+        else:  # sent row i is added at its destination's last slot of its token: one row per token and slot
+            last = K - 1 - st.send_slot_local.flip(1).to(torch.int8).argmax(1)
+            for k in range(K):
+                sel = last == k
+                y.index_add_(0, st.send_tok[sel], back[0][sel].to(acc))
         w_out = None
         if weights is not None:
             w_out = back[1].new_zeros((T, K))

@@ -45,6 +45,9 @@ class DispatchRequest:
     check_ids: int = 0
     # also keep every rank's tokens per destination in the handle (DispatchHandle.rank_counts)
     rank_counts: bool = False
+    # a new routing's handle also keeps each rank-major row's source token
+    # (DispatchHandle.recv_src_token; the torch backend always does): DeepEP V2's recv_src_metadata
+    source_index: bool = False
 
 
 @dataclass(slots=True)
@@ -58,3 +61,9 @@ class CombineRequest:
     # (the internode path's fused combine runs it), writing into `out` (y, weights) when given
     fused: Optional[Callable] = None
     out: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = None
+    # (bias0, bias1): [T, H] tensors of x's dtype or None each, the start of every token's fp32
+    # sum (Buffer.combine's `bias`, checked there)
+    bias: Tuple[Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None)
+    # expert-major: every slot's row a term of its own in slot order, no per-rank partial rounded
+    # first (Buffer.combine's `single_reduction`; DeepEP V2's allow_multiple_reduction=False)
+    single_reduction: bool = False

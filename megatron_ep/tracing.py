@@ -57,11 +57,11 @@ def counters(buf) -> Dict[str, object]:
     rt = _runtime(buf)
     if rt is None:
         return {}
-    out: Dict[str, object] = {"num_sms": rt.num_sms, "push_sms": rt.push_sms}
+    out: Dict[str, object] = {"num_sms": rt.budget.num_sms, "push_sms": rt.budget.push_sms}
     blocks = getattr(getattr(buf._backend(), "path", None), "num_blocks", None)
     out["rdma_blocks"] = int(blocks) if isinstance(blocks, int) else None
-    if rt.ready:
-        out["pool"] = dict(rt.rt.pool_stats())  # named by the runtime (csrc/ipc/runtime.h)
+    if rt.region.ready:
+        out["pool"] = dict(rt.region.runtime.pool_stats())  # named by the runtime (csrc/ipc/runtime.h)
     return out
 
 
@@ -73,7 +73,8 @@ def host_steps(buf) -> Iterator[Dict[str, Dict[str, float]]]:
     dispatch_call): where a crossing's host time goes, which a Python profiler sees as one
     call. The yielded dict is filled when the block ends: {entry: {"calls": n, step: ns in all}}. It stays empty on the
     torch backend and for calls without such entries (low-latency)."""
-    native = getattr(getattr(buf._backend(), "rt", None), "rt", None)
+    rt = getattr(buf._backend(), "rt", None)
+    native = rt.region.runtime if rt is not None else None
     out: Dict[str, Dict[str, float]] = {}
     if native is None or not hasattr(native, "set_host_clock"):
         yield out
@@ -107,7 +108,7 @@ def notify_only(buf, topk_idx: torch.Tensor, num_experts: int) -> Optional[Calla
         with buf._call("dispatch") as call:
             call.set(topk=K, num_experts=num_experts, expert_alignment=1)
             compute = torch.cuda.current_stream()
-            call.sends(notify, rt=rt.rt, sig=call.sig, topk_idx=topk_idx[:t], num_experts=num_experts,
+            call.sends(notify, runtime=rt.region.runtime, sig=call.sig, topk_idx=topk_idx[:t], num_experts=num_experts,
                        expert_alignment=1, permute=False, num_worst_tokens=0, token_groups=1, check_ids=False,
                        rank_counts=False, tag=0, previous_event=None, marks=None, wait_s=-1.0, async_op=False)
             compute.wait_stream(rt.stream)

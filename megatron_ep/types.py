@@ -89,9 +89,14 @@ class DispatchHandle(_Routing):
     # [N] int32: the source token (its index on its source rank) of each rank-major row received
     # here, before any worst-case drop; and, expert-major, [N, K] int32: the output row of each
     # (rank-major row, slot), -1 for slots elsewhere or dropped. The torch backend fills both; the
-    # cuda kernels do not write them yet (None)
+    # cuda intranode path where the dispatch asked (source_index=True; its rank-major rows past
+    # the real ones, without a host sync, -1), else None
     recv_src_token: Optional[torch.Tensor] = None
     recv_slot_row: Optional[torch.Tensor] = None
+    # the backend's replays of the last cached dispatch and combine along this routing
+    # (megatron_ep/replay.py; None until one passed, and on a copy)
+    dispatch_replay: Any = field(default=None, repr=False, compare=False)
+    combine_replay: Any = field(default=None, repr=False, compare=False)
 
 
 @dataclass

@@ -20,8 +20,10 @@ init_dist is edited; every assertion of the tests stays:
     dist.all_gather: gloo refuses the stacked output form ([R, N, ...] for an input [N, ...])
     that test_low_latency.py uses.
 The v2 suite's init_dist is deep_ep/utils/envs.py's (the package's, not the tests'): it gets the
-first, second and fourth edit, and loses its imports of DeepEP's extension (`deep_ep._C`,
-`.comm`), which only its NCCL-communicator helpers use; the utils modules are placed beside
+first, second and fourth edit and one of its own (gloo has no FP8 types, so the FP8 tensors its
+reference dispatch sends through dist.all_to_all_single move as their bytes), and loses its
+imports of DeepEP's extension (`deep_ep._C`, `.comm`), which only its NCCL-communicator helpers
+use; the utils modules are placed beside
 test_ep.py as the package `deep_ep_utils` (megatron_ep's `deep_ep.utils` is DeepEP's event types),
 and test_ep.py's seven `from deep_ep.utils.X import` lines name that package.
 Each edit replaces an exact text that must occur exactly once (the text of the suite's DeepEP
@@ -41,6 +43,13 @@ exit status is the test's.
     python scripts/deepep_tests.py --checkout .carry/deepep --test internode --num-nodes 2 --num-processes 8
     python scripts/deepep_tests.py --git /work/.mirror/deepseek-ai+DeepEP/repo --suite v2 --extract .carry/deepep-v2
     python scripts/deepep_tests.py --checkout .carry/deepep-v2 --test elastic --num-processes 2 -- --num-tokens 512
+
+--cpu runs a test on CPU processes instead, on the torch backend, with the test's CUDA devices
+mapped to the CPU (scripts/cuda_as_cpu/sitecustomize.py): a check of the DeepEP API layer before a
+GPU run (no kernel of ours runs), e.g.
+
+    python scripts/deepep_tests.py --checkout .carry/deepep-v2 --test elastic --cpu -- --num-tokens 64 \
+        --hidden 256 --num-experts 16 --num-topk 4 --skip-perf-test
 """
 
 from __future__ import annotations
@@ -71,6 +80,7 @@ TESTS = ("intranode", "internode", "low_latency", "elastic")
 SUITES = {"v1": (DEFAULT_REV, FILES), "v2": (V2_REV, V2_FILES)}  # suite -> (revision, files)
 V2_PACKAGE = "tests/elastic/deep_ep_utils"  # where the v2 utils modules go in the work folder
 SHIM = os.path.join(ROOT, "megatron_ep", "deep_ep", "shim")  # what `python -m megatron_ep.deep_ep --path` prints
+CUDA_AS_CPU = os.path.join(ROOT, "scripts", "cuda_as_cpu")  # --cpu: its sitecustomize maps CUDA to the CPU
 ENV = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
 # (name, file, exact text at DeepEP 567632d, replacement): launch glue of init_dist only.
@@ -108,6 +118,13 @@ V2_EDITS: Tuple[tuple, ...] = (  # (name, file, text, replacement[, times the te
      "    # no device_id: virtual ranks share a GPU\n"),
     ("device of the rank", _ENVS, "    torch.cuda.set_device(local_rank)\n",
      "    torch.cuda.set_device(local_rank % torch.cuda.device_count())\n"),
+    ("gloo FP8 bytes", _ENVS, "    dist.init_process_group(**params)\n",
+     "    dist.init_process_group(**params)\n"
+     "    # gloo has no FP8 types ('Invalid scalar type'): the reference's FP8 rows move as their bytes\n"
+     "    _all_to_all_single = dist.all_to_all_single\n"
+     "    dist.all_to_all_single = lambda output, input, *args, **kwargs: _all_to_all_single(\n"
+     "        *(t.view(torch.uint8) if t.dtype.is_floating_point and t.element_size() == 1 else t\n"
+     "          for t in (output, input)), *args, **kwargs)\n"),
     ("no deep_ep._C", _ENVS, "# noinspection PyUnresolvedReferences\nimport deep_ep._C as _C\n",
      "# (DeepEP's extension: only the NCCL-communicator helpers below use it, and the test does not)\n"),
     ("no .comm", _ENVS, "from .comm import get_nccl_comm_handle\n", ""),
@@ -189,17 +206,25 @@ def suite_of(test: str) -> str:
     return "v2" if test == "elastic" else "v1"
 
 
+def test_file(test: str) -> str:
+    """The test's file in its suite's checkout."""
+    return "tests/elastic/test_ep.py" if test == "elastic" else f"tests/test_{test}.py"
+
+
 def command(test: str, num_processes: int, extra: Sequence[str]) -> List[str]:
-    path = "tests/elastic/test_ep.py" if test == "elastic" else f"tests/test_{test}.py"
-    return [sys.executable, path, "--num-processes", str(num_processes), *extra]
+    return [sys.executable, test_file(test), "--num-processes", str(num_processes), *extra]
 
 
-def environment() -> Dict[str, str]:
+def environment(cpu: bool = False) -> Dict[str, str]:
     """This process's environment with megatron_ep's deep_ep first on PYTHONPATH (then this
     checkout, for megatron_ep itself), NVLink multicast off, and the rendezvous init_dist reads
-    (MASTER_ADDR, a free MASTER_PORT)."""
+    (MASTER_ADDR, a free MASTER_PORT); `cpu`: CPU processes on the torch backend, the tests'
+    CUDA devices mapped to the CPU (scripts/cuda_as_cpu/sitecustomize.py)."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [SHIM, ROOT, os.environ.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [CUDA_AS_CPU if cpu else None, SHIM, ROOT,
+                                                      os.environ.get("PYTHONPATH")]))
+    if cpu:
+        env.update(MEP_CUDA_AS_CPU="1", MEGATRON_EP_DEEP_EP_BACKEND="torch")
     env.update(ENV)
     env.setdefault("CUDA_MODULE_LOADING", "EAGER")  # virtual ranks under MPS: docs/design.md §5
     # 16 virtual ranks (the internode file) hold about 4.8 GiB each, most of it from creation on:
@@ -278,6 +303,9 @@ def parse(argv: Optional[Sequence[str]] = None):
                         "internode: 2 unless given, at least 2; the other tests: 1")
     p.add_argument("--workdir", metavar="DIR", default=None,
                    help="the folder for the patched copy (default: a new temporary folder, removed after the run)")
+    p.add_argument("--cpu", action="store_true",
+                   help="CPU processes on the torch backend, the test's CUDA devices mapped to the CPU "
+                        "(scripts/cuda_as_cpu): checks the DeepEP API layer before a GPU run, not the kernels")
     p.add_argument("--dry-run", action="store_true",
                    help="patch and print the command, run nothing (the work folder is kept)")
     args = p.parse_args(argv)
@@ -292,8 +320,8 @@ def parse(argv: Optional[Sequence[str]] = None):
         for name in ("workdir", "num_nodes", "num_processes"):
             if getattr(args, name) is not None:
                 p.error(f"--{name.replace('_', '-')} goes with --test, not --extract")
-        if extra or args.dry_run:
-            p.error("--extract takes no test arguments and no --dry-run")
+        if extra or args.dry_run or args.cpu:
+            p.error("--extract takes no test arguments, no --dry-run and no --cpu")
         return args
     if args.num_nodes is None:
         args.num_nodes = 2 if args.test == "internode" else 1
@@ -333,10 +361,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         write(patched, work)
         cmd = command(args.test, args.num_processes, args.extra)
-        env = environment()
+        env = environment(args.cpu)
         nodes = f"RANK=0..{args.num_nodes - 1}" if args.num_nodes > 1 else "RANK=0"
         shown = {"PYTHONPATH": env["PYTHONPATH"], **ENV,
-                 **{k: env[k] for k in ("CUDA_MODULE_LOADING", "MASTER_ADDR", "MASTER_PORT")},
+                 **{k: env[k] for k in ("CUDA_MODULE_LOADING", "MASTER_ADDR", "MASTER_PORT", "MEP_CUDA_AS_CPU",
+                                        "MEGATRON_EP_DEEP_EP_BACKEND") if k in env},
                  "WORLD_SIZE": str(args.num_nodes)}
         print(f"+ cd {shlex.quote(work)} && " + " ".join(f"{k}={shlex.quote(v)}" for k, v in shown.items())
               + f" {nodes} " + shlex.join(cmd), flush=True)

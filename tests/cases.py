@@ -172,6 +172,15 @@ def run_normal_case(cfg: dict, backend: str = "torch", device: str = "cpu") -> l
     if out.row_expert is not None:
         chk.errors.append("rank-major row_expert should be None")
 
+    # ---- each rank-major row's source token (source_index=True, what DeepEP V2's
+    # recv_src_metadata is made of): its index on its source rank, -1 past the rows that arrived
+    if not worst:
+        srcd = buf.dispatch(x, idx, w, num_experts=E, source_index=True)
+        src = srcd.handle.recv_src_token
+        chk.equal("source_index recv_src_token", src[:n_all], torch.tensor([t for _, t in exp["src"]], dtype=torch.int32))
+        if src.shape[0] > n_all and bool((src[n_all:] != -1).any()):
+            chk.errors.append(f"{chk.tag} source_index: rows past the {n_all} that arrived are not -1")
+
     # ---- cached dispatch of new values along the same routing
     def new_values(inp):
         data, scales = split_x(inp["x"])
@@ -856,12 +865,12 @@ def run_soak(cfg: dict) -> list:
                 errors.append(f"[soak rank {rank}] iteration {it}: dispatch not exact")
         if it == cfg["warmup"]:
             torch.cuda.synchronize()
-            mem0, pool0 = torch.cuda.memory_allocated(), buf._impl.rt.rt.pool_free_bytes()
+            mem0, pool0 = torch.cuda.memory_allocated(), buf._impl.rt.region.runtime.pool_free_bytes()
     del out, back
     torch.cuda.synchronize()
     if int(bad) != 0:
         errors.append(f"[soak rank {rank}] {int(bad)} tokens with a wrong round trip in {cfg['iters']} iterations")
-    mem1, pool1 = torch.cuda.memory_allocated(), buf._impl.rt.rt.pool_free_bytes()
+    mem1, pool1 = torch.cuda.memory_allocated(), buf._impl.rt.region.runtime.pool_free_bytes()
     if mem0 is not None and mem1 > mem0 + (1 << 20):
         errors.append(f"[soak rank {rank}] allocated memory grew from {mem0} to {mem1} bytes")
     if pool0 is not None and pool1 < pool0:
@@ -891,11 +900,11 @@ def run_lifetime_growth(cfg: dict) -> list:
     s, b = small[rank], big[rank]
     out1 = buf.dispatch(s["x"].cuda(), s["idx"].cuda(), s["w"].cuda(), num_experts=E)
     outp1 = buf.dispatch(s["x"].cuda(), s["idx"].cuda(), s["w"].cuda(), num_experts=E, permute=True, expert_alignment=16)
-    rt = buf._impl.rt
-    total0 = rt.plan.total
+    region = buf._impl.rt.region
+    total0 = region.plan.total
     out2 = buf.dispatch(b["x"].cuda(), b["idx"].cuda(), b["w"].cuda(), num_experts=E)
-    if rt.grown < 1 or rt.plan.total <= total0:
-        chk.errors.append(f"{chk.tag} the buffer did not grow for a larger call (grown {rt.grown})")
+    if region.grown < 1 or region.plan.total <= total0:
+        chk.errors.append(f"{chk.tag} the buffer did not grow for a larger call (grown {region.grown})")
     chk.equal("first output after growth", out1.x, expected_rank_major(small, rank, R, E)["x"])
     chk.equal("grown output", out2.x, expected_rank_major(big, rank, R, E)["x"])
     back = buf.combine(torch.ones_like(outp1.x), outp1.handle)  # a handle from before the growth

@@ -325,7 +325,9 @@ def run_deep_ep_cpu_event_case(cfg: dict) -> list:
                                            num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w,
                                            previous_event=ev, **kw)
         ev.current_stream_wait()
-        y, _, ev = buf.combine(rx, h, previous_event=deep_ep.EventOverlap(deep_ep.EventHandle()), **kw)
+        # (ints, as DeepEP's binding converts them)
+        y, _, ev = buf.combine(rx, h, previous_event=deep_ep.EventOverlap(deep_ep.EventHandle()), async_finish=1,
+                               allocate_on_comm_stream=1)
         ev.current_stream_wait()
         if not torch.allclose(y, x * _in_rank(idx, cfg["E"] // R, R).sum(1, keepdim=True), rtol=1e-5, atol=1e-5):
             errors.append(f"{tag} the asynchronous dispatch and combine differ from DeepEP's sum")
@@ -410,7 +412,7 @@ def run_deep_ep_low_latency_case(cfg: dict) -> list:
         # LogFMT: rows below magnitude 1 (scaled by 2^-8, exact in bf16) travel encoded; the sum is
         # that of the rows as decoded (megatron_ep.logfmt), and not the bf16 sum
         small = (scaled.float() * 2.0 ** -8).to(torch.bfloat16)
-        y_fmt, _, _ = buf.low_latency_combine(small, idx, w, handle, use_logfmt=True)
+        y_fmt, _, _ = buf.low_latency_combine(small, idx, w, handle, use_logfmt=1)  # (an int, as DeepEP converts)
         y_plain, _, _ = buf.low_latency_combine(small, idx, w, handle)
         want_fmt = torch.zeros((x.shape[0], H), dtype=torch.float64)
         for t in range(x.shape[0]):

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from deep_ep_cases import _backend, _expected, _in_rank, _inputs, _on
+from refusals import refusals
 
 
 def _align(n: int, a: int) -> int:
@@ -91,6 +92,13 @@ def _fp8_section(cfg: dict, buf, x, idx, rank: int, R: int, tag: str) -> list:
     _check(errors, tag, "expanded FP8 rows", xq.view(torch.uint8),
            _expanded_of(cfg, rank, R, lambda r: cast[r][0].view(torch.uint8)))
     _check(errors, tag, "expanded FP8 column-major scales", xs.contiguous(), _expanded_of(cfg, rank, R, lambda r: cast[r][1]))
+    # V2's flags as its own test passes them (ints); the padding of FP8 rows zeroed
+    (zq, _), _, _, _, _ = buf.dispatch((q, sc), topk_idx=idx, num_experts=E, expert_alignment=cfg.get("align", 1),
+                                       do_expand=1, do_zero_padding=1, do_handle_copy=0, do_cpu_sync=1,
+                                       async_with_compute_stream=0, allocate_on_comm_stream=0,
+                                       use_tma_aligned_col_major_sf=0)
+    _check(errors, tag, "expanded FP8 rows, padding zeroed, int flags", zq.view(torch.uint8),
+           _expanded_of(cfg, rank, R, lambda r: cast[r][0].view(torch.uint8)))
 
     def ue8m0_of(xs_):
         q8, s8 = per_token_cast_to_fp8(torch.cat([xs_] * 4, dim=1), round_scale=True)
@@ -103,19 +111,12 @@ def _fp8_section(cfg: dict, buf, x, idx, rank: int, R: int, tag: str) -> list:
     return errors
 
 
-def _src_metadata_section(cfg: dict, h, hx, rank: int, R: int, Tmax: int, tag: str) -> list:
+def _src_metadata_section(cfg: dict, h, hx, hw, rank: int, R: int, Tmax: int, tag: str) -> list:
     """EPHandle.recv_src_metadata against V2's: per received token its source rank * Tmax + source
     index, its source rank * K + first slot here, and (expanded) each slot's expanded row, -1
-    elsewhere. The cuda kernels write no source index yet: NotImplementedError naming it there."""
+    elsewhere; without the CPU sync (`hw`), the same rows first and -1 in every column of the rest.
+    On both backends (the cuda intranode kernels write each row's source token)."""
     errors: list = []
-    if cfg.get("backend") == "cuda":
-        try:
-            h.recv_src_metadata
-            errors.append(f"{tag} recv_src_metadata on the cuda backend did not raise NotImplementedError")
-        except NotImplementedError as exc:
-            if "recv_src_metadata" not in str(exc):
-                errors.append(f"{tag} recv_src_metadata's NotImplementedError does not name it: {exc}")
-        return errors
     L, a = cfg["E"] // R, cfg.get("align", 1)
     K = cfg["K"]
     tokens, per = [], [[] for _ in range(L)]  # received (src, t), and each local expert's (src, t, k)
@@ -136,10 +137,35 @@ def _src_metadata_section(cfg: dict, h, hx, rank: int, R: int, Tmax: int, tag: s
     for r, (src, t, first) in enumerate(tokens):
         want[r, 0], want[r, 1] = src * Tmax + t, src * K + first
     _check(errors, tag, "recv_src_metadata (plain)", h.recv_src_metadata, want)
+    worst = torch.full((R * Tmax, K + 2), -1, dtype=torch.int32)
+    worst[:len(tokens)] = want
+    _check(errors, tag, "recv_src_metadata (plain, no CPU sync)", hw.recv_src_metadata, worst)
     for r, (src, t, _) in enumerate(tokens):
         for k in range(K):
             want[r, 2 + k] = row_of.get((src, t, k), -1)
     _check(errors, tag, "recv_src_metadata (expanded)", hx.recv_src_metadata, want)
+    return errors
+
+
+def _slot_section(cfg: dict, h, hx, rank: int, R: int, Tmax: int, tag: str) -> list:
+    """EPHandle.dst_buffer_slot_idx against V2's (deterministic order): in the first slot of each
+    destination rank of a token, rank * Tmax + the token's place among this rank's tokens to that
+    rank, -1 elsewhere; the same for an expanded dispatch's handle (the routing decides it)."""
+    errors: list = []
+    L = cfg["E"] // R
+    _, idx, _ = _inputs_v2(cfg, rank)
+    want = torch.full(idx.shape, -1, dtype=torch.int32)
+    sent = [0] * R
+    for t in range(idx.shape[0]):
+        seen = set()
+        for k in range(idx.shape[1]):
+            e = int(idx[t, k])
+            if 0 <= e < cfg["E"] and e // L not in seen:
+                seen.add(e // L)
+                want[t, k] = rank * Tmax + sent[e // L]
+                sent[e // L] += 1
+    _check(errors, tag, "dst_buffer_slot_idx", h.dst_buffer_slot_idx, want)
+    _check(errors, tag, "dst_buffer_slot_idx (expanded)", hx.dst_buffer_slot_idx, want)
     return errors
 
 
@@ -249,7 +275,7 @@ def run_elastic_case(cfg: dict) -> list:
         cxx, _, cxw, _, _ = buf.dispatch(x, handle=hx, topk_weights=w, do_expand=True, do_zero_padding=True)
         _check(errors, tag, "cached expanded recv_x", cxx, want_xx)
         _check(errors, tag, "cached expanded weights", cxw, want_xw)
-        ye, _, _ = buf.combine(xx, hx)
+        ye, _, _ = buf.combine(xx, hx, async_with_compute_stream=0, allocate_on_comm_stream=0)  # (V2's test: ints)
         per_token = (torch.stack([(idx.cpu() >= 0) & (idx.cpu() // L == r) for r in range(R)]).sum((0, 2))).double()
         if not torch.allclose(ye.cpu().double(), x.cpu().double() * per_token.unsqueeze(1), rtol=1e-5, atol=1e-5):
             errors.append(f"{tag} expanded combine differs from V2's sum over every slot")
@@ -263,28 +289,49 @@ def run_elastic_case(cfg: dict) -> list:
             errors.append(f"{tag} do_cpu_sync=False: {wx.shape[0]} rows (want {R * Tmax}), list "
                           f"{hw.num_recv_tokens_per_expert_list}")
 
+        errors += _single_reduction_section(cfg, x, idx, rank, R, tag)
         if cfg["H"] % 128 == 0:
             errors += _fp8_section(cfg, buf, x, idx, rank, R, tag)
         # num_sms=0 is automatic in every call, a count is handed to our budget
         buf.dispatch(x, handle=h, num_sms=0)
-        errors += _src_metadata_section(cfg, h, hx, rank, R, Tmax, tag)
-        for what, call in (("engram_write", buf.engram_write), ("pp_send", buf.pp_send)):
-            try:
-                call()
-                errors.append(f"{tag} {what} did not raise NotImplementedError")
-            except NotImplementedError as exc:
-                if what not in str(exc):
-                    errors.append(f"{tag} {what}'s NotImplementedError does not name it: {exc}")
+        errors += _src_metadata_section(cfg, h, hx, hw, rank, R, Tmax, tag)
+        errors += _slot_section(cfg, h, hx, rank, R, Tmax, tag)
+        errors += refusals([(what, call, NotImplementedError, what)
+                            for what, call in (("engram_write", buf.engram_write), ("pp_send", buf.pp_send))], f"{tag} ")
         buf.destroy()
-        try:
-            buf.dispatch(x, topk_idx=idx, num_experts=E)
-            errors.append(f"{tag} a destroyed ElasticBuffer dispatched")
-        except RuntimeError as exc:
-            if "destroyed" not in str(exc):
-                errors.append(f"{tag} a destroyed ElasticBuffer's error does not say so: {exc}")
+        errors += refusals([("a destroyed ElasticBuffer's dispatch", lambda: buf.dispatch(x, topk_idx=idx, num_experts=E),
+                             RuntimeError, "destroyed")], f"{tag} ")
         return errors
     except Exception:
         return [f"{tag} raised:\n{traceback.format_exc()}"]
+
+
+def _single_reduction_section(cfg: dict, x: torch.Tensor, idx: torch.Tensor, rank: int, R: int, tag: str) -> list:
+    """allow_multiple_reduction=False: an expanded combine adds every slot's row in slot order to
+    one fp32 sum, rounded once (V2's single reduction), bit for bit. Each row is scaled by its
+    expert, so a token's slots on one rank differ and a per-rank partial would round them."""
+    from megatron_ep import deep_ep
+
+    errors: list = []
+    E, L, K, a = cfg["E"], cfg["E"] // R, cfg["K"], cfg.get("align", 1)
+    buf = deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=max(max(cfg["Ts"]), 1), hidden=cfg["H"],
+                                num_topk=K, allow_multiple_reduction=False, explicitly_destroy=True)
+    xx, _, _, hx, _ = buf.dispatch(x, topk_idx=idx, num_experts=E, expert_alignment=a, do_expand=True,
+                                   do_zero_padding=True)
+    y, start = xx.clone(), 0
+    for e, end in enumerate(hx.psum_num_recv_tokens_per_expert.cpu().tolist()):
+        y[start:end] = xx[start:end] * (1.0 + 0.37 * (rank * L + e))
+        start = _align(end - start, a) + start
+    got, _, _ = buf.combine(y, hx)
+    want = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for t in range(x.shape[0]):
+        for k in range(K):
+            e = int(idx[t, k])
+            if 0 <= e < E:
+                want[t] += (x[t] * (1.0 + 0.37 * e)).float()
+    _check(errors, tag, "allow_multiple_reduction=False combine", got, want.to(x.dtype).cpu())
+    buf.destroy()
+    return errors
 
 
 def _summed_weights(cfg: dict, me: int, R: int) -> torch.Tensor:

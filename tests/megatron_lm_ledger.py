@@ -80,15 +80,15 @@ class Ledger:
         if rt is None:
             self.write(f"buf{buf.ordinal}: backend {buf.backend}, {buf.num_ranks} ranks")
             return
-        self.write(f"buf{buf.ordinal}: backend cuda, {buf.num_ranks} ranks, num_sms {rt.num_sms}, push_sms "
-                   f"{getattr(rt, 'push_sms', '?')}, local_sms {getattr(rt, 'local_sms', '?')}, ranks on this GPU "
+        self.write(f"buf{buf.ordinal}: backend cuda, {buf.num_ranks} ranks, num_sms {rt.budget.num_sms}, push_sms "
+                   f"{rt.budget.push_sms}, local_sms {rt.budget.local_sms}, ranks on this GPU "
                    f"{rt.ranks_per_device} of {rt.sm_count} SMs, timeout {rt.timeout_s:.0f}s")
 
     def counters(self, buf) -> None:
         """The handshake counters of this rank's region (a copy on a side thread: a stream that
         still waits cannot stop the ledger)."""
         rt = getattr(buf._impl, "rt", None) or getattr(getattr(buf._impl, "path", None), "rt", None)
-        if rt is None or getattr(rt, "rt", None) is None:
+        if rt is None or not rt.region.ready:
             return
         import torch
         from megatron_ep import protocol as P
@@ -99,7 +99,7 @@ class Ledger:
         def read():
             try:
                 with torch.cuda.stream(torch.cuda.Stream()):
-                    got["v"] = rt.rt.view(rt.plan.control, [slots * ranks + slots], torch.int64).cpu().tolist()
+                    got["v"] = rt.region.view(rt.region.plan.control, [slots * ranks + slots], torch.int64).cpu().tolist()
             except Exception as exc:  # noqa: BLE001 - a diagnostic
                 got["err"] = repr(exc)
 

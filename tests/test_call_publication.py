@@ -39,16 +39,16 @@ def test_a_launch_that_raises_still_owes():
 
 def test_cuda_paths_settle_only_through_their_launches():
     """A settle placed by hand beside a launch is what Call.sends replaced: the cuda package settles
-    only in the runtime's sizing exchange (first_use_in), which reports a failed rank itself."""
+    only in the region's sizing exchange (first_use_in), which reports a failed rank itself."""
     hand = []
     for f in sorted(CUDA.rglob("*.py")):
         for n, line in enumerate(f.read_text().splitlines(), 1):
             if re.search(r"\bcall\.settle\(\)", line):
                 hand.append(f"{f.relative_to(CUDA.parent)}:{n}")
-    assert hand == ["cuda/runtime.py:" + str(_first_use_in_line())], hand
+    assert hand == ["cuda/region.py:" + str(_first_use_in_line())], hand
 
 
 def _first_use_in_line() -> int:
-    lines = (CUDA / "runtime.py").read_text().splitlines()
+    lines = (CUDA / "region.py").read_text().splitlines()
     start = next(i for i, l in enumerate(lines) if "def first_use_in" in l)
     return next(i for i in range(start, len(lines)) if "call.settle()" in lines[i]) + 1

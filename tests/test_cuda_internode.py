@@ -8,6 +8,7 @@ import os
 import pytest
 
 import cases
+import v2_combine_cases
 from case_lists import normal_cases
 from distpool import flat
 from gpu_pools import GPU_MARKS, Alone, GpuPools, Shared, closing, run_alone
@@ -35,6 +36,16 @@ def test_internode_cases(R, P):
     if os.environ.get("MEP_CASES"):  # a subset, e.g. for the sanitizer runs
         selected = [selected[int(i)] for i in os.environ["MEP_CASES"].split(",")]
     errors = flat(pool_(R).run(cases.run_normal_cases, _sized(selected, P), backend="cuda", device="cuda", timeout=900))
+    assert not errors, "\n".join(errors[:20])
+
+
+@pytest.mark.parametrize("R,P", LAYOUTS)
+def test_internode_v2_combine_order(R, P):
+    """Combine with 0, 1 and 2 biases, both layouts: bit-exact against DeepEP V2's hybrid
+    reference combine over the virtual nodes (each node's sum rounded, then the biases + the
+    nodes in the order of their last slot; tests/v2_combine_cases.py)."""
+    cfgs = _sized(v2_combine_cases.v2_combine_cases(R, H=512), P)
+    errors = flat(pool_(R).run(v2_combine_cases.run_v2_combine_cases, cfgs, backend="cuda", device="cuda", timeout=900))
     assert not errors, "\n".join(errors[:20])
 
 

@@ -9,6 +9,7 @@ import pytest
 import cases
 import fault_cases
 import hostile_cases
+import v2_combine_cases
 from case_lists import FUZZ_REGRESSIONS, normal_cases
 from distpool import flat
 from gpu_pools import GPU_MARKS, Alone, GpuPools, closing, run_alone
@@ -27,6 +28,22 @@ def test_normal_cases(R):
     if os.environ.get("MEP_CASES"):  # a subset, e.g. for the sanitizer runs
         selected = [selected[int(i)] for i in os.environ["MEP_CASES"].split(",")]
     errors = flat(pool_(R).run(cases.run_normal_cases, selected, backend="cuda", device="cuda", timeout=600))
+    assert not errors, "\n".join(errors[:20])
+
+
+@pytest.mark.parametrize("R", [2, 4, 8])
+def test_v2_combine_order(R):
+    """Combine with 0, 1 and 2 biases, bf16 and fp32, both layouts (the expert-major partials and,
+    with the input in the buffer, the staged kernel): bit-exact against DeepEP V2's reference
+    combine and against the torch backend (tests/v2_combine_cases.py)."""
+    errors = flat(pool_(R).run(v2_combine_cases.run_v2_combine_cases, v2_combine_cases.v2_combine_cases(R, H=512),
+                               backend="cuda", device="cuda", timeout=600))
+    assert not errors, "\n".join(errors[:20])
+
+
+@pytest.mark.parametrize("R", [2])
+def test_bias_refusals(R):
+    errors = flat(pool_(R).run(v2_combine_cases.run_bias_refusals, backend="cuda", device="cuda", timeout=600))
     assert not errors, "\n".join(errors[:20])
 
 

@@ -151,6 +151,19 @@ def test_buffer_arguments_are_refused_by_name(pools):
     _clean(pools(2).run(dc.run_deep_ep_buffer_argument_case, HOSTILE, timeout=120))
 
 
+def test_flags_are_taken_as_deepeps_binding_takes_them():
+    """pybind11's converting bool: a bool, None (False), a number by its truth value; a string is a
+    TypeError naming the flag (it would read as true)."""
+    from megatron_ep.deep_ep.config import flag
+
+    import numpy as np
+
+    assert [flag("f", v) for v in (True, False, 1, 0, None, 2.0, np.bool_(True), np.int64(0))] == \
+        [True, False, True, False, False, True, True, False]
+    with pytest.raises(TypeError, match="async_finish must be a bool, got str 'False'"):
+        flag("async_finish", "False")
+
+
 def test_config_and_static_arguments_are_refused_by_name():
     """Config's values, set_num_sms, the size hints and the config tables: ValueError (also an
     AssertionError, as DeepEP asserts) or TypeError naming the argument, its value and range, at

@@ -1,8 +1,9 @@
 """scripts/deepep_tests.py on CPU: the launch-glue edits of DeepEP's tests/utils.py apply exactly
 once, an edit that does not match stops the script naming it, --extract writes only the test
 files, the test runs with megatron_ep's deep_ep first on the path (one process per virtual node),
-and --help answers without torch. DeepEP's own files are checked too where a git mirror of
-DeepEP is on this machine."""
+and --help answers without torch; for DeepEP V2's suite (--test elastic), the glue of its
+deep_ep/utils/envs.py and the utils package placed beside test_ep.py. DeepEP's own files are
+checked too where a git mirror of DeepEP is on this machine."""
 
 import os
 import shutil
@@ -56,11 +57,12 @@ def _checkout(path, utils=INIT_DIST, test=FAKE_TEST):
     return path
 
 
-def _run(*args, env=None):
+def _run(*args, env=None, timeout=120):
     env = {**os.environ, **(env or {})}
     for k in ("RANK", "WORLD_SIZE", "MASTER_PORT", "MEP_DEBUG_TRACEBACK"):
         env.pop(k, None)
-    p = subprocess.run([sys.executable, SCRIPT, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, SCRIPT, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=timeout)
     return p.returncode, p.stdout + p.stderr
 
 
@@ -160,3 +162,137 @@ def test_deepep_567632d_files_take_every_edit(tmp_path):
                           check=True).stdout
     assert INIT_DIST in real  # the fixture above is DeepEP's text
     assert "'backend': 'gloo'" in (work / "tests" / "utils.py").read_text()
+
+
+# DeepEP V2's suite (dd758ca): the test's imports of the utils package and the launch glue of
+# deep_ep/utils/envs.py's init_dist, the texts the script edits.
+V2_IMPORTS = """\
+from deep_ep.utils.math import (
+    align, count_bytes, calc_diff,
+)
+from deep_ep.utils.gate import get_unbalanced_scores
+from deep_ep.utils.envs import init_dist, init_seed, dist_print
+from deep_ep.utils.refs import dispatch as ref_dispatch
+from deep_ep.utils.refs import combine as ref_combine
+from deep_ep.utils.refs import generate_pre_combine_data, ordered_accumulate
+from deep_ep.utils.testing import bench_kineto
+"""
+V2_ENVS_HEAD = """\
+import torch
+
+# noinspection PyUnresolvedReferences
+import deep_ep._C as _C
+
+from .comm import get_nccl_comm_handle
+
+"""
+V2_FILES = ("tests/elastic/test_ep.py", *(f"deep_ep/utils/{m}.py" for m in ("envs", "math", "gate", "refs", "testing")))
+
+
+def _v2_checkout(path, imports=V2_IMPORTS):
+    for rel in V2_FILES:
+        (path / rel).parent.mkdir(parents=True, exist_ok=True)
+        text = {"tests/elastic/test_ep.py": imports + FAKE_TEST,
+                "deep_ep/utils/envs.py": V2_ENVS_HEAD + "def init_dist(local_rank, num_local_ranks, seed=0):\n" + INIT_DIST,
+                "deep_ep/utils/refs.py": "from .envs import get_global_seed\n"}.get(rel, "x = 1\n")
+        (path / rel).write_text(text)
+    return path
+
+
+def test_v2_suite_edits_and_places_the_utils_package(tmp_path):
+    """--test elastic: init_dist's glue in deep_ep/utils/envs.py, its imports of DeepEP's extension
+    gone, the utils modules beside test_ep.py as deep_ep_utils, and every import of the test
+    pointed there (refs' three too); the test file otherwise unchanged."""
+    src, work = _v2_checkout(tmp_path / "deepep"), tmp_path / "work"
+    rc, out = _run("--checkout", str(src), "--test", "elastic", "--workdir", str(work), "--dry-run", "--",
+                   "--num-tokens", "64")
+    assert rc == 0, out
+    assert "tests/elastic/test_ep.py --num-processes 2 --num-tokens 64" in out, out
+    pkg = work / "tests" / "elastic" / "deep_ep_utils"
+    assert sorted(p.name for p in pkg.iterdir()) == ["__init__.py", "envs.py", "gate.py", "math.py", "refs.py", "testing.py"]
+    assert not (work / "deep_ep").exists()
+    envs = (pkg / "envs.py").read_text()
+    assert "'backend': 'gloo'" in envs and "set_device(local_rank % torch.cuda.device_count())" in envs
+    assert "deep_ep._C" not in envs and ".comm" not in envs and "params['device_id']" not in envs
+    test = (work / "tests" / "elastic" / "test_ep.py").read_text()
+    assert "deep_ep.utils" not in test and test.count("from deep_ep_utils.refs import ") == 3
+    assert test == V2_IMPORTS.replace("deep_ep.utils.", "deep_ep_utils.") + FAKE_TEST
+    assert (pkg / "refs.py").read_text() == "from .envs import get_global_seed\n"  # relative imports stay
+
+
+def test_v2_suite_an_import_that_moved_stops_the_run(tmp_path):
+    src = _v2_checkout(tmp_path / "deepep", imports=V2_IMPORTS.replace(
+        "from deep_ep.utils.refs import combine as ref_combine\n", ""))
+    rc, out = _run("--checkout", str(src), "--test", "elastic", "--workdir", str(tmp_path / "work"))
+    assert rc == 2, out
+    assert "edit 'import refs' matches 2 times, expected 3" in out, out
+
+
+def test_v2_extract_and_its_options(tmp_path):
+    src, dest = _v2_checkout(tmp_path / "deepep"), tmp_path / "carry"
+    rc, out = _run("--checkout", str(src), "--suite", "v2", "--extract", str(dest))
+    assert rc == 0, out
+    got = sorted(os.path.relpath(os.path.join(d, f), dest) for d, _, fs in os.walk(dest) for f in fs)
+    assert got == sorted(V2_FILES)
+    rc, out = _run("--checkout", str(src), "--suite", "v2", "--test", "elastic")
+    assert rc == 2 and "--suite goes with --extract" in out, out
+    rc, out = _run("--checkout", str(src), "--test", "elastic", "--num-nodes", "2")
+    assert rc == 2 and "--num-nodes goes with --test internode (test_ep.py runs on one node here)" in out, out
+
+
+@pytest.mark.skipif(not os.path.isdir(MIRROR), reason=f"no DeepEP git mirror at {MIRROR} (CI has none)")
+def test_deepep_dd758ca_files_take_every_edit(tmp_path):
+    work = tmp_path / "work"
+    rc, out = _run("--git", MIRROR, "--test", "elastic", "--workdir", str(work), "--dry-run")
+    assert rc == 0 and "tests/elastic/test_ep.py --num-processes 2" in out, out
+    pkg = work / "tests" / "elastic" / "deep_ep_utils"
+    code = "import deep_ep_utils.envs, deep_ep_utils.refs, deep_ep_utils.math, deep_ep_utils.gate, deep_ep_utils.testing"
+    p = subprocess.run([sys.executable, "-c", code], cwd=pkg.parent, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr  # the placed modules import without DeepEP's extension
+
+
+def test_cuda_as_cpu_maps_every_cuda_device_to_the_cpu():
+    """--cpu's sitecustomize: with MEP_CUDA_AS_CPU=1, factory calls, .cuda(), .to("cuda"), the
+    default device and torch.cuda's queries give or answer for the CPU, and an FP8 tensor's
+    collective moves its bytes; without the variable it changes nothing."""
+    code = (
+        "import torch, torch.distributed as dist\n"
+        "torch.set_default_device('cuda'); torch.cuda.set_device(3); torch.cuda.synchronize()\n"
+        "a = torch.randn(2, 4, device='cuda:0'); b = torch.zeros(3); c = a.cuda().to('cuda')\n"
+        "d = torch.empty(2, device=torch.device('cuda', 1))\n"
+        "assert {t.device.type for t in (a, b, c, d)} == {'cpu'}, (a.device, b.device, c.device, d.device)\n"
+        "assert torch.cuda.current_device() == 0 and torch.cuda.device_count() == 1\n"
+        "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+        "x = torch.randn(4, 8).to(torch.float8_e4m3fn); y = torch.empty_like(x)\n"
+        "dist.all_to_all_single(y, x)\n"
+        "assert torch.equal(y.view(torch.uint8), x.view(torch.uint8))\n"
+        "print('mapped')\n")
+    shim = os.path.join(ROOT, "scripts", "cuda_as_cpu")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [shim, os.environ.get("PYTHONPATH")])),
+           "MEP_CUDA_AS_CPU": "1", "MASTER_ADDR": "127.0.0.1"}
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "mapped" in p.stdout, p.stdout + p.stderr
+    env["MEP_CUDA_AS_CPU"] = "0"
+    off = "import torch, sitecustomize; assert torch.set_default_device.__module__ == 'torch'; print('untouched')"
+    p = subprocess.run([sys.executable, "-c", off], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "untouched" in p.stdout, p.stdout + p.stderr
+
+
+@pytest.mark.limit(900)
+@pytest.mark.skipif(not os.path.isdir(MIRROR), reason=f"no DeepEP git mirror at {MIRROR} (CI has none)")
+def test_deepep_dd758ca_test_ep_passes_on_cpu():
+    """DeepEP V2's own tests/elastic/test_ep.py, every mode of its loop, on megatron_ep.deep_ep's
+    ElasticBuffer on the torch backend, 2 CPU processes (--cpu), at a small shape."""
+    rc, out = _run("--git", MIRROR, "--test", "elastic", "--cpu", "--", "--num-tokens", "64", "--hidden", "256",
+                   "--num-experts", "16", "--num-topk", "4", "--skip-perf-test", timeout=840)
+    assert rc == 0 and "Testing with do_handle_copy=0, expert_alignment=1" in out, out[-4000:]
+
+
+def test_the_ll_compatibility_part_runs_where_the_gpu_has_the_memory():
+    from test_deepep_suite import LL_COMPAT_MIN_GIB, fitted_args
+
+    args = ["--num-tokens", "512", "--test-ll-compatibility"]
+    assert fitted_args(args, 139.8) == (args, "")
+    kept, note = fitted_args(args, 79.6)
+    assert kept == ["--num-tokens", "512"] and "left out" in note and str(LL_COMPAT_MIN_GIB) in note
+    assert fitted_args(["--num-tokens", "1024"], 79.6) == (["--num-tokens", "1024"], "")

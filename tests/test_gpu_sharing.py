@@ -5,12 +5,13 @@ only: the launchers are stopped at their first CUDA call."""
 
 import os
 import sys
+import types
 
 import pytest
 import torch
 
 from megatron_ep import protocol as P
-from megatron_ep.cuda.runtime import CudaRuntime
+from megatron_ep.cuda.ledger import CallLedger
 
 ENV = "CUDA_MODULE_LOADING"
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -94,11 +95,10 @@ def test_loading_mode_from_the_environment():
     assert "CUDA_MODULE_LOADING=EAGER" in sharing.lazy_loading_hazard(4, "LAZY")
 
 
-def _runtime(ranks_per_device: int) -> CudaRuntime:
-    """The parts of a cuda runtime its error messages read (no GPU here)."""
-    rt = object.__new__(CudaRuntime)
-    rt.rank, rt.ranks_per_device, rt.timeout_s = 1, ranks_per_device, 60.0
-    return rt
+def _runtime(ranks_per_device: int) -> CallLedger:
+    """The call ledger of a cuda runtime, over the parts of a region its error messages read (no
+    GPU here)."""
+    return CallLedger("intranode", types.SimpleNamespace(rank=1, timeout_s=60.0), ranks_per_device)
 
 
 def _timeout(code: str, slot: str) -> dict:

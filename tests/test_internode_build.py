@@ -77,7 +77,7 @@ def _start_up_collectives():
     """On every rank: the start-up helpers the cuda paths share (runtime.gather / largest, the
     cached host names)."""
     from megatron_ep.cuda import hosts
-    from megatron_ep.cuda.runtime import gather, largest
+    from megatron_ep.cuda.collectives import gather, largest
 
     rank = dist.get_rank()
     errors = []

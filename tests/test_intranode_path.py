@@ -12,6 +12,7 @@ import torch
 
 from megatron_ep import protocol as P
 from megatron_ep.cuda.paths.intranode import IntranodePath
+from megatron_ep.cuda.region import starts_at
 from megatron_ep.requests import CombineRequest, DispatchRequest
 from megatron_ep.types import EventOverlap
 from test_kernel_boundary import binding_arguments
@@ -69,7 +70,7 @@ class FakeKernels:
         return (*made, counts, counts[:L], counts[L], rank_counts, rank_prefix, *columns, waited,
                 None if waited else sizes, native)
 
-    def _dispatched(self, st, first, rows, comb_rows, x, topk_weights):
+    def _dispatched(self, st, first, rows, comb_rows, x, topk_weights, want_src=False):
         """What dispatch_call returns (its tuple), the state updated as HandleState is."""
         permute = st.bound["permute"]
         if first:  # as HandleState does: the map made for a new expert-major routing, the counts kept
@@ -81,7 +82,8 @@ class FakeKernels:
                 None if permute else torch.zeros(rows, K, dtype=torch.int64),
                 None if topk_weights is None else torch.zeros((rows,) if permute else (rows, K)),
                 torch.zeros(rows, dtype=torch.int32) if permute else None,
-                torch.zeros(L, dtype=torch.int64), torch.zeros((), dtype=torch.int64), kept, kept[:L], kept[L], comb_map)
+                torch.zeros(L, dtype=torch.int64), torch.zeros((), dtype=torch.int64), kept, kept[:L], kept[L], comb_map,
+                torch.arange(comb_rows if permute else rows, dtype=torch.int32) if want_src else None)
 
     def notify_call(self, *args, **kw):
         kw = self._named("notify_call", args, kw)
@@ -101,36 +103,57 @@ class FakeKernels:
         if self.fail_in == "dispatch half":
             raise RuntimeError("the dispatch half failed")
         permute = kw["permute"]
-        res = self._dispatched(notified[-1], True, M if permute else N, N if permute else 0, kw["x"], kw["topk_weights"])
+        res = self._dispatched(notified[-1], True, M if permute else N, N if permute else 0, kw["x"], kw["topk_weights"],
+                               kw["want_src"])
         return 0, notified, res
 
     def dispatch_call(self, *args, **kw):
+        """As calls.h; with `fused` (the internode path's), the push's launch record goes to it
+        instead of a launch."""
         kw = self._named("dispatch_call", args, kw)
         self._record("dispatch_call", kw)
-        return self._dispatched(kw["state"], kw["first"], kw["out_rows"], kw["comb_rows"], kw["x"], kw["topk_weights"])
+        if kw["fused"] is not None:
+            kw["fused"](b"push record")
+        return self._dispatched(kw["state"], kw["first"], kw["out_rows"], kw["comb_rows"], kw["x"], kw["topk_weights"],
+                                kw["want_src"])
 
     def combine_call(self, *args, **kw):
+        """y (and weights) made unless given; with `fused`, the in-node combine's record, y and the
+        weights go to it instead of a launch."""
         kw = self._named("combine_call", args, kw)
         self._record("combine_call", kw)
-        return torch.zeros(T, H, dtype=kw["x"].dtype), None
+        y, w = ((kw["out"], kw["out_weights"]) if kw["out"] is not None
+                else (torch.zeros(T, H, dtype=kw["x"].dtype), None))
+        if kw["fused"] is not None:
+            kw["fused"](b"combine record", y, w)
+        return y, w
 
 
 @pytest.fixture
 def path(monkeypatch):
+    return make_path(monkeypatch)
+
+
+def make_path(monkeypatch) -> IntranodePath:
+    """An IntranodePath over FakeKernels and a stand-in runtime (tests/test_internode_path.py's
+    in-node stage too)."""
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     holder = {}
     kernels = FakeKernels(lambda: holder["call"])
     published = []
     plan = types.SimpleNamespace(pool_bytes=1 << 20, max_tokens=64, stage_x=1 << 30, comb_x=1 << 31, comb_rows=1 << 16,
                                  comb_row_bytes=1 << 16)
-    rt = types.SimpleNamespace(
-        ext=types.SimpleNamespace(intranode=kernels), rt=types.SimpleNamespace(notified_tag=lambda: kernels.notified_tag),
-        device=torch.device("cpu"), num_ranks=R, rank=0,
-        plan=plan, base=0, ready=True, num_sms=8, push_sms=8, local_sms=16, trace=None,
-        fits=lambda need: None, grow_if_needed=lambda need: False, marks=lambda names, first=False: None,
-        scratch_free=lambda: True, check=lambda call=None: None,
-        publish=lambda call, exc: published.append((call.seq, call.pending)),
-        host_wait_s=65.0, host_sizes=lambda call, waited, sizes: sizes)
+    region = types.SimpleNamespace(
+        runtime=types.SimpleNamespace(notified_tag=lambda: kernels.notified_tag), plan=plan, base=0, ready=True,
+        fits=lambda need: None, grow_if_needed=lambda need: False, scratch_free=lambda: True,
+        holds=lambda t, offset: starts_at(t, region.base + offset))
+    ledger = types.SimpleNamespace(check=lambda call=None: None, host_wait_s=65.0,
+                                   publish=lambda call, exc: published.append((call.seq, call.pending)),
+                                   host_sizes=lambda call, waited, sizes: sizes)
+    budget = types.SimpleNamespace(num_sms=8, normal=(8, 8, 16))
+    rt = types.SimpleNamespace(ext=types.SimpleNamespace(intranode=kernels), device=torch.device("cpu"), num_ranks=R,
+                               rank=0, trace=None, marks=lambda names, first=False: None, region=region, ledger=ledger,
+                               budget=budget)
     p = IntranodePath(rt)
     p.published, p.holder, p.fake = published, holder, kernels
     return p
@@ -142,11 +165,11 @@ def _call(p, op, seq):
     return call
 
 
-def _dispatch(p, seq, permute, handle=None, previous_event=None):
+def _dispatch(p, seq, permute, handle=None, previous_event=None, source_index=False):
     x = torch.randn(T, H, dtype=torch.bfloat16)
     idx = None if handle is not None else torch.tensor([[0, 5], [1, 2], [7, -1], [3, 4], [6, 0], [2, 5]])
     req = DispatchRequest(x, idx, torch.rand(T, K), E, permute, 4 if permute else 1, handle,
-                          previous_event=previous_event, rank_counts=handle is None)
+                          previous_event=previous_event, rank_counts=handle is None, source_index=source_index)
     call = _call(p, "dispatch" if handle is None else "cached_dispatch", seq)
     with p.guard(call):
         return p.dispatch(call, req), call
@@ -182,8 +205,18 @@ def test_a_routing_then_its_calls_cross_once_each(path, permute):
         path.combine(combine_call, CombineRequest(torch.zeros(out.x.shape[0], H, dtype=torch.bfloat16), out.handle))
     name, comb, before_comb = path.fake.calls[-1]
     assert name == "combine_call" and comb["state"] is native and before_comb is P.Pending.FIRST
-    assert comb["partials"] == permute and comb["out"] is None
-    assert [c[0] for c in path.fake.calls] == ["dispatch_first_call", "dispatch_call", "combine_call"]
+    assert comb["variant"] == (P.COMBINE_PARTIALS if permute else P.COMBINE_STAGED) and comb["out"] is None
+    assert comb["sig"][P.FIELD["variant"]] == comb["variant"]  # the peers check the variant the kernel runs
+
+    # single_reduction: the staged kernel summing every slot's row (expert-major; rank-major as before)
+    single_call = _call(path, "combine", 4)
+    with path.guard(single_call):
+        path.combine(single_call, CombineRequest(torch.zeros(out.x.shape[0], H, dtype=torch.bfloat16), out.handle,
+                                                 single_reduction=True))
+    single = path.fake.calls[-1][1]
+    assert single["variant"] == (P.COMBINE_SINGLE if permute else P.COMBINE_STAGED)
+    assert single["sig"][P.FIELD["variant"]] == single["variant"]
+    assert [c[0] for c in path.fake.calls] == ["dispatch_first_call", "dispatch_call", "combine_call", "combine_call"]
     assert not path.published
 
 
@@ -197,9 +230,9 @@ def test_a_routing_the_host_must_size_takes_a_second_crossing(path, permute, why
     if why == "sizes":
         path.fake.stop_after_notify = True
     else:
-        path.rt.fits = lambda need: "hidden 8192 > 7168"
+        path.rt.region.fits = lambda need: "hidden 8192 > 7168"
     grown = []
-    path.rt.grow_if_needed = lambda need: grown.append(need) or False
+    path.rt.region.grow_if_needed = lambda need: grown.append(need) or False
     out, call = _dispatch(path, 1, permute)
     assert [c[0] for c in path.fake.calls] == ["dispatch_first_call", "dispatch_call"]
     (_, first, _), (_, disp, before_move) = path.fake.calls
@@ -256,7 +289,7 @@ def test_a_worst_case_sized_routing_does_not_wait_for_sizes(path, permute):
         out = path.dispatch(call, DispatchRequest(x, idx, None, E, permute, 1, num_worst_tokens=40))
     (_, notify, _), (_, disp, _) = path.fake.calls
     assert notify["wait_s"] < 0 and notify["num_worst_tokens"] == 40
-    assert disp["out_rows"] == 40 and disp["comb_rows"] == (R * path.rt.plan.max_tokens if permute else 0)
+    assert disp["out_rows"] == 40 and disp["comb_rows"] == (R * path.rt.region.plan.max_tokens if permute else 0)
     assert out.handle.num_recv_rows == 40
 
 
@@ -265,8 +298,10 @@ def test_the_fused_in_node_stage_hands_its_record_on(path):
     (`fused`) and, for the combine, the symmetric outputs (`out`) it writes into."""
     out, _ = _dispatch(path, 1, False)
 
+    records = []
+
     def launcher(*record):
-        pass
+        records.append(record)
 
     x = torch.randn(T, H, dtype=torch.bfloat16)
     call = _call(path, "cached_dispatch", 2)
@@ -280,6 +315,8 @@ def test_the_fused_in_node_stage_hands_its_record_on(path):
                                           fused=launcher, out=(y, w)))
     kw = path.fake.calls[-1][1]
     assert kw["fused"] is launcher and kw["out"] is y and kw["out_weights"] is None
+    # the launcher got each record (the combine's with the rows it writes) in place of a launch
+    assert records == [(b"push record",), (b"combine record", y, None)]
 
 
 def test_a_grown_region_decides_again_where_the_rows_lie(path):
@@ -287,16 +324,55 @@ def test_a_grown_region_decides_again_where_the_rows_lie(path):
     crossings, the move is told the input is not in the region any more (its rows are staged)."""
     path.fake.stop_after_notify = True
     x = torch.randn(T, H, dtype=torch.bfloat16)
-    path.rt.base = x.data_ptr() - path.rt.plan.stage_x  # x is the region's staging (a dispatch_input)
+    path.rt.region.base = x.data_ptr() - path.rt.region.plan.stage_x  # x is the region's staging (a dispatch_input)
 
     def grow(need):
-        path.rt.base += 1 << 40  # a new region elsewhere
+        path.rt.region.base += 1 << 40  # a new region elsewhere
         return True
 
-    path.rt.grow_if_needed = grow
+    path.rt.region.grow_if_needed = grow
     idx = torch.tensor([[0, 5], [1, 2], [7, -1], [3, 4], [6, 0], [2, 5]])
     call = _call(path, "dispatch", 1)
     with path.guard(call):
         path.dispatch(call, DispatchRequest(x, idx, None, E, False, 1))
     (_, first, _), (_, disp, _) = path.fake.calls
     assert first["zero_copy"] and not disp["zero_copy"]
+
+
+@pytest.mark.parametrize("permute", [False, True])
+def test_a_routing_asked_for_source_tokens_keeps_them_in_its_handle(path, permute):
+    """source_index=True: the new routing's crossing asks the kernels for each rank-major row's
+    source token (want_src) and the handle keeps what they wrote (expert-major, with its slot
+    rows: the combine map); a cached dispatch along it asks for nothing; without it, nothing."""
+    out, _ = _dispatch(path, 1, permute, source_index=True)
+    first = path.fake.calls[-1][1]
+    assert first["want_src"] is True
+    src = out.handle.recv_src_token
+    assert src is not None and src.dtype == torch.int32 and src.shape == (N,)
+    assert (out.handle.recv_slot_row is out.handle.state.comb_map) if permute else out.handle.recv_slot_row is None
+    _dispatch(path, 2, permute, handle=out.handle)
+    assert path.fake.calls[-1][1]["want_src"] is False
+    plain, _ = _dispatch(path, 3, permute)
+    assert path.fake.calls[-1][1]["want_src"] is False and plain.handle.recv_src_token is None
+
+
+def test_an_empty_input_is_placed_by_its_storage():
+    """A view of no rows has data_ptr() 0; where it lies is its storage's address plus its offset,
+    so a rank that received no rows agrees with its peers on a zero-copy combine input."""
+    area = torch.zeros(16, H)
+    none, some = area[4:4], area[4:6]
+    at = area.data_ptr() + 4 * H * area.element_size()
+    assert none.data_ptr() == 0 and starts_at(none, at) and starts_at(some, at)
+    assert not starts_at(area[5:5], at) and not starts_at(torch.zeros(0, H), at)
+
+
+def test_a_combine_variant_mismatch_says_what_the_caller_decides():
+    """The combine's variant is the one a caller's choice decides (its input in the buffer or not):
+    the error names the two kernels and what to pass."""
+    call = P.Call(P.OP["combine"], 7)
+    err = P.mismatch_error(call, P.FIELD["variant"], [0, 1])
+    text = str(err)
+    assert "rank 0 = staged rows, rank 1 = partials" in text and "get_combine_input(0, H)" in text, text
+    assert err.field == "variant" and err.values == [0, 1]
+    dispatch = str(P.mismatch_error(P.Call(P.OP["dispatch"], 7), P.FIELD["variant"], [0, 1]))
+    assert "rank 0 = stage+pull, rank 1 = push" in dispatch and "get_combine_input" not in dispatch, dispatch

@@ -3,7 +3,7 @@
 reordered on one side cannot silently land in another's place. internode.py passes them by
 keyword; intranode.py's one-crossing entries (dispatch_first_call, notify_call, dispatch_call,
 combine_call) pass them by position, each argument an expression whose last name is its
-parameter's (`rt.rt`, `call.sig`, `plan.num_experts`, a local `hook`): pybind11 matches keywords
+parameter's (`region.runtime`, `call.sig`, `plan.num_experts`, a local `hook`): pybind11 matches keywords
 by name at every call, about 0.25 µs each, 5 µs of a cached dispatch's host time. Read from the
 sources (no GPU, no build needed). The low-latency kernels are called by position too."""
 
@@ -83,13 +83,13 @@ def test_the_positional_rule_catches_a_swapped_argument():
     import textwrap
 
     src = textwrap.dedent("""
-        def f(self, call, rt, plan):
-            call.sends(self.kernels.combine_call, rt.rt, plan.sig, state)
+        def f(self, call, region, plan):
+            call.sends(self.kernels.combine_call, region.runtime, plan.sig, state)
     """)
     node = ast.parse(src).body[0].body[0].value
-    assert [_last_name(a) for a in node.args[1:]] == ["rt", "sig", "state"]
+    assert [_last_name(a) for a in node.args[1:]] == ["runtime", "sig", "state"]
     names = binding_arguments()["combine_call"][0]
-    assert ["rt", "sig", "state"] != names[:3] == ["rt", "state", "sig"]
+    assert ["runtime", "sig", "state"] != names[:3] == ["runtime", "state", "sig"]
 
 
 def test_the_notify_trace_names_all_notify_call_arguments():

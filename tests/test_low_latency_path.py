@@ -15,7 +15,7 @@ from megatron_ep.cuda import nvshmem
 from megatron_ep import protocol as P
 from megatron_ep.errors import BufferBrokenError, CallMismatchError, CommTimeoutError
 from megatron_ep.cuda.paths import low_latency as LL
-from megatron_ep.cuda.runtime import CudaRuntime, default_num_sms, max_num_sms
+from megatron_ep.cuda.sm_budget import SmBudget
 
 
 class FakeBuffer:
@@ -93,8 +93,7 @@ def path(monkeypatch):
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     rt = types.SimpleNamespace(group=dist.group.WORLD, rank=0, num_ranks=1, device=torch.device("cpu"),
                                ranks_per_device=1, sm_count=132, timeout_s=5.0, new_outputs=lambda ts: False,
-                               local_sms=max_num_sms(1, 132), num_sms=default_num_sms(1, 132))
-    rt.blocks = types.MethodType(CudaRuntime.blocks, rt)  # the runtime's own rule
+                               budget=SmBudget(1, 1, 132))  # the runtime's own rule
     try:
         yield LL.LowLatencyPath(rt, dict(num_experts=8, max_tokens=16, hidden=256, topk=4))
     finally:

@@ -84,7 +84,7 @@ enum SigField : int {
   kSigAlignment,       // expert-major segment alignment
   kSigWorstSized,      // outputs worst-case sized (num_worst_tokens > 0; the count may differ per rank)
   kSigWeights,         // DType of the weights that travel with the rows (0: none)
-  kSigVariant,         // kernel variant (push or stage+pull); must match for the handshakes to pair
+  kSigVariant,         // kernel variant (dispatch: push or stage+pull; combine: CombineVariant); must match
   kSigCapacity,        // low-latency: max_tokens_per_rank (fixes every rank's receive layout)
   kSigFields
 };
@@ -94,6 +94,13 @@ inline const char* sig_field_name(int f) {
                                           "weights", "variant", "max_tokens_per_rank"};
   return (f >= 0 && f < kSigFields) ? names[f] : "?";
 }
+
+// A normal combine's kSigVariant: how the rows are summed (the ranks' kernels must pair).
+enum CombineVariant : int {
+  kCombineStaged = 0,    // staged rows pulled and summed (expert-major: per rank first, rounded)
+  kCombinePartials = 1,  // expert-major: each rank's partials reduced locally, then pulled
+  kCombineSingle = 2,    // expert-major: every slot's row a term of its own (single_reduction)
+};
 
 enum DType : int { kDtypeNone = 0, kDtypeBf16 = 1, kDtypeFp32 = 2, kDtypeFp8 = 3, kDtypeFp64 = 4 };
 

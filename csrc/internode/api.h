@@ -54,13 +54,16 @@ struct InternodeCombineSendArgs {
   long long sig;
 };
 
-// Combine, receive half: y[t] = sum over the nodes t went to, fp32 accumulation.
+// Combine, receive half: y[t] = the biases + the in-node sum of each node t went to, nodes in the
+// order of their last top-k slot of t (as the in-node stage orders ranks), one fp32 accumulator.
 struct InternodeCombineRecvArgs {
   const long long* topk_idx;  // [T][K] this rank's global ids
   int T, K, E, H, fp32;       // fp32: rows (in and out) are fp32, else bf16
   long long sig;
   void* y;                    // [T][H]
   float* w;                   // [T][K] or null
+  const void* bias0;          // [T][H] y's dtype, the accumulator's start (+ bias1), or null
+  const void* bias1;          // [T][H] or null
 };
 
 void launch_internode_dispatch_send(const InternodeCtx& c, const InternodeSendArgs& a, int num_blocks, cudaStream_t stream);

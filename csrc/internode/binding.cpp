@@ -110,7 +110,8 @@ class InternodeBuffer {
   // rows), the RDMA send of those rows, then the sum over nodes into y (and w).
   void combine(const py::bytes& innode, const torch::Tensor& y_in, const c10::optional<torch::Tensor>& w_in,
                const torch::Tensor& local_idx, const torch::Tensor& tokens, const torch::Tensor& topk_idx, int num_experts,
-               long long sig, const torch::Tensor& y, const c10::optional<torch::Tensor>& w, int num_blocks) {
+               long long sig, const torch::Tensor& y, const c10::optional<torch::Tensor>& w,
+               const c10::optional<torch::Tensor>& bias0, const c10::optional<torch::Tensor>& bias1, int num_blocks) {
     live();
     InternodeCombineSendArgs s{};
     TORCH_CHECK(y_in.is_cuda() && y_in.is_contiguous() && y_in.dim() == 2, "y_in must be a contiguous CUDA matrix");
@@ -136,6 +137,12 @@ class InternodeBuffer {
     r.H = (int)y.size(1);
     r.y = y.data_ptr();
     r.w = w ? ptr<float>(*w, "weights", at::kFloat) : nullptr;
+    for (const auto* b : {&bias0, &bias1})
+      TORCH_CHECK(!b->has_value() || ((*b)->is_cuda() && (*b)->is_contiguous() && (*b)->scalar_type() == y.scalar_type() &&
+                                      (*b)->sizes() == y.sizes()),
+                  "a combine bias must be contiguous, on the GPU, of y's shape and dtype");
+    r.bias0 = bias0 ? bias0->data_ptr() : nullptr;
+    r.bias1 = bias1 ? bias1->data_ptr() : nullptr;
     TORCH_CHECK((long long)r.H * y.element_size() <= ctx_.lay.c_row && r.H % 8 == 0, "combine rows do not fit");
     check_call(r.T, r.K, 16, 0, num_blocks);
     launch_internode_combine(ctx_, s, r, record<InnodeCombine>(innode), num_blocks, stream());
@@ -215,7 +222,7 @@ void bind_internode(py::module_& m) {
       .def("set_call", &InternodeBuffer::set_call, py::arg("seq"))
       .def("publish_failure", &InternodeBuffer::publish_failure, py::arg("seq"))
       .def("dispatch_cached", &InternodeBuffer::dispatch_cached, py::arg("innode"), py::arg("x"), py::arg("scales"), py::arg("topk_idx"), py::arg("weights"), py::arg("num_experts"), py::arg("sig"), py::arg("num_blocks"))
-      .def("combine", &InternodeBuffer::combine, py::arg("innode"), py::arg("y_in"), py::arg("w_in"), py::arg("local_idx"), py::arg("tokens"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("sig"), py::arg("y"), py::arg("w"), py::arg("num_blocks"))
+      .def("combine", &InternodeBuffer::combine, py::arg("innode"), py::arg("y_in"), py::arg("w_in"), py::arg("local_idx"), py::arg("tokens"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("sig"), py::arg("y"), py::arg("w"), py::arg("bias0"), py::arg("bias1"), py::arg("num_blocks"))
       .def("error", &InternodeBuffer::error)
       .def("clear_error", &InternodeBuffer::clear_error)
       .def("p2p", &InternodeBuffer::p2p)

@@ -80,17 +80,22 @@ __global__ void __launch_bounds__(kInternodeThreads, 1) dispatch_kernel(const In
   finish_receive(c, kInternodeDispatch, got, &st->grid_done[1], true);  // the in-node stage has read the area
 }
 
-template <bool kFp32, bool kPartials>
+// kMode: how the in-node stage sums (one kernel each: ptxas allocates a function's registers for
+// every path in it): kStagedRank, kStagedExpert (stage + pull-and-sum), kPartials (the expert-major
+// pre-reduction + the partials' sum)
+enum { kStagedRank = 0, kStagedExpert = 1, kPartials = 2 };
+
+template <bool kFp32, int kMode>
 __global__ void __launch_bounds__(kInternodeThreads, 1) combine_kernel(const InternodeCtx c, const InternodeCombineSendArgs s,
                                                                        const InternodeCombineRecvArgs r, const InnodeCombine in) {
   InternodeState* st = state_of(c);
   const long long sent = *reinterpret_cast<volatile long long*>(&st->sent[kInternodeCombine]) + 1;
-  if constexpr (kPartials) {
+  if constexpr (kMode == kPartials) {
     combine_reduce_step<kFp32>(in.ctx, in.call, in.reduce);
     combine_partials_step<kFp32>(in.ctx, in.comb);
   } else {
     stage_combine_step(in.ctx, in.call, in.stage);
-    combine_step<kFp32>(in.ctx, in.comb);
+    combine_step<kFp32, kMode == kStagedExpert ? kSumGrouped : kSumRankRows>(in.ctx, in.comb);
   }
   const bool ok = grid_sync(c, s.sig);  // the forwarder's rows are complete
   if (ok && !failed(c)) combine_send_rows(c, s);
@@ -98,10 +103,13 @@ __global__ void __launch_bounds__(kInternodeThreads, 1) combine_kernel(const Int
   combine_recv_sum(c, r, &st->grid_done[3]);
 }
 
-template <bool kFp32, bool kPartials>
+template <bool kFp32>
 void launch_combine_kernel(const InternodeCtx& c, const InternodeCombineSendArgs& s, const InternodeCombineRecvArgs& r,
                            const InnodeCombine& in, int num_blocks, cudaStream_t stream) {
-  combine_kernel<kFp32, kPartials><<<num_blocks, kInternodeThreads, 0, stream>>>(c, s, r, in);
+  const auto kernel = in.partials ? combine_kernel<kFp32, kPartials>
+                      : in.comb.permute ? combine_kernel<kFp32, kStagedExpert>
+                                        : combine_kernel<kFp32, kStagedRank>;
+  kernel<<<num_blocks, kInternodeThreads, 0, stream>>>(c, s, r, in);
 }
 
 }  // namespace internode
@@ -125,11 +133,9 @@ void launch_internode_combine(const InternodeCtx& c, const InternodeCombineSendA
   cached_notify_kernel<false><<<1, kInternodeThreads, 0, stream>>>(c, kInternodeCombine, s.sig, InnodeDispatch{});
   check_cuda(cudaGetLastError(), "cached notify launch", "internode");
   if (r.fp32)
-    in.partials ? launch_combine_kernel<true, true>(c, s, r, in, num_blocks, stream)
-                : launch_combine_kernel<true, false>(c, s, r, in, num_blocks, stream);
+    launch_combine_kernel<true>(c, s, r, in, num_blocks, stream);
   else
-    in.partials ? launch_combine_kernel<false, true>(c, s, r, in, num_blocks, stream)
-                : launch_combine_kernel<false, false>(c, s, r, in, num_blocks, stream);
+    launch_combine_kernel<false>(c, s, r, in, num_blocks, stream);
   check_cuda(cudaGetLastError(), "fused combine launch", "internode");
 }
 
@@ -139,10 +145,10 @@ void internode_touch_fused_kernels() {
   check_cuda(cudaFuncGetAttributes(&attr, cached_notify_kernel<true>), what, "internode");
   check_cuda(cudaFuncGetAttributes(&attr, cached_notify_kernel<false>), what, "internode");
   check_cuda(cudaFuncGetAttributes(&attr, dispatch_kernel), what, "internode");
-  check_cuda(cudaFuncGetAttributes(&attr, combine_kernel<true, true>), what, "internode");
-  check_cuda(cudaFuncGetAttributes(&attr, combine_kernel<true, false>), what, "internode");
-  check_cuda(cudaFuncGetAttributes(&attr, combine_kernel<false, true>), what, "internode");
-  check_cuda(cudaFuncGetAttributes(&attr, combine_kernel<false, false>), what, "internode");
+  for (const auto kernel : {combine_kernel<true, kStagedRank>, combine_kernel<true, kStagedExpert>,
+                            combine_kernel<true, kPartials>, combine_kernel<false, kStagedRank>,
+                            combine_kernel<false, kStagedExpert>, combine_kernel<false, kPartials>})
+    check_cuda(cudaFuncGetAttributes(&attr, kernel), what, "internode");
 }
 
 }  // namespace mep

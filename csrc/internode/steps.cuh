@@ -225,25 +225,43 @@ __device__ __forceinline__ void combine_send_rows(const InternodeCtx& c, const I
 }
 
 template <bool kFp32>
-__device__ __forceinline__ void sum_slots(const InternodeCtx& c, const InternodeCombineRecvArgs& a, int t, unsigned long long mask) {
+__device__ __forceinline__ void add_word(float* acc, const int4& raw) {
+  if constexpr (kFp32) {
+    const float* f = reinterpret_cast<const float*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[i] += f[i];
+  } else {
+    add_bf16x8(acc, raw);
+  }
+}
+
+// y[t]: the biases, then each node's in-node sum added at the node's last slot of t (`node`:
+// lane k's slot's node, -1 none; `ok` false: nothing arrived, only the biases). The order of
+// DeepEP V2's reference: its scale-up partials, like its rank partials, join in the order of
+// their last slot. Uniform trip count: the node shuffles run on every lane.
+template <bool kFp32>
+__device__ __forceinline__ void sum_slots(const InternodeCtx& c, const InternodeCombineRecvArgs& a, int t, int node,
+                                          bool ok) {
   constexpr int kPer = kFp32 ? 4 : 8;  // elements per 16-byte word
-  const int lane = threadIdx.x & 31, mt = c.lay.max_tokens, row_bytes = a.H * (kFp32 ? 4 : 2);
+  const int lane = threadIdx.x & 31, mt = c.lay.max_tokens, row_bytes = a.H * (kFp32 ? 4 : 2), nv = a.H / kPer;
   const char* slots = c.base + c.lay.c_y;
-  for (int v = lane; v < a.H / kPer; v += 32) {
+  const unsigned same = __match_any_sync(kFull, node);
+  const unsigned ends = __ballot_sync(kFull, ok && node >= 0 && (same >> lane) == 1u);
+  const int4* b0 = a.bias0 != nullptr ? static_cast<const int4*>(a.bias0) + (long long)t * nv : nullptr;
+  const int4* b1 = a.bias1 != nullptr ? static_cast<const int4*>(a.bias1) + (long long)t * nv : nullptr;
+  for (int v0 = 0; v0 < nv; v0 += 32) {
+    const int v = v0 + lane;
+    const bool in = v < nv;
     float acc[kPer];
 #pragma unroll
     for (int i = 0; i < kPer; ++i) acc[i] = 0.f;
-    for (unsigned long long m = mask; m; m &= m - 1) {
-      const int n = __ffsll((long long)m) - 1;
-      const int4 raw = __ldcg(reinterpret_cast<const int4*>(slots + ((long long)n * mt + t) * row_bytes) + v);
-      if constexpr (kFp32) {
-        const float* f = reinterpret_cast<const float*>(&raw);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[i] += f[i];
-      } else {
-        add_bf16x8(acc, raw);
-      }
+    if (in && b0 != nullptr) add_word<kFp32>(acc, __ldg(b0 + v));
+    if (in && b1 != nullptr) add_word<kFp32>(acc, __ldg(b1 + v));
+    for (unsigned m = ends; m; m &= m - 1) {
+      const int n = __shfl_sync(kFull, node, __ffs(m) - 1);
+      if (in) add_word<kFp32>(acc, __ldcg(reinterpret_cast<const int4*>(slots + ((long long)n * mt + t) * row_bytes) + v));
     }
+    if (!in) continue;
     int4 out;
     if constexpr (kFp32) {
       out = *reinterpret_cast<const int4*>(acc);
@@ -254,9 +272,9 @@ __device__ __forceinline__ void sum_slots(const InternodeCtx& c, const Internode
   }
 }
 
-// Receive half (grid): wait for every source node's sums, y[t] = the sum of the slots of the
-// nodes token t went to (fp32), its weights likewise; the last block counts the call received
-// and releases the slots to their senders at once.
+// Receive half (grid): wait for every source node's sums, y[t] = the biases + the sums of the
+// nodes token t went to (fp32, sum_slots' order), its weights likewise; the last block counts
+// the call received and releases the slots to their senders at once.
 __device__ __forceinline__ void combine_recv_sum(const InternodeCtx& c, const InternodeCombineRecvArgs& a, unsigned* counter) {
   __shared__ int tokens[kInternodeMaxNodes];
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, N = c.lay.num_nodes, mt = c.lay.max_tokens;
@@ -269,10 +287,11 @@ __device__ __forceinline__ void combine_recv_sum(const InternodeCtx& c, const In
   for (int t = gw; t < a.T; t += num_warps) {
     const long long e = lane < a.K ? a.topk_idx[(long long)t * a.K + lane] : -1;
     const unsigned long long mask = ok ? node_mask(e, a.E, experts_per_node) : 0ull;
+    const int node = (e >= 0 && e < a.E) ? (int)(e / experts_per_node) : -1;
     if (a.fp32)
-      sum_slots<true>(c, a, t, mask);
+      sum_slots<true>(c, a, t, node, ok);
     else
-      sum_slots<false>(c, a, t, mask);
+      sum_slots<false>(c, a, t, node, ok);
     if (a.w != nullptr && lane < a.K) {
       float s = 0.f;
       for (unsigned long long m = mask; m; m &= m - 1) {

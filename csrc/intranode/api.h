@@ -49,6 +49,8 @@ struct NotifyArgs {
                           // groups are source nodes, so the row is the global source rank)
   int* rank_prefix;       // [G * R][R] out with rank_counts: its inclusive prefix sums over the rows
                           // (DeepEP's rank_prefix_matrix), or nullptr
+  long long* topk_copy;   // [T, K] out, or nullptr: the handle's copy of topk_idx, written as the ids
+                          // are counted (a copy of its own would cost the host a call more)
 };
 void launch_notify(const Ctx& ctx, const CallArgs& call, const NotifyArgs& args, cudaStream_t stream);
 
@@ -92,6 +94,8 @@ struct DispatchArgs {
   int* comb_map;           // expert-major: [N, K] expert-major row of each (rank-major row, slot), -1 where
                            // none or dropped -- the combine's local pre-reduction reads it; else nullptr
   CountsCopy counts;       // the pull or the push copies them (never the fan-out)
+  int* out_src;            // [rank-major rows] the source token of each rank-major row (its source rank is
+                           // its segment), or nullptr: not asked (DeepEP V2's recv_src_metadata)
 };
 void launch_dispatch(const Ctx& ctx, int slot, const DispatchArgs& args, int num_blocks, cudaStream_t stream);
 
@@ -106,6 +110,7 @@ struct PushArgs {
   StageArgs in;       // this rank's inputs
   DispatchArgs out;   // this rank's outputs (local pointers) and receive layout
   long long out_x_off, out_s_off, out_idx_off, out_w_off;  // rank-major rows in this region; x_off < 0: not pooled
+  long long out_src_off;  // the rows' source tokens in this region, or -1 (not asked)
 };
 void launch_dispatch_push(const Ctx& ctx, const CallArgs& call, int slot, const PushArgs& args, int num_blocks,
                           cudaStream_t stream);
@@ -119,6 +124,7 @@ struct FanoutArgs {
   const float* scales;  // [N, scale_cols] or nullptr
   const int* map;     // [N, K, 2] (expert-major row, local expert) or -1
   const float* w;     // [N, K] or nullptr
+  const int* src;     // [N] the pooled rows' source tokens, copied to out.out_src; or nullptr
 };
 void launch_fanout(const Ctx& ctx, const FanoutArgs& args, int num_blocks, cudaStream_t stream);
 
@@ -132,10 +138,10 @@ struct StageCombineArgs {
   int w_cols;
 };
 
-// Expert-major combine, first half (local): each rank-major row's expert rows summed in fp32
-// into the combine area (a partial per (token, rank): one row crosses the link per token and
-// rank instead of one per (token, expert)), the weights staged; publishes `call` and signals
-// kSlotCall like the staging, which it replaces.
+// Expert-major combine, first half (local): each rank-major row's expert rows summed in fp32, in
+// slot order, and rounded to x's dtype into the combine area (a partial per (token, rank): one
+// row crosses the link per token and rank instead of one per (token, expert)), the weights
+// staged; publishes `call` and signals kSlotCall like the staging, which it replaces.
 struct CombineReduceArgs {
   const void* x;      // [rows, H] expert-major rows (bf16 or fp32), local
   int rows, H, is_fp32;
@@ -147,21 +153,29 @@ struct CombineReduceArgs {
 void launch_combine_reduce(const Ctx& ctx, const CallArgs& call, const CombineReduceArgs& args, int num_blocks,
                            cudaStream_t stream);
 
-// y[t] = sum of this token's rows, pulled from their ranks' combine staging (fp32 accumulation).
-// With `partials` (after launch_combine_reduce) the rows are the fp32 partials, one per rank.
+// y[t] = the token's biases + its rows, pulled from their ranks' combine staging, in one fp32
+// accumulator rounded once (the order: combine_steps.cuh, DeepEP V2's reference): ranks in the
+// order of their last top-k slot; rank-major one row per rank, expert-major each rank's slots
+// summed in slot order and rounded to x's dtype first, or with `single` every slot's row a term
+// of its own in slot order (V2's allow_multiple_reduction=False). With `partials` (after
+// launch_combine_reduce) the rows are those rounded partials, one per rank.
 // Only rows the dispatch delivered are read: ids outside [0, E), negative positions and
 // positions past the owner's row limit (its num_worst_tokens) are skipped.
 // launch_stage_and_combine: the staging, then the sum of the staged rows, in one launch;
 // launch_combine_partials: the sum of the partials launch_combine_reduce wrote.
 struct CombineArgs {
-  int T, H, K, E, permute, is_fp32, has_weights, partials;
+  int T, H, K, E, permute, is_fp32, has_weights, partials, single;
   const int* row_limits;      // [R] from notify: rows each rank's combine input holds at most
   const long long* topk_idx;  // [T, K] (expert-major: owner of each slot)
   const int* rank_pos;        // [T, R]
   const int* slot_pos;        // [T, K]
   void* y;                    // [T, H]
   float* w_out;               // [T, K] or nullptr
+  const void* bias0;          // [T, H] x's dtype, the accumulator's start (+ bias1), or nullptr
+  const void* bias1;          // [T, H] or nullptr (never in the internode path's in-node stage)
 };
+// The pull's sum, one kernel each (two in one function spill: ptxas allocates for both at once).
+enum CombineSum : int { kSumRankRows = 0, kSumGrouped = 1, kSumSlots = 2 };
 void launch_stage_and_combine(const Ctx& ctx, const CallArgs& call, const StageCombineArgs& stage,
                               const CombineArgs& args, int num_blocks, cudaStream_t stream);
 void launch_combine_partials(const Ctx& ctx, const CombineArgs& args, int num_blocks, cudaStream_t stream);

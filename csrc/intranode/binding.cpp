@@ -16,8 +16,9 @@ namespace {
 void notify(Runtime& rt, const Sig& sig, const Tensor& topk_idx, int E, int align, bool permute, int worst,
             Tensor& rank_pos, Tensor& slot_pos, Tensor& recv_info, Tensor& row_limits, Tensor& tpe, Tensor& dropped,
             long long tag, int groups, bool check, const c10::optional<Tensor>& rank_counts,
-            const c10::optional<Tensor>& rank_prefix) {
-  // the outputs are notify_call's own (sized and typed there); the routing is the caller's copy
+            const c10::optional<Tensor>& rank_prefix, const Tensor* topk_copy) {
+  // the outputs are notify_call's own (sized and typed there); the routing is the caller's, or the
+  // handle's copy of it (`topk_copy`: where the kernel writes that copy as it reads the caller's)
   check_tensor(topk_idx, "topk_idx", at::kLong);
   const int T = (int)topk_idx.size(0), K = (int)topk_idx.size(1), R = rt.num_ranks();
   TORCH_CHECK(K >= 1 && K <= kMaxTopk, "megatron_ep: topk ", K, " outside 1..", kMaxTopk);
@@ -31,7 +32,8 @@ void notify(Runtime& rt, const Sig& sig, const Tensor& topk_idx, int E, int alig
                check ? 1 : 0,
                rank_pos.data_ptr<int>(), slot_pos.data_ptr<int>(), recv_info.data_ptr<int>(), row_limits.data_ptr<int>(),
                reinterpret_cast<long long*>(tpe.data_ptr<int64_t>()), reinterpret_cast<long long*>(dropped.data_ptr<int64_t>()),
-               tag, ptr_or_null<int>(rank_counts), ptr_or_null<int>(rank_prefix)};
+               tag, ptr_or_null<int>(rank_counts), ptr_or_null<int>(rank_prefix),
+               topk_copy != nullptr ? static_cast<long long*>(topk_copy->data_ptr()) : nullptr};
   launch_notify(rt.ctx(call.sig[kSigSeq]), call, a, stream());
   check_launch("notify");
 }
@@ -81,10 +83,11 @@ void dispatch(Runtime& rt, const Sig& sig, int slot, int row_bytes, int scale_co
               const c10::optional<Tensor>& out_scales, const c10::optional<Tensor>& out_idx,
               const c10::optional<Tensor>& out_w, const c10::optional<Tensor>& out_row_expert,
               const c10::optional<Tensor>& out_tpe, const c10::optional<Tensor>& comb_map, const CountsCopy& counts,
-              int num_blocks) {
+              const c10::optional<Tensor>& out_src, int num_blocks) {
   DispatchArgs a = dispatch_args(row_bytes, scale_cols, K, E, permute, has_weights, out_rows, recv_info, out_x,
                                  out_scales, out_idx, out_w, out_row_expert, out_tpe, comb_map);
   a.counts = counts;
+  a.out_src = ptr_or_null<int>(out_src);
   launch_dispatch(rt.ctx(sig.at(kSigSeq)), slot, a, num_blocks, stream());
   check_launch("dispatch");
 }
@@ -96,8 +99,8 @@ InnodeDispatch push_launch(Runtime& rt, const Sig& sig, int slot, const Tensor& 
                            const c10::optional<Tensor>& out_scales, const c10::optional<Tensor>& out_idx,
                            const c10::optional<Tensor>& out_w, const c10::optional<Tensor>& out_row_expert,
                            const c10::optional<Tensor>& comb_map, const std::vector<long long>& offsets,
-                           const CountsCopy& counts) {
-  TORCH_CHECK(offsets.size() == 4, "offsets: x, scales, idx, w");
+                           const CountsCopy& counts, const c10::optional<Tensor>& out_src) {
+  TORCH_CHECK(offsets.size() == 5, "offsets: x, scales, idx, w, src");
   InnodeDispatch d{};
   d.call = make_call(sig, kCallOk, "");
   d.ctx = rt.ctx(d.call.sig[kSigSeq]);
@@ -108,10 +111,12 @@ InnodeDispatch push_launch(Runtime& rt, const Sig& sig, int slot, const Tensor& 
   a.out = dispatch_args(row_bytes, scale_cols, K, E, permute, topk_w.has_value(), out_rows, recv_info, out_x, out_scales,
                         out_idx, out_w, out_row_expert, c10::nullopt, comb_map);
   a.out.counts = counts;
+  a.out.out_src = ptr_or_null<int>(out_src);  // (where the push falls back to stage + pull)
   a.out_x_off = offsets[0];
   a.out_s_off = offsets[1];
   a.out_idx_off = offsets[2];
   a.out_w_off = offsets[3];
+  a.out_src_off = offsets[4];
   return d;
 }
 
@@ -122,10 +127,10 @@ void dispatch_push(Runtime& rt, const Sig& sig, int slot, const Tensor& x, int T
                    const c10::optional<Tensor>& out_scales, const c10::optional<Tensor>& out_idx,
                    const c10::optional<Tensor>& out_w, const c10::optional<Tensor>& out_row_expert,
                    const c10::optional<Tensor>& comb_map, std::vector<long long> offsets, const CountsCopy& counts,
-                   int num_blocks) {
+                   const c10::optional<Tensor>& out_src, int num_blocks) {
   const InnodeDispatch d = push_launch(rt, sig, slot, x, T, row_bytes, scales, scale_cols, topk_idx, topk_w, rank_pos,
                                        slot_pos, E, out_rows, permute, recv_info, out_x, out_scales, out_idx, out_w,
-                                       out_row_expert, comb_map, offsets, counts);
+                                       out_row_expert, comb_map, offsets, counts, out_src);
   launch_dispatch_push(d.ctx, d.call, d.slot, d.push, num_blocks, stream());
   check_launch("dispatch_push");
 }
@@ -135,8 +140,10 @@ void dispatch_push(Runtime& rt, const Sig& sig, int slot, const Tensor& x, int T
 void fanout(Runtime& rt, const Sig& sig, const Tensor& rows, const c10::optional<Tensor>& scales, const Tensor& map,
             const c10::optional<Tensor>& w, int row_bytes, int scale_cols, int K, int E, bool has_weights, int out_rows,
             const Tensor& recv_info, Tensor& out_x, const c10::optional<Tensor>& out_scales,
-            const c10::optional<Tensor>& out_w, const Tensor& out_row_expert, const Tensor& comb_map, int num_blocks) {
+            const c10::optional<Tensor>& out_w, const Tensor& out_row_expert, const Tensor& comb_map,
+            const c10::optional<Tensor>& src, const c10::optional<Tensor>& out_src, int num_blocks) {
   TORCH_CHECK(map.scalar_type() == at::kLong && map.dim() == 2 && map.size(1) == K, "fanout: bad map");
+  TORCH_CHECK(src.has_value() == out_src.has_value(), "fanout: the pooled source tokens and their output go together");
   FanoutArgs a;
   a.out = dispatch_args(row_bytes, scale_cols, K, E, true, has_weights, out_rows, recv_info, out_x, out_scales,
                         c10::nullopt, out_w, out_row_expert, c10::nullopt, comb_map);
@@ -144,11 +151,13 @@ void fanout(Runtime& rt, const Sig& sig, const Tensor& rows, const c10::optional
   a.scales = ptr_or_null<const float>(scales);
   a.map = static_cast<const int*>(map.data_ptr());
   a.w = ptr_or_null<const float>(w);
+  a.src = ptr_or_null<const int>(src);
+  a.out.out_src = ptr_or_null<int>(out_src);
   launch_fanout(rt.ctx(sig.at(kSigSeq)), a, num_blocks, stream());
   check_launch("fanout");
 }
 
-// Expert-major combine, first half: the local pre-reduction into fp32 partials (replaces the staging).
+// Expert-major combine, first half: the local pre-reduction into partials of x's dtype (replaces the staging).
 CombineReduceArgs combine_reduce_args(Runtime& rt, const Tensor& x, int rows, int H, bool is_fp32, const Tensor& comb_map,
                                       const Tensor& recv_info, const c10::optional<Tensor>& w) {
   const RegionLayout& l = rt.lay();
@@ -156,7 +165,8 @@ CombineReduceArgs combine_reduce_args(Runtime& rt, const Tensor& x, int rows, in
   TORCH_CHECK(x.is_contiguous() && x.size(0) == rows && x.size(1) == H, "combine_reduce: bad x");
   TORCH_CHECK(H % 4 == 0, "combine_reduce: hidden must be a multiple of 4");
   TORCH_CHECK(rows <= l.comb_rows, "megatron_ep: combine input has ", rows, " rows; the region holds ", l.comb_rows);
-  TORCH_CHECK(comb_map.size(0) * H * 4 <= l.comb_rows * l.comb_row_bytes, "combine_reduce: the partials exceed the combine area");
+  TORCH_CHECK(comb_map.size(0) * H * x.element_size() <= (int64_t)l.comb_rows * l.comb_row_bytes,
+              "combine_reduce: the partials exceed the combine area");
   return CombineReduceArgs{x.data_ptr(), rows, H, is_fp32 ? 1 : 0, comb_map.data_ptr<int>(), recv_info.data_ptr<int>(),
                            (int)comb_map.size(1), ptr_or_null<const float>(w)};
 }
@@ -170,15 +180,30 @@ StageCombineArgs stage_combine_args(Runtime& rt, const c10::optional<Tensor>& x,
   return StageCombineArgs{x.has_value() ? x->data_ptr() : nullptr, rows, row_bytes, ptr_or_null<const float>(w), w_cols};
 }
 
-CombineArgs combine_args(int T, int H, int K, int E, bool permute, bool is_fp32, bool has_weights, bool partials,
+// A bias the kernel starts a token's sum from: y's dtype, shape and device, contiguous (Buffer checked
+// it; this guards the pointer arithmetic).
+const void* bias_ptr(const c10::optional<Tensor>& b, const Tensor& y) {
+  if (!b.has_value()) return nullptr;
+  TORCH_CHECK(b->scalar_type() == y.scalar_type() && b->is_contiguous() && b->dim() == 2 && b->size(0) == y.size(0) &&
+                  b->size(1) == y.size(1) && b->device() == y.device(),
+              "megatron_ep: combine bias must be contiguous, of y's shape, dtype and device");
+  return b->data_ptr();
+}
+
+CombineArgs combine_args(int T, int H, int K, int E, bool permute, bool is_fp32, bool has_weights, int variant,
                          const Tensor& row_limits, const Tensor& topk_idx, const Tensor& rank_pos, const Tensor& slot_pos,
-                         Tensor& y, const c10::optional<Tensor>& w_out) {
+                         Tensor& y, const c10::optional<Tensor>& w_out, const c10::optional<Tensor>& bias0,
+                         const c10::optional<Tensor>& bias1) {
   check_tensor(topk_idx, "topk_idx", at::kLong);
   check_tensor(row_limits, "row_limits", at::kInt);
   TORCH_CHECK(y.is_contiguous() && y.size(0) == T && y.size(1) == H, "y has the wrong shape");
-  return CombineArgs{T, H, K, E, permute ? 1 : 0, is_fp32 ? 1 : 0, has_weights ? 1 : 0, partials ? 1 : 0,
+  TORCH_CHECK(variant >= kCombineStaged && variant <= kCombineSingle, "megatron_ep: unknown combine variant ", variant);
+  TORCH_CHECK(variant != kCombineSingle || permute, "megatron_ep: single_reduction sums an expert-major combine");
+  return CombineArgs{T, H, K, E, permute ? 1 : 0, is_fp32 ? 1 : 0, has_weights ? 1 : 0,
+                     variant == kCombinePartials ? 1 : 0, variant == kCombineSingle ? 1 : 0,
                      row_limits.data_ptr<int>(), static_cast<const long long*>(topk_idx.data_ptr()),
-                     rank_pos.data_ptr<int>(), slot_pos.data_ptr<int>(), y.data_ptr(), ptr_or_null<float>(w_out)};
+                     rank_pos.data_ptr<int>(), slot_pos.data_ptr<int>(), y.data_ptr(), ptr_or_null<float>(w_out),
+                     bias_ptr(bias0, y), bias_ptr(bias1, y)};
 }
 
 // ------------------------------------------------------------------ one crossing per call (calls.h)
@@ -236,21 +261,20 @@ Notified notify_part(Runtime& rt, CallStreams& cs, StepTimer& clock, const Sig& 
   HandleState& st = n.st;
   st.topk_idx = kept[0], st.rank_pos = kept[1], st.slot_pos = kept[2], st.recv_info = kept[3], st.row_limits = kept[4];
   n.counts = kept[5], st.own = kept[6];
-  n.tpe = n.counts.narrow(0, 0, n.L), n.dropped = n.counts.select(0, n.L);
+  n.tpe = head(n.counts, n.L), n.dropped = element(n.counts, n.L);
   if (want_rank_counts) {
     n.rank_counts = kept[7], n.rank_prefix = kept[8];
-    n.recv_rank_counts = kept[7].select(1, rt.rank()), n.recv_rank_prefix = kept[8].select(1, rt.rank());
+    n.recv_rank_counts = column(kept[7], rt.rank()), n.recv_rank_prefix = column(kept[8], rt.rank());
   }
-  if (!topk_idx.is_contiguous())
-    st.topk_idx.copy_(topk_idx);
-  else if (topk_idx.nbytes() > 0)  // (a raw copy: ATen's copy_ costs more host time than the copy)
-    C10_CUDA_CHECK(cudaMemcpyAsync(st.topk_idx.data_ptr(), topk_idx.data_ptr(), topk_idx.nbytes(),
-                                   cudaMemcpyDeviceToDevice, cs.comm().stream()));
+  // the handle's copy of the routing: notify writes it as it reads the caller's (contiguous) ids
+  const bool direct = topk_idx.is_contiguous();
+  if (!direct) st.topk_idx.copy_(topk_idx);
   // the caller's ids are read on our stream: an asynchronous caller may free them at once
   if (async_op) topk_idx.record_stream(cs.comm());
   clock.lap(kStepOutputs);
-  notify(rt, sig, st.topk_idx, E, align, permute, worst, st.rank_pos, st.slot_pos, st.recv_info, st.row_limits, n.tpe,
-         n.dropped, tag, groups, check, n.rank_counts, n.rank_prefix);
+  notify(rt, sig, direct ? topk_idx : st.topk_idx, E, align, permute, worst, st.rank_pos, st.slot_pos, st.recv_info,
+         st.row_limits, n.tpe, n.dropped, tag, groups, check, n.rank_counts, n.rank_prefix,
+         direct ? &st.topk_idx : nullptr);
   rt.set_notified(tag);
   mark(marks, 1);
   clock.lap(kStepLaunch);
@@ -297,17 +321,21 @@ py::tuple notify_call(Runtime& rt, const Sig& sig, const Tensor& topk_idx, int E
 }
 
 // A combine's host side: y (and the weights) on the caller's stream unless given, then stage (or
-// the expert-major pre-reduction, `partials`) and the pull-and-sum on ours; with `fused` (the
+// the expert-major pre-reduction, `variant` kCombinePartials) and the pull-and-sum on ours (every
+// slot's row a term of its own: kCombineSingle); with `fused` (the
 // internode path's fused combine) the whole in-node combine as its launch record instead,
-// fused(record, y, w_out). Returns (y, w_out).
+// fused(record, y, w_out). `bias0`, `bias1`: the sums' start (none with `fused`: the internode
+// path adds its biases in the sum over nodes). Returns (y, w_out).
 py::tuple combine_call(Runtime& rt, const HandleState& st, const Sig& sig, const Tensor& x,
-                       const c10::optional<Tensor>& weights, bool partials, bool zero_copy,
+                       const c10::optional<Tensor>& weights, const c10::optional<Tensor>& bias0,
+                       const c10::optional<Tensor>& bias1, int variant, bool zero_copy,
                        const c10::optional<Tensor>& out_y, const c10::optional<Tensor>& out_w,
                        const py::object& previous, const py::object& event, bool async_op, const py::object& hook,
                        const py::object& fused, const py::object& marks, int num_blocks, int local_blocks) {
   const int rows = (int)x.size(0), H = (int)x.size(1), row_bytes = H * (int)x.element_size();
   const bool is_fp32 = x.scalar_type() == at::kFloat, has_w = weights.has_value();
   const int w_cols = st.permute ? 1 : st.K;
+  const bool partials = variant == kCombinePartials;
   StepTimer clock(rt.clock(), kEntryCombine);
   CallStreams cs(rt, previous, false);
   clock.lap(kStepStreams);
@@ -328,6 +356,8 @@ py::tuple combine_call(Runtime& rt, const HandleState& st, const Sig& sig, const
     mark(marks, 0);
     const c10::optional<Tensor> staged = zero_copy ? c10::nullopt : c10::optional<Tensor>(x);
     if (!fused.is_none()) {
+      TORCH_CHECK(!bias0.has_value() && !bias1.has_value(), "megatron_ep: the in-node stage of a combine takes no bias");
+      TORCH_CHECK(variant != kCombineSingle, "megatron_ep: the in-node stage of a combine sums per rank");
       InnodeCombine d{};
       d.call = make_call(sig, kCallOk, "");
       d.ctx = rt.ctx(d.call.sig[kSigSeq]);
@@ -338,12 +368,12 @@ py::tuple combine_call(Runtime& rt, const HandleState& st, const Sig& sig, const
       } else {
         d.stage = stage_combine_args(rt, staged, rows, row_bytes, weights, w_cols);
       }
-      d.comb = combine_args(st.T, H, st.K, st.E, st.permute, is_fp32, has_w, partials, st.row_limits, st.topk_idx,
-                            st.rank_pos, st.slot_pos, y, w_out);
+      d.comb = combine_args(st.T, H, st.K, st.E, st.permute, is_fp32, has_w, variant, st.row_limits, st.topk_idx,
+                            st.rank_pos, st.slot_pos, y, w_out, c10::nullopt, c10::nullopt);
       fused(as_bytes(d), y, w_out.has_value() ? py::cast(*w_out) : py::none());
     } else {
-      const CombineArgs comb = combine_args(st.T, H, st.K, st.E, st.permute, is_fp32, has_w, partials, st.row_limits,
-                                            st.topk_idx, st.rank_pos, st.slot_pos, y, w_out);
+      const CombineArgs comb = combine_args(st.T, H, st.K, st.E, st.permute, is_fp32, has_w, variant, st.row_limits,
+                                            st.topk_idx, st.rank_pos, st.slot_pos, y, w_out, bias0, bias1);
       const CallArgs call = make_call(sig, kCallOk, "");
       const Ctx ctx = rt.ctx(call.sig[kSigSeq]);
       if (partials) {  // the pre-reduction on the local SMs, then the partials' sum
@@ -363,7 +393,7 @@ py::tuple combine_call(Runtime& rt, const HandleState& st, const Sig& sig, const
   }
   clock.lap(kStepLaunch);
   cs.leave(event, async_op, {&x, opt_ptr(weights), &y, opt_ptr(w_out), &st.topk_idx, &st.rank_pos, &st.slot_pos,
-                             &st.row_limits, opt_ptr(st.comb_map), &st.recv_info});
+                             &st.row_limits, opt_ptr(st.comb_map), &st.recv_info, opt_ptr(bias0), opt_ptr(bias1)});
   clock.lap(kStepLeave);
   py::tuple out = py::make_tuple(y, w_out.has_value() ? py::cast(*w_out) : py::none());
   clock.lap(kStepReturn);
@@ -383,8 +413,9 @@ py::tuple dispatch_part(Runtime& rt, CallStreams& cs, StepTimer& clock, HandleSt
                         const Tensor& data, const c10::optional<Tensor>& scales, const c10::optional<Tensor>& topk_w,
                         bool push, bool scratch, bool zero_copy, int out_rows, int worst, int comb_rows,
                         const py::object& event, bool async_op, const py::object& hook, const py::object& fused,
-                        const py::object& marks, int num_blocks, int push_blocks, int local_blocks) {
+                        const py::object& marks, int num_blocks, int push_blocks, int local_blocks, bool want_src) {
   const int T = st.T, K = st.K, E = st.E, H = (int)data.size(1);
+  TORCH_CHECK(!want_src || fused.is_none(), "megatron_ep: a fused in-node dispatch writes no source tokens");
   const int row_bytes = H * (int)data.element_size(), scale_cols = scales.has_value() ? (int)scales->size(1) : 0;
   const bool permute = st.permute, has_w = topk_w.has_value();
   const auto dev = data.options();
@@ -397,7 +428,7 @@ py::tuple dispatch_part(Runtime& rt, CallStreams& cs, StepTimer& clock, HandleSt
   // returns copies of them (the caller's outputs are its own), made by the kernel that moves the rows
   const int L = E / rt.num_ranks();
   const Tensor counts = first ? st.counts : at::empty({L + 1}, dev.dtype(at::kLong));
-  const Tensor tpe = counts.narrow(0, 0, L), dropped = counts.select(0, L);
+  const Tensor tpe = head(counts, L), dropped = element(counts, L);
   // ... and a new routing's handle keeps its own copy of notify's, made by that kernel too unless the
   // rows it moves are still being counted (rank-major, worst-case sized: the pull counts them)
   const bool count_rows = first && worst > 0 && !permute;
@@ -415,13 +446,14 @@ py::tuple dispatch_part(Runtime& rt, CallStreams& cs, StepTimer& clock, HandleSt
     const int rows = std::max<int>(1, (int)st.comb_map->size(0));
     const RegionLayout& l = rt.lay();
     have_pool = (scratch && rt.block_at(l.comb_x, l.comb_w, rows, H, data.scalar_type(), row_bytes, scale_cols, K, has_w,
-                                        pooled)) ||
-                rt.pool_block(rows, H, data.scalar_type(), row_bytes, scale_cols, K, has_w, compute, true, comm, pooled);
+                                        want_src, pooled)) ||
+                rt.pool_block(rows, H, data.scalar_type(), row_bytes, scale_cols, K, has_w, want_src, compute, true, comm,
+                              pooled);
   } else if (push) {
     // the block's first writer waits for its last use: the push kernel (our stream; the peers
     // wait for its start), or an output hook (the caller's) before it
-    have_pool = rt.pool_block(out_rows, H, data.scalar_type(), row_bytes, scale_cols, K, has_w, compute, false,
-                              hook.is_none() ? comm : compute, pooled);
+    have_pool = rt.pool_block(out_rows, H, data.scalar_type(), row_bytes, scale_cols, K, has_w, want_src, compute,
+                              false, hook.is_none() ? comm : compute, pooled);
   }
   Tensor x;
   c10::optional<Tensor> out_s, out_idx, out_w, row_expert;
@@ -434,10 +466,26 @@ py::tuple dispatch_part(Runtime& rt, CallStreams& cs, StepTimer& clock, HandleSt
     if (has_w) out_w = permute ? at::empty({out_rows}, dev.dtype(at::kFloat)) : at::empty({out_rows, K}, dev.dtype(at::kFloat));
   }
   if (permute) row_expert = at::empty({out_rows}, dev.dtype(at::kInt));
+  // DeepEP V2's recv_src_metadata: each rank-major row's source token, -1 where no row arrived,
+  // in a tensor of its own on our stream (the handle keeps it, as it keeps its other tensors made
+  // there; a view into the pooled block would pin the block, rows and all, while the handle
+  // lives). Rank-major pooled rows are all real (N of them): the kernels write the block's
+  // section (the push, or the pull it falls back to) and it is copied out after them. Elsewhere
+  // the kernels write the tensor (the pull, the fan-out), filled with -1 first.
+  c10::optional<Tensor> out_src, src_in_block;
+  if (want_src) {
+    c10::cuda::CUDAStreamGuard on_comm(cs.comm());
+    if (have_pool && !permute) {
+      src_in_block = pooled.src;
+      out_src = at::empty({(int64_t)out_rows}, dev.dtype(at::kInt));
+    } else {
+      out_src = at::full({permute ? st.comb_map->size(0) : (int64_t)out_rows}, -1, dev.dtype(at::kInt));
+    }
+  }
   clock.lap(kStepOutputs);
   if (apply_hook(hook, {&x, opt_ptr(out_s), opt_ptr(out_idx), opt_ptr(out_w), opt_ptr(row_expert)})) cs.after_caller();
   clock.lap(kStepHook);
-  const std::vector<long long> offsets = have_pool ? pooled.offsets : std::vector<long long>{-1, -1, -1, -1};
+  const std::vector<long long> offsets = have_pool ? pooled.offsets : std::vector<long long>{-1, -1, -1, -1, -1};
   {
     c10::cuda::CUDAStreamGuard on_comm(cs.comm());
     const int slot = !first ? kSlotCall : (push ? kSlotOutLoc : kSlotStaged);
@@ -446,17 +494,17 @@ py::tuple dispatch_part(Runtime& rt, CallStreams& cs, StepTimer& clock, HandleSt
         // where the outputs are not pooled (no push) the fused kernel stages and pulls (offsets -1)
         fused(as_bytes(push_launch(rt, sig, slot, data, T, row_bytes, scales, scale_cols, st.topk_idx, topk_w,
                                    st.rank_pos, st.slot_pos, E, out_rows, permute, st.recv_info, x, out_s, out_idx,
-                                   out_w, row_expert, st.comb_map, offsets, copy)));
+                                   out_w, row_expert, st.comb_map, offsets, copy, c10::nullopt)));
       } else {
         dispatch_push(rt, sig, slot, data, T, row_bytes, scales, scale_cols, st.topk_idx, topk_w, st.rank_pos,
                       st.slot_pos, E, out_rows, permute, st.recv_info, x, out_s, out_idx, out_w, row_expert,
-                      st.comb_map, offsets, copy, push_blocks);
+                      st.comb_map, offsets, copy, src_in_block.has_value() ? src_in_block : out_src, push_blocks);
       }
       mark(marks, 0);
       if (permute) {
         if (have_pool)
           fanout(rt, sig, pooled.x, pooled.scales, pooled.idx, pooled.w, row_bytes, scale_cols, K, E, has_w, out_rows,
-                 st.recv_info, x, out_s, out_w, *row_expert, *st.comb_map, local_blocks);
+                 st.recv_info, x, out_s, out_w, *row_expert, *st.comb_map, pooled.src, out_src, local_blocks);
         mark(marks, 1);
       }
     } else {
@@ -465,9 +513,13 @@ py::tuple dispatch_part(Runtime& rt, CallStreams& cs, StepTimer& clock, HandleSt
       mark(marks, 0);
       // rank-major, worst-case sized: the pull counts the rows it delivers (notify zeroed tpe)
       dispatch(rt, sig, slot, row_bytes, scale_cols, K, E, permute, has_w, out_rows, st.recv_info, x, out_s, out_idx,
-               out_w, row_expert, count_rows ? c10::optional<Tensor>(tpe) : c10::nullopt, st.comb_map, copy, num_blocks);
+               out_w, row_expert, count_rows ? c10::optional<Tensor>(tpe) : c10::nullopt, st.comb_map, copy, out_src,
+               num_blocks);
       mark(marks, 1);
     }
+    if (src_in_block.has_value())  // every peer's push into the block completed within the push kernel
+      C10_CUDA_CHECK(cudaMemcpyAsync(out_src->data_ptr(), src_in_block->data_ptr(), out_src->nbytes(),
+                                     cudaMemcpyDeviceToDevice, comm));
     clock.lap(kStepLaunch);
     if (count_rows)  // after the rows moved (a raw copy: ATen's copy_ costs more host time than the copy)
       C10_CUDA_CHECK(cudaMemcpyAsync(own.data_ptr(), counts.data_ptr(), counts.nbytes(), cudaMemcpyDeviceToDevice, comm));
@@ -479,11 +531,11 @@ py::tuple dispatch_part(Runtime& rt, CallStreams& cs, StepTimer& clock, HandleSt
   }
   cs.leave(event, async_op, {&data, opt_ptr(scales), &st.topk_idx, opt_ptr(topk_w), &st.rank_pos, &st.slot_pos,
                              &st.recv_info, &st.row_limits, opt_ptr(st.comb_map), &x, opt_ptr(out_s), opt_ptr(out_idx),
-                             opt_ptr(out_w), opt_ptr(row_expert), &counts});
+                             opt_ptr(out_w), opt_ptr(row_expert), &counts, opt_ptr(out_src)});
   clock.lap(kStepLeave);
   const auto opt = [](const c10::optional<Tensor>& t) { return t.has_value() ? py::cast(*t) : py::none(); };
   py::tuple out = py::make_tuple(x, opt(out_s), opt(out_idx), opt(out_w), opt(row_expert), tpe, dropped, st.counts,
-                                 st.tokens_per_expert, st.num_dropped, opt(st.comb_map));
+                                 st.tokens_per_expert, st.num_dropped, opt(st.comb_map), opt(out_src));
   clock.lap(kStepReturn);
   return out;
 }
@@ -492,12 +544,12 @@ py::tuple dispatch_call(Runtime& rt, HandleState& st, const Sig& sig, bool first
                         const c10::optional<Tensor>& scales, const c10::optional<Tensor>& topk_w, bool push,
                         bool scratch, bool zero_copy, int out_rows, int worst, int comb_rows, const py::object& previous,
                         const py::object& event, bool async_op, const py::object& hook, const py::object& fused,
-                        const py::object& marks, int num_blocks, int push_blocks, int local_blocks) {
+                        const py::object& marks, int num_blocks, int push_blocks, int local_blocks, bool want_src) {
   StepTimer clock(rt.clock(), kEntryDispatch);
   CallStreams cs(rt, previous, first);
   clock.lap(kStepStreams);
   return dispatch_part(rt, cs, clock, st, sig, first, data, scales, topk_w, push, scratch, zero_copy, out_rows, worst,
-                       comb_rows, event, async_op, hook, fused, marks, num_blocks, push_blocks, local_blocks);
+                       comb_rows, event, async_op, hook, fused, marks, num_blocks, push_blocks, local_blocks, want_src);
 }
 
 // A new routing's whole dispatch in one crossing (not worst-case sized): notify, the host wait for
@@ -514,7 +566,7 @@ py::tuple dispatch_first_call(Runtime& rt, const Sig& sig, const Tensor& topk_id
                               const c10::optional<Tensor>& scales, const c10::optional<Tensor>& topk_w, bool push,
                               bool scratch, bool zero_copy, const py::object& event, bool async_op,
                               const py::object& hook, const py::object& marks, int num_blocks, int push_blocks,
-                              int local_blocks) {
+                              int local_blocks, bool want_src) {
   StepTimer clock(rt.clock(), kEntryNotify);
   CallStreams cs(rt, previous, false);
   clock.lap(kStepStreams);
@@ -536,7 +588,7 @@ py::tuple dispatch_first_call(Runtime& rt, const Sig& sig, const Tensor& topk_id
   StepTimer dclock(rt.clock(), kEntryDispatch);
   py::tuple out = dispatch_part(rt, cs, dclock, n.st, sig, true, data, scales, topk_w, push, scratch, zero_copy,
                                 permute ? perm_rows : rows, 0, permute ? rows : 0, event, async_op, hook, py::none(),
-                                marks, num_blocks, push_blocks, local_blocks);
+                                marks, num_blocks, push_blocks, local_blocks, want_src);
   return py::make_tuple(0, notified_tuple(n, sizes), out);
 }
 
@@ -553,7 +605,7 @@ py::tuple layout(const Tensor& topk_idx, int E, int R, bool counts_int32) {
   const std::vector<Tensor> made =
       arena_tensors({{counts_int32 ? at::kInt : at::kLong, {R + E}}, {at::kBool, {T, R}}}, topk_idx.options());
   const Tensor &counts = made[0], &in_rank = made[1];
-  const Tensor per_rank = counts.narrow(0, 0, R), per_expert = counts.narrow(0, R, E);
+  const Tensor per_rank = head(counts, R), per_expert = alias(counts, {E}, {1}, R);
   launch_layout(static_cast<const long long*>(topk_idx.data_ptr()), T, (int)topk_idx.size(1), E, R, per_rank.data_ptr(),
                 per_expert.data_ptr(), counts_int32, in_rank.data_ptr<bool>(), stream());
   check_launch("layout");
@@ -616,10 +668,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init(&mep::handle_state), py::arg("topk_idx"), py::arg("rank_pos"), py::arg("slot_pos"), py::arg("recv_info"), py::arg("row_limits"), py::arg("counts"), py::arg("comb_map"), py::arg("num_experts"), py::arg("permute"));
   // one crossing per call (calls.h); argument names: the Python side's (megatron_ep/cuda/paths/intranode.py
   // passes them by name; tests/test_kernel_boundary.py reads both sides)
-  intra.def("notify_call", &mep::notify_call, py::arg("rt"), py::arg("sig"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("expert_alignment"), py::arg("permute"), py::arg("num_worst_tokens"), py::arg("token_groups"), py::arg("check_ids"), py::arg("rank_counts"), py::arg("tag"), py::arg("previous_event"), py::arg("marks"), py::arg("wait_s"), py::arg("async_op"));
-  intra.def("dispatch_first_call", &mep::dispatch_first_call, py::arg("rt"), py::arg("sig"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("expert_alignment"), py::arg("permute"), py::arg("token_groups"), py::arg("check_ids"), py::arg("rank_counts"), py::arg("tag"), py::arg("previous_event"), py::arg("notify_marks"), py::arg("wait_s"), py::arg("fits"), py::arg("x"), py::arg("scales"), py::arg("topk_weights"), py::arg("push"), py::arg("scratch"), py::arg("zero_copy"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("marks"), py::arg("num_blocks"), py::arg("push_blocks"), py::arg("local_blocks"));
-  intra.def("dispatch_call", &mep::dispatch_call, py::arg("rt"), py::arg("state"), py::arg("sig"), py::arg("first"), py::arg("x"), py::arg("scales"), py::arg("topk_weights"), py::arg("push"), py::arg("scratch"), py::arg("zero_copy"), py::arg("out_rows"), py::arg("num_worst_tokens"), py::arg("comb_rows"), py::arg("previous_event"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("fused"), py::arg("marks"), py::arg("num_blocks"), py::arg("push_blocks"), py::arg("local_blocks"));
-  intra.def("combine_call", &mep::combine_call, py::arg("rt"), py::arg("state"), py::arg("sig"), py::arg("x"), py::arg("weights"), py::arg("partials"), py::arg("zero_copy"), py::arg("out"), py::arg("out_weights"), py::arg("previous_event"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("fused"), py::arg("marks"), py::arg("num_blocks"), py::arg("local_blocks"));
+  intra.def("notify_call", &mep::notify_call, py::arg("runtime"), py::arg("sig"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("expert_alignment"), py::arg("permute"), py::arg("num_worst_tokens"), py::arg("token_groups"), py::arg("check_ids"), py::arg("rank_counts"), py::arg("tag"), py::arg("previous_event"), py::arg("marks"), py::arg("wait_s"), py::arg("async_op"));
+  intra.def("dispatch_first_call", &mep::dispatch_first_call, py::arg("runtime"), py::arg("sig"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("expert_alignment"), py::arg("permute"), py::arg("token_groups"), py::arg("check_ids"), py::arg("rank_counts"), py::arg("tag"), py::arg("previous_event"), py::arg("notify_marks"), py::arg("wait_s"), py::arg("fits"), py::arg("x"), py::arg("scales"), py::arg("topk_weights"), py::arg("push"), py::arg("scratch"), py::arg("zero_copy"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("marks"), py::arg("num_blocks"), py::arg("push_blocks"), py::arg("local_blocks"), py::arg("want_src"));
+  intra.def("dispatch_call", &mep::dispatch_call, py::arg("runtime"), py::arg("state"), py::arg("sig"), py::arg("first"), py::arg("x"), py::arg("scales"), py::arg("topk_weights"), py::arg("push"), py::arg("scratch"), py::arg("zero_copy"), py::arg("out_rows"), py::arg("num_worst_tokens"), py::arg("comb_rows"), py::arg("previous_event"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("fused"), py::arg("marks"), py::arg("num_blocks"), py::arg("push_blocks"), py::arg("local_blocks"), py::arg("want_src"));
+  intra.def("combine_call", &mep::combine_call, py::arg("runtime"), py::arg("state"), py::arg("sig"), py::arg("x"), py::arg("weights"), py::arg("bias0"), py::arg("bias1"), py::arg("variant"), py::arg("zero_copy"), py::arg("out"), py::arg("out_weights"), py::arg("previous_event"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("fused"), py::arg("marks"), py::arg("num_blocks"), py::arg("local_blocks"));
   intra.attr("INNODE_DISPATCH_BYTES") = (long long)sizeof(mep::InnodeDispatch);
   intra.attr("INNODE_COMBINE_BYTES") = (long long)sizeof(mep::InnodeCombine);
 }

@@ -59,7 +59,7 @@ struct HandleState {
 
   void keep_counts(const Tensor& c) {
     const int64_t L = c.numel() - 1;
-    counts = c, tokens_per_expert = c.narrow(0, 0, L), num_dropped = c.select(0, L);
+    counts = c, tokens_per_expert = head(c, L), num_dropped = element(c, L);
   }
 };
 

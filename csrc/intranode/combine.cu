@@ -9,11 +9,11 @@ namespace mep {
 // combine runs the same two steps in its own launch). The pull waits for every rank's staging,
 // this rank's included, so every block must be resident: the grid is at most the SMs the rank
 // may keep, one block per SM (__launch_bounds__), as for every waiting kernel here.
-template <bool kFp32>
+template <bool kFp32, int kSum>
 __global__ void __launch_bounds__(kCopyThreads, 1) stage_and_combine_kernel(Ctx c, CallArgs call, StageCombineArgs s,
                                                                             CombineArgs a) {
   stage_combine_step(c, call, s);
-  combine_step<kFp32>(c, a);
+  combine_step<kFp32, kSum>(c, a);
 }
 
 static_assert(sizeof(Ctx) + sizeof(CallArgs) + sizeof(StageCombineArgs) + sizeof(CombineArgs) <= 4096,
@@ -21,10 +21,14 @@ static_assert(sizeof(Ctx) + sizeof(CallArgs) + sizeof(StageCombineArgs) + sizeof
 
 void launch_stage_and_combine(const Ctx& ctx, const CallArgs& call, const StageCombineArgs& stage,
                               const CombineArgs& args, int num_blocks, cudaStream_t stream) {
-  if (args.is_fp32)
-    stage_and_combine_kernel<true><<<num_blocks, kCopyThreads, 0, stream>>>(ctx, call, stage, args);
-  else
-    stage_and_combine_kernel<false><<<num_blocks, kCopyThreads, 0, stream>>>(ctx, call, stage, args);
+  const int sum = !args.permute ? kSumRankRows : args.single ? kSumSlots : kSumGrouped;
+  const auto kernel = args.is_fp32 ? (sum == kSumRankRows ? stage_and_combine_kernel<true, kSumRankRows>
+                                      : sum == kSumGrouped ? stage_and_combine_kernel<true, kSumGrouped>
+                                                           : stage_and_combine_kernel<true, kSumSlots>)
+                                   : (sum == kSumRankRows ? stage_and_combine_kernel<false, kSumRankRows>
+                                      : sum == kSumGrouped ? stage_and_combine_kernel<false, kSumGrouped>
+                                                           : stage_and_combine_kernel<false, kSumSlots>);
+  kernel<<<num_blocks, kCopyThreads, 0, stream>>>(ctx, call, stage, args);
 }
 
 template <bool kInFp32>
@@ -54,8 +58,12 @@ void launch_combine_partials(const Ctx& ctx, const CombineArgs& args, int num_bl
 
 void prepare_combine_kernels() {
   cudaFuncAttributes attr;
-  cudaFuncGetAttributes(&attr, stage_and_combine_kernel<true>);
-  cudaFuncGetAttributes(&attr, stage_and_combine_kernel<false>);
+  cudaFuncGetAttributes(&attr, stage_and_combine_kernel<true, kSumRankRows>);
+  cudaFuncGetAttributes(&attr, stage_and_combine_kernel<true, kSumGrouped>);
+  cudaFuncGetAttributes(&attr, stage_and_combine_kernel<true, kSumSlots>);
+  cudaFuncGetAttributes(&attr, stage_and_combine_kernel<false, kSumRankRows>);
+  cudaFuncGetAttributes(&attr, stage_and_combine_kernel<false, kSumGrouped>);
+  cudaFuncGetAttributes(&attr, stage_and_combine_kernel<false, kSumSlots>);
   cudaFuncGetAttributes(&attr, combine_reduce_kernel<true>);
   cudaFuncGetAttributes(&attr, combine_reduce_kernel<false>);
   cudaFuncGetAttributes(&attr, combine_partials_kernel<true>);

@@ -87,6 +87,7 @@ __global__ void __launch_bounds__(kCopyThreads) fanout_kernel(Ctx c, FanoutArgs 
       if (a.out_w != nullptr) a.out_w[pos] = w;
       a.out_row_expert[pos] = le;
     }
+    if (f.src != nullptr && lane == 0) a.out_src[n] = __ldcg(f.src + n);
   }
   fill_padding(a, gw, tw);
 }

@@ -162,6 +162,7 @@ __device__ __forceinline__ void pull_body(const Ctx& c, const DispatchArgs& a) {
       const unsigned rest = hits & (hits - 1);
       if (rest) next = load_meta(__shfl_sync(kFull, s, __ffs(rest) - 1), __shfl_sync(kFull, t, __ffs(rest) - 1));
       const char* src_row = region(c, hs) + c.lay.stage_x + (long long)ht * a.row_bytes;
+      if (a.out_src != nullptr && lane == 0) a.out_src[hrp] = ht;  // (hrp: the rank-major row, in both layouts)
       const bool local = m.e >= 0 && m.e < a.E && m.e / L == rank;
       const float* src_scales = at<const float>(c, hs, c.lay.stage_scales) + (long long)ht * a.scale_cols;
       if (!a.permute) {
@@ -228,6 +229,7 @@ __device__ __forceinline__ void push_announce(const Ctx& c, const CallArgs& call
   me->out_s_off = a.out_s_off;
   me->out_idx_off = a.out_idx_off;
   me->out_w_off = a.out_w_off;
+  me->out_src_off = a.out_src_off;
   me->out_pooled = a.out_x_off >= 0;
   if (slot == kSlotCall) write_record(c, call);
   signal_all(c, slot);
@@ -239,7 +241,7 @@ __device__ __forceinline__ void push_announce(const Ctx& c, const CallArgs& call
 // dispatch pushes what arrived over RDMA), so they are read through L2, not the read-only path.
 template <bool kLiveInput>
 __device__ __forceinline__ void push_rows(const Ctx& c, int slot, const PushArgs& a) {
-  __shared__ long long s_off[4][kMaxRanks];
+  __shared__ long long s_off[5][kMaxRanks];
   __shared__ int s_all_pooled, s_ok;
   const int R = c.num_ranks, rank = c.rank, L = a.out.E / R, K = a.in.K;
   Control* me = ctrl_of(c, rank);
@@ -260,6 +262,7 @@ __device__ __forceinline__ void push_rows(const Ctx& c, int slot, const PushArgs
       s_off[1][d] = ld_volatile(&p->out_s_off);
       s_off[2][d] = ld_volatile(&p->out_idx_off);
       s_off[3][d] = ld_volatile(&p->out_w_off);
+      s_off[4][d] = ld_volatile(&p->out_src_off);
     }
     s_all_pooled = all;
     if (blockIdx.x == 0) me->push_pooled = all;  // launch_fanout's verdict (stream-ordered after us)
@@ -307,6 +310,7 @@ __device__ __forceinline__ void push_rows(const Ctx& c, int slot, const PushArgs
             reinterpret_cast<long long*>(region(c, d) + s_off[2][d])[(long long)p * K + lane] = local ? e - (long long)d * L : -1;
           if (s_off[3][d] >= 0) reinterpret_cast<float*>(region(c, d) + s_off[3][d])[(long long)p * K + lane] = local ? w : 0.f;
         }
+        if (lane == 0 && s_off[4][d] >= 0) reinterpret_cast<int*>(region(c, d) + s_off[4][d])[p] = t;
       }
     }
     __syncthreads();  // then: this rank's writes into every output are complete

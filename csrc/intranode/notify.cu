@@ -87,6 +87,11 @@ __device__ __forceinline__ void count_step(const Ctx& c, const NotifyArgs& a, co
     long long ids[kSteps];  // loaded together: one dependent load per token would stall the warp
 #pragma unroll
     for (int b = 0; b < kSteps; ++b) ids[b] = load_slot(a.topk_idx, t0 + b, span.t_end, K);
+    if (a.topk_copy != nullptr) {  // every token is counted once, by one warp: its copy is written here
+#pragma unroll
+      for (int b = 0; b < kSteps; ++b)
+        if (lane < K && t0 + b < span.t_end) a.topk_copy[(long long)(t0 + b) * K + lane] = ids[b];
+    }
 #pragma unroll
     for (int b = 0; b < kSteps; ++b) {
       const bool valid = ids[b] >= 0 && ids[b] < E;  // other ids count as unused slots

@@ -37,6 +37,7 @@ struct Control {
   int aborted_calls;                                 // private: calls aborted so far
   int push_pooled;                                   // private: the last push dispatch found every output pooled
   long long out_x_off, out_s_off, out_idx_off, out_w_off;  // push dispatch: where (byte offsets)
+  long long out_src_off;                             // push dispatch: each row's source token (-1: not asked)
   long long aborted_seq;                             // private: the call this rank aborted last
   unsigned long long bad_key;                        // private: notify's first bad slot, T * K - slot (0: none)
   CallRecord call[2];                                // by seq parity

@@ -85,10 +85,10 @@ inline RegionLayout layout_from(const py::object& o) {
 }
 
 // Rank-major rows in region memory (a pooled block, or the combine area): the tensors and their
-// byte offsets in the region (x, scales, idx, w; -1 where the block has no such section).
+// byte offsets in the region (x, scales, idx, w, src; -1 where the block has no such section).
 struct RankMajor {
   Tensor x, idx;
-  c10::optional<Tensor> scales, w;
+  c10::optional<Tensor> scales, w, src;
   std::vector<long long> offsets;
 };
 
@@ -115,8 +115,8 @@ class Runtime {
   // kernel on the communication stream (the expert-major push's rank-major buffer), so it is free
   // again as soon as its last tensor dies. `order`: the block's first writer (0: the default stream).
   bool pool_block(int rows, int hidden, at::ScalarType x_dtype, int row_bytes, int scale_cols, int K, bool has_w,
-                  cudaStream_t stream, bool comm_only, cudaStream_t order, RankMajor& out) {
-    const RankMajorBlock b(rows, row_bytes, scale_cols, K, has_w);
+                  bool has_src, cudaStream_t stream, bool comm_only, cudaStream_t order, RankMajor& out) {
+    const RankMajorBlock b(rows, row_bytes, scale_cols, K, has_w, has_src);
     const long long off = pool_->alloc(b.total, order);
     if (off < 0) return false;
     struct Owner {  // returns the block when the last tensor over it dies (never copied)
@@ -141,18 +141,18 @@ class Runtime {
       }
     };
     auto owner = std::make_shared<Owner>(pool_, region_, off, b.total, stream, comm_only);
-    out = rank_major_tensors(off, b, rows, hidden, x_dtype, scale_cols, K, has_w, owner);
+    out = rank_major_tensors(off, b, rows, hidden, x_dtype, scale_cols, K, has_w, has_src, owner);
     return true;
   }
 
   // The same block laid out at `offset` of the region (the expert-major push's buffer in the
   // combine area); false when it would reach past `limit`. The tensors keep the region alive.
   bool block_at(long long offset, long long limit, int rows, int hidden, at::ScalarType x_dtype, int row_bytes,
-                int scale_cols, int K, bool has_w, RankMajor& out) {
+                int scale_cols, int K, bool has_w, bool has_src, RankMajor& out) {
     alive();
-    const RankMajorBlock b(rows, row_bytes, scale_cols, K, has_w);
+    const RankMajorBlock b(rows, row_bytes, scale_cols, K, has_w, has_src);
     if (offset + b.total > limit) return false;
-    out = rank_major_tensors(offset, b, rows, hidden, x_dtype, scale_cols, K, has_w, region_);
+    out = rank_major_tensors(offset, b, rows, hidden, x_dtype, scale_cols, K, has_w, has_src, region_);
     return true;
   }
 
@@ -339,18 +339,18 @@ class Runtime {
  private:
   // One rank-major block: x, FP8 scales, top-k ids (int64), weights, each section Pool-aligned.
   struct RankMajorBlock {
-    long long bx, bs, bi, bw, total;
-    RankMajorBlock(int rows, int row_bytes, int scale_cols, int K, bool has_w)
+    long long bx, bs, bi, bw, bsrc, total;
+    RankMajorBlock(int rows, int row_bytes, int scale_cols, int K, bool has_w, bool has_src)
         : bx(align((long long)rows * row_bytes)), bs(align((long long)rows * scale_cols * 4)),
           bi(align((long long)rows * K * 8)), bw(has_w ? align((long long)rows * K * 4) : 0),
-          total(bx + bs + bi + bw) {}
+          bsrc(has_src ? align((long long)rows * 4) : 0), total(bx + bs + bi + bw + bsrc) {}
     static long long align(long long n) { return (n + Pool::kAlign - 1) / Pool::kAlign * Pool::kAlign; }
   };
 
   // The tensors and region offsets of the block at `off`; `keep` lives as long as any of the
   // tensors (-1 / none for sections the block does not have).
   RankMajor rank_major_tensors(long long off, const RankMajorBlock& b, int rows, int hidden, at::ScalarType xt,
-                               int scale_cols, int K, bool has_w, std::shared_ptr<void> keep) {
+                               int scale_cols, int K, bool has_w, bool has_src, std::shared_ptr<void> keep) {
     auto make = [&](long long o, std::vector<int64_t> shape, at::ScalarType st) {
       return region_tensor(region_->base() + o, shape, st, region_->device(), keep);
     };
@@ -359,7 +359,10 @@ class Runtime {
     if (scale_cols > 0) m.scales = make(off + b.bx, {rows, scale_cols}, at::kFloat);
     m.idx = make(off + b.bx + b.bs, {rows, K}, at::kLong);
     if (has_w) m.w = make(off + b.bx + b.bs + b.bi, {rows, K}, at::kFloat);
-    m.offsets = {off, scale_cols > 0 ? off + b.bx : -1, off + b.bx + b.bs, has_w ? off + b.bx + b.bs + b.bi : -1};
+    const long long src_off = off + b.bx + b.bs + b.bi + b.bw;
+    if (has_src) m.src = make(src_off, {rows}, at::kInt);
+    m.offsets = {off, scale_cols > 0 ? off + b.bx : -1, off + b.bx + b.bs, has_w ? off + b.bx + b.bs + b.bi : -1,
+                 has_src ? src_off : -1};
     return m;
   }
 

@@ -88,6 +88,7 @@ PYBIND11_MODULE(_protocol, m) {
   errs["peer_failed"] = (int)kErrPeerFailed;
   m.attr("ERROR") = errs;
   m.attr("CALL_FAILED") = (int)kCallFailed;
+  m.attr("COMBINE_VARIANTS") = py::make_tuple((int)kCombineStaged, (int)kCombinePartials, (int)kCombineSingle);
   py::dict ri;
   ri["rows"] = RecvInfo::kRows; ri["perm_rows"] = RecvInfo::kPermRows; ri["local"] = RecvInfo::kLocal;
   ri["dropped"] = RecvInfo::kDropped; ri["header"] = RecvInfo::kHeader;

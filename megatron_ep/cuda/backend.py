@@ -84,14 +84,14 @@ class CudaBackend:
 
     @property
     def num_sms(self) -> int:
-        return self.rt.num_sms
+        return self.rt.budget.num_sms
 
     @property
     def max_num_sms(self) -> int:
-        return self.rt.local_sms
+        return self.rt.budget.local_sms
 
     def set_num_sms(self, num_sms: Optional[int]) -> None:
-        self.rt.set_num_sms(num_sms)  # the internode path's RDMA kernels read the same budget
+        self.rt.budget.set(num_sms)  # the internode path's RDMA kernels read the same budget
 
     @property
     def comm_stream(self) -> torch.cuda.Stream:
@@ -123,7 +123,7 @@ class CudaBackend:
             self._ll.synchronize()
 
     def reserve(self, need: dict) -> None:
-        self.rt.reserve(need)
+        self.rt.region.reserve(need)
 
     # ------------------------------------------------------------------------------ layout
     def layout(self, topk_idx: torch.Tensor, num_experts: int, counts_dtype: torch.dtype = torch.int64) -> DispatchLayout:
@@ -132,6 +132,11 @@ class CudaBackend:
         return DispatchLayout(*self.rt.ext.layout(topk_idx, num_experts, self.num_ranks, counts_dtype == torch.int32))
 
     # ---------------------------------------------------------------------- normal path
+    @property
+    def routing_replay(self):
+        """The normal path's replay of its last new routing (megatron_ep/replay.py), or None."""
+        return getattr(self.path, "routing_replay", None)
+
     def dispatch(self, call, req):
         return self.path.dispatch(call, req)
 
@@ -163,17 +168,17 @@ class CudaBackend:
     def dispatch_input(self, num_tokens: int, hidden: int, dtype: torch.dtype, device=None) -> torch.Tensor:
         """A [T, H] tensor inside this rank's dispatch staging: dispatching it skips one copy.
         Valid until the next dispatch on this buffer."""
-        rt = self.rt
-        fail(rt.ready, "get_dispatch_input needs a sized buffer (sizing hints, or one dispatch first)", RuntimeError)
+        region = self.rt.region
+        fail(region.ready, "get_dispatch_input needs a sized buffer (sizing hints, or one dispatch first)", RuntimeError)
         nbytes = hidden * dtype.itemsize
-        fail(num_tokens <= rt.plan.max_tokens and nbytes <= rt.plan.x_row_bytes, "dispatch_input larger than the buffer")
-        return rt.view(rt.plan.stage_x, [num_tokens, hidden], dtype)
+        fail(num_tokens <= region.plan.max_tokens and nbytes <= region.plan.x_row_bytes, "dispatch_input larger than the buffer")
+        return region.view(region.plan.stage_x, [num_tokens, hidden], dtype)
 
     def combine_input(self, num_rows: int, hidden: int, dtype: torch.dtype = torch.bfloat16, device=None) -> torch.Tensor:
         """A [rows, H] tensor inside this rank's combine area: combining it skips one copy
         (experts can write their output there). Valid until the next combine on this buffer."""
-        rt = self.rt
-        fail(rt.ready, "get_combine_input needs a sized buffer (sizing hints, or one dispatch first)", RuntimeError)
+        region = self.rt.region
+        fail(region.ready, "get_combine_input needs a sized buffer (sizing hints, or one dispatch first)", RuntimeError)
         nbytes = hidden * dtype.itemsize
-        fail(num_rows <= rt.plan.comb_rows and nbytes <= rt.plan.comb_row_bytes, "combine_input larger than the buffer")
-        return rt.combine_view(num_rows, hidden, dtype)
+        fail(num_rows <= region.plan.comb_rows and nbytes <= region.plan.comb_row_bytes, "combine_input larger than the buffer")
+        return region.combine_view(num_rows, hidden, dtype)

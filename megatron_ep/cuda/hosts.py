@@ -16,7 +16,7 @@ from typing import List
 
 import torch.distributed as dist
 
-from .runtime import gather
+from .collectives import gather
 
 _hosts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 

@@ -16,7 +16,7 @@ import torch
 
 from ..checks import fail
 from .hosts import host_names
-from .runtime import gather
+from .collectives import gather
 
 ENV = {"NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "1", "NVSHMEM_DISABLE_NVLS": "1",
        "NVSHMEM_DISABLE_MNNVL": "1"}

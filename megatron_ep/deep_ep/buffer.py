@@ -21,7 +21,7 @@ from ..fp8 import UE8M0_PACK, pack_ue8m0, unpack_ue8m0
 from ..protocol import MAX_TOPK, failure_message
 from ..types import DispatchHandle
 from .config import (BUFFER_ALIGNMENT, COMBINE_CONFIGS, DISPATCH_CONFIGS, INT_MAX, Config, InvalidArgument, _align_up,
-                     check_int, check_num_ranks)
+                     check_int, check_num_ranks, flag)
 from .utils import EventOverlap, from_ours, to_ours
 
 log = logging.getLogger("megatron_ep.deep_ep")
@@ -101,33 +101,6 @@ class LowLatencyHandle(_HandleTuple):
         h = super().__new__(cls, (src_info, layout_range, T, H, E))
         h.ours = ours
         return h
-
-
-def _unpack_bias(bias) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    if isinstance(bias, torch.Tensor):
-        return bias, None
-    if isinstance(bias, tuple):
-        assert len(bias) == 2
-        return bias
-    return None, None
-
-
-def _with_bias(y: torch.Tensor, bias, event) -> torch.Tensor:
-    """A combine's output plus DeepEP's bias (None, a tensor or a pair, each of y's shape and
-    dtype; V1's and V2's alike): added to y in fp32 and rounded to y's dtype, on the caller's
-    stream after `event` (our asynchronous call's, or None)."""
-    b0, b1 = _unpack_bias(bias)
-    if b0 is None and b1 is None:
-        return y
-    if event is not None:
-        event.current_stream_wait()
-    acc = y.float()
-    for b in (b0, b1):
-        if b is not None:
-            assert tuple(b.shape) == tuple(y.shape) and b.dtype == y.dtype, \
-                f"bias must be {y.dtype} {list(y.shape)} (the combined tokens), got {b.dtype} {list(b.shape)}"
-            acc = acc + b.float()
-    return acc.to(y.dtype)
 
 
 def _public(op: Optional[str] = None):
@@ -291,7 +264,7 @@ class Buffer:
         """(num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank [R / 8] int32 or None for at
         most 8 ranks, num_tokens_per_expert [E] int32, is_token_in_rank [N, R] bool, event).
         Computed on the caller's stream (no communication)."""
-        _check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
+        async_finish, allocate_on_comm_stream = _stream_args(previous_event, async_finish, allocate_on_comm_stream)
         if getattr(previous_event, "event", None) is not None:  # DeepEP's rule: an EventOverlap(None) waits for nothing
             previous_event.current_stream_wait()
         # (DeepEP's layout checks no ids; our dispatch that follows checks them before rows move)
@@ -317,7 +290,7 @@ class Buffer:
         counts a list rounded up to `expert_alignment` ([] with num_worst_tokens > 0). Without
         topk_idx the tokens go where is_token_in_rank says and the received top-k are None. With
         a handle (cached dispatch) only the rows move and the list and handle come back None."""
-        _check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
+        async_finish, allocate_on_comm_stream = _stream_args(previous_event, async_finish, allocate_on_comm_stream)
         _check_config(config)
         self._hand_sms(config)
         prev = to_ours(previous_event)
@@ -430,16 +403,19 @@ class Buffer:
                 bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None, config: Optional[Config] = None,
                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                 allocate_on_comm_stream: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor], EventOverlap]:
-        """combined_x[t] = the sum of the rows token t's dispatch delivered (one per rank it went
-        to; unweighted, fp32 accumulation) + the biases; combined_topk_weights [N, K] the sum of
+        """combined_x[t] = the biases + the rows token t's dispatch delivered (one per rank it went
+        to; unweighted), one fp32 accumulator that starts at the biases, as DeepEP's kernel does
+        (ranks added in the order of their last top-k slot of t, where DeepEP V1 adds them by
+        rank: the same sum up to fp32 rounding); combined_topk_weights [N, K] the sum of
         the K weights each of those ranks passes for the token, as DeepEP sums them (the
         weights a dispatch returned are 0 for experts elsewhere, so that sum gives back the
         selected experts' weights)."""
-        _check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
+        async_finish, allocate_on_comm_stream = _stream_args(previous_event, async_finish, allocate_on_comm_stream)
         _check_config(config)
         self._hand_sms(config)
         assert isinstance(handle, Handle), "handle must come from megatron_ep.deep_ep's dispatch"
-        out = self.runtime.combine(x, handle.ours, async_op=async_finish, previous_event=to_ours(previous_event))
+        out = self.runtime.combine(x, handle.ours, async_op=async_finish, previous_event=to_ours(previous_event),
+                                   bias=bias)
         y = out.x
         weights = None
         if topk_weights is not None:  # a second combine, of the weight rows (fp32, padded to 16 bytes)
@@ -451,7 +427,7 @@ class Buffer:
             # (the first combine's event would not cover it); our stream runs that combine first
             back = self.runtime.combine(rows, handle.ours, async_op=async_finish, previous_event=None)
             weights, out = back.x[:, :K], back
-        return _with_bias(y, bias, out.event), weights, _finished(out.event, async_finish)
+        return y, weights, _finished(out.event, async_finish)
 
     # ----------------------------------------------------------------------- low latency
     @_public("low_latency_dispatch")
@@ -464,6 +440,9 @@ class Buffer:
         int32, handle (src_info [L, R*T] int32, layout_range [L, R] int64 = begin << 32 | count,
         T, H, E), event, hook). With return_recv_hook the outputs are valid after hook()."""
         assert self.low_latency_mode
+        use_fp8, round_scale = flag("use_fp8", use_fp8), flag("round_scale", round_scale)
+        use_ue8m0 = flag("use_ue8m0", use_ue8m0)
+        async_finish, return_recv_hook = flag("async_finish", async_finish), flag("return_recv_hook", return_recv_hook)
         assert not (async_finish and return_recv_hook)
         assert not use_ue8m0 or round_scale
         hooked = return_recv_hook and self.runtime.backend == "cuda"
@@ -547,6 +526,8 @@ class Buffer:
         """(combined_x [M, H]: sum over k of topk_weights[t, k] x the row expert topk_idx[t, k]
         computed for token t, event, hook)."""
         assert self.low_latency_mode
+        use_logfmt, zero_copy = flag("use_logfmt", use_logfmt), flag("zero_copy", zero_copy)
+        async_finish, return_recv_hook = flag("async_finish", async_finish), flag("return_recv_hook", return_recv_hook)
         assert not (async_finish and return_recv_hook)
         assert isinstance(handle, LowLatencyHandle), "handle must come from megatron_ep.deep_ep's low_latency_dispatch"
         assert not (zero_copy and use_logfmt), "zero_copy and use_logfmt are exclusive, as in DeepEP"
@@ -842,6 +823,10 @@ def _join(previous_event: Optional[EventOverlap]) -> None:
     return None
 
 
-def _check_stream_args(previous_event, async_finish: bool, allocate_on_comm_stream: bool) -> None:
+def _stream_args(previous_event, async_finish, allocate_on_comm_stream) -> Tuple[bool, bool]:
+    """The two stream flags as DeepEP's binding takes them (config.flag), checked as DeepEP checks them."""
+    async_finish = flag("async_finish", async_finish)
+    allocate_on_comm_stream = flag("allocate_on_comm_stream", allocate_on_comm_stream)
     if allocate_on_comm_stream:
         assert previous_event is not None and async_finish
+    return async_finish, allocate_on_comm_stream

@@ -6,6 +6,7 @@ callers that size a Buffer from them get the numbers they expect (our Buffer doe
 
 from __future__ import annotations
 
+import numbers
 import operator
 from typing import Optional
 
@@ -31,6 +32,19 @@ def check_int(name: str, value, low: int, high: Optional[int] = INT_MAX, rule: s
         bound = f">= {low}" if high is None else f"in {low}..{high}"
         raise InvalidArgument(f"{name}={value} is outside its range: it must be {bound}{rule}")
     return value
+
+
+def flag(name: str, value) -> bool:
+    """A flag as DeepEP's bindings take it (pybind11's bool in its converting mode): a bool, None
+    (False), a number by its truth value (its own tests pass 0 and 1) or a numpy bool; anything
+    else, a string among them, is a TypeError naming `name`."""
+    if value is True or value is False:
+        return value
+    if value is None:
+        return False
+    if isinstance(value, numbers.Number) or hasattr(type(value), "__index__") or type(value).__module__ == "numpy":
+        return bool(value)
+    raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
 
 
 def check_num_ranks(name: str, num_ranks) -> int:

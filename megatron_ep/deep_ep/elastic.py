@@ -6,7 +6,7 @@ the edges V2's callers work around handled (docs/deep-ep.md, "DeepEP V2's Elasti
 Our rows already come in V2's deterministic order (rank-major: by source rank, then source token;
 expanded: by local expert, then source rank, then source token), so `deterministic` costs nothing
 here. What V2 has and this module has not (Engram, PP send/recv, all-gather (AGRS), CPU-backed
-memory, and on the cuda backend the per-row source metadata) raises NotImplementedError naming
+memory, and on the cuda internode path the per-row source metadata) raises NotImplementedError naming
 itself."""
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import torch.distributed as dist
 from .. import buffer as _mep
 from ..types import DispatchHandle
 from .buffer import (RANKS_PER_NODE, _group_of, _needs_row_major_copy, _row_major_scales, _rows, _unpacked_scales,
-                     _with_bias)
+                     _uses_cuda)
+from .config import flag
 from .utils import EventHandle, EventOverlap, from_ours
 
 log = logging.getLogger("megatron_ep.deep_ep")
@@ -144,32 +145,50 @@ class EPHandle:
         rank * num_max_tokens_per_rank + its source index, its source rank * K + its first slot
         with an expert here, and (expanded) each slot's expanded row, -1 elsewhere (-1 in all K
         columns when plain). Rows past the tokens received (without the CPU sync) are -1. Made on
-        first read, from the backend's per-row source index (the torch backend's; our kernels do
-        not write one yet: NotImplementedError there)."""
+        first read, without a host sync, from the per-row source token the dispatch wrote (the
+        torch backend's, our kernels')."""
         h = self.ours
         src = h.recv_src_token
         if src is None:
-            raise NotImplementedError("megatron_ep.deep_ep EPHandle.recv_src_metadata (each received row's source "
-                                      "token index and slots) is not supported on the cuda backend yet: our kernels "
-                                      "do not write a row's source index; rows come in source-rank then source-token "
-                                      "order (docs/deep-ep.md)")
-        N, K, R = src.numel(), h.topk, h.num_ranks
+            raise RuntimeError("EPHandle.recv_src_metadata: the dispatch that made this handle wrote no source "
+                               "tokens (Buffer.dispatch(source_index=True))")
+        N, K = src.numel(), h.topk  # (N: the rows the backend wrote for, -1 past the real ones)
         counts = h.recv_rank_counts if h.recv_rank_counts is not None else h.rank_counts[:, self._rank]
-        src_rank = torch.repeat_interleave(torch.arange(R, dtype=torch.int32, device=src.device),
-                                           counts.to(torch.int64), output_size=N)
-        slots = h.recv_slot_row if self.do_expand else self.recv_topk_idx[:N]
+        # rank-major rows come in source-rank order: a row's source rank is the segment it falls in
+        ends = torch.cumsum(counts.to(torch.int64), 0)
+        src_rank = torch.searchsorted(ends, torch.arange(N, device=src.device), right=True).to(torch.int32)
+        real = src >= 0
+        slots = h.recv_slot_row[:N] if self.do_expand else self.recv_topk_idx[:N]
+        slots = torch.where(real.unsqueeze(1), slots.to(torch.int32), -1)
         here = slots >= 0
         meta = torch.full((max(self.num_recv_tokens, N), K + 2), -1, dtype=torch.int32, device=src.device)
-        meta[:N, 0] = src_rank * self.num_max_tokens_per_rank + src
+        meta[:N, 0] = torch.where(real, src_rank * self.num_max_tokens_per_rank + src, -1)
         meta[:N, 1] = torch.where(here.any(1), src_rank * K + here.to(torch.int8).argmax(1).to(torch.int32), -1)
         if self.do_expand:
             meta[:N, 2:] = slots
         return meta[:self.num_recv_tokens] if self.num_recv_tokens < N else meta
 
-    @property
+    @functools.cached_property
     def dst_buffer_slot_idx(self) -> torch.Tensor:
-        raise NotImplementedError("megatron_ep.deep_ep EPHandle.dst_buffer_slot_idx is not supported: it indexes V2's "
-                                  "own buffer slots, which our kernels do not have (docs/deep-ep.md)")
+        """[T, K] int32, V2's (one scale-up domain): in the first slot of each destination rank of
+        a token, this rank * num_max_tokens_per_rank + the token's place among the tokens this rank
+        sends to that rank, in token order; -1 in every other slot (a repeated rank, an id outside
+        [0, num_experts)). V2 assigns places in arrival order unless deterministic; ours are always
+        the token order, which is also where the token lands: its row on that rank is the start of
+        this rank's block there plus its place. Made on first read from the routing, on its device,
+        without a host sync; a cached dispatch's handle is the same handle, so the same tensor."""
+        idx = self.topk_idx
+        T, K = idx.shape
+        E, R = self.num_experts, self.ours.num_ranks
+        valid = (idx >= 0) & (idx < E)
+        dst = torch.where(valid, idx // (E // R), -1).to(torch.int64)
+        earlier = torch.ones(K, K, dtype=torch.bool, device=idx.device).tril(-1)  # [k, j]: j < k
+        repeated = ((dst.unsqueeze(2) == dst.unsqueeze(1)) & earlier).any(2)
+        first = valid & ~repeated
+        safe = dst.clamp(min=0)
+        sends = torch.zeros(T, R, dtype=torch.int32, device=idx.device).scatter_add_(1, safe, first.to(torch.int32))
+        place = (torch.cumsum(sends, 0, dtype=torch.int32) - sends).gather(1, safe)
+        return torch.where(first, self._rank * self.num_max_tokens_per_rank + place, -1).to(torch.int32)
 
 
 class ElasticBuffer:
@@ -217,7 +236,7 @@ class ElasticBuffer:
         nodes = dict(ranks_per_node=RANKS_PER_NODE) if self.num_ranks > RANKS_PER_NODE else {}
         hints = {k: v for k, v in (("max_tokens_per_rank", self.num_max_tokens_per_rank), ("hidden", hidden),
                                    ("max_topk", num_topk)) if v}
-        if num_gpu_timeout_secs != 100 and (backend == "cuda" or (backend == "auto" and _mep.cuda_backend_available())):
+        if num_gpu_timeout_secs != 100 and _uses_cuda(backend):
             # our kernels' waits (V2's default, 100 s, leaves ours: MEP_TIMEOUT_S); the torch backend has none
             nodes["timeout_s"] = float(num_gpu_timeout_secs)
         # ids unchecked (no host sync, as V2): a repeated expert in a token is one more slot, and an id
@@ -226,9 +245,16 @@ class ElasticBuffer:
         self._sms_asked = 0
         self._worst_reserved = 0  # the most worst-case rows reserved for (_reserve)
         self._destroyed = False
+        # allow_multiple_reduction=False: expanded combines sum every slot's row (single_reduction),
+        # except on the cuda internode path, whose in-node stage sums per rank before the RDMA hop
+        self._single_reduction = not self.allow_multiple_reduction and not (nodes and self.runtime.backend == "cuda")
         if self.rank == 0:
             log.info("megatron_ep.deep_ep: DeepEP V2's ElasticBuffer on megatron_ep (%s backend, %d ranks)",
                      self.runtime.backend, self.num_ranks)
+            if not self.allow_multiple_reduction and not self._single_reduction:
+                log.warning("megatron_ep.deep_ep: allow_multiple_reduction=False across nodes on the cuda backend: "
+                            "expanded combines sum each rank's rows first (V2's allow_multiple_reduction=True "
+                            "order; the rounding differs from V2's single reduction)")
 
     def _agreed(self, num_max_tokens_per_rank: int) -> int:
         """V2 needs one num_max_tokens_per_rank on every rank (its row indices and worst-case sizes
@@ -343,6 +369,12 @@ class ElasticBuffer:
     def _dispatch(self, x, topk_idx, topk_weights, stats, num_experts, num_max_tokens_per_rank, expert_alignment,
                   num_sms, previous_event, before_epilogue, async_op, allocate_on_comm_stream, handle, do_handle_copy,
                   do_cpu_sync, do_expand, do_zero_padding, use_tma_sf):
+        # V2's flags as its binding converts them (its own test passes 0 and 1)
+        async_op, do_handle_copy = flag("async_with_compute_stream", async_op), flag("do_handle_copy", do_handle_copy)
+        flag("allocate_on_comm_stream", allocate_on_comm_stream)
+        do_cpu_sync = None if do_cpu_sync is None else flag("do_cpu_sync", do_cpu_sync)
+        do_expand, do_zero_padding = flag("do_expand", do_expand), flag("do_zero_padding", do_zero_padding)
+        use_tma_sf = flag("use_tma_aligned_col_major_sf", use_tma_sf)
         assert not do_zero_padding or do_expand, "do_zero_padding is for do_expand=True, as in V2"
         sms = self._hand_sms(num_sms)
         _wait(previous_event, before_epilogue)  # our kernels then follow the caller's stream
@@ -381,9 +413,10 @@ class ElasticBuffer:
             worst = max(worst, 1)
             if worst > self._worst_reserved:
                 self._reserve(rows, K, num_experts, worst)
+        # each row's source token for recv_src_metadata: our kernels write it (one int a row)
         out = self.runtime.dispatch(x, topk_idx, topk_weights, num_experts=num_experts, permute=do_expand,
                                     expert_alignment=align, num_worst_tokens=worst, host_counts=sync,
-                                    async_op=async_op, rank_counts=True)
+                                    async_op=async_op, rank_counts=True, source_index=True)
         counts = list(out.tokens_per_expert_host) if sync else []  # (expanded: the padded lengths already)
         if sync and not do_expand and align > 1:
             counts = [_align(c, align) for c in counts]
@@ -414,7 +447,9 @@ class ElasticBuffer:
                 stats.add_(handle.num_unaligned_recv_tokens_per_expert.to(stats.dtype))
             if zero_padding and out.row_expert is not None:
                 pad = out.row_expert < 0
-                data.masked_fill_(pad.unsqueeze(1), 0)
+                # through the bytes: +0 is all-zero bits in every row dtype, and CPU tensors of an
+                # FP8 dtype have no masked_fill
+                data.view(torch.uint8).masked_fill_(pad.unsqueeze(1), 0)
                 if scales is not None:
                     scales.masked_fill_(pad.unsqueeze(1), 0)
                 if weights is not None:
@@ -450,9 +485,12 @@ class ElasticBuffer:
                 bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor], None] = None, num_sms: int = 0,
                 num_qps: int = 0, previous_event=None, previous_event_before_epilogue=None,
                 async_with_compute_stream: bool = False, allocate_on_comm_stream: bool = False):
-        """(combined_x, combined_topk_weights, event): combined_x[t] = the sum of the rows that came
-        from token t (unweighted; fp32 accumulation) plus the biases; topk_weights ([rows, K], or
-        [rows] expanded) summed back to [T, K]. num_sms=0: the handle's."""
+        """(combined_x, combined_topk_weights, event): combined_x[t] = the biases + the rows that
+        came from token t (unweighted), one fp32 accumulator in V2's reference order (ranks by
+        their last top-k slot of t; expanded, each rank's rows summed in slot order and rounded
+        to x's dtype first, or with allow_multiple_reduction=False every slot's row added in
+        slot order), so the result is V2's bit for bit; topk_weights ([rows, K], or [rows]
+        expanded) summed back to [T, K]. num_sms=0: the handle's."""
         self._alive("combine")
         return self.runtime.layer_call("combine", self._combine, x, handle, topk_weights, bias, num_sms, previous_event,
                                        previous_event_before_epilogue, async_with_compute_stream,
@@ -460,18 +498,17 @@ class ElasticBuffer:
 
     def _combine(self, x, handle, topk_weights, bias, num_sms, previous_event, before_epilogue, async_op,
                  allocate_on_comm_stream):
+        async_op = flag("async_with_compute_stream", async_op)  # (as V2's binding converts it)
+        flag("allocate_on_comm_stream", allocate_on_comm_stream)
         if not isinstance(handle, EPHandle):
             raise TypeError(f"handle must be an EPHandle from megatron_ep.deep_ep's ElasticBuffer.dispatch, got "
                             f"{type(handle).__name__}")
         self._hand_sms(num_sms or handle.sms_asked)  # 0: what the dispatch asked (V2: the handle's count)
         _wait(previous_event, before_epilogue)
-        out = self.runtime.combine(x, handle.ours, topk_weights, async_op=async_op)
-        y = out.x
-        if bias is not None:
-            y = _with_bias(y, bias, out.event)
-            out.event = None  # (the bias was added on the caller's stream, after our event)
+        out = self.runtime.combine(x, handle.ours, topk_weights, async_op=async_op, bias=bias,
+                                   single_reduction=self._single_reduction)
         event = from_ours(out.event)
-        return y, out.weights, event if event.event is not None else EventOverlap(EventHandle())
+        return out.x, out.weights, event if event.event is not None else EventOverlap(EventHandle())
 
     # ------------------------------------------------------------------ V2's other parts
     def _absent(self, name: str):

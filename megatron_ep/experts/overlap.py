@@ -16,7 +16,7 @@ C(c - 1) and D(c + 1) run under G(c), and G(c) waits only for D(c).
 The chunks' GEMMs leave ``comm_sms`` SMs free (``backends.sms_left_free``): a persistent GEMM
 kernel sizes its grid to the SMs it may take and holds them until it ends, so without the
 carveout a transfer issued beside it waits for SMs instead of running under it. The buffer's
-stream has a high priority for the same reason (megatron_ep/cuda/runtime.py).
+stream has a high priority for the same reason (megatron_ep/cuda/runtime.py, COMM_STREAM_PRIORITY).
 
 Backward is one autograd node for the whole layer (``_ChunkedExperts``) that runs the same
 schedule on the gradients: the backward of a combine (a cached dispatch of the output gradient),

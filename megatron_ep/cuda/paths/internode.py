@@ -49,7 +49,8 @@ from ... import protocol as P
 from ...checks import FP8_BLOCK, IDS_CHECKED, check_topk_values, fail
 from ..hosts import host_names
 from ...requests import CombineRequest, DispatchRequest
-from ..runtime import CudaRuntime, largest
+from ..collectives import largest
+from ..runtime import CudaRuntime
 from ...types import CombineOutput, DispatchHandle, DispatchOutput, EventOverlap
 from .interface import NormalPath
 from .intranode import IntranodePath, combine_rows, dispatch_rows
@@ -88,7 +89,7 @@ class WholeGroup:
         self.group, self.rank, self.num_ranks = group, rank, num_ranks
         self.device, self.ranks_per_device, self.sm_count = node_rt.device, node_rt.ranks_per_device, node_rt.sm_count
         self.timeout_s, self.new_outputs = node_rt.timeout_s, node_rt.new_outputs
-        self.blocks = node_rt.blocks  # the node runtime decides every path's block count
+        self.budget = node_rt.budget  # one SM budget decides every path's block count
 
 
 class InternodePath(NvshmemPath, NormalPath):
@@ -117,7 +118,7 @@ class InternodePath(NvshmemPath, NormalPath):
     @property
     def num_blocks(self) -> int:
         """The RDMA kernels' blocks: the runtime's SM budget at this launch (set_num_sms)."""
-        return self.rt.blocks(self.ext.INTERNODE_MAX_BLOCKS)
+        return self.rt.budget.blocks("copy", self.ext.INTERNODE_MAX_BLOCKS)
 
     @classmethod
     def open(cls, group, rank: int, num_ranks: int, ranks_per_node: int, hints: dict, num_sms: Optional[int],
@@ -136,8 +137,8 @@ class InternodePath(NvshmemPath, NormalPath):
 
     def describe(self) -> str:
         rt = self.rt
-        size = f"{rt.plan.total / 2**20:.0f} MiB region" if rt.ready else "sized on first use"
-        return (f"cuda internode, {self.N} nodes x {self.ranks_per_node} ranks, {rt.num_sms} SMs/rank, "
+        size = f"{rt.region.plan.total / 2**20:.0f} MiB region" if rt.region.ready else "sized on first use"
+        return (f"cuda internode, {self.N} nodes x {self.ranks_per_node} ranks, {rt.budget.num_sms} SMs/rank, "
                 f"{rt.ranks_per_device} rank(s)/GPU, {size} per node stage")
 
     # ------------------------------------------------------------------------------ buffer
@@ -172,7 +173,7 @@ class InternodePath(NvshmemPath, NormalPath):
 
     def _created(self, cap: dict) -> None:
         # the in-node stage: N * max_tokens rows per forwarder
-        self.rt.reserve(node_hints(self.N, cap["max_tokens"], cap["hidden"], max(1, cap["x_row"] // cap["hidden"]),
+        self.rt.region.reserve(node_hints(self.N, cap["max_tokens"], cap["hidden"], max(1, cap["x_row"] // cap["hidden"]),
                                    cap["c_row"] // cap["hidden"], cap["topk"]))
 
     def _short(self, need: dict, cap: dict) -> List[str]:
@@ -203,12 +204,12 @@ class InternodePath(NvshmemPath, NormalPath):
     # ------------------------------------------------------------------------------ calls
     def begin(self, call: P.Call) -> None:
         # the in-node calls check and publish for themselves; the node's earlier reports first
-        self.rt.check(call)
+        self.rt.ledger.check(call)
         super().begin(call)
 
     def synchronize(self) -> None:
         self.rt.stream.synchronize()
-        self.rt.check()
+        self.rt.ledger.check()
         super().synchronize()
 
     # ------------------------------------------------------------------------------ errors
@@ -234,7 +235,7 @@ class InternodePath(NvshmemPath, NormalPath):
         published there, a failed record for the in-node call it will not make (they raise
         PeerFailedError; the node's buffer stays usable)."""
         if self.inner_of != call.seq:  # (each rank's in-node sequence advances alike)
-            self.rt.publish(self._inner_call(call, 0, 0), exc)
+            self.rt.ledger.publish(self._inner_call(call, 0, 0), exc)
         super().publish(call, exc)
 
     def _inner_call(self, call: P.Call, num_experts: int, routing: int) -> P.Call:
@@ -312,7 +313,8 @@ class InternodePath(NvshmemPath, NormalPath):
             inner = self.intra.dispatch(inner_call, DispatchRequest(
                 rows, local_idx if handle is None else None, fw, L_node, permute, expert_alignment,
                 handle.state.inner if handle is not None else None, host_counts=host_counts,
-                num_worst_tokens=num_worst_tokens, token_groups=N, fused=fused, rank_counts=req.rank_counts))
+                num_worst_tokens=num_worst_tokens, token_groups=N, fused=fused, rank_counts=req.rank_counts,
+                source_index=req.source_index and handle is None))
         if handle is None:
             with torch.cuda.stream(rt.stream):  # the in-node stage has read the receive area: free it
                 self.buf.release(0)
@@ -328,7 +330,9 @@ class InternodePath(NvshmemPath, NormalPath):
                                     # the in-node stage's rows are (source node, its rank of this
                                     # rank's index): global source ranks, node-major
                                     recv_rank_counts=inner.handle.recv_rank_counts,
-                                    recv_rank_prefix=inner.handle.recv_rank_prefix)
+                                    recv_rank_prefix=inner.handle.recv_rank_prefix,
+                                    recv_src_token=_source_tokens(inner.handle.recv_src_token, mt),
+                                    recv_slot_row=inner.handle.recv_slot_row)
         out = DispatchOutput(inner.x, inner.topk_idx, inner.topk_weights, inner.row_expert, inner.tokens_per_expert, None,
                              event=_finished(rt.device) if async_op else None, num_dropped=inner.num_dropped)
         out.handle = handle
@@ -340,6 +344,10 @@ class InternodePath(NvshmemPath, NormalPath):
         rt, N = self.rt, self.N
         x, handle, weights, async_op, previous_event = req.x, req.handle, req.weights, req.async_op, req.previous_event
         st: InternodeState = handle.state
+        if req.single_reduction and handle.permute:
+            raise NotImplementedError("combine(single_reduction=True) on the cuda internode path: its in-node stage "
+                                      "sums each rank's rows before the RDMA hop (the intranode path and the torch "
+                                      "backend sum every slot's row)")
         _, H, row_bytes = combine_rows(rt, x, weights)
         if row_bytes > self.cap["c_row"]:
             raise ValueError(f"combine: rows of {row_bytes} bytes exceed the "
@@ -364,9 +372,10 @@ class InternodePath(NvshmemPath, NormalPath):
 
         def fused(innode: bytes, y_in: torch.Tensor, w_in: Optional[torch.Tensor]) -> None:
             # one kernel (csrc/internode/fused.cu): the in-node combine, the RDMA hop, the sum over nodes
+            # the biases start the sum over nodes (the in-node stage takes none)
             call.sends(self.buf.combine, innode=innode, y_in=y_in, w_in=w_in, local_idx=st.local_idx, tokens=st.tokens,
                        topk_idx=handle.topk_idx, num_experts=handle.num_experts, sig=sig, y=y, w=w_out,
-                       num_blocks=self.num_blocks)
+                       bias0=req.bias[0], bias1=req.bias[1], num_blocks=self.num_blocks)
 
         inner_call = self._inner_call(call, handle.num_experts // N, st.inner.call_seq)
         with self.intra.guard(inner_call):  # synchronous: this stream waits for the kernel's stream
@@ -374,6 +383,13 @@ class InternodePath(NvshmemPath, NormalPath):
         rt.mark("rdma", cur)
         self.check(call)
         return CombineOutput(y, w_out, _finished(rt.device) if async_op else None)
+
+
+def _source_tokens(rows: Optional[torch.Tensor], mt: int) -> Optional[torch.Tensor]:
+    """Each row's token on its source rank, from the in-node stage's source tokens: the
+    forwarder's receive rows, slot (source node, token) at node * mt + token. One launch: fmod
+    keeps the dividend's sign, so -1 (no row) stays -1."""
+    return None if rows is None else rows.fmod(mt)
 
 
 def _finished(device: torch.device) -> EventOverlap:

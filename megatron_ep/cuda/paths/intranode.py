@@ -24,6 +24,7 @@ from ... import protocol as P
 from ...checks import IDS_CHECKED, IDS_UNCHECKED, bad_slot_error, check_topk_values, fail, is_fp8_tuple
 from ...errors import PeerFailedError
 from ...permute import padded_host_counts
+from ...replay import Replay
 from ...requests import CombineRequest, DispatchRequest
 from ..runtime import CudaRuntime
 from ...types import CombineOutput, DispatchHandle, DispatchOutput, EventOverlap
@@ -86,17 +87,7 @@ class DispatchPlan:
     check_ids: bool = False  # notify checks the ids (range, repeats) and the host raises before rows move
     rank_counts: bool = False  # notify writes every rank's tokens per destination (IntranodeState.rank_counts)
     fused: Optional[Callable] = None  # the internode path runs the push in its own kernel (DispatchRequest.fused)
-
-
-@dataclass(slots=True)
-class DispatchTensors:
-    """A dispatch's outputs (calls.h dispatch_call)."""
-
-    x: torch.Tensor
-    scales: Optional[torch.Tensor]
-    topk_idx: Optional[torch.Tensor]  # rank-major only
-    weights: Optional[torch.Tensor]
-    row_expert: Optional[torch.Tensor]  # expert-major only
+    want_src: bool = False  # the kernels write each rank-major row's source token (DispatchRequest.source_index)
 
 
 def dispatch_rows(rt: CudaRuntime, x, topk_weights, num_experts: int):
@@ -137,7 +128,7 @@ def combine_rows(rt: CudaRuntime, x, weights):
 
 def max_rank_major_rows(rt: CudaRuntime) -> int:
     """The most rank-major rows any rank can receive: every rank's tokens (same on every rank)."""
-    return rt.num_ranks * rt.plan.max_tokens
+    return rt.num_ranks * rt.region.plan.max_tokens
 
 
 class IntranodePath(NormalPath):
@@ -145,6 +136,9 @@ class IntranodePath(NormalPath):
         self.rt = rt
         self.kernels = rt.ext.intranode
         self.tags = itertools.count(1)
+        # the last new routing's replay and its plan without tensors (megatron_ep/replay.py)
+        self.routing_replay: Optional[Replay] = None
+        self._routing_plan: Optional[DispatchPlan] = None
 
     @classmethod
     def open(cls, group, rank: int, num_ranks: int, ranks_per_node: int, hints: dict, num_sms: Optional[int],
@@ -158,22 +152,22 @@ class IntranodePath(NormalPath):
 
     def describe(self) -> str:
         rt = self.rt
-        size = f"{rt.plan.total / 2**20:.0f} MiB region" if rt.ready else "sized on first use"
-        return f"cuda intranode, {rt.num_sms} SMs/rank, {rt.ranks_per_device} rank(s)/GPU, {size}"
+        size = f"{rt.region.plan.total / 2**20:.0f} MiB region" if rt.region.ready else "sized on first use"
+        return f"cuda intranode, {rt.budget.num_sms} SMs/rank, {rt.ranks_per_device} rank(s)/GPU, {size}"
 
     # ------------------------------------------------------------------------------ calls
     def begin(self, call: P.Call) -> None:
-        self.rt.check(call)
+        self.rt.ledger.check(call)
 
     def failed(self, call: P.Call, exc: BaseException) -> None:
-        self.rt.publish(call, exc)
+        self.rt.ledger.publish(call, exc)
 
     def check(self, call: Optional[P.Call] = None) -> None:
-        self.rt.check(call)
+        self.rt.ledger.check(call)
 
     def synchronize(self) -> None:
         self.rt.stream.synchronize()
-        self.rt.check()
+        self.rt.ledger.check()
 
     def close(self) -> None:
         self.rt.close()
@@ -186,76 +180,140 @@ class IntranodePath(NormalPath):
         dispatch_call) -> the caller's DispatchOutput. A new routing takes two crossings where the
         host must act between them (the region grows, or the call failed at notify's exchange),
         or where it is worst-case sized (notify_call, then dispatch_call without a host wait)."""
-        rt = self.rt
         plan = self._plan(call, req)
+        out = self._planned(call, req, plan)
+        if plan.fused is None and plan.groups == 1:
+            if plan.first:  # Buffer's new routing (Buffer asks only where its own options allow)
+                if not (plan.num_worst_tokens or plan.want_src):  # (on_overflow acts only with num_worst_tokens)
+                    self.routing_replay = Replay(call.sig, self._replay_routing, req.x, req.topk_weights, req.topk_idx,
+                                                 (plan.num_experts, plan.permute, plan.expert_alignment,
+                                                  req.host_counts, req.rank_counts, req.check_ids, req.on_overflow))
+                    self._routing_plan = _plan_with(plan, None, None, None, None)
+            else:  # Buffer's cached dispatch
+                handle = req.handle
+                handle.dispatch_replay = Replay(call.sig, self._replay_dispatch, req.x, req.topk_weights)
+        return out
+
+    def _replay_routing(self, call: P.Call, x, topk_idx, topk_weights, async_op: bool, previous_event,
+                        host_counts: bool, rank_counts: bool, check_ids: int, on_overflow: str) -> DispatchOutput:
+        """A new routing replayed (megatron_ep/replay.py): the plan of the last new routing, whose
+        shape and options these are, with this call's tensors, and what depends on the region
+        decided again; then the same crossings."""
+        data, scales = (x[0], x[1]) if type(x) is tuple else (x, None)
+        plan = _plan_with(self._routing_plan, data, scales, topk_idx, topk_weights)
+        plan.push = _pushes(self.rt.region, plan.permute, 0)
+        call.set_variant(int(plan.push))
+        req = DispatchRequest(x, topk_idx, topk_weights, plan.num_experts, plan.permute, plan.expert_alignment, None,
+                              host_counts, 0, async_op, previous_event, on_overflow=on_overflow, check_ids=check_ids,
+                              rank_counts=rank_counts)
+        return self._planned(call, req, plan)
+
+    def _planned(self, call: P.Call, req: DispatchRequest, plan: "DispatchPlan") -> DispatchOutput:
+        """dispatch after its plan: the crossings and the caller's DispatchOutput."""
+        rt = self.rt
+        region, budget = rt.region, rt.budget
         previous = _event(req.previous_event)
         comb_rows = 0
         event = torch.cuda.Event() if req.async_op else None  # (a synchronous call joins through the runtime's own)
         # benchmarks' phase marks, in the order they are recorded: notify's first
         notify_marks = rt.marks(("start", "notify"), first=True) if plan.first else None
-        marks = rt.marks(("push", "fanout" if plan.permute else None) if plan.push or plan.fused is not None
-                         else ("stage", "pull"))
-        zero_copy, scratch = self._placement(plan)
+        marks = _move_marks(rt, plan.push or plan.fused is not None, plan.permute)
         if plan.first and not plan.num_worst_tokens:
+            zero_copy, scratch = self._placement(plan.data, plan.push, plan.permute)
             # the region fits the call's needs but its counts (a plan remembered per need), so the
             # extension needs to compare only the counts notify learns
-            fits = rt.fits(dict(plan.need, max_tokens=0, combine_rows=0)) is None
+            fits = rt.region.fits(dict(plan.need, max_tokens=0, combine_rows=0)) is None
             tag = next(self.tags)
-            x, token_groups, previous_event, wait_s = plan.data, plan.groups, previous, rt.host_wait_s
-            async_op, hook, num_blocks, push_blocks, local_blocks = req.async_op, hooks.current(), rt.num_sms, \
-                rt.push_sms, rt.local_sms
+            x, token_groups, previous_event, wait_s = plan.data, plan.groups, previous, rt.ledger.host_wait_s
+            async_op, hook = req.async_op, hooks.current()
+            num_blocks, push_blocks, local_blocks = budget.normal  # blocks("copy"), ("push"), ("local")
             try:
                 # (by position, each argument named as its parameter: tests/test_kernel_boundary.py)
                 status, notified, res = call.sends(
-                    self.kernels.dispatch_first_call, rt.rt, call.sig, plan.topk_idx, plan.num_experts,
+                    self.kernels.dispatch_first_call, region.runtime, call.sig, plan.topk_idx, plan.num_experts,
                     plan.expert_alignment, plan.permute, token_groups, plan.check_ids, plan.rank_counts, tag,
                     previous_event, notify_marks, wait_s, fits, x, plan.scales, plan.topk_weights, plan.push, scratch,
-                    zero_copy, event, async_op, hook, marks, num_blocks, push_blocks, local_blocks)
+                    zero_copy, event, async_op, hook, marks, num_blocks, push_blocks, local_blocks, plan.want_src)
             except BaseException:
-                if rt.rt.notified_tag() == tag:  # raised past notify: the peers wait at the rows' first handshake
+                if region.runtime.notified_tag() == tag:  # raised past notify: the peers wait at the rows' first handshake
                     call.owe(P.Pending.OUT_LOC if plan.push else P.Pending.STAGED)
                 raise
             # (status 0: the rows moved in the same crossing, so nothing is owed after it)
             st, comb_rows = self._notified(call, plan, notified, grow=status == 1, owed=status != 0)
             if status == 0:
-                return self._dispatched(call, req, plan, st, res, event)
+                return self._dispatched(call, req, plan, st, res, event, _out_rows(st, plan.num_worst_tokens))
             previous = None  # the streams are ordered: the call was entered
-            zero_copy, scratch = self._placement(plan)  # the region may have grown: decided again
         elif plan.first:
             st, comb_rows = self._notify(call, plan, previous, notify_marks, req.async_op)
             previous = None  # the streams are ordered: notify_call entered the call
         else:
             st = req.handle.state
-        out_rows = plan.num_worst_tokens or (st.num_perm_rows if plan.permute else st.num_rows)
-        state, x, previous_event, async_op, hook = native_state(self.kernels, st, plan.num_experts), plan.data, previous, \
-            req.async_op, hooks.current()
-        num_blocks, push_blocks, local_blocks = rt.num_sms, rt.push_sms, rt.local_sms
-        res = call.sends(self.kernels.dispatch_call, rt.rt, state, call.sig, plan.first, x, plan.scales,
-                         plan.topk_weights, plan.push, scratch, zero_copy, out_rows, plan.num_worst_tokens, comb_rows,
-                         previous_event, event, async_op, hook, plan.fused, marks, num_blocks, push_blocks, local_blocks)
-        return self._dispatched(call, req, plan, st, res, event)
+        out_rows = _out_rows(st, plan.num_worst_tokens)
+        res = self._send_rows(call, st, plan.num_experts, plan.first, plan.data, plan.scales, plan.topk_weights,
+                              plan.push, out_rows, plan.num_worst_tokens, comb_rows, previous, event, req.async_op,
+                              plan.fused, marks, plan.want_src)
+        return self._dispatched(call, req, plan, st, res, event, out_rows)
 
-    def _placement(self, plan: "DispatchPlan") -> tuple:
+    def _send_rows(self, call: P.Call, st: IntranodeState, num_experts: int, first: bool, x, scales, topk_weights,
+                   push: bool, out_rows: int, num_worst_tokens: int, comb_rows: int, previous_event, event,
+                   async_op: bool, fused, marks, want_src: bool) -> tuple:
+        """The rows moved along `st` (calls.h dispatch_call, one crossing: the outputs, push [+
+        fan-out] or stage + pull, the counts, the event), placed for the region as it is now."""
+        rt = self.rt
+        region = rt.region
+        zero_copy, scratch = self._placement(x, push, st.permute)
+        state, hook = native_state(self.kernels, st, num_experts), hooks.current()
+        num_blocks, push_blocks, local_blocks = rt.budget.normal  # blocks("copy"), ("push"), ("local")
+        # (by position, each argument named as its parameter: tests/test_kernel_boundary.py)
+        return call.sends(self.kernels.dispatch_call, region.runtime, state, call.sig, first, x, scales, topk_weights,
+                          push, scratch, zero_copy, out_rows, num_worst_tokens, comb_rows, previous_event, event,
+                          async_op, hook, fused, marks, num_blocks, push_blocks, local_blocks, want_src)
+
+    def _replay_dispatch(self, call: P.Call, handle: DispatchHandle, x, topk_weights, async_op: bool,
+                         previous_event) -> DispatchOutput:
+        """A cached dispatch replayed (megatron_ep/replay.py): what dispatch decides for a cached call
+        of the shape that passed its checks along `handle`, then the same crossing."""
+        st: IntranodeState = handle.state
+        data, scales = (x[0], x[1]) if type(x) is tuple else (x, None)
+        push = _pushes(self.rt.region, st.permute, handle.num_worst_tokens)
+        call.set_variant(int(push))
+        event = torch.cuda.Event() if async_op else None
+        marks = _move_marks(self.rt, push, st.permute)
+        out_rows = _out_rows(st, handle.num_worst_tokens)
+        res = self._send_rows(call, st, handle.num_experts, False, data, scales, topk_weights, push, out_rows,
+                              handle.num_worst_tokens, 0, _event(previous_event), event, async_op, None, marks, False)
+        out, _ = self._output(st, res, scales is not None, event)
+        out.handle = handle
+        return out
+
+    def _placement(self, data: torch.Tensor, push: bool, permute: bool) -> tuple:
         """(zero_copy: the rows already lie in this region's staging, scratch: the expert-major push
         may use the combine area as its rank-major buffer), for the region as it is now."""
-        rt = self.rt
-        return (plan.data.data_ptr() == rt.base + rt.plan.stage_x,
-                plan.push and plan.permute and rt.scratch_free())
+        region = self.rt.region
+        return region.holds(data, region.plan.stage_x), push and permute and region.scratch_free()
+
+    @staticmethod
+    def _output(st: IntranodeState, res: tuple, fp8: bool, event) -> tuple:
+        """The caller's DispatchOutput (without its handle) and the rows' source tokens (or None)
+        from what dispatch_call (or the second half of dispatch_first_call) returned; the handle's
+        counts follow the call's."""
+        (x, scales, topk_idx, weights, row_expert, tpe, dropped, st.device_counts, st.tokens_per_expert, st.num_dropped,
+         st.comb_map, src) = res
+        return DispatchOutput((x, scales) if fp8 else x, topk_idx, weights, row_expert, tpe, None,
+                              event=EventOverlap(event) if event is not None else None, num_dropped=dropped), src
 
     def _dispatched(self, call: P.Call, req: DispatchRequest, plan: "DispatchPlan", st: IntranodeState, res: tuple,
-                    event) -> DispatchOutput:
+                    event, out_rows: int) -> DispatchOutput:
         """The caller's DispatchOutput from what dispatch_call (or the second half of
         dispatch_first_call) returned."""
-        out = DispatchTensors(*res[:5])
-        tpe, dropped, st.device_counts, st.tokens_per_expert, st.num_dropped, st.comb_map = res[5:]
-        out_rows = plan.num_worst_tokens or (st.num_perm_rows if plan.permute else st.num_rows)
-        return self._result(call, req, plan, st, out, out_rows, tpe, dropped,
-                            EventOverlap(event) if event is not None else None)
+        out, src = self._output(st, res, plan.scales is not None, event)
+        return self._result(call, req, plan, st, out, out_rows, src)
 
     def _plan(self, call: P.Call, req: DispatchRequest) -> "DispatchPlan":
         """The cuda checks of the inputs, the first call's sizing, whether the call fits as the
         region is, and push or stage: everything decided before a kernel runs."""
         rt = self.rt
+        region = rt.region
         num_experts, handle, num_worst_tokens = req.num_experts, req.handle, req.num_worst_tokens
         data, scales, T, H, elem, row_bytes = dispatch_rows(rt, req.x, req.topk_weights, num_experts)
         groups = req.token_groups
@@ -275,20 +333,20 @@ class IntranodePath(NormalPath):
         else:
             K, topk_idx = handle.topk, handle.topk_idx
         # rows this wide fitted along this routing before (the region only grows): nothing to size
-        fitted = handle is not None and handle.state.fitted == (H, elem) and rt.ready
+        fitted = handle is not None and handle.state.fitted == (H, elem) and region.ready
         need = None if fitted else dict(max_tokens=T, hidden=H, dtype_bytes=elem, combine_bytes=max(2, elem), max_topk=K,
                                         max_experts=num_experts, combine_rows=max(rt.num_ranks * T, num_worst_tokens))
         capturing = torch.cuda.is_current_stream_capturing()
         fail(not capturing or num_worst_tokens or handle is not None, "a dispatch captured in a CUDA graph needs "
              "num_worst_tokens= (or a handle): exact output sizes need a host sync, which capture forbids", RuntimeError)
-        if not rt.ready:
+        if not region.ready:
             fail(not capturing, "the first call of a cuda Buffer without sizing hints "
                  "cannot be captured in a CUDA graph (it allocates); run one call before capturing", RuntimeError)
-            rt.first_use_in(call, need)
+            region.first_use_in(call, need)
         if fitted:
             pass
         elif num_worst_tokens or capturing or handle is not None:  # nothing can grow without the host sync: it must fit now
-            short = rt.fits({k: v for k, v in need.items() if k != "combine_rows" or num_worst_tokens})
+            short = region.fits({k: v for k, v in need.items() if k != "combine_rows" or num_worst_tokens})
             if short is not None:
                 raise ValueError(f"dispatch does not fit the buffer ({short}) and a "
                                  f"{'cached' if handle is not None else 'worst-case sized'} dispatch cannot grow it (no host sync): create "
@@ -297,7 +355,7 @@ class IntranodePath(NormalPath):
                 handle.state.fitted = (H, elem)
         # rows are pushed straight into pooled rank-major buffers when every rank has room: the
         # outputs themselves (rank-major), or what the fan-out spreads into expert segments
-        push = (req.permute or not num_worst_tokens) and rt.plan.pool_bytes > 0 and not capturing
+        push = not capturing and _pushes(region, req.permute, num_worst_tokens)
         fail(req.fused is None or handle is not None, "a fused in-node dispatch needs a handle (cached dispatch)", RuntimeError)
         # the ids' check rides on notify where the host waits for its sizes anyway; a sync-free
         # dispatch has no such wait, so it checks on the host (one sync) before any kernel
@@ -309,7 +367,7 @@ class IntranodePath(NormalPath):
         return DispatchPlan(data, scales, topk_idx, req.topk_weights, num_experts, req.permute, req.expert_alignment,
                             num_worst_tokens, groups, T, H, K, num_experts // rt.num_ranks, row_bytes,
                             scales.shape[1] if scales is not None else 0, need, handle is None, push, check_on_device,
-                            req.rank_counts, req.fused)
+                            req.rank_counts, req.fused, req.source_index and handle is None)
 
     def _notify(self, call: P.Call, plan: "DispatchPlan", previous, marks, async_op: bool) -> tuple:
         """A worst-case sized routing's counts, exchange and row positions (one crossing: calls.h
@@ -318,7 +376,7 @@ class IntranodePath(NormalPath):
         rt = self.rt
         token_groups, tag, previous_event, wait_s = plan.groups, next(self.tags), previous, -1.0
         notified = call.sends(
-            self.kernels.notify_call, rt.rt, call.sig, plan.topk_idx, plan.num_experts, plan.expert_alignment,
+            self.kernels.notify_call, rt.region.runtime, call.sig, plan.topk_idx, plan.num_experts, plan.expert_alignment,
             plan.permute, plan.num_worst_tokens, token_groups, plan.check_ids, plan.rank_counts, tag, previous_event,
             marks, wait_s, async_op)
         return self._notified(call, plan, notified, grow=False, owed=True)
@@ -339,17 +397,17 @@ class IntranodePath(NormalPath):
         rows_bound = max_rank_major_rows(rt)  # the host learns N below unless sync-free
         if not plan.num_worst_tokens:
             try:
-                info = rt.host_sizes(call, waited, sizes)
+                info = rt.ledger.host_sizes(call, waited, sizes)
             except PeerFailedError:
                 # ids notify found bad here (check_ids) failed this rank's record at the exchange, so
                 # every rank aborted the call (the peers raise PeerFailedError): this rank says why
-                bad = rt.rt.host_counts(0)["bad_slot"] if plan.check_ids else -1
+                bad = rt.region.runtime.host_counts(0)["bad_slot"] if plan.check_ids else -1
                 if bad >= 0:
                     raise bad_slot_error(plan.topk_idx, bad, plan.num_experts) from None
                 raise
             st.num_rows, st.num_perm_rows, st.counts = info["num_rows"], info["num_perm_rows"], info["counts"]
             if grow:
-                rt.grow_if_needed(dict(plan.need, max_tokens=info["need_tokens"],
+                rt.region.grow_if_needed(dict(plan.need, max_tokens=info["need_tokens"],
                                        combine_rows=info["need_perm_rows"] if plan.permute else info["need_rows"]))
             rows_bound = st.num_rows
         if owed:
@@ -357,10 +415,9 @@ class IntranodePath(NormalPath):
         return st, (rows_bound if plan.permute else 0)
 
     def _result(self, call: P.Call, req: DispatchRequest, plan: "DispatchPlan", st: IntranodeState,
-                out: "DispatchTensors", out_rows: int, tpe, dropped, event) -> DispatchOutput:
-        res = DispatchOutput((out.x, out.scales) if plan.scales is not None else out.x, out.topk_idx, out.weights,
-                             out.row_expert, tpe, None, event=event, num_dropped=dropped)
-        handle = req.handle
+                res: DispatchOutput, out_rows: int, src=None) -> DispatchOutput:
+        """res with its handle (a new routing's, made here) and, where asked, the host counts."""
+        tpe, event, handle = res.tokens_per_expert, res.event, req.handle
         if plan.first:
             handle = DispatchHandle(backend="cuda", num_ranks=self.rt.num_ranks, rank=self.rt.rank,
                                     num_experts=plan.num_experts, num_tokens=plan.T, topk=plan.K, permute=plan.permute,
@@ -370,7 +427,8 @@ class IntranodePath(NormalPath):
                                     rank_counts=st.rank_counts if plan.groups == 1 else None,
                                     recv_rank_counts=st.recv_rank_counts,
                                     rank_prefix=st.rank_prefix if plan.groups == 1 else None,
-                                    recv_rank_prefix=st.recv_rank_prefix)
+                                    recv_rank_prefix=st.recv_rank_prefix, recv_src_token=src,
+                                    recv_slot_row=st.comb_map if src is not None and plan.permute else None)
         res.handle = handle
         if req.host_counts:
             if st.counts is not None and not plan.num_worst_tokens:
@@ -388,41 +446,92 @@ class IntranodePath(NormalPath):
         caller's stream; on ours the staging and the pull-and-sum in one launch, or the
         expert-major pre-reduction and the partials' sum."""
         rt = self.rt
+        region = rt.region
         x, handle, weights = req.x, req.handle, req.weights
         st: IntranodeState = handle.state
         rows, H, row_bytes = combine_rows(rt, x, weights)
-        if row_bytes > rt.plan.comb_row_bytes:
-            raise ValueError(f"combine: rows of {row_bytes} bytes exceed the {rt.plan.comb_row_bytes} "
+        if row_bytes > region.plan.comb_row_bytes:
+            raise ValueError(f"combine: rows of {row_bytes} bytes exceed the {region.plan.comb_row_bytes} "
                              f"bytes the buffer holds (combine rows wider than any dispatch so far: create the Buffer with hidden= and "
                              f"combine_bytes={x.element_size()})")
-        if rows > rt.plan.comb_rows:
-            raise ValueError(f"combine input has {rows} rows; the buffer's combine area holds {rt.plan.comb_rows} "
+        if rows > region.plan.comb_rows:
+            raise ValueError(f"combine input has {rows} rows; the buffer's combine area holds {region.plan.comb_rows} "
                              f"(Buffer(combine_rows=...))")
         T = handle.num_tokens
-        zero_copy = x.data_ptr() == rt.base + rt.plan.comb_x
-        # expert-major: sum each token's rows per rank locally first, so one fp32 row per
-        # (token, rank) crosses the link instead of one per (token, expert). Needs the dispatch's
-        # map and room for every rank's partials (the group-wide bound, so the ranks agree) where
-        # the input is not; a rank whose input lies there (zero copy) takes the staged kernel,
-        # and the signature's variant turns that disagreement into CallMismatchError.
-        partials = (handle.permute and st.comb_map is not None and not zero_copy
-                    and max_rank_major_rows(rt) * H * 4 <= rt.plan.comb_rows * rt.plan.comb_row_bytes)
-        call.set_variant(int(partials))
         y = w_out = None
         if req.out is not None:
             y, w_out = req.out
             fail(tuple(y.shape) == (T, H) and y.dtype == x.dtype and (w_out is None) == (weights is None),
                  "combine: the given outputs do not match the call", RuntimeError)
-        event = torch.cuda.Event() if req.async_op else None  # (a synchronous call joins through the runtime's own)
+        bias0, bias1 = req.bias
+        single = handle.permute and req.single_reduction
+        out = self._combined(call, handle, x, weights, bias0, bias1, y, w_out, _event(req.previous_event), req.async_op,
+                             req.fused, single)
+        if req.out is None and req.fused is None and bias0 is None and not single:  # Buffer's combine, without a bias
+            handle.combine_replay = Replay(call.sig, self._replay_combine, x, weights)
+        return out
+
+    def _replay_combine(self, call: P.Call, handle: DispatchHandle, x, weights, async_op: bool,
+                        previous_event) -> CombineOutput:
+        """A combine replayed (megatron_ep/replay.py): the crossing of a combine of the shape that
+        passed its checks along `handle`."""
+        return self._combined(call, handle, x, weights, None, None, None, None, _event(previous_event), async_op, None,
+                              False)
+
+    def _combined(self, call: P.Call, handle: DispatchHandle, x: torch.Tensor, weights, bias0, bias1, out, out_weights,
+                  previous_event, async_op: bool, fused, single: bool) -> CombineOutput:
+        """What a combine decides for the region as it is now, then its crossing."""
+        rt = self.rt
+        region = rt.region
+        st: IntranodeState = handle.state
+        zero_copy = region.holds(x, region.plan.comb_x)
+        # expert-major: sum each token's rows per rank locally first, so one row per (token, rank),
+        # rounded to x's dtype, crosses the link instead of one per (token, expert) (the staged
+        # kernel rounds each rank's sum alike: the two give the same bits). Needs the dispatch's
+        # map and room for every rank's partials (the group-wide bound, so the ranks agree) where
+        # the input is not; a rank whose input lies there (zero copy) takes the staged kernel,
+        # and the signature's variant turns that disagreement into CallMismatchError.
+        # single_reduction: the staged kernel, every slot's row a term of its own
+        partials = (handle.permute and not single and st.comb_map is not None and not zero_copy
+                    and max_rank_major_rows(rt) * x.shape[1] * x.element_size()
+                    <= region.plan.comb_rows * region.plan.comb_row_bytes)
+        variant = P.COMBINE_SINGLE if single else P.COMBINE_PARTIALS if partials else P.COMBINE_STAGED
+        call.set_variant(variant)
+        event = torch.cuda.Event() if async_op else None  # (a synchronous call joins through the runtime's own)
         # (the staging runs in the pull's launch: its time is the pull's; the pre-reduction has its own)
-        marks = rt.marks(("start", "reduce" if partials and req.fused is None else None, "pull"), first=True)
-        state, out, out_weights, previous_event = native_state(self.kernels, st, handle.num_experts), y, w_out, \
-            _event(req.previous_event)
-        async_op, hook, num_blocks, local_blocks = req.async_op, hooks.current(), rt.num_sms, rt.local_sms
-        y, w_out = call.sends(self.kernels.combine_call, rt.rt, state, call.sig, x, weights, partials, zero_copy, out,
-                              out_weights, previous_event, event, async_op, hook, req.fused, marks, num_blocks,
-                              local_blocks)
+        marks = rt.marks(("start", "reduce" if partials and fused is None else None, "pull"), first=True)
+        state, hook = native_state(self.kernels, st, handle.num_experts), hooks.current()
+        num_blocks, _, local_blocks = rt.budget.normal  # blocks("copy"), blocks("local")
+        # (by position, each argument named as its parameter: tests/test_kernel_boundary.py)
+        y, w_out = call.sends(self.kernels.combine_call, region.runtime, state, call.sig, x, weights, bias0, bias1, variant,
+                              zero_copy, out, out_weights, previous_event, event, async_op, hook, fused, marks,
+                              num_blocks, local_blocks)
         return CombineOutput(y, w_out, EventOverlap(event) if event is not None else None)
+
+
+def _out_rows(st: IntranodeState, num_worst_tokens: int) -> int:
+    """A dispatch's output rows along `st`: num_worst_tokens, or the rows notify counted."""
+    return num_worst_tokens or (st.num_perm_rows if st.permute else st.num_rows)
+
+
+def _move_marks(rt: CudaRuntime, push: bool, permute: bool):
+    """Benchmarks' marks of a dispatch's move: push [+ fan-out], or stage + pull."""
+    return rt.marks(("push", "fanout" if permute else None) if push else ("stage", "pull"))
+
+
+def _plan_with(t: DispatchPlan, data, scales, topk_idx, topk_weights) -> DispatchPlan:
+    """Plan `t` with other tensors: a replayed new routing's (positional: a copy by field name costs
+    more host time than the call it serves)."""
+    return DispatchPlan(data, scales, topk_idx, topk_weights, t.num_experts, t.permute, t.expert_alignment,
+                        t.num_worst_tokens, t.groups, t.T, t.H, t.K, t.L, t.row_bytes, t.scale_cols, t.need, t.first,
+                        t.push, t.check_ids, t.rank_counts, t.fused, t.want_src)
+
+
+def _pushes(region, permute: bool, num_worst_tokens: int) -> bool:
+    """Rows are pushed straight into pooled rank-major buffers (outside a CUDA-graph capture) when
+    every rank has room: the outputs themselves (rank-major), or what the fan-out spreads into
+    expert segments; a worst-case sized rank-major dispatch is staged and pulled instead."""
+    return (permute or not num_worst_tokens) and region.plan.pool_bytes > 0
 
 
 def _event(ev: Optional[EventOverlap]):

@@ -91,7 +91,7 @@ class _RecvHook:
 
 class LowLatencyPath(NvshmemPath):
     """`rt`: what the path needs of a runtime, over the whole group (group, rank, num_ranks,
-    device, ranks_per_device, sm_count, timeout_s, new_outputs)."""
+    device, ranks_per_device, sm_count, timeout_s, new_outputs, budget)."""
 
     KIND = "low-latency"
     SIZE_UP_FRONT = "pass Buffer(..., low_latency=dict(...))"
@@ -106,7 +106,7 @@ class LowLatencyPath(NvshmemPath):
         self.rt = rt
         self.next_set = 0
         self.unreceived = [None, None]  # per set: the call whose receive hook was not called yet
-        self.num_blocks = rt.blocks(self.ext.MAX_BLOCKS, latency_bound=True)
+        self.num_blocks = rt.budget.blocks("latency", self.ext.MAX_BLOCKS)
         self.rank_mask = False
         self.mask_timeout_s = self.timeout_s  # the kernels' waits under the rank mask (host waits keep timeout_s)
         if capacity is not None:

@@ -27,7 +27,7 @@ from ... import protocol as P
 from ...checks import fail
 from ...errors import CallMismatchError, CommTimeoutError, PeerFailedFatalError
 from ..failure_state import FailureState
-from ..runtime import bounded_barrier, gather
+from ..collectives import bounded_barrier, gather
 from .interface import Path
 
 
