@@ -17,7 +17,11 @@ experts per token), bf16 rows:
 
 Figures, median over --reps repetitions of --loop back-to-back calls after --warmup calls:
 "issue" is host time per call until the loop's last call returns, "loop" is time per call until
-the device finished them (torch.cuda.synchronize). Where a call syncs the host itself (a new
+the device finished them (torch.cuda.synchronize). The implementations run --rounds times, in
+turn and in alternating order (ours, deep_ep, deepep, then deepep, deep_ep, ours, ...), each time
+in fresh processes: the same C++ steps have taken up to 1.5x longer in one set of processes than
+in the next on the same machine, so the table gives each figure's median over the rounds and
+the lines below it each round's issue times. Where a call syncs the host itself (a new
 routing's counts), issue and loop agree. --profile adds cProfile's top functions of one call
 of each op (host time by function, after the warm-up): where the host time goes.
 
@@ -76,10 +80,16 @@ def parse(argv=None, description=None):
                    help="ours: Buffer(check_inputs=False) (the expert-id checks cost host syncs; DeepEP has none)")
     p.add_argument("--deepep-ll", action="store_true",
                    help="DeepEP's own low-latency calls too (its NVSHMEM needs one process per GPU; off by default)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="runs of every implementation, in alternating order, each in fresh processes; figures are "
+                        "medians over them (default 2; --profile and --phases come from the first)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per implementation (default 900)")
     p.add_argument("--cpu", action="store_true",
                    help="CPU processes on the torch backend at a small shape: checks the script (figures mean nothing)")
     a = p.parse_args(argv)
+    if a.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {a.rounds}")
+    a.first_round = True  # (main sets it per round)
     a.impls = [i for i in a.impls.split(",") if i]
     bad = [i for i in a.impls if i not in IMPLS]
     if bad:
@@ -248,11 +258,11 @@ def worker(rank, a, impl, port, queue):
                 if op not in fns:
                     continue
                 res[(T, op)] = time_op(fns[op], a, device, dist.group.WORLD)
-                if a.profile:  # every rank makes the call (it is collective); rank 0's profile is shown
+                if a.profile and a.first_round:  # every rank makes the call (it is collective); rank 0's profile is shown
                     text = profile_op(fns[op], a.profile, device)
                     if rank == 0:
                         res[(T, op, "profile")] = text
-                text = phases_op(fns[op], fns["_buffer"], device) if a.phases else None
+                text = phases_op(fns[op], fns["_buffer"], device) if a.phases and a.first_round else None
                 if text and rank == 0:
                     res[(T, op, "phases")] = text
             dist.barrier()
@@ -280,6 +290,21 @@ def table(a, results: dict) -> str:
     return "\n".join(rows)
 
 
+def over_rounds(runs: list) -> dict:
+    """One implementation's figures from its rounds' results: each (T, op)'s issue and loop
+    medians over the rounds that measured it (each round's issue times kept as "rounds"), and
+    the first round's profile and phases texts."""
+    out = {}
+    for key in runs[0]:
+        if len(key) == 3:
+            out[key] = runs[0][key]
+            continue
+        got = [r[key] for r in runs if key in r]
+        out[key] = {"issue": statistics.median(g["issue"] for g in got),
+                    "loop": statistics.median(g["loop"] for g in got), "rounds": [g["issue"] for g in got]}
+    return out
+
+
 def main(a) -> int:
     if not a.cpu and not torch.cuda.is_available():
         print("bench_host: no CUDA GPU here; --cpu checks the script on CPU processes (figures mean nothing)")
@@ -287,16 +312,26 @@ def main(a) -> int:
     path = f"internode, {a.ranks // a.ranks_per_node} nodes of {a.ranks_per_node}" if a.internode else "one node"
     print(f"host cost per call ({path}): ranks {a.ranks}, tokens {a.tokens}, hidden {a.hidden}, top-{a.topk} of {a.experts}, "
           f"loop {a.loop} x reps {a.reps} (warm-up {a.warmup}); implementations {', '.join(a.impls)}", flush=True)
-    results, failed = {}, {}
-    for impl in a.impls:
-        got, why = harness.run_ranks(worker, a.ranks, (a, impl, harness.free_port()), a.timeout)
-        if got is None:
-            failed[impl] = why
-            print(f"{impl}: not measured: {why.splitlines()[0] if why else '?'}", flush=True)
-            continue
-        results[impl] = got[0]
-        print(f"{impl}: measured", flush=True)
+    runs, failed = {}, {}
+    for r in range(a.rounds):
+        a.first_round = r == 0
+        for impl in (a.impls if r % 2 == 0 else a.impls[::-1]):
+            if impl in failed:
+                continue
+            got, why = harness.run_ranks(worker, a.ranks, (a, impl, harness.free_port()), a.timeout)
+            if got is None:
+                failed[impl] = why
+                print(f"{impl}: not measured: {why.splitlines()[0] if why else '?'}", flush=True)
+                continue
+            runs.setdefault(impl, []).append(got[0])
+            print(f"{impl}: measured (round {r + 1} of {a.rounds})", flush=True)
+    results = {impl: over_rounds(got) for impl, got in runs.items() if impl not in failed}
     print(table(a, results))
+    if a.rounds > 1:
+        print("\nissue µs per round (the spread between sets of processes):")
+        for impl, res in results.items():
+            for (T, op), r in ((k, v) for k, v in res.items() if len(k) == 2):
+                print(f"  {impl} T={T} {op}: {', '.join(f'{v:.0f}' for v in r['rounds'])}")
     for impl, res in results.items():
         for key, text in res.items():
             if len(key) == 3:
