@@ -162,22 +162,30 @@ def profile_op(fn, top: int, device, calls: int = 20) -> str:
 
 def phases_op(fn, buf, device, calls: int = 20) -> Optional[str]:
     """The steps of each one-crossing entry `calls` calls of `fn` made, µs per call, from the
-    extension's clock (megatron_ep.tracing.host_steps); None where nothing was timed (the torch
-    backend, the low-latency calls, DeepEP's own Buffer)."""
+    extension's clock (megatron_ep.tracing.host_steps), and the host time of those calls outside
+    it (Python, the crossings' argument and result conversions, the previous call's objects
+    freed); None where nothing was timed (the torch backend, the low-latency calls, DeepEP's own
+    Buffer)."""
     from megatron_ep import tracing
 
     buf = getattr(buf, "runtime", buf)  # megatron_ep.deep_ep's Buffer: our Buffer inside
     if not hasattr(buf, "_backend"):
         return None
     with tracing.host_steps(buf) as steps:
+        t0 = time.perf_counter()
         for _ in range(calls):
             fn()
+        issue = (time.perf_counter() - t0) / calls * 1e6
     _sync(device)
-    out = []
+    out, inside = [], 0.0
     for entry, d in steps.items():
         n = d.pop("calls")
+        inside += sum(d.values()) / calls / 1e3
         parts = ", ".join(f"{k} {v / n / 1e3:.1f}" for k, v in d.items())
         out.append(f"{entry}: {n / calls:.1f} per call, {sum(d.values()) / n / 1e3:.1f} µs each: {parts}")
+    if out:
+        out.append(f"these calls: {issue:.1f} µs of host time each, {inside:.1f} in the extension's steps, "
+                   f"{issue - inside:.1f} outside them")
     return "\n".join(out) + "\n" if out else None
 
 
