@@ -220,6 +220,36 @@ def test_v2_suite_edits_and_places_the_utils_package(tmp_path):
     assert (pkg / "refs.py").read_text() == "from .envs import get_global_seed\n"  # relative imports stay
 
 
+def test_v2_suite_moves_fp8_rows_as_bytes_through_gloo(tmp_path):
+    """gloo has no FP8 types ('Invalid scalar type' from V2's reference dispatch on a GPU, one
+    H100, 2026-12-07): the patched init_dist wraps dist.all_to_all_single so that 1-byte float
+    tensors go through as uint8 views of the same memory, and every other tensor unchanged."""
+    import textwrap
+    import types
+
+    import torch
+
+    src, work = _v2_checkout(tmp_path / "deepep"), tmp_path / "work"
+    rc, out = _run("--checkout", str(src), "--test", "elastic", "--workdir", str(work), "--dry-run")
+    assert rc == 0, out
+    envs = (work / "tests" / "elastic" / "deep_ep_utils" / "envs.py").read_text()
+    start = envs.index("    dist.init_process_group(**params)\n") + len("    dist.init_process_group(**params)\n")
+    block = textwrap.dedent(envs[start:envs.index("    torch.set_default_dtype", start)])
+    seen = []
+    dist = types.SimpleNamespace(all_to_all_single=lambda output, input, *args, **kwargs: seen.append(
+        (output, input, args, kwargs)))
+    exec(block, {"dist": dist, "torch": torch})  # noqa: S102 - the patched file's own lines
+    rows = torch.randn(4, 8).to(torch.float8_e4m3fn)
+    got = torch.empty_like(rows)
+    dist.all_to_all_single(got, rows, [2, 2], [1, 3], group=None)
+    (o, i, args, kwargs), = seen
+    assert o.dtype == i.dtype == torch.uint8 and o.data_ptr() == got.data_ptr() and i.data_ptr() == rows.data_ptr()
+    assert torch.equal(i, rows.view(torch.uint8)) and args == ([2, 2], [1, 3]) and kwargs == {"group": None}
+    counts = torch.arange(4, dtype=torch.int32)
+    dist.all_to_all_single(counts, counts)
+    assert seen[-1][0] is counts and seen[-1][1] is counts  # not FP8: as given
+
+
 def test_v2_suite_an_import_that_moved_stops_the_run(tmp_path):
     src = _v2_checkout(tmp_path / "deepep", imports=V2_IMPORTS.replace(
         "from deep_ep.utils.refs import combine as ref_combine\n", ""))

@@ -468,7 +468,7 @@ def test_bench_normal_smoke_model_check():
 # (megatron_ep.model's stages; scripts/bench_normal.py prints them in its model check)
 
 # One recorded run of `python3 scripts/bench_normal.py --ranks 2 --ranks-per-node 1 --num-sms 24
-# --no-deepep` on two GPUs (docs/performance-history.md), 4096 tokens, H 7168, top-8 of 256.
+# --no-deepep` on two GPUs (docs/records/performance-history.md), 4096 tokens, H 7168, top-8 of 256.
 # Loop-mode µs per call and per phase mark (mean over ranks), as that run printed them.
 NOV30_H = 7168
 NOV30_CALLS = {"layout": 41.8, "dispatch": 895.8, "dispatch_cached": 455.7, "dispatch_fp8_cached": 309.6,

@@ -19,15 +19,17 @@ __global__ void __launch_bounds__(kCopyThreads, 1) stage_and_combine_kernel(Ctx 
 static_assert(sizeof(Ctx) + sizeof(CallArgs) + sizeof(StageCombineArgs) + sizeof(CombineArgs) <= 4096,
               "stage_and_combine_kernel's parameters exceed 4 KB");
 
+// The instance of stage_and_combine_kernel for the layout and order of the sum (CombineArgs).
+template <bool kFp32>
+static auto stage_and_combine_for(const CombineArgs& args) {
+  return !args.permute ? stage_and_combine_kernel<kFp32, kSumRankRows>
+         : args.single ? stage_and_combine_kernel<kFp32, kSumSlots>
+                       : stage_and_combine_kernel<kFp32, kSumGrouped>;
+}
+
 void launch_stage_and_combine(const Ctx& ctx, const CallArgs& call, const StageCombineArgs& stage,
                               const CombineArgs& args, int num_blocks, cudaStream_t stream) {
-  const int sum = !args.permute ? kSumRankRows : args.single ? kSumSlots : kSumGrouped;
-  const auto kernel = args.is_fp32 ? (sum == kSumRankRows ? stage_and_combine_kernel<true, kSumRankRows>
-                                      : sum == kSumGrouped ? stage_and_combine_kernel<true, kSumGrouped>
-                                                           : stage_and_combine_kernel<true, kSumSlots>)
-                                   : (sum == kSumRankRows ? stage_and_combine_kernel<false, kSumRankRows>
-                                      : sum == kSumGrouped ? stage_and_combine_kernel<false, kSumGrouped>
-                                                           : stage_and_combine_kernel<false, kSumSlots>);
+  const auto kernel = args.is_fp32 ? stage_and_combine_for<true>(args) : stage_and_combine_for<false>(args);
   kernel<<<num_blocks, kCopyThreads, 0, stream>>>(ctx, call, stage, args);
 }
 

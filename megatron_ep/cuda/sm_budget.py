@@ -8,7 +8,7 @@ GPU) share that GPU's HBM. Kernels that wait on peers need all their blocks resi
 ranks sharing a GPU split its SMs: no kind ever gets more than this rank's share.
 
 The push kernel (a warp per token, its row to every destination) is faster at 16 SMs than at 24
-at EP 2 with one rank per GPU (4096 tokens, H 7168, bf16; docs/performance-history.md): past what
+at EP 2 with one rank per GPU (4096 tokens, H 7168, bf16; docs/records/performance-history.md): past what
 the link needs, more blocks only contend. Capped there at EP 2 with one rank per GPU; other
 shapes are unmeasured and uncapped. MEP_PUSH_MAX_SMS overrides (benchmarks compare).
 """

@@ -6,8 +6,8 @@ the edges V2's callers work around handled (docs/deep-ep.md, "DeepEP V2's Elasti
 Our rows already come in V2's deterministic order (rank-major: by source rank, then source token;
 expanded: by local expert, then source rank, then source token), so `deterministic` costs nothing
 here. What V2 has and this module has not (Engram, PP send/recv, all-gather (AGRS), CPU-backed
-memory, and on the cuda internode path the per-row source metadata) raises NotImplementedError naming
-itself."""
+memory) raises NotImplementedError naming itself. allow_multiple_reduction=False across nodes on the
+cuda backend keeps the per-rank order of the sum and says so once (a warning)."""
 
 from __future__ import annotations
 
