@@ -84,6 +84,9 @@ def parse(argv=None, description=None):
                    help="runs of every implementation, in alternating order, each in fresh processes; figures are "
                         "medians over them (default 2; --profile and --phases come from the first)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per implementation (default 900)")
+    p.add_argument("--canned", action="store_true",
+                   help="only the Python of our native calls, in this process on CPU, each crossing returning a saved "
+                        "result (bench/host_canned.py); no GPU")
     p.add_argument("--cpu", action="store_true",
                    help="CPU processes on the torch backend at a small shape: checks the script (figures mean nothing)")
     a = p.parse_args(argv)
@@ -314,6 +317,11 @@ def over_rounds(runs: list) -> dict:
 
 
 def main(a) -> int:
+    if a.canned:
+        from bench import host_canned
+
+        print(host_canned.run())
+        return 0
     if not a.cpu and not torch.cuda.is_available():
         print("bench_host: no CUDA GPU here; --cpu checks the script on CPU processes (figures mean nothing)")
         return 2
