@@ -85,8 +85,8 @@ def parse(argv=None, description=None):
                         "medians over them (default 2; --profile and --phases come from the first)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per implementation (default 900)")
     p.add_argument("--canned", action="store_true",
-                   help="only the Python of our native calls, in this process on CPU, each crossing returning a saved "
-                        "result (bench/host_canned.py); no GPU")
+                   help="only the Python of our calls (native and megatron_ep.deep_ep), in this process on CPU, each "
+                        "crossing returning a saved result (bench/host_canned.py); no GPU")
     p.add_argument("--cpu", action="store_true",
                    help="CPU processes on the torch backend at a small shape: checks the script (figures mean nothing)")
     a = p.parse_args(argv)

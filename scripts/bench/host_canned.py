@@ -1,9 +1,10 @@
-"""`bench host --canned`: the Python of our native calls alone, on this machine's CPU, with no GPU.
+"""`bench host --canned`: the Python of our calls alone, natively and through megatron_ep.deep_ep,
+on this machine's CPU, with no GPU.
 
-The cuda intranode path runs over the recorder of tests/test_intranode_path.py, each extension
-entry returning one saved result, so what is timed is Buffer's call scope, the replays, the path's
-plan and the handle: everything of a call's host time but its crossing's own steps, its argument
-and result conversions and the freeing of its outputs. One process, one rank, a small routing (the
+The cuda intranode path runs over the recorder of tests/test_intranode_path.py (a path per Buffer),
+each extension entry returning one saved result, so what is timed is the DeepEP layer, Buffer's
+call scope, the replays, the path's plan and the handle: everything of a call's host time but its
+crossings' own steps, their argument and result conversions and the freeing of their outputs. One process, one rank, a small routing (the
 Python does not depend on the sizes). Only ratios between ops, or between commits on one machine,
 mean anything; the GPU machine's CPU runs this code a few times slower.
 """
@@ -28,43 +29,48 @@ class _Patch:
         setattr(obj, name, value)
 
 
-def _buffer():
-    """A one-rank Buffer whose cuda backend is the intranode path over the recorder, each entry
-    returning its first result again."""
+def _buffers():
+    """A one-rank Buffer, and a megatron_ep.deep_ep Buffer, whose cuda backends are the intranode
+    path over the recorder, each entry returning its first result again."""
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     import megatron_ep as mep
     from megatron_ep import buffer as B
+    from megatron_ep import deep_ep
     from megatron_ep.cuda.backend import CudaBackend
     import test_intranode_path as rec
 
-    path = rec.make_path(_Patch())
-    saved = {}
-    for name in ("dispatch_first_call", "dispatch_call", "combine_call"):
-        def canned(*args, _entry=getattr(path.fake, name), _name=name, **kw):
-            if _name not in saved:
-                saved[_name] = _entry(*args, **kw)
-            return saved[_name]
-        setattr(path.fake, name, canned)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    buf = mep.Buffer(dist.group.WORLD, backend="torch", check_inputs=False)
-    be = CudaBackend.__new__(CudaBackend)
-    be.path, be.rt, be._ll, be.rank, be.num_ranks, be.ranks_per_node = path, path.rt, None, 0, 1, 1
-    buf._impl, buf.backend = be, "cuda"
+    os.environ["MEGATRON_EP_DEEP_EP_BACKEND"] = "torch"
+    bufs = (mep.Buffer(dist.group.WORLD, backend="torch", check_inputs=False),
+            deep_ep.Buffer(dist.group.WORLD, int(1e8), 0, explicitly_destroy=True))
+    paths = {}
+    for buf in (bufs[0], bufs[1].runtime):  # a path each: each its own saved results
+        path = rec.make_path(_Patch())
+        saved = {}
+        for name in ("dispatch_first_call", "dispatch_call", "combine_call"):
+            def canned(*args, _entry=getattr(path.fake, name), _name=name, _saved=saved, **kw):
+                if _name not in _saved:
+                    _saved[_name] = _entry(*args, **kw)
+                return _saved[_name]
+            setattr(path.fake, name, canned)
+        i32 = dict(dtype=torch.int32)
+        layout = (torch.zeros(1, **i32), torch.zeros(rec.E, **i32), torch.ones(rec.T, 1, dtype=torch.bool))
+        path.rt.ext.layout = lambda topk_idx, num_experts, num_ranks, counts_int32, _out=layout: _out
+        be = CudaBackend.__new__(CudaBackend)
+        be.path, be.rt, be._ll, be.rank, be.num_ranks, be.ranks_per_node = path, path.rt, None, 0, 1, 1
+        buf._impl, buf.backend = be, "cuda"
+        paths[id(buf)] = path
     enter = B._CallScope.__enter__
 
     def entered(scope):  # the recorder reads the call in flight
         call = enter(scope)
-        path.holder["call"] = call
+        paths[id(scope.buf)].holder["call"] = call
         return call
     B._CallScope.__enter__ = entered
-    return buf, rec
+    return bufs, rec
 
 
-def run(reps: int = 15, loop: int = 200) -> str:
-    buf, rec = _buffer()
-    x = torch.randn(rec.T, rec.H, dtype=torch.bfloat16)
-    idx = torch.tensor([[0, 5], [1, 2], [7, -1], [3, 4], [6, 0], [2, 5]])
-    w = torch.rand(rec.T, rec.K)
+def _ops_ours(buf, rec, x, idx, w) -> dict:
     state = {}
 
     def dispatch():
@@ -72,18 +78,45 @@ def run(reps: int = 15, loop: int = 200) -> str:
 
     dispatch()
     handle, rows = state["out"].handle, state["out"].x.clone()
-    ops = {"dispatch": dispatch, "cached_dispatch": lambda: buf.dispatch(x, handle=handle),
-           "combine": lambda: buf.combine(rows, handle)}
-    lines = ["| op | Python µs per call (canned crossings, this CPU) |", "|---|---:|"]
-    for name, fn in ops.items():
+    return {"dispatch": dispatch, "cached_dispatch": lambda: buf.dispatch(x, handle=handle),
+            "combine": lambda: buf.combine(rows, handle)}
+
+
+def _ops_deep_ep(buf, rec, x, idx, w) -> dict:
+    """DeepEP V1's calls, as scripts/bench/host.py makes them."""
+    def dispatch():
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, rec.E)
+        return buf.dispatch(x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                            num_tokens_per_expert=per_expert)
+
+    recv_x, _, _, _, handle, _ = dispatch()
+    recv_x = recv_x.clone()
+    return {"dispatch": dispatch, "cached_dispatch": lambda: buf.dispatch(x, handle=handle),
+            "combine": lambda: buf.combine(recv_x, handle)}
+
+
+def _time(fn, reps: int, loop: int) -> float:
+    for _ in range(loop):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
         for _ in range(loop):
             fn()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            for _ in range(loop):
-                fn()
-            times.append((time.perf_counter() - t0) / loop * 1e6)
-        lines.append(f"| {name} | {statistics.median(times):.1f} |")
+        times.append((time.perf_counter() - t0) / loop * 1e6)
+    return statistics.median(times)
+
+
+def run(reps: int = 15, loop: int = 200) -> str:
+    (buf, dbuf), rec = _buffers()
+    x = torch.randn(rec.T, rec.H, dtype=torch.bfloat16)
+    idx = torch.tensor([[0, 5], [1, 2], [7, -1], [3, 4], [6, 0], [2, 5]])
+    w = torch.rand(rec.T, rec.K)
+    ours, layer = _ops_ours(buf, rec, x, idx, w), _ops_deep_ep(dbuf, rec, x, idx, w)
+    lines = ["| op | ours: Python µs per call | deep_ep | deep_ep / ours |", "|---|---:|---:|---:|"]
+    for name in ours:
+        a, b = _time(ours[name], reps, loop), _time(layer[name], reps, loop)
+        lines.append(f"| {name} | {a:.1f} | {b:.1f} | {b / a:.2f}x |")
+    lines.append("(canned crossings: what the calls cost in Python on this CPU, their crossings' own steps left out)")
     dist.destroy_process_group()
     return "\n".join(lines)
