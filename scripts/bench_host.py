@@ -13,7 +13,9 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(HERE), HERE]  # this checkout's megatron_ep, the bench package beside this file
+# this checkout's megatron_ep (or, in the ranks of --base's implementation, that checkout's: set by
+# bench/host.py for the processes it spawns), the bench package beside this file
+sys.path[:0] = [os.environ.get("MEP_BENCH_CHECKOUT") or os.path.dirname(HERE), HERE]
 
 from megatron_ep import cli  # noqa: E402
 

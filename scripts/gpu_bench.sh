@@ -33,7 +33,9 @@
 #                   build like the deepgemm phase -> $OUT/gemm.md, $OUT/gemm.json
 #   host            host cost per call (scripts/bench_host.py --ranks ${MEP_HOST_RANKS:-2} MEP_HOST_ARGS: ours,
 #                   megatron_ep.deep_ep and DeepEP V1 when its full build imports) -> $OUT/host.md, and
-#                   $OUT/host.log (the profiles with --profile N)
+#                   $OUT/host.log (the profiles with --profile N); with MEP_HOST_BASE=DIR (another
+#                   commit's tree, `git archive COMMIT setup.py csrc megatron_ep`, carried) that tree is
+#                   built beside this one and measured as the implementation `base` (--base DIR)
 #   MEP_BENCH_ARGS  bench_normal.py arguments (default: --ranks 2 --num-sms 8,16,24)
 #   MEP_RECIPE_ARGS the recipe's model flags for the Megatron step table
 # Wheels under .whl/ (megatron-core for Python 3.12, carried) are installed to /tmp/site first.
@@ -84,6 +86,11 @@ if [ -d .carry/deepgemm ] && { has deepgemm || has gemm; }; then  # one C++ file
     tail -1 /tmp/deepgemm_build.log > /tmp/deepgemm.done ) &
 fi
 
+if [ -n "${MEP_HOST_BASE:-}" ] && has host; then  # the other commit's tree, built beside this one's
+  rm -f /tmp/base_build.ok /tmp/base_build.done
+  ( cd "$MEP_HOST_BASE" && MAX_JOBS=8 python3 setup.py build_ext --inplace > /tmp/base_build.log 2>&1 \
+      && touch /tmp/base_build.ok; tail -1 /tmp/base_build.log > /tmp/base_build.done ) &
+fi
 if has build; then
   phase build
   if ! MAX_JOBS=16 MEP_PTXAS_VERBOSE=1 python3 setup.py build_ext --inplace > /tmp/build.log 2>&1; then
@@ -123,10 +130,16 @@ if has host; then
   phase host
   hr=${MEP_HOST_RANKS:-2}
   hpath=$(deepep_path full 300)
+  base=()
+  if [ -n "${MEP_HOST_BASE:-}" ]; then
+    for _ in $(seq 600); do [ -e /tmp/base_build.done ] && break; sleep 1; done
+    if [ -e /tmp/base_build.ok ]; then base=(--base "$MEP_HOST_BASE"); else
+      status=1; echo "the base tree $MEP_HOST_BASE did not build:"; tail -20 /tmp/base_build.log; fi
+  fi
   [ "$hr" -gt "$NGPU" ] && start_mps
   # shellcheck disable=SC2086
   PYTHONPATH=$hpath timeout "${MEP_HOST_TIMEOUT:-400}" python3 scripts/bench_host.py --ranks "$hr" ${MEP_HOST_ARGS:-} \
-    > "$OUT/host.log" 2>&1 || { status=1; echo "host bench failed"; }
+    ${base[@]+"${base[@]}"} > "$OUT/host.log" 2>&1 || { status=1; echo "host bench failed"; }
   grep "^|" "$OUT/host.log" > "$OUT/host.md"
   grep -v "^\[" "$OUT/host.log" | grep -v "^ " | tail -40
   stop_mps

@@ -5,6 +5,8 @@ a loop of back-to-back calls, for each implementation in its own set of processe
   deep_ep  megatron_ep.deep_ep (our DeepEP V1 drop-in) on our kernels
   deepep   DeepEP V1 itself, when `deep_ep` from a DeepEP build imports (never part of this
            repository; each implementation starts NVSHMEM once per process, hence the process sets)
+  base     megatron_ep.Buffer from another checkout (--base DIR, its extension built there): a
+           change's host cost against the code before it, in the same run
 
 Ops, each with T tokens per rank, hidden H, top-K of E experts (uniform random routing, distinct
 experts per token), bf16 rows:
@@ -49,7 +51,7 @@ import torch.distributed as dist
 from bench import deepep, harness
 from bench.low_latency import routing, rows_of
 
-IMPLS = ("ours", "deep_ep", "deepep")
+IMPLS = ("ours", "deep_ep", "deepep", "base")
 OPS = ("dispatch", "cached_dispatch", "combine", "ll_dispatch", "ll_combine")
 # the low-latency calls are decode's: measured up to this many tokens per rank (their buffer is
 # sized per token; DeepEP's size hint at 4096 tokens is past what its num_rdma_bytes may be)
@@ -67,7 +69,8 @@ def parse(argv=None, description=None):
     p.add_argument("--loop", type=int, default=20, help="back-to-back calls per timed repetition (default 20)")
     p.add_argument("--reps", type=int, default=15, help="repetitions; the median is reported (default 15)")
     p.add_argument("--warmup", type=int, default=5, help="untimed calls first (default 5)")
-    p.add_argument("--impls", default=",".join(IMPLS), help=f"a comma list of {', '.join(IMPLS)} (default all)")
+    p.add_argument("--impls", default=None,
+                   help=f"a comma list of {', '.join(IMPLS)} (default: all, base where --base is given)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="each op's N functions with the most host time, µs per call over 20 calls (default 0: none)")
     p.add_argument("--phases", action="store_true",
@@ -84,6 +87,9 @@ def parse(argv=None, description=None):
                    help="runs of every implementation, in alternating order, each in fresh processes; figures are "
                         "medians over them (default 2; --profile and --phases come from the first)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per implementation (default 900)")
+    p.add_argument("--base", default=None, metavar="DIR",
+                   help="another checkout with its extension built (python3 setup.py build_ext --inplace there): "
+                        "adds the implementation `base`, that checkout's megatron_ep.Buffer, to the run")
     p.add_argument("--canned", action="store_true",
                    help="only the Python of our calls (native and megatron_ep.deep_ep), in this process on CPU, each "
                         "crossing returning a saved result (bench/host_canned.py); no GPU")
@@ -93,20 +99,26 @@ def parse(argv=None, description=None):
     if a.rounds < 1:
         p.error(f"--rounds must be at least 1, got {a.rounds}")
     a.first_round = True  # (main sets it per round)
-    a.impls = [i for i in a.impls.split(",") if i]
+    a.impls = [i for i in (a.impls or ",".join(IMPLS[:3] + (("base",) if a.base else ()))).split(",") if i]
     bad = [i for i in a.impls if i not in IMPLS]
     if bad:
         p.error(f"--impls: unknown {bad}; choose from {', '.join(IMPLS)}")
+    if "base" in a.impls:
+        if not a.base:
+            p.error("--impls base needs --base DIR (another checkout, its extension built)")
+        a.base = os.path.abspath(a.base)
+        if not os.path.isdir(os.path.join(a.base, "megatron_ep")):
+            p.error(f"--base {a.base}: no megatron_ep package there")
     P = a.ranks_per_node
     if P is not None and not (1 <= P <= a.ranks and a.ranks % P == 0):
         p.error(f"--ranks-per-node {P} must divide --ranks {a.ranks}")
     a.internode = P is not None and P < a.ranks
-    if a.internode and a.impls != ["ours"]:
+    if a.internode and any(i not in ("ours", "base") for i in a.impls):
         if "ours" not in a.impls:
             p.error("--ranks-per-node below --ranks measures ours only: add it to --impls")
-        print(f"bench_host: --ranks-per-node {P}: only ours is measured (the DeepEP API's internode path "
-              f"needs nodes of 8 ranks)", flush=True)
-        a.impls = ["ours"]
+        print(f"bench_host: --ranks-per-node {P}: only ours (and base) are measured (the DeepEP API's internode "
+              f"path needs nodes of 8 ranks)", flush=True)
+        a.impls = [i for i in a.impls if i in ("ours", "base")]
     if a.cpu:
         a.tokens, a.hidden, a.experts, a.topk, a.loop, a.reps, a.warmup = [4, 16], 256, 16, 4, 3, 3, 1
         a.impls = [i for i in a.impls if i != "deepep"]
@@ -252,11 +264,17 @@ def ops_deep_ep(a, T, device, x, idx, w, module=None):
 
 def worker(rank, a, impl, port, queue):
     try:
+        if impl == "base":  # the ranks must run --base's code, not this checkout's
+            import megatron_ep
+
+            got = os.path.dirname(os.path.dirname(os.path.abspath(megatron_ep.__file__)))
+            if got != a.base:
+                raise RuntimeError(f"base imported megatron_ep from {got}, not from --base {a.base}")
         device = harness.init_rank(rank, a.ranks, port, not a.cpu, cpu_threads=1)
         res = {}
         for T in a.tokens:
             x, idx, w = routing(T, a.experts, a.topk, a.hidden, 100 + rank, device)
-            if impl == "ours":
+            if impl in ("ours", "base"):  # (base: this process imported --base's megatron_ep)
                 fns, close = ops_ours(a, T, device, x, idx, w)
             else:
                 module = None
@@ -316,6 +334,22 @@ def over_rounds(runs: list) -> dict:
     return out
 
 
+def _run_impl(a, impl: str):
+    """One implementation's ranks (run_ranks' answer); `base`'s import --base's checkout, which
+    scripts/bench_host.py puts first on their path (MEP_BENCH_CHECKOUT, inherited at spawn)."""
+    if impl != "base":
+        return harness.run_ranks(worker, a.ranks, (a, impl, harness.free_port()), a.timeout)
+    saved = os.environ.get("MEP_BENCH_CHECKOUT")
+    os.environ["MEP_BENCH_CHECKOUT"] = a.base
+    try:
+        return harness.run_ranks(worker, a.ranks, (a, impl, harness.free_port()), a.timeout)
+    finally:
+        if saved is None:
+            del os.environ["MEP_BENCH_CHECKOUT"]
+        else:
+            os.environ["MEP_BENCH_CHECKOUT"] = saved
+
+
 def main(a) -> int:
     if a.canned:
         from bench import host_canned
@@ -334,7 +368,7 @@ def main(a) -> int:
         for impl in (a.impls if r % 2 == 0 else a.impls[::-1]):
             if impl in failed:
                 continue
-            got, why = harness.run_ranks(worker, a.ranks, (a, impl, harness.free_port()), a.timeout)
+            got, why = _run_impl(a, impl)
             if got is None:
                 failed[impl] = why
                 print(f"{impl}: not measured: {why.splitlines()[0] if why else '?'}", flush=True)
