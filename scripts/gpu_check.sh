@@ -49,8 +49,8 @@ case "$MODE" in
 esac
 OUT=${OUT:-$ROOT/.gpu_out}
 # packed into $OUT/logs.tar.gz at the end (a device call brings few files back); a folder of this
-# run's own, junit records included: a record left in /tmp by an earlier run (another user's, which
-# rm cannot remove) must never stand for this run's
+# run's own, junit records included: a record an earlier run left in /tmp must never stand for
+# this run's
 LOGS=$(mktemp -d /tmp/mep-gate-logs.XXXXXX)
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 NVSHMEM_DISABLE_MNNVL=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
