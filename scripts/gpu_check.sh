@@ -71,7 +71,7 @@ MPS=0
 start_mps() { [ "$MPS" = 1 ] && return 0; mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
               nvidia-cuda-mps-control -d && MPS=1; }
 stop_mps() { [ "$MPS" = 1 ] && { echo quit | nvidia-cuda-mps-control 2>/dev/null; sleep 1; MPS=0; }; return 0; }
-finish() { stop_mps; tar -czf "$OUT/logs.tar.gz" -C "$LOGS" . 2>/dev/null; }
+finish() { stop_mps; tar -czf "$OUT/logs.tar.gz" -C "$LOGS" . 2>/dev/null; rm -rf "$LOGS"; }  # (a folder per run: packed, then gone)
 trap finish EXIT
 
 if compgen -G ".whl/*.whl" > /dev/null; then
