@@ -283,3 +283,105 @@ def test_rank_mask_entries(path):
     assert p.next_set == 0
     assert p.buf.launches == [("mask", 0, True), ("query",), ("clear",), ("dispatch", 0, p.ext.SEND),
                               ("dispatch", 0, p.ext.RECV), ("barrier",)]
+
+
+@pytest.fixture()
+def ll_buf(path, monkeypatch):
+    """A Buffer of one rank whose cuda backend's low-latency path is `path` (over the recorder);
+    `entries` lists which of the path's dispatch entries each call took, `crossings` the
+    arguments of each crossing."""
+    import megatron_ep as mep
+    from megatron_ep.cuda.backend import CudaBackend
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # (no driver here)
+
+    b = mep.Buffer(dist.group.WORLD, backend="torch", check_inputs=False)
+    be = CudaBackend.__new__(CudaBackend)
+    be.path, be.rt, be._ll, be.rank, be.num_ranks, be.ranks_per_node = None, path.rt, path, 0, 1, 1
+    b._impl, b.backend = be, "cuda"
+    b.entries, b.crossings = [], []
+    for name in ("dispatch", "_replay_dispatch"):
+        def entry(*args, _f=getattr(path, name), _n=name, **kwargs):
+            b.entries.append(_n)
+            return _f(*args, **kwargs)
+        setattr(path, name, entry)
+    real = path.buf.dispatch_call
+    path.buf.dispatch_call = lambda *a: b.crossings.append(a) or real(*a)
+    return b
+
+
+def _same_crossing(a: tuple, b: tuple) -> bool:
+    """Every argument of two dispatch_call crossings the same (tensors: the same object), but the
+    buffer set, the signature hash and the sequence number (positions 6, 8 and 9)."""
+    return len(a) == len(b) and all(i in (6, 8, 9) or (u is v if isinstance(u, torch.Tensor) else u == v)
+                                    for i, (u, v) in enumerate(zip(a, b)))
+
+
+def test_a_low_latency_dispatch_of_the_same_shape_replays_the_same_crossing(ll_buf):
+    """A decode step's dispatch of the last one's shape and options, into the same statistics
+    tensors, skips Buffer's checks and the path's (megatron_ep/replay.py) and crosses with what
+    the full call crossed with, on the next buffer set, under its own sequence number, with the
+    full call's signature."""
+    x, idx, w = _inputs()
+    stats = torch.zeros(8, dtype=torch.int32)
+    kw = dict(num_experts=8, max_tokens_per_rank=16, topk_weights=w, cumulative_local_expert_recv_stats=stats)
+    outs = [ll_buf.low_latency_dispatch(x, idx, **kw) for _ in range(3)]
+    assert ll_buf.entries == ["dispatch", "_replay_dispatch", "_replay_dispatch"]
+    first, *rest = ll_buf.crossings
+    assert all(_same_crossing(first, c) for c in rest)
+    assert [c[6] for c in ll_buf.crossings] == [0, 1, 0]  # the buffer sets alternate
+    assert [c[9] for c in ll_buf.crossings] == [1, 2, 3]
+    assert [o.handle.call_seq for o in outs] == [1, 2, 3]
+    assert len({c[8] for c in ll_buf.crossings}) == 3  # the hash covers the sequence number
+    for o in outs:
+        assert o.handle.buffer_id == ll_buf.id and o.handle.topk_idx is idx and o.x[0].shape == (8, 16, 256)
+    y = ll_buf.low_latency_combine(torch.zeros((8, 16, 256), dtype=torch.bfloat16), idx, w, outs[-1].handle)
+    assert y.shape == (5, 256)
+
+
+@pytest.mark.parametrize("change", ["tokens", "hidden", "experts", "max_tokens", "bf16", "round_scale", "weights",
+                                    "weights_dtype", "stats", "hook", "idx_int32", "grad", "kwarg", "capture"])
+def test_a_low_latency_dispatch_that_differs_takes_the_full_call(ll_buf, change, monkeypatch):
+    """What differs from the replayed call in shape, option or statistics tensor is checked again
+    (and refused where the full call refuses it)."""
+    x, idx, w = _inputs()
+    stats = torch.zeros(8, dtype=torch.int32)
+    kw = dict(num_experts=8, max_tokens_per_rank=16, topk_weights=w, cumulative_local_expert_recv_stats=stats)
+    ll_buf.low_latency_dispatch(x, idx, **kw)
+    x2, idx2, kw2 = x, idx, dict(kw)
+    if change == "tokens":
+        x2, idx2, w2 = _inputs(T=4)
+        kw2["topk_weights"] = w2
+    elif change == "hidden":
+        x2 = torch.zeros((5, 128), dtype=torch.bfloat16)
+    elif change == "experts":
+        kw2["num_experts"] = 4
+    elif change == "max_tokens":
+        kw2["max_tokens_per_rank"] = 8
+    elif change == "bf16":
+        kw2["use_fp8"] = False
+    elif change == "round_scale":
+        kw2["round_scale"] = True
+    elif change == "weights":
+        kw2["topk_weights"] = None
+    elif change == "weights_dtype":
+        kw2["topk_weights"] = w.double()
+    elif change == "stats":
+        kw2["cumulative_local_expert_recv_stats"] = torch.zeros(8, dtype=torch.int32)
+    elif change == "hook":
+        kw2["return_recv_hook"] = True
+    elif change == "idx_int32":
+        idx2 = idx.int()
+    elif change == "grad":
+        x2 = x.clone().requires_grad_()
+    elif change == "kwarg":
+        kw2["use_ue8m0"] = 1  # not a bool: the full call's check refuses it
+    elif change == "capture":
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    try:
+        out = ll_buf.low_latency_dispatch(x2, idx2, **kw2)
+        if out.hook is not None:
+            out.hook()
+    except (TypeError, ValueError, RuntimeError):
+        pass  # refused by the full call's checks, as without a replay
+    assert ll_buf.entries[1:] in ([], ["dispatch"]) and "_replay_dispatch" not in ll_buf.entries
