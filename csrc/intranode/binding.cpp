@@ -286,14 +286,20 @@ Notified notify_part(Runtime& rt, CallStreams& cs, StepTimer& clock, const Sig& 
 // (topk_idx copy, rank_pos, slot_pos, recv_info, row_limits, counts, tokens_per_expert, num_dropped,
 // rank_counts and its prefix over the rows, and their columns of this rank, or None each, the wait's
 // status, the sizes or None, the HandleState); the state moves into its Python object
-py::tuple notified_tuple(Notified& n, const py::tuple& sizes) {
+// With `lean` (dispatch_first_call: the dispatch half returns the counts the caller and the handle
+// keep) the handle's four index tensors and notify's counts come back None: the HandleState holds
+// them (HandleState.tensors() where Python needs them), and each tensor handed to Python costs
+// host time to wrap and, at the next call, to free.
+py::tuple notified_tuple(Notified& n, const py::tuple& sizes, bool lean) {
   const HandleState& st = n.st;
   const auto opt = [](const c10::optional<Tensor>& x) { return x.has_value() ? py::cast(*x) : py::none(); };
+  const auto unless_lean = [lean](const Tensor& x) { return lean ? py::object(py::none()) : py::cast(x); };
   // the state goes in last, once the tensors were read from it (in one make_tuple the arguments'
   // order of evaluation is unspecified)
-  py::tuple t = py::make_tuple(st.topk_idx, st.rank_pos, st.slot_pos, st.recv_info, st.row_limits, n.counts, n.tpe,
-                               n.dropped, opt(n.rank_counts), opt(n.rank_prefix), opt(n.recv_rank_counts),
-                               opt(n.recv_rank_prefix), sizes[0], sizes[1], py::none());
+  py::tuple t = py::make_tuple(st.topk_idx, unless_lean(st.rank_pos), unless_lean(st.slot_pos),
+                               unless_lean(st.recv_info), unless_lean(st.row_limits), unless_lean(n.counts),
+                               unless_lean(n.tpe), unless_lean(n.dropped), opt(n.rank_counts), opt(n.rank_prefix),
+                               opt(n.recv_rank_counts), opt(n.recv_rank_prefix), sizes[0], sizes[1], py::none());
   t[14] = py::cast(std::move(n.st));
   return t;
 }
@@ -315,7 +321,7 @@ py::tuple notify_call(Runtime& rt, const Sig& sig, const Tensor& topk_idx, int E
                            marks, async_op);
   const py::tuple sizes = wait_s >= 0 ? rt.wait_counts(tag, wait_s, n.L) : py::make_tuple(-1, py::none());
   clock.lap(kStepWait);
-  py::tuple out = notified_tuple(n, sizes);
+  py::tuple out = notified_tuple(n, sizes, false);
   clock.lap(kStepReturn);
   return out;
 }
@@ -584,12 +590,12 @@ py::tuple dispatch_first_call(Runtime& rt, const Sig& sig, const Tensor& topk_id
     go = rows >= 0 && info["need_tokens"].cast<long long>() <= l.max_tokens &&
          info[permute ? "need_perm_rows" : "need_rows"].cast<long long>() <= l.comb_rows;
   }
-  if (!go) return py::make_tuple(1, notified_tuple(n, sizes), py::none());
+  if (!go) return py::make_tuple(1, notified_tuple(n, sizes, true), py::none());
   StepTimer dclock(rt.clock(), kEntryDispatch);
   py::tuple out = dispatch_part(rt, cs, dclock, n.st, sig, true, data, scales, topk_w, push, scratch, zero_copy,
                                 permute ? perm_rows : rows, 0, permute ? rows : 0, event, async_op, hook, py::none(),
                                 marks, num_blocks, push_blocks, local_blocks, want_src);
-  return py::make_tuple(0, notified_tuple(n, sizes), out);
+  return py::make_tuple(0, notified_tuple(n, sizes, true), out);
 }
 
 // get_dispatch_layout in one crossing, on the current stream: the counts in one zeroed buffer
@@ -665,7 +671,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_comm_stream", [](mep::Runtime& rt, const py::object& s) { rt.set_comm_stream(mep::stream_of(s)); });
   auto intra = m.def_submodule("intranode", "the intranode normal path (csrc/intranode/)");
   py::class_<mep::HandleState>(intra, "HandleState")
-      .def(py::init(&mep::handle_state), py::arg("topk_idx"), py::arg("rank_pos"), py::arg("slot_pos"), py::arg("recv_info"), py::arg("row_limits"), py::arg("counts"), py::arg("comb_map"), py::arg("num_experts"), py::arg("permute"));
+      .def(py::init(&mep::handle_state), py::arg("topk_idx"), py::arg("rank_pos"), py::arg("slot_pos"), py::arg("recv_info"), py::arg("row_limits"), py::arg("counts"), py::arg("comb_map"), py::arg("num_experts"), py::arg("permute"))
+      // what it was bound from, in the constructor's order (a copied handle binds a copy of them)
+      .def("tensors", [](const mep::HandleState& st) {
+        return py::make_tuple(st.topk_idx, st.rank_pos, st.slot_pos, st.recv_info, st.row_limits, st.counts,
+                              st.comb_map.has_value() ? py::cast(*st.comb_map) : py::none());
+      });
   // one crossing per call (calls.h); argument names: the Python side's (megatron_ep/cuda/paths/intranode.py
   // passes them by name; tests/test_kernel_boundary.py reads both sides)
   intra.def("notify_call", &mep::notify_call, py::arg("runtime"), py::arg("sig"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("expert_alignment"), py::arg("permute"), py::arg("num_worst_tokens"), py::arg("token_groups"), py::arg("check_ids"), py::arg("rank_counts"), py::arg("tag"), py::arg("previous_event"), py::arg("marks"), py::arg("wait_s"), py::arg("async_op"));

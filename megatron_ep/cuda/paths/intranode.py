@@ -35,10 +35,11 @@ SLOT = P.SLOT
 
 @dataclass(slots=True)
 class IntranodeState:
-    rank_pos: torch.Tensor  # [T, R] int32: row of each token in each rank's rank-major output (-1: none)
-    slot_pos: torch.Tensor  # [T, K] int32: row of each (token, slot) in its rank's expert-major output
-    recv_info: torch.Tensor  # int32, csrc/ipc/region_layout.h RecvInfo: N, M, L, dropped, counts, padded, seg starts
-    row_limits: torch.Tensor  # [R] int32: rows each rank delivers at most (its num_worst_tokens, or INT_MAX)
+    # (the four index tensors: None where `native` holds them, after a new routing's one crossing)
+    rank_pos: Optional[torch.Tensor]  # [T, R] int32: row of each token in each rank's rank-major output (-1: none)
+    slot_pos: Optional[torch.Tensor]  # [T, K] int32: row of each (token, slot) in its rank's expert-major output
+    recv_info: Optional[torch.Tensor]  # int32, csrc/ipc/region_layout.h RecvInfo: N, M, L, dropped, counts, padded, seg starts
+    row_limits: Optional[torch.Tensor]  # [R] int32: rows each rank delivers at most (its num_worst_tokens, or INT_MAX)
     tokens_per_expert: torch.Tensor  # [L] int64 (what every dispatch along this routing returns)
     num_dropped: torch.Tensor  # 0-d int64
     num_rows: Optional[int]  # N, when known on the host
@@ -57,7 +58,10 @@ class IntranodeState:
 
     def __deepcopy__(self, memo):
         """A copy replays the same routing: its tensors copied, its native binding made again from
-        them at its first use (a compiled object does not copy)."""
+        them at its first use (a compiled object does not copy). A new routing's crossing leaves
+        the index tensors in the native binding only (dispatch_first_call): they come from it here."""
+        if self.rank_pos is None and self.native is not None:
+            _, self.rank_pos, self.slot_pos, self.recv_info, self.row_limits, _, _ = self.native.tensors()
         return type(self)(**{f.name: None if f.name == "native" else copy.deepcopy(getattr(self, f.name), memo)
                              for f in dataclasses.fields(self)})
 
