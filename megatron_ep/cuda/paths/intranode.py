@@ -143,6 +143,7 @@ class IntranodePath(NormalPath):
         # the last new routing's replay and its plan without tensors (megatron_ep/replay.py)
         self.routing_replay: Optional[Replay] = None
         self._routing_plan: Optional[DispatchPlan] = None
+        self._fitted_need: Optional[dict] = None  # the last new routing's need that fitted the region
 
     @classmethod
     def open(cls, group, rank: int, num_ranks: int, ranks_per_node: int, hints: dict, num_sms: Optional[int],
@@ -225,8 +226,12 @@ class IntranodePath(NormalPath):
         if plan.first and not plan.num_worst_tokens:
             zero_copy, scratch = self._placement(plan.data, plan.push, plan.permute)
             # the region fits the call's needs but its counts (a plan remembered per need), so the
-            # extension needs to compare only the counts notify learns
-            fits = rt.region.fits(dict(plan.need, max_tokens=0, combine_rows=0)) is None
+            # extension needs to compare only the counts notify learns; a replayed routing carries
+            # the need that fitted before (the region only grows)
+            need = plan.need
+            fits = need is self._fitted_need or rt.region.fits(dict(need, max_tokens=0, combine_rows=0)) is None
+            if fits:
+                self._fitted_need = need
             tag = next(self.tags)
             x, token_groups, previous_event, wait_s = plan.data, plan.groups, previous, rt.ledger.host_wait_s
             async_op, hook = req.async_op, hooks.current()
