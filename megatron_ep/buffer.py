@@ -384,7 +384,7 @@ class Buffer:
                                                 expert_alignment, host_counts, rank_counts, self._ids_level,
                                                 on_overflow)):
                 out = self._replayed("dispatch", replay, x, topk_idx, topk_weights, async_op, previous_event,
-                                     host_counts, rank_counts, self._ids_level, on_overflow)
+                                     host_counts)
                 out.handle.buffer_id = self.id
                 return out
         op = "dispatch" if handle is None else "cached_dispatch"

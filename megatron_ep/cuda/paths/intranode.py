@@ -186,7 +186,7 @@ class IntranodePath(NormalPath):
         host must act between them (the region grows, or the call failed at notify's exchange),
         or where it is worst-case sized (notify_call, then dispatch_call without a host wait)."""
         plan = self._plan(call, req)
-        out = self._planned(call, req, plan)
+        out = self._planned(call, plan, req.previous_event, req.async_op, req.handle, req.host_counts)
         if plan.fused is None and plan.groups == 1:
             if plan.first:  # Buffer's new routing (Buffer asks only where its own options allow)
                 if not (plan.num_worst_tokens or plan.want_src):  # (on_overflow acts only with num_worst_tokens)
@@ -200,26 +200,25 @@ class IntranodePath(NormalPath):
         return out
 
     def _replay_routing(self, call: P.Call, x, topk_idx, topk_weights, async_op: bool, previous_event,
-                        host_counts: bool, rank_counts: bool, check_ids: int, on_overflow: str) -> DispatchOutput:
+                        host_counts: bool) -> DispatchOutput:
         """A new routing replayed (megatron_ep/replay.py): the plan of the last new routing, whose
-        shape and options these are, with this call's tensors, and what depends on the region
-        decided again; then the same crossings."""
+        shape and options these are (the replay matched them), with this call's tensors, and what
+        depends on the region decided again; then the same crossings."""
         data, scales = (x[0], x[1]) if type(x) is tuple else (x, None)
         plan = _plan_with(self._routing_plan, data, scales, topk_idx, topk_weights)
         plan.push = _pushes(self.rt.region, plan.permute, 0)
         call.set_variant(int(plan.push))
-        req = DispatchRequest(x, topk_idx, topk_weights, plan.num_experts, plan.permute, plan.expert_alignment, None,
-                              host_counts, 0, async_op, previous_event, on_overflow=on_overflow, check_ids=check_ids,
-                              rank_counts=rank_counts)
-        return self._planned(call, req, plan)
+        return self._planned(call, plan, previous_event, async_op, None, host_counts)
 
-    def _planned(self, call: P.Call, req: DispatchRequest, plan: "DispatchPlan") -> DispatchOutput:
-        """dispatch after its plan: the crossings and the caller's DispatchOutput."""
+    def _planned(self, call: P.Call, plan: "DispatchPlan", previous_event: Optional[EventOverlap], async_op: bool,
+                 handle: Optional[DispatchHandle], host_counts: bool) -> DispatchOutput:
+        """dispatch after its plan (and the request's arguments the plan does not hold): the
+        crossings and the caller's DispatchOutput."""
         rt = self.rt
         region, budget = rt.region, rt.budget
-        previous = _event(req.previous_event)
+        previous = _event(previous_event)
         comb_rows = 0
-        event = torch.cuda.Event() if req.async_op else None  # (a synchronous call joins through the runtime's own)
+        event = torch.cuda.Event() if async_op else None  # (a synchronous call joins through the runtime's own)
         # benchmarks' phase marks, in the order they are recorded: notify's first
         notify_marks = rt.marks(("start", "notify"), first=True) if plan.first else None
         marks = _move_marks(rt, plan.push or plan.fused is not None, plan.permute)
@@ -234,7 +233,7 @@ class IntranodePath(NormalPath):
                 self._fitted_need = need
             tag = next(self.tags)
             x, token_groups, previous_event, wait_s = plan.data, plan.groups, previous, rt.ledger.host_wait_s
-            async_op, hook = req.async_op, hooks.current()
+            hook = hooks.current()
             num_blocks, push_blocks, local_blocks = budget.normal  # blocks("copy"), ("push"), ("local")
             try:
                 # (by position, each argument named as its parameter: tests/test_kernel_boundary.py)
@@ -250,18 +249,19 @@ class IntranodePath(NormalPath):
             # (status 0: the rows moved in the same crossing, so nothing is owed after it)
             st, comb_rows = self._notified(call, plan, notified, grow=status == 1, owed=status != 0)
             if status == 0:
-                return self._dispatched(call, req, plan, st, res, event, _out_rows(st, plan.num_worst_tokens))
+                return self._dispatched(call, plan, handle, host_counts, st, res, event,
+                                        _out_rows(st, plan.num_worst_tokens))
             previous = None  # the streams are ordered: the call was entered
         elif plan.first:
-            st, comb_rows = self._notify(call, plan, previous, notify_marks, req.async_op)
+            st, comb_rows = self._notify(call, plan, previous, notify_marks, async_op)
             previous = None  # the streams are ordered: notify_call entered the call
         else:
-            st = req.handle.state
+            st = handle.state
         out_rows = _out_rows(st, plan.num_worst_tokens)
         res = self._send_rows(call, st, plan.num_experts, plan.first, plan.data, plan.scales, plan.topk_weights,
-                              plan.push, out_rows, plan.num_worst_tokens, comb_rows, previous, event, req.async_op,
+                              plan.push, out_rows, plan.num_worst_tokens, comb_rows, previous, event, async_op,
                               plan.fused, marks, plan.want_src)
-        return self._dispatched(call, req, plan, st, res, event, out_rows)
+        return self._dispatched(call, plan, handle, host_counts, st, res, event, out_rows)
 
     def _send_rows(self, call: P.Call, st: IntranodeState, num_experts: int, first: bool, x, scales, topk_weights,
                    push: bool, out_rows: int, num_worst_tokens: int, comb_rows: int, previous_event, event,
@@ -311,12 +311,12 @@ class IntranodePath(NormalPath):
         return DispatchOutput((x, scales) if fp8 else x, topk_idx, weights, row_expert, tpe, None,
                               event=EventOverlap(event) if event is not None else None, num_dropped=dropped), src
 
-    def _dispatched(self, call: P.Call, req: DispatchRequest, plan: "DispatchPlan", st: IntranodeState, res: tuple,
-                    event, out_rows: int) -> DispatchOutput:
+    def _dispatched(self, call: P.Call, plan: "DispatchPlan", handle: Optional[DispatchHandle], host_counts: bool,
+                    st: IntranodeState, res: tuple, event, out_rows: int) -> DispatchOutput:
         """The caller's DispatchOutput from what dispatch_call (or the second half of
         dispatch_first_call) returned."""
         out, src = self._output(st, res, plan.scales is not None, event)
-        return self._result(call, req, plan, st, out, out_rows, src)
+        return self._result(call, plan, handle, host_counts, st, out, out_rows, src)
 
     def _plan(self, call: P.Call, req: DispatchRequest) -> "DispatchPlan":
         """The cuda checks of the inputs, the first call's sizing, whether the call fits as the
@@ -423,10 +423,11 @@ class IntranodePath(NormalPath):
             call.owe(P.Pending.OUT_LOC if plan.push else P.Pending.STAGED)
         return st, (rows_bound if plan.permute else 0)
 
-    def _result(self, call: P.Call, req: DispatchRequest, plan: "DispatchPlan", st: IntranodeState,
-                res: DispatchOutput, out_rows: int, src=None) -> DispatchOutput:
-        """res with its handle (a new routing's, made here) and, where asked, the host counts."""
-        tpe, event, handle = res.tokens_per_expert, res.event, req.handle
+    def _result(self, call: P.Call, plan: "DispatchPlan", handle: Optional[DispatchHandle], host_counts: bool,
+                st: IntranodeState, res: DispatchOutput, out_rows: int, src=None) -> DispatchOutput:
+        """res with its handle (a cached dispatch's, or a new routing's made here) and, where
+        asked, the host counts."""
+        tpe, event = res.tokens_per_expert, res.event
         if plan.first:
             handle = DispatchHandle(backend="cuda", num_ranks=self.rt.num_ranks, rank=self.rt.rank,
                                     num_experts=plan.num_experts, num_tokens=plan.T, topk=plan.K, permute=plan.permute,
@@ -439,7 +440,7 @@ class IntranodePath(NormalPath):
                                     recv_rank_prefix=st.recv_rank_prefix, recv_src_token=src,
                                     recv_slot_row=st.comb_map if src is not None and plan.permute else None)
         res.handle = handle
-        if req.host_counts:
+        if host_counts:
             if st.counts is not None and not plan.num_worst_tokens:
                 res.tokens_per_expert_host = (padded_host_counts(st.counts, plan.expert_alignment) if plan.permute
                                               else list(st.counts))
