@@ -600,6 +600,23 @@ class Buffer:
         for each rank's rows are added (cuda backend; the torch backend leaves it as it is).
         `use_logfmt` (bf16 x, every rank alike): the rows travel as LogFMT-10 where a 128-channel
         block allows, and the sum adds their decoded values (megatron_ep.logfmt says how close)."""
+        recv_hook = kwargs.get("return_recv_hook", False) if kwargs else False
+        if out is None and use_logfmt is False and type(recv_hook) is bool and type(handle) is LowLatencyHandle \
+                and (not kwargs or len(kwargs) == 1 and "return_recv_hook" in kwargs):
+            # a combine along a handle of the shape of the last one's, with arguments of the last
+            # one's shapes, into the same statistics tensor: megatron_ep/replay.py
+            replay = getattr(self._impl, "ll_combine_replay", None)
+            if replay is not None and not self._destroyed and handle.buffer_id == self.id \
+                    and replay.held[0] is combine_wait_recv_cost_stats and replay.matches_routing(
+                        x, topk_idx, topk_weights, (handle.backend, handle.num_experts, handle.max_tokens_per_rank,
+                                                    handle.hidden, handle.topk, handle.num_tokens, handle.num_ranks,
+                                                    recv_hook)):
+                with _CallScope(self, "low_latency_combine", replay.sig) as call:
+                    if self._ids_level != C.IDS_UNCHECKED:
+                        C.check_same_routing(topk_idx, handle.topk_idx, handle.topk_idx_version,
+                                             may_sync=self._ids_level == C.IDS_CHECKED)
+                    call.set_routing(handle.call_seq)
+                    return replay.run(call, x, topk_idx, topk_weights, handle, combine_wait_recv_cost_stats)
         with self._call("low_latency_combine") as call:
             self._check_handle(handle, LowLatencyHandle)
             C.fail(isinstance(x, torch.Tensor), "x must be a tensor", TypeError)

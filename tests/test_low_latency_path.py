@@ -299,14 +299,16 @@ def ll_buf(path, monkeypatch):
     be = CudaBackend.__new__(CudaBackend)
     be.path, be.rt, be._ll, be.rank, be.num_ranks, be.ranks_per_node = None, path.rt, path, 0, 1, 1
     b._impl, b.backend = be, "cuda"
-    b.entries, b.crossings = [], []
-    for name in ("dispatch", "_replay_dispatch"):
+    b.entries, b.crossings, b.returns = [], [], []
+    for name in ("dispatch", "_replay_dispatch", "combine", "_replay_combine"):
         def entry(*args, _f=getattr(path, name), _n=name, **kwargs):
             b.entries.append(_n)
             return _f(*args, **kwargs)
         setattr(path, name, entry)
     real = path.buf.dispatch_call
     path.buf.dispatch_call = lambda *a: b.crossings.append(a) or real(*a)
+    real_combine = path.buf.combine_call
+    path.buf.combine_call = lambda *a: b.returns.append(a) or real_combine(*a)
     return b
 
 
@@ -385,3 +387,87 @@ def test_a_low_latency_dispatch_that_differs_takes_the_full_call(ll_buf, change,
     except (TypeError, ValueError, RuntimeError):
         pass  # refused by the full call's checks, as without a replay
     assert ll_buf.entries[1:] in ([], ["dispatch"]) and "_replay_dispatch" not in ll_buf.entries
+
+
+def test_a_low_latency_combine_of_the_same_shape_replays_the_same_crossing(ll_buf, monkeypatch):
+    """A decode step's combine along a new handle of the last one's shape skips Buffer's checks
+    and the path's; its signature names its own dispatch (routing) and the merge is decided
+    again each call (the same weights the dispatch got: merged; others: per copy)."""
+    signed = []
+    real_hash = LL.signature_hash
+    monkeypatch.setattr(LL, "signature_hash", lambda call: signed.append(list(call.sig)) or real_hash(call))
+    x, idx, w = _inputs()
+    rows = torch.zeros((8, 16, 256), dtype=torch.bfloat16)
+    kw = dict(num_experts=8, max_tokens_per_rank=16, topk_weights=w)
+    sigs = []
+    for weights in (w, w, w.clone(), w):
+        out = ll_buf.low_latency_dispatch(x, idx, **kw)
+        y = ll_buf.low_latency_combine(rows, idx, weights, out.handle)
+        assert y.shape == (5, 256)
+        sigs.append((out.handle.call_seq, ll_buf._impl._ll.buf.merged))
+    combines = [e for e in ll_buf.entries if "combine" in e]
+    assert combines == ["combine", "_replay_combine", "_replay_combine", "_replay_combine"]
+    assert [m for _, m in sigs] == [True, True, False, True]
+    first, *rest = ll_buf.returns
+    for c in rest:  # the same tensors but the routing's and the call's own (set, phases, hash, seq)
+        assert c[0] is first[0] and c[4] is first[4] and c[6] == first[6] and c[16] == first[16]
+    assert len({c[9] for c in ll_buf.returns}) == 4  # each call's own signature hash
+    combined = [sig for sig in signed if sig[P.FIELD["op"]] == P.OP["low_latency_combine"]]
+    assert [sig[P.FIELD["routing"]] for sig in combined] == [seq for seq, _ in sigs]
+    assert [bool(sig[P.FIELD["variant"]] & P.LL_COMBINE_MERGED) for sig in combined] == [True, True, False, True]
+    for sig in combined[1:]:  # the rest of the signature: the full call's
+        assert [v for i, v in enumerate(sig) if i not in (P.FIELD["seq"], P.FIELD["routing"], P.FIELD["variant"])] == \
+            [v for i, v in enumerate(combined[0]) if i not in (P.FIELD["seq"], P.FIELD["routing"], P.FIELD["variant"])]
+
+
+@pytest.mark.parametrize("change", ["handle_shape", "weights_dtype", "stats", "hook", "out", "logfmt", "x_dtype",
+                                    "grad", "other_buffer"])
+def test_a_low_latency_combine_that_differs_takes_the_full_call(ll_buf, change):
+    x, idx, w = _inputs()
+    rows = torch.zeros((8, 16, 256), dtype=torch.bfloat16)
+    out = ll_buf.low_latency_dispatch(x, idx, num_experts=8, max_tokens_per_rank=16)
+    ll_buf.low_latency_combine(rows, idx, w, out.handle)
+    x2, idx2, w2, rows2, kw = x, idx, w, rows, {}
+    if change == "handle_shape":
+        x2, idx2, w2 = _inputs(T=4)
+    out2 = ll_buf.low_latency_dispatch(x2, idx2, num_experts=8, max_tokens_per_rank=16)
+    if change == "weights_dtype":
+        w2 = w2.double()
+    elif change == "stats":
+        kw["combine_wait_recv_cost_stats"] = torch.zeros(1, dtype=torch.int64)
+    elif change == "hook":
+        kw["return_recv_hook"] = True
+    elif change == "out":
+        kw["out"] = torch.empty((5, 256), dtype=torch.bfloat16)
+    elif change == "logfmt":
+        kw["use_logfmt"] = True
+    elif change == "x_dtype":
+        rows2 = rows.float()
+    elif change == "grad":
+        w2 = w2.clone().requires_grad_()
+    elif change == "other_buffer":
+        out2.handle.buffer_id = -1
+    before = list(ll_buf.entries)
+    try:
+        res = ll_buf.low_latency_combine(rows2, idx2, w2, out2.handle, **kw)
+        if change == "hook":
+            res[1]()
+    except (TypeError, ValueError, RuntimeError):
+        pass  # refused by the full call's checks, as without a replay
+    assert "_replay_combine" not in ll_buf.entries[len(before):]
+
+
+def test_a_replayed_low_latency_combine_still_checks_its_routing(ll_buf):
+    """Buffer(check_inputs=True): a combine must get its dispatch's routing; a combine that would
+    replay is checked as the full call is (values compared with one sync)."""
+    from megatron_ep import checks as C
+
+    ll_buf._ids_level = C.IDS_CHECKED
+    x, idx, w = _inputs()
+    rows = torch.zeros((8, 16, 256), dtype=torch.bfloat16)
+    out = ll_buf.low_latency_dispatch(x, idx, num_experts=8, max_tokens_per_rank=16)
+    ll_buf.low_latency_combine(rows, idx, w, out.handle)
+    ll_buf.low_latency_combine(rows, idx.clone(), w, out.handle)  # equal values, another tensor: accepted
+    other = idx.flip(1).contiguous()
+    with pytest.raises(ValueError, match="differs from the routing its dispatch got"):
+        ll_buf.low_latency_combine(rows, other, w, out.handle)

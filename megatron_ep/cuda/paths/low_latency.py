@@ -107,7 +107,9 @@ class LowLatencyPath(NvshmemPath):
         self.rt = rt
         self.next_set = 0
         self.unreceived = [None, None]  # per set: the call whose receive hook was not called yet
-        self.dispatch_replay: Optional[Replay] = None  # the last dispatch's, for Buffer (megatron_ep/replay.py)
+        # the last dispatch's and combine's, for Buffer (megatron_ep/replay.py)
+        self.dispatch_replay: Optional[Replay] = None
+        self.combine_replay: Optional[Replay] = None
         self.num_blocks = rt.budget.blocks("latency", self.ext.MAX_BLOCKS)
         self.rank_mask = False
         self.mask_timeout_s = self.timeout_s  # the kernels' waits under the rank mask (host waits keep timeout_s)
@@ -288,10 +290,30 @@ class LowLatencyPath(NvshmemPath):
             raise TypeError(f"the cuda low-latency combine takes bf16 expert outputs, got {x.dtype}")
         if x.device != rt.device:
             raise ValueError(f"x is on {x.device}, the buffer on {rt.device}")
-        T, H = handle.num_tokens, handle.hidden
+        H = handle.hidden
         # combine rows are bf16 in any buffer
         if self.buf is None or (handle.num_experts, handle.max_tokens_per_rank, H, handle.topk, True) not in self._fitted:
             self._fit(self._need(handle.num_experts, handle.max_tokens_per_rank, H, handle.topk, True))
+        sig = list(call.sig)  # (before the merge decision, which each call makes again)
+        res = self._return(call, x, topk_idx, topk_weights, handle, return_recv_hook, out, wait_stats, use_logfmt)
+        if out is None and not use_logfmt and not hooks.active():  # (a test's output hook takes the full call)
+            self.combine_replay = Replay(sig, self._replay_combine, x, topk_weights, topk_idx,
+                                         _combine_shape(handle, return_recv_hook), (wait_stats,))
+        return res
+
+    def _replay_combine(self, call: P.Call, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                        handle: LowLatencyHandle, wait_stats: Optional[torch.Tensor]):
+        """A combine replayed (megatron_ep/replay.py): a handle of the shape of the last one's (its
+        dispatch's sizes: the buffer fits them), so only the return itself."""
+        return self._return(call, x, topk_idx, topk_weights, handle, self.combine_replay.options[-1], None, wait_stats,
+                            False)
+
+    def _return(self, call: P.Call, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                handle: LowLatencyHandle, return_recv_hook: bool, out: Optional[torch.Tensor],
+                wait_stats: Optional[torch.Tensor], use_logfmt: bool):
+        """A checked combine that fits the buffer: its set, the merge decision, its one crossing."""
+        rt = self.rt
+        T, H = handle.num_tokens, handle.hidden
         s = self._free_set(call)
         # y: a given out (Buffer.low_latency_combine checked it), else made by combine_call -- or here,
         # where a test's output hook must see it before the launch
@@ -366,3 +388,10 @@ _DEFAULTS = dict(num_experts=256, max_tokens=128, hidden=7168, topk=8, fp8_only=
 # the rank mask's options, not capacity: rank_mask must be equal on every rank (checked in _merge),
 # mask_timeout_s is each rank's own
 _MASK_OPTIONS = ("rank_mask", "mask_timeout_s")
+
+
+def _combine_shape(handle: LowLatencyHandle, return_recv_hook: bool) -> tuple:
+    """What a combine's checks read of its handle (and the receive hook), as a replay matches it:
+    handles of one shape pass them alike."""
+    return (handle.backend, handle.num_experts, handle.max_tokens_per_rank, handle.hidden, handle.topk,
+            handle.num_tokens, handle.num_ranks, return_recv_hook)
