@@ -41,11 +41,14 @@ class FakeRdma:
     def release(self, dir):  # noqa: A002 - the binding's name
         self._record("release", dir=dir)
 
-    def dispatch_cached(self, **kw):
-        self._record("dispatch_cached", **kw)
+    # the composed entries: the in-node stage's entry (its fake, `inner`) with this kernel's launch
+    def dispatch_cached_call(self, *innode, **kw):
+        self._record("dispatch_cached_call", **kw)
+        return self.inner.dispatch_call(*innode)
 
-    def combine(self, **kw):
-        self._record("combine", **kw)
+    def combine_call(self, *innode, **kw):
+        self._record("combine_call", **kw)
+        return self.inner.combine_call(*innode)
 
     def view(self, offset, nbytes):
         return torch.zeros(nbytes, dtype=torch.uint8)
@@ -75,6 +78,7 @@ def path(monkeypatch):
     p.group, p.rank, p.num_ranks, p.device, p.timeout_s = None, 0, NODES * RANKS_PER_NODE, torch.device("cpu"), 5.0
     p.ext = types.SimpleNamespace(INTERNODE_MAX_BLOCKS=32)
     p.buf = FakeRdma()
+    p.buf.inner = intra.fake
     p.cap = dict(max_tokens=MT, hidden=H, x_row=H * 2, c_row=H * 4, topk=K)
     p.plan = {s: 0 for s in ("d_x", "d_s", "d_w", "s_x", "s_s", "s_idx", "s_w", "s_y", "s_cw")}
     p._fitted = set()
@@ -122,32 +126,34 @@ def test_source_tokens_come_back_from_the_forwarders_slots(path, permute):
 
 @pytest.mark.parametrize("permute", [False, True])
 def test_a_cached_dispatch_and_a_combine_run_the_fused_kernels(path, permute):
-    """A cached dispatch: the in-node push's launch record goes into the internode path's fused
-    kernel (the RDMA send, then the push) with the routing's ids; a combine: the in-node combine's
-    record, its rows and the handle's node-local ids into the fused combine. Each settles the call
-    (the peers learn its outcome from that kernel)."""
+    """A cached dispatch crosses once, into the internode path's composed entry: the in-node
+    stage's dispatch_call arguments, then the fused kernel's (the RDMA send of x with the
+    routing's ids); a combine likewise, with its rows and the handle's node-local ids. Each
+    settles the call (the peers learn its outcome from that kernel)."""
     out, _ = _dispatch(path, 1, permute)
     path.buf.calls.clear()
     call = P.Call(P.OP["cached_dispatch"], 2)
     path.intra.holder["call"] = call
     x = torch.randn(T, H, dtype=torch.bfloat16)
     path.dispatch(call, DispatchRequest(x, None, None, E, permute, 4 if permute else 1, out.handle))
-    assert [c[0] for c in path.buf.calls] == ["set_call", "dispatch_cached"]
+    assert [c[0] for c in path.buf.calls] == ["set_call", "dispatch_cached_call"]
     cached = path.buf.calls[1][1]
-    assert cached["innode"] == b"push record" and cached["topk_idx"] is out.handle.topk_idx
+    assert cached["send_idx"] is out.handle.topk_idx and cached["send_x"] is x
     assert cached["num_experts"] == E and not call.owes
-    inner = path.intra.fake.calls[-1]
-    assert inner[0] == "dispatch_call" and inner[1]["first"] is False and inner[1]["fused"] is not None
+    inner = path.intra.fake.calls[-1]  # the in-node stage's arguments, through the one crossing
+    assert inner[0] == "dispatch_call" and inner[1]["first"] is False and inner[1]["want_src"] is False
 
     path.buf.calls.clear()
     call = P.Call(P.OP["combine"], 3)
     path.intra.holder["call"] = call
     rows = torch.zeros(out.x.shape[0], H, dtype=torch.bfloat16)
     y = path.combine(call, CombineRequest(rows, out.handle))
-    assert [c[0] for c in path.buf.calls] == ["set_call", "combine"]
+    assert [c[0] for c in path.buf.calls] == ["set_call", "combine_call"]
     comb = path.buf.calls[1][1]
-    assert comb["innode"] == b"combine record" and comb["local_idx"] is out.handle.state.local_idx
+    assert comb["local_idx"] is out.handle.state.local_idx and comb["topk_idx"] is out.handle.topk_idx
     assert comb["y"] is y.x and comb["y"].shape == (T, H) and not call.owes
+    inner = path.intra.fake.calls[-1]
+    assert inner[0] == "combine_call" and inner[1]["x"] is rows and inner[1]["bias0"] is None
 
 
 def test_single_reduction_is_refused_across_nodes(path):

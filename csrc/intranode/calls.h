@@ -21,11 +21,6 @@ namespace mep {
 
 using Sig = std::vector<long long>;
 
-template <typename T>
-py::bytes as_bytes(const T& v) {
-  return py::bytes(reinterpret_cast<const char*>(&v), sizeof(T));
-}
-
 // torch's Python CUDA event and stream types (their C structs are in torch's headers; the type
 // objects are not exported, so they are looked up once by name; never freed: they outlive us)
 inline const py::object& torch_type(const char* name) {

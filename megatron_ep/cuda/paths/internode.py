@@ -101,6 +101,9 @@ class InternodePath(NvshmemPath, NormalPath):
 
     def __init__(self, rt: CudaRuntime, group, rank: int, num_ranks: int, ranks_per_node: int, hints: dict):
         super().__init__(group, rank, num_ranks, rt.device, rt.timeout_s)
+        # its cached dispatch and combine call _C's entries (csrc/intranode/composed.h): the two
+        # extensions must agree on them, checked here rather than at the first such call
+        self.ext.composed_api_version()
         self.rt = rt  # the node's runtime (its group: this node's ranks)
         self.world = WholeGroup(group, rank, num_ranks, rt)
         self.intra = IntranodePath(rt)
@@ -297,10 +300,11 @@ class InternodePath(NvshmemPath, NormalPath):
             self.buf.dispatch_recv(topk=K, num_experts=num_experts, sig=sig, out_idx=local_idx, out_tokens=tokens,
                                    num_blocks=self.num_blocks)
             rt.mark("rdma", cur)
-        else:  # cached: the RDMA send and the in-node push in one kernel (csrc/internode/fused.cu), the ids kept
-            def fused(innode: bytes) -> None:
-                call.sends(self.buf.dispatch_cached, innode=innode, x=src_x, scales=src_s, topk_idx=src_i,
-                           weights=src_w, num_experts=num_experts, sig=sig, num_blocks=self.num_blocks)
+        else:  # cached: one crossing, the RDMA send and the in-node push in one kernel (csrc/internode/fused.cu)
+            def fused(*innode):  # the in-node stage's dispatch_call arguments, in its order
+                return call.sends(self.buf.dispatch_cached_call, *innode, send_x=src_x, send_scales=src_s,
+                                  send_idx=src_i, send_weights=src_w, num_experts=num_experts, send_sig=sig,
+                                  send_blocks=self.num_blocks)
 
         # the in-node stage over the forwarder's rows, one token group per source node: it delivers
         # them in the contract's order, straight into the outputs
@@ -370,12 +374,12 @@ class InternodePath(NvshmemPath, NormalPath):
         sig = signature_hash(call)
         self.buf.set_call(call.seq)
 
-        def fused(innode: bytes, y_in: torch.Tensor, w_in: Optional[torch.Tensor]) -> None:
-            # one kernel (csrc/internode/fused.cu): the in-node combine, the RDMA hop, the sum over nodes
-            # the biases start the sum over nodes (the in-node stage takes none)
-            call.sends(self.buf.combine, innode=innode, y_in=y_in, w_in=w_in, local_idx=st.local_idx, tokens=st.tokens,
-                       topk_idx=handle.topk_idx, num_experts=handle.num_experts, sig=sig, y=y, w=w_out,
-                       bias0=req.bias[0], bias1=req.bias[1], num_blocks=self.num_blocks)
+        def fused(*innode):  # the in-node stage's combine_call arguments, in its order
+            # one crossing, one kernel (csrc/internode/fused.cu): the in-node combine, the RDMA hop, the
+            # sum over nodes, which the biases start (the in-node stage takes none)
+            return call.sends(self.buf.combine_call, *innode, local_idx=st.local_idx, tokens=st.tokens,
+                              topk_idx=handle.topk_idx, num_experts=handle.num_experts, send_sig=sig, y=y, w=w_out,
+                              sum_bias0=req.bias[0], sum_bias1=req.bias[1], send_blocks=self.num_blocks)
 
         inner_call = self._inner_call(call, handle.num_experts // N, st.inner.call_seq)
         with self.intra.guard(inner_call):  # synchronous: this stream waits for the kernel's stream

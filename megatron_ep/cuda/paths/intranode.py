@@ -273,10 +273,12 @@ class IntranodePath(NormalPath):
         zero_copy, scratch = self._placement(x, push, st.permute)
         state, hook = native_state(self.kernels, st, num_experts), hooks.current()
         num_blocks, push_blocks, local_blocks = rt.budget.normal  # blocks("copy"), ("push"), ("local")
+        # the internode path's composed entry takes the same arguments first (one crossing)
+        dispatch_call = self.kernels.dispatch_call if fused is None else fused
         # (by position, each argument named as its parameter: tests/test_kernel_boundary.py)
-        return call.sends(self.kernels.dispatch_call, region.runtime, state, call.sig, first, x, scales, topk_weights,
-                          push, scratch, zero_copy, out_rows, num_worst_tokens, comb_rows, previous_event, event,
-                          async_op, hook, fused, marks, num_blocks, push_blocks, local_blocks, want_src)
+        return call.sends(dispatch_call, region.runtime, state, call.sig, first, x, scales, topk_weights, push, scratch,
+                          zero_copy, out_rows, num_worst_tokens, comb_rows, previous_event, event, async_op, hook, marks,
+                          num_blocks, push_blocks, local_blocks, want_src)
 
     def _replay_dispatch(self, call: P.Call, handle: DispatchHandle, x, topk_weights, async_op: bool,
                          previous_event) -> DispatchOutput:
@@ -512,10 +514,11 @@ class IntranodePath(NormalPath):
         marks = rt.marks(("start", "reduce" if partials and fused is None else None, "pull"), first=True)
         state, hook = native_state(self.kernels, st, handle.num_experts), hooks.current()
         num_blocks, _, local_blocks = rt.budget.normal  # blocks("copy"), blocks("local")
+        # the internode path's composed entry takes the same arguments first (one crossing)
+        combine_call = self.kernels.combine_call if fused is None else fused
         # (by position, each argument named as its parameter: tests/test_kernel_boundary.py)
-        y, w_out = call.sends(self.kernels.combine_call, region.runtime, state, call.sig, x, weights, bias0, bias1, variant,
-                              zero_copy, out, out_weights, previous_event, event, async_op, hook, fused, marks,
-                              num_blocks, local_blocks)
+        y, w_out = call.sends(combine_call, region.runtime, state, call.sig, x, weights, bias0, bias1, variant, zero_copy,
+                              out, out_weights, previous_event, event, async_op, hook, marks, num_blocks, local_blocks)
         return CombineOutput(y, w_out, EventOverlap(event) if event is not None else None)
 
 
