@@ -337,17 +337,10 @@ def over_rounds(runs: list) -> dict:
 def _run_impl(a, impl: str):
     """One implementation's ranks (run_ranks' answer); `base`'s import --base's checkout, which
     scripts/bench_host.py puts first on their path (MEP_BENCH_CHECKOUT, inherited at spawn)."""
-    if impl != "base":
+    from unittest import mock  # (patch.dict: the environment as it was afterwards)
+
+    with mock.patch.dict(os.environ, {"MEP_BENCH_CHECKOUT": a.base} if impl == "base" else {}):
         return harness.run_ranks(worker, a.ranks, (a, impl, harness.free_port()), a.timeout)
-    saved = os.environ.get("MEP_BENCH_CHECKOUT")
-    os.environ["MEP_BENCH_CHECKOUT"] = a.base
-    try:
-        return harness.run_ranks(worker, a.ranks, (a, impl, harness.free_port()), a.timeout)
-    finally:
-        if saved is None:
-            del os.environ["MEP_BENCH_CHECKOUT"]
-        else:
-            os.environ["MEP_BENCH_CHECKOUT"] = saved
 
 
 def main(a) -> int:

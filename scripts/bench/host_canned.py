@@ -2,11 +2,12 @@
 on this machine's CPU, with no GPU.
 
 The cuda intranode path runs over the recorder of tests/test_intranode_path.py (a path per Buffer),
-each extension entry returning one saved result, so what is timed is the DeepEP layer, Buffer's
-call scope, the replays, the path's plan and the handle: everything of a call's host time but its
-crossings' own steps, their argument and result conversions and the freeing of their outputs. One process, one rank, a small routing (the
-Python does not depend on the sizes). Only ratios between ops, or between commits on one machine,
-mean anything; the GPU machine's CPU runs this code a few times slower.
+and the low-latency path over tests/test_low_latency_path.py's, each extension entry returning one
+saved result, so what is timed is the DeepEP layer, Buffer's call scope, the replays, the path's
+plan and the handle: everything of a call's host time but its crossings' own steps, their argument
+and result conversions and the freeing of their outputs. One process, one rank, a small routing
+(the Python does not depend on the sizes). Only ratios between ops, or between commits on one
+machine, mean anything; the GPU machine's CPU runs this code a few times slower.
 """
 
 from __future__ import annotations
@@ -29,6 +30,18 @@ class _Patch:
         setattr(obj, name, value)
 
 
+def _canned(entries, names) -> None:
+    """Each of `entries`' methods `names` returns its first result again (a recorder's entries: no
+    new outputs per call, so only the Python around them is timed)."""
+    saved = {}
+    for name in names:
+        def canned(*args, _entry=getattr(entries, name), _name=name, **kw):
+            if _name not in saved:
+                saved[_name] = _entry(*args, **kw)
+            return saved[_name]
+        setattr(entries, name, canned)
+
+
 def _buffers():
     """A one-rank Buffer, and a megatron_ep.deep_ep Buffer, whose cuda backends are the intranode
     path over the recorder, each entry returning its first result again."""
@@ -46,13 +59,7 @@ def _buffers():
     paths = {}
     for buf in (bufs[0], bufs[1].runtime):  # a path each: each its own saved results
         path = rec.make_path(_Patch())
-        saved = {}
-        for name in ("dispatch_first_call", "dispatch_call", "combine_call"):
-            def canned(*args, _entry=getattr(path.fake, name), _name=name, _saved=saved, **kw):
-                if _name not in _saved:
-                    _saved[_name] = _entry(*args, **kw)
-                return _saved[_name]
-            setattr(path.fake, name, canned)
+        _canned(path.fake, ("dispatch_first_call", "dispatch_call", "combine_call"))
         i32 = dict(dtype=torch.int32)
         layout = (torch.zeros(1, **i32), torch.zeros(rec.E, **i32), torch.ones(rec.T, 1, dtype=torch.bool))
         path.rt.ext.layout = lambda topk_idx, num_experts, num_ranks, counts_int32, _out=layout: _out
@@ -89,13 +96,7 @@ def _low_latency_path():
                                ranks_per_device=1, sm_count=132, timeout_s=5.0, new_outputs=lambda ts: False,
                                budget=SmBudget(1, 1, 132))
     path = LL.LowLatencyPath(rt, dict(num_experts=8, max_tokens=16, hidden=256, topk=4))
-    saved = {}
-    for name in ("dispatch_call", "combine_call"):
-        def canned(*args, _entry=getattr(path.buf, name), _name=name):
-            if _name not in saved:
-                saved[_name] = _entry(*args)
-            return saved[_name]
-        setattr(path.buf, name, canned)
+    _canned(path.buf, ("dispatch_call", "combine_call"))
     return path, llrec
 
 
