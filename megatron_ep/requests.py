@@ -32,8 +32,9 @@ class DispatchRequest:
     # token_groups: the internode path's in-node stage sets one per source node (that order is
     # then the contract's); Buffer leaves it at 1
     token_groups: int = 1
-    # the cuda intranode path's cached dispatch crosses into this entry instead of its own, with
-    # the same arguments: the internode path's, whose kernel runs the push (csrc/intranode/composed.h)
+    # the cuda intranode path crosses into this entry instead of its own, with the same arguments:
+    # the internode path's (csrc/intranode/composed.h): a cached dispatch's, whose kernel runs the
+    # push, or a new routing's (not worst-case sized), which runs the RDMA hop first
     fused: Optional[Callable] = None
     # rows past num_worst_tokens: "drop" (counted in num_dropped) or "raise" (every rank raises
     # WorstCaseOverflowError before any row moves, where the backend learns the counts on the host)

@@ -110,7 +110,8 @@ def test_the_notify_trace_names_all_notify_call_arguments():
 
 # the internode entries that compose an intranode one (csrc/intranode/composed.h): its arguments
 # first, in its order, passed through as `*innode`; then the internode kernel's, by keyword
-COMPOSED = {"dispatch_cached_call": "dispatch_call", "combine_call": "combine_call"}
+COMPOSED = {"dispatch_first_call": "dispatch_first_call", "dispatch_cached_call": "dispatch_call",
+            "combine_call": "combine_call"}
 
 
 def test_every_internode_kernel_call_names_all_its_arguments():

@@ -681,7 +681,7 @@ py::tuple combine_call_with(Runtime& rt, const HandleState& st, const Sig& sig, 
                       hook, &fused, marks, num_blocks, local_blocks);
 }
 
-const ComposedApi kComposedApi{kComposedApiVersion, &dispatch_call_with, &combine_call_with};
+const ComposedApi kComposedApi{kComposedApiVersion, &dispatch_first_call, &dispatch_call_with, &combine_call_with};
 }  // namespace
 }  // namespace mep
 

@@ -1,6 +1,7 @@
 // The intranode one-crossing entries another extension composes: _C_nvshmem's internode entries
-// call them with the fused kernel's launch as a C++ function, so the in-node stage's launch record
-// goes to it directly, not through Python. _C publishes them as a capsule (the entries' addresses)
+// call them (a new routing's between the RDMA hop and the receive area's release; a cached
+// dispatch's and a combine's with the fused kernel's launch as a C++ function, so the in-node
+// stage's launch record goes to it directly, not through Python). _C publishes them as a capsule (the entries' addresses)
 // and _C_nvshmem reads it once, so neither library links the other and the two build apart.
 // Defined in intranode/binding.cpp.
 #pragma once
@@ -18,6 +19,15 @@ using FusedCombine = std::function<void(const InnodeCombine&, const Tensor&, con
 
 struct ComposedApi {
   int version;  // kComposedApiVersion of the _C that filled it
+  // dispatch_first_call, as it is: a new routing's notify, its host wait and the rows moved
+  py::tuple (*dispatch_first_call)(Runtime& rt, const Sig& sig, const Tensor& topk_idx, int E, int align, bool permute,
+                                   int groups, bool check, bool want_rank_counts, long long tag,
+                                   const py::object& previous, const py::object& notify_marks, double wait_s,
+                                   bool fits, const Tensor& data, const c10::optional<Tensor>& scales,
+                                   const c10::optional<Tensor>& topk_w, bool push, bool scratch, bool zero_copy,
+                                   const py::object& event, bool async_op, const py::object& hook,
+                                   const py::object& marks, int num_blocks, int push_blocks, int local_blocks,
+                                   bool want_src);
   // dispatch_call (its arguments, in its order) with the push replaced by `fused` (want_src must be
   // false: the fused kernel writes no source tokens)
   py::tuple (*dispatch_call_with)(Runtime& rt, HandleState& st, const Sig& sig, bool first, const Tensor& data,
@@ -38,7 +48,7 @@ struct ComposedApi {
 };
 
 // (changes whenever ComposedApi or an entry's arguments change: the two libraries must agree)
-constexpr int kComposedApiVersion = 1;
+constexpr int kComposedApiVersion = 2;
 constexpr const char* kComposedApiName = "megatron_ep._C._composed_api";
 
 // _C's entries, read from its capsule at the first use (importing megatron_ep._C if needed).

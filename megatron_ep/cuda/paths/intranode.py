@@ -90,7 +90,7 @@ class DispatchPlan:
     push: bool  # rows pushed into pooled outputs (else staged here and pulled by the receivers)
     check_ids: bool = False  # notify checks the ids (range, repeats) and the host raises before rows move
     rank_counts: bool = False  # notify writes every rank's tokens per destination (IntranodeState.rank_counts)
-    fused: Optional[Callable] = None  # the internode path runs the push in its own kernel (DispatchRequest.fused)
+    fused: Optional[Callable] = None  # the internode path's entry instead of ours (DispatchRequest.fused)
     want_src: bool = False  # the kernels write each rank-major row's source token (DispatchRequest.source_index)
 
 
@@ -221,7 +221,9 @@ class IntranodePath(NormalPath):
         event = torch.cuda.Event() if async_op else None  # (a synchronous call joins through the runtime's own)
         # benchmarks' phase marks, in the order they are recorded: notify's first
         notify_marks = rt.marks(("start", "notify"), first=True) if plan.first else None
-        marks = _move_marks(rt, plan.push or plan.fused is not None, plan.permute)
+        # (a cached dispatch's fused entry pushes; a new routing's moves the rows as ours does)
+        fused_push = plan.fused is not None and not plan.first
+        marks = _move_marks(rt, plan.push or fused_push, plan.permute)
         if plan.first and not plan.num_worst_tokens:
             zero_copy, scratch = self._placement(plan.data, plan.push, plan.permute)
             # the region fits the call's needs but its counts (a plan remembered per need), so the
@@ -235,10 +237,12 @@ class IntranodePath(NormalPath):
             x, token_groups, previous_event, wait_s = plan.data, plan.groups, previous, rt.ledger.host_wait_s
             hook = hooks.current()
             num_blocks, push_blocks, local_blocks = budget.normal  # blocks("copy"), ("push"), ("local")
+            # the internode path's composed entry takes the same arguments first (one crossing)
+            dispatch_first_call = self.kernels.dispatch_first_call if plan.fused is None else plan.fused
             try:
                 # (by position, each argument named as its parameter: tests/test_kernel_boundary.py)
                 status, notified, res = call.sends(
-                    self.kernels.dispatch_first_call, region.runtime, call.sig, plan.topk_idx, plan.num_experts,
+                    dispatch_first_call, region.runtime, call.sig, plan.topk_idx, plan.num_experts,
                     plan.expert_alignment, plan.permute, token_groups, plan.check_ids, plan.rank_counts, tag,
                     previous_event, notify_marks, wait_s, fits, x, plan.scales, plan.topk_weights, plan.push, scratch,
                     zero_copy, event, async_op, hook, marks, num_blocks, push_blocks, local_blocks, plan.want_src)
@@ -260,7 +264,7 @@ class IntranodePath(NormalPath):
         out_rows = _out_rows(st, plan.num_worst_tokens)
         res = self._send_rows(call, st, plan.num_experts, plan.first, plan.data, plan.scales, plan.topk_weights,
                               plan.push, out_rows, plan.num_worst_tokens, comb_rows, previous, event, async_op,
-                              plan.fused, marks, plan.want_src)
+                              plan.fused if fused_push else None, marks, plan.want_src)
         return self._dispatched(call, plan, handle, host_counts, st, res, event, out_rows)
 
     def _send_rows(self, call: P.Call, st: IntranodeState, num_experts: int, first: bool, x, scales, topk_weights,
@@ -367,7 +371,8 @@ class IntranodePath(NormalPath):
         # rows are pushed straight into pooled rank-major buffers when every rank has room: the
         # outputs themselves (rank-major), or what the fan-out spreads into expert segments
         push = not capturing and _pushes(region, req.permute, num_worst_tokens)
-        fail(req.fused is None or handle is not None, "a fused in-node dispatch needs a handle (cached dispatch)", RuntimeError)
+        fail(req.fused is None or handle is not None or not num_worst_tokens,
+             "a fused in-node new routing crosses once with its host wait (not worst-case sized)", RuntimeError)
         # the ids' check rides on notify where the host waits for its sizes anyway; a sync-free
         # dispatch has no such wait, so it checks on the host (one sync) before any kernel
         check_on_device = req.check_ids != IDS_UNCHECKED and not num_worst_tokens and not capturing
