@@ -4,6 +4,7 @@ FakeKernels. Which crossings a new routing makes, in order; what the in-node sta
 handle's source tokens mapped back from the forwarders' receive slots; what the path refuses."""
 
 import contextlib
+import ctypes
 import types
 
 import pytest
@@ -25,6 +26,7 @@ class FakeRdma:
 
     def __init__(self):
         self.calls = []
+        self.code = ctypes.c_int(0)  # the error record's code (error_address)
 
     def _record(self, name, **kw):
         self.calls.append((name, kw))
@@ -60,7 +62,11 @@ class FakeRdma:
     def view(self, offset, nbytes):
         return torch.zeros(nbytes, dtype=torch.uint8)
 
+    def error_address(self):
+        return ctypes.addressof(self.code)
+
     def error(self):
+        self._record("error")
         return None
 
 
@@ -85,6 +91,7 @@ def path(monkeypatch):
     p.group, p.rank, p.num_ranks, p.device, p.timeout_s = None, 0, NODES * RANKS_PER_NODE, torch.device("cpu"), 5.0
     p.ext = types.SimpleNamespace(INTERNODE_MAX_BLOCKS=32)
     p.buf = FakeRdma()
+    p.error_word = ctypes.c_int.from_address(p.buf.error_address())
     p.buf.inner = intra.fake
     p.cap = dict(max_tokens=MT, hidden=H, x_row=H * 2, c_row=H * 4, topk=K)
     p.plan = {s: 0 for s in ("d_x", "d_s", "d_w", "s_x", "s_s", "s_idx", "s_w", "s_y", "s_cw")}
@@ -208,3 +215,13 @@ def test_a_slot_maps_to_its_token_and_no_row_stays_no_row():
     slots = torch.tensor([-1, 0, 2, 3, 5, 7, -1], dtype=torch.int32)
     assert _source_tokens(slots, 3).tolist() == [-1, 0, 2, 0, 2, 1, -1]
     assert _source_tokens(None, 3) is None
+
+
+def test_a_call_reads_the_error_record_only_where_its_word_is_set(path):
+    """Each call checks the kernels' error record: the word in mapped host memory, read without
+    a crossing; error() crosses only when the word is set."""
+    _dispatch(path, 1)
+    assert "error" not in [c[0] for c in path.buf.calls]
+    path.buf.code.value = P.ERROR["mismatch"]
+    path.check()
+    assert [c[0] for c in path.buf.calls][-1] == "error"

@@ -3,6 +3,7 @@ extension's buffer replaced by a recorder: buffer-set alternation, the recv-hook
 (two results in flight, a third refused before anything launches), capacity errors, and the
 decoding of what the kernels report (timeouts name the rank and the wait; mismatches clear)."""
 
+import ctypes
 import os
 import types
 
@@ -19,15 +20,30 @@ from megatron_ep.cuda.sm_budget import SmBudget
 
 
 class FakeBuffer:
-    """Stands in for _C_nvshmem.LowLatencyBuffer: records launches, reports a settable error."""
+    """Stands in for _C_nvshmem.LowLatencyBuffer: records launches, reports a settable error
+    (`err`, whose code the error word at error_address() holds, as the mapped record's does)."""
 
     def __init__(self, device, rank, pes, E, mt, H, K, fp8_only, timeout_s, shrink):
         self.cap = (E, mt, H, K, fp8_only)
         self.R = len(pes)
         self.timeout_s, self.shrink = timeout_s, shrink
         self.launches = []  # (op, set, phases), ("mask", ...), ("barrier",)
+        self.code = ctypes.c_int(0)
         self.err = None
         self.cleared = 0
+        self.reads = 0  # error() crossings
+
+    @property
+    def err(self):
+        return self._err
+
+    @err.setter
+    def err(self, value):
+        self._err = value
+        self.code.value = 0 if value is None else value["code"]
+
+    def error_address(self):
+        return ctypes.addressof(self.code)
 
     def dispatch(self, x, idx, E, fp8, round_scale, s, phases, sig, *outs_and_blocks):
         self.launches.append(("dispatch", s, phases))
@@ -72,6 +88,7 @@ class FakeBuffer:
         self.launches.append(("barrier",))
 
     def error(self):
+        self.reads += 1
         return self.err
 
     def clear_error(self):
@@ -156,11 +173,14 @@ def test_capacity_and_argument_errors(path):
 
 def test_kernel_reports_become_named_errors(path):
     x, idx, w = _inputs()
+    path.dispatch(_call("low_latency_dispatch", 1), x, idx, 8, 16, True, False)  # (the buffer made)
+    path.check()
+    assert path.buf.reads == 0  # a clear error word: no crossing to read the record
     path.buf.err = dict(code=P.ERROR["mismatch"], op=P.OP["low_latency_dispatch"], what=1, expert=2, peer=0, set=0,
                         sig_expected=0x1234, sig_got=0x99)
     with pytest.raises(CallMismatchError, match="signature hash 0x99 vs 0x1234"):
         path.check()
-    assert path.buf.cleared == 1
+    assert path.buf.cleared == 1 and path.buf.reads == 1
     path.check()  # cleared: usable
     path.buf.err = dict(code=P.ERROR["timeout"], op=P.OP["low_latency_dispatch"], what=1, expert=3, peer=0, set=1,
                         sig_expected=0, sig_got=0)

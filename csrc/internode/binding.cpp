@@ -181,6 +181,7 @@ class InternodeBuffer {
 
   // The kernels' first unread error, or None (the record's expert and set: node and direction).
   py::object error() const { return mem_.error("node", "direction"); }
+  long long error_address() const { return mem_.error_address(); }
   void clear_error() { mem_.clear_error(); }
   std::vector<bool> p2p() const { return mem_.p2p(); }
   py::dict layout() const { return layout_dict(ctx_.lay); }
@@ -301,6 +302,7 @@ void bind_internode(py::module_& m) {
       .def("dispatch_cached_call", &InternodeBuffer::dispatch_cached_call, py::arg("runtime"), py::arg("state"), py::arg("sig"), py::arg("first"), py::arg("x"), py::arg("scales"), py::arg("topk_weights"), py::arg("push"), py::arg("scratch"), py::arg("zero_copy"), py::arg("out_rows"), py::arg("num_worst_tokens"), py::arg("comb_rows"), py::arg("previous_event"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("marks"), py::arg("num_blocks"), py::arg("push_blocks"), py::arg("local_blocks"), py::arg("want_src"), py::arg("seq"), py::arg("send_x"), py::arg("send_scales"), py::arg("send_idx"), py::arg("send_weights"), py::arg("num_experts"), py::arg("send_sig"), py::arg("send_blocks"))
       .def("combine_call", &InternodeBuffer::combine_call, py::arg("runtime"), py::arg("state"), py::arg("sig"), py::arg("x"), py::arg("weights"), py::arg("bias0"), py::arg("bias1"), py::arg("variant"), py::arg("zero_copy"), py::arg("out"), py::arg("out_weights"), py::arg("previous_event"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("marks"), py::arg("num_blocks"), py::arg("local_blocks"), py::arg("seq"), py::arg("local_idx"), py::arg("tokens"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("send_sig"), py::arg("y"), py::arg("w"), py::arg("sum_bias0"), py::arg("sum_bias1"), py::arg("send_blocks"))
       .def("error", &InternodeBuffer::error)
+      .def("error_address", &InternodeBuffer::error_address)
       .def("clear_error", &InternodeBuffer::clear_error)
       .def("p2p", &InternodeBuffer::p2p)
       .def("layout", &InternodeBuffer::layout)
