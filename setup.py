@@ -86,14 +86,16 @@ def _cuda_extensions():
     if _flag("MEP_PTXAS_VERBOSE"):
         nvcc.append("-Xptxas=-v")
     sources = _sources("ipc", "intranode")
+    math_headers = _math_library_headers(CUDA_HOME)
 
     ext = CUDAExtension(
         name="megatron_ep._C",
         sources=sources,
-        include_dirs=[os.path.join(ROOT, "csrc")] + _math_library_headers(CUDA_HOME),
+        include_dirs=[os.path.join(ROOT, "csrc")] + math_headers,
         extra_compile_args={"cxx": ["-O3", "-std=c++20"], "nvcc": nvcc},  # torch >= 2.12 headers need C++20
     )
-    return [ext] + _low_latency_extension(CUDAExtension, nvcc), {"build_ext": BuildExtension.with_options(use_ninja=True)}
+    return [ext] + _low_latency_extension(CUDAExtension, nvcc, math_headers), \
+        {"build_ext": BuildExtension.with_options(use_ninja=True)}
 
 
 def _math_library_headers(cuda_home):
@@ -130,7 +132,7 @@ def nvshmem_home():
     return (inc, lib), ""
 
 
-def _low_latency_extension(CUDAExtension, nvcc):
+def _low_latency_extension(CUDAExtension, nvcc, math_headers):
     found, why = nvshmem_home()
     if found is None:
         if _flag("MEP_REQUIRE_EXTENSION"):
@@ -146,7 +148,8 @@ def _low_latency_extension(CUDAExtension, nvcc):
     return [CUDAExtension(
         name="megatron_ep._C_nvshmem",
         sources=_sources("nvshmem", "internode", "low_latency"),
-        include_dirs=[os.path.join(ROOT, "csrc"), inc],
+        # (math_headers: its internode entries include the intranode ones' torch headers, composed.h)
+        include_dirs=[os.path.join(ROOT, "csrc"), inc] + math_headers,
         extra_compile_args={"cxx": ["-O3", "-std=c++20"], "nvcc": ll_nvcc,
                             "nvcc_dlink": ["-dlink", "-gencode=arch=compute_90,code=sm_90", f"-L{lib}", "-lnvshmem_device"]},
         extra_link_args=[f"-L{lib}", "-l:libnvshmem_host.so.3", "-l:libnvshmem_device.a", f"-Wl,-rpath,{lib}"],

@@ -384,7 +384,7 @@ class Buffer:
                                                 expert_alignment, host_counts, rank_counts, self._ids_level,
                                                 on_overflow)):
                 out = self._replayed("dispatch", replay, x, topk_idx, topk_weights, async_op, previous_event,
-                                     host_counts, rank_counts, self._ids_level, on_overflow)
+                                     host_counts)
                 out.handle.buffer_id = self.id
                 return out
         op = "dispatch" if handle is None else "cached_dispatch"
@@ -524,6 +524,24 @@ class Buffer:
         travel with the copies, and a combine passed the same tensor (unchanged since) sends one
         row per token and rank (its copies' weighted sum, rounded to bf16) instead of one per
         copy (cuda backend; the reference backend ignores them here)."""
+        recv_hook = kwargs.get("return_recv_hook", False) if kwargs else False
+        if type(recv_hook) is bool and (not kwargs or len(kwargs) == 1 and "return_recv_hook" in kwargs) \
+                and self._ids_level != C.IDS_CHECKED and type(num_experts) is int and type(max_tokens_per_rank) is int \
+                and type(use_fp8) is bool and type(round_scale) is bool and type(use_ue8m0) is bool:
+            # a dispatch of the shape and options of the last one (its checks passed), into the same
+            # statistics tensors: megatron_ep/replay.py
+            replay = getattr(self._impl, "ll_dispatch_replay", None)
+            if replay is not None and not self._destroyed and replay.held[0] is cumulative_local_expert_recv_stats \
+                    and replay.held[1] is dispatch_wait_recv_cost_stats and replay.matches_routing(
+                        x, topk_idx, topk_weights,
+                        (num_experts, max_tokens_per_rank, use_fp8, round_scale, use_ue8m0, recv_hook)):
+                with _CallScope(self, "low_latency_dispatch", replay.sig) as call:
+                    out = replay.run(call, x, topk_idx, topk_weights, cumulative_local_expert_recv_stats,
+                                     dispatch_wait_recv_cost_stats)
+                handle = out.handle
+                handle.buffer_id = self.id
+                handle.topk_idx, handle.topk_idx_version = topk_idx, C.tensor_version(topk_idx)  # combine checks it
+                return out
         with self._call("low_latency_dispatch") as call:
             T, H, is_fp8 = C.check_activation("x", x, allowed=(torch.bfloat16, torch.float32))
             C.fail(not is_fp8, "low_latency_dispatch takes bf16/fp32 x and casts to FP8 itself (use_fp8=True)", TypeError)
@@ -582,6 +600,23 @@ class Buffer:
         for each rank's rows are added (cuda backend; the torch backend leaves it as it is).
         `use_logfmt` (bf16 x, every rank alike): the rows travel as LogFMT-10 where a 128-channel
         block allows, and the sum adds their decoded values (megatron_ep.logfmt says how close)."""
+        recv_hook = kwargs.get("return_recv_hook", False) if kwargs else False
+        if out is None and use_logfmt is False and type(recv_hook) is bool and type(handle) is LowLatencyHandle \
+                and (not kwargs or len(kwargs) == 1 and "return_recv_hook" in kwargs):
+            # a combine along a handle of the shape of the last one's, with arguments of the last
+            # one's shapes, into the same statistics tensor: megatron_ep/replay.py
+            replay = getattr(self._impl, "ll_combine_replay", None)
+            if replay is not None and not self._destroyed and handle.buffer_id == self.id \
+                    and replay.held[0] is combine_wait_recv_cost_stats and replay.matches_routing(
+                        x, topk_idx, topk_weights, (handle.backend, handle.num_experts, handle.max_tokens_per_rank,
+                                                    handle.hidden, handle.topk, handle.num_tokens, handle.num_ranks,
+                                                    recv_hook)):
+                with _CallScope(self, "low_latency_combine", replay.sig) as call:
+                    if self._ids_level != C.IDS_UNCHECKED:
+                        C.check_same_routing(topk_idx, handle.topk_idx, handle.topk_idx_version,
+                                             may_sync=self._ids_level == C.IDS_CHECKED)
+                    call.set_routing(handle.call_seq)
+                    return replay.run(call, x, topk_idx, topk_weights, handle, combine_wait_recv_cost_stats)
         with self._call("low_latency_combine") as call:
             self._check_handle(handle, LowLatencyHandle)
             C.fail(isinstance(x, torch.Tensor), "x must be a tensor", TypeError)

@@ -149,6 +149,11 @@ class Call:
         self.sig[_VARIANT] = variant
         return self
 
+    def set_routing(self, routing: int) -> "Call":
+        """set(routing=...) without the keyword loop (a replayed low-latency combine's dispatch)."""
+        self.sig[_ROUTING] = routing
+        return self
+
     def get(self, name: str) -> int:
         return self.sig[FIELD[name]]
 

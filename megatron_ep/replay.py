@@ -26,12 +26,15 @@ class Replay:
     held a replay holding it would live until the cycle collector ran, and its tensors with it.)"""
 
     __slots__ = ("sig", "run", "shape", "dtype", "device", "scales_shape", "w_shape", "w_dtype", "idx_shape",
-                 "options")
+                 "options", "held")
 
     def __init__(self, sig: List[int], run: Callable, x, weights: Optional[torch.Tensor],
-                 topk_idx: Optional[torch.Tensor] = None, options: tuple = ()):
+                 topk_idx: Optional[torch.Tensor] = None, options: tuple = (), held: tuple = ()):
         data = x[0] if type(x) is tuple else x
         self.sig, self.run = list(sig), run
+        # tensors the call took by identity (statistics the kernels add to), kept alive here: the
+        # replay serves those very tensors only, so their checks hold
+        self.held = held
         # a new routing's (Buffer keeps one, the backend's): the ids' shape and the call's options
         self.idx_shape, self.options = (None if topk_idx is None else topk_idx.shape), options
         self.shape, self.dtype, self.device = data.shape, data.dtype, data.device

@@ -32,8 +32,9 @@ class DispatchRequest:
     # token_groups: the internode path's in-node stage sets one per source node (that order is
     # then the contract's); Buffer leaves it at 1
     token_groups: int = 1
-    # the cuda intranode path's cached push is not launched but handed to this callable as its
-    # launch record: the internode path's fused dispatch runs it inside its own kernel
+    # the cuda intranode path crosses into this entry instead of its own, with the same arguments:
+    # the internode path's (csrc/intranode/composed.h): a cached dispatch's, whose kernel runs the
+    # push, or a new routing's (not worst-case sized), which runs the RDMA hop first
     fused: Optional[Callable] = None
     # rows past num_worst_tokens: "drop" (counted in num_dropped) or "raise" (every rank raises
     # WorstCaseOverflowError before any row moves, where the backend learns the counts on the host)
@@ -57,8 +58,9 @@ class CombineRequest:
     weights: Optional[torch.Tensor] = None  # per-row weights, scattered back to [T, K]
     async_op: bool = False
     previous_event: Optional[EventOverlap] = None
-    # the cuda intranode path's combine is not launched but handed to `fused(record, y, weights)`
-    # (the internode path's fused combine runs it), writing into `out` (y, weights) when given
+    # the cuda intranode path's combine crosses into this entry instead of its own, with the same
+    # arguments: the internode path's, whose kernel runs the in-node combine into `out` (y,
+    # weights) when given, then the RDMA hop (csrc/intranode/composed.h)
     fused: Optional[Callable] = None
     out: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = None
     # (bias0, bias1): [T, H] tensors of x's dtype or None each, the start of every token's fp32

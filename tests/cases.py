@@ -308,14 +308,23 @@ def _dropped(inputs, rank, R, E, permute, align, worst):
     return lost
 
 
-def run_normal_cases(cfgs: list, backend: str = "torch", device: str = "cpu") -> list:
+def run_each(run_case, cfgs, *args, label: str = "", most: int = 0) -> list:
+    """run_case(cfg, *args) for each cfg in turn: a case that raises is reported with its
+    traceback and the next one runs (the ranks stay in step); with `most` (> 0), the cases stop
+    once more than that many errors were found."""
     errors = []
     for cfg in cfgs:
         try:
-            errors += run_normal_case(cfg, backend, device)
-        except Exception:  # keep the ranks in step: report and go on to the next case
-            errors.append(f"[{cfg}] raised:\n{traceback.format_exc()}")
+            errors += run_case(cfg, *args)
+        except Exception:
+            errors.append(f"[{label}{cfg}] raised:\n{traceback.format_exc()}")
+        if most and len(errors) > most:
+            break
     return errors
+
+
+def run_normal_cases(cfgs: list, backend: str = "torch", device: str = "cpu") -> list:
+    return run_each(run_normal_case, cfgs, backend, device)
 
 
 # ------------------------------------------------------------------------------ low latency
@@ -417,13 +426,7 @@ def run_low_latency_case(cfg: dict, backend: str = "torch", device: str = "cpu")
 
 
 def run_low_latency_cases(cfgs: list, backend: str = "torch", device: str = "cpu") -> list:
-    errors = []
-    for cfg in cfgs:
-        try:
-            errors += run_low_latency_case(cfg, backend, device)
-        except Exception:
-            errors.append(f"[{cfg}] raised:\n{traceback.format_exc()}")
-    return errors
+    return run_each(run_low_latency_case, cfgs, backend, device)
 
 
 # --------------------------------------------------------------------------------- autograd
@@ -783,15 +786,8 @@ def run_fuzz(cfg: dict, backend: str = "cuda", device: str = "cuda") -> list:
     (backend="torch" on the CPU checks the harness itself: the reference against itself.)"""
     R, rank = dist.get_world_size(), dist.get_rank()
     cuda, ref = get_buffer(backend), get_buffer("torch", fuzz_reference=True)
-    errors = []
-    for i in range(cfg["cases"]):
-        c = fuzz_config(cfg["seed"] + i, R)
-        try:
-            errors += _fuzz_one(c, cuda, ref, R, rank, device)
-        except Exception:
-            errors.append(f"fuzz seed {c['seed']} ({c}) raised on rank {rank}:\n{traceback.format_exc()}")
-        if len(errors) > 20:
-            break
+    configs = (fuzz_config(cfg["seed"] + i, R) for i in range(cfg["cases"]))
+    errors = run_each(_fuzz_one, configs, cuda, ref, R, rank, device, label=f"fuzz on rank {rank}: ", most=20)
     cuda.synchronize()
     return errors
 

@@ -57,6 +57,28 @@ def pytest_runtest_call(item):
         distpool.set_test_limit(None, None)
 
 
+def pytest_runtest_logreport(report):
+    """A failure's report as soon as the test ends, not only in the session's summary: a run killed
+    at its budget (the GPU gate's files share one) still shows why each earlier test failed, and a
+    test stopped at its limit shows the silent ranks' stacks."""
+    if not report.failed:
+        return
+    reporter = _reporter.get("terminal")
+    if reporter is None:
+        return
+    reporter.write_line("")
+    reporter.write_sep("-", f"{report.nodeid} failed ({report.when}); its report")
+    reporter.write_line(report.longreprtext[-30000:])
+
+
+_reporter = {}
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    _reporter["terminal"] = config.pluginmanager.get_plugin("terminalreporter")
+
+
 @pytest.fixture(scope="session")
 def pools():
     """pools(R) -> a live gloo DistPool of R ranks, shared by the whole session."""

@@ -22,6 +22,15 @@ def ext():
 SECTIONS = ["d_x", "d_s", "d_idx", "d_w", "c_y", "c_w", "s_x", "s_s", "s_idx", "s_w", "s_y", "s_cw"]
 
 
+def test_the_internode_entries_compose_this_builds_intranode_ones(ext):
+    """_C_nvshmem's cached dispatch and combine call _C's entries through the capsule _C publishes
+    (csrc/intranode/composed.h): it finds them (loading _C) and both builds agree on their version."""
+    from megatron_ep.cuda.extension import load
+
+    intra = load()
+    assert ext.composed_api_version() == ext.COMPOSED_API_VERSION == intra.COMPOSED_API_VERSION
+
+
 @pytest.mark.parametrize("staged", [False, True])
 def test_layout_places_every_section(ext, staged):
     N, mt, K, H = 4, 4096, 8, 7168

@@ -47,6 +47,10 @@ class FakeKernels:
         def __init__(self, *args, **bound):
             self.bound = FakeKernels._named("HandleState", args, bound)
 
+        def tensors(self):
+            b = self.bound
+            return b["topk_idx"], b["rank_pos"], b["slot_pos"], b["recv_info"], b["row_limits"], b["counts"], b["comb_map"]
+
     def _record(self, name, kw):
         self.calls.append((name, kw, self.call_of().pending))
         if self.fail_in == name:
@@ -96,7 +100,9 @@ class FakeKernels:
         not fit); fail_in="dispatch half" raises there, past notify."""
         kw = self._named("dispatch_first_call", args, kw)
         self._record("dispatch_first_call", kw)
+        # lean: the handle's index tensors and notify's counts stay in the HandleState
         notified = self._notified(kw, 0)
+        notified = (notified[0], *[None] * 7, *notified[8:])
         self.notified_tag = kw["tag"]
         if self.stop_after_notify or not kw["fits"]:
             return 1, notified, None
@@ -108,24 +114,20 @@ class FakeKernels:
         return 0, notified, res
 
     def dispatch_call(self, *args, **kw):
-        """As calls.h; with `fused` (the internode path's), the push's launch record goes to it
-        instead of a launch."""
+        """As calls.h (the internode path's composed entry crosses here with the same arguments:
+        tests/test_internode_path.py's FakeRdma)."""
         kw = self._named("dispatch_call", args, kw)
         self._record("dispatch_call", kw)
-        if kw["fused"] is not None:
-            kw["fused"](b"push record")
         return self._dispatched(kw["state"], kw["first"], kw["out_rows"], kw["comb_rows"], kw["x"], kw["topk_weights"],
                                 kw["want_src"])
 
     def combine_call(self, *args, **kw):
-        """y (and weights) made unless given; with `fused`, the in-node combine's record, y and the
-        weights go to it instead of a launch."""
+        """y (and weights) made unless given (the internode path's composed entry crosses here with
+        the same arguments: tests/test_internode_path.py's FakeRdma)."""
         kw = self._named("combine_call", args, kw)
         self._record("combine_call", kw)
         y, w = ((kw["out"], kw["out_weights"]) if kw["out"] is not None
                 else (torch.zeros(T, H, dtype=kw["x"].dtype), None))
-        if kw["fused"] is not None:
-            kw["fused"](b"combine record", y, w)
         return y, w
 
 
@@ -262,8 +264,13 @@ def test_a_failure_between_notify_and_the_move_is_published_where_the_peers_wait
 
 def test_a_copied_state_binds_again_from_its_own_tensors(path):
     out, _ = _dispatch(path, 1, True)
+    assert out.handle.state.rank_pos is None  # (the new routing's crossing left them in the binding)
     dup = copy.deepcopy(out.handle)
     assert dup.state.native is None
+    kept = out.handle.state.native.tensors()
+    for name, t in zip(("rank_pos", "slot_pos", "recv_info", "row_limits"), kept[1:5]):
+        mine = getattr(dup.state, name)
+        assert torch.equal(mine, t) and mine.data_ptr() != t.data_ptr(), name
     _dispatch(path, 2, True, handle=dup)
     _, kw, _ = path.fake.calls[-1]
     assert kw["state"] is dup.state.native and kw["state"] is not out.handle.state.native
@@ -293,30 +300,35 @@ def test_a_worst_case_sized_routing_does_not_wait_for_sizes(path, permute):
     assert out.handle.num_recv_rows == 40
 
 
-def test_the_fused_in_node_stage_hands_its_record_on(path):
-    """The internode path's cached dispatch and combine: the one-crossing entries get its launcher
-    (`fused`) and, for the combine, the symmetric outputs (`out`) it writes into."""
+def test_the_composed_entry_crosses_in_place_of_the_path_s_own(path):
+    """The internode path's cached dispatch and combine: the path crosses into its entry (`fused`)
+    instead of its own, with the same arguments by name and in order (csrc/intranode/composed.h),
+    and for the combine the symmetric outputs (`out`) it writes into; the call is settled there."""
     out, _ = _dispatch(path, 1, False)
+    crossed = []
 
-    records = []
-
-    def launcher(*record):
-        records.append(record)
+    def composed(name):
+        def entry(*args):
+            crossed.append((name, FakeKernels._named(name, args, {})))
+            return getattr(path.fake, name)(*args)
+        return entry
 
     x = torch.randn(T, H, dtype=torch.bfloat16)
     call = _call(path, "cached_dispatch", 2)
     with path.guard(call):
-        path.dispatch(call, DispatchRequest(x, None, None, E, False, 1, out.handle, fused=launcher))
-    assert path.fake.calls[-1][1]["fused"] is launcher and call.pending is P.Pending.NOTHING
+        path.dispatch(call, DispatchRequest(x, None, None, E, False, 1, out.handle, fused=composed("dispatch_call")))
+    assert call.pending is P.Pending.NOTHING
     y, w = torch.zeros(T, H, dtype=torch.bfloat16), None
     call = _call(path, "combine", 3)
     with path.guard(call):
         path.combine(call, CombineRequest(torch.zeros(out.x.shape[0], H, dtype=torch.bfloat16), out.handle,
-                                          fused=launcher, out=(y, w)))
-    kw = path.fake.calls[-1][1]
-    assert kw["fused"] is launcher and kw["out"] is y and kw["out_weights"] is None
-    # the launcher got each record (the combine's with the rows it writes) in place of a launch
-    assert records == [(b"push record",), (b"combine record", y, None)]
+                                          fused=composed("combine_call"), out=(y, w)))
+    assert [name for name, _ in crossed] == ["dispatch_call", "combine_call"]
+    (_, d), (_, c) = crossed
+    assert d["x"] is x and d["state"] is out.handle.state.native and d["want_src"] is False
+    assert c["out"] is y and c["out_weights"] is None
+    # every argument of the path's own entry, and only those
+    assert set(d) == set(FakeKernels.NAMES["dispatch_call"]) and set(c) == set(FakeKernels.NAMES["combine_call"])
 
 
 def test_a_grown_region_decides_again_where_the_rows_lie(path):

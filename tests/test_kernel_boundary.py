@@ -40,9 +40,13 @@ def kernel_calls(path: str = "intranode", holder: str = "kernels", module: str =
     `call.sends(self.HOLDER.NAME, ...)`, or through a local name bound to `....HOLDER.NAME`."""
     source = ROOT / "megatron_ep" / (module or f"cuda/paths/{path}.py")
     tree = ast.parse(source.read_text())
-    aliases = {t.id: node.value.attr for node in ast.walk(tree) if isinstance(node, ast.Assign)
-               for t in node.targets if isinstance(t, ast.Name) and isinstance(node.value, ast.Attribute)
-               and isinstance(node.value.value, ast.Attribute) and node.value.value.attr == holder}
+    def bound(value):  # `....HOLDER.NAME`, or `....HOLDER.NAME if ... else other` (an entry or its stand-in)
+        value = value.body if isinstance(value, ast.IfExp) else value
+        return value.attr if isinstance(value, ast.Attribute) and isinstance(value.value, ast.Attribute) \
+            and value.value.attr == holder else None
+
+    aliases = {t.id: bound(node.value) for node in ast.walk(tree) if isinstance(node, ast.Assign)
+               for t in node.targets if isinstance(t, ast.Name) and bound(node.value)}
 
     def kernel(node):
         if isinstance(node, ast.Attribute) and _last_name(node.value) == holder:
@@ -104,18 +108,40 @@ def test_the_notify_trace_names_all_notify_call_arguments():
             f"tracing.py:{line}: notify_call: {positional} positional, unknown {unknown}, missing {missing}"
 
 
+# the internode entries that compose an intranode one (csrc/intranode/composed.h): its arguments
+# first, in its order, passed through as `*innode`; then the internode kernel's, by keyword
+COMPOSED = {"dispatch_first_call": "dispatch_first_call", "dispatch_cached_call": "dispatch_call",
+            "combine_call": "combine_call"}
+
+
 def test_every_internode_kernel_call_names_all_its_arguments():
     bound = binding_arguments("internode")
-    kernels = {"dispatch_send", "dispatch_recv", "dispatch_cached", "combine"}
+    kernels = {"dispatch_send", "dispatch_recv"} | set(COMPOSED)
     assert kernels <= set(bound), sorted(bound)
     calls = [c for c in kernel_calls("internode", "buf") if c[0] in kernels]
     assert {c[0] for c in calls} == kernels, calls
+    intra = binding_arguments()
     for name, keywords, positional, line in calls:
         names, defaults = bound[name]
+        if name in COMPOSED:  # the in-node stage's arguments come through as one starred positional
+            names = names[len(intra[COMPOSED[name]][0]):]
+            assert keywords[:1] == [""] and positional == 1, f"internode.py:{line}: {name}: expected (*innode, ...)"
+            keywords, positional = keywords[1:], 0
         unknown = [k for k in keywords if k not in names]
         missing = [a for a in names if a not in keywords and a not in defaults]
         assert positional == 0 and not unknown and not missing, \
             f"internode.py:{line}: {name}: {positional} positional, unknown {unknown}, missing {missing}"
+
+
+def test_a_composed_entry_takes_its_intranode_entry_s_arguments_first():
+    """intranode.py crosses into the internode path's entry in place of its own with the same
+    arguments, by position: the composed entry's first parameters are the intranode entry's, by
+    name and in order, and its own come after with names of their own."""
+    inter, intra = binding_arguments("internode"), binding_arguments()
+    for composed, entry in COMPOSED.items():
+        names, own = inter[composed][0], intra[entry][0]
+        assert names[:len(own)] == own, (composed, names, own)
+        assert not set(names[len(own):]) & set(own), composed
 
 
 def test_one_name_for_the_expert_alignment_from_request_to_kernel():

@@ -3,6 +3,7 @@ extension's buffer replaced by a recorder: buffer-set alternation, the recv-hook
 (two results in flight, a third refused before anything launches), capacity errors, and the
 decoding of what the kernels report (timeouts name the rank and the wait; mismatches clear)."""
 
+import ctypes
 import os
 import types
 
@@ -19,15 +20,30 @@ from megatron_ep.cuda.sm_budget import SmBudget
 
 
 class FakeBuffer:
-    """Stands in for _C_nvshmem.LowLatencyBuffer: records launches, reports a settable error."""
+    """Stands in for _C_nvshmem.LowLatencyBuffer: records launches, reports a settable error
+    (`err`, whose code the error word at error_address() holds, as the mapped record's does)."""
 
     def __init__(self, device, rank, pes, E, mt, H, K, fp8_only, timeout_s, shrink):
         self.cap = (E, mt, H, K, fp8_only)
         self.R = len(pes)
         self.timeout_s, self.shrink = timeout_s, shrink
         self.launches = []  # (op, set, phases), ("mask", ...), ("barrier",)
+        self.code = ctypes.c_int(0)
         self.err = None
         self.cleared = 0
+        self.reads = 0  # error() crossings
+
+    @property
+    def err(self):
+        return self._err
+
+    @err.setter
+    def err(self, value):
+        self._err = value
+        self.code.value = 0 if value is None else value["code"]
+
+    def error_address(self):
+        return ctypes.addressof(self.code)
 
     def dispatch(self, x, idx, E, fp8, round_scale, s, phases, sig, *outs_and_blocks):
         self.launches.append(("dispatch", s, phases))
@@ -72,6 +88,7 @@ class FakeBuffer:
         self.launches.append(("barrier",))
 
     def error(self):
+        self.reads += 1
         return self.err
 
     def clear_error(self):
@@ -156,11 +173,14 @@ def test_capacity_and_argument_errors(path):
 
 def test_kernel_reports_become_named_errors(path):
     x, idx, w = _inputs()
+    path.dispatch(_call("low_latency_dispatch", 1), x, idx, 8, 16, True, False)  # (the buffer made)
+    path.check()
+    assert path.buf.reads == 0  # a clear error word: no crossing to read the record
     path.buf.err = dict(code=P.ERROR["mismatch"], op=P.OP["low_latency_dispatch"], what=1, expert=2, peer=0, set=0,
                         sig_expected=0x1234, sig_got=0x99)
     with pytest.raises(CallMismatchError, match="signature hash 0x99 vs 0x1234"):
         path.check()
-    assert path.buf.cleared == 1
+    assert path.buf.cleared == 1 and path.buf.reads == 1
     path.check()  # cleared: usable
     path.buf.err = dict(code=P.ERROR["timeout"], op=P.OP["low_latency_dispatch"], what=1, expert=3, peer=0, set=1,
                         sig_expected=0, sig_got=0)
@@ -283,3 +303,191 @@ def test_rank_mask_entries(path):
     assert p.next_set == 0
     assert p.buf.launches == [("mask", 0, True), ("query",), ("clear",), ("dispatch", 0, p.ext.SEND),
                               ("dispatch", 0, p.ext.RECV), ("barrier",)]
+
+
+@pytest.fixture()
+def ll_buf(path, monkeypatch):
+    """A Buffer of one rank whose cuda backend's low-latency path is `path` (over the recorder);
+    `entries` lists which of the path's dispatch entries each call took, `crossings` the
+    arguments of each crossing."""
+    import megatron_ep as mep
+    from megatron_ep.cuda.backend import CudaBackend
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # (no driver here)
+
+    b = mep.Buffer(dist.group.WORLD, backend="torch", check_inputs=False)
+    be = CudaBackend.__new__(CudaBackend)
+    be.path, be.rt, be._ll, be.rank, be.num_ranks, be.ranks_per_node = None, path.rt, path, 0, 1, 1
+    b._impl, b.backend = be, "cuda"
+    b.entries, b.crossings, b.returns = [], [], []
+    for name in ("dispatch", "_replay_dispatch", "combine", "_replay_combine"):
+        def entry(*args, _f=getattr(path, name), _n=name, **kwargs):
+            b.entries.append(_n)
+            return _f(*args, **kwargs)
+        setattr(path, name, entry)
+    real = path.buf.dispatch_call
+    path.buf.dispatch_call = lambda *a: b.crossings.append(a) or real(*a)
+    real_combine = path.buf.combine_call
+    path.buf.combine_call = lambda *a: b.returns.append(a) or real_combine(*a)
+    return b
+
+
+def _same_crossing(a: tuple, b: tuple) -> bool:
+    """Every argument of two dispatch_call crossings the same (tensors: the same object), but the
+    buffer set, the signature hash and the sequence number (positions 6, 8 and 9)."""
+    return len(a) == len(b) and all(i in (6, 8, 9) or (u is v if isinstance(u, torch.Tensor) else u == v)
+                                    for i, (u, v) in enumerate(zip(a, b)))
+
+
+def test_a_low_latency_dispatch_of_the_same_shape_replays_the_same_crossing(ll_buf):
+    """A decode step's dispatch of the last one's shape and options, into the same statistics
+    tensors, skips Buffer's checks and the path's (megatron_ep/replay.py) and crosses with what
+    the full call crossed with, on the next buffer set, under its own sequence number, with the
+    full call's signature."""
+    x, idx, w = _inputs()
+    stats = torch.zeros(8, dtype=torch.int32)
+    kw = dict(num_experts=8, max_tokens_per_rank=16, topk_weights=w, cumulative_local_expert_recv_stats=stats)
+    outs = [ll_buf.low_latency_dispatch(x, idx, **kw) for _ in range(3)]
+    assert ll_buf.entries == ["dispatch", "_replay_dispatch", "_replay_dispatch"]
+    first, *rest = ll_buf.crossings
+    assert all(_same_crossing(first, c) for c in rest)
+    assert [c[6] for c in ll_buf.crossings] == [0, 1, 0]  # the buffer sets alternate
+    assert [c[9] for c in ll_buf.crossings] == [1, 2, 3]
+    assert [o.handle.call_seq for o in outs] == [1, 2, 3]
+    assert len({c[8] for c in ll_buf.crossings}) == 3  # the hash covers the sequence number
+    for o in outs:
+        assert o.handle.buffer_id == ll_buf.id and o.handle.topk_idx is idx and o.x[0].shape == (8, 16, 256)
+    y = ll_buf.low_latency_combine(torch.zeros((8, 16, 256), dtype=torch.bfloat16), idx, w, outs[-1].handle)
+    assert y.shape == (5, 256)
+
+
+@pytest.mark.parametrize("change", ["tokens", "hidden", "experts", "max_tokens", "bf16", "round_scale", "weights",
+                                    "weights_dtype", "stats", "hook", "idx_int32", "grad", "kwarg", "capture"])
+def test_a_low_latency_dispatch_that_differs_takes_the_full_call(ll_buf, change, monkeypatch):
+    """What differs from the replayed call in shape, option or statistics tensor is checked again
+    (and refused where the full call refuses it)."""
+    x, idx, w = _inputs()
+    stats = torch.zeros(8, dtype=torch.int32)
+    kw = dict(num_experts=8, max_tokens_per_rank=16, topk_weights=w, cumulative_local_expert_recv_stats=stats)
+    ll_buf.low_latency_dispatch(x, idx, **kw)
+    x2, idx2, kw2 = x, idx, dict(kw)
+    if change == "tokens":
+        x2, idx2, w2 = _inputs(T=4)
+        kw2["topk_weights"] = w2
+    elif change == "hidden":
+        x2 = torch.zeros((5, 128), dtype=torch.bfloat16)
+    elif change == "experts":
+        kw2["num_experts"] = 4
+    elif change == "max_tokens":
+        kw2["max_tokens_per_rank"] = 8
+    elif change == "bf16":
+        kw2["use_fp8"] = False
+    elif change == "round_scale":
+        kw2["round_scale"] = True
+    elif change == "weights":
+        kw2["topk_weights"] = None
+    elif change == "weights_dtype":
+        kw2["topk_weights"] = w.double()
+    elif change == "stats":
+        kw2["cumulative_local_expert_recv_stats"] = torch.zeros(8, dtype=torch.int32)
+    elif change == "hook":
+        kw2["return_recv_hook"] = True
+    elif change == "idx_int32":
+        idx2 = idx.int()
+    elif change == "grad":
+        x2 = x.clone().requires_grad_()
+    elif change == "kwarg":
+        kw2["use_ue8m0"] = 1  # not a bool: the full call's check refuses it
+    elif change == "capture":
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    try:
+        out = ll_buf.low_latency_dispatch(x2, idx2, **kw2)
+        if out.hook is not None:
+            out.hook()
+    except (TypeError, ValueError, RuntimeError):
+        pass  # refused by the full call's checks, as without a replay
+    assert ll_buf.entries[1:] in ([], ["dispatch"]) and "_replay_dispatch" not in ll_buf.entries
+
+
+def test_a_low_latency_combine_of_the_same_shape_replays_the_same_crossing(ll_buf, monkeypatch):
+    """A decode step's combine along a new handle of the last one's shape skips Buffer's checks
+    and the path's; its signature names its own dispatch (routing) and the merge is decided
+    again each call (the same weights the dispatch got: merged; others: per copy)."""
+    signed = []
+    real_hash = LL.signature_hash
+    monkeypatch.setattr(LL, "signature_hash", lambda call: signed.append(list(call.sig)) or real_hash(call))
+    x, idx, w = _inputs()
+    rows = torch.zeros((8, 16, 256), dtype=torch.bfloat16)
+    kw = dict(num_experts=8, max_tokens_per_rank=16, topk_weights=w)
+    sigs = []
+    for weights in (w, w, w.clone(), w):
+        out = ll_buf.low_latency_dispatch(x, idx, **kw)
+        y = ll_buf.low_latency_combine(rows, idx, weights, out.handle)
+        assert y.shape == (5, 256)
+        sigs.append((out.handle.call_seq, ll_buf._impl._ll.buf.merged))
+    combines = [e for e in ll_buf.entries if "combine" in e]
+    assert combines == ["combine", "_replay_combine", "_replay_combine", "_replay_combine"]
+    assert [m for _, m in sigs] == [True, True, False, True]
+    first, *rest = ll_buf.returns
+    for c in rest:  # the same tensors but the routing's and the call's own (set, phases, hash, seq)
+        assert c[0] is first[0] and c[4] is first[4] and c[6] == first[6] and c[16] == first[16]
+    assert len({c[9] for c in ll_buf.returns}) == 4  # each call's own signature hash
+    combined = [sig for sig in signed if sig[P.FIELD["op"]] == P.OP["low_latency_combine"]]
+    assert [sig[P.FIELD["routing"]] for sig in combined] == [seq for seq, _ in sigs]
+    assert [bool(sig[P.FIELD["variant"]] & P.LL_COMBINE_MERGED) for sig in combined] == [True, True, False, True]
+    for sig in combined[1:]:  # the rest of the signature: the full call's
+        assert [v for i, v in enumerate(sig) if i not in (P.FIELD["seq"], P.FIELD["routing"], P.FIELD["variant"])] == \
+            [v for i, v in enumerate(combined[0]) if i not in (P.FIELD["seq"], P.FIELD["routing"], P.FIELD["variant"])]
+
+
+@pytest.mark.parametrize("change", ["handle_shape", "weights_dtype", "stats", "hook", "out", "logfmt", "x_dtype",
+                                    "grad", "other_buffer"])
+def test_a_low_latency_combine_that_differs_takes_the_full_call(ll_buf, change):
+    x, idx, w = _inputs()
+    rows = torch.zeros((8, 16, 256), dtype=torch.bfloat16)
+    out = ll_buf.low_latency_dispatch(x, idx, num_experts=8, max_tokens_per_rank=16)
+    ll_buf.low_latency_combine(rows, idx, w, out.handle)
+    x2, idx2, w2, rows2, kw = x, idx, w, rows, {}
+    if change == "handle_shape":
+        x2, idx2, w2 = _inputs(T=4)
+    out2 = ll_buf.low_latency_dispatch(x2, idx2, num_experts=8, max_tokens_per_rank=16)
+    if change == "weights_dtype":
+        w2 = w2.double()
+    elif change == "stats":
+        kw["combine_wait_recv_cost_stats"] = torch.zeros(1, dtype=torch.int64)
+    elif change == "hook":
+        kw["return_recv_hook"] = True
+    elif change == "out":
+        kw["out"] = torch.empty((5, 256), dtype=torch.bfloat16)
+    elif change == "logfmt":
+        kw["use_logfmt"] = True
+    elif change == "x_dtype":
+        rows2 = rows.float()
+    elif change == "grad":
+        w2 = w2.clone().requires_grad_()
+    elif change == "other_buffer":
+        out2.handle.buffer_id = -1
+    before = list(ll_buf.entries)
+    try:
+        res = ll_buf.low_latency_combine(rows2, idx2, w2, out2.handle, **kw)
+        if change == "hook":
+            res[1]()
+    except (TypeError, ValueError, RuntimeError):
+        pass  # refused by the full call's checks, as without a replay
+    assert "_replay_combine" not in ll_buf.entries[len(before):]
+
+
+def test_a_replayed_low_latency_combine_still_checks_its_routing(ll_buf):
+    """Buffer(check_inputs=True): a combine must get its dispatch's routing; a combine that would
+    replay is checked as the full call is (values compared with one sync)."""
+    from megatron_ep import checks as C
+
+    ll_buf._ids_level = C.IDS_CHECKED
+    x, idx, w = _inputs()
+    rows = torch.zeros((8, 16, 256), dtype=torch.bfloat16)
+    out = ll_buf.low_latency_dispatch(x, idx, num_experts=8, max_tokens_per_rank=16)
+    ll_buf.low_latency_combine(rows, idx, w, out.handle)
+    ll_buf.low_latency_combine(rows, idx.clone(), w, out.handle)  # equal values, another tensor: accepted
+    other = idx.flip(1).contiguous()
+    with pytest.raises(ValueError, match="differs from the routing its dispatch got"):
+        ll_buf.low_latency_combine(rows, other, w, out.handle)

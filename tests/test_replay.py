@@ -193,6 +193,19 @@ def test_a_new_routing_of_the_same_shape_and_options_replays_the_same_crossing(b
     assert buf.planned == [1, 3]
 
 
+def test_a_replayed_routing_asks_the_region_nothing_and_a_full_one_asks_again(buf, monkeypatch):
+    """The region only grows: the need a new routing's replay carries fitted when its full call
+    asked, so the replay does not ask again; a full call (its own need) does."""
+    region, asked = buf.path.rt.region, []
+    monkeypatch.setattr(region, "fits", lambda need: asked.append(dict(need)) or None)
+    buf.dispatch(_x(), _idx(1), num_experts=E)
+    buf.dispatch(_x(), _idx(2), num_experts=E)
+    buf.dispatch(_x(), _idx(3), num_experts=E)
+    assert buf.planned == [1] and len(asked) == 1 and asked[0]["max_tokens"] == 0
+    buf.dispatch(_x(), _idx(4), num_experts=E, permute=True)  # other options: the full call
+    assert buf.planned == [1, 4] and len(asked) == 2
+
+
 @pytest.mark.parametrize("change", ["experts", "permute", "alignment", "host_counts", "rank_counts", "weights",
                                     "overflow", "worst", "source", "ids_dtype", "ids_layout", "grad"])
 def test_a_new_routing_that_differs_from_the_last_takes_the_full_call(buf, change):

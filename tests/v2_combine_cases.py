@@ -22,12 +22,10 @@ same global inputs from one seed (oracle.make_inputs), then checks its own token
 
 from __future__ import annotations
 
-import traceback
-
 import torch
 import torch.distributed as dist
 
-from cases import Checker, get_buffer, to_dev
+from cases import Checker, get_buffer, run_each, to_dev
 from oracle import expected_expert_major, expected_rank_major, make_inputs
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -192,15 +190,7 @@ def run_v2_combine_case(cfg: dict, backend: str = "torch", device: str = "cpu") 
 
 
 def run_v2_combine_cases(cfgs: list, backend: str = "torch", device: str = "cpu") -> list:
-    errors = []
-    for cfg in cfgs:
-        try:
-            errors += run_v2_combine_case(cfg, backend, device)
-        except Exception:
-            errors.append(f"[v2 combine rank {dist.get_rank()} {cfg}] raised:\n{traceback.format_exc()}")
-        if len(errors) > 20:
-            break
-    return errors
+    return run_each(run_v2_combine_case, cfgs, backend, device, label=f"v2 combine rank {dist.get_rank()} ", most=20)
 
 
 def v2_combine_cases(R: int, H: int = 128) -> list:

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "internode/api.h"
+#include "intranode/composed.h"
 #include "common/protocol.h"
 #include "nvshmem/symmetric_memory.h"
 #include "common/tensor_args.h"
@@ -66,27 +67,74 @@ class InternodeBuffer {
     launch_internode_dispatch_send(ctx_, a, num_blocks, stream());
   }
 
-  // A cached dispatch in one data kernel (csrc/internode/fused.cu): the RDMA send of x, then the
-  // in-node push of what arrives, whose launch record `innode` _C's intranode.push_record built.
-  void dispatch_cached(const py::bytes& innode, const torch::Tensor& x, const c10::optional<torch::Tensor>& scales,
-                       const torch::Tensor& topk_idx, const c10::optional<torch::Tensor>& weights, int num_experts,
-                       long long sig, int num_blocks) {
+  // A cached dispatch in one crossing and one data kernel (csrc/internode/fused.cu): _C's
+  // dispatch_call (its arguments first, in its order: the in-node stage over the forwarder's rows)
+  // with its push replaced by this kernel, which sends send_x over RDMA and then pushes what
+  // arrives as the in-node stage's launch record says. `seq`: set_call's.
+  py::tuple dispatch_cached_call(Runtime& runtime, HandleState& state, const Sig& sig, bool first, const torch::Tensor& x,
+                                 const c10::optional<torch::Tensor>& scales,
+                                 const c10::optional<torch::Tensor>& topk_weights, bool push, bool scratch,
+                                 bool zero_copy, int out_rows, int num_worst_tokens, int comb_rows,
+                                 const py::object& previous_event, const py::object& event, bool async_op,
+                                 const py::object& hook, const py::object& marks, int num_blocks, int push_blocks,
+                                 int local_blocks, bool want_src, long long seq, const torch::Tensor& send_x,
+                                 const c10::optional<torch::Tensor>& send_scales, const torch::Tensor& send_idx,
+                                 const c10::optional<torch::Tensor>& send_weights, int num_experts, long long send_sig,
+                                 int send_blocks) {
     live();
-    const InternodeSendArgs a = send_args(x, scales, topk_idx, weights, num_experts, sig, num_blocks, false);
-    launch_internode_cached_dispatch(ctx_, a, record<InnodeDispatch>(innode), num_blocks, stream());
+    ctx_.seq = seq;
+    const InternodeSendArgs a = send_args(send_x, send_scales, send_idx, send_weights, num_experts, send_sig,
+                                          send_blocks, false);
+    const FusedDispatch fused = [&](const InnodeDispatch& innode) {
+      launch_internode_cached_dispatch(ctx_, a, innode, send_blocks, stream());
+    };
+    return composed_api().dispatch_call_with(runtime, state, sig, first, x, scales, topk_weights, push, scratch,
+                                             zero_copy, out_rows, num_worst_tokens, comb_rows, previous_event, event,
+                                             async_op, hook, marks, num_blocks, push_blocks, local_blocks, want_src,
+                                             fused);
   }
 
   void dispatch_recv(int topk, int num_experts, long long sig, const torch::Tensor& out_idx,
                      const torch::Tensor& out_tokens, int num_blocks) {
     live();
-    InternodeRecvArgs a{};
-    a.K = topk, a.E = num_experts, a.sig = sig;
-    check_call(0, a.K, 16, 0, num_blocks);
-    a.out_idx = reinterpret_cast<long long*>(ptr<int64_t>(out_idx, "out_idx", at::kLong));
-    a.out_tokens = ptr<int>(out_tokens, "out_tokens", at::kInt);
-    TORCH_CHECK(out_idx.numel() == (long long)ctx_.lay.num_nodes * ctx_.lay.max_tokens * topk, "out_idx must be [N * max_tokens, K]");
-    TORCH_CHECK(out_tokens.numel() == ctx_.lay.num_nodes, "out_tokens must be [N]");
-    launch_internode_dispatch_recv(ctx_, a, num_blocks, stream());
+    recv(topk, num_experts, sig, out_idx, out_tokens, num_blocks);
+  }
+
+  // A new routing in one crossing (one not worst-case sized): the RDMA send of send_x and the
+  // receive of what the same-index peers sent, into the in-node stage's ids `topk_idx` and
+  // `out_tokens` (on the caller's stream), then _C's dispatch_first_call (its arguments first, in
+  // its order: the in-node stage over the forwarder's rows), and where that moved the rows (status
+  // 0) the receive area's release after them on the communication stream. With status 1 (the host
+  // grows the region first) the caller releases it after its dispatch_call. `seq`: set_call's.
+  py::tuple dispatch_first_call(Runtime& runtime, const Sig& sig, const torch::Tensor& topk_idx, int num_experts,
+                                int expert_alignment, bool permute, int token_groups, bool check_ids, bool rank_counts,
+                                long long tag, const py::object& previous_event, const py::object& notify_marks,
+                                double wait_s, bool fits, const torch::Tensor& x,
+                                const c10::optional<torch::Tensor>& scales,
+                                const c10::optional<torch::Tensor>& topk_weights, bool push, bool scratch,
+                                bool zero_copy, const py::object& event, bool async_op, const py::object& hook,
+                                const py::object& marks, int num_blocks, int push_blocks, int local_blocks,
+                                bool want_src, long long seq, const torch::Tensor& send_x,
+                                const c10::optional<torch::Tensor>& send_scales, const torch::Tensor& send_idx,
+                                const c10::optional<torch::Tensor>& send_weights, int send_num_experts, long long send_sig,
+                                const torch::Tensor& out_tokens, const py::object& rdma_marks, int send_blocks) {
+    live();
+    ctx_.seq = seq;
+    const InternodeSendArgs a = send_args(send_x, send_scales, send_idx, send_weights, send_num_experts, send_sig,
+                                          send_blocks, true);
+    TORCH_CHECK(topk_idx.dim() == 2, "topk_idx must be [N * max_tokens, K]");
+    launch_internode_dispatch_send(ctx_, a, send_blocks, stream());
+    recv((int)topk_idx.size(1), send_num_experts, send_sig, topk_idx, out_tokens, send_blocks);
+    mark(rdma_marks, 0);
+    py::tuple out = composed_api().dispatch_first_call(
+        runtime, sig, topk_idx, num_experts, expert_alignment, permute, token_groups, check_ids, rank_counts, tag,
+        previous_event, notify_marks, wait_s, fits, x, scales, topk_weights, push, scratch, zero_copy, event, async_op,
+        hook, marks, num_blocks, push_blocks, local_blocks, want_src);
+    if (out[0].cast<int>() == 0) {  // the in-node stage has read the receive area
+      c10::cuda::CUDAStreamGuard on_comm(runtime.comm());
+      launch_internode_release(ctx_, kInternodeDispatch, stream());
+    }
+    return out;
   }
 
   // The call the next launches serve (the Buffer's call number, the same on every rank): a wait
@@ -105,14 +153,49 @@ class InternodeBuffer {
     launch_internode_release(ctx_, dir, stream());
   }
 
-  // A combine in one data kernel (csrc/internode/fused.cu): the in-node combine whose launch
-  // record `innode` _C's intranode.combine_record built (its output: y_in, w_in, the forwarder's
-  // rows), the RDMA send of those rows, then the sum over nodes into y (and w).
-  void combine(const py::bytes& innode, const torch::Tensor& y_in, const c10::optional<torch::Tensor>& w_in,
-               const torch::Tensor& local_idx, const torch::Tensor& tokens, const torch::Tensor& topk_idx, int num_experts,
-               long long sig, const torch::Tensor& y, const c10::optional<torch::Tensor>& w,
-               const c10::optional<torch::Tensor>& bias0, const c10::optional<torch::Tensor>& bias1, int num_blocks) {
+  // A combine in one crossing and one data kernel (csrc/internode/fused.cu): _C's combine_call (its
+  // arguments first, in its order: the in-node combine into the forwarder's rows) with its launch
+  // replaced by this kernel: the in-node combine as its launch record says, the RDMA send of
+  // those rows, then the sum over nodes into y (and w), starting at the biases. `seq`: set_call's.
+  py::tuple combine_call(Runtime& runtime, const HandleState& state, const Sig& sig, const torch::Tensor& x,
+                         const c10::optional<torch::Tensor>& weights, const c10::optional<torch::Tensor>& bias0,
+                         const c10::optional<torch::Tensor>& bias1, int variant, bool zero_copy,
+                         const c10::optional<torch::Tensor>& out, const c10::optional<torch::Tensor>& out_weights,
+                         const py::object& previous_event, const py::object& event, bool async_op,
+                         const py::object& hook, const py::object& marks, int num_blocks, int local_blocks,
+                         long long seq, const torch::Tensor& local_idx, const torch::Tensor& tokens, const torch::Tensor& topk_idx,
+                         int num_experts, long long send_sig, const torch::Tensor& y,
+                         const c10::optional<torch::Tensor>& w, const c10::optional<torch::Tensor>& sum_bias0,
+                         const c10::optional<torch::Tensor>& sum_bias1, int send_blocks) {
     live();
+    ctx_.seq = seq;
+    const FusedCombine fused = [&](const InnodeCombine& innode, const torch::Tensor& y_in,
+                                   const c10::optional<torch::Tensor>& w_in) {
+      combine_fused(innode, y_in, w_in, local_idx, tokens, topk_idx, num_experts, send_sig, y, w, sum_bias0, sum_bias1,
+                    send_blocks);
+    };
+    return composed_api().combine_call_with(runtime, state, sig, x, weights, bias0, bias1, variant, zero_copy, out,
+                                            out_weights, previous_event, event, async_op, hook, marks, num_blocks,
+                                            local_blocks, fused);
+  }
+
+  // The kernels' first unread error, or None (the record's expert and set: node and direction).
+  py::object error() const { return mem_.error("node", "direction"); }
+  long long error_address() const { return mem_.error_address(); }
+  void clear_error() { mem_.clear_error(); }
+  std::vector<bool> p2p() const { return mem_.p2p(); }
+  py::dict layout() const { return layout_dict(ctx_.lay); }
+
+  void close() { mem_.close(); }  // collective (nvshmem_free)
+
+ private:
+  // combine_call's kernel: the in-node combine of record `innode` (its output: y_in, w_in, the
+  // forwarder's rows), the RDMA send of those rows, then the sum over nodes into y (and w).
+  void combine_fused(const InnodeCombine& innode, const torch::Tensor& y_in, const c10::optional<torch::Tensor>& w_in,
+                     const torch::Tensor& local_idx, const torch::Tensor& tokens, const torch::Tensor& topk_idx,
+                     int num_experts, long long sig, const torch::Tensor& y, const c10::optional<torch::Tensor>& w,
+                     const c10::optional<torch::Tensor>& bias0, const c10::optional<torch::Tensor>& bias1,
+                     int num_blocks) {
     InternodeCombineSendArgs s{};
     TORCH_CHECK(y_in.is_cuda() && y_in.is_contiguous() && y_in.dim() == 2, "y_in must be a contiguous CUDA matrix");
     const long long rows = (long long)ctx_.lay.num_nodes * ctx_.lay.max_tokens;
@@ -145,18 +228,20 @@ class InternodeBuffer {
     r.bias1 = bias1 ? bias1->data_ptr() : nullptr;
     TORCH_CHECK((long long)r.H * y.element_size() <= ctx_.lay.c_row && r.H % 8 == 0, "combine rows do not fit");
     check_call(r.T, r.K, 16, 0, num_blocks);
-    launch_internode_combine(ctx_, s, r, record<InnodeCombine>(innode), num_blocks, stream());
+    launch_internode_combine(ctx_, s, r, innode, num_blocks, stream());
   }
 
-  // The kernels' first unread error, or None (the record's expert and set: node and direction).
-  py::object error() const { return mem_.error("node", "direction"); }
-  void clear_error() { mem_.clear_error(); }
-  std::vector<bool> p2p() const { return mem_.p2p(); }
-  py::dict layout() const { return layout_dict(ctx_.lay); }
-
-  void close() { mem_.close(); }  // collective (nvshmem_free)
-
- private:
+  void recv(int K, int num_experts, long long sig, const torch::Tensor& out_idx, const torch::Tensor& out_tokens,
+            int num_blocks) {
+    InternodeRecvArgs a{};
+    a.K = K, a.E = num_experts, a.sig = sig;
+    check_call(0, a.K, 16, 0, num_blocks);
+    a.out_idx = reinterpret_cast<long long*>(ptr<int64_t>(out_idx, "out_idx", at::kLong));
+    a.out_tokens = ptr<int>(out_tokens, "out_tokens", at::kInt);
+    TORCH_CHECK(out_idx.numel() == (long long)ctx_.lay.num_nodes * ctx_.lay.max_tokens * K, "out_idx must be [N * max_tokens, K]");
+    TORCH_CHECK(out_tokens.numel() == ctx_.lay.num_nodes, "out_tokens must be [N]");
+    launch_internode_dispatch_recv(ctx_, a, num_blocks, stream());
+  }
   int device() const {
     int d = 0;
     cudaGetDevice(&d);
@@ -180,16 +265,6 @@ class InternodeBuffer {
     TORCH_CHECK(topk_idx.size(0) == a.T, "topk_idx rows differ from x's");
     return a;
   }
-  // An in-node launch record from _C (both extensions compile csrc/intranode/api.h).
-  template <typename R>
-  static R record(const py::bytes& b) {
-    const std::string raw = b;
-    TORCH_CHECK(raw.size() == sizeof(R), "megatron_ep internode: an in-node launch record of ", raw.size(),
-                " bytes, expected ", sizeof(R), " (_C and _C_nvshmem built from different sources?)");
-    R r;
-    std::memcpy(&r, raw.data(), sizeof(R));
-    return r;
-  }
   void check_call(int T, int K, long long row_bytes, int scale_cols, int num_blocks) const {
     const InternodeLayout& l = ctx_.lay;
     TORCH_CHECK(T <= l.max_tokens && K <= l.max_topk && K >= 1 && K <= kMaxTopk && row_bytes <= l.x_row &&
@@ -207,8 +282,10 @@ void bind_internode(py::module_& m) {
   m.attr("INTERNODE_THREADS") = kInternodeThreads;
   m.attr("INTERNODE_MAX_BLOCKS") = kInternodeMaxBlocks;
   m.attr("INTERNODE_MAX_NODES") = kInternodeMaxNodes;
-  m.attr("INNODE_DISPATCH_BYTES") = (long long)sizeof(InnodeDispatch);
-  m.attr("INNODE_COMBINE_BYTES") = (long long)sizeof(InnodeCombine);
+  m.attr("COMPOSED_API_VERSION") = kComposedApiVersion;
+  m.def("composed_api_version", [] { return composed_api().version; },
+        "The version of _C's entries this module's internode path composes (intranode/composed.h); raises "
+        "where _C has none or another one (the two built from different trees).");
   m.def("internode_plan", [](int num_nodes, int max_tokens, int max_topk, long long x_row, long long scale_cols,
                              long long c_row, bool staged) {
     return layout_dict(InternodeLayout::plan(num_nodes, max_tokens, max_topk, x_row, scale_cols, c_row, staged));
@@ -218,12 +295,14 @@ void bind_internode(py::module_& m) {
       .def("view", &InternodeBuffer::view, py::arg("offset"), py::arg("nbytes"))
       .def("dispatch_send", &InternodeBuffer::dispatch_send, py::arg("x"), py::arg("scales"), py::arg("topk_idx"), py::arg("weights"), py::arg("num_experts"), py::arg("sig"), py::arg("num_blocks"))
       .def("dispatch_recv", &InternodeBuffer::dispatch_recv, py::arg("topk"), py::arg("num_experts"), py::arg("sig"), py::arg("out_idx"), py::arg("out_tokens"), py::arg("num_blocks"))
+      .def("dispatch_first_call", &InternodeBuffer::dispatch_first_call, py::arg("runtime"), py::arg("sig"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("expert_alignment"), py::arg("permute"), py::arg("token_groups"), py::arg("check_ids"), py::arg("rank_counts"), py::arg("tag"), py::arg("previous_event"), py::arg("notify_marks"), py::arg("wait_s"), py::arg("fits"), py::arg("x"), py::arg("scales"), py::arg("topk_weights"), py::arg("push"), py::arg("scratch"), py::arg("zero_copy"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("marks"), py::arg("num_blocks"), py::arg("push_blocks"), py::arg("local_blocks"), py::arg("want_src"), py::arg("seq"), py::arg("send_x"), py::arg("send_scales"), py::arg("send_idx"), py::arg("send_weights"), py::arg("send_num_experts"), py::arg("send_sig"), py::arg("out_tokens"), py::arg("rdma_marks"), py::arg("send_blocks"))
       .def("release", &InternodeBuffer::release, py::arg("dir"))
       .def("set_call", &InternodeBuffer::set_call, py::arg("seq"))
       .def("publish_failure", &InternodeBuffer::publish_failure, py::arg("seq"))
-      .def("dispatch_cached", &InternodeBuffer::dispatch_cached, py::arg("innode"), py::arg("x"), py::arg("scales"), py::arg("topk_idx"), py::arg("weights"), py::arg("num_experts"), py::arg("sig"), py::arg("num_blocks"))
-      .def("combine", &InternodeBuffer::combine, py::arg("innode"), py::arg("y_in"), py::arg("w_in"), py::arg("local_idx"), py::arg("tokens"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("sig"), py::arg("y"), py::arg("w"), py::arg("bias0"), py::arg("bias1"), py::arg("num_blocks"))
+      .def("dispatch_cached_call", &InternodeBuffer::dispatch_cached_call, py::arg("runtime"), py::arg("state"), py::arg("sig"), py::arg("first"), py::arg("x"), py::arg("scales"), py::arg("topk_weights"), py::arg("push"), py::arg("scratch"), py::arg("zero_copy"), py::arg("out_rows"), py::arg("num_worst_tokens"), py::arg("comb_rows"), py::arg("previous_event"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("marks"), py::arg("num_blocks"), py::arg("push_blocks"), py::arg("local_blocks"), py::arg("want_src"), py::arg("seq"), py::arg("send_x"), py::arg("send_scales"), py::arg("send_idx"), py::arg("send_weights"), py::arg("num_experts"), py::arg("send_sig"), py::arg("send_blocks"))
+      .def("combine_call", &InternodeBuffer::combine_call, py::arg("runtime"), py::arg("state"), py::arg("sig"), py::arg("x"), py::arg("weights"), py::arg("bias0"), py::arg("bias1"), py::arg("variant"), py::arg("zero_copy"), py::arg("out"), py::arg("out_weights"), py::arg("previous_event"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("marks"), py::arg("num_blocks"), py::arg("local_blocks"), py::arg("seq"), py::arg("local_idx"), py::arg("tokens"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("send_sig"), py::arg("y"), py::arg("w"), py::arg("sum_bias0"), py::arg("sum_bias1"), py::arg("send_blocks"))
       .def("error", &InternodeBuffer::error)
+      .def("error_address", &InternodeBuffer::error_address)
       .def("clear_error", &InternodeBuffer::clear_error)
       .def("p2p", &InternodeBuffer::p2p)
       .def("layout", &InternodeBuffer::layout)

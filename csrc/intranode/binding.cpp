@@ -6,6 +6,7 @@
 
 #include "intranode/api.h"
 #include "intranode/calls.h"
+#include "intranode/composed.h"
 #include "ipc/runtime.h"
 
 namespace mep {
@@ -286,14 +287,20 @@ Notified notify_part(Runtime& rt, CallStreams& cs, StepTimer& clock, const Sig& 
 // (topk_idx copy, rank_pos, slot_pos, recv_info, row_limits, counts, tokens_per_expert, num_dropped,
 // rank_counts and its prefix over the rows, and their columns of this rank, or None each, the wait's
 // status, the sizes or None, the HandleState); the state moves into its Python object
-py::tuple notified_tuple(Notified& n, const py::tuple& sizes) {
+// With `lean` (dispatch_first_call: the dispatch half returns the counts the caller and the handle
+// keep) the handle's four index tensors and notify's counts come back None: the HandleState holds
+// them (HandleState.tensors() where Python needs them), and each tensor handed to Python costs
+// host time to wrap and, at the next call, to free.
+py::tuple notified_tuple(Notified& n, const py::tuple& sizes, bool lean) {
   const HandleState& st = n.st;
   const auto opt = [](const c10::optional<Tensor>& x) { return x.has_value() ? py::cast(*x) : py::none(); };
+  const auto unless_lean = [lean](const Tensor& x) { return lean ? py::object(py::none()) : py::cast(x); };
   // the state goes in last, once the tensors were read from it (in one make_tuple the arguments'
   // order of evaluation is unspecified)
-  py::tuple t = py::make_tuple(st.topk_idx, st.rank_pos, st.slot_pos, st.recv_info, st.row_limits, n.counts, n.tpe,
-                               n.dropped, opt(n.rank_counts), opt(n.rank_prefix), opt(n.recv_rank_counts),
-                               opt(n.recv_rank_prefix), sizes[0], sizes[1], py::none());
+  py::tuple t = py::make_tuple(st.topk_idx, unless_lean(st.rank_pos), unless_lean(st.slot_pos),
+                               unless_lean(st.recv_info), unless_lean(st.row_limits), unless_lean(n.counts),
+                               unless_lean(n.tpe), unless_lean(n.dropped), opt(n.rank_counts), opt(n.rank_prefix),
+                               opt(n.recv_rank_counts), opt(n.recv_rank_prefix), sizes[0], sizes[1], py::none());
   t[14] = py::cast(std::move(n.st));
   return t;
 }
@@ -315,7 +322,7 @@ py::tuple notify_call(Runtime& rt, const Sig& sig, const Tensor& topk_idx, int E
                            marks, async_op);
   const py::tuple sizes = wait_s >= 0 ? rt.wait_counts(tag, wait_s, n.L) : py::make_tuple(-1, py::none());
   clock.lap(kStepWait);
-  py::tuple out = notified_tuple(n, sizes);
+  py::tuple out = notified_tuple(n, sizes, false);
   clock.lap(kStepReturn);
   return out;
 }
@@ -326,12 +333,12 @@ py::tuple notify_call(Runtime& rt, const Sig& sig, const Tensor& topk_idx, int E
 // internode path's fused combine) the whole in-node combine as its launch record instead,
 // fused(record, y, w_out). `bias0`, `bias1`: the sums' start (none with `fused`: the internode
 // path adds its biases in the sum over nodes). Returns (y, w_out).
-py::tuple combine_call(Runtime& rt, const HandleState& st, const Sig& sig, const Tensor& x,
+py::tuple combine_part(Runtime& rt, const HandleState& st, const Sig& sig, const Tensor& x,
                        const c10::optional<Tensor>& weights, const c10::optional<Tensor>& bias0,
                        const c10::optional<Tensor>& bias1, int variant, bool zero_copy,
                        const c10::optional<Tensor>& out_y, const c10::optional<Tensor>& out_w,
                        const py::object& previous, const py::object& event, bool async_op, const py::object& hook,
-                       const py::object& fused, const py::object& marks, int num_blocks, int local_blocks) {
+                       const FusedCombine* fused, const py::object& marks, int num_blocks, int local_blocks) {
   const int rows = (int)x.size(0), H = (int)x.size(1), row_bytes = H * (int)x.element_size();
   const bool is_fp32 = x.scalar_type() == at::kFloat, has_w = weights.has_value();
   const int w_cols = st.permute ? 1 : st.K;
@@ -355,7 +362,7 @@ py::tuple combine_call(Runtime& rt, const HandleState& st, const Sig& sig, const
     c10::cuda::CUDAStreamGuard on_comm(cs.comm());
     mark(marks, 0);
     const c10::optional<Tensor> staged = zero_copy ? c10::nullopt : c10::optional<Tensor>(x);
-    if (!fused.is_none()) {
+    if (fused != nullptr) {
       TORCH_CHECK(!bias0.has_value() && !bias1.has_value(), "megatron_ep: the in-node stage of a combine takes no bias");
       TORCH_CHECK(variant != kCombineSingle, "megatron_ep: the in-node stage of a combine sums per rank");
       InnodeCombine d{};
@@ -370,7 +377,7 @@ py::tuple combine_call(Runtime& rt, const HandleState& st, const Sig& sig, const
       }
       d.comb = combine_args(st.T, H, st.K, st.E, st.permute, is_fp32, has_w, variant, st.row_limits, st.topk_idx,
                             st.rank_pos, st.slot_pos, y, w_out, c10::nullopt, c10::nullopt);
-      fused(as_bytes(d), y, w_out.has_value() ? py::cast(*w_out) : py::none());
+      (*fused)(d, y, w_out);
     } else {
       const CombineArgs comb = combine_args(st.T, H, st.K, st.E, st.permute, is_fp32, has_w, variant, st.row_limits,
                                             st.topk_idx, st.rank_pos, st.slot_pos, y, w_out, bias0, bias1);
@@ -412,10 +419,10 @@ py::tuple combine_call(Runtime& rt, const HandleState& st, const Sig& sig, const
 py::tuple dispatch_part(Runtime& rt, CallStreams& cs, StepTimer& clock, HandleState& st, const Sig& sig, bool first,
                         const Tensor& data, const c10::optional<Tensor>& scales, const c10::optional<Tensor>& topk_w,
                         bool push, bool scratch, bool zero_copy, int out_rows, int worst, int comb_rows,
-                        const py::object& event, bool async_op, const py::object& hook, const py::object& fused,
+                        const py::object& event, bool async_op, const py::object& hook, const FusedDispatch* fused,
                         const py::object& marks, int num_blocks, int push_blocks, int local_blocks, bool want_src) {
   const int T = st.T, K = st.K, E = st.E, H = (int)data.size(1);
-  TORCH_CHECK(!want_src || fused.is_none(), "megatron_ep: a fused in-node dispatch writes no source tokens");
+  TORCH_CHECK(!want_src || fused == nullptr, "megatron_ep: a fused in-node dispatch writes no source tokens");
   const int row_bytes = H * (int)data.element_size(), scale_cols = scales.has_value() ? (int)scales->size(1) : 0;
   const bool permute = st.permute, has_w = topk_w.has_value();
   const auto dev = data.options();
@@ -489,12 +496,12 @@ py::tuple dispatch_part(Runtime& rt, CallStreams& cs, StepTimer& clock, HandleSt
   {
     c10::cuda::CUDAStreamGuard on_comm(cs.comm());
     const int slot = !first ? kSlotCall : (push ? kSlotOutLoc : kSlotStaged);
-    if (!fused.is_none() || push) {
-      if (!fused.is_none()) {
+    if (fused != nullptr || push) {
+      if (fused != nullptr) {
         // where the outputs are not pooled (no push) the fused kernel stages and pulls (offsets -1)
-        fused(as_bytes(push_launch(rt, sig, slot, data, T, row_bytes, scales, scale_cols, st.topk_idx, topk_w,
-                                   st.rank_pos, st.slot_pos, E, out_rows, permute, st.recv_info, x, out_s, out_idx,
-                                   out_w, row_expert, st.comb_map, offsets, copy, c10::nullopt)));
+        (*fused)(push_launch(rt, sig, slot, data, T, row_bytes, scales, scale_cols, st.topk_idx, topk_w, st.rank_pos,
+                             st.slot_pos, E, out_rows, permute, st.recv_info, x, out_s, out_idx, out_w, row_expert,
+                             st.comb_map, offsets, copy, c10::nullopt));
       } else {
         dispatch_push(rt, sig, slot, data, T, row_bytes, scales, scale_cols, st.topk_idx, topk_w, st.rank_pos,
                       st.slot_pos, E, out_rows, permute, st.recv_info, x, out_s, out_idx, out_w, row_expert,
@@ -540,16 +547,36 @@ py::tuple dispatch_part(Runtime& rt, CallStreams& cs, StepTimer& clock, HandleSt
   return out;
 }
 
-py::tuple dispatch_call(Runtime& rt, HandleState& st, const Sig& sig, bool first, const Tensor& data,
-                        const c10::optional<Tensor>& scales, const c10::optional<Tensor>& topk_w, bool push,
-                        bool scratch, bool zero_copy, int out_rows, int worst, int comb_rows, const py::object& previous,
-                        const py::object& event, bool async_op, const py::object& hook, const py::object& fused,
-                        const py::object& marks, int num_blocks, int push_blocks, int local_blocks, bool want_src) {
+py::tuple dispatch_entry(Runtime& rt, HandleState& st, const Sig& sig, bool first, const Tensor& data,
+                         const c10::optional<Tensor>& scales, const c10::optional<Tensor>& topk_w, bool push,
+                         bool scratch, bool zero_copy, int out_rows, int worst, int comb_rows,
+                         const py::object& previous, const py::object& event, bool async_op, const py::object& hook,
+                         const py::object& marks, int num_blocks, int push_blocks, int local_blocks, bool want_src,
+                         const FusedDispatch* fused) {
   StepTimer clock(rt.clock(), kEntryDispatch);
   CallStreams cs(rt, previous, first);
   clock.lap(kStepStreams);
   return dispatch_part(rt, cs, clock, st, sig, first, data, scales, topk_w, push, scratch, zero_copy, out_rows, worst,
                        comb_rows, event, async_op, hook, fused, marks, num_blocks, push_blocks, local_blocks, want_src);
+}
+
+py::tuple dispatch_call(Runtime& rt, HandleState& st, const Sig& sig, bool first, const Tensor& data,
+                        const c10::optional<Tensor>& scales, const c10::optional<Tensor>& topk_w, bool push,
+                        bool scratch, bool zero_copy, int out_rows, int worst, int comb_rows, const py::object& previous,
+                        const py::object& event, bool async_op, const py::object& hook, const py::object& marks,
+                        int num_blocks, int push_blocks, int local_blocks, bool want_src) {
+  return dispatch_entry(rt, st, sig, first, data, scales, topk_w, push, scratch, zero_copy, out_rows, worst, comb_rows,
+                        previous, event, async_op, hook, marks, num_blocks, push_blocks, local_blocks, want_src, nullptr);
+}
+
+py::tuple combine_call(Runtime& rt, const HandleState& st, const Sig& sig, const Tensor& x,
+                       const c10::optional<Tensor>& weights, const c10::optional<Tensor>& bias0,
+                       const c10::optional<Tensor>& bias1, int variant, bool zero_copy,
+                       const c10::optional<Tensor>& out_y, const c10::optional<Tensor>& out_w,
+                       const py::object& previous, const py::object& event, bool async_op, const py::object& hook,
+                       const py::object& marks, int num_blocks, int local_blocks) {
+  return combine_part(rt, st, sig, x, weights, bias0, bias1, variant, zero_copy, out_y, out_w, previous, event, async_op,
+                      hook, nullptr, marks, num_blocks, local_blocks);
 }
 
 // A new routing's whole dispatch in one crossing (not worst-case sized): notify, the host wait for
@@ -584,12 +611,12 @@ py::tuple dispatch_first_call(Runtime& rt, const Sig& sig, const Tensor& topk_id
     go = rows >= 0 && info["need_tokens"].cast<long long>() <= l.max_tokens &&
          info[permute ? "need_perm_rows" : "need_rows"].cast<long long>() <= l.comb_rows;
   }
-  if (!go) return py::make_tuple(1, notified_tuple(n, sizes), py::none());
+  if (!go) return py::make_tuple(1, notified_tuple(n, sizes, true), py::none());
   StepTimer dclock(rt.clock(), kEntryDispatch);
   py::tuple out = dispatch_part(rt, cs, dclock, n.st, sig, true, data, scales, topk_w, push, scratch, zero_copy,
-                                permute ? perm_rows : rows, 0, permute ? rows : 0, event, async_op, hook, py::none(),
+                                permute ? perm_rows : rows, 0, permute ? rows : 0, event, async_op, hook, nullptr,
                                 marks, num_blocks, push_blocks, local_blocks, want_src);
-  return py::make_tuple(0, notified_tuple(n, sizes), out);
+  return py::make_tuple(0, notified_tuple(n, sizes, true), out);
 }
 
 // get_dispatch_layout in one crossing, on the current stream: the counts in one zeroed buffer
@@ -629,6 +656,33 @@ long long first_bad_id(const Tensor& topk_idx, int E) {
 }
 
 }  // namespace
+
+namespace {
+// The one-crossing entries with the internode path's fused launch (composed.h): _C_nvshmem calls
+// them through _C's capsule, so a fused call is one crossing from Python.
+py::tuple dispatch_call_with(Runtime& rt, HandleState& st, const Sig& sig, bool first, const Tensor& data,
+                             const c10::optional<Tensor>& scales, const c10::optional<Tensor>& topk_w, bool push,
+                             bool scratch, bool zero_copy, int out_rows, int worst, int comb_rows,
+                             const py::object& previous, const py::object& event, bool async_op, const py::object& hook,
+                             const py::object& marks, int num_blocks, int push_blocks, int local_blocks,
+                             bool want_src, const FusedDispatch& fused) {
+  return dispatch_entry(rt, st, sig, first, data, scales, topk_w, push, scratch, zero_copy, out_rows, worst, comb_rows,
+                        previous, event, async_op, hook, marks, num_blocks, push_blocks, local_blocks, want_src, &fused);
+}
+
+py::tuple combine_call_with(Runtime& rt, const HandleState& st, const Sig& sig, const Tensor& x,
+                            const c10::optional<Tensor>& weights, const c10::optional<Tensor>& bias0,
+                            const c10::optional<Tensor>& bias1, int variant, bool zero_copy,
+                            const c10::optional<Tensor>& out_y, const c10::optional<Tensor>& out_w,
+                            const py::object& previous, const py::object& event, bool async_op,
+                            const py::object& hook, const py::object& marks, int num_blocks, int local_blocks,
+                            const FusedCombine& fused) {
+  return combine_part(rt, st, sig, x, weights, bias0, bias1, variant, zero_copy, out_y, out_w, previous, event, async_op,
+                      hook, &fused, marks, num_blocks, local_blocks);
+}
+
+const ComposedApi kComposedApi{kComposedApiVersion, &dispatch_first_call, &dispatch_call_with, &combine_call_with};
+}  // namespace
 }  // namespace mep
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -664,14 +718,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("host_clock", &mep::Runtime::host_clock, py::arg("reset"))
       .def("set_comm_stream", [](mep::Runtime& rt, const py::object& s) { rt.set_comm_stream(mep::stream_of(s)); });
   auto intra = m.def_submodule("intranode", "the intranode normal path (csrc/intranode/)");
+  // the entries _C_nvshmem's internode path composes (composed.h)
+  m.attr("_composed_api") = py::capsule(&mep::kComposedApi, mep::kComposedApiName);
+  m.attr("COMPOSED_API_VERSION") = mep::kComposedApiVersion;
   py::class_<mep::HandleState>(intra, "HandleState")
-      .def(py::init(&mep::handle_state), py::arg("topk_idx"), py::arg("rank_pos"), py::arg("slot_pos"), py::arg("recv_info"), py::arg("row_limits"), py::arg("counts"), py::arg("comb_map"), py::arg("num_experts"), py::arg("permute"));
+      .def(py::init(&mep::handle_state), py::arg("topk_idx"), py::arg("rank_pos"), py::arg("slot_pos"), py::arg("recv_info"), py::arg("row_limits"), py::arg("counts"), py::arg("comb_map"), py::arg("num_experts"), py::arg("permute"))
+      // what it was bound from, in the constructor's order (a copied handle binds a copy of them)
+      .def("tensors", [](const mep::HandleState& st) {
+        return py::make_tuple(st.topk_idx, st.rank_pos, st.slot_pos, st.recv_info, st.row_limits, st.counts,
+                              st.comb_map.has_value() ? py::cast(*st.comb_map) : py::none());
+      });
   // one crossing per call (calls.h); argument names: the Python side's (megatron_ep/cuda/paths/intranode.py
   // passes them by name; tests/test_kernel_boundary.py reads both sides)
   intra.def("notify_call", &mep::notify_call, py::arg("runtime"), py::arg("sig"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("expert_alignment"), py::arg("permute"), py::arg("num_worst_tokens"), py::arg("token_groups"), py::arg("check_ids"), py::arg("rank_counts"), py::arg("tag"), py::arg("previous_event"), py::arg("marks"), py::arg("wait_s"), py::arg("async_op"));
   intra.def("dispatch_first_call", &mep::dispatch_first_call, py::arg("runtime"), py::arg("sig"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("expert_alignment"), py::arg("permute"), py::arg("token_groups"), py::arg("check_ids"), py::arg("rank_counts"), py::arg("tag"), py::arg("previous_event"), py::arg("notify_marks"), py::arg("wait_s"), py::arg("fits"), py::arg("x"), py::arg("scales"), py::arg("topk_weights"), py::arg("push"), py::arg("scratch"), py::arg("zero_copy"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("marks"), py::arg("num_blocks"), py::arg("push_blocks"), py::arg("local_blocks"), py::arg("want_src"));
-  intra.def("dispatch_call", &mep::dispatch_call, py::arg("runtime"), py::arg("state"), py::arg("sig"), py::arg("first"), py::arg("x"), py::arg("scales"), py::arg("topk_weights"), py::arg("push"), py::arg("scratch"), py::arg("zero_copy"), py::arg("out_rows"), py::arg("num_worst_tokens"), py::arg("comb_rows"), py::arg("previous_event"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("fused"), py::arg("marks"), py::arg("num_blocks"), py::arg("push_blocks"), py::arg("local_blocks"), py::arg("want_src"));
-  intra.def("combine_call", &mep::combine_call, py::arg("runtime"), py::arg("state"), py::arg("sig"), py::arg("x"), py::arg("weights"), py::arg("bias0"), py::arg("bias1"), py::arg("variant"), py::arg("zero_copy"), py::arg("out"), py::arg("out_weights"), py::arg("previous_event"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("fused"), py::arg("marks"), py::arg("num_blocks"), py::arg("local_blocks"));
-  intra.attr("INNODE_DISPATCH_BYTES") = (long long)sizeof(mep::InnodeDispatch);
-  intra.attr("INNODE_COMBINE_BYTES") = (long long)sizeof(mep::InnodeCombine);
+  intra.def("dispatch_call", &mep::dispatch_call, py::arg("runtime"), py::arg("state"), py::arg("sig"), py::arg("first"), py::arg("x"), py::arg("scales"), py::arg("topk_weights"), py::arg("push"), py::arg("scratch"), py::arg("zero_copy"), py::arg("out_rows"), py::arg("num_worst_tokens"), py::arg("comb_rows"), py::arg("previous_event"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("marks"), py::arg("num_blocks"), py::arg("push_blocks"), py::arg("local_blocks"), py::arg("want_src"));
+  intra.def("combine_call", &mep::combine_call, py::arg("runtime"), py::arg("state"), py::arg("sig"), py::arg("x"), py::arg("weights"), py::arg("bias0"), py::arg("bias1"), py::arg("variant"), py::arg("zero_copy"), py::arg("out"), py::arg("out_weights"), py::arg("previous_event"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("marks"), py::arg("num_blocks"), py::arg("local_blocks"));
 }

@@ -215,6 +215,7 @@ class LowLatencyBuffer {
 
   // The kernels' first unread error, or None.
   py::object error() const { return mem_.error("expert", "set"); }
+  long long error_address() const { return mem_.error_address(); }
   void clear_error() { mem_.clear_error(); }
 
   // Attach (or with None detach) the kernels' trace stamps: int64 [2, MAX_BLOCKS, TRACE_POINTS] on
@@ -284,6 +285,7 @@ void bind_low_latency(py::module_& m) {
       .def("query_mask", &mep::LowLatencyBuffer::query_mask, py::arg("out"))
       .def("clear_mask", &mep::LowLatencyBuffer::clear_mask)
       .def("error", &mep::LowLatencyBuffer::error)
+      .def("error_address", &mep::LowLatencyBuffer::error_address)
       .def("clear_error", &mep::LowLatencyBuffer::clear_error)
       .def("set_trace", &mep::LowLatencyBuffer::set_trace, py::arg("trace").none(true))
       .def("p2p", &mep::LowLatencyBuffer::p2p)

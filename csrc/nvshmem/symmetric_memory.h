@@ -79,6 +79,11 @@ class SymmetricMemory {
     d["sig_expected"] = (long long)err_host_->sig_expected, d["sig_got"] = (long long)err_host_->sig_got;
     return d;
   }
+  // The address of the record's code (0 when there is none): the host reads that word before
+  // each call without crossing into C++, and calls error() only where it is set.
+  long long error_address() const {
+    return err_host_ == nullptr ? 0 : reinterpret_cast<long long>(&err_host_->code);
+  }
   void clear_error() {
     if (err_host_ == nullptr) return;
     err_host_->code = 0;

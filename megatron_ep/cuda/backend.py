@@ -156,6 +156,16 @@ class CudaBackend:
         """The low-latency path, or None before its first call (the rank mask's methods need it)."""
         return self._ll
 
+    @property
+    def ll_dispatch_replay(self):
+        """The low-latency path's replay of its last dispatch (megatron_ep/replay.py), or None."""
+        return None if self._ll is None else self._ll.dispatch_replay
+
+    @property
+    def ll_combine_replay(self):
+        """The low-latency path's replay of its last combine (megatron_ep/replay.py), or None."""
+        return None if self._ll is None else self._ll.combine_replay
+
     def low_latency_dispatch(self, call, *args, **kwargs):
         """kwargs: return_recv_hook (the output's `hook` launches the receive half)."""
         return self._low_latency().dispatch(call, *args, **kwargs)

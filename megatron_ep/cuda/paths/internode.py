@@ -101,6 +101,9 @@ class InternodePath(NvshmemPath, NormalPath):
 
     def __init__(self, rt: CudaRuntime, group, rank: int, num_ranks: int, ranks_per_node: int, hints: dict):
         super().__init__(group, rank, num_ranks, rt.device, rt.timeout_s)
+        # its cached dispatch and combine call _C's entries (csrc/intranode/composed.h): the two
+        # extensions must agree on them, checked here rather than at the first such call
+        self.ext.composed_api_version()
         self.rt = rt  # the node's runtime (its group: this node's ranks)
         self.world = WholeGroup(group, rank, num_ranks, rt)
         self.intra = IntranodePath(rt)
@@ -287,20 +290,34 @@ class InternodePath(NvshmemPath, NormalPath):
             if topk_weights is not None:
                 src_w = self.view("s_w", T, K, torch.float32)
                 src_w.copy_(topk_weights)
-        self.buf.set_call(call.seq)  # the waits of this call's kernels stop on a peer's publication for it
-        fused = None
-        if handle is None:  # a new routing: RDMA send and receive, then the in-node stage's own launches
-            call.sends(self.buf.dispatch_send, x=src_x, scales=src_s, topk_idx=src_i, weights=src_w,
-                       num_experts=num_experts, sig=sig, num_blocks=self.num_blocks)
+        # (each entry below sets the call the waits of its kernels stop on when a peer publishes
+        # that it failed: `seq`, set_call's)
+        fused, released = None, []
+        if handle is not None:  # cached: one crossing, the RDMA send and the in-node push in one kernel (csrc/internode/fused.cu)
+            def fused(*innode):  # the in-node stage's dispatch_call arguments, in its order
+                return call.sends(self.buf.dispatch_cached_call, *innode, seq=call.seq, send_x=src_x,
+                                  send_scales=src_s, send_idx=src_i, send_weights=src_w, num_experts=num_experts,
+                                  send_sig=sig, send_blocks=self.num_blocks)
+        else:  # a new routing: the RDMA send and receive, then the in-node stage's own launches
             local_idx = torch.empty((N * mt, K), dtype=torch.int64, device=rt.device)
             tokens = torch.empty(N, dtype=torch.int32, device=rt.device)
-            self.buf.dispatch_recv(topk=K, num_experts=num_experts, sig=sig, out_idx=local_idx, out_tokens=tokens,
-                                   num_blocks=self.num_blocks)
-            rt.mark("rdma", cur)
-        else:  # cached: the RDMA send and the in-node push in one kernel (csrc/internode/fused.cu), the ids kept
-            def fused(innode: bytes) -> None:
-                call.sends(self.buf.dispatch_cached, innode=innode, x=src_x, scales=src_s, topk_idx=src_i,
-                           weights=src_w, num_experts=num_experts, sig=sig, num_blocks=self.num_blocks)
+            if not num_worst_tokens:  # one crossing: the in-node stage's notify waits on the host anyway
+                rdma_marks = rt.marks(("rdma",))
+
+                def fused(*innode):  # the in-node stage's dispatch_first_call arguments, in its order
+                    out = call.sends(self.buf.dispatch_first_call, *innode, seq=call.seq, send_x=src_x,
+                                     send_scales=src_s, send_idx=src_i, send_weights=src_w,
+                                     send_num_experts=num_experts, send_sig=sig, out_tokens=tokens,
+                                     rdma_marks=rdma_marks, send_blocks=self.num_blocks)
+                    released.append(out[0] == 0)  # (status 0: the entry released the receive area)
+                    return out
+            else:
+                self.buf.set_call(call.seq)
+                call.sends(self.buf.dispatch_send, x=src_x, scales=src_s, topk_idx=src_i, weights=src_w,
+                           num_experts=num_experts, sig=sig, num_blocks=self.num_blocks)
+                self.buf.dispatch_recv(topk=K, num_experts=num_experts, sig=sig, out_idx=local_idx,
+                                       out_tokens=tokens, num_blocks=self.num_blocks)
+                rt.mark("rdma", cur)
 
         # the in-node stage over the forwarder's rows, one token group per source node: it delivers
         # them in the contract's order, straight into the outputs
@@ -315,7 +332,7 @@ class InternodePath(NvshmemPath, NormalPath):
                 handle.state.inner if handle is not None else None, host_counts=host_counts,
                 num_worst_tokens=num_worst_tokens, token_groups=N, fused=fused, rank_counts=req.rank_counts,
                 source_index=req.source_index and handle is None))
-        if handle is None:
+        if handle is None and not any(released):
             with torch.cuda.stream(rt.stream):  # the in-node stage has read the receive area: free it
                 self.buf.release(0)
         torch.cuda.current_stream(rt.device).wait_stream(rt.stream)  # joined (CUDA-graph capture needs it)
@@ -368,14 +385,13 @@ class InternodePath(NvshmemPath, NormalPath):
             out = (self.view("s_y", rows, H, x.dtype),
                    self.view("s_cw", rows, K, torch.float32) if weights is not None else None)
         sig = signature_hash(call)
-        self.buf.set_call(call.seq)
 
-        def fused(innode: bytes, y_in: torch.Tensor, w_in: Optional[torch.Tensor]) -> None:
-            # one kernel (csrc/internode/fused.cu): the in-node combine, the RDMA hop, the sum over nodes
-            # the biases start the sum over nodes (the in-node stage takes none)
-            call.sends(self.buf.combine, innode=innode, y_in=y_in, w_in=w_in, local_idx=st.local_idx, tokens=st.tokens,
-                       topk_idx=handle.topk_idx, num_experts=handle.num_experts, sig=sig, y=y, w=w_out,
-                       bias0=req.bias[0], bias1=req.bias[1], num_blocks=self.num_blocks)
+        def fused(*innode):  # the in-node stage's combine_call arguments, in its order
+            # one crossing, one kernel (csrc/internode/fused.cu): the in-node combine, the RDMA hop, the
+            # sum over nodes, which the biases start (the in-node stage takes none)
+            return call.sends(self.buf.combine_call, *innode, seq=call.seq, local_idx=st.local_idx, tokens=st.tokens,
+                              topk_idx=handle.topk_idx, num_experts=handle.num_experts, send_sig=sig, y=y, w=w_out,
+                              sum_bias0=req.bias[0], sum_bias1=req.bias[1], send_blocks=self.num_blocks)
 
         inner_call = self._inner_call(call, handle.num_experts // N, st.inner.call_seq)
         with self.intra.guard(inner_call):  # synchronous: this stream waits for the kernel's stream

@@ -35,10 +35,11 @@ SLOT = P.SLOT
 
 @dataclass(slots=True)
 class IntranodeState:
-    rank_pos: torch.Tensor  # [T, R] int32: row of each token in each rank's rank-major output (-1: none)
-    slot_pos: torch.Tensor  # [T, K] int32: row of each (token, slot) in its rank's expert-major output
-    recv_info: torch.Tensor  # int32, csrc/ipc/region_layout.h RecvInfo: N, M, L, dropped, counts, padded, seg starts
-    row_limits: torch.Tensor  # [R] int32: rows each rank delivers at most (its num_worst_tokens, or INT_MAX)
+    # (the four index tensors: None where `native` holds them, after a new routing's one crossing)
+    rank_pos: Optional[torch.Tensor]  # [T, R] int32: row of each token in each rank's rank-major output (-1: none)
+    slot_pos: Optional[torch.Tensor]  # [T, K] int32: row of each (token, slot) in its rank's expert-major output
+    recv_info: Optional[torch.Tensor]  # int32, csrc/ipc/region_layout.h RecvInfo: N, M, L, dropped, counts, padded, seg starts
+    row_limits: Optional[torch.Tensor]  # [R] int32: rows each rank delivers at most (its num_worst_tokens, or INT_MAX)
     tokens_per_expert: torch.Tensor  # [L] int64 (what every dispatch along this routing returns)
     num_dropped: torch.Tensor  # 0-d int64
     num_rows: Optional[int]  # N, when known on the host
@@ -57,7 +58,10 @@ class IntranodeState:
 
     def __deepcopy__(self, memo):
         """A copy replays the same routing: its tensors copied, its native binding made again from
-        them at its first use (a compiled object does not copy)."""
+        them at its first use (a compiled object does not copy). A new routing's crossing leaves
+        the index tensors in the native binding only (dispatch_first_call): they come from it here."""
+        if self.rank_pos is None and self.native is not None:
+            _, self.rank_pos, self.slot_pos, self.recv_info, self.row_limits, _, _ = self.native.tensors()
         return type(self)(**{f.name: None if f.name == "native" else copy.deepcopy(getattr(self, f.name), memo)
                              for f in dataclasses.fields(self)})
 
@@ -86,7 +90,7 @@ class DispatchPlan:
     push: bool  # rows pushed into pooled outputs (else staged here and pulled by the receivers)
     check_ids: bool = False  # notify checks the ids (range, repeats) and the host raises before rows move
     rank_counts: bool = False  # notify writes every rank's tokens per destination (IntranodeState.rank_counts)
-    fused: Optional[Callable] = None  # the internode path runs the push in its own kernel (DispatchRequest.fused)
+    fused: Optional[Callable] = None  # the internode path's entry instead of ours (DispatchRequest.fused)
     want_src: bool = False  # the kernels write each rank-major row's source token (DispatchRequest.source_index)
 
 
@@ -139,6 +143,7 @@ class IntranodePath(NormalPath):
         # the last new routing's replay and its plan without tensors (megatron_ep/replay.py)
         self.routing_replay: Optional[Replay] = None
         self._routing_plan: Optional[DispatchPlan] = None
+        self._fitted_need: Optional[dict] = None  # the last new routing's need that fitted the region
 
     @classmethod
     def open(cls, group, rank: int, num_ranks: int, ranks_per_node: int, hints: dict, num_sms: Optional[int],
@@ -181,7 +186,7 @@ class IntranodePath(NormalPath):
         host must act between them (the region grows, or the call failed at notify's exchange),
         or where it is worst-case sized (notify_call, then dispatch_call without a host wait)."""
         plan = self._plan(call, req)
-        out = self._planned(call, req, plan)
+        out = self._planned(call, plan, req.previous_event, req.async_op, req.handle, req.host_counts)
         if plan.fused is None and plan.groups == 1:
             if plan.first:  # Buffer's new routing (Buffer asks only where its own options allow)
                 if not (plan.num_worst_tokens or plan.want_src):  # (on_overflow acts only with num_worst_tokens)
@@ -195,42 +200,49 @@ class IntranodePath(NormalPath):
         return out
 
     def _replay_routing(self, call: P.Call, x, topk_idx, topk_weights, async_op: bool, previous_event,
-                        host_counts: bool, rank_counts: bool, check_ids: int, on_overflow: str) -> DispatchOutput:
+                        host_counts: bool) -> DispatchOutput:
         """A new routing replayed (megatron_ep/replay.py): the plan of the last new routing, whose
-        shape and options these are, with this call's tensors, and what depends on the region
-        decided again; then the same crossings."""
+        shape and options these are (the replay matched them), with this call's tensors, and what
+        depends on the region decided again; then the same crossings."""
         data, scales = (x[0], x[1]) if type(x) is tuple else (x, None)
         plan = _plan_with(self._routing_plan, data, scales, topk_idx, topk_weights)
         plan.push = _pushes(self.rt.region, plan.permute, 0)
         call.set_variant(int(plan.push))
-        req = DispatchRequest(x, topk_idx, topk_weights, plan.num_experts, plan.permute, plan.expert_alignment, None,
-                              host_counts, 0, async_op, previous_event, on_overflow=on_overflow, check_ids=check_ids,
-                              rank_counts=rank_counts)
-        return self._planned(call, req, plan)
+        return self._planned(call, plan, previous_event, async_op, None, host_counts)
 
-    def _planned(self, call: P.Call, req: DispatchRequest, plan: "DispatchPlan") -> DispatchOutput:
-        """dispatch after its plan: the crossings and the caller's DispatchOutput."""
+    def _planned(self, call: P.Call, plan: "DispatchPlan", previous_event: Optional[EventOverlap], async_op: bool,
+                 handle: Optional[DispatchHandle], host_counts: bool) -> DispatchOutput:
+        """dispatch after its plan (and the request's arguments the plan does not hold): the
+        crossings and the caller's DispatchOutput."""
         rt = self.rt
         region, budget = rt.region, rt.budget
-        previous = _event(req.previous_event)
+        previous = _event(previous_event)
         comb_rows = 0
-        event = torch.cuda.Event() if req.async_op else None  # (a synchronous call joins through the runtime's own)
+        event = torch.cuda.Event() if async_op else None  # (a synchronous call joins through the runtime's own)
         # benchmarks' phase marks, in the order they are recorded: notify's first
         notify_marks = rt.marks(("start", "notify"), first=True) if plan.first else None
-        marks = _move_marks(rt, plan.push or plan.fused is not None, plan.permute)
+        # (a cached dispatch's fused entry pushes; a new routing's moves the rows as ours does)
+        fused_push = plan.fused is not None and not plan.first
+        marks = _move_marks(rt, plan.push or fused_push, plan.permute)
         if plan.first and not plan.num_worst_tokens:
             zero_copy, scratch = self._placement(plan.data, plan.push, plan.permute)
             # the region fits the call's needs but its counts (a plan remembered per need), so the
-            # extension needs to compare only the counts notify learns
-            fits = rt.region.fits(dict(plan.need, max_tokens=0, combine_rows=0)) is None
+            # extension needs to compare only the counts notify learns; a replayed routing carries
+            # the need that fitted before (the region only grows)
+            need = plan.need
+            fits = need is self._fitted_need or rt.region.fits(dict(need, max_tokens=0, combine_rows=0)) is None
+            if fits:
+                self._fitted_need = need
             tag = next(self.tags)
             x, token_groups, previous_event, wait_s = plan.data, plan.groups, previous, rt.ledger.host_wait_s
-            async_op, hook = req.async_op, hooks.current()
+            hook = hooks.current()
             num_blocks, push_blocks, local_blocks = budget.normal  # blocks("copy"), ("push"), ("local")
+            # the internode path's composed entry takes the same arguments first (one crossing)
+            dispatch_first_call = self.kernels.dispatch_first_call if plan.fused is None else plan.fused
             try:
                 # (by position, each argument named as its parameter: tests/test_kernel_boundary.py)
                 status, notified, res = call.sends(
-                    self.kernels.dispatch_first_call, region.runtime, call.sig, plan.topk_idx, plan.num_experts,
+                    dispatch_first_call, region.runtime, call.sig, plan.topk_idx, plan.num_experts,
                     plan.expert_alignment, plan.permute, token_groups, plan.check_ids, plan.rank_counts, tag,
                     previous_event, notify_marks, wait_s, fits, x, plan.scales, plan.topk_weights, plan.push, scratch,
                     zero_copy, event, async_op, hook, marks, num_blocks, push_blocks, local_blocks, plan.want_src)
@@ -241,18 +253,19 @@ class IntranodePath(NormalPath):
             # (status 0: the rows moved in the same crossing, so nothing is owed after it)
             st, comb_rows = self._notified(call, plan, notified, grow=status == 1, owed=status != 0)
             if status == 0:
-                return self._dispatched(call, req, plan, st, res, event, _out_rows(st, plan.num_worst_tokens))
+                return self._dispatched(call, plan, handle, host_counts, st, res, event,
+                                        _out_rows(st, plan.num_worst_tokens))
             previous = None  # the streams are ordered: the call was entered
         elif plan.first:
-            st, comb_rows = self._notify(call, plan, previous, notify_marks, req.async_op)
+            st, comb_rows = self._notify(call, plan, previous, notify_marks, async_op)
             previous = None  # the streams are ordered: notify_call entered the call
         else:
-            st = req.handle.state
+            st = handle.state
         out_rows = _out_rows(st, plan.num_worst_tokens)
         res = self._send_rows(call, st, plan.num_experts, plan.first, plan.data, plan.scales, plan.topk_weights,
-                              plan.push, out_rows, plan.num_worst_tokens, comb_rows, previous, event, req.async_op,
-                              plan.fused, marks, plan.want_src)
-        return self._dispatched(call, req, plan, st, res, event, out_rows)
+                              plan.push, out_rows, plan.num_worst_tokens, comb_rows, previous, event, async_op,
+                              plan.fused if fused_push else None, marks, plan.want_src)
+        return self._dispatched(call, plan, handle, host_counts, st, res, event, out_rows)
 
     def _send_rows(self, call: P.Call, st: IntranodeState, num_experts: int, first: bool, x, scales, topk_weights,
                    push: bool, out_rows: int, num_worst_tokens: int, comb_rows: int, previous_event, event,
@@ -264,10 +277,12 @@ class IntranodePath(NormalPath):
         zero_copy, scratch = self._placement(x, push, st.permute)
         state, hook = native_state(self.kernels, st, num_experts), hooks.current()
         num_blocks, push_blocks, local_blocks = rt.budget.normal  # blocks("copy"), ("push"), ("local")
+        # the internode path's composed entry takes the same arguments first (one crossing)
+        dispatch_call = self.kernels.dispatch_call if fused is None else fused
         # (by position, each argument named as its parameter: tests/test_kernel_boundary.py)
-        return call.sends(self.kernels.dispatch_call, region.runtime, state, call.sig, first, x, scales, topk_weights,
-                          push, scratch, zero_copy, out_rows, num_worst_tokens, comb_rows, previous_event, event,
-                          async_op, hook, fused, marks, num_blocks, push_blocks, local_blocks, want_src)
+        return call.sends(dispatch_call, region.runtime, state, call.sig, first, x, scales, topk_weights, push, scratch,
+                          zero_copy, out_rows, num_worst_tokens, comb_rows, previous_event, event, async_op, hook, marks,
+                          num_blocks, push_blocks, local_blocks, want_src)
 
     def _replay_dispatch(self, call: P.Call, handle: DispatchHandle, x, topk_weights, async_op: bool,
                          previous_event) -> DispatchOutput:
@@ -302,12 +317,12 @@ class IntranodePath(NormalPath):
         return DispatchOutput((x, scales) if fp8 else x, topk_idx, weights, row_expert, tpe, None,
                               event=EventOverlap(event) if event is not None else None, num_dropped=dropped), src
 
-    def _dispatched(self, call: P.Call, req: DispatchRequest, plan: "DispatchPlan", st: IntranodeState, res: tuple,
-                    event, out_rows: int) -> DispatchOutput:
+    def _dispatched(self, call: P.Call, plan: "DispatchPlan", handle: Optional[DispatchHandle], host_counts: bool,
+                    st: IntranodeState, res: tuple, event, out_rows: int) -> DispatchOutput:
         """The caller's DispatchOutput from what dispatch_call (or the second half of
         dispatch_first_call) returned."""
         out, src = self._output(st, res, plan.scales is not None, event)
-        return self._result(call, req, plan, st, out, out_rows, src)
+        return self._result(call, plan, handle, host_counts, st, out, out_rows, src)
 
     def _plan(self, call: P.Call, req: DispatchRequest) -> "DispatchPlan":
         """The cuda checks of the inputs, the first call's sizing, whether the call fits as the
@@ -356,7 +371,8 @@ class IntranodePath(NormalPath):
         # rows are pushed straight into pooled rank-major buffers when every rank has room: the
         # outputs themselves (rank-major), or what the fan-out spreads into expert segments
         push = not capturing and _pushes(region, req.permute, num_worst_tokens)
-        fail(req.fused is None or handle is not None, "a fused in-node dispatch needs a handle (cached dispatch)", RuntimeError)
+        fail(req.fused is None or handle is not None or not num_worst_tokens,
+             "a fused in-node new routing crosses once with its host wait (not worst-case sized)", RuntimeError)
         # the ids' check rides on notify where the host waits for its sizes anyway; a sync-free
         # dispatch has no such wait, so it checks on the host (one sync) before any kernel
         check_on_device = req.check_ids != IDS_UNCHECKED and not num_worst_tokens and not capturing
@@ -414,10 +430,11 @@ class IntranodePath(NormalPath):
             call.owe(P.Pending.OUT_LOC if plan.push else P.Pending.STAGED)
         return st, (rows_bound if plan.permute else 0)
 
-    def _result(self, call: P.Call, req: DispatchRequest, plan: "DispatchPlan", st: IntranodeState,
-                res: DispatchOutput, out_rows: int, src=None) -> DispatchOutput:
-        """res with its handle (a new routing's, made here) and, where asked, the host counts."""
-        tpe, event, handle = res.tokens_per_expert, res.event, req.handle
+    def _result(self, call: P.Call, plan: "DispatchPlan", handle: Optional[DispatchHandle], host_counts: bool,
+                st: IntranodeState, res: DispatchOutput, out_rows: int, src=None) -> DispatchOutput:
+        """res with its handle (a cached dispatch's, or a new routing's made here) and, where
+        asked, the host counts."""
+        tpe, event = res.tokens_per_expert, res.event
         if plan.first:
             handle = DispatchHandle(backend="cuda", num_ranks=self.rt.num_ranks, rank=self.rt.rank,
                                     num_experts=plan.num_experts, num_tokens=plan.T, topk=plan.K, permute=plan.permute,
@@ -430,7 +447,7 @@ class IntranodePath(NormalPath):
                                     recv_rank_prefix=st.recv_rank_prefix, recv_src_token=src,
                                     recv_slot_row=st.comb_map if src is not None and plan.permute else None)
         res.handle = handle
-        if req.host_counts:
+        if host_counts:
             if st.counts is not None and not plan.num_worst_tokens:
                 res.tokens_per_expert_host = (padded_host_counts(st.counts, plan.expert_alignment) if plan.permute
                                               else list(st.counts))
@@ -502,10 +519,11 @@ class IntranodePath(NormalPath):
         marks = rt.marks(("start", "reduce" if partials and fused is None else None, "pull"), first=True)
         state, hook = native_state(self.kernels, st, handle.num_experts), hooks.current()
         num_blocks, _, local_blocks = rt.budget.normal  # blocks("copy"), blocks("local")
+        # the internode path's composed entry takes the same arguments first (one crossing)
+        combine_call = self.kernels.combine_call if fused is None else fused
         # (by position, each argument named as its parameter: tests/test_kernel_boundary.py)
-        y, w_out = call.sends(self.kernels.combine_call, region.runtime, state, call.sig, x, weights, bias0, bias1, variant,
-                              zero_copy, out, out_weights, previous_event, event, async_op, hook, fused, marks,
-                              num_blocks, local_blocks)
+        y, w_out = call.sends(combine_call, region.runtime, state, call.sig, x, weights, bias0, bias1, variant, zero_copy,
+                              out, out_weights, previous_event, event, async_op, hook, marks, num_blocks, local_blocks)
         return CombineOutput(y, w_out, EventOverlap(event) if event is not None else None)
 
 

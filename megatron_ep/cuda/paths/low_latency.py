@@ -46,6 +46,7 @@ from ... import protocol as P
 from ..extension import load_nvshmem
 from ...checks import FP8_BLOCK, MAX_LOW_LATENCY_BYTES, fail, tensor_version
 from ...types import LowLatencyDispatchOutput, LowLatencyHandle
+from ...replay import Replay
 from .nvshmem_path import NvshmemPath, signature_hash
 
 LIMIT_BYTES = MAX_LOW_LATENCY_BYTES  # per rank, both sets (checks.py owns it)
@@ -106,6 +107,9 @@ class LowLatencyPath(NvshmemPath):
         self.rt = rt
         self.next_set = 0
         self.unreceived = [None, None]  # per set: the call whose receive hook was not called yet
+        # the last dispatch's and combine's, for Buffer (megatron_ep/replay.py)
+        self.dispatch_replay: Optional[Replay] = None
+        self.combine_replay: Optional[Replay] = None
         self.num_blocks = rt.budget.blocks("latency", self.ext.MAX_BLOCKS)
         self.rank_mask = False
         self.mask_timeout_s = self.timeout_s  # the kernels' waits under the rank mask (host waits keep timeout_s)
@@ -208,9 +212,7 @@ class LowLatencyPath(NvshmemPath):
                  recv_stats: Optional[torch.Tensor] = None,
                  wait_stats: Optional[torch.Tensor] = None) -> LowLatencyDispatchOutput:
         rt = self.rt
-        R, L = rt.num_ranks, num_experts // rt.num_ranks
-        T, H = x.shape
-        K = topk_idx.shape[1]
+        H, K = x.shape[1], topk_idx.shape[1]
         if x.dtype != torch.bfloat16:
             raise TypeError(f"the cuda low-latency dispatch takes bf16 x, got {x.dtype}")
         if x.device != rt.device:
@@ -221,6 +223,31 @@ class LowLatencyPath(NvshmemPath):
             raise ValueError(f"x: hidden size {H} must be a multiple of {FP8_BLOCK} for FP8")
         if self.buf is None or (num_experts, max_tokens_per_rank, H, K, use_fp8) not in self._fitted:  # (_fit's key)
             self._fit(self._need(num_experts, max_tokens_per_rank, H, K, use_fp8))
+        out = self._send(call, x, topk_idx, num_experts, max_tokens_per_rank, use_fp8, round_scale, return_recv_hook,
+                         topk_weights, use_ue8m0, recv_stats, wait_stats)
+        if not hooks.active():  # (a test's output hook takes the full call)
+            options = (num_experts, max_tokens_per_rank, use_fp8, round_scale, use_ue8m0, return_recv_hook)
+            self.dispatch_replay = Replay(call.sig, self._replay_dispatch, x, topk_weights, topk_idx, options,
+                                          (recv_stats, wait_stats))
+        return out
+
+    def _replay_dispatch(self, call: P.Call, x: torch.Tensor, topk_idx: torch.Tensor,
+                         topk_weights: Optional[torch.Tensor], recv_stats: Optional[torch.Tensor],
+                         wait_stats: Optional[torch.Tensor]) -> LowLatencyDispatchOutput:
+        """A dispatch replayed (megatron_ep/replay.py): the shape and options of the last one, whose
+        checks and fit passed (the buffer only grows), so only the send itself."""
+        num_experts, max_tokens_per_rank, use_fp8, round_scale, use_ue8m0, return_recv_hook = \
+            self.dispatch_replay.options
+        return self._send(call, x, topk_idx, num_experts, max_tokens_per_rank, use_fp8, round_scale, return_recv_hook,
+                          topk_weights, use_ue8m0, recv_stats, wait_stats)
+
+    def _send(self, call: P.Call, x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, max_tokens_per_rank: int,
+              use_fp8: bool, round_scale: bool, return_recv_hook: bool, topk_weights: Optional[torch.Tensor],
+              use_ue8m0: bool, recv_stats: Optional[torch.Tensor],
+              wait_stats: Optional[torch.Tensor]) -> LowLatencyDispatchOutput:
+        """A checked dispatch that fits the buffer: its set, its one crossing, its handle."""
+        rt = self.rt
+        R, T, H, K = rt.num_ranks, x.shape[0], x.shape[1], topk_idx.shape[1]
         s = self._free_set(call)
         w = topk_weights.float().contiguous() if topk_weights is not None else None  # a no-op for fp32 weights
         sig = signature_hash(call)
@@ -263,10 +290,30 @@ class LowLatencyPath(NvshmemPath):
             raise TypeError(f"the cuda low-latency combine takes bf16 expert outputs, got {x.dtype}")
         if x.device != rt.device:
             raise ValueError(f"x is on {x.device}, the buffer on {rt.device}")
-        T, H = handle.num_tokens, handle.hidden
+        H = handle.hidden
         # combine rows are bf16 in any buffer
         if self.buf is None or (handle.num_experts, handle.max_tokens_per_rank, H, handle.topk, True) not in self._fitted:
             self._fit(self._need(handle.num_experts, handle.max_tokens_per_rank, H, handle.topk, True))
+        sig = list(call.sig)  # (before the merge decision, which each call makes again)
+        res = self._return(call, x, topk_idx, topk_weights, handle, return_recv_hook, out, wait_stats, use_logfmt)
+        if out is None and not use_logfmt and not hooks.active():  # (a test's output hook takes the full call)
+            self.combine_replay = Replay(sig, self._replay_combine, x, topk_weights, topk_idx,
+                                         _combine_shape(handle, return_recv_hook), (wait_stats,))
+        return res
+
+    def _replay_combine(self, call: P.Call, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                        handle: LowLatencyHandle, wait_stats: Optional[torch.Tensor]):
+        """A combine replayed (megatron_ep/replay.py): a handle of the shape of the last one's (its
+        dispatch's sizes: the buffer fits them), so only the return itself."""
+        return self._return(call, x, topk_idx, topk_weights, handle, self.combine_replay.options[-1], None, wait_stats,
+                            False)
+
+    def _return(self, call: P.Call, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                handle: LowLatencyHandle, return_recv_hook: bool, out: Optional[torch.Tensor],
+                wait_stats: Optional[torch.Tensor], use_logfmt: bool):
+        """A checked combine that fits the buffer: its set, the merge decision, its one crossing."""
+        rt = self.rt
+        T, H = handle.num_tokens, handle.hidden
         s = self._free_set(call)
         # y: a given out (Buffer.low_latency_combine checked it), else made by combine_call -- or here,
         # where a test's output hook must see it before the launch
@@ -341,3 +388,10 @@ _DEFAULTS = dict(num_experts=256, max_tokens=128, hidden=7168, topk=8, fp8_only=
 # the rank mask's options, not capacity: rank_mask must be equal on every rank (checked in _merge),
 # mask_timeout_s is each rank's own
 _MASK_OPTIONS = ("rank_mask", "mask_timeout_s")
+
+
+def _combine_shape(handle: LowLatencyHandle, return_recv_hook: bool) -> tuple:
+    """What a combine's checks read of its handle (and the receive hook), as a replay matches it:
+    handles of one shape pass them alike."""
+    return (handle.backend, handle.num_experts, handle.max_tokens_per_rank, handle.hidden, handle.topk,
+            handle.num_tokens, handle.num_ranks, return_recv_hook)

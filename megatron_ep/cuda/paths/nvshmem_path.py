@@ -13,6 +13,7 @@ its own layout, kernels and wording of what its kernels waited for.
 
 from __future__ import annotations
 
+import ctypes
 import struct
 import zlib
 from abc import abstractmethod
@@ -55,6 +56,7 @@ class NvshmemPath(FailureState, Path):
         self.device, self.timeout_s = device, timeout_s
         self.ext = _ext.load_nvshmem()
         self.buf = None
+        self.error_word = None  # the kernels' error record's code, in mapped host memory (check())
         self.cap: Optional[dict] = None  # what the buffer was sized for (agreed over the group)
         self.plan: Optional[dict] = None  # the extension's layout of it
         self._fitted: set = set()  # needs (their values) that fit `cap`: checked once each
@@ -70,6 +72,7 @@ class NvshmemPath(FailureState, Path):
         pes = nvshmem.pes_for(self.group, self.rank, self.num_ranks, self.device, plan["total"], self.ext,
                               f"the {self.KIND} buffer", owner=self)
         self.buf = self._open(cap, plan, pes)
+        self.error_word = ctypes.c_int.from_address(self.buf.error_address())
         dist.barrier(group=self.group)
         self._opened()
         # only now: a buffer that fails its checks above fits no call
@@ -98,6 +101,7 @@ class NvshmemPath(FailureState, Path):
         """Collective (nvshmem_free), skipped unless `may_free`: a peer that timed out, died, or
         was stopped by this rank's publication would never join the free, and waiting for it
         would turn an error into a hang."""
+        self.error_word = None  # before the memory behind it goes
         if self.buf is not None and self.may_free:
             torch.cuda.synchronize(self.device)
             bounded_barrier(self.group, self.timeout_s, "destroy")
@@ -150,7 +154,11 @@ class NvshmemPath(FailureState, Path):
         """Raise what the kernels reported since the last check: a peer's published failure or a
         timeout breaks the path; a mismatch is reported once (the record is cleared)."""
         self.raise_if_broken()
-        err = self.buf.error() if self.buf is not None else None
+        # (the word first: every call checks, and reading it is no crossing into C++)
+        word = self.error_word
+        if self.buf is None or (word is not None and word.value == 0):
+            return
+        err = self.buf.error()
         if err is None:
             return
         op = self._op(err["op"])
