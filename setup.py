@@ -7,7 +7,7 @@ read their call signature from it.
 
 The extension is built whenever a CUDA build of torch and nvcc are present (no GPU needed:
 TORCH_CUDA_ARCH_LIST defaults to 9.0). Switches (environment; 1/true/yes/on or 0/false/no/off, as every
-switch of megatron_ep: megatron_ep/envs.py parses them, another value is an error):
+switch of megatron_ep: megatron_ep/core/envs.py parses them, another value is an error):
     MEP_SKIP_CUDA=1        build the pure-Python package only (wins over MEP_REQUIRE_EXTENSION)
     MEP_REQUIRE_EXTENSION=1  fail, saying why, when the extension cannot be built (instead of a
                            pure-Python install that pip reports only with -v); CI sets it
@@ -33,9 +33,9 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
 def _load_envs():
-    """megatron_ep/envs.py by its path (standard library only; the package is not built yet): the
+    """megatron_ep/core/envs.py by its path (standard library only; the package is not built yet): the
     switches above take the values the library's do (1/true/yes/on, 0/false/no/off, unset)."""
-    spec = importlib.util.spec_from_file_location("_mep_build_envs", os.path.join(ROOT, "megatron_ep", "envs.py"))
+    spec = importlib.util.spec_from_file_location("_mep_build_envs", os.path.join(ROOT, "megatron_ep", "core", "envs.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

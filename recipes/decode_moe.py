@@ -23,7 +23,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from megatron_ep import cli  # noqa: E402
+from megatron_ep.tools import cli  # noqa: E402
 
 PROG = "recipes/decode_moe.py"
 if __name__ == "__main__":
@@ -32,9 +32,9 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from megatron_ep import resources  # noqa: E402
-from megatron_ep.checks import FP8_DTYPE  # noqa: E402
-from megatron_ep.protocol import FP8_BLOCK  # noqa: E402
+from megatron_ep.tools import resources  # noqa: E402
+from megatron_ep.core.checks import FP8_DTYPE  # noqa: E402
+from megatron_ep.core.protocol import FP8_BLOCK  # noqa: E402
 from recipes import train_moe  # noqa: E402
 
 TOLERANCE = """\

@@ -29,7 +29,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from megatron_ep import cli  # noqa: E402
+from megatron_ep.tools import cli  # noqa: E402
 
 PROG = "recipes/train_moe.py"
 if __name__ == "__main__":
@@ -38,7 +38,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from megatron_ep import resources  # noqa: E402
+from megatron_ep.tools import resources  # noqa: E402
 from megatron_ep.experts.overlap import MAX_CHUNKS  # noqa: E402
 from megatron_ep.megatron import backend as backend_env  # noqa: E402
 from recipes.comm_timer import CommTimer  # noqa: E402
@@ -169,7 +169,7 @@ def validate(args, world: int) -> None:
                   "--shared-expert-overlap needs a CUDA GPU (Megatron runs the shared expert on its own CUDA stream)")
     backend, _ = backend_choice(args)
     if backend == "cuda":
-        from megatron_ep.buffer import cuda_backend_available
+        from megatron_ep.core.buffer import cuda_backend_available
 
         cli.check(torch.cuda.is_available(), "the cuda backend needs a CUDA GPU (none is visible); use --backend torch")
         cli.check(cuda_backend_available(), "the cuda backend: megatron_ep's CUDA extension is not built here "
@@ -193,8 +193,8 @@ def check_resources(args, world: int) -> None:
 def init_distributed(virtual_ranks: bool = False):
     on_gpu = torch.cuda.is_available()
     if on_gpu:
-        if virtual_ranks:  # before CUDA starts: the ranks share one GPU (megatron_ep/cuda/sharing.py)
-            from megatron_ep.cuda import sharing
+        if virtual_ranks:  # before CUDA starts: the ranks share one GPU (megatron_ep/backends/cuda/sharing.py)
+            from megatron_ep.backends.cuda import sharing
 
             sharing.prepare_shared_gpu()
         local = int(os.environ.get("LOCAL_RANK", 0))

@@ -48,13 +48,13 @@ from bench import harness  # noqa: E402  (sets the NCCL environment before torch
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from megatron_ep.cli import ArgumentParser  # noqa: E402
+from megatron_ep.tools.cli import ArgumentParser  # noqa: E402
 from megatron_ep.experts import (GroupedLayout, grouped_linear, grouped_linear_fp8, grouped_linear_masked,  # noqa: E402
                                  per_block_cast_to_fp8)
 from megatron_ep.experts import backends as B  # noqa: E402
 from megatron_ep.experts import fp8_weights  # noqa: E402
-from megatron_ep.fp8 import per_token_cast_to_fp8  # noqa: E402
-from megatron_ep.permute import padded_host_counts  # noqa: E402
+from megatron_ep.core.fp8 import per_token_cast_to_fp8  # noqa: E402
+from megatron_ep.core.permute import padded_host_counts  # noqa: E402
 
 BACKENDS = ("deepgemm", "deepgemm-fp8", "grouped_mm", "loop")
 DECODE = ("deepgemm", "deepgemm-fp8", "torch")

@@ -17,7 +17,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # bench/host.py for the processes it spawns), the bench package beside this file
 sys.path[:0] = [os.environ.get("MEP_BENCH_CHECKOUT") or os.path.dirname(HERE), HERE]
 
-from megatron_ep import cli  # noqa: E402
+from megatron_ep.tools import cli  # noqa: E402
 
 if __name__ == "__main__":
     cli.require("torch", prog="scripts/bench_host.py")

@@ -32,7 +32,7 @@ ops' own handshakes keep the ranks in step). Ops whose input must be refreshed b
 (zero-copy combine) have only the isolated figure. GB/s is DeepEP's accounting: received rows x
 row bytes / loop time (rows from the rank itself included; Megatron's rows for its own ops).
 
-With --ranks-per-node: a "model check" per SM count -- megatron_ep.model's exact per-link bytes
+With --ranks-per-node: a "model check" per SM count -- megatron_ep.tools.model's exact per-link bytes
 of this run's routing (equal to the bench's own RDMA count and to the rows delivered, or the run
 fails), and a time check: per-SM rates of the RDMA hop, the in-node stage and the local reorder,
 calibrated on one op's phase marks per direction (bf16 cached rank-major dispatch; rank-major

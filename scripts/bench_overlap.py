@@ -3,7 +3,7 @@ chunked_expert_mlp at several chunk counts, forward and forward + backward, agai
 (chunks = 1), and a per-chunk timeline of the forward (when each chunk's rows arrive, when its
 GEMMs start and end, when the layer's output is usable, from CUDA events) with the communication
 it left exposed, next to what the analytic model predicts for the same shape
-(megatron_ep/model/overlap.py).
+(megatron_ep/tools/model/overlap.py).
 
     python scripts/bench_overlap.py --ranks 2                       # GPUs (one process per GPU)
     python scripts/bench_overlap.py --ranks 4 --tokens 1024         # virtual ranks (under MPS)
@@ -14,7 +14,7 @@ and the script says so in its output. Timing: CUDA events, --warmup untimed runs
 --iters, every rank released together by a barrier before each run. `--cpu` runs the torch
 backend on CPU processes at small default sizes (a smoke run of the mechanics, no timeline):
 seconds, with a line per chunk count as it finishes. Before any process starts, the run's
-processes and memory are estimated (megatron_ep/resources.py) and refused in one line when they
+processes and memory are estimated (megatron_ep/tools/resources.py) and refused in one line when they
 exceed this machine (--force skips the estimate).
 """
 
@@ -30,7 +30,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from megatron_ep import cli  # noqa: E402  (standard library only: before torch)
+from megatron_ep.tools import cli  # noqa: E402  (standard library only: before torch)
 
 PROG = "scripts/bench_overlap.py"
 if __name__ == "__main__":
@@ -43,7 +43,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import megatron_ep as mep  # noqa: E402
-from megatron_ep import resources  # noqa: E402
+from megatron_ep.tools import resources  # noqa: E402
 from megatron_ep.experts import chunked_expert_mlp  # noqa: E402
 from megatron_ep.experts.overlap import MAX_CHUNKS  # noqa: E402
 
@@ -227,7 +227,7 @@ def worker(rank, a, port, queue):
 
 def _model(a):
     """The model's prediction for this shape and EP (per rank, us): no overlap vs chunks."""
-    from megatron_ep.model import costs_of_layer, layer_times
+    from megatron_ep.tools.model import costs_of_layer, layer_times
 
     costs = costs_of_layer(a.tokens, a.hidden, a.topk, a.experts, a.ranks, a.ffn)
     return {n: (layer_times(costs, "none") if n == 1 else layer_times(costs, "chunks", n)) for n in a.chunks}

@@ -67,8 +67,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron_ep.cli import ArgumentParser, UsageError, check, integer, require, run_main  # noqa: E402
-from megatron_ep.cli.launching import first_failure, free_port, how_it_ended, stop  # noqa: E402
+from megatron_ep.tools.cli import ArgumentParser, UsageError, check, integer, require, run_main  # noqa: E402
+from megatron_ep.tools.cli.launching import first_failure, free_port, how_it_ended, stop  # noqa: E402
 
 PROG = "deepep_tests.py"
 DEFAULT_REV = "567632d"  # the DeepEP commit whose V1 API megatron_ep.deep_ep reproduces

@@ -83,7 +83,7 @@ NGPU=$(nvidia-smi -L | wc -l)
 # bad-input cases reach the low-latency path too). MEP_GATE_REUSE_BUILD=1 keeps an extension
 # already built in this tree (e.g. the long mode right after the gate).
 # torch first: the extensions link its libraries, and `import megatron_ep` alone no longer loads torch
-usable() { python3 -c "import torch, megatron_ep as m, megatron_ep.cuda.extension as ext, sys; ext.load_nvshmem(); \
+usable() { python3 -c "import torch, megatron_ep as m, megatron_ep.backends.cuda.extension as ext, sys; ext.load_nvshmem(); \
 sys.exit(0 if m.cuda_backend_available() else 1)" 2>> "$LOGS/build.log"; }
 build_one() {  # build_one NAMES TEMP LOG
   MEP_BUILD_ONLY=$1 MAX_JOBS=$(nproc) MEP_PTXAS_VERBOSE=1 MEP_REQUIRE_EXTENSION=1 \

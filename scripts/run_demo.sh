@@ -4,4 +4,4 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 source "$ROOT/scripts/setup_env.sh"
-cd "$ROOT" && python -m megatron_ep.demo "$@"
+cd "$ROOT" && python -m megatron_ep.tools.demo "$@"

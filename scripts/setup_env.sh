@@ -19,7 +19,7 @@
 #                          small _protocol module is always built
 #   MEP_REQUIRE_EXTENSION=1  fail if the extension cannot be built (CI sets it)
 # Switches take 1 / true / yes / on and 0 / false / no / off (or unset), as everywhere in
-# megatron_ep: megatron_ep/envs.py parses them; another value is refused in one line.
+# megatron_ep: megatron_ep/core/envs.py parses them; another value is refused in one line.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${MEP_VENV:-$ROOT/.venv}
@@ -31,7 +31,7 @@ _mep_start=$SECONDS
 # run by PYTHON, else the environment's python once it exists, else python3
 _mep_parse_py=${PYTHON:-python3}
 if [ -z "${PYTHON:-}" ] && [ -x "$VENV/bin/python" ]; then _mep_parse_py=$VENV/bin/python; fi
-_mep_flags=$("$_mep_parse_py" "$ROOT/megatron_ep/envs.py" --prog set-up flag MEP_CPU_ONLY MEP_SKIP_CUDA MEP_REQUIRE_EXTENSION) \
+_mep_flags=$("$_mep_parse_py" "$ROOT/megatron_ep/core/envs.py" --prog set-up flag MEP_CPU_ONLY MEP_SKIP_CUDA MEP_REQUIRE_EXTENSION) \
   || exit 2
 { read -r _mep_cpu_only; read -r _mep_skip_cuda; read -r _mep_require; } <<< "$_mep_flags"
 if [ "$_mep_cpu_only" = "1" ]; then _mep_skip_cuda=1; export MEP_SKIP_CUDA=1; fi

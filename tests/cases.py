@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_ep as mep
-from megatron_ep import tracing
+from megatron_ep.tools import tracing
 from oracle import (
     bits,
     expected_combine,
@@ -35,7 +35,7 @@ CUDA_SIZING = dict(max_tokens_per_rank=64, hidden=7168, num_experts=256, max_top
 def make_buffer(backend: str, **sizing) -> mep.Buffer:
     if backend == "cuda":
         if os.environ.get("MEP_POISON") == "1":  # every output filled with garbage before its kernel
-            from megatron_ep import hooks
+            from megatron_ep.core import output_hook as hooks
 
             hooks.set_output_hook(poison_)
         sizing = {**CUDA_SIZING, **sizing}
@@ -572,7 +572,7 @@ def run_bad_inputs(backend: str = "torch", device: str = "cpu") -> list:
 
 # -------------------------------------------------------------------------------- main job
 def run_demo(argv: list) -> list:
-    from megatron_ep import demo
+    from megatron_ep.tools import demo
 
     return demo.run(demo.parse_args(argv))
 
@@ -1032,7 +1032,7 @@ def run_internode_peer_failure_case(cfg: dict) -> list:
     BufferBrokenError."""
     import time
 
-    from megatron_ep.errors import BufferBrokenError, PeerFailedFatalError
+    from megatron_ep.core.errors import BufferBrokenError, PeerFailedFatalError
 
     R, rank, P, failing = dist.get_world_size(), dist.get_rank(), cfg["ranks_per_node"], cfg["failing_rank"]
     E, K, H, T = 4 * R, 2, 256, 8

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from cases import get_buffer
 from refusals import derivative, exact_or_refused
-from megatron_ep import autograd
+from megatron_ep.core import autograd
 from megatron_ep.experts import GroupedLayout, chunked_expert_mlp, expert_mlp
 
 

@@ -221,7 +221,7 @@ def run_decode_refusals(case):
     (2) one rank over max_tokens_per_rank; (3) one rank in a decode step while its peer runs
     the layer's normal forward (the decode Buffer is the flex manager's: CallMismatchError)."""
     import megatron_ep.megatron.decode as dec
-    from megatron_ep.errors import CallMismatchError, PeerFailedError
+    from megatron_ep.core.errors import CallMismatchError, PeerFailedError
 
     R, r = dist.get_world_size(), dist.get_rank()
     layer = _decode_layer(case)

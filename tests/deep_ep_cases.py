@@ -208,7 +208,7 @@ def run_deep_ep_by_rank_case(cfg: dict) -> list:
     try:
         _backend(cfg)
         from megatron_ep import deep_ep
-        from megatron_ep.fp8 import pack_ue8m0, per_token_cast_to_fp8
+        from megatron_ep.core.fp8 import pack_ue8m0, per_token_cast_to_fp8
 
         errors = []
         cfg = dict(cfg, R=R)
@@ -346,8 +346,8 @@ def run_deep_ep_low_latency_case(cfg: dict) -> list:
     try:
         _backend(cfg)
         from megatron_ep import deep_ep
-        from megatron_ep import logfmt
-        from megatron_ep.fp8 import per_token_cast_to_fp8, unpack_ue8m0
+        from megatron_ep.core import logfmt
+        from megatron_ep.core.fp8 import per_token_cast_to_fp8, unpack_ue8m0
 
         errors = []
         E, L, T, H = cfg["E"], cfg["E"] // R, cfg["T"], cfg["H"]
@@ -410,7 +410,7 @@ def run_deep_ep_low_latency_case(cfg: dict) -> list:
             if not torch.equal(y_zc, y):
                 errors.append(f"{tag} the zero-copy combine differs from the combine of the same rows")
         # LogFMT: rows below magnitude 1 (scaled by 2^-8, exact in bf16) travel encoded; the sum is
-        # that of the rows as decoded (megatron_ep.logfmt), and not the bf16 sum
+        # that of the rows as decoded (megatron_ep.core.logfmt), and not the bf16 sum
         small = (scaled.float() * 2.0 ** -8).to(torch.bfloat16)
         y_fmt, _, _ = buf.low_latency_combine(small, idx, w, handle, use_logfmt=1)  # (an int, as DeepEP converts)
         y_plain, _, _ = buf.low_latency_combine(small, idx, w, handle)
@@ -506,7 +506,7 @@ def run_deep_ep_stream_order_case(cfg: dict) -> list:
     try:
         _backend(cfg)
         from megatron_ep import deep_ep
-        from megatron_ep.fp8 import per_token_cast_to_fp8
+        from megatron_ep.core.fp8 import per_token_cast_to_fp8
 
         errors = []
         E = cfg["E"]
@@ -584,7 +584,7 @@ def _hostile_setup(cfg: dict, **kwargs):
 
 def run_deep_ep_worst_overflow_case(cfg: dict) -> list:
     """num_worst_tokens below the rows a rank receives (DeepEP's precondition): every rank raises
-    a ValueError (megatron_ep.errors.WorstCaseOverflowError) naming num_worst_tokens, the rank and
+    a ValueError (megatron_ep.core.errors.WorstCaseOverflowError) naming num_worst_tokens, the rank and
     its count, at once, before any row moves; the Buffer works afterwards."""
     from hostile_cases import raises
 
@@ -665,7 +665,7 @@ def run_deep_ep_destroyed_on_one_rank_case(cfg: dict) -> list:
     raises that it was destroyed, its peers PeerFailedError with that message, at once (not at
     the process group's timeout)."""
     from hostile_cases import raises
-    from megatron_ep.errors import PeerFailedError
+    from megatron_ep.core.errors import PeerFailedError
 
     R, rank = dist.get_world_size(), dist.get_rank()
     tag = f"[deep_ep destroyed on rank 0 R={R} rank={rank}]"
@@ -772,7 +772,7 @@ def run_deep_ep_zero_copy_other_handle_case(cfg: dict) -> list:
     rank only, its peers raise PeerFailedError naming it instead of waiting. Asked for with the
     right handle afterwards, the zero-copy combine gives the plain combine's result."""
     from hostile_cases import raises
-    from megatron_ep.errors import PeerFailedError
+    from megatron_ep.core.errors import PeerFailedError
 
     R, rank = dist.get_world_size(), dist.get_rank()
     tag = f"[deep_ep zero-copy buffer of another handle R={R} rank={rank}]"

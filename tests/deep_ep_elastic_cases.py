@@ -72,7 +72,7 @@ def _expanded_of(cfg: dict, me: int, R: int, rows_of) -> torch.Tensor:
 def _fp8_section(cfg: dict, buf, x, idx, rank: int, R: int, tag: str) -> list:
     """FP8 input as V2's callers pass it: (e4m3 rows, fp32 scales [T, H/128]), plain and expanded
     with V2's column-major scales, and UE8M0 int32 scale words."""
-    from megatron_ep.fp8 import pack_ue8m0, per_token_cast_to_fp8
+    from megatron_ep.core.fp8 import pack_ue8m0, per_token_cast_to_fp8
 
     errors: list = []
     E, L = cfg["E"], cfg["E"] // R

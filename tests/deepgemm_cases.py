@@ -14,9 +14,9 @@ import torch.nn.functional as F
 
 import ll_cases
 from cases import get_buffer
-from megatron_ep import autograd
+from megatron_ep.core import autograd
 from megatron_ep.experts import GroupedLayout, backends as B, chunked_expert_mlp, expert_mlp, grouped_linear_fp8
-from megatron_ep.fp8 import per_token_cast_back, per_token_cast_to_fp8
+from megatron_ep.core.fp8 import per_token_cast_back, per_token_cast_to_fp8
 
 # The cases' token counts reach 300 on a rank: more than the suite's shared cuda buffer is sized for
 # (tests/cases.py CUDA_SIZING), so these cases share a buffer of their own.

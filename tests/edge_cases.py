@@ -15,8 +15,8 @@ import torch.distributed as dist
 import megatron_ep as mep
 from cases import _per_row, get_buffer, make_buffer
 from megatron_cases import guarded
-from megatron_ep import hooks
-from megatron_ep.errors import BufferBusyError
+from megatron_ep.core import output_hook as hooks
+from megatron_ep.core.errors import BufferBusyError
 from oracle import _routing, make_inputs, num_destinations, split_x
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from cases import make_buffer
-from megatron_ep.errors import CallMismatchError, PeerFailedError
+from megatron_ep.core.errors import CallMismatchError, PeerFailedError
 from oracle import expected_expert_major, expected_rank_major, make_inputs, num_destinations, split_x
 
 LIMIT_S = 2.0

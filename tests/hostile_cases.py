@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from cases import make_buffer, poison_
 from fault_cases import Faults
-from megatron_ep import hooks
-from megatron_ep.errors import CallMismatchError, CommTimeoutError, PeerFailedError
+from megatron_ep.core import output_hook as hooks
+from megatron_ep.core.errors import CallMismatchError, CommTimeoutError, PeerFailedError
 from oracle import split_x
 
 

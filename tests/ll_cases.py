@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 import megatron_ep as mep
-from megatron_ep.errors import BufferBrokenError, CallMismatchError, CommTimeoutError, PeerFailedFatalError
-from megatron_ep.fp8 import per_token_cast_back, per_token_cast_to_fp8, unpack_ue8m0
+from megatron_ep.core.errors import BufferBrokenError, CallMismatchError, CommTimeoutError, PeerFailedFatalError
+from megatron_ep.core.fp8 import per_token_cast_back, per_token_cast_to_fp8, unpack_ue8m0
 from oracle import expected_low_latency, make_inputs, split_x
 from refusals import refusals
 
@@ -34,7 +34,7 @@ def ll_buffer(**sizing) -> mep.Buffer:
     if key not in _buffer:
         if os.environ.get("MEP_POISON") == "1":
             from cases import poison_
-            from megatron_ep import hooks
+            from megatron_ep.core import output_hook as hooks
 
             hooks.set_output_hook(poison_)
         _buffer[key] = mep.Buffer(dist.group.WORLD, backend="cuda", low_latency={**LL_SIZING, **sizing})
@@ -60,7 +60,7 @@ def edge_values_(inputs) -> None:
 
 
 def round_scale_expected_(exp: dict, inputs, R: int) -> None:
-    """Replace the oracle's FP8 rows by power-of-two-scale casts (megatron_ep.fp8, the formula the
+    """Replace the oracle's FP8 rows by power-of-two-scale casts (megatron_ep.core.fp8, the formula the
     kernel must match), using the oracle's own row placement."""
     casts = [pow2_cast(inp["x"]) for inp in inputs]
     L = exp["count"].shape[0]
@@ -120,7 +120,7 @@ def logfmt_combine_ref(idx, w, row_of, L: int, H: int, merged: bool) -> torch.Te
     decoded row. Merged (the dispatch carried the weights): a rank holding one copy of the token
     sends the row itself (weighted here); holding several, their fp32 weighted sum (k ascending)
     rounded to bf16, encoded once."""
-    from megatron_ep import logfmt
+    from megatron_ep.core import logfmt
 
     T, K = idx.shape
     out = []

@@ -309,7 +309,7 @@ def run_overfull_routing_case(case):
     the others PeerFailedError, and the next dispatch works (checked against alltoall). The
     budget mode, which cannot sync, counts the extra pairs as dropped and raises over_budget on
     every rank."""
-    from megatron_ep.errors import PeerFailedError
+    from megatron_ep.core.errors import PeerFailedError
 
     R, r = dist.get_world_size(), dist.get_rank()
     E, K, H = case["E"], case["K"], case["H"]

@@ -91,7 +91,7 @@ class Ledger:
         if rt is None or not rt.region.ready:
             return
         import torch
-        from megatron_ep import protocol as P
+        from megatron_ep.core import protocol as P
 
         slots, ranks = 8, 8
         got: dict = {}
@@ -118,8 +118,8 @@ class Ledger:
 
 def install(directory: str) -> Ledger:
     import torch.distributed as dist  # noqa: F401
-    from megatron_ep import buffer as B
-    from megatron_ep import protocol as P
+    from megatron_ep.core import buffer as B
+    from megatron_ep.core import protocol as P
 
     os.makedirs(directory, exist_ok=True)
     rank = os.environ.get("RANK", "0")

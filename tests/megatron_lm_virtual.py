@@ -10,7 +10,7 @@ share one GPU (virtual ranks, under MPS), which Megatron-LM's own scripts do not
 * CUDA modules are loaded eagerly (CUDA_MODULE_LOADING=EAGER, set before CUDA starts, whatever the
   environment says): under MPS the ranks share one context, and a kernel loaded lazily at its first
   launch would wait behind a peer's dispatch or combine kernel that waits for this rank
-  (megatron_ep/cuda/sharing.py). One rank per GPU never meets that.
+  (megatron_ep/backends/cuda/sharing.py). One rank per GPU never meets that.
 
     torchrun --nproc-per-node 2 tests/megatron_lm_virtual.py [--ep-* OPTIONS] pretrain_gpt.py ...
 
@@ -95,7 +95,7 @@ class _Done:
 
 
 def main() -> int:
-    from megatron_ep.cuda import sharing
+    from megatron_ep.backends.cuda import sharing
 
     sharing.prepare_shared_gpu()  # before the first CUDA call below
     os.environ["LOCAL_RANK"] = "0"

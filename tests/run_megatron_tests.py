@@ -183,7 +183,7 @@ def main(argv=None) -> int:
                                                         else None, checkout, ROOT, HERE, os.environ.get("PYTHONPATH")])))
     if args.gpu:  # Megatron's EP groups split the ranks; our buffers split the GPU's SMs over all of them
         env["MEP_DEVICE_SHARERS"] = str(args.nproc)
-        # eager module loading: the ranks share one GPU under MPS (megatron_ep/cuda/sharing.py)
+        # eager module loading: the ranks share one GPU under MPS (megatron_ep/backends/cuda/sharing.py)
         env["CUDA_MODULE_LOADING"] = "EAGER"
     else:
         env["CUDA_VISIBLE_DEVICES"] = ""

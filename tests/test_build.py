@@ -7,8 +7,8 @@ import os
 import pytest
 
 import megatron_ep
-from megatron_ep import envs, protocol
-from megatron_ep.cuda import extension as _ext
+from megatron_ep.core import envs, protocol
+from megatron_ep.backends.cuda import extension as _ext
 
 PKG = os.path.dirname(megatron_ep.__file__)
 
@@ -63,7 +63,7 @@ def test_region_hints_have_one_owner():
     backend's default arguments are those defaults."""
     import inspect
 
-    from megatron_ep.cuda.backend import CudaBackend
+    from megatron_ep.backends.cuda.backend import CudaBackend
 
     hints = dict(protocol.REGION_HINTS)
     assert {"max_tokens", "hidden", "dtype_bytes", "combine_bytes", "max_alignment"} <= set(hints)

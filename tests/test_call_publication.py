@@ -1,4 +1,4 @@
-"""Where a failing rank publishes its failure (megatron_ep.protocol.Call.pending) is moved along by
+"""Where a failing rank publishes its failure (megatron_ep.core.protocol.Call.pending) is moved along by
 the launches themselves: `Call.sends` queues a kernel in which this rank signals its peers and
 settles the publication after it, and the cuda paths settle nowhere else."""
 
@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from megatron_ep import protocol as P
+from megatron_ep.core import protocol as P
 
-CUDA = pathlib.Path(__file__).resolve().parents[1] / "megatron_ep" / "cuda"
+CUDA = pathlib.Path(__file__).resolve().parents[1] / "megatron_ep" / "backends" / "cuda"
 
 
 def test_sends_settles_after_the_launch():

@@ -98,7 +98,7 @@ def test_on_dispatch_runs_after_the_wait_for_the_rows():
     import torch
 
     from megatron_ep.experts import chunked_expert_mlp
-    from megatron_ep.types import CombineOutput, DispatchOutput
+    from megatron_ep.core.types import CombineOutput, DispatchOutput
 
     seen = []
 

@@ -93,7 +93,7 @@ def test_internode_peer_failure_is_published(R, P, failing):
 
 
 def test_internode_tracing():
-    """megatron_ep.tracing on the internode path (2 virtual nodes x 2): phase marks and counters;
+    """megatron_ep.tools.tracing on the internode path (2 virtual nodes x 2): phase marks and counters;
     no notify-only kernels there."""
     import tracing_cases as tc
 

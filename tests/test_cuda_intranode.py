@@ -230,7 +230,7 @@ def test_chunked_experts_cuda_graph(R):
 
 @pytest.mark.parametrize("R", [2, 4])
 def test_tracing(R):
-    """megatron_ep.tracing on the intranode path: each call's phase marks in order from 'start',
+    """megatron_ep.tools.tracing on the intranode path: each call's phase marks in order from 'start',
     the counters, the notify kernels alone as collective calls of their own (the buffer's calls
     go on in step after them)."""
     import tracing_cases as tc

@@ -1,4 +1,4 @@
-"""The README's main job (megatron_ep.demo) end to end: distributed MoE layer vs dense fp64."""
+"""The README's main job (megatron_ep.tools.demo) end to end: distributed MoE layer vs dense fp64."""
 
 import pytest
 

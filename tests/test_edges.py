@@ -31,7 +31,7 @@ def test_a_bad_slot_found_on_the_device_is_worded_as_the_host_check(row, slot):
     expert an earlier slot of its token names) and the host words it (checks.bad_slot_error) as
     the host check words the same defect (checks.check_topk_values)."""
     import torch
-    from megatron_ep import checks as C
+    from megatron_ep.core import checks as C
 
     E = 4
     idx = torch.tensor([[0, 1, 2], row])
@@ -50,7 +50,7 @@ def test_a_cuda_handle_state_copies_without_its_native_binding():
     import copy
 
     import torch
-    from megatron_ep.cuda.paths.intranode import IntranodeState
+    from megatron_ep.backends.cuda.paths.intranode import IntranodeState
 
     counts = torch.arange(5)
     st = IntranodeState(rank_pos=torch.zeros(2, 2, dtype=torch.int32), slot_pos=torch.zeros(2, 1, dtype=torch.int32),

@@ -42,10 +42,10 @@ def _finish(proc, timeout=180):
 
 # (what, argv, words the answer must contain)
 BAD_ARGUMENTS = [
-    ("demo: experts vs ranks", [PY, "-m", "megatron_ep.demo", "--ranks", "3"],
+    ("demo: experts vs ranks", [PY, "-m", "megatron_ep.tools.demo", "--ranks", "3"],
      ["--experts 16", "multiple of the number of ranks (3)"]),
-    ("demo: top-k", [PY, "-m", "megatron_ep.demo", "--topk", "20"], ["--topk 20", "16 experts"]),
-    ("demo: unknown option", [PY, "-m", "megatron_ep.demo", "--bogus"], ["unrecognized arguments: --bogus"]),
+    ("demo: top-k", [PY, "-m", "megatron_ep.tools.demo", "--topk", "20"], ["--topk 20", "16 experts"]),
+    ("demo: unknown option", [PY, "-m", "megatron_ep.tools.demo", "--bogus"], ["unrecognized arguments: --bogus"]),
     ("recipe: experts vs world", [PY, "recipes/train_moe.py", "--experts", "7"],
      ["--experts 7", "multiple of the world size 2"]),
     ("recipe: top-k vs experts", [PY, "recipes/train_moe.py", "--topk", "8", "--experts", "4"], ["--topk 8"]),
@@ -75,12 +75,12 @@ BAD_ARGUMENTS = [
      ["argument --ep-budget: must be a finite number > 0, got '0'"]),
     ("Megatron launcher: experts", [PY, "-m", "megatron_ep.megatron.launch", "--ep-experts", "te", "README.md"],
      ["argument --ep-experts: invalid choice: 'te'"]),
-    ("model: FP8 hidden", [PY, "-m", "megatron_ep.model", "--hidden", "100"], ["--hidden 100", "multiple of 128"]),
+    ("model: FP8 hidden", [PY, "-m", "megatron_ep.tools.model", "--hidden", "100"], ["--hidden 100", "multiple of 128"]),
     # what no machine runs is refused before a process starts (the estimate's own tests:
     # test_resources.py, against given machines)
-    ("demo: processes past the cores", [PY, "-m", "megatron_ep.demo", "--ranks", "4096", "--experts", "4096"],
+    ("demo: processes past the cores", [PY, "-m", "megatron_ep.tools.demo", "--ranks", "4096", "--experts", "4096"],
      ["4096 processes on this machine are more than", "per core", "--force"]),
-    ("demo: weights past the memory", [PY, "-m", "megatron_ep.demo", "--experts", "10000000"],
+    ("demo: weights past the memory", [PY, "-m", "megatron_ep.tools.demo", "--experts", "10000000"],
      ["needs about", "expert weights", "available", "--force"]),
     ("recipe: processes past the cores", [PY, "recipes/train_moe.py", "--nproc-per-node", "4096", "--experts", "4096"],
      ["4096 processes on this machine are more than", "--force"]),
@@ -112,7 +112,7 @@ def test_bad_arguments_give_one_short_line():
 
 FAIL_ON_ONE_RANK = textwrap.dedent("""
     import os, sys, time
-    from megatron_ep import cli
+    from megatron_ep.tools import cli
 
     def main(argv):
         if cli.world_size_from_env() is None:
@@ -142,10 +142,10 @@ def test_failing_rank_is_one_line_and_debug_shows_the_traceback(tmp_path):
 
 def test_under_torchrun_rank_0_says_a_bad_argument():
     """Under torchrun each rank checks: rank 0 prints the line, the others exit silently."""
-    procs = [_start([PY, "-m", "megatron_ep.demo", "--experts", "10"],
+    procs = [_start([PY, "-m", "megatron_ep.tools.demo", "--experts", "10"],
                     {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "4"}) for r in (0, 1)]
     (c0, out0), (c1, out1) = (_finish(p) for p in procs)
-    assert c0 == 2 and out0 == ["python -m megatron_ep.demo: error: --experts 10 must be a multiple of the number of "
+    assert c0 == 2 and out0 == ["python -m megatron_ep.tools.demo: error: --experts 10 must be a multiple of the number of "
                                 "ranks (4): each rank owns the same number of experts"], out0
     assert c1 == 2 and out1 == [], out1
 
@@ -154,9 +154,9 @@ def test_under_torchrun_a_rank_refuses_what_this_machine_cannot_run():
     """The estimate counts the launcher's ranks on this machine (LOCAL_WORLD_SIZE) and refuses
     before the rank joins a process group."""
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4096", "LOCAL_WORLD_SIZE": "4096"}
-    code, lines = _finish(_start([PY, "-m", "megatron_ep.demo", "--experts", "4096"], env))
+    code, lines = _finish(_start([PY, "-m", "megatron_ep.tools.demo", "--experts", "4096"], env))
     assert code == 2 and len(lines) == 1, lines
-    assert lines[0].startswith("python -m megatron_ep.demo: error: 4096 processes on this machine are more than"), lines
+    assert lines[0].startswith("python -m megatron_ep.tools.demo: error: 4096 processes on this machine are more than"), lines
 
 
 def test_recipe_runs_quietly_through_its_own_launcher():
@@ -184,7 +184,7 @@ def _readme_commands():
 
 def _parser_of(target):
     """(parser builder, how its argv is split) for a script path or module name."""
-    from megatron_ep import demo, model
+    from megatron_ep.tools import demo, model
     from recipes import proxies, train_moe
     from recipes.deepseek_v3_ep64 import launch as ds_launch
 
@@ -192,9 +192,9 @@ def _parser_of(target):
     import ab_throughput
 
     return {
-        "megatron_ep.demo": demo.parse_args,
+        "megatron_ep.tools.demo": demo.parse_args,
         "scripts/run_demo.sh": demo.parse_args,  # set-up, then the demo with these arguments
-        "megatron_ep.model": lambda argv: model.build_parser().parse_args(argv),
+        "megatron_ep.tools.model": lambda argv: model.build_parser().parse_args(argv),
         "recipes/train_moe.py": train_moe.parse_args,
         "scripts/ab_throughput.py": ab_throughput.parse_args,
         "recipes.proxies": lambda argv: proxies.build_parser().parse_args(argv[:argv.index("--")] if "--" in argv else argv),
@@ -256,7 +256,7 @@ def _readme_targets():
 
 def test_readme_scripts_answer_help():
     targets = _readme_targets()
-    assert {"megatron_ep.demo", "megatron_ep.model", "megatron_ep.megatron.launch", "recipes.proxies",
+    assert {"megatron_ep.tools.demo", "megatron_ep.tools.model", "megatron_ep.megatron.launch", "recipes.proxies",
             "recipes/train_moe.py", "scripts/ab_throughput.py", "recipes/deepseek_v3_ep64/launch.sh"} <= set(targets), targets
     procs = []
     for t in targets:
@@ -269,7 +269,7 @@ def test_readme_scripts_answer_help():
 
 
 def _parsers():
-    from megatron_ep import demo, model
+    from megatron_ep.tools import demo, model
     from recipes import decode_moe, proxies, train_moe
     from recipes.deepseek_v3_ep64 import launch as ds_launch
 
@@ -364,7 +364,7 @@ def test_megatron_launcher_help_lists_its_options():
 # ------------------------------------------------------------------- outside the environment
 # (prog, argv after the interpreter)
 ENTRY_POINTS = [
-    ("python -m megatron_ep.demo", ["-m", "megatron_ep.demo"]),
+    ("python -m megatron_ep.tools.demo", ["-m", "megatron_ep.tools.demo"]),
     ("python -m megatron_ep.megatron.launch", ["-m", "megatron_ep.megatron.launch", "pretrain_gpt.py"]),
     ("recipes/train_moe.py", ["recipes/train_moe.py"]),
     ("recipes/decode_moe.py", ["recipes/decode_moe.py"]),
@@ -392,15 +392,15 @@ def test_without_torch_each_entry_point_says_so_in_one_line():
 
 
 def test_model_runs_without_torch():
-    """The analytic model (`python -m megatron_ep.model`) is arithmetic on the protocol's constants:
+    """The analytic model (`python -m megatron_ep.tools.model`) is arithmetic on the protocol's constants:
     it runs under `python -S` (no site-packages, no torch), as under a system python."""
-    code, lines = _finish(_start([PY, "-S", "-m", "megatron_ep.model"]))
+    code, lines = _finish(_start([PY, "-S", "-m", "megatron_ep.tools.model"]))
     assert code == 0 and any(line.startswith("EP ") for line in lines), lines[-5:]
 
 
 def test_the_missing_module_check_loads_no_torch():
     """cli (where require lives) and `import megatron_ep` load torch only on first use of the API."""
-    code = ("import sys, megatron_ep, megatron_ep.cli as cli; assert 'torch' not in sys.modules, 'torch loaded'; "
+    code = ("import sys, megatron_ep, megatron_ep.tools.cli as cli; assert 'torch' not in sys.modules, 'torch loaded'; "
             "assert cli.missing_modules(['torch', 'no_such_module_xyz', 'no_such_pkg_xyz.core']) == "
             "['no_such_module_xyz', 'no_such_pkg_xyz.core']; "
             "assert megatron_ep.Buffer.__name__ == 'Buffer' and 'torch' in sys.modules")
@@ -412,8 +412,8 @@ def test_the_missing_module_check_loads_no_torch():
 def test_demo_backend_cuda_without_a_gpu_says_so_before_torchrun():
     """Without a GPU the demo names the missing GPU at once, and does not send the user to
     torchrun (whose failure report would follow)."""
-    code, lines = _finish(_start([PY, "-m", "megatron_ep.demo", "--backend", "cuda"]))
-    assert code == 2 and lines == ["python -m megatron_ep.demo: error: --backend cuda needs a CUDA GPU (none is "
+    code, lines = _finish(_start([PY, "-m", "megatron_ep.tools.demo", "--backend", "cuda"]))
+    assert code == 2 and lines == ["python -m megatron_ep.tools.demo: error: --backend cuda needs a CUDA GPU (none is "
                                    "visible); use --backend torch"], lines
 
 
@@ -497,8 +497,8 @@ def test_launcher_prints_no_third_party_warning(tmp_path):
 
 # ----------------------------------------------------------------------------------- switches
 BAD_SWITCHES = [  # (variable, argv): each command reads the switch, or imports what reads it
-    ("MEP_DEBUG_TRACEBACK", [PY, "-m", "megatron_ep.demo", "--ranks", "3"]),
-    ("MEP_DEBUG_TRACEBACK", [PY, "-m", "megatron_ep.model"]),
+    ("MEP_DEBUG_TRACEBACK", [PY, "-m", "megatron_ep.tools.demo", "--ranks", "3"]),
+    ("MEP_DEBUG_TRACEBACK", [PY, "-m", "megatron_ep.tools.model"]),
     ("MEP_DEBUG_TRACEBACK", ["bash", "recipes/deepseek_v3_ep64/launch.sh", "--dry-run"]),
     ("MEGATRON_EP_INSTALL", [PY, "recipes/train_moe.py"]),
     ("MEGATRON_EP_INSTALL", [PY, "-m", "megatron_ep.megatron.launch", "README.md"]),

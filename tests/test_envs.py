@@ -1,10 +1,10 @@
-"""megatron_ep.envs: every environment variable megatron_ep reads is parsed in one place; a bad
+"""megatron_ep.core.envs: every environment variable megatron_ep reads is parsed in one place; a bad
 value is an error naming the variable, never a silent default."""
 
 import pytest
 
-from megatron_ep import envs
-from megatron_ep.permute import padded_host_counts, round_up
+from megatron_ep.core import envs
+from megatron_ep.core.permute import padded_host_counts, round_up
 
 
 @pytest.mark.parametrize("value,want", [("1", True), ("TRUE", True), (" yes ", True), ("on", True),
@@ -67,7 +67,7 @@ def test_one_padding_rule():
 
 
 def test_extension_loads_after_torch():
-    """megatron_ep.cuda.extension loads torch before an extension (they link libc10): `import
+    """megatron_ep.backends.cuda.extension loads torch before an extension (they link libc10): `import
     megatron_ep` does not load torch, and loading _C_nvshmem first in a fresh process without torch
     fails with 'libc10.so: cannot open shared object file'. A subprocess, so no earlier import of
     torch hides it."""
@@ -75,7 +75,7 @@ def test_extension_loads_after_torch():
     import subprocess
     import sys
 
-    code = ("import sys, megatron_ep.cuda.extension as ext; assert 'torch' in sys.modules; "
+    code = ("import sys, megatron_ep.backends.cuda.extension as ext; assert 'torch' in sys.modules; "
             "print(ext.NVSHMEM.error or 'loaded' if ext.NVSHMEM.available() else ext.NVSHMEM.error)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=dict(os.environ))
     assert out.returncode == 0, out.stderr
@@ -98,7 +98,7 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENVS_PY = os.path.join(ROOT, "megatron_ep", "envs.py")
+ENVS_PY = os.path.join(ROOT, "megatron_ep", "core", "envs.py")
 
 
 def _sources():
@@ -133,7 +133,7 @@ def test_every_switch_is_parsed_by_envs():
 
 
 def test_flag_command_line():
-    """`python3 megatron_ep/envs.py flag NAME...`, standard library only (-S: no site-packages):
+    """`python3 megatron_ep/core/envs.py flag NAME...`, standard library only (-S: no site-packages):
     1 or 0 per name; a bad value is one line naming it, exit status 2, nothing on stdout."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEP_T")}
     out = subprocess.run([sys.executable, "-S", ENVS_PY, "flag", "MEP_TA", "MEP_TB", "MEP_TC"], capture_output=True,

@@ -25,7 +25,7 @@ from refusals import derivative, exact_or_refused
 import megatron_ep.experts as X
 from megatron_ep.experts import backends as B
 from megatron_ep.experts import masked as M
-from megatron_ep.fp8 import per_token_cast_back, per_token_cast_to_fp8
+from megatron_ep.core.fp8 import per_token_cast_back, per_token_cast_to_fp8
 
 
 @pytest.fixture
@@ -245,7 +245,7 @@ def test_layout_of_picks_up_dispatch_tags():
     x = torch.zeros(6, 4)
     tpe = torch.tensor([4, 2])
     assert X.GroupedLayout.of(x, tpe).row_expert is None
-    from megatron_ep.permute import attach_expert_rows
+    from megatron_ep.core.permute import attach_expert_rows
 
     attach_expert_rows(x, torch.tensor([0, 0, -1, -1, 1, 1], dtype=torch.int32), 2)
     lay = X.GroupedLayout.of(x, tpe)
@@ -257,7 +257,7 @@ def test_layout_of_picks_up_dispatch_tags():
 def test_worst_case_tail_is_not_computed():
     """A worst-case sized dispatch: Megatron's segments fold the tail of pad rows into the last
     expert; the real segments ride along, the grouped_mm offsets stop there, the tail is 0."""
-    from megatron_ep.permute import attach_expert_rows
+    from megatron_ep.core.permute import attach_expert_rows
 
     x = torch.randn(8, 4)
     megatron_tpe, real_tpe = torch.tensor([2, 6]), torch.tensor([2, 2])

@@ -25,7 +25,7 @@ def test_fuzz_harness(pools):
 
 def test_check_inputs_levels():
     """Buffer(check_inputs=...) takes True, False or "no_sync"; anything else is a TypeError naming it."""
-    from megatron_ep import checks as C
+    from megatron_ep.core import checks as C
 
     assert C.check_inputs_level(True) == C.IDS_CHECKED
     assert C.check_inputs_level(False) == C.IDS_UNCHECKED

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import megatron_ep as mep
+from megatron_ep.core import fp8
 from oracle import fp8_cast
 
 
@@ -55,7 +56,7 @@ def _whole_tensor_token_cast(x, round_scale):
     blocks = x.float().view(T, H // 128, 128)
     scale = blocks.abs().amax(dim=-1).clamp(min=1e-4) / 448.0
     if round_scale:
-        scale = mep.fp8.round_scale_pow2(scale)
+        scale = fp8.round_scale_pow2(scale)
     return (blocks / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).view(T, H), scale
 
 
@@ -101,7 +102,7 @@ def _bits(t):
 @pytest.mark.parametrize("T, H", [(0, 128), (1, 128), (37, 384), (130, 1024)])
 @pytest.mark.parametrize("round_scale", [False, True])
 def test_token_cast_bytes_equal_the_whole_tensor_formula(monkeypatch, dtype, T, H, round_scale):
-    monkeypatch.setattr(mep.fp8, "CAST_CHUNK_ELEMS", 5 * H)  # several chunks, the last one short
+    monkeypatch.setattr(fp8, "CAST_CHUNK_ELEMS", 5 * H)  # several chunks, the last one short
     x = _hard_values((T, H), dtype, seed=T * H)
     q, s = mep.per_token_cast_to_fp8(x, round_scale=round_scale)
     q_ref, s_ref = _whole_tensor_token_cast(x, round_scale)
@@ -152,7 +153,7 @@ def test_casts_make_no_full_size_fp32_copy(monkeypatch):
         return m.fp32
 
     chunk = 4 * 1024
-    monkeypatch.setattr(mep.fp8, "CAST_CHUNK_ELEMS", chunk)
+    monkeypatch.setattr(fp8, "CAST_CHUNK_ELEMS", chunk)
     monkeypatch.setattr(fp8_weights, "CAST_CHUNK_ELEMS", 128 * 256)
     x = torch.randn((64, 1024)).to(torch.bfloat16)
     assert largest(mep.per_token_cast_to_fp8, x) <= chunk

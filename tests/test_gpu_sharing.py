@@ -1,6 +1,6 @@
 """Ranks that share one GPU (virtual ranks, under MPS) load CUDA modules eagerly: every launcher of
 such ranks sets CUDA_MODULE_LOADING=EAGER before CUDA starts, and a cuda Buffer whose ranks share a
-GPU under lazy loading says why its handshakes may time out (megatron_ep/cuda/sharing.py). CPU
+GPU under lazy loading says why its handshakes may time out (megatron_ep/backends/cuda/sharing.py). CPU
 only: the launchers are stopped at their first CUDA call."""
 
 import os
@@ -10,8 +10,8 @@ import types
 import pytest
 import torch
 
-from megatron_ep import protocol as P
-from megatron_ep.cuda.ledger import CallLedger
+from megatron_ep.core import protocol as P
+from megatron_ep.backends.cuda.ledger import CallLedger
 
 ENV = "CUDA_MODULE_LOADING"
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -82,7 +82,7 @@ def test_run_megatron_tests_gpu_ranks_load_modules_eagerly(monkeypatch, tmp_path
 
 
 def test_loading_mode_from_the_environment():
-    from megatron_ep.cuda import sharing
+    from megatron_ep.backends.cuda import sharing
 
     assert sharing.env_mode({}) == "LAZY"  # torch's and the driver's default
     assert sharing.env_mode({"CUDA_MODULE_LOADING": "eager"}) == "EAGER"

@@ -6,12 +6,12 @@ import torch
 import torch.distributed as dist
 
 import megatron_ep as mep
-from megatron_ep.cuda.paths import internode as IN
+from megatron_ep.backends.cuda.paths import internode as IN
 
 
 @pytest.fixture(scope="module")
 def ext():
-    from megatron_ep.cuda.extension import load_nvshmem
+    from megatron_ep.backends.cuda.extension import load_nvshmem
 
     try:
         return load_nvshmem()
@@ -25,7 +25,7 @@ SECTIONS = ["d_x", "d_s", "d_idx", "d_w", "c_y", "c_w", "s_x", "s_s", "s_idx", "
 def test_the_internode_entries_compose_this_builds_intranode_ones(ext):
     """_C_nvshmem's cached dispatch and combine call _C's entries through the capsule _C publishes
     (csrc/intranode/composed.h): it finds them (loading _C) and both builds agree on their version."""
-    from megatron_ep.cuda.extension import load
+    from megatron_ep.backends.cuda.extension import load
 
     intra = load()
     assert ext.composed_api_version() == ext.COMPOSED_API_VERSION == intra.COMPOSED_API_VERSION
@@ -85,8 +85,8 @@ def test_ranks_per_node_on_the_torch_backend(group):
 def _start_up_collectives():
     """On every rank: the start-up helpers the cuda paths share (runtime.gather / largest, the
     cached host names)."""
-    from megatron_ep.cuda import hosts
-    from megatron_ep.cuda.collectives import gather, largest
+    from megatron_ep.backends.cuda import hosts
+    from megatron_ep.backends.cuda.collectives import gather, largest
 
     rank = dist.get_rank()
     errors = []
@@ -112,7 +112,7 @@ def test_heap_error_names_what_holds_it(monkeypatch):
     NVSHMEM_SYMMETRIC_SIZE that would fit both; a released buffer frees its bytes. NVSHMEM's own
     share is not counted against a need (a second buffer as large as the first fits, as it does
     in NVSHMEM: the margin the heap was sized with is far more than NVSHMEM takes)."""
-    from megatron_ep.cuda import nvshmem
+    from megatron_ep.backends.cuda import nvshmem
 
     first, second = object(), object()
     margin = nvshmem.HEAP_MARGIN
@@ -138,7 +138,7 @@ def test_heap_starts_with_the_reserved_room(monkeypatch):
     ones) starts the heap with the room reserved for them, not twice its first buffer's need; a
     reservation smaller than that changes nothing; NVSHMEM_SYMMETRIC_SIZE set by the user wins,
     and the heap's error then says it sized the heap."""
-    from megatron_ep.cuda import nvshmem
+    from megatron_ep.backends.cuda import nvshmem
 
     class Ext:
         def unique_id(self):

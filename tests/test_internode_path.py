@@ -1,4 +1,4 @@
-"""The host side of the cuda internode path (megatron_ep/cuda/paths/internode.py) on CPU: its RDMA
+"""The host side of the cuda internode path (megatron_ep/backends/cuda/paths/internode.py) on CPU: its RDMA
 buffer replaced by a recorder, its in-node stage an IntranodePath over tests/test_intranode_path.py's
 FakeKernels. Which crossings a new routing makes, in order; what the in-node stage is asked; the
 handle's source tokens mapped back from the forwarders' receive slots; what the path refuses."""
@@ -10,9 +10,9 @@ import types
 import pytest
 import torch
 
-from megatron_ep import protocol as P
-from megatron_ep.cuda.paths.internode import InternodePath, _source_tokens
-from megatron_ep.requests import CombineRequest, DispatchRequest
+from megatron_ep.core import protocol as P
+from megatron_ep.backends.cuda.paths.internode import InternodePath, _source_tokens
+from megatron_ep.core.requests import CombineRequest, DispatchRequest
 from test_intranode_path import H, K, N as INNODE_ROWS, T as STAGE_ROWS, make_path
 
 NODES, RANKS_PER_NODE = 2, 2

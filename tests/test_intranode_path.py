@@ -1,4 +1,4 @@
-"""The host side of the cuda intranode path (megatron_ep/cuda/paths/intranode.py) on CPU, with the
+"""The host side of the cuda intranode path (megatron_ep/backends/cuda/paths/intranode.py) on CPU, with the
 extension's one-crossing entries replaced by a recorder: which crossings a new routing, a cached
 dispatch and a combine make, in order, and with what; the handle's state after each (its counts,
 its combine map, its native binding, bound once); where the call's peers wait for this rank at
@@ -10,11 +10,11 @@ import types
 import pytest
 import torch
 
-from megatron_ep import protocol as P
-from megatron_ep.cuda.paths.intranode import IntranodePath
-from megatron_ep.cuda.region import starts_at
-from megatron_ep.requests import CombineRequest, DispatchRequest
-from megatron_ep.types import EventOverlap
+from megatron_ep.core import protocol as P
+from megatron_ep.backends.cuda.paths.intranode import IntranodePath
+from megatron_ep.backends.cuda.region import starts_at
+from megatron_ep.core.requests import CombineRequest, DispatchRequest
+from megatron_ep.core.types import EventOverlap
 from test_kernel_boundary import binding_arguments
 
 R, E, K, H, T = 2, 8, 2, 64, 6

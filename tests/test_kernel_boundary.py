@@ -38,7 +38,7 @@ def kernel_calls(path: str = "intranode", holder: str = "kernels", module: str =
     (an argument's name: its keyword, or for a positional one the last name of its expression)
     (or in `module`, a file under megatron_ep/), direct (`self.HOLDER.NAME(...)`), through
     `call.sends(self.HOLDER.NAME, ...)`, or through a local name bound to `....HOLDER.NAME`."""
-    source = ROOT / "megatron_ep" / (module or f"cuda/paths/{path}.py")
+    source = ROOT / "megatron_ep" / (module or f"backends/cuda/paths/{path}.py")
     tree = ast.parse(source.read_text())
     def bound(value):  # `....HOLDER.NAME`, or `....HOLDER.NAME if ... else other` (an entry or its stand-in)
         value = value.body if isinstance(value, ast.IfExp) else value
@@ -97,9 +97,9 @@ def test_the_positional_rule_catches_a_swapped_argument():
 
 
 def test_the_notify_trace_names_all_notify_call_arguments():
-    """megatron_ep/tracing.py's notify-only run calls the intranode entry outside the path."""
+    """megatron_ep/tools/tracing.py's notify-only run calls the intranode entry outside the path."""
     names, defaults = binding_arguments()["notify_call"]
-    calls = kernel_calls(module="tracing.py")
+    calls = kernel_calls(module="tools/tracing.py")
     assert [c[0] for c in calls] == ["notify_call"], calls
     for _, keywords, positional, line in calls:
         missing = [a for a in names if a not in keywords and a not in defaults]
@@ -147,9 +147,9 @@ def test_a_composed_entry_takes_its_intranode_entry_s_arguments_first():
 def test_one_name_for_the_expert_alignment_from_request_to_kernel():
     """Buffer.dispatch(expert_alignment=) -> DispatchRequest.expert_alignment -> notify_call's
     expert_alignment: the same name at every step."""
-    from megatron_ep.requests import DispatchRequest
+    from megatron_ep.core.requests import DispatchRequest
 
     assert "expert_alignment" in DispatchRequest.__dataclass_fields__
     assert "expert_alignment" in binding_arguments()["notify_call"][0]
-    src = (ROOT / "megatron_ep" / "cuda" / "paths" / "intranode.py").read_text()
+    src = (ROOT / "megatron_ep" / "backends" / "cuda" / "paths" / "intranode.py").read_text()
     assert not re.search(r"\balignment\b", src), "intranode.py names the expert alignment otherwise"

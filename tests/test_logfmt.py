@@ -1,10 +1,10 @@
-"""LogFMT-10 (megatron_ep.logfmt), the low-latency combine's wire format, as a receiver decodes it:
+"""LogFMT-10 (megatron_ep.core.logfmt), the low-latency combine's wire format, as a receiver decodes it:
 which blocks it encodes, how close the decoded values are, and the values it keeps exact."""
 
 import pytest
 import torch
 
-from megatron_ep import logfmt as F
+from megatron_ep.core import logfmt as F
 
 
 def _rows(seed, scale=0.1, rows=4, H=512):

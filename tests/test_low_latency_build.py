@@ -10,9 +10,9 @@ import subprocess
 import pytest
 
 import megatron_ep
-from megatron_ep import envs
-from megatron_ep.cuda import extension as _ext
-from megatron_ep.cuda.paths import low_latency as LL
+from megatron_ep.core import envs
+from megatron_ep.backends.cuda import extension as _ext
+from megatron_ep.backends.cuda.paths import low_latency as LL
 
 PKG = os.path.dirname(megatron_ep.__file__)
 
@@ -89,7 +89,7 @@ def test_missing_extension_is_named(monkeypatch):
 
 
 def test_signature_hash_tells_calls_apart():
-    from megatron_ep import protocol as P
+    from megatron_ep.core import protocol as P
 
     a = P.Call(P.OP["low_latency_dispatch"], 3).set(hidden=7168, topk=8, num_experts=256, max_tokens_per_rank=128)
     b = P.Call(P.OP["low_latency_dispatch"], 3).set(hidden=7168, topk=8, num_experts=256, max_tokens_per_rank=64)

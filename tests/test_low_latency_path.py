@@ -1,4 +1,4 @@
-"""The host side of the cuda low-latency path (megatron_ep/cuda/paths/low_latency.py) on CPU, with the
+"""The host side of the cuda low-latency path (megatron_ep/backends/cuda/paths/low_latency.py) on CPU, with the
 extension's buffer replaced by a recorder: buffer-set alternation, the recv-hook bookkeeping
 (two results in flight, a third refused before anything launches), capacity errors, and the
 decoding of what the kernels report (timeouts name the rank and the wait; mismatches clear)."""
@@ -11,12 +11,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_ep.cuda import extension as _ext
-from megatron_ep.cuda import nvshmem
-from megatron_ep import protocol as P
-from megatron_ep.errors import BufferBrokenError, CallMismatchError, CommTimeoutError
-from megatron_ep.cuda.paths import low_latency as LL
-from megatron_ep.cuda.sm_budget import SmBudget
+from megatron_ep.backends.cuda import extension as _ext
+from megatron_ep.backends.cuda import nvshmem
+from megatron_ep.core import protocol as P
+from megatron_ep.core.errors import BufferBrokenError, CallMismatchError, CommTimeoutError
+from megatron_ep.backends.cuda.paths import low_latency as LL
+from megatron_ep.backends.cuda.sm_budget import SmBudget
 
 
 class FakeBuffer:
@@ -311,7 +311,7 @@ def ll_buf(path, monkeypatch):
     `entries` lists which of the path's dispatch entries each call took, `crossings` the
     arguments of each crossing."""
     import megatron_ep as mep
-    from megatron_ep.cuda.backend import CudaBackend
+    from megatron_ep.backends.cuda.backend import CudaBackend
 
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # (no driver here)
 
@@ -341,7 +341,7 @@ def _same_crossing(a: tuple, b: tuple) -> bool:
 
 def test_a_low_latency_dispatch_of_the_same_shape_replays_the_same_crossing(ll_buf):
     """A decode step's dispatch of the last one's shape and options, into the same statistics
-    tensors, skips Buffer's checks and the path's (megatron_ep/replay.py) and crosses with what
+    tensors, skips Buffer's checks and the path's (megatron_ep/core/replay.py) and crosses with what
     the full call crossed with, on the next buffer set, under its own sequence number, with the
     full call's signature."""
     x, idx, w = _inputs()
@@ -480,7 +480,7 @@ def test_a_low_latency_combine_that_differs_takes_the_full_call(ll_buf, change):
 def test_a_replayed_low_latency_combine_still_checks_its_routing(ll_buf):
     """Buffer(check_inputs=True): a combine must get its dispatch's routing; a combine that would
     replay is checked as the full call is (values compared with one sync)."""
-    from megatron_ep import checks as C
+    from megatron_ep.core import checks as C
 
     ll_buf._ids_level = C.IDS_CHECKED
     x, idx, w = _inputs()

@@ -113,7 +113,7 @@ def test_flex_matches_alltoall(results, name, ref):
 
 def _uses_default_sms(log, name):
     """The Buffer took the default SM budget over every process the GPU holds at once."""
-    from megatron_ep.cuda.sm_budget import default_num_sms
+    from megatron_ep.backends.cuda.sm_budget import default_num_sms
 
     sharers = _max_ranks()
     want = f"{default_num_sms(sharers, torch.cuda.get_device_properties(0).multi_processor_count)} SMs/rank, {sharers} rank(s)/GPU"

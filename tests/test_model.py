@@ -1,4 +1,4 @@
-"""The analytic performance model (megatron_ep/model.py): hand-computed cases, a Monte-Carlo
+"""The analytic performance model (megatron_ep/tools/model.py): hand-computed cases, a Monte-Carlo
 cross-check of the exact routing formula, and the CLI."""
 
 import math
@@ -11,7 +11,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from megatron_ep import model as M
+from megatron_ep.tools import model as M
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -244,8 +244,8 @@ def test_cli_expert_tflops(capsys):
 def test_cli_help_and_default_run():
     # both subprocesses at once: each pays the package's torch import
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmds = [[sys.executable, "-m", "megatron_ep.model", "--help"],
-            [sys.executable, "-m", "megatron_ep.model"]]
+    cmds = [[sys.executable, "-m", "megatron_ep.tools.model", "--help"],
+            [sys.executable, "-m", "megatron_ep.tools.model"]]
     procs = [subprocess.Popen(c, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for c in cmds]
     (h_out, _), (d_out, d_err) = (p.communicate(timeout=120) for p in procs)
@@ -465,7 +465,7 @@ def test_bench_normal_smoke_model_check():
 
 # ---------------------------------------------------------------------------------------------
 # The two-level time check: per-SM rates calibrated on one measured op predict the others
-# (megatron_ep.model's stages; scripts/bench_normal.py prints them in its model check)
+# (megatron_ep.tools.model's stages; scripts/bench_normal.py prints them in its model check)
 
 # One recorded run of `python3 scripts/bench_normal.py --ranks 2 --ranks-per-node 1 --num-sms 24
 # --no-deepep` on two GPUs (docs/records/performance-history.md), 4096 tokens, H 7168, top-8 of 256.
@@ -707,9 +707,9 @@ def test_bench_model_check_sm_sweep():
     assert "SM sweep" not in bench.model_check(args, allres, "16", 2 * NOV30_H, ref_key="16")
 
 
-# Communication under the expert GEMMs (megatron_ep/model/overlap.py)
+# Communication under the expert GEMMs (megatron_ep/tools/model/overlap.py)
 def _costs(ep):
-    from megatron_ep.model import Machine, Shape, StepModel, layer_costs
+    from megatron_ep.tools.model import Machine, Shape, StepModel, layer_costs
     return layer_costs(Shape(), Machine(), StepModel(ep=ep))
 
 
@@ -717,7 +717,7 @@ def test_overlap_schedule_bounds():
     """Every mechanism and piece count lies between the busier stream alone and no overlap plus
     the SMs it takes; one piece is the same for both mechanisms; fixed costs per chunk make many
     chunks worse than arrival counters with as many groups."""
-    from megatron_ep.model import layer_times
+    from megatron_ep.tools.model import layer_times
     for ep in (2, 8, 64):
         c = _costs(ep)
         none = layer_times(c, "none")
@@ -738,7 +738,7 @@ def test_overlap_hides_most_communication_at_ep64(expert_tflops, share):
     """At EP64 the layer's communication (forward and backward, ~13 ms) is of the order of its
     GEMMs (~17 ms at the measured expert rate, ~22 ms at 400 TFLOP/s): the best schedule leaves
     under a fifth of it exposed, under a tenth with the slower GEMMs."""
-    from megatron_ep.model import Machine, Shape, StepModel, best_overlap, layer_costs
+    from megatron_ep.tools.model import Machine, Shape, StepModel, best_overlap, layer_costs
     c = layer_costs(Shape(), Machine(), StepModel(ep=64, expert_tflops=expert_tflops))
     b = best_overlap(c, 16)
     exposed = b["arrivals"].total_us - 3 * c.gemm_fwd
@@ -747,7 +747,7 @@ def test_overlap_hides_most_communication_at_ep64(expert_tflops, share):
 
 
 def test_overlap_refuses_bad_arguments():
-    from megatron_ep.model import layer_times
+    from megatron_ep.tools.model import layer_times
     c = _costs(8)
     with pytest.raises(ValueError, match="overlap mode"):
         layer_times(c, "pipelined", 2)

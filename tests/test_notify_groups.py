@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from megatron_ep import _protocol as P  # the scratch geometry too, not only what megatron_ep.protocol re-exports
+from megatron_ep import _protocol as P  # the scratch geometry too, not only what megatron_ep.core.protocol re-exports
 
 WARPS = P.NOTIFY_WARPS
 
@@ -269,12 +269,12 @@ def test_plan_fits_the_scratch_and_covers_every_token():
 
 
 def test_token_groups_limit_is_the_protocols():
-    from megatron_ep import protocol
+    from megatron_ep.core import protocol
 
     assert protocol.MAX_TOKEN_GROUPS == P.MAX_TOKEN_GROUPS and protocol.notify_plan(64, 4) == P.notify_plan(64, 4)
     assert P.NOTIFY_SCRATCH_ROWS == max(P.MAX_NOTIFY_BLOCKS, P.MAX_TOKEN_GROUPS * (WARPS + 2))
     try:  # the internode path takes one group per node
-        from megatron_ep.cuda.extension import load_nvshmem
+        from megatron_ep.backends.cuda.extension import load_nvshmem
 
         assert load_nvshmem().INTERNODE_MAX_NODES <= P.MAX_TOKEN_GROUPS
     except RuntimeError:

@@ -379,7 +379,7 @@ def test_shared_expert_overlap_flag():
     import pytest
     import torch
 
-    from megatron_ep import cli
+    from megatron_ep.tools import cli
     from recipes import train_moe
 
     args = train_moe.parse_args(["--dispatcher", "alltoall", "--shared-expert-overlap"])

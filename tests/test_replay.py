@@ -1,5 +1,5 @@
 """A cached dispatch or a combine of the shape of the last one along its handle is replayed
-(megatron_ep/replay.py): Buffer skips the checks that shape passed and the cuda intranode path's
+(megatron_ep/core/replay.py): Buffer skips the checks that shape passed and the cuda intranode path's
 plan, and the crossing gets what the full call gives it. On CPU, the extension's entries replaced
 by tests/test_intranode_path.py's recorder; what must not replay (another shape, other options,
 grad, a CUDA-graph capture, another Buffer, a destroyed one, a copied handle) takes the full call."""
@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 
 import megatron_ep as mep
-from megatron_ep import protocol as P
-from megatron_ep.cuda.backend import CudaBackend
-from megatron_ep.errors import BufferBusyError
-from megatron_ep.types import EventOverlap
+from megatron_ep.core import protocol as P
+from megatron_ep.backends.cuda.backend import CudaBackend
+from megatron_ep.core.errors import BufferBusyError
+from megatron_ep.core.types import EventOverlap
 from test_intranode_path import E, H, K, T, path  # noqa: F401  (the fixture)
 
 IDX = torch.tensor([[0, 5], [1, 2], [7, -1], [3, 4], [6, 0], [2, 5]])

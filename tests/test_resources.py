@@ -1,4 +1,4 @@
-"""The up-front estimate of processes and memory (megatron_ep/resources.py) against a given
+"""The up-front estimate of processes and memory (megatron_ep/tools/resources.py) against a given
 machine: it refuses, in one line naming the figure, the limit and --force, the runs that cannot
 fit (issue 26: 64 ranks on 2 cores, 100000 demo experts, a 10^8-token sequence), lets through
 every run the README, the docs, the proxy presets and the GPU benchmarks use on the machines
@@ -19,7 +19,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import ab_throughput  # noqa: E402
-from megatron_ep import cli, demo, resources  # noqa: E402
+from megatron_ep.tools import cli, demo, resources  # noqa: E402
 from recipes import proxies, train_moe  # noqa: E402
 from test_entry_points import _readme_commands, _split  # noqa: E402
 
@@ -30,7 +30,7 @@ H200_NODE = resources.Machine(cores=128, memory_bytes=500 * GiB, gpu_bytes=(139 
 
 def _need(target, argv, world, on_gpu):
     """The Need of one command line, as its script computes it, as if it started the ranks."""
-    if target in ("megatron_ep.demo", "scripts/run_demo.sh"):
+    if target in ("megatron_ep.tools.demo", "scripts/run_demo.sh"):
         args = demo.parse_args(argv)
         world = world or args.ranks
         need = resources.demo_need(args, world, on_gpu)
@@ -52,11 +52,11 @@ def _refusal(target, argv, machine, world=None, on_gpu=False):
 
 
 def test_issue_runs_are_refused_in_one_line():
-    line = _refusal("megatron_ep.demo", ["--ranks", "64", "--experts", "64"], CI_LIKE)
+    line = _refusal("megatron_ep.tools.demo", ["--ranks", "64", "--experts", "64"], CI_LIKE)
     assert line.startswith("64 processes") and "more than 8 (4 per core, 2 cores)" in line and "--force" in line, line
     line = _refusal("recipes/train_moe.py", ["--nproc-per-node", "64", "--experts", "64"], CI_LIKE)
     assert line.startswith("64 processes") and "--force" in line, line
-    line = _refusal("megatron_ep.demo", ["--experts", "100000"], CI_LIKE)
+    line = _refusal("megatron_ep.tools.demo", ["--experts", "100000"], CI_LIKE)
     # 2 x 100000 experts x 256 x 128 fp32 = 26.2 GB = 24.4 GiB of weights on each of 4 ranks
     assert re.search(r"expert weights 24\.\d GiB each", line) and "than the 20.0 GiB available" in line, line
     assert "--force" in line and "\n" not in line, line
@@ -65,7 +65,7 @@ def test_issue_runs_are_refused_in_one_line():
 
 
 def test_force_skips_the_estimates_but_not_the_gpu_count():
-    big = _need("megatron_ep.demo", ["--ranks", "64", "--experts", "64000"], None, False)
+    big = _need("megatron_ep.tools.demo", ["--ranks", "64", "--experts", "64000"], None, False)
     resources.refuse_unless_fits(big, force=True, machine=CI_LIKE)
     two_gpus = resources.Machine(cores=32, memory_bytes=200 * GiB, gpu_bytes=(139 * GiB,) * 2)
     line = _refusal("recipes/train_moe.py", ["--nproc-per-node", "8", "--backend", "cuda"], two_gpus, on_gpu=True)
@@ -104,7 +104,7 @@ def _documented_runs():
     for where, commands in texts.items():
         for words in commands:
             target, argv, launcher = _split(words)
-            if target not in ("megatron_ep.demo", "scripts/run_demo.sh", "recipes/train_moe.py",
+            if target not in ("megatron_ep.tools.demo", "scripts/run_demo.sh", "recipes/train_moe.py",
                               "scripts/ab_throughput.py"):
                 continue
             world = int(launcher[launcher.index("--nproc-per-node") + 1]) if "--nproc-per-node" in (launcher or []) else None
@@ -117,7 +117,7 @@ def _documented_runs():
         "--micro-batch 1 --backends alltoall,hybridep,hybridep-budget,DeepEP"), 8, True))
     runs += [("tests", "recipes/train_moe.py", ["--steps", "4"], 2, False),
              ("tests", "scripts/ab_throughput.py", ["--backend", "torch", "--reps", "2", "--warmup", "1"], 2, False),
-             ("tests", "megatron_ep.demo", ["--tokens", "30"], 4, False)]
+             ("tests", "megatron_ep.tools.demo", ["--tokens", "30"], 4, False)]
     return runs
 
 
@@ -144,7 +144,7 @@ print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)  # the larg
 
 def _peak_rank_memory(argv):
     env = {**os.environ, "PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": ""}
-    out = subprocess.run([sys.executable, "-c", MEASURE, sys.executable, "-m", "megatron_ep.demo", *argv], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-c", MEASURE, sys.executable, "-m", "megatron_ep.tools.demo", *argv], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     return int(out.stdout.split()[-1])
@@ -157,5 +157,5 @@ def test_demo_estimate_follows_the_measured_memory():
     small = ["--ranks", "1", "--steps", "1"]
     big = small + ["--experts", "32", "--hidden", "768", "--ffn", "768"]
     measured = _peak_rank_memory(big) - _peak_rank_memory(small)
-    estimated = _need("megatron_ep.demo", big, 1, False).rank_bytes - _need("megatron_ep.demo", small, 1, False).rank_bytes
+    estimated = _need("megatron_ep.tools.demo", big, 1, False).rank_bytes - _need("megatron_ep.tools.demo", small, 1, False).rank_bytes
     assert 0.5 * measured <= estimated <= 1.25 * measured, (estimated / GiB, measured / GiB)

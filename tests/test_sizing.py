@@ -1,10 +1,10 @@
-"""The cuda backend's region sizing rule (megatron_ep.cuda.region.merge_hints, the one owner of how
+"""The cuda backend's region sizing rule (megatron_ep.backends.cuda.region.merge_hints, the one owner of how
 hints and call needs combine), on CPU: plan_region is plain C++ in the _protocol module."""
 
 import random
 
-from megatron_ep import protocol as P
-from megatron_ep.cuda.region import merge_hints
+from megatron_ep.core import protocol as P
+from megatron_ep.backends.cuda.region import merge_hints
 
 import cases
 from case_lists import FUZZ_REGRESSIONS

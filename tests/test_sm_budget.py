@@ -1,10 +1,10 @@
-"""The SM budget of the cuda kernels, decided in one place (megatron_ep/cuda/sm_budget.py): the
+"""The SM budget of the cuda kernels, decided in one place (megatron_ep/backends/cuda/sm_budget.py): the
 default split, the resident limit, and the blocks every launch of every path gets from
 SmBudget.blocks(kind). Runs without a GPU: the rule is arithmetic."""
 
 import pytest
 
-from megatron_ep.cuda.sm_budget import KINDS, PUSH_MAX_SMS_EP2, SmBudget, default_num_sms, max_num_sms
+from megatron_ep.backends.cuda.sm_budget import KINDS, PUSH_MAX_SMS_EP2, SmBudget, default_num_sms, max_num_sms
 
 
 @pytest.mark.parametrize("ranks_per_device", [1, 2, 4, 8])

@@ -1,10 +1,10 @@
-"""megatron_ep.tracing on the torch backend (CPU, gloo): every hook has nothing to report, and
+"""megatron_ep.tools.tracing on the torch backend (CPU, gloo): every hook has nothing to report, and
 says so (an empty list or dict, None) instead of failing (tests/tracing_cases.py; the cuda
 backend's cases are GPU tests in test_cuda_intranode.py and test_cuda_internode.py)."""
 
 import tracing_cases as tc
 
-from megatron_ep import tracing
+from megatron_ep.tools import tracing
 
 
 def test_tracing_on_the_torch_backend(pools):

@@ -1,10 +1,10 @@
-"""UE8M0 scales (megatron_ep.fp8.pack_ue8m0 / unpack_ue8m0): the byte layout DeepEP and DeepGEMM
+"""UE8M0 scales (megatron_ep.core.fp8.pack_ue8m0 / unpack_ue8m0): the byte layout DeepEP and DeepGEMM
 read, checked against frexp, and what the packer refuses."""
 
 import pytest
 import torch
 
-from megatron_ep.fp8 import column_major, pack_ue8m0, per_token_cast_to_fp8, unpack_ue8m0
+from megatron_ep.core.fp8 import column_major, pack_ue8m0, per_token_cast_to_fp8, unpack_ue8m0
 
 
 def _pow2_scales(rows=5, n=8, seed=0):

@@ -1,4 +1,4 @@
-"""Worker bodies for megatron_ep.tracing (run on every rank of a DistPool): the phase marks, the
+"""Worker bodies for megatron_ep.tools.tracing (run on every rank of a DistPool): the phase marks, the
 counters, the notify kernels alone and the low-latency stamps, on the torch backend (CPU: each
 hook has nothing to report) and the cuda backend's paths (virtual ranks)."""
 
@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from cases import get_buffer
-from megatron_ep import tracing
+from megatron_ep.tools import tracing
 
 
 def run_tracing_case(cfg: dict, backend: str = "torch", device: str = "cpu") -> list:

@@ -1,7 +1,7 @@
 // The internode path's RDMA-domain buffer for megatron_ep._C_nvshmem (registered by
 // low_latency/binding.cpp, the module's one PYBIND11_MODULE). Adapts tensors to the launchers
 // of csrc/internode/kernels.cu and holds one rank's symmetric buffer, its same-index peers'
-// addresses and the mapped error record (csrc/nvshmem/symmetric_memory.h). Python (megatron_ep/cuda/paths/internode.py) checks every
+// addresses and the mapped error record (csrc/nvshmem/symmetric_memory.h). Python (megatron_ep/backends/cuda/paths/internode.py) checks every
 // argument first; the checks here only guard against memory errors.
 #include <c10/cuda/CUDAStream.h>
 #include <pybind11/stl.h>

@@ -1,5 +1,5 @@
 // The internode normal path's RDMA-domain half (the NVLink half is the intranode path, run by
-// each node's forwarders on what arrives here; megatron_ep/cuda/paths/internode.py composes them).
+// each node's forwarders on what arrives here; megatron_ep/backends/cuda/paths/internode.py composes them).
 //
 // Dispatch, send: each token goes once to the same-index rank of every node that owns one of
 // its experts, into the fixed slot (this node, token) of that rank's receive area; the ids and

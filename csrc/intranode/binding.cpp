@@ -607,7 +607,7 @@ py::tuple dispatch_first_call(Runtime& rt, const Sig& sig, const Tensor& topk_id
     const py::dict info = sizes[1];
     rows = info["num_rows"].cast<int>(), perm_rows = info["num_perm_rows"].cast<int>();
     const RegionLayout& l = rt.lay();
-    // (megatron_ep/cuda/runtime.py fits()'s count rule: the group's largest needs, the same on every rank)
+    // (megatron_ep/backends/cuda/runtime.py fits()'s count rule: the group's largest needs, the same on every rank)
     go = rows >= 0 && info["need_tokens"].cast<long long>() <= l.max_tokens &&
          info[permute ? "need_perm_rows" : "need_rows"].cast<long long>() <= l.comb_rows;
   }
@@ -728,7 +728,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return py::make_tuple(st.topk_idx, st.rank_pos, st.slot_pos, st.recv_info, st.row_limits, st.counts,
                               st.comb_map.has_value() ? py::cast(*st.comb_map) : py::none());
       });
-  // one crossing per call (calls.h); argument names: the Python side's (megatron_ep/cuda/paths/intranode.py
+  // one crossing per call (calls.h); argument names: the Python side's (megatron_ep/backends/cuda/paths/intranode.py
   // passes them by name; tests/test_kernel_boundary.py reads both sides)
   intra.def("notify_call", &mep::notify_call, py::arg("runtime"), py::arg("sig"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("expert_alignment"), py::arg("permute"), py::arg("num_worst_tokens"), py::arg("token_groups"), py::arg("check_ids"), py::arg("rank_counts"), py::arg("tag"), py::arg("previous_event"), py::arg("marks"), py::arg("wait_s"), py::arg("async_op"));
   intra.def("dispatch_first_call", &mep::dispatch_first_call, py::arg("runtime"), py::arg("sig"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("expert_alignment"), py::arg("permute"), py::arg("token_groups"), py::arg("check_ids"), py::arg("rank_counts"), py::arg("tag"), py::arg("previous_event"), py::arg("notify_marks"), py::arg("wait_s"), py::arg("fits"), py::arg("x"), py::arg("scales"), py::arg("topk_weights"), py::arg("push"), py::arg("scratch"), py::arg("zero_copy"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("marks"), py::arg("num_blocks"), py::arg("push_blocks"), py::arg("local_blocks"), py::arg("want_src"));

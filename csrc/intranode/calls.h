@@ -1,4 +1,4 @@
-// One intranode call's host side in one crossing. megatron_ep/cuda/paths/intranode.py checks the
+// One intranode call's host side in one crossing. megatron_ep/backends/cuda/paths/intranode.py checks the
 // inputs and decides (push or stage, partials, output rows); the entries here do the rest: order
 // the communication stream after the caller's, allocate the outputs on the caller's stream, launch
 // on ours, record the call's event and make the caller's stream wait for it (or, asynchronous,

@@ -14,12 +14,12 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from .. import buffer as _mep
-from ..checks import check_bool
-from ..errors import PeerFailedError
-from ..fp8 import UE8M0_PACK, pack_ue8m0, unpack_ue8m0
-from ..protocol import MAX_TOPK, failure_message
-from ..types import DispatchHandle
+from ..core import buffer as _mep
+from ..core.checks import check_bool
+from ..core.errors import PeerFailedError
+from ..core.fp8 import UE8M0_PACK, pack_ue8m0, unpack_ue8m0
+from ..core.protocol import MAX_TOPK, failure_message
+from ..core.types import DispatchHandle
 from .config import (BUFFER_ALIGNMENT, COMBINE_CONFIGS, DISPATCH_CONFIGS, INT_MAX, Config, InvalidArgument, _align_up,
                      check_int, check_num_ranks, flag)
 from .utils import EventOverlap, from_ours, to_ours

@@ -20,8 +20,8 @@ from typing import List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from .. import buffer as _mep
-from ..types import DispatchHandle
+from ..core import buffer as _mep
+from ..core.types import DispatchHandle
 from .buffer import (RANKS_PER_NODE, _group_of, _needs_row_major_copy, _row_major_scales, _rows, _unpacked_scales,
                      _uses_cuda)
 from .config import flag
@@ -455,7 +455,7 @@ class ElasticBuffer:
                 if weights is not None:
                     weights.masked_fill_(pad, 0)
             if scales is not None and packed:
-                from ..fp8 import pack_ue8m0
+                from ..core.fp8 import pack_ue8m0
 
                 scales = pack_ue8m0(scales, checked=False)
             if scales is not None and use_tma_sf:

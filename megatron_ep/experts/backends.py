@@ -26,8 +26,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..autograd import refuse_second_derivative
-from ..permute import padded_counts, padded_host_counts, round_up
+from ..core.autograd import refuse_second_derivative
+from ..core.permute import padded_counts, padded_host_counts, round_up
 from .layout import GroupedLayout
 
 BACKENDS = ("deepgemm", "grouped_mm", "loop")

@@ -33,8 +33,8 @@ import types
 
 import torch
 
-from .. import envs
-from ..checks import check_int
+from ..core import envs
+from ..core.checks import check_int
 from ..experts.overlap import MAX_CHUNKS
 
 

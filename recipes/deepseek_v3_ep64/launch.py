@@ -36,7 +36,7 @@ torch backend (NCCL all-to-all). The NVSHMEM settings are those an InfiniBand cl
 runs pretrain_gpt.py unchanged as `__main__`, so the managers are in place before Megatron builds
 the model. Every flag this file passes is checked against Megatron's configuration classes by
 tests/test_recipes.py. Standard library only: it must run where megatron_ep is not importable;
-the rules it shares with megatron_ep (switches, backend names) come from megatron_ep/envs.py and
+the rules it shares with megatron_ep (switches, backend names) come from megatron_ep/core/envs.py and
 megatron_ep/megatron/backend.py, loaded by their paths (both are standard library only).
 """
 
@@ -64,7 +64,7 @@ def _repo_module(name: str, path: str):
     return module
 
 
-envs = _repo_module("_launch_envs", "megatron_ep/envs.py")  # the one switch parser
+envs = _repo_module("_launch_envs", "megatron_ep/core/envs.py")  # the one switch parser
 backend_env = _repo_module("_launch_backend", "megatron_ep/megatron/backend.py")  # MEGATRON_EP_BACKEND's rule
 MEGATRON_LM_PLACEHOLDER = "$MEGATRON_LM_DIR"  # dry run without a checkout: left to the shell
 
@@ -188,7 +188,7 @@ DEBUG_ENV = "MEP_DEBUG_TRACEBACK"
 
 
 class _Parser(argparse.ArgumentParser):
-    """One line on a bad argument (argparse prints the whole usage first); megatron_ep.cli
+    """One line on a bad argument (argparse prints the whole usage first); megatron_ep.tools.cli
     does the same for the other entry points, but this file must run without megatron_ep."""
 
     def error(self, message):

@@ -12,7 +12,7 @@ thin entry points over it, and scripts/ab_throughput.py uses its report writer.
     deepep        DeepEP V1 (intranode and low-latency kernels), when `deep_ep` imports
     normal        the normal-path bench body (scripts/bench_normal.py)
     normal_report its console tables and markdown table
-    model_check   its internode model check (megatron_ep.model against the run)
+    model_check   its internode model check (megatron_ep.tools.model against the run)
     low_latency   the low-latency bench body and tables (scripts/bench_low_latency.py)
 
 The entry points put this folder's parent (scripts/) and the checkout on sys.path;

@@ -177,11 +177,11 @@ def profile_op(fn, top: int, device, calls: int = 20) -> str:
 
 def phases_op(fn, buf, device, calls: int = 20) -> Optional[str]:
     """The steps of each one-crossing entry `calls` calls of `fn` made, µs per call, from the
-    extension's clock (megatron_ep.tracing.host_steps), and the host time of those calls outside
+    extension's clock (megatron_ep.tools.tracing.host_steps), and the host time of those calls outside
     it (Python, the crossings' argument and result conversions, the previous call's objects
     freed); None where nothing was timed (the torch backend, the low-latency calls, DeepEP's own
     Buffer)."""
-    from megatron_ep import tracing
+    from megatron_ep.tools import tracing
 
     buf = getattr(buf, "runtime", buf)  # megatron_ep.deep_ep's Buffer: our Buffer inside
     if not hasattr(buf, "_backend"):

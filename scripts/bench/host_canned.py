@@ -47,9 +47,9 @@ def _buffers():
     path over the recorder, each entry returning its first result again."""
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     import megatron_ep as mep
-    from megatron_ep import buffer as B
+    from megatron_ep.core import buffer as B
     from megatron_ep import deep_ep
-    from megatron_ep.cuda.backend import CudaBackend
+    from megatron_ep.backends.cuda.backend import CudaBackend
     import test_intranode_path as rec
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -82,9 +82,9 @@ def _low_latency_path():
     tokens, hidden 256, top-4 on one rank), each crossing returning its first result again."""
     import types
 
-    from megatron_ep.cuda import extension as ext, nvshmem
-    from megatron_ep.cuda.paths import low_latency as LL
-    from megatron_ep.cuda.sm_budget import SmBudget
+    from megatron_ep.backends.cuda import extension as ext, nvshmem
+    from megatron_ep.backends.cuda.paths import low_latency as LL
+    from megatron_ep.backends.cuda.sm_budget import SmBudget
     import test_low_latency_path as llrec
 
     real = ext.load_nvshmem()

@@ -15,11 +15,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import megatron_ep as mep  # noqa: E402
-from megatron_ep.fp8 import per_token_cast_back  # noqa: E402
+from megatron_ep.core.fp8 import per_token_cast_back  # noqa: E402
 
 from bench import deepep, nccl, report  # noqa: E402
-from megatron_ep import tracing  # noqa: E402
-from megatron_ep.tracing import low_latency_points  # noqa: E402
+from megatron_ep.tools import tracing  # noqa: E402
+from megatron_ep.tools.tracing import low_latency_points  # noqa: E402
 from bench.report import md_line, md_rule  # noqa: E402
 
 # ours-merged: the weights given at dispatch; ours-mask: the rank mask on (nobody masked), the

@@ -1,4 +1,4 @@
-"""The normal path's model check (--ranks-per-node): megatron_ep.model's exact per-link bytes of
+"""The normal path's model check (--ranks-per-node): megatron_ep.tools.model's exact per-link bytes of
 the run's routing against the bench's own counts (a disagreement is a bug: the run fails), and
 a time check: per-SM rates calibrated on one measured op per direction predict the others."""
 
@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_ep import model as MODEL
+from megatron_ep.tools import model as MODEL
 
 from bench.harness import fp8_row_bytes, mean_over_ranks
 
 
 def model_check(args, allres, key, row_bytes, ref_key=None) -> str:
-    """The "model check" block (--ranks-per-node): megatron_ep.model's exact per-link bytes of
+    """The "model check" block (--ranks-per-node): megatron_ep.tools.model's exact per-link bytes of
     this run's routing against the bench's own counts, and the time check (`_model_times`):
     rates calibrated on one measured op per direction predict the others; those of SM count
     `ref_key` predict this one. Raises after printing when an exact count disagrees (a bug, not
@@ -24,7 +24,7 @@ def model_check(args, allres, key, row_bytes, ref_key=None) -> str:
         c = MODEL.LinkCount(R, P, row_bytes, *[o["links"][f] for f in MODEL.LINK_FIELDS])
         lc = c if lc is None else lc + c
     mb = lambda v: f"{v / 1e6:.2f} MB"  # noqa: E731
-    lines = [f"  model check (megatron_ep.model, {R // P} nodes x {P} ranks, bf16 rows of {row_bytes} B; per rank "
+    lines = [f"  model check (megatron_ep.tools.model, {R // P} nodes x {P} ranks, bf16 rows of {row_bytes} B; per rank "
              f"mean [min, max]):"]
 
     def span(vals):
@@ -94,7 +94,7 @@ def _check_lines(chk, note="") -> list:
 def _model_times(args, allres, key, ref_key, lc) -> list:
     """The time check: per-SM rates of the RDMA hop, the in-node stage and the local work
     calibrated on ONE measured operation per direction (its phase marks) predict the others
-    from this run's exact rows (megatron_ep.model's stages); rates calibrated at the first SM
+    from this run's exact rows (megatron_ep.tools.model's stages); rates calibrated at the first SM
     count predict the others; the SM split if the two copy stages ran at once."""
     R, H = len(allres), args.hidden
     bf16, fp8 = 2 * H, fp8_row_bytes(H)
@@ -114,7 +114,7 @@ def _model_times(args, allres, key, ref_key, lc) -> list:
     if not sms:
         return ["    times: n/a (no SM count: torch backend, no phase marks; tests/test_model.py checks the time check "
                 "on recorded GPU figures)"]
-    out = [f"    times (µs per call and rank, loop mode, mean over ranks; megatron_ep.model's stages): RDMA hop on "
+    out = [f"    times (µs per call and rank, loop mode, mean over ranks; megatron_ep.tools.model's stages): RDMA hop on "
            f"{blocks} blocks{'' if known else ' (assumed = SMs: internal hook n/a)'}, in-node stage on {sms} SMs, local "
            f"work (fan-out) on the rank's GPU share; rates calibrated on ONE op per direction, the rest predicted "
            f"from this run's rows x row bytes"]

@@ -14,10 +14,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import megatron_ep as mep  # noqa: E402
-from megatron_ep import model as MODEL  # noqa: E402
+from megatron_ep.tools import model as MODEL  # noqa: E402
 
 from bench import baselines, deepep, internals, nccl, normal_report, report  # noqa: E402
-from megatron_ep import tracing  # noqa: E402
+from megatron_ep.tools import tracing  # noqa: E402
 
 FULL = dict(ranks=4, tokens=4096, hidden=7168, experts=256, topk=8, alignment=128, iters=25, warmup=5)
 SMOKE = dict(ranks=2, tokens=64, hidden=256, experts=16, topk=4, alignment=8, iters=3, warmup=1)
@@ -77,7 +77,7 @@ def node_pairs(idx: torch.Tensor, E: int, nodes: int) -> int:
 
 
 def phases(buf, timer, fn, setup=None):
-    """Median time of each kernel phase of one op, from the events of `megatron_ep.tracing.phases`
+    """Median time of each kernel phase of one op, from the events of `megatron_ep.tools.tracing.phases`
     (the gaps include waits for peers and for the host); "(loop)" keys: back to back."""
     samples = {}
     last = []

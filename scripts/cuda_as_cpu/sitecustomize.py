@@ -16,9 +16,9 @@ import os
 
 
 def _envs():
-    """megatron_ep/envs.py by its path (standard library only: this runs before anything else)."""
+    """megatron_ep/core/envs.py by its path (standard library only: this runs before anything else)."""
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "megatron_ep",
-                        "envs.py")
+                        "core", "envs.py")
     spec = importlib.util.spec_from_file_location("_megatron_ep_envs", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
