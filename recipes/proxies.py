@@ -163,7 +163,7 @@ def main(argv=None) -> int:
     if args.dry_run:
         return 0
     if args.debug:
-        env = {**env, "MEP_DEBUG_TRACEBACK": "1"}
+        env = {**env, "MEGATRON_EP_DEBUG_TRACEBACK": "1"}
     # torchrun's default (1 thread per process), set here so that it does not print its notice about it
     env = {"OMP_NUM_THREADS": "1", **os.environ, **env}
     return subprocess.call(cmd, cwd=REPO_ROOT, env=env)

@@ -224,7 +224,7 @@ def environment(cpu: bool = False) -> Dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [CUDA_AS_CPU if cpu else None, SHIM, ROOT,
                                                       os.environ.get("PYTHONPATH")]))
     if cpu:
-        env.update(MEP_CUDA_AS_CPU="1", MEGATRON_EP_DEEP_EP_BACKEND="torch")
+        env.update(MEGATRON_EP_CUDA_AS_CPU="1", MEGATRON_EP_DEEP_EP_BACKEND="torch")
     env.update(ENV)
     env.setdefault("CUDA_MODULE_LOADING", "EAGER")  # virtual ranks under MPS: docs/design.md §5
     # 16 virtual ranks (the internode file) hold about 4.8 GiB each, most of it from creation on:
@@ -364,7 +364,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         env = environment(args.cpu)
         nodes = f"RANK=0..{args.num_nodes - 1}" if args.num_nodes > 1 else "RANK=0"
         shown = {"PYTHONPATH": env["PYTHONPATH"], **ENV,
-                 **{k: env[k] for k in ("CUDA_MODULE_LOADING", "MASTER_ADDR", "MASTER_PORT", "MEP_CUDA_AS_CPU",
+                 **{k: env[k] for k in ("CUDA_MODULE_LOADING", "MASTER_ADDR", "MASTER_PORT", "MEGATRON_EP_CUDA_AS_CPU",
                                         "MEGATRON_EP_DEEP_EP_BACKEND") if k in env},
                  "WORLD_SIZE": str(args.num_nodes)}
         print(f"+ cd {shlex.quote(work)} && " + " ".join(f"{k}={shlex.quote(v)}" for k, v in shown.items())

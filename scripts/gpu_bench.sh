@@ -93,7 +93,7 @@ if [ -n "${MEP_HOST_BASE:-}" ] && has host; then  # the other commit's tree, bui
 fi
 if has build; then
   phase build
-  if ! MAX_JOBS=16 MEP_PTXAS_VERBOSE=1 python3 setup.py build_ext --inplace > /tmp/build.log 2>&1; then
+  if ! MAX_JOBS=16 MEGATRON_EP_PTXAS_VERBOSE=1 python3 setup.py build_ext --inplace > /tmp/build.log 2>&1; then
     tail -40 /tmp/build.log; exit 1
   fi
   grep -E "Compiling entry|registers|spill" /tmp/build.log | sed 's/ptxas info *: //' > "${MEP_PTXAS_OUT:-$OUT}/ptxas.txt"

@@ -86,7 +86,7 @@ NGPU=$(nvidia-smi -L | wc -l)
 usable() { python3 -c "import torch, megatron_ep as m, megatron_ep.backends.cuda.extension as ext, sys; ext.load_nvshmem(); \
 sys.exit(0 if m.cuda_backend_available() else 1)" 2>> "$LOGS/build.log"; }
 build_one() {  # build_one NAMES TEMP LOG
-  MEP_BUILD_ONLY=$1 MAX_JOBS=$(nproc) MEP_PTXAS_VERBOSE=1 MEP_REQUIRE_EXTENSION=1 \
+  MEGATRON_EP_BUILD_ONLY=$1 MAX_JOBS=$(nproc) MEGATRON_EP_PTXAS_VERBOSE=1 MEGATRON_EP_REQUIRE_EXTENSION=1 \
     python3 setup.py build_ext --inplace --build-temp "build/$2" > "$3" 2>&1
 }
 t0=$(date +%s)
@@ -235,7 +235,7 @@ sanitize() {
   local log=$LOGS/sanitizer_${tool}_${name//[^A-Za-z0-9_.-]/_}.log t0 rc
   t0=$(date +%s)
   # lazy module loading (NO_MPS_LOADING): the tool instruments only the kernels that run
-  MEP_TIMEOUT_S=120 MEP_TEST_MODULE_LOADING=$NO_MPS_LOADING CUDA_MODULE_LOADING=$NO_MPS_LOADING \
+  MEGATRON_EP_TIMEOUT_S=120 MEP_TEST_MODULE_LOADING=$NO_MPS_LOADING CUDA_MODULE_LOADING=$NO_MPS_LOADING \
     timeout -k 10 "$limit" compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 9 \
     python3 -m pytest -q -x -p no:cacheprovider "$@" > "$log" 2>&1
   rc=$?

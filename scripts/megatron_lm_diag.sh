@@ -10,7 +10,7 @@
 #
 # LOADING: CUDA_MODULE_LOADING of the ranks (the ledger logs what the driver then uses);
 # DISPATCHER: alltoall, deepep or hybridep (flex, the Buffer's default SMs unless DIAG_NUM_SMS);
-# launcher options comma-separated. MEGATRON_LM_DIR (default .carry/megatron-lm-main), MEP_TIMEOUT_S
+# launcher options comma-separated. MEGATRON_LM_DIR (default .carry/megatron-lm-main), MEGATRON_EP_TIMEOUT_S
 # (default 40), DIAG_LIMIT_S (each run's wall-clock limit, default 150), DIAG_NUM_SMS. Run from the
 # repository root on a Hopper GPU; wheels under .whl/ are installed first, as by scripts/gpu_check.sh.
 set -uo pipefail
@@ -22,7 +22,7 @@ LEDGER=${DIAG_LEDGER:-$ROOT/tests/megatron_lm_ledger.py}
 rm -rf "$W"; mkdir -p "$W" "$OUT"
 exec > >(tee "$OUT/megatron_lm_diag.txt") 2>&1
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
-export CUDA_DEVICE_MAX_CONNECTIONS=1 MEGATRON_EP_BACKEND=cuda MEP_DEVICE_SHARERS=4
+export CUDA_DEVICE_MAX_CONNECTIONS=1 MEGATRON_EP_BACKEND=cuda MEGATRON_EP_DEVICE_SHARERS=4
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/mep-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mep-mps-log
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -31,7 +31,7 @@ fi
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 t0=$(date +%s)
-MEP_BUILD_ONLY=_protocol,_C MAX_JOBS=$(nproc) MEP_REQUIRE_EXTENSION=1 \
+MEGATRON_EP_BUILD_ONLY=_protocol,_C MAX_JOBS=$(nproc) MEGATRON_EP_REQUIRE_EXTENSION=1 \
   python3 setup.py build_ext --inplace --build-temp build/diag > "$W/build.log" 2>&1 || { tail -30 "$W/build.log"; exit 1; }
 make -C "$LM/megatron/core/datasets" > "$W/make.log" 2>&1
 echo "built in $(( $(date +%s) - t0 )) s; Megatron-LM $(cut -c1-10 "$LM/REVISION" 2>/dev/null)"
@@ -61,7 +61,7 @@ for spec in "${runs[@]}"; do
   else flags=(--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend "$disp")
        [ -n "${DIAG_NUM_SMS:-}" ] && flags+=(--moe-flex-dispatcher-num-sms "$DIAG_NUM_SMS"); fi
   s0=$(date +%s)
-  CUDA_MODULE_LOADING=$loading MEP_CALL_LEDGER=$d MEP_TIMEOUT_S=${MEP_TIMEOUT_S:-40} \
+  CUDA_MODULE_LOADING=$loading MEP_CALL_LEDGER=$d MEGATRON_EP_TIMEOUT_S=${MEGATRON_EP_TIMEOUT_S:-40} \
     timeout -k 10 "${DIAG_LIMIT_S:-150}" python3 -m torch.distributed.run --standalone --nproc-per-node 4 "$LEDGER" \
     "${launcher[@]}" "$LM/pretrain_gpt.py" "${MODEL[@]}" --train-iters "$iters" "${flags[@]}" > "$d/run.log" 2>&1
   rc=$?

@@ -7,22 +7,31 @@
 # How long (a fresh 2-core machine): about 15 minutes the first time, most of it pip's
 # download and install of ~5.6 GB (its progress is shown), then ~4 minutes of compiling (a line
 # per compile step); seconds on later runs.
-#   MEP_VENV=path          where the environment lives (default: .venv in the repository)
-#   MEP_CPU_ONLY=1         laptops / CPU machines: skip the extension (its kernels run on Hopper
-#                          GPUs only); saves the ~4 min compile and the need for nvcc, not the
-#                          download: PyPI's torch for Linux is the CUDA build (~5 GB with its
-#                          nvidia-* wheels)
-#   MEP_TORCH_INDEX_URL=u  install torch from this index first, e.g. PyTorch's CPU-only wheels
-#                          https://download.pytorch.org/whl/cpu (~0.2 GB; untested by us: our
-#                          machines cannot reach it)
-#   MEP_SKIP_CUDA=1        skip the CUDA extension build (what MEP_CPU_ONLY=1 implies); the
-#                          small _protocol module is always built
-#   MEP_REQUIRE_EXTENSION=1  fail if the extension cannot be built (CI sets it)
+#   MEGATRON_EP_VENV=path            where the environment lives (default: .venv in the repository)
+#   MEGATRON_EP_CPU_ONLY=1           laptops / CPU machines: skip the extension (its kernels run on
+#                                    Hopper GPUs only); saves the ~4 min compile and the need for
+#                                    nvcc, not the download: PyPI's torch for Linux is the CUDA build
+#                                    (~5 GB with its nvidia-* wheels)
+#   MEGATRON_EP_TORCH_INDEX_URL=u    install torch from this index first, e.g. PyTorch's CPU-only
+#                                    wheels https://download.pytorch.org/whl/cpu (~0.2 GB; untested
+#                                    by us: our machines cannot reach it)
+#   MEGATRON_EP_SKIP_CUDA=1          skip the CUDA extension build (what MEGATRON_EP_CPU_ONLY=1
+#                                    implies); the small _protocol module is always built
+#   MEGATRON_EP_REQUIRE_EXTENSION=1  fail if the extension cannot be built (CI sets it)
+# Each was read as MEP_* before; the old name still works, with a notice.
 # Switches take 1 / true / yes / on and 0 / false / no / off (or unset), as everywhere in
 # megatron_ep: megatron_ep/core/envs.py parses them; another value is refused in one line.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-VENV=${MEP_VENV:-$ROOT/.venv}
+# the set-up's own two names, read as megatron_ep/core/envs.py reads the others (RENAMED)
+for _mep_name in VENV TORCH_INDEX_URL; do
+  _mep_new=MEGATRON_EP_$_mep_name _mep_old=MEP_$_mep_name
+  if [ -z "${!_mep_new+x}" ] && [ -n "${!_mep_old+x}" ]; then
+    echo "megatron_ep: $_mep_old is now $_mep_new; the old name still works" >&2
+    export "$_mep_new=${!_mep_old}"
+  fi
+done
+VENV=${MEGATRON_EP_VENV:-$ROOT/.venv}
 PY=${PYTHON:-python3}
 _mep_say() { echo "set-up: $*" >&2; }
 _mep_since() { local s=$((SECONDS - $1)); printf '%dm%02ds' $((s / 60)) $((s % 60)); }
@@ -31,10 +40,10 @@ _mep_start=$SECONDS
 # run by PYTHON, else the environment's python once it exists, else python3
 _mep_parse_py=${PYTHON:-python3}
 if [ -z "${PYTHON:-}" ] && [ -x "$VENV/bin/python" ]; then _mep_parse_py=$VENV/bin/python; fi
-_mep_flags=$("$_mep_parse_py" "$ROOT/megatron_ep/core/envs.py" --prog set-up flag MEP_CPU_ONLY MEP_SKIP_CUDA MEP_REQUIRE_EXTENSION) \
+_mep_flags=$("$_mep_parse_py" "$ROOT/megatron_ep/core/envs.py" --prog set-up flag MEGATRON_EP_CPU_ONLY MEGATRON_EP_SKIP_CUDA MEGATRON_EP_REQUIRE_EXTENSION) \
   || exit 2
 { read -r _mep_cpu_only; read -r _mep_skip_cuda; read -r _mep_require; } <<< "$_mep_flags"
-if [ "$_mep_cpu_only" = "1" ]; then _mep_skip_cuda=1; export MEP_SKIP_CUDA=1; fi
+if [ "$_mep_cpu_only" = "1" ]; then _mep_skip_cuda=1; export MEGATRON_EP_SKIP_CUDA=1; fi
 _mep_fresh=0
 if [ ! -x "$VENV/bin/python" ]; then
   _mep_say "creating $VENV (first run: about 15 minutes on a 2-core machine in all; the next steps say what they do)"
@@ -48,8 +57,8 @@ if [ "$(cat "$VENV/.mep-requirements" 2>/dev/null)" != "$_mep_req_sum" ]; then
   _mep_t=$SECONDS
   _mep_say "installing requirements.txt: about 5.6 GB the first time (torch with its CUDA libraries), usually" \
            "the longest step (about 10 minutes on a typical connection); pip's progress follows"
-  if [ -n "${MEP_TORCH_INDEX_URL:-}" ]; then
-    "$VENV/bin/python" -m pip install --index-url "$MEP_TORCH_INDEX_URL" \
+  if [ -n "${MEGATRON_EP_TORCH_INDEX_URL:-}" ]; then
+    "$VENV/bin/python" -m pip install --index-url "$MEGATRON_EP_TORCH_INDEX_URL" \
       "$(grep -E '^torch([=<>!~ ]|$)' "$ROOT/requirements.txt" | head -1 | sed 's/ *#.*//')"
   fi
   "$VENV/bin/python" -m pip install -r "$ROOT/requirements.txt"
@@ -61,7 +70,7 @@ if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_
 if ! (cd / && "$VENV/bin/python" -c "import importlib.util as u, sys; s = u.find_spec('megatron_ep'); \
 sys.exit(0 if s and s.origin and s.origin.startswith(sys.argv[1] + '/') else 1)" "$ROOT/megatron_ep"); then
   _mep_say "installing megatron_ep in editable mode (seconds)"
-  MEP_SKIP_CUDA=1 "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$ROOT" > "$VENV/.mep-install.log" 2>&1 \
+  MEGATRON_EP_SKIP_CUDA=1 "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$ROOT" > "$VENV/.mep-install.log" 2>&1 \
     || { cat "$VENV/.mep-install.log" >&2; exit 1; }
 fi
 # The build's output goes to its log; each compile step ninja finishes (its "[k/N] command"
@@ -91,7 +100,7 @@ if [ ! -e "$_mep_stamp" ] || [ -n "$(find "$ROOT/csrc" "$ROOT/setup.py" -newer "
     _mep_say "compiling megatron_ep's protocol module (seconds; the CUDA extension is skipped)"
   else
     _mep_say "compiling megatron_ep's CUDA extension if nvcc is here (sm_90 kernels: Hopper GPUs only; about 4 minutes" \
-             "on 2 cores, a line per step; MEP_CPU_ONLY=1 skips it)"
+             "on 2 cores, a line per step; MEGATRON_EP_CPU_ONLY=1 skips it)"
   fi
   : > "$VENV/.mep-build.log"
   if ! (cd "$ROOT" && MAX_JOBS=${MAX_JOBS:-$(nproc)} "$VENV/bin/python" setup.py -q build_ext --inplace) 2>&1 | _mep_progress; then

@@ -29,12 +29,12 @@ GPU_MARKS = [
                        reason="needs a CUDA GPU and the built extension"),
 ]
 
-# Outputs poisoned before every kernel, short handshake timeouts (MEP_TIMEOUT_S from the
+# Outputs poisoned before every kernel, short handshake timeouts (MEGATRON_EP_TIMEOUT_S from the
 # environment when set: the gate's sanitizer runs are several times slower), eager module loading
 # under MPS (one context for every rank: a kernel loaded lazily can wait behind a peer's spinning
 # one), NVLink multicast off. Without MPS each rank has its own context, so the gate's sanitizer
 # runs set MEP_TEST_MODULE_LOADING=LAZY: the tools then instrument only the kernels that run.
-ENV = {"MEP_TEST_CUDA": "1", "MEP_POISON": "1", "MEP_TIMEOUT_S": os.environ.get("MEP_TIMEOUT_S", "30"),
+ENV = {"MEP_TEST_CUDA": "1", "MEP_POISON": "1", "MEGATRON_EP_TIMEOUT_S": os.environ.get("MEGATRON_EP_TIMEOUT_S", "30"),
        "CUDA_MODULE_LOADING": os.environ.get("MEP_TEST_MODULE_LOADING", "EAGER"),
        "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
 

@@ -169,7 +169,7 @@ def run_all(backend: str = "torch", device: str = "cpu") -> list:
 
 
 def run_cuda_timeouts(_cfg=None) -> list:
-    """cuda backend, short timeout (MEP_TIMEOUT_S in the pool): (1) rank 0 combines on Buffer A
+    """cuda backend, short timeout (MEGATRON_EP_TIMEOUT_S in the pool): (1) rank 0 combines on Buffer A
     while its peers combine on B: each rank's kernel waits for the others in its own Buffer's
     memory, and every rank raises CommTimeoutError within the timeout (no wrong rows, no hang);
     (2) rank 0 destroys Buffer C alone (destroy is collective) while its peers dispatch on it:
@@ -178,7 +178,7 @@ def run_cuda_timeouts(_cfg=None) -> list:
     R, rank = dist.get_world_size(), dist.get_rank()
     errors = []
     tag = f"[cuda R={R} rank={rank}]"
-    limit = float(__import__("os").environ.get("MEP_TIMEOUT_S", "3")) + 20
+    limit = float(__import__("os").environ.get("MEGATRON_EP_TIMEOUT_S", "3")) + 20
 
     def timed(name, fn):
         start = time.monotonic()
@@ -208,6 +208,6 @@ def run_cuda_timeouts(_cfg=None) -> list:
         timed("destroy on one rank", c.buf.destroy)
     else:
         timed("dispatch while rank 0 destroys", lambda: c.buf.dispatch(c.x, c.idx, c.w, num_experts=c.E))
-        time.sleep(float(__import__("os").environ.get("MEP_TIMEOUT_S", "3")) + 5)  # until rank 0's destroy gave up
+        time.sleep(float(__import__("os").environ.get("MEGATRON_EP_TIMEOUT_S", "3")) + 5)  # until rank 0's destroy gave up
         dist.barrier()  # the barrier rank 0's destroy left behind
     return errors

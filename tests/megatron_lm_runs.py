@@ -8,7 +8,7 @@ DeepSeek-V3 EP64 recipe's `--preset tiny` (its own flags, 4 ranks) and the `ds3`
 model with DeepSeek-V3's routing and layer features (16 experts top-4, sigmoid scores with expert
 bias, 4 groups of which 2 per token, top-k scaling 2.5, fp32 router, seq_aux_loss, a shared
 expert, rope) at EP 4 and 2 virtual nodes x 2, our kernels on the Buffer's default SM budget
-(MEP_DEVICE_SHARERS = the most processes the GPU holds at once, as docs/design.md §5 says); runs
+(MEGATRON_EP_DEVICE_SHARERS = the most processes the GPU holds at once, as docs/design.md §5 says); runs
 that are compared differ only in what is compared (dispatcher, experts, a checkpoint in the
 middle). MEP_E2E_RUNS (comma-separated fnmatch patterns of run names) selects runs, with the runs
 they are compared with.
@@ -215,7 +215,7 @@ def command(run: Run, lm_dir: str, ckpt_root: str, sharers: int = MAX_RANKS) -> 
     if run.ranks_per_node:
         env["MEGATRON_EP_RANKS_PER_NODE"] = str(run.ranks_per_node)
     if run.ds3 and run.dispatcher != "alltoall":  # other runs' processes share the GPU too
-        env["MEP_DEVICE_SHARERS"] = str(sharers)
+        env["MEGATRON_EP_DEVICE_SHARERS"] = str(sharers)
     return argv, env
 
 

@@ -182,7 +182,7 @@ def main(argv=None) -> int:
                PYTHONPATH=os.pathsep.join(filter(None, [os.path.join(ROOT, "megatron_ep", "deep_ep", "shim") if args.deep_ep
                                                         else None, checkout, ROOT, HERE, os.environ.get("PYTHONPATH")])))
     if args.gpu:  # Megatron's EP groups split the ranks; our buffers split the GPU's SMs over all of them
-        env["MEP_DEVICE_SHARERS"] = str(args.nproc)
+        env["MEGATRON_EP_DEVICE_SHARERS"] = str(args.nproc)
         # eager module loading: the ranks share one GPU under MPS (megatron_ep/backends/cuda/sharing.py)
         env["CUDA_MODULE_LOADING"] = "EAGER"
     else:

@@ -1,4 +1,4 @@
-"""The CUDA extension is built by setup (CI sets MEP_REQUIRE_EXTENSION=1) and imports, or, on a
+"""The CUDA extension is built by setup (CI sets MEGATRON_EP_REQUIRE_EXTENSION=1) and imports, or, on a
 machine without a GPU driver, fails to import for that reason only."""
 
 import glob
@@ -15,8 +15,8 @@ PKG = os.path.dirname(megatron_ep.__file__)
 
 def test_extension_built_and_importable():
     built = glob.glob(os.path.join(PKG, "_C*.so"))
-    if not envs.flag("MEP_REQUIRE_EXTENSION") and not built:
-        pytest.skip("extension not built here (set MEP_REQUIRE_EXTENSION=1 to require it)")
+    if not envs.flag("MEGATRON_EP_REQUIRE_EXTENSION") and not built:
+        pytest.skip("extension not built here (set MEGATRON_EP_REQUIRE_EXTENSION=1 to require it)")
     assert built, f"megatron_ep._C was not built under {PKG}"
     if _ext.available():
         mod = _ext.load()

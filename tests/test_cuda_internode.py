@@ -15,7 +15,7 @@ from gpu_pools import GPU_MARKS, Alone, GpuPools, Shared, closing, run_alone
 
 pytestmark = GPU_MARKS
 
-POOLS = GpuPools(ahead={"test_internode_puts": [Shared(4, MEP_INTERNODE_FORCE_PUTS="1")],
+POOLS = GpuPools(ahead={"test_internode_puts": [Shared(4, MEGATRON_EP_INTERNODE_FORCE_PUTS="1")],
                         "test_internode_peer_failure_is_published": [Alone(2, NVSHMEM_DISABLE_MNNVL="1")]},
                  NVSHMEM_DISABLE_MNNVL="1")
 pool_ = POOLS.get
@@ -62,7 +62,7 @@ def test_internode_puts():
     """The same cases with every RDMA-domain transfer as an NVSHMEM put from symmetric staging
     (the code path InfiniBand takes), here over NVSHMEM's P2P transport."""
     R, P = 4, 2
-    errors = flat(pool_(R, MEP_INTERNODE_FORCE_PUTS="1").run(cases.run_normal_cases, _sized(normal_cases(R)[:6], P),
+    errors = flat(pool_(R, MEGATRON_EP_INTERNODE_FORCE_PUTS="1").run(cases.run_normal_cases, _sized(normal_cases(R)[:6], P),
                                                       backend="cuda", device="cuda", timeout=600))
     assert not errors, "\n".join(errors[:20])
 

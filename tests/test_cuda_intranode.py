@@ -16,8 +16,8 @@ from gpu_pools import GPU_MARKS, Alone, GpuPools, closing, run_alone
 
 pytestmark = GPU_MARKS
 
-POOLS = GpuPools(ahead={"test_timeout_names_the_missing_rank": [Alone(2, MEP_TIMEOUT_S="3")],
-                        "test_hostile_timeouts": [Alone(2, MEP_TIMEOUT_S="3")]})
+POOLS = GpuPools(ahead={"test_timeout_names_the_missing_rank": [Alone(2, MEGATRON_EP_TIMEOUT_S="3")],
+                        "test_hostile_timeouts": [Alone(2, MEGATRON_EP_TIMEOUT_S="3")]})
 pool_ = POOLS.get
 _close_pools = closing(POOLS)
 
@@ -87,7 +87,7 @@ def test_bad_inputs(R):
 
 
 def test_timeout_names_the_missing_rank():
-    errors = flat(run_alone(2, cases.run_timeout_case, 1, timeout=120, MEP_TIMEOUT_S="3"))
+    errors = flat(run_alone(2, cases.run_timeout_case, 1, timeout=120, MEGATRON_EP_TIMEOUT_S="3"))
     assert not errors, "\n".join(errors)
 
 
@@ -132,7 +132,7 @@ def test_double_backward(R):
 def test_hostile_timeouts():
     """Calls on different Buffers, and a destroy on one rank only: CommTimeoutError on every rank
     within the (short) timeout, no hang (fresh processes: the Buffers end broken)."""
-    errors = flat(run_alone(2, hostile_cases.run_cuda_timeouts, None, timeout=150, MEP_TIMEOUT_S="3"))
+    errors = flat(run_alone(2, hostile_cases.run_cuda_timeouts, None, timeout=150, MEGATRON_EP_TIMEOUT_S="3"))
     assert not errors, "\n".join(errors[:20])
 
 

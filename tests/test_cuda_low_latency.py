@@ -18,7 +18,7 @@ from megatron_ep.experts.backends import deep_gemm_module
 pytestmark = GPU_MARKS
 
 POOLS = GpuPools(ahead={"test_peer_failure_is_published": [Alone(2)],
-                        "test_timeout_names_the_missing_rank": [Alone(2, MEP_TIMEOUT_S="3")]})
+                        "test_timeout_names_the_missing_rank": [Alone(2, MEGATRON_EP_TIMEOUT_S="3")]})
 pool_ = POOLS.get
 _close_pools = closing(POOLS)
 
@@ -105,7 +105,7 @@ def test_peer_failure_is_published(R):
 
 
 def test_timeout_names_the_missing_rank():
-    errors = flat(run_alone(2, ll_cases.run_ll_timeout_case, 1, timeout=180, MEP_TIMEOUT_S="3"))
+    errors = flat(run_alone(2, ll_cases.run_ll_timeout_case, 1, timeout=180, MEGATRON_EP_TIMEOUT_S="3"))
     assert not errors, "\n".join(errors)
 
 

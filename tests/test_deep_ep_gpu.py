@@ -15,7 +15,7 @@ from gpu_pools import GPU_MARKS, GpuPools, closing
 pytestmark = GPU_MARKS
 # short kernel waits and a bounded run: a rank that stops (an error on one rank only) fails the
 # case within the test's limit, with each silent rank's stack, instead of running past it
-POOLS = GpuPools(MEP_TIMEOUT_S="10")
+POOLS = GpuPools(MEGATRON_EP_TIMEOUT_S="10")
 RUN_S = float(os.environ.get("MEP_DEEP_EP_RUN_S", "120"))
 pool_ = POOLS.get
 _close_pools = closing(POOLS)

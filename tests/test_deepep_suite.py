@@ -36,7 +36,7 @@ V2_CHECKOUT = os.environ.get("MEP_DEEPEP_V2_TESTS", os.path.join(ROOT, ".carry",
 # Sizes that keep each file within its time limit on 2 virtual ranks; the shapes stay DeepEP's
 # defaults where they matter to the kernels (hidden 7168, top-8, low-latency 288 experts).
 # The shrink test runs at 8 ranks (its ranks 1, 3 and 5 stop at their first dispatch, combine
-# and clean; the others mask them when a wait passes MEP_MASK_TIMEOUT_S).
+# and clean; the others mask them when a wait passes MEGATRON_EP_MASK_TIMEOUT_S).
 # The internode file runs 2 virtual nodes of 8 ranks (16 processes of 8 SMs on one H200), 512
 # tokens per rank: its correctness checks, its tuning sweep of 218 profiled calls, then, on the
 # same Buffer (low_latency_mode=True), test_low_latency.py's checks at 16 ranks of 256 experts
@@ -48,7 +48,7 @@ CASES = [
     ("intranode", ["--num-tokens", "1024", "--num-experts", "64"], ["--num-processes", "2"], {}),
     ("internode", ["--num-tokens", "512", "--test-ll-compatibility"], ["--num-nodes", "2", "--num-processes", "8"], {}),
     ("low_latency", [], ["--num-processes", "2"], {}),
-    ("low_latency", ["--shrink-test"], ["--num-processes", "8"], {"MEP_MASK_TIMEOUT_S": "4"}),
+    ("low_latency", ["--shrink-test"], ["--num-processes", "8"], {"MEGATRON_EP_MASK_TIMEOUT_S": "4"}),
     # V2's file: every correctness check of its dispatch / combine cases (plain and expanded, bf16
     # and FP8, cached, with and without the CPU sync); its timing part (--skip-perf-test, the file's
     # own switch) reads DeepEP's kernel names from a profile, which ours do not have

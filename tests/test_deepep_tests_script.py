@@ -59,7 +59,7 @@ def _checkout(path, utils=INIT_DIST, test=FAKE_TEST):
 
 def _run(*args, env=None, timeout=120):
     env = {**os.environ, **(env or {})}
-    for k in ("RANK", "WORLD_SIZE", "MASTER_PORT", "MEP_DEBUG_TRACEBACK"):
+    for k in ("RANK", "WORLD_SIZE", "MASTER_PORT", "MEGATRON_EP_DEBUG_TRACEBACK"):
         env.pop(k, None)
     p = subprocess.run([sys.executable, SCRIPT, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=timeout)
@@ -282,7 +282,7 @@ def test_deepep_dd758ca_files_take_every_edit(tmp_path):
 
 
 def test_cuda_as_cpu_maps_every_cuda_device_to_the_cpu():
-    """--cpu's sitecustomize: with MEP_CUDA_AS_CPU=1, factory calls, .cuda(), .to("cuda"), the
+    """--cpu's sitecustomize: with MEGATRON_EP_CUDA_AS_CPU=1, factory calls, .cuda(), .to("cuda"), the
     default device and torch.cuda's queries give or answer for the CPU, and an FP8 tensor's
     collective moves its bytes; without the variable it changes nothing."""
     code = (
@@ -299,10 +299,10 @@ def test_cuda_as_cpu_maps_every_cuda_device_to_the_cpu():
         "print('mapped')\n")
     shim = os.path.join(ROOT, "scripts", "cuda_as_cpu")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [shim, os.environ.get("PYTHONPATH")])),
-           "MEP_CUDA_AS_CPU": "1", "MASTER_ADDR": "127.0.0.1"}
+           "MEGATRON_EP_CUDA_AS_CPU": "1", "MASTER_ADDR": "127.0.0.1"}
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "mapped" in p.stdout, p.stdout + p.stderr
-    env["MEP_CUDA_AS_CPU"] = "0"
+    env["MEGATRON_EP_CUDA_AS_CPU"] = "0"
     off = "import torch, sitecustomize; assert torch.set_default_device.__module__ == 'torch'; print('untouched')"
     p = subprocess.run([sys.executable, "-c", off], env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "untouched" in p.stdout, p.stdout + p.stderr

@@ -23,8 +23,8 @@ PY = sys.executable
 
 
 def _env(extra=None):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MEP_DEBUG_TRACEBACK",
-                                                            "MEP_RANK_ERRORS", "NODE_RANK", "MASTER_ADDR")}
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MEGATRON_EP_DEBUG_TRACEBACK",
+                                                            "MEGATRON_EP_RANK_ERRORS", "NODE_RANK", "MASTER_ADDR")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
     env["CUDA_VISIBLE_DEVICES"] = ""
     env.update(extra or {})
@@ -132,7 +132,7 @@ def test_failing_rank_is_one_line_and_debug_shows_the_traceback(tmp_path):
     plain, debug = _start([PY, str(script)]), _start([PY, str(script), "--debug"])
     code, lines = _finish(plain, timeout=60)
     assert code == 1 and lines == ["fails: error: RuntimeError: boom on rank 1 "
-                                   "(--debug or MEP_DEBUG_TRACEBACK=1 shows the traceback)"], lines
+                                   "(--debug or MEGATRON_EP_DEBUG_TRACEBACK=1 shows the traceback)"], lines
     code, lines = _finish(debug, timeout=60)
     text = "\n".join(lines)
     assert code == 1 and "Traceback" in text and "second line of the message" in text, text
@@ -497,9 +497,9 @@ def test_launcher_prints_no_third_party_warning(tmp_path):
 
 # ----------------------------------------------------------------------------------- switches
 BAD_SWITCHES = [  # (variable, argv): each command reads the switch, or imports what reads it
-    ("MEP_DEBUG_TRACEBACK", [PY, "-m", "megatron_ep.tools.demo", "--ranks", "3"]),
-    ("MEP_DEBUG_TRACEBACK", [PY, "-m", "megatron_ep.tools.model"]),
-    ("MEP_DEBUG_TRACEBACK", ["bash", "recipes/deepseek_v3_ep64/launch.sh", "--dry-run"]),
+    ("MEGATRON_EP_DEBUG_TRACEBACK", [PY, "-m", "megatron_ep.tools.demo", "--ranks", "3"]),
+    ("MEGATRON_EP_DEBUG_TRACEBACK", [PY, "-m", "megatron_ep.tools.model"]),
+    ("MEGATRON_EP_DEBUG_TRACEBACK", ["bash", "recipes/deepseek_v3_ep64/launch.sh", "--dry-run"]),
     ("MEGATRON_EP_INSTALL", [PY, "recipes/train_moe.py"]),
     ("MEGATRON_EP_INSTALL", [PY, "-m", "megatron_ep.megatron.launch", "README.md"]),
     ("MEGATRON_EP_INSTALL", [PY, "scripts/ab_throughput.py"]),

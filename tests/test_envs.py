@@ -127,9 +127,40 @@ def test_every_switch_is_parsed_by_envs():
         assert not re.search(r"""environ\.get\(["'](MEP|MEGATRON_EP)_[A-Z_]+["'](, ["'][01]["'])?\) *[!=]= *["']1["']""",
                              text), rel
         assert not re.search(r"""\$\{(MEP|MEGATRON_EP)_[A-Z_]+:-[01]\}" *!?= *"1\"""", text), rel
-    assert {"MEP_DEBUG_TRACEBACK", "MEGATRON_EP_INSTALL", "MEP_CPU_ONLY", "MEP_SKIP_CUDA", "MEP_REQUIRE_EXTENSION",
-            "MEP_DEBUG", "MEP_PTXAS_VERBOSE"} <= read, read
+    assert {"MEGATRON_EP_DEBUG_TRACEBACK", "MEGATRON_EP_INSTALL", "MEGATRON_EP_CPU_ONLY", "MEGATRON_EP_SKIP_CUDA", "MEGATRON_EP_REQUIRE_EXTENSION",
+            "MEGATRON_EP_DEBUG", "MEGATRON_EP_PTXAS_VERBOSE"} <= read, read
     assert read == set(envs.SWITCHES), read ^ set(envs.SWITCHES)
+
+
+def test_one_prefix_for_what_the_package_reads():
+    """Every variable the package, its build and its set-up name is MEGATRON_EP_*; an MEP_ name
+    appears only as an old name (envs.RENAMED) or in a comment of the scripts' own knobs."""
+    pkg = [p for p in _sources() if os.path.relpath(p, ROOT).startswith("megatron_ep" + os.sep)]
+    found = set()
+    for path in pkg + [os.path.join(ROOT, "setup.py")]:
+        found |= set(re.findall(r"\bMEP_[A-Z0-9_]+", open(path).read()))
+    assert found <= set(envs.RENAMED), found - set(envs.RENAMED)
+    assert all(new.startswith("MEGATRON_EP_") and new[len("MEGATRON_EP_"):] == old[len("MEP_"):]
+               for old, new in envs.RENAMED.items())
+
+
+def test_old_names_still_read_with_one_notice(monkeypatch, capsys):
+    monkeypatch.setattr(envs, "_noticed", set())
+    monkeypatch.delenv("MEGATRON_EP_TIMEOUT_S", raising=False)
+    monkeypatch.setenv("MEP_TIMEOUT_S", "7.5")
+    assert envs.number("MEGATRON_EP_TIMEOUT_S", 60.0, above=0) == 7.5
+    assert envs.number("MEGATRON_EP_TIMEOUT_S", 60.0, above=0) == 7.5
+    assert capsys.readouterr().err.splitlines() == [
+        "megatron_ep: MEP_TIMEOUT_S is now MEGATRON_EP_TIMEOUT_S; the old name still works"]
+    monkeypatch.setenv("MEGATRON_EP_TIMEOUT_S", "9")  # the new name wins
+    assert envs.number("MEGATRON_EP_TIMEOUT_S", 60.0, above=0) == 9.0
+    monkeypatch.setenv("MEP_SKIP_CUDA", "yes")
+    monkeypatch.delenv("MEGATRON_EP_SKIP_CUDA", raising=False)
+    assert envs.flag("MEGATRON_EP_SKIP_CUDA") is True
+    monkeypatch.setenv("MEP_SKIP_CUDA", "maybe")
+    with pytest.raises(ValueError, match="MEGATRON_EP_SKIP_CUDA='maybe'"):
+        envs.flag("MEGATRON_EP_SKIP_CUDA")
+    assert envs.raw("MEGATRON_EP_INSTALL", {"MEP_INSTALL": "1"}) is None  # never read under MEP_
 
 
 def test_flag_command_line():
@@ -146,23 +177,23 @@ def test_flag_command_line():
 
 
 def test_setup_py_reads_switches_as_the_library_does(tmp_path):
-    """setup.py takes `yes` for on and refuses `maybe` in one line: MEP_REQUIRE_EXTENSION=yes
+    """setup.py takes `yes` for on and refuses `maybe` in one line: MEGATRON_EP_REQUIRE_EXTENSION=yes
     makes a build without torch an error (a torch that cannot be imported stands in)."""
     (tmp_path / "torch.py").write_text("raise ImportError('no torch in this build environment')\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("MEP_SKIP_CUDA", "MEP_REQUIRE_EXTENSION")}
+    env = {k: v for k, v in os.environ.items() if k not in ("MEGATRON_EP_SKIP_CUDA", "MEGATRON_EP_REQUIRE_EXTENSION")}
     env["PYTHONPATH"] = str(tmp_path)
 
     def setup(**extra):
         return subprocess.run([sys.executable, "setup.py", "--name"], cwd=ROOT, capture_output=True, text=True,
                               timeout=120, env={**env, **extra})
 
-    out = setup(MEP_REQUIRE_EXTENSION="yes")
+    out = setup(MEGATRON_EP_REQUIRE_EXTENSION="yes")
     assert out.returncode != 0, out.stdout
-    assert "MEP_REQUIRE_EXTENSION is on but the CUDA extension cannot be built: torch is not importable" in out.stderr
-    out = setup(MEP_SKIP_CUDA="maybe")
-    assert out.returncode != 0 and out.stderr.strip() == ("megatron_ep: MEP_SKIP_CUDA='maybe' is not a switch: use 1 "
+    assert "MEGATRON_EP_REQUIRE_EXTENSION is on but the CUDA extension cannot be built: torch is not importable" in out.stderr
+    out = setup(MEGATRON_EP_SKIP_CUDA="maybe")
+    assert out.returncode != 0 and out.stderr.strip() == ("megatron_ep: MEGATRON_EP_SKIP_CUDA='maybe' is not a switch: use 1 "
                                                           "or 0 (true/false, yes/no, on/off)"), out.stderr
-    out = setup(MEP_SKIP_CUDA="true", MEP_REQUIRE_EXTENSION="yes")  # skipping wins: a pure-Python build
+    out = setup(MEGATRON_EP_SKIP_CUDA="true", MEGATRON_EP_REQUIRE_EXTENSION="yes")  # skipping wins: a pure-Python build
     assert out.returncode == 0 and out.stdout.strip().endswith("megatron_ep"), out.stdout + out.stderr
 
 
@@ -174,7 +205,7 @@ def _fake_setup(tmp_path, **extra):
     calls = tmp_path / "calls"
     fake = venv / "bin" / "python"
     fake.write_text("#!/bin/sh\n"
-                    f"echo \"MEP_SKIP_CUDA=${{MEP_SKIP_CUDA-unset}} $*\" >> {calls}\n"
+                    f"echo \"MEGATRON_EP_SKIP_CUDA=${{MEGATRON_EP_SKIP_CUDA-unset}} $*\" >> {calls}\n"
                     "case \"$*\" in *build_ext*)\n"
                     "  echo '[1/2] c++ -MMD -c -c /src/csrc/protocol/module.cpp -o /b/module.o -O2'\n"
                     "  echo 'megatron_ep: no nvcc found; building without the CUDA extension'\n"
@@ -184,21 +215,21 @@ def _fake_setup(tmp_path, **extra):
     with open(os.path.join(ROOT, "requirements.txt"), "rb") as f:
         cksum = subprocess.run(["cksum"], stdin=f, capture_output=True, text=True).stdout
     (venv / ".mep-requirements").write_text(cksum)  # requirements up to date: no pip
-    env = {k: v for k, v in os.environ.items() if k not in ("MEP_SKIP_CUDA", "MEP_REQUIRE_EXTENSION", "MEP_CPU_ONLY")}
-    env.update(MEP_VENV=str(venv), PYTHON=sys.executable, **extra)
+    env = {k: v for k, v in os.environ.items() if k not in ("MEGATRON_EP_SKIP_CUDA", "MEGATRON_EP_REQUIRE_EXTENSION", "MEGATRON_EP_CPU_ONLY")}
+    env.update(MEGATRON_EP_VENV=str(venv), PYTHON=sys.executable, **extra)
     out = subprocess.run(["bash", os.path.join(ROOT, "scripts", "setup_env.sh")], capture_output=True, text=True,
                          timeout=120, env=env)
     return out, calls.read_text().splitlines() if calls.exists() else []
 
 
 def test_setup_script_reads_switches_as_the_library_does(tmp_path):
-    out, calls = _fake_setup(tmp_path / "bad", MEP_CPU_ONLY="maybe")
+    out, calls = _fake_setup(tmp_path / "bad", MEGATRON_EP_CPU_ONLY="maybe")
     assert out.returncode == 2 and calls == [], calls  # refused before anything ran
-    assert out.stderr.strip() == "set-up: error: MEP_CPU_ONLY='maybe' is not a switch: use 1 or 0 (true/false, yes/no, on/off)"
-    out, calls = _fake_setup(tmp_path / "true", MEP_CPU_ONLY="true")
+    assert out.stderr.strip() == "set-up: error: MEGATRON_EP_CPU_ONLY='maybe' is not a switch: use 1 or 0 (true/false, yes/no, on/off)"
+    out, calls = _fake_setup(tmp_path / "true", MEGATRON_EP_CPU_ONLY="true")
     assert out.returncode == 0, out.stderr
     build = [c for c in calls if "build_ext" in c]
-    assert build and build[0].startswith("MEP_SKIP_CUDA=1 "), calls  # CPU only: the extension skipped
+    assert build and build[0].startswith("MEGATRON_EP_SKIP_CUDA=1 "), calls  # CPU only: the extension skipped
 
 
 def test_setup_script_says_each_compile_step(tmp_path):

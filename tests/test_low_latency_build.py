@@ -32,9 +32,9 @@ def _built():
 @pytest.fixture(scope="module")
 def so():
     cuda_built = glob.glob(os.path.join(PKG, "_C.*.so"))
-    required = envs.flag("MEP_REQUIRE_EXTENSION")
+    required = envs.flag("MEGATRON_EP_REQUIRE_EXTENSION")
     if not _built() and not (required or cuda_built):
-        pytest.skip("no CUDA extension built here (set MEP_REQUIRE_EXTENSION=1 to require it)")
+        pytest.skip("no CUDA extension built here (set MEGATRON_EP_REQUIRE_EXTENSION=1 to require it)")
     if not _nvshmem_installed():
         pytest.skip("nvidia-nvshmem-cu13 is not installed: setup.py skips _C_nvshmem (by design)")
     built = _built()

@@ -27,7 +27,7 @@ def test_ds3_runs_route_as_deepseek_v3_on_the_default_sm_budget():
             assert _flag(argv, flag) == value, (run.name, flag)
         assert "--moe-flex-dispatcher-num-sms" not in argv, run.name
         if run.dispatcher != "alltoall":
-            assert env["MEP_DEVICE_SHARERS"] == "12" and _flag(argv, "--moe-flex-dispatcher-backend") == run.dispatcher
+            assert env["MEGATRON_EP_DEVICE_SHARERS"] == "12" and _flag(argv, "--moe-flex-dispatcher-backend") == run.dispatcher
         assert ("MEGATRON_EP_RANKS_PER_NODE" in env) == ("-2x2-" in run.name), run.name
         assert mr.reference(run.name) in names | {None}
     # the other runs keep their fixed SM count

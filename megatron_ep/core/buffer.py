@@ -145,7 +145,7 @@ class Buffer:
             intranode notify's; the torch backend's, whose dispatch syncs anyway), as DeepEP's
             callers expect of their calls (megatron_ep.deep_ep uses it). Skipped under CUDA graph
             capture. Unchecked ids outside [0, num_experts) are unused slots on both backends.
-        timeout_s (cuda): how long a kernel waits for a peer before it reports (MEP_TIMEOUT_S).
+        timeout_s (cuda): how long a kernel waits for a peer before it reports (MEGATRON_EP_TIMEOUT_S).
         low_latency (cuda): dict(num_experts=, max_tokens=, hidden=, topk=, fp8_only=) sizes the
             low-latency buffer now (collectively) instead of at its first call; rank_mask=True
             (every rank alike) turns on the rank mask (low_latency_mask and the methods after

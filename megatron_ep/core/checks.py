@@ -20,8 +20,8 @@ WEIGHT_DTYPES = (torch.float32, torch.float64)
 # model: a value past them is a mistake, reported here rather than as an allocator's error.
 MAX_NUM_EXPERTS = 1 << 20
 MAX_ROWS = (1 << 31) - 1
-# the fixed receive area of one low-latency call per rank, both buffer sets (both backends; MEP_LL_MAX_BYTES)
-MAX_LOW_LATENCY_BYTES = envs.integer("MEP_LL_MAX_BYTES", 32 << 30, minimum=1)
+# the fixed receive area of one low-latency call per rank, both buffer sets (both backends; MEGATRON_EP_LL_MAX_BYTES)
+MAX_LOW_LATENCY_BYTES = envs.integer("MEGATRON_EP_LL_MAX_BYTES", 32 << 30, minimum=1)
 
 
 def fail(cond: bool, msg: str, exc=ValueError) -> None:

@@ -23,7 +23,7 @@ Options (before SCRIPT; every argument after SCRIPT is the script's):
 
 Environment: MEGATRON_EP_BACKEND (auto | torch | cuda; see docs/megatron.md; a bad value is refused,
 and --ep-backend wins over it), the other MEGATRON_EP_* variables the managers read (a bad value
-is refused before the script runs), MEP_DEBUG_TRACEBACK=1 (the traceback of a failure to
+is refused before the script runs), MEGATRON_EP_DEBUG_TRACEBACK=1 (the traceback of a failure to
 install, not just one line). The script's own errors are reported by the script, as without
 this launcher; megatron-core's notes that Apex / Transformer Engine are not installed are hidden,
 as in our other commands."""

@@ -184,7 +184,7 @@ def _env_int(name: str, default):
         raise SystemExit(f"launch.sh: error: the environment's {name}={value!r} is not an integer") from None
 
 
-DEBUG_ENV = "MEP_DEBUG_TRACEBACK"
+DEBUG_ENV = "MEGATRON_EP_DEBUG_TRACEBACK"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -499,7 +499,7 @@ def _stdout_closed() -> int:
 
 if __name__ == "__main__":
     try:
-        envs.check_switches()  # MEP_DEBUG_TRACEBACK among them: one parser, one rule
+        envs.check_switches()  # MEGATRON_EP_DEBUG_TRACEBACK among them: one parser, one rule
     except ValueError as e:
         print(f"launch.sh: error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -510,7 +510,7 @@ if __name__ == "__main__":
             sys.stdout.flush()
     except BrokenPipeError:
         sys.exit(_stdout_closed())
-    except Exception as e:  # one line (the traceback with MEP_DEBUG_TRACEBACK=1), as every entry point
+    except Exception as e:  # one line (the traceback with MEGATRON_EP_DEBUG_TRACEBACK=1), as every entry point
         if envs.flag(DEBUG_ENV):
             raise
         sys.exit(f"launch.sh: error: {type(e).__name__}: {e} ({DEBUG_ENV}=1 shows the traceback)")

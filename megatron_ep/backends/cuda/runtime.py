@@ -30,7 +30,7 @@ from .sm_budget import SmBudget
 
 log = logging.getLogger("megatron_ep")
 
-DEFAULT_TIMEOUT_S = envs.number("MEP_TIMEOUT_S", 60.0, above=0)
+DEFAULT_TIMEOUT_S = envs.number("MEGATRON_EP_TIMEOUT_S", 60.0, above=0)
 
 COMM_STREAM_PRIORITY = -1  # torch: lower is higher; the default (compute) streams have 0
 
@@ -57,10 +57,10 @@ class CudaRuntime:
         me = (socket.gethostname(), str(getattr(props, "uuid", self.device.index)))
         # (device_group: every rank that may share it, when this runtime spans only a node of them)
         peers = gather(me, device_group or group)
-        # MEP_DEVICE_SHARERS: processes on this GPU outside the group too (virtual ranks of several
+        # MEGATRON_EP_DEVICE_SHARERS: processes on this GPU outside the group too (virtual ranks of several
         # groups, e.g. Megatron's EP groups of a test on one GPU): every one of them needs its
         # blocks resident at once, so the SM budget is split over all of them
-        self.ranks_per_device = max(sum(p == me for p in peers), envs.integer("MEP_DEVICE_SHARERS", 0, minimum=1) or 0)
+        self.ranks_per_device = max(sum(p == me for p in peers), envs.integer("MEGATRON_EP_DEVICE_SHARERS", 0, minimum=1) or 0)
         self.sm_count = props.multi_processor_count
         self.budget = SmBudget(num_ranks, self.ranks_per_device, self.sm_count, num_sms)
         # high priority: when SMs free up, the block scheduler places our kernels' blocks (which wait

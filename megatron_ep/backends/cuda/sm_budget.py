@@ -10,7 +10,7 @@ ranks sharing a GPU split its SMs: no kind ever gets more than this rank's share
 The push kernel (a warp per token, its row to every destination) is faster at 16 SMs than at 24
 at EP 2 with one rank per GPU (4096 tokens, H 7168, bf16; docs/records/performance-history.md): past what
 the link needs, more blocks only contend. Capped there at EP 2 with one rank per GPU; other
-shapes are unmeasured and uncapped. MEP_PUSH_MAX_SMS overrides (benchmarks compare).
+shapes are unmeasured and uncapped. MEGATRON_EP_PUSH_MAX_SMS overrides (benchmarks compare).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class SmBudget:
                              f"resident")
         self.num_sms = num_sms or default_num_sms(self.ranks_per_device, self.sm_count)
         cap = PUSH_MAX_SMS_EP2 if self.num_ranks == 2 and self.ranks_per_device == 1 else self.num_sms
-        self.push_sms = min(self.num_sms, envs.integer("MEP_PUSH_MAX_SMS", cap, minimum=1))
+        self.push_sms = min(self.num_sms, envs.integer("MEGATRON_EP_PUSH_MAX_SMS", cap, minimum=1))
         self._of = {"copy": self.num_sms, "push": self.push_sms, "local": self.local_sms, "latency": self.local_sms}
         # the intranode entries take three counts per call: read as one attribute (host time)
         self.normal = (self.num_sms, self.push_sms, self.local_sms)

@@ -6,7 +6,7 @@
   only), so argparse refuses a bad value, naming the option, before anything runs.
 * `run_main(main)`: runs an entry point. A failure prints one line naming the problem and
   returns a non-zero exit status (2 for a bad argument or a bad switch, 1 otherwise); `--debug` or
-  `MEP_DEBUG_TRACEBACK=1` adds the traceback. In a multi-rank run one rank says it. Output to a
+  `MEGATRON_EP_DEBUG_TRACEBACK=1` adds the traceback. In a multi-rank run one rank says it. Output to a
   reader that went away (`| head -1`) ends quietly, with SIGPIPE's status (141).
 * `launch(nprocs, cmd)`: runs a command line as `nprocs` local ranks with torchrun's
   environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...); the caller validates its

@@ -11,8 +11,8 @@ from typing import Callable, List, Optional, Sequence
 
 from ...core import envs
 
-DEBUG_ENV = "MEP_DEBUG_TRACEBACK"
-_ERRORS_ENV = "MEP_RANK_ERRORS"  # set by launch(): the directory where ranks leave their one line
+DEBUG_ENV = "MEGATRON_EP_DEBUG_TRACEBACK"
+_ERRORS_ENV = "MEGATRON_EP_RANK_ERRORS"  # set by launch(): the directory where ranks leave their one line
 DEBUG_HINT = f"--debug or {DEBUG_ENV}=1 shows the traceback"
 
 
@@ -99,7 +99,7 @@ def _tell_torchrun(line: str) -> None:
 def run_main(main: Callable[[List[str]], Optional[int]], argv: Optional[Sequence[str]] = None, *,
              prog: str, hint: str = DEBUG_HINT) -> int:
     """main(argv) -> exit status. A failure is one line (`prog: error: ...`), status 2 for a
-    UsageError, 1 otherwise; the traceback too with --debug / MEP_DEBUG_TRACEBACK=1. A switch of
+    UsageError, 1 otherwise; the traceback too with --debug / MEGATRON_EP_DEBUG_TRACEBACK=1. A switch of
     envs.SWITCHES set to neither on nor off is such a line before main runs; stdout closed by
     its reader ends quietly (stdout_closed)."""
     argv = list(sys.argv[1:] if argv is None else argv)

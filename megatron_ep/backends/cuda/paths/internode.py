@@ -159,7 +159,7 @@ class InternodePath(NvshmemPath, NormalPath):
     def _plan(self, cap: dict) -> dict:
         """The RDMA buffer's layout; puts from symmetric staging where a same-index peer is on
         another host (or when forced)."""
-        self.staged = len(set(host_names(self.group))) > 1 or envs.flag("MEP_INTERNODE_FORCE_PUTS")
+        self.staged = len(set(host_names(self.group))) > 1 or envs.flag("MEGATRON_EP_INTERNODE_FORCE_PUTS")
         return self.ext.internode_plan(self.N, cap["max_tokens"], cap["topk"], cap["x_row"], self._scale_cols(cap),
                                        cap["c_row"], self.staged)
 
@@ -171,7 +171,7 @@ class InternodePath(NvshmemPath, NormalPath):
 
     def _opened(self) -> None:
         fail(self.staged or all(self.buf.p2p()), "megatron_ep internode: a same-index peer on this host is not load/store "
-                                                 "reachable (no P2P); set MEP_INTERNODE_FORCE_PUTS=1 to send everything as NVSHMEM "
+                                                 "reachable (no P2P); set MEGATRON_EP_INTERNODE_FORCE_PUTS=1 to send everything as NVSHMEM "
                                                  "puts", RuntimeError)
 
     def _created(self, cap: dict) -> None:

@@ -150,7 +150,7 @@ class LowLatencyPath(NvshmemPath):
         if plan["total"] > LIMIT_BYTES:
             raise RuntimeError(f"the low-latency buffer would take {plan['total'] / 2**30:.2f} GiB per rank (num_experts={cap['num_experts']}, "
                                f"max_tokens_per_rank={cap['max_tokens']}, hidden={cap['hidden']}, topk={cap['topk']}), above the limit of "
-                               f"{LIMIT_BYTES / 2**30:.2f} GiB (MEP_LL_MAX_BYTES); lower max_tokens_per_rank")
+                               f"{LIMIT_BYTES / 2**30:.2f} GiB (MEGATRON_EP_LL_MAX_BYTES); lower max_tokens_per_rank")
         return plan
 
     def _open(self, cap: dict, plan: dict, pes: list):
