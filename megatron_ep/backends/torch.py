@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from ..core import logfmt
-from ..core import permute as PM
-from ..core import protocol as P
+from ..core import permute as placement
+from ..core import protocol
 from ..core.checks import check_topk_values, is_fp8_tuple
 from ..core.fp8 import column_major, pack_ue8m0, per_token_cast_to_fp8
 from ..core.output_hook import new_outputs
@@ -123,16 +123,16 @@ class TorchBackend:
     def reserve(self, need: dict) -> None:
         pass  # collectives size themselves
 
-    def begin(self, call: P.Call) -> None:
+    def begin(self, call: protocol.Call) -> None:
         pass  # nothing reported between calls: every collective raises where it fails
 
-    def failed(self, call: P.Call, exc: BaseException) -> None:
+    def failed(self, call: protocol.Call, exc: BaseException) -> None:
         """A failure on this rank before the call's first collective, or between it and the data
         collective (an allocation, say), is published at the collective the peers wait in next,
         so they raise it instead of waiting for one this rank never joins."""
-        if call.pending is P.Pending.FIRST:
+        if call.pending is protocol.Pending.FIRST:
             self._exchange(call, failure=exc)
-        elif call.pending is P.Pending.COMMIT:
+        elif call.pending is protocol.Pending.COMMIT:
             self._commit(call, failure=exc)
 
     def dispatch_input(self, num_tokens: int, hidden: int, dtype: torch.dtype, device=None) -> torch.Tensor:
@@ -142,7 +142,7 @@ class TorchBackend:
         return torch.empty((num_rows, hidden), dtype=dtype, device=device)
 
     # ---------------------------------------------------------------------------- collectives
-    def _exchange(self, call: P.Call, counts: Optional[torch.Tensor] = None, failure: Optional[BaseException] = None,
+    def _exchange(self, call: protocol.Call, counts: Optional[torch.Tensor] = None, failure: Optional[BaseException] = None,
                   limit: int = 0):
         """The first collective of every call: each rank's status, signature, (dispatch) row
         counts per destination and the most rows it takes (`limit`: a rank-major dispatch's
@@ -150,7 +150,7 @@ class TorchBackend:
         vector, whatever the op, so ranks in different calls still meet here). Raises on every
         rank alike on a mismatch, a failed rank, or a rank whose limit is below the rows sent
         to it; returns the [source, destination] counts."""
-        R, F = self.num_ranks, len(P.SIG_FIELDS)
+        R, F = self.num_ranks, len(protocol.SIG_FIELDS)
         call.settle()
         vec = torch.zeros(1 + F + R + 1, dtype=torch.int64)
         vec[1:1 + F] = torch.tensor(call.sig, dtype=torch.int64)
@@ -160,33 +160,33 @@ class TorchBackend:
         rows = self._gather_status(call, vec, failure)
         if rows is None:
             return None  # this rank failed: the caller re-raises its own error
-        f = P.first_mismatch(rows[:, 1:1 + F].tolist())
+        f = protocol.first_mismatch(rows[:, 1:1 + F].tolist())
         if f is not None:
             values = rows[:, 1 + f].tolist()
             # every rank sees every rank's signature here, so call numbers can be realigned: a
             # call on different Buffers counts on none of them; ranks at different calls of one
             # Buffer continue from the furthest
-            resync = {"buffer": call.seq - 1, "seq": max(values)}.get(P.SIG_FIELDS[f])
-            raise P.mismatch_error(call, f, values, rows[:, 1 + P.FIELD["op"]].tolist(), resync=resync)
+            resync = {"buffer": call.seq - 1, "seq": max(values)}.get(protocol.SIG_FIELDS[f])
+            raise protocol.mismatch_error(call, f, values, rows[:, 1 + protocol.FIELD["op"]].tolist(), resync=resync)
         counts_all, limits = rows[:, 1 + F:1 + F + R], rows[:, -1]
         received = counts_all.sum(0)
         if bool(((limits > 0) & (received > limits)).any()):  # every rank sees the same rows: all raise alike
-            raise P.worst_overflow_error(call, received.tolist(), limits.tolist())
-        call.owe(P.Pending.COMMIT)  # until the data collective: a failure here is published by _commit
+            raise protocol.worst_overflow_error(call, received.tolist(), limits.tolist())
+        call.owe(protocol.Pending.COMMIT)  # until the data collective: a failure here is published by _commit
         return counts_all
 
-    def _commit(self, call: P.Call, failure: Optional[BaseException] = None) -> None:
+    def _commit(self, call: protocol.Call, failure: Optional[BaseException] = None) -> None:
         """Right before a call's data collective: every rank says it is ready (its receive
         buffers allocated) or that it failed since the first exchange, so its peers raise
         PeerFailedError instead of waiting in the data collective."""
         call.settle()
         self._gather_status(call, torch.zeros(1, dtype=torch.int64), failure)
 
-    def _gather_status(self, call: P.Call, vec: torch.Tensor, failure: Optional[BaseException]):
+    def _gather_status(self, call: protocol.Call, vec: torch.Tensor, failure: Optional[BaseException]):
         """All-gather `vec` with this rank's status in its first element: every rank's vector, or
         None on a rank that failed itself; a peer's failure raises PeerFailedError naming it."""
         R = self.num_ranks
-        vec[0] = P.CALL_FAILED if failure is not None else 0
+        vec[0] = protocol.CALL_FAILED if failure is not None else 0
         if R == 1:
             rows = vec.unsqueeze(0)
         else:
@@ -195,16 +195,16 @@ class TorchBackend:
             rows = torch.stack(parts).cpu()
         if bool((rows[:, 0] != 0).any()):
             msgs: list = [None] * R
-            mine = P.failure_message(failure) if failure is not None else None
+            mine = protocol.failure_message(failure) if failure is not None else None
             if R > 1:
                 dist.all_gather_object(msgs, mine, group=self.group)
             if failure is not None:
                 return None
             r = int((rows[:, 0] != 0).nonzero()[0, 0])
-            raise P.peer_failed_error(call, r, msgs[r] or "(no message)")
+            raise protocol.peer_failed_error(call, r, msgs[r] or "(no message)")
         return rows
 
-    def _exchange_rows(self, call: P.Call, rows: torch.Tensor, send_counts: List[int], recv_counts: List[int]) -> torch.Tensor:
+    def _exchange_rows(self, call: protocol.Call, rows: torch.Tensor, send_counts: List[int], recv_counts: List[int]) -> torch.Tensor:
         """The call's data collective: rows to every rank, after every rank confirmed it can
         take its share (_commit)."""
         if self.num_ranks == 1:
@@ -230,7 +230,7 @@ class TorchBackend:
         )
 
     # ------------------------------------------------------------------------------- dispatch
-    def dispatch(self, call: P.Call, req: DispatchRequest) -> DispatchOutput:
+    def dispatch(self, call: protocol.Call, req: DispatchRequest) -> DispatchOutput:
         x, topk_idx, topk_weights, num_experts, permute, expert_alignment = (
             req.x, req.topk_idx, req.topk_weights, req.num_experts, req.permute, req.expert_alignment)
         handle, host_counts, num_worst_tokens = req.handle, req.host_counts, req.num_worst_tokens
@@ -310,7 +310,7 @@ class TorchBackend:
                 perm_w = recv_w.new_zeros(M)
                 perm_w[pos] = recv_w[rows, state.perm_slots]
             if handle is None:
-                tpe = PM.clamp_segments(state.padded, W) if W else state.padded
+                tpe = placement.clamp_segments(state.padded, W) if W else state.padded
             else:
                 tpe = handle.tokens_per_expert
             out = DispatchOutput(perm_x, None, perm_w, state.row_expert, tpe, None)
@@ -374,13 +374,13 @@ class TorchBackend:
     @staticmethod
     def _plan_permute(state: _NormalState, L: int, alignment: int, device) -> None:
         """Expert-major placement (megatron_ep.core.permute: one owner of the rule)."""
-        pl = PM.place(state.recv_topk_idx, L, alignment)
+        pl = placement.place(state.recv_topk_idx, L, alignment)
         state.perm_rows, state.perm_slots, state.perm_pos = pl.rows, pl.slots, pl.pos
-        state.row_expert = PM.row_experts(pl, state.recv_topk_idx)
+        state.row_expert = placement.row_experts(pl, state.recv_topk_idx)
         state.padded = pl.padded
 
     # -------------------------------------------------------------------------------- combine
-    def combine(self, call: P.Call, req: CombineRequest) -> CombineOutput:
+    def combine(self, call: protocol.Call, req: CombineRequest) -> CombineOutput:
         """The kernels' order (docs/design.md, "Combine"), one operation per term so every
         backend gives the same bits: y[t] starts at the biases (b0, then + b1, in the
         accumulation dtype); each rank the token went to adds one row, ranks in the order of
@@ -391,7 +391,7 @@ class TorchBackend:
         st: _NormalState = handle.state
         _wait(previous_event)
         single = handle.permute and req.single_reduction
-        call.set_variant(P.COMBINE_SINGLE if single else P.COMBINE_STAGED)
+        call.set_variant(protocol.COMBINE_SINGLE if single else protocol.COMBINE_STAGED)
         self._exchange(call)
         acc = _acc_dtype(x.dtype)
         K = handle.topk
@@ -450,7 +450,7 @@ class TorchBackend:
         return CombineOutput(y.to(x.dtype), w_out, EventOverlap(None) if async_op else None)
 
     # ---------------------------------------------------------------------------- low latency
-    def low_latency_dispatch(self, call: P.Call, x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int,
+    def low_latency_dispatch(self, call: protocol.Call, x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int,
                              max_tokens_per_rank: int, use_fp8: bool, round_scale: bool,
                              topk_weights: Optional[torch.Tensor] = None, use_ue8m0: bool = False,
                              recv_stats: Optional[torch.Tensor] = None,
@@ -514,7 +514,7 @@ class TorchBackend:
             recv_stats += count.to(torch.int32)
         return LowLatencyDispatchOutput(out_x, count.to(torch.int32), handle, None, None)
 
-    def low_latency_combine(self, call: P.Call, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+    def low_latency_combine(self, call: protocol.Call, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, wait_stats: Optional[torch.Tensor] = None,
                             use_logfmt: bool = False, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         st: _LowLatencyState = handle.state  # (wait_stats: no per-rank waits measured here)

@@ -22,9 +22,9 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import checks as C
+from . import checks
 from . import logfmt
-from . import protocol as P
+from . import protocol
 from .errors import BufferBusyError, CallMismatchError
 from ..backends.torch import TorchBackend
 from .requests import CombineRequest, DispatchRequest
@@ -40,7 +40,7 @@ from .types import (
 )
 
 BACKENDS = ("torch", "cuda", "auto")
-_BUFFER_FIELD = P.FIELD["buffer"]
+_BUFFER_FIELD = protocol.FIELD["buffer"]
 log = logging.getLogger("megatron_ep")
 _ids = iter(range(1, 1 << 62))
 _ordinals: dict = {}  # ranks of a group -> Buffers this process created on it so far
@@ -115,7 +115,7 @@ def _refusing(op: str, outputs, inputs):
 
 def _weights_code(w: Optional[torch.Tensor]) -> int:
     """Signature field "weights": their dtype (it sets the bytes on the wire), 0 without."""
-    return P.dtype_code(w.dtype) if w is not None else 0
+    return protocol.dtype_code(w.dtype) if w is not None else 0
 
 
 class Buffer:
@@ -169,15 +169,15 @@ class Buffer:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if group is None:
-            C.fail(dist.is_initialized(), "Buffer needs an initialized torch.distributed process group (or pass group=)", RuntimeError)
+            checks.fail(dist.is_initialized(), "Buffer needs an initialized torch.distributed process group (or pass group=)", RuntimeError)
             group = dist.group.WORLD
         self.group = group
         self.num_ranks = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         if max_tokens_per_rank is not None:
-            C.check_int("max_tokens_per_rank", max_tokens_per_rank, 0)
+            checks.check_int("max_tokens_per_rank", max_tokens_per_rank, 0)
         self.max_tokens_per_rank = max_tokens_per_rank
-        self._ids_level = C.check_inputs_level(check_inputs)
+        self._ids_level = checks.check_inputs_level(check_inputs)
         self._ll_shapes: set = set()  # low-latency dispatch shapes whose sizes were checked
         self.check_inputs = check_inputs
         if ranks_per_node is not None:
@@ -228,7 +228,7 @@ class Buffer:
         self.destroy()
 
     def _backend(self):
-        C.fail(not self._destroyed, "this Buffer was destroyed", RuntimeError)
+        checks.fail(not self._destroyed, "this Buffer was destroyed", RuntimeError)
         return self._impl
 
     def _acquire(self, op: str) -> None:
@@ -256,10 +256,10 @@ class Buffer:
         finally:
             self._release()
 
-    def _next_call(self, op: str, sig: Optional[list] = None) -> P.Call:
+    def _next_call(self, op: str, sig: Optional[list] = None) -> protocol.Call:
         self._seq += 1
         self._entered += 1
-        call = P.Call(P.OP[op], self._seq, sig)
+        call = protocol.Call(protocol.OP[op], self._seq, sig)
         call.sig[_BUFFER_FIELD] = self.ordinal
         return call
 
@@ -283,9 +283,9 @@ class Buffer:
         Buffer's call. The failure is published at the call's first exchange, as a failure inside
         one of Buffer's calls is (the peers raise PeerFailedError with its message instead of
         waiting), then `exc` is raised here. It counts as a call on every rank, as theirs does."""
-        if op not in P.OP:
-            raise ValueError(f"op must be one of {sorted(P.OP)}, got {op!r}")
-        with self._exclusive(op), P.guarded(self._impl, self._next_call(op)):
+        if op not in protocol.OP:
+            raise ValueError(f"op must be one of {sorted(protocol.OP)}, got {op!r}")
+        with self._exclusive(op), protocol.guarded(self._impl, self._next_call(op)):
             raise exc
 
     def layer_call(self, op: str, fn: Callable[..., Any], *args, **kwargs) -> Any:
@@ -311,15 +311,15 @@ class Buffer:
         (check_inputs): here the check costs a host sync; ids outside [0, num_experts) unchecked
         count as unused slots. counts_dtype: torch.int64 or torch.int32 (DeepEP's) for the two
         count tensors."""
-        C.check_num_experts(num_experts, self.num_ranks)
-        C.fail(isinstance(topk_idx, torch.Tensor), "topk_idx must be a tensor", TypeError)
-        C.check_topk_idx(topk_idx, topk_idx.shape[0] if topk_idx.dim() else -1, topk_idx.device)
-        C.check_token_limit(topk_idx.shape[0], self.max_tokens_per_rank)
-        C.check_bool("check_values", check_values)
+        checks.check_num_experts(num_experts, self.num_ranks)
+        checks.fail(isinstance(topk_idx, torch.Tensor), "topk_idx must be a tensor", TypeError)
+        checks.check_topk_idx(topk_idx, topk_idx.shape[0] if topk_idx.dim() else -1, topk_idx.device)
+        checks.check_token_limit(topk_idx.shape[0], self.max_tokens_per_rank)
+        checks.check_bool("check_values", check_values)
         if counts_dtype not in (torch.int64, torch.int32):
             raise TypeError(f"counts_dtype must be torch.int64 or torch.int32, got {counts_dtype}")
-        if self._ids_level == C.IDS_CHECKED and check_values:
-            C.check_topk_values(topk_idx, num_experts)
+        if self._ids_level == checks.IDS_CHECKED and check_values:
+            checks.check_topk_values(topk_idx, num_experts)
         return self._backend().layout(topk_idx, num_experts, counts_dtype)
 
     # ---------------------------------------------------------------------------- dispatch
@@ -390,26 +390,26 @@ class Buffer:
         op = "dispatch" if handle is None else "cached_dispatch"
         with self._call(op) as call:
             impl = self._impl
-            T, H, is_fp8 = C.check_activation("x", x)
-            device = C.act_device(x)
-            C.check_token_limit(T, self.max_tokens_per_rank)
+            T, H, is_fp8 = checks.check_activation("x", x)
+            device = checks.act_device(x)
+            checks.check_token_limit(T, self.max_tokens_per_rank)
             # (each argument left at its default needs no check: a call's host time counts)
             if num_worst_tokens != 0 or type(num_worst_tokens) is not int:
-                C.check_int("num_worst_tokens", num_worst_tokens, 0, C.MAX_ROWS)
+                checks.check_int("num_worst_tokens", num_worst_tokens, 0, checks.MAX_ROWS)
             if on_overflow != "drop" and on_overflow != "raise":
                 raise ValueError(f"on_overflow must be 'drop' or 'raise', got {on_overflow!r}")
             if permute is not None:
-                C.check_bool("permute", permute)
+                checks.check_bool("permute", permute)
             if host_counts is not False or rank_counts is not False or async_op is not False or source_index is not False:
-                C.check_bool("host_counts", host_counts)
-                C.check_bool("rank_counts", rank_counts)
-                C.check_bool("async_op", async_op)
-                C.check_bool("source_index", source_index)
+                checks.check_bool("host_counts", host_counts)
+                checks.check_bool("rank_counts", rank_counts)
+                checks.check_bool("async_op", async_op)
+                checks.check_bool("source_index", source_index)
             if previous_event is not None:
-                C.check_event("previous_event", previous_event)
+                checks.check_event("previous_event", previous_event)
             if handle is not None:
                 self._check_handle(handle, DispatchHandle)
-                C.fail(topk_idx is None, "cached dispatch (handle given) takes its routing from the handle: pass topk_idx=None")
+                checks.fail(topk_idx is None, "cached dispatch (handle given) takes its routing from the handle: pass topk_idx=None")
                 if T != handle.num_tokens:
                     raise ValueError(f"x has {T} tokens but the handle was built for {handle.num_tokens}")
                 if num_experts not in (None, handle.num_experts):
@@ -423,27 +423,27 @@ class Buffer:
                 num_experts, permute, expert_alignment, K = handle.num_experts, handle.permute, handle.expert_alignment, handle.topk
                 num_worst_tokens = handle.num_worst_tokens
             else:
-                C.fail(topk_idx is not None, "dispatch needs topk_idx (or a handle for a cached dispatch)", TypeError)
-                C.fail(num_experts is not None, "dispatch needs num_experts", TypeError)
-                C.check_num_experts(num_experts, self.num_ranks)
+                checks.fail(topk_idx is not None, "dispatch needs topk_idx (or a handle for a cached dispatch)", TypeError)
+                checks.fail(num_experts is not None, "dispatch needs num_experts", TypeError)
+                checks.check_num_experts(num_experts, self.num_ranks)
                 permute = bool(permute)
-                C.fail(on_overflow == "drop" or not permute, "on_overflow='raise' is for rank-major dispatches "
+                checks.fail(on_overflow == "drop" or not permute, "on_overflow='raise' is for rank-major dispatches "
                        "(permute=False): the counts exchanged before the rows move are per rank, not per expert")
                 expert_alignment = 1 if expert_alignment is None else expert_alignment
-                C.check_alignment(expert_alignment)
-                K = C.check_topk_idx(topk_idx, T, device)
+                checks.check_alignment(expert_alignment)
+                K = checks.check_topk_idx(topk_idx, T, device)
                 # the ids' values (range, repeats) are checked by the backend, where it costs
                 # least (DispatchRequest.check_ids)
             if topk_weights is not None:
-                C.check_topk_weights(topk_weights, T, K, device)
+                checks.check_topk_weights(topk_weights, T, K, device)
             data = x[0] if is_fp8 else x
-            call.set_normal(handle.call_seq if handle is not None else 0, P.dtype_code(data.dtype), H,
+            call.set_normal(handle.call_seq if handle is not None else 0, protocol.dtype_code(data.dtype), H,
                             H * data.element_size(), K, num_experts, permute, expert_alignment, num_worst_tokens > 0,
                             _weights_code(topk_weights))
             out = impl.dispatch(call, DispatchRequest(x, topk_idx, topk_weights, num_experts, permute, expert_alignment,
                                                       handle, host_counts, num_worst_tokens, async_op, previous_event,
                                                       on_overflow=on_overflow,
-                                                      check_ids=self._ids_level if handle is None else C.IDS_UNCHECKED,
+                                                      check_ids=self._ids_level if handle is None else checks.IDS_UNCHECKED,
                                                       rank_counts=rank_counts and handle is None,
                                                       source_index=source_index and handle is None))
         out.handle.buffer_id = self.id
@@ -474,25 +474,25 @@ class Buffer:
                 return self._replayed("combine", replay, handle, x, weights, async_op, previous_event)
         with self._call("combine") as call:
             self._check_handle(handle, DispatchHandle)
-            C.check_bool("async_op", async_op)
-            C.check_bool("single_reduction", single_reduction)
-            C.check_event("previous_event", previous_event)
-            C.check_activation("x", x)
-            C.fail(not C.is_fp8_tuple(x), "combine takes bf16/fp32 rows, not FP8", TypeError)
+            checks.check_bool("async_op", async_op)
+            checks.check_bool("single_reduction", single_reduction)
+            checks.check_event("previous_event", previous_event)
+            checks.check_activation("x", x)
+            checks.fail(not checks.is_fp8_tuple(x), "combine takes bf16/fp32 rows, not FP8", TypeError)
             if x.shape[0] != handle.num_recv_rows:
                 raise ValueError(f"x has {x.shape[0]} rows but the dispatch delivered {handle.num_recv_rows}")
             if weights is not None:
-                C.fail(isinstance(weights, torch.Tensor), "weights must be a tensor", TypeError)
-                if weights.dtype not in C.WEIGHT_DTYPES:
-                    raise TypeError(f"weights must have dtype in {[str(d) for d in C.WEIGHT_DTYPES]}, got {weights.dtype}")
+                checks.fail(isinstance(weights, torch.Tensor), "weights must be a tensor", TypeError)
+                if weights.dtype not in checks.WEIGHT_DTYPES:
+                    raise TypeError(f"weights must have dtype in {[str(d) for d in checks.WEIGHT_DTYPES]}, got {weights.dtype}")
                 shape = (handle.num_recv_rows,) if handle.permute else (handle.num_recv_rows, handle.topk)
                 if tuple(weights.shape) != shape:
                     raise ValueError(f"weights must have shape {shape}, got {tuple(weights.shape)}")
-                C.fail(weights.is_contiguous(), "weights must be contiguous")
+                checks.fail(weights.is_contiguous(), "weights must be contiguous")
                 if weights.device != x.device:
                     raise ValueError(f"weights is on {weights.device} but x is on {x.device}")
-            biases = C.check_bias(bias, handle.num_tokens, x.shape[1], x.dtype, x.device) if bias is not None else C.NO_BIAS
-            call.set_normal(handle.call_seq, P.dtype_code(x.dtype), x.shape[1], x.shape[1] * x.element_size(),
+            biases = checks.check_bias(bias, handle.num_tokens, x.shape[1], x.dtype, x.device) if bias is not None else checks.NO_BIAS
+            call.set_normal(handle.call_seq, protocol.dtype_code(x.dtype), x.shape[1], x.shape[1] * x.element_size(),
                             handle.topk, handle.num_experts, handle.permute, handle.expert_alignment,
                             handle.num_worst_tokens > 0, _weights_code(weights))
             out = self._impl.combine(call, CombineRequest(x, handle, weights, async_op, previous_event, bias=biases,
@@ -526,7 +526,7 @@ class Buffer:
         copy (cuda backend; the reference backend ignores them here)."""
         recv_hook = kwargs.get("return_recv_hook", False) if kwargs else False
         if type(recv_hook) is bool and (not kwargs or len(kwargs) == 1 and "return_recv_hook" in kwargs) \
-                and self._ids_level != C.IDS_CHECKED and type(num_experts) is int and type(max_tokens_per_rank) is int \
+                and self._ids_level != checks.IDS_CHECKED and type(num_experts) is int and type(max_tokens_per_rank) is int \
                 and type(use_fp8) is bool and type(round_scale) is bool and type(use_ue8m0) is bool:
             # a dispatch of the shape and options of the last one (its checks passed), into the same
             # statistics tensors: megatron_ep/core/replay.py
@@ -540,53 +540,53 @@ class Buffer:
                                      dispatch_wait_recv_cost_stats)
                 handle = out.handle
                 handle.buffer_id = self.id
-                handle.topk_idx, handle.topk_idx_version = topk_idx, C.tensor_version(topk_idx)  # combine checks it
+                handle.topk_idx, handle.topk_idx_version = topk_idx, checks.tensor_version(topk_idx)  # combine checks it
                 return out
         with self._call("low_latency_dispatch") as call:
-            T, H, is_fp8 = C.check_activation("x", x, allowed=(torch.bfloat16, torch.float32))
-            C.fail(not is_fp8, "low_latency_dispatch takes bf16/fp32 x and casts to FP8 itself (use_fp8=True)", TypeError)
+            T, H, is_fp8 = checks.check_activation("x", x, allowed=(torch.bfloat16, torch.float32))
+            checks.fail(not is_fp8, "low_latency_dispatch takes bf16/fp32 x and casts to FP8 itself (use_fp8=True)", TypeError)
             if type(use_fp8) is not bool or type(round_scale) is not bool or type(use_ue8m0) is not bool:
-                C.check_bool("use_fp8", use_fp8)
-                C.check_bool("round_scale", round_scale)
-                C.check_bool("use_ue8m0", use_ue8m0)
+                checks.check_bool("use_fp8", use_fp8)
+                checks.check_bool("round_scale", round_scale)
+                checks.check_bool("use_ue8m0", use_ue8m0)
             # the sizes' checks, once per shape (a call's host time counts; the same shape passes again)
             shape = (num_experts, max_tokens_per_rank, H, use_fp8, x.dtype)
             if type(num_experts) is not int or type(max_tokens_per_rank) is not int or shape not in self._ll_shapes:
-                C.check_num_experts(num_experts, self.num_ranks)
-                C.check_low_latency_capacity(max_tokens_per_rank, num_experts, H, 1 if use_fp8 else x.element_size())
-                if use_fp8 and H % C.FP8_BLOCK != 0:
-                    raise ValueError(f"x: hidden size {H} must be a multiple of {C.FP8_BLOCK} for FP8")
+                checks.check_num_experts(num_experts, self.num_ranks)
+                checks.check_low_latency_capacity(max_tokens_per_rank, num_experts, H, 1 if use_fp8 else x.element_size())
+                if use_fp8 and H % checks.FP8_BLOCK != 0:
+                    raise ValueError(f"x: hidden size {H} must be a multiple of {checks.FP8_BLOCK} for FP8")
                 if len(self._ll_shapes) < 64:
                     self._ll_shapes.add(shape)
-            C.check_token_limit(T, max_tokens_per_rank)
+            checks.check_token_limit(T, max_tokens_per_rank)
             if use_ue8m0:
-                C.fail(use_fp8 and round_scale, "use_ue8m0 needs use_fp8=True and round_scale=True (power-of-two scales)")
-                if H % (C.FP8_BLOCK * 4) != 0:
-                    raise ValueError(f"x: hidden size {H} must be a multiple of {C.FP8_BLOCK * 4} for UE8M0 "
+                checks.fail(use_fp8 and round_scale, "use_ue8m0 needs use_fp8=True and round_scale=True (power-of-two scales)")
+                if H % (checks.FP8_BLOCK * 4) != 0:
+                    raise ValueError(f"x: hidden size {H} must be a multiple of {checks.FP8_BLOCK * 4} for UE8M0 "
                                      f"scales (four per int32)")
                 if self.num_ranks * max_tokens_per_rank % 4 != 0:
                     raise ValueError(f"use_ue8m0: num_ranks * max_tokens_per_rank = {self.num_ranks * max_tokens_per_rank} must be a "
                                      f"multiple of 4 (the column-major scales are TMA-aligned)")
             if cumulative_local_expert_recv_stats is not None:
-                C.check_stats("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
+                checks.check_stats("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
                               num_experts // self.num_ranks, torch.int32, x.device, "local expert")
             if dispatch_wait_recv_cost_stats is not None:
-                C.check_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, self.num_ranks, torch.int64,
+                checks.check_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, self.num_ranks, torch.int64,
                               x.device, "rank")
             kwargs.update(use_ue8m0=use_ue8m0, recv_stats=cumulative_local_expert_recv_stats,
                           wait_stats=dispatch_wait_recv_cost_stats)
-            K = C.check_topk_idx(topk_idx, T, x.device)
-            if self._ids_level == C.IDS_CHECKED:  # (no kernel of this path reads ids for the host: a sync)
-                C.check_topk_values(topk_idx, num_experts)
+            K = checks.check_topk_idx(topk_idx, T, x.device)
+            if self._ids_level == checks.IDS_CHECKED:  # (no kernel of this path reads ids for the host: a sync)
+                checks.check_topk_values(topk_idx, num_experts)
             if topk_weights is not None:
-                C.check_topk_weights(topk_weights, T, K, x.device)
+                checks.check_topk_weights(topk_weights, T, K, x.device)
                 kwargs["topk_weights"] = topk_weights
-            wire = C.FP8_DTYPE if use_fp8 else x.dtype
-            call.set_low_latency(0, P.dtype_code(wire), H, H * wire.itemsize, K, num_experts, max_tokens_per_rank, 0)
+            wire = checks.FP8_DTYPE if use_fp8 else x.dtype
+            call.set_low_latency(0, protocol.dtype_code(wire), H, H * wire.itemsize, K, num_experts, max_tokens_per_rank, 0)
             out = self._impl.low_latency_dispatch(call, x, topk_idx, num_experts, max_tokens_per_rank, use_fp8,
                                                   round_scale, **kwargs)
         out.handle.buffer_id = self.id
-        out.handle.topk_idx, out.handle.topk_idx_version = topk_idx, C.tensor_version(topk_idx)  # combine checks it
+        out.handle.topk_idx, out.handle.topk_idx_version = topk_idx, checks.tensor_version(topk_idx)  # combine checks it
         if _needs_refusal(x):  # (topk_weights ride along for the combine: the rows do not depend on them)
             (out.x,) = _refusing("low_latency_dispatch", [out.x], [x])
         return out
@@ -612,28 +612,28 @@ class Buffer:
                                                     handle.hidden, handle.topk, handle.num_tokens, handle.num_ranks,
                                                     recv_hook)):
                 with _CallScope(self, "low_latency_combine", replay.sig) as call:
-                    if self._ids_level != C.IDS_UNCHECKED:
-                        C.check_same_routing(topk_idx, handle.topk_idx, handle.topk_idx_version,
-                                             may_sync=self._ids_level == C.IDS_CHECKED)
+                    if self._ids_level != checks.IDS_UNCHECKED:
+                        checks.check_same_routing(topk_idx, handle.topk_idx, handle.topk_idx_version,
+                                             may_sync=self._ids_level == checks.IDS_CHECKED)
                     call.set_routing(handle.call_seq)
                     return replay.run(call, x, topk_idx, topk_weights, handle, combine_wait_recv_cost_stats)
         with self._call("low_latency_combine") as call:
             self._check_handle(handle, LowLatencyHandle)
-            C.fail(isinstance(x, torch.Tensor), "x must be a tensor", TypeError)
+            checks.fail(isinstance(x, torch.Tensor), "x must be a tensor", TypeError)
             if x.dtype not in (torch.bfloat16, torch.float32):
                 raise TypeError(f"x must be bf16 or fp32, got {x.dtype}")
             shape = (handle.num_local_experts, handle.num_ranks * handle.max_tokens_per_rank, handle.hidden)
             if tuple(x.shape) != shape:
                 raise ValueError(f"x must have shape {shape}, got {tuple(x.shape)}")
-            C.fail(x.is_contiguous(), "x must be contiguous")
-            K = C.check_topk_idx(topk_idx, handle.num_tokens, x.device)
+            checks.fail(x.is_contiguous(), "x must be contiguous")
+            K = checks.check_topk_idx(topk_idx, handle.num_tokens, x.device)
             if K != handle.topk:
                 raise ValueError(f"topk_idx has K={K} but the dispatch used K={handle.topk}")
-            if self._ids_level != C.IDS_UNCHECKED:
-                C.check_same_routing(topk_idx, handle.topk_idx, handle.topk_idx_version,
-                                     may_sync=self._ids_level == C.IDS_CHECKED)
-            C.check_topk_weights(topk_weights, handle.num_tokens, K, x.device)
-            C.check_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, self.num_ranks, torch.int64,
+            if self._ids_level != checks.IDS_UNCHECKED:
+                checks.check_same_routing(topk_idx, handle.topk_idx, handle.topk_idx_version,
+                                     may_sync=self._ids_level == checks.IDS_CHECKED)
+            checks.check_topk_weights(topk_weights, handle.num_tokens, K, x.device)
+            checks.check_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, self.num_ranks, torch.int64,
                           x.device, "rank")
             if combine_wait_recv_cost_stats is not None:
                 kwargs["wait_stats"] = combine_wait_recv_cost_stats
@@ -648,17 +648,17 @@ class Buffer:
                     raise TypeError(f"out must have x's dtype {x.dtype}, got {out.dtype}")
                 if out.device != x.device:
                     raise ValueError(f"out is on {out.device} but x is on {x.device}")
-                C.fail(out.is_contiguous(), "out must be contiguous")
+                checks.fail(out.is_contiguous(), "out must be contiguous")
                 kwargs["out"] = out
-            C.check_bool("use_logfmt", use_logfmt)
+            checks.check_bool("use_logfmt", use_logfmt)
             if use_logfmt:
                 if x.dtype != torch.bfloat16:
                     raise TypeError(f"use_logfmt encodes bf16 expert outputs, got {x.dtype}")
                 if handle.hidden % logfmt.BLOCK != 0:
                     raise ValueError(f"use_logfmt: hidden size {handle.hidden} must be a multiple of {logfmt.BLOCK}")
                 kwargs["use_logfmt"] = True
-            call.set_low_latency(handle.call_seq, P.dtype_code(x.dtype), handle.hidden, handle.hidden * x.element_size(), K,
-                                 handle.num_experts, handle.max_tokens_per_rank, P.LL_COMBINE_LOGFMT if use_logfmt else 0)
+            call.set_low_latency(handle.call_seq, protocol.dtype_code(x.dtype), handle.hidden, handle.hidden * x.element_size(), K,
+                                 handle.num_experts, handle.max_tokens_per_rank, protocol.LL_COMBINE_LOGFMT if use_logfmt else 0)
             y = self._impl.low_latency_combine(call, x, topk_idx, topk_weights, handle, **kwargs)
         return _refusing("low_latency_combine", [y], [x, topk_weights])[0] if _needs_refusal(x, topk_weights) else y
 
@@ -751,7 +751,7 @@ class Buffer:
         ValueError naming the bound. The low-latency kernels keep every SM they may have. No
         effect on the torch backend."""
         if num_sms is not None:
-            C.check_int("num_sms", num_sms, 1)
+            checks.check_int("num_sms", num_sms, 1)
         with self._exclusive("set_num_sms"):
             self._backend().set_num_sms(num_sms)
 
@@ -766,7 +766,7 @@ class Buffer:
     def _check_handle(self, handle, cls) -> None:
         if not isinstance(handle, cls):
             raise TypeError(f"handle must be a {cls.__name__}, got {type(handle).__name__}")
-        C.fail(handle.buffer_id == self.id, "handle was produced by a different Buffer")
+        checks.fail(handle.buffer_id == self.id, "handle was produced by a different Buffer")
 
     def __repr__(self) -> str:
         what = "destroyed" if self._destroyed else self._impl.describe()
@@ -784,12 +784,12 @@ class _CallScope:
     def __init__(self, buf: Buffer, op: str, sig: Optional[list] = None):
         self.buf, self.op, self.sig = buf, op, sig
 
-    def __enter__(self) -> P.Call:
+    def __enter__(self) -> protocol.Call:
         buf = self.buf
         buf._acquire(self.op)
         exc = None
         try:
-            self.guard = P.guarded(buf._impl, buf._next_call(self.op, self.sig))
+            self.guard = protocol.guarded(buf._impl, buf._next_call(self.op, self.sig))
             call = self.guard.__enter__()  # the entry check; its failure is published there
         except BaseException as e:
             exc = e

@@ -22,39 +22,39 @@ if TYPE_CHECKING:
     import torch
 
 try:
-    from .. import _protocol as P
+    from .. import _protocol
 except ImportError as exc:  # pragma: no cover - built by setup.py on every install
     raise ImportError(
         "megatron_ep._protocol is not built (it holds the protocol and region layout shared with the "
         "kernels): run `pip install --no-build-isolation -e .` or `python setup.py build_ext --inplace`"
     ) from exc
 
-SIG_FIELDS: List[str] = list(P.SIG_FIELDS)
+SIG_FIELDS: List[str] = list(_protocol.SIG_FIELDS)
 FIELD = {name: i for i, name in enumerate(SIG_FIELDS)}
-OP = dict(P.OP)
+OP = dict(_protocol.OP)
 OP_NAMES = {v: k for k, v in OP.items()}
-SLOT = dict(P.SLOT)
-SLOT_NAMES = dict(P.SLOTS)
-ERROR = dict(P.ERROR)
-RECV_INFO = dict(P.RECV_INFO)
-CALL_FAILED = P.CALL_FAILED
-MSG_BYTES = P.MSG_BYTES
-MAX_RANKS, MAX_TOPK, MAX_EXPERTS, MAX_ALIGNMENT = P.MAX_RANKS, P.MAX_TOPK, P.MAX_EXPERTS, P.MAX_ALIGNMENT
-MAX_TOKEN_GROUPS = P.MAX_TOKEN_GROUPS  # notify's token groups (DispatchRequest.token_groups)
-FP8_BLOCK = P.FP8_BLOCK
-plan_region = P.plan_region  # -> RegionLayout (typed, read-only attributes)
-RegionLayout = P.RegionLayout
-REGION_LAYOUT_FIELDS: List[str] = list(P.REGION_LAYOUT_FIELDS)
-REGION_HINTS: dict = dict(P.REGION_HINTS)  # every sizing hint's name and default (RegionHints, region_layout.h)
-is_fatal = P.error_is_fatal
-worst_expert_major_rows = P.worst_expert_major_rows
-notify_plan = P.notify_plan  # (num_tokens, groups) -> notify's chunk plan as a dict
+SLOT = dict(_protocol.SLOT)
+SLOT_NAMES = dict(_protocol.SLOTS)
+ERROR = dict(_protocol.ERROR)
+RECV_INFO = dict(_protocol.RECV_INFO)
+CALL_FAILED = _protocol.CALL_FAILED
+MSG_BYTES = _protocol.MSG_BYTES
+MAX_RANKS, MAX_TOPK, MAX_EXPERTS, MAX_ALIGNMENT = _protocol.MAX_RANKS, _protocol.MAX_TOPK, _protocol.MAX_EXPERTS, _protocol.MAX_ALIGNMENT
+MAX_TOKEN_GROUPS = _protocol.MAX_TOKEN_GROUPS  # notify's token groups (DispatchRequest.token_groups)
+FP8_BLOCK = _protocol.FP8_BLOCK
+plan_region = _protocol.plan_region  # -> RegionLayout (typed, read-only attributes)
+RegionLayout = _protocol.RegionLayout
+REGION_LAYOUT_FIELDS: List[str] = list(_protocol.REGION_LAYOUT_FIELDS)
+REGION_HINTS: dict = dict(_protocol.REGION_HINTS)  # every sizing hint's name and default (RegionHints, region_layout.h)
+is_fatal = _protocol.error_is_fatal
+worst_expert_major_rows = _protocol.worst_expert_major_rows
+notify_plan = _protocol.notify_plan  # (num_tokens, groups) -> notify's chunk plan as a dict
 # the low-latency combine's signature `variant`: what its wire and flags look like (each rank's
 # sender writes what the others' receivers read, so every rank must use the same)
 LL_COMBINE_LOGFMT = 1  # rows sent as LogFMT-10 where a block allows (megatron_ep.core.logfmt)
 LL_COMBINE_MERGED = 2  # one row per (token, rank), weighted by the sender, one flag per rank
 # a normal combine's `variant`: how its rows are summed (the ranks must agree: their kernels pair)
-COMBINE_STAGED, COMBINE_PARTIALS, COMBINE_SINGLE = P.COMBINE_VARIANTS  # (protocol.h CombineVariant)
+COMBINE_STAGED, COMBINE_PARTIALS, COMBINE_SINGLE = _protocol.COMBINE_VARIANTS  # (protocol.h CombineVariant)
 _VARIANT = FIELD["variant"]
 _ROUTING, _DTYPE, _HIDDEN, _ROW_BYTES, _TOPK, _NUM_EXPERTS, _PERMUTE, _ALIGNMENT, _WORST, _WEIGHTS = (
     FIELD[name] for name in ("routing", "dtype", "hidden", "row_bytes", "topk", "num_experts", "permute",
@@ -68,7 +68,7 @@ def _dtype_codes() -> dict:
     # this module's constants and runs without torch
     import torch
 
-    return {getattr(torch, name): code for name, code in P.DTYPE.items()}
+    return {getattr(torch, name): code for name, code in _protocol.DTYPE.items()}
 
 
 def dtype_code(dtype: torch.dtype) -> int:

@@ -16,7 +16,7 @@ from typing import Optional, Type
 
 import torch
 
-from ...core import protocol as P
+from ...core import protocol
 from ...core.checks import fail
 from . import nvshmem
 from .hosts import host_names
@@ -25,7 +25,7 @@ from .paths.intranode import IntranodePath
 from .runtime import DEFAULT_TIMEOUT_S
 from ...core.types import DispatchLayout
 
-_LL_OPS = (P.OP["low_latency_dispatch"], P.OP["low_latency_combine"])
+_LL_OPS = (protocol.OP["low_latency_dispatch"], protocol.OP["low_latency_combine"])
 
 
 def node_size(group, num_ranks: int, requested: Optional[int]) -> int:
@@ -56,16 +56,16 @@ class CudaBackend:
 
     def __init__(self, group, rank: int, num_ranks: int, *, max_tokens_per_rank: Optional[int] = None,
                  hidden: Optional[int] = None, num_experts: Optional[int] = None, max_topk: Optional[int] = None,
-                 num_sms: Optional[int] = None, dtype_bytes: int = P.REGION_HINTS["dtype_bytes"],
-                 combine_bytes: int = P.REGION_HINTS["combine_bytes"], combine_rows: Optional[int] = None,
-                 pool_bytes: Optional[int] = None, max_alignment: int = P.REGION_HINTS["max_alignment"],
+                 num_sms: Optional[int] = None, dtype_bytes: int = protocol.REGION_HINTS["dtype_bytes"],
+                 combine_bytes: int = protocol.REGION_HINTS["combine_bytes"], combine_rows: Optional[int] = None,
+                 pool_bytes: Optional[int] = None, max_alignment: int = protocol.REGION_HINTS["max_alignment"],
                  timeout_s: float = DEFAULT_TIMEOUT_S, low_latency: Optional[dict] = None,
                  ranks_per_node: Optional[int] = None, nvshmem_heap_bytes: Optional[int] = None):
         if num_experts is not None:
-            fail(num_experts <= P.MAX_EXPERTS, f"num_experts={num_experts} exceeds the cuda backend's {P.MAX_EXPERTS}")
+            fail(num_experts <= protocol.MAX_EXPERTS, f"num_experts={num_experts} exceeds the cuda backend's {protocol.MAX_EXPERTS}")
         if max_topk is not None:
-            fail(1 <= max_topk <= P.MAX_TOPK, f"max_topk must be in 1..{P.MAX_TOPK}")
-        fail(1 <= max_alignment <= P.MAX_ALIGNMENT, f"max_alignment must be in 1..{P.MAX_ALIGNMENT}")
+            fail(1 <= max_topk <= protocol.MAX_TOPK, f"max_topk must be in 1..{protocol.MAX_TOPK}")
+        fail(1 <= max_alignment <= protocol.MAX_ALIGNMENT, f"max_alignment must be in 1..{protocol.MAX_ALIGNMENT}")
         hints = dict(max_tokens=max_tokens_per_rank, hidden=hidden, max_experts=num_experts, max_topk=max_topk,
                      dtype_bytes=dtype_bytes, combine_bytes=combine_bytes, combine_rows=combine_rows,
                      pool_bytes=pool_bytes, max_alignment=max_alignment)
@@ -100,14 +100,14 @@ class CudaBackend:
     def describe(self) -> str:
         return self.path.describe()
 
-    def _path_of(self, call: P.Call) -> Path:
+    def _path_of(self, call: protocol.Call) -> Path:
         return self._low_latency() if call.op in _LL_OPS else self.path
 
-    def begin(self, call: P.Call) -> None:
+    def begin(self, call: protocol.Call) -> None:
         """Entry check (errors reported since the last call) of the path that serves `call`."""
         self._path_of(call).begin(call)
 
-    def failed(self, call: P.Call, exc: BaseException) -> None:
+    def failed(self, call: protocol.Call, exc: BaseException) -> None:
         """A failure on this rank: its publication to the peers waiting on this call."""
         self._path_of(call).failed(call, exc)
 

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from ...core import protocol as P
+from ...core import protocol
 from ...core.checks import fail
 from ...core.errors import CommTimeoutError, MegatronEPError
 from . import sharing
@@ -22,7 +22,7 @@ from .region import Region
 
 log = logging.getLogger("megatron_ep")
 
-_NO_ERROR = P.ERROR["none"]  # HostInfo::error while the kernels reported nothing
+_NO_ERROR = protocol.ERROR["none"]  # HostInfo::error while the kernels reported nothing
 
 
 class CallLedger(FailureState):
@@ -34,7 +34,7 @@ class CallLedger(FailureState):
         self.region, self.rank, self.timeout_s = region, region.rank, region.timeout_s
         self.ranks_per_device = ranks_per_device
 
-    def publish(self, call: P.Call, exc: BaseException) -> None:
+    def publish(self, call: protocol.Call, exc: BaseException) -> None:
         """`call` failed on this rank with `exc`: if peers may be waiting for it (`call.pending`),
         a failed record at the handshake they wait on next."""
         region = self.region
@@ -44,13 +44,13 @@ class CallLedger(FailureState):
             if region.ready:
                 slot = call.pending.slot
                 with torch.cuda.stream(region.stream):
-                    region.runtime.fail_call(call.sig, P.failure_message(exc), slot)
-            elif call.pending is P.Pending.FIRST:  # the peers are sizing the buffer in this call
+                    region.runtime.fail_call(call.sig, protocol.failure_message(exc), slot)
+            elif call.pending is protocol.Pending.FIRST:  # the peers are sizing the buffer in this call
                 region.first_use(failure=exc)
         except Exception:  # noqa: BLE001 - the original error matters more
             log.exception("megatron_ep: could not publish a failure to the peers")
 
-    def check(self, call: Optional[P.Call] = None) -> None:
+    def check(self, call: Optional[protocol.Call] = None) -> None:
         """Raise what the kernels reported since the last check: a fatal error breaks the buffer;
         an aborted call (an earlier asynchronous one) is reported once."""
         region = self.region
@@ -63,17 +63,17 @@ class CallLedger(FailureState):
             return
         raise self.error(err, call)
 
-    def error(self, err: dict, call: Optional[P.Call]) -> MegatronEPError:
+    def error(self, err: dict, call: Optional[protocol.Call]) -> MegatronEPError:
         """The named exception of the kernels' error record `err` (a fatal one breaks the path)."""
         code = err["code"]
-        if P.is_fatal(code):
+        if protocol.is_fatal(code):
             return self.break_with(CommTimeoutError, self._describe_fatal(err))
         self.region.runtime.take_error(clear=True)
-        failed = P.Call(err["ops"][self.rank] if err["ops"] else 0, err["seq"])
-        if code == P.ERROR["mismatch"]:
-            e = P.mismatch_error(failed, err["field"], err["values"], err["ops"])
+        failed = protocol.Call(err["ops"][self.rank] if err["ops"] else 0, err["seq"])
+        if code == protocol.ERROR["mismatch"]:
+            e = protocol.mismatch_error(failed, err["field"], err["values"], err["ops"])
         else:
-            e = P.peer_failed_error(failed, err["peer"], err["message"].decode("utf-8", "replace"))
+            e = protocol.peer_failed_error(failed, err["peer"], err["message"].decode("utf-8", "replace"))
         if call is not None and call.seq != err["seq"]:
             e = type(e)(f"{e} [reported at call #{call.seq}]")
         if err["num_aborted"] > 1:
@@ -81,9 +81,9 @@ class CallLedger(FailureState):
         return e
 
     def _describe_fatal(self, err: dict) -> str:
-        what = P.SLOT_NAMES.get(err["slot"], f"slot {err['slot']}")
-        if err["code"] == P.ERROR["timeout"]:
-            if err["peer"] == err["rank"] and err["slot"] >= len(P.SLOT_NAMES) - 1:
+        what = protocol.SLOT_NAMES.get(err["slot"], f"slot {err['slot']}")
+        if err["code"] == protocol.ERROR["timeout"]:
+            if err["peer"] == err["rank"] and err["slot"] >= len(protocol.SLOT_NAMES) - 1:
                 text = (f"rank {err['rank']} timed out after {self.timeout_s:.0f}s at '{what}' in call #{err['seq']}: "
                         f"its kernel's blocks were not all resident (lower num_sms)")
             else:
@@ -109,7 +109,7 @@ class CallLedger(FailureState):
         """How long the host waits for notify's sizes: the kernels' own timeout, and a margin."""
         return self.timeout_s + 5
 
-    def host_sizes(self, call: P.Call, waited: int, info: Optional[dict]) -> dict:
+    def host_sizes(self, call: protocol.Call, waited: int, info: Optional[dict]) -> dict:
         """What a wait for notify's sizes returned (Runtime::wait_counts: 0 and the sizes, 1 a
         fatal error first, 2 the timeout): the sizes, or the call's error."""
         runtime = self.region.runtime

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ...core import protocol as P
+from ...core import protocol
 from ...core.errors import PeerFailedError
 from .collectives import bounded_barrier, gather, largest
 
@@ -60,18 +60,18 @@ class Region:
 
     def _create(self, hints: dict, num_sms: int = 0) -> None:
         """Collective: plan, allocate and open every rank's region."""
-        plan = P.plan_region(hints)
-        if plan.max_experts > P.MAX_EXPERTS:
-            raise ValueError(f"num_experts={plan.max_experts} exceeds the cuda backend's {P.MAX_EXPERTS}")
-        if not (1 <= plan.max_topk <= P.MAX_TOPK):
-            raise ValueError(f"max_topk must be in 1..{P.MAX_TOPK}")
+        plan = protocol.plan_region(hints)
+        if plan.max_experts > protocol.MAX_EXPERTS:
+            raise ValueError(f"num_experts={plan.max_experts} exceeds the cuda backend's {protocol.MAX_EXPERTS}")
+        if not (1 <= plan.max_topk <= protocol.MAX_TOPK):
+            raise ValueError(f"max_topk must be in 1..{protocol.MAX_TOPK}")
         # the allocation can fail on one rank (memory): every rank still reaches the gather, so
         # the others raise PeerFailedError naming it instead of waiting there
         try:
             runtime = self.ext.Runtime(self.device.index, self.rank, self.num_ranks, plan, self.timeout_s)
             mine = bytes(runtime.ipc_handle())
         except Exception as exc:
-            gather({"failed": P.failure_message(exc)}, self.group)
+            gather({"failed": protocol.failure_message(exc)}, self.group)
             raise
         every = gather(mine, self.group)
         failed = [r for r, h in enumerate(every) if isinstance(h, dict)]
@@ -97,22 +97,22 @@ class Region:
         failed before that comes with its failure, and every peer raises it)."""
         if self.ready:
             return
-        local = {"failed": P.failure_message(failure)} if failure is not None else merge_hints(self.hints, needs)
+        local = {"failed": protocol.failure_message(failure)} if failure is not None else merge_hints(self.hints, needs)
         every = gather(local, self.group)
         failed = [r for r, d in enumerate(every) if "failed" in d]
         if failed:
             if failure is not None:
                 return  # the caller re-raises its own error
-            raise P.peer_failed_error(P.Call(P.OP["dispatch"], 1), failed[0], every[failed[0]]["failed"])
+            raise protocol.peer_failed_error(protocol.Call(protocol.OP["dispatch"], 1), failed[0], every[failed[0]]["failed"])
         self._create(merge_hints(*every))
 
-    def first_use_in(self, call: P.Call, needs: dict) -> None:
+    def first_use_in(self, call: protocol.Call, needs: dict) -> None:
         """`first_use` inside `call`, before the call's own first exchange: the sizing exchange
         reports a failed rank to every rank itself (nothing is owed while it runs); after it, the
         peers wait for this rank at the call's first exchange again."""
         call.settle()
         self.first_use(needs)
-        call.owe(P.Pending.FIRST)
+        call.owe(protocol.Pending.FIRST)
 
     def fits(self, need: dict) -> Optional[str]:
         """None if a call with these needs (hint keys) fits the region as it is, else what does not
@@ -126,7 +126,7 @@ class Region:
         key = tuple(rest.items())  # (in the order the caller built it: another order is one more plan, not an error)
         if counts_fit and key in self._fitted:
             return None
-        new = P.plan_region(self._hints_for(need))
+        new = protocol.plan_region(self._hints_for(need))
         short = [f"{k} {getattr(new, k)} > {getattr(p, k)}" for k in self._CAPACITY if getattr(new, k) > getattr(p, k)]
         if not short and len(self._fitted) < 4096:
             self._fitted.add(key)
@@ -145,7 +145,7 @@ class Region:
         if short is None:
             return False
         h = self._hints_for(need)
-        new = P.plan_region(h)
+        new = protocol.plan_region(h)
         # headroom, so that a slowly growing need does not re-create the region every few calls
         if new.max_tokens > self.plan.max_tokens:
             h["max_tokens"] = _round_up(int(h["max_tokens"] * 1.25), 256)
@@ -224,7 +224,7 @@ def merge_hints(*hints: dict) -> dict:
     hidden = merged.get("hidden", 0)
     if hidden:
         for key in ("dtype_bytes", "combine_bytes"):
-            widest = max((h.get("hidden", 0) or 0) * (h.get(key) or P.REGION_HINTS[key]) for h in hints)
+            widest = max((h.get("hidden", 0) or 0) * (h.get(key) or protocol.REGION_HINTS[key]) for h in hints)
             merged[key] = max(1, -(-widest // hidden))
     return merged
 

@@ -20,7 +20,7 @@ import torch
 
 from ...core import envs
 from . import extension as _ext
-from ...core import protocol as P
+from ...core import protocol
 from ...core.checks import fail
 from ...core.output_hook import new_outputs
 from .ledger import CallLedger
@@ -43,8 +43,8 @@ class CudaRuntime:
                  timeout_s: float = DEFAULT_TIMEOUT_S, device_group=None, kind: str = "intranode"):
         self.ext = _ext.load()
         fail(torch.cuda.is_available(), "backend='cuda' needs a CUDA device", RuntimeError)
-        if num_ranks > P.MAX_RANKS:
-            raise ValueError(f"the intranode cuda path supports up to {P.MAX_RANKS} ranks, got {num_ranks}")
+        if num_ranks > protocol.MAX_RANKS:
+            raise ValueError(f"the intranode cuda path supports up to {protocol.MAX_RANKS} ranks, got {num_ranks}")
         self.group, self.rank, self.num_ranks = group, rank, num_ranks
         self.device = torch.device("cuda", torch.cuda.current_device())
         cap = torch.cuda.get_device_capability(self.device)

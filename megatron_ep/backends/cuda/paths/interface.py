@@ -12,27 +12,27 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import ContextManager, Optional
 
-from ....core import protocol as P
+from ....core import protocol
 from ....core.requests import CombineRequest, DispatchRequest
 
 
 class Path(ABC):
     @abstractmethod
-    def begin(self, call: P.Call) -> None:
+    def begin(self, call: protocol.Call) -> None:
         """A call's entry check (errors reported since the last call)."""
 
     @abstractmethod
-    def failed(self, call: P.Call, exc: BaseException) -> None:
+    def failed(self, call: protocol.Call, exc: BaseException) -> None:
         """The call's host side raised `exc`: if peers may wait for this rank (`call.owes`),
         publish the failure to them (the caller re-raises)."""
 
-    def guard(self, call: P.Call) -> ContextManager[P.Call]:
+    def guard(self, call: protocol.Call) -> ContextManager[protocol.Call]:
         """Around a call's whole host side: begin, and on a failure (the entry check's too) its
         publication before it propagates (protocol.guarded)."""
-        return P.guarded(self, call)
+        return protocol.guarded(self, call)
 
     @abstractmethod
-    def check(self, call: Optional[P.Call] = None) -> None:
+    def check(self, call: Optional[protocol.Call] = None) -> None:
         """Raise what the kernels reported since the last check (a fatal error breaks the path)."""
 
     @abstractmethod
@@ -60,9 +60,9 @@ class NormalPath(Path):
         """One line for logs and repr(Buffer)."""
 
     @abstractmethod
-    def dispatch(self, call: P.Call, req: DispatchRequest):
+    def dispatch(self, call: protocol.Call, req: DispatchRequest):
         """A dispatch (Buffer checked the contract); returns a DispatchOutput with its handle."""
 
     @abstractmethod
-    def combine(self, call: P.Call, req: CombineRequest):
+    def combine(self, call: protocol.Call, req: CombineRequest):
         """A combine along `req.handle`; returns a CombineOutput."""

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from ....core import envs
-from ....core import protocol as P
+from ....core import protocol
 from ....core.checks import FP8_BLOCK, IDS_CHECKED, check_topk_values, fail
 from ..hosts import host_names
 from ....core.requests import CombineRequest, DispatchRequest
@@ -97,7 +97,7 @@ class InternodePath(NvshmemPath, NormalPath):
     SIZE_UP_FRONT = "pass max_tokens_per_rank= and hidden= to Buffer"
     FIT_REMEDY = "create the Buffer with max_tokens_per_rank=, hidden=, max_topk= large enough"
     SENDS = "its RDMA send in"
-    PENDING = P.Pending.RDMA  # until its RDMA send, the same-index peers wait for this rank
+    PENDING = protocol.Pending.RDMA  # until its RDMA send, the same-index peers wait for this rank
 
     def __init__(self, rt: CudaRuntime, group, rank: int, num_ranks: int, ranks_per_node: int, hints: dict):
         super().__init__(group, rank, num_ranks, rt.device, rt.timeout_s)
@@ -205,7 +205,7 @@ class InternodePath(NvshmemPath, NormalPath):
         return t
 
     # ------------------------------------------------------------------------------ calls
-    def begin(self, call: P.Call) -> None:
+    def begin(self, call: protocol.Call) -> None:
         # the in-node calls check and publish for themselves; the node's earlier reports first
         self.rt.ledger.check(call)
         super().begin(call)
@@ -217,7 +217,7 @@ class InternodePath(NvshmemPath, NormalPath):
 
     # ------------------------------------------------------------------------------ errors
     def _op(self, op: int) -> str:
-        return f"internode {P.op_name(op)}"
+        return f"internode {protocol.op_name(op)}"
 
     def _peer(self, err: dict) -> str:
         return f"rank {err['peer']} (node {err['node']})"
@@ -231,7 +231,7 @@ class InternodePath(NvshmemPath, NormalPath):
                    f"stage)"}.get(err["what"],
                                                                                                              "waiting")
 
-    def publish(self, call: P.Call, exc: BaseException) -> None:
+    def publish(self, call: protocol.Call, exc: BaseException) -> None:
         """This rank raised before its RDMA send of `call`: the same-index peers' receives would wait
         for it until their timeout; tell them now (their buffers break). The node's other ranks
         wait for it at the in-node stage's handshake: unless this rank's own in-node call already
@@ -241,17 +241,17 @@ class InternodePath(NvshmemPath, NormalPath):
             self.rt.ledger.publish(self._inner_call(call, 0, 0), exc)
         super().publish(call, exc)
 
-    def _inner_call(self, call: P.Call, num_experts: int, routing: int) -> P.Call:
+    def _inner_call(self, call: protocol.Call, num_experts: int, routing: int) -> protocol.Call:
         """The in-node stage's call: the same signature on the node's own call sequence."""
         self.inner_seq += 1
         self.inner_of = call.seq
-        inner = P.Call(call.op, self.inner_seq)
+        inner = protocol.Call(call.op, self.inner_seq)
         inner.sig = list(call.sig)
         inner.set(seq=self.inner_seq, num_experts=num_experts, routing=routing)
         return inner
 
     # ---------------------------------------------------------------------------- dispatch
-    def dispatch(self, call: P.Call, req: DispatchRequest) -> DispatchOutput:
+    def dispatch(self, call: protocol.Call, req: DispatchRequest) -> DispatchOutput:
         rt, N = self.rt, self.N
         x, topk_idx, topk_weights, num_experts, permute, expert_alignment = (
             req.x, req.topk_idx, req.topk_weights, req.num_experts, req.permute, req.expert_alignment)
@@ -265,8 +265,8 @@ class InternodePath(NvshmemPath, NormalPath):
             K, topk_idx = handle.topk, handle.topk_idx
         else:
             K = topk_idx.shape[1]
-            if K > P.MAX_TOPK:
-                raise ValueError(f"topk_idx has K={K}; the cuda backend takes at most {P.MAX_TOPK}")
+            if K > protocol.MAX_TOPK:
+                raise ValueError(f"topk_idx has K={K}; the cuda backend takes at most {protocol.MAX_TOPK}")
             if req.check_ids == IDS_CHECKED:  # on the host (one sync): the in-node stage sees only the node-local ids
                 check_topk_values(topk_idx, num_experts, previous_event)
             topk_idx = topk_idx.contiguous().clone()
@@ -357,7 +357,7 @@ class InternodePath(NvshmemPath, NormalPath):
         return out
 
     # ----------------------------------------------------------------------------- combine
-    def combine(self, call: P.Call, req: CombineRequest) -> CombineOutput:
+    def combine(self, call: protocol.Call, req: CombineRequest) -> CombineOutput:
         rt, N = self.rt, self.N
         x, handle, weights, async_op, previous_event = req.x, req.handle, req.weights, req.async_op, req.previous_event
         st: InternodeState = handle.state

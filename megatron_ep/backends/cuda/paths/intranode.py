@@ -20,7 +20,7 @@ from typing import Any, Callable, List, Optional
 import torch
 
 from ....core import output_hook as hooks
-from ....core import protocol as P
+from ....core import protocol
 from ....core.checks import IDS_CHECKED, IDS_UNCHECKED, bad_slot_error, check_topk_values, fail, is_fp8_tuple
 from ....core.errors import PeerFailedError
 from ....core.permute import padded_host_counts
@@ -30,7 +30,7 @@ from ..runtime import CudaRuntime
 from ....core.types import CombineOutput, DispatchHandle, DispatchOutput, EventOverlap
 from .interface import NormalPath
 
-SLOT = P.SLOT
+SLOT = protocol.SLOT
 
 
 @dataclass(slots=True)
@@ -105,8 +105,8 @@ def dispatch_rows(rt: CudaRuntime, x, topk_weights, num_experts: int):
         raise ValueError(f"dispatch: rows of {row_bytes} bytes; the cuda backend needs a multiple of 16 (hidden * element size)")
     if data.device != rt.device:
         raise ValueError(f"x is on {data.device}, the buffer on {rt.device}")
-    if num_experts > P.MAX_EXPERTS:
-        raise ValueError(f"num_experts={num_experts} exceeds the cuda backend's {P.MAX_EXPERTS}")
+    if num_experts > protocol.MAX_EXPERTS:
+        raise ValueError(f"num_experts={num_experts} exceeds the cuda backend's {protocol.MAX_EXPERTS}")
     if topk_weights is not None:
         if topk_weights.dtype != torch.float32:
             raise TypeError(f"topk_weights must be float32 for the cuda backend, got {topk_weights.dtype}")
@@ -161,13 +161,13 @@ class IntranodePath(NormalPath):
         return f"cuda intranode, {rt.budget.num_sms} SMs/rank, {rt.ranks_per_device} rank(s)/GPU, {size}"
 
     # ------------------------------------------------------------------------------ calls
-    def begin(self, call: P.Call) -> None:
+    def begin(self, call: protocol.Call) -> None:
         self.rt.ledger.check(call)
 
-    def failed(self, call: P.Call, exc: BaseException) -> None:
+    def failed(self, call: protocol.Call, exc: BaseException) -> None:
         self.rt.ledger.publish(call, exc)
 
-    def check(self, call: Optional[P.Call] = None) -> None:
+    def check(self, call: Optional[protocol.Call] = None) -> None:
         self.rt.ledger.check(call)
 
     def synchronize(self) -> None:
@@ -178,7 +178,7 @@ class IntranodePath(NormalPath):
         self.rt.close()
 
     # ------------------------------------------------------------------------------ dispatch
-    def dispatch(self, call: P.Call, req: DispatchRequest) -> DispatchOutput:
+    def dispatch(self, call: protocol.Call, req: DispatchRequest) -> DispatchOutput:
         """plan (every decision, before any kernel) -> one crossing: a new routing's notify, the host
         wait for its sizes and the rest (calls.h dispatch_first_call), or a cached dispatch's rest
         (outputs, the rows moved: push [+ fan-out] or stage + pull, the counts, the event:
@@ -199,7 +199,7 @@ class IntranodePath(NormalPath):
                 handle.dispatch_replay = Replay(call.sig, self._replay_dispatch, req.x, req.topk_weights)
         return out
 
-    def _replay_routing(self, call: P.Call, x, topk_idx, topk_weights, async_op: bool, previous_event,
+    def _replay_routing(self, call: protocol.Call, x, topk_idx, topk_weights, async_op: bool, previous_event,
                         host_counts: bool) -> DispatchOutput:
         """A new routing replayed (megatron_ep/core/replay.py): the plan of the last new routing, whose
         shape and options these are (the replay matched them), with this call's tensors, and what
@@ -210,7 +210,7 @@ class IntranodePath(NormalPath):
         call.set_variant(int(plan.push))
         return self._planned(call, plan, previous_event, async_op, None, host_counts)
 
-    def _planned(self, call: P.Call, plan: "DispatchPlan", previous_event: Optional[EventOverlap], async_op: bool,
+    def _planned(self, call: protocol.Call, plan: "DispatchPlan", previous_event: Optional[EventOverlap], async_op: bool,
                  handle: Optional[DispatchHandle], host_counts: bool) -> DispatchOutput:
         """dispatch after its plan (and the request's arguments the plan does not hold): the
         crossings and the caller's DispatchOutput."""
@@ -248,7 +248,7 @@ class IntranodePath(NormalPath):
                     zero_copy, event, async_op, hook, marks, num_blocks, push_blocks, local_blocks, plan.want_src)
             except BaseException:
                 if region.runtime.notified_tag() == tag:  # raised past notify: the peers wait at the rows' first handshake
-                    call.owe(P.Pending.OUT_LOC if plan.push else P.Pending.STAGED)
+                    call.owe(protocol.Pending.OUT_LOC if plan.push else protocol.Pending.STAGED)
                 raise
             # (status 0: the rows moved in the same crossing, so nothing is owed after it)
             st, comb_rows = self._notified(call, plan, notified, grow=status == 1, owed=status != 0)
@@ -267,7 +267,7 @@ class IntranodePath(NormalPath):
                               plan.fused if fused_push else None, marks, plan.want_src)
         return self._dispatched(call, plan, handle, host_counts, st, res, event, out_rows)
 
-    def _send_rows(self, call: P.Call, st: IntranodeState, num_experts: int, first: bool, x, scales, topk_weights,
+    def _send_rows(self, call: protocol.Call, st: IntranodeState, num_experts: int, first: bool, x, scales, topk_weights,
                    push: bool, out_rows: int, num_worst_tokens: int, comb_rows: int, previous_event, event,
                    async_op: bool, fused, marks, want_src: bool) -> tuple:
         """The rows moved along `st` (calls.h dispatch_call, one crossing: the outputs, push [+
@@ -284,7 +284,7 @@ class IntranodePath(NormalPath):
                           zero_copy, out_rows, num_worst_tokens, comb_rows, previous_event, event, async_op, hook, marks,
                           num_blocks, push_blocks, local_blocks, want_src)
 
-    def _replay_dispatch(self, call: P.Call, handle: DispatchHandle, x, topk_weights, async_op: bool,
+    def _replay_dispatch(self, call: protocol.Call, handle: DispatchHandle, x, topk_weights, async_op: bool,
                          previous_event) -> DispatchOutput:
         """A cached dispatch replayed (megatron_ep/core/replay.py): what dispatch decides for a cached call
         of the shape that passed its checks along `handle`, then the same crossing."""
@@ -317,14 +317,14 @@ class IntranodePath(NormalPath):
         return DispatchOutput((x, scales) if fp8 else x, topk_idx, weights, row_expert, tpe, None,
                               event=EventOverlap(event) if event is not None else None, num_dropped=dropped), src
 
-    def _dispatched(self, call: P.Call, plan: "DispatchPlan", handle: Optional[DispatchHandle], host_counts: bool,
+    def _dispatched(self, call: protocol.Call, plan: "DispatchPlan", handle: Optional[DispatchHandle], host_counts: bool,
                     st: IntranodeState, res: tuple, event, out_rows: int) -> DispatchOutput:
         """The caller's DispatchOutput from what dispatch_call (or the second half of
         dispatch_first_call) returned."""
         out, src = self._output(st, res, plan.scales is not None, event)
         return self._result(call, plan, handle, host_counts, st, out, out_rows, src)
 
-    def _plan(self, call: P.Call, req: DispatchRequest) -> "DispatchPlan":
+    def _plan(self, call: protocol.Call, req: DispatchRequest) -> "DispatchPlan":
         """The cuda checks of the inputs, the first call's sizing, whether the call fits as the
         region is, and push or stage: everything decided before a kernel runs."""
         rt = self.rt
@@ -333,17 +333,17 @@ class IntranodePath(NormalPath):
         data, scales, T, H, elem, row_bytes = dispatch_rows(rt, req.x, req.topk_weights, num_experts)
         groups = req.token_groups
         if groups != 1:  # (one group, every Buffer call's, passes these: dispatch_rows bounds num_experts)
-            if not (1 <= groups <= P.MAX_TOKEN_GROUPS):
-                raise ValueError(f"token_groups={groups} outside 1..{P.MAX_TOKEN_GROUPS}")
+            if not (1 <= groups <= protocol.MAX_TOKEN_GROUPS):
+                raise ValueError(f"token_groups={groups} outside 1..{protocol.MAX_TOKEN_GROUPS}")
             if T % groups != 0:
                 raise ValueError(f"{T} tokens are not {groups} equal token groups")
-            if groups * num_experts > P.MAX_EXPERTS:
+            if groups * num_experts > protocol.MAX_EXPERTS:
                 raise ValueError(f"{groups} token groups of {num_experts} experts exceed the "
-                                 f"notify counts' {P.MAX_EXPERTS}")
+                                 f"notify counts' {protocol.MAX_EXPERTS}")
         if handle is None:
             K = req.topk_idx.shape[1]
-            if K > P.MAX_TOPK:
-                raise ValueError(f"topk_idx has K={K}; the cuda backend takes at most {P.MAX_TOPK}")
+            if K > protocol.MAX_TOPK:
+                raise ValueError(f"topk_idx has K={K}; the cuda backend takes at most {protocol.MAX_TOPK}")
             topk_idx = req.topk_idx  # the handle keeps its own copy, made by notify_call
         else:
             K, topk_idx = handle.topk, handle.topk_idx
@@ -385,7 +385,7 @@ class IntranodePath(NormalPath):
                             scales.shape[1] if scales is not None else 0, need, handle is None, push, check_on_device,
                             req.rank_counts, req.fused, req.source_index and handle is None)
 
-    def _notify(self, call: P.Call, plan: "DispatchPlan", previous, marks, async_op: bool) -> tuple:
+    def _notify(self, call: protocol.Call, plan: "DispatchPlan", previous, marks, async_op: bool) -> tuple:
         """A worst-case sized routing's counts, exchange and row positions (one crossing: calls.h
         notify_call, which also enters the call's streams), without a host wait. Returns what
         _notified does."""
@@ -397,7 +397,7 @@ class IntranodePath(NormalPath):
             marks, wait_s, async_op)
         return self._notified(call, plan, notified, grow=False, owed=True)
 
-    def _notified(self, call: P.Call, plan: "DispatchPlan", notified: tuple, grow: bool, owed: bool) -> tuple:
+    def _notified(self, call: protocol.Call, plan: "DispatchPlan", notified: tuple, grow: bool, owed: bool) -> tuple:
         """The handle's state from notify's outputs (notify_call's tuple); unless sync-free, the
         sizes the host waited for, or the call's error, and -- `grow`: the rows are not moved yet --
         the region grown if any rank needs more. `owed` (the rows are not moved yet): after it the
@@ -427,10 +427,10 @@ class IntranodePath(NormalPath):
                                        combine_rows=info["need_perm_rows"] if plan.permute else info["need_rows"]))
             rows_bound = st.num_rows
         if owed:
-            call.owe(P.Pending.OUT_LOC if plan.push else P.Pending.STAGED)
+            call.owe(protocol.Pending.OUT_LOC if plan.push else protocol.Pending.STAGED)
         return st, (rows_bound if plan.permute else 0)
 
-    def _result(self, call: P.Call, plan: "DispatchPlan", handle: Optional[DispatchHandle], host_counts: bool,
+    def _result(self, call: protocol.Call, plan: "DispatchPlan", handle: Optional[DispatchHandle], host_counts: bool,
                 st: IntranodeState, res: DispatchOutput, out_rows: int, src=None) -> DispatchOutput:
         """res with its handle (a cached dispatch's, or a new routing's made here) and, where
         asked, the host counts."""
@@ -458,7 +458,7 @@ class IntranodePath(NormalPath):
         return res
 
     # ------------------------------------------------------------------------------- combine
-    def combine(self, call: P.Call, req: CombineRequest) -> CombineOutput:
+    def combine(self, call: protocol.Call, req: CombineRequest) -> CombineOutput:
         """The checks and decisions here, then one crossing (calls.h combine_call): y on the
         caller's stream; on ours the staging and the pull-and-sum in one launch, or the
         expert-major pre-reduction and the partials' sum."""
@@ -488,14 +488,14 @@ class IntranodePath(NormalPath):
             handle.combine_replay = Replay(call.sig, self._replay_combine, x, weights)
         return out
 
-    def _replay_combine(self, call: P.Call, handle: DispatchHandle, x, weights, async_op: bool,
+    def _replay_combine(self, call: protocol.Call, handle: DispatchHandle, x, weights, async_op: bool,
                         previous_event) -> CombineOutput:
         """A combine replayed (megatron_ep/core/replay.py): the crossing of a combine of the shape that
         passed its checks along `handle`."""
         return self._combined(call, handle, x, weights, None, None, None, None, _event(previous_event), async_op, None,
                               False)
 
-    def _combined(self, call: P.Call, handle: DispatchHandle, x: torch.Tensor, weights, bias0, bias1, out, out_weights,
+    def _combined(self, call: protocol.Call, handle: DispatchHandle, x: torch.Tensor, weights, bias0, bias1, out, out_weights,
                   previous_event, async_op: bool, fused, single: bool) -> CombineOutput:
         """What a combine decides for the region as it is now, then its crossing."""
         rt = self.rt
@@ -512,7 +512,7 @@ class IntranodePath(NormalPath):
         partials = (handle.permute and not single and st.comb_map is not None and not zero_copy
                     and max_rank_major_rows(rt) * x.shape[1] * x.element_size()
                     <= region.plan.comb_rows * region.plan.comb_row_bytes)
-        variant = P.COMBINE_SINGLE if single else P.COMBINE_PARTIALS if partials else P.COMBINE_STAGED
+        variant = protocol.COMBINE_SINGLE if single else protocol.COMBINE_PARTIALS if partials else protocol.COMBINE_STAGED
         call.set_variant(variant)
         event = torch.cuda.Event() if async_op else None  # (a synchronous call joins through the runtime's own)
         # (the staging runs in the pull's launch: its time is the pull's; the pre-reduction has its own)

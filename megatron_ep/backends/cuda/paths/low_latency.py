@@ -42,7 +42,7 @@ from typing import Callable, List, Optional
 import torch
 
 from ....core import output_hook as hooks
-from ....core import protocol as P
+from ....core import protocol
 from ..extension import load_nvshmem
 from ....core.checks import FP8_BLOCK, MAX_LOW_LATENCY_BYTES, fail, tensor_version
 from ....core.types import LowLatencyDispatchOutput, LowLatencyHandle
@@ -100,7 +100,7 @@ class LowLatencyPath(NvshmemPath):
     SENDS = "its launch of"
     SIGNATURE = (": op, call sequence, dtype, hidden, topk, num_experts, max_tokens_per_rank, use_logfmt or the merged "
                  "combine (weights given at dispatch) differ")
-    PENDING = P.Pending.LAUNCH
+    PENDING = protocol.Pending.LAUNCH
 
     def __init__(self, rt, capacity: Optional[dict] = None):
         super().__init__(rt.group, rt.rank, rt.num_ranks, rt.device, rt.timeout_s)
@@ -142,10 +142,10 @@ class LowLatencyPath(NvshmemPath):
         R = self.num_ranks
         if R > self.ext.MAX_RANKS:
             raise ValueError(f"the low-latency path supports up to {self.ext.MAX_RANKS} ranks, got {R}")
-        if cap["num_experts"] > P.MAX_EXPERTS:
-            raise ValueError(f"num_experts={cap['num_experts']} exceeds {P.MAX_EXPERTS}")
-        if cap["topk"] > P.MAX_TOPK:
-            raise ValueError(f"topk={cap['topk']} exceeds {P.MAX_TOPK}")
+        if cap["num_experts"] > protocol.MAX_EXPERTS:
+            raise ValueError(f"num_experts={cap['num_experts']} exceeds {protocol.MAX_EXPERTS}")
+        if cap["topk"] > protocol.MAX_TOPK:
+            raise ValueError(f"topk={cap['topk']} exceeds {protocol.MAX_TOPK}")
         plan = self.ext.plan(R, cap["num_experts"], cap["max_tokens"], cap["hidden"], cap["topk"], cap["fp8_only"])
         if plan["total"] > LIMIT_BYTES:
             raise RuntimeError(f"the low-latency buffer would take {plan['total'] / 2**30:.2f} GiB per rank (num_experts={cap['num_experts']}, "
@@ -175,7 +175,7 @@ class LowLatencyPath(NvshmemPath):
         return (f"num_experts={c['num_experts']}, max_tokens_per_rank={c['max_tokens']}, hidden={c['hidden']}, "
                 f"topk={c['topk']}{', FP8 only' if c['fp8_only'] else ''}")
 
-    def _free_set(self, call: P.Call) -> int:
+    def _free_set(self, call: protocol.Call) -> int:
         """The set this call uses (they alternate; `_launch` moves on only after a launch, so a
         call that raises before it leaves every rank on the same set)."""
         s = self.next_set
@@ -188,7 +188,7 @@ class LowLatencyPath(NvshmemPath):
 
     # ------------------------------------------------------------------------------ errors
     def _op(self, op: int) -> str:
-        return P.op_name(op, "low-latency call")
+        return protocol.op_name(op, "low-latency call")
 
     def _where(self, err: dict) -> str:
         return f" (buffer set {err['set']})"
@@ -206,7 +206,7 @@ class LowLatencyPath(NvshmemPath):
         }.get(err["what"], f"waiting on rank {peer}")
 
     # ---------------------------------------------------------------------------- dispatch
-    def dispatch(self, call: P.Call, x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, max_tokens_per_rank: int,
+    def dispatch(self, call: protocol.Call, x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, max_tokens_per_rank: int,
                  use_fp8: bool, round_scale: bool, return_recv_hook: bool = False,
                  topk_weights: Optional[torch.Tensor] = None, use_ue8m0: bool = False,
                  recv_stats: Optional[torch.Tensor] = None,
@@ -231,7 +231,7 @@ class LowLatencyPath(NvshmemPath):
                                           (recv_stats, wait_stats))
         return out
 
-    def _replay_dispatch(self, call: P.Call, x: torch.Tensor, topk_idx: torch.Tensor,
+    def _replay_dispatch(self, call: protocol.Call, x: torch.Tensor, topk_idx: torch.Tensor,
                          topk_weights: Optional[torch.Tensor], recv_stats: Optional[torch.Tensor],
                          wait_stats: Optional[torch.Tensor]) -> LowLatencyDispatchOutput:
         """A dispatch replayed (megatron_ep/core/replay.py): the shape and options of the last one, whose
@@ -241,7 +241,7 @@ class LowLatencyPath(NvshmemPath):
         return self._send(call, x, topk_idx, num_experts, max_tokens_per_rank, use_fp8, round_scale, return_recv_hook,
                           topk_weights, use_ue8m0, recv_stats, wait_stats)
 
-    def _send(self, call: P.Call, x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, max_tokens_per_rank: int,
+    def _send(self, call: protocol.Call, x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, max_tokens_per_rank: int,
               use_fp8: bool, round_scale: bool, return_recv_hook: bool, topk_weights: Optional[torch.Tensor],
               use_ue8m0: bool, recv_stats: Optional[torch.Tensor],
               wait_stats: Optional[torch.Tensor]) -> LowLatencyDispatchOutput:
@@ -280,7 +280,7 @@ class LowLatencyPath(NvshmemPath):
         return LowLatencyDispatchOutput((out_x, scales) if use_fp8 else out_x, count, handle, None, hook)
 
     # ----------------------------------------------------------------------------- combine
-    def combine(self, call: P.Call, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+    def combine(self, call: protocol.Call, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 handle: LowLatencyHandle, return_recv_hook: bool = False, out: Optional[torch.Tensor] = None,
                 wait_stats: Optional[torch.Tensor] = None, use_logfmt: bool = False):
         """y [T, H] bf16; with return_recv_hook, (y, hook): y is valid once the hook ran."""
@@ -301,14 +301,14 @@ class LowLatencyPath(NvshmemPath):
                                          _combine_shape(handle, return_recv_hook), (wait_stats,))
         return res
 
-    def _replay_combine(self, call: P.Call, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+    def _replay_combine(self, call: protocol.Call, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                         handle: LowLatencyHandle, wait_stats: Optional[torch.Tensor]):
         """A combine replayed (megatron_ep/core/replay.py): a handle of the shape of the last one's (its
         dispatch's sizes: the buffer fits them), so only the return itself."""
         return self._return(call, x, topk_idx, topk_weights, handle, self.combine_replay.options[-1], None, wait_stats,
                             False)
 
-    def _return(self, call: P.Call, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+    def _return(self, call: protocol.Call, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 handle: LowLatencyHandle, return_recv_hook: bool, out: Optional[torch.Tensor],
                 wait_stats: Optional[torch.Tensor], use_logfmt: bool):
         """A checked combine that fits the buffer: its set, the merge decision, its one crossing."""
@@ -325,7 +325,7 @@ class LowLatencyPath(NvshmemPath):
         merged = st.merges(topk_weights)  # else one row per copy, weighted here
         pairs, row_w = (st.pairs, st.row_w) if merged else (None, None)
         if merged:  # the receivers wait for one flag per rank: every rank must merge, or none
-            call.set(variant=call.get("variant") | P.LL_COMBINE_MERGED)
+            call.set(variant=call.get("variant") | protocol.LL_COMBINE_MERGED)
         sig = signature_hash(call)
         made = [out]
 
@@ -373,7 +373,7 @@ class LowLatencyPath(NvshmemPath):
         self.buf.barrier()
         self.next_set = 0  # every rank restarts at set 0 (the kernel reset the sets' counts)
 
-    def _launch(self, call: P.Call, s: int, launch: Callable[[int], None], return_recv_hook: bool) -> Optional[_RecvHook]:
+    def _launch(self, call: protocol.Call, s: int, launch: Callable[[int], None], return_recv_hook: bool) -> Optional[_RecvHook]:
         if not return_recv_hook:
             call.sends(launch, self.ext.SEND | self.ext.RECV)
             self.next_set = 1 - s

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from .. import extension as _ext
 from .. import nvshmem
-from ....core import protocol as P
+from ....core import protocol
 from ....core.checks import fail
 from ....core.errors import CallMismatchError, CommTimeoutError, PeerFailedFatalError
 from ..failure_state import FailureState
@@ -32,10 +32,10 @@ from ..collectives import bounded_barrier, gather
 from .interface import Path
 
 
-_SIG = struct.Struct(f"<{len(P.SIG_FIELDS)}q")  # (compiled once: every call hashes its signature)
+_SIG = struct.Struct(f"<{len(protocol.SIG_FIELDS)}q")  # (compiled once: every call hashes its signature)
 
 
-def signature_hash(call: P.Call) -> int:
+def signature_hash(call: protocol.Call) -> int:
     """31 bits of the call's signature, carried by every count signal and flag."""
     return zlib.crc32(_SIG.pack(*call.sig)) & 0x7FFFFFFF
 
@@ -48,7 +48,7 @@ class NvshmemPath(FailureState, Path):
     FIT_REMEDY = ""  # how to size it large enough
     SENDS = ""  # what a peer had not done when it failed: "its RDMA send in", "its launch of"
     SIGNATURE = ""  # what the signature hash covers, for a mismatch
-    PENDING = P.Pending.FIRST  # where the peers wait for this rank from the call's entry on
+    PENDING = protocol.Pending.FIRST  # where the peers wait for this rank from the call's entry on
 
     def __init__(self, group, rank: int, num_ranks: int, device: torch.device, timeout_s: float):
         FailureState.__init__(self, self.KIND)
@@ -136,11 +136,11 @@ class NvshmemPath(FailureState, Path):
         """`cap`, as the error says what the buffer was sized for."""
 
     # ------------------------------------------------------------------------------ calls
-    def begin(self, call: P.Call) -> None:
+    def begin(self, call: protocol.Call) -> None:
         self.check(call)
         call.owe(self.PENDING)
 
-    def failed(self, call: P.Call, exc: BaseException) -> None:
+    def failed(self, call: protocol.Call, exc: BaseException) -> None:
         if call.owes:  # the peers' kernels wait for this rank's signals
             self.publish(call, exc)
 
@@ -150,7 +150,7 @@ class NvshmemPath(FailureState, Path):
         self.check()
 
     # ------------------------------------------------------------------------------ errors
-    def check(self, call: Optional[P.Call] = None) -> None:
+    def check(self, call: Optional[protocol.Call] = None) -> None:
         """Raise what the kernels reported since the last check: a peer's published failure or a
         timeout breaks the path; a mismatch is reported once (the record is cleared)."""
         self.raise_if_broken()
@@ -162,11 +162,11 @@ class NvshmemPath(FailureState, Path):
         if err is None:
             return
         op = self._op(err["op"])
-        if err["code"] == P.ERROR["peer_failed"]:
+        if err["code"] == protocol.ERROR["peer_failed"]:
             raise self.break_with(PeerFailedFatalError,
                                   f"rank {err['peer']} failed before {self.SENDS} the {op} and told its peers; rank "
                                   f"{self.rank} stopped waiting for it{self._where(err)}")
-        if err["code"] == P.ERROR["mismatch"]:
+        if err["code"] == protocol.ERROR["mismatch"]:
             self.buf.clear_error()
             raise CallMismatchError(
                 f"megatron_ep {op}: {self._peer(err)} made a different call than rank {self.rank} (signature hash "
@@ -175,7 +175,7 @@ class NvshmemPath(FailureState, Path):
         raise self.break_with(CommTimeoutError, f"rank {self.rank} timed out after {self.timeout_s:.0f}s in the {op}, "
                                                 f"{self._waited(err)}")
 
-    def publish(self, call: P.Call, exc: BaseException) -> None:
+    def publish(self, call: protocol.Call, exc: BaseException) -> None:
         """This rank raised before sending its part of `call`: the kernel writes (rank, seq) into
         every peer's peer_failed word, and their waits for that call stop (PeerFailedFatalError).
         Nothing of the call left this rank, so it stays usable here (when every rank failed the
@@ -191,7 +191,7 @@ class NvshmemPath(FailureState, Path):
 
     def _op(self, op: int) -> str:
         """The reported call's op, as messages name it."""
-        return P.op_name(op)
+        return protocol.op_name(op)
 
     def _peer(self, err: dict) -> str:
         return f"rank {err['peer']}"
