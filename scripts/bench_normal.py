@@ -55,7 +55,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]  # this checkout's megatron_ep, the bench package beside this file
 
 from bench import normal  # noqa: E402
-from bench.model_check import model_check  # noqa: E402,F401  (tests/test_model.py calls it through this file)
+from bench.model_check import model_check  # noqa: E402,F401  (tests/tools/test_model.py calls it through this file)
 
 
 def parse(argv=None):

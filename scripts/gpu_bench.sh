@@ -15,10 +15,10 @@
 #   deepgemm        DeepGEMM under our expert glue (the gate runs the same tests): waits for scripts/build_deepgemm.sh's build of .carry/deepgemm (started
 #                   at the top; MEP_DG_WAIT seconds, default 300), takes /tmp/deepgemm.env (PYTHONPATH,
 #                   DG_JIT_CACHE_DIR, LD_PRELOAD) for this phase only, then under MPS: every GPU test of
-#                   tests/test_experts.py (masked bf16/FP8 GEMMs, the decode experts in a CUDA graph,
-#                   contiguous GEMMs), tests/test_deepgemm.py (FP8 dispatch into DeepGEMM, chunked experts
+#                   tests/unit/test_experts.py (masked bf16/FP8 GEMMs, the decode experts in a CUDA graph,
+#                   contiguous GEMMs), tests/unit/test_deepgemm.py (FP8 dispatch into DeepGEMM, chunked experts
 #                   on DeepGEMM) and the decode layer in one CUDA graph from
-#                   tests/test_cuda_low_latency.py (needs the build phase's extension)
+#                   tests/cuda/test_cuda_low_latency.py (needs the build phase's extension)
 #                   -> $OUT/deepgemm_tests.log (MEP_DG_TEST_ARGS; MEP_DG_TEST_TIMEOUT, default 300 s, for
 #                   each of the two pytest runs). Without a usable deep_gemm the DeepGEMM cases skip,
 #                   the fallback's run, and the phase fails
@@ -203,8 +203,8 @@ if has deepgemm; then
   start_mps
   eval "dgargs=(${MEP_DG_TEST_ARGS:-})"
   # two runs, so a crash in the single-process GEMM tests still leaves the decode-layer run
-  for dgtests in "tests/test_experts.py tests/test_deepgemm.py" \
-      "tests/test_cuda_low_latency.py::test_decode_layer tests/test_cuda_low_latency.py::test_decode_layer_one_graph"; do
+  for dgtests in "tests/unit/test_experts.py tests/unit/test_deepgemm.py" \
+      "tests/cuda/test_cuda_low_latency.py::test_decode_layer tests/cuda/test_cuda_low_latency.py::test_decode_layer_one_graph"; do
     (
       if [ -e /tmp/deepgemm.ok ]; then . /tmp/deepgemm.env; fi
       python3 -c "import deep_gemm" 2>&1 | tail -3

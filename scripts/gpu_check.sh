@@ -9,9 +9,9 @@
 #                                      R = 2, 4, 8, the MEP_SOAK_ITERS (default 10000) soak, and the
 #                                      racecheck and synccheck on the intranode case
 #   bash scripts/gpu_check.sh e2e      Megatron-LM's pretrain_gpt.py on our managers, experts and
-#                                      chunks against alltoall (tests/test_megatron_lm.py), then its
+#                                      chunks against alltoall (tests/megatron/test_megatron_lm.py), then its
 #                                      TestFlexDispatcher on megatron_ep.deep_ep and our kernels
-#                                      (tests/test_megatron_lm_dispatcher.py), from the
+#                                      (tests/megatron/test_megatron_lm_dispatcher.py), from the
 #                                      trees MEGATRON_LM_DIR (default .carry/megatron-lm-main) and
 #                                      MEGATRON_LM_R019_DIR (.carry/megatron-lm-r0.19); the runs' logs
 #                                      and numbers land under $OUT/e2e
@@ -20,7 +20,7 @@
 #                                      then names only them)
 #   MEP_GATE_PYTEST="..."              extra pytest arguments for every file
 #   MEP_GATE_SANITIZER=split           memcheck over each path's own suite (three pools) instead of
-#                                      tests/test_sanitizer_pass.py (one pool); =none: no memcheck (a
+#                                      tests/cuda/test_sanitizer_pass.py (one pool); =none: no memcheck (a
 #                                      MEP_GATE_FILES run whose code's memcheck row another run wrote)
 #   MEP_GATE_BUDGET_S=590              the whole run's wall-clock budget: each file's timeout is cut to
 #                                      what is left of it, so the run ends (and reports) inside it
@@ -53,7 +53,7 @@ rm -rf "$LOGS"; mkdir -p "$OUT" "$LOGS"
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 NVSHMEM_DISABLE_MNNVL=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export CUDA_MODULE_LOADING=EAGER PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/mep-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mep-mps-log
-export MEP_DEEPEP_OUT=${MEP_DEEPEP_OUT:-$OUT/deepep}  # DeepEP's own test files' output (tests/test_deepep_suite.py)
+export MEP_DEEPEP_OUT=${MEP_DEEPEP_OUT:-$OUT/deepep}  # DeepEP's own test files' output (tests/deep_ep/test_deepep_suite.py)
 GATE_START=$(date +%s)
 # module loading of the runs without MPS (the no-MPS tests, the sanitizer tools): lazy, since each
 # process has its own context there (under MPS one context serves every rank, and a kernel loaded
@@ -256,7 +256,7 @@ sanitize() {
 
 start_mps
 if [ "$MODE" = gate ]; then
-  FILES=${MEP_GATE_FILES:-tests/test_cuda_intranode.py tests/test_cuda_internode.py tests/test_cuda_low_latency.py tests/test_megatron_gpu.py tests/test_experts.py tests/test_deepgemm.py tests/test_deep_ep_gpu.py tests/test_deepep_suite.py}
+  FILES=${MEP_GATE_FILES:-tests/cuda/test_cuda_intranode.py tests/cuda/test_cuda_internode.py tests/cuda/test_cuda_low_latency.py tests/megatron/test_megatron_gpu.py tests/unit/test_experts.py tests/unit/test_deepgemm.py tests/deep_ep/test_deep_ep_gpu.py tests/deep_ep/test_deepep_suite.py}
   run_files 560 "$FILES"
   stop_mps
   # the tests without MPS beside the sanitizer run (both outside MPS, each process its own context,
@@ -265,44 +265,44 @@ if [ "$MODE" = gate ]; then
   ( MEP_TEST_MODULE_LOADING=$NO_MPS_LOADING CUDA_MODULE_LOADING=$NO_MPS_LOADING EMPTY_OK=1 \
       run_file "tests without MPS" 120 -m "gpu and no_mps" $FILES; exit "$status" ) &
   NO_MPS_PID=$!
-  # one small case of each path (R = 2) under memcheck: in one pool (tests/test_sanitizer_pass.py), or
+  # one small case of each path (R = 2) under memcheck: in one pool (tests/cuda/test_sanitizer_pass.py), or
   # with MEP_GATE_SANITIZER=split in each path's own suite (three pools under the tool)
   if [ "${MEP_GATE_SANITIZER:-pool}" = none ]; then
     :
   elif [ "${MEP_GATE_SANITIZER:-pool}" = split ]; then
     MEP_CASES=0 NVSHMEM_DISABLE_NCCL=1 sanitize "intranode, internode, low-latency" memcheck 240 -m gpu \
-      "tests/test_cuda_intranode.py::test_normal_cases[2]" "tests/test_cuda_internode.py::test_internode_cases[2-1]" \
-      "tests/test_cuda_low_latency.py::test_low_latency_cases[2]"
+      "tests/cuda/test_cuda_intranode.py::test_normal_cases[2]" "tests/cuda/test_cuda_internode.py::test_internode_cases[2-1]" \
+      "tests/cuda/test_cuda_low_latency.py::test_low_latency_cases[2]"
   else
-    sanitize "intranode, internode, low-latency" memcheck 240 -m gpu tests/test_sanitizer_pass.py
+    sanitize "intranode, internode, low-latency" memcheck 240 -m gpu tests/cuda/test_sanitizer_pass.py
   fi
   wait "$NO_MPS_PID" || status=1
 elif [ "$MODE" = e2e ]; then
   wait_nvshmem_build
   mkdir -p "$OUT/e2e"
   # MEP_GATE_FILES picks among the mode's two files (by default both)
-  E2E_FILES=" ${MEP_GATE_FILES:-tests/test_megatron_lm.py tests/test_megatron_lm_dispatcher.py} "
-  if [[ "$E2E_FILES" == *" tests/test_megatron_lm.py "* ]]; then
+  E2E_FILES=" ${MEP_GATE_FILES:-tests/megatron/test_megatron_lm.py tests/megatron/test_megatron_lm_dispatcher.py} "
+  if [[ "$E2E_FILES" == *" tests/megatron/test_megatron_lm.py "* ]]; then
     MEGATRON_LM_DIR=${MEGATRON_LM_DIR:-$ROOT/.carry/megatron-lm-main} \
     MEGATRON_LM_R019_DIR=${MEGATRON_LM_R019_DIR:-$ROOT/.carry/megatron-lm-r0.19} MEP_E2E_OUT=$OUT/e2e \
     MEP_E2E_TIMEOUT_S=$(left 420 60) \
-      run_file "tests/test_megatron_lm.py" 540 -m gpu tests/test_megatron_lm.py
+      run_file "tests/megatron/test_megatron_lm.py" 540 -m gpu tests/megatron/test_megatron_lm.py
   fi
   # Megatron's own dispatcher tests on megatron_ep.deep_ep and our kernels (the tree's test files)
-  if [[ "$E2E_FILES" == *" tests/test_megatron_lm_dispatcher.py "* ]]; then
+  if [[ "$E2E_FILES" == *" tests/megatron/test_megatron_lm_dispatcher.py "* ]]; then
     MEGATRON_LM_DIR=${MEGATRON_LM_DIR:-$ROOT/.carry/megatron-lm-main} \
-      run_file "tests/test_megatron_lm_dispatcher.py" 600 -m gpu tests/test_megatron_lm_dispatcher.py
+      run_file "tests/megatron/test_megatron_lm_dispatcher.py" 600 -m gpu tests/megatron/test_megatron_lm_dispatcher.py
   fi
   tar -czf "$OUT/e2e_logs.tar.gz" -C "$OUT/e2e" . && find "$OUT/e2e" -name '*.log' -delete
 else
   export MEP_FUZZ_CASES=${MEP_FUZZ_CASES:-1000} MEP_SOAK_ITERS=${MEP_SOAK_ITERS:-10000}
-  MEP_GPU_TEST_LIMIT_S=420 run_file "tests/test_cuda_intranode.py (long)" 540 -m gpu tests/test_cuda_intranode.py -k "fuzz or soak"
+  MEP_GPU_TEST_LIMIT_S=420 run_file "tests/cuda/test_cuda_intranode.py (long)" 540 -m gpu tests/cuda/test_cuda_intranode.py -k "fuzz or soak"
   stop_mps
   # not initcheck: it tracks initialisation per process, so every read of a peer's counters
   # (zeroed by the peer's cudaMemset, mapped here by CUDA IPC) is reported as uninitialised
   # (35 such reports on one H200, 2026-12-01, and no others)
   for tool in racecheck synccheck; do
-    MEP_CASES=0 sanitize intranode "$tool" 100 -m gpu "tests/test_cuda_intranode.py::test_normal_cases[2]"
+    MEP_CASES=0 sanitize intranode "$tool" 100 -m gpu "tests/cuda/test_cuda_intranode.py::test_normal_cases[2]"
   done
 fi
 stop_mps

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Megatron-LM's pretrain_gpt.py with DeepSeek-V3's routing at EP 4 on virtual ranks (4 processes on one
-# GPU under MPS, tests/megatron_lm_ledger.py over tests/megatron_lm_virtual.py), each run with a
+# GPU under MPS, tests/support/megatron_lm_ledger.py over tests/support/megatron_lm_virtual.py), each run with a
 # ledger of every rank's Buffer calls and the ranks' stacks where they stop; one line of results
 # per run (also in $OUT/megatron_lm_diag.txt), the logs packed into $OUT/megatron_lm_diag.tar.gz.
 #

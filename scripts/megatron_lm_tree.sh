@@ -13,7 +13,7 @@ case ${1:-} in -h|--help) sed -n '2,8p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}/
 GIT_DIR=$1 REV=$2 DEST=$3
 paths=$(git -C "$GIT_DIR" ls-tree --name-only "$REV" | grep -E '^(megatron|pretrain_gpt\.py|gpt_builders\.py|model_provider\.py)$')
 # and Megatron's token-dispatcher unit tests with what their conftests import (about 120 KB):
-# tests/run_megatron_tests.py runs them (TestFlexDispatcher)
+# tests/support/run_megatron_tests.py runs them (TestFlexDispatcher)
 for f in tests/__init__.py tests/unit_tests/__init__.py tests/unit_tests/conftest.py tests/unit_tests/test_utilities.py \
     tests/unit_tests/dist_checkpointing/__init__.py tests/unit_tests/dist_checkpointing/utils.py \
     tests/unit_tests/transformer/__init__.py tests/unit_tests/transformer/moe/__init__.py \

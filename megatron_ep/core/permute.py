@@ -2,7 +2,7 @@
 expert) pair lands, Megatron's routing map -> top-k slots, and the declared way dispatched rows
 carry their layout to the experts. The torch backend, the Megatron managers and the grouped-GEMM
 experts all import these; the kernels implement the same rules (csrc/intranode/) and
-the test oracle re-derives them independently (tests/oracle.py).
+the test oracle re-derives them independently (tests/support/oracle.py).
 
 Expert-major order: rows grouped by local expert; inside an expert, by source rank, then source
 token (i.e. the order of the rank-major rows they come from); each expert's segment padded with

@@ -35,7 +35,7 @@ torch backend (NCCL all-to-all). The NVSHMEM settings are those an InfiniBand cl
 `megatron_ep.megatron.launch` installs megatron_ep's flex managers into megatron-core and then
 runs pretrain_gpt.py unchanged as `__main__`, so the managers are in place before Megatron builds
 the model. Every flag this file passes is checked against Megatron's configuration classes by
-tests/test_recipes.py. Standard library only: it must run where megatron_ep is not importable;
+tests/megatron/test_recipes.py. Standard library only: it must run where megatron_ep is not importable;
 the rules it shares with megatron_ep (switches, backend names) come from megatron_ep/core/envs.py and
 megatron_ep/megatron/backend.py, loaded by their paths (both are standard library only).
 """

@@ -112,7 +112,7 @@ def _model_times(args, allres, key, ref_key, lc) -> list:
 
     sms, blocks, known = sizes(key)
     if not sms:
-        return ["    times: n/a (no SM count: torch backend, no phase marks; tests/test_model.py checks the time check "
+        return ["    times: n/a (no SM count: torch backend, no phase marks; tests/tools/test_model.py checks the time check "
                 "on recorded GPU figures)"]
     out = [f"    times (µs per call and rank, loop mode, mean over ranks; megatron_ep.tools.model's stages): RDMA hop on "
            f"{blocks} blocks{'' if known else ' (assumed = SMs: internal hook n/a)'}, in-node stage on {sms} SMs, local "

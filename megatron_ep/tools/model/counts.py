@@ -1,6 +1,6 @@
 """Exact rows per rank and link of given routings: the route of ``route.route_copies`` applied to
 each (token, destination node) of real ``topk_idx`` tensors and counted instead of expected. Over
-random routings the mean converges to ``route.routing``'s expectations (tests/test_model.py)."""
+random routings the mean converges to ``route.routing``'s expectations (tests/tools/test_model.py)."""
 
 from __future__ import annotations
 

@@ -240,7 +240,7 @@ class IntranodePath(NormalPath):
             # the internode path's composed entry takes the same arguments first (one crossing)
             dispatch_first_call = self.kernels.dispatch_first_call if plan.fused is None else plan.fused
             try:
-                # (by position, each argument named as its parameter: tests/test_kernel_boundary.py)
+                # (by position, each argument named as its parameter: tests/unit/test_kernel_boundary.py)
                 status, notified, res = call.sends(
                     dispatch_first_call, region.runtime, call.sig, plan.topk_idx, plan.num_experts,
                     plan.expert_alignment, plan.permute, token_groups, plan.check_ids, plan.rank_counts, tag,
@@ -279,7 +279,7 @@ class IntranodePath(NormalPath):
         num_blocks, push_blocks, local_blocks = rt.budget.normal  # blocks("copy"), ("push"), ("local")
         # the internode path's composed entry takes the same arguments first (one crossing)
         dispatch_call = self.kernels.dispatch_call if fused is None else fused
-        # (by position, each argument named as its parameter: tests/test_kernel_boundary.py)
+        # (by position, each argument named as its parameter: tests/unit/test_kernel_boundary.py)
         return call.sends(dispatch_call, region.runtime, state, call.sig, first, x, scales, topk_weights, push, scratch,
                           zero_copy, out_rows, num_worst_tokens, comb_rows, previous_event, event, async_op, hook, marks,
                           num_blocks, push_blocks, local_blocks, want_src)
@@ -521,7 +521,7 @@ class IntranodePath(NormalPath):
         num_blocks, _, local_blocks = rt.budget.normal  # blocks("copy"), blocks("local")
         # the internode path's composed entry takes the same arguments first (one crossing)
         combine_call = self.kernels.combine_call if fused is None else fused
-        # (by position, each argument named as its parameter: tests/test_kernel_boundary.py)
+        # (by position, each argument named as its parameter: tests/unit/test_kernel_boundary.py)
         y, w_out = call.sends(combine_call, region.runtime, state, call.sig, x, weights, bias0, bias1, variant, zero_copy,
                               out, out_weights, previous_event, event, async_op, hook, marks, num_blocks, local_blocks)
         return CombineOutput(y, w_out, EventOverlap(event) if event is not None else None)
@@ -561,7 +561,7 @@ def native_state(kernels, st: IntranodeState, num_experts: int):
     """The handle's state as the one-crossing entries take it (calls.h HandleState), bound at the
     first call that needs it and kept: its counts follow the handle's."""
     if st.native is None:
-        # (by position, in the binding's order: keywords cost host time; tests/test_kernel_boundary.py)
+        # (by position, in the binding's order: keywords cost host time; tests/unit/test_kernel_boundary.py)
         counts = st.device_counts
         st.native = kernels.HandleState(st.topk_idx, st.rank_pos, st.slot_pos, st.recv_info, st.row_limits, counts,
                                         st.comb_map, num_experts, st.permute)
