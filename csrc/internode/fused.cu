@@ -47,7 +47,7 @@ __device__ __forceinline__ bool grid_sync(const InternodeCtx& c, long long sig) 
     } else {
       long long v;
       ok = sym::spin(waiter(c), [&] { return (long long)*gen; }, [&](long long x) { return (unsigned)x != g; }, v,
-                     kOpCombine, kInternodeWaitGrid, c.node, peer_rank(c, c.node), kInternodeCombine, sig);
+                     sym::WaitSite{kOpCombine, kInternodeWaitGrid, c.node, peer_rank(c, c.node), kInternodeCombine, sig});
     }
     __threadfence();
     s_ok = ok;

@@ -42,7 +42,7 @@ __device__ __forceinline__ bool wait_released(const InternodeCtx& c, int dir, lo
   for (int n = threadIdx.x; n < c.lay.num_nodes; n += blockDim.x) {
     long long v;
     ok &= sym::spin(waiter(c), [&] { return ld_acquire_sys(rel + n); }, [&](long long x) { return x >= call - 1; }, v,
-                    op, kInternodeWaitRelease, n, peer_rank(c, n), dir, sig);
+                    sym::WaitSite{op, kInternodeWaitRelease, n, peer_rank(c, n), dir, sig});
   }
   return __syncthreads_and(ok);
 }
@@ -54,15 +54,16 @@ __device__ __forceinline__ bool wait_sources(const InternodeCtx& c, int dir, lon
   for (int n = threadIdx.x; n < c.lay.num_nodes; n += blockDim.x) {
     const long long* word = reinterpret_cast<const long long*>(c.base + c.lay.signal_at(dir, n));
     long long v;
+    const sym::WaitSite at{op, kInternodeWaitSignal, n, peer_rank(c, n), dir, sig};
     const bool got = sym::spin(waiter(c), [&] { return ld_acquire_sys(word); }, [&](long long x) { return x >= call; },
-                               v, op, kInternodeWaitSignal, n, peer_rank(c, n), dir, sig);
+                               v, at);
     int T = 0;
     if (got) {
       const volatile long long* head = reinterpret_cast<const volatile long long*>(c.base + c.lay.head_at(dir, n));
       const long long their = head[1];
       T = (int)min(head[0], (long long)c.lay.max_tokens);
       if (their != sig) {
-        if (blockIdx.x == 0) sym::report(waiter(c), kErrMismatch, op, kInternodeWaitSignal, n, peer_rank(c, n), dir, sig, their);
+        if (blockIdx.x == 0) sym::report(waiter(c), kErrMismatch, at, their);
         T = 0;  // a different call: nothing of it is used
       }
     }
