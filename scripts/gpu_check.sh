@@ -48,8 +48,11 @@ case "$MODE" in
   *) echo "usage: $0 [gate|long|e2e] (--help says more)" >&2; exit 2 ;;
 esac
 OUT=${OUT:-$ROOT/.gpu_out}
-LOGS=/tmp/mep-gate-logs  # packed into $OUT/logs.tar.gz at the end (a device call brings few files back)
-rm -rf "$LOGS"; mkdir -p "$OUT" "$LOGS"
+# packed into $OUT/logs.tar.gz at the end (a device call brings few files back); a folder of this
+# run's own, junit records included: a record an earlier run left in /tmp must never stand for
+# this run's
+LOGS=$(mktemp -d /tmp/mep-gate-logs.XXXXXX)
+mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 NVSHMEM_DISABLE_MNNVL=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export CUDA_MODULE_LOADING=EAGER PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/mep-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mep-mps-log
@@ -68,7 +71,7 @@ MPS=0
 start_mps() { [ "$MPS" = 1 ] && return 0; mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
               nvidia-cuda-mps-control -d && MPS=1; }
 stop_mps() { [ "$MPS" = 1 ] && { echo quit | nvidia-cuda-mps-control 2>/dev/null; sleep 1; MPS=0; }; return 0; }
-finish() { stop_mps; tar -czf "$OUT/logs.tar.gz" -C "$LOGS" . 2>/dev/null; }
+finish() { stop_mps; tar -czf "$OUT/logs.tar.gz" -C "$LOGS" . 2>/dev/null; rm -rf "$LOGS"; }  # (a folder per run: packed, then gone)
 trap finish EXIT
 
 if compgen -G ".whl/*.whl" > /dev/null; then
@@ -193,14 +196,12 @@ fi
 # a file killed at its timeout names the test that was running)
 run_file() {
   local name=$1 limit; limit=$(left "$2" 40); shift 2
-  local safe=${name//[^A-Za-z0-9_.-]/_}; local log=$LOGS/$safe.log xml=/tmp/mep-junit-$safe.xml t0 rc
-  rm -f "$xml"
+  local safe=${name//[^A-Za-z0-9_.-]/_}; local log=$LOGS/$safe.log xml=$LOGS/junit-$safe.xml t0 rc
   t0=$(date +%s)
   # shellcheck disable=SC2086
   timeout -k 10 "$limit" python3 -m pytest -v -rs -p no:cacheprovider --durations=12 --junitxml="$xml" "$@" \
     ${MEP_GATE_PYTEST:-} > "$log" 2>&1
   rc=$?
-  [ -f "$xml" ] && cp "$xml" "$LOGS/"
   # EMPTY_OK=1: a selection that matches no test (pytest exit 5: the no-MPS tests of a run over files
   # that have none) ran nothing, so it writes no row and the record keeps the row of the last run that did
   if [ "$rc" = 5 ] && [ "${EMPTY_OK:-0}" = 1 ]; then echo "$name: no test of this kind in these files"; return 0; fi
@@ -214,14 +215,12 @@ run_file() {
 # instead of one per file), a summary row per file
 run_files() {
   local limit; limit=$(left "$1" "${MEP_GATE_RESERVE_S:-120}")
-  local log=$LOGS/gpu_tests.log xml=/tmp/mep-junit-gpu_tests.xml t0 rc
-  rm -f "$xml"
+  local log=$LOGS/gpu_tests.log xml=$LOGS/junit-gpu_tests.xml t0 rc
   t0=$(date +%s)
   # shellcheck disable=SC2086
   timeout -k 10 "$limit" python3 -m pytest -v -rs -p no:cacheprovider --durations=25 --junitxml="$xml" \
     -m "gpu and not no_mps" $2 ${MEP_GATE_PYTEST:-} > "$log" 2>&1
   rc=$?
-  [ -f "$xml" ] && cp "$xml" "$LOGS/"
   python3 scripts/gpu_report.py --files "$2" --junit "$xml" --log "$log" --rc "$rc" --limit "$limit" >> "$RESULTS"
   [ "$rc" = 0 ] || status=1
   echo "(the files took $(( $(date +%s) - t0 )) s together)"

@@ -88,12 +88,11 @@ enum SigField : int {
   kSigCapacity,        // low-latency: max_tokens_per_rank (fixes every rank's receive layout)
   kSigFields
 };
-inline const char* sig_field_name(int f) {
-  static const char* names[kSigFields] = {"buffer", "op", "seq", "routing", "dtype", "hidden", "row_bytes", "topk",
-                                          "num_experts", "permute", "expert_alignment", "worst_case_sized",
-                                          "weights", "variant", "max_tokens_per_rank"};
-  return (f >= 0 && f < kSigFields) ? names[f] : "?";
-}
+// (namespace-scope constants: each library its own copy, none shared by the loader)
+constexpr const char* kSigFieldNames[kSigFields] = {"buffer", "op", "seq", "routing", "dtype", "hidden", "row_bytes",
+                                                    "topk", "num_experts", "permute", "expert_alignment",
+                                                    "worst_case_sized", "weights", "variant", "max_tokens_per_rank"};
+inline const char* sig_field_name(int f) { return (f >= 0 && f < kSigFields) ? kSigFieldNames[f] : "?"; }
 
 // A normal combine's kSigVariant: how the rows are summed (the ranks' kernels must pair).
 enum CombineVariant : int {

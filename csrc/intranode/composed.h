@@ -51,8 +51,9 @@ struct ComposedApi {
 constexpr int kComposedApiVersion = 2;
 constexpr const char* kComposedApiName = "megatron_ep._C._composed_api";
 
-// _C's entries, read from its capsule at the first use (importing megatron_ep._C if needed).
-inline const ComposedApi& composed_api() {
+// _C's entries, read from its capsule at the first use (importing megatron_ep._C if needed);
+// static, so its cached pointer is each library's own (calls.h, torch_type, says why).
+static inline const ComposedApi& composed_api() {
   static const ComposedApi* api = [] {
     py::module_::import("megatron_ep._C");  // (the capsule is read through the package's attribute)
     const auto* a = static_cast<const ComposedApi*>(PyCapsule_Import(kComposedApiName, 0));

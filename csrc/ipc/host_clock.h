@@ -13,9 +13,9 @@ namespace mep {
 enum HostEntry : int { kEntryNotify, kEntryDispatch, kEntryCombine, kNumHostEntries };
 enum HostStep : int { kStepStreams, kStepOutputs, kStepHook, kStepLaunch, kStepCounts, kStepWait, kStepLeave,
                       kStepReturn, kNumHostSteps };
-inline constexpr const char* kHostEntryNames[kNumHostEntries] = {"notify_call", "dispatch_call", "combine_call"};
-inline constexpr const char* kHostStepNames[kNumHostSteps] = {"streams", "outputs", "hook", "launch", "counts",
-                                                                "wait", "leave", "return"};
+constexpr const char* kHostEntryNames[kNumHostEntries] = {"notify_call", "dispatch_call", "combine_call"};
+constexpr const char* kHostStepNames[kNumHostSteps] = {"streams", "outputs", "hook", "launch", "counts",
+                                                         "wait", "leave", "return"};
 
 struct HostClock {
   bool on = false;

@@ -99,7 +99,8 @@ def parse(argv=None, description=None):
     if a.rounds < 1:
         p.error(f"--rounds must be at least 1, got {a.rounds}")
     a.first_round = True  # (main sets it per round)
-    a.impls = [i for i in (a.impls or ",".join(IMPLS[:3] + (("base",) if a.base else ()))).split(",") if i]
+    default = [i for i in IMPLS if i != "base" or a.base]
+    a.impls = [i for i in a.impls.split(",") if i] if a.impls is not None else default
     bad = [i for i in a.impls if i not in IMPLS]
     if bad:
         p.error(f"--impls: unknown {bad}; choose from {', '.join(IMPLS)}")

@@ -13,9 +13,7 @@ machine, mean anything; the GPU machine's CPU runs this code a few times slower.
 from __future__ import annotations
 
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -132,31 +130,28 @@ def _ops_deep_ep(buf, rec, x, idx, w) -> dict:
             "combine": lambda: buf.combine(recv_x, handle)}
 
 
-def _time(fn, reps: int, loop: int) -> float:
-    for _ in range(loop):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(loop):
-            fn()
-        times.append((time.perf_counter() - t0) / loop * 1e6)
-    return statistics.median(times)
-
-
 def run(reps: int = 15, loop: int = 200) -> str:
+    import types
+
+    from bench.host import time_op
+
     (buf, dbuf), rec = _buffers()
+    timing = types.SimpleNamespace(warmup=loop, reps=reps, loop=loop)
+
+    def issue_us(fn) -> float:  # (one rank, on CPU: the issue time is the whole call)
+        return time_op(fn, timing, torch.device("cpu"), dist.group.WORLD)["issue"]
+
     x = torch.randn(rec.T, rec.H, dtype=torch.bfloat16)
     idx = torch.tensor([[0, 5], [1, 2], [7, -1], [3, 4], [6, 0], [2, 5]])
     w = torch.rand(rec.T, rec.K)
     ours, layer = _ops_ours(buf, rec, x, idx, w), _ops_deep_ep(dbuf, rec, x, idx, w)
     lines = ["| op | ours: Python µs per call | deep_ep | deep_ep / ours |", "|---|---:|---:|---:|"]
     for name in ours:
-        a = _time(ours[name], reps, loop)
+        a = issue_us(ours[name])
         if name not in layer:
             lines.append(f"| {name} | {a:.1f} | - | |")
             continue
-        b = _time(layer[name], reps, loop)
+        b = issue_us(layer[name])
         lines.append(f"| {name} | {a:.1f} | {b:.1f} | {b / a:.2f}x |")
     lines.append("(canned crossings: what the calls cost in Python on this CPU, their crossings' own steps left out)")
     dist.destroy_process_group()

@@ -8,7 +8,9 @@ Every wait is bounded: by the run's own `timeout` and by the running test's limi
 sets it from the test's `limit` mark or MEP_TEST_LIMIT_S). When either passes, each rank that
 gave no answer dumps its Python stack (faulthandler on SIGUSR1), the whole pool is killed (GPU
 memory and MPS clients with it), and the test fails naming itself, the ranks and where each one
-waited. Workers also die with the process that started them (PR_SET_PDEATHSIG), so a killed
+waited. A worker that dies (a signal, an exit) fails the run within a second, naming its signal
+and the Python stack faulthandler wrote as it died, instead of leaving the others to wait out the
+limit. Workers also die with the process that started them (PR_SET_PDEATHSIG), so a killed
 pytest leaves none behind.
 """
 
@@ -70,6 +72,7 @@ def _worker(rank, world_size, port, backend, env, tasks, results):
     os.makedirs(STACK_DIR, exist_ok=True)
     stacks = open(_stack_file(os.getpid()), "w")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    faulthandler.enable(file=stacks, all_threads=True)  # a fatal signal's stack, for DistPool._died
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
@@ -102,13 +105,21 @@ def _worker(rank, world_size, port, backend, env, tasks, results):
     dist.destroy_process_group()
 
 
+def _read_stack(pid: int) -> str:
+    try:
+        with open(_stack_file(pid)) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
 def _innermost(stack: str, lines: int = 14) -> str:
     """The worker thread's innermost frames of a faulthandler dump (threads come one block each,
     most recent call first; the one that runs the case has _worker in it)."""
     blocks = [b.strip() for b in stack.split("\n\n") if b.strip()]
     mine = [b for b in blocks if "_worker" in b] or blocks
     if not mine:
-        return "(no stack: the process did not answer SIGUSR1)"
+        return "(no stack: the process wrote none)"
     return "\n".join(mine[-1].splitlines()[:lines])
 
 
@@ -139,11 +150,16 @@ class DistPool:
             q.put((fn.__module__, fn.__name__, args, kwargs))
         got, errors = {}, []
         try:
-            for _ in range(self.world_size):
-                try:
-                    rank, ok, value = self.results.get(timeout=max(0.0, deadline - time.monotonic()))
+            while len(got) < self.world_size:
+                try:  # (in slices: a worker that died is seen within one)
+                    rank, ok, value = self.results.get(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
                 except queue.Empty:
-                    raise AssertionError(self._hung(fn, got, time.monotonic() - start, limited_by_test)) from None
+                    dead = [r for r in range(self.world_size) if r not in got and not self.procs[r].is_alive()]
+                    if dead:
+                        raise AssertionError(self._died(fn, dead, got)) from None
+                    if time.monotonic() >= deadline:
+                        raise AssertionError(self._hung(fn, got, time.monotonic() - start, limited_by_test)) from None
+                    continue
                 got[rank] = value
                 if not ok:
                     errors.append(f"--- rank {rank} ---\n{value}")
@@ -153,6 +169,20 @@ class DistPool:
         if errors:
             raise AssertionError(f"{fn.__name__} failed on {len(errors)} rank(s):\n" + "\n".join(errors))
         return [got[r] for r in range(self.world_size)]
+
+    def _died(self, fn, dead: list, got: dict) -> str:
+        """Which ranks died, how, and where (the stack faulthandler wrote as each died), then where
+        the other silent ranks wait."""
+        where = []
+        for r in dead:
+            p = self.procs[r]
+            code = p.exitcode
+            how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exited with {code}"
+            where.append(f"--- rank {r} (pid {p.pid}, {how}) ---\n{_innermost(_read_stack(p.pid))}")
+        others = [r for r in range(self.world_size) if r not in got and r not in dead]
+        return (f"{_test['name'] or 'test'}: {fn.__name__}: rank(s) {dead} died before answering; the pool was "
+                f"killed. Where each died (innermost frame first):\n" + "\n".join(where)
+                + (f"\n(ranks {others} were still waiting)" if others else ""))
 
     def _hung(self, fn, got: dict, waited: float, limited_by_test: bool) -> str:
         """Where each silent rank waits (its stack), for the failure message."""
@@ -168,11 +198,7 @@ class DistPool:
         where = []
         for r in silent:
             p = self.procs[r]
-            try:
-                with open(_stack_file(p.pid)) as f:
-                    stack = f.read()
-            except OSError:
-                stack = ""
+            stack = _read_stack(p.pid)
             state = "alive" if p.is_alive() else f"exited with {p.exitcode}"
             where.append(f"--- rank {r} (pid {p.pid}, {state}) ---\n{_innermost(stack)}")
         bound = (f"the test's limit of {_test['limit']:.0f}s" if limited_by_test else "the run's timeout")
