@@ -25,7 +25,7 @@ using Sig = std::vector<long long>;
 // objects are not exported, so they are looked up once by name; never freed: they outlive us).
 // static: each library its own cache. An inline function's static of a hidden type (py::object)
 // gets a library-local object but a guard the loader shares across libraries (STB_GNU_UNIQUE):
-// the second library to call it would use a map it never constructed (tests/test_extension_linkage.py).
+// the second library to call it would use a map it never constructed (tests/unit/test_extension_linkage.py).
 static inline const py::object& torch_type(const char* name) {
   static std::unordered_map<std::string, py::object*> types;
   auto it = types.find(name);
