@@ -34,7 +34,7 @@ row bytes / loop time (rows from the rank itself included; Megatron's rows for i
 
 With --ranks-per-node: a "model check" per SM count -- megatron_ep.tools.model's exact per-link bytes
 of this run's routing (equal to the bench's own RDMA count and to the rows delivered, or the run
-fails), and a time check: per-SM rates of the RDMA hop, the in-node stage and the local reorder,
+fails), and a time check: per-SM rates of the RDMA hop, the intranode stage and the local reorder,
 calibrated on one op's phase marks per direction (bf16 cached rank-major dispatch; rank-major
 combine), predict the other ops from the exact rows (FP8, with notify, expert-major), and those
 of the first SM count predict the others; plus the SM split if the two copy stages were fused.

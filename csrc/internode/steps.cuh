@@ -1,6 +1,6 @@
 // The internode path's RDMA-domain steps as device functions (the protocol: kernels.cu's
 // header). kernels.cu's kernels run them one launch each (a new routing's dispatch); fused.cu's
-// run them inside one launch per direction with the in-node stage (a cached dispatch, every
+// run them inside one launch per direction with the intranode stage (a cached dispatch, every
 // combine). Include after nvshmem.h.
 #pragma once
 
@@ -193,7 +193,7 @@ __device__ __forceinline__ void send_rows(const InternodeCtx& c, const Internode
 }
 
 // ------------------------------------------------------------------------------------- combine
-// Send half (grid), after the release wait: each forwarded token's in-node sum (and weights) back
+// Send half (grid), after the release wait: each forwarded token's intranode sum (and weights) back
 // to the slot (this node, token) of the rank it came from; a token with no expert on this node is
 // not sent (its source does not wait for it).
 __device__ __forceinline__ void combine_send_rows(const InternodeCtx& c, const InternodeCombineSendArgs& a) {
@@ -236,7 +236,7 @@ __device__ __forceinline__ void add_word(float* acc, const int4& raw) {
   }
 }
 
-// y[t]: the biases, then each node's in-node sum added at the node's last slot of t (`node`:
+// y[t]: the biases, then each node's intranode sum added at the node's last slot of t (`node`:
 // lane k's slot's node, -1 none; `ok` false: nothing arrived, only the biases). The order of
 // DeepEP V2's reference: its scale-up partials, like its rank partials, join in the order of
 // their last slot. Uniform trip count: the node shuffles run on every lane.

@@ -360,7 +360,7 @@ class Buffer:
         arrived; expert-major also `handle.recv_slot_row`, [rows, K] int32, the output row of each
         slot or -1): what DeepEP V2's recv_src_metadata is made of. The torch backend keeps them
         always; the cuda kernels write them where asked (one int per row; on the internode path
-        the in-node stage's, its forwarder's receive slots mapped back to the source's tokens).
+        the intranode stage's, its forwarder's receive slots mapped back to the source's tokens).
         """
         if handle is not None and topk_idx is None and num_experts is None and permute is None \
                 and expert_alignment is None and type(num_worst_tokens) is int and num_worst_tokens == 0 and on_overflow == "drop" and host_counts is False \

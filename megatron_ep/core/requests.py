@@ -29,7 +29,7 @@ class DispatchRequest:
     previous_event: Optional[EventOverlap] = None  # what the communication waits for first
     # the cuda intranode path's notify orders a destination's rows by (expert or rank, group,
     # source rank, token), the T rows of every rank being this many contiguous groups of T /
-    # token_groups: the internode path's in-node stage sets one per source node (that order is
+    # token_groups: the internode path's intranode stage sets one per source node (that order is
     # then the contract's); Buffer leaves it at 1
     token_groups: int = 1
     # the cuda intranode path crosses into this entry instead of its own, with the same arguments:
@@ -59,7 +59,7 @@ class CombineRequest:
     async_op: bool = False
     previous_event: Optional[EventOverlap] = None
     # the cuda intranode path's combine crosses into this entry instead of its own, with the same
-    # arguments: the internode path's, whose kernel runs the in-node combine into `out` (y,
+    # arguments: the internode path's, whose kernel runs the intranode combine into `out` (y,
     # weights) when given, then the RDMA hop (csrc/intranode/composed.h)
     fused: Optional[Callable] = None
     out: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = None

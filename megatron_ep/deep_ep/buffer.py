@@ -165,7 +165,7 @@ class Buffer:
             # (DeepEP's one RDMA buffer serves both): the heap starts with room for both, from
             # the RDMA bytes DeepEP would take from it
             nodes["nvshmem_heap_bytes"] = int(num_rdma_bytes)
-        # ids checked only where it adds no host sync (the in-node notify): DeepEP's calls have none
+        # ids checked only where it adds no host sync (the intranode notify): DeepEP's calls have none
         self.runtime = _mep.Buffer(group, backend=backend, check_inputs="no_sync", **nodes)
         self._combine_buffers, self._next_combine = _CombineBuffers(), 0  # the zero-copy combine's
         self._worst_reserved = 0  # the largest num_worst_tokens the buffer was reserved for

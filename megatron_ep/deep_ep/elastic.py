@@ -246,7 +246,7 @@ class ElasticBuffer:
         self._worst_reserved = 0  # the most worst-case rows reserved for (_reserve)
         self._destroyed = False
         # allow_multiple_reduction=False: expanded combines sum every slot's row (single_reduction),
-        # except on the cuda internode path, whose in-node stage sums per rank before the RDMA hop
+        # except on the cuda internode path, whose intranode stage sums per rank before the RDMA hop
         self._single_reduction = not self.allow_multiple_reduction and not (nodes and self.runtime.backend == "cuda")
         if self.rank == 0:
             log.info("megatron_ep.deep_ep: DeepEP V2's ElasticBuffer on megatron_ep (%s backend, %d ranks)",

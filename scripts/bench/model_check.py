@@ -92,13 +92,13 @@ def _check_lines(chk, note="") -> list:
 
 
 def _model_times(args, allres, key, ref_key, lc) -> list:
-    """The time check: per-SM rates of the RDMA hop, the in-node stage and the local work
+    """The time check: per-SM rates of the RDMA hop, the intranode stage and the local work
     calibrated on ONE measured operation per direction (its phase marks) predict the others
     from this run's exact rows (megatron_ep.tools.model's stages); rates calibrated at the first SM
     count predict the others; the SM split if the two copy stages ran at once."""
     R, H = len(allres), args.hidden
     bf16, fp8 = 2 * H, fp8_row_bytes(H)
-    rows = sum(lc.recv_rows) / R  # the in-node stage delivers the rank-major rows (own ones included)
+    rows = sum(lc.recv_rows) / R  # the intranode stage delivers the rank-major rows (own ones included)
     pairs = sum(lc.deepep_rdma) / R  # what the RDMA-domain kernels handle (the own node's copy local)
     erows = sum(r["sms"][key]["rows_expert_major"] for r in allres) / R
 
@@ -115,15 +115,15 @@ def _model_times(args, allres, key, ref_key, lc) -> list:
         return ["    times: n/a (no SM count: torch backend, no phase marks; tests/tools/test_model.py checks the time check "
                 "on recorded GPU figures)"]
     out = [f"    times (µs per call and rank, loop mode, mean over ranks; megatron_ep.tools.model's stages): RDMA hop on "
-           f"{blocks} blocks{'' if known else ' (assumed = SMs: internal hook n/a)'}, in-node stage on {sms} SMs, local "
+           f"{blocks} blocks{'' if known else ' (assumed = SMs: internal hook n/a)'}, intranode stage on {sms} SMs, local "
            f"work (fan-out) on the rank's GPU share; rates calibrated on ONE op per direction, the rest predicted "
            f"from this run's rows x row bytes"]
     checks, rates_of = [], {}
-    # code that reordered after the in-node stage (a "reorder" mark) had local work on every op
+    # code that reordered after the intranode stage (a "reorder" mark) had local work on every op
     ph0 = _phase_means(allres, key, "dispatch_cached") or {}
     reorder = "reorder" in ph0
     if reorder:
-        out.append("    (the measured path reorders after its in-node stage: a 'reorder' phase; modelled as local work)")
+        out.append("    (the measured path reorders after its intranode stage: a 'reorder' phase; modelled as local work)")
     dw = lambda row, sk=sms, bk=blocks, **kw: MODEL.dispatch_stage_work(pairs, rows, row, bk, sk, reorder=reorder, **kw)  # noqa: E731
     cw = lambda sk=sms, bk=blocks, **kw: MODEL.combine_stage_work(pairs, rows, H, bk, sk, reorder=reorder, **kw)  # noqa: E731
 
@@ -155,7 +155,7 @@ def _model_times(args, allres, key, ref_key, lc) -> list:
         rates_of[op] = r
         out.append(f"    {label}: calibrated on the {what} (its phases {_stages_text(m, ', ')}; call "
                    f"{c:.1f}): RDMA hop {r.rdma_per_sm:.1f} GB/s per block ((token, node) pairs x {unit_rows} B), "
-                   f"in-node stage {r.node_per_sm:.1f} GB/s per SM (rank-major rows x {unit_rows} B), local "
+                   f"intranode stage {r.node_per_sm:.1f} GB/s per SM (rank-major rows x {unit_rows} B), local "
                    + (f"{r.local_gbps:.0f} GB/s (bytes read + written)" if r.local_gbps is not None
                       else "none (no local work)"))
         return r
@@ -186,8 +186,8 @@ def _model_times(args, allres, key, ref_key, lc) -> list:
         em = _phase_means(allres, key, "combine_expert")
         partials = em is None or "reduce" in em
         predict("expert-major", "combine_expert", cw(expert_rows=erows, partials=partials), rc,
-                (" (reorder of the expert rows; " if reorder else " (") + ("fp32 partials cross the in-node stage)"
-                                                                           if partials else "every expert row crosses the in-node stage)"))
+                (" (reorder of the expert rows; " if reorder else " (") + ("fp32 partials cross the intranode stage)"
+                                                                           if partials else "every expert row crosses the intranode stage)"))
     if ref_key is not None and ref_key != key:
         rsms, rblocks, _ = sizes(ref_key)
         out.append(f"    SM sweep: rates calibrated at {rsms} SMs ({rblocks} blocks) predict {sms} SMs ({blocks} blocks); "
@@ -218,7 +218,7 @@ def _model_times(args, allres, key, ref_key, lc) -> list:
                              rdma_link_bytes=remote)
         seq = MODEL.predict_stages(work, r)
         out.append(f"    if the stages were fused/overlapped ({label}, calibrated rates): split {sms} SMs as {s.rdma_sms} "
-                   f"RDMA hop / {s.node_sms} in-node stage -> {s.time_us:.1f} µs (ideal {s.ideal_us:.1f}; one after the "
+                   f"RDMA hop / {s.node_sms} intranode stage -> {s.time_us:.1f} µs (ideal {s.ideal_us:.1f}; one after the "
                    f"other on all {sms}: {seq.rdma_us + seq.node_us:.1f}); bound by {s.bound.describe()}; over a "
                    f"{nic:g} GB/s NIC carrying the {remote / 1e6:.2f} MB of remote rows: {sn.rdma_sms} / {sn.node_sms} -> "
                    f"{sn.time_us:.1f} µs, bound by {sn.bound.describe()}")
@@ -226,9 +226,9 @@ def _model_times(args, allres, key, ref_key, lc) -> list:
     if rd is not None and intra is not None:
         rate = MODEL.per_sm_gbps(rows, bf16, intra, sms)
         out.append(f"    not a check: the intranode path (one node of all ranks, same run) cached dispatch {intra:.1f} µs -> "
-                   f"{rate:.3g} GB/s per SM; the calibrated RDMA hop / in-node stage rates are {rd.rdma_per_sm / rate:.2f}x / "
+                   f"{rate:.3g} GB/s per SM; the calibrated RDMA hop / intranode stage rates are {rd.rdma_per_sm / rate:.2f}x / "
                    f"{rd.node_per_sm / rate:.2f}x it")
-    out.append("    assumptions: the stages run one after the other (the marks of one stream); hop and in-node stage "
+    out.append("    assumptions: the stages run one after the other (the marks of one stream); hop and intranode stage "
                "SM-bound at their per-SM rates (virtual nodes: NVSHMEM P2P over NVLink, no NIC); local work at one "
                "per-GPU rate per direction (bytes read + written, independent of --num-sms); the expert-major combine's "
                "pre-reduction takes the staging copy's place (its read of the expert rows has no term); the first "

@@ -1079,7 +1079,7 @@ def run_internode_peer_failure_case(cfg: dict) -> list:
         except Exception as exc:  # noqa: BLE001
             if rank == failing:
                 chk.errors.append(f"{chk.tag} the failing rank raised {type(exc).__name__}: {exc}")
-            # other ranks of the failing rank's node may see the in-node stage's PeerFailedError first
+            # other ranks of the failing rank's node may see the intranode stage's PeerFailedError first
     finally:
         try:
             buf.destroy()

@@ -50,7 +50,7 @@ def run_tracing_case(cfg: dict, backend: str = "torch", device: str = "cpu") -> 
         if any(t < 0 for t in times):
             errors.append(f"{tag} phase marks out of order: {times}")
         d = steps.get("dispatch_call", {})
-        if cfg.get("internode"):  # the in-node stage's crossings, as many as the path makes
+        if cfg.get("internode"):  # the intranode stage's crossings, as many as the path makes
             if not d or any(v <= 0 for e in steps.values() for v in e.values()):
                 errors.append(f"{tag} host_steps of one cached internode dispatch: {steps}")
         elif d.get("calls") != 1 or not {"streams", "outputs", "launch", "counts", "leave", "return"} <= set(d) \

@@ -524,13 +524,13 @@ def test_stages_without_local_work():
 
 
 def test_calibrate_and_predict_hand_computed():
-    # 1e9 B over the hop in 1000 us on 10 blocks = 100 GB/s per block; 2e9 B in-node in 500 us on 20 SMs = 200
+    # 1e9 B over the hop in 1000 us on 10 blocks = 100 GB/s per block; 2e9 B intranode in 500 us on 20 SMs = 200
     w = M.StageWork(rdma_bytes=1e9, node_bytes=2e9, local_bytes=3e9, blocks=10, sms=20)
     r = M.calibrate_stages(w, M.StageTimes(rdma_us=1000.0, node_us=500.0, local_us=1000.0))
     assert r.rdma_per_sm == pytest.approx(100.0) and r.node_per_sm == pytest.approx(200.0)
     assert r.local_gbps == pytest.approx(3000.0)
     assert M.predict_stages(w, r).total_us == pytest.approx(2500.0)  # its own calibration: exact
-    # other SM counts: hop and in-node stage scale with their SMs, the local work does not
+    # other SM counts: hop and intranode stage scale with their SMs, the local work does not
     p = M.predict_stages(M.StageWork(1e9, 2e9, 3e9, blocks=20, sms=40, fixed_us=7.0), r)
     assert (p.rdma_us, p.node_us, p.local_us, p.fixed_us) == pytest.approx((500.0, 250.0, 1000.0, 7.0))
     chk = M.check_stages("x", M.StageWork(1e9, 2e9, 3e9, 20, 40), r, call_us=1400.0,
@@ -544,15 +544,15 @@ def test_calibrate_and_predict_hand_computed():
 
 
 def test_sm_split_both_finish_together():
-    # SM-bound: hop work 6e6 B / 1 GB/s per SM = 6000 SM-us, in-node 2e6 / 1 = 2000: 3/4 of 8 SMs to the hop
+    # SM-bound: hop work 6e6 B / 1 GB/s per SM = 6000 SM-us, intranode 2e6 / 1 = 2000: 3/4 of 8 SMs to the hop
     s = M.split_sms(8, 6e6, 2e6, 1.0, 1.0)
     assert (s.rdma_sms, s.node_sms) == (6, 2)
     assert s.bound.rdma_us == pytest.approx(1000.0) and s.bound.node_us == pytest.approx(1000.0)
     assert s.ideal_us == pytest.approx(1000.0) and s.time_us == pytest.approx(1000.0)  # = sequential on all 8
     assert s.bound.stage == "rdma" and s.bound.limited_by == "SMs"  # a tie goes to the hop
-    # a slow link: the hop needs only the SMs that cover its link, the rest go to the in-node stage
+    # a slow link: the hop needs only the SMs that cover its link, the rest go to the intranode stage
     # (the link takes 4.5e6 B / 2 GB/s = 2250 us; 3 SMs cover it (2000 us), a 4th would only slow the
-    # in-node stage: 400 -> 500 us)
+    # intranode stage: 400 -> 500 us)
     n = M.split_sms(8, 6e6, 2e6, 1.0, 1.0, nic_gbps=2.0, rdma_link_bytes=4.5e6)
     assert n.bound.stage == "rdma" and n.bound.limited_by == "link" and n.time_us == pytest.approx(2250.0)
     assert (n.rdma_sms, n.node_sms) == (3, 5) and n.ideal_us == pytest.approx(2250.0)
@@ -561,7 +561,7 @@ def test_sm_split_both_finish_together():
     assert (b.stage, b.limited_by) == ("rdma", "SMs") and b.time_us == pytest.approx(1500.0)
     b = M.bounding_stage(1e6, 2e6, 4, 4, 1.0, 1.0, nvlink_gbps=0.5)
     assert (b.stage, b.limited_by) == ("node", "link") and b.node_us == pytest.approx(4000.0)
-    assert b.describe() == "the in-node stage (NVLink)"
+    assert b.describe() == "the intranode stage (NVLink)"
     assert M.split_sms(8, 0.0, 2e6, 1.0, 1.0).node_sms == 8
     with pytest.raises(ValueError):
         M.split_sms(1, 1e6, 1e6, 1.0, 1.0)
@@ -569,7 +569,7 @@ def test_sm_split_both_finish_together():
 
 def test_nov30_predictions_on_paper():
     # Rates from the bf16 cached rank-major dispatch's own marks; the other ops predicted. The
-    # figures are of code that reordered after the in-node stage (reorder=True).
+    # figures are of code that reordered after the intranode stage (reorder=True).
     H, N, Q, E = NOV30_H, NOV30_ROWS, NOV30_PAIRS, NOV30_EXPERT_ROWS
     bf16, fp8 = 2 * H, H + H // 128 * 4
     cal = M.phase_stages(NOV30_PHASES["dispatch_cached"])
@@ -618,7 +618,7 @@ def _load_bench():
 
 def _nov30_allres(sweep: bool = False):
     """allres as bench_normal's workers gather it, with the recorded run's figures on both ranks (loop =
-    isolated), 2 virtual nodes x 1 rank. `sweep`: also 16 SMs, the hop and in-node phases
+    isolated), 2 virtual nodes x 1 rank. `sweep`: also 16 SMs, the hop and intranode phases
     24/16 longer (the per-SM rates of 24 SMs) and the local work unchanged."""
     rdma_sent, deepep, recv = [4083, 4086], [8167, 8169], [8170, 8166]  # consistent: recv = own pairs + landed
 
@@ -654,8 +654,8 @@ def test_bench_model_check_prints_the_nov30_verdicts(capsys):
     print(text)
     assert "equal on every rank" in text and "equal to the count on every rank" in text
     assert "calibrated on the bf16 cached rank-major dispatch" in text
-    assert "RDMA hop 22.0 GB/s per block" in text and "in-node stage 31.2 GB/s per SM" in text
-    assert "RDMA hop 8.2 GB/s per block" in text and "in-node stage 15.5 GB/s per SM" in text  # the combine's
+    assert "RDMA hop 22.0 GB/s per block" in text and "intranode stage 31.2 GB/s per SM" in text
+    assert "RDMA hop 8.2 GB/s per block" in text and "intranode stage 15.5 GB/s per SM" in text  # the combine's
     line = lambda start: next(ln for ln in text.splitlines() if ln.strip().startswith(start))  # noqa: E731
     assert line("FP8 cached, rank-major").endswith("309.6 per call: 0.77 (within 25%)")
     assert line("incl. notify, rank-major").endswith("895.8 per call: 0.59 (OUTSIDE 25%)")
@@ -664,13 +664,13 @@ def test_bench_model_check_prints_the_nov30_verdicts(capsys):
     assert line("FP8 cached, expert-major").endswith(": 0.95 (within 25%)")
     assert line("expert-major (reorder").endswith(": 1.03 (within 25%)")
     assert "time check: 4 of 5 predictions within 25% of the measured call; OUTSIDE: incl. notify, rank-major 0.59" in text
-    assert "split 24 SMs as 14 RDMA hop / 10 in-node stage" in text and "bound by the RDMA hop (its SMs)" in text
+    assert "split 24 SMs as 14 RDMA hop / 10 intranode stage" in text and "bound by the RDMA hop (its SMs)" in text
     assert "bound by the RDMA hop (the NIC)" in text
     assert "SM sweep" not in text  # one SM count
 
 
 def test_bench_model_check_without_a_reorder():
-    """Phases of the path that writes the contract's order in its in-node stage (no 'reorder'
+    """Phases of the path that writes the contract's order in its intranode stage (no 'reorder'
     mark): the rank-major ops have no local work, and the expert-major dispatch takes its local
     rate from its own fan-out phase."""
     bench = _load_bench()
@@ -681,7 +681,7 @@ def test_bench_model_check_without_a_reorder():
             o["phases"] = {op: {m: v for m, v in marks.items() if not m.startswith("reorder")}
                            for op, marks in o["phases"].items()}
     text = bench.model_check(args, allres, "24", 2 * NOV30_H, ref_key="24")
-    assert "reorders after its in-node stage" not in text
+    assert "reorders after its intranode stage" not in text
     assert "local none (no local work)" in text
     line = lambda start: next(ln for ln in text.splitlines() if ln.strip().startswith(start))  # noqa: E731
     assert "its local rate from its own fan-out phase" in line("cached, expert-major")
@@ -690,7 +690,7 @@ def test_bench_model_check_without_a_reorder():
 
 
 def test_bench_model_check_sm_sweep():
-    # rates of 16 SMs predict 24 SMs: built so that they do exactly (hop and in-node stage 24/16 slower at 16)
+    # rates of 16 SMs predict 24 SMs: built so that they do exactly (hop and intranode stage 24/16 slower at 16)
     bench = _load_bench()
     args = bench.parse(["--ranks", "2", "--ranks-per-node", "1", "--num-sms", "16,24", "--no-deepep"])
     allres = _nov30_allres(sweep=True)
@@ -698,10 +698,10 @@ def test_bench_model_check_sm_sweep():
     assert "SM sweep: rates calibrated at 16 SMs (16 blocks) predict 24 SMs (24 blocks)" in text
     sweep = text.split("SM sweep")[1].splitlines()
     disp = next(ln for ln in sweep if ln.strip().startswith("cached dispatch, rank-major"))
-    assert "predicted RDMA hop 221.8 + in-node stage 156.6 + local work 84.0 = 462.4" in disp
+    assert "predicted RDMA hop 221.8 + intranode stage 156.6 + local work 84.0 = 462.4" in disp
     assert disp.endswith("455.7 per call: 1.01 (within 25%)")
     comb = next(ln for ln in sweep if ln.strip().startswith("combine, rank-major"))
-    assert "predicted RDMA hop 594.9 + in-node stage 314.2 + local work 178.3 = 1087.4" in comb
+    assert "predicted RDMA hop 594.9 + intranode stage 314.2 + local work 178.3 = 1087.4" in comb
     assert comb.endswith("1080.1 per call: 1.01 (within 25%)")
     # the 16-SM block itself calibrates and predicts at 16 SMs, no sweep line
     assert "SM sweep" not in bench.model_check(args, allres, "16", 2 * NOV30_H, ref_key="16")

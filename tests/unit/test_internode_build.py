@@ -1,5 +1,5 @@
 """The internode path's pieces that need no GPU: its RDMA-domain buffer layout (the one owner of
-the buffer's size, in `_C_nvshmem`), the in-node stage's sizing, and the `ranks_per_node` checks."""
+the buffer's size, in `_C_nvshmem`), the intranode stage's sizing, and the `ranks_per_node` checks."""
 
 import pytest
 import torch
@@ -39,7 +39,7 @@ def test_layout_places_every_section(ext, staged):
     assert offs == sorted(offs) and all(o % 256 == 0 for o in offs)
     slots = N * mt
     assert plan["d_s"] - plan["d_x"] >= slots * 2 * H  # a slot per (source node, token)
-    assert plan["scale_cols"] == H // 128  # the FP8 scales alone (the in-node stage needs no order key)
+    assert plan["scale_cols"] == H // 128  # the FP8 scales alone (the intranode stage needs no order key)
     assert plan["d_idx"] - plan["d_s"] >= slots * plan["scale_cols"] * 4
     assert plan["c_w"] - plan["c_y"] >= slots * 2 * H
     staging = plan["s_cw"] + (slots * K * 4 if staged else 0) - plan["s_x"]
@@ -53,7 +53,7 @@ def test_layout_grows_with_nodes_and_tokens(ext):
     assert ext.internode_plan(2, 128, 8, 1024, 4, 1024, False)["total"] > small
 
 
-def test_in_node_stage_sizing():
+def test_intranode_stage_sizing():
     h = IN.node_hints(num_nodes=4, max_tokens=4096, hidden=7168, dtype_bytes=1, combine_bytes=2, topk=8)
     assert h["max_tokens"] == 4 * 4096  # every forwarder handles N * max_tokens rows
     assert h["hidden"] == 7168 and h["dtype_bytes"] == 1 and h["max_topk"] == 8  # the rows as they are: no key column

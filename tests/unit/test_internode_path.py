@@ -1,6 +1,6 @@
 """The host side of the cuda internode path (megatron_ep/backends/cuda/paths/internode.py) on CPU: its RDMA
-buffer replaced by a recorder, its in-node stage an IntranodePath over tests/unit/test_intranode_path.py's
-FakeKernels. Which crossings a new routing makes, in order; what the in-node stage is asked; the
+buffer replaced by a recorder, its intranode stage an IntranodePath over tests/unit/test_intranode_path.py's
+FakeKernels. Which crossings a new routing makes, in order; what the intranode stage is asked; the
 handle's source tokens mapped back from the forwarders' receive slots; what the path refuses."""
 
 import contextlib
@@ -16,8 +16,8 @@ from megatron_ep.core.requests import CombineRequest, DispatchRequest
 from test_intranode_path import H, K, N as INNODE_ROWS, T as STAGE_ROWS, make_path
 
 NODES, RANKS_PER_NODE = 2, 2
-MT = STAGE_ROWS // NODES  # max tokens per rank: the in-node stage's rows are NODES * MT (the fake's T)
-E = 16  # 8 per node: the fake in-node stage's experts
+MT = STAGE_ROWS // NODES  # max tokens per rank: the intranode stage's rows are NODES * MT (the fake's T)
+E = 16  # 8 per node: the fake intranode stage's experts
 T = 3
 
 
@@ -43,21 +43,21 @@ class FakeRdma:
     def release(self, dir):  # noqa: A002 - the binding's name
         self._record("release", dir=dir)
 
-    # the composed entries: the in-node stage's entry (its fake, `inner`) with this kernel's launch
-    def dispatch_first_call(self, *innode, **kw):
-        """As the entry: the RDMA send and receive, the in-node stage's new routing, and where it
+    # the composed entries: the intranode stage's entry (its fake, `inner`) with this kernel's launch
+    def dispatch_first_call(self, *intranode, **kw):
+        """As the entry: the RDMA send and receive, the intranode stage's new routing, and where it
         moved the rows (status 0) the receive area's release (recorded as `released`)."""
-        out = self.inner.dispatch_first_call(*innode)
+        out = self.inner.dispatch_first_call(*intranode)
         self._record("dispatch_first_call", released=out[0] == 0, **kw)
         return out
 
-    def dispatch_cached_call(self, *innode, **kw):
+    def dispatch_cached_call(self, *intranode, **kw):
         self._record("dispatch_cached_call", **kw)
-        return self.inner.dispatch_call(*innode)
+        return self.inner.dispatch_call(*intranode)
 
-    def combine_call(self, *innode, **kw):
+    def combine_call(self, *intranode, **kw):
         self._record("combine_call", **kw)
-        return self.inner.combine_call(*innode)
+        return self.inner.combine_call(*intranode)
 
     def view(self, offset, nbytes):
         return torch.zeros(nbytes, dtype=torch.uint8)
@@ -115,7 +115,7 @@ def _dispatch(p, seq, permute=False, source_index=False):
 
 @pytest.mark.parametrize("permute", [False, True])
 def test_a_new_routing_crosses_once(path, permute):
-    """A new routing is one crossing, into the composed entry: the in-node stage's
+    """A new routing is one crossing, into the composed entry: the intranode stage's
     dispatch_first_call arguments (its ids the receive's output), then the RDMA send's and
     receive's; the entry releases the receive area once the rows moved, so Python does not."""
     out, call = _dispatch(path, 1, permute)
@@ -131,7 +131,7 @@ def test_a_new_routing_crosses_once(path, permute):
 
 
 def test_a_new_routing_that_grows_the_region_releases_after_its_rows(path):
-    """Status 1 (the host acts between notify and the rows: the region grows): the in-node
+    """Status 1 (the host acts between notify and the rows: the region grows): the intranode
     stage's rows move in its own dispatch_call, and only then is the receive area released."""
     path.intra.fake.stop_after_notify = True
     _dispatch(path, 1)
@@ -142,7 +142,7 @@ def test_a_new_routing_that_grows_the_region_releases_after_its_rows(path):
 
 def test_a_worst_case_sized_routing_sends_and_receives_first(path):
     """num_worst_tokens: no host wait to ride on, so the RDMA hop is its own crossings, then the
-    in-node stage's notify and rows, then the release."""
+    intranode stage's notify and rows, then the release."""
     call = P.Call(P.OP["dispatch"], 1)
     path.intra.holder["call"] = call
     x = torch.randn(T, H, dtype=torch.bfloat16)
@@ -155,14 +155,14 @@ def test_a_worst_case_sized_routing_sends_and_receives_first(path):
 
 @pytest.mark.parametrize("permute", [False, True])
 def test_source_tokens_come_back_from_the_forwarders_slots(path, permute):
-    """source_index=True: the in-node stage writes each row's source, a forwarder receive slot
+    """source_index=True: the intranode stage writes each row's source, a forwarder receive slot
     (source node * max_tokens + token); the handle keeps the token on its source rank."""
     out, _ = _dispatch(path, 1, permute, source_index=True)
     inner = path.intra.fake.calls[0][1]
     assert inner["want_src"] is True
-    slots = torch.arange(INNODE_ROWS, dtype=torch.int32)  # what the fake in-node stage wrote
+    slots = torch.arange(INNODE_ROWS, dtype=torch.int32)  # what the fake intranode stage wrote
     assert torch.equal(out.handle.recv_src_token, slots % MT)
-    if permute:  # each slot's output row: the in-node stage's
+    if permute:  # each slot's output row: the intranode stage's
         assert out.handle.recv_slot_row is out.handle.state.inner.recv_slot_row is not None
     else:
         assert out.handle.recv_slot_row is None
@@ -170,7 +170,7 @@ def test_source_tokens_come_back_from_the_forwarders_slots(path, permute):
 
 @pytest.mark.parametrize("permute", [False, True])
 def test_a_cached_dispatch_and_a_combine_run_the_fused_kernels(path, permute):
-    """A cached dispatch crosses once, into the internode path's composed entry: the in-node
+    """A cached dispatch crosses once, into the internode path's composed entry: the intranode
     stage's dispatch_call arguments, then the fused kernel's (the RDMA send of x with the
     routing's ids); a combine likewise, with its rows and the handle's node-local ids. Each
     settles the call (the peers learn its outcome from that kernel)."""
@@ -184,7 +184,7 @@ def test_a_cached_dispatch_and_a_combine_run_the_fused_kernels(path, permute):
     cached = path.buf.calls[0][1]
     assert cached["send_idx"] is out.handle.topk_idx and cached["send_x"] is x and cached["seq"] == 2
     assert cached["num_experts"] == E and not call.owes
-    inner = path.intra.fake.calls[-1]  # the in-node stage's arguments, through the one crossing
+    inner = path.intra.fake.calls[-1]  # the intranode stage's arguments, through the one crossing
     assert inner[0] == "dispatch_call" and inner[1]["first"] is False and inner[1]["want_src"] is False
 
     path.buf.calls.clear()

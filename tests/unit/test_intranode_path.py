@@ -138,7 +138,7 @@ def path(monkeypatch):
 
 def make_path(monkeypatch) -> IntranodePath:
     """An IntranodePath over FakeKernels and a stand-in runtime (tests/unit/test_internode_path.py's
-    in-node stage too)."""
+    intranode stage too)."""
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     holder = {}
     kernels = FakeKernels(lambda: holder["call"])

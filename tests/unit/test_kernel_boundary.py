@@ -109,7 +109,7 @@ def test_the_notify_trace_names_all_notify_call_arguments():
 
 
 # the internode entries that compose an intranode one (csrc/intranode/composed.h): its arguments
-# first, in its order, passed through as `*innode`; then the internode kernel's, by keyword
+# first, in its order, passed through as `*intranode`; then the internode kernel's, by keyword
 COMPOSED = {"dispatch_first_call": "dispatch_first_call", "dispatch_cached_call": "dispatch_call",
             "combine_call": "combine_call"}
 
@@ -123,9 +123,9 @@ def test_every_internode_kernel_call_names_all_its_arguments():
     intra = binding_arguments()
     for name, keywords, positional, line in calls:
         names, defaults = bound[name]
-        if name in COMPOSED:  # the in-node stage's arguments come through as one starred positional
+        if name in COMPOSED:  # the intranode stage's arguments come through as one starred positional
             names = names[len(intra[COMPOSED[name]][0]):]
-            assert keywords[:1] == [""] and positional == 1, f"internode.py:{line}: {name}: expected (*innode, ...)"
+            assert keywords[:1] == [""] and positional == 1, f"internode.py:{line}: {name}: expected (*intranode, ...)"
             keywords, positional = keywords[1:], 0
         unknown = [k for k in keywords if k not in names]
         missing = [a for a in names if a not in keywords and a not in defaults]

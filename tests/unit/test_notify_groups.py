@@ -206,8 +206,8 @@ def test_worst_case_drops_are_the_rows_past_it(R, E, K, G, align, tokens, hot):
 
 @pytest.mark.parametrize("N, Pn, mt, L, K, align", [(2, 2, 8, 2, 2, 1), (3, 2, 12, 1, 2, 4), (4, 1, 6, 2, 3, 2),
                                                    (2, 4, 20, 2, 4, 8)])
-def test_in_node_stage_delivers_the_contract_order(N, Pn, mt, L, K, align):
-    """The internode path's in-node stage: forwarder p of node m holds, at row n * mt + t, token t
+def test_intranode_stage_delivers_the_contract_order(N, Pn, mt, L, K, align):
+    """The internode path's intranode stage: forwarder p of node m holds, at row n * mt + t, token t
     of source rank (n, p) (node-local ids, -1 past that source's T or off node m); with one token
     group per source node, every destination's rows come in the contract's order: (expert or
     rank, global source rank n * P + p, token)."""
@@ -215,7 +215,7 @@ def test_in_node_stage_delivers_the_contract_order(N, Pn, mt, L, K, align):
     R, E = N * Pn, N * Pn * L
     T = [rng.choice([0, mt // 2, mt - 1, mt]) for _ in range(R)]
     glob = [routing(rng, T[r], K, E, hot=rng.randrange(E), unused=0.1) for r in range(R)]
-    for m in range(N):  # node m's in-node stage
+    for m in range(N):  # node m's intranode stage
         first, E_node = m * Pn * L, Pn * L
         fwd = []
         for p in range(Pn):

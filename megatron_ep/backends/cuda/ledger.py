@@ -27,7 +27,7 @@ _NO_ERROR = protocol.ERROR["none"]  # HostInfo::error while the kernels reported
 
 class CallLedger(FailureState):
     """The failure publication and error decoding of the calls over `region`; `kind` names the
-    path in messages (the intranode path, or internode's in-node stage)."""
+    path in messages (the intranode path, or internode's intranode stage)."""
 
     def __init__(self, kind: str, region: Region, ranks_per_device: int):
         FailureState.__init__(self, kind)

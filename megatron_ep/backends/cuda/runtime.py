@@ -1,5 +1,5 @@
 """The cuda backend's runtime of one Buffer (one per rank), shared by the kernel paths in
-megatron_ep/backends/cuda/paths/ (intranode, and the in-node stage of internode; low-latency takes its
+megatron_ep/backends/cuda/paths/ (intranode, and the intranode stage of internode; low-latency takes its
 SM budget): three parts, one job each, and what ties them to this rank's GPU.
 
 * `region` (megatron_ep/backends/cuda/region.py): the communication region shared by CUDA IPC, its
@@ -37,7 +37,7 @@ COMM_STREAM_PRIORITY = -1  # torch: lower is higher; the default (compute) strea
 
 class CudaRuntime:
     """Region, call ledger and SM budget of one Buffer's cuda backend (one per rank). `kind` names
-    the path it serves in messages (the intranode path, or internode's in-node stage)."""
+    the path it serves in messages (the intranode path, or internode's intranode stage)."""
 
     def __init__(self, group, rank: int, num_ranks: int, *, hints: Dict[str, Optional[int]], num_sms: Optional[int],
                  timeout_s: float = DEFAULT_TIMEOUT_S, device_group=None, kind: str = "intranode"):

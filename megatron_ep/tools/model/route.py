@@ -17,7 +17,7 @@
   and token, averaged over source ranks (``P(own node) = E[nodes]/N``, ``E[landed] =
   E[ranks]/P``): ``RDMA copies = E[nodes] * (N-1)/N``, ``NVLink copies = E[ranks] * (P-1)/P``
   (``N`` nodes, ``P`` GPUs per node); ``routing`` gives these per EP size. Combine is the same
-  route reversed (in-node reduction before RDMA), so the same copy counts with combine rows.
+  route reversed (intranode reduction before RDMA), so the same copy counts with combine rows.
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ def bounding_stage(rdma_bytes: float, node_bytes: float, rdma_sms: float, node_s
                    node_per_sm: float, *, nic_gbps: float | None = None, rdma_link_bytes: float | None = None,
                    nvlink_gbps: float | None = None, node_link_bytes: float | None = None) -> StageBound:
     """Which link bounds the two-level path when the RDMA hop runs on ``rdma_sms`` and the
-    in-node stage on ``node_sms`` at once: the stage that takes longer (ties: the hop), limited
+    intranode stage on ``node_sms`` at once: the stage that takes longer (ties: the hop), limited
     by its SMs or, with a link rate given, by its link (``*_link_bytes``: what crosses it, e.g.
     only the remote rows over the NIC)."""
     sm_r, t_r = _stage_terms(rdma_bytes, rdma_sms, rdma_per_sm, rdma_link_bytes, nic_gbps)
@@ -76,7 +76,7 @@ class SmSplit:
 def split_sms(total_sms: int, rdma_bytes: float, node_bytes: float, rdma_per_sm: float, node_per_sm: float, *,
               nic_gbps: float | None = None, rdma_link_bytes: float | None = None, nvlink_gbps: float | None = None,
               node_link_bytes: float | None = None) -> SmSplit:
-    """SMs for the RDMA hop and the in-node stage if they ran at once (fused, as DeepEP's
+    """SMs for the RDMA hop and the intranode stage if they ran at once (fused, as DeepEP's
     kernel) on ``total_sms``: the integer split that finishes soonest (ties: the smaller sum of
     the two times, so no SMs idle on a stage its link bounds). Without link limits both finish
     together at the hop's share ``w_rdma / (w_rdma + w_node)`` of the SMs, and the time equals

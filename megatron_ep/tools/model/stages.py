@@ -2,8 +2,8 @@
 model check of scripts/bench_normal.py).
 
 Our internode path runs the RDMA-domain hop ((token, node) pairs x row bytes on its blocks), the
-in-node stage (rank-major rows x row bytes on the Buffer's SMs) and local work (the expert-major
-fan-out; bytes read + written, on the GPU) one after the other. Before the in-node stage
+intranode stage (rank-major rows x row bytes on the Buffer's SMs) and local work (the expert-major
+fan-out; bytes read + written, on the GPU) one after the other. Before the intranode stage
 delivered rows in the contract's order, a local reorder followed it (``reorder=True``: what the
 recorded figures of that code measured). Per-SM rates calibrated on one measured
 operation's phase marks predict the others from exact row counts (``counts.link_count``): FP8
@@ -19,10 +19,10 @@ from ...core.rates import gbps_of, us_at
 # An internode normal dispatch runs three stages one after the other (cuda/paths/internode.py):
 #   rdma   the RDMA-domain hop: every (token, destination node) pair, the own node's included
 #          (the same kernels copy it locally), on the path's RDMA blocks;
-#   node   the in-node stage (the intranode path over the node's ranks): the rank-major rows it
+#   node   the intranode stage (the intranode path over the node's ranks): the rank-major rows it
 #          delivers, on the Buffer's SMs;
 #   local  local HBM work on the rank's whole share of the GPU: the expert-major fan-out (and, in
-#          code before the in-node stage wrote the contract's order, the reorder into it: a torch
+#          code before the intranode stage wrote the contract's order, the reorder into it: a torch
 #          index_select / index_copy_); counted as bytes read + written, at a per-GPU rate (it does
 #          not scale with --num-sms); none for rank-major rows;
 # plus `fixed`: measured terms the model has no formula for (the notify kernel), added as they
@@ -32,12 +32,12 @@ from ...core.rates import gbps_of, us_at
 
 TIME_TOLERANCE = 0.25  # predicted/measured within 1 +- this: "within 25%"
 STAGES = ("rdma", "node", "local", "fixed")
-STAGE_NAMES = {"rdma": "RDMA hop", "node": "in-node stage", "local": "local work", "fixed": "notify"}
+STAGE_NAMES = {"rdma": "RDMA hop", "node": "intranode stage", "local": "local work", "fixed": "notify"}
 # The internode path's phase marks (Runtime.mark in cuda/paths/internode.py and cuda/paths/intranode.py) ->
 # stage. "reduce" (expert-major combine) takes the place of the staging copy ("stage"): both
-# write the rows that cross the in-node stage into the combine area. "fanout" spreads the
+# write the rows that cross the intranode stage into the combine area. "fanout" spreads the
 # received rank-major rows into expert segments on the local SMs; "reorder" is the local reorder
-# of code before the in-node stage wrote the contract's order (recorded figures).
+# of code before the intranode stage wrote the contract's order (recorded figures).
 STAGE_OF_MARK = {"rdma": "rdma", "notify": "fixed", "stage": "node", "push": "node", "pull": "node",
                  "reduce": "node", "fanout": "local", "reorder": "local"}
 
@@ -47,16 +47,16 @@ class StageWork:
     """What one two-level operation moves per rank in each stage, and on how many SMs."""
 
     rdma_bytes: float  # (token, node) pairs x row bytes
-    node_bytes: float  # rank-major rows x the row bytes that cross the in-node stage
+    node_bytes: float  # rank-major rows x the row bytes that cross the intranode stage
     local_bytes: float  # bytes the local fan-out (and reorder) read and write
     blocks: int  # the RDMA-domain kernels' blocks
-    sms: int  # the in-node stage's SMs
+    sms: int  # the intranode stage's SMs
     fixed_us: float = 0.0  # measured terms without a formula (notify)
 
 
 @dataclass(frozen=True)
 class StageRates:
-    """Calibrated rates, GB/s: per block of the RDMA hop, per SM of the in-node stage, and of
+    """Calibrated rates, GB/s: per block of the RDMA hop, per SM of the intranode stage, and of
     the local work on the rank's GPU share (bytes read + written; None when the calibrating
     operation had no local work)."""
 
@@ -85,7 +85,7 @@ class StageTimes:
 def dispatch_stage_work(pairs: float, rows: float, row_bytes: int, blocks: int, sms: int,
                         expert_rows: float | None = None, fixed_us: float = 0.0, reorder: bool = False) -> StageWork:
     """A two-level dispatch of ``row_bytes`` rows (bf16: 2H; FP8: H + H/128 x 4 scale bytes):
-    ``pairs`` (token, node) pairs over the hop, ``rows`` rank-major rows through the in-node
+    ``pairs`` (token, node) pairs over the hop, ``rows`` rank-major rows through the intranode
     stage; local work: rank-major, none; expert-major, the fan-out reads ``rows`` and writes
     ``expert_rows`` (padding included). ``reorder``: also a reorder that reads and writes every
     output row (``rows`` or ``expert_rows``)."""
@@ -97,10 +97,10 @@ def dispatch_stage_work(pairs: float, rows: float, row_bytes: int, blocks: int, 
 def combine_stage_work(pairs: float, rows: float, hidden: int, blocks: int, sms: int,
                        expert_rows: float | None = None, partials: bool = True,
                        elem_bytes: int = 2, reorder: bool = False) -> StageWork:
-    """A two-level combine of rows of ``hidden`` x ``elem_bytes`` (bf16): the in-node stage
+    """A two-level combine of rows of ``hidden`` x ``elem_bytes`` (bf16): the intranode stage
     carries ``rows`` rank-major rows -- expert-major with ``partials``, each a token's rows of the
     rank pre-summed in fp32 (4 x hidden bytes), else every expert row; the hop carries ``pairs``
-    rows back. No local work, unless ``reorder``: a reorder back to the in-node stage's order
+    rows back. No local work, unless ``reorder``: a reorder back to the intranode stage's order
     that reads and writes the input rows (``rows`` rank-major, or ``expert_rows``)."""
     row = hidden * elem_bytes
     if expert_rows is None:
@@ -113,7 +113,7 @@ def combine_stage_work(pairs: float, rows: float, hidden: int, blocks: int, sms:
 
 def phase_stages(phases: dict) -> StageTimes:
     """The internode path's phase marks ({mark: µs}) summed into the stages (``STAGE_OF_MARK``;
-    a mark it does not know is the intranode path's, so the in-node stage's)."""
+    a mark it does not know is the intranode path's, so the intranode stage's)."""
     t = {s: 0.0 for s in STAGES}
     for mark, us in phases.items():
         t[STAGE_OF_MARK.get(mark, "node")] += us
@@ -121,7 +121,7 @@ def phase_stages(phases: dict) -> StageTimes:
 
 
 def calibrate_stages(work: StageWork, measured: StageTimes) -> StageRates:
-    """Rates of one measured operation's phases: hop bytes / time / blocks, in-node bytes /
+    """Rates of one measured operation's phases: hop bytes / time / blocks, intranode bytes /
     time / SMs, local bytes / time (no local rate when the operation has no local work and no
     local phase)."""
     no_local = work.local_bytes == 0 and measured.local_us == 0

@@ -7,7 +7,7 @@ dispatch  1. RDMA send: each token once to rank (m, l) of every node m owning on
              into that rank's fixed slot (n, token); ids and weights of every token to every node.
           2. RDMA receive: wait for every node, then the forwarder's view of its receive area:
              N * max_tokens rows, node-local expert ids (-1 where a token has none on this node).
-          3. In-node stage: the intranode path over the node's P ranks dispatches those rows to
+          3. Intranode stage: the intranode path over the node's P ranks dispatches those rows to
              the ranks owning their experts (NVLink), fused permute included, straight into the
              outputs. Its notify takes one token group per source node (the forwarder's rows are
              N groups of max_tokens), so a destination's rows come in the order (expert or rank,
@@ -17,16 +17,16 @@ dispatch  1. RDMA send: each token once to rank (m, l) of every node m owning on
              plus a full extra HBM pass over the rows, about a sixth of a cached rank-major
              dispatch's time; docs/performance.md).
           A cached dispatch (handle=) keeps the ids the receivers laid out and runs as two kernels
-          (csrc/internode/fused.cu): cached_notify (the send's release wait, the in-node push's
+          (csrc/internode/fused.cu): cached_notify (the send's release wait, the intranode push's
           announcement), then one dispatch kernel doing 1 and 3 with the wait between them inside.
-combine   the in-node combine of the caller's rows (each forwarder sums a token's rows of its
+combine   the intranode combine of the caller's rows (each forwarder sums a token's rows of its
           node), then the RDMA hop back and a sum over the token's nodes in fp32: cached_notify,
-          then one combine kernel for all of it (a grid barrier between the in-node sums and the
+          then one combine kernel for all of it (a grid barrier between the intranode sums and the
           hop).
 
 Sizes: the RDMA buffer has one slot per (source node, token) up to `max_tokens_per_rank` (a
 Buffer hint, or the first call's largest T over the group; later calls must fit). Worst-case
-sized calls (num_worst_tokens) pass it to the in-node stage, whose rows past it are then
+sized calls (num_worst_tokens) pass it to the intranode stage, whose rows past it are then
 exactly the contract's dropped rows (its order is the contract's).
 
 All kernels of this path run on the caller's stream or are ordered with it: async_op returns an
@@ -59,14 +59,14 @@ from .nvshmem_path import NvshmemPath, signature_hash
 
 @dataclass
 class InternodeState:
-    inner: DispatchHandle  # the in-node stage's handle (its rows are the contract's, in its order)
+    inner: DispatchHandle  # the intranode stage's handle (its rows are the contract's, in its order)
     local_idx: torch.Tensor  # [N * mt, K] int64 node-local ids of the forwarder's rows
     tokens: torch.Tensor  # [N] int32 tokens each source node sent to this forwarder
 
 
 def node_hints(num_nodes: int, max_tokens: int, hidden: int, dtype_bytes: int = 2, combine_bytes: int = 2,
                topk: Optional[int] = None) -> dict:
-    """Sizing of the node runtime's region for the in-node stage: every forwarder handles
+    """Sizing of the node runtime's region for the intranode stage: every forwarder handles
     N * max_tokens rows."""
     h = dict(max_tokens=num_nodes * max_tokens, hidden=hidden, dtype_bytes=dtype_bytes, combine_bytes=combine_bytes)
     if topk:
@@ -112,7 +112,7 @@ class InternodePath(NvshmemPath, NormalPath):
         self.node, self.local = rank // ranks_per_node, rank % ranks_per_node
         self.staged = False  # every RDMA-domain transfer an NVSHMEM put from symmetric staging (set with the buffer)
         self.inner_seq = 0
-        self.inner_of = -1  # the (outer) call whose in-node stage call was made last
+        self.inner_of = -1  # the (outer) call whose intranode stage call was made last
         self._views, self._views_of = {}, None  # view()'s, and the buffer they point into
         if hints.get("max_tokens") and hints.get("hidden"):
             self._create(self._agree(self._need(hints["max_tokens"], hints["hidden"], hints.get("dtype_bytes", 2),
@@ -126,7 +126,7 @@ class InternodePath(NvshmemPath, NormalPath):
     @classmethod
     def open(cls, group, rank: int, num_ranks: int, ranks_per_node: int, hints: dict, num_sms: Optional[int],
              timeout_s: float) -> "InternodePath":
-        """Collective: the node's runtime (sized for the in-node stage: N * max_tokens forwarded
+        """Collective: the node's runtime (sized for the intranode stage: N * max_tokens forwarded
         rows, 1/N of the experts), then the path over the whole group."""
         N = num_ranks // ranks_per_node
         num_experts = hints.get("max_experts")
@@ -135,7 +135,7 @@ class InternodePath(NvshmemPath, NormalPath):
             node_h.update(node_hints(N, hints["max_tokens"], hints["hidden"], hints["dtype_bytes"], hints["combine_bytes"],
                                      hints.get("max_topk")))
         rt = CudaRuntime(node_group(group, rank, ranks_per_node), rank % ranks_per_node, ranks_per_node, hints=node_h,
-                         num_sms=num_sms, timeout_s=timeout_s, device_group=group, kind="internode in-node stage")
+                         num_sms=num_sms, timeout_s=timeout_s, device_group=group, kind="internode intranode stage")
         return cls(rt, group, rank, num_ranks, ranks_per_node, hints)
 
     def describe(self) -> str:
@@ -175,7 +175,7 @@ class InternodePath(NvshmemPath, NormalPath):
                                                  "puts", RuntimeError)
 
     def _created(self, cap: dict) -> None:
-        # the in-node stage: N * max_tokens rows per forwarder
+        # the intranode stage: N * max_tokens rows per forwarder
         self.rt.region.reserve(node_hints(self.N, cap["max_tokens"], cap["hidden"], max(1, cap["x_row"] // cap["hidden"]),
                                    cap["c_row"] // cap["hidden"], cap["topk"]))
 
@@ -206,7 +206,7 @@ class InternodePath(NvshmemPath, NormalPath):
 
     # ------------------------------------------------------------------------------ calls
     def begin(self, call: protocol.Call) -> None:
-        # the in-node calls check and publish for themselves; the node's earlier reports first
+        # the intranode calls check and publish for themselves; the node's earlier reports first
         self.rt.ledger.check(call)
         super().begin(call)
 
@@ -227,22 +227,22 @@ class InternodePath(NvshmemPath, NormalPath):
         return {0: f"waiting for rank {err['peer']} (node {err['node']}) to finish reading this rank's previous {direction} "
                    f"rows (its release signal)",
                 1: f"waiting for rank {err['peer']}'s (node {err['node']}) {direction} rows (its signal)",
-                2: f"waiting for this rank's other blocks at the fused {direction}'s grid barrier (after the in-node "
+                2: f"waiting for this rank's other blocks at the fused {direction}'s grid barrier (after the intranode "
                    f"stage)"}.get(err["what"],
                                                                                                              "waiting")
 
     def publish(self, call: protocol.Call, exc: BaseException) -> None:
         """This rank raised before its RDMA send of `call`: the same-index peers' receives would wait
         for it until their timeout; tell them now (their buffers break). The node's other ranks
-        wait for it at the in-node stage's handshake: unless this rank's own in-node call already
-        published there, a failed record for the in-node call it will not make (they raise
+        wait for it at the intranode stage's handshake: unless this rank's own intranode call already
+        published there, a failed record for the intranode call it will not make (they raise
         PeerFailedError; the node's buffer stays usable)."""
-        if self.inner_of != call.seq:  # (each rank's in-node sequence advances alike)
+        if self.inner_of != call.seq:  # (each rank's intranode sequence advances alike)
             self.rt.ledger.publish(self._inner_call(call, 0, 0), exc)
         super().publish(call, exc)
 
     def _inner_call(self, call: protocol.Call, num_experts: int, routing: int) -> protocol.Call:
-        """The in-node stage's call: the same signature on the node's own call sequence."""
+        """The intranode stage's call: the same signature on the node's own call sequence."""
         self.inner_seq += 1
         self.inner_of = call.seq
         inner = protocol.Call(call.op, self.inner_seq)
@@ -267,7 +267,7 @@ class InternodePath(NvshmemPath, NormalPath):
             K = topk_idx.shape[1]
             if K > protocol.MAX_TOPK:
                 raise ValueError(f"topk_idx has K={K}; the cuda backend takes at most {protocol.MAX_TOPK}")
-            if req.check_ids == IDS_CHECKED:  # on the host (one sync): the in-node stage sees only the node-local ids
+            if req.check_ids == IDS_CHECKED:  # on the host (one sync): the intranode stage sees only the node-local ids
                 check_topk_values(topk_idx, num_experts, previous_event)
             topk_idx = topk_idx.contiguous().clone()
         if previous_event is not None and previous_event.event is not None:
@@ -278,7 +278,7 @@ class InternodePath(NvshmemPath, NormalPath):
         data = data.contiguous()
         src_x, src_s, src_i, src_w = data, scales, topk_idx, topk_weights
         cur = torch.cuda.current_stream(rt.device)
-        rt.mark("start", cur)  # benchmarks' phases: rdma, the in-node stage's
+        rt.mark("start", cur)  # benchmarks' phases: rdma, the intranode stage's
         if self.staged:  # puts read symmetric memory
             src_x = self.view("s_x", T, H, data.dtype)
             src_x.copy_(data)
@@ -293,19 +293,20 @@ class InternodePath(NvshmemPath, NormalPath):
         # (each entry below sets the call the waits of its kernels stop on when a peer publishes
         # that it failed: `seq`, set_call's)
         fused, released = None, []
-        if handle is not None:  # cached: one crossing, the RDMA send and the in-node push in one kernel (csrc/internode/fused.cu)
-            def fused(*innode):  # the in-node stage's dispatch_call arguments, in its order
-                return call.sends(self.buf.dispatch_cached_call, *innode, seq=call.seq, send_x=src_x,
+        # cached: one crossing, the RDMA send and the intranode push in one kernel (csrc/internode/fused.cu)
+        if handle is not None:
+            def fused(*intranode):  # the intranode stage's dispatch_call arguments, in its order
+                return call.sends(self.buf.dispatch_cached_call, *intranode, seq=call.seq, send_x=src_x,
                                   send_scales=src_s, send_idx=src_i, send_weights=src_w, num_experts=num_experts,
                                   send_sig=sig, send_blocks=self.num_blocks)
-        else:  # a new routing: the RDMA send and receive, then the in-node stage's own launches
+        else:  # a new routing: the RDMA send and receive, then the intranode stage's own launches
             local_idx = torch.empty((N * mt, K), dtype=torch.int64, device=rt.device)
             tokens = torch.empty(N, dtype=torch.int32, device=rt.device)
-            if not num_worst_tokens:  # one crossing: the in-node stage's notify waits on the host anyway
+            if not num_worst_tokens:  # one crossing: the intranode stage's notify waits on the host anyway
                 rdma_marks = rt.marks(("rdma",))
 
-                def fused(*innode):  # the in-node stage's dispatch_first_call arguments, in its order
-                    out = call.sends(self.buf.dispatch_first_call, *innode, seq=call.seq, send_x=src_x,
+                def fused(*intranode):  # the intranode stage's dispatch_first_call arguments, in its order
+                    out = call.sends(self.buf.dispatch_first_call, *intranode, seq=call.seq, send_x=src_x,
                                      send_scales=src_s, send_idx=src_i, send_weights=src_w,
                                      send_num_experts=num_experts, send_sig=sig, out_tokens=tokens,
                                      rdma_marks=rdma_marks, send_blocks=self.num_blocks)
@@ -319,7 +320,7 @@ class InternodePath(NvshmemPath, NormalPath):
                                        out_tokens=tokens, num_blocks=self.num_blocks)
                 rt.mark("rdma", cur)
 
-        # the in-node stage over the forwarder's rows, one token group per source node: it delivers
+        # the intranode stage over the forwarder's rows, one token group per source node: it delivers
         # them in the contract's order, straight into the outputs
         fx = self.view("d_x", N * mt, H, data.dtype)
         rows = (fx, self.view("d_s", N * mt, sc, torch.float32)) if scales is not None else fx
@@ -333,7 +334,7 @@ class InternodePath(NvshmemPath, NormalPath):
                 num_worst_tokens=num_worst_tokens, token_groups=N, fused=fused, rank_counts=req.rank_counts,
                 source_index=req.source_index and handle is None))
         if handle is None and not any(released):
-            with torch.cuda.stream(rt.stream):  # the in-node stage has read the receive area: free it
+            with torch.cuda.stream(rt.stream):  # the intranode stage has read the receive area: free it
                 self.buf.release(0)
         torch.cuda.current_stream(rt.device).wait_stream(rt.stream)  # joined (CUDA-graph capture needs it)
         self.check(call)
@@ -344,7 +345,7 @@ class InternodePath(NvshmemPath, NormalPath):
                                     num_tokens=T, topk=K, permute=permute, expert_alignment=expert_alignment,
                                     num_recv_rows=inner.handle.num_recv_rows, tokens_per_expert=inner.handle.tokens_per_expert,
                                     topk_idx=topk_idx, num_worst_tokens=num_worst_tokens, state=st, call_seq=call.seq,
-                                    # the in-node stage's rows are (source node, its rank of this
+                                    # the intranode stage's rows are (source node, its rank of this
                                     # rank's index): global source ranks, node-major
                                     recv_rank_counts=inner.handle.recv_rank_counts,
                                     recv_rank_prefix=inner.handle.recv_rank_prefix,
@@ -362,7 +363,7 @@ class InternodePath(NvshmemPath, NormalPath):
         x, handle, weights, async_op, previous_event = req.x, req.handle, req.weights, req.async_op, req.previous_event
         st: InternodeState = handle.state
         if req.single_reduction and handle.permute:
-            raise NotImplementedError("combine(single_reduction=True) on the cuda internode path: its in-node stage "
+            raise NotImplementedError("combine(single_reduction=True) on the cuda internode path: its intranode stage "
                                       "sums each rank's rows before the RDMA hop (the intranode path and the torch "
                                       "backend sum every slot's row)")
         _, H, row_bytes = combine_rows(rt, x, weights)
@@ -377,7 +378,7 @@ class InternodePath(NvshmemPath, NormalPath):
         y = torch.empty((T, H), dtype=x.dtype, device=rt.device)
         w_out = torch.empty((T, K), dtype=torch.float32, device=rt.device) if weights is not None else None
         rt.new_outputs((y, w_out))
-        # the in-node combine writes the forwarder's rows where the RDMA send reads them: symmetric
+        # the intranode combine writes the forwarder's rows where the RDMA send reads them: symmetric
         # staging when every transfer is a put, else a tensor it allocates
         out = None
         if self.staged:
@@ -386,10 +387,10 @@ class InternodePath(NvshmemPath, NormalPath):
                    self.view("s_cw", rows, K, torch.float32) if weights is not None else None)
         sig = signature_hash(call)
 
-        def fused(*innode):  # the in-node stage's combine_call arguments, in its order
-            # one crossing, one kernel (csrc/internode/fused.cu): the in-node combine, the RDMA hop, the
-            # sum over nodes, which the biases start (the in-node stage takes none)
-            return call.sends(self.buf.combine_call, *innode, seq=call.seq, local_idx=st.local_idx, tokens=st.tokens,
+        def fused(*intranode):  # the intranode stage's combine_call arguments, in its order
+            # one crossing, one kernel (csrc/internode/fused.cu): the intranode combine, the RDMA hop, the
+            # sum over nodes, which the biases start (the intranode stage takes none)
+            return call.sends(self.buf.combine_call, *intranode, seq=call.seq, local_idx=st.local_idx, tokens=st.tokens,
                               topk_idx=handle.topk_idx, num_experts=handle.num_experts, send_sig=sig, y=y, w=w_out,
                               sum_bias0=req.bias[0], sum_bias1=req.bias[1], send_blocks=self.num_blocks)
 
@@ -402,7 +403,7 @@ class InternodePath(NvshmemPath, NormalPath):
 
 
 def _source_tokens(rows: Optional[torch.Tensor], mt: int) -> Optional[torch.Tensor]:
-    """Each row's token on its source rank, from the in-node stage's source tokens: the
+    """Each row's token on its source rank, from the intranode stage's source tokens: the
     forwarder's receive rows, slot (source node, token) at node * mt + token. One launch: fmod
     keeps the dividend's sign, so -1 (no row) stays -1."""
     return None if rows is None else rows.fmod(mt)

@@ -372,7 +372,7 @@ class IntranodePath(NormalPath):
         # outputs themselves (rank-major), or what the fan-out spreads into expert segments
         push = not capturing and _pushes(region, req.permute, num_worst_tokens)
         fail(req.fused is None or handle is not None or not num_worst_tokens,
-             "a fused in-node new routing crosses once with its host wait (not worst-case sized)", RuntimeError)
+             "a fused intranode new routing crosses once with its host wait (not worst-case sized)", RuntimeError)
         # the ids' check rides on notify where the host waits for its sizes anyway; a sync-free
         # dispatch has no such wait, so it checks on the host (one sync) before any kernel
         check_on_device = req.check_ids != IDS_UNCHECKED and not num_worst_tokens and not capturing
