@@ -106,15 +106,10 @@ def prefill_and_decode(model, tokens, ctx):
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    world = cli.world_size_from_env()
-    if world is None:
-        validate(args, args.nproc_per_node)
-        return cli.launch(args.nproc_per_node, [sys.executable, os.path.abspath(__file__), *argv], prog=PROG)
-    validate(args, world)
-    on_gpu = train_moe.init_distributed(args.virtual_ranks)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    train_moe.use_backend(args)
+    started = train_moe.start(args, argv, __file__, PROG, validate)
+    if not isinstance(started, train_moe.Started):
+        return started
+    rank, world, device, on_gpu = started.rank, started.world, started.device, started.on_gpu
 
     from megatron.core import parallel_state as ps
     from megatron.core.inference.contexts import StaticInferenceContext

@@ -657,15 +657,10 @@ def write_png(path: str, runs: List[Run], args, title: str) -> None:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    world = cli.world_size_from_env()
-    if world is None:  # plain python: validate here, then start --nproc-per-node ranks of this command
-        validate(args, args.nproc_per_node)
-        return cli.launch(args.nproc_per_node, [sys.executable, os.path.abspath(__file__), *argv], prog=PROG)
-    validate(args, world)
-    on_gpu = train_moe.init_distributed(args.virtual_ranks)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    train_moe.use_backend(args)
+    started = train_moe.start(args, argv, __file__, PROG, validate)
+    if not isinstance(started, train_moe.Started):
+        return started
+    rank, world, device, on_gpu = started.rank, started.world, started.device, started.on_gpu
 
     def say(*text):
         if rank == 0:
