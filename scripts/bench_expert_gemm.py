@@ -183,7 +183,7 @@ def run_mlp(a, G: int, skew: str, backend: str, device) -> dict:
         res["fc1_us"] = timed(lambda: dg.m_grouped_fp8_gemm_nt_contiguous(xq, w1q, d1, m_idx), a.warmup, a.iters, device)
     else:
         if backend == "deepgemm" and B.deep_gemm_module() is None:
-            raise RuntimeError("deep_gemm does not import: build it (scripts/build_deepgemm.sh) or leave deepgemm out of --backends")
+            raise RuntimeError("deep_gemm does not import: build it (scripts/env/build_deepgemm.sh) or leave deepgemm out of --backends")
         probs = torch.ones((layout.num_rows,), device=device)
 
         def mlp(xx, a1, a2):

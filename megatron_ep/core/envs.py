@@ -51,7 +51,7 @@ def text(name: str, default: str, environ=None) -> str:
     value = raw(name, environ)
     return default if value is None else value.strip()
 
-# Every switch megatron_ep, its build (setup.py) and its set-up (scripts/setup_env.sh) read,
+# Every switch megatron_ep, its build (setup.py) and its set-up (scripts/env/setup_env.sh) read,
 # each through flag(); tests/unit/test_envs.py keeps the list complete. Commands check them all
 # before they start (megatron_ep.tools.cli), so a typo is one line there, not a traceback later.
 SWITCHES = {

@@ -1,7 +1,7 @@
 """The two-level internode path (RDMA domain over NVSHMEM, then the intranode path inside each
 node) against the dense oracle, on virtual nodes: `ranks_per_node` smaller than the group makes
 groups of ranks act as nodes. R processes on the visible GPU(s) (rank r on GPU r % GPUs; several
-per GPU under MPS, see scripts/gpu_check.sh). Outputs are poisoned before every kernel."""
+per GPU under MPS, see scripts/gate/gpu_check.sh). Outputs are poisoned before every kernel."""
 
 import os
 

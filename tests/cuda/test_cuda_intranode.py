@@ -1,6 +1,6 @@
 """The cuda backend against the dense oracle, with R = 2, 4, 8 processes sharing one GPU
 (virtual ranks: the processes open each other's regions by CUDA IPC; run them under MPS, see
-scripts/gpu_check.sh). Outputs are poisoned before every kernel (MEP_POISON=1)."""
+scripts/gate/gpu_check.sh). Outputs are poisoned before every kernel (MEP_POISON=1)."""
 
 import os
 

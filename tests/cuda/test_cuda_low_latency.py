@@ -1,6 +1,6 @@
 """The cuda low-latency path (NVSHMEM, megatron_ep._C_nvshmem) against the dense oracle and the torch
 backend's contract, with R = 2 (one process per GPU when there are two) and R = 4, 8 virtual
-ranks (several processes per GPU; run under MPS, see scripts/gpu_check.sh). Outputs are poisoned
+ranks (several processes per GPU; run under MPS, see scripts/gate/gpu_check.sh). Outputs are poisoned
 before every kernel (MEP_POISON=1)."""
 
 import os

@@ -1,5 +1,5 @@
 """One small case of each cuda path -- intranode, internode (two nodes of one rank), low-latency --
-in one pool of two ranks: what scripts/gpu_check.sh runs under compute-sanitizer (one pool
+in one pool of two ranks: what scripts/gate/gpu_check.sh runs under compute-sanitizer (one pool
 start-up under the tool instead of one per path). The same cases run in the paths' own suites."""
 
 import cases

@@ -2,7 +2,7 @@
 Megatron's real MoEFlexTokenDispatcher and MoELayer, against Megatron's alltoall dispatcher.
 * virtual ranks, R = 2 processes on one GPU (gloo control group; megatron_ep's kernels
   move the tokens by CUDA IPC; Megatron's reference runs on CPU with the test shims, since NCCL
-  refuses several ranks on one GPU) -- run under MPS (scripts/gpu_check.sh);
+  refuses several ranks on one GPU) -- run under MPS (scripts/gate/gpu_check.sh);
 * EP 1 through Megatron's own NCCL group: Megatron's flex dispatcher refuses EP 1 ("Flex token
   dispatcher requires TPxEP > 1"), so there the alltoall layer with megatron_ep's
   GroupedGemmExperts (torch grouped_mm on Hopper, or DeepGEMM when built) is checked against the

@@ -1,8 +1,8 @@
 """Megatron-LM's own pretrain_gpt.py on megatron_ep (GPU, virtual ranks under MPS), launched as a
 user would: `torchrun ... -m megatron_ep.megatron.launch [--ep-* options] pretrain_gpt.py <flags>`
 (through tests/support/megatron_lm_virtual.py, which puts the ranks on one GPU). The gate's `e2e` mode
-runs it (scripts/gpu_check.sh e2e); it needs Megatron-LM trees: MEGATRON_LM_DIR (main) and
-MEGATRON_LM_R019_DIR (core_r0.19.0), e.g. made by scripts/megatron_lm_tree.sh (CONTRIBUTING.md).
+runs it (scripts/gate/gpu_check.sh e2e); it needs Megatron-LM trees: MEGATRON_LM_DIR (main) and
+MEGATRON_LM_R019_DIR (core_r0.19.0), e.g. made by scripts/env/megatron_lm_tree.sh (CONTRIBUTING.md).
 
 Tolerances (bf16). At iteration 1 both runs hold the same weights and data; the only difference
 is the order in which the combine sums a token's expert outputs (fp32) before one rounding to
@@ -31,7 +31,7 @@ import megatron_lm_runs as mr
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
               pytest.mark.skipif(not os.environ.get("MEGATRON_LM_DIR"),
-                                 reason="needs a Megatron-LM tree: MEGATRON_LM_DIR (scripts/megatron_lm_tree.sh)")]
+                                 reason="needs a Megatron-LM tree: MEGATRON_LM_DIR (scripts/env/megatron_lm_tree.sh)")]
 
 BF16 = 2.0 ** -8
 

@@ -1,7 +1,7 @@
 """Megatron-LM's own token-dispatcher tests (`TestFlexDispatcher`, its deepep cases) with
 Megatron's own `_DeepepManager` on megatron_ep.deep_ep and our CUDA kernels: 8 virtual ranks of
 one GPU under MPS, through tests/support/run_megatron_tests.py --deep-ep --gpu, on the Megatron-LM tree
-MEGATRON_LM_DIR (scripts/megatron_lm_tree.sh, which exports the test files beside megatron/).
+MEGATRON_LM_DIR (scripts/env/megatron_lm_tree.sh, which exports the test files beside megatron/).
 The gate's `e2e` mode runs it after tests/megatron/test_megatron_lm.py. The same run on CPU processes (the
 torch backend) is `python tests/support/run_megatron_tests.py <tree> --deep-ep` (docs/deep-ep.md)."""
 
@@ -15,7 +15,7 @@ import torch
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
               pytest.mark.skipif(not os.environ.get("MEGATRON_LM_DIR"),
-                                 reason="needs a Megatron-LM tree: MEGATRON_LM_DIR (scripts/megatron_lm_tree.sh)")]
+                                 reason="needs a Megatron-LM tree: MEGATRON_LM_DIR (scripts/env/megatron_lm_tree.sh)")]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TEST_FILE = "tests/unit_tests/transformer/moe/test_token_dispatcher.py"
@@ -25,7 +25,7 @@ TEST_FILE = "tests/unit_tests/transformer/moe/test_token_dispatcher.py"
 def test_megatrons_flex_dispatcher_tests_on_our_deep_ep_kernels():
     tree = os.environ["MEGATRON_LM_DIR"]
     if not os.path.isfile(os.path.join(tree, TEST_FILE)):
-        pytest.skip(f"{tree} has no {TEST_FILE}: make the tree again with scripts/megatron_lm_tree.sh")
+        pytest.skip(f"{tree} has no {TEST_FILE}: make the tree again with scripts/env/megatron_lm_tree.sh")
     r = subprocess.run([sys.executable, os.path.join(HERE, "..", "support", "run_megatron_tests.py"), tree, "--deep-ep", "--gpu",
                         "-k", "TestFlexDispatcher and deepep", "--timeout", "540"],
                        capture_output=True, text=True, timeout=580)

@@ -1,5 +1,5 @@
 """Worker pools for the GPU tests: R processes on the visible GPU(s) (virtual ranks when there
-is one GPU; run them under MPS, see scripts/gpu_check.sh), kept for a test module's lifetime.
+is one GPU; run them under MPS, see scripts/gate/gpu_check.sh), kept for a test module's lifetime.
 A GPU test module takes its marks and its pools' closing from here:
 
     pytestmark = GPU_MARKS

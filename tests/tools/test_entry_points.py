@@ -385,7 +385,7 @@ def test_without_torch_each_entry_point_says_so_in_one_line():
         code, lines = _finish(proc)
         assert code == 2 and len(lines) == 1, (prog, lines)
         assert lines[0].startswith(f"{prog}: error: torch") and "not importable by" in lines[0], lines
-        assert "source .venv/bin/activate" in lines[0] and "scripts/setup_env.sh" in lines[0], lines
+        assert "source .venv/bin/activate" in lines[0] and "scripts/env/setup_env.sh" in lines[0], lines
     # --list only prints the presets: no torch needed
     code, lines = _finish(_start([PY, "-S", "-m", "recipes.proxies", "--list"]))
     assert code == 0 and "recipes/train_moe.py" in lines[1], lines

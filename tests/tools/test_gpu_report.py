@@ -1,11 +1,11 @@
-"""The GPU gate's bookkeeping (scripts/gpu_report.py), on CPU: summary rows from a junit record
+"""The GPU gate's bookkeeping (scripts/gate/gpu_report.py), on CPU: summary rows from a junit record
 or from the log of a run killed at its timeout, the record's two run lines, and verify."""
 
 import importlib.util
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-spec = importlib.util.spec_from_file_location("gpu_report", os.path.join(ROOT, "scripts", "gpu_report.py"))
+spec = importlib.util.spec_from_file_location("gpu_report", os.path.join(ROOT, "scripts", "gate", "gpu_report.py"))
 gr = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gr)
 

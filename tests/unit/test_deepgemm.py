@@ -2,7 +2,7 @@
 expert-major dispatch's rows and scales straight into DeepGEMM's FP8 contiguous GEMM, and the
 chunked experts on DeepGEMM with SMs left to the communication kernels (worker bodies and what
 they check: tests/support/deepgemm_cases.py). The single-process DeepGEMM cases are in
-tests/unit/test_experts.py. Needs deep_gemm importable (scripts/build_deepgemm.sh; the gate builds it
+tests/unit/test_experts.py. Needs deep_gemm importable (scripts/env/build_deepgemm.sh; the gate builds it
 when the tree is there), else every test here skips saying so."""
 
 import pytest
@@ -14,7 +14,7 @@ from megatron_ep.experts import backends as B
 
 pytestmark = GPU_MARKS + [pytest.mark.skipif(
     not torch.cuda.is_available() or B.deep_gemm_module() is None,
-    reason="needs a GPU and deep_gemm importable (scripts/build_deepgemm.sh)")]
+    reason="needs a GPU and deep_gemm importable (scripts/env/build_deepgemm.sh)")]
 
 POOLS = GpuPools()
 pool_ = POOLS.get

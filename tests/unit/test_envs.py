@@ -198,7 +198,7 @@ def test_setup_py_reads_switches_as_the_library_does(tmp_path):
 
 
 def _fake_setup(tmp_path, **extra):
-    """scripts/setup_env.sh against an environment whose python only logs its calls (and, for the
+    """scripts/env/setup_env.sh against an environment whose python only logs its calls (and, for the
     build, prints two ninja steps): no install, no compile. Returns (result, the calls)."""
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
@@ -217,7 +217,7 @@ def _fake_setup(tmp_path, **extra):
     (venv / ".mep-requirements").write_text(cksum)  # requirements up to date: no pip
     env = {k: v for k, v in os.environ.items() if k not in ("MEGATRON_EP_SKIP_CUDA", "MEGATRON_EP_REQUIRE_EXTENSION", "MEGATRON_EP_CPU_ONLY")}
     env.update(MEGATRON_EP_VENV=str(venv), PYTHON=sys.executable, **extra)
-    out = subprocess.run(["bash", os.path.join(ROOT, "scripts", "setup_env.sh")], capture_output=True, text=True,
+    out = subprocess.run(["bash", os.path.join(ROOT, "scripts", "env", "setup_env.sh")], capture_output=True, text=True,
                          timeout=120, env=env)
     return out, calls.read_text().splitlines() if calls.exists() else []
 

@@ -8,7 +8,7 @@ from typing import List, Sequence
 
 from ...core import envs
 
-ENV_HINT = "run `source .venv/bin/activate` in the repository first (`bash scripts/setup_env.sh` creates .venv)"
+ENV_HINT = "run `source .venv/bin/activate` in the repository first (`bash scripts/env/setup_env.sh` creates .venv)"
 
 
 def missing_modules(names: Sequence[str]) -> List[str]:

@@ -2,7 +2,7 @@
 # Benchmarks on the GPU machine (one or two H200s): build the extension in place, then the phases
 # named in MEP_GPU_STEPS: the normal-path benchmark (one process per GPU when the GPUs suffice,
 # with DeepEP and NCCL baselines), the low-latency benchmark, the Megatron A/B runs, the NVLink
-# roofline, DeepGEMM's expert tests. Logs go under $OUT. The tests are scripts/gpu_check.sh (the
+# roofline, DeepGEMM's expert tests. Logs go under $OUT. The tests are scripts/gate/gpu_check.sh (the
 # gate); run it first: a figure counts only for code that passed it.
 #   MEP_GPU_STEPS   phases, comma-separated: build,bench,megatron,lowlat,host,overlap,deepep,gemm,deepgemm,link
 #                   (default build,bench)
@@ -12,7 +12,7 @@
 #   megatron        the Megatron A/B runs of MEP_AB_ARGS (scripts/ab_throughput.py)
 #   overlap         scripts/bench_overlap.py --ranks ${MEP_OVERLAP_RANKS:-2} (MEP_OVERLAP_ARGS): chunked
 #                   experts against one round, the forward timeline, the model -> $OUT/overlap.log
-#   deepgemm        DeepGEMM under our expert glue (the gate runs the same tests): waits for scripts/build_deepgemm.sh's build of .carry/deepgemm (started
+#   deepgemm        DeepGEMM under our expert glue (the gate runs the same tests): waits for scripts/env/build_deepgemm.sh's build of .carry/deepgemm (started
 #                   at the top; MEP_DG_WAIT seconds, default 300), takes /tmp/deepgemm.env (PYTHONPATH,
 #                   DG_JIT_CACHE_DIR, LD_PRELOAD) for this phase only, then under MPS: every GPU test of
 #                   tests/unit/test_experts.py (masked bf16/FP8 GEMMs, the decode experts in a CUDA graph,
@@ -39,13 +39,13 @@
 #   MEP_BENCH_ARGS  bench_normal.py arguments (default: --ranks 2 --num-sms 8,16,24)
 #   MEP_RECIPE_ARGS the recipe's model flags for the Megatron step table
 # Wheels under .whl/ (megatron-core for Python 3.12, carried) are installed to /tmp/site first.
-# If a DeepEP tree is at .carry/deepep-src (scripts/build_deepep.sh --help: a peer built on the GPU
+# If a DeepEP tree is at .carry/deepep-src (scripts/env/build_deepep.sh --help: a peer built on the GPU
 # machine from a snapshot the user gives, never part of this repository), DeepEP's build starts in
 # the background and the bench, lowlat and host phases wait for it; likewise the DeepGEMM build
 # for the deepgemm phase.
 set -uo pipefail
 case "${1:-}" in -h|--help) sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | grep '^#' | sed 's/^# \{0,1\}//'; exit 0 ;; esac
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$ROOT"
 OUT=${OUT:-$ROOT/.gpu_out}
 mkdir -p "$OUT"
@@ -68,11 +68,11 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --f
 NGPU=$(nvidia-smi -L | wc -l)
 DEEPEP=0; [ -f .carry/deepep-src/setup.py ] && DEEPEP=1
 if [ "$DEEPEP" = 1 ] && { has bench || has megatron; }; then
-  bash scripts/build_deepep.sh intranode > /tmp/deepep_start.log 2>&1
+  bash scripts/env/build_deepep.sh intranode > /tmp/deepep_start.log 2>&1
 fi
 # (a full build already done on this machine, e.g. started beside the gate, is kept)
 if [ "$DEEPEP" = 1 ] && { has lowlat || has host; } && [ ! -e /tmp/deepep_full.ok ]; then  # its LL kernels: pip NVSHMEM
-  bash scripts/build_deepep.sh full > /tmp/deepep_full_start.log 2>&1
+  bash scripts/env/build_deepep.sh full > /tmp/deepep_full_start.log 2>&1
 fi
 # PYTHONPATH with DeepEP's MODE build first once it is done (up to $2 s), as it is without one
 deepep_path() {
@@ -81,7 +81,7 @@ deepep_path() {
   if [ -e "/tmp/deepep_$1.ok" ]; then echo "/tmp/deepep/$1${PYTHONPATH:+:$PYTHONPATH}"; else echo "${PYTHONPATH:-}"; fi
 }
 if [ -d .carry/deepgemm ] && { has deepgemm || has gemm; }; then  # one C++ file, beside the build phase
-  ( bash scripts/build_deepgemm.sh .carry/deepgemm /tmp/deepgemm-site > /tmp/deepgemm_build.log 2>&1 \
+  ( bash scripts/env/build_deepgemm.sh .carry/deepgemm /tmp/deepgemm-site > /tmp/deepgemm_build.log 2>&1 \
       && cp /tmp/deepgemm-site/env.sh /tmp/deepgemm.env && touch /tmp/deepgemm.ok
     tail -1 /tmp/deepgemm_build.log > /tmp/deepgemm.done ) &
 fi

@@ -2,8 +2,8 @@
 # The part of DeepGEMM, CUTLASS and {fmt} that building DeepGEMM (its one C++ file, csrc/python_api.cpp,
 # as deep_gemm._C) and its JIT (nvcc at run time on deep_gemm/include/{deep_gemm,cute,cutlass})
 # need, exported from git mirrors at DeepGEMM's pinned commit and the submodule commits it pins,
-# into DIR: what scripts/build_deepgemm.sh builds on a GPU machine without network. Never committed.
-#   bash scripts/deepgemm_tree.sh [DIR]          (default .carry/deepgemm, git-ignored)
+# into DIR: what scripts/env/build_deepgemm.sh builds on a GPU machine without network. Never committed.
+#   bash scripts/env/deepgemm_tree.sh [DIR]          (default .carry/deepgemm, git-ignored)
 # Environment (defaults: the mirrors that the fetch tool makes):
 #   DEEPGEMM_GIT  DeepGEMM git dir (/work/.mirror/deepseek-ai+DeepGEMM/repo)
 #   DEEPGEMM_REV  DeepGEMM commit (54e22612409371d6364144b69086735beb54e98b, main of 2026-06-23)

@@ -4,9 +4,9 @@
 # clone at one revision into DEST:
 # what the GPU tests of pretrain_gpt.py carry to a GPU machine without network (about 11 MB,
 # against a whole checkout's 63 MB with its tests).
-#   bash scripts/megatron_lm_tree.sh GIT_DIR REV DEST
-#   e.g. bash scripts/megatron_lm_tree.sh ~/Megatron-LM d98e8a64dd .carry/megatron-lm-main
-#        bash scripts/megatron_lm_tree.sh ~/Megatron-LM core_v0.19.0 .carry/megatron-lm-r0.19
+#   bash scripts/env/megatron_lm_tree.sh GIT_DIR REV DEST
+#   e.g. bash scripts/env/megatron_lm_tree.sh ~/Megatron-LM d98e8a64dd .carry/megatron-lm-main
+#        bash scripts/env/megatron_lm_tree.sh ~/Megatron-LM core_v0.19.0 .carry/megatron-lm-r0.19
 set -euo pipefail
 case ${1:-} in -h|--help) sed -n '2,8p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
 [ $# -eq 3 ] || { echo "usage: $0 GIT_DIR REV DEST" >&2; exit 2; }

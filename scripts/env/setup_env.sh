@@ -22,7 +22,7 @@
 # Switches take 1 / true / yes / on and 0 / false / no / off (or unset), as everywhere in
 # megatron_ep: megatron_ep/core/envs.py parses them; another value is refused in one line.
 set -euo pipefail
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 # the set-up's own two names, read as megatron_ep/core/envs.py reads the others (RENAMED)
 for _mep_name in VENV TORCH_INDEX_URL; do
   _mep_new=MEGATRON_EP_$_mep_name _mep_old=MEP_$_mep_name

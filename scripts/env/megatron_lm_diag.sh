@@ -4,15 +4,15 @@
 # ledger of every rank's Buffer calls and the ranks' stacks where they stop; one line of results
 # per run (also in $OUT/megatron_lm_diag.txt), the logs packed into $OUT/megatron_lm_diag.tar.gz.
 #
-#   bash scripts/megatron_lm_diag.sh [NAME:LOADING:DISPATCHER:ITERS[:LAUNCHER OPTIONS,...]] ...
-#   e.g. bash scripts/megatron_lm_diag.sh deepep-lazy:LAZY:deepep:12 deepep-eager:EAGER:deepep:12 \
+#   bash scripts/env/megatron_lm_diag.sh [NAME:LOADING:DISPATCHER:ITERS[:LAUNCHER OPTIONS,...]] ...
+#   e.g. bash scripts/env/megatron_lm_diag.sh deepep-lazy:LAZY:deepep:12 deepep-eager:EAGER:deepep:12 \
 #          hybridep-eager:EAGER:hybridep:12:--ep-experts,grouped,--ep-chunks,2
 #
 # LOADING: CUDA_MODULE_LOADING of the ranks (the ledger logs what the driver then uses);
 # DISPATCHER: alltoall, deepep or hybridep (flex, the Buffer's default SMs unless DIAG_NUM_SMS);
 # launcher options comma-separated. MEGATRON_LM_DIR (default .carry/megatron-lm-main), MEGATRON_EP_TIMEOUT_S
 # (default 40), DIAG_LIMIT_S (each run's wall-clock limit, default 150), DIAG_NUM_SMS. Run from the
-# repository root on a Hopper GPU; wheels under .whl/ are installed first, as by scripts/gpu_check.sh.
+# repository root on a Hopper GPU; wheels under .whl/ are installed first, as by scripts/gate/gpu_check.sh.
 set -uo pipefail
 ROOT=$(pwd)
 OUT=${OUT:-$ROOT/.gpu_out}

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build DeepGEMM from a tree made by scripts/deepgemm_tree.sh (DIR, default .carry/deepgemm) against
+# Build DeepGEMM from a tree made by scripts/env/deepgemm_tree.sh (DIR, default .carry/deepgemm) against
 # the current python's torch, without network, into PREFIX (default /tmp/deepgemm-site): PREFIX/deep_gemm
 # (the package: deep_gemm._C, the JIT's headers under deep_gemm/include) and PREFIX/env.sh, to source
 # before using it:
@@ -15,7 +15,7 @@
 #                       libstdc++'s own. DG_PRELOAD_LIBSTDCXX=0: no preload
 # then checks `import deep_gemm` under env.sh. One C++ file (csrc/python_api.cpp, g++, no nvcc at build
 # time); the kernels compile at their first call (nvcc, seconds to a minute each).
-#   bash scripts/build_deepgemm.sh [DIR] [PREFIX]
+#   bash scripts/env/build_deepgemm.sh [DIR] [PREFIX]
 # Environment: PYTHON (python3), CUDA_HOME (else /usr/local/cuda, else the directory above nvcc's bin/),
 #   DG_JIT_CACHE_DIR, DG_BUILD_DIR (scratch, default /tmp/deepgemm-build), MAX_JOBS (default nproc),
 #   DG_CXX / DG_CC (the compiler; default /usr/bin/g++ where present: see below).
@@ -24,7 +24,7 @@
 set -euo pipefail
 case ${1:-} in -h|--help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | grep '^#' | sed 's/^# \{0,1\}//'; exit 0 ;;
   -*) echo "build_deepgemm.sh: unknown option '$1' (--help says more)" >&2; exit 2 ;; esac
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 DIR=${1:-$ROOT/.carry/deepgemm}
 PREFIX=${2:-/tmp/deepgemm-site}
 PY=${PYTHON:-python3}
@@ -32,7 +32,7 @@ JIT=${DG_JIT_CACHE_DIR:-/tmp/deepgemm-jit}
 BUILD=${DG_BUILD_DIR:-/tmp/deepgemm-build}
 die() { echo "build_deepgemm.sh: $*" >&2; exit 1; }
 [ -f "$DIR/setup.py" ] && [ -d "$DIR/third-party/cutlass/include/cute" ] \
-  || die "no DeepGEMM tree at $DIR (make it with scripts/deepgemm_tree.sh $DIR)"
+  || die "no DeepGEMM tree at $DIR (make it with scripts/env/deepgemm_tree.sh $DIR)"
 DIR=$(cd "$DIR" && pwd)
 mkdir -p "$PREFIX" && PREFIX=$(cd "$PREFIX" && pwd)
 "$PY" -c "import torch, setuptools, packaging" 2>/dev/null || die "$PY cannot import torch, setuptools and packaging"
@@ -153,7 +153,7 @@ if [ "$mode" != 0 ]; then
   echo "libstdc++: the compiler's (${built_with:-${CXX:-c++}}) ${cxxlib:-unknown}, python's with torch ${loaded:-unknown}: $([ -n "$preload" ] && echo preloaded || echo "not preloaded")"
 fi
 {
-  echo "# DeepGEMM built by scripts/build_deepgemm.sh from $DIR ($(head -1 "$DIR/REVISION" 2>/dev/null))"
+  echo "# DeepGEMM built by scripts/env/build_deepgemm.sh from $DIR ($(head -1 "$DIR/REVISION" 2>/dev/null))"
   echo "export PYTHONPATH=\"$PREFIX\${PYTHONPATH:+:\$PYTHONPATH}\""
   echo "export CUDA_HOME=\"$CUDA_HOME\""
   echo "export DG_JIT_CACHE_DIR=\"$JIT\""

@@ -3,14 +3,14 @@
 # background, from a source tree the user gives (DIR, default .carry/deepep-src: e.g.
 # `git --git-dir=<a DeepEP mirror> archive 567632d csrc deep_ep setup.py | tar -x -C .carry/deepep-src`,
 # and the commit in DIR/DEEPEP_COMMIT for the benchmarks' labels):
-#   bash scripts/build_deepep.sh full|intranode [DIR]
+#   bash scripts/env/build_deepep.sh full|intranode [DIR]
 # full: every kernel, against NVSHMEM from pip (nvidia-nvshmem-cu13); intranode: no NVSHMEM (its
 # setup.py finds none). Into /tmp/deepep/MODE (put it on PYTHONPATH); /tmp/deepep_MODE.ok on
 # success, /tmp/deepep_MODE.done (one line) at the end, the log in /tmp/deepep_MODE.log.
 # Environment: DEEPEP_JOBS (parallel compiles, default 8), TORCH_CUDA_ARCH_LIST (default 9.0).
 set -uo pipefail
 case ${1:-} in -h|--help) sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | grep '^#' | sed 's/^# \{0,1\}//'; exit 0 ;; esac
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 MODE=${1:-full}
 SRC=${2:-$ROOT/.carry/deepep-src}
 case $MODE in full|intranode) ;; *) echo "build_deepep.sh: full or intranode, not '$MODE'" >&2; exit 2 ;; esac

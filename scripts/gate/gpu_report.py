@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The GPU gate's bookkeeping (scripts/gpu_check.sh calls it; CONTRIBUTING.md says why).
+"""The GPU gate's bookkeeping (scripts/gate/gpu_check.sh calls it; CONTRIBUTING.md says why).
 
     gpu_report.py --row NAME --junit X --log L --rc N --seconds S --limit T   one TSV summary row
     gpu_report.py --files "A B" --junit X --log L --rc N --limit T            a row per file of one run
@@ -26,7 +26,7 @@ import subprocess
 import sys
 import xml.etree.ElementTree as ET
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECORD = os.path.join(ROOT, "docs", "gpu-status.md")
 CODE_DIRS = ("csrc", "megatron_ep", "tests")
 SKIP_DIRS = {"__pycache__", "build", ".pytest_cache"}
@@ -147,11 +147,11 @@ def commit() -> str:
 
 HEADER = """# GPU record
 
-Written by `scripts/gpu_check.sh` (CONTRIBUTING.md): the last run of each mode (the gate; `long`:
+Written by `scripts/gate/gpu_check.sh` (CONTRIBUTING.md): the last run of each mode (the gate; `long`:
 the long fuzz, soak and sanitizer tools; `e2e`: Megatron-LM's pretrain_gpt.py) and, for each GPU
 test file, its last run,
-at which commit and code hash (`python3 scripts/gpu_report.py hash`: csrc/, megatron_ep/, tests/),
-on which machine, and its summary. `python3 scripts/gpu_report.py verify` says whether the working
+at which commit and code hash (`python3 scripts/gate/gpu_report.py hash`: csrc/, megatron_ep/, tests/),
+on which machine, and its summary. `python3 scripts/gate/gpu_report.py verify` says whether the working
 tree's code is the code of the last gate run. Do not edit by hand: commit the copy the gate writes
 under `$OUT`.
 

@@ -4,11 +4,11 @@
 # each path. One summary line per test file; the record docs/gpu-status.md is rewritten for the
 # files that ran (the copy under $OUT is the one to bring back and commit).
 #
-#   bash scripts/gpu_check.sh          the gate (one H200: under 9 minutes, build included)
-#   bash scripts/gpu_check.sh long     the long runs: MEP_FUZZ_CASES (default 1000) fuzz seeds per
+#   bash scripts/gate/gpu_check.sh          the gate (one H200: under 9 minutes, build included)
+#   bash scripts/gate/gpu_check.sh long     the long runs: MEP_FUZZ_CASES (default 1000) fuzz seeds per
 #                                      R = 2, 4, 8, the MEP_SOAK_ITERS (default 10000) soak, and the
 #                                      racecheck and synccheck on the intranode case
-#   bash scripts/gpu_check.sh e2e      Megatron-LM's pretrain_gpt.py on our managers, experts and
+#   bash scripts/gate/gpu_check.sh e2e      Megatron-LM's pretrain_gpt.py on our managers, experts and
 #                                      chunks against alltoall (tests/megatron/test_megatron_lm.py), then its
 #                                      TestFlexDispatcher on megatron_ep.deep_ep and our kernels
 #                                      (tests/megatron/test_megatron_lm_dispatcher.py), from the
@@ -33,13 +33,13 @@
 # Virtual ranks (R processes on one GPU, CUDA IPC between them) run under MPS, started here; with
 # two GPUs rank r takes GPU r % 2, so R = 2 is one process per GPU. Every test has a time limit
 # (tests/conftest.py) and every file a timeout here, so nothing can hang the run. Benchmarks are
-# scripts/gpu_bench.sh. A DeepGEMM tree at .carry/deepgemm (scripts/deepgemm_tree.sh; MEP_GATE_DEEPGEMM=DIR
-# for another) is built beside the extension (scripts/build_deepgemm.sh, its kernels' JIT cache inside
+# scripts/gate/gpu_bench.sh. A DeepGEMM tree at .carry/deepgemm (scripts/env/deepgemm_tree.sh; MEP_GATE_DEEPGEMM=DIR
+# for another) is built beside the extension (scripts/env/build_deepgemm.sh, its kernels' JIT cache inside
 # the run) and the gate's tests run with it importable; without one DeepGEMM's cases skip, and the
 # record's "build deepgemm" row says why. Wheels under .whl/ (megatron-core for the GPU image's Python) are
 # installed to /tmp/site first.
 set -uo pipefail
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$ROOT"
 MODE=${1:-gate}
 case "$MODE" in
@@ -106,7 +106,7 @@ if [ "$MODE" = gate ] && [ -f "$DG_TREE/setup.py" ]; then
       echo "kept the build of the same tree ($sum) in $DG_SITE" > "$LOGS/build_deepgemm.log"; rc=0
     else
       rm -f "$DG_SITE/.tree-sum"
-      DG_JIT_CACHE_DIR=/tmp/mep-deepgemm-jit MAX_JOBS=4 bash scripts/build_deepgemm.sh \
+      DG_JIT_CACHE_DIR=/tmp/mep-deepgemm-jit MAX_JOBS=4 bash scripts/env/build_deepgemm.sh \
         "$DG_TREE" "$DG_SITE" > "$LOGS/build_deepgemm.log" 2>&1
       rc=$?; [ "$rc" = 0 ] && echo "$sum" > "$DG_SITE/.tree-sum"
     fi
@@ -124,7 +124,7 @@ else
   else
     tail -40 "$LOGS/build.log"
     printf 'build _C\t0\t1\t0\t%s\textension not built or not usable\n' $(( $(date +%s) - t0 )) >> "$RESULTS"
-    python3 scripts/gpu_report.py --mode "$MODE" --results "$RESULTS" --out "$OUT" --elapsed $(( $(date +%s) - GATE_START ))
+    python3 scripts/gate/gpu_report.py --mode "$MODE" --results "$RESULTS" --out "$OUT" --elapsed $(( $(date +%s) - GATE_START ))
     exit 1
   fi
 fi
@@ -181,13 +181,13 @@ if [ "$MODE" = gate ]; then
     else
       # DeepGEMM is optional: a build or first GEMM that fails is recorded, and its cases skip saying so
       tail -20 "$LOGS/build_deepgemm.log" "$LOGS/deepgemm_smoke.log" 2>/dev/null
-      why="scripts/build_deepgemm.sh failed"
+      why="scripts/env/build_deepgemm.sh failed"
       [ "$dg_rc" = 0 ] && why="its first GEMM failed ($(tail -1 "$LOGS/deepgemm_smoke.log" | cut -c1-160))"
       printf 'build deepgemm\t0\t0\t1\t%s\t%s: DeepGEMM cases skip\n' "$dg_s" "$why" >> "$RESULTS"
     fi
   elif [ -z "${MEP_GATE_FILES:-}" ]; then
     # (a run over some files without the tree leaves the row of the run that built it)
-    printf 'build deepgemm\t0\t0\t1\t0\tno DeepGEMM tree at %s (scripts/deepgemm_tree.sh): DeepGEMM cases skip\n' "$DG_TREE" >> "$RESULTS"
+    printf 'build deepgemm\t0\t0\t1\t0\tno DeepGEMM tree at %s (scripts/env/deepgemm_tree.sh): DeepGEMM cases skip\n' "$DG_TREE" >> "$RESULTS"
   fi
   tail -1 "$RESULTS"
 fi
@@ -205,7 +205,7 @@ run_file() {
   # EMPTY_OK=1: a selection that matches no test (pytest exit 5: the no-MPS tests of a run over files
   # that have none) ran nothing, so it writes no row and the record keeps the row of the last run that did
   if [ "$rc" = 5 ] && [ "${EMPTY_OK:-0}" = 1 ]; then echo "$name: no test of this kind in these files"; return 0; fi
-  python3 scripts/gpu_report.py --row "$name" --junit "$xml" --log "$log" --rc "$rc" --seconds $(( $(date +%s) - t0 )) \
+  python3 scripts/gate/gpu_report.py --row "$name" --junit "$xml" --log "$log" --rc "$rc" --seconds $(( $(date +%s) - t0 )) \
     --limit "$limit" >> "$RESULTS"
   [ "$rc" = 0 ] || status=1
   awk -F'\t' -v n="$name" '$1 == n' "$RESULTS" | tail -1
@@ -221,7 +221,7 @@ run_files() {
   timeout -k 10 "$limit" python3 -m pytest -v -rs -p no:cacheprovider --durations=25 --junitxml="$xml" \
     -m "gpu and not no_mps" $2 ${MEP_GATE_PYTEST:-} > "$log" 2>&1
   rc=$?
-  python3 scripts/gpu_report.py --files "$2" --junit "$xml" --log "$log" --rc "$rc" --limit "$limit" >> "$RESULTS"
+  python3 scripts/gate/gpu_report.py --files "$2" --junit "$xml" --log "$log" --rc "$rc" --limit "$limit" >> "$RESULTS"
   [ "$rc" = 0 ] || status=1
   echo "(the files took $(( $(date +%s) - t0 )) s together)"
   tail -"$(echo $2 | wc -w)" "$RESULTS"
@@ -306,6 +306,6 @@ else
 fi
 stop_mps
 WHOLE=--whole; [ -n "${MEP_GATE_FILES:-}" ] && WHOLE=  # a run over some files keeps the other files' rows
-python3 scripts/gpu_report.py --mode "$MODE" --results "$RESULTS" --out "$OUT" --elapsed $(( $(date +%s) - GATE_START )) \
+python3 scripts/gate/gpu_report.py --mode "$MODE" --results "$RESULTS" --out "$OUT" --elapsed $(( $(date +%s) - GATE_START )) \
   --gpus "$NGPU" $WHOLE || status=1
 exit $status
