@@ -173,15 +173,9 @@ class DistPool:
     def _died(self, fn, dead: list, got: dict) -> str:
         """Which ranks died, how, and where (the stack faulthandler wrote as each died), then where
         the other silent ranks wait."""
-        where = []
-        for r in dead:
-            p = self.procs[r]
-            code = p.exitcode
-            how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exited with {code}"
-            where.append(f"--- rank {r} (pid {p.pid}, {how}) ---\n{_innermost(_read_stack(p.pid))}")
         others = [r for r in range(self.world_size) if r not in got and r not in dead]
         return (f"{_test['name'] or 'test'}: {fn.__name__}: rank(s) {dead} died before answering; the pool was "
-                f"killed. Where each died (innermost frame first):\n" + "\n".join(where)
+                f"killed. Where each died (innermost frame first):\n" + "\n".join(map(self._where, dead))
                 + (f"\n(ranks {others} were still waiting)" if others else ""))
 
     def _hung(self, fn, got: dict, waited: float, limited_by_test: bool) -> str:
@@ -195,15 +189,23 @@ class DistPool:
                 except OSError:
                     pass
         time.sleep(1.0)
-        where = []
-        for r in silent:
-            p = self.procs[r]
-            stack = _read_stack(p.pid)
-            state = "alive" if p.is_alive() else f"exited with {p.exitcode}"
-            where.append(f"--- rank {r} (pid {p.pid}, {state}) ---\n{_innermost(stack)}")
         bound = (f"the test's limit of {_test['limit']:.0f}s" if limited_by_test else "the run's timeout")
         return (f"{_test['name'] or 'test'}: {fn.__name__}: ranks {silent} gave no answer within {waited:.0f}s "
-                f"({bound}); the pool was killed. Where each waited (innermost frame first):\n" + "\n".join(where))
+                f"({bound}); the pool was killed. Where each waited (innermost frame first):\n"
+                + "\n".join(map(self._where, silent)))
+
+    def _where(self, r: int) -> str:
+        """Rank r's state (alive, killed by which signal, or its exit code) and the innermost frames
+        of the last stack it wrote (on SIGUSR1, or as a fatal signal killed it)."""
+        p = self.procs[r]
+        code = p.exitcode  # (None while it runs)
+        if code is None:
+            state = "alive"
+        elif code < 0:
+            state = f"killed by {signal.Signals(-code).name}"
+        else:
+            state = f"exited with {code}"
+        return f"--- rank {r} (pid {p.pid}, {state}) ---\n{_innermost(_read_stack(p.pid))}"
 
     def kill(self):
         self.broken = True
