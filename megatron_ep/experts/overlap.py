@@ -262,7 +262,7 @@ def chunked_expert_mlp(buffer, x: torch.Tensor, topk_idx: torch.Tensor, probs: t
     ``"dispatched"`` (its dispatch issued), ``"started"`` (the caller's stream made to wait for
     its rows: what the stream runs next is its GEMMs), ``"computed"`` (its expert MLP issued) and
     ``"combined"`` (its combine issued), in the order of ``schedule(chunks)``: a timeline hook,
-    e.g. recording a CUDA event on the current stream (scripts/bench_overlap.py does).
+    e.g. recording a CUDA event on the current stream (scripts/bench overlap does).
     ``on_dispatch(chunk, out)`` sees each chunk's DispatchOutput once the caller's stream waits for
     it, before its GEMMs: work it queues on the current stream reads the finished outputs (e.g. to
     count ``out.num_dropped`` of a worst-case sized one).

@@ -2,7 +2,7 @@
 per rank (host memory, or its GPU's), against the machine's cores, memory and GPUs.
 
 The demo, recipes/train_moe.py, recipes/decode_moe.py, scripts/ab_throughput.py and
-scripts/bench_overlap.py each describe their run with a `Need` (`demo_need`, `moe_gpt_need`,
+scripts/bench overlap each describe their run with a `Need` (`demo_need`, `moe_gpt_need`,
 `expert_layer_need`) and call `refuse_unless_fits(need, force=args.force)`:
 a run that cannot fit ends as one line (cli.UsageError) naming the figure, the limit and
 `--force`, which skips the estimates (the GPU count is a fact and is not skipped).
@@ -220,7 +220,7 @@ def moe_gpt_need(args, world: int, on_gpu: bool, *, mode: str = "train", models:
 
 
 def expert_layer_need(args, world: int, on_gpu: bool) -> Need:
-    """scripts/bench_overlap.py: one MoE layer's routed experts (chunked_expert_mlp) per rank,
+    """scripts/bench overlap: one MoE layer's routed experts (chunked_expert_mlp) per rank,
     forward and backward, with b = 2 B (bf16, GPUs) or 4 B (fp32, CPU), T = --tokens, E/W local
     experts (ranks may share GPUs: virtual ranks):
       weights      b x 2 x E/W 3 H F                 (SwiGLU w1 [2F, H], w2 [H, F]; their gradients)

@@ -32,6 +32,11 @@ ranks) for `ours`; the DeepEP API's internode path needs nodes of 8 ranks, so `d
 `deepep` are left out there.
 
 Only same-run ratios count: absolute host times move between runs of the same machine kind.
+
+    python3 scripts/bench host --ranks 2                  # one GPU under MPS, or two GPUs
+    python3 scripts/bench host --ranks 2 --profile 25     # with each op's top 25 functions
+    python3 scripts/bench host --cpu                      # CPU: checks the script
+    python3 scripts/bench host --canned                   # CPU, one process: our calls' Python alone
 """
 
 from __future__ import annotations
@@ -44,6 +49,11 @@ import statistics
 import sys
 import time
 from typing import Optional
+
+# The ranks of --base's implementation import that checkout's megatron_ep: the variable is set for
+# their spawn alone, and a spawned process runs this file (its main module) before anything else.
+if os.environ.get("MEP_BENCH_CHECKOUT"):
+    sys.path.insert(0, os.environ["MEP_BENCH_CHECKOUT"])
 
 import torch
 import torch.distributed as dist
@@ -59,7 +69,7 @@ LL_MAX_TOKENS = 256
 
 
 def parse(argv=None, description=None):
-    p = argparse.ArgumentParser(description=description)
+    p = argparse.ArgumentParser(prog="scripts/bench host", description=description)
     p.add_argument("--ranks", type=int, default=2, help="processes (rank r on GPU r %% visible; default 2)")
     p.add_argument("--tokens", type=lambda s: [int(v) for v in s.split(",")], default=[128, 4096],
                    help="tokens per rank, a comma list (default 128,4096)")
@@ -89,7 +99,8 @@ def parse(argv=None, description=None):
     p.add_argument("--timeout", type=float, default=900, help="seconds per implementation (default 900)")
     p.add_argument("--base", default=None, metavar="DIR",
                    help="another checkout with its extension built (python3 setup.py build_ext --inplace there): "
-                        "adds the implementation `base`, that checkout's megatron_ep.Buffer, to the run")
+                        "adds the implementation `base`, that checkout's megatron_ep.Buffer, to the run (its package laid "
+                        "out as this one's: megatron_ep.core, megatron_ep.tools)")
     p.add_argument("--canned", action="store_true",
                    help="only the Python of our calls (native and megatron_ep.deep_ep), in this process on CPU, each "
                         "crossing returning a saved result (bench/host_canned.py); no GPU")
@@ -117,7 +128,7 @@ def parse(argv=None, description=None):
     if a.internode and any(i not in ("ours", "base") for i in a.impls):
         if "ours" not in a.impls:
             p.error("--ranks-per-node below --ranks measures ours only: add it to --impls")
-        print(f"bench_host: --ranks-per-node {P}: only ours (and base) are measured (the DeepEP API's internode "
+        print(f"scripts/bench host: --ranks-per-node {P}: only ours (and base) are measured (the DeepEP API's internode "
               f"path needs nodes of 8 ranks)", flush=True)
         a.impls = [i for i in a.impls if i in ("ours", "base")]
     if a.cpu:
@@ -337,7 +348,7 @@ def over_rounds(runs: list) -> dict:
 
 def _run_impl(a, impl: str):
     """One implementation's ranks (run_ranks' answer); `base`'s import --base's checkout, which
-    scripts/bench_host.py puts first on their path (MEP_BENCH_CHECKOUT, inherited at spawn)."""
+    this file puts first on their path (MEP_BENCH_CHECKOUT, set for their spawn)."""
     from unittest import mock  # (patch.dict: the environment as it was afterwards)
 
     with mock.patch.dict(os.environ, {"MEP_BENCH_CHECKOUT": a.base} if impl == "base" else {}):
@@ -351,7 +362,7 @@ def main(a) -> int:
         print(host_canned.run())
         return 0
     if not a.cpu and not torch.cuda.is_available():
-        print("bench_host: no CUDA GPU here; --cpu checks the script on CPU processes (figures mean nothing)")
+        print("scripts/bench host: no CUDA GPU here; --cpu checks the script on CPU processes (figures mean nothing)")
         return 2
     path = f"internode, {a.ranks // a.ranks_per_node} nodes of {a.ranks_per_node}" if a.internode else "one node"
     print(f"host cost per call ({path}): ranks {a.ranks}, tokens {a.tokens}, hidden {a.hidden}, top-{a.topk} of {a.experts}, "
@@ -381,3 +392,7 @@ def main(a) -> int:
             if len(key) == 3:
                 print(f"\n--- {key[2]}: {impl}, T={key[0]}, {key[1]} ---\n{text}")
     return 1 if failed and not results else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(parse(description=__doc__.split("\n")[0])))

@@ -51,7 +51,7 @@ def model_check(args, allres, key, row_bytes, ref_key=None) -> str:
     text = "\n".join(lines)
     if bad:
         print(text)
-        raise AssertionError("bench_normal model check: exact counts disagree: " + "; ".join(bad))
+        raise AssertionError("scripts/bench normal, model check: exact counts disagree: " + "; ".join(bad))
     return text
 
 

@@ -6,11 +6,11 @@
 # gate); run it first: a figure counts only for code that passed it.
 #   MEP_GPU_STEPS   phases, comma-separated: build,bench,megatron,lowlat,host,overlap,deepep,gemm,deepgemm,link
 #                   (default build,bench)
-#   link            the NVLink roofline between GPUs 0 and 1 (scripts/bench_link.py MEP_LINK_ARGS: copy
+#   link            the NVLink roofline between GPUs 0 and 1 (scripts/bench link MEP_LINK_ARGS: copy
 #                   engine, SM stores, bulk copies; one way and both ways) -> $OUT/link.md
-#   lowlat          scripts/bench_low_latency.py --ranks ${MEP_LL_RANKS:-2} (MEP_LL_BENCH_ARGS) -> $OUT/ll_bench.md
+#   lowlat          scripts/bench low-latency --ranks ${MEP_LL_RANKS:-2} (MEP_LL_BENCH_ARGS) -> $OUT/ll_bench.md
 #   megatron        the Megatron A/B runs of MEP_AB_ARGS (scripts/ab_throughput.py)
-#   overlap         scripts/bench_overlap.py --ranks ${MEP_OVERLAP_RANKS:-2} (MEP_OVERLAP_ARGS): chunked
+#   overlap         scripts/bench overlap --ranks ${MEP_OVERLAP_RANKS:-2} (MEP_OVERLAP_ARGS): chunked
 #                   experts against one round, the forward timeline, the model -> $OUT/overlap.log
 #   deepgemm        DeepGEMM under our expert glue (the gate runs the same tests): waits for scripts/env/build_deepgemm.sh's build of .carry/deepgemm (started
 #                   at the top; MEP_DG_WAIT seconds, default 300), takes /tmp/deepgemm.env (PYTHONPATH,
@@ -28,15 +28,15 @@
 #                   under a header in $OUT/deepep_runs.log and their result and figure lines in
 #                   $OUT/deepep_prints.txt (MEP_DEEPEP_TIMEOUT, default 300 s, per run). One GPU's virtual
 #                   ranks share it: correctness and the prints' shape, not speed figures
-#   gemm            the routed-expert GEMMs on one GPU (scripts/bench_expert_gemm.py MEP_GEMM_ARGS, default
+#   gemm            the routed-expert GEMMs on one GPU (scripts/bench gemm MEP_GEMM_ARGS, default
 #                   --jit-jobs 6: DeepGEMM's kernels compiled in 6 processes first), waits for the DeepGEMM
 #                   build like the deepgemm phase -> $OUT/gemm.md, $OUT/gemm.json
-#   host            host cost per call (scripts/bench_host.py --ranks ${MEP_HOST_RANKS:-2} MEP_HOST_ARGS: ours,
+#   host            host cost per call (scripts/bench host --ranks ${MEP_HOST_RANKS:-2} MEP_HOST_ARGS: ours,
 #                   megatron_ep.deep_ep and DeepEP V1 when its full build imports) -> $OUT/host.md, and
 #                   $OUT/host.log (the profiles with --profile N); with MEP_HOST_BASE=DIR (another
 #                   commit's tree, `git archive COMMIT setup.py csrc megatron_ep`, carried) that tree is
 #                   built beside this one and measured as the implementation `base` (--base DIR)
-#   MEP_BENCH_ARGS  bench_normal.py arguments (default: --ranks 2 --num-sms 8,16,24)
+#   MEP_BENCH_ARGS  scripts/bench normal arguments (default: --ranks 2 --num-sms 8,16,24)
 #   MEP_RECIPE_ARGS the recipe's model flags for the Megatron step table
 # Wheels under .whl/ (megatron-core for Python 3.12, carried) are installed to /tmp/site first.
 # If a DeepEP tree is at .carry/deepep-src (scripts/env/build_deepep.sh --help: a peer built on the GPU
@@ -101,7 +101,7 @@ if has build; then
 fi
 if has link; then
   phase link
-  timeout "${MEP_LINK_TIMEOUT:-180}" python3 scripts/bench_link.py ${MEP_LINK_ARGS:-} > "$OUT/link.md" 2>&1 \
+  timeout "${MEP_LINK_TIMEOUT:-180}" python3 scripts/bench link ${MEP_LINK_ARGS:-} > "$OUT/link.md" 2>&1 \
     || { status=1; echo "link failed"; }
   cat "$OUT/link.md"
 fi
@@ -111,7 +111,7 @@ if has bench; then
   args=${MEP_BENCH_ARGS:---ranks 2 --num-sms 8,16,24}
   r=$(echo "$args" | sed -n 's/.*--ranks \([0-9]*\).*/\1/p'); r=${r:-2}
   [ "$r" -gt "$NGPU" ] && start_mps
-  timeout "${MEP_BENCH_TIMEOUT:-300}" python3 scripts/bench_normal.py $args --json "$OUT/bench.json" --markdown "$OUT/bench.md" \
+  timeout "${MEP_BENCH_TIMEOUT:-300}" python3 scripts/bench normal $args --json "$OUT/bench.json" --markdown "$OUT/bench.md" \
     > /tmp/bench.log 2>&1 || { status=1; echo "bench failed"; }
   grep -v "^\[" /tmp/bench.log | tail -70
   stop_mps
@@ -121,7 +121,7 @@ if has lowlat; then
   llr=${MEP_LL_RANKS:-2}
   llpath=$(deepep_path full 240)  # the full DeepEP build first: an intranode-only one has no LL kernels
   [ "$llr" -gt "$NGPU" ] && start_mps
-  PYTHONPATH=$llpath timeout "${MEP_LL_BENCH_TIMEOUT:-400}" python3 scripts/bench_low_latency.py --ranks "$llr" ${MEP_LL_BENCH_ARGS:-} \
+  PYTHONPATH=$llpath timeout "${MEP_LL_BENCH_TIMEOUT:-400}" python3 scripts/bench low-latency --ranks "$llr" ${MEP_LL_BENCH_ARGS:-} \
     --markdown "$OUT/ll_bench.md" --json "$OUT/ll_bench.json" > "$OUT/ll_bench.log" 2>&1 || { status=1; echo "LL bench failed"; }
   grep -v "^\[" "$OUT/ll_bench.log" | tail -30
   stop_mps
@@ -138,7 +138,7 @@ if has host; then
   fi
   [ "$hr" -gt "$NGPU" ] && start_mps
   # shellcheck disable=SC2086
-  PYTHONPATH=$hpath timeout "${MEP_HOST_TIMEOUT:-400}" python3 scripts/bench_host.py --ranks "$hr" ${MEP_HOST_ARGS:-} \
+  PYTHONPATH=$hpath timeout "${MEP_HOST_TIMEOUT:-400}" python3 scripts/bench host --ranks "$hr" ${MEP_HOST_ARGS:-} \
     ${base[@]+"${base[@]}"} > "$OUT/host.log" 2>&1 || { status=1; echo "host bench failed"; }
   grep "^|" "$OUT/host.log" > "$OUT/host.md"
   grep -v "^\[" "$OUT/host.log" | grep -v "^ " | tail -40
@@ -149,7 +149,7 @@ if has overlap; then
   ovr=${MEP_OVERLAP_RANKS:-2}
   [ "$ovr" -gt "$NGPU" ] && start_mps
   # shellcheck disable=SC2086
-  timeout "${MEP_OVERLAP_TIMEOUT:-300}" python3 scripts/bench_overlap.py --ranks "$ovr" ${MEP_OVERLAP_ARGS:-} \
+  timeout "${MEP_OVERLAP_TIMEOUT:-300}" python3 scripts/bench overlap --ranks "$ovr" ${MEP_OVERLAP_ARGS:-} \
     > "$OUT/overlap.log" 2>&1 || { status=1; echo "overlap bench failed"; }
   tail -30 "$OUT/overlap.log"
   stop_mps
@@ -192,7 +192,7 @@ if has gemm; then
     if [ -e /tmp/deepgemm.ok ]; then . /tmp/deepgemm.env; fi
     # shellcheck disable=SC2086
     MEP_DEEPGEMM_REVISION=$(cat .carry/deepgemm/REVISION 2>/dev/null | head -1) exec timeout "${MEP_GEMM_TIMEOUT:-360}" \
-      python3 scripts/bench_expert_gemm.py ${MEP_GEMM_ARGS:---jit-jobs 6} --markdown "$OUT/gemm.md" --json "$OUT/gemm.json"
+      python3 scripts/bench gemm ${MEP_GEMM_ARGS:---jit-jobs 6} --markdown "$OUT/gemm.md" --json "$OUT/gemm.json"
   ) >> "$OUT/gemm.log" 2>&1 || { status=1; echo "expert GEMM bench failed"; }
   grep -v '^{' "$OUT/gemm.log" | tail -50
 fi

@@ -63,7 +63,7 @@ BAD_ARGUMENTS = [
      ["--fp8 needs --hidden a multiple of 128", "--hidden 64"]),
     ("decode: sequence past the memory", [PY, "recipes/decode_moe.py", "--seq-len", "100000000"],
      ["needs about", "attention activations", "--force"]),
-    ("overlap bench: tokens past the memory", [PY, "scripts/bench_overlap.py", "--cpu", "--tokens", "100000000"],
+    ("overlap bench: tokens past the memory", [PY, "scripts/bench", "overlap", "--cpu", "--tokens", "100000000"],
      ["needs about", "activations", "--force"]),
     ("DeepSeek-V3 launcher: EP", ["bash", "recipes/deepseek_v3_ep64/launch.sh", "--dry-run", "--ep", "3"],
      ["--ep 3", "256 experts"]),
@@ -275,21 +275,21 @@ def _parsers():
 
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     import ab_throughput
-    import bench_overlap
+    from bench import overlap as bench_overlap
 
     return {"demo": demo.build_parser(), "model": model.build_parser(), "train_moe": train_moe.build_parser(),
             "ab_throughput": ab_throughput.build_parser(), "proxies": proxies.build_parser(),
             "deepseek_v3_ep64": ds_launch.build_parser(), "decode_moe": decode_moe.build_parser(),
-            "bench_overlap": bench_overlap.build_parser()}
+            "bench overlap": bench_overlap.build_parser()}
 
 
 # parsers whose every value-taking option states its default in --help, even one filled in later
 # (the overlap bench's sizes depend on --cpu)
-EVERY_DEFAULT_SHOWN = ("bench_overlap",)
+EVERY_DEFAULT_SHOWN = ("bench overlap",)
 
 
 @pytest.mark.parametrize("name", ["demo", "model", "train_moe", "ab_throughput", "proxies", "deepseek_v3_ep64",
-                                  "decode_moe", "bench_overlap"])
+                                  "decode_moe", "bench overlap"])
 def test_every_option_has_a_description_and_its_default(name):
     """Each option is described, shows its default (0 included: it equals False), and says it
     once (a help text that states its default gets no second one)."""
@@ -372,7 +372,7 @@ ENTRY_POINTS = [
     # the dry run checks the command as the run does, which needs torch and megatron-core
     ("python -m recipes.proxies", ["-m", "recipes.proxies", "--preset", "cpu-toy", "--dry-run"]),
     ("scripts/ab_throughput.py", ["scripts/ab_throughput.py"]),
-    ("scripts/bench_overlap.py", ["scripts/bench_overlap.py", "--cpu"]),
+    ("scripts/bench overlap", ["scripts/bench", "overlap", "--cpu"]),
 ]
 
 
@@ -503,7 +503,7 @@ BAD_SWITCHES = [  # (variable, argv): each command reads the switch, or imports 
     ("MEGATRON_EP_INSTALL", [PY, "recipes/train_moe.py"]),
     ("MEGATRON_EP_INSTALL", [PY, "-m", "megatron_ep.megatron.launch", "README.md"]),
     ("MEGATRON_EP_INSTALL", [PY, "scripts/ab_throughput.py"]),
-    ("MEGATRON_EP_CHECK_INPUTS", [PY, "scripts/bench_overlap.py", "--cpu"]),
+    ("MEGATRON_EP_CHECK_INPUTS", [PY, "scripts/bench", "overlap", "--cpu"]),
 ]
 
 
@@ -529,13 +529,13 @@ def test_output_to_a_closed_pipe_ends_quietly():
 
 
 def test_overlap_bench_on_cpu_is_a_small_smoke_with_progress():
-    """scripts/bench_overlap.py --cpu: small sizes by default (seconds, not the GPU sizes), a
+    """scripts/bench overlap --cpu: small sizes by default (seconds, not the GPU sizes), a
     line as it starts and one per chunk count as it is timed, then the table."""
     t0 = time.monotonic()
-    code, lines = _finish(_start([PY, "scripts/bench_overlap.py", "--cpu"]), timeout=240)
+    code, lines = _finish(_start([PY, "scripts/bench", "overlap", "--cpu"]), timeout=240)
     text = "\n".join(lines)
     assert code == 0, text
-    assert lines[0].startswith("scripts/bench_overlap.py: starting 2 ranks (CPU, torch backend)"), text
+    assert lines[0].startswith("scripts/bench overlap: starting 2 ranks (CPU, torch backend)"), text
     progress = [ln for ln in lines if re.match(r"^  chunks \d+: timed on rank 0", ln)]
     assert len(progress) == 3 and lines[1:4] == progress, text  # chunk counts 1, 2, 4, before the table
     assert "64 tokens/rank, hidden 256" in text and "not speed claims" in text, text

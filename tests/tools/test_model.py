@@ -451,10 +451,10 @@ def test_deepseek_v3_router_spreads_wider_than_the_model():
 
 
 def test_bench_normal_smoke_model_check():
-    # scripts/bench_normal.py on CPU (torch backend, 2 gloo ranks, 2 virtual nodes x 1): the
+    # scripts/bench normal on CPU (torch backend, 2 gloo ranks, 2 virtual nodes x 1): the
     # model check's exact counts equal the bench's own RDMA count and the rows delivered
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_normal.py"), "--smoke",
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench"), "normal", "--smoke",
                         "--ranks-per-node", "1", "--no-nccl"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -465,9 +465,9 @@ def test_bench_normal_smoke_model_check():
 
 # ---------------------------------------------------------------------------------------------
 # The two-level time check: per-SM rates calibrated on one measured op predict the others
-# (megatron_ep.tools.model's stages; scripts/bench_normal.py prints them in its model check)
+# (megatron_ep.tools.model's stages; scripts/bench normal prints them in its model check)
 
-# One recorded run of `python3 scripts/bench_normal.py --ranks 2 --ranks-per-node 1 --num-sms 24
+# One recorded run of `python3 scripts/bench normal --ranks 2 --ranks-per-node 1 --num-sms 24
 # --no-deepep` on two GPUs (docs/records/performance-history.md), 4096 tokens, H 7168, top-8 of 256.
 # Loop-mode µs per call and per phase mark (mean over ranks), as that run printed them.
 NOV30_H = 7168
@@ -608,16 +608,19 @@ def test_nov30_predictions_on_paper():
 
 
 def _load_bench():
-    import importlib.util
+    """The normal bench's parser and its model check (scripts/bench/normal.py, model_check.py)."""
+    import types
 
-    spec = importlib.util.spec_from_file_location("bench_normal_for_test", os.path.join(ROOT, "scripts", "bench_normal.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    scripts = os.path.join(ROOT, "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    from bench import model_check, normal
+
+    return types.SimpleNamespace(parse=normal.parse, model_check=model_check.model_check)
 
 
 def _nov30_allres(sweep: bool = False):
-    """allres as bench_normal's workers gather it, with the recorded run's figures on both ranks (loop =
+    """allres as the normal bench's workers gather it, with the recorded run's figures on both ranks (loop =
     isolated), 2 virtual nodes x 1 rank. `sweep`: also 16 SMs, the hop and intranode phases
     24/16 longer (the per-SM rates of 24 SMs) and the local work unchanged."""
     rdma_sent, deepep, recv = [4083, 4086], [8167, 8169], [8170, 8166]  # consistent: recv = own pairs + landed

@@ -47,14 +47,14 @@ def test_timeline_marks_show_the_pipeline(pools):
 
 
 def test_bench_overlap_smoke_and_bad_arguments():
-    """scripts/bench_overlap.py on CPU processes (torch backend): its table, and one-line errors."""
+    """scripts/bench overlap on CPU processes (torch backend): its table, and one-line errors."""
     import os
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    script = os.path.join(root, "scripts", "bench_overlap.py")
-    run = lambda *args: subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=300)  # noqa: E731
+    script = os.path.join(root, "scripts", "bench")
+    run = lambda *args: subprocess.run([sys.executable, script, "overlap", *args], capture_output=True, text=True, timeout=300)  # noqa: E731
     ok = run("--ranks", "2", "--cpu", "--tokens", "16", "--hidden", "64", "--ffn", "32", "--experts", "4",
              "--topk", "2", "--chunks", "2", "--iters", "1", "--warmup", "0")
     assert ok.returncode == 0, ok.stderr[-2000:]

@@ -99,11 +99,11 @@ def test_signature_hash_tells_calls_apart():
 
 
 def test_bench_script_smoke():
-    """scripts/bench_low_latency.py end to end on CPU (the torch path, 2 gloo ranks, no timing)."""
+    """scripts/bench low-latency end to end on CPU (the torch path, 2 gloo ranks, no timing)."""
     import sys
 
     root = os.path.dirname(PKG)
-    res = subprocess.run([sys.executable, os.path.join(root, "scripts", "bench_low_latency.py"), "--smoke"],
+    res = subprocess.run([sys.executable, os.path.join(root, "scripts", "bench"), "low-latency", "--smoke"],
                          capture_output=True, text=True, timeout=300, cwd=root)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert "| torch | 4 |" in res.stdout and "| torch | 1 |" in res.stdout, res.stdout

@@ -94,7 +94,7 @@ def layer_costs(shape: Shape, machine: Machine, step: StepModel) -> OverlapCosts
 def costs_of_layer(tokens: int, hidden: int, topk: int, experts: int, ep: int, moe_ffn: int,
                    machine: Machine | None = None) -> OverlapCosts:
     """layer_costs for a benchmark's MoE layer: `tokens` per rank, BF16 rows both ways, routing
-    without group limit (what scripts/bench_overlap.py and scripts/ab_throughput.py run)."""
+    without group limit (what scripts/bench overlap and scripts/ab_throughput.py run)."""
     shape = Shape(tokens=tokens, hidden=hidden, topk=topk, experts=experts, groups=1, topk_groups=1,
                   fp8_dispatch=False)
     return layer_costs(shape, machine or Machine(), StepModel(ep=ep, moe_ffn=moe_ffn))

@@ -1,5 +1,5 @@
 """The two-level path's stages, timed from per-SM rates calibrated on one measured operation (the
-model check of scripts/bench_normal.py).
+model check of scripts/bench normal).
 
 Our internode path runs the RDMA-domain hop ((token, node) pairs x row bytes on its blocks), the
 intranode stage (rank-major rows x row bytes on the Buffer's SMs) and local work (the expert-major

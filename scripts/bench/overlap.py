@@ -5,9 +5,9 @@ GEMMs start and end, when the layer's output is usable, from CUDA events) with t
 it left exposed, next to what the analytic model predicts for the same shape
 (megatron_ep/tools/model/overlap.py).
 
-    python scripts/bench_overlap.py --ranks 2                       # GPUs (one process per GPU)
-    python scripts/bench_overlap.py --ranks 4 --tokens 1024         # virtual ranks (under MPS)
-    python scripts/bench_overlap.py --cpu                           # smoke run: CPU processes, small sizes
+    python3 scripts/bench overlap --ranks 2                       # GPUs (one process per GPU)
+    python3 scripts/bench overlap --ranks 4 --tokens 1024         # virtual ranks (under MPS)
+    python3 scripts/bench overlap --cpu                           # smoke run: CPU processes, small sizes
 
 Ranks sharing a GPU (virtual ranks) test the mechanics only: their times are not speed claims,
 and the script says so in its output. Timing: CUDA events, --warmup untimed runs, the median of
@@ -22,19 +22,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from megatron_ep.tools import cli  # noqa: E402
 
-from megatron_ep.tools import cli  # noqa: E402  (standard library only: before torch)
-
-PROG = "scripts/bench_overlap.py"
-if __name__ == "__main__":
-    cli.require("torch", prog=PROG)
+PROG = "scripts/bench overlap"
 
 from bench import harness  # noqa: E402  (sets the NCCL environment before torch loads)
 

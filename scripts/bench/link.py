@@ -18,7 +18,7 @@ Each figure: CUDA events around `--iters` back-to-back launches after a warm-up,
 `--reps`; GB/s = bytes one GPU sends / time (both directions: each GPU's own bytes over the
 slower GPU's time). Run on a machine with two GPUs:
 
-    python3 scripts/bench_link.py --mbytes 58 --sms 8,16,24,32,132
+    python3 scripts/bench link --mbytes 58 --sms 8,16,24,32,132
 """
 import argparse
 import statistics
@@ -129,7 +129,7 @@ def kernels():
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="scripts/bench link", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mbytes", type=float, default=58.0, help="bytes each GPU sends (MB); default: a 4096-token bf16 dispatch's remote rows at EP 2")
     p.add_argument("--sms", default="8,16,24,32,132")
     p.add_argument("--chunk", type=int, default=16384, help="tma: bytes per bulk copy (4 stages in shared memory)")

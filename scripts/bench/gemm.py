@@ -3,8 +3,8 @@ fc2) forward and forward + backward over the expert-major layout our dispatch de
 masked GEMMs of the low-latency layout at decode shapes, for each GEMM backend, in TFLOP/s beside
 dense GEMMs of the same GPU measured in the same run.
 
-    python scripts/bench_expert_gemm.py --markdown gemm.md --json gemm.json     # DeepSeek-V3 shapes
-    python scripts/bench_expert_gemm.py --experts 2 --hidden 256 --ffn 128 --tokens 64 --cpu   # smoke
+    python3 scripts/bench gemm --markdown gemm.md --json gemm.json     # DeepSeek-V3 shapes
+    python3 scripts/bench gemm --experts 2 --hidden 256 --ffn 128 --tokens 64 --cpu   # smoke
 
 Shapes: H = --hidden, expert FFN = --ffn (fc1 [G, 2F, H], fc2 [G, H, F]); a rank holding G local
 experts of --total-experts receives --tokens x --topk rows when routing is balanced (EP =
@@ -40,9 +40,6 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 from bench import harness  # noqa: E402  (sets the NCCL environment before torch loads)
 
 import torch  # noqa: E402
@@ -62,7 +59,7 @@ ALIGN = 128  # DeepGEMM's M alignment of the contiguous layout (its get_mk_align
 
 
 def parse(argv=None) -> argparse.Namespace:
-    p = ArgumentParser(prog="scripts/bench_expert_gemm.py", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="scripts/bench gemm", description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--ffn", type=int, default=2048, help="expert FFN size F (fc1 has 2F outputs: SwiGLU)")
     p.add_argument("--experts", default="4,8,32,128", help="local expert counts G (EP = total / G)")
@@ -279,7 +276,7 @@ def run_case(a, c, device) -> dict:
 def jit_warm(a, todo: list) -> float:
     """Each DeepGEMM case once, in a.jit_jobs processes at a time (their compiles overlap)."""
     t0 = time.time()
-    base = [sys.executable, os.path.abspath(__file__), "--warmup", "0", "--iters", "1"]
+    base = [sys.executable, os.path.dirname(os.path.abspath(__file__)), "gemm", "--warmup", "0", "--iters", "1"]
     for k in ("hidden", "ffn", "total_experts", "tokens", "topk", "decode_tokens"):
         base += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
 
@@ -373,7 +370,7 @@ def main(argv=None) -> int:
                 commit=os.environ.get("MEP_GATE_COMMIT") or subprocess.run(["git", "rev-parse", "--short=12", "HEAD"],
                                                                            capture_output=True, text=True).stdout.strip(),
                 machine=torch.cuda.get_device_name() if device.type == "cuda" else "CPU (smoke run: no figures)",
-                torch=torch.__version__, deep_gemm=rev, command="python scripts/bench_expert_gemm.py " + " ".join(argv or sys.argv[1:]),
+                torch=torch.__version__, deep_gemm=rev, command="python3 scripts/bench gemm " + " ".join(argv or sys.argv[1:]),
                 hidden=a.hidden, ffn=a.ffn, tokens=a.tokens, topk=a.topk, decode_tokens=a.decode_tokens,
                 total_experts=a.total_experts, jit_seconds=round(jit_s), dense_tflops=peaks)
     text = table(meta, rows)
