@@ -253,9 +253,11 @@ sanitize() {
   awk -F"\t" -v n="$tool $name" '$1 == n' "$RESULTS" | tail -1
 }
 
+# the whole gate's test files (MEP_GATE_FILES picks some; the record then wants the others at this code)
+GATE_FILES="tests/cuda/test_cuda_intranode.py tests/cuda/test_cuda_internode.py tests/cuda/test_cuda_low_latency.py tests/megatron/test_megatron_gpu.py tests/unit/test_experts.py tests/unit/test_deepgemm.py tests/deep_ep/test_deep_ep_gpu.py tests/deep_ep/test_deepep_suite.py"
 start_mps
 if [ "$MODE" = gate ]; then
-  FILES=${MEP_GATE_FILES:-tests/cuda/test_cuda_intranode.py tests/cuda/test_cuda_internode.py tests/cuda/test_cuda_low_latency.py tests/megatron/test_megatron_gpu.py tests/unit/test_experts.py tests/unit/test_deepgemm.py tests/deep_ep/test_deep_ep_gpu.py tests/deep_ep/test_deepep_suite.py}
+  FILES=${MEP_GATE_FILES:-$GATE_FILES}
   run_files 560 "$FILES"
   stop_mps
   # the tests without MPS beside the sanitizer run (both outside MPS, each process its own context,
@@ -307,5 +309,5 @@ fi
 stop_mps
 WHOLE=--whole; [ -n "${MEP_GATE_FILES:-}" ] && WHOLE=  # a run over some files keeps the other files' rows
 python3 scripts/gate/gpu_report.py --mode "$MODE" --results "$RESULTS" --out "$OUT" --elapsed $(( $(date +%s) - GATE_START )) \
-  --gpus "$NGPU" $WHOLE || status=1
+  --gpus "$NGPU" --expect "$([ "$MODE" = gate ] && echo "$GATE_FILES")" $WHOLE || status=1
 exit $status
