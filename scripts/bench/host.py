@@ -121,6 +121,10 @@ def parse(argv=None, description=None):
         a.base = os.path.abspath(a.base)
         if not os.path.isdir(os.path.join(a.base, "megatron_ep")):
             p.error(f"--base {a.base}: no megatron_ep package there")
+        # this bench's ranks import the package by role (megatron_ep.core, megatron_ep.tools)
+        if not all(os.path.isdir(os.path.join(a.base, "megatron_ep", d)) for d in ("core", "tools")):
+            p.error(f"--base {a.base}: its megatron_ep is laid out before megatron_ep/core and megatron_ep/tools, "
+                    "which this bench imports: take a later commit")
     P = a.ranks_per_node
     if P is not None and not (1 <= P <= a.ranks and a.ranks % P == 0):
         p.error(f"--ranks-per-node {P} must divide --ranks {a.ranks}")
