@@ -86,6 +86,10 @@ def parse(argv=None, description=None):
     p.add_argument("--phases", action="store_true",
                    help="ours and deep_ep on the cuda backend: the steps of each one-crossing entry (notify_call, "
                         "dispatch_call, combine_call), µs per call over 20 calls, from the extension's own clock")
+    p.add_argument("--kernels", action="store_true",
+                   help="the GPU time of each kernel per call over 20 back-to-back calls (torch.profiler), every "
+                        "implementation: which kernel a loop's time waits for (a new routing's host wait is its "
+                        "notify on the GPU, the peer's included)")
     p.add_argument("--ranks-per-node", type=int, default=None, metavar="P",
                    help="our Buffer's ranks_per_node: below --ranks, our two-level internode path over "
                         "--ranks / P virtual nodes (ours only; default: one node)")
@@ -95,7 +99,7 @@ def parse(argv=None, description=None):
                    help="DeepEP's own low-latency calls too (its NVSHMEM needs one process per GPU; off by default)")
     p.add_argument("--rounds", type=int, default=2,
                    help="runs of every implementation, in alternating order, each in fresh processes; figures are "
-                        "medians over them (default 2; --profile and --phases come from the first)")
+                        "medians over them (default 2; --profile, --phases and --kernels come from the first)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per implementation (default 900)")
     p.add_argument("--base", default=None, metavar="DIR",
                    help="another checkout with its extension built (python3 setup.py build_ext --inplace there): "
@@ -188,6 +192,18 @@ def profile_op(fn, top: int, device, calls: int = 20) -> str:
             where = name if file == "~" else \
                 f"{os.path.relpath(file) if file.startswith(os.getcwd()) else os.path.basename(file)}:{line}({name})"
             out.append(f"{n / calls:10.1f} {tt / calls * 1e6:8.1f} {ct / calls * 1e6:8.1f}  {where}")
+    return "\n".join(out) + "\n"
+
+
+def kernels_op(fn, calls: int = 20) -> str:
+    """Each kernel's GPU µs per call over `calls` back-to-back calls of `fn` (torch.profiler), the
+    longest first, and the host's µs per call of that loop (the profiler adds to it)."""
+    got = harness.kernel_profile(fn, calls)
+    rows = sorted(got["kernels"].items(), key=lambda kv: -kv[1][0])
+    out = [f"{us:8.1f} µs  {n:4.1f} per call  {name}" for name, (us, n) in rows]
+    gpu = sum(us for us, _ in got["kernels"].values())
+    out.append(f"kernels: {gpu:.1f} µs of GPU time per call; the loop's host: {got['host_us_per_call']:.1f} µs per call "
+               "(under the profiler)")
     return "\n".join(out) + "\n"
 
 
@@ -310,6 +326,10 @@ def worker(rank, a, impl, port, queue):
                 text = phases_op(fns[op], fns["_buffer"], device) if a.phases and a.first_round else None
                 if text and rank == 0:
                     res[(T, op, "phases")] = text
+                if a.kernels and a.first_round and device.type == "cuda":  # collective, as the op is
+                    text = kernels_op(fns[op])
+                    if rank == 0:
+                        res[(T, op, "kernels")] = text
             dist.barrier()
             close()
         queue.put((rank, res, None))
