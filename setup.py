@@ -7,18 +7,20 @@ read their call signature from it.
 
 The extension is built whenever a CUDA build of torch and nvcc are present (no GPU needed:
 TORCH_CUDA_ARCH_LIST defaults to 9.0). Switches (environment; 1/true/yes/on or 0/false/no/off, as every
-switch of megatron_ep: megatron_ep/envs.py parses them, another value is an error):
-    MEP_SKIP_CUDA=1        build the pure-Python package only (wins over MEP_REQUIRE_EXTENSION)
-    MEP_REQUIRE_EXTENSION=1  fail, saying why, when the extension cannot be built (instead of a
-                           pure-Python install that pip reports only with -v); CI sets it
-    MEP_PTXAS_VERBOSE=1    pass -Xptxas -v (register / shared-memory / spill report)
-    MEP_DEBUG=1            -G -O0 device code (for cuda-gdb / sanitizer line info)
-    MAX_JOBS=N             parallel compile jobs (ninja)
-    MEP_BUILD_ONLY=a,b     only these extensions (e.g. _protocol,_C), see below
+switch of megatron_ep: megatron_ep/core/envs.py parses them, another value is an error):
+    MEGATRON_EP_SKIP_CUDA=1          build the pure-Python package only (wins over
+                                     MEGATRON_EP_REQUIRE_EXTENSION)
+    MEGATRON_EP_REQUIRE_EXTENSION=1  fail, saying why, when the extension cannot be built (instead of a
+                                     pure-Python install that pip reports only with -v); CI sets it
+    MEGATRON_EP_PTXAS_VERBOSE=1      pass -Xptxas -v (register / shared-memory / spill report)
+    MEGATRON_EP_DEBUG=1              -G -O0 device code (for cuda-gdb / sanitizer line info)
+    MAX_JOBS=N                       parallel compile jobs (ninja)
+    MEGATRON_EP_BUILD_ONLY=a,b       only these extensions (e.g. _protocol,_C), see below
+(Each was read as MEP_* before; the old name still works, with a notice.)
 `_C_nvshmem` (the NVSHMEM paths: csrc/nvshmem/, csrc/internode/, csrc/low_latency/) is built beside `_C` when
 the pip package nvidia-nvshmem-cu13 is installed (torch's CUDA 13 builds depend on it), with
 relocatable device code and a device link against NVSHMEM's static device library; without
-NVSHMEM it is skipped with a printed reason (MEP_REQUIRE_EXTENSION=1 makes that an error too).
+NVSHMEM it is skipped with a printed reason (MEGATRON_EP_REQUIRE_EXTENSION=1 makes that an error too).
 Kernel sources (.cu) never include torch headers: they take raw pointers, so they compile in
 seconds; the one translation unit that includes torch is the binding (csrc/intranode/binding.cpp).
 """
@@ -33,9 +35,9 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
 def _load_envs():
-    """megatron_ep/envs.py by its path (standard library only; the package is not built yet): the
+    """megatron_ep/core/envs.py by its path (standard library only; the package is not built yet): the
     switches above take the values the library's do (1/true/yes/on, 0/false/no/off, unset)."""
-    spec = importlib.util.spec_from_file_location("_mep_build_envs", os.path.join(ROOT, "megatron_ep", "envs.py"))
+    spec = importlib.util.spec_from_file_location("_mep_build_envs", os.path.join(ROOT, "megatron_ep", "core", "envs.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -51,14 +53,14 @@ def _flag(name):
 
 def _without_extension(reason):
     """No extension: an error when the user asked for one, else a note (pip shows it with -v)."""
-    if _flag("MEP_REQUIRE_EXTENSION"):
-        raise SystemExit(f"megatron_ep: MEP_REQUIRE_EXTENSION is on but the CUDA extension cannot be built: {reason}")
-    print(f"megatron_ep: {reason}; building without the CUDA extension (MEP_REQUIRE_EXTENSION=1 makes this an error)")
+    if _flag("MEGATRON_EP_REQUIRE_EXTENSION"):
+        raise SystemExit(f"megatron_ep: MEGATRON_EP_REQUIRE_EXTENSION is on but the CUDA extension cannot be built: {reason}")
+    print(f"megatron_ep: {reason}; building without the CUDA extension (MEGATRON_EP_REQUIRE_EXTENSION=1 makes this an error)")
     return [], {}
 
 
 def _cuda_extensions():
-    if _flag("MEP_SKIP_CUDA"):
+    if _flag("MEGATRON_EP_SKIP_CUDA"):
         return [], {}
     if "CUDA_HOME" not in os.environ and os.path.exists("/usr/local/cuda/bin/nvcc"):
         os.environ["CUDA_HOME"] = "/usr/local/cuda"  # torch would otherwise guess /usr/local
@@ -73,7 +75,7 @@ def _cuda_extensions():
     if CUDA_HOME is None:
         return _without_extension("no nvcc found (set CUDA_HOME to the CUDA toolkit, e.g. /usr/local/cuda)")
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
-    debug = _flag("MEP_DEBUG")
+    debug = _flag("MEGATRON_EP_DEBUG")
     nvcc = [
         "-std=c++17",
         "-gencode=arch=compute_90,code=sm_90",
@@ -83,7 +85,7 @@ def _cuda_extensions():
     ]
     if debug:
         nvcc.append("-G")
-    if _flag("MEP_PTXAS_VERBOSE"):
+    if _flag("MEGATRON_EP_PTXAS_VERBOSE"):
         nvcc.append("-Xptxas=-v")
     sources = _sources("ipc", "intranode")
     math_headers = _math_library_headers(CUDA_HOME)
@@ -135,8 +137,8 @@ def nvshmem_home():
 def _low_latency_extension(CUDAExtension, nvcc, math_headers):
     found, why = nvshmem_home()
     if found is None:
-        if _flag("MEP_REQUIRE_EXTENSION"):
-            raise SystemExit(f"megatron_ep: MEP_REQUIRE_EXTENSION is on but _C_nvshmem cannot be built: {why}")
+        if _flag("MEGATRON_EP_REQUIRE_EXTENSION"):
+            raise SystemExit(f"megatron_ep: MEGATRON_EP_REQUIRE_EXTENSION is on but _C_nvshmem cannot be built: {why}")
         print(f"megatron_ep: {why}; building without the NVSHMEM extension _C_nvshmem (internode and low-latency paths)")
         return []
     inc, lib = found
@@ -174,11 +176,12 @@ def _protocol_extension():
 
 ext_modules, cmdclass = _cuda_extensions()
 ext_modules = [_protocol_extension()] + ext_modules
-# MEP_BUILD_ONLY=_protocol,_C (names after "megatron_ep."): build only these. Two builds of
+# MEGATRON_EP_BUILD_ONLY=_protocol,_C (names after "megatron_ep."): build only these. Two builds of
 # disjoint sets can then run at once, each with its own --build-temp (torch's ninja build
 # writes one build.ninja per build directory, so setuptools' own -j would mix them up).
-if os.environ.get("MEP_BUILD_ONLY"):
-    _only = {n.strip() for n in os.environ["MEP_BUILD_ONLY"].split(",") if n.strip()}
+_build_only = _load_envs().text("MEGATRON_EP_BUILD_ONLY", "")
+if _build_only:
+    _only = {n.strip() for n in _build_only.split(",") if n.strip()}
     ext_modules = [e for e in ext_modules if e.name.split(".")[-1] in _only]
 
 setup(

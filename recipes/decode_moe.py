@@ -23,7 +23,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from megatron_ep import cli  # noqa: E402
+from megatron_ep.tools import cli  # noqa: E402
 
 PROG = "recipes/decode_moe.py"
 if __name__ == "__main__":
@@ -32,9 +32,9 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from megatron_ep import resources  # noqa: E402
-from megatron_ep.checks import FP8_DTYPE  # noqa: E402
-from megatron_ep.protocol import FP8_BLOCK  # noqa: E402
+from megatron_ep.tools import resources  # noqa: E402
+from megatron_ep.core.checks import FP8_DTYPE  # noqa: E402
+from megatron_ep.core.protocol import FP8_BLOCK  # noqa: E402
 from recipes import train_moe  # noqa: E402
 
 TOLERANCE = """\
@@ -106,15 +106,10 @@ def prefill_and_decode(model, tokens, ctx):
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    world = cli.world_size_from_env()
-    if world is None:
-        validate(args, args.nproc_per_node)
-        return cli.launch(args.nproc_per_node, [sys.executable, os.path.abspath(__file__), *argv], prog=PROG)
-    validate(args, world)
-    on_gpu = train_moe.init_distributed(args.virtual_ranks)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    train_moe.use_backend(args)
+    started = train_moe.start(args, argv, __file__, PROG, validate)
+    if not isinstance(started, train_moe.Started):
+        return started
+    rank, world, device, on_gpu = started.rank, started.world, started.device, started.on_gpu
 
     from megatron.core import parallel_state as ps
     from megatron.core.inference.contexts import StaticInferenceContext

@@ -88,7 +88,7 @@ def command(name: str, nproc: Optional[int] = None, steps: Optional[int] = None,
 
 def _check(name: str, nproc: int, extra: List[str]) -> None:
     """Refuse, before starting processes, what would fail inside them (cli.UsageError)."""
-    from megatron_ep import cli
+    from megatron_ep.tools import cli
 
     cli.require("torch", "megatron.core", prog=PROG)  # --list runs without them
     preset = PRESETS[name]
@@ -99,7 +99,7 @@ def _check(name: str, nproc: int, extra: List[str]) -> None:
         have = torch.cuda.device_count()
         cli.check(have >= nproc, f"preset {name} needs {_count(nproc, 'GPU')}, {have} visible (one process per GPU: "
                                  "NCCL refuses several ranks on one GPU)")
-    from megatron_ep import resources
+    from megatron_ep.tools import resources
     from recipes.train_moe import validate
 
     validate(args, nproc)
@@ -126,7 +126,7 @@ PROG = "python -m recipes.proxies"
 
 
 def build_parser():
-    from megatron_ep import cli
+    from megatron_ep.tools import cli
 
     p = cli.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                            epilog="Arguments after `--` go to recipes/train_moe.py (its --help lists them).")
@@ -163,7 +163,7 @@ def main(argv=None) -> int:
     if args.dry_run:
         return 0
     if args.debug:
-        env = {**env, "MEP_DEBUG_TRACEBACK": "1"}
+        env = {**env, "MEGATRON_EP_DEBUG_TRACEBACK": "1"}
     # torchrun's default (1 thread per process), set here so that it does not print its notice about it
     env = {"OMP_NUM_THREADS": "1", **os.environ, **env}
     return subprocess.call(cmd, cwd=REPO_ROOT, env=env)
@@ -171,7 +171,7 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.path.insert(0, REPO_ROOT)
-    from megatron_ep import cli
+    from megatron_ep.tools import cli
 
     cli.quiet()
     sys.exit(cli.run_main(main, prog=PROG))

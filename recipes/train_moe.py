@@ -29,7 +29,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from megatron_ep import cli  # noqa: E402
+from megatron_ep.tools import cli  # noqa: E402
 
 PROG = "recipes/train_moe.py"
 if __name__ == "__main__":
@@ -38,7 +38,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from megatron_ep import resources  # noqa: E402
+from megatron_ep.tools import resources  # noqa: E402
 from megatron_ep.experts.overlap import MAX_CHUNKS  # noqa: E402
 from megatron_ep.megatron import backend as backend_env  # noqa: E402
 from recipes.comm_timer import CommTimer  # noqa: E402
@@ -169,7 +169,7 @@ def validate(args, world: int) -> None:
                   "--shared-expert-overlap needs a CUDA GPU (Megatron runs the shared expert on its own CUDA stream)")
     backend, _ = backend_choice(args)
     if backend == "cuda":
-        from megatron_ep.buffer import cuda_backend_available
+        from megatron_ep.core.buffer import cuda_backend_available
 
         cli.check(torch.cuda.is_available(), "the cuda backend needs a CUDA GPU (none is visible); use --backend torch")
         cli.check(cuda_backend_available(), "the cuda backend: megatron_ep's CUDA extension is not built here "
@@ -193,8 +193,8 @@ def check_resources(args, world: int) -> None:
 def init_distributed(virtual_ranks: bool = False):
     on_gpu = torch.cuda.is_available()
     if on_gpu:
-        if virtual_ranks:  # before CUDA starts: the ranks share one GPU (megatron_ep/cuda/sharing.py)
-            from megatron_ep.cuda import sharing
+        if virtual_ranks:  # before CUDA starts: the ranks share one GPU (megatron_ep/backends/cuda/sharing.py)
+            from megatron_ep.backends.cuda import sharing
 
             sharing.prepare_shared_gpu()
         local = int(os.environ.get("LOCAL_RANK", 0))
@@ -207,6 +207,32 @@ def init_distributed(virtual_ranks: bool = False):
         cpu_shims.apply()
     return on_gpu
 
+
+
+@dataclasses.dataclass
+class Started:
+    """A rank's place once `start` joined it to the run."""
+    rank: int
+    world: int
+    device: torch.device
+    on_gpu: bool
+
+
+def start(args, argv, script: str, prog: str, check) -> "int | Started":
+    """How each command of the recipes starts (this one, recipes/decode_moe.py,
+    scripts/ab_throughput.py). Under plain python (no launcher's environment): `check(args, n)`
+    for the --nproc-per-node ranks, then those ranks started running `script` with `argv`; their
+    exit code comes back. Inside a rank: `check(args, world)`, the process group joined, the
+    backend chosen (use_backend); the rank's Started comes back."""
+    world = cli.world_size_from_env()
+    if world is None:
+        check(args, args.nproc_per_node)
+        return cli.launch(args.nproc_per_node, [sys.executable, os.path.abspath(script), *argv], prog=prog)
+    check(args, world)
+    on_gpu = init_distributed(args.virtual_ranks)
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    use_backend(args)
+    return Started(dist.get_rank(), dist.get_world_size(), device, on_gpu)
 
 def build_config(args, world: int, on_gpu: bool):
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -431,17 +457,10 @@ def format_step(step: int, st: StepStats, tokens_per_step: int, time_comm: bool)
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    world = cli.world_size_from_env()
-    if world is None:  # plain python: validate here, then start --nproc-per-node ranks of this command
-        validate(args, args.nproc_per_node)
-        check_resources(args, args.nproc_per_node)
-        return cli.launch(args.nproc_per_node, [sys.executable, os.path.abspath(__file__), *argv], prog=PROG)
-    validate(args, world)
-    check_resources(args, world)
-    on_gpu = init_distributed(args.virtual_ranks)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    use_backend(args)
+    started = start(args, argv, __file__, PROG, lambda a, n: (validate(a, n), check_resources(a, n)))
+    if not isinstance(started, Started):
+        return started
+    rank, world, device, on_gpu = started.rank, started.world, started.device, started.on_gpu
 
     from megatron.core import parallel_state as ps
 

@@ -73,7 +73,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path[:0] = [ROOT, HERE]  # run from a checkout; the bench package beside this file
 
-from megatron_ep import cli  # noqa: E402
+from megatron_ep.tools import cli  # noqa: E402
 
 PROG = "scripts/ab_throughput.py"
 if __name__ == "__main__":
@@ -83,7 +83,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from bench import internals, report  # noqa: E402
-from megatron_ep import resources  # noqa: E402
+from megatron_ep.tools import resources  # noqa: E402
 from megatron_ep.experts.overlap import MAX_CHUNKS  # noqa: E402
 from recipes import train_moe  # noqa: E402
 from recipes.comm_timer import CommTimer  # noqa: E402
@@ -201,7 +201,7 @@ def resources_needed(args, world: int, on_gpu: bool) -> resources.Need:
 # ------------------------------------------------------------------------------ availability
 def model_costs(args, world: int):
     """The analytic model's cost terms of one MoE layer of this shape at EP = world."""
-    from megatron_ep.model import costs_of_layer
+    from megatron_ep.tools.model import costs_of_layer
 
     return costs_of_layer(args.seq_len * args.micro_batch, args.hidden, args.topk, args.experts, world, args.expert_ffn)
 
@@ -209,11 +209,11 @@ def model_costs(args, world: int):
 def model_split(args, world: int) -> str:
     """What the analytic model says of this shape at EP = world (H200 link rates): the SMs the
     communication kernels need, what the GEMMs keep, and the layer with chunks against without."""
-    from megatron_ep.model import layer_times
+    from megatron_ep.tools.model import layer_times
 
     costs = model_costs(args, world)
     none, chunked = layer_times(costs, "none"), layer_times(costs, "chunks", args.chunks)
-    return (f"model (megatron_ep.model, H200 rates, EP {world}): communication needs {costs.comm_sms} of {costs.sms} SMs, "
+    return (f"model (megatron_ep.tools.model, H200 rates, EP {world}): communication needs {costs.comm_sms} of {costs.sms} SMs, "
             f"the expert GEMMs keep {costs.sms - costs.comm_sms}; one MoE layer fwd + bwd {none.total_us / 1e3:.3f} ms "
             f"without overlap, {chunked.total_us / 1e3:.3f} ms in {args.chunks} chunks (a prediction, not a measurement)")
 
@@ -230,7 +230,7 @@ def unavailable_reason(spec: BackendSpec, args, on_gpu: bool, world: int) -> Opt
     if spec.ours:
         try:
             import megatron_ep.megatron
-            from megatron_ep.buffer import cuda_backend_available
+            from megatron_ep.core.buffer import cuda_backend_available
 
             megatron_ep.megatron.compat.check_supported()
         except Exception as e:  # noqa: BLE001 - any import/compat problem means "not here"
@@ -657,15 +657,10 @@ def write_png(path: str, runs: List[Run], args, title: str) -> None:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    world = cli.world_size_from_env()
-    if world is None:  # plain python: validate here, then start --nproc-per-node ranks of this command
-        validate(args, args.nproc_per_node)
-        return cli.launch(args.nproc_per_node, [sys.executable, os.path.abspath(__file__), *argv], prog=PROG)
-    validate(args, world)
-    on_gpu = train_moe.init_distributed(args.virtual_ranks)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    train_moe.use_backend(args)
+    started = train_moe.start(args, argv, __file__, PROG, validate)
+    if not isinstance(started, train_moe.Started):
+        return started
+    rank, world, device, on_gpu = started.rank, started.world, started.device, started.on_gpu
 
     def say(*text):
         if rank == 0:

@@ -67,8 +67,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron_ep.cli import ArgumentParser, UsageError, check, integer, require, run_main  # noqa: E402
-from megatron_ep.cli.launching import first_failure, free_port, how_it_ended, stop  # noqa: E402
+from megatron_ep.tools.cli import ArgumentParser, UsageError, check, integer, require, run_main  # noqa: E402
+from megatron_ep.tools.cli.launching import first_failure, free_port, how_it_ended, stop  # noqa: E402
 
 PROG = "deepep_tests.py"
 DEFAULT_REV = "567632d"  # the DeepEP commit whose V1 API megatron_ep.deep_ep reproduces
@@ -224,7 +224,7 @@ def environment(cpu: bool = False) -> Dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [CUDA_AS_CPU if cpu else None, SHIM, ROOT,
                                                       os.environ.get("PYTHONPATH")]))
     if cpu:
-        env.update(MEP_CUDA_AS_CPU="1", MEGATRON_EP_DEEP_EP_BACKEND="torch")
+        env.update(MEGATRON_EP_CUDA_AS_CPU="1", MEGATRON_EP_DEEP_EP_BACKEND="torch")
     env.update(ENV)
     env.setdefault("CUDA_MODULE_LOADING", "EAGER")  # virtual ranks under MPS: docs/design.md §5
     # 16 virtual ranks (the internode file) hold about 4.8 GiB each, most of it from creation on:
@@ -364,7 +364,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         env = environment(args.cpu)
         nodes = f"RANK=0..{args.num_nodes - 1}" if args.num_nodes > 1 else "RANK=0"
         shown = {"PYTHONPATH": env["PYTHONPATH"], **ENV,
-                 **{k: env[k] for k in ("CUDA_MODULE_LOADING", "MASTER_ADDR", "MASTER_PORT", "MEP_CUDA_AS_CPU",
+                 **{k: env[k] for k in ("CUDA_MODULE_LOADING", "MASTER_ADDR", "MASTER_PORT", "MEGATRON_EP_CUDA_AS_CPU",
                                         "MEGATRON_EP_DEEP_EP_BACKEND") if k in env},
                  "WORLD_SIZE": str(args.num_nodes)}
         print(f"+ cd {shlex.quote(work)} && " + " ".join(f"{k}={shlex.quote(v)}" for k, v in shown.items())

@@ -3,5 +3,5 @@
 # layer with the reference backend, forward and backward, and print a table.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-source "$ROOT/scripts/setup_env.sh"
-cd "$ROOT" && python -m megatron_ep.demo "$@"
+source "$ROOT/scripts/env/setup_env.sh"
+cd "$ROOT" && python -m megatron_ep.tools.demo "$@"

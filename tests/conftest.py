@@ -5,7 +5,12 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.dirname(os.path.abspath(__file__))
+# pytest put tests/ itself on sys.path for this file: there its folders cuda/, megatron/, deep_ep/
+# would be namespace packages of those names (`import deep_ep` would succeed without DeepEP, and
+# megatron's and cuda-python's namespaces would take them in). The helpers go on instead.
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != TESTS]
+sys.path.insert(0, os.path.join(TESTS, "support"))  # the helpers
 
 import distpool  # noqa: E402
 from distpool import DistPool  # noqa: E402

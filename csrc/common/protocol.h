@@ -15,7 +15,7 @@ constexpr int kMaxAlignment = 1024;    // expert-major segment alignment (int32 
 constexpr int kNumSlots = 8;           // signal slots, one per kind of handshake
 constexpr int kNumGridCounters = 8;    // "last block done" counters, one per kernel kind
 constexpr int kMaxNotifyBlocks = 256;  // notify scratch rows a plan aims at: chunk prefixes, block totals, bases
-constexpr int kMaxTokenGroups = 64;    // notify token groups (the internode in-node stage: one per source node)
+constexpr int kMaxTokenGroups = 64;    // notify token groups (the internode intranode stage: one per source node)
 constexpr int kMsgBytes = 200;         // a failing rank's message, carried to its peers
 
 // Handshakes. Each is a monotonic counter per (slot, source rank) in the receiver's control

@@ -5,7 +5,7 @@
 #include <cuda_runtime.h>
 
 #include "internode/layout.h"
-#include "intranode/api.h"  // InnodeDispatch, InnodeCombine: the in-node stage a fused kernel runs
+#include "intranode/api.h"  // IntranodeDispatch, IntranodeCombine: the intranode stage a fused kernel runs
 
 namespace mep {
 
@@ -44,9 +44,9 @@ struct InternodeRecvArgs {
   int* out_tokens;     // [N]: tokens each source node sent
 };
 
-// Combine, send half: the forwarder's in-node sums back to the rank each token came from.
+// Combine, send half: the forwarder's intranode sums back to the rank each token came from.
 struct InternodeCombineSendArgs {
-  const char* y;                // [N * mt][row_bytes] the in-node combine's output
+  const char* y;                // [N * mt][row_bytes] the intranode combine's output
   const float* w;               // [N * mt][K] weights scattered back, or null
   const long long* local_idx;   // [N * mt][K] the dispatch's node-local ids (a row with none: not sent)
   const int* tokens;            // [N] the dispatch's per-source token counts
@@ -54,8 +54,8 @@ struct InternodeCombineSendArgs {
   long long sig;
 };
 
-// Combine, receive half: y[t] = the biases + the in-node sum of each node t went to, nodes in the
-// order of their last top-k slot of t (as the in-node stage orders ranks), one fp32 accumulator.
+// Combine, receive half: y[t] = the biases + the intranode sum of each node t went to, nodes in the
+// order of their last top-k slot of t (as the intranode stage orders ranks), one fp32 accumulator.
 struct InternodeCombineRecvArgs {
   const long long* topk_idx;  // [T][K] this rank's global ids
   int T, K, E, H, fp32;       // fp32: rows (in and out) are fp32, else bf16
@@ -70,15 +70,15 @@ void launch_internode_dispatch_send(const InternodeCtx& c, const InternodeSendAr
 void launch_internode_dispatch_recv(const InternodeCtx& c, const InternodeRecvArgs& a, int num_blocks, cudaStream_t stream);
 void launch_internode_release(const InternodeCtx& c, int dir, cudaStream_t stream);
 // A cached dispatch in two launches (fused.cu): cached_notify (the RDMA send's release wait, and
-// the in-node push's announcement of where this rank's outputs lie) then one dispatch kernel
-// (the RDMA send, the wait for every source node, the in-node push of what arrived, the release).
-void launch_internode_cached_dispatch(const InternodeCtx& c, const InternodeSendArgs& s, const InnodeDispatch& in,
+// the intranode push's announcement of where this rank's outputs lie) then one dispatch kernel
+// (the RDMA send, the wait for every source node, the intranode push of what arrived, the release).
+void launch_internode_cached_dispatch(const InternodeCtx& c, const InternodeSendArgs& s, const IntranodeDispatch& in,
                                       int num_blocks, cudaStream_t stream);
 // A combine in two launches (fused.cu): cached_notify (the RDMA send's release wait) then one
-// combine kernel (the in-node combine into the forwarder's rows, a grid barrier, the RDMA send of
+// combine kernel (the intranode combine into the forwarder's rows, a grid barrier, the RDMA send of
 // those sums, the receive and sum over nodes, the release).
 void launch_internode_combine(const InternodeCtx& c, const InternodeCombineSendArgs& s, const InternodeCombineRecvArgs& r,
-                              const InnodeCombine& in, int num_blocks, cudaStream_t stream);
+                              const IntranodeCombine& in, int num_blocks, cudaStream_t stream);
 void internode_touch_fused_kernels();
 // This rank failed before its RDMA send of call `seq`: tell every same-index peer (their peer_failed word).
 void launch_internode_publish_failure(const InternodeCtx& c, long long seq, cudaStream_t stream);

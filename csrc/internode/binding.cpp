@@ -1,7 +1,7 @@
 // The internode path's RDMA-domain buffer for megatron_ep._C_nvshmem (registered by
 // low_latency/binding.cpp, the module's one PYBIND11_MODULE). Adapts tensors to the launchers
 // of csrc/internode/kernels.cu and holds one rank's symmetric buffer, its same-index peers'
-// addresses and the mapped error record (csrc/nvshmem/symmetric_memory.h). Python (megatron_ep/cuda/paths/internode.py) checks every
+// addresses and the mapped error record (csrc/nvshmem/symmetric_memory.h). Python (megatron_ep/backends/cuda/paths/internode.py) checks every
 // argument first; the checks here only guard against memory errors.
 #include <c10/cuda/CUDAStream.h>
 #include <pybind11/stl.h>
@@ -18,7 +18,7 @@
 #include "common/tensor_args.h"
 
 namespace mep {
-// the in-node stage's notify takes one token group per source node
+// the intranode stage's notify takes one token group per source node
 static_assert(kInternodeMaxNodes <= kMaxTokenGroups, "more nodes than notify token groups");
 
 namespace {
@@ -68,9 +68,9 @@ class InternodeBuffer {
   }
 
   // A cached dispatch in one crossing and one data kernel (csrc/internode/fused.cu): _C's
-  // dispatch_call (its arguments first, in its order: the in-node stage over the forwarder's rows)
+  // dispatch_call (its arguments first, in its order: the intranode stage over the forwarder's rows)
   // with its push replaced by this kernel, which sends send_x over RDMA and then pushes what
-  // arrives as the in-node stage's launch record says. `seq`: set_call's.
+  // arrives as the intranode stage's launch record says. `seq`: set_call's.
   py::tuple dispatch_cached_call(Runtime& runtime, HandleState& state, const Sig& sig, bool first, const torch::Tensor& x,
                                  const c10::optional<torch::Tensor>& scales,
                                  const c10::optional<torch::Tensor>& topk_weights, bool push, bool scratch,
@@ -85,8 +85,8 @@ class InternodeBuffer {
     ctx_.seq = seq;
     const InternodeSendArgs a = send_args(send_x, send_scales, send_idx, send_weights, num_experts, send_sig,
                                           send_blocks, false);
-    const FusedDispatch fused = [&](const InnodeDispatch& innode) {
-      launch_internode_cached_dispatch(ctx_, a, innode, send_blocks, stream());
+    const FusedDispatch fused = [&](const IntranodeDispatch& stage) {
+      launch_internode_cached_dispatch(ctx_, a, stage, send_blocks, stream());
     };
     return composed_api().dispatch_call_with(runtime, state, sig, first, x, scales, topk_weights, push, scratch,
                                              zero_copy, out_rows, num_worst_tokens, comb_rows, previous_event, event,
@@ -101,9 +101,9 @@ class InternodeBuffer {
   }
 
   // A new routing in one crossing (one not worst-case sized): the RDMA send of send_x and the
-  // receive of what the same-index peers sent, into the in-node stage's ids `topk_idx` and
+  // receive of what the same-index peers sent, into the intranode stage's ids `topk_idx` and
   // `out_tokens` (on the caller's stream), then _C's dispatch_first_call (its arguments first, in
-  // its order: the in-node stage over the forwarder's rows), and where that moved the rows (status
+  // its order: the intranode stage over the forwarder's rows), and where that moved the rows (status
   // 0) the receive area's release after them on the communication stream. With status 1 (the host
   // grows the region first) the caller releases it after its dispatch_call. `seq`: set_call's.
   py::tuple dispatch_first_call(Runtime& runtime, const Sig& sig, const torch::Tensor& topk_idx, int num_experts,
@@ -130,7 +130,7 @@ class InternodeBuffer {
         runtime, sig, topk_idx, num_experts, expert_alignment, permute, token_groups, check_ids, rank_counts, tag,
         previous_event, notify_marks, wait_s, fits, x, scales, topk_weights, push, scratch, zero_copy, event, async_op,
         hook, marks, num_blocks, push_blocks, local_blocks, want_src);
-    if (out[0].cast<int>() == 0) {  // the in-node stage has read the receive area
+    if (out[0].cast<int>() == 0) {  // the intranode stage has read the receive area
       c10::cuda::CUDAStreamGuard on_comm(runtime.comm());
       launch_internode_release(ctx_, kInternodeDispatch, stream());
     }
@@ -154,8 +154,8 @@ class InternodeBuffer {
   }
 
   // A combine in one crossing and one data kernel (csrc/internode/fused.cu): _C's combine_call (its
-  // arguments first, in its order: the in-node combine into the forwarder's rows) with its launch
-  // replaced by this kernel: the in-node combine as its launch record says, the RDMA send of
+  // arguments first, in its order: the intranode combine into the forwarder's rows) with its launch
+  // replaced by this kernel: the intranode combine as its launch record says, the RDMA send of
   // those rows, then the sum over nodes into y (and w), starting at the biases. `seq`: set_call's.
   py::tuple combine_call(Runtime& runtime, const HandleState& state, const Sig& sig, const torch::Tensor& x,
                          const c10::optional<torch::Tensor>& weights, const c10::optional<torch::Tensor>& bias0,
@@ -169,9 +169,9 @@ class InternodeBuffer {
                          const c10::optional<torch::Tensor>& sum_bias1, int send_blocks) {
     live();
     ctx_.seq = seq;
-    const FusedCombine fused = [&](const InnodeCombine& innode, const torch::Tensor& y_in,
+    const FusedCombine fused = [&](const IntranodeCombine& stage, const torch::Tensor& y_in,
                                    const c10::optional<torch::Tensor>& w_in) {
-      combine_fused(innode, y_in, w_in, local_idx, tokens, topk_idx, num_experts, send_sig, y, w, sum_bias0, sum_bias1,
+      combine_fused(stage, y_in, w_in, local_idx, tokens, topk_idx, num_experts, send_sig, y, w, sum_bias0, sum_bias1,
                     send_blocks);
     };
     return composed_api().combine_call_with(runtime, state, sig, x, weights, bias0, bias1, variant, zero_copy, out,
@@ -189,9 +189,9 @@ class InternodeBuffer {
   void close() { mem_.close(); }  // collective (nvshmem_free)
 
  private:
-  // combine_call's kernel: the in-node combine of record `innode` (its output: y_in, w_in, the
+  // combine_call's kernel: the intranode combine of record `stage` (its output: y_in, w_in, the
   // forwarder's rows), the RDMA send of those rows, then the sum over nodes into y (and w).
-  void combine_fused(const InnodeCombine& innode, const torch::Tensor& y_in, const c10::optional<torch::Tensor>& w_in,
+  void combine_fused(const IntranodeCombine& stage, const torch::Tensor& y_in, const c10::optional<torch::Tensor>& w_in,
                      const torch::Tensor& local_idx, const torch::Tensor& tokens, const torch::Tensor& topk_idx,
                      int num_experts, long long sig, const torch::Tensor& y, const c10::optional<torch::Tensor>& w,
                      const c10::optional<torch::Tensor>& bias0, const c10::optional<torch::Tensor>& bias1,
@@ -228,7 +228,7 @@ class InternodeBuffer {
     r.bias1 = bias1 ? bias1->data_ptr() : nullptr;
     TORCH_CHECK((long long)r.H * y.element_size() <= ctx_.lay.c_row && r.H % 8 == 0, "combine rows do not fit");
     check_call(r.T, r.K, 16, 0, num_blocks);
-    launch_internode_combine(ctx_, s, r, innode, num_blocks, stream());
+    launch_internode_combine(ctx_, s, r, stage, num_blocks, stream());
   }
 
   void recv(int K, int num_experts, long long sig, const torch::Tensor& out_idx, const torch::Tensor& out_tokens,

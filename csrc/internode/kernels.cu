@@ -1,5 +1,5 @@
 // The internode normal path's RDMA-domain half (the NVLink half is the intranode path, run by
-// each node's forwarders on what arrives here; megatron_ep/cuda/paths/internode.py composes them).
+// each node's forwarders on what arrives here; megatron_ep/backends/cuda/paths/internode.py composes them).
 //
 // Dispatch, send: each token goes once to the same-index rank of every node that owns one of
 // its experts, into the fixed slot (this node, token) of that rank's receive area; the ids and
@@ -8,18 +8,18 @@
 // After its rows, the last block writes each node's header (token count, call hash) and its
 // signal (calls sent). Receive: wait for every source node's signal, check its hash, and lay
 // out the forwarder's view: node-local expert ids (-1 off this node or past the source's count).
-// The in-node stage takes the rows as one token group per source node, so it delivers them in
-// the contract's order with no key or sort. A release kernel, queued after the in-node stage has
+// The intranode stage takes the rows as one token group per source node, so it delivers them in
+// the contract's order with no key or sort. A release kernel, queued after the intranode stage has
 // read the area, tells each sender that its slots are free again; a sender waits for that before
 // its next call.
 //
-// Combine is the reverse: each forwarder sends its in-node sum of every token back to the slot
+// Combine is the reverse: each forwarder sends its intranode sum of every token back to the slot
 // (its node, token) of the token's rank, which sums the slots of the nodes the token went to in
 // fp32 and releases them at once.
 //
 // These are the separate launches of a new routing's dispatch (send, receive, release); a cached
 // dispatch and every combine run the same steps (internode/steps.cuh) in one kernel each, with
-// the in-node stage inside it (fused.cu).
+// the intranode stage inside it (fused.cu).
 //
 // Transport as in the low-latency kernels (csrc/low_latency/): stores through nvshmem_ptr when the peer is load/store
 // reachable (NVLink, the same GPU), else NVSHMEM puts from symmetric staging (IBGDA/IB across
@@ -61,7 +61,7 @@ __global__ void __launch_bounds__(kInternodeThreads, 1) dispatch_recv_kernel(con
     }
     a.out_idx[i] = v;
   }
-  finish_receive(c, kInternodeDispatch, call, &st->grid_done[1], false);  // released after the in-node stage
+  finish_receive(c, kInternodeDispatch, call, &st->grid_done[1], false);  // released after the intranode stage
 }
 
 // One block: tell every sender of `dir` that this rank finished reading its last call.

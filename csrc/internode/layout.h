@@ -11,7 +11,7 @@
 //   d_s    [N][mt][sc]        fp32 FP8 scales (the call's scale columns are the stride)
 //   d_idx  [N][mt][K] int64   each source token's global expert ids, every token of the source
 //   d_w    [N][mt][K] fp32    its weights
-//   c_y    [N][mt][crow]      combine: the forwarder's in-node sum of each token's rows
+//   c_y    [N][mt][crow]      combine: the forwarder's intranode sum of each token's rows
 //   c_w    [N][mt][K] fp32    combine: the weights scattered back
 //   s_*    staging (only when some peer is not load/store reachable: puts read symmetric memory):
 //          this rank's x, scales, ids, weights (dispatch); its forwarded rows and weights (combine)

@@ -1,6 +1,6 @@
 // The internode path's RDMA-domain steps as device functions (the protocol: kernels.cu's
 // header). kernels.cu's kernels run them one launch each (a new routing's dispatch); fused.cu's
-// run them inside one launch per direction with the in-node stage (a cached dispatch, every
+// run them inside one launch per direction with the intranode stage (a cached dispatch, every
 // combine). Include after nvshmem.h.
 #pragma once
 
@@ -42,7 +42,7 @@ __device__ __forceinline__ bool wait_released(const InternodeCtx& c, int dir, lo
   for (int n = threadIdx.x; n < c.lay.num_nodes; n += blockDim.x) {
     long long v;
     ok &= sym::spin(waiter(c), [&] { return ld_acquire_sys(rel + n); }, [&](long long x) { return x >= call - 1; }, v,
-                    op, kInternodeWaitRelease, n, peer_rank(c, n), dir, sig);
+                    sym::WaitSite{op, kInternodeWaitRelease, n, peer_rank(c, n), dir, sig});
   }
   return __syncthreads_and(ok);
 }
@@ -54,15 +54,16 @@ __device__ __forceinline__ bool wait_sources(const InternodeCtx& c, int dir, lon
   for (int n = threadIdx.x; n < c.lay.num_nodes; n += blockDim.x) {
     const long long* word = reinterpret_cast<const long long*>(c.base + c.lay.signal_at(dir, n));
     long long v;
+    const sym::WaitSite at{op, kInternodeWaitSignal, n, peer_rank(c, n), dir, sig};
     const bool got = sym::spin(waiter(c), [&] { return ld_acquire_sys(word); }, [&](long long x) { return x >= call; },
-                               v, op, kInternodeWaitSignal, n, peer_rank(c, n), dir, sig);
+                               v, at);
     int T = 0;
     if (got) {
       const volatile long long* head = reinterpret_cast<const volatile long long*>(c.base + c.lay.head_at(dir, n));
       const long long their = head[1];
       T = (int)min(head[0], (long long)c.lay.max_tokens);
       if (their != sig) {
-        if (blockIdx.x == 0) sym::report(waiter(c), kErrMismatch, op, kInternodeWaitSignal, n, peer_rank(c, n), dir, sig, their);
+        if (blockIdx.x == 0) sym::report(waiter(c), kErrMismatch, at, their);
         T = 0;  // a different call: nothing of it is used
       }
     }
@@ -192,7 +193,7 @@ __device__ __forceinline__ void send_rows(const InternodeCtx& c, const Internode
 }
 
 // ------------------------------------------------------------------------------------- combine
-// Send half (grid), after the release wait: each forwarded token's in-node sum (and weights) back
+// Send half (grid), after the release wait: each forwarded token's intranode sum (and weights) back
 // to the slot (this node, token) of the rank it came from; a token with no expert on this node is
 // not sent (its source does not wait for it).
 __device__ __forceinline__ void combine_send_rows(const InternodeCtx& c, const InternodeCombineSendArgs& a) {
@@ -235,7 +236,7 @@ __device__ __forceinline__ void add_word(float* acc, const int4& raw) {
   }
 }
 
-// y[t]: the biases, then each node's in-node sum added at the node's last slot of t (`node`:
+// y[t]: the biases, then each node's intranode sum added at the node's last slot of t (`node`:
 // lane k's slot's node, -1 none; `ok` false: nothing arrived, only the biases). The order of
 // DeepEP V2's reference: its scale-up partials, like its rank partials, join in the order of
 // their last slot. Uniform trip count: the node shuffles run on every lane.

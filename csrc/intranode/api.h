@@ -30,7 +30,7 @@ void launch_check_ids(const long long* topk_idx, int T, int K, int E, unsigned l
 // barriers is slower: its token passes run on 2 SMs; docs/performance.md.)
 // A destination's rows are ordered (expert or rank, token group, source rank, token): the T
 // tokens of every rank are `groups` contiguous groups of T / groups (1: the intranode Buffer; the
-// internode in-node stage: one per source node, the contract's order without a reorder pass).
+// internode intranode stage: one per source node, the contract's order without a reorder pass).
 struct NotifyArgs {
   const long long* topk_idx;  // [T, K]
   int T, K, E, align, permute, worst;
@@ -45,7 +45,7 @@ struct NotifyArgs {
   long long* out_dropped; // [1] out: real rows past num_worst_tokens
   long long tag;
   int* rank_counts;       // [G * R][R] out, or nullptr: tokens (group g, rank s) sends to rank d, at row
-                          // g * R + s (one group: rank s to rank d; the internode in-node stage's
+                          // g * R + s (one group: rank s to rank d; the internode intranode stage's
                           // groups are source nodes, so the row is the global source rank)
   int* rank_prefix;       // [G * R][R] out with rank_counts: its inclusive prefix sums over the rows
                           // (DeepEP's rank_prefix_matrix), or nullptr
@@ -172,7 +172,7 @@ struct CombineArgs {
   void* y;                    // [T, H]
   float* w_out;               // [T, K] or nullptr
   const void* bias0;          // [T, H] x's dtype, the accumulator's start (+ bias1), or nullptr
-  const void* bias1;          // [T, H] or nullptr (never in the internode path's in-node stage)
+  const void* bias1;          // [T, H] or nullptr (never in the internode path's intranode stage)
 };
 // The pull's sum, one kernel each (two in one function spill: ptxas allocates for both at once).
 enum CombineSum : int { kSumRankRows = 0, kSumGrouped = 1, kSumSlots = 2 };
@@ -180,25 +180,25 @@ void launch_stage_and_combine(const Ctx& ctx, const CallArgs& call, const StageC
                               const CombineArgs& args, int num_blocks, cudaStream_t stream);
 void launch_combine_partials(const Ctx& ctx, const CombineArgs& args, int num_blocks, cudaStream_t stream);
 
-// ---- the in-node stage of the internode path's fused kernels ----------------------------------
-// An in-node push or combine that the internode path runs inside its own fused launch
+// ---- the intranode stage of the internode path's fused kernels ----------------------------------
+// An intranode push or combine that the internode path runs inside its own fused launch
 // (csrc/internode/fused.cu, extension _C_nvshmem) instead of the launches above: the context and
 // arguments _C's binding builds, handed across the two extensions as bytes (both compile this
 // header; the receiver checks the size).
-struct InnodeDispatch {
+struct IntranodeDispatch {
   Ctx ctx;
   CallArgs call;
   int slot;  // kSlotCall: a cached dispatch's first exchange
   PushArgs push;
 };
 
-struct InnodeCombine {
+struct IntranodeCombine {
   Ctx ctx;
   CallArgs call;
   int partials;              // expert-major pre-reduction (reduce + partial sums), else stage + pull-and-sum
   StageCombineArgs stage;    // !partials
   CombineReduceArgs reduce;  // partials
-  CombineArgs comb;          // out: the in-node sums, one row per forwarded token
+  CombineArgs comb;          // out: the intranode sums, one row per forwarded token
 };
 
 // Resolve every kernel now (module loading is lazy by default, and a first launch that has to

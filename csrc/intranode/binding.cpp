@@ -93,7 +93,7 @@ void dispatch(Runtime& rt, const Sig& sig, int slot, int row_bytes, int scale_co
   check_launch("dispatch");
 }
 
-InnodeDispatch push_launch(Runtime& rt, const Sig& sig, int slot, const Tensor& x, int T, int row_bytes,
+IntranodeDispatch push_launch(Runtime& rt, const Sig& sig, int slot, const Tensor& x, int T, int row_bytes,
                            const c10::optional<Tensor>& scales, int scale_cols, const Tensor& topk_idx,
                            const c10::optional<Tensor>& topk_w, const Tensor& rank_pos, const Tensor& slot_pos, int E,
                            int out_rows, bool permute, const Tensor& recv_info, Tensor& out_x,
@@ -102,7 +102,7 @@ InnodeDispatch push_launch(Runtime& rt, const Sig& sig, int slot, const Tensor& 
                            const c10::optional<Tensor>& comb_map, const std::vector<long long>& offsets,
                            const CountsCopy& counts, const c10::optional<Tensor>& out_src) {
   TORCH_CHECK(offsets.size() == 5, "offsets: x, scales, idx, w, src");
-  InnodeDispatch d{};
+  IntranodeDispatch d{};
   d.call = make_call(sig, kCallOk, "");
   d.ctx = rt.ctx(d.call.sig[kSigSeq]);
   d.slot = slot;
@@ -129,9 +129,9 @@ void dispatch_push(Runtime& rt, const Sig& sig, int slot, const Tensor& x, int T
                    const c10::optional<Tensor>& out_w, const c10::optional<Tensor>& out_row_expert,
                    const c10::optional<Tensor>& comb_map, std::vector<long long> offsets, const CountsCopy& counts,
                    const c10::optional<Tensor>& out_src, int num_blocks) {
-  const InnodeDispatch d = push_launch(rt, sig, slot, x, T, row_bytes, scales, scale_cols, topk_idx, topk_w, rank_pos,
-                                       slot_pos, E, out_rows, permute, recv_info, out_x, out_scales, out_idx, out_w,
-                                       out_row_expert, comb_map, offsets, counts, out_src);
+  const IntranodeDispatch d = push_launch(rt, sig, slot, x, T, row_bytes, scales, scale_cols, topk_idx, topk_w,
+                                          rank_pos, slot_pos, E, out_rows, permute, recv_info, out_x, out_scales, out_idx,
+                                          out_w, out_row_expert, comb_map, offsets, counts, out_src);
   launch_dispatch_push(d.ctx, d.call, d.slot, d.push, num_blocks, stream());
   check_launch("dispatch_push");
 }
@@ -330,7 +330,7 @@ py::tuple notify_call(Runtime& rt, const Sig& sig, const Tensor& topk_idx, int E
 // A combine's host side: y (and the weights) on the caller's stream unless given, then stage (or
 // the expert-major pre-reduction, `variant` kCombinePartials) and the pull-and-sum on ours (every
 // slot's row a term of its own: kCombineSingle); with `fused` (the
-// internode path's fused combine) the whole in-node combine as its launch record instead,
+// internode path's fused combine) the whole intranode combine as its launch record instead,
 // fused(record, y, w_out). `bias0`, `bias1`: the sums' start (none with `fused`: the internode
 // path adds its biases in the sum over nodes). Returns (y, w_out).
 py::tuple combine_part(Runtime& rt, const HandleState& st, const Sig& sig, const Tensor& x,
@@ -363,9 +363,10 @@ py::tuple combine_part(Runtime& rt, const HandleState& st, const Sig& sig, const
     mark(marks, 0);
     const c10::optional<Tensor> staged = zero_copy ? c10::nullopt : c10::optional<Tensor>(x);
     if (fused != nullptr) {
-      TORCH_CHECK(!bias0.has_value() && !bias1.has_value(), "megatron_ep: the in-node stage of a combine takes no bias");
-      TORCH_CHECK(variant != kCombineSingle, "megatron_ep: the in-node stage of a combine sums per rank");
-      InnodeCombine d{};
+      TORCH_CHECK(!bias0.has_value() && !bias1.has_value(),
+                  "megatron_ep: the intranode stage of a combine takes no bias");
+      TORCH_CHECK(variant != kCombineSingle, "megatron_ep: the intranode stage of a combine sums per rank");
+      IntranodeCombine d{};
       d.call = make_call(sig, kCallOk, "");
       d.ctx = rt.ctx(d.call.sig[kSigSeq]);
       d.partials = partials ? 1 : 0;
@@ -422,7 +423,7 @@ py::tuple dispatch_part(Runtime& rt, CallStreams& cs, StepTimer& clock, HandleSt
                         const py::object& event, bool async_op, const py::object& hook, const FusedDispatch* fused,
                         const py::object& marks, int num_blocks, int push_blocks, int local_blocks, bool want_src) {
   const int T = st.T, K = st.K, E = st.E, H = (int)data.size(1);
-  TORCH_CHECK(!want_src || fused == nullptr, "megatron_ep: a fused in-node dispatch writes no source tokens");
+  TORCH_CHECK(!want_src || fused == nullptr, "megatron_ep: a fused intranode dispatch writes no source tokens");
   const int row_bytes = H * (int)data.element_size(), scale_cols = scales.has_value() ? (int)scales->size(1) : 0;
   const bool permute = st.permute, has_w = topk_w.has_value();
   const auto dev = data.options();
@@ -607,7 +608,7 @@ py::tuple dispatch_first_call(Runtime& rt, const Sig& sig, const Tensor& topk_id
     const py::dict info = sizes[1];
     rows = info["num_rows"].cast<int>(), perm_rows = info["num_perm_rows"].cast<int>();
     const RegionLayout& l = rt.lay();
-    // (megatron_ep/cuda/runtime.py fits()'s count rule: the group's largest needs, the same on every rank)
+    // (megatron_ep/backends/cuda/runtime.py fits()'s count rule: the group's largest needs, the same on every rank)
     go = rows >= 0 && info["need_tokens"].cast<long long>() <= l.max_tokens &&
          info[permute ? "need_perm_rows" : "need_rows"].cast<long long>() <= l.comb_rows;
   }
@@ -728,8 +729,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return py::make_tuple(st.topk_idx, st.rank_pos, st.slot_pos, st.recv_info, st.row_limits, st.counts,
                               st.comb_map.has_value() ? py::cast(*st.comb_map) : py::none());
       });
-  // one crossing per call (calls.h); argument names: the Python side's (megatron_ep/cuda/paths/intranode.py
-  // passes them by name; tests/test_kernel_boundary.py reads both sides)
+  // one crossing per call (calls.h); argument names: the Python side's (megatron_ep/backends/cuda/paths/intranode.py
+  // passes them by name; tests/unit/test_kernel_boundary.py reads both sides)
   intra.def("notify_call", &mep::notify_call, py::arg("runtime"), py::arg("sig"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("expert_alignment"), py::arg("permute"), py::arg("num_worst_tokens"), py::arg("token_groups"), py::arg("check_ids"), py::arg("rank_counts"), py::arg("tag"), py::arg("previous_event"), py::arg("marks"), py::arg("wait_s"), py::arg("async_op"));
   intra.def("dispatch_first_call", &mep::dispatch_first_call, py::arg("runtime"), py::arg("sig"), py::arg("topk_idx"), py::arg("num_experts"), py::arg("expert_alignment"), py::arg("permute"), py::arg("token_groups"), py::arg("check_ids"), py::arg("rank_counts"), py::arg("tag"), py::arg("previous_event"), py::arg("notify_marks"), py::arg("wait_s"), py::arg("fits"), py::arg("x"), py::arg("scales"), py::arg("topk_weights"), py::arg("push"), py::arg("scratch"), py::arg("zero_copy"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("marks"), py::arg("num_blocks"), py::arg("push_blocks"), py::arg("local_blocks"), py::arg("want_src"));
   intra.def("dispatch_call", &mep::dispatch_call, py::arg("runtime"), py::arg("state"), py::arg("sig"), py::arg("first"), py::arg("x"), py::arg("scales"), py::arg("topk_weights"), py::arg("push"), py::arg("scratch"), py::arg("zero_copy"), py::arg("out_rows"), py::arg("num_worst_tokens"), py::arg("comb_rows"), py::arg("previous_event"), py::arg("event"), py::arg("async_op"), py::arg("hook"), py::arg("marks"), py::arg("num_blocks"), py::arg("push_blocks"), py::arg("local_blocks"), py::arg("want_src"));

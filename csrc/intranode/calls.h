@@ -1,4 +1,4 @@
-// One intranode call's host side in one crossing. megatron_ep/cuda/paths/intranode.py checks the
+// One intranode call's host side in one crossing. megatron_ep/backends/cuda/paths/intranode.py checks the
 // inputs and decides (push or stage, partials, output rows); the entries here do the rest: order
 // the communication stream after the caller's, allocate the outputs on the caller's stream, launch
 // on ours, record the call's event and make the caller's stream wait for it (or, asynchronous,
@@ -25,7 +25,7 @@ using Sig = std::vector<long long>;
 // objects are not exported, so they are looked up once by name; never freed: they outlive us).
 // static: each library its own cache. An inline function's static of a hidden type (py::object)
 // gets a library-local object but a guard the loader shares across libraries (STB_GNU_UNIQUE):
-// the second library to call it would use a map it never constructed (tests/test_extension_linkage.py).
+// the second library to call it would use a map it never constructed (tests/unit/test_extension_linkage.py).
 static inline const py::object& torch_type(const char* name) {
   static std::unordered_map<std::string, py::object*> types;
   auto it = types.find(name);

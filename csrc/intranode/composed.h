@@ -1,6 +1,6 @@
 // The intranode one-crossing entries another extension composes: _C_nvshmem's internode entries
 // call them (a new routing's between the RDMA hop and the receive area's release; a cached
-// dispatch's and a combine's with the fused kernel's launch as a C++ function, so the in-node
+// dispatch's and a combine's with the fused kernel's launch as a C++ function, so the intranode
 // stage's launch record goes to it directly, not through Python). _C publishes them as a capsule (the entries' addresses)
 // and _C_nvshmem reads it once, so neither library links the other and the two build apart.
 // Defined in intranode/binding.cpp.
@@ -12,10 +12,10 @@
 
 namespace mep {
 
-// the in-node push's launch record -> the internode fused dispatch kernel's launch
-using FusedDispatch = std::function<void(const InnodeDispatch&)>;
-// the in-node combine's launch record, its output y (and the weights) -> the fused combine's launch
-using FusedCombine = std::function<void(const InnodeCombine&, const Tensor&, const c10::optional<Tensor>&)>;
+// the intranode push's launch record -> the internode fused dispatch kernel's launch
+using FusedDispatch = std::function<void(const IntranodeDispatch&)>;
+// the intranode combine's launch record, its output y (and the weights) -> the fused combine's launch
+using FusedCombine = std::function<void(const IntranodeCombine&, const Tensor&, const c10::optional<Tensor>&)>;
 
 struct ComposedApi {
   int version;  // kComposedApiVersion of the _C that filled it
@@ -36,7 +36,7 @@ struct ComposedApi {
                                   const py::object& previous, const py::object& event, bool async_op,
                                   const py::object& hook, const py::object& marks, int num_blocks, int push_blocks,
                                   int local_blocks, bool want_src, const FusedDispatch& fused);
-  // combine_call (its arguments, in its order) with the in-node combine replaced by `fused` (no
+  // combine_call (its arguments, in its order) with the intranode combine replaced by `fused` (no
   // biases: the internode sum over nodes adds them)
   py::tuple (*combine_call_with)(Runtime& rt, const HandleState& st, const Sig& sig, const Tensor& x,
                                  const c10::optional<Tensor>& weights, const c10::optional<Tensor>& bias0,

@@ -211,14 +211,13 @@ __device__ __forceinline__ bool grid_barrier(const Ctx& c) {
   Control* me = ctrl_of(c, c.rank);
   __threadfence();
   atomicAdd(&me->grid_done[kGridBarrier], 1u);
-  const unsigned long long start = globaltimer();
-  while (ld_volatile(reinterpret_cast<const int*>(&me->grid_done[kGridBarrier])) < (int)gridDim.x) {
-    if (globaltimer() - start > c.timeout_ns) {
-      report_failure(c, kErrTimeout, c.rank, kNumSlots, gridDim.x, 0);
-      return false;
-    }
-  }
-  return true;
+  int arrived;
+  if (wait::spin<0>([&] { return ld_volatile(reinterpret_cast<const int*>(&me->grid_done[kGridBarrier])); },
+                    [&](int n) { return n >= (int)gridDim.x; }, wait::NeverStop{}, c.timeout_ns,
+                    arrived) == wait::kArrived)
+    return true;
+  report_failure(c, kErrTimeout, c.rank, kNumSlots, gridDim.x, 0);
+  return false;
 }
 
 // Push, first half (one thread): publish where this rank's rank-major outputs lie (offsets in

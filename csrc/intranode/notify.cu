@@ -33,7 +33,7 @@ __device__ __forceinline__ int pad_to(int n, int align) { return (n + align - 1)
 // group (all ranks), then after those of the lower ranks in the same group. Pass 2 walks each
 // chunk again in token order and hands out rows. Row order is therefore (destination expert or
 // rank, token group, source rank, source token) with no sort; with one group (the intranode
-// Buffer) that is (destination, source rank, source token). The internode path's in-node stage
+// Buffer) that is (destination, source rank, source token). The internode path's intranode stage
 // takes one group per source node, which makes its rows' order the contract's (source node, source
 // rank inside the node, token), so it needs no reorder pass afterwards. Short chunks keep each
 // warp's chain of dependent steps short (the 64-token chunks of one warp per block took 12 + 20

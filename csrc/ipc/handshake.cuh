@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include "common/device.cuh"
+#include "common/wait.cuh"
 #include "ipc/context.h"
 
 namespace mep {
@@ -50,29 +51,21 @@ static __device__ __noinline__ void report_failure(const Ctx& c, int code, int p
     for (int r = 0; r < c.num_ranks; ++r) atomicCAS(&ctrl_of(c, r)->abort, 0, c.rank + 1);
 }
 
-// Spin until signal[slot][peer] in this rank's control block reaches target. Returns false
-// (after recording why) on timeout or when another rank aborted.
+// Spin until signal[slot][peer] in this rank's control block reaches target (wait::spin).
+// Returns false (after recording why) on timeout or when another rank aborted.
 __device__ __forceinline__ bool wait_signal(const Ctx& c, int slot, int peer, unsigned long long target) {
   Control* me = ctrl_of(c, c.rank);
   const unsigned long long* p = &me->signal[slot][peer];
-  unsigned long long v = ld_acquire_sys(p);
-  if (v >= target) return true;
-  const unsigned long long start = globaltimer();
-  for (unsigned it = 1;; ++it) {
-    v = ld_acquire_sys(p);
-    if (v >= target) return true;
-    if ((it & 255) == 0) {
-      const int ab = ld_volatile(&me->abort);
-      if (ab) {
-        report_failure(c, kErrPeerAborted, ab - 1, slot, target, v);
-        return false;
-      }
-      if (globaltimer() - start > c.timeout_ns) {
-        report_failure(c, kErrTimeout, peer, slot, target, v);
-        return false;
-      }
-    }
-  }
+  const auto aborted = [&](unsigned long long got) {
+    const int ab = ld_volatile(&me->abort);
+    if (ab) report_failure(c, kErrPeerAborted, ab - 1, slot, target, got);
+    return ab != 0;
+  };
+  unsigned long long v;
+  const wait::Outcome out = wait::spin<255>([&] { return ld_acquire_sys(p); },
+                                            [&](unsigned long long x) { return x >= target; }, aborted, c.timeout_ns, v);
+  if (out == wait::kTimedOut) report_failure(c, kErrTimeout, peer, slot, target, v);
+  return out == wait::kArrived;
 }
 
 // Block-wide: threads 0..R-1 each wait on one source rank. All threads get the verdict.

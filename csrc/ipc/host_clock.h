@@ -1,5 +1,5 @@
 // Host time of each one-crossing entry's steps (calls.h), for the host bench
-// (scripts/bench_host.py --phases): where a crossing's time goes, which the Python profiler sees
+// (scripts/bench host --phases): where a crossing's time goes, which the Python profiler sees
 // only as one built-in call. Off unless switched on: one predictable branch per step.
 #pragma once
 

@@ -17,7 +17,7 @@ void ll_touch_mask_kernels();        // rank_mask.cu's part of it
 
 enum LLPhase : int { kLLSend = 1, kLLRecv = 2 };
 
-// Where a kernel's time goes (scripts/bench_low_latency.py --trace): each block stamps these
+// Where a kernel's time goes (scripts/bench low-latency --trace): each block stamps these
 // points (ns, %globaltimer); "last warp" points are the max over the block's warps.
 enum LLTracePoint : int {
   kLLTraceEntry = 0,      // thread 0 at entry

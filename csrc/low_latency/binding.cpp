@@ -1,7 +1,7 @@
 // megatron_ep._C_nvshmem: the low-latency path's torch binding. Adapts tensors to the raw-pointer
 // launchers of csrc/low_latency/ and holds one rank's NVSHMEM buffer (its peers'
 // addresses, the mapped error record: csrc/nvshmem/symmetric_memory.h). Python
-// (megatron_ep/cuda/paths/low_latency.py) checks every argument first; the checks here only guard
+// (megatron_ep/backends/cuda/paths/low_latency.py) checks every argument first; the checks here only guard
 // against memory errors.
 #include <c10/cuda/CUDAStream.h>
 #include <pybind11/stl.h>

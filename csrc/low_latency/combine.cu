@@ -228,13 +228,12 @@ __global__ void __launch_bounds__(kLLThreads, 1) combine_kernel(const LLCtx c, c
         const int what = merged ? kLLWaitRankFlag : kLLWaitFlag, peer = merged ? word : e / L;
         long long v;
         bool is_gone;
+        const WaitSite at{kOpLowLatencyCombine, what, word, peer, set, a.sig};
         const long long t0 = clock64();
         if constexpr (kShrink) {
-          ok = wait_peer<kS>(c, flags + word, [](long long x) { return x != 0; }, v, is_gone, kOpLowLatencyCombine, what,
-                         word, peer, set, a.sig);
+          ok = wait_peer<kS>(c, flags + word, [](long long x) { return x != 0; }, v, is_gone, at);
         } else {
-          ok = wait_word<kS>(c, flags + word, [](long long x) { return x != 0; }, v, kOpLowLatencyCombine, what, word, peer,
-                         set, a.sig);
+          ok = wait_word<kS>(c, flags + word, [](long long x) { return x != 0; }, v, at);
           is_gone = false;
         }
         if (a.wait_stats != nullptr)
@@ -242,7 +241,7 @@ __global__ void __launch_bounds__(kLLThreads, 1) combine_kernel(const LLCtx c, c
         if (is_gone) {
           s_on[k] = false;  // masked during this wait: its rows drop out
         } else if (ok && decoded_sig(v) != a.sig) {
-          report(c, kErrMismatch, kOpLowLatencyCombine, what, word, peer, set, a.sig, decoded_sig(v));
+          report(c, kErrMismatch, at, decoded_sig(v));
         }
       }
     }

@@ -91,36 +91,35 @@ __device__ __forceinline__ long long encode(int count, long long sig) { return -
 __device__ __forceinline__ int decoded_count(long long v) { return (int)(unsigned)((unsigned long long)(-1 - v)); }
 __device__ __forceinline__ long long decoded_sig(long long v) { return (long long)((unsigned long long)(-1 - v) >> 32); }
 
-__device__ __forceinline__ void report(const LLCtx& c, int code, int op, int what, int expert, int peer, int set,
-                                       long long sig, long long got) {
-  sym::report(waiter(c), code, op, what, expert, peer, set, sig, got);
+using sym::WaitSite;
+__device__ __forceinline__ void report(const LLCtx& c, int code, const WaitSite& at, long long got) {
+  sym::report(waiter(c), code, at, got);
 }
 template <int kS = -1, typename Load, typename Done>
-__device__ __forceinline__ bool spin(const LLCtx& c, Load load, Done done, long long& v, int op, int what,
-                                     int expert, int peer, int set, long long sig) {
-  return sym::spin(waiter<kS>(c), load, done, v, op, what, expert, peer, set, sig);
+__device__ __forceinline__ bool spin(const LLCtx& c, Load load, Done done, long long& v, const WaitSite& at) {
+  return sym::spin(waiter<kS>(c), load, done, v, at);
 }
 
 // Wait until done(*p), p a signal word another rank writes (relaxed polls, one acquire after).
 template <int kS = -1, typename Done>
-__device__ __forceinline__ bool wait_word(const LLCtx& c, const long long* p, Done done, long long& v, int op, int what,
-                                          int expert, int peer, int set, long long sig) {
-  const bool ok = spin<kS>(c, [&] { return ld_relaxed_sys(p); }, done, v, op, what, expert, peer, set, sig);
+__device__ __forceinline__ bool wait_word(const LLCtx& c, const long long* p, Done done, long long& v,
+                                          const WaitSite& at) {
+  const bool ok = spin<kS>(c, [&] { return ld_relaxed_sys(p); }, done, v, at);
   // one acquire load of the word once seen (it only moves forward until this rank clears it):
   // cheaper than a system fence, which also drains this thread's outstanding stores
   if (ok) v = ld_acquire_sys(p);
   return ok;
 }
 
-// wait_word on a word rank `peer` writes; under the rank mask a masked peer ends the wait too:
+// wait_word on a word rank `at.peer` writes; under the rank mask a masked peer ends the wait too:
 // true when the word arrived (`is_gone` false) or the peer is masked (`is_gone` true; nothing of
 // it is used), false on a failure (reported).
 template <int kS = -1, typename Done>
 __device__ __forceinline__ bool wait_peer(const LLCtx& c, const long long* p, Done done, long long& v, bool& is_gone,
-                                          int op, int what, int expert, int peer, int set, long long sig) {
+                                          const WaitSite& at) {
   is_gone = false;
-  if (wait_word<kS>(c, p, done, v, op, what, expert, peer, set, sig)) return true;
-  is_gone = masked_now<kS>(c, peer);
+  if (wait_word<kS>(c, p, done, v, at)) return true;
+  is_gone = masked_now<kS>(c, at.peer);
   return is_gone;
 }
 
@@ -177,8 +176,8 @@ __device__ __forceinline__ bool wait_released(const LLCtx& c, int set, int op, l
     if (gone<kS>(r)) continue;
     long long v;
     bool is_gone;
-    ok &= wait_peer<kS>(c, release + r, [&](long long x) { return x >= target; }, v, is_gone, op, kLLWaitRelease, -1, r, set,
-                    sig);
+    ok &= wait_peer<kS>(c, release + r, [&](long long x) { return x >= target; }, v, is_gone,
+                        WaitSite{op, kLLWaitRelease, -1, r, set, sig});
   }
   return __syncthreads_and(ok);
 }
@@ -206,11 +205,10 @@ __device__ __forceinline__ void finish_receive(const LLCtx& c, int set, long lon
       if (masked_now<kS>(c, i / L)) continue;
       long long v;
       bool is_gone;
-      const bool arrived = wait_peer<kS>(c, words + i, [](long long x) { return x != 0; }, v, is_gone, kOpLowLatencyCombine,
-                                     what, i, i / L, set, sig);
+      const WaitSite at{kOpLowLatencyCombine, what, i, i / L, set, sig};
+      const bool arrived = wait_peer<kS>(c, words + i, [](long long x) { return x != 0; }, v, is_gone, at);
       ok &= arrived;
-      if (arrived && !is_gone && decoded_sig(v) != sig)
-        report(c, kErrMismatch, kOpLowLatencyCombine, what, i, i / L, set, sig, decoded_sig(v));
+      if (arrived && !is_gone && decoded_sig(v) != sig) report(c, kErrMismatch, at, decoded_sig(v));
     }
     if (!__syncthreads_and(ok)) {  // timed out: the path is broken, the set stays held
       if (threadIdx.x == 0) st->grid_done[set] = 0;

@@ -285,9 +285,9 @@ __global__ void __launch_bounds__(kLLThreads, 1) dispatch_kernel(const LLCtx c, 
       if (gone(r)) continue;  // a masked source sends nothing
       long long v;
       bool is_gone;
+      const WaitSite at{kOpLowLatencyDispatch, kLLWaitCount, e, r, set, a.sig};
       const long long t0 = clock64();
-      const bool arrived = wait_peer(c, counts + (long long)e * R + r, [](long long x) { return x != 0; }, v, is_gone,
-                                     kOpLowLatencyDispatch, kLLWaitCount, e, r, set, a.sig);
+      const bool arrived = wait_peer(c, counts + (long long)e * R + r, [](long long x) { return x != 0; }, v, is_gone, at);
       ok &= arrived;
       // every unit waits for all sources (its rows go after theirs); the wait charged to source s
       // is the one of the unit that copies s's rows, so each (expert, source) counts once
@@ -296,7 +296,7 @@ __global__ void __launch_bounds__(kLLThreads, 1) dispatch_kernel(const LLCtx c, 
       if (!arrived || is_gone) continue;  // masked during this wait: 0 tokens from it
       int n = decoded_count(v);
       if (decoded_sig(v) != a.sig) {
-        if (g == 0 && s == 0) report(c, kErrMismatch, kOpLowLatencyDispatch, kLLWaitCount, e, r, set, a.sig, decoded_sig(v));
+        if (g == 0 && s == 0) report(c, kErrMismatch, at, decoded_sig(v));
         n = 0;  // a different call: nothing of it is delivered
       }
       n = min(n, a.out_cap / R);  // never past this call's outputs, whatever a mismatched sender claims

@@ -1,4 +1,4 @@
-// LogFMT-10 for the low-latency combine's rows (megatron_ep/logfmt.py defines the format and is
+// LogFMT-10 for the low-latency combine's rows (megatron_ep/core/logfmt.py defines the format and is
 // its reference). A row in a combine slot, with LogFMT:
 //   block b (128 channels) at byte b * 256: 160 bytes of 10-bit codes when the block is encoded
 //   (code j at bit 10 * j, little-endian words: index in bits 0-8, sign in bit 9), else its 256

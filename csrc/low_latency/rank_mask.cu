@@ -35,8 +35,8 @@ __device__ void barrier_round(const LLCtx& c) {
     if (masked_now(c, r)) continue;
     long long v;
     bool is_gone;
-    wait_peer(c, &st->sync[r], [&](long long x) { return x >= n; }, v, is_gone, kOpLowLatencyBarrier, kLLWaitBarrier,
-              -1, r, 0, 0);
+    wait_peer(c, &st->sync[r], [&](long long x) { return x >= n; }, v, is_gone,
+              WaitSite{kOpLowLatencyBarrier, kLLWaitBarrier, -1, r, 0, 0});
   }
   __syncthreads();
 }

@@ -8,6 +8,7 @@
 
 #include "nvshmem/common.h"  // SymmetricError: the mapped error record both paths fill
 #include "common/device.cuh"
+#include "common/wait.cuh"
 #include "common/protocol.h"
 
 namespace mep {
@@ -35,53 +36,54 @@ __host__ __device__ constexpr long long failure_word(int rank, long long seq) {
   return ((long long)(rank + 1) << 32) | (seq & 0xffffffffLL);
 }
 
+// What a wait names when it reports (SymmetricError's fields): the call's op, which wait (a
+// path's wait code), the expert (or node), the peer rank it waited for, the buffer set (or
+// direction), and the call's signature.
+struct WaitSite {
+  int op, what, expert, peer, set;
+  long long sig;
+};
+
 // The first error since the host's last clear wins (the host bumps `cleared` after reading).
-static __device__ __noinline__ void report(const Waiter& w, int code, int op, int what, int expert, int peer, int set,
-                                    long long sig, long long got) {
+// `got`: the value the wait saw (a signature, for a mismatch).
+static __device__ __noinline__ void report(const Waiter& w, int code, const WaitSite& at, long long got) {
   if (code == kErrTimeout || code == kErrPeerFailed) atomicExch(w.failed, 1);
   const int cleared = w.err->cleared;
   if (atomicCAS(w.claims, cleared, cleared + 1) != cleared) return;
-  w.err->op = op, w.err->what = what, w.err->expert = expert, w.err->peer = peer, w.err->set = set;
-  w.err->sig_expected = sig, w.err->sig_got = got;
+  w.err->op = at.op, w.err->what = at.what, w.err->expert = at.expert, w.err->peer = at.peer, w.err->set = at.set;
+  w.err->sig_expected = at.sig, w.err->sig_got = got;
   __threadfence_system();
   w.err->code = code;
 }
 
-// Spin until done(load()) or report a timeout; `what`/expert/peer/set name the wait for the host.
+// wait::spin over a path's word (common/wait.cuh): it stops early on this call's failure flag, on
+// a masked peer, or on a peer's published failure (named in the report); a timeout reports, or
+// under the rank mask masks the peer. `at` names the wait for the host.
 template <typename Load, typename Done>
-__device__ __forceinline__ bool spin(const Waiter& w, Load load, Done done, long long& v, int op, int what,
-                                     int expert, int peer, int set, long long sig) {
-  unsigned long long start = 0;
-  for (unsigned i = 0;; ++i) {
-    v = load();
-    if (done(v)) return true;
-    if ((i & 127) == 127) {
-      if (w.mask != nullptr && peer >= 0 && *reinterpret_cast<volatile int*>(w.mask + peer)) return false;
-      if (*reinterpret_cast<volatile int*>(w.failed)) return false;
-      // a peer published that it failed before joining this call: it will never signal, so stop
-      // now, naming it (a publication for another call, e.g. one every rank failed, is ignored)
-      const long long pf = *reinterpret_cast<const volatile long long*>(w.peer_failed);
-      if (w.seq >= 0 && pf != 0 && (pf & 0xffffffffLL) == (w.seq & 0xffffffffLL)) {
-        if (w.mask != nullptr) {  // masked from now on; this wait goes on unless it was that peer's
-          atomicExch(w.mask + (int)(pf >> 32) - 1, 1);
-          continue;
-        }
-        report(w, kErrPeerFailed, op, what, expert, (int)(pf >> 32) - 1, set, sig, v);
-        return false;
-      }
-      const unsigned long long now = globaltimer();
-      if (start == 0) {
-        start = now;
-      } else if (now - start > w.timeout_ns) {
-        if (w.mask != nullptr && peer >= 0) {
-          atomicExch(w.mask + peer, 1);
-          return false;
-        }
-        report(w, kErrTimeout, op, what, expert, peer, set, sig, v);
-        return false;
-      }
+__device__ __forceinline__ bool spin(const Waiter& w, Load load, Done done, long long& v, const WaitSite& at) {
+  const auto stop = [&](long long got) {
+    if (w.mask != nullptr && at.peer >= 0 && *reinterpret_cast<volatile int*>(w.mask + at.peer)) return true;
+    if (*reinterpret_cast<volatile int*>(w.failed)) return true;
+    // a peer published that it failed before joining this call: it will never signal, so stop
+    // now, naming it (a publication for another call, e.g. one every rank failed, is ignored)
+    const long long pf = *reinterpret_cast<const volatile long long*>(w.peer_failed);
+    if (w.seq < 0 || pf == 0 || (pf & 0xffffffffLL) != (w.seq & 0xffffffffLL)) return false;
+    if (w.mask != nullptr) {  // masked from now on; this wait goes on unless it was that peer's
+      atomicExch(w.mask + (int)(pf >> 32) - 1, 1);
+      return false;
     }
-  }
+    WaitSite named = at;  // the wait, naming the peer that published
+    named.peer = (int)(pf >> 32) - 1;
+    report(w, kErrPeerFailed, named, got);
+    return true;
+  };
+  const wait::Outcome out = wait::spin<127>(load, done, stop, w.timeout_ns, v);
+  if (out != wait::kTimedOut) return out == wait::kArrived;
+  if (w.mask != nullptr && at.peer >= 0)
+    atomicExch(w.mask + at.peer, 1);
+  else
+    report(w, kErrTimeout, at, v);
+  return false;
 }
 
 // A 64-bit word at byte offset `off` of a peer's symmetric buffer (after the caller's fence):

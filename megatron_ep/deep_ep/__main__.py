@@ -4,7 +4,7 @@ uses megatron_ep.deep_ep (megatron_ep.deep_ep.SHIM_DIR)."""
 import argparse
 import sys
 
-from ..cli import ArgumentParser, run_main
+from ..tools.cli import ArgumentParser, run_main
 from . import SHIM_DIR
 
 PROG = "python -m megatron_ep.deep_ep"

@@ -14,12 +14,13 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from .. import buffer as _mep
-from ..checks import check_bool
-from ..errors import PeerFailedError
-from ..fp8 import UE8M0_PACK, pack_ue8m0, unpack_ue8m0
-from ..protocol import MAX_TOPK, failure_message
-from ..types import DispatchHandle
+from ..core import buffer as _mep
+from ..core import envs
+from ..core.checks import check_bool
+from ..core.errors import PeerFailedError
+from ..core.fp8 import UE8M0_PACK, pack_ue8m0, unpack_ue8m0
+from ..core.protocol import MAX_TOPK, failure_message
+from ..core.types import DispatchHandle
 from .config import (BUFFER_ALIGNMENT, COMBINE_CONFIGS, DISPATCH_CONFIGS, INT_MAX, Config, InvalidArgument, _align_up,
                      check_int, check_num_ranks, flag)
 from .utils import EventOverlap, from_ours, to_ours
@@ -154,7 +155,7 @@ class Buffer:
         self.low_latency_mode, self.explicitly_destroy, self.enable_shrink = low_latency_mode, explicitly_destroy, enable_shrink
         if low_latency_mode or self.group_size > RANKS_PER_NODE:
             self.nvshmem_qp_depth = int(os.environ.get("NVSHMEM_QP_DEPTH", "1024"))
-        backend = os.environ.get("MEGATRON_EP_DEEP_EP_BACKEND", "auto")
+        backend = envs.text("MEGATRON_EP_DEEP_EP_BACKEND", "auto")
         # past 8 ranks DeepEP runs its internode kernels over nodes of 8: ours the two-level path
         nodes = dict(ranks_per_node=RANKS_PER_NODE) if self.group_size > RANKS_PER_NODE else {}
         if enable_shrink:
@@ -164,7 +165,7 @@ class Buffer:
             # (DeepEP's one RDMA buffer serves both): the heap starts with room for both, from
             # the RDMA bytes DeepEP would take from it
             nodes["nvshmem_heap_bytes"] = int(num_rdma_bytes)
-        # ids checked only where it adds no host sync (the in-node notify): DeepEP's calls have none
+        # ids checked only where it adds no host sync (the intranode notify): DeepEP's calls have none
         self.runtime = _mep.Buffer(group, backend=backend, check_inputs="no_sync", **nodes)
         self._combine_buffers, self._next_combine = _CombineBuffers(), 0  # the zero-copy combine's
         self._worst_reserved = 0  # the largest num_worst_tokens the buffer was reserved for
@@ -190,9 +191,9 @@ class Buffer:
                              f"process; pass one, so the buffer can be sized at creation for its tokens, hidden and experts")
         T, H, _, E = shape
         cap = dict(num_experts=E, max_tokens=T, hidden=H, topk=MAX_TOPK, fp8_only=False, rank_mask=True)
-        timeout = os.environ.get("MEP_MASK_TIMEOUT_S")
-        if timeout:
-            cap["mask_timeout_s"] = float(timeout)
+        timeout = envs.number("MEGATRON_EP_MASK_TIMEOUT_S", None, above=0)
+        if timeout is not None:
+            cap["mask_timeout_s"] = timeout
         return cap
 
     # ------------------------------------------------------------------------- lifecycle

@@ -14,14 +14,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 from typing import List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
-from .. import buffer as _mep
-from ..types import DispatchHandle
+from ..core import buffer as _mep
+from ..core import envs
+from ..core.types import DispatchHandle
 from .buffer import (RANKS_PER_NODE, _group_of, _needs_row_major_copy, _row_major_scales, _rows, _unpacked_scales,
                      _uses_cuda)
 from .config import flag
@@ -232,12 +232,12 @@ class ElasticBuffer:
         self.num_scaleout_ranks, self.num_scaleup_ranks = 1, self.num_ranks
         self.scaleout_rank_idx, self.scaleup_rank_idx = 0, self.rank
         self.num_rdma_ranks, self.num_nvlink_ranks = 1, self.num_ranks
-        backend = os.environ.get("MEGATRON_EP_DEEP_EP_BACKEND", "auto")
+        backend = envs.text("MEGATRON_EP_DEEP_EP_BACKEND", "auto")
         nodes = dict(ranks_per_node=RANKS_PER_NODE) if self.num_ranks > RANKS_PER_NODE else {}
         hints = {k: v for k, v in (("max_tokens_per_rank", self.num_max_tokens_per_rank), ("hidden", hidden),
                                    ("max_topk", num_topk)) if v}
         if num_gpu_timeout_secs != 100 and _uses_cuda(backend):
-            # our kernels' waits (V2's default, 100 s, leaves ours: MEP_TIMEOUT_S); the torch backend has none
+            # our kernels' waits (V2's default, 100 s, leaves ours: MEGATRON_EP_TIMEOUT_S); the torch backend has none
             nodes["timeout_s"] = float(num_gpu_timeout_secs)
         # ids unchecked (no host sync, as V2): a repeated expert in a token is one more slot, and an id
         # outside [0, num_experts) an unused slot, on both backends
@@ -246,7 +246,7 @@ class ElasticBuffer:
         self._worst_reserved = 0  # the most worst-case rows reserved for (_reserve)
         self._destroyed = False
         # allow_multiple_reduction=False: expanded combines sum every slot's row (single_reduction),
-        # except on the cuda internode path, whose in-node stage sums per rank before the RDMA hop
+        # except on the cuda internode path, whose intranode stage sums per rank before the RDMA hop
         self._single_reduction = not self.allow_multiple_reduction and not (nodes and self.runtime.backend == "cuda")
         if self.rank == 0:
             log.info("megatron_ep.deep_ep: DeepEP V2's ElasticBuffer on megatron_ep (%s backend, %d ranks)",
@@ -455,7 +455,7 @@ class ElasticBuffer:
                 if weights is not None:
                     weights.masked_fill_(pad, 0)
             if scales is not None and packed:
-                from ..fp8 import pack_ue8m0
+                from ..core.fp8 import pack_ue8m0
 
                 scales = pack_ue8m0(scales, checked=False)
             if scales is not None and use_tma_sf:

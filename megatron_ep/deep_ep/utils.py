@@ -7,7 +7,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..types import EventOverlap as _OurEvent
+from ..core.types import EventOverlap as _OurEvent
 
 
 class EventHandle:

@@ -19,15 +19,15 @@ second derivative reaches it.
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from ..autograd import refuse_second_derivative
-from ..permute import padded_counts, padded_host_counts, round_up
+from ..core import envs
+from ..core.autograd import refuse_second_derivative
+from ..core.permute import padded_counts, padded_host_counts, round_up
 from .layout import GroupedLayout
 
 BACKENDS = ("deepgemm", "grouped_mm", "loop")
@@ -72,7 +72,7 @@ GEMM_ENV = "MEGATRON_EP_GEMM_BACKEND"
 
 def gemm_backend_from_env() -> str:
     """MEGATRON_EP_GEMM_BACKEND ("auto" when unset or empty); a value that names no backend raises."""
-    raw = os.environ.get(GEMM_ENV, "")
+    raw = envs.raw(GEMM_ENV) or ""
     value = raw.strip() or "auto"
     if value != "auto" and value not in BACKENDS:
         raise ValueError(f"{GEMM_ENV}={raw!r} names no grouped GEMM backend: use one of {', '.join(BACKENDS)} or auto")

@@ -17,8 +17,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from ..autograd import refuse_gradient
-from ..checks import fail
+from ..core.autograd import refuse_gradient
+from ..core.checks import fail
 from .fp8_weights import Fp8, per_block_cast_to_fp8
 from .mlp import expert_mlp_masked
 

@@ -32,7 +32,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from ..fp8 import CAST_CHUNK_ELEMS, FP8_MAX
+from ..core.fp8 import CAST_CHUNK_ELEMS, FP8_MAX
 
 Fp8 = Tuple[torch.Tensor, torch.Tensor]
 

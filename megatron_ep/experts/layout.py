@@ -15,7 +15,7 @@ from typing import List, Optional
 
 import torch
 
-from ..permute import expert_rows_of
+from ..core.permute import expert_rows_of
 
 
 @dataclass
@@ -32,7 +32,7 @@ class GroupedLayout:
     @classmethod
     def of(cls, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> "GroupedLayout":
         """Layout of dispatched rows `x`; picks up the row ids / alignment a dispatcher attached
-        with megatron_ep.permute.attach_expert_rows (the hybridep manager does)."""
+        with megatron_ep.core.permute.attach_expert_rows (the hybridep manager does)."""
         rows = expert_rows_of(x)
         if rows is None:
             return cls(tokens_per_expert, x.shape[0])

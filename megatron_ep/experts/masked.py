@@ -29,8 +29,8 @@ from typing import Optional, Union
 
 import torch
 
-from ..autograd import refuse_gradient
-from ..fp8 import per_token_cast_back
+from ..core.autograd import refuse_gradient
+from ..core.fp8 import per_token_cast_back
 from .backends import deep_gemm_module, grouped_linear
 from .fp8_weights import Fp8, fp8_weights, per_block_cast_to_fp8  # noqa: F401 (per_block_cast_to_fp8: re-exported)
 from .layout import GroupedLayout

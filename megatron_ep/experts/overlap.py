@@ -1,5 +1,5 @@
 """Routed experts with their communication under the expert GEMMs: the tokens cut into chunks,
-each chunk its own dispatch, expert MLP and combine (megatron_ep/model/overlap.py, mechanism
+each chunk its own dispatch, expert MLP and combine (megatron_ep/tools/model/overlap.py, mechanism
 "chunks": every chunk pays a call's fixed cost, in exchange for no kernel change).
 
 Every call is asynchronous (``async_op=True``): the communication runs on the buffer's stream and
@@ -16,7 +16,7 @@ C(c - 1) and D(c + 1) run under G(c), and G(c) waits only for D(c).
 The chunks' GEMMs leave ``comm_sms`` SMs free (``backends.sms_left_free``): a persistent GEMM
 kernel sizes its grid to the SMs it may take and holds them until it ends, so without the
 carveout a transfer issued beside it waits for SMs instead of running under it. The buffer's
-stream has a high priority for the same reason (megatron_ep/cuda/runtime.py, COMM_STREAM_PRIORITY).
+stream has a high priority for the same reason (megatron_ep/backends/cuda/runtime.py, COMM_STREAM_PRIORITY).
 
 Backward is one autograd node for the whole layer (``_ChunkedExperts``) that runs the same
 schedule on the gradients: the backward of a combine (a cached dispatch of the output gradient),
@@ -48,10 +48,10 @@ from typing import Callable, List, Optional
 import torch
 import torch.nn.functional as F
 
-from ..autograd import refuse_second_derivative
-from ..checks import WEIGHT_DTYPES, check_int, fail
-from ..permute import worst_case_segments
-from ..types import EventOverlap
+from ..core.autograd import refuse_second_derivative
+from ..core.checks import WEIGHT_DTYPES, check_int, fail
+from ..core.permute import worst_case_segments
+from ..core.types import EventOverlap
 from .backends import sms_left_free
 from .layout import GroupedLayout
 from .mlp import expert_mlp
@@ -60,7 +60,7 @@ from .mlp import expert_mlp
 # The most chunks a layer may take. Each chunk pays a dispatch's and a combine's fixed price (the
 # calls' launches and their handshakes with every peer, also for an empty chunk), while what the
 # chunks hide is at most the layer's communication: past a handful of chunks the fixed prices grow
-# faster than the hidden time shrinks (megatron_ep.model.overlap searches 1..16 pieces for the
+# faster than the hidden time shrinks (megatron_ep.tools.model.overlap searches 1..16 pieces for the
 # same reason), so a larger count only costs.
 MAX_CHUNKS = 16
 
@@ -262,7 +262,7 @@ def chunked_expert_mlp(buffer, x: torch.Tensor, topk_idx: torch.Tensor, probs: t
     ``"dispatched"`` (its dispatch issued), ``"started"`` (the caller's stream made to wait for
     its rows: what the stream runs next is its GEMMs), ``"computed"`` (its expert MLP issued) and
     ``"combined"`` (its combine issued), in the order of ``schedule(chunks)``: a timeline hook,
-    e.g. recording a CUDA event on the current stream (scripts/bench_overlap.py does).
+    e.g. recording a CUDA event on the current stream (scripts/bench overlap does).
     ``on_dispatch(chunk, out)`` sees each chunk's DispatchOutput once the caller's stream waits for
     it, before its GEMMs: work it queues on the current stream reads the finished outputs (e.g. to
     count ``out.num_dropped`` of a worst-case sized one).

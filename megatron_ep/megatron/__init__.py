@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from .. import envs
+from ..core import envs
 from . import compat
 
 logger = logging.getLogger(__name__)

@@ -44,7 +44,7 @@ def choose(option: Optional[str], option_name: str) -> Tuple[str, Optional[str]]
 
 def resolve(option: Optional[str], option_name: str) -> Tuple[str, Optional[str]]:
     """choose(), a bad value of the variable as a command's usage error (one line)."""
-    from ..cli import UsageError
+    from ..tools.cli import UsageError
 
     try:
         return choose(option, option_name)

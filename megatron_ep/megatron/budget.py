@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import envs
-from ..checks import check_capacity_factor
-from ..permute import round_up
+from ..core import envs
+from ..core.checks import check_capacity_factor
+from ..core.permute import round_up
 
 ENV = "MEGATRON_EP_RANK_CAPACITY_FACTOR"  # the launcher's --ep-budget sets it
 

@@ -18,8 +18,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .. import envs
-from ..buffer import Buffer, cuda_backend_available
+from ..core import envs
+from ..core.buffer import Buffer, cuda_backend_available
 from . import backend as backend_env
 
 _BUFFERS: Dict[Tuple[object, str], Buffer] = {}  # (group, backend); keeps the group alive

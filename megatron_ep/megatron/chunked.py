@@ -22,7 +22,7 @@ dispatch and combine nodes pass their tokens through, the experts node runs the 
 pipeline with the probs it is handed (their gradient goes back through the dispatch node to the
 router), so the layer's communication hides under its own chunks there, not under the other
 micro-batch. Same losses and gradients as the ordinary schedule (CPU, megatron-core 0.16.1 and
-0.19.2: tests/test_megatron_layer.py::test_ep_overlap_schedule_with_chunked_experts_matches). Not
+0.19.2: tests/megatron/test_megatron_layer.py::test_ep_overlap_schedule_with_chunked_experts_matches). Not
 with fp8 / fp4 there (refused): megatron-core 0.19's schedule then frees the experts node's input,
 here the layer's normalized tokens, which the router and shared experts still need.
 """
@@ -33,8 +33,8 @@ import types
 
 import torch
 
-from .. import envs
-from ..checks import check_int
+from ..core import envs
+from ..core.checks import check_int
 from ..experts.overlap import MAX_CHUNKS
 
 

@@ -70,9 +70,9 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..checks import fail
+from ..core.checks import fail
 from ..experts.decode_layer import decode_moe
-from ..permute import routing_map_to_topk
+from ..core.permute import routing_map_to_topk
 from . import compat
 from .buffers import fail_call, get_buffer
 

@@ -19,9 +19,9 @@ import torch
 
 from megatron.core.transformer.moe.token_dispatcher import _DispatchManager
 
-from .. import autograd as ep
-from ..checks import routing_inputs_error, routing_tokens_error
-from ..permute import padded_host_counts, routing_map_error, routing_map_to_topk
+from ..core import autograd as ep
+from ..core.checks import routing_inputs_error, routing_tokens_error
+from ..core.permute import padded_host_counts, routing_map_error, routing_map_to_topk
 from . import compat
 from .budget import env_factor
 from .buffers import fail_dispatch, get_buffer

@@ -44,9 +44,9 @@ import torch.distributed as dist
 from megatron.core.transformer.moe.moe_utils import get_capacity
 from megatron.core.transformer.moe.token_dispatcher import _DispatchManager
 
-from .. import autograd as ep
-from ..checks import capturing, check_capacity_factor, routing_inputs_error, routing_tokens_error
-from ..permute import (attach_expert_rows, routed_pairs, routed_past_topk, routing_map_error,
+from ..core import autograd as ep
+from ..core.checks import capturing, check_capacity_factor, routing_inputs_error, routing_tokens_error
+from ..core.permute import (attach_expert_rows, routed_pairs, routed_past_topk, routing_map_error,
                        routing_map_to_topk, worst_case_segments)
 from . import compat
 from .budget import agree_max, all_reduce_small, budget_rows, env_factor, reduces_on_device
@@ -128,7 +128,7 @@ class MegatronEPHybridEPManager(_DispatchManager):
                                          num_experts=self.num_experts, capacity_factor=self.capacity_factor)
 
     def _topk_routing(self, probs: Optional[torch.Tensor] = None):
-        """Routing map -> top-k indices and their probs (megatron_ep.permute's rule), the probs
+        """Routing map -> top-k indices and their probs (megatron_ep.core.permute's rule), the probs
         taken from `probs` [T, num_experts] when given, else from token_probs. Derived here rather
         than in setup_metadata so a CUDA-graph replay of the preprocess, which restores only
         routing_map / token_probs, still dispatches correctly."""

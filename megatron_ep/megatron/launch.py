@@ -23,7 +23,7 @@ Options (before SCRIPT; every argument after SCRIPT is the script's):
 
 Environment: MEGATRON_EP_BACKEND (auto | torch | cuda; see docs/megatron.md; a bad value is refused,
 and --ep-backend wins over it), the other MEGATRON_EP_* variables the managers read (a bad value
-is refused before the script runs), MEP_DEBUG_TRACEBACK=1 (the traceback of a failure to
+is refused before the script runs), MEGATRON_EP_DEBUG_TRACEBACK=1 (the traceback of a failure to
 install, not just one line). The script's own errors are reported by the script, as without
 this launcher; megatron-core's notes that Apex / Transformer Engine are not installed are hidden,
 as in our other commands."""
@@ -41,7 +41,7 @@ PROG = "python -m megatron_ep.megatron.launch"
 
 
 def _parser() -> argparse.ArgumentParser:
-    from megatron_ep import cli
+    from megatron_ep.tools import cli
 
     from ..experts.overlap import MAX_CHUNKS
     from .backend import BACKENDS
@@ -91,7 +91,7 @@ def _check_hybridep_options(options, script_args) -> None:
     """--ep-budget and --ep-chunks act on the flex hybridep manager only: refused here, before the
     script runs, when the script's own arguments pick another dispatcher (with a YAML config they
     do not say: the managers and layers then refuse at model construction)."""
-    from megatron_ep import cli
+    from megatron_ep.tools import cli
 
     ours = [o for o, v in (("--ep-budget", options.ep_budget), ("--ep-chunks", options.ep_chunks)) if v]
     if not ours or "--yaml-cfg" in script_args:
@@ -107,7 +107,7 @@ def _check_hybridep_options(options, script_args) -> None:
 
 
 def _prepare(script: str, options, script_args=()) -> None:
-    from megatron_ep import cli
+    from megatron_ep.tools import cli
 
     cli.check(os.path.isfile(script), f"no such script: {script} (the first argument after the options is the training "
                                       "script, e.g. $MEGATRON_LM_DIR/pretrain_gpt.py)")
@@ -148,7 +148,7 @@ def main(argv=None) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0
-    from megatron_ep import cli
+    from megatron_ep.tools import cli
 
     cli.require("torch", prog=PROG)
     cli.quiet()  # megatron-core's notes about Apex / Transformer Engine, as our other commands

@@ -28,7 +28,7 @@ def use_in_moe_layers(experts: str = "megatron", gemm: Optional[str] = None, chu
     earlier choice."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    from ..checks import check_int, fail
+    from ..core.checks import check_int, fail
 
     fail(experts in EXPERTS, f"experts must be one of {EXPERTS}, got {experts!r}")
     from ..experts.overlap import MAX_CHUNKS

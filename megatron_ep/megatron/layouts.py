@@ -15,11 +15,11 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ..permute import place
+from ..core.permute import place
 
 
 class LocalPermute:
-    """Rank-major rows -> expert-major rows, placed by megatron_ep.permute (the one owner)."""
+    """Rank-major rows -> expert-major rows, placed by megatron_ep.core.permute (the one owner)."""
 
     def __init__(self, topk_idx: torch.Tensor, num_local_experts: int, align: int, host_counts: Optional[List[int]] = None):
         pl = place(topk_idx, num_local_experts, align, host_counts)

@@ -35,8 +35,8 @@ torch backend (NCCL all-to-all). The NVSHMEM settings are those an InfiniBand cl
 `megatron_ep.megatron.launch` installs megatron_ep's flex managers into megatron-core and then
 runs pretrain_gpt.py unchanged as `__main__`, so the managers are in place before Megatron builds
 the model. Every flag this file passes is checked against Megatron's configuration classes by
-tests/test_recipes.py. Standard library only: it must run where megatron_ep is not importable;
-the rules it shares with megatron_ep (switches, backend names) come from megatron_ep/envs.py and
+tests/megatron/test_recipes.py. Standard library only: it must run where megatron_ep is not importable;
+the rules it shares with megatron_ep (switches, backend names) come from megatron_ep/core/envs.py and
 megatron_ep/megatron/backend.py, loaded by their paths (both are standard library only).
 """
 
@@ -64,7 +64,7 @@ def _repo_module(name: str, path: str):
     return module
 
 
-envs = _repo_module("_launch_envs", "megatron_ep/envs.py")  # the one switch parser
+envs = _repo_module("_launch_envs", "megatron_ep/core/envs.py")  # the one switch parser
 backend_env = _repo_module("_launch_backend", "megatron_ep/megatron/backend.py")  # MEGATRON_EP_BACKEND's rule
 MEGATRON_LM_PLACEHOLDER = "$MEGATRON_LM_DIR"  # dry run without a checkout: left to the shell
 
@@ -184,11 +184,11 @@ def _env_int(name: str, default):
         raise SystemExit(f"launch.sh: error: the environment's {name}={value!r} is not an integer") from None
 
 
-DEBUG_ENV = "MEP_DEBUG_TRACEBACK"
+DEBUG_ENV = "MEGATRON_EP_DEBUG_TRACEBACK"
 
 
 class _Parser(argparse.ArgumentParser):
-    """One line on a bad argument (argparse prints the whole usage first); megatron_ep.cli
+    """One line on a bad argument (argparse prints the whole usage first); megatron_ep.tools.cli
     does the same for the other entry points, but this file must run without megatron_ep."""
 
     def error(self, message):
@@ -499,7 +499,7 @@ def _stdout_closed() -> int:
 
 if __name__ == "__main__":
     try:
-        envs.check_switches()  # MEP_DEBUG_TRACEBACK among them: one parser, one rule
+        envs.check_switches()  # MEGATRON_EP_DEBUG_TRACEBACK among them: one parser, one rule
     except ValueError as e:
         print(f"launch.sh: error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -510,7 +510,7 @@ if __name__ == "__main__":
             sys.stdout.flush()
     except BrokenPipeError:
         sys.exit(_stdout_closed())
-    except Exception as e:  # one line (the traceback with MEP_DEBUG_TRACEBACK=1), as every entry point
+    except Exception as e:  # one line (the traceback with MEGATRON_EP_DEBUG_TRACEBACK=1), as every entry point
         if envs.flag(DEBUG_ENV):
             raise
         sys.exit(f"launch.sh: error: {type(e).__name__}: {e} ({DEBUG_ENV}=1 shows the traceback)")

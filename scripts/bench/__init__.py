@@ -1,6 +1,16 @@
-"""The benchmarks' shared code; scripts/bench_normal.py and scripts/bench_low_latency.py are
-thin entry points over it, and scripts/ab_throughput.py uses its report writer.
+"""The benchmarks, each run by name through this folder's __main__.py (`python3 scripts/bench
+NAME`; scripts/ab_throughput.py, the A/B runs, is the one entry outside it), and their shared
+code.
 
+Benchmarks (`scripts/bench NAME`):
+    normal        the normal paths' kernels against NCCL, DeepEP and the copy roofline
+    low_latency   the low-latency (decode) path, against DeepEP's (`low-latency`)
+    host          host cost per call, natively, through megatron_ep.deep_ep and DeepEP V1
+    overlap       chunked experts against one round: the forward timeline and the model
+    link          the NVLink roofline between two GPUs
+    gemm          the routed-expert GEMMs
+
+Shared code:
     harness       process set-up (ranks, GPUs, ports), timing (CUDA events, warm-up, medians),
                   torch.profiler kernel times, CUDA graphs
     internals     the only place benchmarks touch megatron_ep internals (phase trace, pool
@@ -10,11 +20,10 @@ thin entry points over it, and scripts/ab_throughput.py uses its report writer.
     megatron_ops  megatron-core's moe_utils permute / unpermute / sort_chunks (or a copy)
     nccl          NCCL all-to-all baselines (Megatron's alltoall dispatcher, plain all-to-alls)
     deepep        DeepEP V1 (intranode and low-latency kernels), when `deep_ep` imports
-    normal        the normal-path bench body (scripts/bench_normal.py)
-    normal_report its console tables and markdown table
-    model_check   its internode model check (megatron_ep.model against the run)
-    low_latency   the low-latency bench body and tables (scripts/bench_low_latency.py)
+    normal_report the normal bench's console tables and markdown table
+    model_check   its internode model check (megatron_ep.tools.model against the run)
+    host_canned   the host bench's --canned run (our calls' Python over recorded crossings)
 
-The entry points put this folder's parent (scripts/) and the checkout on sys.path;
-`python3 scripts/bench NAME` (this folder's __main__.py) runs any of them by name.
+__main__.py puts the checkout and scripts/ first on sys.path, so the benchmarks import this
+package as `bench`; a benchmark runs as the main module, as a script would.
 """

@@ -15,14 +15,15 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = os.path.dirname(HERE)
-# name -> (the entry script under scripts/, what it measures)
+ROOT = os.path.dirname(SCRIPTS)
+# name -> (its file, relative to scripts/; what it measures)
 BENCHES = {
-    "normal": ("bench_normal.py", "the normal paths' dispatch and combine kernels against NCCL, DeepEP and the copy roofline"),
-    "low-latency": ("bench_low_latency.py", "the low-latency dispatch and combine (decode), against DeepEP's"),
-    "host": ("bench_host.py", "host cost per call of every op, natively, through megatron_ep.deep_ep and DeepEP V1"),
-    "overlap": ("bench_overlap.py", "chunked experts against one round: the forward timeline and the model"),
-    "link": ("bench_link.py", "the NVLink roofline between two GPUs (copy engine, SM stores, bulk copies)"),
-    "gemm": ("bench_expert_gemm.py", "the routed-expert GEMMs (DeepGEMM, torch._grouped_mm, the loop)"),
+    "normal": ("bench/normal.py", "the normal paths' dispatch and combine kernels against NCCL, DeepEP and the copy roofline"),
+    "low-latency": ("bench/low_latency.py", "the low-latency dispatch and combine (decode), against DeepEP's"),
+    "host": ("bench/host.py", "host cost per call of every op, natively, through megatron_ep.deep_ep and DeepEP V1"),
+    "overlap": ("bench/overlap.py", "chunked experts against one round: the forward timeline and the model"),
+    "link": ("bench/link.py", "the NVLink roofline between two GPUs (copy engine, SM stores, bulk copies)"),
+    "gemm": ("bench/gemm.py", "the routed-expert GEMMs (DeepGEMM, torch._grouped_mm, the loop)"),
     "ab": ("ab_throughput.py", "Megatron A/B throughput runs across dispatcher backends"),
 }
 
@@ -41,10 +42,15 @@ def main(argv) -> int:
     if argv[0] not in BENCHES:
         print(f"unknown benchmark {argv[0]!r}\n\n{usage()}", file=sys.stderr)
         return 2
+    # this checkout's megatron_ep and the `bench` package first; not this folder's modules as
+    # top-level names (`host`, `link`). Spawned ranks inherit this path.
+    sys.path[:] = [ROOT, SCRIPTS] + [p for p in sys.path if os.path.abspath(p or ".") not in (HERE, ROOT, SCRIPTS)]
+    from megatron_ep.tools import cli  # standard library only
+
+    # every benchmark needs torch: one line, not a traceback, where it is missing
+    cli.require("torch", prog=f"scripts/bench {argv[0]}")
     path = os.path.join(SCRIPTS, BENCHES[argv[0]][0])
-    # the entry sees itself as run directly: its own path first on sys.path, not this folder's
-    # modules as top-level names
-    sys.path[:] = [SCRIPTS] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
+    # the benchmark runs as the main module, as a script would: spawned ranks run its file first
     sys.argv = [path] + list(argv[1:])
     runpy.run_path(path, run_name="__main__")
     return 0

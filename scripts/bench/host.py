@@ -32,6 +32,11 @@ ranks) for `ours`; the DeepEP API's internode path needs nodes of 8 ranks, so `d
 `deepep` are left out there.
 
 Only same-run ratios count: absolute host times move between runs of the same machine kind.
+
+    python3 scripts/bench host --ranks 2                  # one GPU under MPS, or two GPUs
+    python3 scripts/bench host --ranks 2 --profile 25     # with each op's top 25 functions
+    python3 scripts/bench host --cpu                      # CPU: checks the script
+    python3 scripts/bench host --canned                   # CPU, one process: our calls' Python alone
 """
 
 from __future__ import annotations
@@ -44,6 +49,11 @@ import statistics
 import sys
 import time
 from typing import Optional
+
+# The ranks of --base's implementation import that checkout's megatron_ep: the variable is set for
+# their spawn alone, and a spawned process runs this file (its main module) before anything else.
+if os.environ.get("MEP_BENCH_CHECKOUT"):
+    sys.path.insert(0, os.environ["MEP_BENCH_CHECKOUT"])
 
 import torch
 import torch.distributed as dist
@@ -59,7 +69,7 @@ LL_MAX_TOKENS = 256
 
 
 def parse(argv=None, description=None):
-    p = argparse.ArgumentParser(description=description)
+    p = argparse.ArgumentParser(prog="scripts/bench host", description=description)
     p.add_argument("--ranks", type=int, default=2, help="processes (rank r on GPU r %% visible; default 2)")
     p.add_argument("--tokens", type=lambda s: [int(v) for v in s.split(",")], default=[128, 4096],
                    help="tokens per rank, a comma list (default 128,4096)")
@@ -76,6 +86,10 @@ def parse(argv=None, description=None):
     p.add_argument("--phases", action="store_true",
                    help="ours and deep_ep on the cuda backend: the steps of each one-crossing entry (notify_call, "
                         "dispatch_call, combine_call), µs per call over 20 calls, from the extension's own clock")
+    p.add_argument("--kernels", action="store_true",
+                   help="the GPU time of each kernel per call over 20 back-to-back calls (torch.profiler), every "
+                        "implementation: which kernel a loop's time waits for (a new routing's host wait is its "
+                        "notify on the GPU, the peer's included)")
     p.add_argument("--ranks-per-node", type=int, default=None, metavar="P",
                    help="our Buffer's ranks_per_node: below --ranks, our two-level internode path over "
                         "--ranks / P virtual nodes (ours only; default: one node)")
@@ -85,11 +99,12 @@ def parse(argv=None, description=None):
                    help="DeepEP's own low-latency calls too (its NVSHMEM needs one process per GPU; off by default)")
     p.add_argument("--rounds", type=int, default=2,
                    help="runs of every implementation, in alternating order, each in fresh processes; figures are "
-                        "medians over them (default 2; --profile and --phases come from the first)")
+                        "medians over them (default 2; --profile, --phases and --kernels come from the first)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per implementation (default 900)")
     p.add_argument("--base", default=None, metavar="DIR",
                    help="another checkout with its extension built (python3 setup.py build_ext --inplace there): "
-                        "adds the implementation `base`, that checkout's megatron_ep.Buffer, to the run")
+                        "adds the implementation `base`, that checkout's megatron_ep.Buffer, to the run (its package laid "
+                        "out as this one's: megatron_ep.core, megatron_ep.tools)")
     p.add_argument("--canned", action="store_true",
                    help="only the Python of our calls (native and megatron_ep.deep_ep), in this process on CPU, each "
                         "crossing returning a saved result (bench/host_canned.py); no GPU")
@@ -110,6 +125,10 @@ def parse(argv=None, description=None):
         a.base = os.path.abspath(a.base)
         if not os.path.isdir(os.path.join(a.base, "megatron_ep")):
             p.error(f"--base {a.base}: no megatron_ep package there")
+        # this bench's ranks import the package by role (megatron_ep.core, megatron_ep.tools)
+        if not all(os.path.isdir(os.path.join(a.base, "megatron_ep", d)) for d in ("core", "tools")):
+            p.error(f"--base {a.base}: its megatron_ep is laid out before megatron_ep/core and megatron_ep/tools, "
+                    "which this bench imports: take a later commit")
     P = a.ranks_per_node
     if P is not None and not (1 <= P <= a.ranks and a.ranks % P == 0):
         p.error(f"--ranks-per-node {P} must divide --ranks {a.ranks}")
@@ -117,7 +136,7 @@ def parse(argv=None, description=None):
     if a.internode and any(i not in ("ours", "base") for i in a.impls):
         if "ours" not in a.impls:
             p.error("--ranks-per-node below --ranks measures ours only: add it to --impls")
-        print(f"bench_host: --ranks-per-node {P}: only ours (and base) are measured (the DeepEP API's internode "
+        print(f"scripts/bench host: --ranks-per-node {P}: only ours (and base) are measured (the DeepEP API's internode "
               f"path needs nodes of 8 ranks)", flush=True)
         a.impls = [i for i in a.impls if i in ("ours", "base")]
     if a.cpu:
@@ -176,13 +195,25 @@ def profile_op(fn, top: int, device, calls: int = 20) -> str:
     return "\n".join(out) + "\n"
 
 
+def kernels_op(fn, calls: int = 20) -> str:
+    """Each kernel's GPU µs per call over `calls` back-to-back calls of `fn` (torch.profiler), the
+    longest first, and the host's µs per call of that loop (the profiler adds to it)."""
+    got = harness.kernel_profile(fn, calls)
+    rows = sorted(got["kernels"].items(), key=lambda kv: -kv[1][0])
+    out = [f"{us:8.1f} µs  {n:4.1f} per call  {name}" for name, (us, n) in rows]
+    gpu = sum(us for us, _ in got["kernels"].values())
+    out.append(f"kernels: {gpu:.1f} µs of GPU time per call; the loop's host: {got['host_us_per_call']:.1f} µs per call "
+               "(under the profiler)")
+    return "\n".join(out) + "\n"
+
+
 def phases_op(fn, buf, device, calls: int = 20) -> Optional[str]:
     """The steps of each one-crossing entry `calls` calls of `fn` made, µs per call, from the
-    extension's clock (megatron_ep.tracing.host_steps), and the host time of those calls outside
+    extension's clock (megatron_ep.tools.tracing.host_steps), and the host time of those calls outside
     it (Python, the crossings' argument and result conversions, the previous call's objects
     freed); None where nothing was timed (the torch backend, the low-latency calls, DeepEP's own
     Buffer)."""
-    from megatron_ep import tracing
+    from megatron_ep.tools import tracing
 
     buf = getattr(buf, "runtime", buf)  # megatron_ep.deep_ep's Buffer: our Buffer inside
     if not hasattr(buf, "_backend"):
@@ -295,6 +326,10 @@ def worker(rank, a, impl, port, queue):
                 text = phases_op(fns[op], fns["_buffer"], device) if a.phases and a.first_round else None
                 if text and rank == 0:
                     res[(T, op, "phases")] = text
+                if a.kernels and a.first_round and device.type == "cuda":  # collective, as the op is
+                    text = kernels_op(fns[op])
+                    if rank == 0:
+                        res[(T, op, "kernels")] = text
             dist.barrier()
             close()
         queue.put((rank, res, None))
@@ -337,7 +372,7 @@ def over_rounds(runs: list) -> dict:
 
 def _run_impl(a, impl: str):
     """One implementation's ranks (run_ranks' answer); `base`'s import --base's checkout, which
-    scripts/bench_host.py puts first on their path (MEP_BENCH_CHECKOUT, inherited at spawn)."""
+    this file puts first on their path (MEP_BENCH_CHECKOUT, set for their spawn)."""
     from unittest import mock  # (patch.dict: the environment as it was afterwards)
 
     with mock.patch.dict(os.environ, {"MEP_BENCH_CHECKOUT": a.base} if impl == "base" else {}):
@@ -351,7 +386,7 @@ def main(a) -> int:
         print(host_canned.run())
         return 0
     if not a.cpu and not torch.cuda.is_available():
-        print("bench_host: no CUDA GPU here; --cpu checks the script on CPU processes (figures mean nothing)")
+        print("scripts/bench host: no CUDA GPU here; --cpu checks the script on CPU processes (figures mean nothing)")
         return 2
     path = f"internode, {a.ranks // a.ranks_per_node} nodes of {a.ranks_per_node}" if a.internode else "one node"
     print(f"host cost per call ({path}): ranks {a.ranks}, tokens {a.tokens}, hidden {a.hidden}, top-{a.topk} of {a.experts}, "
@@ -381,3 +416,7 @@ def main(a) -> int:
             if len(key) == 3:
                 print(f"\n--- {key[2]}: {impl}, T={key[0]}, {key[1]} ---\n{text}")
     return 1 if failed and not results else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(parse(description=__doc__.split("\n")[0])))

@@ -1,8 +1,8 @@
 """`bench host --canned`: the Python of our calls alone, natively and through megatron_ep.deep_ep,
 on this machine's CPU, with no GPU.
 
-The cuda intranode path runs over the recorder of tests/test_intranode_path.py (a path per Buffer),
-and the low-latency path over tests/test_low_latency_path.py's, each extension entry returning one
+The cuda intranode path runs over the recorder of tests/unit/test_intranode_path.py (a path per Buffer),
+and the low-latency path over tests/unit/test_low_latency_path.py's, each extension entry returning one
 saved result, so what is timed is the DeepEP layer, Buffer's call scope, the replays, the path's
 plan and the handle: everything of a call's host time but its crossings' own steps, their argument
 and result conversions and the freeing of their outputs. One process, one rank, a small routing
@@ -43,11 +43,11 @@ def _canned(entries, names) -> None:
 def _buffers():
     """A one-rank Buffer, and a megatron_ep.deep_ep Buffer, whose cuda backends are the intranode
     path over the recorder, each entry returning its first result again."""
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    sys.path[:0] = [os.path.join(ROOT, "tests", "unit"), os.path.join(ROOT, "tests", "support")]  # the recorders, their helpers
     import megatron_ep as mep
-    from megatron_ep import buffer as B
+    from megatron_ep.core import buffer as B
     from megatron_ep import deep_ep
-    from megatron_ep.cuda.backend import CudaBackend
+    from megatron_ep.backends.cuda.backend import CudaBackend
     import test_intranode_path as rec
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -76,13 +76,13 @@ def _buffers():
 
 
 def _low_latency_path():
-    """The cuda low-latency path over tests/test_low_latency_path.py's recorder (8 experts, 16
+    """The cuda low-latency path over tests/unit/test_low_latency_path.py's recorder (8 experts, 16
     tokens, hidden 256, top-4 on one rank), each crossing returning its first result again."""
     import types
 
-    from megatron_ep.cuda import extension as ext, nvshmem
-    from megatron_ep.cuda.paths import low_latency as LL
-    from megatron_ep.cuda.sm_budget import SmBudget
+    from megatron_ep.backends.cuda import extension as ext, nvshmem
+    from megatron_ep.backends.cuda.paths import low_latency as LL
+    from megatron_ep.backends.cuda.sm_budget import SmBudget
     import test_low_latency_path as llrec
 
     real = ext.load_nvshmem()

@@ -1,5 +1,5 @@
 """The benchmarks' two reaches past public APIs. What they measure of megatron_ep itself goes
-through its public `megatron_ep.tracing`; what is left here is:
+through its public `megatron_ep.tools.tracing`; what is left here is:
 
     guarded(call)          a measurement through a hook that may fail: None ("n/a") instead
     comm_manager(disp)     megatron-core's private `token_dispatcher._comm_manager`

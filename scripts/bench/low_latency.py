@@ -1,12 +1,42 @@
-"""The low-latency (decode) bench body (scripts/bench_low_latency.py describes what it
-measures): options, routing, our path's runs (CUDA graphs, kernel times, trace stamps), the
-torch backend's, the rank worker (one set of processes per implementation), and the tables."""
+"""Benchmark of the low-latency (decode) path (a script, not a test).
+
+R processes, decode shape: T tokens per rank (a comma list, default 128,32,1), hidden 7168, top-8
+of 256 experts (uniform random routing, distinct experts per token), FP8 dispatch (--bf16-dispatch: bf16 rows), bf16 combine.
+Rank r runs on GPU r % (GPUs visible): one process per GPU when there are enough GPUs, else
+virtual ranks sharing a GPU (run those under MPS, docs/design.md §5). Each implementation runs in its own
+set of processes (DeepEP and ours both start NVSHMEM, once per process):
+
+  ours     megatron_ep's cuda low-latency path (public API): dispatch, combine, dispatch+combine,
+           and dispatch+combine with recv hooks (send half, then the hook), each captured as a
+           CUDA graph of --loop back-to-back calls (GPU time, no Python launch overhead; the
+           kernels' own signals keep the ranks in step)
+  torch    the torch backend's low-latency path over NCCL (eager: it syncs with the host)
+  nccl     all_to_all_single of the same messages (one FP8 message of H + H/128*4 + 16 bytes per
+           valid (token, expert), 2H bf16 bytes back), splits known in advance (eager)
+  deepep   DeepEP V1's low-latency kernels, if `deep_ep` imports (never part of this repository):
+           eager loops of the same four calls (its graph capture failed here; the table marks
+           these rows "eager": at 1-32 tokens they include its host launch overhead)
+torch, nccl and deepep need one GPU per process (NCCL refuses several ranks on one GPU).
+
+Kernel time (ours and deepep): the kernels of about --kernel-iters calls under torch.profiler (ours:
+replays of the CUDA graphs above; deepep: eager calls), median per kernel (DeepEP's own
+accounting), with the hook's send and receive halves apart.
+
+Each figure is the median over --reps repetitions of (time of --loop back-to-back calls) / loop,
+timed with CUDA events after --warmup calls. GB/s is DeepEP's accounting per rank: valid
+(token, expert) pairs x (H + H/128*4 + 16) bytes for dispatch, x 2H for combine, / time.
+
+    python3 scripts/bench low-latency --ranks 2 --markdown /tmp/ll.md   # 2 GPUs, one rank each
+    python3 scripts/bench low-latency --ranks 4                         # one GPU under MPS
+    python3 scripts/bench low-latency --smoke                           # CPU: checks the script
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
+import sys
 import traceback
 
 from bench import harness  # first: it sets the NCCL environment before torch loads
@@ -15,11 +45,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import megatron_ep as mep  # noqa: E402
-from megatron_ep.fp8 import per_token_cast_back  # noqa: E402
+from megatron_ep.core.fp8 import per_token_cast_back  # noqa: E402
 
 from bench import deepep, nccl, report  # noqa: E402
-from megatron_ep import tracing  # noqa: E402
-from megatron_ep.tracing import low_latency_points  # noqa: E402
+from megatron_ep.tools import tracing  # noqa: E402
+from megatron_ep.tools.tracing import low_latency_points  # noqa: E402
 from bench.report import md_line, md_rule  # noqa: E402
 
 # ours-merged: the weights given at dispatch; ours-mask: the rank mask on (nobody masked), the
@@ -29,7 +59,7 @@ IMPLS = ("ours", "ours-merged", "ours-mask", "torch", "nccl", "deepep")
 
 def parse(argv=None, description=None):
     """The options (`description`: the --help text above them); --smoke sets its small shape."""
-    p = argparse.ArgumentParser(description=description)
+    p = argparse.ArgumentParser(prog="scripts/bench low-latency", description=description)
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--tokens", type=lambda s: [int(v) for v in s.split(",")], default=[128, 32, 1])
     p.add_argument("--hidden", type=int, default=7168)
@@ -309,3 +339,7 @@ def main(a) -> int:
     report.write_markdown(a.markdown, md)
     report.write_json(a.json, {k: v[0] for k, v in results.items()})
     return 1 if results.get("ours", (True, None))[0] is None and not results["ours"][1].startswith("skipped") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(parse(description=__doc__.split("\n")[0])))

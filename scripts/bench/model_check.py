@@ -1,4 +1,4 @@
-"""The normal path's model check (--ranks-per-node): megatron_ep.model's exact per-link bytes of
+"""The normal path's model check (--ranks-per-node): megatron_ep.tools.model's exact per-link bytes of
 the run's routing against the bench's own counts (a disagreement is a bug: the run fails), and
 a time check: per-SM rates calibrated on one measured op per direction predict the others."""
 
@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_ep import model as MODEL
+from megatron_ep.tools import model as MODEL
 
 from bench.harness import fp8_row_bytes, mean_over_ranks
 
 
 def model_check(args, allres, key, row_bytes, ref_key=None) -> str:
-    """The "model check" block (--ranks-per-node): megatron_ep.model's exact per-link bytes of
+    """The "model check" block (--ranks-per-node): megatron_ep.tools.model's exact per-link bytes of
     this run's routing against the bench's own counts, and the time check (`_model_times`):
     rates calibrated on one measured op per direction predict the others; those of SM count
     `ref_key` predict this one. Raises after printing when an exact count disagrees (a bug, not
@@ -24,7 +24,7 @@ def model_check(args, allres, key, row_bytes, ref_key=None) -> str:
         c = MODEL.LinkCount(R, P, row_bytes, *[o["links"][f] for f in MODEL.LINK_FIELDS])
         lc = c if lc is None else lc + c
     mb = lambda v: f"{v / 1e6:.2f} MB"  # noqa: E731
-    lines = [f"  model check (megatron_ep.model, {R // P} nodes x {P} ranks, bf16 rows of {row_bytes} B; per rank "
+    lines = [f"  model check (megatron_ep.tools.model, {R // P} nodes x {P} ranks, bf16 rows of {row_bytes} B; per rank "
              f"mean [min, max]):"]
 
     def span(vals):
@@ -51,7 +51,7 @@ def model_check(args, allres, key, row_bytes, ref_key=None) -> str:
     text = "\n".join(lines)
     if bad:
         print(text)
-        raise AssertionError("bench_normal model check: exact counts disagree: " + "; ".join(bad))
+        raise AssertionError("scripts/bench normal, model check: exact counts disagree: " + "; ".join(bad))
     return text
 
 
@@ -92,13 +92,13 @@ def _check_lines(chk, note="") -> list:
 
 
 def _model_times(args, allres, key, ref_key, lc) -> list:
-    """The time check: per-SM rates of the RDMA hop, the in-node stage and the local work
+    """The time check: per-SM rates of the RDMA hop, the intranode stage and the local work
     calibrated on ONE measured operation per direction (its phase marks) predict the others
-    from this run's exact rows (megatron_ep.model's stages); rates calibrated at the first SM
+    from this run's exact rows (megatron_ep.tools.model's stages); rates calibrated at the first SM
     count predict the others; the SM split if the two copy stages ran at once."""
     R, H = len(allres), args.hidden
     bf16, fp8 = 2 * H, fp8_row_bytes(H)
-    rows = sum(lc.recv_rows) / R  # the in-node stage delivers the rank-major rows (own ones included)
+    rows = sum(lc.recv_rows) / R  # the intranode stage delivers the rank-major rows (own ones included)
     pairs = sum(lc.deepep_rdma) / R  # what the RDMA-domain kernels handle (the own node's copy local)
     erows = sum(r["sms"][key]["rows_expert_major"] for r in allres) / R
 
@@ -112,18 +112,18 @@ def _model_times(args, allres, key, ref_key, lc) -> list:
 
     sms, blocks, known = sizes(key)
     if not sms:
-        return ["    times: n/a (no SM count: torch backend, no phase marks; tests/test_model.py checks the time check "
+        return ["    times: n/a (no SM count: torch backend, no phase marks; tests/tools/test_model.py checks the time check "
                 "on recorded GPU figures)"]
-    out = [f"    times (µs per call and rank, loop mode, mean over ranks; megatron_ep.model's stages): RDMA hop on "
-           f"{blocks} blocks{'' if known else ' (assumed = SMs: internal hook n/a)'}, in-node stage on {sms} SMs, local "
+    out = [f"    times (µs per call and rank, loop mode, mean over ranks; megatron_ep.tools.model's stages): RDMA hop on "
+           f"{blocks} blocks{'' if known else ' (assumed = SMs: internal hook n/a)'}, intranode stage on {sms} SMs, local "
            f"work (fan-out) on the rank's GPU share; rates calibrated on ONE op per direction, the rest predicted "
            f"from this run's rows x row bytes"]
     checks, rates_of = [], {}
-    # code that reordered after the in-node stage (a "reorder" mark) had local work on every op
+    # code that reordered after the intranode stage (a "reorder" mark) had local work on every op
     ph0 = _phase_means(allres, key, "dispatch_cached") or {}
     reorder = "reorder" in ph0
     if reorder:
-        out.append("    (the measured path reorders after its in-node stage: a 'reorder' phase; modelled as local work)")
+        out.append("    (the measured path reorders after its intranode stage: a 'reorder' phase; modelled as local work)")
     dw = lambda row, sk=sms, bk=blocks, **kw: MODEL.dispatch_stage_work(pairs, rows, row, bk, sk, reorder=reorder, **kw)  # noqa: E731
     cw = lambda sk=sms, bk=blocks, **kw: MODEL.combine_stage_work(pairs, rows, H, bk, sk, reorder=reorder, **kw)  # noqa: E731
 
@@ -155,7 +155,7 @@ def _model_times(args, allres, key, ref_key, lc) -> list:
         rates_of[op] = r
         out.append(f"    {label}: calibrated on the {what} (its phases {_stages_text(m, ', ')}; call "
                    f"{c:.1f}): RDMA hop {r.rdma_per_sm:.1f} GB/s per block ((token, node) pairs x {unit_rows} B), "
-                   f"in-node stage {r.node_per_sm:.1f} GB/s per SM (rank-major rows x {unit_rows} B), local "
+                   f"intranode stage {r.node_per_sm:.1f} GB/s per SM (rank-major rows x {unit_rows} B), local "
                    + (f"{r.local_gbps:.0f} GB/s (bytes read + written)" if r.local_gbps is not None
                       else "none (no local work)"))
         return r
@@ -186,8 +186,8 @@ def _model_times(args, allres, key, ref_key, lc) -> list:
         em = _phase_means(allres, key, "combine_expert")
         partials = em is None or "reduce" in em
         predict("expert-major", "combine_expert", cw(expert_rows=erows, partials=partials), rc,
-                (" (reorder of the expert rows; " if reorder else " (") + ("fp32 partials cross the in-node stage)"
-                                                                           if partials else "every expert row crosses the in-node stage)"))
+                (" (reorder of the expert rows; " if reorder else " (") + ("fp32 partials cross the intranode stage)"
+                                                                           if partials else "every expert row crosses the intranode stage)"))
     if ref_key is not None and ref_key != key:
         rsms, rblocks, _ = sizes(ref_key)
         out.append(f"    SM sweep: rates calibrated at {rsms} SMs ({rblocks} blocks) predict {sms} SMs ({blocks} blocks); "
@@ -218,7 +218,7 @@ def _model_times(args, allres, key, ref_key, lc) -> list:
                              rdma_link_bytes=remote)
         seq = MODEL.predict_stages(work, r)
         out.append(f"    if the stages were fused/overlapped ({label}, calibrated rates): split {sms} SMs as {s.rdma_sms} "
-                   f"RDMA hop / {s.node_sms} in-node stage -> {s.time_us:.1f} µs (ideal {s.ideal_us:.1f}; one after the "
+                   f"RDMA hop / {s.node_sms} intranode stage -> {s.time_us:.1f} µs (ideal {s.ideal_us:.1f}; one after the "
                    f"other on all {sms}: {seq.rdma_us + seq.node_us:.1f}); bound by {s.bound.describe()}; over a "
                    f"{nic:g} GB/s NIC carrying the {remote / 1e6:.2f} MB of remote rows: {sn.rdma_sms} / {sn.node_sms} -> "
                    f"{sn.time_us:.1f} µs, bound by {sn.bound.describe()}")
@@ -226,9 +226,9 @@ def _model_times(args, allres, key, ref_key, lc) -> list:
     if rd is not None and intra is not None:
         rate = MODEL.per_sm_gbps(rows, bf16, intra, sms)
         out.append(f"    not a check: the intranode path (one node of all ranks, same run) cached dispatch {intra:.1f} µs -> "
-                   f"{rate:.3g} GB/s per SM; the calibrated RDMA hop / in-node stage rates are {rd.rdma_per_sm / rate:.2f}x / "
+                   f"{rate:.3g} GB/s per SM; the calibrated RDMA hop / intranode stage rates are {rd.rdma_per_sm / rate:.2f}x / "
                    f"{rd.node_per_sm / rate:.2f}x it")
-    out.append("    assumptions: the stages run one after the other (the marks of one stream); hop and in-node stage "
+    out.append("    assumptions: the stages run one after the other (the marks of one stream); hop and intranode stage "
                "SM-bound at their per-SM rates (virtual nodes: NVSHMEM P2P over NVLink, no NIC); local work at one "
                "per-GPU rate per direction (bytes read + written, independent of --num-sms); the expert-major combine's "
                "pre-reduction takes the staging copy's place (its read of the expert rows has no term); the first "

@@ -1,6 +1,52 @@
-"""The normal-path bench body (scripts/bench_normal.py describes what it measures): options,
-inputs, our backend's runs at each SM count, the rank worker that runs ours and the
-competitors, and the launch."""
+"""Benchmark of the normal path: intranode, or internode on virtual nodes with --ranks-per-node
+(a script, not a test).
+
+R processes, each with the training shape: T tokens, hidden H, top-K of E experts (uniform
+random routing), bf16 and FP8 dispatch, bf16 combine. Rank r runs on GPU r % (GPUs visible):
+one process per GPU when there are enough GPUs, else virtual ranks sharing a GPU (run those
+under MPS, docs/design.md §5). A gloo group is the control group (barriers, IPC-handle exchange); our
+kernels and DeepEP's move the data themselves.
+
+Measured in the same run, at every SM count of --num-sms (a comma list: an SM sweep):
+  ours     megatron_ep's cuda backend (public API; phase timings and the notify kernel alone
+           through two marked internal hooks, "n/a" when those are missing)
+  deepep   DeepEP V1's intranode kernels at the same SM count (`deep_ep.Buffer.set_num_sms`),
+           if `deep_ep` imports (built on the GPU machine from a fetched snapshot, never part
+           of this repository)
+and once (no SM knob: NCCL picks its own channels):
+  nccl     what Megatron-core's alltoall dispatcher does (MoEAlltoAllTokenDispatcher, non-fused
+           path, no Transformer Engine): one row per (token, expert) pair permuted by expert
+           (`moe_utils.permute`: index_select), count all-gather + device-to-host sync,
+           `all_to_all_single` of rows and probs, `sort_chunks_by_idxs` into local-expert order;
+           combine = the reverse sort, the reverse all-to-all and `unpermute` (bf16 scatter_add_,
+           as Megatron does). Also the same all-to-all over the rank-major rows ours and DeepEP
+           send (one row per (token, rank) pair), the all-to-alls alone, and FP8-byte variants
+           (uint8 rows of H + H/128*4 bytes). Needs one GPU per process (NCCL refuses several
+           ranks on one GPU): "skipped (virtual ranks)" otherwise. Uses megatron-core's own
+           moe_utils when it imports, else a copy of 0.16.1's non-fused code.
+  copy     a plain device copy of the bytes this rank receives (the HBM roofline on one GPU)
+  permute  an index_select of the received rows into the expert-major layout
+Each op is timed two ways with CUDA events: "us" = median of --iters isolated calls (all ranks
+released together by a gloo barrier), "us loop" = mean over --iters calls back to back (the
+ops' own handshakes keep the ranks in step). Ops whose input must be refreshed before each call
+(zero-copy combine) have only the isolated figure. GB/s is DeepEP's accounting: received rows x
+row bytes / loop time (rows from the rank itself included; Megatron's rows for its own ops).
+
+With --ranks-per-node: a "model check" per SM count -- megatron_ep.tools.model's exact per-link bytes
+of this run's routing (equal to the bench's own RDMA count and to the rows delivered, or the run
+fails), and a time check: per-SM rates of the RDMA hop, the intranode stage and the local reorder,
+calibrated on one op's phase marks per direction (bf16 cached rank-major dispatch; rank-major
+combine), predict the other ops from the exact rows (FP8, with notify, expert-major), and those
+of the first SM count predict the others; plus the SM split if the two copy stages were fused.
+Below --ranks the intranode path runs too (its per-SM rate, for context).
+
+Output: a console table per SM count, the NCCL table, baseline checks (the NCCL paths deliver
+exactly our rows), and a markdown table for docs/performance.md (--markdown FILE also writes it).
+
+    python3 scripts/bench normal --ranks 2 --num-sms 8,16,24            # 2 GPUs, one rank each
+    python3 scripts/bench normal --ranks 4 --num-sms 8,16,24            # one GPU under MPS
+    python3 scripts/bench normal --smoke                                # CPU: checks the script
+"""
 
 from __future__ import annotations
 
@@ -14,10 +60,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import megatron_ep as mep  # noqa: E402
-from megatron_ep import model as MODEL  # noqa: E402
+from megatron_ep.tools import model as MODEL  # noqa: E402
 
 from bench import baselines, deepep, internals, nccl, normal_report, report  # noqa: E402
-from megatron_ep import tracing  # noqa: E402
+from megatron_ep.tools import tracing  # noqa: E402
 
 FULL = dict(ranks=4, tokens=4096, hidden=7168, experts=256, topk=8, alignment=128, iters=25, warmup=5)
 SMOKE = dict(ranks=2, tokens=64, hidden=256, experts=16, topk=4, alignment=8, iters=3, warmup=1)
@@ -36,7 +82,7 @@ def _sm_list(text: str):
 def parse(argv=None, description=None):
     """The options (`description`: the --help text above them), with the shape's defaults
     filled in (full or --smoke) and checked against each other."""
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="scripts/bench normal", description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, help=f"processes (default {FULL['ranks']}; --smoke {SMOKE['ranks']})")
     p.add_argument("--num-sms", type=_sm_list, default=[24],
                    help="SMs per rank for our kernels and DeepEP's, a comma list for a sweep, e.g. 8,16,24 "
@@ -77,7 +123,7 @@ def node_pairs(idx: torch.Tensor, E: int, nodes: int) -> int:
 
 
 def phases(buf, timer, fn, setup=None):
-    """Median time of each kernel phase of one op, from the events of `megatron_ep.tracing.phases`
+    """Median time of each kernel phase of one op, from the events of `megatron_ep.tools.tracing.phases`
     (the gaps include waits for peers and for the host); "(loop)" keys: back to back."""
     samples = {}
     last = []
@@ -310,5 +356,9 @@ def worker(rank, args, port):
 
 def main(args):
     if not args.smoke and not torch.cuda.is_available():
-        sys.exit("bench_normal: no GPU visible (use --smoke for the CPU check of the script)")
+        sys.exit("scripts/bench normal: no GPU visible (use --smoke for the CPU check of the script)")
     harness.spawn(worker, (args, harness.free_port()), args.ranks)
+
+
+if __name__ == "__main__":
+    main(parse(description=__doc__))

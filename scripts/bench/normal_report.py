@@ -99,7 +99,7 @@ def report(args, allres):
     r0 = allres[0]
     rows_mean = lambda get: sum(get(r) for r in allres) / R  # noqa: E731
     row_bytes = {"bf16": r0["bytes_row_bf16"], "fp8": r0["bytes_row_fp8"], None: None}
-    print(f"\nbench_normal: {R} ranks x {args.tokens} tokens, hidden {args.hidden}, top-{args.topk} of {args.experts}, "
+    print(f"\nscripts/bench normal: {R} ranks x {args.tokens} tokens, hidden {args.hidden}, top-{args.topk} of {args.experts}, "
           f"alignment {args.alignment}; median of {args.iters} isolated calls / mean of {args.iters} back to back")
     print(f"  machine: {r0['machine']}")
     if r0.get("deepep_error"):
@@ -224,7 +224,7 @@ def markdown(args, allres, base) -> str:
     M = sum(r["sms"][str(sms[0])]["rows_expert_major"] for r in allres) / R if sms else float("nan")
     deepep = r0.get("deepep_error") or r0.get("deepep_label")
     lines = [
-        f"### bench_normal, {now}",
+        f"### scripts/bench normal, {now}",
         "",
         f"Command: `{_command()}`",
         "",

@@ -1,7 +1,7 @@
 """Loaded at interpreter start (Python imports `sitecustomize` from its path) by
 `scripts/deepep_tests.py --cpu`: DeepEP's test files, written for CUDA, run on CPU processes, so
 the DeepEP API layer of megatron_ep.deep_ep and the torch backend under it can be checked before a
-GPU run (the kernels are not exercised). Acts only with MEP_CUDA_AS_CPU=1:
+GPU run (the kernels are not exercised). Acts only with MEGATRON_EP_CUDA_AS_CPU=1:
 
   * every `device=` naming CUDA, `Tensor.cuda()` and `Tensor.to("cuda")` give the CPU
     (torch.overrides.TorchFunctionMode, entered for the process's main thread);
@@ -16,9 +16,9 @@ import os
 
 
 def _envs():
-    """megatron_ep/envs.py by its path (standard library only: this runs before anything else)."""
+    """megatron_ep/core/envs.py by its path (standard library only: this runs before anything else)."""
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "megatron_ep",
-                        "envs.py")
+                        "core", "envs.py")
     spec = importlib.util.spec_from_file_location("_megatron_ep_envs", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -26,7 +26,7 @@ def _envs():
 
 
 envs = _envs()
-if envs.flag("MEP_CUDA_AS_CPU"):
+if envs.flag("MEGATRON_EP_CUDA_AS_CPU"):
     import torch
     from torch.overrides import TorchFunctionMode
 
