@@ -26,6 +26,7 @@ from . import checks
 from . import logfmt
 from . import protocol
 from .errors import BufferBusyError, CallMismatchError
+from .replay import low_latency_combine_shape
 from ..backends.torch import TorchBackend
 from .requests import CombineRequest, DispatchRequest
 from .types import (
@@ -608,9 +609,7 @@ class Buffer:
             replay = getattr(self._impl, "ll_combine_replay", None)
             if replay is not None and not self._destroyed and handle.buffer_id == self.id \
                     and replay.held[0] is combine_wait_recv_cost_stats and replay.matches_routing(
-                        x, topk_idx, topk_weights, (handle.backend, handle.num_experts, handle.max_tokens_per_rank,
-                                                    handle.hidden, handle.topk, handle.num_tokens, handle.num_ranks,
-                                                    recv_hook)):
+                        x, topk_idx, topk_weights, low_latency_combine_shape(handle, recv_hook)):
                 with _CallScope(self, "low_latency_combine", replay.sig) as call:
                     if self._ids_level != checks.IDS_UNCHECKED:
                         checks.check_same_routing(topk_idx, handle.topk_idx, handle.topk_idx_version,

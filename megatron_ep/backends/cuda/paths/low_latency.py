@@ -46,7 +46,7 @@ from ....core import protocol
 from ..extension import load_nvshmem
 from ....core.checks import FP8_BLOCK, MAX_LOW_LATENCY_BYTES, fail, tensor_version
 from ....core.types import LowLatencyDispatchOutput, LowLatencyHandle
-from ....core.replay import Replay
+from ....core.replay import Replay, low_latency_combine_shape
 from .nvshmem_path import NvshmemPath, signature_hash
 
 LIMIT_BYTES = MAX_LOW_LATENCY_BYTES  # per rank, both sets (checks.py owns it)
@@ -298,7 +298,7 @@ class LowLatencyPath(NvshmemPath):
         res = self._return(call, x, topk_idx, topk_weights, handle, return_recv_hook, out, wait_stats, use_logfmt)
         if out is None and not use_logfmt and not hooks.active():  # (a test's output hook takes the full call)
             self.combine_replay = Replay(sig, self._replay_combine, x, topk_weights, topk_idx,
-                                         _combine_shape(handle, return_recv_hook), (wait_stats,))
+                                         low_latency_combine_shape(handle, return_recv_hook), (wait_stats,))
         return res
 
     def _replay_combine(self, call: protocol.Call, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -388,10 +388,3 @@ _DEFAULTS = dict(num_experts=256, max_tokens=128, hidden=7168, topk=8, fp8_only=
 # the rank mask's options, not capacity: rank_mask must be equal on every rank (checked in _merge),
 # mask_timeout_s is each rank's own
 _MASK_OPTIONS = ("rank_mask", "mask_timeout_s")
-
-
-def _combine_shape(handle: LowLatencyHandle, return_recv_hook: bool) -> tuple:
-    """What a combine's checks read of its handle (and the receive hook), as a replay matches it:
-    handles of one shape pass them alike."""
-    return (handle.backend, handle.num_experts, handle.max_tokens_per_rank, handle.hidden, handle.topk,
-            handle.num_tokens, handle.num_ranks, return_recv_hook)
