@@ -227,10 +227,13 @@ def graph_of(fn, loop):
 
 
 # ------------------------------------------------------------------------- kernel times
-def kernel_profile(fn, iters):
+def kernel_profile(fn, iters, paced=False):
     """Per-kernel trace of `fn` called back to back (torch.profiler, CUPTI): GPU µs per call of
     each kernel, and the host's µs per call (wall time of the loop without a sync inside: where
-    the host is slower than the GPU, this is what a loop of calls costs)."""
+    the host is slower than the GPU, this is what a loop of calls costs). A kernel that waits for
+    its peers counts their lateness too; `paced` starts every call after a sync and a barrier,
+    so each kernel's time is its own work plus the ranks' start skew at the barrier (the host
+    figure then includes both)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -238,8 +241,12 @@ def kernel_profile(fn, iters):
     torch.cuda.synchronize()
     dist.barrier()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        dist.barrier()  # inside: the profiler's start takes a different time on each rank
         t0 = time.perf_counter()
         for _ in range(iters):
+            if paced:
+                torch.cuda.synchronize()
+                dist.barrier()
             fn()
         host = (time.perf_counter() - t0) / iters * 1e6
         torch.cuda.synchronize()

@@ -87,9 +87,9 @@ def parse(argv=None, description=None):
                    help="ours and deep_ep on the cuda backend: the steps of each one-crossing entry (notify_call, "
                         "dispatch_call, combine_call), µs per call over 20 calls, from the extension's own clock")
     p.add_argument("--kernels", action="store_true",
-                   help="the GPU time of each kernel per call over 20 back-to-back calls (torch.profiler), every "
-                        "implementation: which kernel a loop's time waits for (a new routing's host wait is its "
-                        "notify on the GPU, the peer's included)")
+                   help="the GPU time of each kernel per call (torch.profiler), every implementation: over 20 "
+                        "back-to-back calls (which kernel a loop's time waits for, a peer's lateness included), "
+                        "then over 20 calls one at a time, each after a sync and a barrier (a kernel's own work)")
     p.add_argument("--ranks-per-node", type=int, default=None, metavar="P",
                    help="our Buffer's ranks_per_node: below --ranks, our two-level internode path over "
                         "--ranks / P virtual nodes (ours only; default: one node)")
@@ -196,14 +196,20 @@ def profile_op(fn, top: int, device, calls: int = 20) -> str:
 
 
 def kernels_op(fn, calls: int = 20) -> str:
-    """Each kernel's GPU µs per call over `calls` back-to-back calls of `fn` (torch.profiler), the
-    longest first, and the host's µs per call of that loop (the profiler adds to it)."""
-    got = harness.kernel_profile(fn, calls)
-    rows = sorted(got["kernels"].items(), key=lambda kv: -kv[1][0])
-    out = [f"{us:8.1f} µs  {n:4.1f} per call  {name}" for name, (us, n) in rows]
-    gpu = sum(us for us, _ in got["kernels"].values())
-    out.append(f"kernels: {gpu:.1f} µs of GPU time per call; the loop's host: {got['host_us_per_call']:.1f} µs per call "
-               "(under the profiler)")
+    """Each kernel's GPU µs per call (torch.profiler), the longest first: over `calls` back-to-back
+    calls of `fn`, with the host's µs per call of that loop (the profiler adds to it), then over
+    `calls` calls one at a time (each after a sync and a barrier), where a kernel that waits for
+    its peers no longer counts a peer's host time, only the ranks' start skew."""
+    out = []
+    for paced, title in ((False, "back to back"), (True, "one at a time")):
+        got = harness.kernel_profile(fn, calls, paced=paced)
+        rows = sorted(got["kernels"].items(), key=lambda kv: -kv[1][0])
+        out.append(f"{title}:")
+        out += [f"{us:8.1f} µs  {n:4.1f} per call  {name}" for name, (us, n) in rows]
+        gpu = sum(us for us, _ in got["kernels"].values())
+        host = f"the loop's host: {got['host_us_per_call']:.1f} µs per call (under the profiler)" if not paced else \
+            "each call after a sync and a barrier"
+        out.append(f"kernels: {gpu:.1f} µs of GPU time per call; {host}")
     return "\n".join(out) + "\n"
 
 
