@@ -126,8 +126,18 @@ def _ops_deep_ep(buf, rec, x, idx, w) -> dict:
 
     recv_x, _, _, _, handle, _ = dispatch()
     recv_x = recv_x.clone()
-    return {"dispatch": dispatch, "cached_dispatch": lambda: buf.dispatch(x, handle=handle),
-            "combine": lambda: buf.combine(recv_x, handle)}
+    ops = {"dispatch": dispatch, "cached_dispatch": lambda: buf.dispatch(x, handle=handle),
+           "combine": lambda: buf.combine(recv_x, handle)}
+    # the low-latency calls over a canned path of their own (the Buffer was made without
+    # low_latency_mode: its NVSHMEM part is the canned path)
+    buf.runtime._impl._ll, llrec = _low_latency_path()
+    buf.low_latency_mode = True
+    lx, lidx, lw = llrec._inputs()
+    ll_x, _, ll_handle, _, _ = buf.low_latency_dispatch(lx, lidx, 16, 8, use_fp8=True)
+    ll_rows = torch.zeros(ll_x[0].shape, dtype=torch.bfloat16)
+    ops["ll_dispatch"] = lambda: buf.low_latency_dispatch(lx, lidx, 16, 8, use_fp8=True)
+    ops["ll_combine"] = lambda: buf.low_latency_combine(ll_rows, lidx, lw, ll_handle)
+    return ops
 
 
 def run(reps: int = 15, loop: int = 200) -> str:
