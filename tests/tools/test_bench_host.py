@@ -18,9 +18,8 @@ def test_canned_run_times_every_op_natively_and_through_deep_ep():
     p = _bench("--canned")
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     rows = {line.split("|")[1].strip(): line for line in p.stdout.splitlines() if line.startswith("| ")}
-    for op in ("dispatch", "cached_dispatch", "combine"):
+    for op in ("dispatch", "cached_dispatch", "combine", "ll_dispatch", "ll_combine"):
         assert op in rows and rows[op].rstrip().endswith("x |"), p.stdout  # ours, deep_ep and their ratio
-    assert "ll_dispatch" in rows and "ll_combine" in rows, p.stdout
 
 
 def test_cpu_run_measures_each_implementation_and_round(tmp_path):
