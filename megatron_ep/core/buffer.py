@@ -180,6 +180,8 @@ class Buffer:
         self.max_tokens_per_rank = max_tokens_per_rank
         self._ids_level = checks.check_inputs_level(check_inputs)
         self._ll_shapes: set = set()  # low-latency dispatch shapes whose sizes were checked
+        # (shape, device, options) of the last get_dispatch_layout whose checks passed, or None
+        self._layout_shape: Optional[tuple] = None
         self.check_inputs = check_inputs
         if ranks_per_node is not None:
             if not (isinstance(ranks_per_node, int) and 1 <= ranks_per_node <= self.num_ranks
@@ -312,6 +314,13 @@ class Buffer:
         (check_inputs): here the check costs a host sync; ids outside [0, num_experts) unchecked
         count as unused slots. counts_dtype: torch.int64 or torch.int32 (DeepEP's) for the two
         count tensors."""
+        memo = self._layout_shape
+        if memo is not None and type(topk_idx) is torch.Tensor and (check_values is False or check_values is True) \
+                and type(num_experts) is int and memo[0] == topk_idx.shape and memo[1] == topk_idx.device \
+                and memo[2] == (num_experts, check_values, counts_dtype) and topk_idx.dtype == torch.int64 \
+                and topk_idx.is_contiguous() and not self._destroyed:
+            # the shape and options of the last layout, whose checks passed (no value check then)
+            return self._impl.layout(topk_idx, num_experts, counts_dtype)
         checks.check_num_experts(num_experts, self.num_ranks)
         checks.fail(isinstance(topk_idx, torch.Tensor), "topk_idx must be a tensor", TypeError)
         checks.check_topk_idx(topk_idx, topk_idx.shape[0] if topk_idx.dim() else -1, topk_idx.device)
@@ -321,6 +330,9 @@ class Buffer:
             raise TypeError(f"counts_dtype must be torch.int64 or torch.int32, got {counts_dtype}")
         if self._ids_level == checks.IDS_CHECKED and check_values:
             checks.check_topk_values(topk_idx, num_experts)
+            self._layout_shape = None  # (each such layout checks its values: a host sync)
+        else:
+            self._layout_shape = (topk_idx.shape, topk_idx.device, (num_experts, check_values, counts_dtype))
         return self._backend().layout(topk_idx, num_experts, counts_dtype)
 
     # ---------------------------------------------------------------------------- dispatch

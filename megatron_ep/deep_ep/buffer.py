@@ -294,14 +294,17 @@ class Buffer:
         async_finish, allocate_on_comm_stream = _stream_args(previous_event, async_finish, allocate_on_comm_stream)
         _check_config(config)
         self._hand_sms(config)
-        prev = to_ours(previous_event)
-        if _needs_row_major_copy(x) or (handle is None and topk_idx is None):
+        prev = None if previous_event is None else to_ours(previous_event)
+        pair = isinstance(x, tuple)  # (a bf16 tensor needs none of the FP8 pair's steps below)
+        if (pair and _needs_row_major_copy(x)) or (handle is None and topk_idx is None):
             # the wrapper's own work on this stream (the scales' copy, the stand-in ids) must come
             # after previous_event, and our kernels after that work: this stream waits for the
             # event, then ours for this stream
             prev = _join(previous_event)
-        x, packed = _unpacked_scales(x)
-        x = _row_major_scales(x)
+        packed = False
+        if pair:
+            x, packed = _unpacked_scales(x)
+            x = _row_major_scales(x)
         if handle is not None:
             assert topk_idx is None and topk_weights is None
             assert isinstance(handle, Handle), "handle must come from megatron_ep.deep_ep's dispatch"
@@ -826,6 +829,8 @@ def _join(previous_event: Optional[EventOverlap]) -> None:
 
 def _stream_args(previous_event, async_finish, allocate_on_comm_stream) -> Tuple[bool, bool]:
     """The two stream flags as DeepEP's binding takes them (config.flag), checked as DeepEP checks them."""
+    if async_finish is False and allocate_on_comm_stream is False:  # (the common call: nothing to convert)
+        return False, False
     async_finish = flag("async_finish", async_finish)
     allocate_on_comm_stream = flag("allocate_on_comm_stream", allocate_on_comm_stream)
     if allocate_on_comm_stream:

@@ -257,3 +257,50 @@ def test_the_routing_replay_keeps_no_tensor_of_the_call_it_replays(buf):
     buf.dispatch(x, _idx(1), torch.rand(T, K), num_experts=E)
     t = buf.path._routing_plan
     assert t.data is None and t.scales is None and t.topk_idx is None and t.topk_weights is None
+
+
+@pytest.mark.parametrize("check_inputs", [True, False])
+def test_a_layout_of_the_same_shape_and_options_skips_its_checks_and_another_is_checked(check_inputs, monkeypatch):
+    """Buffer.get_dispatch_layout (torch backend, one rank): a layout of the shape, device and
+    options of the last one that passed goes straight to the backend; anything else -- another
+    dtype, layout, num_experts or option, or a call that checks the ids' values -- is checked in
+    full and refused as before."""
+    from megatron_ep.core import checks
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        b = mep.Buffer(dist.group.WORLD, backend="torch", check_inputs=check_inputs)
+        seen = []
+        full = checks.check_topk_idx
+        monkeypatch.setattr(checks, "check_topk_idx", lambda *a: seen.append(1) or full(*a))
+        first = b.get_dispatch_layout(IDX, E, check_values=False)
+        again = b.get_dispatch_layout(IDX.clone(), E, check_values=False)
+        assert len(seen) == 1  # the second took the memo
+        for name in ("tokens_per_rank", "tokens_per_expert", "token_in_rank"):
+            assert torch.equal(getattr(first, name), getattr(again, name)), name
+        b.get_dispatch_layout(IDX, E, check_values=False, counts_dtype=torch.int32)
+        b.get_dispatch_layout(IDX[:3].contiguous(), E, check_values=False)
+        assert len(seen) == 3  # other options, another shape: checked
+        b.get_dispatch_layout(IDX[:3].contiguous(), E, check_values=False)
+        assert len(seen) == 3
+        with pytest.raises(TypeError, match="int64"):
+            b.get_dispatch_layout(IDX[:3].to(torch.int32), E, check_values=False)
+        with pytest.raises(ValueError, match="contiguous"):
+            b.get_dispatch_layout(torch.cat([IDX, IDX], 1)[:, ::2][:3], E, check_values=False)
+        with pytest.raises(TypeError, match="check_values must be a bool"):
+            b.get_dispatch_layout(IDX[:3].contiguous(), E, check_values=0)
+        with pytest.raises(TypeError, match="num_experts must be an int"):
+            b.get_dispatch_layout(IDX[:3].contiguous(), float(E), check_values=False)
+        bad = IDX.clone()
+        bad[0, 0] = 99
+        b.get_dispatch_layout(IDX, E)  # check_values=True: with check_inputs=True every such call checks
+        if check_inputs:
+            with pytest.raises(ValueError, match="99"):
+                b.get_dispatch_layout(bad, E)
+        else:  # (nothing checks values: an unknown id counts as an unused slot)
+            assert int(b.get_dispatch_layout(bad, E).tokens_per_expert.sum()) == int((IDX >= 0).sum()) - 1
+        b.destroy()
+        with pytest.raises(RuntimeError, match="destroyed"):
+            b.get_dispatch_layout(IDX, E, check_values=False)
+    finally:
+        dist.destroy_process_group()
