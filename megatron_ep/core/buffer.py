@@ -238,14 +238,15 @@ class Buffer:
         """The host side of one call, alone: a second thread's call meanwhile raises
         BufferBusyError at once, before it sends anything, naming both callers."""
         if not self._busy_lock.acquire(blocking=False):
-            thread, busy_op = self._busy or (None, "a call")
-            thread = "another thread" if thread is None else thread.name
+            ident, busy_op = self._busy or (None, "a call")
+            thread = next((t.name for t in threading.enumerate() if t.ident == ident), "another thread")
             raise BufferBusyError(
                 f"{op} from thread {threading.current_thread().name!r} on Buffer #{self.ordinal} (rank "
                 f"{self.rank}/{self.num_ranks}, backend {self.backend}) while thread {thread!r} is inside its "
                 f"{busy_op}: one rank's calls on a Buffer are one sequence, matched call by call with its peers'; "
                 f"issue them from one thread at a time (this call was not made; the other goes on)")
-        self._busy = (threading.current_thread(), op)  # (its name only when another thread needs it)
+        # (the thread's id: its name is looked up only when another thread needs it)
+        self._busy = (threading.get_ident(), op)
 
     def _release(self) -> None:
         self._busy = None

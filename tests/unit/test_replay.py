@@ -168,6 +168,7 @@ def test_a_replay_from_a_second_thread_meanwhile_is_refused(buf):
     t.join()
     buf._release()
     assert caught and "combine" in str(caught[0].value)
+    assert f"while thread {threading.current_thread().name!r} is inside its combine" in str(caught[0].value)
 
 
 def _idx(seed: int) -> torch.Tensor:
@@ -304,3 +305,32 @@ def test_a_layout_of_the_same_shape_and_options_skips_its_checks_and_another_is_
             b.get_dispatch_layout(IDX, E, check_values=False)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("permute", [False, True])
+@pytest.mark.parametrize("source_index", [False, True])
+def test_a_new_routings_handle_has_each_value_in_its_named_field(buf, permute, source_index):
+    """The intranode path builds the handle positionally (host time): each field holds its own value."""
+    import dataclasses
+
+    align = 4 if permute else 1
+    for seq in (1, 2):  # the full call, then (without source_index) the replay
+        out = buf.dispatch(_x(), _idx(seq), torch.rand(T, K), num_experts=E, permute=permute, expert_alignment=align,
+                           rank_counts=True, source_index=source_index)
+        h, st = out.handle, out.handle.state
+        rows = (out.x[0] if isinstance(out.x, tuple) else out.x).shape[0]
+        want = dict(backend="cuda", num_ranks=buf.path.rt.num_ranks, rank=buf.path.rt.rank, num_experts=E, num_tokens=T, topk=K, permute=permute,
+                    expert_alignment=align, num_recv_rows=rows, tokens_per_expert=st.tokens_per_expert,
+                    topk_idx=st.topk_idx, num_worst_tokens=0, state=st, buffer_id=buf.id, call_seq=seq,
+                    rank_counts=st.rank_counts, recv_rank_counts=st.recv_rank_counts, rank_prefix=st.rank_prefix,
+                    recv_rank_prefix=st.recv_rank_prefix)
+        assert {f.name for f in dataclasses.fields(h)} == set(want) | {"recv_src_token", "recv_slot_row",
+                                                                    "dispatch_replay", "combine_replay"}
+        for name, value in want.items():
+            got = getattr(h, name)
+            assert got is value or (not isinstance(value, torch.Tensor) and got == value), name
+        assert isinstance(h.tokens_per_expert, torch.Tensor) and h.topk_idx is not None and h.rank_counts is not None
+        assert (h.recv_src_token is not None) == source_index
+        assert (h.recv_slot_row is not None) == (source_index and permute)
+        if source_index:
+            assert h.recv_slot_row is None or h.recv_slot_row is st.comb_map
