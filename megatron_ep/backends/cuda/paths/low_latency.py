@@ -273,9 +273,13 @@ class LowLatencyPath(NvshmemPath):
         hook = self._launch(call, s, launch, return_recv_hook)
         out_x, out_s, ue8m0, count, layout_range, packed, src, slot, row_w, pairs = first[0]
         state = _LLState(slot, s, topk_weights, None if w is None else tensor_version(topk_weights), row_w, pairs)
-        handle = LowLatencyHandle(backend="cuda", num_ranks=R, rank=rt.rank, num_experts=num_experts, num_tokens=T, topk=K,
-                                  max_tokens_per_rank=max_tokens_per_rank, hidden=H, layout_range=layout_range,
-                                  src_token=src, state=state, call_seq=call.seq, packed_layout=packed)
+        # (positional, in LowLatencyHandle's field order -- backend, num_ranks, rank, num_experts,
+        # num_tokens, topk, max_tokens_per_rank, hidden, layout_range, packed_layout, src_token,
+        # topk_idx, topk_idx_version, state, buffer_id, call_seq: keywords cost host time every
+        # decode step; tests/unit/test_low_latency_path.py checks every field; Buffer sets topk_idx,
+        # its version and buffer_id)
+        handle = LowLatencyHandle("cuda", R, rt.rank, num_experts, T, K, max_tokens_per_rank, H, layout_range, packed, src,
+                                  None, None, state, 0, call.seq)
         scales = ue8m0.transpose(1, 2) if use_ue8m0 else out_s
         return LowLatencyDispatchOutput((out_x, scales) if use_fp8 else out_x, count, handle, None, hook)
 
