@@ -308,8 +308,9 @@ class Buffer:
         if handle is not None:
             assert topk_idx is None and topk_weights is None
             assert isinstance(handle, Handle), "handle must come from megatron_ep.deep_ep's dispatch"
-            out = self._repacked(self.runtime.dispatch(x, handle=handle.ours, async_op=async_finish, previous_event=prev),
-                                 packed)
+            out = self.runtime.dispatch(x, handle=handle.ours, async_op=async_finish, previous_event=prev)
+            if packed:
+                out = self._repacked(out, packed)
             return out.x, None, None, None, None, _finished(out.event, async_finish)
         assert num_tokens_per_rank is not None and is_token_in_rank is not None and num_tokens_per_expert is not None
         E = num_tokens_per_expert.numel()
@@ -328,7 +329,8 @@ class Buffer:
                                         rank_counts=True)
             counts = [] if num_worst_tokens else _aligned(out.tokens_per_expert_host, expert_alignment)
             recv_idx, recv_w = out.topk_idx, out.topk_weights
-        out = self._repacked(out, packed)
+        if packed:
+            out = self._repacked(out, packed)
         internode = self.group_size > RANKS_PER_NODE  # DeepEP's internode_dispatch and its handle
         prefix, out = self._rank_prefix(out, num_tokens_per_rank, bool(num_worst_tokens), column=internode)
         h = InternodeHandle(out.handle, prefix, is_token_in_rank) if internode else \
