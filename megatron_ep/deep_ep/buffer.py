@@ -446,9 +446,11 @@ class Buffer:
         int32, handle (src_info [L, R*T] int32, layout_range [L, R] int64 = begin << 32 | count,
         T, H, E), event, hook). With return_recv_hook the outputs are valid after hook()."""
         assert self.low_latency_mode
-        use_fp8, round_scale = flag("use_fp8", use_fp8), flag("round_scale", round_scale)
-        use_ue8m0 = flag("use_ue8m0", use_ue8m0)
-        async_finish, return_recv_hook = flag("async_finish", async_finish), flag("return_recv_hook", return_recv_hook)
+        if not (type(use_fp8) is bool and type(round_scale) is bool and type(use_ue8m0) is bool
+                and type(async_finish) is bool and type(return_recv_hook) is bool):  # (bools: nothing to convert)
+            use_fp8, round_scale = flag("use_fp8", use_fp8), flag("round_scale", round_scale)
+            use_ue8m0 = flag("use_ue8m0", use_ue8m0)
+            async_finish, return_recv_hook = flag("async_finish", async_finish), flag("return_recv_hook", return_recv_hook)
         assert not (async_finish and return_recv_hook)
         assert not use_ue8m0 or round_scale
         hooked = return_recv_hook and self.runtime.backend == "cuda"
@@ -532,8 +534,10 @@ class Buffer:
         """(combined_x [M, H]: sum over k of topk_weights[t, k] x the row expert topk_idx[t, k]
         computed for token t, event, hook)."""
         assert self.low_latency_mode
-        use_logfmt, zero_copy = flag("use_logfmt", use_logfmt), flag("zero_copy", zero_copy)
-        async_finish, return_recv_hook = flag("async_finish", async_finish), flag("return_recv_hook", return_recv_hook)
+        if not (type(use_logfmt) is bool and type(zero_copy) is bool and type(async_finish) is bool
+                and type(return_recv_hook) is bool):  # (bools: nothing to convert)
+            use_logfmt, zero_copy = flag("use_logfmt", use_logfmt), flag("zero_copy", zero_copy)
+            async_finish, return_recv_hook = flag("async_finish", async_finish), flag("return_recv_hook", return_recv_hook)
         assert not (async_finish and return_recv_hook)
         assert isinstance(handle, LowLatencyHandle), "handle must come from megatron_ep.deep_ep's low_latency_dispatch"
         assert not (zero_copy and use_logfmt), "zero_copy and use_logfmt are exclusive, as in DeepEP"
