@@ -311,7 +311,7 @@ def test_a_layout_of_the_same_shape_and_options_skips_its_checks_and_another_is_
 @pytest.mark.parametrize("source_index", [False, True])
 def test_a_new_routings_handle_has_each_value_in_its_named_field(buf, permute, source_index):
     """The intranode path builds the handle positionally (host time): each field holds its own value."""
-    import dataclasses
+    from fields import check_fields
 
     align = 4 if permute else 1
     for seq in (1, 2):  # the full call, then (without source_index) the replay
@@ -324,11 +324,7 @@ def test_a_new_routings_handle_has_each_value_in_its_named_field(buf, permute, s
                     topk_idx=st.topk_idx, num_worst_tokens=0, state=st, buffer_id=buf.id, call_seq=seq,
                     rank_counts=st.rank_counts, recv_rank_counts=st.recv_rank_counts, rank_prefix=st.rank_prefix,
                     recv_rank_prefix=st.recv_rank_prefix)
-        assert {f.name for f in dataclasses.fields(h)} == set(want) | {"recv_src_token", "recv_slot_row",
-                                                                    "dispatch_replay", "combine_replay"}
-        for name, value in want.items():
-            got = getattr(h, name)
-            assert got is value or (not isinstance(value, torch.Tensor) and got == value), name
+        check_fields(h, want, {"recv_src_token", "recv_slot_row", "dispatch_replay", "combine_replay"})
         assert isinstance(h.tokens_per_expert, torch.Tensor) and h.topk_idx is not None and h.rank_counts is not None
         assert (h.recv_src_token is not None) == source_index
         assert (h.recv_slot_row is not None) == (source_index and permute)
