@@ -26,6 +26,7 @@ from . import checks
 from . import logfmt
 from . import protocol
 from .errors import BufferBusyError, CallMismatchError
+from .replay import low_latency_combine_shape
 from ..backends.torch import TorchBackend
 from .requests import CombineRequest, DispatchRequest
 from .types import (
@@ -179,6 +180,8 @@ class Buffer:
         self.max_tokens_per_rank = max_tokens_per_rank
         self._ids_level = checks.check_inputs_level(check_inputs)
         self._ll_shapes: set = set()  # low-latency dispatch shapes whose sizes were checked
+        # (shape, device, options) of the last get_dispatch_layout whose checks passed, or None
+        self._layout_shape: Optional[tuple] = None
         self.check_inputs = check_inputs
         if ranks_per_node is not None:
             if not (isinstance(ranks_per_node, int) and 1 <= ranks_per_node <= self.num_ranks
@@ -235,14 +238,15 @@ class Buffer:
         """The host side of one call, alone: a second thread's call meanwhile raises
         BufferBusyError at once, before it sends anything, naming both callers."""
         if not self._busy_lock.acquire(blocking=False):
-            thread, busy_op = self._busy or (None, "a call")
-            thread = "another thread" if thread is None else thread.name
+            ident, busy_op = self._busy or (None, "a call")
+            thread = next((t.name for t in threading.enumerate() if t.ident == ident), "another thread")
             raise BufferBusyError(
                 f"{op} from thread {threading.current_thread().name!r} on Buffer #{self.ordinal} (rank "
                 f"{self.rank}/{self.num_ranks}, backend {self.backend}) while thread {thread!r} is inside its "
                 f"{busy_op}: one rank's calls on a Buffer are one sequence, matched call by call with its peers'; "
                 f"issue them from one thread at a time (this call was not made; the other goes on)")
-        self._busy = (threading.current_thread(), op)  # (its name only when another thread needs it)
+        # (the thread's id: its name is looked up only when another thread needs it)
+        self._busy = (threading.get_ident(), op)
 
     def _release(self) -> None:
         self._busy = None
@@ -311,6 +315,13 @@ class Buffer:
         (check_inputs): here the check costs a host sync; ids outside [0, num_experts) unchecked
         count as unused slots. counts_dtype: torch.int64 or torch.int32 (DeepEP's) for the two
         count tensors."""
+        memo = self._layout_shape
+        if memo is not None and type(topk_idx) is torch.Tensor and (check_values is False or check_values is True) \
+                and type(num_experts) is int and memo[0] == topk_idx.shape and memo[1] == topk_idx.device \
+                and memo[2] == (num_experts, check_values, counts_dtype) and topk_idx.dtype == torch.int64 \
+                and topk_idx.is_contiguous() and not self._destroyed:
+            # the shape and options of the last layout, whose checks passed (no value check then)
+            return self._impl.layout(topk_idx, num_experts, counts_dtype)
         checks.check_num_experts(num_experts, self.num_ranks)
         checks.fail(isinstance(topk_idx, torch.Tensor), "topk_idx must be a tensor", TypeError)
         checks.check_topk_idx(topk_idx, topk_idx.shape[0] if topk_idx.dim() else -1, topk_idx.device)
@@ -320,6 +331,9 @@ class Buffer:
             raise TypeError(f"counts_dtype must be torch.int64 or torch.int32, got {counts_dtype}")
         if self._ids_level == checks.IDS_CHECKED and check_values:
             checks.check_topk_values(topk_idx, num_experts)
+            self._layout_shape = None  # (each such layout checks its values: a host sync)
+        else:
+            self._layout_shape = (topk_idx.shape, topk_idx.device, (num_experts, check_values, counts_dtype))
         return self._backend().layout(topk_idx, num_experts, counts_dtype)
 
     # ---------------------------------------------------------------------------- dispatch
@@ -608,9 +622,7 @@ class Buffer:
             replay = getattr(self._impl, "ll_combine_replay", None)
             if replay is not None and not self._destroyed and handle.buffer_id == self.id \
                     and replay.held[0] is combine_wait_recv_cost_stats and replay.matches_routing(
-                        x, topk_idx, topk_weights, (handle.backend, handle.num_experts, handle.max_tokens_per_rank,
-                                                    handle.hidden, handle.topk, handle.num_tokens, handle.num_ranks,
-                                                    recv_hook)):
+                        x, topk_idx, topk_weights, low_latency_combine_shape(handle, recv_hook)):
                 with _CallScope(self, "low_latency_combine", replay.sig) as call:
                     if self._ids_level != checks.IDS_UNCHECKED:
                         checks.check_same_routing(topk_idx, handle.topk_idx, handle.topk_idx_version,

@@ -81,3 +81,11 @@ class Replay:
         """A copied handle has no replay: the copy's first calls check everything and make their own
         (the backend's bound objects do not copy)."""
         return None
+
+
+def low_latency_combine_shape(handle, return_recv_hook: bool) -> tuple:
+    """What a low-latency combine's checks read of its handle (a LowLatencyHandle) and the receive
+    hook: the backend's replay keeps it, Buffer matches a call's against it (handles of one shape
+    pass those checks alike)."""
+    return (handle.backend, handle.num_experts, handle.max_tokens_per_rank, handle.hidden, handle.topk,
+            handle.num_tokens, handle.num_ranks, return_recv_hook)

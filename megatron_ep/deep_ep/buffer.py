@@ -294,19 +294,23 @@ class Buffer:
         async_finish, allocate_on_comm_stream = _stream_args(previous_event, async_finish, allocate_on_comm_stream)
         _check_config(config)
         self._hand_sms(config)
-        prev = to_ours(previous_event)
-        if _needs_row_major_copy(x) or (handle is None and topk_idx is None):
+        prev = None if previous_event is None else to_ours(previous_event)
+        pair = isinstance(x, tuple)  # (a bf16 tensor needs none of the FP8 pair's steps below)
+        if (pair and _needs_row_major_copy(x)) or (handle is None and topk_idx is None):
             # the wrapper's own work on this stream (the scales' copy, the stand-in ids) must come
             # after previous_event, and our kernels after that work: this stream waits for the
             # event, then ours for this stream
             prev = _join(previous_event)
-        x, packed = _unpacked_scales(x)
-        x = _row_major_scales(x)
+        packed = False
+        if pair:
+            x, packed = _unpacked_scales(x)
+            x = _row_major_scales(x)
         if handle is not None:
             assert topk_idx is None and topk_weights is None
             assert isinstance(handle, Handle), "handle must come from megatron_ep.deep_ep's dispatch"
-            out = self._repacked(self.runtime.dispatch(x, handle=handle.ours, async_op=async_finish, previous_event=prev),
-                                 packed)
+            out = self.runtime.dispatch(x, handle=handle.ours, async_op=async_finish, previous_event=prev)
+            if packed:
+                out = self._repacked(out, packed)
             return out.x, None, None, None, None, _finished(out.event, async_finish)
         assert num_tokens_per_rank is not None and is_token_in_rank is not None and num_tokens_per_expert is not None
         E = num_tokens_per_expert.numel()
@@ -325,7 +329,8 @@ class Buffer:
                                         rank_counts=True)
             counts = [] if num_worst_tokens else _aligned(out.tokens_per_expert_host, expert_alignment)
             recv_idx, recv_w = out.topk_idx, out.topk_weights
-        out = self._repacked(out, packed)
+        if packed:
+            out = self._repacked(out, packed)
         internode = self.group_size > RANKS_PER_NODE  # DeepEP's internode_dispatch and its handle
         prefix, out = self._rank_prefix(out, num_tokens_per_rank, bool(num_worst_tokens), column=internode)
         h = InternodeHandle(out.handle, prefix, is_token_in_rank) if internode else \
@@ -441,9 +446,11 @@ class Buffer:
         int32, handle (src_info [L, R*T] int32, layout_range [L, R] int64 = begin << 32 | count,
         T, H, E), event, hook). With return_recv_hook the outputs are valid after hook()."""
         assert self.low_latency_mode
-        use_fp8, round_scale = flag("use_fp8", use_fp8), flag("round_scale", round_scale)
-        use_ue8m0 = flag("use_ue8m0", use_ue8m0)
-        async_finish, return_recv_hook = flag("async_finish", async_finish), flag("return_recv_hook", return_recv_hook)
+        if not (type(use_fp8) is bool and type(round_scale) is bool and type(use_ue8m0) is bool
+                and type(async_finish) is bool and type(return_recv_hook) is bool):  # (bools: nothing to convert)
+            use_fp8, round_scale = flag("use_fp8", use_fp8), flag("round_scale", round_scale)
+            use_ue8m0 = flag("use_ue8m0", use_ue8m0)
+            async_finish, return_recv_hook = flag("async_finish", async_finish), flag("return_recv_hook", return_recv_hook)
         assert not (async_finish and return_recv_hook)
         assert not use_ue8m0 or round_scale
         hooked = return_recv_hook and self.runtime.backend == "cuda"
@@ -527,8 +534,10 @@ class Buffer:
         """(combined_x [M, H]: sum over k of topk_weights[t, k] x the row expert topk_idx[t, k]
         computed for token t, event, hook)."""
         assert self.low_latency_mode
-        use_logfmt, zero_copy = flag("use_logfmt", use_logfmt), flag("zero_copy", zero_copy)
-        async_finish, return_recv_hook = flag("async_finish", async_finish), flag("return_recv_hook", return_recv_hook)
+        if not (type(use_logfmt) is bool and type(zero_copy) is bool and type(async_finish) is bool
+                and type(return_recv_hook) is bool):  # (bools: nothing to convert)
+            use_logfmt, zero_copy = flag("use_logfmt", use_logfmt), flag("zero_copy", zero_copy)
+            async_finish, return_recv_hook = flag("async_finish", async_finish), flag("return_recv_hook", return_recv_hook)
         assert not (async_finish and return_recv_hook)
         assert isinstance(handle, LowLatencyHandle), "handle must come from megatron_ep.deep_ep's low_latency_dispatch"
         assert not (zero_copy and use_logfmt), "zero_copy and use_logfmt are exclusive, as in DeepEP"
@@ -826,6 +835,8 @@ def _join(previous_event: Optional[EventOverlap]) -> None:
 
 def _stream_args(previous_event, async_finish, allocate_on_comm_stream) -> Tuple[bool, bool]:
     """The two stream flags as DeepEP's binding takes them (config.flag), checked as DeepEP checks them."""
+    if async_finish is False and allocate_on_comm_stream is False:  # (the common call: nothing to convert)
+        return False, False
     async_finish = flag("async_finish", async_finish)
     allocate_on_comm_stream = flag("allocate_on_comm_stream", allocate_on_comm_stream)
     if allocate_on_comm_stream:

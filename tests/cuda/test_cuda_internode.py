@@ -3,15 +3,13 @@ node) against the dense oracle, on virtual nodes: `ranks_per_node` smaller than 
 groups of ranks act as nodes. R processes on the visible GPU(s) (rank r on GPU r % GPUs; several
 per GPU under MPS, see scripts/gate/gpu_check.sh). Outputs are poisoned before every kernel."""
 
-import os
-
 import pytest
 
 import cases
 import v2_combine_cases
 from case_lists import normal_cases
 from distpool import flat
-from gpu_pools import GPU_MARKS, Alone, GpuPools, Shared, closing, run_alone
+from gpu_pools import GPU_MARKS, Alone, GpuPools, Shared, closing, gate_subset, run_alone
 
 pytestmark = GPU_MARKS
 
@@ -32,9 +30,7 @@ def _sized(cfgs, P, **extra):
 def test_internode_cases(R, P):
     """Every normal-path case (rank- and expert-major, cached, worst-case sized with drops,
     FP8, -1 slots, empty ranks, one expert, combine with weights, round trip)."""
-    selected = normal_cases(R)
-    if os.environ.get("MEP_CASES"):  # a subset, e.g. for the sanitizer runs
-        selected = [selected[int(i)] for i in os.environ["MEP_CASES"].split(",")]
+    selected = gate_subset(normal_cases(R))
     errors = flat(pool_(R).run(cases.run_normal_cases, _sized(selected, P), backend="cuda", device="cuda", timeout=900))
     assert not errors, "\n".join(errors[:20])
 

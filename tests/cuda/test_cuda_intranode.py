@@ -12,7 +12,7 @@ import hostile_cases
 import v2_combine_cases
 from case_lists import FUZZ_REGRESSIONS, normal_cases
 from distpool import flat
-from gpu_pools import GPU_MARKS, Alone, GpuPools, closing, run_alone
+from gpu_pools import GPU_MARKS, Alone, GpuPools, closing, gate_subset, run_alone
 
 pytestmark = GPU_MARKS
 
@@ -24,9 +24,7 @@ _close_pools = closing(POOLS)
 
 @pytest.mark.parametrize("R", [2, 4, 8])
 def test_normal_cases(R):
-    selected = normal_cases(R)
-    if os.environ.get("MEP_CASES"):  # a subset, e.g. for the sanitizer runs
-        selected = [selected[int(i)] for i in os.environ["MEP_CASES"].split(",")]
+    selected = gate_subset(normal_cases(R))
     errors = flat(pool_(R).run(cases.run_normal_cases, selected, backend="cuda", device="cuda", timeout=600))
     assert not errors, "\n".join(errors[:20])
 

@@ -3,8 +3,6 @@ backend's contract, with R = 2 (one process per GPU when there are two) and R = 
 ranks (several processes per GPU; run under MPS, see scripts/gate/gpu_check.sh). Outputs are poisoned
 before every kernel (MEP_POISON=1)."""
 
-import os
-
 import pytest
 
 import cases
@@ -12,7 +10,7 @@ import ll_cases
 import megatron_ep
 from case_lists import _token_counts
 from distpool import flat
-from gpu_pools import GPU_MARKS, Alone, GpuPools, closing, run_alone
+from gpu_pools import GPU_MARKS, Alone, GpuPools, closing, gate_subset, run_alone
 from megatron_ep.experts.backends import deep_gemm_module
 
 pytestmark = GPU_MARKS
@@ -56,9 +54,7 @@ def ll_cases_for(R):
 
 @pytest.mark.parametrize("R", [2, 4, 8])
 def test_low_latency_cases(R):
-    selected = ll_cases_for(R)
-    if os.environ.get("MEP_CASES"):  # a subset, e.g. for the sanitizer runs
-        selected = [selected[int(i)] for i in os.environ["MEP_CASES"].split(",")]
+    selected = gate_subset(ll_cases_for(R))
     errors = flat(pool_(R).run(cases.run_low_latency_cases, selected, backend="cuda", device="cuda", timeout=600))
     assert not errors, "\n".join(errors[:20])
 

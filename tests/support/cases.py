@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 import megatron_ep as mep
 from megatron_ep.tools import tracing
+from graph_capture import captured
 from oracle import (
     bits,
     expected_combine,
@@ -614,15 +615,7 @@ def run_cuda_graph_case(cfg: dict) -> list:
         res.event.current_stream_wait()
         return out, res
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up outside capture (allocator, first launches)
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, res = step()
+    graph, (out, res) = captured(step)
     if reused != ([False] if cfg.get("async") else []):
         chk.errors.append(f"{chk.tag} the capture handed the asynchronous combine's input to a later allocation "
                           f"while the communication stream read it ({reused})")

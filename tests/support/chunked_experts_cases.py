@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from cases import get_buffer
+from graph_capture import captured
 from refusals import derivative, exact_or_refused
 from megatron_ep.core import autograd
 from megatron_ep.experts import GroupedLayout, chunked_expert_mlp, expert_mlp
@@ -197,16 +198,7 @@ def run_chunked_graph_case(cfg: dict) -> list:
             grads = torch.autograd.grad(y, (x, probs, w1, w2), grad, allow_unused=True)
             return [y] + [g if g is not None else torch.zeros_like(t) for g, t in zip(grads, (x, probs, w1, w2))]
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm up outside the capture (allocator, first launches)
-            for _ in range(2):
-                step(*statics)
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            got = step(*statics)
+        graph, got = captured(step, *statics, warmups=2)
         for it in range(3):
             fresh = _bf16(_inputs(dict(cfg, seed=cfg["seed"] + 97 * (it + 1)), rank, "cuda"))
             with torch.no_grad():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import traceback
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -400,6 +401,17 @@ def run_deep_ep_low_latency_case(cfg: dict) -> list:
         if not torch.allclose(y.double(), want_y, rtol=2e-2, atol=2e-2):
             errors.append(f"{tag} low_latency_combine differs from DeepEP's weighted sum "
                           f"(max diff {(y.double() - want_y).abs().max():.3g})")
+        # flags as DeepEP's binding takes them: a number or numpy bool by its truth value, a string
+        # refused naming the flag (every rank makes the same call, so every rank refuses it; on the
+        # torch backend only: there the refusal leaves the buffer as it was)
+        y_num, _, _ = buf.low_latency_combine(scaled, idx, w, handle, use_logfmt=0, async_finish=np.bool_(False))
+        if not torch.equal(y_num, y):
+            errors.append(f"{tag} low_latency_combine with flags 0 and numpy False differs from the bools' result")
+        errors += [] if buf.runtime.backend == "cuda" else refusals([
+            ("use_fp8='False'", lambda: buf.low_latency_dispatch(x, idx, T, E, use_fp8="False"), TypeError,
+             "use_fp8 must be a bool"),
+            ("use_logfmt='False'", lambda: buf.low_latency_combine(scaled, idx, w, handle, use_logfmt="False"), TypeError,
+             "use_logfmt must be a bool")], f"{tag} ")
         # zero-copy: the expert outputs written into the buffer the module gives, x unused (zeros)
         zc = buf.get_next_low_latency_combine_buffer(handle)
         if zc.shape != (L, R * T, H) or zc.dtype != torch.bfloat16:

@@ -22,6 +22,13 @@ import torch
 import megatron_ep
 from distpool import DistPool
 
+def gate_subset(selected: list) -> list:
+    """The cases MEP_CASES names (a comma list of indices into `selected`: the gate's sanitizer
+    runs take one case), or all of them."""
+    picks = os.environ.get("MEP_CASES")
+    return [selected[int(i)] for i in picks.split(",")] if picks else selected
+
+
 # What a GPU test module needs to run: the `gpu` mark (-m gpu selects them) and a skip elsewhere.
 GPU_MARKS = [
     pytest.mark.gpu,

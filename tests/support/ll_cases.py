@@ -21,6 +21,7 @@ import torch.distributed as dist
 import megatron_ep as mep
 from megatron_ep.core.errors import BufferBrokenError, CallMismatchError, CommTimeoutError, PeerFailedFatalError
 from megatron_ep.core.fp8 import per_token_cast_back, per_token_cast_to_fp8, unpack_ue8m0
+from graph_capture import captured
 from oracle import expected_low_latency, make_inputs, split_x
 from refusals import refusals
 
@@ -215,15 +216,7 @@ def run_ll_graph_case(cfg: dict) -> list:
         y = buf.low_latency_combine(_dequant(out.x), idx, w, out.handle)
         return out, y
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside capture (allocator, first launches)
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, y = step()
+    graph, (out, y) = captured(step)
     for it in range(cfg["replays"]):
         fresh = make_inputs(cfg["seed"] + 31 * (it + 1), R, E, K, H, [T] * R, "bf16", "random", 0.2)
         me = fresh[rank]

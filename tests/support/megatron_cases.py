@@ -27,6 +27,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from graph_capture import captured
 from oracle import make_inputs
 
 
@@ -526,15 +527,7 @@ def run_moe_layer_graph_case(case):
     shape = (case["S"], 2, case["H"])
     x_static = torch.randn(shape, device="cuda", generator=g).to(torch.bfloat16)
     with torch.no_grad():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up outside the capture (allocator, first launches)
-            for _ in range(3):
-                layer(x_static)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            y_static, _ = layer(x_static)
+        graph, (y_static, _) = captured(layer, x_static, warmups=3)
         for i in range(case["rounds"]):
             x_new = torch.randn(shape, device="cuda", generator=g).to(torch.bfloat16)
             x_static.copy_(x_new)

@@ -108,3 +108,29 @@ def test_a_partial_run_passes_the_gate_only_with_every_gate_row_passed_at_its_co
     monkeypatch.setattr(gr, "code_hash", lambda root=gr.ROOT: "0" * 16)  # new code: the old rows no longer count
     assert gr.main(["--mode", "gate", "--results", str(tmp_path / "c.tsv"), "--out", str(tmp_path)]) == 0
     assert "Gate run: **incomplete**" in record.read_text() and "tests/a.py, tests/b.py" in record.read_text()
+
+
+def test_the_whole_gates_files_decide_and_moved_files_drop_their_rows(tmp_path, monkeypatch):
+    """With --expect (the whole gate's files, as scripts/gate/gpu_check.sh passes them), a file with
+    no row at this code keeps the verdict incomplete, and a row named after a test file that is
+    no longer in the tree (it moved) is dropped, whatever its mode; without --expect both stay as
+    they were."""
+    record = _record(tmp_path, monkeypatch)
+    here, gone = "tests/tools/test_gpu_report.py", "tests/test_moved_away.py"
+    (tmp_path / "old.tsv").write_text(f"{gone}\t3\t0\t0\t20\t\n")
+    (tmp_path / "long.tsv").write_text(f"{gone} (long)\t1\t0\t0\t50\t\n")
+    (tmp_path / "part.tsv").write_text(f"{here}\t3\t0\t0\t20\t\n")
+    gr.main(["--mode", "gate", "--results", str(tmp_path / "old.tsv"), "--out", str(tmp_path)])
+    gr.main(["--mode", "long", "--results", str(tmp_path / "long.tsv"), "--out", str(tmp_path)])
+    assert gr.main(["--mode", "gate", "--results", str(tmp_path / "part.tsv"), "--out", str(tmp_path)]) == 0
+    assert f"| {gone} | passed |" in record.read_text() and f"{gone} (long)" in record.read_text()
+    expect = f"{here} tests/unit/test_never_ran.py"
+    assert gr.main(["--mode", "gate", "--results", str(tmp_path / "part.tsv"), "--out", str(tmp_path),
+                    "--expect", expect]) == 0
+    text = record.read_text()
+    assert gone not in text and f"| {here} | passed |" in text
+    assert "Gate run: **incomplete**" in text and "Not passed at this code: tests/unit/test_never_ran.py." in text
+    (tmp_path / "rest.tsv").write_text("tests/unit/test_never_ran.py\t1\t0\t0\t5\t\n")
+    assert gr.main(["--mode", "gate", "--results", str(tmp_path / "rest.tsv"), "--out", str(tmp_path),
+                    "--expect", expect]) == 0
+    assert "Gate run: **passed**" in record.read_text() and gr.verify() == 0

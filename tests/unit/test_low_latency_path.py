@@ -361,6 +361,24 @@ def test_a_low_latency_dispatch_of_the_same_shape_replays_the_same_crossing(ll_b
     assert y.shape == (5, 256)
 
 
+def test_a_low_latency_handle_has_each_value_in_its_named_field(ll_buf):
+    """The path builds the handle positionally (host time): each field holds its own value, in the
+    full call and in its replay."""
+    from fields import check_fields
+
+    x, idx, w = _inputs()
+    for seq in (1, 2):
+        out = ll_buf.low_latency_dispatch(x, idx, num_experts=8, max_tokens_per_rank=16, topk_weights=w)
+        h = out.handle
+        want = dict(backend="cuda", num_ranks=ll_buf.num_ranks, rank=ll_buf.rank, num_experts=8, num_tokens=5, topk=4,
+                    max_tokens_per_rank=16, hidden=256, topk_idx=idx, buffer_id=ll_buf.id, call_seq=seq)
+        check_fields(h, want, {"layout_range", "packed_layout", "src_token", "topk_idx_version", "state"})
+        assert h.layout_range.dtype == torch.int32 and tuple(h.layout_range.shape) == (8, 1, 2)
+        assert h.packed_layout.dtype == torch.int64 and tuple(h.packed_layout.shape) == (8, 1)
+        assert h.src_token.dtype == torch.int32 and tuple(h.src_token.shape) == (8, 16)
+        assert h.topk_idx_version == idx._version and h.state.weights is w and h.state.set == seq - 1
+
+
 @pytest.mark.parametrize("change", ["tokens", "hidden", "experts", "max_tokens", "bf16", "round_scale", "weights",
                                     "weights_dtype", "stats", "hook", "idx_int32", "grad", "kwarg", "capture"])
 def test_a_low_latency_dispatch_that_differs_takes_the_full_call(ll_buf, change, monkeypatch):

@@ -168,6 +168,7 @@ def test_a_replay_from_a_second_thread_meanwhile_is_refused(buf):
     t.join()
     buf._release()
     assert caught and "combine" in str(caught[0].value)
+    assert f"while thread {threading.current_thread().name!r} is inside its combine" in str(caught[0].value)
 
 
 def _idx(seed: int) -> torch.Tensor:
@@ -257,3 +258,75 @@ def test_the_routing_replay_keeps_no_tensor_of_the_call_it_replays(buf):
     buf.dispatch(x, _idx(1), torch.rand(T, K), num_experts=E)
     t = buf.path._routing_plan
     assert t.data is None and t.scales is None and t.topk_idx is None and t.topk_weights is None
+
+
+@pytest.mark.parametrize("check_inputs", [True, False])
+def test_a_layout_of_the_same_shape_and_options_skips_its_checks_and_another_is_checked(check_inputs, monkeypatch):
+    """Buffer.get_dispatch_layout (torch backend, one rank): a layout of the shape, device and
+    options of the last one that passed goes straight to the backend; anything else -- another
+    dtype, layout, num_experts or option, or a call that checks the ids' values -- is checked in
+    full and refused as before."""
+    from megatron_ep.core import checks
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        b = mep.Buffer(dist.group.WORLD, backend="torch", check_inputs=check_inputs)
+        seen = []
+        full = checks.check_topk_idx
+        monkeypatch.setattr(checks, "check_topk_idx", lambda *a: seen.append(1) or full(*a))
+        first = b.get_dispatch_layout(IDX, E, check_values=False)
+        again = b.get_dispatch_layout(IDX.clone(), E, check_values=False)
+        assert len(seen) == 1  # the second took the memo
+        for name in ("tokens_per_rank", "tokens_per_expert", "token_in_rank"):
+            assert torch.equal(getattr(first, name), getattr(again, name)), name
+        b.get_dispatch_layout(IDX, E, check_values=False, counts_dtype=torch.int32)
+        b.get_dispatch_layout(IDX[:3].contiguous(), E, check_values=False)
+        assert len(seen) == 3  # other options, another shape: checked
+        b.get_dispatch_layout(IDX[:3].contiguous(), E, check_values=False)
+        assert len(seen) == 3
+        with pytest.raises(TypeError, match="int64"):
+            b.get_dispatch_layout(IDX[:3].to(torch.int32), E, check_values=False)
+        with pytest.raises(ValueError, match="contiguous"):
+            b.get_dispatch_layout(torch.cat([IDX, IDX], 1)[:, ::2][:3], E, check_values=False)
+        with pytest.raises(TypeError, match="check_values must be a bool"):
+            b.get_dispatch_layout(IDX[:3].contiguous(), E, check_values=0)
+        with pytest.raises(TypeError, match="num_experts must be an int"):
+            b.get_dispatch_layout(IDX[:3].contiguous(), float(E), check_values=False)
+        bad = IDX.clone()
+        bad[0, 0] = 99
+        b.get_dispatch_layout(IDX, E)  # check_values=True: with check_inputs=True every such call checks
+        if check_inputs:
+            with pytest.raises(ValueError, match="99"):
+                b.get_dispatch_layout(bad, E)
+        else:  # (nothing checks values: an unknown id counts as an unused slot)
+            assert int(b.get_dispatch_layout(bad, E).tokens_per_expert.sum()) == int((IDX >= 0).sum()) - 1
+        b.destroy()
+        with pytest.raises(RuntimeError, match="destroyed"):
+            b.get_dispatch_layout(IDX, E, check_values=False)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("permute", [False, True])
+@pytest.mark.parametrize("source_index", [False, True])
+def test_a_new_routings_handle_has_each_value_in_its_named_field(buf, permute, source_index):
+    """The intranode path builds the handle positionally (host time): each field holds its own value."""
+    from fields import check_fields
+
+    align = 4 if permute else 1
+    for seq in (1, 2):  # the full call, then (without source_index) the replay
+        out = buf.dispatch(_x(), _idx(seq), torch.rand(T, K), num_experts=E, permute=permute, expert_alignment=align,
+                           rank_counts=True, source_index=source_index)
+        h, st = out.handle, out.handle.state
+        rows = (out.x[0] if isinstance(out.x, tuple) else out.x).shape[0]
+        want = dict(backend="cuda", num_ranks=buf.path.rt.num_ranks, rank=buf.path.rt.rank, num_experts=E, num_tokens=T, topk=K, permute=permute,
+                    expert_alignment=align, num_recv_rows=rows, tokens_per_expert=st.tokens_per_expert,
+                    topk_idx=st.topk_idx, num_worst_tokens=0, state=st, buffer_id=buf.id, call_seq=seq,
+                    rank_counts=st.rank_counts, recv_rank_counts=st.recv_rank_counts, rank_prefix=st.rank_prefix,
+                    recv_rank_prefix=st.recv_rank_prefix)
+        check_fields(h, want, {"recv_src_token", "recv_slot_row", "dispatch_replay", "combine_replay"})
+        assert isinstance(h.tokens_per_expert, torch.Tensor) and h.topk_idx is not None and h.rank_counts is not None
+        assert (h.recv_src_token is not None) == source_index
+        assert (h.recv_slot_row is not None) == (source_index and permute)
+        if source_index:
+            assert h.recv_slot_row is None or h.recv_slot_row is st.comb_map

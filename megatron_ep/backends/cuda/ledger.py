@@ -14,7 +14,6 @@ from typing import Optional
 import torch
 
 from ...core import protocol
-from ...core.checks import fail
 from ...core.errors import CommTimeoutError, MegatronEPError
 from . import sharing
 from .failure_state import FailureState
@@ -54,8 +53,10 @@ class CallLedger(FailureState):
         """Raise what the kernels reported since the last check: a fatal error breaks the buffer;
         an aborted call (an earlier asynchronous one) is reported once."""
         region = self.region
-        fail(not region.closed, "this Buffer was destroyed", RuntimeError)
-        self.raise_if_broken()
+        if region.closed:
+            raise RuntimeError("this Buffer was destroyed")
+        if self.broken:  # (the test inline: every call makes this check)
+            self.raise_if_broken()
         if region.runtime is None or region.error_word.value == _NO_ERROR:
             return
         err = region.runtime.take_error(clear=False)

@@ -46,7 +46,7 @@ from ....core import protocol
 from ..extension import load_nvshmem
 from ....core.checks import FP8_BLOCK, MAX_LOW_LATENCY_BYTES, fail, tensor_version
 from ....core.types import LowLatencyDispatchOutput, LowLatencyHandle
-from ....core.replay import Replay
+from ....core.replay import Replay, low_latency_combine_shape
 from .nvshmem_path import NvshmemPath, signature_hash
 
 LIMIT_BYTES = MAX_LOW_LATENCY_BYTES  # per rank, both sets (checks.py owns it)
@@ -273,9 +273,13 @@ class LowLatencyPath(NvshmemPath):
         hook = self._launch(call, s, launch, return_recv_hook)
         out_x, out_s, ue8m0, count, layout_range, packed, src, slot, row_w, pairs = first[0]
         state = _LLState(slot, s, topk_weights, None if w is None else tensor_version(topk_weights), row_w, pairs)
-        handle = LowLatencyHandle(backend="cuda", num_ranks=R, rank=rt.rank, num_experts=num_experts, num_tokens=T, topk=K,
-                                  max_tokens_per_rank=max_tokens_per_rank, hidden=H, layout_range=layout_range,
-                                  src_token=src, state=state, call_seq=call.seq, packed_layout=packed)
+        # (positional, in LowLatencyHandle's field order -- backend, num_ranks, rank, num_experts,
+        # num_tokens, topk, max_tokens_per_rank, hidden, layout_range, packed_layout, src_token,
+        # topk_idx, topk_idx_version, state, buffer_id, call_seq: keywords cost host time every
+        # decode step; tests/unit/test_low_latency_path.py checks every field; Buffer sets topk_idx,
+        # its version and buffer_id)
+        handle = LowLatencyHandle("cuda", R, rt.rank, num_experts, T, K, max_tokens_per_rank, H, layout_range, packed, src,
+                                  None, None, state, 0, call.seq)
         scales = ue8m0.transpose(1, 2) if use_ue8m0 else out_s
         return LowLatencyDispatchOutput((out_x, scales) if use_fp8 else out_x, count, handle, None, hook)
 
@@ -298,7 +302,7 @@ class LowLatencyPath(NvshmemPath):
         res = self._return(call, x, topk_idx, topk_weights, handle, return_recv_hook, out, wait_stats, use_logfmt)
         if out is None and not use_logfmt and not hooks.active():  # (a test's output hook takes the full call)
             self.combine_replay = Replay(sig, self._replay_combine, x, topk_weights, topk_idx,
-                                         _combine_shape(handle, return_recv_hook), (wait_stats,))
+                                         low_latency_combine_shape(handle, return_recv_hook), (wait_stats,))
         return res
 
     def _replay_combine(self, call: protocol.Call, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -388,10 +392,3 @@ _DEFAULTS = dict(num_experts=256, max_tokens=128, hidden=7168, topk=8, fp8_only=
 # the rank mask's options, not capacity: rank_mask must be equal on every rank (checked in _merge),
 # mask_timeout_s is each rank's own
 _MASK_OPTIONS = ("rank_mask", "mask_timeout_s")
-
-
-def _combine_shape(handle: LowLatencyHandle, return_recv_hook: bool) -> tuple:
-    """What a combine's checks read of its handle (and the receive hook), as a replay matches it:
-    handles of one shape pass them alike."""
-    return (handle.backend, handle.num_experts, handle.max_tokens_per_rank, handle.hidden, handle.topk,
-            handle.num_tokens, handle.num_ranks, return_recv_hook)
