@@ -58,7 +58,7 @@ if os.environ.get("MEP_BENCH_CHECKOUT"):
 import torch
 import torch.distributed as dist
 
-from bench import deepep, harness
+from bench import deepep, harness, host_split
 from bench.low_latency import routing, rows_of
 
 IMPLS = ("ours", "deep_ep", "deepep", "base")
@@ -216,30 +216,47 @@ def kernels_op(fn, calls: int = 20) -> str:
 def phases_op(fn, buf, device, calls: int = 20) -> Optional[str]:
     """The steps of each one-crossing entry `calls` calls of `fn` made, µs per call, from the
     extension's clock (megatron_ep.tools.tracing.host_steps), and the host time of those calls outside
-    it (Python, the crossings' argument and result conversions, the previous call's objects
-    freed); None where nothing was timed (the torch backend, the low-latency calls, DeepEP's own
-    Buffer)."""
-    from megatron_ep.tools import tracing
-
-    buf = getattr(buf, "runtime", buf)  # megatron_ep.deep_ep's Buffer: our Buffer inside
-    if not hasattr(buf, "_backend"):
+    it, split (bench/host_split.py) into the crossings' argument and result conversions, the
+    outputs' freeing, and the rest; for calls without such entries (the low-latency calls, DeepEP's
+    own Buffer) only what freeing their outputs costs; None on the CPU."""
+    if device.type != "cuda":
         return None
-    with tracing.host_steps(buf) as steps:
+    inner = getattr(buf, "runtime", buf)  # megatron_ep.deep_ep's Buffer: our Buffer inside
+
+    def steps_of(loop):
+        """(µs per call in the extension's steps or None, the lines per entry) of loop()."""
+        from megatron_ep.tools import tracing
+
+        if not hasattr(inner, "_backend"):
+            loop()
+            return None, []
+        with tracing.host_steps(inner) as steps:
+            loop()
+        lines, inside = [], 0.0
+        for entry, d in steps.items():
+            n = d.pop("calls")
+            inside += sum(d.values()) / calls / 1e3
+            parts = ", ".join(f"{k} {v / n / 1e3:.1f}" for k, v in d.items())
+            lines.append(f"{entry}: {n / calls:.1f} per call, {sum(d.values()) / n / 1e3:.1f} µs each: {parts}")
+        return (inside if lines else None), lines
+
+    t = {}
+
+    def plain():
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
-        issue = (time.perf_counter() - t0) / calls * 1e6
+        t["issue"] = (time.perf_counter() - t0) / calls * 1e6
+
+    inside, out = steps_of(plain)
     _sync(device)
-    out, inside = [], 0.0
-    for entry, d in steps.items():
-        n = d.pop("calls")
-        inside += sum(d.values()) / calls / 1e3
-        parts = ", ".join(f"{k} {v / n / 1e3:.1f}" for k, v in d.items())
-        out.append(f"{entry}: {n / calls:.1f} per call, {sum(d.values()) / n / 1e3:.1f} µs each: {parts}")
-    if out:
-        out.append(f"these calls: {issue:.1f} µs of host time each, {inside:.1f} in the extension's steps, "
-                   f"{issue - inside:.1f} outside them")
-    return "\n".join(out) + "\n" if out else None
+    outside = None
+    if inside is not None:
+        outside = t["issue"] - inside
+        out.append(f"these calls: {t['issue']:.1f} µs of host time each, {inside:.1f} in the extension's steps, "
+                   f"{outside:.1f} outside them")
+    out.append(host_split.split(fn, buf, calls, lambda loop: steps_of(loop)[0], lambda: _sync(device), outside))
+    return "\n".join(out) + "\n"
 
 
 # ---------------------------------------------------------------------------------- the calls
@@ -251,8 +268,9 @@ def ops_ours(a, T, device, x, idx, w):
                      ranks_per_node=a.ranks_per_node)
     state = {}
 
-    def dispatch():
-        state["out"] = buf.dispatch(x, idx, w, num_experts=E)
+    def dispatch():  # (the output kept until the next call's, as a training step keeps it)
+        state["out"] = out = buf.dispatch(x, idx, w, num_experts=E)
+        return out
 
     dispatch()
     h = state["out"].handle
