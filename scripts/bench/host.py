@@ -255,7 +255,7 @@ def phases_op(fn, buf, device, calls: int = 20) -> Optional[str]:
         outside = t["issue"] - inside
         out.append(f"these calls: {t['issue']:.1f} µs of host time each, {inside:.1f} in the extension's steps, "
                    f"{outside:.1f} outside them")
-    out.append(host_split.split(fn, buf, calls, lambda loop: steps_of(loop)[0], lambda: _sync(device), outside))
+    out.append(host_split.split(fn, inner, calls, lambda loop: steps_of(loop)[0], lambda: _sync(device), outside))
     return "\n".join(out) + "\n"
 
 

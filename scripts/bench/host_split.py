@@ -16,13 +16,12 @@ CROSSINGS = ("notify_call", "dispatch_first_call", "dispatch_call", "combine_cal
 
 
 def crossings(buf) -> List[Tuple[object, str]]:
-    """(owner, name) of each extension entry a call of `buf` (ours, or megatron_ep.deep_ep's)
-    crosses through, where a wrapper can time it from the Python side; [] for DeepEP's own Buffer
-    and the torch backend."""
-    inner = getattr(buf, "runtime", buf)
-    if not hasattr(inner, "_backend"):
+    """(owner, name) of each extension entry a call of `buf` (our Buffer, the one inside
+    megatron_ep.deep_ep's too) crosses through, where a wrapper can time it from the Python side;
+    [] for DeepEP's own Buffer and the torch backend."""
+    if not hasattr(buf, "_backend"):
         return []
-    impl = inner._backend()
+    impl = buf._backend()
     kernels = getattr(getattr(impl, "path", None), "kernels", None)
     ext = getattr(getattr(impl, "rt", None), "ext", None)
     out = [(kernels, n) for n in CROSSINGS if kernels is not None and hasattr(kernels, n)]
@@ -71,10 +70,11 @@ def _wrapper_ns(n: int = 2000) -> float:
 
 def split(fn: Callable, buf, calls: int, steps_us: Callable[[Callable], Optional[float]], sync: Callable,
           outside_us: Optional[float]) -> str:
-    """Two more loops of `calls` calls of `fn` (collective: every rank runs them): one with the
-    crossings wrapped (their Python-side time, against the extension's steps in the same loop,
-    `steps_us(loop)` µs per call, or None where it times none), one keeping every output, whose
-    freeing is then timed alone. `outside_us`: the host time outside the steps, from the plain loop."""
+    """Two more loops of `calls` calls of `fn` on `buf` (our Buffer, or DeepEP's own; collective:
+    every rank runs them): one with the crossings wrapped (their Python-side time, against the
+    extension's steps in the same loop, `steps_us(loop)` µs per call, or None where it times none),
+    one keeping every output, whose freeing is then timed alone. `outside_us`: the host time outside
+    the steps, from the plain loop."""
     entries = crossings(buf)
     spent = [0, 0]
     boundary = None
